@@ -1,0 +1,285 @@
+/*
+ * mha.h -- the one public header of libmha, multi-head attention in C.
+ *
+ *     MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_O^T + b_O
+ *     head_h             = softmax(Q_h K_h^T * scale + mask) V_h
+ *     Q_h, K_h, V_h      = the h-th d_h-wide column block of
+ *                          query W_q^T + b_q, key W_k^T + b_k, value W_v^T + b_v
+ *
+ * Conventions used throughout:
+ *   - Row-major, batch first.  Shapes are written (dim0, dim1, ...).
+ *   - E = embed_dim, H = num_heads, d_h = E / H, kdim/vdim = key/value widths.
+ *   - Parameters are stored exactly as PyTorch's nn.MultiheadAttention stores
+ *     them (names and layouts below), so a state_dict loads with no conversion.
+ *   - A linear layer is y = x W^T + b with W stored as [out, in].
+ *   - Every call returns an mha_status.  On failure mha_last_error() names
+ *     what was wrong.  The library never prints, exits or aborts.
+ */
+#ifndef MHA_H
+#define MHA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(MHA_STATIC_DEFINE)
+#define MHA_API
+#elif defined(_WIN32)
+#ifdef MHA_BUILDING
+#define MHA_API __declspec(dllexport)
+#else
+#define MHA_API __declspec(dllimport)
+#endif
+#else
+#define MHA_API __attribute__((visibility("default")))
+#endif
+
+#define MHA_VERSION_MAJOR 0
+#define MHA_VERSION_MINOR 1
+#define MHA_VERSION_PATCH 0
+#define MHA_VERSION_NUMBER \
+    (MHA_VERSION_MAJOR * 10000 + MHA_VERSION_MINOR * 100 + MHA_VERSION_PATCH)
+
+/* The version of the library actually linked, e.g. "0.1.0". */
+MHA_API const char *mha_version_string(void);
+/* MHA_VERSION_NUMBER of the library actually linked. */
+MHA_API int mha_version_number(void);
+
+/* ------------------------------------------------------------------------ */
+/* Status codes.  The values are pinned: they are never renumbered.         */
+/* ------------------------------------------------------------------------ */
+typedef enum mha_status {
+    MHA_OK = 0,
+    MHA_ERR_NULL_POINTER = 1,     /* a required pointer argument was NULL    */
+    MHA_ERR_INVALID_CONFIG = 2,   /* impossible module configuration         */
+    MHA_ERR_INVALID_ARGUMENT = 3, /* a value out of its range                */
+    MHA_ERR_SHAPE = 4,            /* tensor shapes do not fit together       */
+    MHA_ERR_OVERFLOW = 5,         /* a size product does not fit in 64 bits  */
+    MHA_ERR_OUT_OF_MEMORY = 6,    /* an allocation failed                    */
+    MHA_ERR_NOT_FOUND = 7,        /* no parameter of that name               */
+    MHA_ERR_NON_FINITE = 8,       /* NaN or Inf where a finite value is due  */
+    MHA_ERR_IO = 9,               /* reading or writing a file failed        */
+    MHA_ERR_FORMAT = 10,          /* a file is malformed                     */
+    MHA_ERR_UNSUPPORTED = 11      /* valid, but not supported by this build  */
+} mha_status;
+
+/* A short constant description of a status ("shape mismatch"). */
+MHA_API const char *mha_status_string(mha_status status);
+
+/*
+ * The message of the last failed call on this thread, naming what was wrong
+ * ("key has last dimension 510, expected kdim 512").  Empty after a success
+ * only if no call failed before; read it right after the failing call.
+ * The pointer is thread-local and valid until the next call on this thread.
+ */
+MHA_API const char *mha_last_error(void);
+
+/* ------------------------------------------------------------------------ */
+/* The module                                                               */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * Configuration.  Zero in any field means "the default", so
+ * `mha_config c = {0}; c.embed_dim = 512; c.num_heads = 8;` is complete.
+ */
+typedef struct mha_config {
+    int64_t embed_dim;  /* E, required, > 0                                 */
+    int64_t num_heads;  /* H, required, > 0, must divide E                  */
+    int64_t kdim;       /* width of key inputs;   0 -> E                    */
+    int64_t vdim;       /* width of value inputs; 0 -> E                    */
+    int no_bias;        /* nonzero: no in_proj_bias and no out_proj.bias    */
+    int add_bias_kv;    /* nonzero: learned bias_k / bias_v appended as one
+                           extra key / value after the real ones (PyTorch)  */
+    int add_zero_attn;  /* nonzero: an all-zero key / value appended last,
+                           after bias_k/bias_v (PyTorch)                    */
+    float dropout;      /* p in [0, 1] on attention probabilities, applied
+                           only in training mode; 0 -> no dropout           */
+    float scale;        /* softmax scale; 0 -> 1 / sqrt(d_h).  Finite.      */
+    uint64_t seed;      /* seed of the Xavier initialisation at create      */
+} mha_config;
+
+/* Opaque handle.  One module may be used by several threads at once for
+ * forward passes; changing its parameters must not overlap a forward. */
+typedef struct mha_module mha_module;
+
+/*
+ * Validates `config`, allocates the parameters and initialises them from
+ * config->seed: Xavier-uniform weights (in_proj_weight as one [3E, E]
+ * matrix, as PyTorch does), zero biases, Xavier-normal bias_k / bias_v.
+ * On failure *out is set to NULL.
+ */
+MHA_API mha_status mha_create(const mha_config *config, mha_module **out);
+
+/* Frees the module.  NULL is accepted and ignored. */
+MHA_API void mha_free(mha_module *module);
+
+/* The resolved configuration (defaults filled in: kdim, vdim, scale). */
+MHA_API mha_status mha_get_config(const mha_module *module, mha_config *out);
+
+/* Re-initialises every parameter from `seed`, exactly as mha_create does. */
+MHA_API mha_status mha_reset_parameters(mha_module *module, uint64_t seed);
+
+/*
+ * Parameters, named and laid out as in PyTorch's state_dict, in its order:
+ *
+ *   in_proj_weight   [3E, E]      rows [W_q; W_k; W_v]  when kdim = vdim = E
+ *   q_proj_weight    [E, E]                             otherwise,
+ *   k_proj_weight    [E, kdim]                          instead of
+ *   v_proj_weight    [E, vdim]                          in_proj_weight
+ *   in_proj_bias     [3E]         [b_q; b_k; b_v]       unless no_bias
+ *   bias_k, bias_v   [1, 1, E]                          with add_bias_kv
+ *   out_proj.weight  [E, E]
+ *   out_proj.bias    [E]                                unless no_bias
+ *
+ * Head h owns rows h*d_h .. (h+1)*d_h - 1 of W_q, W_k, W_v (and the same
+ * entries of the biases), and columns h*d_h .. (h+1)*d_h - 1 of out_proj.
+ */
+#define MHA_MAX_PARAM_NDIM 3
+typedef struct mha_param_info {
+    const char *name;                  /* static string, e.g. "in_proj_bias" */
+    int ndim;
+    int64_t shape[MHA_MAX_PARAM_NDIM];
+    int64_t numel;
+} mha_param_info;
+
+MHA_API int mha_param_count(const mha_module *module);
+/* Describes parameter `index`, 0 <= index < mha_param_count(). */
+MHA_API mha_status mha_param_info_at(const mha_module *module, int index,
+                                     mha_param_info *out);
+/* Describes the parameter called `name`; MHA_ERR_NOT_FOUND if none. */
+MHA_API mha_status mha_param_info_by_name(const mha_module *module,
+                                          const char *name,
+                                          mha_param_info *out);
+/* Copies parameter `name` (numel floats) into dst.  `numel` must be exact. */
+MHA_API mha_status mha_param_get(const mha_module *module, const char *name,
+                                 float *dst, int64_t numel);
+/*
+ * Copies numel floats from src into parameter `name`.  Every value must be
+ * finite; on any error the module is left unchanged.
+ */
+MHA_API mha_status mha_param_set(mha_module *module, const char *name,
+                                 const float *src, int64_t numel);
+
+/*
+ * Projection by one of the input projections, for analysis and caching:
+ * y (rows, E) = x (rows, in) W^T + b, with in = E, kdim or vdim.
+ */
+typedef enum mha_projection {
+    MHA_PROJ_QUERY = 0,
+    MHA_PROJ_KEY = 1,
+    MHA_PROJ_VALUE = 2,
+    MHA_PROJ_OUT = 3   /* x is the concatenated heads (rows, E) */
+} mha_projection;
+MHA_API mha_status mha_project(const mha_module *module, mha_projection which,
+                               const float *x, int64_t rows, float *y);
+
+/* ------------------------------------------------------------------------ */
+/* Masks: every mask says what kind it is.                                  */
+/* ------------------------------------------------------------------------ */
+typedef enum mha_mask_kind {
+    MHA_MASK_NONE = 0,     /* no mask; the other fields are ignored         */
+    MHA_MASK_ALLOW = 1,    /* uint8 bool, nonzero = may attend (the seeds'
+                              `mask == 0 -> blocked`, PyTorch SDPA's bool)  */
+    MHA_MASK_BLOCK = 2,    /* uint8 bool, nonzero = blocked (PyTorch
+                              nn.MultiheadAttention's bool attn_mask and
+                              key_padding_mask)                             */
+    MHA_MASK_ADDITIVE = 3  /* float added to the scaled scores; -INFINITY
+                              blocks; NaN and +INFINITY are refused         */
+} mha_mask_kind;
+
+/*
+ * A mask tensor.  As an attention mask, shape is one of
+ *     (Lq, Lk)   (B, Lq, Lk)   (B, H, Lq, Lk)
+ * and a B or H dimension of 1 broadcasts.  (PyTorch's 3-D attn_mask is
+ * (B*H, Lq, Lk); that is the same memory as our (B, H, Lq, Lk).)
+ * As a key-padding mask, shape is (Lk) or (B, Lk), B may be 1.
+ * Lk always counts the real keys only: bias_k and the zero key appended
+ * by add_bias_kv / add_zero_attn are never masked, as in PyTorch.
+ */
+typedef struct mha_mask {
+    mha_mask_kind kind;
+    const void *data;   /* const uint8_t * or const float *, contiguous */
+    int ndim;
+    int64_t shape[4];
+} mha_mask;
+
+/* Causal masking, computed from indices: it needs no mask memory. */
+typedef enum mha_causal {
+    MHA_CAUSAL_NONE = 0,
+    /* Query i may attend to key j iff j <= i + (Lk - Lq): the last query
+     * sees every key.  This is the alignment of incremental decoding with a
+     * KV cache (PyTorch 2's causal_lower_right, FlashAttention >= 2.1).
+     * When Lq > Lk the first Lq - Lk queries see no key at all.  */
+    MHA_CAUSAL_BOTTOM_RIGHT = 1,
+    /* Query i may attend to key j iff j <= i (PyTorch SDPA's is_causal,
+     * torch.tril(ones(Lq, Lk))).  Same as BOTTOM_RIGHT when Lq = Lk. */
+    MHA_CAUSAL_TOP_LEFT = 2
+} mha_causal;
+
+/* What to write into attn_weights. */
+typedef enum mha_weights_mode {
+    MHA_WEIGHTS_NONE = 0,
+    MHA_WEIGHTS_AVERAGE = 1,  /* (B, Lq, Lk_total), mean over heads        */
+    MHA_WEIGHTS_PER_HEAD = 2  /* (B, H, Lq, Lk_total)                       */
+} mha_weights_mode;
+
+/*
+ * One forward pass.  Zero-initialise, then fill what you use.
+ *
+ * A query row that has no key left to attend to (every key masked) gives a
+ * zero context vector, so its output row is out_proj.bias, and zero
+ * attention weights: never NaN, never an average over padding.  A masked-out
+ * key or value is never read into the arithmetic, so NaN or Inf sitting in
+ * it cannot leak into the output.
+ */
+typedef struct mha_forward_args {
+    int64_t batch;        /* B >= 1; an unbatched (L, E) input is B = 1    */
+    int64_t q_len;        /* Lq >= 1                                       */
+    int64_t kv_len;       /* Lk >= 1; 0 -> Lq (self-attention)             */
+
+    const float *query;   /* (B, Lq, E)                                    */
+    const float *key;     /* (B, Lk, kdim); NULL -> query                  */
+    const float *value;   /* (B, Lk, vdim); NULL -> key                    */
+
+    mha_mask attn_mask;        /* (Lq,Lk), (B,Lq,Lk) or (B,H,Lq,Lk)        */
+    mha_mask key_padding_mask; /* (Lk) or (B, Lk): which keys are real     */
+    const int64_t *key_lengths;/* (B): keys j >= key_lengths[b] masked     */
+    mha_causal causal;
+
+    mha_weights_mode need_weights;
+    float *attn_weights;  /* see mha_weights_mode; Lk_total =
+                             mha_total_keys(module, Lk).  These are the
+                             probabilities actually applied to V, i.e. after
+                             dropout (scaled by 1/(1-p)), as PyTorch returns */
+
+    int training;         /* nonzero: apply dropout (config.dropout)       */
+    uint64_t dropout_seed;/* key of the counter-based dropout generator    */
+
+    float *out;           /* (B, Lq, E); may alias query                   */
+} mha_forward_args;
+
+/* Lk + (add_bias_kv ? 1 : 0) + (add_zero_attn ? 1 : 0): the key axis of
+ * the attention weights.  Returns -1 for a NULL module or kv_len < 0. */
+MHA_API int64_t mha_total_keys(const mha_module *module, int64_t kv_len);
+
+MHA_API mha_status mha_forward(const mha_module *module,
+                               const mha_forward_args *args);
+
+/*
+ * The dropout generator, exposed so a caller can reproduce the mask:
+ * returns 1 if the attention probability at (batch b, head h, query row i,
+ * key column j) is kept for `seed` and probability p, 0 if it is dropped.
+ * It is a pure function of its arguments (a counter-based hash), so the
+ * mask does not depend on the thread count or the order of work.
+ */
+MHA_API int mha_dropout_keep(uint64_t seed, float p, int64_t b, int64_t h,
+                             int64_t i, int64_t j);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MHA_H */

@@ -1,0 +1,97 @@
+/*
+ * internal.h -- what the library's own files share; never installed.
+ */
+#ifndef MHA_INTERNAL_H
+#define MHA_INTERNAL_H
+
+#include "mha.h"
+
+#include <stdint.h>
+
+/* ---- errors (error.c) ---------------------------------------------------
+ * mha_set_error records a printf-style message in the thread-local buffer
+ * and returns `status`, so a check is one line:
+ *     if (x < 0) return mha_set_error(MHA_ERR_SHAPE, "x is %d", x);
+ */
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+mha_status mha_set_error(mha_status status, const char *fmt, ...);
+
+#define MHA_CHECK(expr)                           \
+    do {                                          \
+        mha_status mha_check_st_ = (expr);        \
+        if (mha_check_st_ != MHA_OK)              \
+            return mha_check_st_;                 \
+    } while (0)
+
+/* ---- checked size arithmetic (module.c) -------------------------------- */
+/* *out = a * b; returns 0 on overflow of int64_t (a, b >= 0). */
+int mha_mul_ok(int64_t a, int64_t b, int64_t *out);
+/* Allocates n floats, n*4 checked against SIZE_MAX; NULL + error on failure. */
+float *mha_alloc_floats(int64_t n, const char *what);
+
+/* ---- counter-based random numbers (rng.c) ------------------------------ */
+uint64_t mha_mix64(uint64_t x);
+/* A uniform double in [0, 1) from the 53 high bits of a 64-bit hash. */
+double mha_u01(uint64_t bits);
+
+/* ---- the module (module.c) --------------------------------------------- */
+enum { MHA_MAX_PARAMS = 8 };
+
+typedef struct mha_param {
+    mha_param_info info;
+    int64_t offset;              /* into mha_module.params, in floats */
+} mha_param;
+
+struct mha_module {
+    mha_config cfg;              /* resolved: kdim, vdim, scale filled in */
+    int64_t head_dim;            /* d_h = E / H */
+    int packed;                  /* kdim == vdim == E: in_proj_weight */
+    int nparams;
+    mha_param param[MHA_MAX_PARAMS];
+    float *params;               /* every parameter, one allocation */
+    int64_t params_numel;
+
+    /* Views into params, set once at create (NULL when absent). */
+    const float *w_q, *w_k, *w_v;  /* [E, E], [E, kdim], [E, vdim] */
+    const float *b_q, *b_k, *b_v;  /* [E] each */
+    const float *w_o, *b_o;        /* [E, E], [E] */
+    const float *bias_k, *bias_v;  /* [E] each */
+};
+
+/* ---- GEMM (gemm.c: the only file that calls CBLAS) --------------------- */
+/*
+ * y (rows, n_out), row stride ldy  =  x (rows, n_in), row stride ldx
+ *                                     times w^T, w (n_out, n_in) row-major,
+ *                                     plus b (n_out) broadcast over rows
+ *                                     (b may be NULL).
+ */
+void mha_linear(const float *x, int64_t rows, int64_t n_in, int64_t ldx,
+                const float *w, int64_t n_out, const float *b,
+                float *y, int64_t ldy);
+
+/* ---- masks (mask.c): every mask kind -> one row of additive biases ----- */
+typedef struct mha_mask_plan {
+    int64_t batch, heads, q_len, kv_len, total_keys;
+    mha_mask attn;             /* kind NONE if absent */
+    int64_t attn_stride_b, attn_stride_h;   /* 0 where broadcast */
+    mha_mask pad;              /* kind NONE if absent */
+    int64_t pad_stride_b;
+    const int64_t *key_lengths;
+    mha_causal causal;
+} mha_mask_plan;
+
+/* Validates every mask argument of `args` and fills the plan. */
+mha_status mha_mask_plan_init(mha_mask_plan *plan, const mha_module *m,
+                              const mha_forward_args *args);
+
+/*
+ * Fills row[0 .. total_keys) for (b, h, i) with what is added to the scaled
+ * scores: 0 (plain), a finite additive value, or -INFINITY (excluded).
+ * Returns the number of keys that are not excluded.
+ */
+int64_t mha_mask_row(const mha_mask_plan *plan, int64_t b, int64_t h,
+                     int64_t i, float *row);
+
+#endif /* MHA_INTERNAL_H */

@@ -1,0 +1,210 @@
+/*
+ * mask.c -- every kind of mask, reduced to one internal form: for each
+ * (batch b, head h, query row i) a row of values added to the scaled
+ * scores, where -INFINITY means "excluded: never read, never weighted".
+ *
+ * Four sources combine, each optional:
+ *   attn_mask          (Lq,Lk) | (B,Lq,Lk) | (B,H,Lq,Lk), B and H may be 1
+ *   key_padding_mask   (Lk) | (B,Lk), B may be 1
+ *   key_lengths        (B): keys j >= key_lengths[b] are excluded
+ *   causal             from indices, no memory
+ * The keys appended by add_bias_kv / add_zero_attn (columns Lk and up) are
+ * never masked, as in PyTorch, which pads its masks with a zero column.
+ */
+#include "internal.h"
+
+#include <float.h>
+#include <math.h>
+
+static const char *kind_name(mha_mask_kind k)
+{
+    switch (k) {
+    case MHA_MASK_ALLOW: return "allow";
+    case MHA_MASK_BLOCK: return "block";
+    case MHA_MASK_ADDITIVE: return "additive";
+    default: return "none";
+    }
+}
+
+/* Additive values must be finite or -inf: NaN has no meaning as a mask and
+ * +inf would turn the softmax into inf - inf = NaN. */
+static mha_status check_additive(const char *what, const mha_mask *mk,
+                                 int64_t n)
+{
+    const float *v = mk->data;
+    for (int64_t k = 0; k < n; k++)
+        if (isnan(v[k]) || v[k] == INFINITY)
+            return mha_set_error(MHA_ERR_NON_FINITE,
+                                 "%s: element %lld is %g; an additive mask "
+                                 "must be finite or -inf", what, (long long)k,
+                                 (double)v[k]);
+    return MHA_OK;
+}
+
+static mha_status check_common(const char *what, const mha_mask *mk)
+{
+    if (mk->kind != MHA_MASK_ALLOW && mk->kind != MHA_MASK_BLOCK &&
+        mk->kind != MHA_MASK_ADDITIVE)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "%s: unknown mask kind %d", what, (int)mk->kind);
+    if (!mk->data)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "%s: %s mask data is NULL",
+                             what, kind_name(mk->kind));
+    return MHA_OK;
+}
+
+static mha_status plan_attn(mha_mask_plan *p, const mha_mask *mk)
+{
+    const char *what = "attn_mask";
+    MHA_CHECK(check_common(what, mk));
+    const int nd = mk->ndim;
+    if (nd < 2 || nd > 4)
+        return mha_set_error(MHA_ERR_SHAPE,
+                             "%s must have 2, 3 or 4 dimensions "
+                             "((Lq,Lk), (B,Lq,Lk), (B,H,Lq,Lk)), got %d",
+                             what, nd);
+    const int64_t *s = mk->shape;
+    if (s[nd - 2] != p->q_len || s[nd - 1] != p->kv_len)
+        return mha_set_error(MHA_ERR_SHAPE,
+                             "%s has last dimensions (%lld, %lld), expected "
+                             "(Lq=%lld, Lk=%lld)", what, (long long)s[nd - 2],
+                             (long long)s[nd - 1], (long long)p->q_len,
+                             (long long)p->kv_len);
+    const int64_t mat = p->q_len * p->kv_len;   /* checked by the caller */
+    int64_t mb = 1, mh = 1;
+    if (nd >= 3) {
+        mb = s[0];
+        if (mb != 1 && mb != p->batch)
+            return mha_set_error(MHA_ERR_SHAPE,
+                                 "%s has batch dimension %lld, expected 1 or "
+                                 "B=%lld", what, (long long)mb,
+                                 (long long)p->batch);
+    }
+    if (nd == 4) {
+        mh = s[1];
+        if (mh != 1 && mh != p->heads)
+            return mha_set_error(MHA_ERR_SHAPE,
+                                 "%s has head dimension %lld, expected 1 or "
+                                 "H=%lld", what, (long long)mh,
+                                 (long long)p->heads);
+    }
+    p->attn = *mk;
+    p->attn_stride_h = mh == 1 ? 0 : mat;
+    p->attn_stride_b = mb == 1 ? 0 : mh * mat;
+    if (mk->kind == MHA_MASK_ADDITIVE)
+        MHA_CHECK(check_additive(what, mk, mb * mh * mat));
+    return MHA_OK;
+}
+
+static mha_status plan_pad(mha_mask_plan *p, const mha_mask *mk)
+{
+    const char *what = "key_padding_mask";
+    MHA_CHECK(check_common(what, mk));
+    const int nd = mk->ndim;
+    if (nd != 1 && nd != 2)
+        return mha_set_error(MHA_ERR_SHAPE,
+                             "%s must have 1 or 2 dimensions ((Lk) or "
+                             "(B,Lk)), got %d", what, nd);
+    if (mk->shape[nd - 1] != p->kv_len)
+        return mha_set_error(MHA_ERR_SHAPE,
+                             "%s has last dimension %lld, expected Lk=%lld",
+                             what, (long long)mk->shape[nd - 1],
+                             (long long)p->kv_len);
+    int64_t mb = nd == 2 ? mk->shape[0] : 1;
+    if (mb != 1 && mb != p->batch)
+        return mha_set_error(MHA_ERR_SHAPE,
+                             "%s has batch dimension %lld, expected 1 or "
+                             "B=%lld", what, (long long)mb,
+                             (long long)p->batch);
+    p->pad = *mk;
+    p->pad_stride_b = mb == 1 ? 0 : p->kv_len;
+    if (mk->kind == MHA_MASK_ADDITIVE)
+        MHA_CHECK(check_additive(what, mk, mb * p->kv_len));
+    return MHA_OK;
+}
+
+mha_status mha_mask_plan_init(mha_mask_plan *p, const mha_module *m,
+                              const mha_forward_args *a)
+{
+    *p = (mha_mask_plan){0};
+    p->batch = a->batch;
+    p->heads = m->cfg.num_heads;
+    p->q_len = a->q_len;
+    p->kv_len = a->kv_len ? a->kv_len : a->q_len;
+    p->total_keys = mha_total_keys(m, p->kv_len);
+    if (a->causal != MHA_CAUSAL_NONE && a->causal != MHA_CAUSAL_BOTTOM_RIGHT &&
+        a->causal != MHA_CAUSAL_TOP_LEFT)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "causal must be NONE, BOTTOM_RIGHT or TOP_LEFT, "
+                             "got %d", (int)a->causal);
+    p->causal = a->causal;
+    if (a->attn_mask.kind != MHA_MASK_NONE)
+        MHA_CHECK(plan_attn(p, &a->attn_mask));
+    if (a->key_padding_mask.kind != MHA_MASK_NONE)
+        MHA_CHECK(plan_pad(p, &a->key_padding_mask));
+    if (a->key_lengths) {
+        for (int64_t b = 0; b < p->batch; b++)
+            if (a->key_lengths[b] < 0 || a->key_lengths[b] > p->kv_len)
+                return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                     "key_lengths[%lld] = %lld is outside "
+                                     "[0, Lk=%lld]", (long long)b,
+                                     (long long)a->key_lengths[b],
+                                     (long long)p->kv_len);
+        p->key_lengths = a->key_lengths;
+    }
+    return MHA_OK;
+}
+
+/* Folds one mask value into the running bias of a column. */
+static float apply(mha_mask_kind kind, const void *data, int64_t k, float acc)
+{
+    switch (kind) {
+    case MHA_MASK_ALLOW:
+        return ((const uint8_t *)data)[k] ? acc : -INFINITY;
+    case MHA_MASK_BLOCK:
+        return ((const uint8_t *)data)[k] ? -INFINITY : acc;
+    case MHA_MASK_ADDITIVE: {
+        const float x = ((const float *)data)[k];
+        if (acc == -INFINITY || x == -INFINITY)
+            return -INFINITY;
+        /* Two large finite values saturate instead of summing to +-inf:
+         * only an explicit -inf excludes a key. */
+        const float v = acc + x;
+        return v > FLT_MAX ? FLT_MAX : v < -FLT_MAX ? -FLT_MAX : v;
+    }
+    default:
+        return acc;
+    }
+}
+
+int64_t mha_mask_row(const mha_mask_plan *p, int64_t b, int64_t h, int64_t i,
+                     float *row)
+{
+    const int64_t Lk = p->kv_len;
+    int64_t last = Lk - 1;   /* the last real key this row may see */
+    if (p->causal == MHA_CAUSAL_BOTTOM_RIGHT)
+        last = i + (Lk - p->q_len);
+    else if (p->causal == MHA_CAUSAL_TOP_LEFT)
+        last = i;
+    if (p->key_lengths && p->key_lengths[b] - 1 < last)
+        last = p->key_lengths[b] - 1;
+    if (last > Lk - 1)
+        last = Lk - 1;
+
+    const int64_t attn_off = b * p->attn_stride_b + h * p->attn_stride_h +
+                             i * Lk;
+    const int64_t pad_off = b * p->pad_stride_b;
+    int64_t live = 0;
+    for (int64_t j = 0; j < Lk; j++) {
+        float v = j <= last ? 0.0f : -INFINITY;
+        if (p->pad.kind != MHA_MASK_NONE)
+            v = apply(p->pad.kind, p->pad.data, pad_off + j, v);
+        if (p->attn.kind != MHA_MASK_NONE)
+            v = apply(p->attn.kind, p->attn.data, attn_off + j, v);
+        row[j] = v;
+        live += v != -INFINITY;
+    }
+    for (int64_t j = Lk; j < p->total_keys; j++)
+        row[j] = 0.0f;
+    return live + (p->total_keys - Lk);
+}

@@ -1,0 +1,399 @@
+/*
+ * module.c -- configuration, parameter storage and initialisation.
+ */
+#include "internal.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int mha_mul_ok(int64_t a, int64_t b, int64_t *out)
+{
+    if (a < 0 || b < 0)
+        return 0;
+    if (a != 0 && b > INT64_MAX / a)
+        return 0;
+    *out = a * b;
+    return 1;
+}
+
+float *mha_alloc_floats(int64_t n, const char *what)
+{
+    if (n < 0 || (uint64_t)n > SIZE_MAX / sizeof(float)) {
+        mha_set_error(MHA_ERR_OVERFLOW, "%s: %lld floats do not fit in memory",
+                      what, (long long)n);
+        return NULL;
+    }
+    float *p = malloc(n > 0 ? (size_t)n * sizeof(float) : 1);
+    if (!p)
+        mha_set_error(MHA_ERR_OUT_OF_MEMORY, "%s: cannot allocate %lld bytes",
+                      what, (long long)n * (long long)sizeof(float));
+    return p;
+}
+
+/* ---- configuration ----------------------------------------------------- */
+
+static mha_status resolve_config(const mha_config *in, mha_config *out)
+{
+    if (!in)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "config is NULL");
+    mha_config c = *in;
+    if (c.embed_dim <= 0)
+        return mha_set_error(MHA_ERR_INVALID_CONFIG,
+                             "embed_dim must be > 0, got %lld",
+                             (long long)c.embed_dim);
+    if (c.num_heads <= 0)
+        return mha_set_error(MHA_ERR_INVALID_CONFIG,
+                             "num_heads must be > 0, got %lld",
+                             (long long)c.num_heads);
+    if (c.embed_dim % c.num_heads != 0)
+        return mha_set_error(MHA_ERR_INVALID_CONFIG,
+                             "embed_dim %lld is not divisible by num_heads %lld",
+                             (long long)c.embed_dim, (long long)c.num_heads);
+    if (c.kdim < 0)
+        return mha_set_error(MHA_ERR_INVALID_CONFIG,
+                             "kdim must be >= 0 (0 = embed_dim), got %lld",
+                             (long long)c.kdim);
+    if (c.vdim < 0)
+        return mha_set_error(MHA_ERR_INVALID_CONFIG,
+                             "vdim must be >= 0 (0 = embed_dim), got %lld",
+                             (long long)c.vdim);
+    if (!(c.dropout >= 0.0f && c.dropout <= 1.0f))
+        return mha_set_error(MHA_ERR_INVALID_CONFIG,
+                             "dropout must be in [0, 1], got %g",
+                             (double)c.dropout);
+    if (!isfinite(c.scale))
+        return mha_set_error(MHA_ERR_INVALID_CONFIG,
+                             "scale must be finite, got %g", (double)c.scale);
+    /* CBLAS takes int dimensions: keep every width within INT32_MAX. */
+    const int64_t widest = 0x7fffffff;
+    if (c.embed_dim > widest || c.kdim > widest || c.vdim > widest)
+        return mha_set_error(MHA_ERR_INVALID_CONFIG,
+                             "embed_dim, kdim and vdim must be <= %lld, got "
+                             "%lld, %lld, %lld", (long long)widest,
+                             (long long)c.embed_dim, (long long)c.kdim,
+                             (long long)c.vdim);
+    if (c.kdim == 0)
+        c.kdim = c.embed_dim;
+    if (c.vdim == 0)
+        c.vdim = c.embed_dim;
+    if (c.scale == 0.0f)
+        c.scale = (float)(1.0 / sqrt((double)(c.embed_dim / c.num_heads)));
+    c.no_bias = c.no_bias != 0;
+    c.add_bias_kv = c.add_bias_kv != 0;
+    c.add_zero_attn = c.add_zero_attn != 0;
+    *out = c;
+    return MHA_OK;
+}
+
+/* ---- the parameter table ----------------------------------------------- */
+
+static mha_status add_param(mha_module *m, const char *name, int ndim,
+                            int64_t d0, int64_t d1, int64_t d2)
+{
+    mha_param *p = &m->param[m->nparams++];
+    int64_t dims[3] = {d0, d1, d2}, n = 1;
+    p->info.name = name;
+    p->info.ndim = ndim;
+    for (int k = 0; k < ndim; k++) {
+        p->info.shape[k] = dims[k];
+        if (!mha_mul_ok(n, dims[k], &n))
+            return mha_set_error(MHA_ERR_OVERFLOW,
+                                 "parameter %s: element count overflows", name);
+    }
+    p->info.numel = n;
+    p->offset = m->params_numel;
+    if (m->params_numel > INT64_MAX - n)
+        return mha_set_error(MHA_ERR_OVERFLOW,
+                             "parameters: total element count overflows");
+    m->params_numel += n;
+    return MHA_OK;
+}
+
+static const mha_param *find_param(const mha_module *m, const char *name)
+{
+    for (int k = 0; k < m->nparams; k++)
+        if (strcmp(m->param[k].info.name, name) == 0)
+            return &m->param[k];
+    return NULL;
+}
+
+static float *param_data(const mha_module *m, const char *name)
+{
+    const mha_param *p = find_param(m, name);
+    return p ? m->params + p->offset : NULL;
+}
+
+/* The table, in PyTorch's state_dict order. */
+static mha_status build_table(mha_module *m)
+{
+    const int64_t E = m->cfg.embed_dim;
+    int64_t threeE;
+    if (!mha_mul_ok(3, E, &threeE))
+        return mha_set_error(MHA_ERR_OVERFLOW, "3 * embed_dim overflows");
+    if (m->packed) {
+        MHA_CHECK(add_param(m, "in_proj_weight", 2, threeE, E, 0));
+    } else {
+        MHA_CHECK(add_param(m, "q_proj_weight", 2, E, E, 0));
+        MHA_CHECK(add_param(m, "k_proj_weight", 2, E, m->cfg.kdim, 0));
+        MHA_CHECK(add_param(m, "v_proj_weight", 2, E, m->cfg.vdim, 0));
+    }
+    if (!m->cfg.no_bias)
+        MHA_CHECK(add_param(m, "in_proj_bias", 1, threeE, 0, 0));
+    if (m->cfg.add_bias_kv) {
+        MHA_CHECK(add_param(m, "bias_k", 3, 1, 1, E));
+        MHA_CHECK(add_param(m, "bias_v", 3, 1, 1, E));
+    }
+    MHA_CHECK(add_param(m, "out_proj.weight", 2, E, E, 0));
+    if (!m->cfg.no_bias)
+        MHA_CHECK(add_param(m, "out_proj.bias", 1, E, 0, 0));
+    return MHA_OK;
+}
+
+static void set_views(mha_module *m)
+{
+    const int64_t E = m->cfg.embed_dim;
+    if (m->packed) {
+        const float *w = param_data(m, "in_proj_weight");
+        m->w_q = w;
+        m->w_k = w + E * E;
+        m->w_v = w + 2 * E * E;
+    } else {
+        m->w_q = param_data(m, "q_proj_weight");
+        m->w_k = param_data(m, "k_proj_weight");
+        m->w_v = param_data(m, "v_proj_weight");
+    }
+    const float *b = param_data(m, "in_proj_bias");
+    m->b_q = b;
+    m->b_k = b ? b + E : NULL;
+    m->b_v = b ? b + 2 * E : NULL;
+    m->w_o = param_data(m, "out_proj.weight");
+    m->b_o = param_data(m, "out_proj.bias");
+    m->bias_k = param_data(m, "bias_k");
+    m->bias_v = param_data(m, "bias_v");
+}
+
+/* ---- initialisation ---------------------------------------------------- */
+
+/* Each parameter draws from its own stream, keyed by its name, so adding
+ * a parameter to a configuration does not change the others' values. */
+static uint64_t name_stream(uint64_t seed, const char *name)
+{
+    uint64_t h = 0xcbf29ce484222325ULL;           /* FNV-1a */
+    for (const char *c = name; *c; c++)
+        h = (h ^ (unsigned char)*c) * 0x100000001b3ULL;
+    return mha_mix64(seed ^ mha_mix64(h));
+}
+
+static double draw(uint64_t stream, uint64_t k)
+{
+    return mha_u01(mha_mix64(stream + k * 0x9e3779b97f4a7c15ULL));
+}
+
+/* Xavier (Glorot) uniform: U(-a, a), a = sqrt(6 / (fan_in + fan_out)). */
+static void xavier_uniform(float *w, const mha_param_info *info,
+                           uint64_t stream)
+{
+    const double fan_out = (double)info->shape[0];
+    const double fan_in = (double)info->shape[1];
+    const double a = sqrt(6.0 / (fan_in + fan_out));
+    for (int64_t k = 0; k < info->numel; k++)
+        w[k] = (float)((2.0 * draw(stream, (uint64_t)k) - 1.0) * a);
+}
+
+/* Xavier normal for bias_k / bias_v, shape (1, 1, E): PyTorch counts
+ * fan_in = fan_out = E (the last dimension is the receptive field), so
+ * std = sqrt(2 / (2E)).  Box-Muller on two uniforms per value. */
+static void xavier_normal_kv(float *w, const mha_param_info *info,
+                             uint64_t stream)
+{
+    const double E = (double)info->shape[2];
+    const double sd = sqrt(2.0 / (E + E));
+    const double two_pi = 6.283185307179586476925;
+    for (int64_t k = 0; k < info->numel; k++) {
+        double u1 = 1.0 - draw(stream, 2 * (uint64_t)k); /* (0, 1] */
+        double u2 = draw(stream, 2 * (uint64_t)k + 1);
+        w[k] = (float)(sd * sqrt(-2.0 * log(u1)) * cos(two_pi * u2));
+    }
+}
+
+mha_status mha_reset_parameters(mha_module *m, uint64_t seed)
+{
+    if (!m)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "module is NULL");
+    for (int k = 0; k < m->nparams; k++) {
+        const mha_param_info *info = &m->param[k].info;
+        float *w = m->params + m->param[k].offset;
+        uint64_t stream = name_stream(seed, info->name);
+        if (info->ndim == 2)
+            xavier_uniform(w, info, stream);
+        else if (info->ndim == 3)
+            xavier_normal_kv(w, info, stream);
+        else
+            memset(w, 0, (size_t)info->numel * sizeof(float));
+    }
+    m->cfg.seed = seed;
+    return MHA_OK;
+}
+
+/* ---- lifecycle ---------------------------------------------------------- */
+
+mha_status mha_create(const mha_config *config, mha_module **out)
+{
+    if (!out)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "output handle is NULL");
+    *out = NULL;
+    mha_config c;
+    MHA_CHECK(resolve_config(config, &c));
+    mha_module *m = calloc(1, sizeof *m);
+    if (!m)
+        return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate module");
+    m->cfg = c;
+    m->head_dim = c.embed_dim / c.num_heads;
+    m->packed = c.kdim == c.embed_dim && c.vdim == c.embed_dim;
+    mha_status st = build_table(m);
+    if (st == MHA_OK) {
+        m->params = mha_alloc_floats(m->params_numel, "parameters");
+        if (!m->params)
+            st = MHA_ERR_OUT_OF_MEMORY;
+    }
+    if (st != MHA_OK) {
+        free(m);
+        return st;
+    }
+    set_views(m);
+    mha_reset_parameters(m, c.seed);
+    *out = m;
+    return MHA_OK;
+}
+
+void mha_free(mha_module *m)
+{
+    if (!m)
+        return;
+    free(m->params);
+    free(m);
+}
+
+mha_status mha_get_config(const mha_module *m, mha_config *out)
+{
+    if (!m || !out)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
+                             m ? "output config" : "module");
+    *out = m->cfg;
+    return MHA_OK;
+}
+
+int64_t mha_total_keys(const mha_module *m, int64_t kv_len)
+{
+    if (!m || kv_len < 0)
+        return -1;
+    return kv_len + m->cfg.add_bias_kv + m->cfg.add_zero_attn;
+}
+
+/* ---- parameter access --------------------------------------------------- */
+
+int mha_param_count(const mha_module *m) { return m ? m->nparams : 0; }
+
+mha_status mha_param_info_at(const mha_module *m, int index,
+                             mha_param_info *out)
+{
+    if (!m || !out)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
+                             m ? "output info" : "module");
+    if (index < 0 || index >= m->nparams)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "parameter index %d out of range [0, %d)", index,
+                             m->nparams);
+    *out = m->param[index].info;
+    return MHA_OK;
+}
+
+/* Finds `name` and checks the caller's element count against it. */
+static mha_status lookup(const mha_module *m, const char *name, int64_t numel,
+                         const void *buf, const mha_param **out)
+{
+    if (!m)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "module is NULL");
+    if (!name)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "parameter name is NULL");
+    const mha_param *p = find_param(m, name);
+    if (!p)
+        return mha_set_error(MHA_ERR_NOT_FOUND,
+                             "this module has no parameter named '%s'", name);
+    if (numel >= 0 && numel != p->info.numel)
+        return mha_set_error(MHA_ERR_SHAPE,
+                             "parameter %s has %lld elements, caller gave %lld",
+                             name, (long long)p->info.numel, (long long)numel);
+    if (numel >= 0 && !buf)
+        return mha_set_error(MHA_ERR_NULL_POINTER,
+                             "buffer for parameter %s is NULL", name);
+    *out = p;
+    return MHA_OK;
+}
+
+mha_status mha_param_info_by_name(const mha_module *m, const char *name,
+                                  mha_param_info *out)
+{
+    const mha_param *p = NULL;
+    MHA_CHECK(lookup(m, name, -1, NULL, &p));
+    if (!out)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "output info is NULL");
+    *out = p->info;
+    return MHA_OK;
+}
+
+mha_status mha_param_get(const mha_module *m, const char *name, float *dst,
+                         int64_t numel)
+{
+    const mha_param *p = NULL;
+    MHA_CHECK(lookup(m, name, numel, dst, &p));
+    memcpy(dst, m->params + p->offset, (size_t)numel * sizeof(float));
+    return MHA_OK;
+}
+
+mha_status mha_param_set(mha_module *m, const char *name, const float *src,
+                         int64_t numel)
+{
+    const mha_param *p = NULL;
+    MHA_CHECK(lookup(m, name, numel, src, &p));
+    for (int64_t k = 0; k < numel; k++)
+        if (!isfinite(src[k]))
+            return mha_set_error(MHA_ERR_NON_FINITE,
+                                 "parameter %s: element %lld is %g", name,
+                                 (long long)k, (double)src[k]);
+    memcpy(m->params + p->offset, src, (size_t)numel * sizeof(float));
+    return MHA_OK;
+}
+
+mha_status mha_project(const mha_module *m, mha_projection which,
+                       const float *x, int64_t rows, float *y)
+{
+    if (!m || !x || !y)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
+                             !m ? "module" : !x ? "input x" : "output y");
+    if (rows <= 0)
+        return mha_set_error(MHA_ERR_SHAPE, "rows must be > 0, got %lld",
+                             (long long)rows);
+    const int64_t E = m->cfg.embed_dim;
+    const float *w, *b;
+    int64_t n_in;
+    switch (which) {
+    case MHA_PROJ_QUERY: w = m->w_q; b = m->b_q; n_in = E; break;
+    case MHA_PROJ_KEY: w = m->w_k; b = m->b_k; n_in = m->cfg.kdim; break;
+    case MHA_PROJ_VALUE: w = m->w_v; b = m->b_v; n_in = m->cfg.vdim; break;
+    case MHA_PROJ_OUT: w = m->w_o; b = m->b_o; n_in = E; break;
+    default:
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "unknown projection %d", (int)which);
+    }
+    int64_t n;
+    if (!mha_mul_ok(rows, n_in > E ? n_in : E, &n) ||
+        (uint64_t)n > SIZE_MAX / sizeof(float))
+        return mha_set_error(MHA_ERR_OVERFLOW,
+                             "projection of %lld rows overflows",
+                             (long long)rows);
+    mha_linear(x, rows, n_in, n_in, w, E, b, y, E);
+    return MHA_OK;
+}

@@ -1,0 +1,34 @@
+/*
+ * ref.h -- the test suite's oracle: a float64 reference of the whole
+ * forward pass, and the same code in float32 ("naive float32"), which
+ * measures how much error plain single precision makes on a case.
+ */
+#ifndef MHA_TEST_REF_H
+#define MHA_TEST_REF_H
+
+#include "mha.h"
+
+/* out (B, Lq, E); weights (B, H, Lq, Lt) per head, or NULL.  Inputs and
+ * parameters are the module's and the arguments', read via the public API;
+ * args->out, args->attn_weights and args->need_weights are ignored. */
+int ref_forward_f64(const mha_module *m, const mha_forward_args *a,
+                    double *out, double *weights);
+int ref_forward_f32(const mha_module *m, const mha_forward_args *a,
+                    float *out, float *weights);
+
+/* Heads-averaged weights (B, Lq, Lt) from per-head ones (B, H, Lq, Lt). */
+void ref_average_heads(const double *per_head, int64_t B, int64_t H,
+                       int64_t Lq, int64_t Lt, double *avg);
+
+/* max |x - ref| over n elements; NaN anywhere in x gives +inf. */
+double ref_max_err_f32(const float *x, const double *ref, int64_t n);
+double ref_max_abs(const double *ref, int64_t n);
+
+/*
+ * The tolerance of the test suite: a result is correct when its max error
+ * against the float64 reference is at most
+ *     2 * (max error of naive float32) + 1e-6 * (1 + max |ref|).
+ */
+double ref_tolerance(double naive_err, double max_abs_ref);
+
+#endif

@@ -1,0 +1,228 @@
+/*
+ * ref_impl.h -- the reference multi-head attention forward pass, written
+ * for clarity, not speed, and independently of the library's own code:
+ * it reads the module only through the public API and interprets every
+ * mask from its definition in mha.h.
+ *
+ * Included twice by ref.c: with REAL = double it is the oracle the tests
+ * measure against; with REAL = float it is "a naive float32
+ * implementation", whose own error sets the tolerance of the tests.
+ *
+ * Requires REAL and FN(name) to be defined before inclusion.
+ */
+
+/* y (n, out) = x (n, in) W^T + b, everything in REAL. */
+static void FN(linear)(const REAL *x, int64_t n, int64_t in, const REAL *W,
+                       const REAL *b, int64_t out, REAL *y)
+{
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t o = 0; o < out; o++) {
+            REAL acc = b ? b[o] : 0;
+            for (int64_t c = 0; c < in; c++)
+                acc += x[r * in + c] * W[o * in + c];
+            y[r * out + o] = acc;
+        }
+}
+
+static REAL *FN(param)(const mha_module *m, const char *name)
+{
+    mha_param_info info;
+    if (mha_param_info_by_name(m, name, &info) != MHA_OK)
+        return NULL;
+    float *f = malloc((size_t)info.numel * sizeof *f);
+    REAL *r = malloc((size_t)info.numel * sizeof *r);
+    mha_param_get(m, name, f, info.numel);
+    for (int64_t k = 0; k < info.numel; k++)
+        r[k] = f[k];
+    free(f);
+    return r;
+}
+
+static REAL *FN(widen)(const float *x, int64_t n)
+{
+    REAL *r = malloc((size_t)(n ? n : 1) * sizeof *r);
+    for (int64_t k = 0; k < n; k++)
+        r[k] = x[k];
+    return r;
+}
+
+/* Index into a mask given its own shape; a dimension of 1 broadcasts. */
+static int64_t FN(attn_index)(const mha_mask *mk, int64_t b, int64_t h,
+                              int64_t i, int64_t j)
+{
+    const int64_t *s = mk->shape;
+    if (mk->ndim == 2)
+        return i * s[1] + j;
+    if (mk->ndim == 3)
+        return ((s[0] == 1 ? 0 : b) * s[1] + i) * s[2] + j;
+    return (((s[0] == 1 ? 0 : b) * s[1] + (s[1] == 1 ? 0 : h)) * s[2] + i) *
+               s[3] + j;
+}
+
+/* 1 = blocked; otherwise *add receives the additive term. */
+static int FN(mask_value)(const mha_mask *mk, int64_t idx, REAL *add)
+{
+    switch (mk->kind) {
+    case MHA_MASK_ALLOW: return ((const uint8_t *)mk->data)[idx] == 0;
+    case MHA_MASK_BLOCK: return ((const uint8_t *)mk->data)[idx] != 0;
+    case MHA_MASK_ADDITIVE: {
+        float v = ((const float *)mk->data)[idx];
+        if (v == -INFINITY)
+            return 1;
+        *add += v;
+        return 0;
+    }
+    default: return 0;
+    }
+}
+
+/*
+ * out (B, Lq, E); weights (B, H, Lq, Lt) always per head (or NULL).
+ * Returns 0 on success.
+ */
+static int FN(forward)(const mha_module *m, const mha_forward_args *a,
+                       REAL *out, REAL *weights)
+{
+    mha_config c;
+    mha_get_config(m, &c);
+    const int64_t B = a->batch, Lq = a->q_len;
+    const int64_t Lk = a->kv_len ? a->kv_len : Lq;
+    const int64_t E = c.embed_dim, H = c.num_heads, dh = E / H;
+    const int64_t kdim = c.kdim, vdim = c.vdim;
+    const int64_t Lt = Lk + (c.add_bias_kv ? 1 : 0) + (c.add_zero_attn ? 1 : 0);
+    const float *key = a->key ? a->key : a->query;
+    const float *value = a->value ? a->value : key;
+
+    /* Parameters as separate W_q, W_k, W_v whatever the storage. */
+    REAL *Wq, *Wk, *Wv;
+    REAL *packed = FN(param)(m, "in_proj_weight");
+    if (packed) {
+        Wq = packed;
+        Wk = packed + E * E;
+        Wv = packed + 2 * E * E;
+    } else {
+        Wq = FN(param)(m, "q_proj_weight");
+        Wk = FN(param)(m, "k_proj_weight");
+        Wv = FN(param)(m, "v_proj_weight");
+    }
+    REAL *bin = FN(param)(m, "in_proj_bias");
+    REAL *Wo = FN(param)(m, "out_proj.weight");
+    REAL *bo = FN(param)(m, "out_proj.bias");
+    REAL *bk = FN(param)(m, "bias_k");
+    REAL *bv = FN(param)(m, "bias_v");
+
+    REAL *xq = FN(widen)(a->query, B * Lq * E);
+    REAL *xk = FN(widen)(key, B * Lk * kdim);
+    REAL *xv = FN(widen)(value, B * Lk * vdim);
+    REAL *q = malloc((size_t)(B * Lq * E) * sizeof *q);
+    REAL *k = malloc((size_t)(B * Lt * E) * sizeof *k);   /* with extras */
+    REAL *v = malloc((size_t)(B * Lt * E) * sizeof *v);
+    REAL *ctx = calloc((size_t)(B * Lq * E), sizeof *ctx);
+    REAL *tmp = malloc((size_t)(Lk * E) * sizeof *tmp);
+    REAL *s = malloc((size_t)Lt * sizeof *s);
+    int *blocked = malloc((size_t)Lt * sizeof *blocked);
+
+    FN(linear)(xq, B * Lq, E, Wq, bin, E, q);
+    /* Keys and values per batch, then the appended bias / zero rows. */
+    for (int64_t b = 0; b < B; b++) {
+        FN(linear)(xk + b * Lk * kdim, Lk, kdim, Wk, bin ? bin + E : NULL, E,
+                   tmp);
+        memcpy(k + b * Lt * E, tmp, (size_t)(Lk * E) * sizeof *tmp);
+        FN(linear)(xv + b * Lk * vdim, Lk, vdim, Wv, bin ? bin + 2 * E : NULL,
+                   E, tmp);
+        memcpy(v + b * Lt * E, tmp, (size_t)(Lk * E) * sizeof *tmp);
+        int64_t row = Lk;
+        if (c.add_bias_kv) {
+            for (int64_t e = 0; e < E; e++) {
+                k[(b * Lt + row) * E + e] = bk[e];
+                v[(b * Lt + row) * E + e] = bv[e];
+            }
+            row++;
+        }
+        if (c.add_zero_attn) {
+            for (int64_t e = 0; e < E; e++) {
+                k[(b * Lt + row) * E + e] = 0;
+                v[(b * Lt + row) * E + e] = 0;
+            }
+        }
+    }
+
+    const REAL scale = (REAL)c.scale;
+    const int dropout = a->training && c.dropout > 0.0f;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t i = 0; i < Lq; i++) {
+                /* The mask, straight from the definitions. */
+                REAL mx = -INFINITY;
+                int64_t live = 0;
+                for (int64_t j = 0; j < Lt; j++) {
+                    REAL add = 0;
+                    int blk = 0;
+                    if (j < Lk) {
+                        if (a->causal == MHA_CAUSAL_BOTTOM_RIGHT)
+                            blk |= j > i + (Lk - Lq);
+                        if (a->causal == MHA_CAUSAL_TOP_LEFT)
+                            blk |= j > i;
+                        if (a->key_lengths)
+                            blk |= j >= a->key_lengths[b];
+                        const mha_mask *pm = &a->key_padding_mask;
+                        if (pm->kind != MHA_MASK_NONE) {
+                            int64_t pb = pm->ndim == 2 && pm->shape[0] != 1
+                                             ? b : 0;
+                            blk |= FN(mask_value)(pm, pb * Lk + j, &add);
+                        }
+                        if (a->attn_mask.kind != MHA_MASK_NONE)
+                            blk |= FN(mask_value)(
+                                &a->attn_mask,
+                                FN(attn_index)(&a->attn_mask, b, h, i, j),
+                                &add);
+                    }
+                    blocked[j] = blk;
+                    if (blk)
+                        continue;
+                    REAL dot = 0;
+                    for (int64_t d = 0; d < dh; d++)
+                        dot += q[(b * Lq + i) * E + h * dh + d] *
+                               k[(b * Lt + j) * E + h * dh + d];
+                    s[j] = dot * scale + add;
+                    if (s[j] > mx)
+                        mx = s[j];
+                    live++;
+                }
+                REAL sum = 0;
+                for (int64_t j = 0; j < Lt; j++)
+                    if (!blocked[j]) {
+                        s[j] = exp(s[j] - mx);
+                        sum += s[j];
+                    }
+                for (int64_t j = 0; j < Lt; j++) {
+                    /* Excluded and dropped keys are never read. */
+                    int use = live && !blocked[j];
+                    if (use && dropout)
+                        use = mha_dropout_keep(a->dropout_seed, c.dropout, b,
+                                               h, i, j);
+                    REAL p = 0;
+                    if (use)
+                        p = s[j] / sum / (dropout ? 1 - (REAL)c.dropout : 1);
+                    if (weights)
+                        weights[((b * H + h) * Lq + i) * Lt + j] = p;
+                    if (use)
+                        for (int64_t d = 0; d < dh; d++)
+                            ctx[(b * Lq + i) * E + h * dh + d] +=
+                                p * v[(b * Lt + j) * E + h * dh + d];
+                }
+            }
+    FN(linear)(ctx, B * Lq, E, Wo, bo, E, out);
+
+    if (packed)
+        free(packed);
+    else {
+        free(Wq);
+        free(Wk);
+        free(Wv);
+    }
+    free(bin); free(Wo); free(bo); free(bk); free(bv);
+    free(xq); free(xk); free(xv); free(q); free(k); free(v); free(ctx);
+    free(tmp); free(s); free(blocked);
+    return 0;
+}
