@@ -1,0 +1,24 @@
+/*
+ * testutil.h -- small helpers shared by the C tests.
+ */
+#ifndef MHA_TESTUTIL_H
+#define MHA_TESTUTIL_H
+
+#include "mha.h"
+
+#include <stdint.h>
+
+/* Deterministic uniform values in [lo, hi). */
+void tu_fill(float *x, int64_t n, uint64_t seed, float lo, float hi);
+
+/*
+ * A module from `cfg` whose every parameter, biases included, is random
+ * (Xavier init leaves biases at zero, which would hide bias bugs).
+ * Returns NULL on failure.
+ */
+mha_module *tu_module(const mha_config *cfg, uint64_t seed);
+
+/* Total elements of a parameter-free tensor shape. */
+int64_t tu_numel(const int64_t *shape, int ndim);
+
+#endif
