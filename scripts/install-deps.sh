@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs, from Debian 12's packages, everything mha needs to build, test
+# and cross-check against PyTorch. Run as root. Does nothing when all is
+# already installed.
+set -euo pipefail
+
+packages=(
+  build-essential cmake pkg-config   # compiler and build
+  libopenblas-dev                    # CBLAS for the projections
+  libcmocka-dev                      # the C test framework
+  valgrind                           # memory checks in the test suite
+  python3-numpy python3-torch        # the independent oracle (Debian's own)
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" ||
+    missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi

@@ -1,0 +1,93 @@
+#!/usr/bin/python3
+"""Checks `mha example` against an independent NumPy float64 computation
+of the seeds' worked example (section 5.5 of seeds/003: h = 2, d = 4).
+
+Usage: /usr/bin/python3 check_example.py path/to/mha
+(Debian's interpreter: it has python3-numpy.)
+"""
+import re
+import subprocess
+import sys
+
+import numpy as np
+
+X = np.array([[1, 0, 1, 0], [0, 1, 0, 1], [1, 1, 0, 0]], dtype=np.float64)
+W = {  # W[head] = (W_Q, W_K, W_V), each (4 x 2), used as X @ W
+    1: ([[1, 0], [0, 1], [0, 0], [0, 0]],
+        [[0, 1], [1, 0], [0, 0], [0, 0]],
+        [[1, 0], [0, 0], [1, 0], [0, 0]]),
+    2: ([[0, 0], [0, 0], [1, 0], [0, 1]],
+        [[0, 0], [0, 0], [0, 1], [1, 0]],
+        [[0, 1], [0, 1], [0, 0], [0, 0]]),
+}
+
+
+def expected():
+    heads = {}
+    for h, (wq, wk, wv) in W.items():
+        q, k, v = (X @ np.array(w, dtype=np.float64) for w in (wq, wk, wv))
+        s = q @ k.T / np.sqrt(2.0)
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        heads[h] = {"Q": q, "K": k, "V": v, "scores": s, "softmax": p,
+                    "out": p @ v}
+    return heads
+
+
+def blocks(text):
+    """Maps each printed title line to the matrix printed under it."""
+    out, title, rows = {}, None, []
+    for line in text.splitlines():
+        m = re.match(r"^\s+\[((?:\s+-?\d+\.\d{4})+) \]$", line)
+        if m:
+            rows.append([float(t) for t in m.group(1).split()])
+            continue
+        if title is not None and rows:
+            out[title] = np.array(rows)
+        title, rows = line.strip(), []
+    if title is not None and rows:
+        out[title] = np.array(rows)
+    return out
+
+
+def main():
+    run = subprocess.run([sys.argv[1], "example"], capture_output=True,
+                         text=True, check=True)
+    got = blocks(run.stdout)
+    exp = expected()
+    checked = 0
+    for h in (1, 2):
+        e = exp[h]
+        want = {
+            f"Q{h} = X W{h}_Q:": e["Q"], f"K{h} = X W{h}_K:": e["K"],
+            f"V{h} = X W{h}_V:": e["V"],
+            f"scaled scores Q{h} K{h}^T / sqrt(2):": e["scores"],
+            f"head {h} output = weights V{h}:": e["out"],
+        }
+        for title, val in want.items():
+            assert title in got, f"missing block {title!r}"
+            np.testing.assert_allclose(got[title], val, atol=5.1e-5,
+                                       err_msg=title)
+            checked += 1
+    concat = np.concatenate([exp[1]["out"], exp[2]["out"]], axis=1)
+    # blocks() keys the concat matrix by its (empty) title line.
+    mats = [v for v in got.values() if v.shape == (3, 4)]
+    assert any(np.allclose(m, concat, atol=5.1e-5) for m in mats), \
+        "concatenation not found"
+    # The softmax blocks share one title, so they are parsed in order.
+    soft_rows = re.findall(
+        r"softmax weights \(each row sums to 1\):\n((?:\s+\[.*\]\n){3})",
+        run.stdout)
+    assert len(soft_rows) == 2, "expected two softmax blocks"
+    for h, block in zip((1, 2), soft_rows):
+        val = np.array([[float(t) for t in r.strip()[1:-1].split()]
+                        for r in block.strip().splitlines()])
+        np.testing.assert_allclose(val, exp[h]["softmax"], atol=5.1e-5)
+        checked += 1
+    assert "do not follow" in run.stdout, "the note on the seed's slips"
+    assert "head 4" in run.stdout, "the larger demo"
+    print(f"mha example: {checked + 1} blocks match NumPy float64")
+
+
+if __name__ == "__main__":
+    main()
