@@ -30,4 +30,8 @@ for t in build/tests/test_*; do
     { echo "valgrind: $t failed"; exit 1; }
   echo "valgrind clean: $t"
 done
+valgrind --quiet --error-exitcode=99 --leak-check=full \
+  --errors-for-leak-kinds=definite,indirect ./build/mha example >/dev/null ||
+  { echo "valgrind: mha example failed"; exit 1; }
+echo "valgrind clean: mha example"
 echo "all tests passed"
