@@ -94,4 +94,21 @@ mha_status mha_mask_plan_init(mha_mask_plan *plan, const mha_module *m,
 int64_t mha_mask_row(const mha_mask_plan *plan, int64_t b, int64_t h,
                      int64_t i, float *row);
 
+/* ---- files (io/file.c) ---------------------------------------------------
+ * Reads a whole file into a malloc'ed buffer (*size bytes, plus one NUL
+ * byte after the end that is not counted).  Refuses files larger than
+ * max_size with MHA_ERR_FORMAT, naming `what`.
+ */
+mha_status mha_read_file(const char *path, size_t max_size, const char *what,
+                         unsigned char **data, size_t *size);
+/*
+ * Writes n chunks to `path` through a temporary file in the same directory
+ * and a rename, so that `path` is either the complete new file or
+ * untouched; on failure the temporary file is removed.
+ */
+mha_status mha_write_file_atomic(const char *path, const void *const *chunks,
+                                 const size_t *sizes, int n);
+/* Size in bytes of one element of dtype in a file; 0 if unknown. */
+size_t mha_dtype_size(mha_dtype dtype);
+
 #endif /* MHA_INTERNAL_H */

@@ -289,7 +289,10 @@ int64_t mha_total_keys(const mha_module *m, int64_t kv_len)
 {
     if (!m || kv_len < 0)
         return -1;
-    return kv_len + m->cfg.add_bias_kv + m->cfg.add_zero_attn;
+    const int64_t extra = m->cfg.add_bias_kv + m->cfg.add_zero_attn;
+    if (kv_len > INT64_MAX - extra)
+        return -1;   /* would overflow: callers treat -1 as "too large" */
+    return kv_len + extra;
 }
 
 /* ---- parameter access --------------------------------------------------- */
@@ -310,9 +313,11 @@ mha_status mha_param_info_at(const mha_module *m, int index,
     return MHA_OK;
 }
 
-/* Finds `name` and checks the caller's element count against it. */
-static mha_status lookup(const mha_module *m, const char *name, int64_t numel,
-                         const void *buf, const mha_param **out)
+/* Finds `name` and, when `counted`, checks the caller's element count and
+ * buffer against it (any negative count is refused, never skipped). */
+static mha_status lookup(const mha_module *m, const char *name, int counted,
+                         int64_t numel, const void *buf,
+                         const mha_param **out)
 {
     if (!m)
         return mha_set_error(MHA_ERR_NULL_POINTER, "module is NULL");
@@ -322,11 +327,11 @@ static mha_status lookup(const mha_module *m, const char *name, int64_t numel,
     if (!p)
         return mha_set_error(MHA_ERR_NOT_FOUND,
                              "this module has no parameter named '%s'", name);
-    if (numel >= 0 && numel != p->info.numel)
+    if (counted && numel != p->info.numel)
         return mha_set_error(MHA_ERR_SHAPE,
                              "parameter %s has %lld elements, caller gave %lld",
                              name, (long long)p->info.numel, (long long)numel);
-    if (numel >= 0 && !buf)
+    if (counted && !buf)
         return mha_set_error(MHA_ERR_NULL_POINTER,
                              "buffer for parameter %s is NULL", name);
     *out = p;
@@ -337,7 +342,7 @@ mha_status mha_param_info_by_name(const mha_module *m, const char *name,
                                   mha_param_info *out)
 {
     const mha_param *p = NULL;
-    MHA_CHECK(lookup(m, name, -1, NULL, &p));
+    MHA_CHECK(lookup(m, name, 0, 0, NULL, &p));
     if (!out)
         return mha_set_error(MHA_ERR_NULL_POINTER, "output info is NULL");
     *out = p->info;
@@ -348,7 +353,7 @@ mha_status mha_param_get(const mha_module *m, const char *name, float *dst,
                          int64_t numel)
 {
     const mha_param *p = NULL;
-    MHA_CHECK(lookup(m, name, numel, dst, &p));
+    MHA_CHECK(lookup(m, name, 1, numel, dst, &p));
     memcpy(dst, m->params + p->offset, (size_t)numel * sizeof(float));
     return MHA_OK;
 }
@@ -357,7 +362,7 @@ mha_status mha_param_set(mha_module *m, const char *name, const float *src,
                          int64_t numel)
 {
     const mha_param *p = NULL;
-    MHA_CHECK(lookup(m, name, numel, src, &p));
+    MHA_CHECK(lookup(m, name, 1, numel, src, &p));
     for (int64_t k = 0; k < numel; k++)
         if (!isfinite(src[k]))
             return mha_set_error(MHA_ERR_NON_FINITE,

@@ -70,6 +70,9 @@ static void usage(FILE *f)
           "commands:\n"
           "  example    the seeds' worked example (h=2, d=4), with true\n"
           "             values and heatmaps, then a larger random demo\n"
+          "  forward    run a PyTorch state_dict (safetensors) on .npy inputs\n"
+          "  init       write a freshly initialised module (safetensors)\n"
+          "  info       describe a safetensors file and the module in it\n"
           "\n"
           "  mha --version     print the version\n"
           "  mha <command> --help\n", f);
@@ -92,6 +95,12 @@ int main(int argc, char **argv)
     }
     if (!strcmp(cmd, "example"))
         return cmd_example(argc - 1, argv + 1);
+    if (!strcmp(cmd, "forward"))
+        return cmd_forward(argc - 1, argv + 1);
+    if (!strcmp(cmd, "init"))
+        return cmd_init(argc - 1, argv + 1);
+    if (!strcmp(cmd, "info"))
+        return cmd_info(argc - 1, argv + 1);
     fprintf(stderr, "mha: unknown command '%s' (try mha --help)\n", cmd);
     return 2;
 }

@@ -27,5 +27,8 @@ void tool_heatmaps(FILE *f, const float *const *maps, const char *const *titles,
                    const char *col_labels);
 
 int cmd_example(int argc, char **argv);
+int cmd_forward(int argc, char **argv);
+int cmd_init(int argc, char **argv);
+int cmd_info(int argc, char **argv);
 
 #endif

@@ -1,0 +1,318 @@
+/*
+ * module_io.c -- a module to and from a PyTorch nn.MultiheadAttention
+ * state_dict saved as safetensors.
+ */
+#include "internal.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char *const KNOWN[] = {
+    "in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
+    "in_proj_bias",   "bias_k",        "bias_v",        "out_proj.weight",
+    "out_proj.bias"};
+
+/* A float tensor of exactly this shape, or an error naming it. */
+static mha_status expect(const mha_tensor *t, const char *name, int ndim,
+                         int64_t d0, int64_t d1, int64_t d2)
+{
+    const int64_t want[3] = {d0, d1, d2};
+    int ok = t->ndim == ndim;
+    for (int k = 0; ok && k < ndim; k++)
+        ok = want[k] < 0 || t->shape[k] == want[k];
+    if (t->dtype == MHA_DTYPE_BOOL || t->dtype == MHA_DTYPE_I32 ||
+        t->dtype == MHA_DTYPE_I64)
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "state_dict: %s has dtype %s, expected a float "
+                             "type", name, mha_dtype_name(t->dtype));
+    if (ok)
+        return MHA_OK;
+    char got[128] = "", exp[128] = "";
+    for (int k = 0; k < t->ndim; k++)
+        snprintf(got + strlen(got), sizeof got - strlen(got), "%s%lld",
+                 k ? ", " : "", (long long)t->shape[k]);
+    for (int k = 0; k < ndim; k++) {
+        if (want[k] < 0)
+            snprintf(exp + strlen(exp), sizeof exp - strlen(exp), "%s?",
+                     k ? ", " : "");
+        else
+            snprintf(exp + strlen(exp), sizeof exp - strlen(exp), "%s%lld",
+                     k ? ", " : "", (long long)want[k]);
+    }
+    return mha_set_error(MHA_ERR_SHAPE, "state_dict: %s has shape [%s], "
+                         "expected [%s]", name, got, exp);
+}
+
+/* A strict integer / float / boolean from a metadata string. */
+static int meta_int(const char *s, int64_t *out)
+{
+    if (!s || !*s)
+        return 0;
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (*end || errno)
+        return 0;
+    *out = v;
+    return 1;
+}
+
+static int meta_float(const char *s, float *out)
+{
+    if (!s || !*s)
+        return 0;
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (*end || errno || !isfinite(v))
+        return 0;
+    *out = (float)v;
+    return 1;
+}
+
+static int meta_bool(const char *s, int *out)
+{
+    if (!s)
+        return 0;
+    if (!strcmp(s, "true") || !strcmp(s, "True") || !strcmp(s, "1"))
+        return *out = 1, 1;
+    if (!strcmp(s, "false") || !strcmp(s, "False") || !strcmp(s, "0"))
+        return *out = 0, 1;
+    return 0;
+}
+
+static mha_status bad_meta(const char *key, const char *value)
+{
+    return mha_set_error(MHA_ERR_FORMAT,
+                         "state_dict: __metadata__ %s = '%s' is not valid",
+                         key, value);
+}
+
+/* Fills the config fields that the shapes do not decide. */
+static mha_status config_from_metadata(const mha_tensor_file *f,
+                                       mha_config *c)
+{
+    const char *v;
+    int b;
+    if ((v = mha_tensor_file_metadata(f, "add_zero_attn"))) {
+        if (!meta_bool(v, &b))
+            return bad_meta("add_zero_attn", v);
+        c->add_zero_attn = b;
+    }
+    if ((v = mha_tensor_file_metadata(f, "dropout")) &&
+        !meta_float(v, &c->dropout))
+        return bad_meta("dropout", v);
+    if ((v = mha_tensor_file_metadata(f, "scale")) &&
+        !meta_float(v, &c->scale))
+        return bad_meta("scale", v);
+    return MHA_OK;
+}
+
+/* Config keys in __metadata__ that the shapes decide must agree. */
+static mha_status check_metadata_agrees(const mha_tensor_file *f,
+                                        const mha_config *c)
+{
+    const char *ikeys[3] = {"embed_dim", "kdim", "vdim"};
+    const int64_t ivals[3] = {c->embed_dim, c->kdim, c->vdim};
+    for (int k = 0; k < 3; k++) {
+        const char *v = mha_tensor_file_metadata(f, ikeys[k]);
+        int64_t x;
+        if (v && (!meta_int(v, &x) || x != ivals[k]))
+            return mha_set_error(MHA_ERR_FORMAT,
+                                 "state_dict: __metadata__ %s = '%s' but the "
+                                 "tensors say %lld", ikeys[k], v,
+                                 (long long)ivals[k]);
+    }
+    const char *bkeys[2] = {"bias", "add_bias_kv"};
+    const int bvals[2] = {!c->no_bias, c->add_bias_kv};
+    for (int k = 0; k < 2; k++) {
+        const char *v = mha_tensor_file_metadata(f, bkeys[k]);
+        int x;
+        if (v && (!meta_bool(v, &x) || x != bvals[k]))
+            return mha_set_error(MHA_ERR_FORMAT,
+                                 "state_dict: __metadata__ %s = '%s' but the "
+                                 "tensors say %s", bkeys[k], v,
+                                 bvals[k] ? "true" : "false");
+    }
+    return MHA_OK;
+}
+
+mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
+                                const mha_config *base, mha_module **out)
+{
+    if (!out)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "output handle is NULL");
+    *out = NULL;
+    if (!f)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "tensor file is NULL");
+    for (int k = 0; k < mha_tensor_file_count(f); k++) {
+        const char *name = mha_tensor_file_at(f, k)->name;
+        int known = 0;
+        for (size_t j = 0; j < sizeof KNOWN / sizeof *KNOWN; j++)
+            known |= !strcmp(name, KNOWN[j]);
+        if (!known)
+            return mha_set_error(MHA_ERR_FORMAT,
+                                 "state_dict: unexpected tensor '%s' (an "
+                                 "nn.MultiheadAttention has in_proj_weight or "
+                                 "q/k/v_proj_weight, in_proj_bias, bias_k, "
+                                 "bias_v, out_proj.weight, out_proj.bias)",
+                                 name);
+    }
+    const mha_tensor *in_w = mha_tensor_file_find(f, "in_proj_weight");
+    const mha_tensor *q_w = mha_tensor_file_find(f, "q_proj_weight");
+    const mha_tensor *k_w = mha_tensor_file_find(f, "k_proj_weight");
+    const mha_tensor *v_w = mha_tensor_file_find(f, "v_proj_weight");
+    const mha_tensor *in_b = mha_tensor_file_find(f, "in_proj_bias");
+    const mha_tensor *o_w = mha_tensor_file_find(f, "out_proj.weight");
+    const mha_tensor *o_b = mha_tensor_file_find(f, "out_proj.bias");
+    const mha_tensor *b_k = mha_tensor_file_find(f, "bias_k");
+    const mha_tensor *b_v = mha_tensor_file_find(f, "bias_v");
+
+    mha_config c = {0};
+    MHA_CHECK(config_from_metadata(f, &c));
+    if (base) {
+        c.add_zero_attn = base->add_zero_attn ? 1 : c.add_zero_attn;
+        c.dropout = base->dropout != 0.0f ? base->dropout : c.dropout;
+        c.scale = base->scale != 0.0f ? base->scale : c.scale;
+        c.seed = base->seed;
+    }
+    if (!o_w)
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "state_dict: out_proj.weight is missing");
+    MHA_CHECK(expect(o_w, "out_proj.weight", 2, -1, -1, 0));
+    const int64_t E = o_w->shape[0];
+    MHA_CHECK(expect(o_w, "out_proj.weight", 2, E, E, 0));
+    if (in_w && (q_w || k_w || v_w))
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "state_dict: both in_proj_weight and "
+                             "q/k/v_proj_weight are present");
+    if (in_w) {
+        MHA_CHECK(expect(in_w, "in_proj_weight", 2, 3 * E, E, 0));
+        c.kdim = c.vdim = E;
+    } else {
+        const char *missing = !q_w ? "q_proj_weight" : !k_w ? "k_proj_weight"
+                            : !v_w ? "v_proj_weight" : NULL;
+        if (missing)
+            return mha_set_error(MHA_ERR_FORMAT,
+                                 "state_dict: neither in_proj_weight nor %s "
+                                 "is present", missing);
+        MHA_CHECK(expect(q_w, "q_proj_weight", 2, E, E, 0));
+        MHA_CHECK(expect(k_w, "k_proj_weight", 2, E, -1, 0));
+        MHA_CHECK(expect(v_w, "v_proj_weight", 2, E, -1, 0));
+        c.kdim = k_w->shape[1];
+        c.vdim = v_w->shape[1];
+    }
+    if (!in_b != !o_b)
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "state_dict: %s is present but %s is missing "
+                             "(PyTorch's bias flag governs both)",
+                             in_b ? "in_proj_bias" : "out_proj.bias",
+                             in_b ? "out_proj.bias" : "in_proj_bias");
+    if (in_b) {
+        MHA_CHECK(expect(in_b, "in_proj_bias", 1, 3 * E, 0, 0));
+        MHA_CHECK(expect(o_b, "out_proj.bias", 1, E, 0, 0));
+    }
+    if (!b_k != !b_v)
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "state_dict: %s is present but %s is missing",
+                             b_k ? "bias_k" : "bias_v",
+                             b_k ? "bias_v" : "bias_k");
+    if (b_k) {
+        MHA_CHECK(expect(b_k, "bias_k", 3, 1, 1, E));
+        MHA_CHECK(expect(b_v, "bias_v", 3, 1, 1, E));
+    }
+    c.embed_dim = E;
+    c.no_bias = !in_b;
+    c.add_bias_kv = b_k != NULL;
+    if (num_heads > 0) {
+        c.num_heads = num_heads;
+    } else {
+        const char *v = mha_tensor_file_metadata(f, "num_heads");
+        if (!v)
+            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                 "state_dict: the number of heads is not "
+                                 "given and __metadata__ has no num_heads");
+        if (!meta_int(v, &c.num_heads) || c.num_heads <= 0)
+            return bad_meta("num_heads", v);
+    }
+
+    MHA_CHECK(check_metadata_agrees(f, &c));
+
+    mha_module *m;
+    MHA_CHECK(mha_create(&c, &m));
+    /* PyTorch stores separate q/k/v weights only when kdim or vdim != E;
+     * a file that has them with kdim = vdim = E is packed here into the
+     * module's in_proj_weight. */
+    const int pack = !in_w && m->packed;
+    mha_status st = MHA_OK;
+    for (int k = 0; k < mha_tensor_file_count(f) && st == MHA_OK; k++) {
+        const mha_tensor *t = mha_tensor_file_at(f, k);
+        if (!(pack && (t == q_w || t == k_w || t == v_w)))
+            st = mha_param_set(m, t->name, t->data, t->numel);
+    }
+    if (st == MHA_OK && pack) {
+        float *w = mha_alloc_floats(3 * E * E, "in_proj_weight");
+        if (!w) {
+            st = MHA_ERR_OUT_OF_MEMORY;
+        } else {
+            memcpy(w, q_w->data, (size_t)(E * E) * sizeof(float));
+            memcpy(w + E * E, k_w->data, (size_t)(E * E) * sizeof(float));
+            memcpy(w + 2 * E * E, v_w->data, (size_t)(E * E) * sizeof(float));
+            st = mha_param_set(m, "in_proj_weight", w, 3 * E * E);
+            free(w);
+        }
+    }
+    if (st != MHA_OK) {
+        mha_free(m);
+        return st;
+    }
+    *out = m;
+    return MHA_OK;
+}
+
+mha_status mha_module_load(const char *path, int64_t num_heads,
+                           mha_module **out)
+{
+    if (!out)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "output handle is NULL");
+    *out = NULL;
+    mha_tensor_file *f;
+    MHA_CHECK(mha_safetensors_load(path, &f));
+    mha_status st = mha_module_from_file(f, num_heads, NULL, out);
+    mha_tensor_file_free(f);
+    return st;
+}
+
+mha_status mha_module_save(const mha_module *m, const char *path)
+{
+    if (!m)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "module is NULL");
+    mha_tensor_view views[MHA_MAX_PARAMS];
+    for (int k = 0; k < m->nparams; k++) {
+        const mha_param_info *info = &m->param[k].info;
+        views[k] = (mha_tensor_view){info->name, MHA_DTYPE_F32, info->ndim,
+                                     {0}, m->params + m->param[k].offset};
+        for (int d = 0; d < info->ndim; d++)
+            views[k].shape[d] = info->shape[d];
+    }
+    const mha_config *c = &m->cfg;
+    char v[9][32];
+    snprintf(v[0], 32, "%lld", (long long)c->embed_dim);
+    snprintf(v[1], 32, "%lld", (long long)c->num_heads);
+    snprintf(v[2], 32, "%lld", (long long)c->kdim);
+    snprintf(v[3], 32, "%lld", (long long)c->vdim);
+    snprintf(v[4], 32, "%s", c->no_bias ? "false" : "true");
+    snprintf(v[5], 32, "%s", c->add_bias_kv ? "true" : "false");
+    snprintf(v[6], 32, "%s", c->add_zero_attn ? "true" : "false");
+    snprintf(v[7], 32, "%.9g", (double)c->dropout);
+    snprintf(v[8], 32, "%.9g", (double)c->scale);
+    const char *keys[10] = {"embed_dim", "num_heads", "kdim", "vdim", "bias",
+                            "add_bias_kv", "add_zero_attn", "dropout", "scale",
+                            "format"};
+    const char *vals[10] = {v[0], v[1], v[2], v[3], v[4],
+                            v[5], v[6], v[7], v[8], "pt"};
+    return mha_safetensors_save(path, views, m->nparams, keys, vals, 10);
+}

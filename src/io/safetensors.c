@@ -1,0 +1,617 @@
+/*
+ * safetensors.c -- the safetensors format, read and written exactly:
+ *
+ *   bytes 0..7      N, the header length, unsigned 64-bit little-endian
+ *   bytes 8..8+N    a JSON object (UTF-8), possibly padded with spaces:
+ *                     "name": {"dtype": "F32", "shape": [2, 3],
+ *                              "data_offsets": [begin, end]}
+ *                     "__metadata__": {"key": "value", ...}  (optional)
+ *   bytes 8+N..     the data buffer; offsets are relative to its start
+ *
+ * Every rule of the reference implementation is enforced, each with its
+ * own message: N <= 100 MB and within the file; valid UTF-8; a JSON object;
+ * known dtypes; non-negative integer dimensions; element count times
+ * element size (checked) equal to the byte range; ranges sorted,
+ * contiguous, non-overlapping and covering the buffer exactly; no
+ * duplicate names; __metadata__ maps strings to strings.  JSON is parsed
+ * by cJSON, whose nesting limit refuses absurdly deep documents.
+ *
+ * Assumes a little-endian host (x86-64, AArch64), as the format does.
+ */
+#include "internal.h"
+
+#include <cJSON.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_HEADER 100000000ULL
+/* JSON numbers are doubles: integers are exact up to 2^53. */
+#define MAX_JSON_INT 9007199254740992.0
+
+struct mha_tensor_file {
+    int count;
+    mha_tensor *tensors;        /* sorted by data offset */
+    int n_meta;
+    char **meta_keys, **meta_values;
+};
+
+/* ---- dtypes and conversions ------------------------------------------- */
+
+/* Every dtype name of the format; those mha does not read are refused as
+ * unsupported rather than unknown. */
+static const char *const OTHER_DTYPES[] = {"U8", "I8", "I16", "U16", "U32",
+                                           "U64", "F8_E5M2", "F8_E4M3"};
+
+static int dtype_from_name(const char *s, mha_dtype *out)
+{
+    for (int d = MHA_DTYPE_F32; d <= MHA_DTYPE_I64; d++)
+        if (!strcmp(s, mha_dtype_name((mha_dtype)d))) {
+            *out = (mha_dtype)d;
+            return 1;
+        }
+    for (size_t k = 0; k < sizeof OTHER_DTYPES / sizeof *OTHER_DTYPES; k++)
+        if (!strcmp(s, OTHER_DTYPES[k]))
+            return 2;
+    return 0;
+}
+
+static float half_to_float(uint16_t h)
+{
+    const int sign = h >> 15, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    float v;
+    if (exp == 0)
+        v = ldexpf((float)man, -24);                  /* zero, subnormal */
+    else if (exp == 31)
+        v = man ? NAN : INFINITY;
+    else
+        v = ldexpf((float)(man | 0x400), exp - 25);
+    return sign ? -v : v;
+}
+
+static float bf16_to_float(uint16_t b)
+{
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Converts n elements of dtype at src into the C form of mha_tensor. */
+static void convert(mha_dtype dt, const unsigned char *src, int64_t n,
+                    void *dst)
+{
+    float *f = dst;
+    int64_t *i = dst;
+    uint8_t *b = dst;
+    for (int64_t k = 0; k < n; k++) {
+        const unsigned char *p = src + k * (int64_t)mha_dtype_size(dt);
+        uint16_t u16;
+        uint32_t u32;
+        uint64_t u64;
+        double d;
+        switch (dt) {
+        case MHA_DTYPE_F32: memcpy(&f[k], p, 4); break;
+        case MHA_DTYPE_F64: memcpy(&d, p, 8); f[k] = (float)d; break;
+        case MHA_DTYPE_F16: memcpy(&u16, p, 2); f[k] = half_to_float(u16); break;
+        case MHA_DTYPE_BF16: memcpy(&u16, p, 2); f[k] = bf16_to_float(u16); break;
+        case MHA_DTYPE_BOOL: b[k] = *p != 0; break;
+        case MHA_DTYPE_I32: memcpy(&u32, p, 4); i[k] = (int32_t)u32; break;
+        case MHA_DTYPE_I64: memcpy(&u64, p, 8); i[k] = (int64_t)u64; break;
+        }
+    }
+}
+
+static size_t c_size(mha_dtype dt)
+{
+    return dt == MHA_DTYPE_BOOL ? 1
+         : dt == MHA_DTYPE_I32 || dt == MHA_DTYPE_I64 ? 8 : 4;
+}
+
+/* ---- reading ------------------------------------------------------------ */
+
+/* Strict UTF-8: no overlongs, no surrogates, nothing above U+10FFFF. */
+static int64_t utf8_invalid_at(const unsigned char *s, size_t n)
+{
+    size_t i = 0;
+    while (i < n) {
+        unsigned c = s[i];
+        size_t len;
+        unsigned lo = 0x80, hi = 0xbf;
+        if (c < 0x80) { i++; continue; }
+        else if (c >= 0xc2 && c <= 0xdf) len = 2;
+        else if (c == 0xe0) { len = 3; lo = 0xa0; }
+        else if (c >= 0xe1 && c <= 0xec) len = 3;
+        else if (c == 0xed) { len = 3; hi = 0x9f; }
+        else if (c >= 0xee && c <= 0xef) len = 3;
+        else if (c == 0xf0) { len = 4; lo = 0x90; }
+        else if (c >= 0xf1 && c <= 0xf3) len = 4;
+        else if (c == 0xf4) { len = 4; hi = 0x8f; }
+        else return (int64_t)i;
+        if (i + len > n)
+            return (int64_t)i;
+        for (size_t k = 1; k < len; k++) {
+            unsigned cc = s[i + k];
+            if (cc < (k == 1 ? lo : 0x80) || cc > (k == 1 ? hi : 0xbf))
+                return (int64_t)i;
+        }
+        i += len;
+    }
+    return -1;
+}
+
+/* A JSON number that is an exact integer in [0, 2^53]. */
+static int json_uint(const cJSON *j, int64_t *out)
+{
+    if (!cJSON_IsNumber(j))
+        return 0;
+    double v = j->valuedouble;
+    if (!(v >= 0.0 && v <= MAX_JSON_INT) || v != floor(v))
+        return 0;
+    *out = (int64_t)v;
+    return 1;
+}
+
+void mha_tensor_file_free(mha_tensor_file *f)
+{
+    if (!f)
+        return;
+    for (int k = 0; k < f->count; k++) {
+        free((char *)f->tensors[k].name);
+        free(f->tensors[k].data);
+    }
+    for (int k = 0; k < f->n_meta; k++) {
+        free(f->meta_keys[k]);
+        free(f->meta_values[k]);
+    }
+    free(f->tensors);
+    free(f->meta_keys);
+    free(f->meta_values);
+    free(f);
+}
+
+static char *dup_str(const char *s)
+{
+    size_t n = strlen(s) + 1;
+    char *d = malloc(n);
+    if (d)
+        memcpy(d, s, n);
+    return d;
+}
+
+static mha_status parse_metadata(mha_tensor_file *f, const cJSON *meta)
+{
+    if (!cJSON_IsObject(meta))
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "safetensors: __metadata__ is not an object");
+    int n = cJSON_GetArraySize(meta);
+    f->meta_keys = calloc((size_t)n + 1, sizeof *f->meta_keys);
+    f->meta_values = calloc((size_t)n + 1, sizeof *f->meta_values);
+    if (!f->meta_keys || !f->meta_values)
+        return mha_set_error(MHA_ERR_OUT_OF_MEMORY,
+                             "safetensors: cannot allocate metadata");
+    for (const cJSON *e = meta->child; e; e = e->next) {
+        if (!cJSON_IsString(e))
+            return mha_set_error(MHA_ERR_FORMAT,
+                                 "safetensors: __metadata__ value of '%s' is "
+                                 "not a string", e->string);
+        for (int k = 0; k < f->n_meta; k++)
+            if (!strcmp(f->meta_keys[k], e->string))
+                return mha_set_error(MHA_ERR_FORMAT,
+                                     "safetensors: duplicate __metadata__ key "
+                                     "'%s'", e->string);
+        f->meta_keys[f->n_meta] = dup_str(e->string);
+        f->meta_values[f->n_meta] = dup_str(e->valuestring);
+        f->n_meta++;
+        if (!f->meta_keys[f->n_meta - 1] || !f->meta_values[f->n_meta - 1])
+            return mha_set_error(MHA_ERR_OUT_OF_MEMORY,
+                                 "safetensors: cannot allocate metadata");
+    }
+    return MHA_OK;
+}
+
+typedef struct entry {
+    const cJSON *json;
+    int64_t begin, end;
+    mha_tensor t;      /* every field but name and data */
+} entry;
+
+static int by_name(const void *a, const void *b)
+{
+    return strcmp((*(const entry *const *)a)->json->string,
+                  (*(const entry *const *)b)->json->string);
+}
+
+static int by_offset(const void *a, const void *b)
+{
+    const entry *x = a, *y = b;
+    return x->begin < y->begin ? -1 : x->begin > y->begin ? 1
+         : x->end < y->end ? -1 : x->end > y->end;
+}
+
+/* Checks one tensor entry's fields and fills t (without data). */
+static mha_status parse_entry(const cJSON *e, mha_tensor *t, entry *span)
+{
+    const char *name = e->string;
+    if (!cJSON_IsObject(e))
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "safetensors: tensor '%s' is not an object", name);
+    const cJSON *dt = cJSON_GetObjectItemCaseSensitive(e, "dtype");
+    const cJSON *sh = cJSON_GetObjectItemCaseSensitive(e, "shape");
+    const cJSON *off = cJSON_GetObjectItemCaseSensitive(e, "data_offsets");
+    if (!cJSON_IsString(dt))
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "safetensors: tensor '%s' has no string 'dtype'",
+                             name);
+    int known = dtype_from_name(dt->valuestring, &t->dtype);
+    if (known == 0)
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "safetensors: tensor '%s' has unknown dtype '%s'",
+                             name, dt->valuestring);
+    if (known == 2)
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "safetensors: tensor '%s' has dtype %s, which "
+                             "mha does not read (F32, F64, F16, BF16, BOOL, "
+                             "I32, I64)", name, dt->valuestring);
+    if (!cJSON_IsArray(sh))
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "safetensors: tensor '%s' has no 'shape' array",
+                             name);
+    int nd = cJSON_GetArraySize(sh);
+    if (nd > MHA_MAX_NDIM)
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "safetensors: tensor '%s' has %d dimensions, "
+                             "more than %d", name, nd, MHA_MAX_NDIM);
+    t->ndim = nd;
+    t->numel = 1;
+    int k = 0;
+    int overflow = 0;
+    for (const cJSON *d = sh->child; d; d = d->next, k++) {
+        if (!json_uint(d, &t->shape[k]))
+            return mha_set_error(MHA_ERR_FORMAT,
+                                 "safetensors: tensor '%s' dimension %d is not "
+                                 "a non-negative integer", name, k);
+        if (!mha_mul_ok(t->numel, t->shape[k], &t->numel))
+            overflow = 1;
+    }
+    int64_t bytes = 0;
+    if (overflow || !mha_mul_ok(t->numel, (int64_t)mha_dtype_size(t->dtype),
+                                &bytes))
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "safetensors: tensor '%s': the byte size of its "
+                             "shape overflows 64 bits", name);
+    if (!cJSON_IsArray(off) || cJSON_GetArraySize(off) != 2 ||
+        !json_uint(off->child, &span->begin) ||
+        !json_uint(off->child->next, &span->end))
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "safetensors: tensor '%s' needs 'data_offsets' "
+                             "[begin, end] of non-negative integers", name);
+    if (span->end < span->begin)
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "safetensors: tensor '%s' has data_offsets [%lld, "
+                             "%lld] with end before begin", name,
+                             (long long)span->begin, (long long)span->end);
+    if (span->end - span->begin != bytes)
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "safetensors: tensor '%s' is %s with %lld "
+                             "elements (%lld bytes) but data_offsets span %lld "
+                             "bytes", name, dt->valuestring,
+                             (long long)t->numel, (long long)bytes,
+                             (long long)(span->end - span->begin));
+    span->json = e;
+    return MHA_OK;
+}
+
+static mha_status parse_header(mha_tensor_file *f, const cJSON *root,
+                               const unsigned char *buffer, uint64_t buf_len)
+{
+    int n = 0, has_meta = 0;
+    for (const cJSON *e = root->child; e; e = e->next) {
+        if (!strcmp(e->string, "__metadata__")) {
+            if (has_meta++)
+                return mha_set_error(MHA_ERR_FORMAT,
+                                     "safetensors: duplicate __metadata__");
+            MHA_CHECK(parse_metadata(f, e));
+        } else {
+            n++;
+        }
+    }
+    entry *spans = calloc((size_t)n + 1, sizeof *spans);
+    f->tensors = calloc((size_t)n + 1, sizeof *f->tensors);
+    if (!spans || !f->tensors) {
+        free(spans);
+        return mha_set_error(MHA_ERR_OUT_OF_MEMORY,
+                             "safetensors: cannot allocate %d tensors", n);
+    }
+    mha_status st = MHA_OK;
+    int k = 0;
+    for (const cJSON *e = root->child; e && st == MHA_OK; e = e->next)
+        if (strcmp(e->string, "__metadata__"))
+            st = parse_entry(e, &spans[k].t, &spans[k]), k++;
+    /* Duplicate names: sort pointers by name, compare neighbours. */
+    entry **names = st == MHA_OK ? malloc(((size_t)n + 1) * sizeof *names)
+                                 : NULL;
+    if (st == MHA_OK && !names)
+        st = mha_set_error(MHA_ERR_OUT_OF_MEMORY,
+                           "safetensors: cannot allocate %d names", n);
+    if (st == MHA_OK) {
+        for (k = 0; k < n; k++)
+            names[k] = &spans[k];
+        qsort(names, (size_t)n, sizeof *names, by_name);
+        for (k = 1; k < n && st == MHA_OK; k++)
+            if (!strcmp(names[k]->json->string, names[k - 1]->json->string))
+                st = mha_set_error(MHA_ERR_FORMAT,
+                                   "safetensors: duplicate tensor name '%s'",
+                                   names[k]->json->string);
+    }
+    free(names);
+    if (st == MHA_OK) {
+        /* Sorted by offset, the ranges must tile [0, buf_len) exactly. */
+        qsort(spans, (size_t)n, sizeof *spans, by_offset);
+        int64_t pos = 0;
+        for (k = 0; k < n && st == MHA_OK; k++) {
+            if (spans[k].begin != pos)
+                st = mha_set_error(MHA_ERR_FORMAT,
+                                   "safetensors: tensor '%s' starts at byte "
+                                   "%lld of the data buffer, expected %lld "
+                                   "(ranges must be contiguous, without "
+                                   "holes or overlaps)",
+                                   spans[k].json->string,
+                                   (long long)spans[k].begin, (long long)pos);
+            pos = spans[k].end;
+        }
+        if (st == MHA_OK && (uint64_t)pos != buf_len)
+            st = mha_set_error(MHA_ERR_FORMAT,
+                               "safetensors: the tensors cover %lld bytes but "
+                               "the data buffer has %llu", (long long)pos,
+                               (unsigned long long)buf_len);
+    }
+    /* Only now that every range is known to be inside the buffer: data. */
+    for (k = 0; k < n && st == MHA_OK; k++) {
+        mha_tensor *t = &f->tensors[k];
+        *t = spans[k].t;
+        t->name = dup_str(spans[k].json->string);
+        t->data = malloc(t->numel ? (size_t)t->numel * c_size(t->dtype) : 1);
+        f->count = k + 1;
+        if (!t->name || !t->data)
+            st = mha_set_error(MHA_ERR_OUT_OF_MEMORY,
+                               "safetensors: cannot allocate tensor '%s'",
+                               spans[k].json->string);
+        else
+            convert(t->dtype, buffer + spans[k].begin, t->numel, t->data);
+    }
+    free(spans);
+    return st;
+}
+
+mha_status mha_safetensors_parse(const void *bytes, size_t size,
+                                 mha_tensor_file **out)
+{
+    if (!out)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "output handle is NULL");
+    *out = NULL;
+    if (!bytes && size)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "safetensors: data is NULL");
+    const unsigned char *p = bytes;
+    if (size < 8)
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "safetensors: %zu bytes, too short for the "
+                             "8-byte header length", size);
+    uint64_t n = 0;
+    for (int k = 7; k >= 0; k--)
+        n = (n << 8) | p[k];
+    if (n > MAX_HEADER)
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "safetensors: header length %llu exceeds the "
+                             "limit of %llu bytes", (unsigned long long)n,
+                             MAX_HEADER);
+    if (n > size - 8)
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "safetensors: header length %llu runs past the "
+                             "end of the %zu-byte file", (unsigned long long)n,
+                             size);
+    int64_t bad = utf8_invalid_at(p + 8, (size_t)n);
+    if (bad >= 0)
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "safetensors: header is not valid UTF-8 (byte "
+                             "%lld)", (long long)bad);
+    if (n == 0 || p[8] != '{')
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "safetensors: header does not start with '{'");
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithLengthOpts((const char *)p + 8, (size_t)n,
+                                            &end, 0);
+    if (!root)
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "safetensors: header is not valid JSON (or nests "
+                             "too deeply), near byte %lld",
+                             (long long)(cJSON_GetErrorPtr()
+                                 ? cJSON_GetErrorPtr() - (const char *)p - 8
+                                 : 0));
+    for (const char *c = end; c < (const char *)p + 8 + n; c++)
+        if (*c != ' ' && *c != '\t' && *c != '\n' && *c != '\r') {
+            cJSON_Delete(root);
+            return mha_set_error(MHA_ERR_FORMAT,
+                                 "safetensors: trailing bytes after the JSON "
+                                 "header object");
+        }
+    if (!cJSON_IsObject(root)) {
+        cJSON_Delete(root);
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "safetensors: header is not a JSON object");
+    }
+    mha_tensor_file *f = calloc(1, sizeof *f);
+    if (!f) {
+        cJSON_Delete(root);
+        return mha_set_error(MHA_ERR_OUT_OF_MEMORY,
+                             "safetensors: cannot allocate");
+    }
+    mha_status st = parse_header(f, root, p + 8 + n, size - 8 - n);
+    cJSON_Delete(root);
+    if (st != MHA_OK) {
+        mha_tensor_file_free(f);
+        return st;
+    }
+    *out = f;
+    return MHA_OK;
+}
+
+mha_status mha_safetensors_load(const char *path, mha_tensor_file **out)
+{
+    if (!out)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "output handle is NULL");
+    *out = NULL;
+    unsigned char *data;
+    size_t size;
+    MHA_CHECK(mha_read_file(path, SIZE_MAX - 1, "safetensors", &data, &size));
+    mha_status st = mha_safetensors_parse(data, size, out);
+    free(data);
+    if (st != MHA_OK) {
+        /* Prefix the path to the parser's message. */
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", mha_last_error());
+        mha_set_error(st, "%s: %s", path, msg);
+    }
+    return st;
+}
+
+int mha_tensor_file_count(const mha_tensor_file *f) { return f ? f->count : 0; }
+
+const mha_tensor *mha_tensor_file_at(const mha_tensor_file *f, int index)
+{
+    return f && index >= 0 && index < f->count ? &f->tensors[index] : NULL;
+}
+
+const mha_tensor *mha_tensor_file_find(const mha_tensor_file *f,
+                                       const char *name)
+{
+    if (!f || !name)
+        return NULL;
+    for (int k = 0; k < f->count; k++)
+        if (!strcmp(f->tensors[k].name, name))
+            return &f->tensors[k];
+    return NULL;
+}
+
+const char *mha_tensor_file_metadata(const mha_tensor_file *f, const char *key)
+{
+    if (!f || !key)
+        return NULL;
+    for (int k = 0; k < f->n_meta; k++)
+        if (!strcmp(f->meta_keys[k], key))
+            return f->meta_values[k];
+    return NULL;
+}
+
+/* ---- writing ------------------------------------------------------------ */
+
+mha_status mha_safetensors_save(const char *path, const mha_tensor_view *t,
+                                int n, const char *const *meta_keys,
+                                const char *const *meta_values, int n_meta)
+{
+    if (!path)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "output path is NULL");
+    if (n < 0 || n_meta < 0 || (n && !t) ||
+        (n_meta && (!meta_keys || !meta_values)))
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "safetensors: bad tensor or metadata list");
+    cJSON *root = cJSON_CreateObject();
+    mha_status st = root ? MHA_OK
+                         : mha_set_error(MHA_ERR_OUT_OF_MEMORY,
+                                         "safetensors: cannot build header");
+    if (st == MHA_OK && n_meta > 0) {
+        cJSON *meta = cJSON_AddObjectToObject(root, "__metadata__");
+        for (int k = 0; meta && k < n_meta; k++)
+            if (!meta_keys[k] || !meta_values[k] ||
+                !cJSON_AddStringToObject(meta, meta_keys[k], meta_values[k]))
+                meta = NULL;
+        if (!meta)
+            st = mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                               "safetensors: bad metadata entry");
+    }
+    int64_t offset = 0;
+    for (int k = 0; st == MHA_OK && k < n; k++) {
+        const mha_tensor_view *v = &t[k];
+        size_t es = mha_dtype_size(v->dtype);
+        int64_t numel = 1, bytes;
+        if (!v->name || !*v->name || !strcmp(v->name, "__metadata__") ||
+            cJSON_GetObjectItemCaseSensitive(root, v->name)) {
+            st = mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                               "safetensors: tensor %d has a missing, "
+                               "reserved or duplicate name", k);
+            break;
+        }
+        if (!es || v->ndim < 0 || v->ndim > MHA_MAX_NDIM) {
+            st = mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                               "safetensors: tensor '%s' has a bad dtype or "
+                               "rank", v->name);
+            break;
+        }
+        for (int d = 0; d < v->ndim && st == MHA_OK; d++)
+            if (!mha_mul_ok(numel, v->shape[d], &numel))
+                st = mha_set_error(MHA_ERR_OVERFLOW,
+                                   "safetensors: tensor '%s' shape overflows",
+                                   v->name);
+        if (st == MHA_OK && (!mha_mul_ok(numel, (int64_t)es, &bytes) ||
+                             (numel && !v->data)))
+            st = mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                               "safetensors: tensor '%s' has no data or too "
+                               "many bytes", v->name);
+        if (st != MHA_OK)
+            break;
+        cJSON *e = cJSON_AddObjectToObject(root, v->name);
+        cJSON *shape = e ? cJSON_AddArrayToObject(e, "shape") : NULL;
+        cJSON *offs = e ? cJSON_AddArrayToObject(e, "data_offsets") : NULL;
+        int ok = e && shape && offs &&
+                 cJSON_AddStringToObject(e, "dtype", mha_dtype_name(v->dtype));
+        for (int d = 0; ok && d < v->ndim; d++)
+            ok = cJSON_AddItemToArray(shape,
+                                      cJSON_CreateNumber((double)v->shape[d]));
+        ok = ok && cJSON_AddItemToArray(offs, cJSON_CreateNumber((double)offset)) &&
+             cJSON_AddItemToArray(offs,
+                                  cJSON_CreateNumber((double)(offset + bytes)));
+        if (!ok)
+            st = mha_set_error(MHA_ERR_OUT_OF_MEMORY,
+                               "safetensors: cannot build header");
+        offset += bytes;
+    }
+    char *json = st == MHA_OK ? cJSON_PrintUnformatted(root) : NULL;
+    cJSON_Delete(root);
+    if (st == MHA_OK && !json)
+        st = mha_set_error(MHA_ERR_OUT_OF_MEMORY,
+                           "safetensors: cannot print header");
+    if (st != MHA_OK) {
+        free(json);
+        return st;
+    }
+    /* Pad the header with spaces so the data buffer starts 8-aligned. */
+    size_t jl = strlen(json), hl = (jl + 7) / 8 * 8;
+    char *header = malloc(8 + hl);
+    const void **chunks = malloc(((size_t)n + 1) * sizeof *chunks);
+    size_t *sizes = malloc(((size_t)n + 1) * sizeof *sizes);
+    if (!header || !chunks || !sizes) {
+        free(json); free(header); free(chunks); free(sizes);
+        return mha_set_error(MHA_ERR_OUT_OF_MEMORY,
+                             "safetensors: cannot allocate header");
+    }
+    for (int k = 0; k < 8; k++)
+        header[k] = (char)((uint64_t)hl >> (8 * k));
+    memcpy(header + 8, json, jl);
+    memset(header + 8 + jl, ' ', hl - jl);
+    free(json);
+    chunks[0] = header;
+    sizes[0] = 8 + hl;
+    for (int k = 0; k < n; k++) {
+        int64_t numel = 1;
+        for (int d = 0; d < t[k].ndim; d++)
+            numel *= t[k].shape[d];
+        chunks[k + 1] = t[k].data;
+        sizes[k + 1] = (size_t)numel * mha_dtype_size(t[k].dtype);
+    }
+    st = mha_write_file_atomic(path, chunks, sizes, n + 1);
+    free(header);
+    free(chunks);
+    free(sizes);
+    return st;
+}

@@ -1,0 +1,84 @@
+#include "args.h"
+
+#include "tool.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+int tool_parse(const char *cmd, int argc, char **argv, tool_opt *opts, int n,
+               const char **positional, int max_pos, int *n_pos, int *help)
+{
+    *n_pos = 0;
+    *help = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            *help = 1;
+            return 0;
+        }
+        if (strncmp(a, "--", 2) != 0) {
+            if (*n_pos >= max_pos)
+                return tool_fail(cmd, "unexpected argument '%s'", a);
+            positional[(*n_pos)++] = a;
+            continue;
+        }
+        const char *name = a + 2, *eq = strchr(name, '=');
+        size_t len = eq ? (size_t)(eq - name) : strlen(name);
+        tool_opt *o = NULL;
+        for (int k = 0; k < n; k++)
+            if (strlen(opts[k].name) == len && !strncmp(opts[k].name, name, len))
+                o = &opts[k];
+        if (!o)
+            return tool_fail(cmd, "unknown option '--%.*s' (see mha %s --help)",
+                             (int)len, name, cmd);
+        if (o->value)
+            return tool_fail(cmd, "option --%s given twice", o->name);
+        if (!o->takes_value) {
+            if (eq)
+                return tool_fail(cmd, "option --%s takes no value", o->name);
+            o->value = "";
+        } else if (eq) {
+            o->value = eq + 1;
+        } else {
+            if (i + 1 >= argc)
+                return tool_fail(cmd, "option --%s needs a value", o->name);
+            o->value = argv[++i];
+        }
+    }
+    return 0;
+}
+
+const char *tool_get(const tool_opt *opts, int n, const char *name)
+{
+    for (int k = 0; k < n; k++)
+        if (!strcmp(opts[k].name, name))
+            return opts[k].value;
+    return NULL;
+}
+
+int tool_int(const char *cmd, const char *name, const char *s, int64_t lo,
+             int64_t hi, int64_t *out)
+{
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (!*s || *end || errno || v < lo || v > hi)
+        return tool_fail(cmd, "--%s must be an integer in [%lld, %lld], got "
+                         "'%s'", name, (long long)lo, (long long)hi, s);
+    *out = v;
+    return 0;
+}
+
+int tool_float(const char *cmd, const char *name, const char *s, float *out)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (!*s || *end || errno || !isfinite(v))
+        return tool_fail(cmd, "--%s must be a finite number, got '%s'", name,
+                         s);
+    *out = (float)v;
+    return 0;
+}

@@ -1,0 +1,33 @@
+/*
+ * args.h -- a small, strict option parser for the `mha` subcommands.
+ *
+ * Options are `--name value`, `--name=value`, or bare flags.  Each
+ * subcommand lists its options in a table; anything else is an error.
+ */
+#ifndef MHA_TOOL_ARGS_H
+#define MHA_TOOL_ARGS_H
+
+#include <stdint.h>
+
+typedef struct tool_opt {
+    const char *name;      /* without the leading "--" */
+    int takes_value;
+    const char *value;     /* set by tool_parse: the value, or "" for a flag */
+} tool_opt;
+
+/*
+ * Parses argv[1..argc) against opts (n entries).  Positional arguments go
+ * to positional[0..*n_pos) (at most max_pos).  Returns 0, or prints a
+ * one-line error for `cmd` and returns 1.  A `--help` sets *help.
+ */
+int tool_parse(const char *cmd, int argc, char **argv, tool_opt *opts, int n,
+               const char **positional, int max_pos, int *n_pos, int *help);
+
+const char *tool_get(const tool_opt *opts, int n, const char *name);
+
+/* Strict conversions of an option value; on failure print and return 1. */
+int tool_int(const char *cmd, const char *name, const char *s, int64_t lo,
+             int64_t hi, int64_t *out);
+int tool_float(const char *cmd, const char *name, const char *s, float *out);
+
+#endif
