@@ -379,8 +379,9 @@ MHA_API mha_status mha_module_from_file(const mha_tensor_file *file,
 MHA_API mha_status mha_module_load(const char *path, int64_t num_heads,
                                    mha_module **out);
 /* Saves every parameter under its PyTorch name, float32, with the config
- * (embed_dim, num_heads, kdim, vdim, bias, add_bias_kv, add_zero_attn,
- * dropout, scale) in __metadata__. */
+ * in __metadata__ ("format": "pt", embed_dim, num_heads, kdim, vdim, bias,
+ * add_bias_kv, add_zero_attn, dropout, and scale when it was chosen rather
+ * than left to its default).  Atomic: on failure no file is left. */
 MHA_API mha_status mha_module_save(const mha_module *module, const char *path);
 
 /*

@@ -46,6 +46,7 @@ typedef struct mha_param {
 
 struct mha_module {
     mha_config cfg;              /* resolved: kdim, vdim, scale filled in */
+    int scale_given;             /* cfg.scale was chosen, not the default */
     int64_t head_dim;            /* d_h = E / H */
     int packed;                  /* kdim == vdim == E: in_proj_weight */
     int nparams;

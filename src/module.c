@@ -250,6 +250,7 @@ mha_status mha_create(const mha_config *config, mha_module **out)
     if (!m)
         return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate module");
     m->cfg = c;
+    m->scale_given = config->scale != 0.0f;
     m->head_dim = c.embed_dim / c.num_heads;
     m->packed = c.kdim == c.embed_dim && c.vdim == c.embed_dim;
     mha_status st = build_table(m);

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Tests of the `mha` command: exit codes, messages, and `mha example`
-# checked against NumPy (tests/check_example.py).
+# checked against NumPy (tests/check_example.py); `mha init`, `mha info` and
+# `mha forward`: each subcommand, each flag, each error path, and that a
+# failing `mha forward` leaves no output file (nor a temporary one) behind.
+# Inputs are made by `mha init` and by NumPy (Debian's /usr/bin/python3).
 set -u
 mha="$1"; here="$(cd "$(dirname "$0")" && pwd)"
 fails=0; passes=0
@@ -29,5 +32,363 @@ if /usr/bin/python3 -c "import numpy" 2>/dev/null; then
 else
   bad "python3-numpy is missing (scripts/install-deps.sh installs it)"
 fi
+
+# ---- mha init, mha info, mha forward ----------------------------------------
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+py=/usr/bin/python3
+
+same()   { if cmp -s "$1" "$2"; then ok; else bad "$3: $1 and $2 differ"; fi; }
+differ() { if cmp -s "$1" "$2"; then bad "$3: $1 and $2 are identical"; else ok; fi; }
+absent() {  # absent WHAT PATH...: none of the paths exists
+  local what="$1" p; shift
+  for p in "$@"; do
+    if [ -e "$p" ]; then bad "$what: $p exists"; return; fi
+  done
+  ok
+}
+
+# --help, and the usage line of each subcommand
+for c in forward init info; do
+  expect 0 "^usage: mha $c" -- "$mha" "$c" --help
+  expect 0 "^usage: mha $c" -- "$mha" "$c" -h
+done
+expect 0 "forward .*init .*info|forward" -- "$mha" --help
+
+# mha init: what it writes, and what info says of it
+W="$tmp/w.safetensors"
+expect 0 "" -- "$mha" init --embed-dim 8 --heads 2 --seed 1 --out "$W"
+expect 0 "^module: embed_dim=8 num_heads=2 head_dim=4 kdim=8 vdim=8 bias=true add_bias_kv=false add_zero_attn=false dropout=0 scale=0\.5$" \
+  -- "$mha" info "$W"
+expect 0 "^$W: 4 tensors$" -- "$mha" info "$W"
+expect 0 "^  in_proj_weight +F32 +\(24, 8\)$" -- "$mha" info "$W"
+expect 0 "^  out_proj\.bias +F32 +\(8\)$" -- "$mha" info "$W"
+expect 0 "^  num_heads = 2$" -- "$mha" info "$W"
+expect 0 "num_heads=4 head_dim=2" -- "$mha" info --heads 4 "$W"
+Wkv="$tmp/wkv.safetensors"
+expect 0 "" -- "$mha" init --embed-dim=8 --heads 2 --kdim 5 --vdim 7 --no-bias \
+  --add-bias-kv --add-zero-attn --dropout 0.25 --scale 0.3 --seed 2 --out "$Wkv"
+expect 0 "^module: embed_dim=8 num_heads=2 head_dim=4 kdim=5 vdim=7 bias=false add_bias_kv=true add_zero_attn=true dropout=0\.25 scale=0\.3$" \
+  -- "$mha" info "$Wkv"
+expect 0 "^  k_proj_weight +F32 +\(8, 5\)$" -- "$mha" info "$Wkv"
+expect 0 "^  v_proj_weight +F32 +\(8, 7\)$" -- "$mha" info "$Wkv"
+expect 0 "^  bias_k +F32 +\(1, 1, 8\)$" -- "$mha" info "$Wkv"
+if "$mha" info "$Wkv" | grep -qE "in_proj_bias|out_proj\.bias|in_proj_weight"; then
+  bad "init --no-bias --kdim: info lists in_proj_* or out_proj.bias"
+else ok; fi
+Wbkv="$tmp/wbkv.safetensors"
+expect 0 "" -- "$mha" init --embed-dim 8 --heads 2 --add-bias-kv --add-zero-attn \
+  --seed 3 --out "$Wbkv"
+expect 0 "" -- "$mha" init --embed-dim 8 --heads 2 --seed 1 --out "$tmp/w_again.safetensors"
+same "$W" "$tmp/w_again.safetensors" "init with the same seed"
+expect 0 "" -- "$mha" init --embed-dim 8 --heads 2 --seed 9 --out "$tmp/w9.safetensors"
+differ "$W" "$tmp/w9.safetensors" "init with another seed"
+
+# mha init: errors (and nothing written)
+I="$tmp/init_fail.safetensors"
+init_fail() {  # init_fail PATTERN ARGS...
+  local pat="$1"; shift
+  expect 1 "$pat" -- "$mha" init "$@"
+  absent "init $*" "$I"
+}
+init_fail "^mha init: --embed-dim is required" --heads 2 --seed 1 --out "$I"
+init_fail "^mha init: --heads is required" --embed-dim 8 --seed 1 --out "$I"
+init_fail "^mha init: --seed is required" --embed-dim 8 --heads 2 --out "$I"
+expect 1 "^mha init: --out is required" -- "$mha" init --embed-dim 8 --heads 2 --seed 1
+init_fail "^mha init: unknown option '--bogus'" --embed-dim 8 --heads 2 --seed 1 --bogus --out "$I"
+init_fail "^mha init: option --heads given twice" --embed-dim 8 --heads 2 --heads 2 --seed 1 --out "$I"
+init_fail "^mha init: --heads must be an integer .*got 'abc'" --embed-dim 8 --heads abc --seed 1 --out "$I"
+init_fail "^mha init: --heads must be an integer .*got '0'" --embed-dim 8 --heads 0 --seed 1 --out "$I"
+init_fail "^mha init: --embed-dim must be an integer .*got '8x'" --embed-dim 8x --heads 2 --seed 1 --out "$I"
+init_fail "^mha init: --kdim must be an integer .*got '-5'" --embed-dim 8 --heads 2 --kdim -5 --seed 1 --out "$I"
+init_fail "^mha init: --seed must be an integer in \[0, .*got '-1'" --embed-dim 8 --heads 2 --seed -1 --out "$I"
+init_fail "^mha init: --dropout must be a finite number, got 'nan'" --embed-dim 8 --heads 2 --dropout nan --seed 1 --out "$I"
+init_fail "^mha init: --scale must be a finite number, got 'inf'" --embed-dim 8 --heads 2 --scale inf --seed 1 --out "$I"
+init_fail "^mha init: dropout must be in \[0, 1\], got 1\.5" --embed-dim 8 --heads 2 --dropout 1.5 --seed 1 --out "$I"
+init_fail "^mha init: embed_dim 10 is not divisible by num_heads 3" --embed-dim 10 --heads 3 --seed 1 --out "$I"
+init_fail "^mha init: option --no-bias takes no value" --embed-dim 8 --heads 2 --no-bias=1 --seed 1 --out "$I"
+init_fail "^mha init: unexpected argument 'extra'" --embed-dim 8 --heads 2 --seed 1 --out "$I" extra
+expect 1 "^mha init: option --out needs a value" -- "$mha" init --embed-dim 8 --heads 2 --seed 1 --out
+expect 1 "^mha init: --out: .*nodir" -- "$mha" init --embed-dim 8 --heads 2 --seed 1 --out "$tmp/nodir/w.safetensors"
+absent "init into a missing directory" "$tmp/nodir"
+
+# mha info: errors
+echo "not a safetensors file" > "$tmp/text.safetensors"
+expect 1 "^mha info: expected one safetensors file" -- "$mha" info
+expect 1 "^mha info: unexpected argument" -- "$mha" info "$W" "$W"
+expect 1 "^mha info: .*cannot open .*missing\.safetensors" -- "$mha" info "$tmp/missing.safetensors"
+expect 1 "^mha info: .*safetensors" -- "$mha" info "$tmp/text.safetensors"
+expect 1 "^mha info: --heads must be an integer .*got 'abc'" -- "$mha" info --heads abc "$W"
+expect 1 "^mha info: --heads must be an integer .*got '0'" -- "$mha" info --heads 0 "$W"
+expect 1 "^mha info: unknown option '--embed-dim'" -- "$mha" info --embed-dim 8 "$W"
+expect 1 "^mha info: not a loadable nn.MultiheadAttention: .*divisible" -- "$mha" info --heads 3 "$W"
+
+if ! "$py" -c "import numpy" 2>/dev/null; then
+  bad "python3-numpy is missing: the mha forward tests need it (scripts/install-deps.sh installs it)"
+  echo "$passes passed, $fails failed"
+  exit 1
+fi
+
+# npy FILE EXPR: saves the NumPy expression (np.random seeded with 0)
+npy() {
+  "$py" -c "import sys, numpy as np; np.random.seed(0); np.save(sys.argv[1], eval(sys.argv[2]))" "$1" "$2" ||
+    bad "could not write $1"
+}
+# check WHAT EXPR FILE...: EXPR is true of a = np.load(FILE1), b = ..., c = ...
+check() {
+  local what="$1" expr="$2"; shift 2
+  if "$py" -c "
+import sys, numpy as np
+a, b, c = ([np.load(f) for f in sys.argv[2:]] + [None, None, None])[:3]
+sys.exit(0 if ($expr) else 1)" "$expr" "$@" 2>/dev/null; then ok
+  else bad "$what: not ($expr) for $*"; fi
+}
+# shape FILE 'float32 (2, 3, 8)'
+shape() { check "$1 is $2" "'%s %s' % (a.dtype, a.shape) == '$2'" "$1"; }
+
+# A state_dict without __metadata__, as PyTorch users save it.
+"$py" -c "
+import sys; sys.path.insert(0, sys.argv[1]); import st
+t, meta = st.load(sys.argv[2]); st.save(sys.argv[3], t)
+st.save(sys.argv[4], {'foo': t['out_proj.bias']}, {'num_heads': '2'})" \
+  "$here/torch_live" "$W" "$tmp/nometa.safetensors" "$tmp/foo.safetensors" ||
+  bad "could not write nometa.safetensors"
+expect 1 "^mha info: not a loadable nn.MultiheadAttention: .*num_heads" -- "$mha" info "$tmp/nometa.safetensors"
+expect 0 "^module: embed_dim=8 num_heads=2 " -- "$mha" info --heads 2 "$tmp/nometa.safetensors"
+expect 1 "^mha info: not a loadable nn.MultiheadAttention: .*foo" -- "$mha" info "$tmp/foo.safetensors"
+head -c 100 "$W" > "$tmp/truncated.safetensors"
+
+d="$tmp"
+npy "$d/q.npy"     "np.random.randn(2, 3, 8).astype(np.float32)"
+npy "$d/q64.npy"   "np.random.randn(2, 3, 8).astype(np.float32).astype(np.float64)"
+npy "$d/q1.npy"    "np.random.randn(3, 8).astype(np.float32)"
+npy "$d/q5.npy"    "np.random.randn(2, 3, 5).astype(np.float32)"
+npy "$d/qint.npy"  "np.ones((2, 3, 8), np.int64)"
+npy "$d/q4d.npy"   "np.ones((1, 2, 3, 8), np.float32)"
+npy "$d/q0.npy"    "np.ones((2, 0, 8), np.float32)"
+npy "$d/k.npy"     "np.random.randn(2, 4, 8).astype(np.float32)"
+npy "$d/v.npy"     "np.random.randn(2, 4, 8).astype(np.float32) + 1"
+npy "$d/k3b.npy"   "np.random.randn(3, 4, 8).astype(np.float32)"
+npy "$d/k2d.npy"   "np.random.randn(4, 8).astype(np.float32)"
+npy "$d/v5.npy"    "np.random.randn(2, 5, 8).astype(np.float32)"
+npy "$d/k5.npy"    "np.random.randn(2, 4, 5).astype(np.float32)"
+npy "$d/v7.npy"    "np.random.randn(2, 4, 7).astype(np.float32)"
+npy "$d/m_int.npy" "np.ones((3, 3), np.int64)"
+npy "$d/m_bad.npy" "np.ones((3, 5), bool)"
+npy "$d/m_tril.npy" "np.tril(np.ones((3, 3), bool))"
+npy "$d/m_br.npy"  "np.arange(4)[None, :] <= np.arange(3)[:, None] + 1"
+npy "$d/m_tl.npy"  "np.arange(4)[None, :] <= np.arange(3)[:, None]"
+npy "$d/m_add.npy" "np.where(np.tril(np.ones((3, 3), bool)), 0, -np.inf).astype(np.float32)"
+npy "$d/km.npy"    "np.arange(3)[None, :] < np.array([2, 3])[:, None]"
+npy "$d/km_f.npy"  "np.ones((2, 3), np.float32)"
+npy "$d/kl.npy"    "np.array([2, 3], np.int64)"
+npy "$d/kl32.npy"  "np.array([2, 3], np.int32)"
+npy "$d/kl0.npy"   "np.array([0, 3], np.int64)"
+npy "$d/kl1.npy"   "np.array([2], np.int64)"
+npy "$d/kl_oob.npy" "np.array([1, 9], np.int64)"
+npy "$d/kl_f.npy"  "np.array([1.0, 2.0])"
+
+# mha forward: errors.  Every failing run gets --out (and most get
+# --attn-weights) in an empty directory that must stay empty.
+mkdir "$d/out"
+O="$d/out/o.npy"; A="$d/out/a.npy"
+fail_fwd() {  # fail_fwd PATTERN ARGS...
+  local pat="$1"; shift
+  expect 1 "$pat" -- "$mha" forward "$@"
+  if [ -n "$(ls -A "$d/out")" ]; then
+    bad "forward $* left files behind: $(ls -A "$d/out")"
+    rm -f "$d/out/"* "$d/out/".[!.]*
+  else ok; fi
+}
+base=(--weights "$W" --query "$d/q.npy" --out "$O" --attn-weights "$A")
+fail_fwd "^mha forward: --weights is required" --query "$d/q.npy" --out "$O"
+fail_fwd "^mha forward: --query is required" --weights "$W" --out "$O"
+expect 1 "^mha forward: --out is required" -- "$mha" forward --weights "$W" --query "$d/q.npy"
+fail_fwd "^mha forward: unknown option '--bogus'" "${base[@]}" --bogus
+fail_fwd "^mha forward: unknown option '--q'" "${base[@]}" --q "$d/q.npy"
+fail_fwd "^mha forward: option --query given twice" "${base[@]}" --query "$d/q.npy"
+fail_fwd "^mha forward: option --causal takes no value" "${base[@]}" --causal=1
+fail_fwd "^mha forward: unexpected argument" "${base[@]}" "$d/q.npy"
+expect 1 "^mha forward: option --heads needs a value" -- "$mha" forward "${base[@]}" --heads
+fail_fwd "^mha forward: --heads must be an integer .*got 'abc'" "${base[@]}" --heads abc
+fail_fwd "^mha forward: --heads must be an integer .*got '0'" "${base[@]}" --heads 0
+fail_fwd "^mha forward: --heads must be an integer .*got '-2'" "${base[@]}" --heads -2
+fail_fwd "^mha forward: --seed must be an integer in \[0, .*got '-1'" "${base[@]}" --train --seed -1
+fail_fwd "^mha forward: --seed must be an integer .*got 'x'" "${base[@]}" --train --seed x
+fail_fwd "^mha forward: --dropout must be a finite number, got 'nan'" "${base[@]}" --train --dropout nan
+fail_fwd "^mha forward: --dropout must be a finite number, got ''" "${base[@]}" --train --dropout=
+fail_fwd "dropout must be in \[0, 1\], got 1\.5" "${base[@]}" --train --dropout 1.5
+fail_fwd "^mha forward: --scale must be nonzero" "${base[@]}" --scale 0
+fail_fwd "^mha forward: --scale must be a finite number, got 'abc'" "${base[@]}" --scale abc
+fail_fwd "^mha forward: --scale must be a finite number, got 'inf'" "${base[@]}" --scale inf
+fail_fwd "^mha forward: --weights: .*cannot open .*missing\.safetensors" \
+  --weights "$d/missing.safetensors" --query "$d/q.npy" --out "$O" --attn-weights "$A"
+fail_fwd "^mha forward: --weights: .*safetensors" \
+  --weights "$d/text.safetensors" --query "$d/q.npy" --out "$O" --attn-weights "$A"
+fail_fwd "^mha forward: --weights: .*safetensors" \
+  --weights "$d/truncated.safetensors" --query "$d/q.npy" --out "$O" --attn-weights "$A"
+fail_fwd "^mha forward: --weights: .*safetensors" \
+  --weights "$d/q.npy" --query "$d/q.npy" --out "$O" --attn-weights "$A"
+fail_fwd "^mha forward: --weights .*: .*num_heads" \
+  --weights "$d/nometa.safetensors" --query "$d/q.npy" --out "$O" --attn-weights "$A"
+fail_fwd "^mha forward: --weights .*: .*foo" \
+  --weights "$d/foo.safetensors" --query "$d/q.npy" --out "$O" --attn-weights "$A"
+fail_fwd "^mha forward: --weights .*: embed_dim 8 is not divisible by num_heads 3" "${base[@]}" --heads 3
+fail_fwd "^mha forward: --query: .*missing\.npy" \
+  --weights "$W" --query "$d/missing.npy" --out "$O" --attn-weights "$A"
+fail_fwd "^mha forward: --query: " \
+  --weights "$W" --query "$d/text.safetensors" --out "$O" --attn-weights "$A"
+fail_fwd "^mha forward: --query has last dimension 5, expected E = 8" \
+  --weights "$W" --query "$d/q5.npy" --out "$O" --attn-weights "$A"
+fail_fwd "^mha forward: --query must hold floats, got I64" \
+  --weights "$W" --query "$d/qint.npy" --out "$O" --attn-weights "$A"
+fail_fwd "^mha forward: --query must be \(B, L, E\) or \(L, E\), got \(1, 2, 3, 8\)" \
+  --weights "$W" --query "$d/q4d.npy" --out "$O" --attn-weights "$A"
+fail_fwd "^mha forward: --query is empty" \
+  --weights "$W" --query "$d/q0.npy" --out "$O" --attn-weights "$A"
+fail_fwd "^mha forward: --key must have the query's batch \(2\)" "${base[@]}" --key "$d/k3b.npy"
+fail_fwd "^mha forward: --key must have the query's batch \(2\) and rank" "${base[@]}" --key "$d/k2d.npy"
+fail_fwd "^mha forward: --key has last dimension 5, expected kdim = 8" "${base[@]}" --key "$d/k5.npy"
+fail_fwd "^mha forward: --value must have the key's batch and length \(2, 4\)" \
+  "${base[@]}" --key "$d/k.npy" --value "$d/v5.npy"
+fail_fwd "^mha forward: --value needs --key" "${base[@]}" --value "$d/v.npy"
+fail_fwd "^mha forward: --per-head needs --attn-weights" --weights "$W" --query "$d/q.npy" --out "$O" --per-head
+fail_fwd "^mha forward: --dropout and --seed apply only with --train" "${base[@]}" --dropout 0.5
+fail_fwd "^mha forward: --dropout and --seed apply only with --train" "${base[@]}" --seed 3
+fail_fwd "^mha forward: --causal and --causal-top-left exclude each other" "${base[@]}" --causal --causal-top-left
+fail_fwd "^mha forward: --attn-mask must be bool \(allow\) or float \(additive\), got I64" "${base[@]}" --attn-mask "$d/m_int.npy"
+fail_fwd "^mha forward: attn_mask has last dimensions \(3, 5\), expected \(Lq=3, Lk=3\)" "${base[@]}" --attn-mask "$d/m_bad.npy"
+fail_fwd "^mha forward: --attn-mask: .*missing\.npy" "${base[@]}" --attn-mask "$d/missing.npy"
+fail_fwd "^mha forward: --key-mask must be bool \(true = real key\), got F32" "${base[@]}" --key-mask "$d/km_f.npy"
+fail_fwd "^mha forward: --key-lengths must be \(B\) = \(2\), got 1 values" "${base[@]}" --key-lengths "$d/kl1.npy"
+fail_fwd "^mha forward: --key-lengths must hold integers, got F64" "${base[@]}" --key-lengths "$d/kl_f.npy"
+fail_fwd "^mha forward: key_lengths\[1\] = 9 is outside \[0, Lk=3\]" "${base[@]}" --key-lengths "$d/kl_oob.npy"
+fail_fwd "^mha forward: the module has kdim 5 != E 8: give --key" \
+  --weights "$Wkv" --query "$d/q.npy" --out "$O" --attn-weights "$A"
+fail_fwd "^mha forward: the module has vdim 7: give --value" \
+  --weights "$Wkv" --query "$d/q.npy" --key "$d/k5.npy" --out "$O" --attn-weights "$A"
+# the --out directory does not exist; then --attn-weights's does not: the
+# output already written must be removed again
+fail_fwd "^mha forward: --out: .*nodir" --weights "$W" --query "$d/q.npy" \
+  --out "$d/nodir/o.npy" --attn-weights "$A"
+absent "forward into a missing directory" "$d/nodir"
+fail_fwd "^mha forward: --attn-weights: .*nodir" --weights "$W" --query "$d/q.npy" \
+  --out "$O" --attn-weights "$d/nodir/a.npy"
+absent "forward into a missing directory" "$d/nodir"
+
+# mha forward: what it writes
+o="$d/o"; mkdir "$o"
+expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --out "$o/self.npy"
+shape "$o/self.npy" "float32 (2, 3, 8)"
+expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q1.npy" --out "$o/unb.npy" \
+  --attn-weights "$o/unb_w.npy" --per-head
+shape "$o/unb.npy" "float32 (3, 8)"
+shape "$o/unb_w.npy" "float32 (2, 3, 3)"
+check "unbatched = the first batch row of a batched run" \
+  "np.allclose(a, b[0], rtol=0, atol=1e-6)" \
+  "$o/unb.npy" "$o/self.npy"  # q1 holds the same first draws as q
+expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --out "$o/avg.npy" \
+  --attn-weights "$o/avg_w.npy"
+shape "$o/avg_w.npy" "float32 (2, 3, 3)"
+same "$o/self.npy" "$o/avg.npy" "asking for weights changes the output"
+check "weights rows sum to 1" "np.allclose(a.sum(-1), 1, atol=1e-6)" "$o/avg_w.npy"
+expect 0 "" -- "$mha" forward --weights="$W" --query="$d/q.npy" --out="$o/ph.npy" \
+  --attn-weights="$o/ph_w.npy" --per-head
+shape "$o/ph_w.npy" "float32 (2, 2, 3, 3)"
+check "the average of the per-head weights" "np.allclose(a.mean(1), b, atol=1e-6)" \
+  "$o/ph_w.npy" "$o/avg_w.npy"
+expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q64.npy" --out "$o/q64.npy"
+shape "$o/q64.npy" "float32 (2, 3, 8)"
+expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --key "$d/k.npy" \
+  --out "$o/cross.npy" --attn-weights "$o/cross_w.npy"
+shape "$o/cross.npy" "float32 (2, 3, 8)"
+shape "$o/cross_w.npy" "float32 (2, 3, 4)"
+expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --key "$d/k.npy" \
+  --value "$d/v.npy" --out "$o/cross_v.npy"
+differ "$o/cross.npy" "$o/cross_v.npy" "--value is ignored"
+expect 0 "" -- "$mha" forward --weights "$Wkv" --query "$d/q.npy" --key "$d/k5.npy" \
+  --value "$d/v7.npy" --out "$o/kv.npy" --attn-weights "$o/kv_w.npy" --per-head
+shape "$o/kv.npy" "float32 (2, 3, 8)"
+shape "$o/kv_w.npy" "float32 (2, 2, 3, 6)"   # Lk 4 + bias_k + zero key
+expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --key "$d/k.npy" \
+  --add-zero-attn --out "$o/za.npy" --attn-weights "$o/za_w.npy"
+shape "$o/za_w.npy" "float32 (2, 3, 5)"
+check "--add-zero-attn: the zero key has weight > 0" "(a[..., -1] > 0).all()" "$o/za_w.npy"
+expect 0 "" -- "$mha" forward --weights "$Wbkv" --query "$d/q.npy" --out "$o/bkv.npy" \
+  --attn-weights "$o/bkv_w.npy"
+shape "$o/bkv_w.npy" "float32 (2, 3, 5)"       # Lk 3 + bias_k + zero key
+expect 0 "" -- "$mha" forward --weights "$d/nometa.safetensors" --heads 2 \
+  --query "$d/q.npy" --out "$o/nometa.npy"
+same "$o/self.npy" "$o/nometa.npy" "--heads 2 on the same weights without metadata"
+expect 0 "" -- "$mha" forward --weights "$W" --heads 4 --query "$d/q.npy" --out "$o/h4.npy"
+differ "$o/self.npy" "$o/h4.npy" "--heads 4 overriding the file's 2 heads"
+
+# --scale
+expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --scale 0.5 --out "$o/s05.npy"
+same "$o/self.npy" "$o/s05.npy" "--scale 0.5 = the default 1/sqrt(4)"
+expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --scale 1 --out "$o/s1.npy"
+differ "$o/self.npy" "$o/s1.npy" "--scale 1"
+
+# dropout: --train --dropout P --seed S
+tr=(--weights "$W" --query "$d/q.npy" --train --dropout 0.5)
+expect 0 "" -- "$mha" forward "${tr[@]}" --seed 1 --out "$o/d1.npy" --attn-weights "$o/d1_w.npy" --per-head
+expect 0 "" -- "$mha" forward "${tr[@]}" --seed 1 --out "$o/d1b.npy" --attn-weights "$o/d1b_w.npy" --per-head
+expect 0 "" -- "$mha" forward "${tr[@]}" --seed 2 --out "$o/d2.npy"
+same "$o/d1.npy" "$o/d1b.npy" "--train --dropout 0.5 --seed 1 twice"
+same "$o/d1_w.npy" "$o/d1b_w.npy" "--train --dropout 0.5 --seed 1 twice (weights)"
+differ "$o/d1.npy" "$o/d2.npy" "--seed 1 vs --seed 2"
+differ "$o/d1.npy" "$o/self.npy" "--train --dropout 0.5 vs eval"
+check "dropped weights are 0, kept ones scaled by 2" \
+  "(a == 0).any() and np.allclose(a[a != 0], 2 * b[a != 0], atol=1e-6)" "$o/d1_w.npy" "$o/ph_w.npy"
+expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --train --dropout 0 \
+  --seed 5 --out "$o/d0.npy"
+same "$o/self.npy" "$o/d0.npy" "--train --dropout 0 vs eval"
+expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --train --out "$o/dfile.npy"
+same "$o/self.npy" "$o/dfile.npy" "--train with the file's dropout 0"
+expect 0 "" -- "$mha" forward --weights "$Wkv" --query "$d/q.npy" --key "$d/k5.npy" \
+  --value "$d/v7.npy" --train --seed 4 --out "$o/kvd.npy"
+differ "$o/kv.npy" "$o/kvd.npy" "--train with the file's dropout 0.25"
+
+# masks: --causal = a lower-triangular allow mask; both alignments
+expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --causal \
+  --out "$o/causal.npy" --attn-weights "$o/causal_w.npy"
+expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --attn-mask "$d/m_tril.npy" \
+  --out "$o/tril.npy" --attn-weights "$o/tril_w.npy"
+check "--causal = the tril bool mask" "np.allclose(a, b, rtol=0, atol=1e-6)" "$o/causal.npy" "$o/tril.npy"
+check "--causal = the tril bool mask (weights)" "np.allclose(a, b, rtol=0, atol=1e-7)" \
+  "$o/causal_w.npy" "$o/tril_w.npy"
+check "--causal weights are 0 above the diagonal" "(np.triu(a, 1) == 0).all()" "$o/causal_w.npy"
+expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --causal-top-left --out "$o/ctl_self.npy"
+check "--causal-top-left = --causal when Lq = Lk" "np.allclose(a, b, rtol=0, atol=1e-6)" \
+  "$o/ctl_self.npy" "$o/causal.npy"
+expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --attn-mask "$d/m_add.npy" --out "$o/addm.npy"
+check "a float -inf mask = the bool mask" "np.allclose(a, b, rtol=0, atol=1e-6)" "$o/addm.npy" "$o/tril.npy"
+ck=(--weights "$W" --query "$d/q.npy" --key "$d/k.npy")
+expect 0 "" -- "$mha" forward "${ck[@]}" --causal --out "$o/c_br.npy"
+expect 0 "" -- "$mha" forward "${ck[@]}" --attn-mask "$d/m_br.npy" --out "$o/m_br.npy"
+check "--causal with Lq=3, Lk=4 = bottom-right mask" "np.allclose(a, b, rtol=0, atol=1e-6)" \
+  "$o/c_br.npy" "$o/m_br.npy"
+expect 0 "" -- "$mha" forward "${ck[@]}" --causal-top-left --out "$o/c_tl.npy"
+expect 0 "" -- "$mha" forward "${ck[@]}" --attn-mask "$d/m_tl.npy" --out "$o/m_tl.npy"
+check "--causal-top-left with Lq=3, Lk=4 = tril mask" "np.allclose(a, b, rtol=0, atol=1e-6)" \
+  "$o/c_tl.npy" "$o/m_tl.npy"
+differ "$o/c_br.npy" "$o/c_tl.npy" "the two causal alignments with Lq != Lk"
+
+# key masks: --key-lengths = --key-mask; a batch with no key left
+expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --key-lengths "$d/kl.npy" \
+  --out "$o/kl.npy" --attn-weights "$o/kl_w.npy"
+expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --key-lengths "$d/kl32.npy" \
+  --out "$o/kl32.npy"
+expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --key-mask "$d/km.npy" \
+  --out "$o/km.npy"
+check "--key-lengths = --key-mask" "np.allclose(a, b, rtol=0, atol=1e-6)" "$o/kl.npy" "$o/km.npy"
+same "$o/kl.npy" "$o/kl32.npy" "--key-lengths int64 vs int32"
+check "--key-lengths 2: weight 0 on key 2 of batch 0" "(a[0, :, 2] == 0).all()" "$o/kl_w.npy"
+expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --key-lengths "$d/kl0.npy" \
+  --out "$o/kl0.npy" --attn-weights "$o/kl0_w.npy" --per-head
+check "no key left: output = out_proj.bias (0 after init), weights 0" \
+  "(a[0] == 0).all() and (b[0] == 0).all() and np.isfinite(a).all()" "$o/kl0.npy" "$o/kl0_w.npy"
+check "no key left in batch 0: batch 1 is as without a mask" \
+  "np.allclose(a[1], b[1], rtol=0, atol=1e-6)" "$o/kl0.npy" "$o/self.npy"
+
 echo "$passes passed, $fails failed"
 [ "$fails" -eq 0 ]

@@ -359,7 +359,9 @@ int cmd_init(int argc, char **argv)
          tool_int("init", "vdim", OPT("vdim"), 1, INT32_MAX, &c.vdim)) ||
         (OPT("dropout") &&
          tool_float("init", "dropout", OPT("dropout"), &c.dropout)) ||
-        (OPT("scale") && tool_float("init", "scale", OPT("scale"), &c.scale)) ||
+        (OPT("scale") && (tool_float("init", "scale", OPT("scale"), &c.scale) ||
+                          (c.scale == 0.0f &&
+                           tool_fail("init", "--scale must be nonzero")))) ||
         tool_int("init", "seed", OPT("seed"), 0, INT64_MAX, &seed))
         return 1;
     c.seed = (uint64_t)seed;

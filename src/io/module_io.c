@@ -46,10 +46,11 @@ static mha_status expect(const mha_tensor *t, const char *name, int ndim,
                          "expected [%s]", name, got, exp);
 }
 
-/* A strict integer / float / boolean from a metadata string. */
+/* A strict integer / float / boolean from a metadata string: the whole
+ * string, no leading space or '+' (which strtoll / strtod would skip). */
 static int meta_int(const char *s, int64_t *out)
 {
-    if (!s || !*s)
+    if (!s || !(*s == '-' || (*s >= '0' && *s <= '9')))
         return 0;
     char *end;
     errno = 0;
@@ -62,7 +63,7 @@ static int meta_int(const char *s, int64_t *out)
 
 static int meta_float(const char *s, float *out)
 {
-    if (!s || !*s)
+    if (!s || !(*s == '-' || *s == '.' || (*s >= '0' && *s <= '9')))
         return 0;
     char *end;
     errno = 0;
@@ -185,6 +186,10 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
     MHA_CHECK(expect(o_w, "out_proj.weight", 2, -1, -1, 0));
     const int64_t E = o_w->shape[0];
     MHA_CHECK(expect(o_w, "out_proj.weight", 2, E, E, 0));
+    if (E < 1)
+        return mha_set_error(MHA_ERR_SHAPE,
+                             "state_dict: out_proj.weight has shape [0, 0]: "
+                             "embed_dim must be > 0");
     if (in_w && (q_w || k_w || v_w))
         return mha_set_error(MHA_ERR_FORMAT,
                              "state_dict: both in_proj_weight and "
@@ -202,6 +207,15 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
         MHA_CHECK(expect(q_w, "q_proj_weight", 2, E, E, 0));
         MHA_CHECK(expect(k_w, "k_proj_weight", 2, E, -1, 0));
         MHA_CHECK(expect(v_w, "v_proj_weight", 2, E, -1, 0));
+        /* A width of 0 would mean "E" to mha_create, and the packing below
+         * would then read E * E floats from an empty tensor. */
+        if (k_w->shape[1] < 1 || v_w->shape[1] < 1)
+            return mha_set_error(MHA_ERR_SHAPE,
+                                 "state_dict: %s has shape [%lld, 0]: kdim "
+                                 "and vdim must be > 0",
+                                 k_w->shape[1] < 1 ? "k_proj_weight"
+                                                   : "v_proj_weight",
+                                 (long long)E);
         c.kdim = k_w->shape[1];
         c.vdim = v_w->shape[1];
     }
@@ -240,6 +254,17 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
     }
 
     MHA_CHECK(check_metadata_agrees(f, &c));
+    /* Every value finite, named as the file names it (q/k/v_proj_weight
+     * may be packed into in_proj_weight below). */
+    for (int k = 0; k < mha_tensor_file_count(f); k++) {
+        const mha_tensor *t = mha_tensor_file_at(f, k);
+        const float *x = t->data;
+        for (int64_t i = 0; i < t->numel; i++)
+            if (!isfinite(x[i]))
+                return mha_set_error(MHA_ERR_NON_FINITE,
+                                     "state_dict: %s element %lld is %g",
+                                     t->name, (long long)i, (double)x[i]);
+    }
 
     mha_module *m;
     MHA_CHECK(mha_create(&c, &m));
@@ -309,10 +334,13 @@ mha_status mha_module_save(const mha_module *m, const char *path)
     snprintf(v[6], 32, "%s", c->add_zero_attn ? "true" : "false");
     snprintf(v[7], 32, "%.9g", (double)c->dropout);
     snprintf(v[8], 32, "%.9g", (double)c->scale);
-    const char *keys[10] = {"embed_dim", "num_heads", "kdim", "vdim", "bias",
-                            "add_bias_kv", "add_zero_attn", "dropout", "scale",
-                            "format"};
-    const char *vals[10] = {v[0], v[1], v[2], v[3], v[4],
-                            v[5], v[6], v[7], v[8], "pt"};
-    return mha_safetensors_save(path, views, m->nparams, keys, vals, 10);
+    /* A default scale is not written: it follows num_heads, so a file
+     * loaded with another head count gets that count's default. */
+    const char *keys[10] = {"format", "embed_dim", "num_heads", "kdim", "vdim",
+                            "bias", "add_bias_kv", "add_zero_attn", "dropout",
+                            "scale"};
+    const char *vals[10] = {"pt", v[0], v[1], v[2], v[3],
+                            v[4], v[5], v[6], v[7], v[8]};
+    return mha_safetensors_save(path, views, m->nparams, keys, vals,
+                                m->scale_given ? 10 : 9);
 }

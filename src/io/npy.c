@@ -119,7 +119,8 @@ static mha_status lex_string(npy_lexer *lx, char *buf, size_t cap,
     const unsigned char quote = *lx->p++;
     size_t n = 0;
     for (;;) {
-        if (lx->p >= lx->end)
+        /* A Python string literal cannot span lines. */
+        if (lx->p >= lx->end || *lx->p == '\n')
             return mha_set_error(MHA_ERR_FORMAT,
                                  "npy: malformed header: unterminated "
                                  "string in %s", what);

@@ -14,7 +14,9 @@
  * element size (checked) equal to the byte range; ranges sorted,
  * contiguous, non-overlapping and covering the buffer exactly; no
  * duplicate names; __metadata__ maps strings to strings.  JSON is parsed
- * by cJSON, whose nesting limit refuses absurdly deep documents.
+ * by cJSON, whose nesting limit refuses absurdly deep documents, after a
+ * lexical scan that refuses what cJSON alone would wrongly accept (control
+ * characters, numbers such as "+1", "01", ".5").
  *
  * Assumes a little-endian host (x86-64, AArch64), as the format does.
  */
@@ -29,6 +31,7 @@
 #define MAX_HEADER 100000000ULL
 /* JSON numbers are doubles: integers are exact up to 2^53. */
 #define MAX_JSON_INT 9007199254740992.0
+#define MAX_JSON_INT_I ((int64_t)1 << 53)
 
 struct mha_tensor_file {
     int count;
@@ -141,6 +144,73 @@ static int64_t utf8_invalid_at(const unsigned char *s, size_t n)
     return -1;
 }
 
+/*
+ * cJSON is more lenient than JSON (RFC 8259) and the reference reader: it
+ * skips every byte <= 0x20 as whitespace (so "{\0}" parses as {}), keeps
+ * raw control characters inside strings, and reads numbers with strtod
+ * ("+1", "01", ".5", "1." pass).  This scan refuses those before cJSON
+ * sees the header.  Returns the offset of the first offence, or -1.
+ */
+static int is_digit(unsigned char c) { return c >= '0' && c <= '9'; }
+
+static int64_t json_lexically_invalid_at(const unsigned char *s, size_t n,
+                                         const char **why)
+{
+    size_t i = 0;
+    while (i < n) {
+        const unsigned char c = s[i];
+        if (c == '"') {
+            for (i++; i < n && s[i] != '"'; i++) {
+                if (s[i] < 0x20) {
+                    *why = "a raw control character in a string";
+                    return (int64_t)i;
+                }
+                if (s[i] == '\\')
+                    i++;   /* the escaped byte: cJSON checks which it is */
+            }
+            i++;
+        } else if (c < 0x20 && c != '\t' && c != '\n' && c != '\r') {
+            *why = "a control character";
+            return (int64_t)i;
+        } else if (c == '-' || c == '+' || c == '.' || is_digit(c)) {
+            /* -?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)? and then no
+             * character that could continue a number. */
+            const size_t start = i;
+            int ok = 1;
+            if (s[i] == '-')
+                i++;
+            if (i < n && s[i] == '0')
+                i++;
+            else if (i < n && s[i] >= '1' && s[i] <= '9')
+                while (i < n && is_digit(s[i]))
+                    i++;
+            else
+                ok = 0;
+            if (ok && i < n && s[i] == '.') {
+                ok = ++i < n && is_digit(s[i]);
+                while (i < n && is_digit(s[i]))
+                    i++;
+            }
+            if (ok && i < n && (s[i] == 'e' || s[i] == 'E')) {
+                if (++i < n && (s[i] == '+' || s[i] == '-'))
+                    i++;
+                ok = i < n && is_digit(s[i]);
+                while (i < n && is_digit(s[i]))
+                    i++;
+            }
+            if (!ok || (i < n && (is_digit(s[i]) || s[i] == '.' ||
+                                  s[i] == '+' || s[i] == '-' ||
+                                  s[i] == 'e' || s[i] == 'E'))) {
+                *why = "a malformed number";
+                return (int64_t)start;
+            }
+        } else {
+            i++;
+        }
+    }
+    return -1;
+}
+
 /* A JSON number that is an exact integer in [0, 2^53]. */
 static int json_uint(const cJSON *j, int64_t *out)
 {
@@ -213,6 +283,7 @@ static mha_status parse_metadata(mha_tensor_file *f, const cJSON *meta)
 
 typedef struct entry {
     const cJSON *json;
+    int index;         /* position in the header: ties keep header order */
     int64_t begin, end;
     mha_tensor t;      /* every field but name and data */
 } entry;
@@ -227,7 +298,8 @@ static int by_offset(const void *a, const void *b)
 {
     const entry *x = a, *y = b;
     return x->begin < y->begin ? -1 : x->begin > y->begin ? 1
-         : x->end < y->end ? -1 : x->end > y->end;
+         : x->end < y->end ? -1 : x->end > y->end ? 1
+         : (x->index > y->index) - (x->index < y->index);
 }
 
 /* Checks one tensor entry's fields and fills t (without data). */
@@ -328,7 +400,8 @@ static mha_status parse_header(mha_tensor_file *f, const cJSON *root,
     int k = 0;
     for (const cJSON *e = root->child; e && st == MHA_OK; e = e->next)
         if (strcmp(e->string, "__metadata__"))
-            st = parse_entry(e, &spans[k].t, &spans[k]), k++;
+            spans[k].index = k, st = parse_entry(e, &spans[k].t, &spans[k]),
+            k++;
     /* Duplicate names: sort pointers by name, compare neighbours. */
     entry **names = st == MHA_OK ? malloc(((size_t)n + 1) * sizeof *names)
                                  : NULL;
@@ -419,6 +492,12 @@ mha_status mha_safetensors_parse(const void *bytes, size_t size,
     if (n == 0 || p[8] != '{')
         return mha_set_error(MHA_ERR_FORMAT,
                              "safetensors: header does not start with '{'");
+    const char *why = NULL;
+    bad = json_lexically_invalid_at(p + 8, (size_t)n, &why);
+    if (bad >= 0)
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "safetensors: header is not valid JSON: %s at "
+                             "byte %lld", why, (long long)bad);
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts((const char *)p + 8, (size_t)n,
                                             &end, 0);
@@ -506,6 +585,11 @@ const char *mha_tensor_file_metadata(const mha_tensor_file *f, const char *key)
 
 /* ---- writing ------------------------------------------------------------ */
 
+static int utf8_ok(const char *s)
+{
+    return utf8_invalid_at((const unsigned char *)s, strlen(s)) < 0;
+}
+
 mha_status mha_safetensors_save(const char *path, const mha_tensor_view *t,
                                 int n, const char *const *meta_keys,
                                 const char *const *meta_values, int n_meta)
@@ -516,6 +600,23 @@ mha_status mha_safetensors_save(const char *path, const mha_tensor_view *t,
         (n_meta && (!meta_keys || !meta_values)))
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "safetensors: bad tensor or metadata list");
+    /* Refuse what would make a file that no reader accepts: names and
+     * metadata that are not UTF-8, duplicate metadata keys. */
+    for (int k = 0; k < n_meta; k++) {
+        if (!meta_keys[k] || !meta_values[k])
+            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                 "safetensors: metadata entry %d has a NULL "
+                                 "key or value", k);
+        if (!utf8_ok(meta_keys[k]) || !utf8_ok(meta_values[k]))
+            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                 "safetensors: metadata entry %d is not "
+                                 "valid UTF-8", k);
+        for (int j = 0; j < k; j++)
+            if (!strcmp(meta_keys[j], meta_keys[k]))
+                return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                     "safetensors: duplicate metadata key "
+                                     "'%s'", meta_keys[k]);
+    }
     cJSON *root = cJSON_CreateObject();
     mha_status st = root ? MHA_OK
                          : mha_set_error(MHA_ERR_OUT_OF_MEMORY,
@@ -523,12 +624,11 @@ mha_status mha_safetensors_save(const char *path, const mha_tensor_view *t,
     if (st == MHA_OK && n_meta > 0) {
         cJSON *meta = cJSON_AddObjectToObject(root, "__metadata__");
         for (int k = 0; meta && k < n_meta; k++)
-            if (!meta_keys[k] || !meta_values[k] ||
-                !cJSON_AddStringToObject(meta, meta_keys[k], meta_values[k]))
+            if (!cJSON_AddStringToObject(meta, meta_keys[k], meta_values[k]))
                 meta = NULL;
         if (!meta)
-            st = mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                               "safetensors: bad metadata entry");
+            st = mha_set_error(MHA_ERR_OUT_OF_MEMORY,
+                               "safetensors: cannot build the metadata");
     }
     int64_t offset = 0;
     for (int k = 0; st == MHA_OK && k < n; k++) {
@@ -542,14 +642,27 @@ mha_status mha_safetensors_save(const char *path, const mha_tensor_view *t,
                                "reserved or duplicate name", k);
             break;
         }
+        if (!utf8_ok(v->name)) {
+            st = mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                               "safetensors: the name of tensor %d is not "
+                               "valid UTF-8", k);
+            break;
+        }
         if (!es || v->ndim < 0 || v->ndim > MHA_MAX_NDIM) {
             st = mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                                "safetensors: tensor '%s' has a bad dtype or "
                                "rank", v->name);
             break;
         }
+        /* JSON numbers are doubles: the reader takes integers up to
+         * 2^53, so no dimension or offset may be larger. */
         for (int d = 0; d < v->ndim && st == MHA_OK; d++)
-            if (!mha_mul_ok(numel, v->shape[d], &numel))
+            if (v->shape[d] < 0 || v->shape[d] > MAX_JSON_INT_I)
+                st = mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                   "safetensors: tensor '%s' dimension %d is "
+                                   "%lld, outside 0 .. 2^53", v->name, d,
+                                   (long long)v->shape[d]);
+            else if (!mha_mul_ok(numel, v->shape[d], &numel))
                 st = mha_set_error(MHA_ERR_OVERFLOW,
                                    "safetensors: tensor '%s' shape overflows",
                                    v->name);
@@ -558,6 +671,10 @@ mha_status mha_safetensors_save(const char *path, const mha_tensor_view *t,
             st = mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                                "safetensors: tensor '%s' has no data or too "
                                "many bytes", v->name);
+        if (st == MHA_OK && bytes > MAX_JSON_INT_I - offset)
+            st = mha_set_error(MHA_ERR_OVERFLOW,
+                               "safetensors: tensor '%s' ends past byte 2^53 "
+                               "of the data buffer", v->name);
         if (st != MHA_OK)
             break;
         cJSON *e = cJSON_AddObjectToObject(root, v->name);

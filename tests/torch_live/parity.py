@@ -1,0 +1,513 @@
+#!/usr/bin/python3
+"""parity.py -- live parity of `mha` with PyTorch's nn.MultiheadAttention.
+
+    /usr/bin/python3 parity.py MHA_BINARY TORCH_LIVE_DRIVER
+
+The user's flow, for seeded random configurations: build
+torch.nn.MultiheadAttention(batch_first=True) with random biases, save its
+state_dict as safetensors (st.py), save the inputs with numpy.save, run
+`mha forward` (or torch_live_driver, the same through the C API), load the
+outputs with numpy.load.  And the reverse: `mha init` -> st.py -> torch
+load_state_dict(strict=True) -> the same comparison.
+
+The reference is the same torch module deep-copied to float64 on the same
+(float32-valued) inputs.  For every output the test requires
+
+    max|mha - ref64| <= 2 * max|torch32 - ref64| + 1e-6 * (1 + max|ref64|)
+
+over the entries where ref64 is not NaN.  Where ref64 is NaN (a query row
+whose every key is masked: PyTorch 1.13 gives NaN), mha's output row must be
+out_proj.bias (0 without bias) and its weights 0.
+
+Prints one line per case with error / bound, then `N passed, M failed`;
+exits non-zero on any failure.
+"""
+import copy
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+try:
+    import numpy as np
+    import torch
+except ImportError as e:  # CI installs python3-torch: its absence is a failure
+    print("torch_live_parity: FAILED: cannot import torch / numpy (%s).\n"
+          "Install Debian's python3-torch and python3-numpy "
+          "(scripts/install-deps.sh) and run this with /usr/bin/python3." % e)
+    sys.exit(1)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import st  # noqa: E402
+
+torch.set_num_threads(1)
+
+if len(sys.argv) != 3:
+    print("usage: parity.py MHA_BINARY TORCH_LIVE_DRIVER")
+    sys.exit(2)
+MHA, DRIVER = sys.argv[1], sys.argv[2]
+
+passes = 0
+fails = 0
+worst = {"out": 0.0, "weights": 0.0}
+
+
+class CaseFailure(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------
+# Comparison
+# ---------------------------------------------------------------------------
+
+def compare(what, got, t32, ref):
+    """Checks mha (got) against ref64 with the bound set by torch32.
+    Returns the ratio error / bound (NaN entries of ref are skipped)."""
+    if got.shape != ref.shape:
+        raise CaseFailure("%s: mha shape %s, torch shape %s"
+                          % (what, got.shape, ref.shape))
+    fin = ~np.isnan(ref)
+    if not fin.any():
+        return 0.0
+    if not np.isfinite(got[fin]).all():
+        raise CaseFailure("%s: mha gives NaN/Inf where torch float64 is finite"
+                          % what)
+    err = float(np.max(np.abs(got[fin].astype(np.float64) - ref[fin])))
+    err_t = float(np.max(np.abs(t32[fin].astype(np.float64) - ref[fin])))
+    bound = 2.0 * err_t + 1e-6 * (1.0 + float(np.max(np.abs(ref[fin]))))
+    ratio = err / bound
+    worst[what] = max(worst[what], ratio)
+    if ratio > 1.0:
+        idx = np.unravel_index(np.argmax(np.where(
+            fin, np.abs(got.astype(np.float64) - np.nan_to_num(ref)), -1)),
+            ref.shape)
+        raise CaseFailure("%s: error %.3g > bound %.3g (torch32 error %.3g); "
+                          "worst at %s: mha %r, ref %r"
+                          % (what, err, bound, err_t, idx, float(got[idx]),
+                             float(ref[idx])))
+    return ratio
+
+
+def check_masked_rows(out, w, ref_out, ref_w, out_bias, E):
+    """Where torch float64 is NaN: the output row is out_proj.bias, the
+    weights row is 0.  Returns how many NaN rows were checked."""
+    rows = np.isnan(ref_out).any(axis=-1)        # (B, Lq) or (Lq)
+    n = int(rows.sum())
+    if n:
+        want = out_bias if out_bias is not None else np.zeros(E, np.float32)
+        got = out[rows]
+        if not np.array_equal(got, np.broadcast_to(want, got.shape)):
+            raise CaseFailure("fully masked rows: output %s, expected "
+                              "out_proj.bias %s"
+                              % (got.tolist()[:2], want.tolist()))
+    if w is not None:
+        wrows = np.isnan(ref_w).any(axis=-1)
+        if wrows.any():
+            if not (w[wrows] == 0).all():
+                raise CaseFailure("fully masked rows: weights %s, expected 0"
+                                  % w[wrows].tolist()[:2])
+    return n
+
+
+# ---------------------------------------------------------------------------
+# Cases
+# ---------------------------------------------------------------------------
+
+def pick_dims(rng, E=None, H=None):
+    if E is None:
+        H = int(rng.choice([1, 2, 3, 4]))
+        E = H * int(rng.choice([2, 3, 4, 5, 8]))
+    return E, H
+
+
+def ensure_allowed(blocked, real, rng):
+    """blocked: (..., Lq, Lk) bool, real: broadcastable (..., 1, Lk) bool.
+    Unblocks one real key in every row that has none left."""
+    eff = blocked | ~real
+    empty = eff.all(axis=-1)
+    for idx in zip(*np.nonzero(empty)):
+        r = np.broadcast_to(real, blocked.shape)[idx]
+        cand = np.nonzero(r)[0]
+        if len(cand) == 0:
+            continue  # the key padding blocks the whole row: intended
+        blocked[idx + (int(rng.choice(cand)),)] = False
+    return blocked
+
+
+def make_case(c, rng, tmp):
+    """Builds the torch module, inputs and masks of case `c`, writes the
+    files, and returns what is needed to run mha and torch."""
+    E, H = c["E"], c["H"]
+    kdim, vdim = c.get("kdim", E), c.get("vdim", E)
+    bias = c.get("bias", True)
+    cross = c.get("cross", False) or kdim != E or vdim != E
+    B = c.get("B", 2)                 # None: unbatched
+    Lq = c.get("Lq", 4)
+    Lk = c.get("Lk", 5) if cross else Lq
+    m = torch.nn.MultiheadAttention(E, H, bias=bias,
+                                    add_bias_kv=c.get("bias_kv", False),
+                                    add_zero_attn=c.get("zero_attn", False),
+                                    kdim=kdim, vdim=vdim, batch_first=True)
+    m.eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "bias" in name:
+                p.copy_(torch.randn_like(p) * 0.5)
+    sd = m.state_dict()
+    meta = {"num_heads": str(H)} if c.get("meta_heads") else None
+    wpath = os.path.join(tmp, "w.safetensors")
+    st.save(wpath, {k: v.float() for k, v in sd.items()}, meta)
+
+    Bn = 1 if B is None else B
+    lead = () if B is None else (B,)
+    q = rng.randn(*lead, Lq, E).astype(np.float32)
+    k = rng.randn(*lead, Lk, kdim).astype(np.float32) if cross else None
+    v = rng.randn(*lead, Lk, vdim).astype(np.float32) if cross else None
+
+    files = {"query": q}
+    if cross:
+        files["key"] = k
+        files["value"] = v
+    mha_args, drv_args = [], []
+    torch_kw = {}
+
+    # key padding first: the attention masks keep a real key in every row
+    real = np.ones((Bn, Lk), bool)
+    kp = c.get("keypad")
+    if kp == "mask":
+        pad = rng.rand(Bn, Lk) < 0.35
+        for b in range(Bn):
+            if pad[b].all():
+                pad[b, rng.randint(Lk)] = False
+        if c.get("full_row"):
+            pad[Bn - 1, :] = True     # a batch element with no real key
+        real = ~pad
+        tp = pad if B is not None else pad[0]
+        torch_kw["key_padding_mask"] = tp
+        if c.get("via") == "driver":
+            files["key_padding"] = tp             # torch polarity: block
+            drv_args += ["--key-padding-kind", "block"]
+        else:
+            files["key_mask"] = ~tp               # ours: true = real key
+    elif kp == "lengths":
+        lens = rng.randint(1, Lk + 1, size=Bn).astype(np.int64)
+        if c.get("full_row"):
+            lens[0] = 0
+        pad = np.arange(Lk)[None, :] >= lens[:, None]
+        real = ~pad
+        torch_kw["key_padding_mask"] = pad if B is not None else pad[0]
+        files["key_lengths"] = lens
+
+    am = c.get("mask")
+    if am in ("bool2d", "float2d"):
+        # (a row left without keys here is so for every head: allowed)
+        blocked = rng.rand(Lq, Lk) < 0.35
+        blocked = ensure_allowed(blocked, np.ones((1, Lk), bool), rng)
+        if c.get("full_row"):
+            blocked[Lq // 2, :] = True
+        if am == "bool2d":
+            torch_kw["attn_mask"] = blocked
+            if c.get("via") == "driver":
+                files["attn_mask"] = blocked
+                drv_args += ["--mask-kind", "block"]
+            else:
+                files["attn_mask"] = ~blocked     # ours: bool = allow
+        else:
+            add = (rng.randn(Lq, Lk) * 0.7).astype(np.float32)
+            add[blocked] = -np.inf
+            torch_kw["attn_mask"] = add
+            files["attn_mask"] = add
+            if c.get("via") == "driver":
+                drv_args += ["--mask-kind", "additive"]
+    elif am in ("bool3d", "float3d"):
+        blocked = rng.rand(Bn, H, Lq, Lk) < 0.35
+        blocked = ensure_allowed(blocked, real[:, None, None, :], rng)
+        if c.get("full_row"):
+            blocked[0, :, Lq - 1, :] = True       # every head of one row
+        tb = blocked.reshape(Bn * H, Lq, Lk)      # torch: (B*H, Lq, Lk)
+        if am == "bool3d":
+            torch_kw["attn_mask"] = tb
+            if c.get("via") == "driver":
+                files["attn_mask"] = blocked
+                drv_args += ["--mask-kind", "block"]
+            else:
+                files["attn_mask"] = ~blocked      # (B, H, Lq, Lk) allow
+        else:
+            add = (rng.randn(Bn, H, Lq, Lk) * 0.7).astype(np.float32)
+            add[blocked] = -np.inf
+            torch_kw["attn_mask"] = add.reshape(Bn * H, Lq, Lk)
+            files["attn_mask"] = add
+            if c.get("via") == "driver":
+                drv_args += ["--mask-kind", "additive"]
+    elif am == "bool_batch":                      # H = 1: (B, Lq, Lk) both
+        assert H == 1
+        blocked = rng.rand(Bn, 1, Lq, Lk) < 0.35
+        blocked = ensure_allowed(blocked, real[:, None, None, :], rng)[:, 0]
+        torch_kw["attn_mask"] = blocked
+        files["attn_mask"] = ~blocked
+    elif am in ("causal", "causal_tl"):
+        i = np.arange(Lq)[:, None]
+        j = np.arange(Lk)[None, :]
+        blocked = j > i + (Lk - Lq) if am == "causal" else j > i
+        torch_kw["attn_mask"] = blocked
+        mha_args.append("--causal" if am == "causal" else "--causal-top-left")
+
+    if not c.get("meta_heads"):
+        mha_args += ["--heads", str(H)]
+        drv_args += ["--heads", str(H)]
+    if c.get("zero_attn"):
+        mha_args.append("--add-zero-attn")
+    return dict(m=m, q=q, k=k, v=v, files=files, mha_args=mha_args,
+                drv_args=drv_args, torch_kw=torch_kw, wpath=wpath,
+                out_bias=(sd["out_proj.bias"].numpy() if bias else None),
+                batched=B is not None, E=E)
+
+
+def run_torch(m, q, k, v, kw, per_head, dtype):
+    mm = m if dtype == torch.float32 else copy.deepcopy(m).double()
+    cvt = (lambda a: None if a is None else torch.from_numpy(a).to(dtype))
+    tq = cvt(q)
+    tk = cvt(k) if k is not None else tq
+    tv = cvt(v) if v is not None else tk
+    targs = {}
+    for name, a in kw.items():
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        targs[name] = t if a.dtype == np.bool_ else t.to(dtype)
+    # Grad mode stays on (the parameters require grad) so that torch takes
+    # its documented path, F.multi_head_attention_forward, and not the
+    # inference fast path (_native_multi_head_attention), which in 1.13
+    # fails on bias=False modules.
+    out, w = mm(tq, tk, tv, need_weights=True,
+                average_attn_weights=not per_head, **targs)
+    return out.detach().double().numpy(), w.detach().double().numpy()
+
+
+def run(cmd):
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       universal_newlines=True)
+    if p.returncode != 0:
+        raise CaseFailure("%s exited %d: %s"
+                          % (" ".join(os.path.basename(x) for x in cmd[:2]),
+                             p.returncode, p.stdout.strip()))
+    return p.stdout
+
+
+def forward_case(c, rng):
+    with tempfile.TemporaryDirectory(prefix="mha_live_") as tmp:
+        d = make_case(c, rng, tmp)
+        paths = {}
+        for name, a in d["files"].items():
+            paths[name] = os.path.join(tmp, name + ".npy")
+            np.save(paths[name], a)
+        weights = c.get("weights")            # None, "avg", "per_head"
+        out_path = os.path.join(tmp, "out.npy")
+        w_path = os.path.join(tmp, "attn.npy")
+        if c.get("via") == "driver":
+            cmd = [DRIVER, "--weights", d["wpath"], "--out", out_path]
+            opt = {"query": "--query", "key": "--key", "value": "--value",
+                   "attn_mask": "--attn-mask", "key_padding": "--key-padding",
+                   "key_lengths": "--key-lengths"}
+            for name, p in paths.items():
+                cmd += [opt[name], p]
+            cmd += d["drv_args"]
+            if weights:
+                cmd += ["--weights-out", w_path]
+        else:
+            cmd = [MHA, "forward", "--weights", d["wpath"], "--out", out_path]
+            opt = {"query": "--query", "key": "--key", "value": "--value",
+                   "attn_mask": "--attn-mask", "key_mask": "--key-mask",
+                   "key_lengths": "--key-lengths"}
+            for name, p in paths.items():
+                cmd += [opt[name], p]
+            cmd += d["mha_args"]
+            if weights:
+                cmd += ["--attn-weights", w_path]
+        if weights == "per_head":
+            cmd.append("--per-head")
+        run(cmd)
+        out = np.load(out_path)
+        w = np.load(w_path) if weights else None
+        if out.dtype != np.float32 or (w is not None and w.dtype != np.float32):
+            raise CaseFailure("outputs are not float32")
+    per_head = weights == "per_head"
+    o32, w32 = run_torch(d["m"], d["q"], d["k"], d["v"], d["torch_kw"],
+                         per_head, torch.float32)
+    o64, w64 = run_torch(d["m"], d["q"], d["k"], d["v"], d["torch_kw"],
+                         per_head, torch.float64)
+    r_out = compare("out", out, o32, o64)
+    r_w = compare("weights", w, w32, w64) if weights else None
+    nmasked = check_masked_rows(out, w, o64, w64, d["out_bias"], d["E"])
+    if c.get("full_row") and not (c.get("zero_attn") or c.get("bias_kv")) \
+            and nmasked == 0:
+        raise CaseFailure("the case meant to have a fully masked row has none")
+    return r_out, r_w, nmasked
+
+
+def init_case(c, rng):
+    """mha init -> st.load -> torch load_state_dict(strict=True) -> compare
+    torch with mha forward on the same file."""
+    with tempfile.TemporaryDirectory(prefix="mha_live_") as tmp:
+        wpath = os.path.join(tmp, "init.safetensors")
+        run([MHA, "init", "--embed-dim", str(c["E"]), "--heads", str(c["H"]),
+             "--seed", str(c["seed"]), "--out", wpath] + c["flags"])
+        tensors, meta = st.load(wpath)
+        E, H = int(meta["embed_dim"]), int(meta["num_heads"])
+        kdim, vdim = int(meta["kdim"]), int(meta["vdim"])
+        if (E, H) != (c["E"], c["H"]):
+            raise CaseFailure("metadata embed_dim/num_heads %s" % meta)
+        m = torch.nn.MultiheadAttention(
+            E, H, bias=meta["bias"] == "true",
+            add_bias_kv=meta["add_bias_kv"] == "true",
+            add_zero_attn=meta["add_zero_attn"] == "true",
+            kdim=kdim, vdim=vdim, batch_first=True)
+        m.eval()
+        if list(tensors) != list(m.state_dict()):
+            raise CaseFailure("tensor order %s, torch state_dict order %s"
+                              % (list(tensors), list(m.state_dict())))
+        try:
+            m.load_state_dict({k: torch.from_numpy(a) for k, a in
+                               tensors.items()}, strict=True)
+        except RuntimeError as e:
+            raise CaseFailure("load_state_dict(strict=True): %s" % e)
+        for name, a in tensors.items():
+            if a.dtype != np.float32:
+                raise CaseFailure("%s is %s, not float32" % (name, a.dtype))
+            if name in ("in_proj_bias", "out_proj.bias") and a.any():
+                raise CaseFailure("%s is not zero after init" % name)
+        B, Lq = 2, 5
+        cross = kdim != E or vdim != E
+        Lk = 3 if cross else Lq
+        q = rng.randn(B, Lq, E).astype(np.float32)
+        k = rng.randn(B, Lk, kdim).astype(np.float32) if cross else None
+        v = rng.randn(B, Lk, vdim).astype(np.float32) if cross else None
+        out_path = os.path.join(tmp, "out.npy")
+        w_path = os.path.join(tmp, "w.npy")
+        cmd = [MHA, "forward", "--weights", wpath, "--out", out_path,
+               "--attn-weights", w_path]
+        for name, a in (("query", q), ("key", k), ("value", v)):
+            if a is not None:
+                p = os.path.join(tmp, name + ".npy")
+                np.save(p, a)
+                cmd += ["--" + name, p]
+        run(cmd)
+        out, w = np.load(out_path), np.load(w_path)
+    o32, w32 = run_torch(m, q, k, v, {}, False, torch.float32)
+    o64, w64 = run_torch(m, q, k, v, {}, False, torch.float64)
+    return compare("out", out, o32, o64), compare("weights", w, w32, w64), 0
+
+
+# ---------------------------------------------------------------------------
+# The configurations
+# ---------------------------------------------------------------------------
+
+def configurations(rng):
+    cases = []
+
+    def add(**kw):
+        E, H = pick_dims(rng, kw.pop("E", None), kw.pop("H", None))
+        if kw.get("cross") and "Lk" not in kw:
+            kw["Lk"] = int(rng.randint(1, 8))
+        kw.setdefault("Lq", int(rng.randint(2, 7)))
+        kw.setdefault("B", int(rng.randint(1, 4)))
+        kw.setdefault("meta_heads", len(cases) % 2 == 0)
+        kw.setdefault("bias", True)
+        cases.append(dict(E=E, H=H, **kw))
+
+    add(weights="avg")                                      # plain self-attn
+    add(B=None, weights="per_head")                         # unbatched
+    add(cross=True, Lq=3, Lk=6, kdim=5, vdim=7, mask="bool2d",
+        weights="per_head")
+    add(cross=True, Lq=5, Lk=2, mask="float2d", weights="avg")
+    add(mask="bool3d", weights="per_head")                  # per-head mask
+    add(mask="float3d", B=None, weights="avg")              # unbatched 3-D
+    add(keypad="mask", full_row=True, weights="per_head")   # all keys padded
+    add(keypad="lengths", full_row=True, cross=True, B=3, Lk=4, weights="avg")
+    add(mask="bool2d", full_row=True, bias=False, weights="avg")
+    add(mask="float2d", full_row=True, weights="per_head")
+    add(mask="bool3d", full_row=True, keypad="mask", B=2, weights="avg")
+    add(bias_kv=True, keypad="mask", weights="per_head")
+    add(zero_attn=True, mask="bool2d", full_row=True, weights="per_head")
+    add(bias_kv=True, zero_attn=True, cross=True, kdim=3, vdim=9,
+        keypad="lengths", full_row=True, weights="avg")
+    add(bias=False, mask="float3d", keypad="lengths", weights="per_head")
+    add(E=6, H=1, mask="bool_batch", weights="avg")         # 3-D (B, Lq, Lk)
+    add(B=None, keypad="mask", mask="bool3d", cross=True, vdim=3,
+        weights="per_head")
+    add(E=4, H=4, cross=True, Lq=1, Lk=1, weights="avg")    # d_h 1, L 1
+    add(E=64, H=8, B=2, Lq=16, weights="avg")               # larger
+    add(cross=True, Lq=6, Lk=3, mask="causal", weights="avg")   # Lq > Lk
+    add(cross=True, Lq=3, Lk=6, mask="causal_tl", weights="per_head")
+    add(mask="causal", zero_attn=True, weights="avg")
+    add(B=None, keypad="lengths", mask="bool2d")            # no weights
+    # through the C API (torch_live_driver): masks in torch's own polarity
+    add(via="driver", mask="bool2d", keypad="mask", weights="avg")
+    add(via="driver", cross=True, kdim=5, mask="float3d", weights="per_head")
+    add(via="driver", mask="bool3d", keypad="lengths", full_row=True,
+        weights="per_head")
+    add(via="driver", B=None, bias_kv=True, mask="float2d", keypad="mask",
+        full_row=True, weights="avg")
+    return cases
+
+
+def init_configurations():
+    return [
+        dict(E=8, H=2, seed=1, flags=[]),
+        dict(E=12, H=3, seed=2, flags=["--kdim", "5", "--vdim", "7"]),
+        dict(E=8, H=4, seed=3, flags=["--no-bias"]),
+        dict(E=16, H=2, seed=4, flags=["--add-bias-kv", "--add-zero-attn"]),
+        dict(E=6, H=3, seed=5, flags=["--kdim", "6", "--vdim", "4",
+                                      "--no-bias", "--add-bias-kv"]),
+    ]
+
+
+def describe(c):
+    keys = ["via", "cross", "kdim", "vdim", "bias", "bias_kv", "zero_attn",
+            "mask", "keypad", "full_row", "weights", "meta_heads"]
+    parts = ["E=%d H=%d B=%s Lq=%d" % (c["E"], c["H"], c["B"], c["Lq"])]
+    if c.get("cross") or "kdim" in c or "vdim" in c:
+        parts.append("Lk=%s" % c.get("Lk", 5))
+    for k in keys:
+        if k in c and c[k] not in (None, False) and not (k == "bias"):
+            parts.append(k if c[k] is True else "%s=%s" % (k, c[k]))
+    if c.get("bias") is False:
+        parts.append("no-bias")
+    return " ".join(parts)
+
+
+def main():
+    global passes, fails
+    t0 = time.time()
+    torch.manual_seed(20240601)
+    rng = np.random.RandomState(20240601)
+    todo = [("forward", c) for c in configurations(rng)]
+    todo += [("init", c) for c in init_configurations()]
+    for n, (kind, c) in enumerate(todo):
+        label = ("init " + " ".join(c["flags"]) + " E=%d H=%d" % (c["E"], c["H"])
+                 if kind == "init" else
+                 ("driver " if c.get("via") == "driver" else "cli ") +
+                 describe(c))
+        try:
+            if kind == "init":
+                r_out, r_w, nm = init_case(c, rng)
+            else:
+                r_out, r_w, nm = forward_case(c, rng)
+            msg = "out %.3f" % r_out
+            if r_w is not None:
+                msg += "  weights %.3f" % r_w
+            if nm:
+                msg += "  (%d fully masked rows: out_proj.bias, weights 0)" % nm
+            print("ok   %2d %-62s error/bound: %s" % (n, label, msg))
+            passes += 1
+        except CaseFailure as e:
+            print("FAIL %2d %s: %s" % (n, label, e))
+            fails += 1
+        sys.stdout.flush()
+    print("worst error/bound: out %.3f, weights %.3f (%.1f s)"
+          % (worst["out"], worst["weights"], time.time() - t0))
+    print("%d passed, %d failed" % (passes, fails))
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
