@@ -48,8 +48,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     int64_t n = 1;
     for (int k = 0; k < t->ndim; k++) {
         check(t->shape[k] >= 0);
-        n *= t->shape[k];
+        if (t->shape[k] == 0)
+            n = 0;
     }
+    for (int k = 0; k < t->ndim && n != 0; k++)
+        check(!__builtin_mul_overflow(n, t->shape[k], &n));
     check(n == t->numel);
     check((uint64_t)n <= size);   /* never more elements than bytes */
     if (t->dtype == MHA_DTYPE_BOOL) {

@@ -543,6 +543,10 @@ static void build(image *im, unsigned major, unsigned minor, const char *dict,
     im->n = pre + hlen + data_len;
 }
 
+/* A '<f4' C-order header dict with the given shape text. */
+#define D(shape) "{'descr': '<f4', 'fortran_order': False, 'shape': " \
+                 shape ", }"
+
 static void simple(image *im, const char *dict, size_t data_len)
 {
     build(im, 1, 0, dict, 64, 0, 0, data_len, 0);
@@ -597,14 +601,35 @@ static void test_header_variants(void **state)
         assert_int_equal(t->numel, n);
         mha_tensor_free(t);
     }
+
+    /* An empty array is empty however large its other dimensions (NumPy
+     * ignores zero dimensions in its overflow check too). */
+    image im;
+    simple(&im, D("(4611686018427387904, 8, 0)"), 0);
+    mha_tensor *t = NULL;
+    if (mha_npy_parse(im.b, im.n, &t) != MHA_OK)
+        fail_msg("empty huge: %s", mha_last_error());
+    assert_int_equal(t->numel, 0);
+    assert_int_equal(t->ndim, 3);
+    assert_true(t->shape[0] == ((int64_t)1 << 62));
+    assert_non_null(t->data);
+    mha_tensor_free(t);
+
+    /* The same in Fortran order (found by libFuzzer: the transposition's
+     * strides overflowed). */
+    simple(&im, "{'descr': '<i8', 'fortran_order': True, "
+                "'shape': (461168601842738790, 68601842738, 708, 0), }", 0);
+    t = NULL;
+    if (mha_npy_parse(im.b, im.n, &t) != MHA_OK)
+        fail_msg("empty huge fortran: %s", mha_last_error());
+    assert_int_equal(t->numel, 0);
+    assert_int_equal(t->ndim, 4);
+    mha_tensor_free(t);
 }
 
 /* ------------------------------------------------------------------------ */
 /* Malformed inputs                                                         */
 /* ------------------------------------------------------------------------ */
-
-#define D(shape) "{'descr': '<f4', 'fortran_order': False, 'shape': " \
-                 shape ", }"
 
 typedef struct bad_case {
     const char *what;

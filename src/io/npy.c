@@ -435,7 +435,9 @@ static int convert_one(npy_kind kind, const unsigned char *src, int64_t s,
 static mha_status convert_all(const npy_header *h, const unsigned char *data,
                               int64_t numel, void *dst)
 {
-    const int transpose = h->fortran && h->ndim > 1;
+    /* numel > 0: every partial product of the shape is <= numel, so the
+     * strides cannot overflow (an empty array may have huge dimensions). */
+    const int transpose = h->fortran && h->ndim > 1 && numel > 0;
     int64_t fstride[MHA_MAX_NDIM];
     int64_t idx[MHA_MAX_NDIM];
     int64_t s = 0;
@@ -444,7 +446,7 @@ static mha_status convert_all(const npy_header *h, const unsigned char *data,
         for (int k = 0; k < h->ndim; k++) {
             fstride[k] = st;
             idx[k] = 0;
-            st *= h->shape[k];   /* <= numel: no overflow */
+            st *= h->shape[k];
         }
     }
     for (int64_t c = 0; c < numel; c++) {
@@ -537,6 +539,9 @@ mha_status mha_npy_parse(const void *bytes, size_t size, mha_tensor **out)
     /* ---- sizes, all checked before anything is allocated ---- */
     int64_t numel = 1;
     for (int k = 0; k < h.ndim; k++)
+        if (h.shape[k] == 0)
+            numel = 0;   /* empty, however large the other dimensions */
+    for (int k = 0; k < h.ndim && numel != 0; k++)
         if (!mha_mul_ok(numel, h.shape[k], &numel)) {
             char s[256];
             return mha_set_error(MHA_ERR_OVERFLOW,
@@ -683,10 +688,13 @@ mha_status mha_npy_save(const char *path, const mha_tensor_view *t)
             return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                                  "npy save: dimension %d is negative (%lld)",
                                  k, (long long)t->shape[k]);
+        if (t->shape[k] == 0)
+            numel = 0;
+    }
+    for (int k = 0; k < t->ndim && numel != 0; k++)
         if (!mha_mul_ok(numel, t->shape[k], &numel))
             return mha_set_error(MHA_ERR_OVERFLOW,
                                  "npy save: the element count overflows");
-    }
     const size_t itemsize = mha_dtype_size(t->dtype);
     int64_t nbytes;
     if (!mha_mul_ok(numel, (int64_t)itemsize, &nbytes) ||
