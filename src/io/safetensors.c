@@ -250,6 +250,11 @@ static char *dup_str(const char *s)
     return d;
 }
 
+static int by_string(const void *a, const void *b)
+{
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
 static mha_status parse_metadata(mha_tensor_file *f, const cJSON *meta)
 {
     if (!cJSON_IsObject(meta))
@@ -266,11 +271,6 @@ static mha_status parse_metadata(mha_tensor_file *f, const cJSON *meta)
             return mha_set_error(MHA_ERR_FORMAT,
                                  "safetensors: __metadata__ value of '%s' is "
                                  "not a string", e->string);
-        for (int k = 0; k < f->n_meta; k++)
-            if (!strcmp(f->meta_keys[k], e->string))
-                return mha_set_error(MHA_ERR_FORMAT,
-                                     "safetensors: duplicate __metadata__ key "
-                                     "'%s'", e->string);
         f->meta_keys[f->n_meta] = dup_str(e->string);
         f->meta_values[f->n_meta] = dup_str(e->valuestring);
         f->n_meta++;
@@ -278,7 +278,22 @@ static mha_status parse_metadata(mha_tensor_file *f, const cJSON *meta)
             return mha_set_error(MHA_ERR_OUT_OF_MEMORY,
                                  "safetensors: cannot allocate metadata");
     }
-    return MHA_OK;
+    /* Duplicate keys: sorted, neighbours compared (a pairwise check is
+     * quadratic, and a 100 MB header holds millions of keys). */
+    char **sorted = malloc(((size_t)f->n_meta + 1) * sizeof *sorted);
+    if (!sorted)
+        return mha_set_error(MHA_ERR_OUT_OF_MEMORY,
+                             "safetensors: cannot allocate metadata");
+    memcpy(sorted, f->meta_keys, (size_t)f->n_meta * sizeof *sorted);
+    qsort(sorted, (size_t)f->n_meta, sizeof *sorted, by_string);
+    mha_status st = MHA_OK;
+    for (int k = 1; k < f->n_meta && st == MHA_OK; k++)
+        if (!strcmp(sorted[k], sorted[k - 1]))
+            st = mha_set_error(MHA_ERR_FORMAT,
+                               "safetensors: duplicate __metadata__ key '%s'",
+                               sorted[k]);
+    free(sorted);
+    return st;
 }
 
 typedef struct entry {
@@ -505,9 +520,7 @@ mha_status mha_safetensors_parse(const void *bytes, size_t size,
         return mha_set_error(MHA_ERR_FORMAT,
                              "safetensors: header is not valid JSON (or nests "
                              "too deeply), near byte %lld",
-                             (long long)(cJSON_GetErrorPtr()
-                                 ? cJSON_GetErrorPtr() - (const char *)p - 8
-                                 : 0));
+                             (long long)(end ? end - (const char *)p - 8 : 0));
     for (const char *c = end; c < (const char *)p + 8 + n; c++)
         if (*c != ' ' && *c != '\t' && *c != '\n' && *c != '\r') {
             cJSON_Delete(root);

@@ -1,0 +1,208 @@
+/*
+ * fuzz_module.c -- fuzz target for a module from a PyTorch
+ * nn.MultiheadAttention state_dict in safetensors (mha_module_from_file),
+ * and a forward pass through what it accepts.
+ *
+ * The input is one byte, then a safetensors file.  The byte mod 9 is the
+ * num_heads given to mha_module_from_file (0: from __metadata__
+ * "num_heads"); the rest is parsed with mha_safetensors_parse.  (The seeds
+ * in fuzz/corpus/module are files from `mha init` with that byte in front:
+ * `{ printf '\0'; cat W.safetensors; } > fuzz/corpus/module/NAME`.)
+ * When the module is made and kdim = vdim = E <= 64, a tiny self-attention
+ * forward pass runs (B = 1, L = 2), in eval mode and in training mode with
+ * the per-head attention weights.
+ *
+ * Built two ways, as fuzz_npy.c and fuzz_safetensors.c:
+ *   - with -DMHA_LIBFUZZER and -fsanitize=fuzzer,address,undefined:
+ *         build-fuzz/fuzz/fuzz_module -max_total_time=180 \
+ *             NEW_DIR fuzz/corpus/module
+ *   - without it, a replay main() over files / directories; CTest's
+ *     fuzz_replay_module replays fuzz/corpus/module.
+ *
+ * Contract checks (trap if broken): on failure *out is NULL and there is a
+ * message; on success the config agrees with the tensors (E from
+ * out_proj.weight, heads divide E), every parameter reads back, and the
+ * forward pass succeeds.
+ */
+#define _POSIX_C_SOURCE 200809L
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mha.h"
+
+static void check(int ok)
+{
+    if (!ok)
+        __builtin_trap();
+}
+
+static void forward(const mha_module *m, const mha_config *c)
+{
+    enum { L = 2, EMAX = 64, HMAX = 64, KMAX = L + 2 };
+    float x[L * EMAX], y[L * EMAX], w[HMAX * L * KMAX];
+    for (int k = 0; k < L * (int)c->embed_dim; k++)
+        x[k] = (float)((k * 37) % 11) / 8.0f - 0.6f;
+    mha_forward_args a;
+    memset(&a, 0, sizeof a);
+    a.batch = 1;
+    a.q_len = L;
+    a.query = x;
+    a.out = y;
+    check(mha_forward(m, &a) == MHA_OK);
+    /* Training mode (dropout from the file's metadata), causal, and the
+     * per-head weights, whose key axis holds bias_k and the zero key. */
+    const int64_t total = mha_total_keys(m, L);
+    check(total >= L && total <= KMAX);
+    check(c->num_heads <= HMAX);
+    a.training = 1;
+    a.dropout_seed = 7;
+    a.causal = MHA_CAUSAL_BOTTOM_RIGHT;
+    a.need_weights = MHA_WEIGHTS_PER_HEAD;
+    a.attn_weights = w;
+    check(mha_forward(m, &a) == MHA_OK);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    if (size < 1)
+        return 0;
+    const int64_t heads = data[0] % 9;
+    mha_tensor_file *f = NULL;
+    if (mha_safetensors_parse(data + 1, size - 1, &f) != MHA_OK)
+        return 0;
+    mha_module *m = (mha_module *)(uintptr_t)1;
+    mha_status st = mha_module_from_file(f, heads, NULL, &m);
+    if (st != MHA_OK) {
+        check(m == NULL);
+        check(mha_last_error()[0] != 0);
+        mha_tensor_file_free(f);
+        return 0;
+    }
+    check(m != NULL);
+    mha_config c;
+    check(mha_get_config(m, &c) == MHA_OK);
+    const mha_tensor *ow = mha_tensor_file_find(f, "out_proj.weight");
+    check(ow != NULL && ow->ndim == 2 && ow->shape[0] == c.embed_dim);
+    check(c.embed_dim > 0 && c.num_heads > 0 && c.kdim > 0 && c.vdim > 0);
+    check(c.embed_dim % c.num_heads == 0);
+    check(heads == 0 || c.num_heads == heads);
+    for (int k = 0; k < mha_param_count(m); k++) {
+        mha_param_info info;
+        check(mha_param_info_at(m, k, &info) == MHA_OK);
+        /* Small modules only: the file held these floats already. */
+        if (info.numel <= 4096) {
+            float buf[4096];
+            check(mha_param_get(m, info.name, buf, info.numel) == MHA_OK);
+        }
+    }
+    if (c.kdim == c.embed_dim && c.vdim == c.embed_dim && c.embed_dim <= 64)
+        forward(m, &c);
+    mha_free(m);
+    mha_tensor_file_free(f);
+    return 0;
+}
+
+#ifndef MHA_LIBFUZZER
+#include <dirent.h>
+#include <sys/stat.h>
+
+static int run_file(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "fuzz_module: cannot open %s\n", path);
+        return 1;
+    }
+    size_t cap = 4096, n = 0;
+    unsigned char *buf = malloc(cap);
+    for (;;) {
+        if (!buf) {
+            fclose(f);
+            fprintf(stderr, "fuzz_module: out of memory on %s\n", path);
+            return 1;
+        }
+        n += fread(buf + n, 1, cap - n, f);
+        if (n < cap)
+            break;
+        unsigned char *nb = realloc(buf, cap * 2);
+        if (!nb)
+            free(buf);
+        buf = nb;
+        cap *= 2;
+    }
+    const int err = ferror(f);
+    fclose(f);
+    if (err) {
+        free(buf);
+        fprintf(stderr, "fuzz_module: read error on %s\n", path);
+        return 1;
+    }
+    /* An exact-size copy, so that a read past the end is caught by the
+     * sanitizers or valgrind as it would be under libFuzzer. */
+    unsigned char *exact = malloc(n ? n : 1);
+    if (!exact) {
+        free(buf);
+        return 1;
+    }
+    if (n)
+        memcpy(exact, buf, n);
+    free(buf);
+    LLVMFuzzerTestOneInput(exact, n);
+    free(exact);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    int files = 0, failures = 0;
+    if (argc < 2) {
+        fprintf(stderr, "usage: %s FILE_OR_DIR...\n", argv[0]);
+        return 2;
+    }
+    for (int a = 1; a < argc; a++) {
+        struct stat st;
+        if (stat(argv[a], &st) != 0) {
+            fprintf(stderr, "fuzz_module: no such file or directory: "
+                    "%s\n", argv[a]);
+            failures++;
+            continue;
+        }
+        if (!S_ISDIR(st.st_mode)) {
+            failures += run_file(argv[a]);
+            files++;
+            continue;
+        }
+        DIR *d = opendir(argv[a]);
+        if (!d) {
+            fprintf(stderr, "fuzz_module: cannot open directory %s\n",
+                    argv[a]);
+            failures++;
+            continue;
+        }
+        struct dirent *e;
+        while ((e = readdir(d)) != NULL) {
+            if (e->d_name[0] == '.')
+                continue;
+            char path[4096];
+            snprintf(path, sizeof path, "%s/%s", argv[a], e->d_name);
+            if (stat(path, &st) != 0 || !S_ISREG(st.st_mode))
+                continue;
+            failures += run_file(path);
+            files++;
+        }
+        closedir(d);
+    }
+    printf("fuzz_module: replayed %d inputs, %d unreadable\n", files,
+           failures);
+    if (files == 0) {
+        fprintf(stderr, "fuzz_module: no inputs found\n");
+        return 1;
+    }
+    return failures ? 1 : 0;
+}
+#endif
