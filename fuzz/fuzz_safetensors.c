@@ -3,12 +3,12 @@
  * (mha_safetensors_parse).
  *
  * Built two ways:
- *   - with -DMHA_LIBFUZZER and -fsanitize=fuzzer,address,undefined
+ *   - with -fsanitize=fuzzer,address,undefined
  *     (cmake -DMHA_FUZZ=ON -DCMAKE_C_COMPILER=clang; see fuzz/CMakeLists.txt),
  *     libFuzzer supplies main():
  *         build-fuzz/fuzz/fuzz_safetensors -max_total_time=180 \
  *             NEW_DIR fuzz/corpus/safetensors
- *   - without it (every build), a replay main() runs each file given, or
+ *   - without it (every build), fuzz/replay_main.c runs each file given, or
  *     every file in each directory given, through the same target; CTest's
  *     fuzz_replay_safetensors replays fuzz/corpus/safetensors.
  *
@@ -113,103 +113,3 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     mha_tensor_file_free(f);
     return 0;
 }
-
-#ifndef MHA_LIBFUZZER
-#include <dirent.h>
-#include <sys/stat.h>
-
-static int run_file(const char *path)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        fprintf(stderr, "fuzz_safetensors: cannot open %s\n", path);
-        return 1;
-    }
-    size_t cap = 4096, n = 0;
-    unsigned char *buf = malloc(cap);
-    for (;;) {
-        if (!buf) {
-            fclose(f);
-            fprintf(stderr, "fuzz_safetensors: out of memory on %s\n", path);
-            return 1;
-        }
-        n += fread(buf + n, 1, cap - n, f);
-        if (n < cap)
-            break;
-        unsigned char *nb = realloc(buf, cap * 2);
-        if (!nb)
-            free(buf);
-        buf = nb;
-        cap *= 2;
-    }
-    const int err = ferror(f);
-    fclose(f);
-    if (err) {
-        free(buf);
-        fprintf(stderr, "fuzz_safetensors: read error on %s\n", path);
-        return 1;
-    }
-    /* An exact-size copy, so that a read past the end is caught by the
-     * sanitizers or valgrind as it would be under libFuzzer. */
-    unsigned char *exact = malloc(n ? n : 1);
-    if (!exact) {
-        free(buf);
-        return 1;
-    }
-    if (n)
-        memcpy(exact, buf, n);
-    free(buf);
-    LLVMFuzzerTestOneInput(exact, n);
-    free(exact);
-    return 0;
-}
-
-int main(int argc, char **argv)
-{
-    int files = 0, failures = 0;
-    if (argc < 2) {
-        fprintf(stderr, "usage: %s FILE_OR_DIR...\n", argv[0]);
-        return 2;
-    }
-    for (int a = 1; a < argc; a++) {
-        struct stat st;
-        if (stat(argv[a], &st) != 0) {
-            fprintf(stderr, "fuzz_safetensors: no such file or directory: "
-                    "%s\n", argv[a]);
-            failures++;
-            continue;
-        }
-        if (!S_ISDIR(st.st_mode)) {
-            failures += run_file(argv[a]);
-            files++;
-            continue;
-        }
-        DIR *d = opendir(argv[a]);
-        if (!d) {
-            fprintf(stderr, "fuzz_safetensors: cannot open directory %s\n",
-                    argv[a]);
-            failures++;
-            continue;
-        }
-        struct dirent *e;
-        while ((e = readdir(d)) != NULL) {
-            if (e->d_name[0] == '.')
-                continue;
-            char path[4096];
-            snprintf(path, sizeof path, "%s/%s", argv[a], e->d_name);
-            if (stat(path, &st) != 0 || !S_ISREG(st.st_mode))
-                continue;
-            failures += run_file(path);
-            files++;
-        }
-        closedir(d);
-    }
-    printf("fuzz_safetensors: replayed %d inputs, %d unreadable\n", files,
-           failures);
-    if (files == 0) {
-        fprintf(stderr, "fuzz_safetensors: no inputs found\n");
-        return 1;
-    }
-    return failures ? 1 : 0;
-}
-#endif

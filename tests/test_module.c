@@ -33,26 +33,7 @@ const char *__asan_default_options(void)
 
 /* ---- helpers ------------------------------------------------------------ */
 
-/* Fails with the message when `msg` does not contain `needle`. */
-#define assert_msg_has(needle)                                              \
-    do {                                                                    \
-        const char *m_ = mha_last_error();                                  \
-        assert_non_null(m_);                                                \
-        if (!strstr(m_, (needle)))                                          \
-            fail_msg("error message \"%s\" does not mention \"%s\"", m_,    \
-                     (needle));                                             \
-    } while (0)
-
-/* Asserts the status and that the message names the problem. */
-#define assert_fails(call, status, needle)                                  \
-    do {                                                                    \
-        mha_status st_ = (call);                                            \
-        if (st_ != (status))                                                \
-            fail_msg("%s returned %d (%s), expected %d; message: %s",       \
-                     #call, (int)st_, mha_status_string(st_), (int)(status),\
-                     mha_last_error());                                     \
-        assert_msg_has(needle);                                             \
-    } while (0)
+#include "assert_error.h"
 
 static mha_config cfg(int64_t E, int64_t H)
 {

@@ -33,49 +33,19 @@
 #include <unistd.h>
 
 #include "mha.h"
+#include "testutil.h"
 
 /* ------------------------------------------------------------------------ */
 /* Helpers                                                                  */
 /* ------------------------------------------------------------------------ */
 
-static char tmpdir[256];
 /* Where a failing call must write NULL over it. */
 static mha_tensor sentinel;
 
-static int make_tmpdir(void **state)
-{
-    (void)state;
-    const char *base = getenv("TMPDIR");
-    snprintf(tmpdir, sizeof tmpdir, "%s/mha_npy_XXXXXX",
-             base && *base ? base : "/tmp");
-    return mkdtemp(tmpdir) ? 0 : -1;
-}
-
-static int remove_tmpdir(void **state)
-{
-    (void)state;
-    DIR *d = opendir(tmpdir);
-    if (d) {
-        struct dirent *e;
-        char p[512];
-        while ((e = readdir(d)) != NULL) {
-            if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
-                continue;
-            snprintf(p, sizeof p, "%s/%s", tmpdir, e->d_name);
-            if (remove(p) != 0) {
-                /* a subdirectory made by a test */
-                rmdir(p);
-            }
-        }
-        closedir(d);
-    }
-    rmdir(tmpdir);
-    return 0;
-}
 
 static void tmp_path(char *buf, size_t cap, const char *name)
 {
-    snprintf(buf, cap, "%s/%s", tmpdir, name);
+    snprintf(buf, cap, "%s/%s", tu_tmpdir, name);
 }
 
 static unsigned char *read_all(const char *path, size_t *size)
@@ -102,11 +72,11 @@ static int file_exists(const char *path)
     return stat(path, &st) == 0;
 }
 
-/* Entries of tmpdir whose name contains `part`. */
+/* Entries of tu_tmpdir whose name contains `part`. */
 static int count_in_tmpdir(const char *part)
 {
     int n = 0;
-    DIR *d = opendir(tmpdir);
+    DIR *d = opendir(tu_tmpdir);
     assert_non_null(d);
     struct dirent *e;
     while ((e = readdir(d)) != NULL)
@@ -843,7 +813,7 @@ static void test_load_errors(void **state)
     assert_null(t);
 
     /* A directory is not a file. */
-    assert_error(mha_npy_load(tmpdir, &t), MHA_ERR_IO, tmpdir);
+    assert_error(mha_npy_load(tu_tmpdir, &t), MHA_ERR_IO, tu_tmpdir);
 
     /* A malformed file: the message names the file and the problem. */
     tmp_path(path, sizeof path, "trailing.npy");
@@ -942,5 +912,5 @@ int main(void)
         cmocka_unit_test(test_load_errors),
         cmocka_unit_test(test_save_errors),
     };
-    return cmocka_run_group_tests(tests, make_tmpdir, remove_tmpdir);
+    return cmocka_run_group_tests(tests, tu_tmpdir_setup, tu_tmpdir_teardown);
 }

@@ -40,46 +40,17 @@
 /* Helpers                                                                  */
 /* ------------------------------------------------------------------------ */
 
-static char tmpdir[256];
 
-static int make_tmpdir(void **state)
-{
-    (void)state;
-    const char *base = getenv("TMPDIR");
-    snprintf(tmpdir, sizeof tmpdir, "%s/mha_st_XXXXXX",
-             base && *base ? base : "/tmp");
-    return mkdtemp(tmpdir) ? 0 : -1;
-}
-
-static int remove_tmpdir(void **state)
-{
-    (void)state;
-    DIR *d = opendir(tmpdir);
-    if (d) {
-        struct dirent *e;
-        char p[512];
-        while ((e = readdir(d)) != NULL) {
-            if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
-                continue;
-            snprintf(p, sizeof p, "%s/%s", tmpdir, e->d_name);
-            if (remove(p) != 0)
-                rmdir(p);
-        }
-        closedir(d);
-    }
-    rmdir(tmpdir);
-    return 0;
-}
 
 static void tmp_path(char *buf, size_t cap, const char *name)
 {
-    snprintf(buf, cap, "%s/%s", tmpdir, name);
+    snprintf(buf, cap, "%s/%s", tu_tmpdir, name);
 }
 
-/* Number of entries in tmpdir (".", ".." not counted). */
+/* Number of entries in tu_tmpdir (".", ".." not counted). */
 static int tmpdir_entries(void)
 {
-    DIR *d = opendir(tmpdir);
+    DIR *d = opendir(tu_tmpdir);
     int n = 0;
     if (!d)
         return -1;
@@ -97,24 +68,7 @@ static int file_exists(const char *path)
     return stat(path, &st) == 0;
 }
 
-#define assert_msg_has(needle)                                              \
-    do {                                                                    \
-        const char *m_ = mha_last_error();                                  \
-        assert_non_null(m_);                                                \
-        if (!strstr(m_, (needle)))                                          \
-            fail_msg("error message \"%s\" does not mention \"%s\"", m_,    \
-                     (needle));                                             \
-    } while (0)
-
-#define assert_fails(call, status, needle)                                  \
-    do {                                                                    \
-        mha_status st_ = (call);                                            \
-        if (st_ != (status))                                                \
-            fail_msg("%s returned %d (%s), expected %d; message: %s",       \
-                     #call, (int)st_, mha_status_string(st_), (int)(status),\
-                     mha_last_error());                                     \
-        assert_msg_has(needle);                                             \
-    } while (0)
+#include "assert_error.h"
 
 #define assert_ok(call)                                                     \
     do {                                                                    \
@@ -1558,5 +1512,5 @@ int main(void)
         cmocka_unit_test(test_module_from_file_base),
         cmocka_unit_test(test_module_qkv_packed),
     };
-    return cmocka_run_group_tests(tests, make_tmpdir, remove_tmpdir);
+    return cmocka_run_group_tests(tests, tu_tmpdir_setup, tu_tmpdir_teardown);
 }

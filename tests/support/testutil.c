@@ -1,6 +1,11 @@
+#define _POSIX_C_SOURCE 200809L
 #include "testutil.h"
 
+#include <dirent.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
 static uint64_t mix(uint64_t z)
 {
@@ -41,4 +46,35 @@ int64_t tu_numel(const int64_t *shape, int ndim)
     for (int k = 0; k < ndim; k++)
         n *= shape[k];
     return n;
+}
+
+char tu_tmpdir[256];
+
+int tu_tmpdir_setup(void **state)
+{
+    (void)state;
+    const char *base = getenv("TMPDIR");
+    snprintf(tu_tmpdir, sizeof tu_tmpdir, "%s/mha_test_XXXXXX",
+             base && *base ? base : "/tmp");
+    return mkdtemp(tu_tmpdir) ? 0 : -1;
+}
+
+int tu_tmpdir_teardown(void **state)
+{
+    (void)state;
+    DIR *d = opendir(tu_tmpdir);
+    if (d) {
+        struct dirent *e;
+        char p[512];
+        while ((e = readdir(d)) != NULL) {
+            if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+                continue;
+            snprintf(p, sizeof p, "%s/%s", tu_tmpdir, e->d_name);
+            if (remove(p) != 0)
+                rmdir(p);   /* a subdirectory made by a test */
+        }
+        closedir(d);
+    }
+    rmdir(tu_tmpdir);
+    return 0;
 }

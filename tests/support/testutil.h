@@ -21,4 +21,13 @@ mha_module *tu_module(const mha_config *cfg, uint64_t seed);
 /* Total elements of a parameter-free tensor shape. */
 int64_t tu_numel(const int64_t *shape, int ndim);
 
+/*
+ * A scratch directory for a test group: tu_tmpdir_setup / _teardown are
+ * cmocka group fixtures; the teardown removes every file (and empty
+ * subdirectory) the tests left in tu_tmpdir.
+ */
+extern char tu_tmpdir[256];
+int tu_tmpdir_setup(void **state);
+int tu_tmpdir_teardown(void **state);
+
 #endif
