@@ -33,8 +33,10 @@ extern "C" {
 #else
 #define MHA_API __declspec(dllimport)
 #endif
-#else
+#elif defined(__GNUC__) || defined(__clang__)
 #define MHA_API __attribute__((visibility("default")))
+#else
+#define MHA_API
 #endif
 
 #define MHA_VERSION_MAJOR 0
@@ -251,7 +253,8 @@ typedef struct mha_forward_args {
 
     mha_weights_mode need_weights;
     float *attn_weights;  /* see mha_weights_mode; Lk_total =
-                             mha_total_keys(module, Lk).  These are the
+                             mha_total_keys(module, Lk) with the resolved
+                             Lk (q_len when kv_len is 0).  These are the
                              probabilities actually applied to V, i.e. after
                              dropout (scaled by 1/(1-p)), as PyTorch returns */
 

@@ -16,6 +16,7 @@
  */
 #include "internal.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -109,7 +110,10 @@ static mha_status plan_forward(const mha_module *m, const mha_forward_args *a,
     p->n_kv = rows_k * p->E;
     p->n_w = a->need_weights == MHA_WEIGHTS_PER_HEAD ? t : lql * p->B;
 
-    p->fuse_qkv = m->packed && p->key == p->query && p->value == p->query;
+    /* One GEMM over the query rows serves as keys only when they are the
+     * same rows: same pointer and same length. */
+    p->fuse_qkv = m->packed && p->key == p->query && p->value == p->query &&
+                  p->Lk == p->Lq;
     p->fuse_kv = m->packed && !p->fuse_qkv && p->key == p->value;
     p->dropout = a->training && c->dropout > 0.0f;
     return MHA_OK;
@@ -156,7 +160,14 @@ static void attend_row(const mha_module *m, const fwd_plan *p,
         if (kj)
             for (int64_t d = 0; d < dh; d++)
                 dot += q[d] * kj[d];
-        const float sc = dot * scale + bias[j];
+        /* A finite score plus a finite mask value saturates instead of
+         * overflowing: only -inf excludes a key, and only non-finite data
+         * makes a non-finite score. */
+        float sc = dot * scale;
+        if (isfinite(sc)) {
+            sc += bias[j];
+            sc = sc < -FLT_MAX ? -FLT_MAX : sc > FLT_MAX ? FLT_MAX : sc;
+        }
         prob[j] = sc;
         if (sc > mx)
             mx = sc;

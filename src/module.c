@@ -27,8 +27,9 @@ float *mha_alloc_floats(int64_t n, const char *what)
     }
     float *p = malloc(n > 0 ? (size_t)n * sizeof(float) : 1);
     if (!p)
-        mha_set_error(MHA_ERR_OUT_OF_MEMORY, "%s: cannot allocate %lld bytes",
-                      what, (long long)n * (long long)sizeof(float));
+        mha_set_error(MHA_ERR_OUT_OF_MEMORY, "%s: cannot allocate %lld floats "
+                      "(%.3g bytes)", what, (long long)n,
+                      (double)n * sizeof(float));
     return p;
 }
 

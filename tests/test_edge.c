@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -431,6 +432,76 @@ static void test_alias_and_unbatched(void **state)
     mha_free(m);
 }
 
+/* query, key and value may be one buffer even when Lk != Lq: the keys are
+ * then the buffer's rows read with Lk per batch item, not the query's. */
+static void test_one_buffer_two_lengths(void **state)
+{
+    (void)state;
+    mha_module *m = module(0, 0, 0);
+    const int64_t shapes[2][3] = {{1, 3, 6}, {2, 3, 4}};   /* B, Lq, Lk */
+    for (int t = 0; t < 2; t++) {
+        const int64_t Bn = shapes[t][0], Lq = shapes[t][1], Lk = shapes[t][2];
+        float x[2 * 6 * E], out[2 * 6 * E], out32[2 * 6 * E];
+        double out64[2 * 6 * E];
+        tu_fill(x, Bn * Lk * E, 20 + t, -1, 1);
+        mha_forward_args a = {0};
+        a.batch = Bn;
+        a.q_len = Lq;
+        a.kv_len = Lk;
+        a.query = a.key = a.value = x;
+        a.out = out;
+        assert_int_equal(mha_forward(m, &a), MHA_OK);
+        ref_forward_f64(m, &a, out64, NULL);
+        ref_forward_f32(m, &a, out32, NULL);
+        const int64_t n = Bn * Lq * E;
+        assert_true(ref_max_err_f32(out, out64, n) <=
+                    ref_tolerance(ref_max_err_f32(out32, out64, n),
+                                  ref_max_abs(out64, n)));
+    }
+    mha_free(m);
+}
+
+/* A finite score plus a finite mask saturates at -FLT_MAX: scores near
+ * -1e32 with an additive -FLT_MAX on every key give uniform weights, not
+ * -inf - (-inf) = NaN. */
+static void test_finite_mask_saturates(void **state)
+{
+    (void)state;
+    enum { E4 = 4, L4 = 3 };
+    mha_config cfg = {0};
+    cfg.embed_dim = E4;
+    cfg.num_heads = 1;
+    cfg.no_bias = 1;
+    mha_module *m = NULL;
+    assert_int_equal(mha_create(&cfg, &m), MHA_OK);
+    float w[3 * E4 * E4] = {0};
+    for (int k = 0; k < E4; k++) {
+        w[k * E4 + k] = 1.0f;                   /* W_q = I   */
+        w[(E4 + k) * E4 + k] = -1.0f;           /* W_k = -I  */
+        w[(2 * E4 + k) * E4 + k] = 1.0f;        /* W_v = I   */
+    }
+    assert_int_equal(mha_param_set(m, "in_proj_weight", w, 3 * E4 * E4),
+                     MHA_OK);
+    float x[L4 * E4], out[L4 * E4], wt[L4 * L4], add[L4 * L4];
+    for (int k = 0; k < L4 * E4; k++)
+        x[k] = 1e16f;
+    for (int k = 0; k < L4 * L4; k++)
+        add[k] = -FLT_MAX;
+    mha_forward_args a = {0};
+    a.batch = 1;
+    a.q_len = L4;
+    a.query = x;
+    a.attn_mask = (mha_mask){MHA_MASK_ADDITIVE, add, 2, {L4, L4}};
+    a.need_weights = MHA_WEIGHTS_PER_HEAD;
+    a.attn_weights = wt;
+    a.out = out;
+    assert_int_equal(mha_forward(m, &a), MHA_OK);
+    assert_false(has_nan(out, L4 * E4));
+    for (int k = 0; k < L4 * L4; k++)
+        assert_true(fabsf(wt[k] - 1.0f / L4) < 1e-6f);
+    mha_free(m);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -444,6 +515,8 @@ int main(void)
         cmocka_unit_test(test_dropout_reproducible),
         cmocka_unit_test(test_weights_do_not_change_output),
         cmocka_unit_test(test_alias_and_unbatched),
+        cmocka_unit_test(test_one_buffer_two_lengths),
+        cmocka_unit_test(test_finite_mask_saturates),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -304,7 +304,11 @@ static const bad_case BAD[] = {
     {"negative dim", "{" T("a", "F32", "[-1]", 0, 4) "}", 0, 4, NULL, F,
      "non-negative integer"},
     {"fractional dim", "{" T("a", "F32", "[1.5]", 0, 4) "}", 0, 4, NULL, F,
-     "non-negative integer"},
+     "not written as an integer"},
+    {"dim written 1.0", "{" T("a", "F32", "[1.0]", 0, 4) "}", 0, 4, NULL, F,
+     "not written as an integer"},
+    {"dim written 1e0", "{" T("a", "F32", "[1e0]", 0, 4) "}", 0, 4, NULL, F,
+     "not written as an integer"},
     {"dim as string", "{" T("a", "F32", "[\"1\"]", 0, 4) "}", 0, 4, NULL, F,
      "non-negative integer"},
     {"dim null", "{" T("a", "F32", "[null]", 0, 4) "}", 0, 4, NULL, F,
@@ -1494,6 +1498,37 @@ static void test_module_qkv_packed(void **state)
     mha_free(a);
 }
 
+/* Saved files get the mode any new file gets (0666 less the umask), and no
+ * temporary file is left beside them. */
+static void test_saved_file_mode(void **state)
+{
+    (void)state;
+    mha_config cfg = {0};
+    cfg.embed_dim = 4;
+    cfg.num_heads = 2;
+    mha_module *m = NULL;
+    assert_int_equal(mha_create(&cfg, &m), MHA_OK);
+    const mode_t masks[2] = {077, 022};
+    for (int k = 0; k < 2; k++) {
+        char path[512];
+        snprintf(path, sizeof path, "%s/mode%d.safetensors", tu_tmpdir, k);
+        mode_t old = umask(masks[k]);
+        mha_status st = mha_module_save(m, path);
+        umask(old);
+        assert_int_equal(st, MHA_OK);
+        struct stat sb;
+        assert_int_equal(stat(path, &sb), 0);
+        assert_int_equal(sb.st_mode & 0777, 0666 & ~masks[k]);
+        remove(path);
+    }
+    DIR *d = opendir(tu_tmpdir);
+    assert_non_null(d);
+    for (struct dirent *e; (e = readdir(d)) != NULL;)
+        assert_null(strstr(e->d_name, ".tmp."));
+    closedir(d);
+    mha_free(m);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1511,6 +1546,7 @@ int main(void)
         cmocka_unit_test(test_module_from_file_errors),
         cmocka_unit_test(test_module_from_file_base),
         cmocka_unit_test(test_module_qkv_packed),
+        cmocka_unit_test(test_saved_file_mode),
     };
     return cmocka_run_group_tests(tests, tu_tmpdir_setup, tu_tmpdir_teardown);
 }

@@ -76,7 +76,7 @@ int tool_float(const char *cmd, const char *name, const char *s, float *out)
     char *end;
     errno = 0;
     double v = strtod(s, &end);
-    if (!*s || *end || errno || !isfinite(v))
+    if (!*s || *end || errno || !isfinite((float)v))
         return tool_fail(cmd, "--%s must be a finite number, got '%s'", name,
                          s);
     *out = (float)v;

@@ -175,6 +175,12 @@ int cmd_forward(int argc, char **argv)
     if (OPT("dropout") &&
         tool_float("forward", "dropout", OPT("dropout"), &base.dropout))
         return 1;
+    if (!(base.dropout >= 0.0f && base.dropout <= 1.0f))
+        return tool_fail("forward", "--dropout must be in [0, 1], got %s",
+                         OPT("dropout"));
+    if (OPT("attn-weights") && !strcmp(OPT("attn-weights"), OPT("out")))
+        return tool_fail("forward", "--out and --attn-weights name the same "
+                         "file");
     if (OPT("seed") &&
         tool_int("forward", "seed", OPT("seed"), 0, INT64_MAX, &seed))
         return 1;
@@ -271,7 +277,10 @@ int cmd_forward(int argc, char **argv)
     }
     a.causal = OPT("causal") ? MHA_CAUSAL_BOTTOM_RIGHT
              : OPT("causal-top-left") ? MHA_CAUSAL_TOP_LEFT : MHA_CAUSAL_NONE;
-    a.training = OPT("train") != NULL;
+    /* --dropout 0 means no dropout, whatever the file's config says (a
+     * zero in `base` reads as "not given" to mha_module_from_file). */
+    a.training = OPT("train") != NULL &&
+                 !(OPT("dropout") && base.dropout == 0.0f);
     a.dropout_seed = (uint64_t)seed;
 
     const int64_t Lt = mha_total_keys(m, Lk), H = c.num_heads;

@@ -1,14 +1,17 @@
 /*
  * file.c -- whole-file reads and atomic writes, shared by every format.
  */
-#define _POSIX_C_SOURCE 200809L
+#define _POSIX_C_SOURCE 200809L   /* fdopen, fstat, clock_gettime */
 #include "internal.h"
 
 #include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 mha_status mha_read_file(const char *path, size_t max_size, const char *what,
@@ -57,18 +60,36 @@ mha_status mha_read_file(const char *path, size_t max_size, const char *what,
     return MHA_OK;
 }
 
+/* Creates path.tmp.<random> exclusively, mode 0666 less the umask (as any
+ * new file gets).  The name is a hash of the time, the process and a stack
+ * address; O_EXCL makes a collision a retry, never a shared file. */
+static int create_temp(const char *path, char *tmp, size_t cap)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    uint64_t x = (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 30) ^
+                 ((uint64_t)getpid() << 16) ^ (uint64_t)(uintptr_t)&ts;
+    for (int attempt = 0; attempt < 64; attempt++) {
+        x = mha_mix64(x + (uint64_t)attempt);
+        snprintf(tmp, cap, "%s.tmp.%012llx", path,
+                 (unsigned long long)(x & 0xffffffffffffULL));
+        int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+        if (fd >= 0 || errno != EEXIST)
+            return fd;
+    }
+    return -1;
+}
+
 mha_status mha_write_file_atomic(const char *path, const void *const *chunks,
                                  const size_t *sizes, int n)
 {
     if (!path)
         return mha_set_error(MHA_ERR_NULL_POINTER, "output path is NULL");
-    const size_t len = strlen(path);
-    char *tmp = malloc(len + 16);
+    const size_t cap = strlen(path) + 32;
+    char *tmp = malloc(cap);
     if (!tmp)
         return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate a path");
-    memcpy(tmp, path, len);
-    memcpy(tmp + len, ".tmp.XXXXXX", 12);
-    int fd = mkstemp(tmp);
+    int fd = create_temp(path, tmp, cap);
     if (fd < 0) {
         mha_status st = mha_set_error(MHA_ERR_IO,
                                       "cannot create a temporary file beside "
@@ -86,10 +107,6 @@ mha_status mha_write_file_atomic(const char *path, const void *const *chunks,
     } else {
         close(fd);
     }
-    /* mkstemp creates 0600; give the file the usual rw-r--r--. (umask
-     * cannot be read without changing it, which no library may do.) */
-    if (ok)
-        ok = chmod(tmp, 0644) == 0;
     if (ok && rename(tmp, path) == 0) {
         free(tmp);
         return MHA_OK;

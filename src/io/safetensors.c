@@ -22,6 +22,10 @@
  */
 #include "internal.h"
 
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "safetensors.c reads little-endian data in place: a big-endian host needs byte swaps"
+#endif
+
 #include <cJSON.h>
 #include <math.h>
 #include <stdio.h>
@@ -204,6 +208,14 @@ static int64_t json_lexically_invalid_at(const unsigned char *s, size_t n,
                 *why = "a malformed number";
                 return (int64_t)start;
             }
+            /* Every number of a safetensors header is a dimension or an
+             * offset, an integer in the reference's u64 fields: "2.0" and
+             * "1e2" are refused as it refuses them. */
+            for (size_t k = start; k < i; k++)
+                if (s[k] == '.' || s[k] == 'e' || s[k] == 'E') {
+                    *why = "a number that is not written as an integer";
+                    return (int64_t)start;
+                }
         } else {
             i++;
         }
@@ -603,6 +615,15 @@ static int utf8_ok(const char *s)
     return utf8_invalid_at((const unsigned char *)s, strlen(s)) < 0;
 }
 
+/* An integer as a raw JSON token: cJSON would print 1e15 and up in
+ * exponent form, which readers of the format refuse.  NULL on failure. */
+static cJSON *json_int(int64_t v)
+{
+    char buf[24];
+    snprintf(buf, sizeof buf, "%lld", (long long)v);
+    return cJSON_CreateRaw(buf);
+}
+
 mha_status mha_safetensors_save(const char *path, const mha_tensor_view *t,
                                 int n, const char *const *meta_keys,
                                 const char *const *meta_values, int n_meta)
@@ -696,11 +717,9 @@ mha_status mha_safetensors_save(const char *path, const mha_tensor_view *t,
         int ok = e && shape && offs &&
                  cJSON_AddStringToObject(e, "dtype", mha_dtype_name(v->dtype));
         for (int d = 0; ok && d < v->ndim; d++)
-            ok = cJSON_AddItemToArray(shape,
-                                      cJSON_CreateNumber((double)v->shape[d]));
-        ok = ok && cJSON_AddItemToArray(offs, cJSON_CreateNumber((double)offset)) &&
-             cJSON_AddItemToArray(offs,
-                                  cJSON_CreateNumber((double)(offset + bytes)));
+            ok = cJSON_AddItemToArray(shape, json_int(v->shape[d]));
+        ok = ok && cJSON_AddItemToArray(offs, json_int(offset)) &&
+             cJSON_AddItemToArray(offs, json_int(offset + bytes));
         if (!ok)
             st = mha_set_error(MHA_ERR_OUT_OF_MEMORY,
                                "safetensors: cannot build header");
