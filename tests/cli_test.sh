@@ -255,6 +255,10 @@ fail_fwd "^mha forward: --per-head needs --attn-weights" --weights "$W" --query 
 fail_fwd "^mha forward: --dropout and --seed apply only with --train" "${base[@]}" --dropout 0.5
 fail_fwd "^mha forward: --dropout and --seed apply only with --train" "${base[@]}" --seed 3
 fail_fwd "^mha forward: --causal and --causal-top-left exclude each other" "${base[@]}" --causal --causal-top-left
+fail_fwd "^mha forward: --out and --attn-weights name the same file" \
+  --weights "$W" --query "$d/q.npy" --out "$O" --attn-weights "$O"
+fail_fwd "^mha forward: --dropout must be in \[0, 1\], got 2" "${base[@]}" --train --dropout 2
+fail_fwd "^mha forward: --scale must be a finite number, got '1e39'" "${base[@]}" --scale 1e39
 fail_fwd "^mha forward: --attn-mask must be bool \(allow\) or float \(additive\), got I64" "${base[@]}" --attn-mask "$d/m_int.npy"
 fail_fwd "^mha forward: attn_mask has last dimensions \(3, 5\), expected \(Lq=3, Lk=3\)" "${base[@]}" --attn-mask "$d/m_bad.npy"
 fail_fwd "^mha forward: --attn-mask: .*missing\.npy" "${base[@]}" --attn-mask "$d/missing.npy"
@@ -347,6 +351,10 @@ same "$o/self.npy" "$o/dfile.npy" "--train with the file's dropout 0"
 expect 0 "" -- "$mha" forward --weights "$Wkv" --query "$d/q.npy" --key "$d/k5.npy" \
   --value "$d/v7.npy" --train --seed 4 --out "$o/kvd.npy"
 differ "$o/kv.npy" "$o/kvd.npy" "--train with the file's dropout 0.25"
+# --dropout 0 turns off the dropout that the file's config asks for
+expect 0 "" -- "$mha" forward --weights "$Wkv" --query "$d/q.npy" --key "$d/k5.npy" \
+  --value "$d/v7.npy" --train --dropout 0 --seed 4 --out "$o/kvd0.npy"
+same "$o/kv.npy" "$o/kvd0.npy" "--train --dropout 0 over the file's dropout 0.25"
 
 # masks: --causal = a lower-triangular allow mask; both alignments
 expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --causal \
@@ -389,6 +397,45 @@ check "no key left: output = out_proj.bias (0 after init), weights 0" \
   "(a[0] == 0).all() and (b[0] == 0).all() and np.isfinite(a).all()" "$o/kl0.npy" "$o/kl0_w.npy"
 check "no key left in batch 0: batch 1 is as without a mask" \
   "np.allclose(a[1], b[1], rtol=0, atol=1e-6)" "$o/kl0.npy" "$o/self.npy"
+
+# ---- mha bench ---------------------------------------------------------------
+# jcheck WHAT EXPR -- command...: the command prints one JSON object j with EXPR
+jcheck() {
+  local what="$1" expr="$2"; shift 3
+  local out
+  if ! out=$("$@" 2>"$tmp/jcheck.err"); then
+    bad "$what: $* failed: $(cat "$tmp/jcheck.err")"; return
+  fi
+  if "$py" -c "
+import json, sys
+j = json.loads(sys.argv[1])
+sys.exit(0 if ($expr) else 1)" "$out" 2>/dev/null; then ok
+  else bad "$what: not ($expr): $out"; fi
+}
+expect 0 "^usage: mha bench" -- "$mha" bench --help
+expect 0 "bench +time the forward pass" -- "$mha" --help
+tiny=(--batch 1 --seq 8 --embed-dim 16 --heads 2 --repeat 2)
+jcheck "bench --json" "j['median_ms'] > 0 and j['min_ms'] > 0 and j['min_ms'] <= j['median_ms'] and j['gflops'] > 0 and j['peak_gflops'] > 0 and (j['batch'], j['seq'], j['kv_seq'], j['embed_dim'], j['heads'], j['head_dim']) == (1, 8, 8, 16, 2, 8) and j['causal'] is False and j['threads'] == 1 and j['repeat'] == 2 and j['warmup'] == 2" \
+  -- "$mha" bench "${tiny[@]}" --json
+# FLOP counts: projections 2*4*16*16 (Q) + 2*6*16*32 (K, V) + 2*4*16*16 (out)
+# = 10240; causal bottom right with Lq=4, Lk=6 allows 3+4+5+6 = 18 pairs:
+# attention 4*H*d_h*18 = 1152.
+jcheck "bench --causal --kv-seq: exact FLOP counts" "j['causal'] is True and j['need_weights'] is True and j['kv_seq'] == 6 and abs(j['proj_gflop'] - 10240e-9) < 1e-15 and abs(j['attn_gflop'] - 1152e-9) < 1e-15 and abs(j['gflop'] - 11392e-9) < 1e-15" \
+  -- "$mha" bench --batch 1 --seq 4 --kv-seq 6 --embed-dim 16 --heads 2 --causal --need-weights --repeat 1 --warmup 0 --threads 1 --json
+jcheck "bench: self-attention attention FLOPs 4*B*H*L*L*d_h" "abs(j['attn_gflop'] - 4*3*2*5*5*8e-9) < 1e-15" \
+  -- "$mha" bench --batch 3 --seq 5 --embed-dim 16 --heads 2 --repeat 1 --json
+expect 0 "^  time +median [0-9.]+ ms, min [0-9.]+ ms over 2 runs" -- "$mha" bench "${tiny[@]}"
+expect 0 "of peak" -- "$mha" bench "${tiny[@]}"
+expect 1 "embed_dim 16 is not divisible by num_heads 3" -- "$mha" bench --batch 1 --seq 8 --embed-dim 16 --heads 3
+expect 1 "--repeat must be an integer in \[1, " -- "$mha" bench "${tiny[@]:0:8}" --repeat 0
+expect 1 "--seq must be an integer in \[1, .*got 'abc'" -- "$mha" bench --batch 1 --seq abc --embed-dim 16 --heads 2
+expect 1 "--warmup must be an integer in \[0, " -- "$mha" bench "${tiny[@]}" --warmup -1
+expect 1 "--batch must be an integer" -- "$mha" bench --batch 0 --seq 8 --embed-dim 16 --heads 2
+expect 1 "--heads is required" -- "$mha" bench --batch 1 --seq 8 --embed-dim 16
+expect 1 "--threads 2: only 1 thread for now" -- "$mha" bench "${tiny[@]}" --threads 2
+expect 1 "--attention-only is not available yet" -- "$mha" bench "${tiny[@]}" --attention-only
+expect 1 "unknown option '--frob'" -- "$mha" bench "${tiny[@]}" --frob
+expect 1 "option --json takes no value" -- "$mha" bench "${tiny[@]}" --json=1
 
 echo "$passes passed, $fails failed"
 [ "$fails" -eq 0 ]

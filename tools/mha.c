@@ -73,6 +73,8 @@ static void usage(FILE *f)
           "  forward    run a PyTorch state_dict (safetensors) on .npy inputs\n"
           "  init       write a freshly initialised module (safetensors)\n"
           "  info       describe a safetensors file and the module in it\n"
+          "  bench      time the forward pass: ms, GFLOP/s, share of the\n"
+          "             FMA peak\n"
           "\n"
           "  mha --version     print the version\n"
           "  mha <command> --help\n", f);
@@ -101,6 +103,8 @@ int main(int argc, char **argv)
         return cmd_init(argc - 1, argv + 1);
     if (!strcmp(cmd, "info"))
         return cmd_info(argc - 1, argv + 1);
+    if (!strcmp(cmd, "bench"))
+        return cmd_bench(argc - 1, argv + 1);
     fprintf(stderr, "mha: unknown command '%s' (try mha --help)\n", cmd);
     return 2;
 }

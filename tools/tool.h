@@ -30,5 +30,6 @@ int cmd_example(int argc, char **argv);
 int cmd_forward(int argc, char **argv);
 int cmd_init(int argc, char **argv);
 int cmd_info(int argc, char **argv);
+int cmd_bench(int argc, char **argv);
 
 #endif

@@ -1,0 +1,409 @@
+/*
+ * bench.c -- `mha bench`: times mha_forward on random inputs and reports
+ * milliseconds, GFLOP/s and the share of the machine's FMA peak, measured
+ * by a built-in probe.  The harness of the fast-attention work: today it
+ * measures the plain kernel, so its numbers are a baseline.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "args.h"
+#include "tool.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define NOPTS(a) ((int)(sizeof(a) / sizeof((a)[0])))
+
+static const char BENCH_HELP[] =
+    "usage: mha bench --batch B --seq L [--kv-seq Lk] --embed-dim E --heads H\n"
+    "                 [--causal] [--need-weights] [--threads 1]\n"
+    "                 [--repeat R] [--warmup W] [--json]\n"
+    "\n"
+    "Times mha_forward on a module with Xavier-initialised weights (seed 1)\n"
+    "and random inputs in [-1, 1): W warm-up passes, then R timed passes\n"
+    "(CLOCK_MONOTONIC); prints the median and minimum time, GFLOP/s at the\n"
+    "median, and the share of the FMA peak measured by a built-in probe.\n"
+    "  --batch B, --seq L    query shape (B, L, E)\n"
+    "  --kv-seq Lk           cross-attention: key = value = another random\n"
+    "                        (B, Lk, E) tensor; default self-attention\n"
+    "  --embed-dim E, --heads H   the module (H must divide E)\n"
+    "  --causal              query i sees keys j <= i + Lk - L (bottom right)\n"
+    "  --need-weights        also write the head-averaged weights (B, L, Lk)\n"
+    "  --threads T           only 1 for now: libmha has no thread setting yet\n"
+    "                        (threads come with the fast-attention issue)\n"
+    "  --repeat R            timed passes (default 10)\n"
+    "  --warmup W            untimed passes first (default 2)\n"
+    "  --json                one JSON object instead of the text report\n"
+    "  --attention-only      refused: libmha has no attention-only entry\n"
+    "                        point yet; the attention FLOPs are reported\n"
+    "                        separately instead\n"
+    "FLOPs counted (one multiply-add = 2): the projections\n"
+    "2*B*L*E*E (Q) + 2*B*Lk*E*(kdim+vdim) (K, V) + 2*B*L*E*E (out), and the\n"
+    "attention 4*d_h per allowed (query, key) pair of each batch and head:\n"
+    "4*B*H*L*Lk*d_h, or with --causal the exact count of allowed pairs\n"
+    "(about half).  Softmax, bias and weight averaging are not counted.\n"
+    "The peak is a single-thread multiply-add loop (AVX2+FMA when the CPU\n"
+    "has them, else plain C) times the threads used.  The BLAS reads its\n"
+    "thread count when it loads, so mha bench sets OPENBLAS_NUM_THREADS and\n"
+    "OMP_NUM_THREADS to T and re-executes itself when they differ.\n";
+
+/* ---- the FMA peak probe ------------------------------------------------- */
+
+/*
+ * Independent multiply-adds acc[k] = acc[k] * m + a over N accumulators,
+ * which the compiler vectorises and keeps in registers: enough chains in
+ * flight to cover the FMA latency on every pipe.  acc converges to
+ * a / (1 - m) = 1, so there are neither overflows nor denormals.
+ */
+#define PROBE_BODY(N, MADD)                                               \
+    float acc[N];                                                         \
+    for (int k = 0; k < (N); k++)                                         \
+        acc[k] = 0.5f + 0.001f * (float)k;                                \
+    const float m = 0.999f, a = 0.001f;                                   \
+    for (long it = 0; it < iters; it++)                                   \
+        for (int k = 0; k < (N); k++)                                     \
+            acc[k] = MADD(acc[k], m, a);                                  \
+    float s = 0.0f;                                                       \
+    for (int k = 0; k < (N); k++)                                         \
+        s += acc[k];                                                      \
+    *flops = 2.0 * (double)(N) * (double)iters;                           \
+    return s;
+
+#define PLAIN_MADD(x, y, z) ((x) * (y) + (z))
+
+/* Portable: 48 accumulators (12 SSE registers on x86-64). */
+static float probe_plain(long iters, double *flops)
+{
+    PROBE_BODY(48, PLAIN_MADD)
+}
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#define HAVE_PROBE_AVX2 1
+/* 96 accumulators = 12 ymm registers of FMA chains.  fmaf, because ISO C
+ * mode does not contract a * b + c into one instruction. */
+__attribute__((target("avx2,fma"))) static float probe_avx2(long iters,
+                                                           double *flops)
+{
+    PROBE_BODY(96, fmaf)
+}
+#endif
+
+static double now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Single-thread multiply-add GFLOP/s: the best of ~0.2 s of short runs.
+ * *kind names the loop that ran. */
+static double measure_peak(const char **kind)
+{
+    float (*probe)(long, double *) = probe_plain;
+    *kind = "portable C";
+#ifdef HAVE_PROBE_AVX2
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        probe = probe_avx2;
+        *kind = "AVX2+FMA";
+    }
+#endif
+    volatile float sink = 0.0f;
+    double flops, t, best = 0.0;
+    long iters = 1000;
+    /* Calibrate: one run of at least 20 ms. */
+    for (;;) {
+        t = now_s();
+        sink += probe(iters, &flops);
+        t = now_s() - t;
+        if (t >= 0.02 || iters > (1L << 40))
+            break;
+        iters *= 2;
+    }
+    const double start = now_s();
+    while (now_s() - start < 0.2) {
+        t = now_s();
+        sink += probe(iters, &flops);
+        t = now_s() - t;
+        if (t > 0 && flops / t > best)
+            best = flops / t;
+    }
+    (void)sink;
+    return best * 1e-9;
+}
+
+/* ---- work counts -------------------------------------------------------- */
+
+/* (query, key) pairs that attention computes, per (batch, head). */
+static double allowed_pairs(int64_t Lq, int64_t Lk, int causal)
+{
+    if (!causal)
+        return (double)Lq * (double)Lk;
+    /* Bottom right: row i sees keys 0 .. i + Lk - Lq, clamped to [0, Lk]. */
+    double n = 0.0;
+    for (int64_t i = 0; i < Lq; i++) {
+        int64_t c = i + Lk - Lq + 1;
+        n += (double)(c < 0 ? 0 : c > Lk ? Lk : c);
+    }
+    return n;
+}
+
+static int cmp_double(const void *x, const void *y)
+{
+    double a = *(const double *)x, b = *(const double *)y;
+    return a < b ? -1 : a > b;
+}
+
+/* Uniform in [-1, 1) from a 64-bit LCG (top 24 bits). */
+static void fill_random(float *x, int64_t n, uint64_t *state)
+{
+    for (int64_t i = 0; i < n; i++) {
+        *state = *state * 6364136223846793005ULL + 1442695040888963407ULL;
+        x[i] = (float)(*state >> 40) * (2.0f / 16777216.0f) - 1.0f;
+    }
+}
+
+/* a * b * c as a size_t count of floats, or 0 if it does not fit. */
+static size_t count3(int64_t a, int64_t b, int64_t c)
+{
+    const int64_t lim = (int64_t)(SIZE_MAX / sizeof(float) / 2 < INT64_MAX / 2
+                                      ? SIZE_MAX / sizeof(float) / 2
+                                      : INT64_MAX / 2);
+    if (a > lim / b || a * b > lim / c)
+        return 0;
+    return (size_t)(a * b * c);
+}
+
+/* ---- the BLAS threads --------------------------------------------------- */
+
+static const char *const THREAD_VARS[] = {"OPENBLAS_NUM_THREADS",
+                                          "OMP_NUM_THREADS"};
+
+/*
+ * The BLAS fixes its thread count from the environment when it is loaded,
+ * before main: set the variables and start again, once.  Returns only if
+ * nothing had to change or re-executing failed (then it warns).
+ */
+static void pin_blas_threads(int argc, char **argv, int64_t threads)
+{
+    char want[32];
+    snprintf(want, sizeof want, "%lld", (long long)threads);
+    int differ = 0;
+    for (int k = 0; k < NOPTS(THREAD_VARS); k++) {
+        const char *v = getenv(THREAD_VARS[k]);
+        if (!v || strcmp(v, want))
+            differ = 1;
+    }
+    if (!differ)
+        return;
+    if (getenv("MHA_BENCH_REEXEC")) {
+        fprintf(stderr, "mha bench: warning: could not set the BLAS threads "
+                "to %s; they may differ from --threads\n", want);
+        return;
+    }
+    for (int k = 0; k < NOPTS(THREAD_VARS); k++)
+        setenv(THREAD_VARS[k], want, 1);
+    setenv("MHA_BENCH_REEXEC", "1", 1);
+    char **args = calloc((size_t)argc + 2, sizeof *args);
+    if (args) {
+        args[0] = "mha";
+        for (int i = 0; i < argc; i++)
+            args[i + 1] = argv[i];   /* argv[0] is "bench" */
+        fflush(NULL);
+        execv("/proc/self/exe", args);
+        free(args);
+    }
+    fprintf(stderr, "mha bench: warning: could not re-execute with %s=%s; "
+            "set it yourself for an exact thread count\n", THREAD_VARS[0],
+            want);
+}
+
+/* ---- mha bench ---------------------------------------------------------- */
+
+int cmd_bench(int argc, char **argv)
+{
+    tool_opt o[] = {{"batch", 1, 0}, {"seq", 1, 0}, {"kv-seq", 1, 0},
+                    {"embed-dim", 1, 0}, {"heads", 1, 0}, {"causal", 0, 0},
+                    {"need-weights", 0, 0}, {"attention-only", 0, 0},
+                    {"threads", 1, 0}, {"repeat", 1, 0}, {"warmup", 1, 0},
+                    {"json", 0, 0}};
+    const char *pos[1];
+    int npos, help;
+    if (tool_parse("bench", argc, argv, o, NOPTS(o), pos, 0, &npos, &help))
+        return 1;
+    if (help) {
+        fputs(BENCH_HELP, stdout);
+        return 0;
+    }
+#define OPT(name) tool_get(o, NOPTS(o), name)
+    if (OPT("attention-only"))
+        return tool_fail("bench", "--attention-only is not available yet: "
+                         "libmha has no attention-only entry point (it comes "
+                         "with the fast-attention issue). Without the flag "
+                         "the whole forward pass is timed and the attention "
+                         "FLOPs are reported separately");
+    const char *need[] = {"batch", "seq", "embed-dim", "heads"};
+    for (int k = 0; k < 4; k++)
+        if (!OPT(need[k]))
+            return tool_fail("bench", "--%s is required (see mha bench "
+                             "--help)", need[k]);
+    int64_t B, Lq, Lk = 0, threads = 1, repeat = 10, warmup = 2;
+    mha_config c = {0};
+    if (tool_int("bench", "batch", OPT("batch"), 1, INT32_MAX, &B) ||
+        tool_int("bench", "seq", OPT("seq"), 1, INT32_MAX, &Lq) ||
+        (OPT("kv-seq") &&
+         tool_int("bench", "kv-seq", OPT("kv-seq"), 1, INT32_MAX, &Lk)) ||
+        tool_int("bench", "embed-dim", OPT("embed-dim"), 1, INT32_MAX,
+                 &c.embed_dim) ||
+        tool_int("bench", "heads", OPT("heads"), 1, INT32_MAX,
+                 &c.num_heads) ||
+        (OPT("threads") &&
+         tool_int("bench", "threads", OPT("threads"), 1, 4096, &threads)) ||
+        (OPT("repeat") &&
+         tool_int("bench", "repeat", OPT("repeat"), 1, 1000000, &repeat)) ||
+        (OPT("warmup") &&
+         tool_int("bench", "warmup", OPT("warmup"), 0, 1000000, &warmup)))
+        return 1;
+    if (threads != 1)
+        return tool_fail("bench", "--threads %lld: only 1 thread for now; "
+                         "libmha has no thread setting yet (threads come "
+                         "with the fast-attention issue)", (long long)threads);
+    const int cross = OPT("kv-seq") != NULL, causal = OPT("causal") != NULL,
+              weights = OPT("need-weights") != NULL,
+              json = OPT("json") != NULL;
+    if (!cross)
+        Lk = Lq;
+#undef OPT
+    pin_blas_threads(argc, argv, threads);
+
+    c.seed = 1;
+    mha_module *m;
+    if (mha_create(&c, &m) != MHA_OK)
+        return tool_fail("bench", "%s", mha_last_error());
+    mha_get_config(m, &c);   /* kdim, vdim and scale resolved */
+    const int64_t E = c.embed_dim, H = c.num_heads, dh = E / H;
+    const int64_t Lt = mha_total_keys(m, Lk);
+
+    const size_t nq = count3(B, Lq, E), nkv = count3(B, Lk, E),
+                 nw = count3(B, Lq, Lt);
+    if (!nq || !nkv || (weights && !nw)) {
+        mha_free(m);
+        return tool_fail("bench", "B=%lld L=%lld Lk=%lld E=%lld: the inputs "
+                         "are too large", (long long)B, (long long)Lq,
+                         (long long)Lk, (long long)E);
+    }
+    float *q = malloc(nq * sizeof *q), *out = malloc(nq * sizeof *out);
+    float *kv = cross ? malloc(nkv * sizeof *kv) : NULL;
+    float *w = weights ? malloc(nw * sizeof *w) : NULL;
+    double *ms = malloc((size_t)repeat * sizeof *ms);
+    int rc = 0;
+    if (!q || !out || (cross && !kv) || (weights && !w) || !ms)
+        rc = tool_fail("bench", "out of memory for the inputs and outputs "
+                       "(%.1f MiB)", (double)(2 * nq + (cross ? nkv : 0) +
+                                              (weights ? nw : 0)) *
+                                         sizeof(float) / 1048576.0);
+    uint64_t state = 1;
+    if (!rc) {
+        fill_random(q, (int64_t)nq, &state);
+        if (cross)
+            fill_random(kv, (int64_t)nkv, &state);
+    }
+
+    mha_forward_args a = {0};
+    a.batch = B;
+    a.q_len = Lq;
+    a.kv_len = Lk;
+    a.query = q;
+    a.key = kv;      /* NULL: self-attention */
+    a.causal = causal ? MHA_CAUSAL_BOTTOM_RIGHT : MHA_CAUSAL_NONE;
+    a.need_weights = weights ? MHA_WEIGHTS_AVERAGE : MHA_WEIGHTS_NONE;
+    a.attn_weights = w;
+    a.out = out;
+
+#ifndef __OPTIMIZE__
+    if (!rc)
+        fprintf(stderr, "mha bench: warning: this mha was built without "
+                "optimisation; the peak probe and the timings mean little\n");
+#endif
+    const char *probe_kind = "";
+    const double peak1 = rc ? 0.0 : measure_peak(&probe_kind);
+    for (int64_t r = 0; !rc && r < warmup + repeat; r++) {
+        const double t0 = now_s();
+        if (mha_forward(m, &a) != MHA_OK)
+            rc = tool_fail("bench", "%s", mha_last_error());
+        const double t1 = now_s();
+        if (r >= warmup)
+            ms[r - warmup] = (t1 - t0) * 1e3;
+    }
+    if (!rc) {
+        double sum = 0.0;
+        for (size_t i = 0; i < nq; i++)
+            sum += out[i];
+        if (!isfinite(sum))
+            rc = tool_fail("bench", "the output is not finite");
+    }
+    if (!rc) {
+        qsort(ms, (size_t)repeat, sizeof *ms, cmp_double);
+        const double med = repeat % 2 ? ms[repeat / 2]
+                                      : 0.5 * (ms[repeat / 2 - 1] +
+                                               ms[repeat / 2]);
+        const double mn = ms[0];
+        const double kvw = (double)(c.kdim + c.vdim);
+        const double proj = 2.0 * B * Lq * E * E + 2.0 * B * Lk * E * kvw +
+                            2.0 * B * Lq * E * E;
+        const double attn = 4.0 * B * H * dh * allowed_pairs(Lq, Lk, causal);
+        const double total = proj + attn;
+        const double gflops = total / (med * 1e-3) * 1e-9;
+        const double peak = peak1 * (double)threads;
+        if (json) {
+            printf("{\"batch\": %lld, \"seq\": %lld, \"kv_seq\": %lld, "
+                   "\"embed_dim\": %lld, \"heads\": %lld, \"head_dim\": %lld, "
+                   "\"causal\": %s, \"need_weights\": %s, \"threads\": %lld, "
+                   "\"repeat\": %lld, \"warmup\": %lld, "
+                   "\"median_ms\": %.6g, \"min_ms\": %.6g, "
+                   "\"gflop\": %.9g, \"proj_gflop\": %.9g, "
+                   "\"attn_gflop\": %.9g, \"gflops\": %.6g, "
+                   "\"peak_gflops\": %.6g, \"peak_percent\": %.4g, "
+                   "\"probe\": \"%s\", \"library\": \"%s\"}\n",
+                   (long long)B, (long long)Lq, (long long)Lk, (long long)E,
+                   (long long)H, (long long)dh, causal ? "true" : "false",
+                   weights ? "true" : "false", (long long)threads,
+                   (long long)repeat, (long long)warmup, med, mn,
+                   total * 1e-9, proj * 1e-9, attn * 1e-9, gflops, peak,
+                   100.0 * gflops / peak, probe_kind, mha_version_string());
+        } else {
+            printf("mha bench: B=%lld L=%lld Lk=%lld E=%lld H=%lld d_h=%lld, "
+                   "%s%s%s, %lld thread%s\n", (long long)B, (long long)Lq,
+                   (long long)Lk, (long long)E, (long long)H, (long long)dh,
+                   cross ? "cross-attention" : "self-attention",
+                   causal ? ", causal" : "",
+                   weights ? ", averaged weights" : "", (long long)threads,
+                   threads == 1 ? "" : "s");
+            printf("  time    median %.4f ms, min %.4f ms over %lld runs "
+                   "(after %lld warm-up)\n", med, mn, (long long)repeat,
+                   (long long)warmup);
+            printf("  work    %.4g GFLOP per forward: projections %.4g, "
+                   "attention %.4g (%.1f%%)\n", total * 1e-9, proj * 1e-9,
+                   attn * 1e-9, 100.0 * attn / total);
+            printf("  speed   %.2f GFLOP/s at the median (%.2f at the min) "
+                   "= %.1f%% of peak\n", gflops,
+                   total / (mn * 1e-3) * 1e-9, 100.0 * gflops / peak);
+            printf("  peak    %.1f GFLOP/s: %s multiply-add probe, %.1f x "
+                   "%lld thread%s\n", peak, probe_kind, peak1,
+                   (long long)threads, threads == 1 ? "" : "s");
+            printf("  note    whole forward pass timed; an attention-only "
+                   "timing comes with the fast-attention issue\n");
+        }
+    }
+    free(ms);
+    free(w);
+    free(kv);
+    free(out);
+    free(q);
+    mha_free(m);
+    return rc;
+}
