@@ -258,6 +258,12 @@ typedef struct mha_forward_args {
                              probabilities actually applied to V, i.e. after
                              dropout (scaled by 1/(1-p)), as PyTorch returns */
 
+    int num_threads;      /* threads for the attention; 0 -> the OpenMP
+                             default (OMP_NUM_THREADS).  Results are
+                             bitwise the same for every thread count.  The
+                             projections run in the BLAS, on its own
+                             threads (OPENBLAS_NUM_THREADS).              */
+
     int training;         /* nonzero: apply dropout (config.dropout)       */
     uint64_t dropout_seed;/* key of the counter-based dropout generator    */
 
@@ -270,6 +276,32 @@ MHA_API int64_t mha_total_keys(const mha_module *module, int64_t kv_len);
 
 MHA_API mha_status mha_forward(const mha_module *module,
                                const mha_forward_args *args);
+
+/*
+ * Planning apart from running.  mha_plan_create checks the shapes, flags
+ * and thread count of `shape` (its data pointers may be NULL) and sizes one
+ * workspace; mha_plan_forward then runs any arguments of the same batch,
+ * q_len and kv_len without allocating (masks, weights mode, inputs and
+ * outputs may change between runs; the thread count is the plan's).  A
+ * plan belongs to one module, which must outlive it, and runs one call at
+ * a time.  mha_forward is create + forward + free.
+ */
+typedef struct mha_plan mha_plan;
+MHA_API mha_status mha_plan_create(const mha_module *module,
+                                   const mha_forward_args *shape,
+                                   mha_plan **out);
+MHA_API mha_status mha_plan_forward(mha_plan *plan,
+                                    const mha_forward_args *args);
+MHA_API void mha_plan_free(mha_plan *plan);
+
+/*
+ * The attention kernels in use: "avx2" (AVX2 + FMA, chosen when the CPU and
+ * OS support them), "scalar" (portable C) or "ref" (float64 row loop).  The
+ * environment variable MHA_ISA=ref|scalar|avx2, read once, forces a tier.
+ * NULL if MHA_ISA names an unknown or unsupported tier (then every forward
+ * fails with a message saying so).
+ */
+MHA_API const char *mha_kernel_tier(void);
 
 /*
  * The dropout generator, exposed so a caller can reproduce the mask:

@@ -1,44 +1,43 @@
 /*
  * forward.c -- projections -> attention -> output projection.
  *
- * Data flow for one call, with B = batch, Lq / Lk query / key lengths,
- * E = embed_dim, H heads of width d_h = E / H, Lt = Lk + extra keys:
+ * Data flow, with B = batch, Lq / Lk query / key lengths, E = embed_dim,
+ * H heads of width d_h = E / H:
  *
  *   query (B,Lq,E)    -- W_q -->  q (B*Lq rows, row stride ldq)
  *   key   (B,Lk,kdim) -- W_k -->  k (B*Lk rows, row stride ldk)
  *   value (B,Lk,vdim) -- W_v -->  v (B*Lk rows, row stride ldv)
  *       (self-attention with one packed in_proj_weight: one GEMM writes
- *        q | k | v side by side, ldq = ldk = ldv = 3E)
- *   for every (b, h, i):  ctx[b,i, h*d_h ..] = softmax(q k^T * scale + mask) v
+ *        q | k | v side by side, ldq = ldk = ldv = 3E; key == value: one
+ *        GEMM writes k | v)
+ *   attention (attention.c): ctx[b,i, h*d_h ..] = softmax(q k^T s + mask) v
  *   ctx (B*Lq, E)     -- W_o -->  out (B, Lq, E)
  *
- * Shapes, masks and sizes are all checked before any work starts.
+ * Planning is apart from running: mha_plan_create checks the shapes and
+ * sizes one workspace; mha_plan_forward checks the data and runs without
+ * allocating.  mha_forward is the two in one call.
  */
-#include "internal.h"
+#include "attention.h"
 
-#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* Everything one forward call needs, derived once from the arguments. */
-typedef struct fwd_plan {
-    int64_t B, Lq, Lk, Lt, E, H, dh;
-    const float *query, *key, *value;
-    int fuse_qkv;            /* query == key == value, packed weights */
-    int fuse_kv;             /* key == value, packed weights          */
-    int dropout;             /* training with p > 0                   */
-    int64_t n_q, n_kv, n_w;  /* element counts of q, k/v, weights     */
-} fwd_plan;
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
-static mha_status plan_forward(const mha_module *m, const mha_forward_args *a,
-                               fwd_plan *p)
+/* Shapes of a forward call, checked and derived once. */
+typedef struct fwd_shape {
+    int64_t B, Lq, Lk, Lt, E, H, dh;
+    int64_t n_q, n_kv, n_w;  /* element counts of q, k/v, weights */
+} fwd_shape;
+
+/* Checks everything about `a` but its data pointers. */
+static mha_status check_shapes(const mha_module *m, const mha_forward_args *a,
+                               fwd_shape *p)
 {
     const mha_config *c = &m->cfg;
-    if (!a->query)
-        return mha_set_error(MHA_ERR_NULL_POINTER, "query is NULL");
-    if (!a->out)
-        return mha_set_error(MHA_ERR_NULL_POINTER, "out is NULL");
     if (a->batch < 1)
         return mha_set_error(MHA_ERR_SHAPE,
                              "batch must be >= 1 (unbatched input is batch "
@@ -58,9 +57,6 @@ static mha_status plan_forward(const mha_module *m, const mha_forward_args *a,
     p->H = c->num_heads;
     p->dh = m->head_dim;
 
-    p->query = a->query;
-    p->key = a->key ? a->key : a->query;
-    p->value = a->value ? a->value : p->key;
     if (!a->key && c->kdim != c->embed_dim)
         return mha_set_error(MHA_ERR_SHAPE,
                              "key is NULL, so the query (width E=%lld) is the "
@@ -83,9 +79,10 @@ static mha_status plan_forward(const mha_module *m, const mha_forward_args *a,
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "need_weights must be NONE, AVERAGE or PER_HEAD, "
                              "got %d", (int)a->need_weights);
-    if (a->need_weights != MHA_WEIGHTS_NONE && !a->attn_weights)
-        return mha_set_error(MHA_ERR_NULL_POINTER,
-                             "need_weights is set but attn_weights is NULL");
+    if (a->num_threads < 0 || a->num_threads > 4096)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "num_threads must be in [0, 4096] (0 = the "
+                             "OpenMP default), got %d", a->num_threads);
 
     /* Every size product that indexes memory, checked once here. */
     int64_t rows_q, rows_k, t, lql;
@@ -110,173 +107,172 @@ static mha_status plan_forward(const mha_module *m, const mha_forward_args *a,
     p->n_kv = rows_k * p->E;
     p->n_w = a->need_weights == MHA_WEIGHTS_PER_HEAD ? t : lql * p->B;
 
-    /* One GEMM over the query rows serves as keys only when they are the
-     * same rows: same pointer and same length. */
-    p->fuse_qkv = m->packed && p->key == p->query && p->value == p->query &&
-                  p->Lk == p->Lq;
-    p->fuse_kv = m->packed && !p->fuse_qkv && p->key == p->value;
-    p->dropout = a->training && c->dropout > 0.0f;
     return MHA_OK;
 }
 
-/* Per-row scratch: the mask row and the probabilities, Lt floats each. */
-typedef struct row_scratch {
-    float *bias;
-    float *prob;
-} row_scratch;
 
-/*
- * One query row of one head: ctx (d_h) = sum_j p_j v_j over the keys that
- * are not excluded, with p = softmax(q . k_j * scale + bias_j).  Writes the
- * probabilities actually applied (after dropout) into prob[0 .. Lt).
- * Keys 0 .. Lk-1 come from k/v; then bias_k/bias_v; then the zero key.
- */
-static void attend_row(const mha_module *m, const fwd_plan *p,
-                       const mha_forward_args *a, int64_t b, int64_t h,
-                       int64_t i, const float *q, const float *k, int64_t ldk,
-                       const float *v, int64_t ldv, row_scratch *s,
-                       float *ctx)
+struct mha_plan {
+    const mha_module *m;
+    fwd_shape shape;
+    mha_isa isa;
+    const mha_microkernels *uk;
+    int threads;
+    int64_t n_proj;          /* projected q, k, v: the larger layout */
+    int64_t per_thread;      /* attention scratch floats per thread  */
+    float *ws;               /* n_proj + n_q (ctx) + stats + scratch */
+};
+
+mha_status mha_plan_create(const mha_module *m, const mha_forward_args *a,
+                           mha_plan **out)
 {
-    const int64_t dh = p->dh, Lk = p->Lk, Lt = p->Lt;
-    const float scale = m->cfg.scale;
-    const float *bias_k = m->bias_k ? m->bias_k + h * dh : NULL;
-    const float *bias_v = m->bias_v ? m->bias_v + h * dh : NULL;
-    float *bias = s->bias, *prob = s->prob;
-
-    memset(ctx, 0, (size_t)dh * sizeof(float));
-
-    /* Scores of the live keys; the max for a stable softmax.  NaN scores
-     * (NaN in a live input) never win the comparison but still reach the
-     * sum below, so they propagate as IEEE arithmetic says they should. */
-    float mx = -INFINITY;
-    int64_t live = 0;
-    for (int64_t j = 0; j < Lt; j++) {
-        prob[j] = 0.0f;
-        if (bias[j] == -INFINITY)
-            continue;
-        const float *kj = j < Lk ? k + j * ldk : j == Lk && bias_k ? bias_k
-                                                                   : NULL;
-        float dot = 0.0f;
-        if (kj)
-            for (int64_t d = 0; d < dh; d++)
-                dot += q[d] * kj[d];
-        /* A finite score plus a finite mask value saturates instead of
-         * overflowing: only -inf excludes a key, and only non-finite data
-         * makes a non-finite score. */
-        float sc = dot * scale;
-        if (isfinite(sc)) {
-            sc += bias[j];
-            sc = sc < -FLT_MAX ? -FLT_MAX : sc > FLT_MAX ? FLT_MAX : sc;
-        }
-        prob[j] = sc;
-        if (sc > mx)
-            mx = sc;
-        live++;
-    }
-    if (live == 0)
-        return;   /* no key to attend to: zero context, zero weights */
-
-    float sum = 0.0f;
-    for (int64_t j = 0; j < Lt; j++) {
-        if (bias[j] == -INFINITY)
-            continue;
-        prob[j] = expf(prob[j] - mx);
-        sum += prob[j];
-    }
-    float inv = 1.0f / sum;
-    if (p->dropout) {
-        const float pd = m->cfg.dropout;
-        inv = pd < 1.0f ? inv / (1.0f - pd) : 0.0f;
-    }
-    for (int64_t j = 0; j < Lt; j++) {
-        if (bias[j] == -INFINITY)
-            continue;
-        if (p->dropout && !mha_dropout_keep(a->dropout_seed, m->cfg.dropout,
-                                            b, h, i, j)) {
-            prob[j] = 0.0f;
-            continue;
-        }
-        const float pj = prob[j] * inv;
-        prob[j] = pj;
-        const float *vj = j < Lk ? v + j * ldv : j == Lk && bias_v ? bias_v
-                                                                   : NULL;
-        if (vj)
-            for (int64_t d = 0; d < dh; d++)
-                ctx[d] += pj * vj[d];
-    }
-}
-
-mha_status mha_forward(const mha_module *m, const mha_forward_args *a)
-{
+    if (!out)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "output plan is NULL");
+    *out = NULL;
     if (!m)
         return mha_set_error(MHA_ERR_NULL_POINTER, "module is NULL");
     if (!a)
         return mha_set_error(MHA_ERR_NULL_POINTER, "forward args are NULL");
-    fwd_plan p = {0};
-    MHA_CHECK(plan_forward(m, a, &p));
+    fwd_shape s;
+    MHA_CHECK(check_shapes(m, a, &s));
+    mha_isa isa;
+    const mha_microkernels *uk;
+    MHA_CHECK(mha_isa_get(&isa, &uk));
+    int threads = a->num_threads;
+#ifdef _OPENMP
+    if (threads == 0)
+        threads = omp_get_max_threads();
+#else
+    threads = 1;   /* built without OpenMP */
+#endif
+    if (threads < 1)
+        threads = 1;
+
+    /* Self-attention with Lk = Lq may fuse q|k|v (3 n_q); otherwise q and
+     * k|v apart (n_q + 2 n_kv).  The workspace holds the larger. */
+    const int64_t fused = s.Lk == s.Lq ? 3 * s.n_q : 0;
+    const int64_t split = s.n_q + 2 * s.n_kv;
+    const int64_t n_proj = fused > split ? fused : split;
+    const int64_t per_thread = mha_attn_scratch(isa, s.dh, s.Lt);
+    const int64_t n_stats = 2 * s.B * s.H * s.Lq;
+    int64_t n_scratch;
+    if (!mha_mul_ok(per_thread, threads, &n_scratch) ||
+        n_scratch > INT64_MAX / 8)
+        return mha_set_error(MHA_ERR_OVERFLOW, "attention scratch overflows");
+    mha_plan *p = calloc(1, sizeof *p);
+    if (!p)
+        return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate a plan");
+    p->ws = mha_alloc_floats(n_proj + s.n_q + n_stats + n_scratch,
+                             "forward workspace");
+    if (!p->ws) {
+        free(p);
+        return MHA_ERR_OUT_OF_MEMORY;
+    }
+    p->m = m;
+    p->shape = s;
+    p->isa = isa;
+    p->uk = uk;
+    p->threads = threads;
+    p->n_proj = n_proj;
+    p->per_thread = per_thread;
+    *out = p;
+    return MHA_OK;
+}
+
+void mha_plan_free(mha_plan *p)
+{
+    if (!p)
+        return;
+    free(p->ws);
+    free(p);
+}
+
+mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
+{
+    if (!plan)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "plan is NULL");
+    if (!a)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "forward args are NULL");
+    const mha_module *m = plan->m;
+    const mha_config *c = &m->cfg;
+    fwd_shape s;
+    MHA_CHECK(check_shapes(m, a, &s));
+    const fwd_shape *ps = &plan->shape;
+    if (s.B != ps->B || s.Lq != ps->Lq || s.Lk != ps->Lk)
+        return mha_set_error(MHA_ERR_SHAPE,
+                             "arguments (B=%lld, Lq=%lld, Lk=%lld) do not "
+                             "match the plan (B=%lld, Lq=%lld, Lk=%lld)",
+                             (long long)s.B, (long long)s.Lq, (long long)s.Lk,
+                             (long long)ps->B, (long long)ps->Lq,
+                             (long long)ps->Lk);
+    if (!a->query)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "query is NULL");
+    if (!a->out)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "out is NULL");
+    if (a->need_weights != MHA_WEIGHTS_NONE && !a->attn_weights)
+        return mha_set_error(MHA_ERR_NULL_POINTER,
+                             "need_weights is set but attn_weights is NULL");
     mha_mask_plan mask;
     MHA_CHECK(mha_mask_plan_init(&mask, m, a));
 
-    const int64_t E = p.E, dh = p.dh;
-    const mha_config *c = &m->cfg;
+    const float *query = a->query;
+    const float *key = a->key ? a->key : query;
+    const float *value = a->value ? a->value : key;
+    const int64_t E = s.E, rows_q = s.B * s.Lq, rows_k = s.B * s.Lk;
+    /* One GEMM over the query rows serves as keys only when they are the
+     * same rows: same pointer and same length. */
+    const int fuse_qkv = m->packed && key == query && value == query &&
+                         s.Lk == s.Lq;
+    const int fuse_kv = m->packed && !fuse_qkv && key == value;
 
-    /* Workspace: projected q, k, v, the context, and two mask/prob rows. */
-    const int64_t n_proj = p.fuse_qkv ? 3 * p.n_q : p.n_q + 2 * p.n_kv;
-    const int64_t n_ws = n_proj + p.n_q + 2 * p.Lt;
-    float *ws = mha_alloc_floats(n_ws, "forward workspace");
-    if (!ws)
-        return MHA_ERR_OUT_OF_MEMORY;
+    float *ws = plan->ws;
     float *qp, *kp, *vp;
     int64_t ldq, ldk, ldv;
-    const int64_t rows_q = p.B * p.Lq, rows_k = p.B * p.Lk;
-    if (p.fuse_qkv) {
-        /* One GEMM: rows of in_proj_weight are [W_q; W_k; W_v]. */
-        mha_linear(p.query, rows_q, E, E, m->w_q, 3 * E, m->b_q, ws, 3 * E);
+    if (fuse_qkv) {
+        /* Rows of in_proj_weight are [W_q; W_k; W_v]. */
+        mha_linear(query, rows_q, E, E, m->w_q, 3 * E, m->b_q, ws, 3 * E);
         qp = ws; kp = ws + E; vp = ws + 2 * E;
         ldq = ldk = ldv = 3 * E;
     } else {
         qp = ws; ldq = E;
-        mha_linear(p.query, rows_q, E, E, m->w_q, E, m->b_q, qp, E);
-        if (p.fuse_kv) {
-            kp = ws + p.n_q; vp = kp + E; ldk = ldv = 2 * E;
-            mha_linear(p.key, rows_k, E, E, m->w_k, 2 * E, m->b_k, kp, 2 * E);
+        mha_linear(query, rows_q, E, E, m->w_q, E, m->b_q, qp, E);
+        if (fuse_kv) {
+            kp = ws + s.n_q; vp = kp + E; ldk = ldv = 2 * E;
+            mha_linear(key, rows_k, E, E, m->w_k, 2 * E, m->b_k, kp, 2 * E);
         } else {
-            kp = ws + p.n_q; vp = kp + p.n_kv; ldk = ldv = E;
-            mha_linear(p.key, rows_k, c->kdim, c->kdim, m->w_k, E, m->b_k, kp,
+            kp = ws + s.n_q; vp = kp + s.n_kv; ldk = ldv = E;
+            mha_linear(key, rows_k, c->kdim, c->kdim, m->w_k, E, m->b_k, kp,
                        E);
-            mha_linear(p.value, rows_k, c->vdim, c->vdim, m->w_v, E, m->b_v,
+            mha_linear(value, rows_k, c->vdim, c->vdim, m->w_v, E, m->b_v,
                        vp, E);
         }
     }
-    float *ctx = ws + n_proj;
-    row_scratch s = {ctx + p.n_q, ctx + p.n_q + p.Lt};
+    float *ctx = ws + plan->n_proj;
+    float *stats = ctx + s.n_q;
+    float *scratch = stats + 2 * s.B * s.H * s.Lq;
 
     if (a->need_weights != MHA_WEIGHTS_NONE)
-        memset(a->attn_weights, 0, (size_t)p.n_w * sizeof(float));
-    const float inv_heads = 1.0f / (float)p.H;
-
-    for (int64_t b = 0; b < p.B; b++) {
-        for (int64_t h = 0; h < p.H; h++) {
-            const float *kb = kp + b * p.Lk * ldk + h * dh;
-            const float *vb = vp + b * p.Lk * ldv + h * dh;
-            for (int64_t i = 0; i < p.Lq; i++) {
-                mha_mask_row(&mask, b, h, i, s.bias);
-                attend_row(m, &p, a, b, h, i,
-                           qp + (b * p.Lq + i) * ldq + h * dh, kb, ldk, vb,
-                           ldv, &s, ctx + (b * p.Lq + i) * E + h * dh);
-                if (a->need_weights == MHA_WEIGHTS_PER_HEAD) {
-                    memcpy(a->attn_weights + ((b * p.H + h) * p.Lq + i) * p.Lt,
-                           s.prob, (size_t)p.Lt * sizeof(float));
-                } else if (a->need_weights == MHA_WEIGHTS_AVERAGE) {
-                    float *w = a->attn_weights + (b * p.Lq + i) * p.Lt;
-                    for (int64_t j = 0; j < p.Lt; j++)
-                        w[j] += s.prob[j] * inv_heads;
-                }
-            }
-        }
-    }
+        memset(a->attn_weights, 0, (size_t)s.n_w * sizeof(float));
+    mha_attn at = {
+        .B = s.B, .H = s.H, .Lq = s.Lq, .Lk = s.Lk, .Lt = s.Lt, .dh = s.dh,
+        .q = qp, .k = kp, .v = vp, .ldq = ldq, .ldk = ldk, .ldv = ldv,
+        .bias_k = m->bias_k, .bias_v = m->bias_v,
+        .zero_attn = c->add_zero_attn, .scale = c->scale, .mask = &mask,
+        .dropout = a->training && c->dropout > 0.0f, .p_drop = c->dropout,
+        .seed = a->dropout_seed, .ctx = ctx, .ldc = E, .stats = stats,
+        .weights = a->need_weights,
+        .w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights : NULL};
+    mha_attn_run(plan->isa, plan->uk, &at, plan->threads, scratch,
+                 plan->per_thread);
 
     mha_linear(ctx, rows_q, E, E, m->w_o, E, m->b_o, a->out, E);
-    free(ws);
     return MHA_OK;
+}
+
+mha_status mha_forward(const mha_module *m, const mha_forward_args *a)
+{
+    mha_plan *plan;
+    MHA_CHECK(mha_plan_create(m, a, &plan));
+    mha_status st = mha_plan_forward(plan, a);
+    mha_plan_free(plan);
+    return st;
 }

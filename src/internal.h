@@ -95,6 +95,21 @@ mha_status mha_mask_plan_init(mha_mask_plan *plan, const mha_module *m,
 int64_t mha_mask_row(const mha_mask_plan *plan, int64_t b, int64_t h,
                      int64_t i, float *row);
 
+/* The same for real-key columns j0 .. j0+n-1 only (j0 + n <= Lk). */
+int64_t mha_mask_cols(const mha_mask_plan *plan, int64_t b, int64_t h,
+                      int64_t i, int64_t j0, int64_t n, float *row);
+
+/* The last real key that causal masking and key_lengths leave to query
+ * row i of batch b (-1: none).  Explicit masks may block more. */
+int64_t mha_mask_last(const mha_mask_plan *plan, int64_t b, int64_t i);
+
+/* Whether the plan has an explicit (memory) mask, as opposed to masking
+ * that follows from indices alone. */
+static inline int mha_mask_has_explicit(const mha_mask_plan *p)
+{
+    return p->attn.kind != MHA_MASK_NONE || p->pad.kind != MHA_MASK_NONE;
+}
+
 /* ---- files (io/file.c) ---------------------------------------------------
  * Reads a whole file into a malloc'ed buffer (*size bytes, plus one NUL
  * byte after the end that is not counted).  Refuses files larger than

@@ -177,11 +177,10 @@ static float apply(mha_mask_kind kind, const void *data, int64_t k, float acc)
     }
 }
 
-int64_t mha_mask_row(const mha_mask_plan *p, int64_t b, int64_t h, int64_t i,
-                     float *row)
+int64_t mha_mask_last(const mha_mask_plan *p, int64_t b, int64_t i)
 {
     const int64_t Lk = p->kv_len;
-    int64_t last = Lk - 1;   /* the last real key this row may see */
+    int64_t last = Lk - 1;
     if (p->causal == MHA_CAUSAL_BOTTOM_RIGHT)
         last = i + (Lk - p->q_len);
     else if (p->causal == MHA_CAUSAL_TOP_LEFT)
@@ -190,21 +189,36 @@ int64_t mha_mask_row(const mha_mask_plan *p, int64_t b, int64_t h, int64_t i,
         last = p->key_lengths[b] - 1;
     if (last > Lk - 1)
         last = Lk - 1;
+    return last < -1 ? -1 : last;
+}
 
+int64_t mha_mask_cols(const mha_mask_plan *p, int64_t b, int64_t h, int64_t i,
+                      int64_t j0, int64_t n, float *row)
+{
+    const int64_t Lk = p->kv_len;
+    const int64_t last = mha_mask_last(p, b, i);
     const int64_t attn_off = b * p->attn_stride_b + h * p->attn_stride_h +
                              i * Lk;
     const int64_t pad_off = b * p->pad_stride_b;
     int64_t live = 0;
-    for (int64_t j = 0; j < Lk; j++) {
+    for (int64_t c = 0; c < n; c++) {
+        const int64_t j = j0 + c;
         float v = j <= last ? 0.0f : -INFINITY;
         if (p->pad.kind != MHA_MASK_NONE)
             v = apply(p->pad.kind, p->pad.data, pad_off + j, v);
         if (p->attn.kind != MHA_MASK_NONE)
             v = apply(p->attn.kind, p->attn.data, attn_off + j, v);
-        row[j] = v;
+        row[c] = v;
         live += v != -INFINITY;
     }
-    for (int64_t j = Lk; j < p->total_keys; j++)
+    return live;
+}
+
+int64_t mha_mask_row(const mha_mask_plan *p, int64_t b, int64_t h, int64_t i,
+                     float *row)
+{
+    int64_t live = mha_mask_cols(p, b, h, i, 0, p->kv_len, row);
+    for (int64_t j = p->kv_len; j < p->total_keys; j++)
         row[j] = 0.0f;
-    return live + (p->total_keys - Lk);
+    return live + (p->total_keys - p->kv_len);
 }

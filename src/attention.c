@@ -1,0 +1,410 @@
+/*
+ * attention.c -- softmax(q k^T * scale + mask) v for every (batch, head,
+ * query row), two ways:
+ *
+ *   ref      one query row at a time, the whole score row materialised,
+ *            every sum in float64: slow, obviously right, never deleted.
+ *   flash    (scalar and avx2 tiers) the FlashAttention algorithm: a block
+ *            of MHA_BR query rows walks the keys in tiles of MHA_BC with a
+ *            running max m, running sum l and a rescaled accumulator o:
+ *
+ *                s   = q k_tile^T (+ mask)        (micro-kernel qk)
+ *                m'  = max(m, rowmax(s));  p = exp(s - m')
+ *                l   = l * exp(m - m') + rowsum(p)
+ *                o   = o * exp(m - m') + p v_tile (micro-kernel pv)
+ *                ctx = o / l;  the row statistics (m, 1/l) are kept
+ *
+ *            Scores never exist beyond one tile: extra memory is
+ *            O(MHA_BR * (MHA_BC + d_h)) per thread, whatever Lk is.
+ *
+ * Masking by index costs nothing: tiles past the last key that causal
+ * masking and key_lengths leave are never visited, and a tile wholly
+ * before the first row's limit needs no mask at all.  Only tiles on the
+ * diagonal, or under an explicit mask, are masked element by element.
+ *
+ * Attention weights, when asked for, are a second pass over the tiles
+ * that recomputes p = exp(s - m) / l from the saved row statistics, so the
+ * output is bitwise the same whether weights are asked for or not.
+ *
+ * Work is split into items that one thread computes alone, in a fixed
+ * order: (b, h, query block) for the output, (b, query block) for the
+ * weights (heads summed in order for the average).  Results are therefore
+ * bitwise identical for any thread count.
+ */
+#include "attention.h"
+
+#include <float.h>
+#include <math.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* s + bias, where bias -inf excludes and finite sums saturate. */
+static inline float masked(float s, float bias)
+{
+    if (bias == -INFINITY)
+        return -INFINITY;
+    if (!isfinite(s))
+        return s;
+    const float x = s + bias;
+    return x < -FLT_MAX ? -FLT_MAX : x > FLT_MAX ? FLT_MAX : x;
+}
+
+/* ---- the flash tiers ------------------------------------------------------ */
+
+typedef struct flash_scratch {
+    float *qs;    /* [BR][dh]  query rows * scale      */
+    float *o;     /* [BR][dh]  running output          */
+    float *s;     /* [BR][BC]  scores, then p          */
+    float *bias;  /* [BR][BC]  mask of a partial tile  */
+    float *kt;    /* [dh][BC]  key tile, transposed    */
+    float *v;     /* [BC][dh]  value tile              */
+    float *m, *l; /* [BR]      running max and sum     */
+} flash_scratch;
+
+static flash_scratch carve(float *base, int64_t dh)
+{
+    flash_scratch f;
+    f.qs = base;
+    f.o = f.qs + MHA_BR * dh;
+    f.s = f.o + MHA_BR * dh;
+    f.bias = f.s + MHA_BR * MHA_BC;
+    f.kt = f.bias + MHA_BR * MHA_BC;
+    f.v = f.kt + dh * MHA_BC;
+    f.m = f.v + MHA_BC * dh;
+    f.l = f.m + MHA_BR;
+    return f;
+}
+
+static void pack_q(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
+                   int mr, float *qs)
+{
+    const int64_t dh = a->dh;
+    for (int r = 0; r < mr; r++) {
+        const float *src = a->q + (b * a->Lq + i0 + r) * a->ldq + h * dh;
+        for (int64_t d = 0; d < dh; d++)
+            qs[r * dh + d] = src[d] * a->scale;
+    }
+}
+
+/*
+ * Packs keys j0 .. j0+nc-1 (real ones, or the extra keys when extra is
+ * set) of head h: kt transposed, v contiguous.  Returns whether every
+ * value is finite (then the fast pv kernel is exact).
+ */
+static int pack_kv(const mha_attn *a, int64_t b, int64_t h, int64_t j0,
+                   int nc, int extra, flash_scratch *f)
+{
+    const int64_t dh = a->dh;
+    int finite = 1;
+    for (int c = 0; c < nc; c++) {
+        const float *kr, *vr;
+        if (!extra) {
+            kr = a->k + (b * a->Lk + j0 + c) * a->ldk + h * dh;
+            vr = a->v + (b * a->Lk + j0 + c) * a->ldv + h * dh;
+        } else if (c == 0 && a->bias_k) {
+            kr = a->bias_k + h * dh;
+            vr = a->bias_v + h * dh;
+        } else {
+            kr = vr = NULL;   /* the zero key of add_zero_attn */
+        }
+        for (int64_t d = 0; d < dh; d++) {
+            f->kt[d * MHA_BC + c] = kr ? kr[d] : 0.0f;
+            const float x = vr ? vr[d] : 0.0f;
+            f->v[c * dh + d] = x;
+            finite &= isfinite(x) != 0;
+        }
+    }
+    return finite;
+}
+
+/* One key tile against the block's rows: the online-softmax update. */
+static void flash_tile(const mha_microkernels *uk, const mha_attn *a,
+                       int64_t b, int64_t h, int64_t i0, int mr, int64_t j0,
+                       int nc, int partial, int finite_v, flash_scratch *f)
+{
+    const int dh = (int)a->dh;
+    uk->qk(mr, nc, dh, f->qs, f->kt, MHA_BC, f->s, MHA_BC);
+    for (int r = 0; r < mr; r++) {
+        float *sr = f->s + r * MHA_BC;
+        if (partial)
+            for (int c = 0; c < nc; c++)
+                sr[c] = masked(sr[c], f->bias[r * MHA_BC + c]);
+        /* NaN never wins the comparison but reaches the sum: it propagates */
+        float mt = -INFINITY;
+        for (int c = 0; c < nc; c++)
+            if (sr[c] > mt)
+                mt = sr[c];
+        const float mn = mt > f->m[r] ? mt : f->m[r];
+        if (mn == -INFINITY) {            /* nothing live in this row yet */
+            memset(sr, 0, (size_t)nc * sizeof *sr);
+            continue;
+        }
+        const float alpha = expf(f->m[r] - mn);   /* 0 on the first tile */
+        const float sum = uk->exp_sum(sr, nc, mn);
+        if (alpha != 1.0f) {
+            uk->scale(f->o + r * dh, dh, alpha);
+            f->l[r] *= alpha;
+        }
+        f->l[r] += sum;
+        f->m[r] = mn;
+        if (a->dropout)
+            for (int c = 0; c < nc; c++)
+                if (!mha_dropout_keep(a->seed, a->p_drop, b, h, i0 + r,
+                                      j0 + c))
+                    sr[c] = 0.0f;
+    }
+    (finite_v ? uk->pv : uk->pv_exact)(mr, nc, dh, f->s, MHA_BC, f->v, f->o,
+                                       dh);
+}
+
+/* Visits the tiles of one query block, calling fn on each non-empty one.
+ * Fills f->bias for partial tiles.  Keys past the last one any row may
+ * see are never visited; the extra keys come last, never masked. */
+typedef void (*tile_fn)(const mha_microkernels *uk, const mha_attn *a,
+                        int64_t b, int64_t h, int64_t i0, int mr, int64_t j0,
+                        int nc, int partial, int finite_v, flash_scratch *f,
+                        void *ctx);
+
+static void for_each_tile(const mha_microkernels *uk, const mha_attn *a,
+                          int64_t b, int64_t h, int64_t i0, int mr,
+                          flash_scratch *f, tile_fn fn, void *ctx)
+{
+    const mha_mask_plan *mk = a->mask;
+    const int64_t first_last = mha_mask_last(mk, b, i0);
+    const int64_t end = mha_mask_last(mk, b, i0 + mr - 1) + 1;
+    const int explicit_mask = mha_mask_has_explicit(mk);
+    for (int64_t j0 = 0; j0 < end; j0 += MHA_BC) {
+        const int nc = (int)(end - j0 < MHA_BC ? end - j0 : MHA_BC);
+        const int partial = explicit_mask || j0 + nc - 1 > first_last;
+        if (partial) {
+            int64_t live = 0;
+            for (int r = 0; r < mr; r++)
+                live += mha_mask_cols(mk, b, h, i0 + r, j0, nc,
+                                      f->bias + r * MHA_BC);
+            if (live == 0)
+                continue;
+        }
+        const int finite_v = pack_kv(a, b, h, j0, nc, 0, f);
+        fn(uk, a, b, h, i0, mr, j0, nc, partial, finite_v, f, ctx);
+    }
+    const int extra = (a->bias_k != NULL) + (a->zero_attn != 0);
+    if (extra) {
+        const int finite_v = pack_kv(a, b, h, a->Lk, extra, 1, f);
+        fn(uk, a, b, h, i0, mr, a->Lk, extra, 0, finite_v, f, ctx);
+    }
+}
+
+static void output_tile(const mha_microkernels *uk, const mha_attn *a,
+                        int64_t b, int64_t h, int64_t i0, int mr, int64_t j0,
+                        int nc, int partial, int finite_v, flash_scratch *f,
+                        void *ctx)
+{
+    (void)ctx;
+    flash_tile(uk, a, b, h, i0, mr, j0, nc, partial, finite_v, f);
+}
+
+/* Rows i0 .. i0+mr-1 of head h of batch b: ctx and the row stats. */
+static void flash_block(const mha_microkernels *uk, const mha_attn *a,
+                        int64_t b, int64_t h, int64_t i0, int mr,
+                        flash_scratch *f)
+{
+    const int64_t dh = a->dh;
+    pack_q(a, b, h, i0, mr, f->qs);
+    memset(f->o, 0, (size_t)(mr * dh) * sizeof *f->o);
+    for (int r = 0; r < mr; r++) {
+        f->m[r] = -INFINITY;
+        f->l[r] = 0.0f;
+    }
+    for_each_tile(uk, a, b, h, i0, mr, f, output_tile, NULL);
+    const int all_dropped = a->dropout && a->p_drop >= 1.0f;
+    for (int r = 0; r < mr; r++) {
+        float *dst = a->ctx + (b * a->Lq + i0 + r) * a->ldc + h * dh;
+        float *st = a->stats + 2 * ((b * a->H + h) * a->Lq + i0 + r);
+        if (f->m[r] == -INFINITY || f->l[r] == 0.0f) {
+            /* No key to attend to: zero context, zero weights. */
+            memset(dst, 0, (size_t)dh * sizeof *dst);
+            st[0] = -INFINITY;
+            st[1] = 0.0f;
+            continue;
+        }
+        st[0] = f->m[r];
+        st[1] = 1.0f / f->l[r];
+        float inv = st[1];
+        if (a->dropout)
+            inv = all_dropped ? 0.0f : inv / (1.0f - a->p_drop);
+        for (int64_t d = 0; d < dh; d++)
+            dst[d] = f->o[r * dh + d] * inv;
+    }
+}
+
+/* The weights pass: p = exp(s - m) / l, dropout as in the output pass. */
+static void weights_tile(const mha_microkernels *uk, const mha_attn *a,
+                         int64_t b, int64_t h, int64_t i0, int mr, int64_t j0,
+                         int nc, int partial, int finite_v, flash_scratch *f,
+                         void *ctx)
+{
+    (void)finite_v;
+    (void)ctx;
+    const int dh = (int)a->dh;
+    uk->qk(mr, nc, dh, f->qs, f->kt, MHA_BC, f->s, MHA_BC);
+    const float keep_scale =
+        a->dropout ? (a->p_drop < 1.0f ? 1.0f / (1.0f - a->p_drop) : 0.0f)
+                   : 1.0f;
+    const float inv_h = 1.0f / (float)a->H;
+    for (int r = 0; r < mr; r++) {
+        const int64_t i = i0 + r;
+        const float *st = a->stats + 2 * ((b * a->H + h) * a->Lq + i);
+        if (st[0] == -INFINITY)
+            continue;
+        float *sr = f->s + r * MHA_BC;
+        if (partial)
+            for (int c = 0; c < nc; c++)
+                sr[c] = masked(sr[c], f->bias[r * MHA_BC + c]);
+        uk->exp_sum(sr, nc, st[0]);
+        const float inv_l = st[1] * keep_scale;
+        float *w = a->weights == MHA_WEIGHTS_PER_HEAD
+                       ? a->w + ((b * a->H + h) * a->Lq + i) * a->Lt + j0
+                       : a->w + (b * a->Lq + i) * a->Lt + j0;
+        for (int c = 0; c < nc; c++) {
+            float p = sr[c] * inv_l;
+            if (a->dropout &&
+                !mha_dropout_keep(a->seed, a->p_drop, b, h, i, j0 + c))
+                p = 0.0f;
+            if (a->weights == MHA_WEIGHTS_PER_HEAD)
+                w[c] = p;
+            else
+                w[c] += p * inv_h;
+        }
+    }
+}
+
+static void weights_block(const mha_microkernels *uk, const mha_attn *a,
+                          int64_t b, int64_t i0, int mr, flash_scratch *f)
+{
+    for (int64_t h = 0; h < a->H; h++) {
+        pack_q(a, b, h, i0, mr, f->qs);
+        for_each_tile(uk, a, b, h, i0, mr, f, weights_tile, NULL);
+    }
+}
+
+/* ---- the reference tier --------------------------------------------------- */
+
+/*
+ * Row i of every head of batch b, in float64: scores, softmax, dropout,
+ * context, row stats and weights.  scratch: Lt floats (the mask row), then Lt
+ * doubles (the scores) and dh doubles (the context), 8-byte aligned.
+ */
+static void ref_row(const mha_attn *a, int64_t b, int64_t i, float *scratch)
+{
+    const int64_t dh = a->dh, Lk = a->Lk, Lt = a->Lt;
+    float *bias = scratch;
+    double *s = (double *)(void *)(scratch + ((Lt + 1) & ~(int64_t)1));
+    double *acc = s + Lt;
+    for (int64_t h = 0; h < a->H; h++) {
+        const float *q = a->q + (b * a->Lq + i) * a->ldq + h * dh;
+        const int64_t live = mha_mask_row(a->mask, b, h, i, bias);
+        double mx = -INFINITY;
+        for (int64_t j = 0; j < Lt; j++) {
+            if (bias[j] == -INFINITY)
+                continue;
+            const float *kj = j < Lk ? a->k + (b * Lk + j) * a->ldk + h * dh
+                            : j == Lk && a->bias_k ? a->bias_k + h * dh : NULL;
+            double dot = 0.0;
+            if (kj)
+                for (int64_t d = 0; d < dh; d++)
+                    dot += (double)q[d] * kj[d];
+            s[j] = dot * a->scale + bias[j];
+            if (s[j] > mx)
+                mx = s[j];
+        }
+        double sum = 0.0;
+        for (int64_t j = 0; j < Lt; j++)
+            if (bias[j] != -INFINITY)
+                sum += s[j] = exp(s[j] - mx);
+        memset(acc, 0, (size_t)dh * sizeof *acc);
+        float *dst = a->ctx + (b * a->Lq + i) * a->ldc + h * dh;
+        float *w = a->weights == MHA_WEIGHTS_PER_HEAD
+                       ? a->w + ((b * a->H + h) * a->Lq + i) * Lt
+                       : a->w ? a->w + (b * a->Lq + i) * Lt : NULL;
+        for (int64_t j = 0; live && j < Lt; j++) {
+            if (bias[j] == -INFINITY)
+                continue;
+            if (a->dropout &&
+                !mha_dropout_keep(a->seed, a->p_drop, b, h, i, j))
+                continue;
+            const double p = s[j] / sum / (a->dropout ? 1.0 - a->p_drop : 1.0);
+            const float *vj = j < Lk ? a->v + (b * Lk + j) * a->ldv + h * dh
+                            : j == Lk && a->bias_v ? a->bias_v + h * dh : NULL;
+            if (vj)
+                for (int64_t d = 0; d < dh; d++)
+                    acc[d] += p * vj[d];
+            if (a->weights == MHA_WEIGHTS_PER_HEAD)
+                w[j] = (float)p;
+            else if (w)
+                w[j] += (float)(p / (double)a->H);
+        }
+        for (int64_t d = 0; d < dh; d++)
+            dst[d] = (float)acc[d];
+        float *st = a->stats + 2 * ((b * a->H + h) * a->Lq + i);
+        st[0] = live ? (float)mx : -INFINITY;
+        st[1] = live ? (float)(1.0 / sum) : 0.0f;
+    }
+}
+
+/* ---- scheduling ----------------------------------------------------------- */
+
+int64_t mha_attn_scratch(mha_isa isa, int64_t dh, int64_t Lt)
+{
+    if (isa == MHA_ISA_REF)   /* Lt floats, (Lt + dh) doubles, aligned */
+        return (Lt + 2) + 2 * (Lt + dh) + 2;
+    return 2 * MHA_BR * dh + 2 * MHA_BR * MHA_BC + 2 * MHA_BC * dh +
+           2 * MHA_BR;
+}
+
+void mha_attn_run(mha_isa isa, const mha_microkernels *uk, const mha_attn *a,
+                  int threads, float *scratch, int64_t per_thread)
+{
+    const int64_t blocks = (a->Lq + MHA_BR - 1) / MHA_BR;
+    (void)threads;
+    if (isa == MHA_ISA_REF) {
+        const int64_t rows = a->B * a->Lq;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
+        for (int64_t t = 0; t < rows; t++) {
+            int tid = 0;
+#ifdef _OPENMP
+            tid = omp_get_thread_num();
+#endif
+            ref_row(a, t / a->Lq, t % a->Lq, scratch + tid * per_thread);
+        }
+        return;
+    }
+    const int64_t items = a->B * a->H * blocks;
+#pragma omp parallel num_threads(threads)
+    {
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        flash_scratch f = carve(scratch + tid * per_thread, a->dh);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < items; t++) {
+            const int64_t blk = t % blocks, bh = t / blocks;
+            const int64_t i0 = blk * MHA_BR;
+            const int mr = (int)(a->Lq - i0 < MHA_BR ? a->Lq - i0 : MHA_BR);
+            flash_block(uk, a, bh / a->H, bh % a->H, i0, mr, &f);
+        }
+        if (a->weights != MHA_WEIGHTS_NONE) {
+            /* The implicit barrier above: every row's stats are written. */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < a->B * blocks; t++) {
+                const int64_t i0 = (t % blocks) * MHA_BR;
+                const int mr = (int)(a->Lq - i0 < MHA_BR ? a->Lq - i0
+                                                         : MHA_BR);
+                weights_block(uk, a, t / blocks, i0, mr, &f);
+            }
+        }
+    }
+}

@@ -1,0 +1,55 @@
+/*
+ * attention.h -- scaled dot-product attention over already projected
+ * heads: the part of the forward pass that is O(Lq x Lk).  Shared by
+ * forward.c (the module) and mha_attention() (heads given directly).
+ */
+#ifndef MHA_ATTENTION_H
+#define MHA_ATTENTION_H
+
+#include "internal.h"
+#include "kernels/kernels.h"
+
+/* Query rows per block and keys per tile of the flash tiers. */
+enum { MHA_BR = 64, MHA_BC = 64 };
+
+/*
+ * One attention problem.  Element d of head h of row i of batch b is at
+ *     q[(b * Lq + i) * ldq + h * dh + d]     (k, v likewise with Lk)
+ *     ctx[(b * Lq + i) * ldc + h * dh + d]   (the output)
+ * bias_k / bias_v ([H * dh], or NULL) and zero_attn append one key each
+ * after the Lk real ones, in that order, as PyTorch does.
+ */
+typedef struct mha_attn {
+    int64_t B, H, Lq, Lk, Lt, dh;
+    const float *q, *k, *v;
+    int64_t ldq, ldk, ldv;
+    const float *bias_k, *bias_v;
+    int zero_attn;
+    float scale;
+    const mha_mask_plan *mask;
+    int dropout;            /* training with p > 0 */
+    float p_drop;
+    uint64_t seed;
+    float *ctx;
+    int64_t ldc;
+    float *stats;           /* [B][H][Lq][2]: the row's max m and 1 / l,
+                               its softmax normaliser exp(m) * l; m is
+                               -INFINITY for a row with no key.  (Kept
+                               apart: m + log(l) loses l when |m| is huge) */
+    mha_weights_mode weights;
+    float *w;               /* (B, H, Lq, Lt) or (B, Lq, Lt), zeroed */
+} mha_attn;
+
+/* The tier chosen at start-up (MHA_ISA=ref|scalar|avx2 forces one). */
+mha_status mha_isa_get(mha_isa *isa, const mha_microkernels **uk);
+
+/* Floats of per-thread scratch for a tier. */
+int64_t mha_attn_scratch(mha_isa isa, int64_t dh, int64_t Lt);
+
+/* Runs the whole problem on `threads` threads (OpenMP), each with its own
+ * `scratch` slice of mha_attn_scratch() floats.  Results do not depend on
+ * the thread count. */
+void mha_attn_run(mha_isa isa, const mha_microkernels *uk, const mha_attn *a,
+                  int threads, float *scratch, int64_t scratch_per_thread);
+
+#endif

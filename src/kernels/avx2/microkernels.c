@@ -1,0 +1,261 @@
+/*
+ * microkernels.c -- the AVX2 + FMA tier (Zen 3 / Haswell class).  This file,
+ * and only this file, is compiled with -mavx2 -mfma; it is called only when
+ * the CPU reports both (dispatch.c).  AVX / AVX2 / FMA intrinsics only.
+ *
+ * Determinism: every output element is one fixed chain of fused
+ * multiply-adds in ascending order of the reduction index, whatever block of
+ * the register tiling it lands in (full 16-wide block, 8-wide block, masked
+ * tail) and whatever mr or the tile's alignment, so splitting a tile gives
+ * the same bits.  exp is lane-independent; its sum has a fixed order for a
+ * given n.  See docs/KERNELS.md.
+ */
+#include "../kernels.h"
+
+#include <immintrin.h>
+#include <math.h>
+
+#define MK_INLINE static inline __attribute__((always_inline))
+
+/* ---- the common GEMM-like tile -------------------------------------------
+ *
+ *   C[r][j] (=|+=) sum_k A[r*lda + k] * B[k*ldb + j],  r < R, j < 8*W
+ *
+ * qk: A = q (lda dh), B = kt (ldb ldkt), K = dh, C = s, set.
+ * pv: A = p (ldp),    B = v  (ldb dh),   K = nc, C = o, accumulate.
+ * Each C element is acc = fma(A[r][k], B[k][j], acc) for k = 0, 1, ...,
+ * starting from 0 (set) or from C (accumulate), in every variant below.
+ */
+enum { MODE_SET = 0, MODE_ACC = 1, MODE_ACC_EXACT = 2 };
+
+/* Lanes < n are on (0 < n < 8). */
+MK_INLINE __m256i tail_mask(int n)
+{
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+MK_INLINE __m256 ld(const float *x, int masked, __m256i m)
+{
+    return masked ? _mm256_maskload_ps(x, m) : _mm256_loadu_ps(x);
+}
+
+MK_INLINE void st(float *x, __m256 v, int masked, __m256i m)
+{
+    if (masked)
+        _mm256_maskstore_ps(x, m, v);
+    else
+        _mm256_storeu_ps(x, v);
+}
+
+/* R rows (1..6) x W vectors (1 or 2) of C; masked only with W == 1. */
+MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
+                    int K, const float *A, int lda, const float *B, int ldb,
+                    float *C, int ldc, __m256i m)
+{
+    __m256 acc[6][2];
+    for (int r = 0; r < R; r++)
+        for (int w = 0; w < W; w++)
+            acc[r][w] = mode == MODE_SET
+                            ? _mm256_setzero_ps()
+                            : ld(C + (size_t)r * ldc + 8 * w, masked, m);
+
+    const __m256 zero = _mm256_setzero_ps();
+    for (int k = 0; k < K; k++) {
+        __m256 b[2];
+        for (int w = 0; w < W; w++)
+            b[w] = ld(B + (size_t)k * ldb + 8 * w, masked, m);
+        for (int r = 0; r < R; r++) {
+            const __m256 a = _mm256_broadcast_ss(A + (size_t)r * lda + k);
+            if (mode == MODE_ACC_EXACT) {
+                /* p == 0 (either sign): keep acc as it was, so NaN / Inf in
+                 * b never reaches this row.  Same bits as skipping. */
+                const __m256 z = _mm256_cmp_ps(a, zero, _CMP_EQ_OQ);
+                for (int w = 0; w < W; w++)
+                    acc[r][w] = _mm256_blendv_ps(
+                        _mm256_fmadd_ps(a, b[w], acc[r][w]), acc[r][w], z);
+            } else {
+                for (int w = 0; w < W; w++)
+                    acc[r][w] = _mm256_fmadd_ps(a, b[w], acc[r][w]);
+            }
+        }
+    }
+
+    for (int r = 0; r < R; r++)
+        for (int w = 0; w < W; w++)
+            st(C + (size_t)r * ldc + 8 * w, acc[r][w], masked, m);
+}
+
+/* R rows against all N columns: 16-wide blocks, then one 8-wide, then a
+ * masked tail of 1..7. */
+MK_INLINE void panel(const int R, const int mode, int N, int K, const float *A,
+                     int lda, const float *B, int ldb, float *C, int ldc)
+{
+    const __m256i none = _mm256_setzero_si256();
+    int j = 0;
+    for (; j + 16 <= N; j += 16)
+        tile(R, 2, 0, mode, K, A, lda, B + j, ldb, C + j, ldc, none);
+    if (j + 8 <= N) {
+        tile(R, 1, 0, mode, K, A, lda, B + j, ldb, C + j, ldc, none);
+        j += 8;
+    }
+    if (j < N)
+        tile(R, 1, 1, mode, K, A, lda, B + j, ldb, C + j, ldc,
+             tail_mask(N - j));
+}
+
+/* All M rows: blocks of RMAX rows, then one block of the remainder. */
+MK_INLINE void gemm(const int RMAX, const int mode, int M, int N, int K,
+                    const float *A, int lda, const float *B, int ldb, float *C,
+                    int ldc)
+{
+    int i = 0;
+    for (; i + RMAX <= M; i += RMAX)
+        panel(RMAX, mode, N, K, A + (size_t)i * lda, lda, B, ldb,
+              C + (size_t)i * ldc, ldc);
+    const float *Ai = A + (size_t)i * lda;
+    float *Ci = C + (size_t)i * ldc;
+    switch (M - i) {
+    case 5: if (RMAX > 5) panel(5, mode, N, K, Ai, lda, B, ldb, Ci, ldc); break;
+    case 4: if (RMAX > 4) panel(4, mode, N, K, Ai, lda, B, ldb, Ci, ldc); break;
+    case 3: panel(3, mode, N, K, Ai, lda, B, ldb, Ci, ldc); break;
+    case 2: panel(2, mode, N, K, Ai, lda, B, ldb, Ci, ldc); break;
+    case 1: panel(1, mode, N, K, Ai, lda, B, ldb, Ci, ldc); break;
+    default: break;
+    }
+}
+
+/* 6 rows x 16 columns: 12 accumulators + 2 B vectors + 1 broadcast. */
+static void qk_avx2(int mr, int nc, int dh, const float *q, const float *kt,
+                    int ldkt, float *s, int lds)
+{
+    gemm(6, MODE_SET, mr, nc, dh, q, dh, kt, ldkt, s, lds);
+}
+
+static void pv_avx2(int mr, int nc, int dh, const float *p, int ldp,
+                    const float *v, float *o, int ldo)
+{
+    gemm(6, MODE_ACC, mr, dh, nc, p, ldp, v, dh, o, ldo);
+}
+
+/* 4 rows x 16 columns: the compare and the blend need registers too. */
+static void pv_exact_avx2(int mr, int nc, int dh, const float *p, int ldp,
+                          const float *v, float *o, int ldo)
+{
+    gemm(4, MODE_ACC_EXACT, mr, dh, nc, p, ldp, v, dh, o, ldo);
+}
+
+/* ---- exp ------------------------------------------------------------------
+ *
+ * exp(x) = 2^n * e^f,  n = round(x / ln2),  f = x - n*ln2 in [-ln2/2, ln2/2]
+ * f by Cody-Waite with FMA: ln2 = L_HI + L_LO, L_HI the float nearest ln2;
+ * fma(n, -L_HI, x) is exact (|n| <= 160), then fma(n, -L_LO, .) rounds once.
+ * e^f = 1 + f + f^2 * P(f), P of degree 5 (Cephes expf minimax coefficients),
+ * evaluated by Horner with FMA; then (f + f^2 P) + 1.
+ * 2^n as two exact float factors 2^(n>>1) * 2^(n - (n>>1)), so n = 128, 129
+ * overflows correctly to +inf.  x is clamped to [ln FLT_MIN, 89] first
+ * (keeps n in [-126, 129]; NaN passes through the clamp), and results for
+ * x < ln FLT_MIN = -87.3365... are flushed to +0: no denormal is produced
+ * (nor a microcode assist taken).  -inf -> 0, NaN -> NaN, 0 -> exactly 1.
+ */
+MK_INLINE __m256 exp8(__m256 x)
+{
+    const __m256 flush = _mm256_set1_ps(-87.33654475f);  /* ln FLT_MIN */
+    const __m256 x_lo = flush;
+    const __m256 x_hi = _mm256_set1_ps(89.0f);
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+    const __m256 ln2_hi = _mm256_set1_ps(0.693147182464599609375f);
+    const __m256 ln2_lo = _mm256_set1_ps(-1.904654299957768e-09f);
+    const __m256 one = _mm256_set1_ps(1.0f);
+
+    /* min / max return their second operand when one is NaN: keep x there. */
+    const __m256 xc = _mm256_max_ps(x_lo, _mm256_min_ps(x_hi, x));
+    const __m256 below = _mm256_cmp_ps(x, flush, _CMP_LT_OQ);
+
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, log2e),
+                                     _MM_FROUND_TO_NEAREST_INT |
+                                         _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_fnmadd_ps(n, ln2_hi, xc);
+    f = _mm256_fnmadd_ps(n, ln2_lo, f);
+
+    __m256 P = _mm256_set1_ps(1.9875691500e-4f);
+    P = _mm256_fmadd_ps(P, f, _mm256_set1_ps(1.3981999507e-3f));
+    P = _mm256_fmadd_ps(P, f, _mm256_set1_ps(8.3334519073e-3f));
+    P = _mm256_fmadd_ps(P, f, _mm256_set1_ps(4.1665795894e-2f));
+    P = _mm256_fmadd_ps(P, f, _mm256_set1_ps(1.6666665459e-1f));
+    P = _mm256_fmadd_ps(P, f, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 f2 = _mm256_mul_ps(f, f);
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(P, f2, f), one);
+
+    /* n is an integer in [-126, 129] (garbage for NaN: y is NaN then). */
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i n1 = _mm256_srai_epi32(ni, 1);
+    const __m256i n2 = _mm256_sub_epi32(ni, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const __m256 s1 = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    const __m256 s2 = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    __m256 r = _mm256_mul_ps(_mm256_mul_ps(y, s1), s2);
+    return _mm256_andnot_ps(below, r);
+}
+
+static float hsum8(__m256 v)
+{
+    /* Fixed order: (lo128 + hi128), then (0+2, 1+3), then (0 + 1). */
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v),
+                          _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+
+static float exp_sum_avx2(float *x, int n, float m)
+{
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    int c = 0;
+    for (; c + 8 <= n; c += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + c), mv));
+        _mm256_storeu_ps(x + c, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float sum = hsum8(acc);
+    if (c < n) {
+        /* The tail through a local buffer: the same lane-wise exp, no read
+         * or write outside [0, n). */
+        float buf[8] = {0};
+        const int t = n - c;
+        for (int i = 0; i < t; i++)
+            buf[i] = x[c + i];
+        _mm256_storeu_ps(buf,
+                         exp8(_mm256_sub_ps(_mm256_loadu_ps(buf), mv)));
+        for (int i = 0; i < t; i++) {
+            x[c + i] = buf[i];
+            sum += buf[i];
+        }
+    }
+    return sum;
+}
+
+static void scale_avx2(float *x, int n, float a)
+{
+    const __m256 av = _mm256_set1_ps(a);
+    int c = 0;
+    for (; c + 32 <= n; c += 32) {
+        _mm256_storeu_ps(x + c, _mm256_mul_ps(_mm256_loadu_ps(x + c), av));
+        _mm256_storeu_ps(x + c + 8,
+                         _mm256_mul_ps(_mm256_loadu_ps(x + c + 8), av));
+        _mm256_storeu_ps(x + c + 16,
+                         _mm256_mul_ps(_mm256_loadu_ps(x + c + 16), av));
+        _mm256_storeu_ps(x + c + 24,
+                         _mm256_mul_ps(_mm256_loadu_ps(x + c + 24), av));
+    }
+    for (; c + 8 <= n; c += 8)
+        _mm256_storeu_ps(x + c, _mm256_mul_ps(_mm256_loadu_ps(x + c), av));
+    for (; c < n; c++)
+        x[c] *= a;
+}
+
+const mha_microkernels mha_microkernels_avx2 = {
+    "avx2", qk_avx2, pv_avx2, pv_exact_avx2, exp_sum_avx2, scale_avx2};

@@ -1,0 +1,71 @@
+/*
+ * dispatch.c -- which tier runs: chosen once, by the CPU's features, or
+ * forced with the environment variable MHA_ISA=ref|scalar|avx2 (the tests
+ * run every tier this way).
+ */
+#include "../attention.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int cpu_has_avx2_fma(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    /* libgcc's cpu model checks CPUID and that the OS saves the YMM state
+     * (XGETBV), so a kernel without AVX support reads as no AVX2 here. */
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
+/* -1: not chosen yet; otherwise the isa, or 100 + a status on error. */
+static atomic_int chosen = -1;
+
+static int choose(void)
+{
+    const char *env = getenv("MHA_ISA");
+    const int avx2 = cpu_has_avx2_fma();
+    if (!env || !*env)
+        return avx2 ? MHA_ISA_AVX2 : MHA_ISA_SCALAR;
+    if (!strcmp(env, "ref"))
+        return MHA_ISA_REF;
+    if (!strcmp(env, "scalar"))
+        return MHA_ISA_SCALAR;
+    if (!strcmp(env, "avx2"))
+        return avx2 ? MHA_ISA_AVX2 : 100 + MHA_ERR_UNSUPPORTED;
+    return 100 + MHA_ERR_INVALID_ARGUMENT;
+}
+
+mha_status mha_isa_get(mha_isa *isa, const mha_microkernels **uk)
+{
+    int c = atomic_load(&chosen);
+    if (c < 0) {
+        c = choose();             /* a race computes the same value twice */
+        atomic_store(&chosen, c);
+    }
+    if (c >= 100) {
+        const char *env = getenv("MHA_ISA");
+        return mha_set_error((mha_status)(c - 100),
+                             c - 100 == MHA_ERR_UNSUPPORTED
+                                 ? "MHA_ISA=%s, but this CPU or OS lacks "
+                                   "AVX2 and FMA"
+                                 : "MHA_ISA=%s: expected ref, scalar or avx2",
+                             env ? env : "");
+    }
+    *isa = (mha_isa)c;
+    *uk = c == MHA_ISA_AVX2 ? &mha_microkernels_avx2
+                            : &mha_microkernels_scalar;
+    return MHA_OK;
+}
+
+const char *mha_kernel_tier(void)
+{
+    mha_isa isa;
+    const mha_microkernels *uk;
+    if (mha_isa_get(&isa, &uk) != MHA_OK)
+        return NULL;
+    return isa == MHA_ISA_REF ? "ref" : uk->name;
+}

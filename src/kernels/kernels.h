@@ -1,0 +1,61 @@
+/*
+ * kernels.h -- the micro-kernels of the tiled (flash-style) attention, one
+ * table per instruction set, chosen once at start-up (dispatch.c).
+ *
+ * The driver (src/attention.c) walks query blocks against key tiles with
+ * an online softmax; everything that touches O(rows x keys x d_h) data
+ * goes through these few functions, so an instruction set is a table of
+ * five pointers.  Shapes, all row-major, all small (one tile):
+ *
+ *   q   [mr][dh]        query rows of one head, already multiplied by scale
+ *   kt  [dh][ldkt]      one key tile, packed transposed: kt[d][c] = K[c][d]
+ *   s   [mr][lds]       scores of the tile
+ *   p   [mr][ldp]       probabilities of the tile (unnormalised)
+ *   v   [nc][dh]        one value tile, packed contiguous
+ *   o   [mr][ldo]       the running output of the query rows
+ *
+ * Every kernel must give the same result whatever mr, nc and the position
+ * of the tile in memory (no data-dependent summation order), so results
+ * are bitwise reproducible across runs and thread counts within a tier.
+ */
+#ifndef MHA_KERNELS_H
+#define MHA_KERNELS_H
+
+#include <stdint.h>
+
+typedef struct mha_microkernels {
+    const char *name;   /* "scalar", "avx2" */
+
+    /* s[r][c] = sum_d q[r][d] * kt[d][c]  for r < mr, c < nc. */
+    void (*qk)(int mr, int nc, int dh, const float *q, const float *kt,
+               int ldkt, float *s, int lds);
+
+    /* o[r][d] += sum_c p[r][c] * v[c][d]  for r < mr,
+     * d < dh.  Entries of p may be 0; v is finite (the driver takes the
+     * pv_exact path below when a value tile holds NaN or Inf). */
+    void (*pv)(int mr, int nc, int dh, const float *p, int ldp,
+               const float *v, float *o, int ldo);
+
+    /* The same, but an entry p[r][c] == 0 contributes nothing at all, so
+     * NaN or Inf in v[c] reaches only the rows that give it weight. */
+    void (*pv_exact)(int mr, int nc, int dh, const float *p, int ldp,
+                     const float *v, float *o, int ldo);
+
+    /* x[c] = exp(x[c] - m) for c < n, returning the sum of the results
+     * (in a fixed order).  x may hold -INFINITY (-> 0) and NaN (-> NaN);
+     * m is finite.  The accuracy of the tier's exp is in docs/KERNELS.md. */
+    float (*exp_sum)(float *x, int n, float m);
+
+    /* x[c] *= a for c < n. */
+    void (*scale)(float *x, int n, float a);
+} mha_microkernels;
+
+/* The tiers.  ref is the float64-accumulating row loop of attention.c and
+ * has no micro-kernels. */
+typedef enum mha_isa { MHA_ISA_REF = 0, MHA_ISA_SCALAR = 1, MHA_ISA_AVX2 = 2 }
+    mha_isa;
+
+extern const mha_microkernels mha_microkernels_scalar;
+extern const mha_microkernels mha_microkernels_avx2;   /* -mavx2 -mfma */
+
+#endif /* MHA_KERNELS_H */

@@ -1,0 +1,73 @@
+/*
+ * microkernels.c -- the portable tier: plain C loops, no intrinsics.
+ * Accumulation order is fixed (ascending index), so results do not depend
+ * on the tile's shape or position.
+ */
+#include "../kernels.h"
+
+#include <math.h>
+
+static void qk_scalar(int mr, int nc, int dh, const float *q, const float *kt,
+                      int ldkt, float *s, int lds)
+{
+    for (int r = 0; r < mr; r++) {
+        float *sr = s + r * lds;
+        for (int c = 0; c < nc; c++)
+            sr[c] = 0.0f;
+        /* d outermost: a row of kt is contiguous over the keys. */
+        for (int d = 0; d < dh; d++) {
+            const float qd = q[r * dh + d];
+            const float *kd = kt + d * ldkt;
+            for (int c = 0; c < nc; c++)
+                sr[c] += qd * kd[c];
+        }
+    }
+}
+
+static void pv_scalar(int mr, int nc, int dh, const float *p, int ldp,
+                      const float *v, float *o, int ldo)
+{
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nc; c++) {
+            const float pc = p[r * ldp + c];
+            const float *vc = v + c * dh;
+            float *orow = o + r * ldo;
+            for (int d = 0; d < dh; d++)
+                orow[d] += pc * vc[d];
+        }
+}
+
+static void pv_exact_scalar(int mr, int nc, int dh, const float *p, int ldp,
+                            const float *v, float *o, int ldo)
+{
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nc; c++) {
+            const float pc = p[r * ldp + c];
+            if (pc == 0.0f)
+                continue;
+            const float *vc = v + c * dh;
+            float *orow = o + r * ldo;
+            for (int d = 0; d < dh; d++)
+                orow[d] += pc * vc[d];
+        }
+}
+
+static float exp_sum_scalar(float *x, int n, float m)
+{
+    float sum = 0.0f;
+    for (int c = 0; c < n; c++) {
+        x[c] = expf(x[c] - m);
+        sum += x[c];
+    }
+    return sum;
+}
+
+static void scale_scalar(float *x, int n, float a)
+{
+    for (int c = 0; c < n; c++)
+        x[c] *= a;
+}
+
+const mha_microkernels mha_microkernels_scalar = {
+    "scalar", qk_scalar, pv_scalar, pv_exact_scalar, exp_sum_scalar,
+    scale_scalar};
