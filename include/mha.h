@@ -278,6 +278,36 @@ MHA_API mha_status mha_forward(const mha_module *module,
                                const mha_forward_args *args);
 
 /*
+ * Attention alone, on heads that are already projected (what PyTorch calls
+ * scaled_dot_product_attention, with heads side by side in the last
+ * dimension as nn.MultiheadAttention keeps them):
+ *
+ *   out[b, i, h*d_h ..] = softmax(q_h k_h^T * scale + mask) v_h
+ *   q (B, Lq, H*d_h), k and v (B, Lk, H*d_h), out (B, Lq, H*d_h)
+ *
+ * Masks, causal, key lengths, weights ((B, H, Lq, Lk) or (B, Lq, Lk)),
+ * dropout and threads behave exactly as in mha_forward.  Zero fields are
+ * defaults: scale 0 -> 1/sqrt(d_h), kv_len 0 -> q_len.
+ */
+typedef struct mha_attention_args {
+    int64_t batch, num_heads, head_dim, q_len, kv_len;
+    const float *q, *k, *v;
+    float scale;
+    mha_mask attn_mask;
+    mha_mask key_padding_mask;
+    const int64_t *key_lengths;
+    mha_causal causal;
+    mha_weights_mode need_weights;
+    float *attn_weights;
+    float dropout;        /* p, applied when training is nonzero */
+    int training;
+    uint64_t dropout_seed;
+    int num_threads;
+    float *out;           /* must not overlap q, k or v */
+} mha_attention_args;
+MHA_API mha_status mha_attention(const mha_attention_args *args);
+
+/*
  * Planning apart from running.  mha_plan_create checks the shapes, flags
  * and thread count of `shape` (its data pointers may be NULL) and sizes one
  * workspace; mha_plan_forward then runs any arguments of the same batch,

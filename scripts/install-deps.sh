@@ -10,6 +10,7 @@ packages=(
   libcjson-dev                       # JSON of the safetensors header
   libcmocka-dev                      # the C test framework
   valgrind                           # memory checks in the test suite
+  clang libomp-14-dev                # ThreadSanitizer build (LLVM OpenMP)
   python3-numpy python3-torch        # the independent oracle (Debian's own)
 )
 

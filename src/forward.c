@@ -212,7 +212,7 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
         return mha_set_error(MHA_ERR_NULL_POINTER,
                              "need_weights is set but attn_weights is NULL");
     mha_mask_plan mask;
-    MHA_CHECK(mha_mask_plan_init(&mask, m, a));
+    MHA_CHECK(mha_mask_plan_init(&mask, s.H, s.Lt - s.Lk, a));
 
     const float *query = a->query;
     const float *key = a->key ? a->key : query;

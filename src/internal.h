@@ -83,8 +83,10 @@ typedef struct mha_mask_plan {
     mha_causal causal;
 } mha_mask_plan;
 
-/* Validates every mask argument of `args` and fills the plan. */
-mha_status mha_mask_plan_init(mha_mask_plan *plan, const mha_module *m,
+/* Validates every mask argument of `args` (batch, q_len, kv_len and the
+ * mask fields) and fills the plan; extra_keys follow the real ones. */
+mha_status mha_mask_plan_init(mha_mask_plan *plan, int64_t heads,
+                              int64_t extra_keys,
                               const mha_forward_args *args);
 
 /*

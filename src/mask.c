@@ -123,15 +123,15 @@ static mha_status plan_pad(mha_mask_plan *p, const mha_mask *mk)
     return MHA_OK;
 }
 
-mha_status mha_mask_plan_init(mha_mask_plan *p, const mha_module *m,
-                              const mha_forward_args *a)
+mha_status mha_mask_plan_init(mha_mask_plan *p, int64_t heads,
+                              int64_t extra_keys, const mha_forward_args *a)
 {
     *p = (mha_mask_plan){0};
     p->batch = a->batch;
-    p->heads = m->cfg.num_heads;
+    p->heads = heads;
     p->q_len = a->q_len;
     p->kv_len = a->kv_len ? a->kv_len : a->q_len;
-    p->total_keys = mha_total_keys(m, p->kv_len);
+    p->total_keys = p->kv_len + extra_keys;
     if (a->causal != MHA_CAUSAL_NONE && a->causal != MHA_CAUSAL_BOTTOM_RIGHT &&
         a->causal != MHA_CAUSAL_TOP_LEFT)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
