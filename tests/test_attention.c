@@ -1,0 +1,225 @@
+/*
+ * test_attention.c -- mha_attention (heads already projected) against the
+ * float64 reference: a module whose projections are identities computes
+ * exactly attention(q, k, v), so the reference of that module is the
+ * reference of mha_attention.  Every tier runs it (CTest, MHA_ISA).
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ref.h"
+#include "testutil.h"
+
+/* A module with W_q = W_k = W_v = W_o = I and no bias. */
+static mha_module *identity_module(int64_t E, int64_t H)
+{
+    mha_config cfg = {0};
+    cfg.embed_dim = E;
+    cfg.num_heads = H;
+    cfg.no_bias = 1;
+    mha_module *m = NULL;
+    assert_int_equal(mha_create(&cfg, &m), MHA_OK);
+    float *w = calloc((size_t)(3 * E * E), sizeof *w);
+    for (int64_t p = 0; p < 3; p++)
+        for (int64_t k = 0; k < E; k++)
+            w[(p * E + k) * E + k] = 1.0f;
+    assert_int_equal(mha_param_set(m, "in_proj_weight", w, 3 * E * E), MHA_OK);
+    assert_int_equal(mha_param_set(m, "out_proj.weight", w, E * E), MHA_OK);
+    free(w);
+    return m;
+}
+
+typedef struct acase {
+    const char *name;
+    int64_t B, H, dh, Lq, Lk;
+    mha_causal causal;
+    int pad, lengths, additive;
+    mha_weights_mode weights;
+    float dropout;
+} acase;
+
+static const acase CASES[] = {
+    {"self", 2, 3, 8, 17, 0, 0, 0, 0, 0, MHA_WEIGHTS_PER_HEAD, 0},
+    {"cross, causal", 2, 2, 16, 9, 150, MHA_CAUSAL_BOTTOM_RIGHT, 0, 0, 0, MHA_WEIGHTS_AVERAGE, 0},
+    {"padding + lengths", 3, 2, 5, 70, 90, 0, 1, 1, 0, MHA_WEIGHTS_PER_HEAD, 0},
+    {"additive, top-left", 1, 4, 64, 130, 70, MHA_CAUSAL_TOP_LEFT, 0, 0, 1, MHA_WEIGHTS_NONE, 0},
+    {"dropout", 2, 2, 8, 20, 0, 0, 0, 0, 0, MHA_WEIGHTS_PER_HEAD, 0.25f},
+    {"head dim 1, one query", 2, 3, 1, 1, 33, 0, 1, 0, 0, MHA_WEIGHTS_AVERAGE, 0},
+};
+
+static void check(const char *name, const char *what, const float *got,
+                  const double *ref64, const float *ref32, int64_t n)
+{
+    double err = ref_max_err_f32(got, ref64, n);
+    double tol = ref_tolerance(ref_max_err_f32(ref32, ref64, n),
+                               ref_max_abs(ref64, n));
+    if (!(err <= tol))
+        fail_msg("%s: %s error %.3g > bound %.3g", name, what, err, tol);
+}
+
+static void test_against_reference(void **state)
+{
+    (void)state;
+    for (size_t t = 0; t < sizeof CASES / sizeof *CASES; t++) {
+        const acase *c = &CASES[t];
+        const int64_t E = c->H * c->dh, Lk = c->Lk ? c->Lk : c->Lq;
+        const int64_t nq = c->B * c->Lq * E, nk = c->B * Lk * E;
+        const int64_t nwh = c->B * c->H * c->Lq * Lk;
+        float *q = malloc((size_t)nq * 4), *k = malloc((size_t)nk * 4);
+        float *v = malloc((size_t)nk * 4), *out = malloc((size_t)nq * 4);
+        float *w = malloc((size_t)nwh * 4), *o32 = malloc((size_t)nq * 4);
+        float *w32 = malloc((size_t)nwh * 4);
+        double *o64 = malloc((size_t)nq * 8), *w64 = malloc((size_t)nwh * 8);
+        double *wa64 = malloc((size_t)nwh * 8), *wa32d = malloc((size_t)nwh * 8);
+        uint8_t *pad = malloc((size_t)(c->B * Lk));
+        float *add = malloc((size_t)(c->Lq * Lk) * 4);
+        int64_t lens[4];
+        tu_fill(q, nq, t + 1, -2, 2);
+        tu_fill(k, nk, t + 2, -2, 2);
+        tu_fill(v, nk, t + 3, -2, 2);
+        tu_fill(add, c->Lq * Lk, t + 4, -3, 3);
+        for (int64_t j = 0; j < c->Lq * Lk; j += 7)
+            add[j] = -INFINITY;
+        for (int64_t b = 0; b < c->B; b++) {
+            lens[b] = Lk - 5 * b;
+            for (int64_t j = 0; j < Lk; j++)
+                pad[b * Lk + j] = (j + b) % 4 == 1;   /* block kind */
+        }
+
+        mha_attention_args a = {0};
+        a.batch = c->B;
+        a.num_heads = c->H;
+        a.head_dim = c->dh;
+        a.q_len = c->Lq;
+        a.kv_len = c->Lk;
+        a.q = q;
+        a.k = c->Lk ? k : q;
+        a.v = c->Lk ? v : q;
+        a.causal = c->causal;
+        if (c->pad)
+            a.key_padding_mask = (mha_mask){MHA_MASK_BLOCK, pad, 2, {c->B, Lk}};
+        if (c->additive)
+            a.attn_mask = (mha_mask){MHA_MASK_ADDITIVE, add, 2, {c->Lq, Lk}};
+        a.key_lengths = c->lengths ? lens : NULL;
+        a.need_weights = c->weights;
+        a.attn_weights = w;
+        a.dropout = c->dropout;
+        a.training = c->dropout > 0;
+        a.dropout_seed = 9;
+        a.out = out;
+        if (mha_attention(&a) != MHA_OK)
+            fail_msg("%s: %s", c->name, mha_last_error());
+
+        /* The same problem as a module forward with identity weights. */
+        mha_config cfg = {0};
+        cfg.embed_dim = E;
+        cfg.num_heads = c->H;
+        cfg.no_bias = 1;
+        cfg.dropout = c->dropout;
+        mha_module *m = identity_module(E, c->H);
+        if (c->dropout > 0) {   /* the dropout p lives in the config */
+            mha_free(m);
+            mha_module *m2 = NULL;
+            assert_int_equal(mha_create(&cfg, &m2), MHA_OK);
+            float *iw = calloc((size_t)(3 * E * E), 4);
+            for (int64_t p = 0; p < 3; p++)
+                for (int64_t d = 0; d < E; d++)
+                    iw[(p * E + d) * E + d] = 1.0f;
+            mha_param_set(m2, "in_proj_weight", iw, 3 * E * E);
+            mha_param_set(m2, "out_proj.weight", iw, E * E);
+            free(iw);
+            m = m2;
+        }
+        mha_forward_args f = {0};
+        f.batch = c->B;
+        f.q_len = c->Lq;
+        f.kv_len = c->Lk;
+        f.query = q;
+        f.key = c->Lk ? k : NULL;
+        f.value = c->Lk ? v : NULL;
+        f.attn_mask = a.attn_mask;
+        f.key_padding_mask = a.key_padding_mask;
+        f.key_lengths = a.key_lengths;
+        f.causal = c->causal;
+        f.training = a.training;
+        f.dropout_seed = 9;
+        ref_forward_f64(m, &f, o64, w64);
+        ref_forward_f32(m, &f, o32, w32);
+        check(c->name, "output", out, o64, o32, nq);
+        if (c->weights == MHA_WEIGHTS_PER_HEAD) {
+            check(c->name, "weights", w, w64, w32, nwh);
+        } else if (c->weights == MHA_WEIGHTS_AVERAGE) {
+            for (int64_t x = 0; x < nwh; x++)
+                wa32d[x] = w32[x];
+            ref_average_heads(w64, c->B, c->H, c->Lq, Lk, wa64);
+            double *wa32 = malloc((size_t)nwh * 8);
+            ref_average_heads(wa32d, c->B, c->H, c->Lq, Lk, wa32);
+            const int64_t na = c->B * c->Lq * Lk;
+            for (int64_t x = 0; x < na; x++)
+                w32[x] = (float)wa32[x];
+            check(c->name, "averaged weights", w, wa64, w32, na);
+            free(wa32);
+        }
+        mha_free(m);
+        free(q); free(k); free(v); free(out); free(w); free(o32); free(w32);
+        free(o64); free(w64); free(wa64); free(wa32d); free(pad); free(add);
+    }
+}
+
+static void test_errors(void **state)
+{
+    (void)state;
+    float x[2 * 3 * 8], out[2 * 3 * 8];
+    tu_fill(x, 48, 1, -1, 1);
+    mha_attention_args a = {0};
+    a.batch = 2;
+    a.num_heads = 2;
+    a.head_dim = 4;
+    a.q_len = 3;
+    a.q = a.k = a.v = x;
+    a.out = out;
+    assert_int_equal(mha_attention(&a), MHA_OK);
+    assert_int_equal(mha_attention(NULL), MHA_ERR_NULL_POINTER);
+    mha_attention_args b = a;
+    b.head_dim = 0;
+    assert_int_equal(mha_attention(&b), MHA_ERR_SHAPE);
+    assert_non_null(strstr(mha_last_error(), "head_dim"));
+    b = a;
+    b.v = NULL;
+    assert_int_equal(mha_attention(&b), MHA_ERR_NULL_POINTER);
+    assert_non_null(strstr(mha_last_error(), "v is NULL"));
+    b = a;
+    b.dropout = 1.5f;
+    assert_int_equal(mha_attention(&b), MHA_ERR_INVALID_ARGUMENT);
+    b = a;
+    b.scale = NAN;
+    assert_int_equal(mha_attention(&b), MHA_ERR_INVALID_ARGUMENT);
+    b = a;
+    b.need_weights = MHA_WEIGHTS_AVERAGE;
+    assert_int_equal(mha_attention(&b), MHA_ERR_NULL_POINTER);
+    b = a;
+    uint8_t mask[3 * 4] = {0};
+    b.attn_mask = (mha_mask){MHA_MASK_ALLOW, mask, 2, {3, 4}};
+    assert_int_equal(mha_attention(&b), MHA_ERR_SHAPE);
+    assert_non_null(strstr(mha_last_error(), "attn_mask"));
+    b = a;
+    b.batch = INT64_MAX / 2;
+    b.q_len = 1 << 30;
+    assert_int_equal(mha_attention(&b), MHA_ERR_OVERFLOW);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_against_reference),
+        cmocka_unit_test(test_errors),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
