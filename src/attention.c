@@ -170,13 +170,16 @@ typedef void (*tile_fn)(const mha_microkernels *uk, const mha_attn *a,
 
 static void for_each_tile(const mha_microkernels *uk, const mha_attn *a,
                           int64_t b, int64_t h, int64_t i0, int mr,
+                          int64_t k0, int64_t k1, int with_extra,
                           flash_scratch *f, tile_fn fn, void *ctx)
 {
     const mha_mask_plan *mk = a->mask;
     const int64_t first_last = mha_mask_last(mk, b, i0);
-    const int64_t end = mha_mask_last(mk, b, i0 + mr - 1) + 1;
+    int64_t end = mha_mask_last(mk, b, i0 + mr - 1) + 1;
+    if (end > k1)
+        end = k1;
     const int explicit_mask = mha_mask_has_explicit(mk);
-    for (int64_t j0 = 0; j0 < end; j0 += MHA_BC) {
+    for (int64_t j0 = k0; j0 < end; j0 += MHA_BC) {
         const int nc = (int)(end - j0 < MHA_BC ? end - j0 : MHA_BC);
         const int partial = explicit_mask || j0 + nc - 1 > first_last;
         if (partial) {
@@ -191,7 +194,7 @@ static void for_each_tile(const mha_microkernels *uk, const mha_attn *a,
         fn(uk, a, b, h, i0, mr, j0, nc, partial, finite_v, f, ctx);
     }
     const int extra = (a->bias_k != NULL) + (a->zero_attn != 0);
-    if (extra) {
+    if (extra && with_extra) {
         const int finite_v = pack_kv(a, b, h, a->Lk, extra, 1, f);
         fn(uk, a, b, h, i0, mr, a->Lk, extra, 0, finite_v, f, ctx);
     }
@@ -206,38 +209,138 @@ static void output_tile(const mha_microkernels *uk, const mha_attn *a,
     flash_tile(uk, a, b, h, i0, mr, j0, nc, partial, finite_v, f);
 }
 
-/* Rows i0 .. i0+mr-1 of head h of batch b: ctx and the row stats. */
-static void flash_block(const mha_microkernels *uk, const mha_attn *a,
-                        int64_t b, int64_t h, int64_t i0, int mr,
-                        flash_scratch *f)
+/* The online softmax of rows i0 .. i0+mr-1 of head h over keys k0 ..
+ * k1-1 (and the extra keys if with_extra): f->m, f->l and the unnormalised
+ * f->o. */
+static void flash_run(const mha_microkernels *uk, const mha_attn *a,
+                      int64_t b, int64_t h, int64_t i0, int mr, int64_t k0,
+                      int64_t k1, int with_extra, flash_scratch *f)
 {
-    const int64_t dh = a->dh;
     pack_q(a, b, h, i0, mr, f->qs);
-    memset(f->o, 0, (size_t)(mr * dh) * sizeof *f->o);
+    memset(f->o, 0, (size_t)(mr * a->dh) * sizeof *f->o);
     for (int r = 0; r < mr; r++) {
         f->m[r] = -INFINITY;
         f->l[r] = 0.0f;
     }
-    for_each_tile(uk, a, b, h, i0, mr, f, output_tile, NULL);
+    for_each_tile(uk, a, b, h, i0, mr, k0, k1, with_extra, f, output_tile,
+                  NULL);
+}
+
+/* ctx = o / l (and the dropout scale) and the row stats, from m, l, o of
+ * rows i0 .. i0+mr-1 (o with row stride dh). */
+static void flash_finish(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
+                         int mr, const float *m, const float *l,
+                         const float *o)
+{
+    const int64_t dh = a->dh;
     const int all_dropped = a->dropout && a->p_drop >= 1.0f;
     for (int r = 0; r < mr; r++) {
         float *dst = a->ctx + (b * a->Lq + i0 + r) * a->ldc + h * dh;
         float *st = a->stats + 2 * ((b * a->H + h) * a->Lq + i0 + r);
-        if (f->m[r] == -INFINITY || f->l[r] == 0.0f) {
+        if (m[r] == -INFINITY || l[r] == 0.0f) {
             /* No key to attend to: zero context, zero weights. */
             memset(dst, 0, (size_t)dh * sizeof *dst);
             st[0] = -INFINITY;
             st[1] = 0.0f;
             continue;
         }
-        st[0] = f->m[r];
-        st[1] = 1.0f / f->l[r];
+        st[0] = m[r];
+        st[1] = 1.0f / l[r];
         float inv = st[1];
         if (a->dropout)
             inv = all_dropped ? 0.0f : inv / (1.0f - a->p_drop);
         for (int64_t d = 0; d < dh; d++)
-            dst[d] = f->o[r * dh + d] * inv;
+            dst[d] = o[r * dh + d] * inv;
     }
+}
+
+/* Rows i0 .. i0+mr-1 of head h of batch b: ctx and the row stats. */
+static void flash_block(const mha_microkernels *uk, const mha_attn *a,
+                        int64_t b, int64_t h, int64_t i0, int mr,
+                        flash_scratch *f)
+{
+    flash_run(uk, a, b, h, i0, mr, 0, a->Lk, 1, f);
+    flash_finish(a, b, h, i0, mr, f->m, f->l, f->o);
+}
+
+/*
+ * Decoding: with few query rows and many keys, (b, h) alone gives too few
+ * work items, so the keys are split in chunks of MHA_SPLIT, each chunk's
+ * (m, l, o) computed apart and the chunks merged in order:
+ *     m = max_c m_c,  l = sum_c l_c e^(m_c - m),  o = sum_c o_c e^(m_c - m)
+ * Whether to split depends on the shape only, never on the thread count.
+ */
+enum { MHA_SPLIT = 512 };
+
+int64_t mha_attn_chunks(int64_t Lq, int64_t Lk)
+{
+    return Lq <= MHA_BR && Lk >= 2 * MHA_SPLIT
+               ? (Lk + MHA_SPLIT - 1) / MHA_SPLIT : 1;
+}
+
+int64_t mha_attn_partials(int64_t B, int64_t H, int64_t Lq, int64_t Lk,
+                          int64_t dh)
+{
+    const int64_t chunks = mha_attn_chunks(Lq, Lk);
+    return chunks > 1 ? B * H * chunks * Lq * (dh + 2) : 0;
+}
+
+/* Slot of chunk c of (b, h): Lq rows of [m, l, o[dh]]. */
+static float *partial_slot(const mha_attn *a, int64_t bh, int64_t c,
+                           int64_t chunks)
+{
+    return a->partials + (bh * chunks + c) * a->Lq * (a->dh + 2);
+}
+
+static void split_chunk(const mha_microkernels *uk, const mha_attn *a,
+                        int64_t bh, int64_t c, int64_t chunks,
+                        flash_scratch *f)
+{
+    const int64_t k0 = c * MHA_SPLIT;
+    const int64_t k1 = k0 + MHA_SPLIT < a->Lk ? k0 + MHA_SPLIT : a->Lk;
+    const int mr = (int)a->Lq, dh = (int)a->dh;
+    flash_run(uk, a, bh / a->H, bh % a->H, 0, mr, k0, k1, c == chunks - 1,
+              f);
+    float *slot = partial_slot(a, bh, c, chunks);
+    for (int r = 0; r < mr; r++) {
+        float *row = slot + r * (dh + 2);
+        row[0] = f->m[r];
+        row[1] = f->l[r];
+        memcpy(row + 2, f->o + r * dh, (size_t)dh * sizeof *row);
+    }
+}
+
+static void split_merge(const mha_attn *a, int64_t bh, int64_t chunks,
+                        flash_scratch *f)
+{
+    const int mr = (int)a->Lq, dh = (int)a->dh;
+    for (int r = 0; r < mr; r++) {
+        float m = -INFINITY;
+        for (int64_t c = 0; c < chunks; c++) {
+            const float mc = partial_slot(a, bh, c, chunks)[r * (dh + 2)];
+            if (mc > m)
+                m = mc;
+        }
+        float l = 0.0f;
+        float *o = f->o + r * dh;
+        memset(o, 0, (size_t)dh * sizeof *o);
+        f->m[r] = m;
+        if (m == -INFINITY) {
+            f->l[r] = 0.0f;
+            continue;
+        }
+        for (int64_t c = 0; c < chunks; c++) {
+            const float *row = partial_slot(a, bh, c, chunks) + r * (dh + 2);
+            if (row[0] == -INFINITY)
+                continue;
+            const float w = expf(row[0] - m);
+            l += row[1] * w;
+            for (int d = 0; d < dh; d++)
+                o[d] += row[2 + d] * w;
+        }
+        f->l[r] = l;
+    }
+    flash_finish(a, bh / a->H, bh % a->H, 0, mr, f->m, f->l, f->o);
 }
 
 /* The weights pass: p = exp(s - m) / l, dropout as in the output pass. */
@@ -286,7 +389,8 @@ static void weights_block(const mha_microkernels *uk, const mha_attn *a,
 {
     for (int64_t h = 0; h < a->H; h++) {
         pack_q(a, b, h, i0, mr, f->qs);
-        for_each_tile(uk, a, b, h, i0, mr, f, weights_tile, NULL);
+        for_each_tile(uk, a, b, h, i0, mr, 0, a->Lk, 1, f, weights_tile,
+                      NULL);
     }
 }
 
@@ -382,6 +486,7 @@ void mha_attn_run(mha_isa isa, const mha_microkernels *uk, const mha_attn *a,
         return;
     }
     const int64_t items = a->B * a->H * blocks;
+    const int64_t chunks = mha_attn_chunks(a->Lq, a->Lk);
 #pragma omp parallel num_threads(threads)
     {
         int tid = 0;
@@ -389,12 +494,22 @@ void mha_attn_run(mha_isa isa, const mha_microkernels *uk, const mha_attn *a,
         tid = omp_get_thread_num();
 #endif
         flash_scratch f = carve(scratch + tid * per_thread, a->dh);
+        if (chunks > 1) {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < items; t++) {
-            const int64_t blk = t % blocks, bh = t / blocks;
-            const int64_t i0 = blk * MHA_BR;
-            const int mr = (int)(a->Lq - i0 < MHA_BR ? a->Lq - i0 : MHA_BR);
-            flash_block(uk, a, bh / a->H, bh % a->H, i0, mr, &f);
+            for (int64_t t = 0; t < a->B * a->H * chunks; t++)
+                split_chunk(uk, a, t / chunks, t % chunks, chunks, &f);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t bh = 0; bh < a->B * a->H; bh++)
+                split_merge(a, bh, chunks, &f);
+        } else {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < items; t++) {
+                const int64_t blk = t % blocks, bh = t / blocks;
+                const int64_t i0 = blk * MHA_BR;
+                const int mr = (int)(a->Lq - i0 < MHA_BR ? a->Lq - i0
+                                                         : MHA_BR);
+                flash_block(uk, a, bh / a->H, bh % a->H, i0, mr, &f);
+            }
         }
         if (a->weights != MHA_WEIGHTS_NONE) {
             /* The implicit barrier above: every row's stats are written. */

@@ -38,10 +38,17 @@ typedef struct mha_attn {
                                apart: m + log(l) loses l when |m| is huge) */
     mha_weights_mode weights;
     float *w;               /* (B, H, Lq, Lt) or (B, Lq, Lt), zeroed */
+    float *partials;        /* mha_attn_partials() floats, for decoding */
 } mha_attn;
 
 /* The tier chosen at start-up (MHA_ISA=ref|scalar|avx2 forces one). */
 mha_status mha_isa_get(mha_isa *isa, const mha_microkernels **uk);
+
+/* Key chunks of a split (decoding) problem, 1 when not split, and the
+ * floats of the shared buffer for the chunks' partial results. */
+int64_t mha_attn_chunks(int64_t Lq, int64_t Lk);
+int64_t mha_attn_partials(int64_t B, int64_t H, int64_t Lq, int64_t Lk,
+                          int64_t dh);
 
 /* Floats of per-thread scratch for a tier. */
 int64_t mha_attn_scratch(mha_isa isa, int64_t dh, int64_t Lt);

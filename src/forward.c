@@ -119,7 +119,9 @@ struct mha_plan {
     int threads;
     int64_t n_proj;          /* projected q, k, v: the larger layout */
     int64_t per_thread;      /* attention scratch floats per thread  */
-    float *ws;               /* n_proj + n_q (ctx) + stats + scratch */
+    float *ws;               /* n_proj + n_q (ctx) + stats + partials
+                                + scratch */
+    int64_t n_partials;
 };
 
 mha_status mha_plan_create(const mha_module *m, const mha_forward_args *a,
@@ -154,6 +156,8 @@ mha_status mha_plan_create(const mha_module *m, const mha_forward_args *a,
     const int64_t n_proj = fused > split ? fused : split;
     const int64_t per_thread = mha_attn_scratch(isa, s.dh, s.Lt);
     const int64_t n_stats = 2 * s.B * s.H * s.Lq;
+    const int64_t n_partials =
+        isa == MHA_ISA_REF ? 0 : mha_attn_partials(s.B, s.H, s.Lq, s.Lk, s.dh);
     int64_t n_scratch;
     if (!mha_mul_ok(per_thread, threads, &n_scratch) ||
         n_scratch > INT64_MAX / 8)
@@ -161,7 +165,7 @@ mha_status mha_plan_create(const mha_module *m, const mha_forward_args *a,
     mha_plan *p = calloc(1, sizeof *p);
     if (!p)
         return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate a plan");
-    p->ws = mha_alloc_floats(n_proj + s.n_q + n_stats + n_scratch,
+    p->ws = mha_alloc_floats(n_proj + s.n_q + n_stats + n_partials + n_scratch,
                              "forward workspace");
     if (!p->ws) {
         free(p);
@@ -174,6 +178,7 @@ mha_status mha_plan_create(const mha_module *m, const mha_forward_args *a,
     p->threads = threads;
     p->n_proj = n_proj;
     p->per_thread = per_thread;
+    p->n_partials = n_partials;
     *out = p;
     return MHA_OK;
 }
@@ -248,7 +253,8 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
     }
     float *ctx = ws + plan->n_proj;
     float *stats = ctx + s.n_q;
-    float *scratch = stats + 2 * s.B * s.H * s.Lq;
+    float *partials = stats + 2 * s.B * s.H * s.Lq;
+    float *scratch = partials + plan->n_partials;
 
     if (a->need_weights != MHA_WEIGHTS_NONE)
         memset(a->attn_weights, 0, (size_t)s.n_w * sizeof(float));
@@ -260,7 +266,8 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
         .dropout = a->training && c->dropout > 0.0f, .p_drop = c->dropout,
         .seed = a->dropout_seed, .ctx = ctx, .ldc = E, .stats = stats,
         .weights = a->need_weights,
-        .w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights : NULL};
+        .w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights : NULL,
+        .partials = partials};
     mha_attn_run(plan->isa, plan->uk, &at, plan->threads, scratch,
                  plan->per_thread);
 

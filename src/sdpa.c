@@ -85,7 +85,9 @@ mha_status mha_attention(const mha_attention_args *a)
         threads = 1;
     const int64_t per_thread = mha_attn_scratch(isa, dh, Lk);
     const int64_t n_stats = 2 * B * H * Lq;
-    float *ws = mha_alloc_floats(n_stats + per_thread * threads,
+    const int64_t n_partials =
+        isa == MHA_ISA_REF ? 0 : mha_attn_partials(B, H, Lq, Lk, dh);
+    float *ws = mha_alloc_floats(n_stats + n_partials + per_thread * threads,
                                  "attention workspace");
     if (!ws)
         return MHA_ERR_OUT_OF_MEMORY;
@@ -98,8 +100,10 @@ mha_status mha_attention(const mha_attention_args *a)
         .mask = &mask, .dropout = a->training && a->dropout > 0.0f,
         .p_drop = a->dropout, .seed = a->dropout_seed, .ctx = a->out,
         .ldc = E, .stats = ws, .weights = a->need_weights,
-        .w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights : NULL};
-    mha_attn_run(isa, uk, &at, threads, ws + n_stats, per_thread);
+        .w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights : NULL,
+        .partials = ws + n_stats};
+    mha_attn_run(isa, uk, &at, threads, ws + n_stats + n_partials,
+                 per_thread);
     free(ws);
     return MHA_OK;
 }

@@ -34,6 +34,9 @@ static const shape SHAPES[] = {
     {"cross, padding, lengths", 48, 3, 3, 70, 130, 1, 1, 1, 0, 1, 1, 0, MHA_WEIGHTS_PER_HEAD},
     {"decoding, one query", 64, 8, 2, 1, 700, 1, 0, 0, MHA_CAUSAL_BOTTOM_RIGHT, 0, 0, 0, MHA_WEIGHTS_AVERAGE},
     {"dropout", 32, 2, 2, 90, 0, 0, 0, 0, MHA_CAUSAL_TOP_LEFT, 0, 0, 0.3f, MHA_WEIGHTS_PER_HEAD},
+    /* few queries, many keys: the keys are split in chunks and merged */
+    {"decoding, split keys", 32, 2, 2, 3, 1500, 1, 1, 1, MHA_CAUSAL_BOTTOM_RIGHT, 1, 1, 0, MHA_WEIGHTS_PER_HEAD},
+    {"decoding, split, dropout", 16, 1, 1, 1, 2100, 1, 0, 0, 0, 0, 0, 0.2f, MHA_WEIGHTS_AVERAGE},
     {"head dim 80", 160, 2, 1, 65, 0, 0, 0, 0, 0, 1, 0, 0, MHA_WEIGHTS_NONE},
 };
 

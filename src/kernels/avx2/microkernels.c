@@ -155,12 +155,16 @@ static void pv_exact_avx2(int mr, int nc, int dh, const float *p, int ldp,
  * 2^n as two exact float factors 2^(n>>1) * 2^(n - (n>>1)), so n = 128, 129
  * overflows correctly to +inf.  x is clamped to [ln FLT_MIN, 89] first
  * (keeps n in [-126, 129]; NaN passes through the clamp), and results for
- * x < ln FLT_MIN = -87.3365... are flushed to +0: no denormal is produced
- * (nor a microcode assist taken).  -inf -> 0, NaN -> NaN, 0 -> exactly 1.
+ * x < ln FLT_MIN = -87.3365... (exact results below FLT_MIN) are flushed
+ * to +0: no denormal is produced (nor a microcode assist taken).
+ * -inf -> 0, NaN -> NaN, 0 -> exactly 1.
  */
 MK_INLINE __m256 exp8(__m256 x)
 {
-    const __m256 flush = _mm256_set1_ps(-87.33654475f);  /* ln FLT_MIN */
+    /* The smallest float whose exp is >= FLT_MIN: -0x1.5d589ep+6 =
+     * -87.33654022 (ln FLT_MIN = -87.33654475 lies between it and the next
+     * float down, whose exp is already denormal). */
+    const __m256 flush = _mm256_set1_ps(-0x1.5d589ep+6f);
     const __m256 x_lo = flush;
     const __m256 x_hi = _mm256_set1_ps(89.0f);
     const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
