@@ -1,0 +1,713 @@
+/*
+ * test_microkernels.c -- the micro-kernel tables of src/kernels/ (scalar,
+ * and avx2 where the CPU has AVX2 and FMA) against float64 loops computed
+ * here: awkward shapes and strides, canaries after every output buffer,
+ * bitwise reproducibility across tile splits and alignments, the p == 0
+ * contract of pv / pv_exact, exp accuracy over a dense sweep of [-88, 0],
+ * and a small (unasserted) GFLOP/s print.
+ */
+#define _POSIX_C_SOURCE 200809L   /* clock_gettime under -std=c11 */
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include "kernels/kernels.h"
+
+#include <float.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* ---- helpers --------------------------------------------------------------*/
+
+#define GUARD 37                 /* canary floats after every output buffer */
+static const uint32_t CANARY_BITS = 0x7fc0deadu;   /* a quiet NaN */
+
+/* The documented bound of each tier's exp (docs/KERNELS.md). */
+static double exp_ulp_bound(const mha_microkernels *k)
+{
+    return strcmp(k->name, "avx2") == 0 ? 2.0 : 1.0;
+}
+
+static uint64_t rng_state;
+static void rng_seed(uint64_t s) { rng_state = s * 0x9E3779B97F4A7C15ull + 1; }
+static uint32_t rng_u32(void)
+{
+    uint64_t x = rng_state;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    rng_state = x;
+    return (uint32_t)((x * 0x2545F4914F6CDD1Dull) >> 32);
+}
+/* Uniform in [lo, hi). */
+static float rng_f(float lo, float hi)
+{
+    return lo + (hi - lo) * (float)((rng_u32() >> 8) * (1.0 / 16777216.0));
+}
+
+static float canary(void)
+{
+    float f;
+    memcpy(&f, &CANARY_BITS, sizeof f);
+    return f;
+}
+static int is_canary(float f)
+{
+    uint32_t b;
+    memcpy(&b, &f, sizeof b);
+    return b == CANARY_BITS;
+}
+
+/* n floats followed by GUARD canaries; every float starts as a canary. */
+static float *out_buf(size_t n)
+{
+    float *x = malloc((n + GUARD) * sizeof *x);
+    assert_non_null(x);
+    for (size_t i = 0; i < n + GUARD; i++)
+        x[i] = canary();
+    return x;
+}
+static void check_guard(const float *x, size_t n)
+{
+    for (size_t i = n; i < n + GUARD; i++)
+        if (!is_canary(x[i]))
+            fail_msg("write past the end of a buffer (%zu floats) at +%zu", n,
+                     i - n);
+}
+
+/* Exactly n floats (reads past them are ASan / valgrind errors). */
+static float *in_buf(size_t n)
+{
+    float *x = malloc((n ? n : 1) * sizeof *x);
+    assert_non_null(x);
+    return x;
+}
+
+static void fill(float *x, size_t n, float lo, float hi)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = rng_f(lo, hi);
+}
+
+static int same_bits(const float *a, const float *b, size_t n)
+{
+    return memcmp(a, b, n * sizeof *a) == 0;
+}
+
+static const int MRS[] = {1, 2, 3, 4, 5, 7, 8, 13, 64};
+static const int NCS[] = {1, 3, 7, 8, 9, 15, 16, 17, 31, 64};
+static const int DHS[] = {1, 3, 8, 40, 64, 80, 128};
+#define COUNT(a) ((int)(sizeof(a) / sizeof((a)[0])))
+
+/* Rows of an mr x w matrix at stride ld: the padding between rows must stay
+ * canary. */
+static void check_padding(const float *x, int rows, int w, int ld)
+{
+    for (int r = 0; r < rows - 1; r++)
+        for (int c = w; c < ld; c++)
+            if (!is_canary(x[(size_t)r * ld + c]))
+                fail_msg("write into the padding: row %d col %d (w %d, ld %d)",
+                         r, c, w, ld);
+}
+
+/* ---- qk -------------------------------------------------------------------*/
+
+static void run_qk_shape(const mha_microkernels *k, int mr, int nc, int dh)
+{
+    const int ldkt = nc + 3, lds = nc + 5;
+    const size_t nq = (size_t)mr * dh;
+    const size_t nkt = (size_t)(dh - 1) * ldkt + nc;
+    const size_t ns = (size_t)(mr - 1) * lds + nc;
+    float *q = in_buf(nq), *kt = in_buf(nkt), *s = out_buf(ns);
+    fill(q, nq, -1.0f, 1.0f);
+    fill(kt, nkt, -1.0f, 1.0f);
+
+    k->qk(mr, nc, dh, q, kt, ldkt, s, lds);
+
+    check_guard(s, ns);
+    check_padding(s, mr, nc, lds);
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nc; c++) {
+            double ref = 0.0, mag = 0.0;
+            for (int d = 0; d < dh; d++) {
+                const double t = (double)q[r * dh + d] * kt[d * ldkt + c];
+                ref += t;
+                mag += fabs(t);
+            }
+            const double got = s[(size_t)r * lds + c];
+            const double tol = dh * ldexp(mag, -23) + 1e-30;
+            if (!(fabs(got - ref) <= tol))
+                fail_msg("%s qk mr=%d nc=%d dh=%d s[%d][%d] = %.9g, want %.9g "
+                         "(tol %.3g)", k->name, mr, nc, dh, r, c, got, ref,
+                         tol);
+        }
+    free(q);
+    free(kt);
+    free(s);
+}
+
+static void test_qk_shapes(void **state)
+{
+    const mha_microkernels *k = *state;
+    rng_seed(11);
+    for (int a = 0; a < COUNT(MRS); a++)
+        for (int b = 0; b < COUNT(NCS); b++)
+            for (int c = 0; c < COUNT(DHS); c++)
+                run_qk_shape(k, MRS[a], NCS[b], DHS[c]);
+}
+
+/* Splitting the rows and the keys of a tile, and moving it in memory, gives
+ * the same bits. */
+static void test_qk_splits_bitwise(void **state)
+{
+    const mha_microkernels *k = *state;
+    static const int dhs[] = {1, 3, 40, 64};
+    static const int rsplit[] = {0, 1, 6, 7, 13, 19, 32, 33, 64};
+    static const int csplit[] = {0, 3, 17, 24, 25, 57, 64};
+    const int mr = 64, nc = 64, ldkt = 67, lds = 69;
+    rng_seed(12);
+    for (int t = 0; t < COUNT(dhs); t++) {
+        const int dh = dhs[t];
+        const size_t nq = (size_t)mr * dh, nkt = (size_t)dh * ldkt;
+        const size_t ns = (size_t)mr * lds;
+        float *q = in_buf(nq + 1), *kt = in_buf(nkt + 1);
+        float *s = out_buf(ns), *s2 = out_buf(ns + 1);
+        fill(q, nq + 1, -2.0f, 2.0f);
+        fill(kt, nkt + 1, -2.0f, 2.0f);
+        k->qk(mr, nc, dh, q, kt, ldkt, s, lds);
+
+        for (int i = 0; i + 1 < COUNT(rsplit); i++)
+            for (int j = 0; j + 1 < COUNT(csplit); j++) {
+                const int r0 = rsplit[i], c0 = csplit[j];
+                k->qk(rsplit[i + 1] - r0, csplit[j + 1] - c0, dh,
+                      q + (size_t)r0 * dh, kt + c0, ldkt,
+                      s2 + (size_t)r0 * lds + c0, lds);
+            }
+        for (int r = 0; r < mr; r++)
+            assert_true(same_bits(s + (size_t)r * lds, s2 + (size_t)r * lds,
+                                  nc));
+
+        /* Every tile one float off its alignment. */
+        memmove(q + 1, q, nq * sizeof *q);
+        memmove(kt + 1, kt, nkt * sizeof *kt);
+        for (size_t i = 0; i < ns + 1; i++)
+            s2[i] = canary();
+        k->qk(mr, nc, dh, q + 1, kt + 1, ldkt, s2 + 1, lds);
+        check_guard(s2, ns + 1);
+        for (int r = 0; r < mr; r++)
+            assert_true(same_bits(s + (size_t)r * lds,
+                                  s2 + 1 + (size_t)r * lds, nc));
+        free(q);
+        free(kt);
+        free(s);
+        free(s2);
+    }
+}
+
+/* ---- pv / pv_exact --------------------------------------------------------*/
+
+typedef void (*pv_fn)(int, int, int, const float *, int, const float *,
+                      float *, int);
+
+static void run_pv_shape(const mha_microkernels *k, int exact, int mr, int nc,
+                         int dh)
+{
+    const pv_fn fn = exact ? k->pv_exact : k->pv;
+    const int ldp = nc + 7, ldo = dh + 1;
+    const size_t np = (size_t)(mr - 1) * ldp + nc;
+    const size_t nv = (size_t)nc * dh;
+    const size_t no = (size_t)(mr - 1) * ldo + dh;
+    float *p = in_buf(np), *v = in_buf(nv), *o = out_buf(no);
+    float *o0 = malloc(no * sizeof *o0);
+    assert_non_null(o0);
+    fill(p, np, 0.0f, 1.0f);
+    for (size_t i = 0; i < np; i += 5)
+        p[i] = 0.0f;                        /* some zero weights */
+    fill(v, nv, -1.0f, 1.0f);
+    for (int r = 0; r < mr; r++)
+        for (int d = 0; d < dh; d++)
+            o[(size_t)r * ldo + d] = rng_f(-4.0f, 4.0f);
+    memcpy(o0, o, no * sizeof *o);
+
+    fn(mr, nc, dh, p, ldp, v, o, ldo);
+
+    check_guard(o, no);
+    check_padding(o, mr, dh, ldo);
+    for (int r = 0; r < mr; r++)
+        for (int d = 0; d < dh; d++) {
+            double ref = o0[(size_t)r * ldo + d];
+            double mag = fabs(ref);
+            for (int c = 0; c < nc; c++) {
+                const double t = (double)p[(size_t)r * ldp + c] * v[c * dh + d];
+                ref += t;
+                mag += fabs(t);
+            }
+            const double got = o[(size_t)r * ldo + d];
+            const double tol = (nc + 1) * ldexp(mag, -23) + 1e-30;
+            if (!(fabs(got - ref) <= tol))
+                fail_msg("%s %s mr=%d nc=%d dh=%d o[%d][%d] = %.9g, want %.9g "
+                         "(tol %.3g)", k->name, exact ? "pv_exact" : "pv", mr,
+                         nc, dh, r, d, got, ref, tol);
+        }
+    free(p);
+    free(v);
+    free(o);
+    free(o0);
+}
+
+static void test_pv_shapes(void **state)
+{
+    const mha_microkernels *k = *state;
+    rng_seed(21);
+    for (int a = 0; a < COUNT(MRS); a++)
+        for (int b = 0; b < COUNT(NCS); b++)
+            for (int c = 0; c < COUNT(DHS); c++)
+                run_pv_shape(k, 0, MRS[a], NCS[b], DHS[c]);
+}
+
+static void test_pv_exact_shapes(void **state)
+{
+    const mha_microkernels *k = *state;
+    rng_seed(22);
+    for (int a = 0; a < COUNT(MRS); a++)
+        for (int b = 0; b < COUNT(NCS); b++)
+            for (int c = 0; c < COUNT(DHS); c++)
+                run_pv_shape(k, 1, MRS[a], NCS[b], DHS[c]);
+}
+
+/* Rows, keys and value dims split, tiles moved: the same bits; and for
+ * finite v, pv == pv_exact bitwise even with many zero weights. */
+static void test_pv_splits_bitwise(void **state)
+{
+    const mha_microkernels *k = *state;
+    static const int dhs[] = {1, 3, 40, 64, 80};
+    static const int rsplit[] = {0, 5, 6, 13, 20, 45, 64};
+    static const int csplit[] = {0, 1, 9, 31, 64};
+    static const int dsplit[] = {0, 3, 11, 16, 35};   /* then up to dh */
+    const int mr = 64, nc = 64, ldp = 65;
+    rng_seed(23);
+    for (int t = 0; t < COUNT(dhs); t++) {
+        for (int exact = 0; exact < 2; exact++) {
+            const pv_fn fn = exact ? k->pv_exact : k->pv;
+            const int dh = dhs[t], ldo = dh + 3;
+            const size_t np = (size_t)mr * ldp, nv = (size_t)nc * dh;
+            const size_t no = (size_t)mr * ldo;
+            float *p = in_buf(np + 1), *v = in_buf(nv + 1);
+            float *o = out_buf(no), *o2 = out_buf(no + 1), *o3 = out_buf(no);
+            float *vd = in_buf(nv);
+            fill(p, np + 1, 0.0f, 1.0f);
+            for (size_t i = 0; i < np; i++)
+                if (rng_u32() % 3 == 0)
+                    p[i] = (rng_u32() & 1) ? 0.0f : -0.0f;
+            fill(v, nv + 1, -1.0f, 1.0f);
+            for (int r = 0; r < mr; r++)
+                for (int d = 0; d < dh; d++)
+                    o[(size_t)r * ldo + d] = rng_f(-1.0f, 1.0f);
+            memcpy(o2, o, no * sizeof *o);
+            memcpy(o3, o, no * sizeof *o);
+            fn(mr, nc, dh, p, ldp, v, o, ldo);
+
+            /* rows x keys split: the fma chain per element is unchanged */
+            for (int i = 0; i + 1 < COUNT(rsplit); i++)
+                for (int j = 0; j + 1 < COUNT(csplit); j++) {
+                    const int r0 = rsplit[i], c0 = csplit[j];
+                    fn(rsplit[i + 1] - r0, csplit[j + 1] - c0, dh,
+                       p + (size_t)r0 * ldp + c0, ldp, v + (size_t)c0 * dh,
+                       o2 + (size_t)r0 * ldo, ldo);
+                }
+            for (int r = 0; r < mr; r++)
+                assert_true(same_bits(o + (size_t)r * ldo,
+                                      o2 + (size_t)r * ldo, dh));
+
+            /* value dims split (v repacked per slice) */
+            for (int i = 0; i < COUNT(dsplit) && dsplit[i] < dh; i++) {
+                const int d0 = dsplit[i];
+                const int d1 = (i + 1 < COUNT(dsplit) && dsplit[i + 1] < dh)
+                                   ? dsplit[i + 1] : dh;
+                const int w = d1 - d0;
+                float *vs = in_buf((size_t)nc * w);
+                for (int c = 0; c < nc; c++)
+                    memcpy(vs + (size_t)c * w, v + (size_t)c * dh + d0,
+                           (size_t)w * sizeof *v);
+                fn(mr, nc, w, p, ldp, vs, o3 + d0, ldo);
+                free(vs);
+            }
+            for (int r = 0; r < mr; r++)
+                assert_true(same_bits(o + (size_t)r * ldo,
+                                      o3 + (size_t)r * ldo, dh));
+
+            /* the other of pv / pv_exact: same bits (v finite) */
+            for (int r = 0; r < mr; r++)
+                for (int d = 0; d < dh; d++)
+                    o2[(size_t)r * ldo + d] = rng_f(-1.0f, 1.0f);
+            memcpy(o3, o2, no * sizeof *o);
+            fn(mr, nc, dh, p, ldp, v, o2, ldo);
+            (exact ? k->pv : k->pv_exact)(mr, nc, dh, p, ldp, v, o3, ldo);
+            for (int r = 0; r < mr; r++)
+                assert_true(same_bits(o2 + (size_t)r * ldo,
+                                      o3 + (size_t)r * ldo, dh));
+
+            /* unaligned tiles */
+            memmove(p + 1, p, np * sizeof *p);
+            memmove(v + 1, v, nv * sizeof *v);
+            memcpy(vd, v + 1, nv * sizeof *v);
+            for (size_t i = 0; i < no + 1 + GUARD; i++)
+                o2[i] = canary();
+            for (int r = 0; r < mr; r++)
+                for (int d = 0; d < dh; d++)
+                    o2[1 + (size_t)r * ldo + d] = o3[(size_t)r * ldo + d] =
+                        rng_f(-1.0f, 1.0f);
+            fn(mr, nc, dh, p + 1, ldp, v + 1, o2 + 1, ldo);
+            fn(mr, nc, dh, p + 1, ldp, vd, o3, ldo);
+            check_guard(o2, no + 1);
+            for (int r = 0; r < mr; r++)
+                assert_true(same_bits(o3 + (size_t)r * ldo,
+                                      o2 + 1 + (size_t)r * ldo, dh));
+            free(p);
+            free(v);
+            free(vd);
+            free(o);
+            free(o2);
+            free(o3);
+        }
+    }
+}
+
+/* NaN / Inf in value rows that some query rows weigh 0: those query rows
+ * stay finite and equal pv with the rows zeroed; the others get NaN. */
+static void test_pv_exact_nonfinite(void **state)
+{
+    const mha_microkernels *k = *state;
+    static const int dhs[] = {1, 3, 8, 40, 64};
+    static const int ncs[] = {1, 7, 9, 16, 33};
+    rng_seed(24);
+    for (int a = 0; a < COUNT(dhs); a++)
+        for (int b = 0; b < COUNT(ncs); b++) {
+            const int mr = 13, nc = ncs[b], dh = dhs[a];
+            const int ldp = nc + 2, ldo = dh + 5;
+            const size_t np = (size_t)(mr - 1) * ldp + nc;
+            const size_t nv = (size_t)nc * dh;
+            const size_t no = (size_t)(mr - 1) * ldo + dh;
+            float *p = in_buf(np), *v = in_buf(nv), *vz = in_buf(nv);
+            float *o = out_buf(no), *oz = out_buf(no);
+            fill(p, np, 0.1f, 1.0f);
+            fill(v, nv, -1.0f, 1.0f);
+            memcpy(vz, v, nv * sizeof *v);
+            const int bad = nc / 2;             /* the non-finite key */
+            for (int d = 0; d < dh; d++) {
+                v[bad * dh + d] = (d % 3 == 0) ? NAN
+                                  : (d % 3 == 1) ? INFINITY : -INFINITY;
+                vz[bad * dh + d] = 0.0f;
+            }
+            /* rows r % 3 == 0 weigh the bad key; the others give it 0 */
+            for (int r = 0; r < mr; r++)
+                if (r % 3 != 0)
+                    p[(size_t)r * ldp + bad] = (r & 1) ? 0.0f : -0.0f;
+            for (int r = 0; r < mr; r++)
+                for (int d = 0; d < dh; d++)
+                    o[(size_t)r * ldo + d] = oz[(size_t)r * ldo + d] =
+                        rng_f(-1.0f, 1.0f);
+            k->pv_exact(mr, nc, dh, p, ldp, v, o, ldo);
+            k->pv(mr, nc, dh, p, ldp, vz, oz, ldo);
+            check_guard(o, no);
+            check_padding(o, mr, dh, ldo);
+            for (int r = 0; r < mr; r++) {
+                const float *orow = o + (size_t)r * ldo;
+                if (r % 3 != 0) {
+                    for (int d = 0; d < dh; d++)
+                        assert_true(isfinite(orow[d]));
+                    assert_true(same_bits(orow, oz + (size_t)r * ldo, dh));
+                } else {
+                    for (int d = 0; d < dh; d++)
+                        assert_false(isfinite(orow[d]));
+                }
+            }
+            free(p);
+            free(v);
+            free(vz);
+            free(o);
+            free(oz);
+        }
+}
+
+/* ---- exp_sum --------------------------------------------------------------*/
+
+/* The distance |y - e| in units of the float ulp at e (2^-149 below
+ * FLT_MIN). */
+static double ulp_err(float y, double e)
+{
+    double ulp;
+    if (e < FLT_MIN) {
+        ulp = ldexp(1.0, -149);
+    } else {
+        int ex;
+        frexp(e, &ex);
+        ulp = ldexp(1.0, ex - 24);
+    }
+    return fabs((double)y - e) / ulp;
+}
+
+static void test_exp_accuracy(void **state)
+{
+    const mha_microkernels *k = *state;
+    const double bound = exp_ulp_bound(k);
+    const int flushes = strcmp(k->name, "avx2") == 0;   /* docs/KERNELS.md */
+    enum { N = 1 << 20, CH = 61 };   /* 61: calls end in a tail */
+    float *x = in_buf(N), *in = in_buf(N);
+    for (int i = 0; i < N; i++)
+        in[i] = x[i] = (float)(-88.0 * i / (N - 1));
+    /* and every float around ln FLT_MIN, where the flushing starts */
+    float t = -87.3366f;
+    for (int i = 0; i < 64; i++, t = nextafterf(t, 0.0f))
+        in[i] = x[i] = t;
+    double max_ulp = 0.0, max_rel = 0.0;
+    float worst = 0.0f;
+    int flushed = 0;
+    for (int i = 0; i < N; i += CH)
+        k->exp_sum(x + i, N - i < CH ? N - i : CH, 0.0f);
+    for (int i = 0; i < N; i++) {
+        const double e = exp((double)in[i]);
+        if (flushes) {
+            /* avx2: exactly the results below FLT_MIN are 0, no denormal */
+            if (e < FLT_MIN) {
+                if (x[i] != 0.0f)
+                    fail_msg("%s exp(%.9g) = %a, want 0 (flushed)", k->name,
+                             in[i], x[i]);
+                flushed++;
+                continue;
+            }
+            assert_true(x[i] >= FLT_MIN);
+        }
+        const double u = ulp_err(x[i], e);
+        if (u > max_ulp) {
+            max_ulp = u;
+            worst = in[i];
+        }
+        if (e >= FLT_MIN && fabs(x[i] - e) / e > max_rel)
+            max_rel = fabs(x[i] - e) / e;
+        if (!(u <= bound))
+            fail_msg("%s exp(%.9g) = %.9g, want %.9g (%.3f ulp > %.1f)",
+                     k->name, in[i], x[i], e, u, bound);
+    }
+    printf("[ %s ] exp over %d points of [-88, 0]: max %.4f ulp (at %.7g), "
+           "max rel %.3g, %d flushed to 0\n", k->name, N, max_ulp, worst,
+           max_rel, flushed);
+
+    /* x - m with m != 0: the argument is the float difference */
+    rng_seed(31);
+    for (int i = 0; i < 4096; i++)
+        in[i] = x[i] = rng_f(-30.0f, 3.5f);
+    k->exp_sum(x, 4096, 3.5f);
+    for (int i = 0; i < 4096; i++) {
+        const double e = exp((double)(in[i] - 3.5f));
+        assert_true(ulp_err(x[i], e) <= bound);
+    }
+    free(x);
+    free(in);
+}
+
+static void test_exp_special(void **state)
+{
+    const mha_microkernels *k = *state;
+    static const int ns[] = {1, 5, 8, 9, 16, 19, 27};
+    for (int t = 0; t < COUNT(ns); t++) {
+        const int n = ns[t];
+        float *x = out_buf((size_t)n);
+        for (int pos = 0; pos < n; pos++) {
+            /* one special value at each position, vector lane or tail */
+            for (int kind = 0; kind < 4; kind++) {
+                for (int i = 0; i < n; i++)
+                    x[i] = -1.0f - 0.25f * i;
+                const float m = 2.0f;
+                x[pos] = kind == 0 ? -INFINITY
+                       : kind == 1 ? NAN
+                       : kind == 2 ? m : -1e30f;
+                const float sum = k->exp_sum(x, n, m);
+                check_guard(x, (size_t)n);
+                switch (kind) {
+                case 0: assert_true(x[pos] == 0.0f && !signbit(x[pos])); break;
+                case 1: assert_true(isnan(x[pos]) && isnan(sum)); break;
+                case 2: assert_true(x[pos] == 1.0f); break;
+                default: assert_true(x[pos] == 0.0f); break;
+                }
+                if (kind != 1) {
+                    double ref = 0.0;
+                    for (int i = 0; i < n; i++)
+                        ref += x[i];
+                    assert_true(fabs(sum - ref) <= n * ldexp(ref, -24));
+                }
+            }
+        }
+        free(x);
+    }
+    /* very negative arguments: 0 */
+    float y[9] = {-87.5f, -88.0f, -100.0f, -103.9f, -104.0f, -150.0f, -1e10f,
+                  -FLT_MAX, -INFINITY};
+    k->exp_sum(y, 9, 0.0f);
+    for (int i = 0; i < 9; i++)
+        assert_true(y[i] >= 0.0f && y[i] < FLT_MIN);
+    /* n == 0: nothing read or written, sum 0 */
+    assert_true(k->exp_sum(y, 0, 0.0f) == 0.0f);
+}
+
+/* Sum of the outputs, and the same values whatever the alignment. */
+static void test_exp_sum_order(void **state)
+{
+    const mha_microkernels *k = *state;
+    static const int ns[] = {1, 3, 8, 17, 64, 100, 1000};
+    rng_seed(32);
+    for (int t = 0; t < COUNT(ns); t++) {
+        const int n = ns[t];
+        float *a = out_buf((size_t)n + 1), *b = out_buf((size_t)n + 1);
+        fill(a, (size_t)n, -20.0f, 0.0f);
+        memcpy(b + 1, a, (size_t)n * sizeof *a);
+        const float sa = k->exp_sum(a, n, 0.5f);
+        const float sb = k->exp_sum(b + 1, n, 0.5f);
+        check_guard(a, (size_t)n + 1);
+        check_guard(b, (size_t)n + 1);
+        assert_true(is_canary(b[0]));
+        assert_true(same_bits(a, b + 1, (size_t)n));
+        assert_true(sa == sb);
+        double ref = 0.0;
+        for (int i = 0; i < n; i++)
+            ref += a[i];
+        assert_true(fabs(sa - ref) <= n * ldexp(ref, -24));
+        free(a);
+        free(b);
+    }
+    /* one element per call vs all at once: the same values */
+    float x[40], y[40];
+    fill(x, 40, -30.0f, 0.0f);
+    memcpy(y, x, sizeof x);
+    k->exp_sum(x, 40, 0.0f);
+    for (int i = 0; i < 40; i++)
+        k->exp_sum(y + i, 1, 0.0f);
+    assert_true(same_bits(x, y, 40));
+}
+
+/* ---- scale ----------------------------------------------------------------*/
+
+static void test_scale(void **state)
+{
+    const mha_microkernels *k = *state;
+    static const int ns[] = {0, 1, 7, 8, 9, 31, 32, 33, 100};
+    rng_seed(41);
+    for (int t = 0; t < COUNT(ns); t++)
+        for (int off = 0; off < 2; off++) {
+            const int n = ns[t];
+            float *x = out_buf((size_t)n + 1);
+            fill(x + off, (size_t)n, -3.0f, 3.0f);
+            float *ref = in_buf((size_t)n);
+            const float a = 0.3767f;
+            for (int i = 0; i < n; i++)
+                ref[i] = x[off + i] * a;
+            k->scale(x + off, n, a);
+            check_guard(x, (size_t)n + 1);
+            if (off)
+                assert_true(is_canary(x[0]));
+            else
+                assert_true(is_canary(x[n]));
+            assert_true(same_bits(x + off, ref, (size_t)n));
+            free(x);
+            free(ref);
+        }
+}
+
+/* ---- micro-benchmark (printed, not asserted) ------------------------------*/
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+static void test_bench(void **state)
+{
+    const mha_microkernels *k = *state;
+    enum { M = 64, C = 64, D = 64 };
+    float *q = in_buf(M * D), *kt = in_buf(D * C), *s = in_buf(M * C);
+    float *v = in_buf(C * D), *o = in_buf(M * D);
+    rng_seed(51);
+    fill(q, M * D, -1.0f, 1.0f);
+    fill(kt, D * C, -1.0f, 1.0f);
+    fill(s, M * C, 0.0f, 0.01f);
+    fill(v, C * D, -1.0f, 1.0f);
+    memset(o, 0, sizeof(float) * M * D);
+    const double flops = 2.0 * M * C * D;
+    double g[2];
+    for (int which = 0; which < 2; which++) {
+        double best = 1e30;
+        const double t_end = now_s() + 0.004;
+        int iters = 0;
+        do {
+            const double t0 = now_s();
+            for (int i = 0; i < 8; i++) {
+                if (which == 0)
+                    k->qk(M, C, D, q, kt, C, s, C);
+                else
+                    k->pv(M, C, D, s, C, v, o, D);
+            }
+            const double dt = (now_s() - t0) / 8;
+            if (dt < best)
+                best = dt;
+            iters++;
+        } while (now_s() < t_end || iters < 2);
+        g[which] = flops / best * 1e-9;
+    }
+    printf("[ %s ] mr=nc=dh=64: qk %.1f GFLOP/s, pv %.1f GFLOP/s "
+           "(best of ~4 ms, one thread)\n", k->name, g[0], g[1]);
+    free(q);
+    free(kt);
+    free(s);
+    free(v);
+    free(o);
+}
+
+/* ---- main -----------------------------------------------------------------*/
+
+static void test_names(void **state)
+{
+    (void)state;
+    assert_string_equal(mha_microkernels_scalar.name, "scalar");
+    assert_string_equal(mha_microkernels_avx2.name, "avx2");
+}
+
+#define KERNEL_TESTS(table)                                                  \
+    cmocka_unit_test_prestate(test_qk_shapes, (void *)&table),               \
+    cmocka_unit_test_prestate(test_qk_splits_bitwise, (void *)&table),       \
+    cmocka_unit_test_prestate(test_pv_shapes, (void *)&table),               \
+    cmocka_unit_test_prestate(test_pv_exact_shapes, (void *)&table),         \
+    cmocka_unit_test_prestate(test_pv_splits_bitwise, (void *)&table),       \
+    cmocka_unit_test_prestate(test_pv_exact_nonfinite, (void *)&table),      \
+    cmocka_unit_test_prestate(test_exp_accuracy, (void *)&table),            \
+    cmocka_unit_test_prestate(test_exp_special, (void *)&table),             \
+    cmocka_unit_test_prestate(test_exp_sum_order, (void *)&table),           \
+    cmocka_unit_test_prestate(test_scale, (void *)&table),                   \
+    cmocka_unit_test_prestate(test_bench, (void *)&table)
+
+int main(void)
+{
+    const struct CMUnitTest scalar_tests[] = {
+        cmocka_unit_test(test_names),
+        KERNEL_TESTS(mha_microkernels_scalar),
+    };
+    const struct CMUnitTest avx2_tests[] = {
+        KERNEL_TESTS(mha_microkernels_avx2),
+    };
+    int rc = cmocka_run_group_tests_name("microkernels_scalar", scalar_tests,
+                                         NULL, NULL);
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        rc |= cmocka_run_group_tests_name("microkernels_avx2", avx2_tests,
+                                          NULL, NULL);
+    else
+        printf("avx2 tier not tested: this CPU lacks AVX2 or FMA\n");
+    return rc;
+}
