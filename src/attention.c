@@ -59,8 +59,6 @@ typedef struct flash_scratch {
     float *o;     /* [BR][dh]  running output          */
     float *s;     /* [BR][BC]  scores, then p          */
     float *bias;  /* [BR][BC]  mask of a partial tile  */
-    float *kt;    /* [dh][BC]  key tile, transposed    */
-    float *v;     /* [BC][dh]  value tile              */
     float *m, *l; /* [BR]      running max and sum     */
 } flash_scratch;
 
@@ -71,9 +69,7 @@ static flash_scratch carve(float *base, int64_t dh)
     f.o = f.qs + MHA_BR * dh;
     f.s = f.o + MHA_BR * dh;
     f.bias = f.s + MHA_BR * MHA_BC;
-    f.kt = f.bias + MHA_BR * MHA_BC;
-    f.v = f.kt + dh * MHA_BC;
-    f.m = f.v + MHA_BC * dh;
+    f.m = f.bias + MHA_BR * MHA_BC;
     f.l = f.m + MHA_BR;
     return f;
 }
@@ -91,11 +87,12 @@ static void pack_q(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
 
 /*
  * Packs keys j0 .. j0+nc-1 (real ones, or the extra keys when extra is
- * set) of head h: kt transposed, v contiguous.  Returns whether every
- * value is finite (then the fast pv kernel is exact).
+ * set) of head h: kt [dh][MHA_BC] transposed, v [nc][dh] contiguous.
+ * Returns whether every value is finite (then the fast pv kernel is
+ * exact).
  */
 static int pack_kv(const mha_attn *a, int64_t b, int64_t h, int64_t j0,
-                   int nc, int extra, flash_scratch *f)
+                   int nc, int extra, float *kt, float *v)
 {
     const int64_t dh = a->dh;
     int finite = 1;
@@ -110,33 +107,104 @@ static int pack_kv(const mha_attn *a, int64_t b, int64_t h, int64_t j0,
         } else {
             kr = vr = NULL;   /* the zero key of add_zero_attn */
         }
-        for (int64_t d = 0; d < dh; d++) {
-            f->kt[d * MHA_BC + c] = kr ? kr[d] : 0.0f;
-            const float x = vr ? vr[d] : 0.0f;
-            f->v[c * dh + d] = x;
-            finite &= isfinite(x) != 0;
-        }
+        for (int64_t d = 0; d < dh; d++)
+            kt[d * MHA_BC + c] = kr ? kr[d] : 0.0f;
+        if (vr)
+            memcpy(v + c * dh, vr, (size_t)dh * sizeof *v);
+        else
+            memset(v + c * dh, 0, (size_t)dh * sizeof *v);
+        for (int64_t d = 0; d < dh; d++)
+            finite &= isfinite(v[c * dh + d]) != 0;
     }
     return finite;
+}
+
+/*
+ * K and V are packed once per call, before any attention, into
+ *   kt  [B][H][tiles + 1][dh][MHA_BC]   each key tile transposed
+ *   v   [B][H][tiles + 1][MHA_BC][dh]   each value tile contiguous
+ *   fin [B][H][tiles + 1]               1.0 if the value tile is finite
+ * where tile `tiles` holds the extra keys (bias_k, zero key).  Every
+ * query block then reads the same packed tiles.
+ */
+static int64_t tiles_of(const mha_attn *a)
+{
+    return (a->Lk + MHA_BC - 1) / MHA_BC + 1;
+}
+
+int64_t mha_attn_packed(int64_t B, int64_t H, int64_t Lk, int64_t dh)
+{
+    const int64_t tiles = (Lk + MHA_BC - 1) / MHA_BC + 1;
+    return B * H * tiles * (2 * MHA_BC * dh + 1);
+}
+
+static float *packed_kt(const mha_attn *a, int64_t b, int64_t h, int64_t t)
+{
+    return a->packed + ((b * a->H + h) * tiles_of(a) + t) * MHA_BC * a->dh;
+}
+
+static float *packed_v(const mha_attn *a, int64_t b, int64_t h, int64_t t)
+{
+    const int64_t all = a->B * a->H * tiles_of(a) * MHA_BC * a->dh;
+    return a->packed + all +
+           ((b * a->H + h) * tiles_of(a) + t) * MHA_BC * a->dh;
+}
+
+static float *packed_finite(const mha_attn *a, int64_t b, int64_t h,
+                            int64_t t)
+{
+    const int64_t all = a->B * a->H * tiles_of(a) * MHA_BC * a->dh;
+    return a->packed + 2 * all + (b * a->H + h) * tiles_of(a) + t;
+}
+
+static void pack_tile(const mha_attn *a, int64_t item)
+{
+    const int64_t tiles = tiles_of(a), t = item % tiles, bh = item / tiles;
+    const int64_t b = bh / a->H, h = bh % a->H;
+    const int extra = t == tiles - 1;
+    const int64_t j0 = extra ? a->Lk : t * MHA_BC;
+    const int nc = extra ? (a->bias_k != NULL) + (a->zero_attn != 0)
+                 : (int)(a->Lk - j0 < MHA_BC ? a->Lk - j0 : MHA_BC);
+    *packed_finite(a, b, h, t) =
+        (float)pack_kv(a, b, h, j0, nc, extra, packed_kt(a, b, h, t),
+                       packed_v(a, b, h, t));
+}
+
+/* How a tile is masked: not at all, by index only (causal, key_lengths:
+ * each row's keys past its limit), or by an explicit mask (f->bias). */
+enum { TILE_OPEN = 0, TILE_BY_INDEX = 1, TILE_EXPLICIT = 2 };
+
+static void mask_tile(const mha_attn *a, int64_t b, int64_t i0, int mr,
+                      int64_t j0, int nc, int how, flash_scratch *f)
+{
+    if (how == TILE_OPEN)
+        return;
+    for (int r = 0; r < mr; r++) {
+        float *sr = f->s + r * MHA_BC;
+        if (how == TILE_EXPLICIT) {
+            for (int c = 0; c < nc; c++)
+                sr[c] = masked(sr[c], f->bias[r * MHA_BC + c]);
+        } else {
+            const int64_t live = mha_mask_last(a->mask, b, i0 + r) - j0 + 1;
+            for (int64_t c = live < 0 ? 0 : live; c < nc; c++)
+                sr[c] = -INFINITY;
+        }
+    }
 }
 
 /* One key tile against the block's rows: the online-softmax update. */
 static void flash_tile(const mha_microkernels *uk, const mha_attn *a,
                        int64_t b, int64_t h, int64_t i0, int mr, int64_t j0,
-                       int nc, int partial, int finite_v, flash_scratch *f)
+                       int nc, int partial, const float *kt, const float *v,
+                       int finite_v, flash_scratch *f)
 {
     const int dh = (int)a->dh;
-    uk->qk(mr, nc, dh, f->qs, f->kt, MHA_BC, f->s, MHA_BC);
+    uk->qk(mr, nc, dh, f->qs, kt, MHA_BC, f->s, MHA_BC);
+    mask_tile(a, b, i0, mr, j0, nc, partial, f);
     for (int r = 0; r < mr; r++) {
         float *sr = f->s + r * MHA_BC;
-        if (partial)
-            for (int c = 0; c < nc; c++)
-                sr[c] = masked(sr[c], f->bias[r * MHA_BC + c]);
         /* NaN never wins the comparison but reaches the sum: it propagates */
-        float mt = -INFINITY;
-        for (int c = 0; c < nc; c++)
-            if (sr[c] > mt)
-                mt = sr[c];
+        const float mt = uk->max(sr, nc);
         const float mn = mt > f->m[r] ? mt : f->m[r];
         if (mn == -INFINITY) {            /* nothing live in this row yet */
             memset(sr, 0, (size_t)nc * sizeof *sr);
@@ -156,8 +224,7 @@ static void flash_tile(const mha_microkernels *uk, const mha_attn *a,
                                       j0 + c))
                     sr[c] = 0.0f;
     }
-    (finite_v ? uk->pv : uk->pv_exact)(mr, nc, dh, f->s, MHA_BC, f->v, f->o,
-                                       dh);
+    (finite_v ? uk->pv : uk->pv_exact)(mr, nc, dh, f->s, MHA_BC, v, f->o, dh);
 }
 
 /* Visits the tiles of one query block, calling fn on each non-empty one.
@@ -165,13 +232,13 @@ static void flash_tile(const mha_microkernels *uk, const mha_attn *a,
  * see are never visited; the extra keys come last, never masked. */
 typedef void (*tile_fn)(const mha_microkernels *uk, const mha_attn *a,
                         int64_t b, int64_t h, int64_t i0, int mr, int64_t j0,
-                        int nc, int partial, int finite_v, flash_scratch *f,
-                        void *ctx);
+                        int nc, int partial, const float *kt, const float *v,
+                        int finite_v, flash_scratch *f);
 
 static void for_each_tile(const mha_microkernels *uk, const mha_attn *a,
                           int64_t b, int64_t h, int64_t i0, int mr,
                           int64_t k0, int64_t k1, int with_extra,
-                          flash_scratch *f, tile_fn fn, void *ctx)
+                          flash_scratch *f, tile_fn fn)
 {
     const mha_mask_plan *mk = a->mask;
     const int64_t first_last = mha_mask_last(mk, b, i0);
@@ -181,8 +248,10 @@ static void for_each_tile(const mha_microkernels *uk, const mha_attn *a,
     const int explicit_mask = mha_mask_has_explicit(mk);
     for (int64_t j0 = k0; j0 < end; j0 += MHA_BC) {
         const int nc = (int)(end - j0 < MHA_BC ? end - j0 : MHA_BC);
-        const int partial = explicit_mask || j0 + nc - 1 > first_last;
-        if (partial) {
+        const int partial = explicit_mask ? TILE_EXPLICIT
+                          : j0 + nc - 1 > first_last ? TILE_BY_INDEX
+                                                     : TILE_OPEN;
+        if (partial == TILE_EXPLICIT) {
             int64_t live = 0;
             for (int r = 0; r < mr; r++)
                 live += mha_mask_cols(mk, b, h, i0 + r, j0, nc,
@@ -190,23 +259,24 @@ static void for_each_tile(const mha_microkernels *uk, const mha_attn *a,
             if (live == 0)
                 continue;
         }
-        const int finite_v = pack_kv(a, b, h, j0, nc, 0, f);
-        fn(uk, a, b, h, i0, mr, j0, nc, partial, finite_v, f, ctx);
+        const int64_t t = j0 / MHA_BC;
+        fn(uk, a, b, h, i0, mr, j0, nc, partial, packed_kt(a, b, h, t),
+           packed_v(a, b, h, t), *packed_finite(a, b, h, t) != 0.0f, f);
     }
     const int extra = (a->bias_k != NULL) + (a->zero_attn != 0);
     if (extra && with_extra) {
-        const int finite_v = pack_kv(a, b, h, a->Lk, extra, 1, f);
-        fn(uk, a, b, h, i0, mr, a->Lk, extra, 0, finite_v, f, ctx);
+        const int64_t t = tiles_of(a) - 1;
+        fn(uk, a, b, h, i0, mr, a->Lk, extra, 0, packed_kt(a, b, h, t),
+           packed_v(a, b, h, t), *packed_finite(a, b, h, t) != 0.0f, f);
     }
 }
 
 static void output_tile(const mha_microkernels *uk, const mha_attn *a,
                         int64_t b, int64_t h, int64_t i0, int mr, int64_t j0,
-                        int nc, int partial, int finite_v, flash_scratch *f,
-                        void *ctx)
+                        int nc, int partial, const float *kt, const float *v,
+                        int finite_v, flash_scratch *f)
 {
-    (void)ctx;
-    flash_tile(uk, a, b, h, i0, mr, j0, nc, partial, finite_v, f);
+    flash_tile(uk, a, b, h, i0, mr, j0, nc, partial, kt, v, finite_v, f);
 }
 
 /* The online softmax of rows i0 .. i0+mr-1 of head h over keys k0 ..
@@ -222,8 +292,7 @@ static void flash_run(const mha_microkernels *uk, const mha_attn *a,
         f->m[r] = -INFINITY;
         f->l[r] = 0.0f;
     }
-    for_each_tile(uk, a, b, h, i0, mr, k0, k1, with_extra, f, output_tile,
-                  NULL);
+    for_each_tile(uk, a, b, h, i0, mr, k0, k1, with_extra, f, output_tile);
 }
 
 /* ctx = o / l (and the dropout scale) and the row stats, from m, l, o of
@@ -346,13 +415,14 @@ static void split_merge(const mha_attn *a, int64_t bh, int64_t chunks,
 /* The weights pass: p = exp(s - m) / l, dropout as in the output pass. */
 static void weights_tile(const mha_microkernels *uk, const mha_attn *a,
                          int64_t b, int64_t h, int64_t i0, int mr, int64_t j0,
-                         int nc, int partial, int finite_v, flash_scratch *f,
-                         void *ctx)
+                         int nc, int partial, const float *kt, const float *v,
+                         int finite_v, flash_scratch *f)
 {
+    (void)v;
     (void)finite_v;
-    (void)ctx;
     const int dh = (int)a->dh;
-    uk->qk(mr, nc, dh, f->qs, f->kt, MHA_BC, f->s, MHA_BC);
+    uk->qk(mr, nc, dh, f->qs, kt, MHA_BC, f->s, MHA_BC);
+    mask_tile(a, b, i0, mr, j0, nc, partial, f);
     const float keep_scale =
         a->dropout ? (a->p_drop < 1.0f ? 1.0f / (1.0f - a->p_drop) : 0.0f)
                    : 1.0f;
@@ -363,9 +433,6 @@ static void weights_tile(const mha_microkernels *uk, const mha_attn *a,
         if (st[0] == -INFINITY)
             continue;
         float *sr = f->s + r * MHA_BC;
-        if (partial)
-            for (int c = 0; c < nc; c++)
-                sr[c] = masked(sr[c], f->bias[r * MHA_BC + c]);
         uk->exp_sum(sr, nc, st[0]);
         const float inv_l = st[1] * keep_scale;
         float *w = a->weights == MHA_WEIGHTS_PER_HEAD
@@ -389,8 +456,7 @@ static void weights_block(const mha_microkernels *uk, const mha_attn *a,
 {
     for (int64_t h = 0; h < a->H; h++) {
         pack_q(a, b, h, i0, mr, f->qs);
-        for_each_tile(uk, a, b, h, i0, mr, 0, a->Lk, 1, f, weights_tile,
-                      NULL);
+        for_each_tile(uk, a, b, h, i0, mr, 0, a->Lk, 1, f, weights_tile);
     }
 }
 
@@ -464,8 +530,7 @@ int64_t mha_attn_scratch(mha_isa isa, int64_t dh, int64_t Lt)
 {
     if (isa == MHA_ISA_REF)   /* Lt floats, (Lt + dh) doubles, aligned */
         return (Lt + 2) + 2 * (Lt + dh) + 2;
-    return 2 * MHA_BR * dh + 2 * MHA_BR * MHA_BC + 2 * MHA_BC * dh +
-           2 * MHA_BR;
+    return 2 * MHA_BR * dh + 2 * MHA_BR * MHA_BC + 2 * MHA_BR;
 }
 
 void mha_attn_run(mha_isa isa, const mha_microkernels *uk, const mha_attn *a,
@@ -494,6 +559,10 @@ void mha_attn_run(mha_isa isa, const mha_microkernels *uk, const mha_attn *a,
         tid = omp_get_thread_num();
 #endif
         flash_scratch f = carve(scratch + tid * per_thread, a->dh);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < a->B * a->H * tiles_of(a); t++)
+            pack_tile(a, t);
+        /* (the implicit barrier: every tile is packed) */
         if (chunks > 1) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t t = 0; t < a->B * a->H * chunks; t++)

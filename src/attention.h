@@ -39,6 +39,7 @@ typedef struct mha_attn {
     mha_weights_mode weights;
     float *w;               /* (B, H, Lq, Lt) or (B, Lq, Lt), zeroed */
     float *partials;        /* mha_attn_partials() floats, for decoding */
+    float *packed;          /* mha_attn_packed() floats: K, V by tile   */
 } mha_attn;
 
 /* The tier chosen at start-up (MHA_ISA=ref|scalar|avx2 forces one). */
@@ -49,6 +50,9 @@ mha_status mha_isa_get(mha_isa *isa, const mha_microkernels **uk);
 int64_t mha_attn_chunks(int64_t Lq, int64_t Lk);
 int64_t mha_attn_partials(int64_t B, int64_t H, int64_t Lq, int64_t Lk,
                           int64_t dh);
+
+/* Floats of the packed K and V of the flash tiers (none for ref). */
+int64_t mha_attn_packed(int64_t B, int64_t H, int64_t Lk, int64_t dh);
 
 /* Floats of per-thread scratch for a tier. */
 int64_t mha_attn_scratch(mha_isa isa, int64_t dh, int64_t Lt);

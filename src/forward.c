@@ -120,8 +120,8 @@ struct mha_plan {
     int64_t n_proj;          /* projected q, k, v: the larger layout */
     int64_t per_thread;      /* attention scratch floats per thread  */
     float *ws;               /* n_proj + n_q (ctx) + stats + partials
-                                + scratch */
-    int64_t n_partials;
+                                + packed K/V + scratch */
+    int64_t n_partials, n_packed;
 };
 
 mha_status mha_plan_create(const mha_module *m, const mha_forward_args *a,
@@ -158,6 +158,8 @@ mha_status mha_plan_create(const mha_module *m, const mha_forward_args *a,
     const int64_t n_stats = 2 * s.B * s.H * s.Lq;
     const int64_t n_partials =
         isa == MHA_ISA_REF ? 0 : mha_attn_partials(s.B, s.H, s.Lq, s.Lk, s.dh);
+    const int64_t n_packed =
+        isa == MHA_ISA_REF ? 0 : mha_attn_packed(s.B, s.H, s.Lk, s.dh);
     int64_t n_scratch;
     if (!mha_mul_ok(per_thread, threads, &n_scratch) ||
         n_scratch > INT64_MAX / 8)
@@ -165,7 +167,8 @@ mha_status mha_plan_create(const mha_module *m, const mha_forward_args *a,
     mha_plan *p = calloc(1, sizeof *p);
     if (!p)
         return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate a plan");
-    p->ws = mha_alloc_floats(n_proj + s.n_q + n_stats + n_partials + n_scratch,
+    p->ws = mha_alloc_floats(n_proj + s.n_q + n_stats + n_partials +
+                                 n_packed + n_scratch,
                              "forward workspace");
     if (!p->ws) {
         free(p);
@@ -179,6 +182,7 @@ mha_status mha_plan_create(const mha_module *m, const mha_forward_args *a,
     p->n_proj = n_proj;
     p->per_thread = per_thread;
     p->n_partials = n_partials;
+    p->n_packed = n_packed;
     *out = p;
     return MHA_OK;
 }
@@ -254,7 +258,8 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
     float *ctx = ws + plan->n_proj;
     float *stats = ctx + s.n_q;
     float *partials = stats + 2 * s.B * s.H * s.Lq;
-    float *scratch = partials + plan->n_partials;
+    float *packed = partials + plan->n_partials;
+    float *scratch = packed + plan->n_packed;
 
     if (a->need_weights != MHA_WEIGHTS_NONE)
         memset(a->attn_weights, 0, (size_t)s.n_w * sizeof(float));
@@ -267,7 +272,7 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
         .seed = a->dropout_seed, .ctx = ctx, .ldc = E, .stats = stats,
         .weights = a->need_weights,
         .w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights : NULL,
-        .partials = partials};
+        .partials = partials, .packed = packed};
     mha_attn_run(plan->isa, plan->uk, &at, plan->threads, scratch,
                  plan->per_thread);
 

@@ -87,7 +87,10 @@ mha_status mha_attention(const mha_attention_args *a)
     const int64_t n_stats = 2 * B * H * Lq;
     const int64_t n_partials =
         isa == MHA_ISA_REF ? 0 : mha_attn_partials(B, H, Lq, Lk, dh);
-    float *ws = mha_alloc_floats(n_stats + n_partials + per_thread * threads,
+    const int64_t n_packed =
+        isa == MHA_ISA_REF ? 0 : mha_attn_packed(B, H, Lk, dh);
+    float *ws = mha_alloc_floats(n_stats + n_partials + n_packed +
+                                     per_thread * threads,
                                  "attention workspace");
     if (!ws)
         return MHA_ERR_OUT_OF_MEMORY;
@@ -101,8 +104,8 @@ mha_status mha_attention(const mha_attention_args *a)
         .p_drop = a->dropout, .seed = a->dropout_seed, .ctx = a->out,
         .ldc = E, .stats = ws, .weights = a->need_weights,
         .w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights : NULL,
-        .partials = ws + n_stats};
-    mha_attn_run(isa, uk, &at, threads, ws + n_stats + n_partials,
+        .partials = ws + n_stats, .packed = ws + n_stats + n_partials};
+    mha_attn_run(isa, uk, &at, threads, ws + n_stats + n_partials + n_packed,
                  per_thread);
     free(ws);
     return MHA_OK;

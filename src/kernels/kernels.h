@@ -5,7 +5,7 @@
  * The driver (src/attention.c) walks query blocks against key tiles with
  * an online softmax; everything that touches O(rows x keys x d_h) data
  * goes through these few functions, so an instruction set is a table of
- * five pointers.  Shapes, all row-major, all small (one tile):
+ * six pointers.  Shapes, all row-major, all small (one tile):
  *
  *   q   [mr][dh]        query rows of one head, already multiplied by scale
  *   kt  [dh][ldkt]      one key tile, packed transposed: kt[d][c] = K[c][d]
@@ -48,6 +48,10 @@ typedef struct mha_microkernels {
 
     /* x[c] *= a for c < n. */
     void (*scale)(float *x, int n, float a);
+
+    /* max_c x[c] over c < n, ignoring NaN (-INFINITY if none is larger);
+     * the driver relies on NaN reaching the sum through exp_sum instead. */
+    float (*max)(const float *x, int n);
 } mha_microkernels;
 
 /* The tiers.  ref is the float64-accumulating row loop of attention.c and

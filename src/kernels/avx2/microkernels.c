@@ -261,5 +261,26 @@ static void scale_avx2(float *x, int n, float a)
         x[c] *= a;
 }
 
+/* _mm256_max_ps(x, m) returns m when x is NaN: NaN is ignored, as the
+ * contract asks.  A max is exact, so the order of the lanes is free. */
+static float max_avx2(const float *x, int n)
+{
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    int c = 0;
+    for (; c + 8 <= n; c += 8)
+        m = _mm256_max_ps(_mm256_loadu_ps(x + c), m);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    float r = -INFINITY;
+    for (int k = 0; k < 8; k++)
+        if (lanes[k] > r)
+            r = lanes[k];
+    for (; c < n; c++)
+        if (x[c] > r)
+            r = x[c];
+    return r;
+}
+
 const mha_microkernels mha_microkernels_avx2 = {
-    "avx2", qk_avx2, pv_avx2, pv_exact_avx2, exp_sum_avx2, scale_avx2};
+    "avx2",       qk_avx2,    pv_avx2, pv_exact_avx2,
+    exp_sum_avx2, scale_avx2, max_avx2};

@@ -68,6 +68,15 @@ static void scale_scalar(float *x, int n, float a)
         x[c] *= a;
 }
 
+static float max_scalar(const float *x, int n)
+{
+    float m = -INFINITY;
+    for (int c = 0; c < n; c++)
+        if (x[c] > m)
+            m = x[c];
+    return m;
+}
+
 const mha_microkernels mha_microkernels_scalar = {
     "scalar", qk_scalar, pv_scalar, pv_exact_scalar, exp_sum_scalar,
-    scale_scalar};
+    scale_scalar, max_scalar};
