@@ -619,6 +619,35 @@ static void test_scale(void **state)
         }
 }
 
+/* max: the largest value, NaN ignored, -inf when nothing is larger. */
+static void test_max(void **state)
+{
+    const mha_microkernels *k = *state;
+    static const int ns[] = {0, 1, 7, 8, 9, 31, 32, 33, 64, 100};
+    rng_seed(43);
+    for (int t = 0; t < COUNT(ns); t++)
+        for (int off = 0; off < 2; off++) {
+            const int n = ns[t];
+            float *x = in_buf((size_t)n + 1);
+            fill(x + off, (size_t)n, -3.0f, 3.0f);
+            float want = -INFINITY;
+            for (int i = 0; i < n; i++) {
+                if (i % 5 == 2)
+                    x[off + i] = NAN;
+                else if (x[off + i] > want)
+                    want = x[off + i];
+            }
+            const float got = k->max(x + off, n);
+            if (!(got == want))
+                fail_msg("%s max, n=%d off=%d: %g, expected %g", k->name, n,
+                         off, (double)got, (double)want);
+            free(x);
+        }
+    float all_inf[9] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY,
+                        -INFINITY, -INFINITY, -INFINITY, -INFINITY, NAN};
+    assert_true(k->max(all_inf, 9) == -INFINITY);
+}
+
 /* ---- micro-benchmark (printed, not asserted) ------------------------------*/
 
 static double now_s(void)
@@ -690,6 +719,7 @@ static void test_names(void **state)
     cmocka_unit_test_prestate(test_exp_special, (void *)&table),             \
     cmocka_unit_test_prestate(test_exp_sum_order, (void *)&table),           \
     cmocka_unit_test_prestate(test_scale, (void *)&table),                   \
+    cmocka_unit_test_prestate(test_max, (void *)&table),                     \
     cmocka_unit_test_prestate(test_bench, (void *)&table)
 
 int main(void)
