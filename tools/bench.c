@@ -1,8 +1,8 @@
 /*
- * bench.c -- `mha bench`: times mha_forward on random inputs and reports
- * milliseconds, GFLOP/s and the share of the machine's FMA peak, measured
- * by a built-in probe.  The harness of the fast-attention work: today it
- * measures the plain kernel, so its numbers are a baseline.
+ * bench.c -- `mha bench`: times a planned forward pass (mha_plan_forward)
+ * or, with --attention-only, mha_attention on pre-projected heads, on
+ * random inputs, and reports milliseconds, GFLOP/s, the share of the
+ * machine's FMA peak (measured by a built-in probe) and the kernel tier.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "args.h"
@@ -20,35 +20,43 @@
 
 static const char BENCH_HELP[] =
     "usage: mha bench --batch B --seq L [--kv-seq Lk] --embed-dim E --heads H\n"
-    "                 [--causal] [--need-weights] [--threads 1]\n"
-    "                 [--repeat R] [--warmup W] [--json]\n"
+    "                 [--causal] [--need-weights] [--attention-only]\n"
+    "                 [--threads T] [--repeat R] [--warmup W] [--json]\n"
     "\n"
-    "Times mha_forward on a module with Xavier-initialised weights (seed 1)\n"
-    "and random inputs in [-1, 1): W warm-up passes, then R timed passes\n"
-    "(CLOCK_MONOTONIC); prints the median and minimum time, GFLOP/s at the\n"
-    "median, and the share of the FMA peak measured by a built-in probe.\n"
+    "Times the forward pass of a module with Xavier-initialised weights\n"
+    "(seed 1) on random inputs in [-1, 1): the plan is made once\n"
+    "(mha_plan_create), then W warm-up and R timed calls of\n"
+    "mha_plan_forward, which allocates nothing (CLOCK_MONOTONIC).  Prints\n"
+    "the median and minimum time, GFLOP/s at the median, the share of the\n"
+    "FMA peak measured by a built-in probe, and the attention kernel tier.\n"
     "  --batch B, --seq L    query shape (B, L, E)\n"
     "  --kv-seq Lk           cross-attention: key = value = another random\n"
     "                        (B, Lk, E) tensor; default self-attention\n"
-    "  --embed-dim E, --heads H   the module (H must divide E)\n"
+    "  --embed-dim E, --heads H   the module (H must divide E; d_h = E/H)\n"
     "  --causal              query i sees keys j <= i + Lk - L (bottom right)\n"
     "  --need-weights        also write the head-averaged weights (B, L, Lk)\n"
-    "  --threads T           only 1 for now: libmha has no thread setting yet\n"
-    "                        (threads come with the fast-attention issue)\n"
+    "  --attention-only      time mha_attention alone on random q (B, L, E)\n"
+    "                        and k, v (B, Lk, E), already projected: H heads\n"
+    "                        of d_h = E/H side by side; no module, no\n"
+    "                        projections (mha_attention allocates its\n"
+    "                        workspace on each call: row stats, K and V\n"
+    "                        packed by tile, per-thread tiles)\n"
+    "  --threads T           threads for the attention (num_threads = T) and\n"
+    "                        for the BLAS of the projections\n"
+    "                        (OPENBLAS_NUM_THREADS = T); default: the number\n"
+    "                        of online CPUs\n"
     "  --repeat R            timed passes (default 10)\n"
     "  --warmup W            untimed passes first (default 2)\n"
     "  --json                one JSON object instead of the text report\n"
-    "  --attention-only      refused: libmha has no attention-only entry\n"
-    "                        point yet; the attention FLOPs are reported\n"
-    "                        separately instead\n"
     "FLOPs counted (one multiply-add = 2): the projections\n"
-    "2*B*L*E*E (Q) + 2*B*Lk*E*(kdim+vdim) (K, V) + 2*B*L*E*E (out), and the\n"
-    "attention 4*d_h per allowed (query, key) pair of each batch and head:\n"
-    "4*B*H*L*Lk*d_h, or with --causal the exact count of allowed pairs\n"
-    "(about half).  Softmax, bias and weight averaging are not counted.\n"
+    "2*B*L*E*E (Q) + 2*B*Lk*E*(kdim+vdim) (K, V) + 2*B*L*E*E (out), none\n"
+    "with --attention-only, and the attention 4*d_h per allowed\n"
+    "(query, key) pair of each batch and head: 4*B*H*L*Lk*d_h, or with\n"
+    "--causal the exact count of allowed pairs (about half).  Softmax,\n"
+    "bias and weight averaging are not counted.\n"
     "The peak is a single-thread multiply-add loop (AVX2+FMA when the CPU\n"
-    "has them, else plain C) times the threads used.  The BLAS reads its\n"
-    "thread count when it loads, so mha bench sets OPENBLAS_NUM_THREADS and\n"
+    "has them, else plain C) times T.  The BLAS reads its thread count\n"
+    "when it loads, so mha bench sets OPENBLAS_NUM_THREADS and\n"
     "OMP_NUM_THREADS to T and re-executes itself when they differ.\n";
 
 /* ---- the FMA peak probe ------------------------------------------------- */
@@ -224,6 +232,13 @@ static void pin_blas_threads(int argc, char **argv, int64_t threads)
 
 /* ---- mha bench ---------------------------------------------------------- */
 
+/* Online CPUs, clamped to the library's thread range [1, 4096]. */
+static int64_t online_cpus(void)
+{
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : n > 4096 ? 4096 : (int64_t)n;
+}
+
 int cmd_bench(int argc, char **argv)
 {
     tool_opt o[] = {{"batch", 1, 0}, {"seq", 1, 0}, {"kv-seq", 1, 0},
@@ -240,18 +255,13 @@ int cmd_bench(int argc, char **argv)
         return 0;
     }
 #define OPT(name) tool_get(o, NOPTS(o), name)
-    if (OPT("attention-only"))
-        return tool_fail("bench", "--attention-only is not available yet: "
-                         "libmha has no attention-only entry point (it comes "
-                         "with the fast-attention issue). Without the flag "
-                         "the whole forward pass is timed and the attention "
-                         "FLOPs are reported separately");
     const char *need[] = {"batch", "seq", "embed-dim", "heads"};
     for (int k = 0; k < 4; k++)
         if (!OPT(need[k]))
             return tool_fail("bench", "--%s is required (see mha bench "
                              "--help)", need[k]);
-    int64_t B, Lq, Lk = 0, threads = 1, repeat = 10, warmup = 2;
+    const int64_t ncpu = online_cpus();
+    int64_t B, Lq, Lk = 0, threads = ncpu, repeat = 10, warmup = 2;
     mha_config c = {0};
     if (tool_int("bench", "batch", OPT("batch"), 1, INT32_MAX, &B) ||
         tool_int("bench", "seq", OPT("seq"), 1, INT32_MAX, &Lq) ||
@@ -268,25 +278,40 @@ int cmd_bench(int argc, char **argv)
         (OPT("warmup") &&
          tool_int("bench", "warmup", OPT("warmup"), 0, 1000000, &warmup)))
         return 1;
-    if (threads != 1)
-        return tool_fail("bench", "--threads %lld: only 1 thread for now; "
-                         "libmha has no thread setting yet (threads come "
-                         "with the fast-attention issue)", (long long)threads);
     const int cross = OPT("kv-seq") != NULL, causal = OPT("causal") != NULL,
               weights = OPT("need-weights") != NULL,
-              json = OPT("json") != NULL;
+              json = OPT("json") != NULL,
+              attn_only = OPT("attention-only") != NULL,
+              threads_default = OPT("threads") == NULL;
     if (!cross)
         Lk = Lq;
 #undef OPT
+    if (c.embed_dim % c.num_heads)
+        return tool_fail("bench", "embed_dim %lld is not divisible by "
+                         "num_heads %lld", (long long)c.embed_dim,
+                         (long long)c.num_heads);
     pin_blas_threads(argc, argv, threads);
+    /* What the BLAS was loaded with (after the re-execution, if any). */
+    const char *blas_env = getenv(THREAD_VARS[0]);
+    const long blas_threads = blas_env ? strtol(blas_env, NULL, 10) : 0;
+    const char *tier = mha_kernel_tier();
+    if (!tier)
+        return tool_fail("bench", "no attention kernels: MHA_ISA names an "
+                         "unknown or unsupported tier");
+    if (threads > ncpu && !json)
+        fprintf(stderr, "mha bench: warning: %lld threads on %lld online "
+                "CPUs: oversubscribed, the timings mean little\n",
+                (long long)threads, (long long)ncpu);
 
-    c.seed = 1;
-    mha_module *m;
-    if (mha_create(&c, &m) != MHA_OK)
-        return tool_fail("bench", "%s", mha_last_error());
-    mha_get_config(m, &c);   /* kdim, vdim and scale resolved */
-    const int64_t E = c.embed_dim, H = c.num_heads, dh = E / H;
-    const int64_t Lt = mha_total_keys(m, Lk);
+    mha_module *m = NULL;
+    int64_t E = c.embed_dim, H = c.num_heads, dh = E / H, Lt = Lk;
+    if (!attn_only) {
+        c.seed = 1;
+        if (mha_create(&c, &m) != MHA_OK)
+            return tool_fail("bench", "%s", mha_last_error());
+        mha_get_config(m, &c);   /* kdim, vdim and scale resolved */
+        Lt = mha_total_keys(m, Lk);
+    }
 
     const size_t nq = count3(B, Lq, E), nkv = count3(B, Lk, E),
                  nw = count3(B, Lq, Lt);
@@ -296,33 +321,66 @@ int cmd_bench(int argc, char **argv)
                          "are too large", (long long)B, (long long)Lq,
                          (long long)Lk, (long long)E);
     }
+    /* Whole module: key = value = kv (NULL for self-attention).
+     * Attention only: q, then k = kv and v = vv (their own tensors). */
+    const int need_kv = cross || attn_only;
     float *q = malloc(nq * sizeof *q), *out = malloc(nq * sizeof *out);
-    float *kv = cross ? malloc(nkv * sizeof *kv) : NULL;
+    float *kv = need_kv ? malloc(nkv * sizeof *kv) : NULL;
+    float *vv = attn_only ? malloc(nkv * sizeof *vv) : NULL;
     float *w = weights ? malloc(nw * sizeof *w) : NULL;
     double *ms = malloc((size_t)repeat * sizeof *ms);
     int rc = 0;
-    if (!q || !out || (cross && !kv) || (weights && !w) || !ms)
+    if (!q || !out || (need_kv && !kv) || (attn_only && !vv) ||
+        (weights && !w) || !ms)
         rc = tool_fail("bench", "out of memory for the inputs and outputs "
-                       "(%.1f MiB)", (double)(2 * nq + (cross ? nkv : 0) +
+                       "(%.1f MiB)", (double)(2 * nq +
+                                              (need_kv ? nkv : 0) +
+                                              (attn_only ? nkv : 0) +
                                               (weights ? nw : 0)) *
                                          sizeof(float) / 1048576.0);
     uint64_t state = 1;
     if (!rc) {
         fill_random(q, (int64_t)nq, &state);
-        if (cross)
+        if (need_kv)
             fill_random(kv, (int64_t)nkv, &state);
+        if (attn_only)
+            fill_random(vv, (int64_t)nkv, &state);
     }
 
+    const mha_causal cmode = causal ? MHA_CAUSAL_BOTTOM_RIGHT
+                                    : MHA_CAUSAL_NONE;
+    const mha_weights_mode wmode = weights ? MHA_WEIGHTS_AVERAGE
+                                           : MHA_WEIGHTS_NONE;
     mha_forward_args a = {0};
     a.batch = B;
     a.q_len = Lq;
     a.kv_len = Lk;
     a.query = q;
-    a.key = kv;      /* NULL: self-attention */
-    a.causal = causal ? MHA_CAUSAL_BOTTOM_RIGHT : MHA_CAUSAL_NONE;
-    a.need_weights = weights ? MHA_WEIGHTS_AVERAGE : MHA_WEIGHTS_NONE;
+    a.key = cross ? kv : NULL;   /* NULL: self-attention */
+    a.causal = cmode;
+    a.need_weights = wmode;
     a.attn_weights = w;
+    a.num_threads = (int)threads;
     a.out = out;
+
+    mha_attention_args aa = {0};
+    aa.batch = B;
+    aa.num_heads = H;
+    aa.head_dim = dh;
+    aa.q_len = Lq;
+    aa.kv_len = Lk;
+    aa.q = q;
+    aa.k = kv;
+    aa.v = vv;
+    aa.causal = cmode;
+    aa.need_weights = wmode;
+    aa.attn_weights = w;
+    aa.num_threads = (int)threads;
+    aa.out = out;
+
+    mha_plan *plan = NULL;
+    if (!rc && !attn_only && mha_plan_create(m, &a, &plan) != MHA_OK)
+        rc = tool_fail("bench", "%s", mha_last_error());
 
 #ifndef __OPTIMIZE__
     if (!rc)
@@ -333,10 +391,12 @@ int cmd_bench(int argc, char **argv)
     const double peak1 = rc ? 0.0 : measure_peak(&probe_kind);
     for (int64_t r = 0; !rc && r < warmup + repeat; r++) {
         const double t0 = now_s();
-        if (mha_forward(m, &a) != MHA_OK)
-            rc = tool_fail("bench", "%s", mha_last_error());
+        const mha_status st = attn_only ? mha_attention(&aa)
+                                        : mha_plan_forward(plan, &a);
         const double t1 = now_s();
-        if (r >= warmup)
+        if (st != MHA_OK)
+            rc = tool_fail("bench", "%s", mha_last_error());
+        else if (r >= warmup)
             ms[r - warmup] = (t1 - t0) * 1e3;
     }
     if (!rc) {
@@ -353,8 +413,10 @@ int cmd_bench(int argc, char **argv)
                                                ms[repeat / 2]);
         const double mn = ms[0];
         const double kvw = (double)(c.kdim + c.vdim);
-        const double proj = 2.0 * B * Lq * E * E + 2.0 * B * Lk * E * kvw +
-                            2.0 * B * Lq * E * E;
+        const double proj = attn_only ? 0.0
+                                      : 2.0 * B * Lq * E * E +
+                                            2.0 * B * Lk * E * kvw +
+                                            2.0 * B * Lq * E * E;
         const double attn = 4.0 * B * H * dh * allowed_pairs(Lq, Lk, causal);
         const double total = proj + attn;
         const double gflops = total / (med * 1e-3) * 1e-9;
@@ -362,7 +424,10 @@ int cmd_bench(int argc, char **argv)
         if (json) {
             printf("{\"batch\": %lld, \"seq\": %lld, \"kv_seq\": %lld, "
                    "\"embed_dim\": %lld, \"heads\": %lld, \"head_dim\": %lld, "
-                   "\"causal\": %s, \"need_weights\": %s, \"threads\": %lld, "
+                   "\"causal\": %s, \"need_weights\": %s, "
+                   "\"attention_only\": %s, \"threads\": %lld, "
+                   "\"threads_default\": %s, \"online_cpus\": %lld, "
+                   "\"blas_threads\": %ld, \"tier\": \"%s\", "
                    "\"repeat\": %lld, \"warmup\": %lld, "
                    "\"median_ms\": %.6g, \"min_ms\": %.6g, "
                    "\"gflop\": %.9g, \"proj_gflop\": %.9g, "
@@ -371,36 +436,53 @@ int cmd_bench(int argc, char **argv)
                    "\"probe\": \"%s\", \"library\": \"%s\"}\n",
                    (long long)B, (long long)Lq, (long long)Lk, (long long)E,
                    (long long)H, (long long)dh, causal ? "true" : "false",
-                   weights ? "true" : "false", (long long)threads,
-                   (long long)repeat, (long long)warmup, med, mn,
-                   total * 1e-9, proj * 1e-9, attn * 1e-9, gflops, peak,
-                   100.0 * gflops / peak, probe_kind, mha_version_string());
+                   weights ? "true" : "false", attn_only ? "true" : "false",
+                   (long long)threads, threads_default ? "true" : "false",
+                   (long long)ncpu, blas_threads, tier, (long long)repeat,
+                   (long long)warmup, med, mn, total * 1e-9, proj * 1e-9,
+                   attn * 1e-9, gflops, peak, 100.0 * gflops / peak,
+                   probe_kind, mha_version_string());
         } else {
             printf("mha bench: B=%lld L=%lld Lk=%lld E=%lld H=%lld d_h=%lld, "
-                   "%s%s%s, %lld thread%s\n", (long long)B, (long long)Lq,
+                   "%s%s%s, %lld thread%s%s\n", (long long)B, (long long)Lq,
                    (long long)Lk, (long long)E, (long long)H, (long long)dh,
                    cross ? "cross-attention" : "self-attention",
                    causal ? ", causal" : "",
                    weights ? ", averaged weights" : "", (long long)threads,
-                   threads == 1 ? "" : "s");
+                   threads == 1 ? "" : "s",
+                   threads_default ? " (default: the online CPUs)" : "");
+            if (attn_only)
+                printf("  timed   mha_attention on projected q, k, v "
+                       "(attention only)\n");
+            else
+                printf("  timed   mha_plan_forward (whole forward pass, "
+                       "planned once)\n");
+            printf("  kernels %s (mha_kernel_tier), %lld attention "
+                   "thread%s, OPENBLAS_NUM_THREADS=%s\n", tier,
+                   (long long)threads, threads == 1 ? "" : "s",
+                   blas_env ? blas_env : "(unset)");
             printf("  time    median %.4f ms, min %.4f ms over %lld runs "
                    "(after %lld warm-up)\n", med, mn, (long long)repeat,
                    (long long)warmup);
-            printf("  work    %.4g GFLOP per forward: projections %.4g, "
-                   "attention %.4g (%.1f%%)\n", total * 1e-9, proj * 1e-9,
-                   attn * 1e-9, 100.0 * attn / total);
+            if (attn_only)
+                printf("  work    %.4g GFLOP per call (attention: 4*d_h "
+                       "per allowed pair per head)\n", attn * 1e-9);
+            else
+                printf("  work    %.4g GFLOP per forward: projections %.4g, "
+                       "attention %.4g (%.1f%%)\n", total * 1e-9,
+                       proj * 1e-9, attn * 1e-9, 100.0 * attn / total);
             printf("  speed   %.2f GFLOP/s at the median (%.2f at the min) "
                    "= %.1f%% of peak\n", gflops,
                    total / (mn * 1e-3) * 1e-9, 100.0 * gflops / peak);
             printf("  peak    %.1f GFLOP/s: %s multiply-add probe, %.1f x "
                    "%lld thread%s\n", peak, probe_kind, peak1,
                    (long long)threads, threads == 1 ? "" : "s");
-            printf("  note    whole forward pass timed; an attention-only "
-                   "timing comes with the fast-attention issue\n");
         }
     }
+    mha_plan_free(plan);
     free(ms);
     free(w);
+    free(vv);
     free(kv);
     free(out);
     free(q);
