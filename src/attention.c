@@ -537,7 +537,11 @@ void mha_attn_run(mha_isa isa, const mha_microkernels *uk, const mha_attn *a,
                   int threads, float *scratch, int64_t per_thread)
 {
     const int64_t blocks = (a->Lq + MHA_BR - 1) / MHA_BR;
-    (void)threads;
+    /* Below ~4 MFLOP a second thread costs more to wake (and leaves a
+     * spinning worker beside the BLAS's own) than it saves.  Results do
+     * not depend on the thread count, so this changes speed only. */
+    if ((double)a->B * a->H * a->Lq * a->Lt * a->dh < (double)(1 << 20))
+        threads = 1;
     if (isa == MHA_ISA_REF) {
         const int64_t rows = a->B * a->Lq;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
