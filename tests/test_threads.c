@@ -184,8 +184,10 @@ static void test_plan(void **state)
     a.query = NULL;
     assert_int_equal(mha_plan_forward(plan, &a), MHA_ERR_NULL_POINTER);
     assert_int_equal(mha_plan_forward(NULL, &a), MHA_ERR_NULL_POINTER);
+    mha_plan *bad = (mha_plan *)&bad;
     a.num_threads = -1;
-    assert_int_equal(mha_plan_create(m, &a, &plan), MHA_ERR_INVALID_ARGUMENT);
+    assert_int_equal(mha_plan_create(m, &a, &bad), MHA_ERR_INVALID_ARGUMENT);
+    assert_null(bad);   /* a failed create leaves NULL */
     mha_plan_free(NULL);
     mha_plan_free(plan);
     mha_free(m);
