@@ -44,12 +44,11 @@ typedef struct run {
     float *out, *w;
 } run;
 
-static run forward(const mha_module *m, const shape *s, const float *q,
-                   const float *kv, const uint8_t *pad, const int64_t *lens,
-                   int threads, int64_t n_out, int64_t n_w)
+/* The arguments of a shape's problem (no outputs). */
+static mha_forward_args problem(const shape *s, const float *q,
+                                const float *kv, const uint8_t *pad,
+                                const int64_t *lens)
 {
-    run r = {malloc((size_t)n_out * sizeof(float)),
-             malloc((size_t)(n_w ? n_w : 1) * sizeof(float))};
     mha_forward_args a = {0};
     a.batch = s->B;
     a.q_len = s->Lq;
@@ -64,6 +63,16 @@ static run forward(const mha_module *m, const shape *s, const float *q,
     a.key_lengths = s->lengths ? lens : NULL;
     a.training = s->dropout > 0;
     a.dropout_seed = 11;
+    return a;
+}
+
+static run forward(const mha_module *m, const shape *s, const float *q,
+                   const float *kv, const uint8_t *pad, const int64_t *lens,
+                   int threads, int64_t n_out, int64_t n_w)
+{
+    run r = {malloc((size_t)n_out * sizeof(float)),
+             malloc((size_t)(n_w ? n_w : 1) * sizeof(float))};
+    mha_forward_args a = problem(s, q, kv, pad, lens);
     a.need_weights = s->weights;
     a.attn_weights = r.w;
     a.num_threads = threads;
@@ -116,19 +125,7 @@ static void test_thread_counts(void **state)
             free(r.w);
         }
         /* and the result is right */
-        mha_forward_args a = {0};
-        a.batch = s->B;
-        a.q_len = s->Lq;
-        a.kv_len = s->Lk;
-        a.query = q;
-        a.key = s->cross ? kv : NULL;
-        a.value = s->cross ? kv : NULL;
-        a.causal = s->causal;
-        if (s->pad)
-            a.key_padding_mask = (mha_mask){MHA_MASK_BLOCK, pad, 2, {s->B, Lk}};
-        a.key_lengths = s->lengths ? lens : NULL;
-        a.training = s->dropout > 0;
-        a.dropout_seed = 11;
+        const mha_forward_args a = problem(s, q, kv, pad, lens);
         double *o64 = malloc((size_t)n_q * sizeof *o64);
         float *o32 = malloc((size_t)n_q * sizeof *o32);
         ref_forward_f64(m, &a, o64, NULL);

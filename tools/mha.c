@@ -73,8 +73,8 @@ static void usage(FILE *f)
           "  forward    run a PyTorch state_dict (safetensors) on .npy inputs\n"
           "  init       write a freshly initialised module (safetensors)\n"
           "  info       describe a safetensors file and the module in it\n"
-          "  bench      time the forward pass: ms, GFLOP/s, share of the\n"
-          "             FMA peak\n"
+          "  bench      time the forward pass (or --attention-only): ms,\n"
+          "             GFLOP/s, share of the FMA peak\n"
           "\n"
           "  mha --version     print the version\n"
           "  mha <command> --help\n", f);
