@@ -145,9 +145,17 @@ typedef struct mha_param_info {
     int ndim;
     int64_t shape[MHA_MAX_PARAM_NDIM];
     int64_t numel;
+    int64_t offset;                    /* first element of this parameter in
+                                          the flat layout of all parameters
+                                          (mha_param_numel floats, table
+                                          order): where mha_backward writes
+                                          its gradient                       */
 } mha_param_info;
 
 MHA_API int mha_param_count(const mha_module *module);
+/* Elements of all parameters together (the sum of every numel); the size
+ * of the gradient buffer of mha_backward.  -1 for a NULL module. */
+MHA_API int64_t mha_param_numel(const mha_module *module);
 /* Describes parameter `index`, 0 <= index < mha_param_count(). */
 MHA_API mha_status mha_param_info_at(const mha_module *module, int index,
                                      mha_param_info *out);
@@ -323,6 +331,59 @@ MHA_API mha_status mha_plan_create(const mha_module *module,
 MHA_API mha_status mha_plan_forward(mha_plan *plan,
                                     const mha_forward_args *args);
 MHA_API void mha_plan_free(mha_plan *plan);
+
+/*
+ * The backward pass: the gradients of a forward pass, given the gradient
+ * of its output (dL/d out, (B, Lq, E)).
+ *
+ * Every field may be NULL except grad_out; what is NULL is not computed.
+ *   grad_query (B, Lq, E), grad_key (B, Lk, kdim), grad_value (B, Lk, vdim)
+ *       are always overwritten.  When the forward's key (or value) was NULL
+ *       -- one tensor serving as query, key and value -- grad_query receives
+ *       the sum of the three gradients and grad_key / grad_value must be
+ *       NULL.  When key == value as pointers they are still separate inputs
+ *       with separate gradients.
+ *   grad_params (mha_param_numel floats) holds the gradient of every
+ *       parameter at mha_param_info.offset, in the layout of the parameter
+ *       (PyTorch's names and order).  accumulate = 0 overwrites it,
+ *       nonzero adds to it (gradient accumulation over micro-batches).
+ *
+ * Dropout is regenerated from (dropout_seed, b, h, i, j): the same keep mask
+ * as the forward, never stored.  The attention weights are not
+ * differentiated (need_weights is ignored); additive masks are constants.
+ * A query row with no key to attend to contributes zero gradients.
+ * Results are bitwise identical for every num_threads.
+ */
+typedef struct mha_backward_args {
+    const float *grad_out;  /* (B, Lq, E), required                       */
+    float *grad_query;      /* (B, Lq, E) or NULL                         */
+    float *grad_key;        /* (B, Lk, kdim) or NULL                      */
+    float *grad_value;      /* (B, Lk, vdim) or NULL                      */
+    float *grad_params;     /* mha_param_numel(module) floats, or NULL    */
+    int accumulate;         /* nonzero: grad_params += instead of =       */
+} mha_backward_args;
+
+/*
+ * The forward of `fwd` and its backward in one call (the forward's out and
+ * attn_weights are not written; fwd->out may be NULL).  It allocates its
+ * workspace; a training loop uses a plan instead.
+ */
+MHA_API mha_status mha_backward(const mha_module *module,
+                                const mha_forward_args *fwd,
+                                const mha_backward_args *bwd);
+
+/*
+ * The backward of the last mha_plan_forward of this plan, which must have
+ * been called with the same `fwd` (the same input pointers, masks, training
+ * and dropout_seed; its out must not alias query, key or value).  The
+ * plan keeps what the forward computed (the projections, the context and
+ * one (max, 1/sum) pair per row and head: O(L * E), never O(L^2)), so only
+ * the backward's own work is done.  The first call allocates the backward
+ * workspace, later calls allocate nothing.
+ */
+MHA_API mha_status mha_plan_backward(mha_plan *plan,
+                                     const mha_forward_args *fwd,
+                                     const mha_backward_args *bwd);
 
 /*
  * The attention kernels in use: "avx2" (AVX2 + FMA, chosen when the CPU and

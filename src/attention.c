@@ -596,3 +596,324 @@ void mha_attn_run(mha_isa isa, const mha_microkernels *uk, const mha_attn *a,
         }
     }
 }
+
+/* ==== the backward ========================================================
+ *
+ * With P = softmax(S), S = scale q k^T + mask, dropout keep mask D and
+ * P~ = P * D / (1 - p) (P~ = P without dropout), ctx = P~ v, and dO the
+ * gradient of ctx:
+ *
+ *     dv  = P~^T dO
+ *     dP~ = dO v^T,   dP = dP~ * D / (1 - p)
+ *     dS  = P * (dP - delta),  delta_i = sum_j P_ij dP_ij = dO_i . ctx_i
+ *     dq  = scale dS k,   dk = scale dS^T q
+ *
+ * The flash tiers recompute P tile by tile from the forward's row stats
+ * (m, 1/l), exactly as the forward computed it, so nothing of size Lq x Lk
+ * is ever stored.  One work item is one (batch, head): it owns the rows of
+ * dq, dk and dv of its head, and walks the query blocks in order, each
+ * against its key tiles in order (the forward's for_each_tile), adding
+ * into dk and dv.  Every sum therefore has one fixed order, whatever the
+ * thread count.  dS is set to 0 wherever P is 0 (masked keys, rows with no
+ * key), so a masked key's NaN cannot reach any gradient.
+ */
+
+typedef struct bwd_scratch {
+    flash_scratch f;   /* qs (scaled q), o (the block's dq), s (P), bias */
+    float *dout;       /* [BR][dh]  dO of the block                       */
+    float *dp;         /* [BR][BC]  dP, then dS                            */
+    float *t;          /* [BC][BR]  P~^T, then dS^T                        */
+    float *vt;         /* [dh][BC]  the value tile transposed              */
+    float *kc;         /* [BC][dh]  the key tile, rows contiguous          */
+    float *delta;      /* [BR]                                            */
+    float *extra;      /* [2][2][dh]  dk, dv of the extra keys            */
+    const mha_attn_grad *g;
+    int dout_finite, q_finite;
+} bwd_scratch;
+
+int64_t mha_attn_bwd_scratch(mha_isa isa, int64_t dh, int64_t Lt)
+{
+    if (isa == MHA_ISA_REF)   /* bias row; s, P, dq doubles; dk, dv doubles */
+        return (Lt + 2) + 2 * (2 * Lt + dh + 2 * Lt * dh) + 2;
+    return mha_attn_scratch(isa, dh, Lt) + MHA_BR * dh + 2 * MHA_BR * MHA_BC +
+           2 * MHA_BC * dh + MHA_BR + 4 * dh;
+}
+
+static bwd_scratch carve_bwd(float *base, int64_t dh, int64_t Lt)
+{
+    bwd_scratch w;
+    w.f = carve(base, dh);
+    w.dout = base + mha_attn_scratch(MHA_ISA_SCALAR, dh, Lt);
+    w.dp = w.dout + MHA_BR * dh;
+    w.t = w.dp + MHA_BR * MHA_BC;
+    w.vt = w.t + MHA_BC * MHA_BR;
+    w.kc = w.vt + dh * MHA_BC;
+    w.delta = w.kc + MHA_BC * dh;
+    w.extra = w.delta + MHA_BR;
+    return w;
+}
+
+/* t[c][r] = x[r][c] for r < mr, c < nc (x with row stride MHA_BC). */
+static void transpose_tile(const float *x, int mr, int nc, float *t)
+{
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nc; c++)
+            t[c * MHA_BR + r] = x[r * MHA_BC + c];
+}
+
+static void bwd_tile(const mha_microkernels *uk, const mha_attn *a,
+                     int64_t b, int64_t h, int64_t i0, int mr, int64_t j0,
+                     int nc, int partial, const float *kt, const float *v,
+                     int finite_v, flash_scratch *f)
+{
+    (void)finite_v;
+    bwd_scratch *w = (bwd_scratch *)(void *)f;   /* f is its first member */
+    const mha_attn_grad *g = w->g;
+    const int dh = (int)a->dh;
+    const int extra = j0 >= a->Lk;
+    const float keep_scale =
+        a->dropout ? (a->p_drop < 1.0f ? 1.0f / (1.0f - a->p_drop) : 0.0f)
+                   : 1.0f;
+
+    /* P, exactly as the forward computed it. */
+    uk->qk(mr, nc, dh, f->qs, kt, MHA_BC, f->s, MHA_BC);
+    mask_tile(a, b, i0, mr, j0, nc, partial, f);
+    for (int r = 0; r < mr; r++) {
+        const float *st = a->stats + 2 * ((b * a->H + h) * a->Lq + i0 + r);
+        float *sr = f->s + r * MHA_BC;
+        if (st[0] == -INFINITY) {
+            memset(sr, 0, (size_t)nc * sizeof *sr);
+            continue;
+        }
+        uk->exp_sum(sr, nc, st[0]);
+        uk->scale(sr, nc, st[1]);
+    }
+
+    /* dP~ = dO v^T, from the value tile transposed. */
+    for (int c = 0; c < nc; c++)
+        for (int d = 0; d < dh; d++)
+            w->vt[d * MHA_BC + c] = v[c * dh + d];
+    uk->qk(mr, nc, dh, w->dout, w->vt, MHA_BC, w->dp, MHA_BC);
+
+    /* P~^T into t (for dv), and dS = P * (dP - delta) into dp. */
+    int k_finite = 1;
+    for (int r = 0; r < mr; r++) {
+        const int64_t i = i0 + r;
+        const float *pr = f->s + r * MHA_BC;
+        float *dr = w->dp + r * MHA_BC;
+        for (int c = 0; c < nc; c++) {
+            float pd = pr[c] * keep_scale, dp = dr[c] * keep_scale;
+            if (a->dropout &&
+                !mha_dropout_keep(a->seed, a->p_drop, b, h, i, j0 + c))
+                pd = dp = 0.0f;
+            w->t[c * MHA_BR + r] = pd;
+            dr[c] = pr[c] == 0.0f ? 0.0f : pr[c] * (dp - w->delta[r]);
+        }
+    }
+    float *dk_dst, *dv_dst;
+    int64_t lddk, lddv;
+    if (extra) {
+        dk_dst = w->extra;
+        dv_dst = w->extra + 2 * dh;
+        lddk = lddv = dh;
+    } else {
+        dk_dst = g->dk + (b * a->Lk + j0) * g->lddk + h * dh;
+        dv_dst = g->dv + (b * a->Lk + j0) * g->lddv + h * dh;
+        lddk = g->lddk;
+        lddv = g->lddv;
+    }
+    (w->dout_finite ? uk->pv : uk->pv_exact)(nc, mr, dh, w->t, MHA_BR,
+                                             w->dout, dv_dst, lddv);
+
+    /* dq (unscaled: the block's dq is scaled once at the end) += dS k. */
+    for (int c = 0; c < nc; c++)
+        for (int d = 0; d < dh; d++) {
+            const float x = kt[d * MHA_BC + c];
+            w->kc[c * dh + d] = x;
+            k_finite &= isfinite(x) != 0;
+        }
+    (k_finite ? uk->pv : uk->pv_exact)(mr, nc, dh, w->dp, MHA_BC, w->kc,
+                                       f->o, dh);
+    /* dk += dS^T (scale q): qs already holds the scaled rows. */
+    transpose_tile(w->dp, mr, nc, w->t);
+    (w->q_finite ? uk->pv : uk->pv_exact)(nc, mr, dh, w->t, MHA_BR, f->qs,
+                                          dk_dst, lddk);
+}
+
+/* delta_i = dO_i . ctx_i for the block's rows, and dO packed. */
+static void bwd_load_block(const mha_attn *a, const mha_attn_grad *g,
+                           int64_t b, int64_t h, int64_t i0, int mr,
+                           bwd_scratch *w)
+{
+    const int64_t dh = a->dh;
+    int fin = 1;
+    for (int r = 0; r < mr; r++) {
+        const float *src = g->dctx + (b * a->Lq + i0 + r) * g->lddc + h * dh;
+        const float *cx = a->ctx + (b * a->Lq + i0 + r) * a->ldc + h * dh;
+        double dot = 0.0;
+        for (int64_t d = 0; d < dh; d++) {
+            w->dout[r * dh + d] = src[d];
+            fin &= isfinite(src[d]) != 0;
+            dot += (double)src[d] * cx[d];
+        }
+        w->delta[r] = (float)dot;
+    }
+    w->dout_finite = fin;
+    fin = 1;
+    for (int64_t x = 0; x < mr * dh; x++)
+        fin &= isfinite(w->f.qs[x]) != 0;
+    w->q_finite = fin;
+}
+
+/* Zeroes the (b, h) slices of dk and dv. */
+static void bwd_zero_item(const mha_attn *a, const mha_attn_grad *g,
+                          int64_t b, int64_t h)
+{
+    const size_t row = (size_t)a->dh * sizeof(float);
+    for (int64_t j = 0; j < a->Lk; j++) {
+        memset(g->dk + (b * a->Lk + j) * g->lddk + h * a->dh, 0, row);
+        memset(g->dv + (b * a->Lk + j) * g->lddv + h * a->dh, 0, row);
+    }
+}
+
+/* The extra keys' gradients: bias_k / bias_v of this (b, h), or nothing
+ * for the zero key (a constant). */
+static void bwd_store_extra(const mha_attn *a, const mha_attn_grad *g,
+                            int64_t b, int64_t h, const float *dk,
+                            const float *dv)
+{
+    if (!a->bias_k || !g->dbias_k)
+        return;
+    const int64_t dh = a->dh;
+    memcpy(g->dbias_k + (b * a->H + h) * dh, dk, (size_t)dh * sizeof *dk);
+    memcpy(g->dbias_v + (b * a->H + h) * dh, dv, (size_t)dh * sizeof *dv);
+}
+
+static void bwd_item(const mha_microkernels *uk, const mha_attn *a,
+                     const mha_attn_grad *g, int64_t b, int64_t h,
+                     bwd_scratch *w)
+{
+    const int64_t dh = a->dh;
+    bwd_zero_item(a, g, b, h);
+    memset(w->extra, 0, (size_t)(4 * dh) * sizeof *w->extra);
+    for (int64_t i0 = 0; i0 < a->Lq; i0 += MHA_BR) {
+        const int mr = (int)(a->Lq - i0 < MHA_BR ? a->Lq - i0 : MHA_BR);
+        pack_q(a, b, h, i0, mr, w->f.qs);
+        bwd_load_block(a, g, b, h, i0, mr, w);
+        memset(w->f.o, 0, (size_t)(mr * dh) * sizeof *w->f.o);
+        for_each_tile(uk, a, b, h, i0, mr, 0, a->Lk, 1, &w->f, bwd_tile);
+        for (int r = 0; r < mr; r++) {
+            float *dst = g->dq + (b * a->Lq + i0 + r) * g->lddq + h * dh;
+            for (int64_t d = 0; d < dh; d++)
+                dst[d] = w->f.o[r * dh + d] * a->scale;
+        }
+    }
+    bwd_store_extra(a, g, b, h, w->extra, w->extra + 2 * dh);
+}
+
+/*
+ * The reference backward of (b, h), in float64 row by row: P recomputed
+ * from the scores (not from the saved stats), dk and dv summed over rows in
+ * float64 and rounded once.
+ */
+static void ref_bwd_item(const mha_attn *a, const mha_attn_grad *g,
+                         int64_t b, int64_t h, float *scratch)
+{
+    const int64_t dh = a->dh, Lk = a->Lk, Lt = a->Lt;
+    float *bias = scratch;
+    double *s = (double *)(void *)(scratch + ((Lt + 1) & ~(int64_t)1));
+    double *ds = s + Lt, *dq = ds + Lt, *dk = dq + dh, *dv = dk + Lt * dh;
+    memset(dk, 0, (size_t)(2 * Lt * dh) * sizeof *dk);
+    const double keep_scale =
+        a->dropout ? (a->p_drop < 1.0f ? 1.0 / (1.0 - a->p_drop) : 0.0) : 1.0;
+    for (int64_t i = 0; i < a->Lq; i++) {
+        const float *q = a->q + (b * a->Lq + i) * a->ldq + h * dh;
+        const float *dO = g->dctx + (b * a->Lq + i) * g->lddc + h * dh;
+        float *dqd = g->dq + (b * a->Lq + i) * g->lddq + h * dh;
+        const int64_t live = mha_mask_row(a->mask, b, h, i, bias);
+        memset(dq, 0, (size_t)dh * sizeof *dq);
+        double mx = -INFINITY, sum = 0.0, delta = 0.0;
+        for (int64_t j = 0; live && j < Lt; j++) {
+            if (bias[j] == -INFINITY)
+                continue;
+            const float *kj = j < Lk ? a->k + (b * Lk + j) * a->ldk + h * dh
+                            : j == Lk && a->bias_k ? a->bias_k + h * dh : NULL;
+            double dot = 0.0;
+            for (int64_t d = 0; kj && d < dh; d++)
+                dot += (double)q[d] * kj[d];
+            s[j] = dot * a->scale + bias[j];
+            if (s[j] > mx)
+                mx = s[j];
+        }
+        for (int64_t j = 0; live && j < Lt; j++)
+            if (bias[j] != -INFINITY)
+                sum += s[j] = exp(s[j] - mx);
+        /* ds[j] = dP~_j * keep * scale_keep; delta = sum_j P~_j dP~_j */
+        for (int64_t j = 0; live && j < Lt; j++) {
+            ds[j] = 0.0;
+            if (bias[j] == -INFINITY)
+                continue;
+            s[j] /= sum;
+            if (a->dropout &&
+                !mha_dropout_keep(a->seed, a->p_drop, b, h, i, j))
+                continue;
+            const float *vj = j < Lk ? a->v + (b * Lk + j) * a->ldv + h * dh
+                            : j == Lk && a->bias_v ? a->bias_v + h * dh : NULL;
+            double dp = 0.0;
+            for (int64_t d = 0; vj && d < dh; d++)
+                dp += (double)dO[d] * vj[d];
+            ds[j] = dp * keep_scale;
+            delta += s[j] * ds[j];
+            for (int64_t d = 0; d < dh; d++)
+                dv[j * dh + d] += s[j] * keep_scale * dO[d];
+        }
+        for (int64_t j = 0; live && j < Lt; j++) {
+            if (bias[j] == -INFINITY)
+                continue;
+            const double dsj = s[j] * (ds[j] - delta) * a->scale;
+            const float *kj = j < Lk ? a->k + (b * Lk + j) * a->ldk + h * dh
+                            : j == Lk && a->bias_k ? a->bias_k + h * dh : NULL;
+            for (int64_t d = 0; d < dh; d++) {
+                if (kj)
+                    dq[d] += dsj * kj[d];
+                dk[j * dh + d] += dsj * q[d];
+            }
+        }
+        for (int64_t d = 0; d < dh; d++)
+            dqd[d] = (float)dq[d];
+    }
+    for (int64_t j = 0; j < Lk; j++)
+        for (int64_t d = 0; d < dh; d++) {
+            g->dk[(b * Lk + j) * g->lddk + h * dh + d] = (float)dk[j * dh + d];
+            g->dv[(b * Lk + j) * g->lddv + h * dh + d] = (float)dv[j * dh + d];
+        }
+    if (a->bias_k && g->dbias_k)
+        for (int64_t d = 0; d < dh; d++) {
+            g->dbias_k[(b * a->H + h) * dh + d] = (float)dk[Lk * dh + d];
+            g->dbias_v[(b * a->H + h) * dh + d] = (float)dv[Lk * dh + d];
+        }
+}
+
+void mha_attn_backward(mha_isa isa, const mha_microkernels *uk,
+                       const mha_attn *a, const mha_attn_grad *g, int threads,
+                       float *scratch, int64_t per_thread)
+{
+    const int64_t items = a->B * a->H;
+    if ((double)a->B * a->H * a->Lq * a->Lt * a->dh < (double)(1 << 20))
+        threads = 1;   /* as in the forward: speed only */
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t t = 0; t < items; t++) {
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        float *mine = scratch + tid * per_thread;
+        if (isa == MHA_ISA_REF) {
+            ref_bwd_item(a, g, t / a->H, t % a->H, mine);
+        } else {
+            bwd_scratch w = carve_bwd(mine, a->dh, a->Lt);
+            w.g = g;
+            bwd_item(uk, a, g, t / a->H, t % a->H, &w);
+        }
+    }
+}

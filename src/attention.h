@@ -63,4 +63,28 @@ int64_t mha_attn_scratch(mha_isa isa, int64_t dh, int64_t Lt);
 void mha_attn_run(mha_isa isa, const mha_microkernels *uk, const mha_attn *a,
                   int threads, float *scratch, int64_t scratch_per_thread);
 
+/*
+ * The backward of a problem whose forward ran with the same mha_attn (its
+ * ctx, stats and, for the flash tiers, packed K/V kept).  dctx is the
+ * gradient of ctx; dq, dk, dv (laid out as q, k, v with their own row
+ * strides) are overwritten; dbias_k / dbias_v ([B][H][dh], or NULL) receive
+ * each (b, h)'s gradient of bias_k / bias_v, summed over b by the caller.
+ */
+typedef struct mha_attn_grad {
+    const float *dctx;
+    int64_t lddc;
+    float *dq, *dk, *dv;
+    int64_t lddq, lddk, lddv;
+    float *dbias_k, *dbias_v;
+} mha_attn_grad;
+
+/* Floats of per-thread scratch for the backward of a tier. */
+int64_t mha_attn_bwd_scratch(mha_isa isa, int64_t dh, int64_t Lt);
+
+/* One work item per (b, h), each computed by one thread in a fixed order:
+ * bitwise the same for every thread count. */
+void mha_attn_backward(mha_isa isa, const mha_microkernels *uk,
+                       const mha_attn *a, const mha_attn_grad *g, int threads,
+                       float *scratch, int64_t scratch_per_thread);
+
 #endif

@@ -17,7 +17,7 @@
  * sizes one workspace; mha_plan_forward checks the data and runs without
  * allocating.  mha_forward is the two in one call.
  */
-#include "attention.h"
+#include "plan.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -27,15 +27,9 @@
 #include <omp.h>
 #endif
 
-/* Shapes of a forward call, checked and derived once. */
-typedef struct fwd_shape {
-    int64_t B, Lq, Lk, Lt, E, H, dh;
-    int64_t n_q, n_kv, n_w;  /* element counts of q, k/v, weights */
-} fwd_shape;
-
 /* Checks everything about `a` but its data pointers. */
-static mha_status check_shapes(const mha_module *m, const mha_forward_args *a,
-                               fwd_shape *p)
+mha_status mha_fwd_check_shapes(const mha_module *m,
+                                const mha_forward_args *a, fwd_shape *p)
 {
     const mha_config *c = &m->cfg;
     if (a->batch < 1)
@@ -111,19 +105,6 @@ static mha_status check_shapes(const mha_module *m, const mha_forward_args *a,
 }
 
 
-struct mha_plan {
-    const mha_module *m;
-    fwd_shape shape;
-    mha_isa isa;
-    const mha_microkernels *uk;
-    int threads;
-    int64_t n_proj;          /* projected q, k, v: the larger layout */
-    int64_t per_thread;      /* attention scratch floats per thread  */
-    float *ws;               /* n_proj + n_q (ctx) + stats + partials
-                                + packed K/V + scratch */
-    int64_t n_partials, n_packed;
-};
-
 mha_status mha_plan_create(const mha_module *m, const mha_forward_args *a,
                            mha_plan **out)
 {
@@ -135,7 +116,7 @@ mha_status mha_plan_create(const mha_module *m, const mha_forward_args *a,
     if (!a)
         return mha_set_error(MHA_ERR_NULL_POINTER, "forward args are NULL");
     fwd_shape s;
-    MHA_CHECK(check_shapes(m, a, &s));
+    MHA_CHECK(mha_fwd_check_shapes(m, a, &s));
     mha_isa isa;
     const mha_microkernels *uk;
     MHA_CHECK(mha_isa_get(&isa, &uk));
@@ -192,7 +173,48 @@ void mha_plan_free(mha_plan *p)
     if (!p)
         return;
     free(p->ws);
+    free(p->bws);
     free(p);
+}
+
+/* The workspace, in order: projections (n_proj), ctx (n_q), row stats,
+ * decoding partials, packed K/V, per-thread scratch. */
+static float *ws_ctx(const mha_plan *p) { return p->ws + p->n_proj; }
+static float *ws_stats(const mha_plan *p)
+{
+    return ws_ctx(p) + p->shape.n_q;
+}
+static float *ws_partials(const mha_plan *p)
+{
+    return ws_stats(p) + 2 * p->shape.B * p->shape.H * p->shape.Lq;
+}
+static float *ws_packed(const mha_plan *p)
+{
+    return ws_partials(p) + p->n_partials;
+}
+float *mha_plan_scratch(const mha_plan *p)
+{
+    return ws_packed(p) + p->n_packed;
+}
+
+void mha_plan_attn(const mha_plan *plan, const mha_forward_args *a,
+                   const mha_mask_plan *mask, mha_attn *at)
+{
+    const mha_module *m = plan->m;
+    const mha_config *c = &m->cfg;
+    const fwd_shape *s = &plan->shape;
+    const mha_attn x = {
+        .B = s->B, .H = s->H, .Lq = s->Lq, .Lk = s->Lk, .Lt = s->Lt,
+        .dh = s->dh, .q = plan->q, .k = plan->k, .v = plan->v,
+        .ldq = plan->ldq, .ldk = plan->ldk, .ldv = plan->ldv,
+        .bias_k = m->bias_k, .bias_v = m->bias_v,
+        .zero_attn = c->add_zero_attn, .scale = c->scale, .mask = mask,
+        .dropout = a->training && c->dropout > 0.0f, .p_drop = c->dropout,
+        .seed = a->dropout_seed, .ctx = ws_ctx(plan), .ldc = s->E,
+        .stats = ws_stats(plan), .weights = a->need_weights,
+        .w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights : NULL,
+        .partials = ws_partials(plan), .packed = ws_packed(plan)};
+    *at = x;
 }
 
 mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
@@ -204,8 +226,9 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
     const mha_module *m = plan->m;
     const mha_config *c = &m->cfg;
     fwd_shape s;
-    MHA_CHECK(check_shapes(m, a, &s));
+    MHA_CHECK(mha_fwd_check_shapes(m, a, &s));
     const fwd_shape *ps = &plan->shape;
+    plan->has_saved = 0;
     if (s.B != ps->B || s.Lq != ps->Lq || s.Lk != ps->Lk)
         return mha_set_error(MHA_ERR_SHAPE,
                              "arguments (B=%lld, Lq=%lld, Lk=%lld) do not "
@@ -255,28 +278,21 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
                        vp, E);
         }
     }
-    float *ctx = ws + plan->n_proj;
-    float *stats = ctx + s.n_q;
-    float *partials = stats + 2 * s.B * s.H * s.Lq;
-    float *packed = partials + plan->n_partials;
-    float *scratch = packed + plan->n_packed;
-
     if (a->need_weights != MHA_WEIGHTS_NONE)
         memset(a->attn_weights, 0, (size_t)s.n_w * sizeof(float));
-    mha_attn at = {
-        .B = s.B, .H = s.H, .Lq = s.Lq, .Lk = s.Lk, .Lt = s.Lt, .dh = s.dh,
-        .q = qp, .k = kp, .v = vp, .ldq = ldq, .ldk = ldk, .ldv = ldv,
-        .bias_k = m->bias_k, .bias_v = m->bias_v,
-        .zero_attn = c->add_zero_attn, .scale = c->scale, .mask = &mask,
-        .dropout = a->training && c->dropout > 0.0f, .p_drop = c->dropout,
-        .seed = a->dropout_seed, .ctx = ctx, .ldc = E, .stats = stats,
-        .weights = a->need_weights,
-        .w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights : NULL,
-        .partials = partials, .packed = packed};
-    mha_attn_run(plan->isa, plan->uk, &at, plan->threads, scratch,
-                 plan->per_thread);
+    plan->q = qp; plan->k = kp; plan->v = vp;
+    plan->ldq = ldq; plan->ldk = ldk; plan->ldv = ldv;
+    plan->fuse_qkv = fuse_qkv;
+    plan->fuse_kv = fuse_kv;
+    mha_attn at;
+    mha_plan_attn(plan, a, &mask, &at);
+    mha_attn_run(plan->isa, plan->uk, &at, plan->threads,
+                 mha_plan_scratch(plan), plan->per_thread);
 
-    mha_linear(ctx, rows_q, E, E, m->w_o, E, m->b_o, a->out, E);
+    mha_linear(at.ctx, rows_q, E, E, m->w_o, E, m->b_o, a->out, E);
+    /* What the backward needs is now in the workspace. */
+    plan->saved = *a;
+    plan->has_saved = 1;
     return MHA_OK;
 }
 

@@ -29,3 +29,43 @@ void mha_linear(const float *x, int64_t rows, int64_t n_in, int64_t ldx,
                     beta, yc, (int)ldy);
     }
 }
+
+/*
+ * The gradients of y = x w^T + b, given dy (rows, n_out), row stride lddy:
+ *   dx (rows, n_in), stride lddx  =  dy w            (+ dx if beta = 1)
+ *   dw (n_out, n_in)              =  dy^T x          (+ dw if beta = 1)
+ *   db (n_out)                    =  sum over rows of dy (+ db if beta = 1)
+ * Each is one fixed order of operations for given shapes.
+ */
+void mha_linear_grad_input(const float *dy, int64_t rows, int64_t n_out,
+                           int64_t lddy, const float *w, int64_t n_in,
+                           float beta, float *dx, int64_t lddx)
+{
+    const int64_t chunk = INT_MAX;
+    for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+        const int64_t r = rows - r0 < chunk ? rows - r0 : chunk;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)r,
+                    (int)n_in, (int)n_out, 1.0f, dy + r0 * lddy, (int)lddy, w,
+                    (int)n_in, beta, dx + r0 * lddx, (int)lddx);
+    }
+}
+
+void mha_linear_grad_params(const float *dy, int64_t rows, int64_t n_out,
+                            int64_t lddy, const float *x, int64_t n_in,
+                            int64_t ldx, float beta, float *dw, float *db)
+{
+    const int64_t chunk = INT_MAX;
+    for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+        const int64_t r = rows - r0 < chunk ? rows - r0 : chunk;
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)n_out,
+                    (int)n_in, (int)r, 1.0f, dy + r0 * lddy, (int)lddy,
+                    x + r0 * ldx, (int)ldx, r0 ? 1.0f : beta, dw, (int)n_in);
+    }
+    if (!db)
+        return;
+    if (beta == 0.0f)
+        memset(db, 0, (size_t)n_out * sizeof *db);
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t o = 0; o < n_out; o++)
+            db[o] += dy[i * lddy + o];
+}

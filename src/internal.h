@@ -72,6 +72,15 @@ void mha_linear(const float *x, int64_t rows, int64_t n_in, int64_t ldx,
                 const float *w, int64_t n_out, const float *b,
                 float *y, int64_t ldy);
 
+/* The gradients of mha_linear (beta 0: overwrite, 1: add):
+ *   dx = dy w,   dw = dy^T x,   db = column sums of dy (db may be NULL). */
+void mha_linear_grad_input(const float *dy, int64_t rows, int64_t n_out,
+                           int64_t lddy, const float *w, int64_t n_in,
+                           float beta, float *dx, int64_t lddx);
+void mha_linear_grad_params(const float *dy, int64_t rows, int64_t n_out,
+                            int64_t lddy, const float *x, int64_t n_in,
+                            int64_t ldx, float beta, float *dw, float *db);
+
 /* ---- masks (mask.c): every mask kind -> one row of additive biases ----- */
 typedef struct mha_mask_plan {
     int64_t batch, heads, q_len, kv_len, total_keys;

@@ -105,6 +105,7 @@ static mha_status add_param(mha_module *m, const char *name, int ndim,
     }
     p->info.numel = n;
     p->offset = m->params_numel;
+    p->info.offset = p->offset;
     if (m->params_numel > INT64_MAX - n)
         return mha_set_error(MHA_ERR_OVERFLOW,
                              "parameters: total element count overflows");
@@ -300,6 +301,11 @@ int64_t mha_total_keys(const mha_module *m, int64_t kv_len)
 /* ---- parameter access --------------------------------------------------- */
 
 int mha_param_count(const mha_module *m) { return m ? m->nparams : 0; }
+
+int64_t mha_param_numel(const mha_module *m)
+{
+    return m ? m->params_numel : -1;
+}
 
 mha_status mha_param_info_at(const mha_module *m, int index,
                              mha_param_info *out)

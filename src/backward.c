@@ -1,0 +1,266 @@
+/*
+ * backward.c -- the gradients of forward.c's pass, in reverse order:
+ *
+ *   out = ctx W_o^T + b_o        dctx = dout W_o
+ *                                dW_o = dout^T ctx,  db_o = sum_rows dout
+ *   ctx = attention(q, k, v)     dq, dk, dv, d bias_k, d bias_v
+ *                                (attention.c: flash-style, from the
+ *                                forward's row stats)
+ *   q = x_q W_q^T + b_q          dx_q = dq W_q,  dW_q = dq^T x_q,
+ *   (k, v likewise)              db_q = sum_rows dq
+ *
+ * The forward's plan keeps what this needs: the projections q, k, v, the
+ * context ctx and one (max, 1/sum) pair per row and head.  Gradients of
+ * projections that were fused into one GEMM in the forward (q|k|v of
+ * self-attention, k|v when key == value) are fused the same way here: one
+ * GEMM for the weight gradient of in_proj_weight's rows, one for the input.
+ */
+#include "plan.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Whether [a, a + na) and [b, b + nb) (floats) share memory. */
+static int overlaps(const float *a, int64_t na, const float *b, int64_t nb)
+{
+    if (!a || !b)
+        return 0;
+    const uintptr_t a0 = (uintptr_t)a, a1 = a0 + (uintptr_t)na * sizeof(float);
+    const uintptr_t b0 = (uintptr_t)b, b1 = b0 + (uintptr_t)nb * sizeof(float);
+    return a0 < b1 && b0 < a1;
+}
+
+static int same_mask(const mha_mask *x, const mha_mask *y)
+{
+    return x->kind == y->kind && (x->kind == MHA_MASK_NONE || x->data == y->data);
+}
+
+/* Is `a` the forward the plan last ran, whose state is in the workspace? */
+static mha_status check_saved(const mha_plan *p, const mha_forward_args *a)
+{
+    if (!p->has_saved)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "no forward to differentiate: call "
+                             "mha_plan_forward on this plan first (a failed "
+                             "forward leaves nothing either)");
+    const mha_forward_args *s = &p->saved;
+    if (a->query != s->query || a->key != s->key || a->value != s->value ||
+        a->batch != s->batch || a->q_len != s->q_len ||
+        a->kv_len != s->kv_len || !same_mask(&a->attn_mask, &s->attn_mask) ||
+        !same_mask(&a->key_padding_mask, &s->key_padding_mask) ||
+        a->key_lengths != s->key_lengths || a->causal != s->causal ||
+        (a->training != 0) != (s->training != 0) ||
+        a->dropout_seed != s->dropout_seed)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "the arguments differ from those of the plan's "
+                             "last forward (inputs, masks, causal, training "
+                             "and dropout_seed must be the same)");
+    const mha_config *c = &p->m->cfg;
+    const fwd_shape *sh = &p->shape;
+    const int64_t rows_k = sh->B * sh->Lk;
+    if (overlaps(s->out, sh->n_q, s->query, sh->n_q) ||
+        overlaps(s->out, sh->n_q, s->key, rows_k * c->kdim) ||
+        overlaps(s->out, sh->n_q, s->value, rows_k * c->vdim))
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "the forward's out overwrote its query, key or "
+                             "value, which the backward needs: give the "
+                             "forward a separate out");
+    return MHA_OK;
+}
+
+static mha_status check_grads(const mha_forward_args *a,
+                              const mha_backward_args *g)
+{
+    if (!g->grad_out)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "grad_out is NULL");
+    if (!a->key && (g->grad_key || g->grad_value))
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "key is NULL (the query is also key and value), "
+                             "so its whole gradient goes to grad_query: "
+                             "grad_key and grad_value must be NULL");
+    if (a->key && !a->value && g->grad_value)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "value is NULL (the key is also the value), so "
+                             "its whole gradient goes to grad_key: "
+                             "grad_value must be NULL");
+    return MHA_OK;
+}
+
+/* The backward's workspace: dctx (n_q), dq|dk|dv laid out as the forward's
+ * projections (n_proj), d bias_k and d bias_v per (b, h), scratch. */
+static mha_status ensure_workspace(mha_plan *p)
+{
+    if (p->bws)
+        return MHA_OK;
+    const fwd_shape *s = &p->shape;
+    const int64_t per = mha_attn_bwd_scratch(p->isa, s->dh, s->Lt);
+    int64_t n_scratch;
+    if (!mha_mul_ok(per, p->threads, &n_scratch) || n_scratch > INT64_MAX / 8)
+        return mha_set_error(MHA_ERR_OVERFLOW, "backward scratch overflows");
+    p->bws = mha_alloc_floats(s->n_q + p->n_proj + 2 * s->B * s->E + n_scratch,
+                              "backward workspace");
+    if (!p->bws)
+        return MHA_ERR_OUT_OF_MEMORY;
+    p->bwd_per_thread = per;
+    return MHA_OK;
+}
+
+/* Where parameter `name`'s gradient starts in grad_params (NULL: absent). */
+static float *grad_of(const mha_module *m, float *grad_params,
+                      const char *name)
+{
+    mha_param_info info;
+    if (!grad_params || mha_param_info_by_name(m, name, &info) != MHA_OK)
+        return NULL;
+    return grad_params + info.offset;
+}
+
+/* d bias_k (and d bias_v): the per-(b, h) rows summed over b in order. */
+static void reduce_bias_kv(const fwd_shape *s, const float *per_b, float beta,
+                           float *dst)
+{
+    if (beta == 0.0f)
+        memset(dst, 0, (size_t)s->E * sizeof *dst);
+    for (int64_t b = 0; b < s->B; b++)
+        for (int64_t e = 0; e < s->E; e++)
+            dst[e] += per_b[b * s->E + e];
+}
+
+mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
+                             const mha_backward_args *g)
+{
+    if (!plan)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "plan is NULL");
+    if (!a)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "forward args are NULL");
+    if (!g)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "backward args are NULL");
+    MHA_CHECK(check_grads(a, g));
+    MHA_CHECK(check_saved(plan, a));
+    MHA_CHECK(ensure_workspace(plan));
+    const mha_module *m = plan->m;
+    const mha_config *c = &m->cfg;
+    const fwd_shape *s = &plan->shape;
+    const int64_t E = s->E, rows_q = s->B * s->Lq, rows_k = s->B * s->Lk;
+    const float beta = g->accumulate ? 1.0f : 0.0f;
+
+    mha_mask_plan mask;
+    MHA_CHECK(mha_mask_plan_init(&mask, s->H, s->Lt - s->Lk, a));
+    mha_attn at;
+    mha_plan_attn(plan, a, &mask, &at);
+    at.weights = MHA_WEIGHTS_NONE;
+    at.w = NULL;
+
+    /* The output projection. */
+    float *dctx = plan->bws;
+    float *dproj = dctx + s->n_q;
+    float *dbias = dproj + plan->n_proj;
+    float *scratch = dbias + 2 * s->B * E;
+    mha_linear_grad_input(g->grad_out, rows_q, E, E, m->w_o, E, 0.0f, dctx, E);
+    float *gp = g->grad_params;
+    if (gp)
+        mha_linear_grad_params(g->grad_out, rows_q, E, E, at.ctx, E, E, beta,
+                               grad_of(m, gp, "out_proj.weight"),
+                               grad_of(m, gp, "out_proj.bias"));
+
+    /* The attention: dq, dk, dv where the forward kept q, k, v. */
+    float *dq = dproj + (plan->q - plan->ws);
+    float *dk = dproj + (plan->k - plan->ws);
+    float *dv = dproj + (plan->v - plan->ws);
+    const mha_attn_grad ag = {
+        .dctx = dctx, .lddc = E, .dq = dq, .dk = dk, .dv = dv,
+        .lddq = plan->ldq, .lddk = plan->ldk, .lddv = plan->ldv,
+        .dbias_k = m->bias_k ? dbias : NULL,
+        .dbias_v = m->bias_k ? dbias + s->B * E : NULL};
+    mha_attn_backward(plan->isa, plan->uk, &at, &ag, plan->threads, scratch,
+                      plan->bwd_per_thread);
+
+    /* The input projections' parameters. */
+    if (gp) {
+        const char *wq = m->packed ? "in_proj_weight" : "q_proj_weight";
+        float *dw_q = grad_of(m, gp, wq);
+        float *db_q = grad_of(m, gp, "in_proj_bias");
+        float *dw_k = m->packed ? dw_q + E * E : grad_of(m, gp, "k_proj_weight");
+        float *dw_v = m->packed ? dw_q + 2 * E * E
+                                : grad_of(m, gp, "v_proj_weight");
+        float *db_k = db_q ? db_q + E : NULL, *db_v = db_q ? db_q + 2 * E : NULL;
+        const float *xq = a->query;
+        const float *xk = a->key ? a->key : xq;
+        const float *xv = a->value ? a->value : xk;
+        if (plan->fuse_qkv) {
+            mha_linear_grad_params(dq, rows_q, 3 * E, 3 * E, xq, E, E, beta,
+                                   dw_q, db_q);
+        } else {
+            mha_linear_grad_params(dq, rows_q, E, plan->ldq, xq, E, E, beta,
+                                   dw_q, db_q);
+            if (plan->fuse_kv) {
+                mha_linear_grad_params(dk, rows_k, 2 * E, 2 * E, xk, E, E,
+                                       beta, dw_k, db_k);
+            } else {
+                mha_linear_grad_params(dk, rows_k, E, plan->ldk, xk, c->kdim,
+                                       c->kdim, beta, dw_k, db_k);
+                mha_linear_grad_params(dv, rows_k, E, plan->ldv, xv, c->vdim,
+                                       c->vdim, beta, dw_v, db_v);
+            }
+        }
+        if (m->bias_k) {
+            reduce_bias_kv(s, ag.dbias_k, beta, grad_of(m, gp, "bias_k"));
+            reduce_bias_kv(s, ag.dbias_v, beta, grad_of(m, gp, "bias_v"));
+        }
+    }
+
+    /* The inputs.  A tensor that served as several inputs receives the sum,
+     * in the order q, k, v. */
+    float *tq = g->grad_query;
+    float *tk = a->key ? g->grad_key : tq;
+    float *tv = a->value ? g->grad_value : tk;
+    if (plan->fuse_qkv && tq && tk == tq && tv == tq) {
+        /* [dq | dk | dv] [W_q; W_k; W_v]: one GEMM. */
+        mha_linear_grad_input(dq, rows_q, 3 * E, 3 * E, m->w_q, E, 0.0f, tq,
+                              E);
+        return MHA_OK;
+    }
+    if (tq)
+        mha_linear_grad_input(dq, rows_q, E, plan->ldq, m->w_q, E, 0.0f, tq,
+                              E);
+    if (plan->fuse_kv && tk && tv == tk) {
+        mha_linear_grad_input(dk, rows_k, 2 * E, 2 * E, m->w_k, E,
+                              tk == tq ? 1.0f : 0.0f, tk, E);
+        return MHA_OK;
+    }
+    if (tk)
+        mha_linear_grad_input(dk, rows_k, E, plan->ldk, m->w_k, c->kdim,
+                              tk == tq ? 1.0f : 0.0f, tk, c->kdim);
+    if (tv)
+        mha_linear_grad_input(dv, rows_k, E, plan->ldv, m->w_v, c->vdim,
+                              tv == tq || tv == tk ? 1.0f : 0.0f, tv, c->vdim);
+    return MHA_OK;
+}
+
+mha_status mha_backward(const mha_module *m, const mha_forward_args *fwd,
+                        const mha_backward_args *bwd)
+{
+    if (!m)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "module is NULL");
+    if (!fwd)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "forward args are NULL");
+    if (!bwd)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "backward args are NULL");
+    MHA_CHECK(check_grads(fwd, bwd));
+    mha_forward_args f = *fwd;
+    f.need_weights = MHA_WEIGHTS_NONE;
+    f.attn_weights = NULL;
+    f.out = NULL;
+    mha_plan *plan;
+    MHA_CHECK(mha_plan_create(m, &f, &plan));
+    f.out = mha_alloc_floats(plan->shape.n_q, "forward output");
+    mha_status st = f.out ? MHA_OK : MHA_ERR_OUT_OF_MEMORY;
+    if (st == MHA_OK)
+        st = mha_plan_forward(plan, &f);
+    if (st == MHA_OK)
+        st = mha_plan_backward(plan, &f, bwd);
+    free(f.out);
+    mha_plan_free(plan);
+    return st;
+}
