@@ -15,6 +15,12 @@ same thread count T on both sides:
                    (torch 1.13 has no F.scaled_dot_product_attention); the
                    causal bool mask (True = blocked, triu(1)) is made once,
                    outside the timing.
+  training step    `mha bench --backward --json` (mha_plan_forward then
+                   mha_plan_backward: the gradients of the input and of
+                   every parameter) against nn.MultiheadAttention in train
+                   mode (dropout 0) with autograd: out = m(x, x, x,
+                   need_weights=False); (out * g).sum().backward(), x with
+                   requires_grad; the gradients are set to None between runs.
   whole module     `mha bench --json` (a planned mha_plan_forward) against
                    torch.nn.MultiheadAttention(E, H, batch_first=True) in
                    eval mode under torch.no_grad(), need_weights=False; the
@@ -69,6 +75,8 @@ ATTN_SHAPES = [(8, 512, 12), (1, 4096, 8)]               # B, L, H; d_h = 64
 MODULE_SHAPES = [(32, 10, 512, 8), (1, 4096, 512, 8), (8, 512, 768, 12)]
 QUICK_ATTN = [(2, 128, 4)]
 QUICK_MODULE = [(32, 10, 512, 8), (4, 64, 256, 4)]
+TRAIN_SHAPES = [(8, 256, 512, 8)]                          # B, L, E, H
+QUICK_TRAIN = [(2, 64, 128, 4)]
 HEAD_DIM = 64
 # Variables that change how the thread pools behave, printed with the
 # results (both sides inherit them).
@@ -182,6 +190,23 @@ def torch_module(args, b, l, e, h, causal, repeat):
     return med, mn, "general" if causal or h % 2 else "fast"
 
 
+def torch_training(args, b, l, e, h, causal, repeat):
+    import torch
+    torch.manual_seed(0)
+    m = torch.nn.MultiheadAttention(e, h, batch_first=True).train()
+    x = (torch.rand(b, l, e) * 2 - 1).requires_grad_()
+    g = torch.rand(b, l, e) * 2 - 1
+    mask = torch.ones(l, l, dtype=torch.bool).triu(1) if causal else None
+
+    def step():
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        out, _ = m(x, x, x, need_weights=False, attn_mask=mask)
+        (out * g).sum().backward()
+
+    return time_calls(step, args.warmup, repeat)
+
+
 def print_table(args, title, head, rows):
     print(f"\n{title}")
     if args.markdown:
@@ -221,6 +246,12 @@ def main():
                     action="append", metavar="B,L,E,H",
                     help="whole-module shape (repeatable; default: the "
                     "issue's)")
+    ap.add_argument("--training", type=parse_ints(4, "B,L,E,H"),
+                    action="append",
+                    help="training-step shape (repeatable); default: the "
+                         "issue's 8,256,512,8")
+    ap.add_argument("--no-training", action="store_true",
+                    help="skip the training-step (forward + backward) table")
     ap.add_argument("--no-attention", action="store_true",
                     help="skip the attention-only comparisons")
     ap.add_argument("--no-module", action="store_true",
@@ -253,9 +284,11 @@ def main():
         args.attention or (QUICK_ATTN if args.quick else ATTN_SHAPES))
     mod_shapes = [] if args.no_module else (
         args.module or (QUICK_MODULE if args.quick else MODULE_SHAPES))
+    train_shapes = [] if args.no_training else (
+        args.training or (QUICK_TRAIN if args.quick else TRAIN_SHAPES))
     causals = (False,) if args.no_causal else (False, True)
     notes, peaks, tiers = [], [], set()
-    attn_res, mod_res = {}, {}
+    attn_res, mod_res, train_res = {}, {}, {}
 
     def settle():
         # Let the other process's spinning BLAS / OpenMP threads go to sleep
@@ -291,6 +324,22 @@ def main():
             tmed, _, path = torch_module(args, b, l, e, h, causal, rep)
             settle()
             mod_res[(b, l, e, h, causal)] = (j, tmed, path, why)
+            if j:
+                peaks.append(j["peak_gflops"])
+                tiers.add(j["tier"])
+
+    for (b, l, e, h) in train_shapes:
+        for causal in causals:
+            rep = repeat_for(args, l)
+            tail = ["--backward", "--batch", str(b), "--seq", str(l),
+                    "--embed-dim", str(e), "--heads", str(h)]
+            if causal:
+                tail.append("--causal")
+            j, why = run_mha(args, tail, rep)
+            settle()
+            tmed, _ = torch_training(args, b, l, e, h, causal, rep)
+            settle()
+            train_res[(b, l, e, h, causal)] = (j, tmed, why)
             if j:
                 peaks.append(j["peak_gflops"])
                 tiers.add(j["tier"])
@@ -347,6 +396,24 @@ def main():
         print_table(args, "Whole module (eval, need_weights=False)", head,
                     rows)
 
+    if train_res:
+        head = ["training step", "causal", "mha ms", "torch ms", "torch/mha",
+                "mha GFLOP/s", "% peak"]
+        rows = []
+        for (b, l, e, h, causal), (j, tmed, why) in train_res.items():
+            name = f"B={b} L={l} E={e} H={h}"
+            if j is None:
+                notes.append((f"{name}{' causal' if causal else ''}", why))
+                rows.append([name, "yes" if causal else "no", "n/a",
+                             f"{tmed:.3f}", "n/a", "n/a", "n/a"])
+                continue
+            rows.append([name, "yes" if causal else "no",
+                         f"{j['median_ms']:.3f}", f"{tmed:.3f}",
+                         f"{tmed / j['median_ms']:.2f}",
+                         f"{j['gflops']:.1f}", f"{j['peak_percent']:.1f}"])
+        print_table(args, "Training step (forward + backward, all gradients)",
+                    head, rows)
+
     print("\ntorch/mha > 1 means mha is faster.")
 
     # The targets, where this run measured them.
@@ -382,6 +449,11 @@ def main():
             checks.append(f"whole module B={b} L={l} E={e} H={h}"
                           f"{' causal' if causal else ''}: {ratio:.2f}x "
                           f"PyTorch >= {want:g}x: {mark(ratio >= want)}")
+    r = train_res.get((8, 256, 512, 8, False))
+    if r and r[0]:
+        ratio = r[1] / r[0]["median_ms"]
+        checks.append(f"training step B=8 L=256 E=512 H=8: {ratio:.2f}x "
+                      f"PyTorch >= 2x: {mark(ratio >= 2.0)}")
     if checks:
         print("targets:")
         for c in checks:
