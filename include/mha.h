@@ -338,11 +338,12 @@ MHA_API void mha_plan_free(mha_plan *plan);
  *
  * Every field may be NULL except grad_out; what is NULL is not computed.
  *   grad_query (B, Lq, E), grad_key (B, Lk, kdim), grad_value (B, Lk, vdim)
- *       are always overwritten.  When the forward's key (or value) was NULL
- *       -- one tensor serving as query, key and value -- grad_query receives
- *       the sum of the three gradients and grad_key / grad_value must be
- *       NULL.  When key == value as pointers they are still separate inputs
- *       with separate gradients.
+ *       are always overwritten.  When the forward's key was NULL -- one
+ *       tensor serving as query, key and value -- grad_query receives the
+ *       sum of the three gradients and grad_key / grad_value must be NULL;
+ *       when only its value was NULL (the key is also the value), grad_key
+ *       receives both and grad_value must be NULL.  When key == value as
+ *       pointers they are still separate inputs with separate gradients.
  *   grad_params (mha_param_numel floats) holds the gradient of every
  *       parameter at mha_param_info.offset, in the layout of the parameter
  *       (PyTorch's names and order).  accumulate = 0 overwrites it,

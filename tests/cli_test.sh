@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Tests of the `mha` command: exit codes, messages, and `mha example`
-# checked against NumPy (tests/check_example.py); `mha init`, `mha info` and
-# `mha forward`: each subcommand, each flag, each error path, and that a
-# failing `mha forward` leaves no output file (nor a temporary one) behind.
+# checked against NumPy (tests/check_example.py); `mha init`, `mha info`,
+# `mha forward` and `mha backward`: each subcommand, each flag, each error
+# path, and that a failing `mha forward` or `mha backward` leaves no output
+# file (nor a temporary one) behind; `mha bench`, with and without
+# --backward.
 # Inputs are made by `mha init` and by NumPy (Debian's /usr/bin/python3).
 set -u
 mha="$1"; here="$(cd "$(dirname "$0")" && pwd)"
@@ -48,7 +50,7 @@ absent() {  # absent WHAT PATH...: none of the paths exists
 }
 
 # --help, and the usage line of each subcommand
-for c in forward init info; do
+for c in forward backward init info; do
   expect 0 "^usage: mha $c" -- "$mha" "$c" --help
   expect 0 "^usage: mha $c" -- "$mha" "$c" -h
 done
@@ -191,14 +193,15 @@ npy "$d/kl_f.npy"  "np.array([1.0, 2.0])"
 # --attn-weights) in an empty directory that must stay empty.
 mkdir "$d/out"
 O="$d/out/o.npy"; A="$d/out/a.npy"
-fail_fwd() {  # fail_fwd PATTERN ARGS...
-  local pat="$1"; shift
-  expect 1 "$pat" -- "$mha" forward "$@"
+fail_in() {  # fail_in SUBCOMMAND PATTERN ARGS...: fails, $d/out stays empty
+  local cmd="$1" pat="$2"; shift 2
+  expect 1 "$pat" -- "$mha" "$cmd" "$@"
   if [ -n "$(ls -A "$d/out")" ]; then
-    bad "forward $* left files behind: $(ls -A "$d/out")"
+    bad "$cmd $* left files behind: $(ls -A "$d/out")"
     rm -f "$d/out/"* "$d/out/".[!.]*
   else ok; fi
 }
+fail_fwd() { fail_in forward "$@"; }  # fail_fwd PATTERN ARGS...
 base=(--weights "$W" --query "$d/q.npy" --out "$O" --attn-weights "$A")
 fail_fwd "^mha forward: --weights is required" --query "$d/q.npy" --out "$O"
 fail_fwd "^mha forward: --query is required" --weights "$W" --out "$O"
@@ -398,6 +401,111 @@ check "no key left: output = out_proj.bias (0 after init), weights 0" \
 check "no key left in batch 0: batch 1 is as without a mask" \
   "np.allclose(a[1], b[1], rtol=0, atol=1e-6)" "$o/kl0.npy" "$o/self.npy"
 
+# ---- mha backward ------------------------------------------------------------
+# stcheck WHAT EXPR FILE...: EXPR is true of t, a, b = FILE1, FILE2, FILE3:
+# a safetensors file as {name: array} (file order), an .npy as an array
+stcheck() {
+  local what="$1" expr="$2"; shift 2
+  if "$py" -c "
+import sys, numpy as np; sys.path.insert(0, sys.argv[1]); import st
+t, a, b = ([st.load(f)[0] if f.endswith('.safetensors') else np.load(f)
+            for f in sys.argv[3:]] + [None, None, None])[:3]
+sys.exit(0 if ($expr) else 1)" "$here/torch_live" "$expr" "$@" 2>/dev/null; then ok
+  else bad "$what: not ($expr) for $*"; fi
+}
+# layout FILE 'name (shape); ...': every tensor, in order, all float32
+layout() {
+  stcheck "$1 holds $2" "'; '.join('%s %s' % (n, v.shape) for n, v in t.items()) == '$2' and all(v.dtype == np.float32 for v in t.values())" "$1"
+}
+expect 0 "backward +the gradients of that forward pass" -- "$mha" --help
+npy "$d/dy.npy"    "np.random.randn(2, 3, 8).astype(np.float32) * 2"
+npy "$d/dy64.npy"  "np.random.randn(2, 3, 8)"
+npy "$d/dy1.npy"   "np.random.randn(3, 8).astype(np.float32)"
+npy "$d/dy5.npy"   "np.random.randn(2, 3, 5).astype(np.float32)"
+npy "$d/dyint.npy" "np.ones((2, 3, 8), np.int64)"
+npy "$d/km4.npy"   "np.arange(4)[None, :] < np.array([3, 4])[:, None]"
+
+# what it writes: the inputs' gradients, then one per parameter
+g="$d/g"; mkdir "$g"
+P="in_proj_weight (24, 8); in_proj_bias (24,); out_proj.weight (8, 8); out_proj.bias (8,)"
+bw=(--weights "$W" --query "$d/q.npy" --grad-output "$d/dy.npy")
+expect 0 "" -- "$mha" backward "${bw[@]}" --out "$g/self.safetensors"
+layout "$g/self.safetensors" "query (2, 3, 8); $P"
+stcheck "d out_proj.bias = dy summed over (B, L)" \
+  "np.allclose(t['out_proj.bias'], a.sum((0, 1)), rtol=1e-5, atol=1e-5)" "$g/self.safetensors" "$d/dy.npy"
+stcheck "gradients are finite and not all zero" \
+  "all(np.isfinite(v).all() and (v != 0).any() for v in t.values())" "$g/self.safetensors"
+expect 0 "" -- "$mha" backward "${bw[@]}" --threads 1 --out "$g/t1.safetensors"
+expect 0 "" -- "$mha" backward "${bw[@]}" --threads 2 --out "$g/t2.safetensors"
+same "$g/t1.safetensors" "$g/t2.safetensors" "backward --threads 1 vs 2"
+expect 0 "" -- "$mha" backward --weights "$W" --query "$d/q.npy" --grad-output "$d/dy64.npy" \
+  --out "$g/dy64.safetensors"
+layout "$g/dy64.safetensors" "query (2, 3, 8); $P"
+expect 0 "" -- "$mha" backward --weights "$W" --query "$d/q1.npy" --grad-output "$d/dy1.npy" \
+  --out "$g/unb.safetensors"
+layout "$g/unb.safetensors" "query (3, 8); $P"
+expect 0 "" -- "$mha" backward "${bw[@]}" --key "$d/k.npy" --out "$g/k.safetensors"
+layout "$g/k.safetensors" "query (2, 3, 8); key (2, 4, 8); $P"
+expect 0 "" -- "$mha" backward "${bw[@]}" --key "$d/k.npy" --value "$d/k.npy" --out "$g/kk.safetensors"
+layout "$g/kk.safetensors" "query (2, 3, 8); key (2, 4, 8); value (2, 4, 8); $P"
+stcheck "--key K alone: key = d key + d value of --key K --value K" \
+  "np.allclose(t['key'], a['key'] + a['value'], rtol=1e-5, atol=1e-6) and all(np.allclose(t[n], a[n], rtol=1e-5, atol=1e-6) for n in t if n != 'key')" \
+  "$g/k.safetensors" "$g/kk.safetensors"
+expect 0 "" -- "$mha" backward --weights "$Wkv" --query "$d/q.npy" --key "$d/k5.npy" \
+  --value "$d/v7.npy" --grad-output "$d/dy.npy" --out "$g/kv.safetensors"
+layout "$g/kv.safetensors" "query (2, 3, 8); key (2, 4, 5); value (2, 4, 7); q_proj_weight (8, 8); k_proj_weight (8, 5); v_proj_weight (8, 7); bias_k (1, 1, 8); bias_v (1, 1, 8); out_proj.weight (8, 8)"
+expect 0 "" -- "$mha" backward "${bw[@]}" --key "$d/k.npy" --causal --add-zero-attn \
+  --attn-mask "$d/m_br.npy" --key-mask "$d/km4.npy" --out "$g/masks.safetensors"
+layout "$g/masks.safetensors" "query (2, 3, 8); key (2, 4, 8); $P"
+expect 0 "" -- "$mha" backward "${bw[@]}" --key-lengths "$d/kl0.npy" --out "$g/kl0.safetensors"
+stcheck "no key left in batch 0: d query[0] = 0" \
+  "(t['query'][0] == 0).all() and (t['query'][1] != 0).any()" "$g/kl0.safetensors"
+# dropout: the same seed, the same mask as mha forward --train
+expect 0 "" -- "$mha" backward "${bw[@]}" --train --dropout 0.5 --seed 1 --out "$g/d1.safetensors"
+expect 0 "" -- "$mha" backward "${bw[@]}" --train --dropout 0.5 --seed 1 --out "$g/d1b.safetensors"
+expect 0 "" -- "$mha" backward "${bw[@]}" --train --dropout 0.5 --seed 2 --out "$g/d2.safetensors"
+same "$g/d1.safetensors" "$g/d1b.safetensors" "backward --train --seed 1 twice"
+differ "$g/d1.safetensors" "$g/d2.safetensors" "backward --seed 1 vs --seed 2"
+differ "$g/d1.safetensors" "$g/self.safetensors" "backward --train --dropout 0.5 vs eval"
+expect 0 "" -- "$mha" backward "${bw[@]}" --train --dropout 0 --seed 1 --out "$g/d0.safetensors"
+same "$g/d0.safetensors" "$g/self.safetensors" "backward --train --dropout 0 vs eval"
+
+# errors: nothing left in the --out directory
+G="$d/out/g.safetensors"; bwo=("${bw[@]}" --out "$G")
+fail_bwd() { fail_in backward "$@"; }  # fail_bwd PATTERN ARGS...
+# fail_qdy PATTERN Q DY: fails on --weights W --query Q --grad-output DY
+fail_qdy() { fail_bwd "$1" --weights "$W" --query "$2" --grad-output "$3" --out "$G"; }
+fail_bwd "^mha backward: --grad-output is required" --weights "$W" --query "$d/q.npy" --out "$G"
+expect 1 "^mha backward: --out is required" -- "$mha" backward "${bw[@]}"
+fail_bwd "^mha backward: --weights is required" --query "$d/q.npy" --grad-output "$d/dy.npy" --out "$G"
+fail_bwd "^mha backward: --query is required" --weights "$W" --grad-output "$d/dy.npy" --out "$G"
+fail_qdy "^mha backward: --grad-output $d/dy5.npy has shape \(2, 3, 5\), expected the forward output's shape \(2, 3, 8\)$" \
+  "$d/q.npy" "$d/dy5.npy"
+fail_qdy "^mha backward: --grad-output $d/dy1.npy has shape \(3, 8\), expected the forward output's shape \(2, 3, 8\)$" \
+  "$d/q.npy" "$d/dy1.npy"
+fail_qdy "^mha backward: --grad-output $d/dy.npy has shape \(2, 3, 8\), expected the forward output's shape \(3, 8\)$" \
+  "$d/q1.npy" "$d/dy.npy"
+fail_qdy "^mha backward: --grad-output must hold floats, got I64" "$d/q.npy" "$d/dyint.npy"
+fail_qdy "^mha backward: --grad-output: .*missing\.npy" "$d/q.npy" "$d/missing.npy"
+fail_qdy "^mha backward: --grad-output: " "$d/q.npy" "$d/text.safetensors"
+fail_bwd "^mha backward: --weights: .*cannot open .*missing\.safetensors" \
+  --weights "$d/missing.safetensors" --query "$d/q.npy" --grad-output "$d/dy.npy" --out "$G"
+fail_qdy "^mha backward: --query: .*missing\.npy" "$d/missing.npy" "$d/dy.npy"
+fail_qdy "^mha backward: --query has last dimension 5, expected E = 8" "$d/q5.npy" "$d/dy.npy"
+fail_bwd "^mha backward: --dropout must be in \[0, 1\], got 1\.5" "${bwo[@]}" --train --dropout 1.5
+fail_bwd "^mha backward: --dropout must be a finite number, got 'nan'" "${bwo[@]}" --train --dropout nan
+fail_bwd "^mha backward: --dropout and --seed apply only with --train" "${bwo[@]}" --dropout 0.5
+fail_bwd "^mha backward: --seed must be an integer in \[0, .*got '-1'" "${bwo[@]}" --train --seed -1
+fail_bwd "^mha backward: --threads must be an integer in \[1, 4096\], got '0'" "${bwo[@]}" --threads 0
+fail_bwd "^mha backward: --value needs --key" "${bwo[@]}" --value "$d/v.npy"
+fail_bwd "^mha backward: --causal and --causal-top-left exclude each other" "${bwo[@]}" --causal --causal-top-left
+fail_bwd "^mha backward: unknown option '--per-head'" "${bwo[@]}" --per-head
+fail_bwd "^mha backward: key_lengths\[1\] = 9 is outside \[0, Lk=3\]" "${bwo[@]}" --key-lengths "$d/kl_oob.npy"
+fail_bwd "^mha backward: the module has vdim 7: give --value" \
+  --weights "$Wkv" --query "$d/q.npy" --key "$d/k5.npy" --grad-output "$d/dy.npy" --out "$G"
+fail_bwd "^mha backward: --out: .*nodir" "${bw[@]}" --out "$d/nodir/g.safetensors"
+absent "backward into a missing directory" "$d/nodir"
+
 # ---- mha bench ---------------------------------------------------------------
 # jcheck WHAT EXPR -- command...: the command prints one JSON object j with EXPR
 jcheck() {
@@ -444,6 +552,16 @@ jcheck "bench --attention-only" "j['attention_only'] is True and j['proj_gflop']
   -- "$mha" bench --batch 3 --seq 5 --embed-dim 16 --heads 2 --repeat 1 --attention-only --threads 2 --json
 jcheck "bench --attention-only --causal --kv-seq --need-weights: exact pairs" "j['attention_only'] is True and j['causal'] is True and j['need_weights'] is True and j['proj_gflop'] == 0 and abs(j['attn_gflop'] - 1152e-9) < 1e-15" \
   -- "$mha" bench --batch 1 --seq 4 --kv-seq 6 --embed-dim 16 --heads 2 --causal --need-weights --attention-only --repeat 1 --warmup 0 --json
+# --backward: mha_plan_forward + mha_plan_backward per timed call; the
+# backward adds 2x the projections' FLOPs and 2.5x the attention's.
+jcheck "bench --backward --json" "j['backward'] is True and j['median_ms'] > 0 and j['min_ms'] <= j['median_ms'] and j['gflops'] > 0 and j['attention_only'] is False" \
+  -- "$mha" bench "${tiny[@]}" --backward --json
+jcheck "bench without --backward" "j['backward'] is False" -- "$mha" bench "${tiny[@]}" --json
+jcheck "bench --backward --causal --kv-seq: FLOPs 3x projections, 3.5x attention" "j['backward'] is True and abs(j['proj_gflop'] - 3 * 10240e-9) < 1e-15 and abs(j['attn_gflop'] - 3.5 * 1152e-9) < 1e-15 and abs(j['gflop'] - (3 * 10240 + 3.5 * 1152) * 1e-9) < 1e-15" \
+  -- "$mha" bench --batch 1 --seq 4 --kv-seq 6 --embed-dim 16 --heads 2 --causal --need-weights --backward --repeat 1 --warmup 0 --threads 1 --json
+expect 0 "^  timed   mha_plan_forward \+ mha_plan_backward" -- "$mha" bench "${tiny[@]}" --backward
+expect 0 "^  work    .* per forward \+ backward" -- "$mha" bench "${tiny[@]}" --backward --kv-seq 5
+expect 1 "^mha bench: --attention-only and --backward exclude each other" -- "$mha" bench "${tiny[@]}" --backward --attention-only
 expect 0 "^  speed   [0-9.]+ GFLOP/s at the median" -- "$mha" bench "${tiny[@]}" --attention-only
 expect 0 "^  timed   mha_attention on projected q, k, v \(attention only\)$" -- "$mha" bench "${tiny[@]}" --attention-only
 expect 0 "^  time +median [0-9.]+ ms, min [0-9.]+ ms over 2 runs" -- "$mha" bench "${tiny[@]}"

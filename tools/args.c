@@ -50,12 +50,33 @@ int tool_parse(const char *cmd, int argc, char **argv, tool_opt *opts, int n,
     return 0;
 }
 
+int tool_options(const char *cmd, int argc, char **argv, tool_opt *opts,
+                 int n, const char *help, int *status)
+{
+    const char *pos[1];
+    int npos, want_help;
+    *status = tool_parse(cmd, argc, argv, opts, n, pos, 0, &npos, &want_help);
+    if (!*status && want_help)
+        fputs(help, stdout);
+    return *status || want_help;
+}
+
 const char *tool_get(const tool_opt *opts, int n, const char *name)
 {
     for (int k = 0; k < n; k++)
         if (!strcmp(opts[k].name, name))
             return opts[k].value;
     return NULL;
+}
+
+int tool_require(const char *cmd, const tool_opt *opts, int n,
+                 const char *const *names, int count)
+{
+    for (int k = 0; k < count; k++)
+        if (!tool_get(opts, n, names[k]))
+            return tool_fail(cmd, "--%s is required (see mha %s --help)",
+                             names[k], cmd);
+    return 0;
 }
 
 int tool_int(const char *cmd, const char *name, const char *s, int64_t lo,

@@ -23,7 +23,20 @@ typedef struct tool_opt {
 int tool_parse(const char *cmd, int argc, char **argv, tool_opt *opts, int n,
                const char **positional, int max_pos, int *n_pos, int *help);
 
+/*
+ * tool_parse for a command that takes no positional arguments and prints
+ * `help` on --help.  Returns 0 to go on; otherwise the command is done and
+ * returns *status (0 after the help, 1 after an error, printed).
+ */
+int tool_options(const char *cmd, int argc, char **argv, tool_opt *opts,
+                 int n, const char *help, int *status);
+
 const char *tool_get(const tool_opt *opts, int n, const char *name);
+
+/* 0 if every option of names[0..count) was given, else prints "--NAME is
+ * required" for the first one missing and returns 1. */
+int tool_require(const char *cmd, const tool_opt *opts, int n,
+                 const char *const *names, int count);
 
 /* Strict conversions of an option value; on failure print and return 1. */
 int tool_int(const char *cmd, const char *name, const char *s, int64_t lo,

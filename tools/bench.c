@@ -1,7 +1,8 @@
 /*
- * bench.c -- `mha bench`: times a planned forward pass (mha_plan_forward)
- * or, with --attention-only, mha_attention on pre-projected heads, on
- * random inputs, and reports milliseconds, GFLOP/s, the share of the
+ * bench.c -- `mha bench`: times a planned forward pass (mha_plan_forward),
+ * with --backward a planned forward + backward (mha_plan_backward), or,
+ * with --attention-only, mha_attention on pre-projected heads, on random
+ * inputs, and reports milliseconds, GFLOP/s, the share of the
  * machine's FMA peak (measured by a built-in probe) and the kernel tier.
  */
 #define _POSIX_C_SOURCE 200809L
@@ -20,7 +21,8 @@
 
 static const char BENCH_HELP[] =
     "usage: mha bench --batch B --seq L [--kv-seq Lk] --embed-dim E --heads H\n"
-    "                 [--causal] [--need-weights] [--attention-only]\n"
+    "                 [--causal] [--need-weights]\n"
+    "                 [--attention-only | --backward]\n"
     "                 [--threads T] [--repeat R] [--warmup W] [--json]\n"
     "\n"
     "Times the forward pass of a module with Xavier-initialised weights\n"
@@ -41,6 +43,12 @@ static const char BENCH_HELP[] =
     "                        projections (mha_attention allocates its\n"
     "                        workspace on each call: row stats, K and V\n"
     "                        packed by tile, per-thread tiles)\n"
+    "  --backward            time a training step's work: each timed call is\n"
+    "                        mha_plan_forward then mha_plan_backward, with\n"
+    "                        a random dL/d output and every gradient asked\n"
+    "                        for (the inputs' and the parameters'); the\n"
+    "                        plan's first backward allocates its workspace\n"
+    "                        (in the warm-up unless --warmup 0)\n"
     "  --threads T           threads for the attention (num_threads = T) and\n"
     "                        for the BLAS of the projections\n"
     "                        (OPENBLAS_NUM_THREADS = T); default: the number\n"
@@ -53,7 +61,11 @@ static const char BENCH_HELP[] =
     "with --attention-only, and the attention 4*d_h per allowed\n"
     "(query, key) pair of each batch and head: 4*B*H*L*Lk*d_h, or with\n"
     "--causal the exact count of allowed pairs (about half).  Softmax,\n"
-    "bias and weight averaging are not counted.\n"
+    "bias and weight averaging are not counted.  --backward adds the\n"
+    "backward's: 2x the projections' (dL/dx and dL/dW, each a matmul of\n"
+    "the forward's size) and 2.5x the attention's, 10*d_h per allowed\n"
+    "pair (Q K^T recomputed, dV, dP, dQ, dK): 3x projections + 3.5x\n"
+    "attention in all.\n"
     "The peak is a single-thread multiply-add loop (AVX2+FMA when the CPU\n"
     "has them, else plain C) times T.  The BLAS reads its thread count\n"
     "when it loads, so mha bench sets OPENBLAS_NUM_THREADS and\n"
@@ -244,22 +256,15 @@ int cmd_bench(int argc, char **argv)
     tool_opt o[] = {{"batch", 1, 0}, {"seq", 1, 0}, {"kv-seq", 1, 0},
                     {"embed-dim", 1, 0}, {"heads", 1, 0}, {"causal", 0, 0},
                     {"need-weights", 0, 0}, {"attention-only", 0, 0},
-                    {"threads", 1, 0}, {"repeat", 1, 0}, {"warmup", 1, 0},
-                    {"json", 0, 0}};
-    const char *pos[1];
-    int npos, help;
-    if (tool_parse("bench", argc, argv, o, NOPTS(o), pos, 0, &npos, &help))
-        return 1;
-    if (help) {
-        fputs(BENCH_HELP, stdout);
-        return 0;
-    }
+                    {"backward", 0, 0}, {"threads", 1, 0}, {"repeat", 1, 0},
+                    {"warmup", 1, 0}, {"json", 0, 0}};
+    int status;
+    if (tool_options("bench", argc, argv, o, NOPTS(o), BENCH_HELP, &status))
+        return status;
 #define OPT(name) tool_get(o, NOPTS(o), name)
-    const char *need[] = {"batch", "seq", "embed-dim", "heads"};
-    for (int k = 0; k < 4; k++)
-        if (!OPT(need[k]))
-            return tool_fail("bench", "--%s is required (see mha bench "
-                             "--help)", need[k]);
+    static const char *const need[] = {"batch", "seq", "embed-dim", "heads"};
+    if (tool_require("bench", o, NOPTS(o), need, 4))
+        return 1;
     const int64_t ncpu = online_cpus();
     int64_t B, Lq, Lk = 0, threads = ncpu, repeat = 10, warmup = 2;
     mha_config c = {0};
@@ -282,10 +287,14 @@ int cmd_bench(int argc, char **argv)
               weights = OPT("need-weights") != NULL,
               json = OPT("json") != NULL,
               attn_only = OPT("attention-only") != NULL,
+              backward = OPT("backward") != NULL,
               threads_default = OPT("threads") == NULL;
     if (!cross)
         Lk = Lq;
 #undef OPT
+    if (attn_only && backward)
+        return tool_fail("bench", "--attention-only and --backward exclude "
+                         "each other");
     if (c.embed_dim % c.num_heads)
         return tool_fail("bench", "embed_dim %lld is not divisible by "
                          "num_heads %lld", (long long)c.embed_dim,
@@ -328,15 +337,22 @@ int cmd_bench(int argc, char **argv)
     float *kv = need_kv ? malloc(nkv * sizeof *kv) : NULL;
     float *vv = attn_only ? malloc(nkv * sizeof *vv) : NULL;
     float *w = weights ? malloc(nw * sizeof *w) : NULL;
+    /* --backward, in one buffer: dL/d out, then the gradients of the query
+     * (which is key and value too in self-attention), of the key (which is
+     * the value too) in cross-attention, and of the parameters. */
+    const size_t np = backward ? (size_t)mha_param_numel(m) : 0,
+                 ng = backward ? 2 * nq + (cross ? nkv : 0) + np : 0;
+    float *g = backward && ng <= SIZE_MAX / sizeof *g ? malloc(ng * sizeof *g)
+                                                      : NULL;
     double *ms = malloc((size_t)repeat * sizeof *ms);
     int rc = 0;
     if (!q || !out || (need_kv && !kv) || (attn_only && !vv) ||
-        (weights && !w) || !ms)
+        (weights && !w) || (backward && !g) || !ms)
         rc = tool_fail("bench", "out of memory for the inputs and outputs "
                        "(%.1f MiB)", (double)(2 * nq +
                                               (need_kv ? nkv : 0) +
                                               (attn_only ? nkv : 0) +
-                                              (weights ? nw : 0)) *
+                                              (weights ? nw : 0) + ng) *
                                          sizeof(float) / 1048576.0);
     uint64_t state = 1;
     if (!rc) {
@@ -345,6 +361,15 @@ int cmd_bench(int argc, char **argv)
             fill_random(kv, (int64_t)nkv, &state);
         if (attn_only)
             fill_random(vv, (int64_t)nkv, &state);
+        if (backward)
+            fill_random(g, (int64_t)nq, &state);   /* dL/d out */
+    }
+    mha_backward_args b = {0};
+    if (backward) {
+        b.grad_out = g;
+        b.grad_query = g + nq;
+        b.grad_key = cross ? g + 2 * nq : NULL;
+        b.grad_params = g + ng - np;
     }
 
     const mha_causal cmode = causal ? MHA_CAUSAL_BOTTOM_RIGHT
@@ -391,8 +416,10 @@ int cmd_bench(int argc, char **argv)
     const double peak1 = rc ? 0.0 : measure_peak(&probe_kind);
     for (int64_t r = 0; !rc && r < warmup + repeat; r++) {
         const double t0 = now_s();
-        const mha_status st = attn_only ? mha_attention(&aa)
-                                        : mha_plan_forward(plan, &a);
+        mha_status st = attn_only ? mha_attention(&aa)
+                                  : mha_plan_forward(plan, &a);
+        if (st == MHA_OK && backward)
+            st = mha_plan_backward(plan, &a, &b);
         const double t1 = now_s();
         if (st != MHA_OK)
             rc = tool_fail("bench", "%s", mha_last_error());
@@ -403,8 +430,11 @@ int cmd_bench(int argc, char **argv)
         double sum = 0.0;
         for (size_t i = 0; i < nq; i++)
             sum += out[i];
+        for (size_t i = nq; i < ng; i++)
+            sum += g[i];
         if (!isfinite(sum))
-            rc = tool_fail("bench", "the output is not finite");
+            rc = tool_fail("bench", "the output %sis not finite",
+                           backward ? "or a gradient " : "");
     }
     if (!rc) {
         qsort(ms, (size_t)repeat, sizeof *ms, cmp_double);
@@ -413,11 +443,14 @@ int cmd_bench(int argc, char **argv)
                                                ms[repeat / 2]);
         const double mn = ms[0];
         const double kvw = (double)(c.kdim + c.vdim);
-        const double proj = attn_only ? 0.0
-                                      : 2.0 * B * Lq * E * E +
-                                            2.0 * B * Lk * E * kvw +
-                                            2.0 * B * Lq * E * E;
-        const double attn = 4.0 * B * H * dh * allowed_pairs(Lq, Lk, causal);
+        /* The backward: 2x the projections, 2.5x the attention. */
+        const double proj = (backward ? 3.0 : 1.0) *
+                            (attn_only ? 0.0
+                                       : 2.0 * B * Lq * E * E +
+                                             2.0 * B * Lk * E * kvw +
+                                             2.0 * B * Lq * E * E);
+        const double attn = (backward ? 3.5 : 1.0) * 4.0 * B * H * dh *
+                            allowed_pairs(Lq, Lk, causal);
         const double total = proj + attn;
         const double gflops = total / (med * 1e-3) * 1e-9;
         const double peak = peak1 * (double)threads;
@@ -425,7 +458,8 @@ int cmd_bench(int argc, char **argv)
             printf("{\"batch\": %lld, \"seq\": %lld, \"kv_seq\": %lld, "
                    "\"embed_dim\": %lld, \"heads\": %lld, \"head_dim\": %lld, "
                    "\"causal\": %s, \"need_weights\": %s, "
-                   "\"attention_only\": %s, \"threads\": %lld, "
+                   "\"attention_only\": %s, \"backward\": %s, "
+                   "\"threads\": %lld, "
                    "\"threads_default\": %s, \"online_cpus\": %lld, "
                    "\"blas_threads\": %ld, \"tier\": \"%s\", "
                    "\"repeat\": %lld, \"warmup\": %lld, "
@@ -437,7 +471,7 @@ int cmd_bench(int argc, char **argv)
                    (long long)B, (long long)Lq, (long long)Lk, (long long)E,
                    (long long)H, (long long)dh, causal ? "true" : "false",
                    weights ? "true" : "false", attn_only ? "true" : "false",
-                   (long long)threads, threads_default ? "true" : "false",
+                   backward ? "true" : "false", (long long)threads, threads_default ? "true" : "false",
                    (long long)ncpu, blas_threads, tier, (long long)repeat,
                    (long long)warmup, med, mn, total * 1e-9, proj * 1e-9,
                    attn * 1e-9, gflops, peak, 100.0 * gflops / peak,
@@ -454,6 +488,9 @@ int cmd_bench(int argc, char **argv)
             if (attn_only)
                 printf("  timed   mha_attention on projected q, k, v "
                        "(attention only)\n");
+            else if (backward)
+                printf("  timed   mha_plan_forward + mha_plan_backward "
+                       "(forward and every gradient, planned once)\n");
             else
                 printf("  timed   mha_plan_forward (whole forward pass, "
                        "planned once)\n");
@@ -468,8 +505,11 @@ int cmd_bench(int argc, char **argv)
                 printf("  work    %.4g GFLOP per call (attention: 4*d_h "
                        "per allowed pair per head)\n", attn * 1e-9);
             else
-                printf("  work    %.4g GFLOP per forward: projections %.4g, "
+                printf("  work    %.4g GFLOP per %s: projections %.4g, "
                        "attention %.4g (%.1f%%)\n", total * 1e-9,
+                       backward ? "forward + backward (3x and 3.5x the "
+                                  "forward's)"
+                                : "forward",
                        proj * 1e-9, attn * 1e-9, 100.0 * attn / total);
             printf("  speed   %.2f GFLOP/s at the median (%.2f at the min) "
                    "= %.1f%% of peak\n", gflops,
@@ -480,6 +520,7 @@ int cmd_bench(int argc, char **argv)
         }
     }
     mha_plan_free(plan);
+    free(g);
     free(ms);
     free(w);
     free(vv);

@@ -1,6 +1,6 @@
 /*
- * commands.c -- `mha forward`, `mha init`, `mha info`: the library driven
- * from files (safetensors weights, .npy tensors).
+ * commands.c -- `mha forward`, `mha backward`, `mha init`, `mha info`: the
+ * library driven from files (safetensors weights, .npy tensors).
  */
 #define _POSIX_C_SOURCE 200809L
 #include "args.h"
@@ -19,99 +19,292 @@ static int is_float(const mha_tensor *t)
            t->dtype == MHA_DTYPE_F16 || t->dtype == MHA_DTYPE_BF16;
 }
 
-static void shape_str(const mha_tensor *t, char *buf, size_t n)
+/* "(2, 3, 8)" */
+static void dims_str(int ndim, const int64_t *shape, char *buf, size_t n)
 {
     size_t len = 0;
     buf[len++] = '(';
     buf[len] = 0;
-    for (int k = 0; k < t->ndim && len < n; k++)
+    for (int k = 0; k < ndim && len < n; k++)
         len += (size_t)snprintf(buf + len, n - len, "%s%lld", k ? ", " : "",
-                                (long long)t->shape[k]);
+                                (long long)shape[k]);
     if (len < n - 1)
         snprintf(buf + len, n - len, ")");
 }
 
-/* Loads an .npy input; `kind` says what it must hold. */
-static int load_npy(const char *cmd, const char *opt, const char *path,
-                    mha_tensor **out)
+static void shape_str(const mha_tensor *t, char *buf, size_t n)
 {
-    mha_status st = mha_npy_load(path, out);
-    if (st != MHA_OK)
-        return tool_fail(cmd, "--%s: %s", opt, mha_last_error());
-    return 0;
+    dims_str(t->ndim, t->shape, buf, n);
 }
 
-/* ---- mha forward ------------------------------------------------------- */
+/* ---- what mha forward and mha backward share ---------------------------- */
 
-static const char FORWARD_HELP[] =
-    "usage: mha forward --weights W.safetensors [--heads H] --query Q.npy\n"
-    "                   [--key K.npy [--value V.npy]] [--attn-mask M.npy]\n"
-    "                   [--key-mask KM.npy] [--key-lengths KL.npy]\n"
-    "                   [--causal | --causal-top-left] [--scale S]\n"
-    "                   [--add-zero-attn] --out OUT.npy\n"
-    "                   [--attn-weights A.npy [--per-head]]\n"
-    "                   [--train --dropout P --seed S]\n"
-    "\n"
-    "Runs nn.MultiheadAttention's forward pass with the weights of a PyTorch\n"
-    "state_dict saved as safetensors.\n"
-    "  --heads H          number of heads (default: __metadata__ num_heads)\n"
-    "  --query Q.npy      (B, Lq, E) or unbatched (Lq, E), float\n"
-    "  --key, --value     (B, Lk, kdim), (B, Lk, vdim); default: the query\n"
-    "                     (self-attention); --value defaults to --key\n"
-    "  --attn-mask M.npy  bool: ALLOW mask, true = may attend (the seeds' and\n"
-    "                     SDPA's convention; NOT nn.MultiheadAttention's);\n"
-    "                     float: added to the scores (-inf blocks).\n"
-    "                     Shape (Lq, Lk), (B, Lq, Lk) or (B, H, Lq, Lk)\n"
-    "  --key-mask KM.npy  (B, Lk) or (Lk) bool, true = real key\n"
-    "  --key-lengths KL   (B) integers: keys past each length are masked\n"
-    "  --causal           query i sees keys j <= i + Lk - Lq (bottom right)\n"
-    "  --causal-top-left  query i sees keys j <= i\n"
-    "  --scale S          softmax scale (default 1/sqrt(E/H))\n"
-    "  --add-zero-attn    the module was built with add_zero_attn=True\n"
-    "  --out OUT.npy      (B, Lq, E) float32, or (Lq, E) for an unbatched query\n"
-    "  --attn-weights A   (B, Lq, Lk') averaged over heads, or (B, H, Lq, Lk')\n"
-    "                     with --per-head; Lk' counts bias_k / zero keys\n"
-    "  --train            apply dropout P (default: the file's) keyed by --seed\n"
-    "A query row with no key left gives out_proj.bias and zero weights\n"
-    "(PyTorch gives NaN there). Outputs are written only on success.\n";
+/* The usage lines of the options both take, and their descriptions. */
+#define RUN_USAGE_INPUTS                                                     \
+    "--weights W.safetensors [--heads H] --query Q.npy\n"                   \
+    "         [--key K.npy [--value V.npy]] [--attn-mask M.npy]\n"          \
+    "         [--key-mask KM.npy] [--key-lengths KL.npy]\n"                 \
+    "         [--causal | --causal-top-left] [--scale S] [--add-zero-attn]\n" \
+    "         [--train [--dropout P] [--seed S]] [--threads T]\n"
+#define RUN_HELP_INPUTS                                                      \
+    "  --heads H          number of heads (default: __metadata__ num_heads)\n" \
+    "  --query Q.npy      (B, Lq, E) or unbatched (Lq, E), float\n"          \
+    "  --key, --value     (B, Lk, kdim), (B, Lk, vdim); default: the query\n" \
+    "                     (self-attention); --value defaults to --key\n"     \
+    "  --attn-mask M.npy  bool: ALLOW mask, true = may attend (the seeds' and\n" \
+    "                     SDPA's convention; NOT nn.MultiheadAttention's);\n" \
+    "                     float: added to the scores (-inf blocks).\n"        \
+    "                     Shape (Lq, Lk), (B, Lq, Lk) or (B, H, Lq, Lk)\n"   \
+    "  --key-mask KM.npy  (B, Lk) or (Lk) bool, true = real key\n"           \
+    "  --key-lengths KL   (B) integers: keys past each length are masked\n"  \
+    "  --causal           query i sees keys j <= i + Lk - Lq (bottom right)\n" \
+    "  --causal-top-left  query i sees keys j <= i\n"                         \
+    "  --scale S          softmax scale (default 1/sqrt(E/H))\n"              \
+    "  --add-zero-attn    the module was built with add_zero_attn=True\n"     \
+    "  --train            apply dropout P (default: the file's; 0 turns it\n" \
+    "                     off) keyed by --seed S (default 0)\n"               \
+    "  --threads T        attention threads, 1..4096 (default: OpenMP's)\n"
+
+/* The options of both, first in each one's table (RUN_NOPTS of them). */
+#define RUN_OPTS                                                             \
+    {"weights", 1, 0}, {"heads", 1, 0}, {"query", 1, 0}, {"key", 1, 0},     \
+    {"value", 1, 0}, {"attn-mask", 1, 0}, {"key-mask", 1, 0},                \
+    {"key-lengths", 1, 0}, {"causal", 0, 0}, {"causal-top-left", 0, 0},     \
+    {"scale", 1, 0}, {"add-zero-attn", 0, 0}, {"train", 0, 0},               \
+    {"dropout", 1, 0}, {"seed", 1, 0}, {"threads", 1, 0}
 
 typedef struct fwd_inputs {
     mha_tensor *q, *k, *v, *mask, *kmask, *klen;
 } fwd_inputs;
 
-static void free_inputs(fwd_inputs *in)
+/* A module loaded from --weights, its inputs, and the forward's arguments
+ * (a.out and a.attn_weights are left to the command). */
+typedef struct run_setup {
+    mha_module *m;
+    mha_config c;
+    fwd_inputs in;
+    mha_forward_args a;
+} run_setup;
+
+static void run_free(run_setup *r)
 {
-    mha_tensor_free(in->q);
-    mha_tensor_free(in->k);
-    mha_tensor_free(in->v);
-    mha_tensor_free(in->mask);
-    mha_tensor_free(in->kmask);
-    mha_tensor_free(in->klen);
+    mha_tensor_free(r->in.q);
+    mha_tensor_free(r->in.k);
+    mha_tensor_free(r->in.v);
+    mha_tensor_free(r->in.mask);
+    mha_tensor_free(r->in.kmask);
+    mha_tensor_free(r->in.klen);
+    mha_free(r->m);
+    memset(r, 0, sizeof *r);
 }
 
 /* Checks an input's rank and width, and returns its (B, L). */
-static int input_dims(const char *opt, const mha_tensor *t, int64_t width,
-                      const char *wname, int64_t *B, int64_t *L)
+static int input_dims(const char *cmd, const char *opt, const mha_tensor *t,
+                      int64_t width, const char *wname, int64_t *B,
+                      int64_t *L)
 {
     char s[128];
     shape_str(t, s, sizeof s);
     if (!is_float(t))
-        return tool_fail("forward", "--%s must hold floats, got %s", opt,
+        return tool_fail(cmd, "--%s must hold floats, got %s", opt,
                          mha_dtype_name(t->dtype));
     if (t->ndim != 2 && t->ndim != 3)
-        return tool_fail("forward", "--%s must be (B, L, %s) or (L, %s), got "
-                         "%s", opt, wname, wname, s);
+        return tool_fail(cmd, "--%s must be (B, L, %s) or (L, %s), got %s",
+                         opt, wname, wname, s);
     if (t->shape[t->ndim - 1] != width)
-        return tool_fail("forward", "--%s has last dimension %lld, expected "
-                         "%s = %lld (shape %s)", opt,
+        return tool_fail(cmd, "--%s has last dimension %lld, expected %s = "
+                         "%lld (shape %s)", opt,
                          (long long)t->shape[t->ndim - 1], wname,
                          (long long)width, s);
     *B = t->ndim == 3 ? t->shape[0] : 1;
     *L = t->shape[t->ndim - 2];
     if (*B < 1 || *L < 1)
-        return tool_fail("forward", "--%s is empty: shape %s", opt, s);
+        return tool_fail(cmd, "--%s is empty: shape %s", opt, s);
     return 0;
 }
+
+/* Checks the option values of RUN_OPTS and loads the module. */
+static int run_module(const char *cmd, const tool_opt *o, int n,
+                      run_setup *r)
+{
+#define OPT(name) tool_get(o, n, name)
+    static const char *const need[] = {"weights", "query"};
+    if (tool_require(cmd, o, n, need, 2))
+        return 1;
+    if (OPT("value") && !OPT("key"))
+        return tool_fail(cmd, "--value needs --key");
+    if (OPT("causal") && OPT("causal-top-left"))
+        return tool_fail(cmd, "--causal and --causal-top-left exclude each "
+                         "other");
+    if ((OPT("dropout") || OPT("seed")) && !OPT("train"))
+        return tool_fail(cmd, "--dropout and --seed apply only with --train");
+
+    mha_config base = {0};
+    int64_t heads = 0, seed = 0, threads = 0;
+    if (OPT("heads") &&
+        tool_int(cmd, "heads", OPT("heads"), 1, INT32_MAX, &heads))
+        return 1;
+    if (OPT("scale")) {
+        if (tool_float(cmd, "scale", OPT("scale"), &base.scale))
+            return 1;
+        if (base.scale == 0.0f)
+            return tool_fail(cmd, "--scale must be nonzero");
+    }
+    if (OPT("dropout") &&
+        tool_float(cmd, "dropout", OPT("dropout"), &base.dropout))
+        return 1;
+    if (!(base.dropout >= 0.0f && base.dropout <= 1.0f))
+        return tool_fail(cmd, "--dropout must be in [0, 1], got %s",
+                         OPT("dropout"));
+    if (OPT("seed") && tool_int(cmd, "seed", OPT("seed"), 0, INT64_MAX, &seed))
+        return 1;
+    if (OPT("threads") &&
+        tool_int(cmd, "threads", OPT("threads"), 1, 4096, &threads))
+        return 1;
+    base.add_zero_attn = OPT("add-zero-attn") != NULL;
+
+    mha_tensor_file *file = NULL;
+    mha_status st = mha_safetensors_load(OPT("weights"), &file);
+    if (st != MHA_OK)
+        return tool_fail(cmd, "--weights: %s", mha_last_error());
+    st = mha_module_from_file(file, heads, &base, &r->m);
+    mha_tensor_file_free(file);
+    if (st != MHA_OK)
+        return tool_fail(cmd, "--weights %s: %s", OPT("weights"),
+                         mha_last_error());
+    mha_get_config(r->m, &r->c);
+
+    r->a.causal = OPT("causal") ? MHA_CAUSAL_BOTTOM_RIGHT
+                : OPT("causal-top-left") ? MHA_CAUSAL_TOP_LEFT
+                                         : MHA_CAUSAL_NONE;
+    /* --dropout 0 means no dropout, whatever the file's config says (a
+     * zero in `base` reads as "not given" to mha_module_from_file). */
+    r->a.training = OPT("train") != NULL &&
+                    !(OPT("dropout") && base.dropout == 0.0f);
+    r->a.dropout_seed = (uint64_t)seed;
+    r->a.num_threads = (int)threads;
+    return 0;
+#undef OPT
+}
+
+/* Loads the .npy inputs of RUN_OPTS and fills r->a from them. */
+static int run_inputs(const char *cmd, const tool_opt *o, int n,
+                      run_setup *r)
+{
+#define OPT(name) tool_get(o, n, name)
+    static const char *const files[] = {"query", "key", "value", "attn-mask",
+                                        "key-mask", "key-lengths"};
+    fwd_inputs *in = &r->in;
+    mha_tensor **slot[] = {&in->q, &in->k, &in->v, &in->mask, &in->kmask,
+                           &in->klen};
+    for (int k = 0; k < 6; k++)
+        if (OPT(files[k]) && mha_npy_load(OPT(files[k]), slot[k]) != MHA_OK)
+            return tool_fail(cmd, "--%s: %s", files[k], mha_last_error());
+#undef OPT
+    const mha_config *c = &r->c;
+    int64_t B = 0, Lq = 0, Bk = 0, Lk = 0, Bv = 0, Lv = 0;
+    if (input_dims(cmd, "query", in->q, c->embed_dim, "E", &B, &Lq) ||
+        (in->k && input_dims(cmd, "key", in->k, c->kdim, "kdim", &Bk, &Lk)) ||
+        (in->v && input_dims(cmd, "value", in->v, c->vdim, "vdim", &Bv, &Lv)))
+        return 1;
+    if (!in->k && c->kdim != c->embed_dim)
+        return tool_fail(cmd, "the module has kdim %lld != E %lld: give --key",
+                         (long long)c->kdim, (long long)c->embed_dim);
+    if (!in->v && c->vdim != (in->k ? c->kdim : c->embed_dim))
+        return tool_fail(cmd, "the module has vdim %lld: give --value",
+                         (long long)c->vdim);
+    if (in->k && (in->k->ndim != in->q->ndim || Bk != B))
+        return tool_fail(cmd, "--key must have the query's batch (%lld) and "
+                         "rank", (long long)B);
+    if (in->v && (in->v->ndim != in->k->ndim || Bv != B || Lv != Lk))
+        return tool_fail(cmd, "--value must have the key's batch and length "
+                         "(%lld, %lld)", (long long)B, (long long)Lk);
+
+    mha_forward_args *a = &r->a;
+    a->batch = B;
+    a->q_len = Lq;
+    a->kv_len = in->k ? Lk : Lq;
+    a->query = in->q->data;
+    a->key = in->k ? in->k->data : NULL;
+    a->value = in->v ? in->v->data : NULL;
+    if (in->mask) {
+        if (in->mask->dtype == MHA_DTYPE_BOOL)
+            a->attn_mask.kind = MHA_MASK_ALLOW;
+        else if (is_float(in->mask))
+            a->attn_mask.kind = MHA_MASK_ADDITIVE;
+        else
+            return tool_fail(cmd, "--attn-mask must be bool (allow) or float "
+                             "(additive), got %s",
+                             mha_dtype_name(in->mask->dtype));
+        a->attn_mask.data = in->mask->data;
+        a->attn_mask.ndim = in->mask->ndim;
+        for (int d = 0; d < in->mask->ndim && d < 4; d++)
+            a->attn_mask.shape[d] = in->mask->shape[d];
+    }
+    if (in->kmask) {
+        if (in->kmask->dtype != MHA_DTYPE_BOOL)
+            return tool_fail(cmd, "--key-mask must be bool (true = real key), "
+                             "got %s", mha_dtype_name(in->kmask->dtype));
+        a->key_padding_mask = (mha_mask){MHA_MASK_ALLOW, in->kmask->data,
+                                         in->kmask->ndim, {0}};
+        for (int d = 0; d < in->kmask->ndim && d < 4; d++)
+            a->key_padding_mask.shape[d] = in->kmask->shape[d];
+    }
+    if (in->klen) {
+        if (in->klen->dtype != MHA_DTYPE_I32 &&
+            in->klen->dtype != MHA_DTYPE_I64)
+            return tool_fail(cmd, "--key-lengths must hold integers, got %s",
+                             mha_dtype_name(in->klen->dtype));
+        if (in->klen->numel != B || in->klen->ndim > 1)
+            return tool_fail(cmd, "--key-lengths must be (B) = (%lld), got "
+                             "%lld values", (long long)B,
+                             (long long)in->klen->numel);
+        a->key_lengths = in->klen->data;
+    }
+    return 0;
+}
+
+/*
+ * The module, the inputs and the forward's arguments from the options of
+ * RUN_OPTS; on failure prints, frees what it made and returns 1.
+ */
+static int run_setup_load(const char *cmd, const tool_opt *o, int n,
+                          run_setup *r)
+{
+    memset(r, 0, sizeof *r);
+    if (run_module(cmd, o, n, r) || run_inputs(cmd, o, n, r)) {
+        run_free(r);
+        return 1;
+    }
+    return 0;
+}
+
+/* A view of `data` with the shape of the input `like`'s leading dimensions
+ * and last dimension `last` (an unbatched input gives an unbatched view). */
+static mha_tensor_view view_like(const char *name, const mha_tensor *like,
+                                 int64_t last, const float *data)
+{
+    mha_tensor_view v = {name, MHA_DTYPE_F32, like->ndim, {0}, data};
+    for (int d = 0; d < like->ndim; d++)
+        v.shape[d] = like->shape[d];
+    v.shape[like->ndim - 1] = last;
+    return v;
+}
+
+/* ---- mha forward ------------------------------------------------------- */
+
+static const char FORWARD_HELP[] =
+    "usage: mha forward " RUN_USAGE_INPUTS
+    "         --out OUT.npy [--attn-weights A.npy [--per-head]]\n"
+    "\n"
+    "Runs nn.MultiheadAttention's forward pass with the weights of a PyTorch\n"
+    "state_dict saved as safetensors.\n"
+    RUN_HELP_INPUTS
+    "  --out OUT.npy      (B, Lq, E) float32, or (Lq, E) for an unbatched query\n"
+    "  --attn-weights A   (B, Lq, Lk') averaged over heads, or (B, H, Lq, Lk')\n"
+    "                     with --per-head; Lk' counts bias_k / zero keys\n"
+    "A query row with no key left gives out_proj.bias and zero weights\n"
+    "(PyTorch gives NaN there). Outputs are written only on success.\n";
 
 /* Writes the outputs; if any write fails, removes what was written. */
 static int write_outputs(const char *out_path, const mha_tensor_view *out,
@@ -129,186 +322,45 @@ static int write_outputs(const char *out_path, const mha_tensor_view *out,
 
 int cmd_forward(int argc, char **argv)
 {
-    tool_opt o[] = {
-        {"weights", 1, 0}, {"heads", 1, 0}, {"query", 1, 0}, {"key", 1, 0},
-        {"value", 1, 0}, {"attn-mask", 1, 0}, {"key-mask", 1, 0},
-        {"key-lengths", 1, 0}, {"causal", 0, 0}, {"causal-top-left", 0, 0},
-        {"scale", 1, 0}, {"add-zero-attn", 0, 0}, {"out", 1, 0},
-        {"attn-weights", 1, 0}, {"per-head", 0, 0}, {"train", 0, 0},
-        {"dropout", 1, 0}, {"seed", 1, 0}};
-    const char *pos[1];
-    int npos, help;
-    if (tool_parse("forward", argc, argv, o, NOPTS(o), pos, 0, &npos, &help))
-        return 1;
-    if (help) {
-        fputs(FORWARD_HELP, stdout);
-        return 0;
-    }
+    tool_opt o[] = {RUN_OPTS, {"out", 1, 0}, {"attn-weights", 1, 0},
+                    {"per-head", 0, 0}};
+    int status;
+    if (tool_options("forward", argc, argv, o, NOPTS(o), FORWARD_HELP, &status))
+        return status;
 #define OPT(name) tool_get(o, NOPTS(o), name)
-    const char *need[] = {"weights", "query", "out"};
-    for (int k = 0; k < 3; k++)
-        if (!OPT(need[k]))
-            return tool_fail("forward", "--%s is required (see mha forward "
-                             "--help)", need[k]);
-    if (OPT("value") && !OPT("key"))
-        return tool_fail("forward", "--value needs --key");
+    static const char *const need[] = {"out"};
+    if (tool_require("forward", o, NOPTS(o), need, 1))
+        return 1;
     if (OPT("per-head") && !OPT("attn-weights"))
         return tool_fail("forward", "--per-head needs --attn-weights");
-    if (OPT("causal") && OPT("causal-top-left"))
-        return tool_fail("forward", "--causal and --causal-top-left exclude "
-                         "each other");
-    if ((OPT("dropout") || OPT("seed")) && !OPT("train"))
-        return tool_fail("forward", "--dropout and --seed apply only with "
-                         "--train");
-
-    mha_config base = {0};
-    int64_t heads = 0, seed = 0;
-    if (OPT("heads") &&
-        tool_int("forward", "heads", OPT("heads"), 1, INT32_MAX, &heads))
-        return 1;
-    if (OPT("scale")) {
-        if (tool_float("forward", "scale", OPT("scale"), &base.scale))
-            return 1;
-        if (base.scale == 0.0f)
-            return tool_fail("forward", "--scale must be nonzero");
-    }
-    if (OPT("dropout") &&
-        tool_float("forward", "dropout", OPT("dropout"), &base.dropout))
-        return 1;
-    if (!(base.dropout >= 0.0f && base.dropout <= 1.0f))
-        return tool_fail("forward", "--dropout must be in [0, 1], got %s",
-                         OPT("dropout"));
     if (OPT("attn-weights") && !strcmp(OPT("attn-weights"), OPT("out")))
         return tool_fail("forward", "--out and --attn-weights name the same "
                          "file");
-    if (OPT("seed") &&
-        tool_int("forward", "seed", OPT("seed"), 0, INT64_MAX, &seed))
+    run_setup r;
+    if (run_setup_load("forward", o, NOPTS(o), &r))
         return 1;
-    base.add_zero_attn = OPT("add-zero-attn") != NULL;
-
-    mha_tensor_file *file = NULL;
-    mha_status st = mha_safetensors_load(OPT("weights"), &file);
-    if (st != MHA_OK)
-        return tool_fail("forward", "--weights: %s", mha_last_error());
-    mha_module *m = NULL;
-    st = mha_module_from_file(file, heads, &base, &m);
-    mha_tensor_file_free(file);
-    if (st != MHA_OK)
-        return tool_fail("forward", "--weights %s: %s", OPT("weights"),
-                         mha_last_error());
-    mha_config c;
-    mha_get_config(m, &c);
-
-    fwd_inputs in = {0};
-    int rc = load_npy("forward", "query", OPT("query"), &in.q);
-    if (!rc && OPT("key"))
-        rc = load_npy("forward", "key", OPT("key"), &in.k);
-    if (!rc && OPT("value"))
-        rc = load_npy("forward", "value", OPT("value"), &in.v);
-    if (!rc && OPT("attn-mask"))
-        rc = load_npy("forward", "attn-mask", OPT("attn-mask"), &in.mask);
-    if (!rc && OPT("key-mask"))
-        rc = load_npy("forward", "key-mask", OPT("key-mask"), &in.kmask);
-    if (!rc && OPT("key-lengths"))
-        rc = load_npy("forward", "key-lengths", OPT("key-lengths"), &in.klen);
-
-    int64_t B = 0, Lq = 0, Bk = 0, Lk = 0, Bv = 0, Lv = 0;
-    if (!rc)
-        rc = input_dims("query", in.q, c.embed_dim, "E", &B, &Lq);
-    const mha_tensor *kt = in.k ? in.k : in.q, *vt = in.v ? in.v : kt;
-    if (!rc && in.k)
-        rc = input_dims("key", in.k, c.kdim, "kdim", &Bk, &Lk);
-    if (!rc && in.v)
-        rc = input_dims("value", in.v, c.vdim, "vdim", &Bv, &Lv);
-    if (!rc && !in.k && c.kdim != c.embed_dim)
-        rc = tool_fail("forward", "the module has kdim %lld != E %lld: give "
-                       "--key", (long long)c.kdim, (long long)c.embed_dim);
-    if (!rc && !in.v && c.vdim != (in.k ? c.kdim : c.embed_dim))
-        rc = tool_fail("forward", "the module has vdim %lld: give --value",
-                       (long long)c.vdim);
-    if (!rc && in.k && (kt->ndim != in.q->ndim || Bk != B))
-        rc = tool_fail("forward", "--key must have the query's batch (%lld) "
-                       "and rank", (long long)B);
-    if (!rc && in.v && (vt->ndim != kt->ndim || Bv != B || Lv != Lk))
-        rc = tool_fail("forward", "--value must have the key's batch and "
-                       "length (%lld, %lld)", (long long)B, (long long)Lk);
-    if (!in.k)
-        Lk = Lq;
-
-    mha_forward_args a = {0};
-    a.batch = B;
-    a.q_len = Lq;
-    a.kv_len = Lk;
-    a.query = in.q ? in.q->data : NULL;
-    a.key = in.k ? in.k->data : NULL;
-    a.value = in.v ? in.v->data : NULL;
-    if (!rc && in.mask) {
-        if (in.mask->dtype == MHA_DTYPE_BOOL)
-            a.attn_mask.kind = MHA_MASK_ALLOW;
-        else if (is_float(in.mask))
-            a.attn_mask.kind = MHA_MASK_ADDITIVE;
-        else
-            rc = tool_fail("forward", "--attn-mask must be bool (allow) or "
-                           "float (additive), got %s",
-                           mha_dtype_name(in.mask->dtype));
-        a.attn_mask.data = in.mask->data;
-        a.attn_mask.ndim = in.mask->ndim;
-        for (int d = 0; d < in.mask->ndim && d < 4; d++)
-            a.attn_mask.shape[d] = in.mask->shape[d];
+    mha_forward_args *a = &r.a;
+    const int64_t B = a->batch, Lq = a->q_len, E = r.c.embed_dim,
+                  H = r.c.num_heads, Lt = mha_total_keys(r.m, a->kv_len);
+    int rc = 0;
+    /* Sizes were checked by the loaders; the library checks again. */
+    float *out = malloc((size_t)(B * Lq * E) * sizeof *out), *w = NULL;
+    if (OPT("attn-weights")) {
+        a->need_weights = OPT("per-head") ? MHA_WEIGHTS_PER_HEAD
+                                          : MHA_WEIGHTS_AVERAGE;
+        w = malloc((size_t)(B * (OPT("per-head") ? H : 1) * Lq * Lt) *
+                   sizeof *w);
     }
-    if (!rc && in.kmask) {
-        if (in.kmask->dtype != MHA_DTYPE_BOOL)
-            rc = tool_fail("forward", "--key-mask must be bool (true = real "
-                           "key), got %s", mha_dtype_name(in.kmask->dtype));
-        a.key_padding_mask = (mha_mask){MHA_MASK_ALLOW, in.kmask->data,
-                                        in.kmask->ndim, {0}};
-        for (int d = 0; d < in.kmask->ndim && d < 4; d++)
-            a.key_padding_mask.shape[d] = in.kmask->shape[d];
-    }
-    if (!rc && in.klen) {
-        if (in.klen->dtype != MHA_DTYPE_I32 && in.klen->dtype != MHA_DTYPE_I64)
-            rc = tool_fail("forward", "--key-lengths must hold integers, got "
-                           "%s", mha_dtype_name(in.klen->dtype));
-        else if (in.klen->numel != B || in.klen->ndim > 1)
-            rc = tool_fail("forward", "--key-lengths must be (B) = (%lld), "
-                           "got %lld values", (long long)B,
-                           (long long)in.klen->numel);
-        a.key_lengths = in.klen->data;
-    }
-    a.causal = OPT("causal") ? MHA_CAUSAL_BOTTOM_RIGHT
-             : OPT("causal-top-left") ? MHA_CAUSAL_TOP_LEFT : MHA_CAUSAL_NONE;
-    /* --dropout 0 means no dropout, whatever the file's config says (a
-     * zero in `base` reads as "not given" to mha_module_from_file). */
-    a.training = OPT("train") != NULL &&
-                 !(OPT("dropout") && base.dropout == 0.0f);
-    a.dropout_seed = (uint64_t)seed;
-
-    const int64_t Lt = mha_total_keys(m, Lk), H = c.num_heads;
-    float *out = NULL, *w = NULL;
-    if (!rc) {
-        /* Sizes were checked by the loaders; the library checks again. */
-        out = malloc((size_t)(B * Lq * c.embed_dim) * sizeof *out);
-        if (OPT("attn-weights")) {
-            a.need_weights = OPT("per-head") ? MHA_WEIGHTS_PER_HEAD
-                                             : MHA_WEIGHTS_AVERAGE;
-            w = malloc((size_t)(B * (OPT("per-head") ? H : 1) * Lq * Lt) *
-                       sizeof *w);
-        }
-        if (!out || (OPT("attn-weights") && !w))
-            rc = tool_fail("forward", "out of memory for the outputs");
-    }
-    a.out = out;
-    a.attn_weights = w;
-    if (!rc && (st = mha_forward(m, &a)) != MHA_OK)
+    if (!out || (OPT("attn-weights") && !w))
+        rc = tool_fail("forward", "out of memory for the outputs");
+    a->out = out;
+    a->attn_weights = w;
+    if (!rc && mha_forward(r.m, a) != MHA_OK)
         rc = tool_fail("forward", "%s", mha_last_error());
     if (!rc) {
         /* An unbatched query gives unbatched outputs, as in PyTorch. */
-        const int batched = in.q->ndim == 3;
-        mha_tensor_view ov = {"", MHA_DTYPE_F32, 0, {0}, out};
-        if (batched)
-            ov.shape[ov.ndim++] = B;
-        ov.shape[ov.ndim++] = Lq;
-        ov.shape[ov.ndim++] = c.embed_dim;
+        const int batched = r.in.q->ndim == 3;
+        const mha_tensor_view ov = view_like("", r.in.q, E, out);
         mha_tensor_view wv = {"", MHA_DTYPE_F32, 0, {0}, w};
         if (batched)
             wv.shape[wv.ndim++] = B;
@@ -321,8 +373,123 @@ int cmd_forward(int argc, char **argv)
 #undef OPT
     free(out);
     free(w);
-    free_inputs(&in);
-    mha_free(m);
+    run_free(&r);
+    return rc;
+}
+
+/* ---- mha backward ------------------------------------------------------ */
+
+static const char BACKWARD_HELP[] =
+    "usage: mha backward " RUN_USAGE_INPUTS
+    "         --grad-output DY.npy --out GRADS.safetensors\n"
+    "\n"
+    "The gradients of nn.MultiheadAttention's forward pass (the inputs and\n"
+    "options are those of mha forward) given dL/d output, by mha_backward.\n"
+    RUN_HELP_INPUTS
+    "  --grad-output DY   dL/d output, float, the shape of the forward's\n"
+    "                     output: (B, Lq, E), or (Lq, E) for an unbatched\n"
+    "                     query\n"
+    "  --out GRADS        a safetensors file of float32 tensors:\n"
+    "                       query         dL/d query, the query's shape\n"
+    "                       key, value    dL/d key, dL/d value (when given)\n"
+    "                       in_proj_weight, ..., out_proj.bias\n"
+    "                                     dL/d each parameter, named and\n"
+    "                                     shaped as in the state_dict\n"
+    "One tensor serving several roles gets the sum of their gradients:\n"
+    "without --key, `query` is dL/d query + dL/d key + dL/d value; with\n"
+    "--key but no --value, `key` is dL/d key + dL/d value.  Dropout\n"
+    "(--train) is regenerated from --seed: the same mask as mha forward\n"
+    "--train with the same seed.  The attention weights are not\n"
+    "differentiated; a float --attn-mask is a constant.  A query row with\n"
+    "no key left contributes zero gradients.  The file is written only on\n"
+    "success (atomically).\n";
+
+int cmd_backward(int argc, char **argv)
+{
+    tool_opt o[] = {RUN_OPTS, {"grad-output", 1, 0}, {"out", 1, 0}};
+    int status;
+    if (tool_options("backward", argc, argv, o, NOPTS(o), BACKWARD_HELP,
+                     &status))
+        return status;
+#define OPT(name) tool_get(o, NOPTS(o), name)
+    static const char *const need[] = {"grad-output", "out"};
+    if (tool_require("backward", o, NOPTS(o), need, 2))
+        return 1;
+    run_setup r;
+    if (run_setup_load("backward", o, NOPTS(o), &r))
+        return 1;
+    const mha_config *c = &r.c;
+    mha_forward_args *a = &r.a;
+    const mha_tensor *q = r.in.q, *k = r.in.k, *v = r.in.v;
+    const int64_t E = c->embed_dim, nq = q->numel, nk = k ? k->numel : 0,
+                  nv = v ? v->numel : 0, np = mha_param_numel(r.m);
+
+    mha_tensor *dy = NULL;
+    int rc = 0;
+    if (mha_npy_load(OPT("grad-output"), &dy) != MHA_OK)
+        rc = tool_fail("backward", "--grad-output: %s", mha_last_error());
+    if (!rc) {
+        /* The forward's output has the query's shape, last dimension E. */
+        const mha_tensor_view want = view_like("", q, E, NULL);
+        int same = dy->ndim == want.ndim;
+        for (int d = 0; same && d < want.ndim; d++)
+            same = dy->shape[d] == want.shape[d];
+        char got[160], exp[160];
+        shape_str(dy, got, sizeof got);
+        dims_str(want.ndim, want.shape, exp, sizeof exp);
+        if (!is_float(dy))
+            rc = tool_fail("backward", "--grad-output must hold floats, got "
+                           "%s", mha_dtype_name(dy->dtype));
+        else if (!same)
+            rc = tool_fail("backward", "--grad-output %s has shape %s, "
+                           "expected the forward output's shape %s",
+                           OPT("grad-output"), got, exp);
+    }
+
+    /* One buffer: dq, dk, dv, then the parameters' gradients.  A NULL key
+     * (value) makes the query (key) receive the sum of the gradients of
+     * the inputs it serves as. */
+    float *g = NULL;
+    if (!rc && !(g = malloc((size_t)(nq + nk + nv + np) * sizeof *g)))
+        rc = tool_fail("backward", "out of memory for the gradients");
+    mha_backward_args b = {0};
+    if (!rc) {
+        b.grad_out = dy->data;
+        b.grad_query = g;
+        b.grad_key = k ? g + nq : NULL;
+        b.grad_value = v ? g + nq + nk : NULL;
+        b.grad_params = g + nq + nk + nv;
+        if (mha_backward(r.m, a, &b) != MHA_OK)
+            rc = tool_fail("backward", "%s", mha_last_error());
+    }
+    const int nparams = mha_param_count(r.m), nin = 1 + !!k + !!v;
+    mha_tensor_view *views = NULL;
+    if (!rc && !(views = calloc((size_t)(nin + nparams), sizeof *views)))
+        rc = tool_fail("backward", "out of memory for the gradients");
+    if (!rc) {
+        views[0] = view_like("query", q, E, b.grad_query);
+        if (k)
+            views[1] = view_like("key", k, c->kdim, b.grad_key);
+        if (v)
+            views[2] = view_like("value", v, c->vdim, b.grad_value);
+        for (int p = 0; p < nparams; p++) {
+            mha_param_info info;
+            mha_param_info_at(r.m, p, &info);
+            mha_tensor_view *pv = &views[nin + p];
+            *pv = (mha_tensor_view){info.name, MHA_DTYPE_F32, info.ndim, {0},
+                                    b.grad_params + info.offset};
+            for (int d = 0; d < info.ndim; d++)
+                pv->shape[d] = info.shape[d];
+        }
+        if (mha_safetensors_save(OPT("out"), views, nin + nparams, NULL, NULL,
+                                 0) != MHA_OK)
+            rc = tool_fail("backward", "--out: %s", mha_last_error());
+    }
+#undef OPT
+    free(views);
+    free(g);
+    mha_tensor_free(dy);
+    run_free(&r);
     return rc;
 }
 
@@ -343,20 +510,13 @@ int cmd_init(int argc, char **argv)
                     {"vdim", 1, 0}, {"no-bias", 0, 0}, {"add-bias-kv", 0, 0},
                     {"add-zero-attn", 0, 0}, {"dropout", 1, 0},
                     {"scale", 1, 0}, {"seed", 1, 0}, {"out", 1, 0}};
-    const char *pos[1];
-    int npos, help;
-    if (tool_parse("init", argc, argv, o, NOPTS(o), pos, 0, &npos, &help))
-        return 1;
-    if (help) {
-        fputs(INIT_HELP, stdout);
-        return 0;
-    }
+    int status;
+    if (tool_options("init", argc, argv, o, NOPTS(o), INIT_HELP, &status))
+        return status;
 #define OPT(name) tool_get(o, NOPTS(o), name)
-    const char *need[] = {"embed-dim", "heads", "seed", "out"};
-    for (int k = 0; k < 4; k++)
-        if (!OPT(need[k]))
-            return tool_fail("init", "--%s is required (see mha init --help)",
-                             need[k]);
+    static const char *const need[] = {"embed-dim", "heads", "seed", "out"};
+    if (tool_require("init", o, NOPTS(o), need, 4))
+        return 1;
     mha_config c = {0};
     int64_t seed;
     if (tool_int("init", "embed-dim", OPT("embed-dim"), 1, INT32_MAX,

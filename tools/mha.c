@@ -71,10 +71,13 @@ static void usage(FILE *f)
           "  example    the seeds' worked example (h=2, d=4), with true\n"
           "             values and heatmaps, then a larger random demo\n"
           "  forward    run a PyTorch state_dict (safetensors) on .npy inputs\n"
+          "  backward   the gradients of that forward pass, given dL/d output:\n"
+          "             inputs and parameters, into one safetensors file\n"
           "  init       write a freshly initialised module (safetensors)\n"
           "  info       describe a safetensors file and the module in it\n"
-          "  bench      time the forward pass (or --attention-only): ms,\n"
-          "             GFLOP/s, share of the FMA peak\n"
+          "  bench      time the forward pass (or --attention-only, or\n"
+          "             forward + backward with --backward): ms, GFLOP/s,\n"
+          "             share of the FMA peak\n"
           "\n"
           "  mha --version     print the version\n"
           "  mha <command> --help\n", f);
@@ -99,6 +102,8 @@ int main(int argc, char **argv)
         return cmd_example(argc - 1, argv + 1);
     if (!strcmp(cmd, "forward"))
         return cmd_forward(argc - 1, argv + 1);
+    if (!strcmp(cmd, "backward"))
+        return cmd_backward(argc - 1, argv + 1);
     if (!strcmp(cmd, "init"))
         return cmd_init(argc - 1, argv + 1);
     if (!strcmp(cmd, "info"))

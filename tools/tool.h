@@ -28,6 +28,7 @@ void tool_heatmaps(FILE *f, const float *const *maps, const char *const *titles,
 
 int cmd_example(int argc, char **argv);
 int cmd_forward(int argc, char **argv);
+int cmd_backward(int argc, char **argv);
 int cmd_init(int argc, char **argv);
 int cmd_info(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
