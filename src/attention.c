@@ -623,8 +623,6 @@ typedef struct bwd_scratch {
     float *dout;       /* [BR][dh]  dO of the block                       */
     float *dp;         /* [BR][BC]  dP, then dS                            */
     float *t;          /* [BC][BR]  P~^T, then dS^T                        */
-    float *vt;         /* [dh][BC]  the value tile transposed              */
-    float *kc;         /* [BC][dh]  the key tile, rows contiguous          */
     float *delta;      /* [BR]                                            */
     float *extra;      /* [2][2][dh]  dk, dv of the extra keys            */
     const mha_attn_grad *g;
@@ -636,7 +634,7 @@ int64_t mha_attn_bwd_scratch(mha_isa isa, int64_t dh, int64_t Lt)
     if (isa == MHA_ISA_REF)   /* bias row; s, P, dq doubles; dk, dv doubles */
         return (Lt + 2) + 2 * (2 * Lt + dh + 2 * Lt * dh) + 2;
     return mha_attn_scratch(isa, dh, Lt) + MHA_BR * dh + 2 * MHA_BR * MHA_BC +
-           2 * MHA_BC * dh + MHA_BR + 4 * dh;
+           MHA_BR + 4 * dh;
 }
 
 static bwd_scratch carve_bwd(float *base, int64_t dh, int64_t Lt)
@@ -646,11 +644,66 @@ static bwd_scratch carve_bwd(float *base, int64_t dh, int64_t Lt)
     w.dout = base + mha_attn_scratch(MHA_ISA_SCALAR, dh, Lt);
     w.dp = w.dout + MHA_BR * dh;
     w.t = w.dp + MHA_BR * MHA_BC;
-    w.vt = w.t + MHA_BC * MHA_BR;
-    w.kc = w.vt + dh * MHA_BC;
-    w.delta = w.kc + MHA_BC * dh;
+    w.delta = w.t + MHA_BC * MHA_BR;
     w.extra = w.delta + MHA_BR;
     return w;
+}
+
+/*
+ * The backward reads each key tile as rows (for dq = dS k) and each value
+ * tile transposed (for dP~ = dO v^T): the transposes of the forward's
+ * packing.  Made once per call from the forward's packed tiles,
+ *   kc  [B][H][tiles + 1][MHA_BC][dh]
+ *   vt  [B][H][tiles + 1][dh][MHA_BC]
+ *   fin [B][H][tiles + 1]               1.0 if the key tile is finite
+ */
+int64_t mha_attn_bwd_packed(int64_t B, int64_t H, int64_t Lk, int64_t dh)
+{
+    return mha_attn_packed(B, H, Lk, dh);
+}
+
+static const float *bwd_packed_kc(const mha_attn *a, const mha_attn_grad *g,
+                                  int64_t b, int64_t h, int64_t t)
+{
+    return g->packed + ((b * a->H + h) * tiles_of(a) + t) * MHA_BC * a->dh;
+}
+
+static const float *bwd_packed_vt(const mha_attn *a, const mha_attn_grad *g,
+                                  int64_t b, int64_t h, int64_t t)
+{
+    const int64_t all = a->B * a->H * tiles_of(a) * MHA_BC * a->dh;
+    return g->packed + all +
+           ((b * a->H + h) * tiles_of(a) + t) * MHA_BC * a->dh;
+}
+
+static const float *bwd_packed_finite(const mha_attn *a,
+                                      const mha_attn_grad *g, int64_t b,
+                                      int64_t h, int64_t t)
+{
+    const int64_t all = a->B * a->H * tiles_of(a) * MHA_BC * a->dh;
+    return g->packed + 2 * all + (b * a->H + h) * tiles_of(a) + t;
+}
+
+static void bwd_pack_tile(const mha_attn *a, const mha_attn_grad *g,
+                          int64_t item)
+{
+    const int64_t tiles = tiles_of(a), t = item % tiles, bh = item / tiles;
+    const int64_t b = bh / a->H, h = bh % a->H, dh = a->dh;
+    const int extra = t == tiles - 1;
+    const int nc = extra ? (a->bias_k != NULL) + (a->zero_attn != 0)
+                 : (int)(a->Lk - t * MHA_BC < MHA_BC ? a->Lk - t * MHA_BC
+                                                     : MHA_BC);
+    const float *kt = packed_kt(a, b, h, t), *v = packed_v(a, b, h, t);
+    float *kc = (float *)bwd_packed_kc(a, g, b, h, t);
+    float *vt = (float *)bwd_packed_vt(a, g, b, h, t);
+    int finite = 1;
+    for (int c = 0; c < nc; c++)
+        for (int64_t d = 0; d < dh; d++) {
+            kc[c * dh + d] = kt[d * MHA_BC + c];
+            vt[d * MHA_BC + c] = v[c * dh + d];
+            finite &= isfinite(kc[c * dh + d]) != 0;
+        }
+    *(float *)bwd_packed_finite(a, g, b, h, t) = (float)finite;
 }
 
 /* t[c][r] = x[r][c] for r < mr, c < nc (x with row stride MHA_BC). */
@@ -690,13 +743,14 @@ static void bwd_tile(const mha_microkernels *uk, const mha_attn *a,
     }
 
     /* dP~ = dO v^T, from the value tile transposed. */
-    for (int c = 0; c < nc; c++)
-        for (int d = 0; d < dh; d++)
-            w->vt[d * MHA_BC + c] = v[c * dh + d];
-    uk->qk(mr, nc, dh, w->dout, w->vt, MHA_BC, w->dp, MHA_BC);
+    (void)v;
+    const int64_t tile = extra ? tiles_of(a) - 1 : j0 / MHA_BC;
+    const float *vt = bwd_packed_vt(a, g, b, h, tile);
+    const float *kc = bwd_packed_kc(a, g, b, h, tile);
+    const int k_finite = *bwd_packed_finite(a, g, b, h, tile) != 0.0f;
+    uk->qk(mr, nc, dh, w->dout, vt, MHA_BC, w->dp, MHA_BC);
 
     /* P~^T into t (for dv), and dS = P * (dP - delta) into dp. */
-    int k_finite = 1;
     for (int r = 0; r < mr; r++) {
         const int64_t i = i0 + r;
         const float *pr = f->s + r * MHA_BC;
@@ -726,14 +780,8 @@ static void bwd_tile(const mha_microkernels *uk, const mha_attn *a,
                                              w->dout, dv_dst, lddv);
 
     /* dq (unscaled: the block's dq is scaled once at the end) += dS k. */
-    for (int c = 0; c < nc; c++)
-        for (int d = 0; d < dh; d++) {
-            const float x = kt[d * MHA_BC + c];
-            w->kc[c * dh + d] = x;
-            k_finite &= isfinite(x) != 0;
-        }
-    (k_finite ? uk->pv : uk->pv_exact)(mr, nc, dh, w->dp, MHA_BC, w->kc,
-                                       f->o, dh);
+    (k_finite ? uk->pv : uk->pv_exact)(mr, nc, dh, w->dp, MHA_BC, kc, f->o,
+                                       dh);
     /* dk += dS^T (scale q): qs already holds the scaled rows. */
     transpose_tile(w->dp, mr, nc, w->t);
     (w->q_finite ? uk->pv : uk->pv_exact)(nc, mr, dh, w->t, MHA_BR, f->qs,
@@ -901,19 +949,28 @@ void mha_attn_backward(mha_isa isa, const mha_microkernels *uk,
     const int64_t items = a->B * a->H;
     if ((double)a->B * a->H * a->Lq * a->Lt * a->dh < (double)(1 << 20))
         threads = 1;   /* as in the forward: speed only */
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t t = 0; t < items; t++) {
+#pragma omp parallel num_threads(threads)
+    {
         int tid = 0;
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
         float *mine = scratch + tid * per_thread;
-        if (isa == MHA_ISA_REF) {
-            ref_bwd_item(a, g, t / a->H, t % a->H, mine);
-        } else {
-            bwd_scratch w = carve_bwd(mine, a->dh, a->Lt);
-            w.g = g;
-            bwd_item(uk, a, g, t / a->H, t % a->H, &w);
+        if (isa != MHA_ISA_REF) {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < items * tiles_of(a); t++)
+                bwd_pack_tile(a, g, t);
+        }
+        /* (the implicit barrier: every tile is packed) */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < items; t++) {
+            if (isa == MHA_ISA_REF) {
+                ref_bwd_item(a, g, t / a->H, t % a->H, mine);
+            } else {
+                bwd_scratch w = carve_bwd(mine, a->dh, a->Lt);
+                w.g = g;
+                bwd_item(uk, a, g, t / a->H, t % a->H, &w);
+            }
         }
     }
 }

@@ -76,7 +76,11 @@ typedef struct mha_attn_grad {
     float *dq, *dk, *dv;
     int64_t lddq, lddk, lddv;
     float *dbias_k, *dbias_v;
+    float *packed;   /* mha_attn_bwd_packed() floats (flash tiers) */
 } mha_attn_grad;
+
+/* Floats of the backward's own packing of K and V (flash tiers). */
+int64_t mha_attn_bwd_packed(int64_t B, int64_t H, int64_t Lk, int64_t dh);
 
 /* Floats of per-thread scratch for the backward of a tier. */
 int64_t mha_attn_bwd_scratch(mha_isa isa, int64_t dh, int64_t Lt);

@@ -88,7 +88,8 @@ static mha_status check_grads(const mha_forward_args *a,
 }
 
 /* The backward's workspace: dctx (n_q), dq|dk|dv laid out as the forward's
- * projections (n_proj), d bias_k and d bias_v per (b, h), scratch. */
+ * projections (n_proj), d bias_k and d bias_v per (b, h), K and V packed
+ * for the backward, per-thread scratch. */
 static mha_status ensure_workspace(mha_plan *p)
 {
     if (p->bws)
@@ -98,7 +99,10 @@ static mha_status ensure_workspace(mha_plan *p)
     int64_t n_scratch;
     if (!mha_mul_ok(per, p->threads, &n_scratch) || n_scratch > INT64_MAX / 8)
         return mha_set_error(MHA_ERR_OVERFLOW, "backward scratch overflows");
-    p->bws = mha_alloc_floats(s->n_q + p->n_proj + 2 * s->B * s->E + n_scratch,
+    p->n_bpacked = p->isa == MHA_ISA_REF
+                       ? 0 : mha_attn_bwd_packed(s->B, s->H, s->Lk, s->dh);
+    p->bws = mha_alloc_floats(s->n_q + p->n_proj + 2 * s->B * s->E +
+                                  p->n_bpacked + n_scratch,
                               "backward workspace");
     if (!p->bws)
         return MHA_ERR_OUT_OF_MEMORY;
@@ -156,7 +160,8 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
     float *dctx = plan->bws;
     float *dproj = dctx + s->n_q;
     float *dbias = dproj + plan->n_proj;
-    float *scratch = dbias + 2 * s->B * E;
+    float *bpacked = dbias + 2 * s->B * E;
+    float *scratch = bpacked + plan->n_bpacked;
     mha_linear_grad_input(g->grad_out, rows_q, E, E, m->w_o, E, 0.0f, dctx, E);
     float *gp = g->grad_params;
     if (gp)
@@ -172,7 +177,8 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
         .dctx = dctx, .lddc = E, .dq = dq, .dk = dk, .dv = dv,
         .lddq = plan->ldq, .lddk = plan->ldk, .lddv = plan->ldv,
         .dbias_k = m->bias_k ? dbias : NULL,
-        .dbias_v = m->bias_k ? dbias + s->B * E : NULL};
+        .dbias_v = m->bias_k ? dbias + s->B * E : NULL,
+        .packed = bpacked};
     mha_attn_backward(plan->isa, plan->uk, &at, &ag, plan->threads, scratch,
                       plan->bwd_per_thread);
 

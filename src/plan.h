@@ -39,7 +39,7 @@ struct mha_plan {
 
     /* The backward's own workspace, allocated by its first call. */
     float *bws;
-    int64_t bwd_per_thread;
+    int64_t bwd_per_thread, n_bpacked;
 };
 
 /* The attention problem of a forward with arguments `a` on this plan. */
