@@ -605,15 +605,17 @@ void mha_attn_run(mha_isa isa, const mha_microkernels *uk, const mha_attn *a,
  *
  *     dv  = P~^T dO
  *     dP~ = dO v^T,   dP = dP~ * D / (1 - p)
- *     dS  = P * (dP - delta),  delta_i = sum_j P_ij dP_ij = dO_i . ctx_i
+ *     dS  = P * (dP - delta),  delta_i = sum_j P_ij dP_ij
  *     dq  = scale dS k,   dk = scale dS^T q
  *
  * The flash tiers recompute P tile by tile from the forward's row stats
  * (m, 1/l), exactly as the forward computed it, so nothing of size Lq x Lk
- * is ever stored.  One work item is one (batch, head): it owns the rows of
- * dq, dk and dv of its head, and walks the query blocks in order, each
- * against its key tiles in order (the forward's for_each_tile), adding
- * into dk and dv.  Every sum therefore has one fixed order, whatever the
+ * is ever stored: a block of 64 query rows caches its own P and dP~ (64 x
+ * Lk each, O(L) per thread) between two sweeps over its key tiles, the
+ * first for delta, the second for the gradients.  One work item is one
+ * (batch, head): it owns the rows of dq, dk and dv of its head, and walks
+ * the query blocks in order, each against its key tiles in order (the
+ * forward's for_each_tile), adding into dk and dv.  Every sum therefore has one fixed order, whatever the
  * thread count.  dS is set to 0 wherever P is 0 (masked keys, rows with no
  * key), so a masked key's NaN cannot reach any gradient.
  */
@@ -623,18 +625,26 @@ typedef struct bwd_scratch {
     float *dout;       /* [BR][dh]  dO of the block                       */
     float *dp;         /* [BR][BC]  dP, then dS                            */
     float *t;          /* [BC][BR]  P~^T, then dS^T                        */
-    float *delta;      /* [BR]                                            */
+    float *acc;        /* [BC][dh]  one tile's share of dq, dk or dv       */
+    float *pc, *dpc;   /* [BR][bwd_cache_width]  the block's P and dP~    */
+    double delta[MHA_BR];
     float *extra;      /* [2][2][dh]  dk, dv of the extra keys            */
     const mha_attn_grad *g;
     int dout_finite, q_finite;
 } bwd_scratch;
+
+/* Columns of a block's cache of P and dP~: every tile of the keys. */
+static int64_t bwd_cache_width(int64_t Lt)
+{
+    return ((Lt + MHA_BC - 1) / MHA_BC + 1) * MHA_BC;
+}
 
 int64_t mha_attn_bwd_scratch(mha_isa isa, int64_t dh, int64_t Lt)
 {
     if (isa == MHA_ISA_REF)   /* bias row; s, P, dq doubles; dk, dv doubles */
         return (Lt + 2) + 2 * (2 * Lt + dh + 2 * Lt * dh) + 2;
     return mha_attn_scratch(isa, dh, Lt) + MHA_BR * dh + 2 * MHA_BR * MHA_BC +
-           MHA_BR + 4 * dh;
+           MHA_BC * dh + 2 * MHA_BR * bwd_cache_width(Lt) + 4 * dh;
 }
 
 static bwd_scratch carve_bwd(float *base, int64_t dh, int64_t Lt)
@@ -644,8 +654,10 @@ static bwd_scratch carve_bwd(float *base, int64_t dh, int64_t Lt)
     w.dout = base + mha_attn_scratch(MHA_ISA_SCALAR, dh, Lt);
     w.dp = w.dout + MHA_BR * dh;
     w.t = w.dp + MHA_BR * MHA_BC;
-    w.delta = w.t + MHA_BC * MHA_BR;
-    w.extra = w.delta + MHA_BR;
+    w.acc = w.t + MHA_BC * MHA_BR;
+    w.pc = w.acc + MHA_BC * dh;
+    w.dpc = w.pc + MHA_BR * bwd_cache_width(Lt);
+    w.extra = w.dpc + MHA_BR * bwd_cache_width(Lt);
     return w;
 }
 
@@ -706,6 +718,14 @@ static void bwd_pack_tile(const mha_attn *a, const mha_attn_grad *g,
     *(float *)bwd_packed_finite(a, g, b, h, t) = (float)finite;
 }
 
+/* dst[r][d] += x[r][d] for r < n, d < dh (dst with row stride ld). */
+static void add_rows(const float *x, int n, int dh, float *dst, int64_t ld)
+{
+    for (int r = 0; r < n; r++)
+        for (int d = 0; d < dh; d++)
+            dst[r * ld + d] += x[r * dh + d];
+}
+
 /* t[c][r] = x[r][c] for r < mr, c < nc (x with row stride MHA_BC). */
 static void transpose_tile(const float *x, int mr, int nc, float *t)
 {
@@ -714,54 +734,93 @@ static void transpose_tile(const float *x, int mr, int nc, float *t)
             t[c * MHA_BR + r] = x[r * MHA_BC + c];
 }
 
-static void bwd_tile(const mha_microkernels *uk, const mha_attn *a,
-                     int64_t b, int64_t h, int64_t i0, int mr, int64_t j0,
-                     int nc, int partial, const float *kt, const float *v,
-                     int finite_v, flash_scratch *f)
+/*
+ * First sweep over a block's tiles: P (exactly as the forward computed it)
+ * and dP~ = dO v^T into the block's cache, and delta_i = sum_j P_ij dP_ij
+ * summed in float64.  delta is computed here rather than as dO_i . ctx_i:
+ * ctx carries the forward's rounding, and an error in delta_i shifts dq_i
+ * by delta's error times a P-weighted mean of k, which does not cancel.
+ */
+static void bwd_probs_tile(const mha_microkernels *uk, const mha_attn *a,
+                           int64_t b, int64_t h, int64_t i0, int mr,
+                           int64_t j0, int nc, int partial, const float *kt,
+                           const float *v, int finite_v, flash_scratch *f)
 {
+    (void)v;
+    (void)finite_v;
+    bwd_scratch *w = (bwd_scratch *)(void *)f;   /* f is its first member */
+    const int dh = (int)a->dh;
+    const int64_t tile = j0 >= a->Lk ? tiles_of(a) - 1 : j0 / MHA_BC;
+    const int64_t ldc = bwd_cache_width(a->Lt);
+    float *pc = w->pc + tile * MHA_BC, *dpc = w->dpc + tile * MHA_BC;
+    const float keep_scale =
+        a->dropout ? (a->p_drop < 1.0f ? 1.0f / (1.0f - a->p_drop) : 0.0f)
+                   : 1.0f;
+
+    uk->qk(mr, nc, dh, f->qs, kt, MHA_BC, f->s, MHA_BC);
+    mask_tile(a, b, i0, mr, j0, nc, partial, f);
+    uk->qk(mr, nc, dh, w->dout, bwd_packed_vt(a, w->g, b, h, tile), MHA_BC,
+           dpc, (int)ldc);
+    for (int r = 0; r < mr; r++) {
+        const int64_t i = i0 + r;
+        const float *st = a->stats + 2 * ((b * a->H + h) * a->Lq + i);
+        float *sr = f->s + r * MHA_BC;
+        float *pr = pc + r * ldc;
+        if (st[0] == -INFINITY) {
+            memset(pr, 0, (size_t)nc * sizeof *pr);
+            continue;
+        }
+        uk->exp_sum(sr, nc, st[0]);
+        uk->scale(sr, nc, st[1]);
+        memcpy(pr, sr, (size_t)nc * sizeof *pr);
+        const float *dr = dpc + r * ldc;
+        double sum = 0.0;
+        for (int c = 0; c < nc; c++)
+            if (pr[c] != 0.0f &&
+                (!a->dropout ||
+                 mha_dropout_keep(a->seed, a->p_drop, b, h, i, j0 + c)))
+                sum += (double)pr[c] * dr[c];
+        w->delta[r] += sum * keep_scale;
+    }
+}
+
+/* Second sweep: dS = P * (dP - delta), and the tile's shares of dv, dq
+ * and dk. */
+static void bwd_grads_tile(const mha_microkernels *uk, const mha_attn *a,
+                           int64_t b, int64_t h, int64_t i0, int mr,
+                           int64_t j0, int nc, int partial, const float *kt,
+                           const float *v, int finite_v, flash_scratch *f)
+{
+    (void)partial;
+    (void)kt;
+    (void)v;
     (void)finite_v;
     bwd_scratch *w = (bwd_scratch *)(void *)f;   /* f is its first member */
     const mha_attn_grad *g = w->g;
     const int dh = (int)a->dh;
     const int extra = j0 >= a->Lk;
+    const int64_t tile = extra ? tiles_of(a) - 1 : j0 / MHA_BC;
+    const int64_t ldc = bwd_cache_width(a->Lt);
+    const float *pc = w->pc + tile * MHA_BC, *dpc = w->dpc + tile * MHA_BC;
+    const float *kc = bwd_packed_kc(a, g, b, h, tile);
+    const int k_finite = *bwd_packed_finite(a, g, b, h, tile) != 0.0f;
     const float keep_scale =
         a->dropout ? (a->p_drop < 1.0f ? 1.0f / (1.0f - a->p_drop) : 0.0f)
                    : 1.0f;
 
-    /* P, exactly as the forward computed it. */
-    uk->qk(mr, nc, dh, f->qs, kt, MHA_BC, f->s, MHA_BC);
-    mask_tile(a, b, i0, mr, j0, nc, partial, f);
-    for (int r = 0; r < mr; r++) {
-        const float *st = a->stats + 2 * ((b * a->H + h) * a->Lq + i0 + r);
-        float *sr = f->s + r * MHA_BC;
-        if (st[0] == -INFINITY) {
-            memset(sr, 0, (size_t)nc * sizeof *sr);
-            continue;
-        }
-        uk->exp_sum(sr, nc, st[0]);
-        uk->scale(sr, nc, st[1]);
-    }
-
-    /* dP~ = dO v^T, from the value tile transposed. */
-    (void)v;
-    const int64_t tile = extra ? tiles_of(a) - 1 : j0 / MHA_BC;
-    const float *vt = bwd_packed_vt(a, g, b, h, tile);
-    const float *kc = bwd_packed_kc(a, g, b, h, tile);
-    const int k_finite = *bwd_packed_finite(a, g, b, h, tile) != 0.0f;
-    uk->qk(mr, nc, dh, w->dout, vt, MHA_BC, w->dp, MHA_BC);
-
     /* P~^T into t (for dv), and dS = P * (dP - delta) into dp. */
     for (int r = 0; r < mr; r++) {
         const int64_t i = i0 + r;
-        const float *pr = f->s + r * MHA_BC;
+        const float *pr = pc + r * ldc, *dpr = dpc + r * ldc;
+        const float delta = (float)w->delta[r];
         float *dr = w->dp + r * MHA_BC;
         for (int c = 0; c < nc; c++) {
-            float pd = pr[c] * keep_scale, dp = dr[c] * keep_scale;
+            float pd = pr[c] * keep_scale, dp = dpr[c] * keep_scale;
             if (a->dropout &&
                 !mha_dropout_keep(a->seed, a->p_drop, b, h, i, j0 + c))
                 pd = dp = 0.0f;
             w->t[c * MHA_BR + r] = pd;
-            dr[c] = pr[c] == 0.0f ? 0.0f : pr[c] * (dp - w->delta[r]);
+            dr[c] = pr[c] == 0.0f ? 0.0f : pr[c] * (dp - delta);
         }
     }
     float *dk_dst, *dv_dst;
@@ -776,19 +835,29 @@ static void bwd_tile(const mha_microkernels *uk, const mha_attn *a,
         lddk = g->lddk;
         lddv = g->lddv;
     }
+    /* Each (block, tile)'s share of dv, dq and dk is summed apart, then
+     * added: two levels of float sums (over 64 rows or keys, then over the
+     * blocks or tiles) instead of one chain as long as Lq or Lk. */
+    memset(w->acc, 0, (size_t)(nc * dh) * sizeof *w->acc);
     (w->dout_finite ? uk->pv : uk->pv_exact)(nc, mr, dh, w->t, MHA_BR,
-                                             w->dout, dv_dst, lddv);
+                                             w->dout, w->acc, dh);
+    add_rows(w->acc, nc, dh, dv_dst, lddv);
 
     /* dq (unscaled: the block's dq is scaled once at the end) += dS k. */
-    (k_finite ? uk->pv : uk->pv_exact)(mr, nc, dh, w->dp, MHA_BC, kc, f->o,
+    memset(w->acc, 0, (size_t)(mr * dh) * sizeof *w->acc);
+    (k_finite ? uk->pv : uk->pv_exact)(mr, nc, dh, w->dp, MHA_BC, kc, w->acc,
                                        dh);
+    add_rows(w->acc, mr, dh, f->o, dh);
     /* dk += dS^T (scale q): qs already holds the scaled rows. */
     transpose_tile(w->dp, mr, nc, w->t);
+    memset(w->acc, 0, (size_t)(nc * dh) * sizeof *w->acc);
     (w->q_finite ? uk->pv : uk->pv_exact)(nc, mr, dh, w->t, MHA_BR, f->qs,
-                                          dk_dst, lddk);
+                                          w->acc, dh);
+    add_rows(w->acc, nc, dh, dk_dst, lddk);
 }
 
-/* delta_i = dO_i . ctx_i for the block's rows, and dO packed. */
+/* dO of the block's rows, packed, and whether it and the block's q are
+ * finite; delta starts at 0 (the first sweep sums it). */
 static void bwd_load_block(const mha_attn *a, const mha_attn_grad *g,
                            int64_t b, int64_t h, int64_t i0, int mr,
                            bwd_scratch *w)
@@ -797,14 +866,11 @@ static void bwd_load_block(const mha_attn *a, const mha_attn_grad *g,
     int fin = 1;
     for (int r = 0; r < mr; r++) {
         const float *src = g->dctx + (b * a->Lq + i0 + r) * g->lddc + h * dh;
-        const float *cx = a->ctx + (b * a->Lq + i0 + r) * a->ldc + h * dh;
-        double dot = 0.0;
         for (int64_t d = 0; d < dh; d++) {
             w->dout[r * dh + d] = src[d];
             fin &= isfinite(src[d]) != 0;
-            dot += (double)src[d] * cx[d];
         }
-        w->delta[r] = (float)dot;
+        w->delta[r] = 0.0;
     }
     w->dout_finite = fin;
     fin = 1;
@@ -849,7 +915,10 @@ static void bwd_item(const mha_microkernels *uk, const mha_attn *a,
         pack_q(a, b, h, i0, mr, w->f.qs);
         bwd_load_block(a, g, b, h, i0, mr, w);
         memset(w->f.o, 0, (size_t)(mr * dh) * sizeof *w->f.o);
-        for_each_tile(uk, a, b, h, i0, mr, 0, a->Lk, 1, &w->f, bwd_tile);
+        for_each_tile(uk, a, b, h, i0, mr, 0, a->Lk, 1, &w->f,
+                      bwd_probs_tile);
+        for_each_tile(uk, a, b, h, i0, mr, 0, a->Lk, 1, &w->f,
+                      bwd_grads_tile);
         for (int r = 0; r < mr; r++) {
             float *dst = g->dq + (b * a->Lq + i0 + r) * g->lddq + h * dh;
             for (int64_t d = 0; d < dh; d++)

@@ -63,9 +63,20 @@ void mha_linear_grad_params(const float *dy, int64_t rows, int64_t n_out,
     }
     if (!db)
         return;
-    if (beta == 0.0f)
-        memset(db, 0, (size_t)n_out * sizeof *db);
-    for (int64_t i = 0; i < rows; i++)
-        for (int64_t o = 0; o < n_out; o++)
-            db[o] += dy[i * lddy + o];
+    /* Column sums in float64, a block of columns at a time: a float32 sum
+     * over thousands of rows would lose digits the GEMMs keep. */
+    enum { COLS = 256 };
+    double acc[COLS];
+    for (int64_t o0 = 0; o0 < n_out; o0 += COLS) {
+        const int64_t n = n_out - o0 < COLS ? n_out - o0 : COLS;
+        for (int64_t o = 0; o < n; o++)
+            acc[o] = beta == 0.0f ? 0.0 : (double)db[o0 + o];
+        for (int64_t i = 0; i < rows; i++) {
+            const float *row = dy + i * lddy + o0;
+            for (int64_t o = 0; o < n; o++)
+                acc[o] += row[o];
+        }
+        for (int64_t o = 0; o < n; o++)
+            db[o0 + o] = (float)acc[o];
+    }
 }

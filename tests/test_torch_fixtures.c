@@ -20,6 +20,26 @@
  *   are exactly 0, as mha.h documents.
  *
  * Nothing we output may be NaN.  One line per case reports the errors.
+ *
+ * The backward: each file also holds a random grad_out G and torch
+ * autograd's gradients of sum(out * G) in float32 and float64
+ * (grad32.<name>, grad64.<name> for every parameter and for query, key,
+ * value; only the summed grad32.query / grad64.query when one tensor is
+ * query, key and value).
+ * mha_backward (grad_out G, every gradient requested, the outputs filled
+ * with NaN first so that an element it fails to write shows) must give, for
+ * every gradient tensor separately,
+ *
+ *       |ours - ref64| <= 3 * max|ref32 - ref64| + FLT_EPSILON * max|ref64|
+ *
+ * (the acceptance criterion of the backward: within 3 x torch-float32's own
+ * error against float64; the floor, one float32 epsilon of the largest
+ * value, only matters where torch32 is nearly exact on a few elements).
+ * Self-attention runs twice: key = value = NULL (grad_query receives the
+ * sum) and key = value = query as pointers (three separate gradients,
+ * summed here).  In the fully masked cases torch's
+ * gradients are NaN; the generator stores those of the documented semantics
+ * there (see make_torch_fixtures.py).
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -32,6 +52,7 @@
 #include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -40,7 +61,7 @@
 #include "mha.h"
 
 #define MIN_FIXTURES 8
-#define MAX_TENSORS 32
+#define MAX_TENSORS 64
 #define MAX_MASKS 2
 #define MAX_NDIM 4
 #define ERRLEN 512
@@ -70,6 +91,7 @@ typedef struct fixture {
     int64_t embed_dim, num_heads, kdim, vdim, batch, q_len, kv_len;
     int bias, add_bias_kv, add_zero_attn;
     mha_weights_mode weights;
+    mha_causal causal;
     fx_tensor t[MAX_TENSORS];
     int nt;
     fx_mask m[MAX_MASKS];
@@ -238,10 +260,10 @@ static double *lex_values(lexer *lx, const char *what, int64_t numel,
 
 static int parse_config(lexer *lx, fixture *f)
 {
-    enum { N_KEYS = 11 };
+    enum { N_KEYS = 12 };
     static const char *const keys[N_KEYS] = {
         "embed_dim", "num_heads", "kdim", "vdim", "bias", "add_bias_kv",
-        "add_zero_attn", "batch", "q_len", "kv_len", "weights"};
+        "add_zero_attn", "batch", "q_len", "kv_len", "weights", "causal"};
     int seen[N_KEYS] = {0};
     int64_t val[N_KEYS] = {0};
 
@@ -287,6 +309,21 @@ static int parse_config(lexer *lx, fixture *f)
                 snprintf(lx->err, ERRLEN,
                          "line %d: weights must be none, average or "
                          "per_head, got '%s'", lx->line, value);
+                return 0;
+            }
+            continue;
+        }
+        if (strcmp(key, "causal") == 0) {
+            if (strcmp(value, "none") == 0)
+                f->causal = MHA_CAUSAL_NONE;
+            else if (strcmp(value, "top_left") == 0)
+                f->causal = MHA_CAUSAL_TOP_LEFT;
+            else if (strcmp(value, "bottom_right") == 0)
+                f->causal = MHA_CAUSAL_BOTTOM_RIGHT;
+            else {
+                snprintf(lx->err, ERRLEN,
+                         "line %d: causal must be none, top_left or "
+                         "bottom_right, got '%s'", lx->line, value);
                 return 0;
             }
             continue;
@@ -476,11 +513,12 @@ static char *read_file(const char *path, char *err)
 static int is_param_name(const char *name)
 {
     static const char *const io[] = {"query", "key", "value", "out32",
-                                     "out64", "weights32", "weights64"};
+                                     "out64", "weights32", "weights64",
+                                     "grad_out"};
     for (size_t i = 0; i < sizeof io / sizeof io[0]; i++)
         if (strcmp(name, io[i]) == 0)
             return 0;
-    return 1;
+    return strncmp(name, "grad32.", 7) != 0 && strncmp(name, "grad64.", 7) != 0;
 }
 
 static int shape_is(const fx_tensor *t, int ndim, int64_t d0, int64_t d1,
@@ -504,6 +542,17 @@ static float *to_floats(const double *v, int64_t n)
     return f;
 }
 
+/* The bound of a comparison: factor * max|ref32 - ref64|
+ * + floor_rel * max|ref64| + floor_abs. */
+typedef struct tolerance {
+    double factor, floor_rel, floor_abs;
+} tolerance;
+static const tolerance TOL_FORWARD = {2.0, 1e-6, 1e-6};
+/* Gradients: 3 x torch32's error, plus one float32 epsilon of the largest
+ * value (the grain of float32 at that size) for the tensors where torch32
+ * happens to be almost exact over a handful of elements. */
+static const tolerance TOL_GRAD = {3.0, FLT_EPSILON, 0.0};
+
 /* The check of one output tensor against torch; see the top of the file. */
 typedef struct cmp_result {
     double err, bound, torch32;   /* torch32: max|ref32 - ref64| */
@@ -514,7 +563,7 @@ typedef struct cmp_result {
 static void compare(const char *cname, const char *what, const float *ours,
                     const fx_tensor *r32, const fx_tensor *r64,
                     const float *nan_value, int64_t nan_period,
-                    cmp_result *res)
+                    const tolerance *tol, cmp_result *res)
 {
     const int64_t n = r64->numel;
     double e32 = 0.0, m64 = 0.0, err = 0.0;
@@ -538,7 +587,8 @@ static void compare(const char *cname, const char *what, const float *ours,
         e32 = fmax(e32, fabs(r32->v[i] - r64->v[i]));
         m64 = fmax(m64, fabs(r64->v[i]));
     }
-    const double bound = 2.0 * e32 + 1e-6 * (1.0 + m64);
+    const double bound =
+        tol->factor * e32 + tol->floor_rel * m64 + tol->floor_abs;
     for (int64_t i = 0; i < n; i++) {
         if (isnan(r64->v[i])) {
             /* A query row with no key: torch says NaN, we say bias / 0. */
@@ -567,6 +617,171 @@ static void compare(const char *cname, const char *what, const float *ours,
                     (long long)worst, (double)ours[worst], r64->v[worst],
                     r32->v[worst], err, bound);
     }
+}
+
+/* The gradient checks of one case: the worst of the per-tensor results. */
+typedef struct grad_summary {
+    double ratio;         /* max over gradients of err / bound            */
+    double vs_torch32;    /* max over gradients of err / max|ref32-ref64| */
+    char worst[128];      /* the gradient with the largest err / bound     */
+    int tensors;          /* gradient tensors compared                     */
+} grad_summary;
+
+/* Compares one gradient we computed with grad32.<name> / grad64.<name>. */
+static int check_grad(const char *cname, const char *variant,
+                      const fixture *f, const char *name, const float *ours,
+                      int64_t numel, grad_summary *sum)
+{
+    char n32[96], n64[96], what[128];
+    snprintf(n32, sizeof n32, "grad32.%s", name);
+    snprintf(n64, sizeof n64, "grad64.%s", name);
+    snprintf(what, sizeof what, "%sgrad %s", variant, name);
+    const fx_tensor *r32 = find_tensor(f, n32), *r64 = find_tensor(f, n64);
+    if (!r32 || !r64) {
+        print_error("%s: fixture lacks %s / %s\n", cname, n32, n64);
+        return 1;
+    }
+    if (r32->numel != numel || r64->numel != numel) {
+        print_error("%s: %s has %lld values, libmha's gradient %lld\n", cname,
+                    n64, (long long)r64->numel, (long long)numel);
+        return 1;
+    }
+    cmp_result r;
+    compare(cname, what, ours, r32, r64, NULL, 1, &TOL_GRAD, &r);
+    if (r.undefined) {
+        print_error("%s: %s has %lld NaN values in the fixture\n", cname, n64,
+                    (long long)r.undefined);
+        r.failures++;
+    }
+    const double ratio = r.err / r.bound;
+    if (!(ratio <= sum->ratio)) {
+        sum->ratio = ratio;
+        snprintf(sum->worst, sizeof sum->worst, "%s", what);
+    }
+    if (r.torch32 > 0.0)
+        sum->vs_torch32 = fmax(sum->vs_torch32, r.err / r.torch32);
+    sum->tensors++;
+    return r.failures;
+}
+
+static float *nan_floats(int64_t n)
+{
+    float *p = malloc((size_t)(n ? n : 1) * sizeof *p);
+    if (p)
+        for (int64_t i = 0; i < n; i++)
+            p[i] = NAN;
+    return p;
+}
+
+/*
+ * mha_backward against torch's gradients.  `a` is the forward of the case
+ * (key = value = query as pointers when `self`).  Returns the failures.
+ */
+static int check_backward(const char *cname, const fixture *f,
+                          const mha_module *mod, const mha_forward_args *a,
+                          int self, grad_summary *sum)
+{
+    int failures = 0;
+    const int64_t E = f->embed_dim, B = f->batch, Lq = f->q_len;
+    const int64_t Lk = f->kv_len;
+    const int64_t nq = B * Lq * E, nk = B * Lk * f->kdim, nv = B * Lk * f->vdim;
+    const int64_t np = mha_param_numel(mod);
+    float *g = NULL, *gp = NULL, *gq = NULL, *gk = NULL, *gv = NULL;
+    memset(sum, 0, sizeof *sum);
+
+#define BFAIL(...)                                                          \
+    do {                                                                    \
+        print_error("%s: ", cname);                                         \
+        print_error(__VA_ARGS__);                                           \
+        print_error("\n");                                                  \
+        failures++;                                                         \
+        goto done;                                                          \
+    } while (0)
+
+    const fx_tensor *tg = find_tensor(f, "grad_out");
+    if (!tg)
+        BFAIL("no grad_out: regenerate the fixtures (/usr/bin/python3 "
+              "tests/fixtures/make_torch_fixtures.py)");
+    if (!shape_is(tg, 3, B, Lq, E, 0))
+        BFAIL("grad_out is not (B, Lq, E)");
+    /* Every gradient in the file is checked: the parameters', query's and,
+     * unless one tensor is all three, key's and value's. */
+    int in_file = 0;
+    for (int i = 0; i < f->nt; i++)
+        in_file += strncmp(f->t[i].name, "grad64.", 7) == 0;
+    if (in_file != mha_param_count(mod) + (self ? 1 : 3))
+        BFAIL("the fixture has %d grad64 tensors, expected %d", in_file,
+              mha_param_count(mod) + (self ? 1 : 3));
+    g = to_floats(tg->v, tg->numel);
+    gp = nan_floats(np);
+    gq = nan_floats(nq);
+    gk = nan_floats(nk);
+    gv = nan_floats(nv);
+    if (!g || !gp || !gq || !gk || !gv)
+        BFAIL("out of memory");
+
+    /* The documented way: key = value = NULL for one tensor. */
+    mha_forward_args fa = *a;
+    fa.out = NULL;
+    fa.attn_weights = NULL;
+    fa.need_weights = MHA_WEIGHTS_NONE;
+    if (self)
+        fa.key = fa.value = NULL;
+    mha_backward_args ba = {0};
+    ba.grad_out = g;
+    ba.grad_query = gq;
+    ba.grad_key = self ? NULL : gk;
+    ba.grad_value = self ? NULL : gv;
+    ba.grad_params = gp;
+    mha_status st = mha_backward(mod, &fa, &ba);
+    if (st != MHA_OK)
+        BFAIL("mha_backward: %s: %s", mha_status_string(st), mha_last_error());
+    for (int i = 0; i < mha_param_count(mod); i++) {
+        mha_param_info info;
+        if (mha_param_info_at(mod, i, &info) != MHA_OK)
+            BFAIL("mha_param_info_at(%d): %s", i, mha_last_error());
+        failures += check_grad(cname, "", f, info.name, gp + info.offset,
+                               info.numel, sum);
+    }
+    failures += check_grad(cname, "", f, "query", gq, nq, sum);
+    if (!self) {
+        failures += check_grad(cname, "", f, "key", gk, nk, sum);
+        failures += check_grad(cname, "", f, "value", gv, nv, sum);
+    }
+
+    if (self) {
+        /* The same tensor as three inputs (pointers equal): three separate
+         * gradients, whose sum is torch's. */
+        fa.key = fa.value = a->query;
+        for (int64_t i = 0; i < np; i++)
+            gp[i] = NAN;
+        for (int64_t i = 0; i < nq; i++)
+            gq[i] = gk[i] = gv[i] = NAN;
+        ba.grad_key = gk;
+        ba.grad_value = gv;
+        st = mha_backward(mod, &fa, &ba);
+        if (st != MHA_OK)
+            BFAIL("mha_backward (key = value = query): %s: %s",
+                  mha_status_string(st), mha_last_error());
+        for (int64_t i = 0; i < nq; i++)
+            gq[i] = (float)((double)gq[i] + (double)gk[i] + (double)gv[i]);
+        for (int i = 0; i < mha_param_count(mod); i++) {
+            mha_param_info info;
+            if (mha_param_info_at(mod, i, &info) != MHA_OK)
+                BFAIL("mha_param_info_at(%d): %s", i, mha_last_error());
+            failures += check_grad(cname, "3-pointer ", f, info.name,
+                                   gp + info.offset, info.numel, sum);
+        }
+        failures += check_grad(cname, "3-pointer ", f, "query", gq, nq, sum);
+    }
+#undef BFAIL
+done:
+    free(g);
+    free(gp);
+    free(gq);
+    free(gk);
+    free(gv);
+    return failures;
 }
 
 /* Runs one parsed case; returns the number of failures (0 = pass). */
@@ -709,6 +924,7 @@ static int run_case(const char *cname, const fixture *f)
         FAIL("mha_total_keys(%lld) = %lld, expected %lld", (long long)Lk,
              (long long)Lt,
              (long long)(Lk + f->add_bias_kv + f->add_zero_attn));
+    a.causal = f->causal;
     a.need_weights = f->weights;
     if (f->weights != MHA_WEIGHTS_NONE) {
         w32 = find_tensor(f, "weights32");
@@ -748,12 +964,15 @@ static int run_case(const char *cname, const fixture *f)
             FAIL("out of memory");
     }
     cmp_result ro, rw = {0};
-    compare(cname, "out", out, o32, o64, obias, E, &ro);
+    compare(cname, "out", out, o32, o64, obias, E, &TOL_FORWARD,
+            &ro);
     failures += ro.failures;
     if (w) {
-        compare(cname, "weights", w, w32, w64, NULL, 1, &rw);
+        compare(cname, "weights", w, w32, w64, NULL, 1, &TOL_FORWARD, &rw);
         failures += rw.failures;
     }
+    grad_summary gs;
+    failures += check_backward(cname, f, mod, &a, self, &gs);
     print_message("%-26s out err %.2g / bound %.2g (ratio %.3f, torch32 "
                   "err %.2g)", cname, ro.err, ro.bound, ro.err / ro.bound,
                   ro.torch32);
@@ -764,6 +983,9 @@ static int run_case(const char *cname, const fixture *f)
     if (ro.undefined)
         print_message("; %lld torch-NaN outputs%s", (long long)ro.undefined,
                       f->bias ? " = out_proj.bias" : " = 0");
+    print_message("\n    %d gradients: worst err/bound %.3f (%s), max "
+                  "err / torch32 err %.2f", gs.tensors, gs.ratio, gs.worst,
+                  gs.vs_torch32);
     print_message("%s\n", failures ? "  FAILED" : "");
 
 #undef FAIL

@@ -19,6 +19,23 @@ over the entries where ref64 is not NaN.  Where ref64 is NaN (a query row
 whose every key is masked: PyTorch 1.13 gives NaN), mha's output row must be
 out_proj.bias (0 without bias) and its weights 0.
 
+The backward, through torch_live_driver (mha_plan_forward +
+mha_plan_backward, checked bitwise against mha_backward): for seeded random
+configurations and a random G, torch autograd's gradients of sum(out * G)
+(every parameter, query, key, value; summed where one tensor serves as
+several inputs), float32 and float64, against the driver's, for every
+gradient tensor separately:
+
+    max|mha - ref64| <= 3 * max|torch32 - ref64| + FLT_EPSILON * max|ref64|
+
+(within 3 x torch-float32's own error; the floor is one float32 epsilon of
+the largest value).  Where a query row has no key, torch's gradients are
+NaN; the reference is then the documented semantics (the row gives
+out_proj.bias and contributes zero gradients), computed by torch autograd
+as in tests/fixtures/make_torch_fixtures.py: the masks merged into one
+additive mask, those rows unblocked, G zero on them, and
+grad out_proj.bias += their G.
+
 Prints one line per case with error / bound, then `N passed, M failed`;
 exits non-zero on any failure.
 """
@@ -50,7 +67,8 @@ MHA, DRIVER = sys.argv[1], sys.argv[2]
 
 passes = 0
 fails = 0
-worst = {"out": 0.0, "weights": 0.0}
+worst = {"out": 0.0, "weights": 0.0, "grads": 0.0}
+FLT_EPSILON = float(np.finfo(np.float32).eps)
 
 
 class CaseFailure(Exception):
@@ -61,8 +79,10 @@ class CaseFailure(Exception):
 # Comparison
 # ---------------------------------------------------------------------------
 
-def compare(what, got, t32, ref):
-    """Checks mha (got) against ref64 with the bound set by torch32.
+def compare(what, got, t32, ref, factor=2.0, floor_rel=1e-6, floor_abs=1e-6,
+            kind=None):
+    """Checks mha (got) against ref64 with the bound set by torch32:
+    factor * max|t32 - ref| + floor_rel * max|ref| + floor_abs.
     Returns the ratio error / bound (NaN entries of ref are skipped)."""
     if got.shape != ref.shape:
         raise CaseFailure("%s: mha shape %s, torch shape %s"
@@ -75,9 +95,11 @@ def compare(what, got, t32, ref):
                           % what)
     err = float(np.max(np.abs(got[fin].astype(np.float64) - ref[fin])))
     err_t = float(np.max(np.abs(t32[fin].astype(np.float64) - ref[fin])))
-    bound = 2.0 * err_t + 1e-6 * (1.0 + float(np.max(np.abs(ref[fin]))))
-    ratio = err / bound
-    worst[what] = max(worst[what], ratio)
+    bound = (factor * err_t + floor_rel * float(np.max(np.abs(ref[fin])))
+             + floor_abs)
+    ratio = err / bound if bound > 0 else (0.0 if err == 0 else float("inf"))
+    kind = kind or what
+    worst[kind] = max(worst[kind], ratio)
     if ratio > 1.0:
         idx = np.unravel_index(np.argmax(np.where(
             fin, np.abs(got.astype(np.float64) - np.nan_to_num(ref)), -1)),
@@ -155,9 +177,13 @@ def make_case(c, rng, tmp):
             if "bias" in name:
                 p.copy_(torch.randn_like(p) * 0.5)
     sd = m.state_dict()
-    meta = {"num_heads": str(H)} if c.get("meta_heads") else None
+    meta = {"num_heads": str(H)} if c.get("meta_heads") else {}
+    if c.get("zero_attn") and c.get("via") == "driver":
+        # the driver has no flag for it: the file says so, as
+        # mha_module_save's files do
+        meta["add_zero_attn"] = "true"
     wpath = os.path.join(tmp, "w.safetensors")
-    st.save(wpath, {k: v.float() for k, v in sd.items()}, meta)
+    st.save(wpath, {k: v.float() for k, v in sd.items()}, meta or None)
 
     Bn = 1 if B is None else B
     lead = () if B is None else (B,)
@@ -165,10 +191,14 @@ def make_case(c, rng, tmp):
     k = rng.randn(*lead, Lk, kdim).astype(np.float32) if cross else None
     v = rng.randn(*lead, Lk, vdim).astype(np.float32) if cross else None
 
+    if c.get("kv_shared"):            # one tensor as key and value
+        assert cross and kdim == vdim
+        v = None
     files = {"query": q}
     if cross:
         files["key"] = k
-        files["value"] = v
+        if v is not None:
+            files["value"] = v
     mha_args, drv_args = [], []
     torch_kw = {}
 
@@ -252,6 +282,8 @@ def make_case(c, rng, tmp):
         blocked = j > i + (Lk - Lq) if am == "causal" else j > i
         torch_kw["attn_mask"] = blocked
         mha_args.append("--causal" if am == "causal" else "--causal-top-left")
+        drv_args += ["--causal",
+                     "bottom_right" if am == "causal" else "top_left"]
 
     if not c.get("meta_heads"):
         mha_args += ["--heads", str(H)]
@@ -342,6 +374,145 @@ def forward_case(c, rng):
             and nmasked == 0:
         raise CaseFailure("the case meant to have a fully masked row has none")
     return r_out, r_w, nmasked
+
+
+# ---------------------------------------------------------------------------
+# The backward
+# ---------------------------------------------------------------------------
+
+def merged_mask(kw, Bn, H, Lq, Lk):
+    """attn_mask and key_padding_mask of torch_kw as one additive float64
+    (Bn*H, Lq, Lk) mask, merged as F.multi_head_attention_forward does."""
+    merged = np.zeros((Bn * H, Lq, Lk))
+    am = kw.get("attn_mask")
+    if am is not None:
+        a = np.where(am, -np.inf, 0.0) if am.dtype == np.bool_ \
+            else am.astype(np.float64)
+        if a.ndim == 3 and a.shape[0] != Bn * H:      # (B, Lq, Lk), H = 1
+            a = np.repeat(a, H, axis=0)
+        merged = merged + a
+    kp = kw.get("key_padding_mask")
+    if kp is not None:
+        k = np.where(kp.reshape(Bn, 1, 1, Lk), -np.inf, 0.0)
+        merged = merged + np.broadcast_to(k, (Bn, H, 1, Lk)).reshape(
+            Bn * H, 1, Lk)
+    return merged
+
+
+def torch_grads(m, q, k, v, kw, G, dtype, nan_rows):
+    """torch autograd's gradients of sum(out * G) in `dtype`, as float64
+    numpy arrays: every parameter by name, then query (key, value for the
+    tensors given; a missing one is the tensor before it, as in the driver).
+    nan_rows: the query rows with no key (see the top of the file)."""
+    mm = copy.deepcopy(m).to(dtype)
+    mm.zero_grad(set_to_none=True)
+
+    def leaf(a):
+        return torch.from_numpy(a).to(dtype).requires_grad_()
+    tq = leaf(q)
+    tk = leaf(k) if k is not None else tq
+    tv = leaf(v) if v is not None else tk
+    g = torch.from_numpy(G).to(dtype)
+    targs = {}
+    for name, a in kw.items():
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        targs[name] = t if a.dtype == np.bool_ else t.to(dtype)
+    emulate = bool(nan_rows.any())
+    if emulate:
+        Bn = 1 if q.ndim == 2 else q.shape[0]
+        H, Lq, Lk = m.num_heads, q.shape[-2], tk.shape[-2]
+        merged = merged_mask(kw, Bn, H, Lq, Lk)
+        full = np.isinf(merged).all(axis=-1).reshape(Bn, H, Lq)
+        if not (full == nan_rows.reshape(Bn, 1, Lq)).all():
+            raise CaseFailure("a query row masked in some heads only: the "
+                              "reference cannot be emulated")
+        merged[full.reshape(Bn * H, Lq)] = 0.0
+        targs = {"attn_mask": torch.from_numpy(merged).to(dtype)}
+        g = g.masked_fill(torch.from_numpy(nan_rows)[..., None], 0.0)
+    out, _ = mm(tq, tk, tv, need_weights=False, **targs)
+    (out * g).sum().backward()
+    params = dict(mm.named_parameters())
+    grads = {}
+    for name in m.state_dict():
+        gr = params[name].grad.detach().clone()
+        if emulate and name == "out_proj.bias":
+            gr += torch.from_numpy(G).to(dtype)[torch.from_numpy(nan_rows)] \
+                .sum(dim=0)
+        grads[name] = gr
+    grads["query"] = tq.grad
+    if k is not None:
+        grads["key"] = tk.grad
+    if v is not None:
+        grads["value"] = tv.grad
+    return {name: t.detach().double().numpy() for name, t in grads.items()}
+
+
+def backward_case(c, rng):
+    """torch_live_driver's forward and gradients against torch's."""
+    with tempfile.TemporaryDirectory(prefix="mha_live_") as tmp:
+        d = make_case(c, rng, tmp)
+        q = d["q"]
+        G = rng.randn(*q.shape[:-1], d["E"]).astype(np.float32)
+        d["files"]["grad_out"] = G
+        paths = {}
+        for name, a in d["files"].items():
+            paths[name] = os.path.join(tmp, name + ".npy")
+            np.save(paths[name], a)
+        out_path = os.path.join(tmp, "out.npy")
+        w_path = os.path.join(tmp, "attn.npy")
+        g_path = os.path.join(tmp, "grads.safetensors")
+        cmd = [DRIVER, "--weights", d["wpath"], "--out", out_path,
+               "--grads-out", g_path]
+        weights = c.get("weights")            # None, "avg", "per_head"
+        if weights:   # the plan's forward writes them before its backward
+            cmd += ["--weights-out", w_path]
+        if weights == "per_head":
+            cmd.append("--per-head")
+        opt = {"query": "--query", "key": "--key", "value": "--value",
+               "attn_mask": "--attn-mask", "key_padding": "--key-padding",
+               "key_lengths": "--key-lengths", "grad_out": "--grad-out"}
+        for name, p in paths.items():
+            cmd += [opt[name], p]
+        cmd += d["drv_args"]
+        run(cmd)
+        out = np.load(out_path)
+        w = np.load(w_path) if weights else None
+        got, _ = st.load(g_path)
+    per_head = weights == "per_head"
+    o32, w32 = run_torch(d["m"], q, d["k"], d["v"], d["torch_kw"], per_head,
+                         torch.float32)
+    o64, w64 = run_torch(d["m"], q, d["k"], d["v"], d["torch_kw"], per_head,
+                         torch.float64)
+    r_out = compare("out", out, o32, o64)
+    if weights:
+        compare("weights", w, w32, w64)
+    nmasked = check_masked_rows(out, w, o64, w64, d["out_bias"], d["E"])
+    if c.get("full_row") and not (c.get("zero_attn") or c.get("bias_kv")) \
+            and nmasked == 0:
+        raise CaseFailure("the case meant to have a fully masked row has none")
+    nan_rows = np.isnan(o64).any(axis=-1)
+    g32 = torch_grads(d["m"], q, d["k"], d["v"], d["torch_kw"], G,
+                      torch.float32, nan_rows)
+    g64 = torch_grads(d["m"], q, d["k"], d["v"], d["torch_kw"], G,
+                      torch.float64, nan_rows)
+    if sorted(got) != sorted(g64):
+        raise CaseFailure("the driver's gradients are %s, torch's %s"
+                          % (list(got), list(g64)))
+    r_grad, worst_name, vs32 = 0.0, None, 0.0
+    for name, ref in g64.items():
+        if not np.isfinite(ref).all():
+            raise CaseFailure("torch float64 gradient of %s is not finite"
+                              % name)
+        if got[name].dtype != np.float32:
+            raise CaseFailure("gradient %s is %s" % (name, got[name].dtype))
+        r = compare("grad " + name, got[name], g32[name], ref, factor=3.0,
+                    floor_rel=FLT_EPSILON, floor_abs=0.0, kind="grads")
+        e32 = float(np.max(np.abs(g32[name] - ref)))
+        if e32 > 0:
+            vs32 = max(vs32, float(np.max(np.abs(got[name] - ref))) / e32)
+        if r >= r_grad:
+            r_grad, worst_name = r, name
+    return r_out, r_grad, worst_name, vs32, nmasked
 
 
 def init_case(c, rng):
@@ -450,6 +621,44 @@ def configurations(rng):
     return cases
 
 
+def backward_configurations(rng):
+    """Seeded random configurations for the backward, all through the
+    driver (the C API).  None leaves a query row without keys by chance:
+    the bool and float masks keep a real key in every row and the causal
+    ones have no key padding; full_row asks for such a row on purpose."""
+    cases = []
+
+    def add(**kw):
+        E, H = pick_dims(rng, kw.pop("E", None), kw.pop("H", None))
+        if kw.get("cross") and "Lk" not in kw:
+            kw["Lk"] = int(rng.randint(1, 8))
+        kw.setdefault("Lq", int(rng.randint(2, 7)))
+        kw.setdefault("B", int(rng.randint(1, 4)))
+        kw.setdefault("meta_heads", len(cases) % 2 == 0)
+        kw.setdefault("bias", True)
+        cases.append(dict(E=E, H=H, via="driver", **kw))
+
+    add()                                                   # self-attention
+    add(B=None, mask="bool3d", weights="per_head")          # unbatched
+    add(cross=True, kdim=5, vdim=7, mask="float3d")         # q/k/v_proj
+    add(cross=True, kv_shared=True, keypad="mask")          # key is value
+    add(bias=False, mask="bool3d", keypad="lengths")
+    add(bias_kv=True, zero_attn=True, cross=True, kdim=3, vdim=9,
+        keypad="lengths", full_row=True)                    # zero key saves
+    add(mask="float2d")
+    add(cross=True, Lq=3, Lk=6, mask="causal", weights="avg")  # bottom-r.
+    add(cross=True, Lq=6, Lk=3, mask="causal_tl")           # top-left
+    add(keypad="mask", full_row=True)                       # no key at all
+    add(E=4, H=4, cross=True, Lq=1, Lk=1)                   # d_h 1, L 1
+    add(E=64, H=8, B=2, Lq=16, mask="bool3d")               # larger
+    # Long rows: sums over a thousand keys or queries, where a float32
+    # chain as long as L (or delta taken from the rounded context) once
+    # made dq, dk, dv and the bias sums several times torch's error.
+    add(E=128, H=2, B=1, Lq=1024)
+    add(E=16, H=2, B=1, cross=True, Lq=2048, Lk=16)
+    return cases
+
+
 def init_configurations():
     return [
         dict(E=8, H=2, seed=1, flags=[]),
@@ -462,8 +671,8 @@ def init_configurations():
 
 
 def describe(c):
-    keys = ["via", "cross", "kdim", "vdim", "bias", "bias_kv", "zero_attn",
-            "mask", "keypad", "full_row", "weights", "meta_heads"]
+    keys = ["via", "cross", "kdim", "vdim", "kv_shared", "bias", "bias_kv",
+            "zero_attn", "mask", "keypad", "full_row", "weights", "meta_heads"]
     parts = ["E=%d H=%d B=%s Lq=%d" % (c["E"], c["H"], c["B"], c["Lq"])]
     if c.get("cross") or "kdim" in c or "vdim" in c:
         parts.append("Lk=%s" % c.get("Lk", 5))
@@ -482,29 +691,42 @@ def main():
     rng = np.random.RandomState(20240601)
     todo = [("forward", c) for c in configurations(rng)]
     todo += [("init", c) for c in init_configurations()]
+    # The backward cases come last, with their own generator, so that the
+    # cases above see the same random numbers as before they were added.
+    brng = np.random.RandomState(20240602)
+    todo += [("backward", c) for c in backward_configurations(brng)]
     for n, (kind, c) in enumerate(todo):
         label = ("init " + " ".join(c["flags"]) + " E=%d H=%d" % (c["E"], c["H"])
                  if kind == "init" else
+                 "backward " + describe(c) if kind == "backward" else
                  ("driver " if c.get("via") == "driver" else "cli ") +
                  describe(c))
         try:
-            if kind == "init":
-                r_out, r_w, nm = init_case(c, rng)
+            if kind == "backward":
+                r_out, r_g, gname, vs32, nm = backward_case(c, brng)
+                msg = "out %.3f  grads %.3f (worst %s; max err / torch32 " \
+                      "err %.2f)" % (r_out, r_g, gname, vs32)
+                if nm:
+                    msg += "  (%d fully masked rows)" % nm
             else:
-                r_out, r_w, nm = forward_case(c, rng)
-            msg = "out %.3f" % r_out
-            if r_w is not None:
-                msg += "  weights %.3f" % r_w
-            if nm:
-                msg += "  (%d fully masked rows: out_proj.bias, weights 0)" % nm
+                if kind == "init":
+                    r_out, r_w, nm = init_case(c, rng)
+                else:
+                    r_out, r_w, nm = forward_case(c, rng)
+                msg = "out %.3f" % r_out
+                if r_w is not None:
+                    msg += "  weights %.3f" % r_w
+                if nm:
+                    msg += "  (%d fully masked rows: out_proj.bias, " \
+                           "weights 0)" % nm
             print("ok   %2d %-62s error/bound: %s" % (n, label, msg))
             passes += 1
         except CaseFailure as e:
             print("FAIL %2d %s: %s" % (n, label, e))
             fails += 1
         sys.stdout.flush()
-    print("worst error/bound: out %.3f, weights %.3f (%.1f s)"
-          % (worst["out"], worst["weights"], time.time() - t0))
+    print("worst error/bound: out %.3f, weights %.3f, gradients %.3f (%.1f s)"
+          % (worst["out"], worst["weights"], worst["grads"], time.time() - t0))
     print("%d passed, %d failed" % (passes, fails))
     return 1 if fails else 0
 
