@@ -352,7 +352,11 @@ MHA_API void mha_plan_free(mha_plan *plan);
  * Dropout is regenerated from (dropout_seed, b, h, i, j): the same keep mask
  * as the forward, never stored.  The attention weights are not
  * differentiated (need_weights is ignored); additive masks are constants.
- * A query row with no key to attend to contributes zero gradients.
+ * A query row with no key to attend to contributes zero gradients.  A
+ * masked key's or value's own gradient rows are zero and its NaN reaches
+ * no input gradient, but the weight gradients (dW_k = dk^T key, ...) read
+ * every input row, as PyTorch's do: NaN or Inf in a masked key or value
+ * row makes dW_k / dW_v non-finite.  Keep padding finite when training.
  * Results are bitwise identical for every num_threads.
  */
 typedef struct mha_backward_args {
