@@ -7,6 +7,7 @@ set -euo pipefail
 packages=(
   build-essential cmake pkg-config   # compiler and build
   libopenblas-dev                    # CBLAS for the projections
+  libopenblas0-openmp                # its OpenMP build: one thread pool
   libcjson-dev                       # JSON of the safetensors header
   libcmocka-dev                      # the C test framework
   valgrind                           # memory checks in the test suite
