@@ -8,6 +8,11 @@
 #
 #   scripts/long_context.sh [path/to/mha]       (default: build/mha)
 #   LONG_CONTEXT_L=8192 scripts/long_context.sh build/mha
+#   scripts/long_context.sh --backward [path/to/mha]
+#
+# --backward: `mha backward` instead (every gradient, from a random
+# grad-output), L = 16384 by default, failing at 2048 MiB or more; the
+# gradient of the query must be (1, L, 512) and finite.
 #
 # Installs nothing; needs a built mha, /usr/bin/time and python3-numpy.
 # Threads are the defaults of `mha forward` (the OpenMP and OpenBLAS
@@ -16,9 +21,14 @@
 # ${TMPDIR:-/tmp}, removed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+backward=0
+if [ "${1:-}" = "--backward" ]; then backward=1; shift; fi
 mha="${1:-build/mha}"
-L="${LONG_CONTEXT_L:-32768}"
-limit_mib=1024
+if [ $backward = 1 ]; then
+  L="${LONG_CONTEXT_L:-16384}"; limit_mib=2048
+else
+  L="${LONG_CONTEXT_L:-32768}"; limit_mib=1024
+fi
 py=/usr/bin/python3
 
 [ -x "$mha" ] || { echo "long_context: no executable '$mha'; build first" \
@@ -39,13 +49,21 @@ import numpy as np
 rng = np.random.default_rng(1)
 L = int(sys.argv[2])
 np.save(sys.argv[1], rng.uniform(-1, 1, (1, L, 512)).astype(np.float32))
+np.save(sys.argv[1].replace("q.npy", "dy.npy"),
+        rng.uniform(-1, 1, (1, L, 512)).astype(np.float32))
 EOF
 
-echo "mha forward: causal self-attention, B=1 L=$L E=512 H=8 ($(du -m "$tmp/q.npy" | cut -f1) MiB query)"
-if ! /usr/bin/time -v -o "$tmp/time.txt" "$mha" forward \
+cmd=forward
+run=(--out "$tmp/o.npy")
+if [ $backward = 1 ]; then
+  cmd=backward
+  run=(--grad-output "$tmp/dy.npy" --out "$tmp/g.safetensors")
+fi
+echo "mha $cmd: causal self-attention, B=1 L=$L E=512 H=8 ($(du -m "$tmp/q.npy" | cut -f1) MiB query)"
+if ! /usr/bin/time -v -o "$tmp/time.txt" "$mha" $cmd \
     --weights "$tmp/w.safetensors" --heads 8 --query "$tmp/q.npy" --causal \
-    --out "$tmp/o.npy"; then
-  echo "long_context: mha forward failed" >&2
+    "${run[@]}"; then
+  echo "long_context: mha $cmd failed" >&2
   cat "$tmp/time.txt" >&2
   exit 1
 fi
@@ -55,10 +73,15 @@ wall=$(sed -n 's/^[[:space:]]*Elapsed (wall clock) time (h:mm:ss or m:ss): //p' 
 user=$(sed -n 's/^[[:space:]]*User time (seconds): //p' "$tmp/time.txt")
 [ -n "$rss_kb" ] || { echo "long_context: no peak RSS in GNU time's report" >&2; exit 1; }
 
-"$py" - "$tmp/o.npy" "$L" <<'EOF'
+"$py" - "$tmp" "$L" $backward <<'EOF'
 import sys
 import numpy as np
-o = np.load(sys.argv[1])
+if sys.argv[3] == "1":
+    sys.path.insert(0, "tests/torch_live")
+    import st   # the spec-written safetensors reader of the live tests
+    o = st.load(sys.argv[1] + "/g.safetensors")[0]["query"]
+else:
+    o = np.load(sys.argv[1] + "/o.npy")
 want = (1, int(sys.argv[2]), 512)
 if o.shape != want or o.dtype != np.float32 or not np.isfinite(o).all():
     sys.exit(f"long_context: output is {o.shape} {o.dtype}, finite: "
