@@ -621,10 +621,9 @@ void mha_attn_run(mha_isa isa, const mha_microkernels *uk, const mha_attn *a,
  */
 
 typedef struct bwd_scratch {
-    flash_scratch f;   /* qs (scaled q), o (the block's dq), s (P), bias */
+    flash_scratch f;   /* qs (scaled q), o (the block's dq), s (P~), bias */
     float *dout;       /* [BR][dh]  dO of the block                       */
     float *dp;         /* [BR][BC]  dP, then dS                            */
-    float *t;          /* [BC][BR]  P~^T, then dS^T                        */
     float *acc;        /* [BC][dh]  one tile's share of dq, dk or dv       */
     float *pc, *dpc;   /* [BR][bwd_cache_width]  the block's P and dP~    */
     double delta[MHA_BR];
@@ -643,7 +642,7 @@ int64_t mha_attn_bwd_scratch(mha_isa isa, int64_t dh, int64_t Lt)
 {
     if (isa == MHA_ISA_REF)   /* bias row; s, P, dq doubles; dk, dv doubles */
         return (Lt + 2) + 2 * (2 * Lt + dh + 2 * Lt * dh) + 2;
-    return mha_attn_scratch(isa, dh, Lt) + MHA_BR * dh + 2 * MHA_BR * MHA_BC +
+    return mha_attn_scratch(isa, dh, Lt) + MHA_BR * dh + MHA_BR * MHA_BC +
            MHA_BC * dh + 2 * MHA_BR * bwd_cache_width(Lt) + 4 * dh;
 }
 
@@ -653,8 +652,7 @@ static bwd_scratch carve_bwd(float *base, int64_t dh, int64_t Lt)
     w.f = carve(base, dh);
     w.dout = base + mha_attn_scratch(MHA_ISA_SCALAR, dh, Lt);
     w.dp = w.dout + MHA_BR * dh;
-    w.t = w.dp + MHA_BR * MHA_BC;
-    w.acc = w.t + MHA_BC * MHA_BR;
+    w.acc = w.dp + MHA_BR * MHA_BC;
     w.pc = w.acc + MHA_BC * dh;
     w.dpc = w.pc + MHA_BR * bwd_cache_width(Lt);
     w.extra = w.dpc + MHA_BR * bwd_cache_width(Lt);
@@ -724,14 +722,6 @@ static void add_rows(const float *x, int n, int dh, float *dst, int64_t ld)
     for (int r = 0; r < n; r++)
         for (int d = 0; d < dh; d++)
             dst[r * ld + d] += x[r * dh + d];
-}
-
-/* t[c][r] = x[r][c] for r < mr, c < nc (x with row stride MHA_BC). */
-static void transpose_tile(const float *x, int mr, int nc, float *t)
-{
-    for (int r = 0; r < mr; r++)
-        for (int c = 0; c < nc; c++)
-            t[c * MHA_BR + r] = x[r * MHA_BC + c];
 }
 
 /*
@@ -808,18 +798,18 @@ static void bwd_grads_tile(const mha_microkernels *uk, const mha_attn *a,
         a->dropout ? (a->p_drop < 1.0f ? 1.0f / (1.0f - a->p_drop) : 0.0f)
                    : 1.0f;
 
-    /* P~^T into t (for dv), and dS = P * (dP - delta) into dp. */
+    /* P~ into s (for dv), and dS = P * (dP - delta) into dp. */
     for (int r = 0; r < mr; r++) {
         const int64_t i = i0 + r;
         const float *pr = pc + r * ldc, *dpr = dpc + r * ldc;
         const float delta = (float)w->delta[r];
-        float *dr = w->dp + r * MHA_BC;
+        float *dr = w->dp + r * MHA_BC, *pt = f->s + r * MHA_BC;
         for (int c = 0; c < nc; c++) {
             float pd = pr[c] * keep_scale, dp = dpr[c] * keep_scale;
             if (a->dropout &&
                 !mha_dropout_keep(a->seed, a->p_drop, b, h, i, j0 + c))
                 pd = dp = 0.0f;
-            w->t[c * MHA_BR + r] = pd;
+            pt[c] = pd;
             dr[c] = pr[c] == 0.0f ? 0.0f : pr[c] * (dp - delta);
         }
     }
@@ -839,8 +829,8 @@ static void bwd_grads_tile(const mha_microkernels *uk, const mha_attn *a,
      * added: two levels of float sums (over 64 rows or keys, then over the
      * blocks or tiles) instead of one chain as long as Lq or Lk. */
     memset(w->acc, 0, (size_t)(nc * dh) * sizeof *w->acc);
-    (w->dout_finite ? uk->pv : uk->pv_exact)(nc, mr, dh, w->t, MHA_BR,
-                                             w->dout, w->acc, dh);
+    (w->dout_finite ? uk->pvt : uk->pvt_exact)(mr, nc, dh, f->s, MHA_BC,
+                                               w->dout, w->acc, dh);
     add_rows(w->acc, nc, dh, dv_dst, lddv);
 
     /* dq (unscaled: the block's dq is scaled once at the end) += dS k. */
@@ -849,10 +839,9 @@ static void bwd_grads_tile(const mha_microkernels *uk, const mha_attn *a,
                                        dh);
     add_rows(w->acc, mr, dh, f->o, dh);
     /* dk += dS^T (scale q): qs already holds the scaled rows. */
-    transpose_tile(w->dp, mr, nc, w->t);
     memset(w->acc, 0, (size_t)(nc * dh) * sizeof *w->acc);
-    (w->q_finite ? uk->pv : uk->pv_exact)(nc, mr, dh, w->t, MHA_BR, f->qs,
-                                          w->acc, dh);
+    (w->q_finite ? uk->pvt : uk->pvt_exact)(mr, nc, dh, w->dp, MHA_BC, f->qs,
+                                            w->acc, dh);
     add_rows(w->acc, nc, dh, dk_dst, lddk);
 }
 

@@ -283,6 +283,60 @@ static void test_pv_exact_shapes(void **state)
 
 /* Rows, keys and value dims split, tiles moved: the same bits; and for
  * finite v, pv == pv_exact bitwise even with many zero weights. */
+/*
+ * pvt (the backward's o += p^T x) is pv applied to p transposed, bit for
+ * bit: the same products summed in the same order.  Checked on every
+ * shape, plain and exact, with zero weights and (for the exact form) NaN
+ * rows of x that only zero weights touch; the canaries after o catch
+ * writes past its nc rows.
+ */
+static void test_pvt_is_pv_transposed(void **state)
+{
+    const mha_microkernels *k = *state;
+    rng_seed(23);
+    enum { LDP = 70 };
+    for (int a = 0; a < COUNT(MRS); a++)
+        for (int b = 0; b < COUNT(NCS); b++)
+            for (int c = 0; c < COUNT(DHS); c++)
+                for (int exact = 0; exact < 2; exact++) {
+                    const int mr = MRS[a], nc = NCS[b], dh = DHS[c];
+                    float *p = malloc(sizeof(float) * (size_t)mr * LDP);
+                    float *pt = malloc(sizeof(float) * (size_t)nc * mr);
+                    float *x = malloc(sizeof(float) * (size_t)mr * dh);
+                    float *o1 = malloc(sizeof(float) * ((size_t)nc * dh + GUARD));
+                    float *o2 = malloc(sizeof(float) * ((size_t)nc * dh + GUARD));
+                    assert_non_null(p); assert_non_null(pt); assert_non_null(x);
+                    assert_non_null(o1); assert_non_null(o2);
+                    for (int r = 0; r < mr; r++) {
+                        const int dead = exact && r % 3 == 1;  /* NaN row */
+                        for (int j = 0; j < LDP; j++)
+                            p[r * LDP + j] = dead || rng_u32() % 4 == 0
+                                                 ? 0.0f : rng_f(-1, 1);
+                        for (int d = 0; d < dh; d++)
+                            x[r * dh + d] = dead ? NAN : rng_f(-2, 2);
+                    }
+                    for (int j = 0; j < nc; j++)
+                        for (int r = 0; r < mr; r++)
+                            pt[j * mr + r] = p[r * LDP + j];
+                    for (int i = 0; i < nc * dh; i++)
+                        o1[i] = o2[i] = rng_f(-1, 1);
+                    for (int g = 0; g < GUARD; g++)
+                        o1[nc * dh + g] = o2[nc * dh + g] = canary();
+                    (exact ? k->pvt_exact : k->pvt)(mr, nc, dh, p, LDP, x, o1,
+                                                    dh);
+                    (exact ? k->pv_exact : k->pv)(nc, mr, dh, pt, mr, x, o2,
+                                                  dh);
+                    assert_memory_equal(o1, o2,
+                                        sizeof(float) * ((size_t)nc * dh + GUARD));
+                    for (int i = 0; exact && i < nc * dh; i++)
+                        assert_false(isnan(o1[i]));
+                    for (int g = 0; g < GUARD; g++)
+                        assert_true(is_canary(o1[nc * dh + g]));
+                    free(p); free(pt); free(x); free(o1); free(o2);
+                }
+}
+
+
 static void test_pv_splits_bitwise(void **state)
 {
     const mha_microkernels *k = *state;
@@ -714,6 +768,7 @@ static void test_names(void **state)
     cmocka_unit_test_prestate(test_pv_shapes, (void *)&table),               \
     cmocka_unit_test_prestate(test_pv_exact_shapes, (void *)&table),         \
     cmocka_unit_test_prestate(test_pv_splits_bitwise, (void *)&table),       \
+    cmocka_unit_test_prestate(test_pvt_is_pv_transposed, (void *)&table),    \
     cmocka_unit_test_prestate(test_pv_exact_nonfinite, (void *)&table),      \
     cmocka_unit_test_prestate(test_exp_accuracy, (void *)&table),            \
     cmocka_unit_test_prestate(test_exp_special, (void *)&table),             \

@@ -5,7 +5,7 @@
  * The driver (src/attention.c) walks query blocks against key tiles with
  * an online softmax; everything that touches O(rows x keys x d_h) data
  * goes through these few functions, so an instruction set is a table of
- * six pointers.  Shapes, all row-major, all small (one tile):
+ * eight pointers.  Shapes, all row-major, all small (one tile):
  *
  *   q   [mr][dh]        query rows of one head, already multiplied by scale
  *   kt  [dh][ldkt]      one key tile, packed transposed: kt[d][c] = K[c][d]
@@ -40,6 +40,15 @@ typedef struct mha_microkernels {
      * NaN or Inf in v[c] reaches only the rows that give it weight. */
     void (*pv_exact)(int mr, int nc, int dh, const float *p, int ldp,
                      const float *v, float *o, int ldo);
+
+    /* The backward's transposed product: o[c][d] += sum_r p[r][c] * x[r][d]
+     * for c < nc, d < dh, the sum over r < mr in ascending order (bitwise
+     * pv applied to p transposed); x [mr][dh] contiguous.  The _exact form
+     * skips p == 0 entries, as pv_exact does. */
+    void (*pvt)(int mr, int nc, int dh, const float *p, int ldp,
+                const float *x, float *o, int ldo);
+    void (*pvt_exact)(int mr, int nc, int dh, const float *p, int ldp,
+                      const float *x, float *o, int ldo);
 
     /* x[c] = exp(x[c] - m) for c < n, returning the sum of the results
      * (in a fixed order).  x may hold -INFINITY (-> 0) and NaN (-> NaN);

@@ -50,8 +50,8 @@ MK_INLINE void st(float *x, __m256 v, int masked, __m256i m)
 
 /* R rows (1..6) x W vectors (1 or 2) of C; masked only with W == 1. */
 MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
-                    int K, const float *A, int lda, const float *B, int ldb,
-                    float *C, int ldc, __m256i m)
+                    int K, const float *A, int lda, int ska, const float *B,
+                    int ldb, float *C, int ldc, __m256i m)
 {
     __m256 acc[6][2];
     for (int r = 0; r < R; r++)
@@ -66,7 +66,8 @@ MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
         for (int w = 0; w < W; w++)
             b[w] = ld(B + (size_t)k * ldb + 8 * w, masked, m);
         for (int r = 0; r < R; r++) {
-            const __m256 a = _mm256_broadcast_ss(A + (size_t)r * lda + k);
+            const __m256 a =
+                _mm256_broadcast_ss(A + (size_t)r * lda + (size_t)k * ska);
             if (mode == MODE_ACC_EXACT) {
                 /* p == 0 (either sign): keep acc as it was, so NaN / Inf in
                  * b never reaches this row.  Same bits as skipping. */
@@ -89,38 +90,39 @@ MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
 /* R rows against all N columns: 16-wide blocks, then one 8-wide, then a
  * masked tail of 1..7. */
 MK_INLINE void panel(const int R, const int mode, int N, int K, const float *A,
-                     int lda, const float *B, int ldb, float *C, int ldc)
+                     int lda, int ska, const float *B, int ldb, float *C,
+                     int ldc)
 {
     const __m256i none = _mm256_setzero_si256();
     int j = 0;
     for (; j + 16 <= N; j += 16)
-        tile(R, 2, 0, mode, K, A, lda, B + j, ldb, C + j, ldc, none);
+        tile(R, 2, 0, mode, K, A, lda, ska, B + j, ldb, C + j, ldc, none);
     if (j + 8 <= N) {
-        tile(R, 1, 0, mode, K, A, lda, B + j, ldb, C + j, ldc, none);
+        tile(R, 1, 0, mode, K, A, lda, ska, B + j, ldb, C + j, ldc, none);
         j += 8;
     }
     if (j < N)
-        tile(R, 1, 1, mode, K, A, lda, B + j, ldb, C + j, ldc,
+        tile(R, 1, 1, mode, K, A, lda, ska, B + j, ldb, C + j, ldc,
              tail_mask(N - j));
 }
 
 /* All M rows: blocks of RMAX rows, then one block of the remainder. */
 MK_INLINE void gemm(const int RMAX, const int mode, int M, int N, int K,
-                    const float *A, int lda, const float *B, int ldb, float *C,
-                    int ldc)
+                    const float *A, int lda, int ska, const float *B, int ldb,
+                    float *C, int ldc)
 {
     int i = 0;
     for (; i + RMAX <= M; i += RMAX)
-        panel(RMAX, mode, N, K, A + (size_t)i * lda, lda, B, ldb,
+        panel(RMAX, mode, N, K, A + (size_t)i * lda, lda, ska, B, ldb,
               C + (size_t)i * ldc, ldc);
     const float *Ai = A + (size_t)i * lda;
     float *Ci = C + (size_t)i * ldc;
     switch (M - i) {
-    case 5: if (RMAX > 5) panel(5, mode, N, K, Ai, lda, B, ldb, Ci, ldc); break;
-    case 4: if (RMAX > 4) panel(4, mode, N, K, Ai, lda, B, ldb, Ci, ldc); break;
-    case 3: panel(3, mode, N, K, Ai, lda, B, ldb, Ci, ldc); break;
-    case 2: panel(2, mode, N, K, Ai, lda, B, ldb, Ci, ldc); break;
-    case 1: panel(1, mode, N, K, Ai, lda, B, ldb, Ci, ldc); break;
+    case 5: if (RMAX > 5) panel(5, mode, N, K, Ai, lda, ska, B, ldb, Ci, ldc); break;
+    case 4: if (RMAX > 4) panel(4, mode, N, K, Ai, lda, ska, B, ldb, Ci, ldc); break;
+    case 3: panel(3, mode, N, K, Ai, lda, ska, B, ldb, Ci, ldc); break;
+    case 2: panel(2, mode, N, K, Ai, lda, ska, B, ldb, Ci, ldc); break;
+    case 1: panel(1, mode, N, K, Ai, lda, ska, B, ldb, Ci, ldc); break;
     default: break;
     }
 }
@@ -129,20 +131,33 @@ MK_INLINE void gemm(const int RMAX, const int mode, int M, int N, int K,
 static void qk_avx2(int mr, int nc, int dh, const float *q, const float *kt,
                     int ldkt, float *s, int lds)
 {
-    gemm(6, MODE_SET, mr, nc, dh, q, dh, kt, ldkt, s, lds);
+    gemm(6, MODE_SET, mr, nc, dh, q, dh, 1, kt, ldkt, s, lds);
 }
 
 static void pv_avx2(int mr, int nc, int dh, const float *p, int ldp,
                     const float *v, float *o, int ldo)
 {
-    gemm(6, MODE_ACC, mr, dh, nc, p, ldp, v, dh, o, ldo);
+    gemm(6, MODE_ACC, mr, dh, nc, p, ldp, 1, v, dh, o, ldo);
 }
 
 /* 4 rows x 16 columns: the compare and the blend need registers too. */
 static void pv_exact_avx2(int mr, int nc, int dh, const float *p, int ldp,
                           const float *v, float *o, int ldo)
 {
-    gemm(4, MODE_ACC_EXACT, mr, dh, nc, p, ldp, v, dh, o, ldo);
+    gemm(4, MODE_ACC_EXACT, mr, dh, nc, p, ldp, 1, v, dh, o, ldo);
+}
+
+/* pT x: A is p read down its columns (row stride 1, k stride ldp). */
+static void pvt_avx2(int mr, int nc, int dh, const float *p, int ldp,
+                     const float *x, float *o, int ldo)
+{
+    gemm(6, MODE_ACC, nc, dh, mr, p, 1, ldp, x, dh, o, ldo);
+}
+
+static void pvt_exact_avx2(int mr, int nc, int dh, const float *p, int ldp,
+                           const float *x, float *o, int ldo)
+{
+    gemm(4, MODE_ACC_EXACT, nc, dh, mr, p, 1, ldp, x, dh, o, ldo);
 }
 
 /* ---- exp ------------------------------------------------------------------
@@ -282,5 +297,5 @@ static float max_avx2(const float *x, int n)
 }
 
 const mha_microkernels mha_microkernels_avx2 = {
-    "avx2",       qk_avx2,    pv_avx2, pv_exact_avx2,
-    exp_sum_avx2, scale_avx2, max_avx2};
+    "avx2",       qk_avx2,    pv_avx2,  pv_exact_avx2, pvt_avx2,
+    pvt_exact_avx2, exp_sum_avx2, scale_avx2, max_avx2};

@@ -52,6 +52,34 @@ static void pv_exact_scalar(int mr, int nc, int dh, const float *p, int ldp,
         }
 }
 
+static void pvt_scalar(int mr, int nc, int dh, const float *p, int ldp,
+                       const float *x, float *o, int ldo)
+{
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nc; c++) {
+            const float pc = p[r * ldp + c];
+            const float *xr = x + r * dh;
+            float *orow = o + c * ldo;
+            for (int d = 0; d < dh; d++)
+                orow[d] += pc * xr[d];
+        }
+}
+
+static void pvt_exact_scalar(int mr, int nc, int dh, const float *p, int ldp,
+                             const float *x, float *o, int ldo)
+{
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nc; c++) {
+            const float pc = p[r * ldp + c];
+            if (pc == 0.0f)
+                continue;
+            const float *xr = x + r * dh;
+            float *orow = o + c * ldo;
+            for (int d = 0; d < dh; d++)
+                orow[d] += pc * xr[d];
+        }
+}
+
 static float exp_sum_scalar(float *x, int n, float m)
 {
     float sum = 0.0f;
@@ -78,5 +106,5 @@ static float max_scalar(const float *x, int n)
 }
 
 const mha_microkernels mha_microkernels_scalar = {
-    "scalar", qk_scalar, pv_scalar, pv_exact_scalar, exp_sum_scalar,
-    scale_scalar, max_scalar};
+    "scalar", qk_scalar, pv_scalar, pv_exact_scalar, pvt_scalar,
+    pvt_exact_scalar, exp_sum_scalar, scale_scalar, max_scalar};
