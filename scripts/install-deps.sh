@@ -10,6 +10,7 @@ packages=(
   libopenblas0-openmp                # its OpenMP build: one thread pool
   libcjson-dev                       # JSON of the safetensors header
   libcmocka-dev                      # the C test framework
+  libpng-dev                         # PNG heatmaps of `mha viz` (the command only)
   valgrind                           # memory checks in the test suite
   clang libomp-14-dev                # ThreadSanitizer build (LLVM OpenMP)
   python3-numpy python3-torch        # the independent oracle (Debian's own)

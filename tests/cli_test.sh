@@ -4,7 +4,7 @@
 # `mha forward` and `mha backward`: each subcommand, each flag, each error
 # path, and that a failing `mha forward` or `mha backward` leaves no output
 # file (nor a temporary one) behind; `mha bench`, with and without
-# --backward.
+# --backward; `mha viz` (tests/check_viz.py, and its errors).
 # Inputs are made by `mha init` and by NumPy (Debian's /usr/bin/python3).
 set -u
 mha="$1"; here="$(cd "$(dirname "$0")" && pwd)"
@@ -578,6 +578,69 @@ for t in 0 -1 abc 5000 2x ""; do
 done
 expect 1 "unknown option '--frob'" -- "$mha" bench "${tiny[@]}" --frob
 expect 1 "option --json takes no value" -- "$mha" bench "${tiny[@]}" --json=1
+
+# ---- mha viz -----------------------------------------------------------------
+# tests/check_viz.py: every --ascii cell's shade and every --png cell's colour
+# against NumPy float64 (the seeds' worked example, a max-pooled 300-token
+# causal map) and mha forward's weights (masks, batch items, extra keys,
+# dropout); the PNG decoded by libpng (png_probe) to the expected size.
+expect 0 "^usage: mha viz" -- "$mha" viz --help
+expect 0 "MAX-POOLED" -- "$mha" viz --help
+expect 0 "viz +every head's attention weights" -- "$mha" --help
+probe="${2:-}"
+if [ -z "$probe" ]; then
+  bad "mha viz --png untested: libpng is missing (scripts/install-deps.sh installs libpng-dev)"
+elif "$py" "$here/check_viz.py" "$mha" "$probe" "$tmp/viz"; then ok
+else bad "mha viz disagrees with NumPy"; fi
+printf 'a b\n' > "$d/tok2.txt"; printf 'a\nb\nc\n' > "$d/tok3.txt"
+printf 'a\n\nc\n' > "$d/tok3b.txt"; printf 'w x y z\n' > "$d/tok4.txt"
+npy "$d/m_b3.npy" "np.ones((3, 3, 3), bool)"
+fail_viz() { fail_in viz "$@"; }  # fail_viz PATTERN ARGS...: nothing written
+P="$d/out/h.png"
+vz=(--weights "$W" --query "$d/q.npy")
+fail_viz "^mha viz: say where to draw: --png FILE and/or --ascii" "${vz[@]}"
+fail_viz "^mha viz: --png needs a file name" "${vz[@]}" --png=
+fail_viz "^mha viz: --weights is required" --query "$d/q.npy" --png "$P"
+fail_viz "^mha viz: unknown option '--out'" "${vz[@]}" --out "$P"
+fail_viz "^mha viz: option --ascii takes no value" "${vz[@]}" --ascii=1
+fail_viz "^mha viz: --batch-index 2 is out of range: the query has batch 2 \(items 0\.\.1\)" \
+  "${vz[@]}" --png "$P" --batch-index 2
+fail_viz "^mha viz: --batch-index 1 is out of range: the query has batch 1" \
+  --weights "$W" --query "$d/q1.npy" --png "$P" --batch-index 1
+fail_viz "^mha viz: --batch-index must be an integer in \[0, .*got '-1'" "${vz[@]}" --png "$P" --batch-index -1
+fail_viz "^mha viz: --tokens .*tok2\.txt has 2 tokens, but the query has 3 positions" \
+  "${vz[@]}" --png "$P" --tokens "$d/tok2.txt"
+fail_viz "^mha viz: --tokens: cannot open .*missing\.txt" "${vz[@]}" --png "$P" --tokens "$d/missing.txt"
+fail_viz "^mha viz: --key-tokens needs --key" "${vz[@]}" --png "$P" --key-tokens "$d/tok3.txt"
+fail_viz "^mha viz: --key-tokens .*tok3\.txt has 3 tokens, but the key has 4 positions" \
+  "${vz[@]}" --key "$d/k.npy" --png "$P" --key-tokens "$d/tok3.txt"
+fail_viz "^mha viz: --query has last dimension 5, expected E = 8" --weights "$W" --query "$d/q5.npy" --png "$P"
+fail_viz "^mha viz: attn_mask has last dimensions \(3, 5\), expected \(Lq=3, Lk=3\)" \
+  "${vz[@]}" --png "$P" --attn-mask "$d/m_bad.npy"
+fail_viz "^mha viz: --attn-mask has batch 3, the query 2" "${vz[@]}" --png "$P" --attn-mask "$d/m_b3.npy"
+fail_viz "^mha viz: key_lengths\[1\] = 9 is outside \[0, Lk=3\]" \
+  "${vz[@]}" --png "$P" --key-lengths "$d/kl_oob.npy" --batch-index 1
+fail_viz "^mha viz: --causal and --causal-top-left exclude each other" "${vz[@]}" --png "$P" --causal --causal-top-left
+fail_viz "^mha viz: --png: cannot create .*nodir/h\.png" "${vz[@]}" --png "$d/nodir/h.png"
+absent "viz into a missing directory" "$d/nodir"
+# A failed rename (the name is a directory) leaves no temporary file.
+mkdir -p "$d/vz/h.png"
+expect 1 "^mha viz: --png: cannot write .*h\.png" -- "$mha" viz "${vz[@]}" --png "$d/vz/h.png"
+if [ "$(ls -A "$d/vz")" = "h.png" ]; then ok; else bad "viz left $(ls -A "$d/vz")"; fi
+# Success: tokens with a blank line, the file replaced, no temporary left.
+expect 0 "^mha viz: wrote .*/vz/a\.png: [0-9]+ x [0-9]+ px, 2 heads and their mean, 3 x 3 cells of 32 px, colour scale 0\.\." \
+  -- "$mha" viz "${vz[@]}" --png "$d/vz/a.png" --tokens "$d/tok3b.txt"
+expect 0 "^mha viz: wrote " -- "$mha" viz "${vz[@]}" --png "$d/vz/a.png" --batch-index 1 --causal
+if [ "$(ls -A "$d/vz" | sort | tr '\n' ' ')" = "a.png h.png " ]; then ok
+else bad "viz left $(ls -A "$d/vz")"; fi
+expect 0 "^a \[ " -- "$mha" viz "${vz[@]}" --ascii --tokens "$d/tok3b.txt"
+expect 0 "^_ \[ " -- "$mha" viz "${vz[@]}" --ascii --tokens "$d/tok3b.txt"
+expect 0 "^    w x y z " -- "$mha" viz "${vz[@]}" --key "$d/k.npy" --ascii --key-tokens "$d/tok4.txt"
+expect 0 "^batch item 1: 2 heads, 3 queries \(rows\) x 5 keys \(columns\)$" \
+  -- "$mha" viz --weights "$W" --query "$d/q.npy" --key "$d/k.npy" --add-zero-attn --ascii --batch-index 1
+# Panels side by side up to $COLUMNS: 3 at 80 columns, 1 at 20.
+expect 0 "^head 1 +head 2 +mean +$" -- "$mha" viz "${vz[@]}" --ascii
+expect 0 "^mean +$" -- env COLUMNS=20 "$mha" viz "${vz[@]}" --ascii
 
 echo "$passes passed, $fails failed"
 [ "$fails" -eq 0 ]

@@ -28,16 +28,16 @@ void tool_heatmaps(FILE *f, const float *const *maps, const char *const *titles,
                    const char *col_labels)
 {
     static const char *shade[] = {" ", "░", "▒", "▓", "█"};
-    const int width = 2 * cols + 5;   /* "x [ " + cells + "]" */
+    const int width = 2 * cols + 5;   /* "x [ " + cells + "]", then 4 blanks */
     for (int m = 0; m < n; m++)
-        fprintf(f, "%-*.*s   ", width, width, titles[m]);
+        fprintf(f, "%-*.*s    ", width, width, titles[m]);
     fputc('\n', f);
     if (col_labels) {
         for (int m = 0; m < n; m++) {
             fputs("    ", f);
             for (int j = 0; j < cols; j++)
                 fprintf(f, "%c ", col_labels[j]);
-            fputs("    ", f);
+            fputs("     ", f);
         }
         fputc('\n', f);
     }
@@ -78,6 +78,8 @@ static void usage(FILE *f)
           "  bench      time the forward pass (or --attention-only, or\n"
           "             forward + backward with --backward): ms, GFLOP/s,\n"
           "             share of the FMA peak\n"
+          "  viz        every head's attention weights as labelled heatmaps:\n"
+          "             a PNG (--png) or the terminal (--ascii)\n"
           "\n"
           "  mha --version     print the version\n"
           "  mha <command> --help\n", f);
@@ -110,6 +112,8 @@ int main(int argc, char **argv)
         return cmd_info(argc - 1, argv + 1);
     if (!strcmp(cmd, "bench"))
         return cmd_bench(argc - 1, argv + 1);
+    if (!strcmp(cmd, "viz"))
+        return cmd_viz(argc - 1, argv + 1);
     fprintf(stderr, "mha: unknown command '%s' (try mha --help)\n", cmd);
     return 2;
 }

@@ -26,11 +26,78 @@ void tool_heatmaps(FILE *f, const float *const *maps, const char *const *titles,
                    int n, int rows, int cols, const char *row_labels,
                    const char *col_labels);
 
+/*
+ * The 5x7 bitmap font of mha viz (font.c), printable ASCII: the bits of
+ * row `row` (0 = top .. 6) of character c, bit 4 the leftmost of 5
+ * columns.  Characters outside ' '..'~' are drawn as '?'.
+ */
+unsigned tool_glyph_row(int c, int row);
+
+/* ---- what mha forward, mha backward and mha viz share (commands.c) ------ */
+
+/* The usage lines of the options they all take, and their descriptions. */
+#define RUN_USAGE_INPUTS                                                     \
+    "--weights W.safetensors [--heads H] --query Q.npy\n"                   \
+    "         [--key K.npy [--value V.npy]] [--attn-mask M.npy]\n"          \
+    "         [--key-mask KM.npy] [--key-lengths KL.npy]\n"                 \
+    "         [--causal | --causal-top-left] [--scale S] [--add-zero-attn]\n" \
+    "         [--train [--dropout P] [--seed S]] [--threads T]\n"
+#define RUN_HELP_INPUTS                                                      \
+    "  --heads H          number of heads (default: __metadata__ num_heads)\n" \
+    "  --query Q.npy      (B, Lq, E) or unbatched (Lq, E), float\n"          \
+    "  --key, --value     (B, Lk, kdim), (B, Lk, vdim); default: the query\n" \
+    "                     (self-attention); --value defaults to --key\n"     \
+    "  --attn-mask M.npy  bool: ALLOW mask, true = may attend (the seeds' and\n" \
+    "                     SDPA's convention; NOT nn.MultiheadAttention's);\n" \
+    "                     float: added to the scores (-inf blocks).\n"        \
+    "                     Shape (Lq, Lk), (B, Lq, Lk) or (B, H, Lq, Lk)\n"   \
+    "  --key-mask KM.npy  (B, Lk) or (Lk) bool, true = real key\n"           \
+    "  --key-lengths KL   (B) integers: keys past each length are masked\n"  \
+    "  --causal           query i sees keys j <= i + Lk - Lq (bottom right)\n" \
+    "  --causal-top-left  query i sees keys j <= i\n"                         \
+    "  --scale S          softmax scale (default 1/sqrt(E/H))\n"              \
+    "  --add-zero-attn    the module was built with add_zero_attn=True\n"     \
+    "  --train            apply dropout P (default: the file's; 0 turns it\n" \
+    "                     off) keyed by --seed S (default 0)\n"               \
+    "  --threads T        attention threads, 1..4096 (default: OpenMP's)\n"
+
+/* The options of all three, first in each one's table (tool_opt, args.h). */
+#define RUN_OPTS                                                             \
+    {"weights", 1, 0}, {"heads", 1, 0}, {"query", 1, 0}, {"key", 1, 0},     \
+    {"value", 1, 0}, {"attn-mask", 1, 0}, {"key-mask", 1, 0},                \
+    {"key-lengths", 1, 0}, {"causal", 0, 0}, {"causal-top-left", 0, 0},     \
+    {"scale", 1, 0}, {"add-zero-attn", 0, 0}, {"train", 0, 0},               \
+    {"dropout", 1, 0}, {"seed", 1, 0}, {"threads", 1, 0}
+
+typedef struct fwd_inputs {
+    mha_tensor *q, *k, *v, *mask, *kmask, *klen;
+} fwd_inputs;
+
+/* A module loaded from --weights, its inputs, and the forward's arguments
+ * (a.out and a.attn_weights are left to the command). */
+typedef struct run_setup {
+    mha_module *m;
+    mha_config c;
+    fwd_inputs in;
+    mha_forward_args a;
+} run_setup;
+
+/*
+ * The module, the inputs and the forward's arguments from the options of
+ * RUN_OPTS (o, n: the command's parsed table); on failure prints, frees
+ * what it made and returns 1.  run_free releases what it loaded.
+ */
+struct tool_opt;
+int run_setup_load(const char *cmd, const struct tool_opt *o, int n,
+                   run_setup *r);
+void run_free(run_setup *r);
+
 int cmd_example(int argc, char **argv);
 int cmd_forward(int argc, char **argv);
 int cmd_backward(int argc, char **argv);
 int cmd_init(int argc, char **argv);
 int cmd_info(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
+int cmd_viz(int argc, char **argv);
 
 #endif
