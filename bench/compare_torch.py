@@ -288,61 +288,51 @@ def main():
         args.training or (QUICK_TRAIN if args.quick else TRAIN_SHAPES))
     causals = (False,) if args.no_causal else (False, True)
     notes, peaks, tiers = [], [], set()
-    attn_res, mod_res, train_res = {}, {}, {}
 
     def settle():
         # Let the other process's spinning BLAS / OpenMP threads go to sleep
         # and the kernel settle after torch's large temporaries are freed.
         time.sleep(1.0)
 
-    for (b, l, h) in attn_shapes:
-        for causal in causals:
-            e, rep = h * HEAD_DIM, repeat_for(args, l)
-            tail = ["--attention-only", "--batch", str(b), "--seq", str(l),
-                    "--embed-dim", str(e), "--heads", str(h)]
-            if causal:
-                tail.append("--causal")
-            j, why = run_mha(args, tail, rep)
-            settle()
-            tmed, _ = torch_attention(args, b, l, h, causal, rep)
-            settle()
-            gflop = 4.0 * b * h * HEAD_DIM * allowed_pairs(l, l, causal) * 1e-9
-            attn_res[(b, l, h, causal)] = (j, tmed, gflop, why)
-            if j:
-                peaks.append(j["peak_gflops"])
-                tiers.add(j["tier"])
+    def measure(shapes, flags, torch_fn):
+        """{(shape..., causal): (mha JSON or None, torch median ms, the
+        table's last column from torch_fn, why mha is n/a)}"""
+        res = {}
+        for shape in shapes:
+            b, l, e, h = shape
+            for causal in causals:
+                rep = repeat_for(args, l)
+                tail = [*flags, "--batch", str(b), "--seq", str(l),
+                        "--embed-dim", str(e), "--heads", str(h)]
+                if causal:
+                    tail.append("--causal")
+                j, why = run_mha(args, tail, rep)
+                settle()
+                tmed, extra = torch_fn(b, l, e, h, causal, rep)
+                settle()
+                res[(*shape, causal)] = (j, tmed, extra, why)
+                if j:
+                    peaks.append(j["peak_gflops"])
+                    tiers.add(j["tier"])
+        return res
 
-    for (b, l, e, h) in mod_shapes:
-        for causal in causals:
-            rep = repeat_for(args, l)
-            tail = ["--batch", str(b), "--seq", str(l), "--embed-dim", str(e),
-                    "--heads", str(h)]
-            if causal:
-                tail.append("--causal")
-            j, why = run_mha(args, tail, rep)
-            settle()
-            tmed, _, path = torch_module(args, b, l, e, h, causal, rep)
-            settle()
-            mod_res[(b, l, e, h, causal)] = (j, tmed, path, why)
-            if j:
-                peaks.append(j["peak_gflops"])
-                tiers.add(j["tier"])
+    def attention(b, l, e, h, causal, rep):
+        tmed, _ = torch_attention(args, b, l, h, causal, rep)
+        gflop = 4.0 * b * h * HEAD_DIM * allowed_pairs(l, l, causal) * 1e-9
+        return tmed, f"{gflop / (tmed * 1e-3):.1f}"
 
-    for (b, l, e, h) in train_shapes:
-        for causal in causals:
-            rep = repeat_for(args, l)
-            tail = ["--backward", "--batch", str(b), "--seq", str(l),
-                    "--embed-dim", str(e), "--heads", str(h)]
-            if causal:
-                tail.append("--causal")
-            j, why = run_mha(args, tail, rep)
-            settle()
-            tmed, _ = torch_training(args, b, l, e, h, causal, rep)
-            settle()
-            train_res[(b, l, e, h, causal)] = (j, tmed, why)
-            if j:
-                peaks.append(j["peak_gflops"])
-                tiers.add(j["tier"])
+    def module(b, l, e, h, causal, rep):
+        tmed, _, path = torch_module(args, b, l, e, h, causal, rep)
+        return tmed, path
+
+    def training(b, l, e, h, causal, rep):
+        return torch_training(args, b, l, e, h, causal, rep)[0], None
+
+    attn_res = {(b, l, h, c): r for (b, l, e, h, c), r in measure(
+        [(b, l, h * HEAD_DIM, h) for b, l, h in attn_shapes],
+        ["--attention-only"], attention).items()}
+    mod_res = measure(mod_shapes, [], module)
+    train_res = measure(train_shapes, ["--backward"], training)
 
     peak = ""
     if peaks:   # each mha bench run measures its own
@@ -358,61 +348,35 @@ def main():
     print("environment: " + (" ".join(tuning) if tuning else
                              "no thread-tuning variables set (defaults)"))
 
-    if attn_res:
-        head = ["attention only (d_h=64)", "causal", "mha ms", "torch ms",
-                "torch/mha", "mha GFLOP/s", "% peak", "torch GFLOP/s"]
+    def table(title, head, res, name_of):
         rows = []
-        for (b, l, h, causal), (j, tmed, gflop, why) in attn_res.items():
-            name = f"B={b} L={l} H={h}"
-            tg = f"{gflop / (tmed * 1e-3):.1f}"
+        for key, (j, tmed, extra, why) in res.items():
+            name, causal = name_of(*key[:-1]), key[-1]
+            last = [] if extra is None else [extra]
             if j is None:
                 notes.append((f"{name}{' causal' if causal else ''}", why))
                 rows.append([name, "yes" if causal else "no", "n/a",
-                             f"{tmed:.3f}", "n/a", "n/a", "n/a", tg])
+                             f"{tmed:.3f}", "n/a", "n/a", "n/a", *last])
                 continue
             rows.append([name, "yes" if causal else "no",
                          f"{j['median_ms']:.3f}", f"{tmed:.3f}",
                          f"{tmed / j['median_ms']:.2f}",
                          f"{j['gflops']:.1f}", f"{j['peak_percent']:.1f}",
-                         tg])
-        print_table(args, "Attention only", head, rows)
+                         *last])
+        if rows:
+            print_table(args, title, head, rows)
 
-    if mod_res:
-        head = ["whole module", "causal", "mha ms", "torch ms", "torch/mha",
-                "mha GFLOP/s", "% peak", "torch path"]
-        rows = []
-        for (b, l, e, h, causal), (j, tmed, path, why) in mod_res.items():
-            name = f"B={b} L={l} E={e} H={h}"
-            if j is None:
-                notes.append((f"{name}{' causal' if causal else ''}", why))
-                rows.append([name, "yes" if causal else "no", "n/a",
-                             f"{tmed:.3f}", "n/a", "n/a", "n/a", path])
-                continue
-            rows.append([name, "yes" if causal else "no",
-                         f"{j['median_ms']:.3f}", f"{tmed:.3f}",
-                         f"{tmed / j['median_ms']:.2f}",
-                         f"{j['gflops']:.1f}", f"{j['peak_percent']:.1f}",
-                         path])
-        print_table(args, "Whole module (eval, need_weights=False)", head,
-                    rows)
-
-    if train_res:
-        head = ["training step", "causal", "mha ms", "torch ms", "torch/mha",
-                "mha GFLOP/s", "% peak"]
-        rows = []
-        for (b, l, e, h, causal), (j, tmed, why) in train_res.items():
-            name = f"B={b} L={l} E={e} H={h}"
-            if j is None:
-                notes.append((f"{name}{' causal' if causal else ''}", why))
-                rows.append([name, "yes" if causal else "no", "n/a",
-                             f"{tmed:.3f}", "n/a", "n/a", "n/a"])
-                continue
-            rows.append([name, "yes" if causal else "no",
-                         f"{j['median_ms']:.3f}", f"{tmed:.3f}",
-                         f"{tmed / j['median_ms']:.2f}",
-                         f"{j['gflops']:.1f}", f"{j['peak_percent']:.1f}"])
-        print_table(args, "Training step (forward + backward, all gradients)",
-                    head, rows)
+    common = ["causal", "mha ms", "torch ms", "torch/mha", "mha GFLOP/s",
+              "% peak"]
+    table("Attention only", ["attention only (d_h=64)", *common,
+                             "torch GFLOP/s"], attn_res,
+          lambda b, l, h: f"B={b} L={l} H={h}")
+    table("Whole module (eval, need_weights=False)",
+          ["whole module", *common, "torch path"], mod_res,
+          lambda b, l, e, h: f"B={b} L={l} E={e} H={h}")
+    table("Training step (forward + backward, all gradients)",
+          ["training step", *common], train_res,
+          lambda b, l, e, h: f"B={b} L={l} E={e} H={h}")
 
     print("\ntorch/mha > 1 means mha is faster.")
 

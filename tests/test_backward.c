@@ -52,12 +52,6 @@
 
 /* How a test case builds a mask: kind, rank, and which of the batch and
  * head dimensions are 1 (broadcast). */
-typedef struct mask_spec {
-    mha_mask_kind kind;
-    int ndim;        /* attn: 2, 3, 4; key padding: 1, 2 */
-    int bcast_b;     /* batch dimension of size 1 */
-    int bcast_h;     /* head dimension of size 1 */
-} mask_spec;
 
 /* How query, key and value are passed. */
 typedef enum inputs {
@@ -76,7 +70,7 @@ typedef struct bwd_case {
     float scale, dropout;
     int64_t B, Lq, Lk;
     inputs in;
-    mask_spec attn, pad;
+    tu_mask_spec attn, pad;
     int lengths;        /* pass key_lengths */
     mha_causal causal;
 } bwd_case;
@@ -122,51 +116,6 @@ static const bwd_case CASES[] = {
     {"dropout + extras",     8, 2, 5, 3, 0, 1, 1, 0,     0.5f, 2, 3, 4, CROSS, {0}, {0}, 1, 0},
     {"everything",           8, 2, 3, 5, 0, 1, 1, 0.7f,  0.2f, 2, 4, 5, CROSS, {BLOCK, 4, 0, 1}, {ADD, 2, 0, 0}, 1, BR},
 };
-
-/* A random mask for spec; bools block ~30%, additive gets ~20% -inf and
- * finite values in [-3, 3) elsewhere. */
-static void *make_mask(const mask_spec *s, int64_t B, int64_t H, int64_t Lq,
-                       int64_t Lk, int is_attn, uint64_t seed, mha_mask *out)
-{
-    memset(out, 0, sizeof *out);
-    if (s->kind == MHA_MASK_NONE)
-        return NULL;
-    out->kind = s->kind;
-    out->ndim = s->ndim;
-    int64_t b = s->bcast_b ? 1 : B, h = s->bcast_h ? 1 : H;
-    if (is_attn) {
-        int64_t shape4[4] = {b, h, Lq, Lk};
-        memcpy(out->shape, shape4 + (4 - s->ndim), (size_t)s->ndim * 8);
-        if (s->ndim == 3)
-            out->shape[0] = b;
-    } else {
-        out->shape[0] = s->ndim == 2 ? b : Lk;
-        out->shape[1] = Lk;
-    }
-    int64_t n = tu_numel(out->shape, out->ndim);
-    float *u = malloc((size_t)n * sizeof *u);
-    tu_fill(u, n, seed, 0.0f, 1.0f);
-    void *data;
-    if (s->kind == MHA_MASK_ADDITIVE) {
-        float *v = malloc((size_t)n * sizeof *v);
-        float *g = malloc((size_t)n * sizeof *g);
-        tu_fill(g, n, seed + 99, -3.0f, 3.0f);
-        for (int64_t k = 0; k < n; k++)
-            v[k] = u[k] < 0.2f ? -INFINITY : g[k];
-        free(g);
-        data = v;
-    } else {
-        uint8_t *v = malloc((size_t)n);
-        for (int64_t k = 0; k < n; k++) {
-            int blocked = u[k] < 0.3f;
-            v[k] = (uint8_t)(s->kind == MHA_MASK_BLOCK ? blocked : !blocked);
-        }
-        data = v;
-    }
-    free(u);
-    out->data = data;
-    return data;
-}
 
 static float *fmalloc(int64_t n)
 {
@@ -362,9 +311,9 @@ static void problem_init(problem *p, const bwd_case *c, uint64_t seed)
     case ALL_SAME: a->key = a->value = p->q; break;
     case V_NULL: a->key = p->k; break;
     }
-    p->am = make_mask(&c->attn, p->B, p->H, p->Lq, p->Lk, 1, seed + 4,
+    p->am = tu_make_mask(&c->attn, p->B, p->H, p->Lq, p->Lk, 1, seed + 4,
                       &a->attn_mask);
-    p->pm = make_mask(&c->pad, p->B, p->H, p->Lq, p->Lk, 0, seed + 5,
+    p->pm = tu_make_mask(&c->pad, p->B, p->H, p->Lq, p->Lk, 0, seed + 5,
                       &a->key_padding_mask);
     a->key_lengths = c->lengths ? p->lengths : NULL;
     a->causal = c->causal;
@@ -1049,21 +998,10 @@ static void test_errors(void **state)
     mha_free(m);
 }
 
-/* The tier in use is the one MHA_ISA asks for. */
-static void test_tier(void **state)
-{
-    (void)state;
-    const char *want = getenv("MHA_ISA"), *got = mha_kernel_tier();
-    assert_non_null(got);
-    if (want && *want)
-        assert_string_equal(got, want);
-    print_message("kernel tier: %s\n", got);
-}
-
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_tier),
+        cmocka_unit_test(tu_test_tier),
         cmocka_unit_test(test_checker_is_sensitive),
         cmocka_unit_test(test_gradients),
         cmocka_unit_test(test_fully_masked_rows),

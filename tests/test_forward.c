@@ -25,12 +25,6 @@
 
 /* How a test case builds a mask: kind, rank, and which of the batch and
  * head dimensions are 1 (broadcast). */
-typedef struct mask_spec {
-    mha_mask_kind kind;
-    int ndim;        /* attn: 2, 3, 4; key padding: 1, 2 */
-    int bcast_b;     /* batch dimension of size 1 */
-    int bcast_h;     /* head dimension of size 1 */
-} mask_spec;
 
 typedef struct fwd_case {
     const char *name;
@@ -40,7 +34,7 @@ typedef struct fwd_case {
     int64_t B, Lq, Lk;
     int cross;          /* separate key/value inputs */
     int kv_same;        /* cross, with key and value the same pointer */
-    mask_spec attn, pad;
+    tu_mask_spec attn, pad;
     int lengths;        /* pass key_lengths */
     mha_causal causal;
     mha_weights_mode weights;
@@ -95,50 +89,6 @@ static const fwd_case CASES[] = {
     {"dropout + extras",   8, 2, 5, 7, 0, 1, 1, 0, 0.5f, 2, 4, 6, 1, 0, {0}, {0}, 0, BR, AVG},
 };
 
-/* A random mask for spec; bools block ~30%, additive gets ~20% -inf. */
-static void *make_mask(const mask_spec *s, int64_t B, int64_t H, int64_t Lq,
-                       int64_t Lk, int is_attn, uint64_t seed, mha_mask *out)
-{
-    memset(out, 0, sizeof *out);
-    if (s->kind == MHA_MASK_NONE)
-        return NULL;
-    out->kind = s->kind;
-    out->ndim = s->ndim;
-    int64_t b = s->bcast_b ? 1 : B, h = s->bcast_h ? 1 : H;
-    if (is_attn) {
-        int64_t shape4[4] = {b, h, Lq, Lk};
-        memcpy(out->shape, shape4 + (4 - s->ndim), (size_t)s->ndim * 8);
-        if (s->ndim == 3)
-            out->shape[0] = b;
-    } else {
-        out->shape[0] = s->ndim == 2 ? b : Lk;
-        out->shape[1] = Lk;
-    }
-    int64_t n = tu_numel(out->shape, out->ndim);
-    float *u = malloc((size_t)n * sizeof *u);
-    tu_fill(u, n, seed, 0.0f, 1.0f);
-    void *data;
-    if (s->kind == MHA_MASK_ADDITIVE) {
-        float *v = malloc((size_t)n * sizeof *v);
-        float *g = malloc((size_t)n * sizeof *g);
-        tu_fill(g, n, seed + 99, -3.0f, 3.0f);
-        for (int64_t k = 0; k < n; k++)
-            v[k] = u[k] < 0.2f ? -INFINITY : g[k];
-        free(g);
-        data = v;
-    } else {
-        uint8_t *v = malloc((size_t)n);
-        for (int64_t k = 0; k < n; k++) {
-            int blocked = u[k] < 0.3f;
-            v[k] = (uint8_t)(s->kind == MHA_MASK_BLOCK ? blocked : !blocked);
-        }
-        data = v;
-    }
-    free(u);
-    out->data = data;
-    return data;
-}
-
 static void check_tensor(const char *cname, const char *what, const float *got,
                          const double *ref, const float *naive, int64_t n)
 {
@@ -192,8 +142,8 @@ static void run_case(const fwd_case *c, uint64_t seed)
         a.key = k;
         a.value = c->kv_same ? k : v;
     }
-    void *am = make_mask(&c->attn, B, H, Lq, Lk, 1, seed + 4, &a.attn_mask);
-    void *pm = make_mask(&c->pad, B, H, Lq, Lk, 0, seed + 5,
+    void *am = tu_make_mask(&c->attn, B, H, Lq, Lk, 1, seed + 4, &a.attn_mask);
+    void *pm = tu_make_mask(&c->pad, B, H, Lq, Lk, 0, seed + 5,
                          &a.key_padding_mask);
     a.key_lengths = c->lengths ? lengths : NULL;
     a.causal = c->causal;

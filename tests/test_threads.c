@@ -190,21 +190,10 @@ static void test_plan(void **state)
     mha_free(m);
 }
 
-/* The tier in use is the one MHA_ISA asks for. */
-static void test_tier(void **state)
-{
-    (void)state;
-    const char *want = getenv("MHA_ISA"), *got = mha_kernel_tier();
-    assert_non_null(got);
-    if (want && *want)
-        assert_string_equal(got, want);
-    print_message("kernel tier: %s\n", got);
-}
-
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_tier),
+        cmocka_unit_test(tu_test_tier),
         cmocka_unit_test(test_plan),
         cmocka_unit_test(test_thread_counts),
     };

@@ -258,6 +258,15 @@ static double *lex_values(lexer *lx, const char *what, int64_t numel,
     return v;
 }
 
+/* The index of value among three names, or -1. */
+static int choice(const char *const names[3], const char *value)
+{
+    for (int k = 0; k < 3; k++)
+        if (strcmp(names[k], value) == 0)
+            return k;
+    return -1;
+}
+
 static int parse_config(lexer *lx, fixture *f)
 {
     enum { N_KEYS = 12 };
@@ -298,34 +307,25 @@ static int parse_config(lexer *lx, fixture *f)
             return 0;
         }
         seen[k] = 1;
-        if (strcmp(key, "weights") == 0) {
-            if (strcmp(value, "none") == 0)
-                f->weights = MHA_WEIGHTS_NONE;
-            else if (strcmp(value, "average") == 0)
-                f->weights = MHA_WEIGHTS_AVERAGE;
-            else if (strcmp(value, "per_head") == 0)
-                f->weights = MHA_WEIGHTS_PER_HEAD;
-            else {
-                snprintf(lx->err, ERRLEN,
-                         "line %d: weights must be none, average or "
-                         "per_head, got '%s'", lx->line, value);
+        static const char *const weights[3] = {"none", "average",
+                                               "per_head"};
+        static const char *const causal[3] = {"none", "bottom_right",
+                                              "top_left"};
+        if (strcmp(key, "weights") == 0 || strcmp(key, "causal") == 0) {
+            const int is_w = key[0] == 'w';
+            const int c = choice(is_w ? weights : causal, value);
+            if (c < 0) {
+                snprintf(lx->err, ERRLEN, "line %d: %s must be %s, %s or %s, "
+                         "got '%s'", lx->line, key,
+                         (is_w ? weights : causal)[0],
+                         (is_w ? weights : causal)[1],
+                         (is_w ? weights : causal)[2], value);
                 return 0;
             }
-            continue;
-        }
-        if (strcmp(key, "causal") == 0) {
-            if (strcmp(value, "none") == 0)
-                f->causal = MHA_CAUSAL_NONE;
-            else if (strcmp(value, "top_left") == 0)
-                f->causal = MHA_CAUSAL_TOP_LEFT;
-            else if (strcmp(value, "bottom_right") == 0)
-                f->causal = MHA_CAUSAL_BOTTOM_RIGHT;
-            else {
-                snprintf(lx->err, ERRLEN,
-                         "line %d: causal must be none, top_left or "
-                         "bottom_right, got '%s'", lx->line, value);
-                return 0;
-            }
+            if (is_w)
+                f->weights = (mha_weights_mode)c;   /* NONE, AVERAGE, PER_HEAD */
+            else
+                f->causal = (mha_causal)c;   /* NONE, BOTTOM_RIGHT, TOP_LEFT */
             continue;
         }
         char *end;

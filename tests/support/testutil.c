@@ -1,7 +1,13 @@
 #define _POSIX_C_SOURCE 200809L
 #include "testutil.h"
 
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
 #include <dirent.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -77,4 +83,57 @@ int tu_tmpdir_teardown(void **state)
     }
     rmdir(tu_tmpdir);
     return 0;
+}
+
+void *tu_make_mask(const tu_mask_spec *s, int64_t B, int64_t H, int64_t Lq,
+                   int64_t Lk, int is_attn, uint64_t seed, mha_mask *out)
+{
+    memset(out, 0, sizeof *out);
+    if (s->kind == MHA_MASK_NONE)
+        return NULL;
+    out->kind = s->kind;
+    out->ndim = s->ndim;
+    int64_t b = s->bcast_b ? 1 : B, h = s->bcast_h ? 1 : H;
+    if (is_attn) {
+        int64_t shape4[4] = {b, h, Lq, Lk};
+        memcpy(out->shape, shape4 + (4 - s->ndim), (size_t)s->ndim * 8);
+        if (s->ndim == 3)
+            out->shape[0] = b;
+    } else {
+        out->shape[0] = s->ndim == 2 ? b : Lk;
+        out->shape[1] = Lk;
+    }
+    int64_t n = tu_numel(out->shape, out->ndim);
+    float *u = malloc((size_t)n * sizeof *u);
+    tu_fill(u, n, seed, 0.0f, 1.0f);
+    void *data;
+    if (s->kind == MHA_MASK_ADDITIVE) {
+        float *v = malloc((size_t)n * sizeof *v);
+        float *g = malloc((size_t)n * sizeof *g);
+        tu_fill(g, n, seed + 99, -3.0f, 3.0f);
+        for (int64_t k = 0; k < n; k++)
+            v[k] = u[k] < 0.2f ? -INFINITY : g[k];
+        free(g);
+        data = v;
+    } else {
+        uint8_t *v = malloc((size_t)n);
+        for (int64_t k = 0; k < n; k++) {
+            int blocked = u[k] < 0.3f;
+            v[k] = (uint8_t)(s->kind == MHA_MASK_BLOCK ? blocked : !blocked);
+        }
+        data = v;
+    }
+    free(u);
+    out->data = data;
+    return data;
+}
+
+void tu_test_tier(void **state)
+{
+    (void)state;
+    const char *want = getenv("MHA_ISA"), *got = mha_kernel_tier();
+    assert_non_null(got);
+    if (want && *want)
+        assert_string_equal(got, want);
+    print_message("kernel tier: %s\n", got);
 }

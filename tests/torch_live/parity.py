@@ -572,9 +572,10 @@ def init_case(c, rng):
 # The configurations
 # ---------------------------------------------------------------------------
 
-def configurations(rng):
-    cases = []
-
+def case_adder(rng, cases, **fixed):
+    """add(**kw) appends a case to `cases`: the given fields, `fixed`, and
+    random E, H (unless given), Lq, B (and Lk for cross-attention) drawn
+    from rng in a fixed order, meta_heads alternating, bias on."""
     def add(**kw):
         E, H = pick_dims(rng, kw.pop("E", None), kw.pop("H", None))
         if kw.get("cross") and "Lk" not in kw:
@@ -583,7 +584,13 @@ def configurations(rng):
         kw.setdefault("B", int(rng.randint(1, 4)))
         kw.setdefault("meta_heads", len(cases) % 2 == 0)
         kw.setdefault("bias", True)
-        cases.append(dict(E=E, H=H, **kw))
+        cases.append(dict(E=E, H=H, **fixed, **kw))
+    return add
+
+
+def configurations(rng):
+    cases = []
+    add = case_adder(rng, cases)
 
     add(weights="avg")                                      # plain self-attn
     add(B=None, weights="per_head")                         # unbatched
@@ -627,16 +634,7 @@ def backward_configurations(rng):
     the bool and float masks keep a real key in every row and the causal
     ones have no key padding; full_row asks for such a row on purpose."""
     cases = []
-
-    def add(**kw):
-        E, H = pick_dims(rng, kw.pop("E", None), kw.pop("H", None))
-        if kw.get("cross") and "Lk" not in kw:
-            kw["Lk"] = int(rng.randint(1, 8))
-        kw.setdefault("Lq", int(rng.randint(2, 7)))
-        kw.setdefault("B", int(rng.randint(1, 4)))
-        kw.setdefault("meta_heads", len(cases) % 2 == 0)
-        kw.setdefault("bias", True)
-        cases.append(dict(E=E, H=H, via="driver", **kw))
+    add = case_adder(rng, cases, via="driver")
 
     add()                                                   # self-attention
     add(B=None, mask="bool3d", weights="per_head")          # unbatched
