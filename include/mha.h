@@ -1,14 +1,17 @@
 /*
  * mha.h -- the one public header of libmha, multi-head attention in C.
  *
- *     MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_O^T + b_O
+ *     MultiHead(Q, K, V) = Concat(m_1 head_1, ..., m_H head_H) W_O^T + b_O
  *     head_h             = softmax(Q_h K_h^T * scale + mask) V_h
  *     Q_h, K_h, V_h      = the h-th d_h-wide column block of
  *                          query W_q^T + b_q, key W_k^T + b_k, value W_v^T + b_v
+ *     m_h                = the head mask (1 unless one is given)
  *
  * Conventions used throughout:
  *   - Row-major, batch first.  Shapes are written (dim0, dim1, ...).
- *   - E = embed_dim, H = num_heads, d_h = E / H, kdim/vdim = key/value widths.
+ *   - E = embed_dim, H = num_heads, d_h = head_dim (E / H unless set),
+ *     D = H * d_h the inner width (= E except in pruned modules),
+ *     kdim/vdim = key/value widths.
  *   - Parameters are stored exactly as PyTorch's nn.MultiheadAttention stores
  *     them (names and layouts below), so a state_dict loads with no conversion.
  *   - A linear layer is y = x W^T + b with W stored as [out, in].
@@ -89,7 +92,8 @@ MHA_API const char *mha_last_error(void);
  */
 typedef struct mha_config {
     int64_t embed_dim;  /* E, required, > 0                                 */
-    int64_t num_heads;  /* H, required, > 0, must divide E                  */
+    int64_t num_heads;  /* H, required, > 0, must divide E unless head_dim
+                           is set                                           */
     int64_t kdim;       /* width of key inputs;   0 -> E                    */
     int64_t vdim;       /* width of value inputs; 0 -> E                    */
     int no_bias;        /* nonzero: no in_proj_bias and no out_proj.bias    */
@@ -101,6 +105,10 @@ typedef struct mha_config {
                            only in training mode; 0 -> no dropout           */
     float scale;        /* softmax scale; 0 -> 1 / sqrt(d_h).  Finite.      */
     uint64_t seed;      /* seed of the Xavier initialisation at create      */
+    int64_t head_dim;   /* d_h; 0 -> E / H (then H must divide E).  Set, the
+                           heads' inner width D = H * d_h may differ from E:
+                           what mha_prune_heads makes.  PyTorch's
+                           nn.MultiheadAttention has no such module.        */
 } mha_config;
 
 /* Opaque handle.  One module may be used by several threads at once for
@@ -127,15 +135,16 @@ MHA_API mha_status mha_reset_parameters(mha_module *module, uint64_t seed);
 /*
  * Parameters, named and laid out as in PyTorch's state_dict, in its order:
  *
- *   in_proj_weight   [3E, E]      rows [W_q; W_k; W_v]  when kdim = vdim = E
- *   q_proj_weight    [E, E]                             otherwise,
- *   k_proj_weight    [E, kdim]                          instead of
- *   v_proj_weight    [E, vdim]                          in_proj_weight
- *   in_proj_bias     [3E]         [b_q; b_k; b_v]       unless no_bias
- *   bias_k, bias_v   [1, 1, E]                          with add_bias_kv
- *   out_proj.weight  [E, E]
+ *   in_proj_weight   [3D, E]      rows [W_q; W_k; W_v]  when kdim = vdim = E
+ *   q_proj_weight    [D, E]                             otherwise,
+ *   k_proj_weight    [D, kdim]                          instead of
+ *   v_proj_weight    [D, vdim]                          in_proj_weight
+ *   in_proj_bias     [3D]         [b_q; b_k; b_v]       unless no_bias
+ *   bias_k, bias_v   [1, 1, D]                          with add_bias_kv
+ *   out_proj.weight  [E, D]
  *   out_proj.bias    [E]                                unless no_bias
  *
+ * (D = E in every module PyTorch can make.)
  * Head h owns rows h*d_h .. (h+1)*d_h - 1 of W_q, W_k, W_v (and the same
  * entries of the biases), and columns h*d_h .. (h+1)*d_h - 1 of out_proj.
  */
@@ -175,13 +184,14 @@ MHA_API mha_status mha_param_set(mha_module *module, const char *name,
 
 /*
  * Projection by one of the input projections, for analysis and caching:
- * y (rows, E) = x (rows, in) W^T + b, with in = E, kdim or vdim.
+ * y (rows, D) = x (rows, in) W^T + b, with in = E, kdim or vdim; or by the
+ * output projection, y (rows, E) = x (rows, D) W_O^T + b_O.
  */
 typedef enum mha_projection {
     MHA_PROJ_QUERY = 0,
     MHA_PROJ_KEY = 1,
     MHA_PROJ_VALUE = 2,
-    MHA_PROJ_OUT = 3   /* x is the concatenated heads (rows, E) */
+    MHA_PROJ_OUT = 3   /* x is the concatenated heads (rows, D) */
 } mha_projection;
 MHA_API mha_status mha_project(const mha_module *module, mha_projection which,
                                const float *x, int64_t rows, float *y);
@@ -275,6 +285,13 @@ typedef struct mha_forward_args {
     int training;         /* nonzero: apply dropout (config.dropout)       */
     uint64_t dropout_seed;/* key of the counter-based dropout generator    */
 
+    const float *head_mask;/* (H) finite, or NULL (all ones): head h's
+                             context is multiplied by head_mask[h] before
+                             W_O; 0 removes the head's contribution (head
+                             ablation), and a head of mask 0 costs no
+                             output-projection work.  The attention
+                             weights are not affected.                    */
+
     float *out;           /* (B, Lq, E); may alias query                   */
 } mha_forward_args;
 
@@ -348,6 +365,10 @@ MHA_API void mha_plan_free(mha_plan *plan);
  *       parameter at mha_param_info.offset, in the layout of the parameter
  *       (PyTorch's names and order).  accumulate = 0 overwrites it,
  *       nonzero adds to it (gradient accumulation over micro-batches).
+ *   grad_head_mask (H floats): dL/d head_mask[h] = sum over rows of
+ *       dL/d(m_h head_h) . head_h, at the forward's head_mask (all ones
+ *       when it had none: the "head importance" of Michel et al. 2019).
+ *       Overwritten or accumulated as grad_params is.
  *
  * Dropout is regenerated from (dropout_seed, b, h, i, j): the same keep mask
  * as the forward, never stored.  The attention weights are not
@@ -366,6 +387,7 @@ typedef struct mha_backward_args {
     float *grad_value;      /* (B, Lk, vdim) or NULL                      */
     float *grad_params;     /* mha_param_numel(module) floats, or NULL    */
     int accumulate;         /* nonzero: grad_params += instead of =       */
+    float *grad_head_mask;  /* (H) or NULL; follows accumulate            */
 } mha_backward_args;
 
 /*
@@ -379,16 +401,31 @@ MHA_API mha_status mha_backward(const mha_module *module,
 
 /*
  * The backward of the last mha_plan_forward of this plan, which must have
- * been called with the same `fwd` (the same input pointers, masks, training
- * and dropout_seed; its out must not alias query, key or value).  The
+ * been called with the same `fwd` (the same input pointers, masks,
+ * head_mask, training and dropout_seed; its out must not alias query, key or value).  The
  * plan keeps what the forward computed (the projections, the context and
- * one (max, 1/sum) pair per row and head: O(L * E), never O(L^2)), so only
+ * one (max, 1/sum) pair per row and head: O(L * D), never O(L^2)), so only
  * the backward's own work is done.  The first call allocates the backward
  * workspace, later calls allocate nothing.
  */
 MHA_API mha_status mha_plan_backward(mha_plan *plan,
                                      const mha_forward_args *fwd,
                                      const mha_backward_args *bwd);
+
+/*
+ * Head pruning: a new module with the n_keep heads keep[0..n_keep) of
+ * `module`, in that order (distinct, each in [0, H)): the rows of W_q, W_k,
+ * W_v, of in_proj_bias and of bias_k / bias_v that the head owns, and the
+ * columns of out_proj.weight; out_proj.bias, E, kdim, vdim, d_h, the scale
+ * and the flags unchanged.  Its inner width is D' = n_keep * d_h, so every
+ * projection and the attention cost n_keep / H of the original's, and its
+ * forward equals the original's with head_mask[h] = 1 for a kept head and
+ * 0 for the others (up to float rounding: the sums run over fewer terms).
+ * Removing every head is refused (the output would be out_proj.bias).
+ */
+MHA_API mha_status mha_prune_heads(const mha_module *module,
+                                   const int64_t *keep, int64_t n_keep,
+                                   mha_module **out);
 
 /*
  * The attention kernels in use: "avx2" (AVX2 + FMA, chosen when the CPU and

@@ -1,8 +1,9 @@
 /*
  * backward.c -- the gradients of forward.c's pass, in reverse order:
  *
- *   out = ctx W_o^T + b_o        dctx = dout W_o
- *                                dW_o = dout^T ctx,  db_o = sum_rows dout
+ *   out = (ctx M) W_o^T + b_o    dctx = (dout W_o) M,  dm_h = sum (dout W_o)_h . ctx_h
+ *   (M: the head mask, m_h on   dW_o = dout^T (ctx M),  db_o = sum_rows dout
+ *    head h's columns)
  *   ctx = attention(q, k, v)     dq, dk, dv, d bias_k, d bias_v
  *                                (attention.c: flash-style, from the
  *                                forward's row stats)
@@ -50,12 +51,13 @@ static mha_status check_saved(const mha_plan *p, const mha_forward_args *a)
         a->kv_len != s->kv_len || !same_mask(&a->attn_mask, &s->attn_mask) ||
         !same_mask(&a->key_padding_mask, &s->key_padding_mask) ||
         a->key_lengths != s->key_lengths || a->causal != s->causal ||
+        a->head_mask != s->head_mask ||
         (a->training != 0) != (s->training != 0) ||
         a->dropout_seed != s->dropout_seed)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "the arguments differ from those of the plan's "
-                             "last forward (inputs, masks, causal, training "
-                             "and dropout_seed must be the same)");
+                             "last forward (inputs, masks, head_mask, causal, "
+                             "training and dropout_seed must be the same)");
     const mha_config *c = &p->m->cfg;
     const fwd_shape *sh = &p->shape;
     const int64_t rows_k = sh->B * sh->Lk;
@@ -87,7 +89,7 @@ static mha_status check_grads(const mha_forward_args *a,
     return MHA_OK;
 }
 
-/* The backward's workspace: dctx (n_q), dq|dk|dv laid out as the forward's
+/* The backward's workspace: dctx (n_qd), dq|dk|dv laid out as the forward's
  * projections (n_proj), d bias_k and d bias_v per (b, h), K and V packed
  * for the backward, per-thread scratch. */
 static mha_status ensure_workspace(mha_plan *p)
@@ -101,7 +103,7 @@ static mha_status ensure_workspace(mha_plan *p)
         return mha_set_error(MHA_ERR_OVERFLOW, "backward scratch overflows");
     p->n_bpacked = p->isa == MHA_ISA_REF
                        ? 0 : mha_attn_bwd_packed(s->B, s->H, s->Lk, s->dh);
-    p->bws = mha_alloc_floats(s->n_q + p->n_proj + 2 * s->B * s->E +
+    p->bws = mha_alloc_floats(s->n_qd + p->n_proj + 2 * s->B * s->D +
                                   p->n_bpacked + n_scratch,
                               "backward workspace");
     if (!p->bws)
@@ -125,10 +127,41 @@ static void reduce_bias_kv(const fwd_shape *s, const float *per_b, float beta,
                            float *dst)
 {
     if (beta == 0.0f)
-        memset(dst, 0, (size_t)s->E * sizeof *dst);
+        memset(dst, 0, (size_t)s->D * sizeof *dst);
     for (int64_t b = 0; b < s->B; b++)
-        for (int64_t e = 0; e < s->E; e++)
-            dst[e] += per_b[b * s->E + e];
+        for (int64_t e = 0; e < s->D; e++)
+            dst[e] += per_b[b * s->D + e];
+}
+
+/* dL/dm_h = sum over rows and head h's columns of (dout W_o) . ctx, in
+ * float64, one fixed order. */
+static void head_mask_grad(const fwd_shape *s, const float *dctx,
+                           const float *ctx, float beta, float *g)
+{
+    const int64_t rows = s->B * s->Lq;
+    for (int64_t h = 0; h < s->H; h++) {
+        double acc = beta == 0.0f ? 0.0 : (double)g[h];
+        for (int64_t r = 0; r < rows; r++) {
+            const float *x = dctx + r * s->D + h * s->dh;
+            const float *y = ctx + r * s->D + h * s->dh;
+            for (int64_t d = 0; d < s->dh; d++)
+                acc += (double)x[d] * y[d];
+        }
+        g[h] = (float)acc;
+    }
+}
+
+/* dctx's column block h times m_h: what reaches the attention of head h. */
+static void scale_heads(const fwd_shape *s, const float *head_mask,
+                        float *dctx)
+{
+    const int64_t rows = s->B * s->Lq;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < s->H; h++) {
+            float *x = dctx + r * s->D + h * s->dh;
+            for (int64_t d = 0; d < s->dh; d++)
+                x[d] *= head_mask[h];
+        }
 }
 
 mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
@@ -146,7 +179,8 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
     const mha_module *m = plan->m;
     const mha_config *c = &m->cfg;
     const fwd_shape *s = &plan->shape;
-    const int64_t E = s->E, rows_q = s->B * s->Lq, rows_k = s->B * s->Lk;
+    const int64_t E = s->E, D = s->D;
+    const int64_t rows_q = s->B * s->Lq, rows_k = s->B * s->Lk;
     const float beta = g->accumulate ? 1.0f : 0.0f;
 
     mha_mask_plan mask;
@@ -158,26 +192,31 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
 
     /* The output projection. */
     float *dctx = plan->bws;
-    float *dproj = dctx + s->n_q;
+    float *dproj = dctx + s->n_qd;
     float *dbias = dproj + plan->n_proj;
-    float *bpacked = dbias + 2 * s->B * E;
+    float *bpacked = dbias + 2 * s->B * D;
     float *scratch = bpacked + plan->n_bpacked;
-    mha_linear_grad_input(g->grad_out, rows_q, E, E, m->w_o, E, 0.0f, dctx, E);
+    mha_linear_grad_input(g->grad_out, rows_q, E, E, m->w_o, D, 0.0f, dctx, D);
+    if (g->grad_head_mask)
+        head_mask_grad(s, dctx, at.ctx, beta, g->grad_head_mask);
+    if (a->head_mask)
+        scale_heads(s, a->head_mask, dctx);
     float *gp = g->grad_params;
     if (gp)
-        mha_linear_grad_params(g->grad_out, rows_q, E, E, at.ctx, E, E, beta,
-                               grad_of(m, gp, "out_proj.weight"),
-                               grad_of(m, gp, "out_proj.bias"));
+        mha_linear_grad_params_blocks(g->grad_out, rows_q, E, E, at.ctx, D, D,
+                                      a->head_mask, a->head_mask ? s->H : 1,
+                                      beta, grad_of(m, gp, "out_proj.weight"),
+                                      grad_of(m, gp, "out_proj.bias"));
 
     /* The attention: dq, dk, dv where the forward kept q, k, v. */
     float *dq = dproj + (plan->q - plan->ws);
     float *dk = dproj + (plan->k - plan->ws);
     float *dv = dproj + (plan->v - plan->ws);
     const mha_attn_grad ag = {
-        .dctx = dctx, .lddc = E, .dq = dq, .dk = dk, .dv = dv,
+        .dctx = dctx, .lddc = D, .dq = dq, .dk = dk, .dv = dv,
         .lddq = plan->ldq, .lddk = plan->ldk, .lddv = plan->ldv,
         .dbias_k = m->bias_k ? dbias : NULL,
-        .dbias_v = m->bias_k ? dbias + s->B * E : NULL,
+        .dbias_v = m->bias_k ? dbias + s->B * D : NULL,
         .packed = bpacked};
     mha_attn_backward(plan->isa, plan->uk, &at, &ag, plan->threads, scratch,
                       plan->bwd_per_thread);
@@ -187,26 +226,26 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
         const char *wq = m->packed ? "in_proj_weight" : "q_proj_weight";
         float *dw_q = grad_of(m, gp, wq);
         float *db_q = grad_of(m, gp, "in_proj_bias");
-        float *dw_k = m->packed ? dw_q + E * E : grad_of(m, gp, "k_proj_weight");
-        float *dw_v = m->packed ? dw_q + 2 * E * E
+        float *dw_k = m->packed ? dw_q + D * E : grad_of(m, gp, "k_proj_weight");
+        float *dw_v = m->packed ? dw_q + 2 * D * E
                                 : grad_of(m, gp, "v_proj_weight");
-        float *db_k = db_q ? db_q + E : NULL, *db_v = db_q ? db_q + 2 * E : NULL;
+        float *db_k = db_q ? db_q + D : NULL, *db_v = db_q ? db_q + 2 * D : NULL;
         const float *xq = a->query;
         const float *xk = a->key ? a->key : xq;
         const float *xv = a->value ? a->value : xk;
         if (plan->fuse_qkv) {
-            mha_linear_grad_params(dq, rows_q, 3 * E, 3 * E, xq, E, E, beta,
+            mha_linear_grad_params(dq, rows_q, 3 * D, 3 * D, xq, E, E, beta,
                                    dw_q, db_q);
         } else {
-            mha_linear_grad_params(dq, rows_q, E, plan->ldq, xq, E, E, beta,
+            mha_linear_grad_params(dq, rows_q, D, plan->ldq, xq, E, E, beta,
                                    dw_q, db_q);
             if (plan->fuse_kv) {
-                mha_linear_grad_params(dk, rows_k, 2 * E, 2 * E, xk, E, E,
+                mha_linear_grad_params(dk, rows_k, 2 * D, 2 * D, xk, E, E,
                                        beta, dw_k, db_k);
             } else {
-                mha_linear_grad_params(dk, rows_k, E, plan->ldk, xk, c->kdim,
+                mha_linear_grad_params(dk, rows_k, D, plan->ldk, xk, c->kdim,
                                        c->kdim, beta, dw_k, db_k);
-                mha_linear_grad_params(dv, rows_k, E, plan->ldv, xv, c->vdim,
+                mha_linear_grad_params(dv, rows_k, D, plan->ldv, xv, c->vdim,
                                        c->vdim, beta, dw_v, db_v);
             }
         }
@@ -223,23 +262,23 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
     float *tv = a->value ? g->grad_value : tk;
     if (plan->fuse_qkv && tq && tk == tq && tv == tq) {
         /* [dq | dk | dv] [W_q; W_k; W_v]: one GEMM. */
-        mha_linear_grad_input(dq, rows_q, 3 * E, 3 * E, m->w_q, E, 0.0f, tq,
+        mha_linear_grad_input(dq, rows_q, 3 * D, 3 * D, m->w_q, E, 0.0f, tq,
                               E);
         return MHA_OK;
     }
     if (tq)
-        mha_linear_grad_input(dq, rows_q, E, plan->ldq, m->w_q, E, 0.0f, tq,
+        mha_linear_grad_input(dq, rows_q, D, plan->ldq, m->w_q, E, 0.0f, tq,
                               E);
     if (plan->fuse_kv && tk && tv == tk) {
-        mha_linear_grad_input(dk, rows_k, 2 * E, 2 * E, m->w_k, E,
+        mha_linear_grad_input(dk, rows_k, 2 * D, 2 * D, m->w_k, E,
                               tk == tq ? 1.0f : 0.0f, tk, E);
         return MHA_OK;
     }
     if (tk)
-        mha_linear_grad_input(dk, rows_k, E, plan->ldk, m->w_k, c->kdim,
+        mha_linear_grad_input(dk, rows_k, D, plan->ldk, m->w_k, c->kdim,
                               tk == tq ? 1.0f : 0.0f, tk, c->kdim);
     if (tv)
-        mha_linear_grad_input(dv, rows_k, E, plan->ldv, m->w_v, c->vdim,
+        mha_linear_grad_input(dv, rows_k, D, plan->ldv, m->w_v, c->vdim,
                               tv == tq || tv == tk ? 1.0f : 0.0f, tv, c->vdim);
     return MHA_OK;
 }

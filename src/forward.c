@@ -2,16 +2,19 @@
  * forward.c -- projections -> attention -> output projection.
  *
  * Data flow, with B = batch, Lq / Lk query / key lengths, E = embed_dim,
- * H heads of width d_h = E / H:
+ * H heads of width d_h side by side in D = H * d_h columns (D = E unless
+ * the module was pruned):
  *
- *   query (B,Lq,E)    -- W_q -->  q (B*Lq rows, row stride ldq)
- *   key   (B,Lk,kdim) -- W_k -->  k (B*Lk rows, row stride ldk)
- *   value (B,Lk,vdim) -- W_v -->  v (B*Lk rows, row stride ldv)
+ *   query (B,Lq,E)    -- W_q -->  q (B*Lq rows of D, row stride ldq)
+ *   key   (B,Lk,kdim) -- W_k -->  k (B*Lk rows of D, row stride ldk)
+ *   value (B,Lk,vdim) -- W_v -->  v (B*Lk rows of D, row stride ldv)
  *       (self-attention with one packed in_proj_weight: one GEMM writes
- *        q | k | v side by side, ldq = ldk = ldv = 3E; key == value: one
+ *        q | k | v side by side, ldq = ldk = ldv = 3D; key == value: one
  *        GEMM writes k | v)
  *   attention (attention.c): ctx[b,i, h*d_h ..] = softmax(q k^T s + mask) v
- *   ctx (B*Lq, E)     -- W_o -->  out (B, Lq, E)
+ *   ctx (B*Lq, D)     -- W_o -->  out (B, Lq, E)
+ *       (under a head mask, head h's columns of ctx scaled by m_h: one
+ *        GEMM per head, none for a head of mask 0)
  *
  * Planning is apart from running: mha_plan_create checks the shapes and
  * sizes one workspace; mha_plan_forward checks the data and runs without
@@ -50,6 +53,7 @@ mha_status mha_fwd_check_shapes(const mha_module *m,
     p->E = c->embed_dim;
     p->H = c->num_heads;
     p->dh = m->head_dim;
+    p->D = m->inner_dim;
 
     if (!a->key && c->kdim != c->embed_dim)
         return mha_set_error(MHA_ERR_SHAPE,
@@ -80,8 +84,9 @@ mha_status mha_fwd_check_shapes(const mha_module *m,
 
     /* Every size product that indexes memory, checked once here. */
     int64_t rows_q, rows_k, t, lql;
+    const int64_t wide = p->E > p->D ? p->E : p->D;
     if (!mha_mul_ok(p->B, p->Lq, &rows_q) || !mha_mul_ok(p->B, p->Lk, &rows_k) ||
-        !mha_mul_ok(rows_q, 3 * p->E, &t) || !mha_mul_ok(rows_k, 3 * p->E, &t) ||
+        !mha_mul_ok(rows_q, 3 * wide, &t) || !mha_mul_ok(rows_k, 3 * wide, &t) ||
         !mha_mul_ok(rows_k, c->kdim > c->vdim ? c->kdim : c->vdim, &t) ||
         !mha_mul_ok(p->Lq, p->Lt, &lql) || !mha_mul_ok(lql, p->B, &t) ||
         !mha_mul_ok(t, p->H, &t))
@@ -92,13 +97,14 @@ mha_status mha_fwd_check_shapes(const mha_module *m,
     /* Keep every count below 2^60 so that the workspace sums below cannot
      * overflow either. */
     const int64_t limit = INT64_MAX / 8;
-    if (rows_q * 3 * p->E > limit || rows_k * 3 * p->E > limit || t > limit)
+    if (rows_q * 3 * wide > limit || rows_k * 3 * wide > limit || t > limit)
         return mha_set_error(MHA_ERR_OVERFLOW,
                              "sizes B=%lld Lq=%lld Lk=%lld are too large",
                              (long long)p->B, (long long)p->Lq,
                              (long long)p->Lk);
     p->n_q = rows_q * p->E;
-    p->n_kv = rows_k * p->E;
+    p->n_qd = rows_q * p->D;
+    p->n_kvd = rows_k * p->D;
     p->n_w = a->need_weights == MHA_WEIGHTS_PER_HEAD ? t : lql * p->B;
 
     return MHA_OK;
@@ -130,10 +136,10 @@ mha_status mha_plan_create(const mha_module *m, const mha_forward_args *a,
     if (threads < 1)
         threads = 1;
 
-    /* Self-attention with Lk = Lq may fuse q|k|v (3 n_q); otherwise q and
-     * k|v apart (n_q + 2 n_kv).  The workspace holds the larger. */
-    const int64_t fused = s.Lk == s.Lq ? 3 * s.n_q : 0;
-    const int64_t split = s.n_q + 2 * s.n_kv;
+    /* Self-attention with Lk = Lq may fuse q|k|v (3 n_qd); otherwise q and
+     * k|v apart (n_qd + 2 n_kvd).  The workspace holds the larger. */
+    const int64_t fused = s.Lk == s.Lq ? 3 * s.n_qd : 0;
+    const int64_t split = s.n_qd + 2 * s.n_kvd;
     const int64_t n_proj = fused > split ? fused : split;
     const int64_t per_thread = mha_attn_scratch(isa, s.dh, s.Lt);
     const int64_t n_stats = 2 * s.B * s.H * s.Lq;
@@ -148,7 +154,7 @@ mha_status mha_plan_create(const mha_module *m, const mha_forward_args *a,
     mha_plan *p = calloc(1, sizeof *p);
     if (!p)
         return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate a plan");
-    p->ws = mha_alloc_floats(n_proj + s.n_q + n_stats + n_partials +
+    p->ws = mha_alloc_floats(n_proj + s.n_qd + n_stats + n_partials +
                                  n_packed + n_scratch,
                              "forward workspace");
     if (!p->ws) {
@@ -177,12 +183,12 @@ void mha_plan_free(mha_plan *p)
     free(p);
 }
 
-/* The workspace, in order: projections (n_proj), ctx (n_q), row stats,
+/* The workspace, in order: projections (n_proj), ctx (n_qd), row stats,
  * decoding partials, packed K/V, per-thread scratch. */
 static float *ws_ctx(const mha_plan *p) { return p->ws + p->n_proj; }
 static float *ws_stats(const mha_plan *p)
 {
-    return ws_ctx(p) + p->shape.n_q;
+    return ws_ctx(p) + p->shape.n_qd;
 }
 static float *ws_partials(const mha_plan *p)
 {
@@ -210,11 +216,23 @@ void mha_plan_attn(const mha_plan *plan, const mha_forward_args *a,
         .bias_k = m->bias_k, .bias_v = m->bias_v,
         .zero_attn = c->add_zero_attn, .scale = c->scale, .mask = mask,
         .dropout = a->training && c->dropout > 0.0f, .p_drop = c->dropout,
-        .seed = a->dropout_seed, .ctx = ws_ctx(plan), .ldc = s->E,
+        .seed = a->dropout_seed, .ctx = ws_ctx(plan), .ldc = s->D,
         .stats = ws_stats(plan), .weights = a->need_weights,
         .w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights : NULL,
         .partials = ws_partials(plan), .packed = ws_packed(plan)};
     *at = x;
+}
+
+/* A head mask may hold any finite factors; NULL is all ones. */
+static mha_status check_head_mask(const float *head_mask, int64_t H)
+{
+    if (head_mask)
+        for (int64_t h = 0; h < H; h++)
+            if (!isfinite(head_mask[h]))
+                return mha_set_error(MHA_ERR_NON_FINITE,
+                                     "head_mask[%lld] is %g, must be finite",
+                                     (long long)h, (double)head_mask[h]);
+    return MHA_OK;
 }
 
 mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
@@ -245,11 +263,12 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
                              "need_weights is set but attn_weights is NULL");
     mha_mask_plan mask;
     MHA_CHECK(mha_mask_plan_init(&mask, s.H, s.Lt - s.Lk, a));
+    MHA_CHECK(check_head_mask(a->head_mask, s.H));
 
     const float *query = a->query;
     const float *key = a->key ? a->key : query;
     const float *value = a->value ? a->value : key;
-    const int64_t E = s.E, rows_q = s.B * s.Lq, rows_k = s.B * s.Lk;
+    const int64_t E = s.E, D = s.D, rows_q = s.B * s.Lq, rows_k = s.B * s.Lk;
     /* One GEMM over the query rows serves as keys only when they are the
      * same rows: same pointer and same length. */
     const int fuse_qkv = m->packed && key == query && value == query &&
@@ -261,21 +280,21 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
     int64_t ldq, ldk, ldv;
     if (fuse_qkv) {
         /* Rows of in_proj_weight are [W_q; W_k; W_v]. */
-        mha_linear(query, rows_q, E, E, m->w_q, 3 * E, m->b_q, ws, 3 * E);
-        qp = ws; kp = ws + E; vp = ws + 2 * E;
-        ldq = ldk = ldv = 3 * E;
+        mha_linear(query, rows_q, E, E, m->w_q, 3 * D, m->b_q, ws, 3 * D);
+        qp = ws; kp = ws + D; vp = ws + 2 * D;
+        ldq = ldk = ldv = 3 * D;
     } else {
-        qp = ws; ldq = E;
-        mha_linear(query, rows_q, E, E, m->w_q, E, m->b_q, qp, E);
+        qp = ws; ldq = D;
+        mha_linear(query, rows_q, E, E, m->w_q, D, m->b_q, qp, D);
         if (fuse_kv) {
-            kp = ws + s.n_q; vp = kp + E; ldk = ldv = 2 * E;
-            mha_linear(key, rows_k, E, E, m->w_k, 2 * E, m->b_k, kp, 2 * E);
+            kp = ws + s.n_qd; vp = kp + D; ldk = ldv = 2 * D;
+            mha_linear(key, rows_k, E, E, m->w_k, 2 * D, m->b_k, kp, 2 * D);
         } else {
-            kp = ws + s.n_q; vp = kp + s.n_kv; ldk = ldv = E;
-            mha_linear(key, rows_k, c->kdim, c->kdim, m->w_k, E, m->b_k, kp,
-                       E);
-            mha_linear(value, rows_k, c->vdim, c->vdim, m->w_v, E, m->b_v,
-                       vp, E);
+            kp = ws + s.n_qd; vp = kp + s.n_kvd; ldk = ldv = D;
+            mha_linear(key, rows_k, c->kdim, c->kdim, m->w_k, D, m->b_k, kp,
+                       D);
+            mha_linear(value, rows_k, c->vdim, c->vdim, m->w_v, D, m->b_v,
+                       vp, D);
         }
     }
     if (a->need_weights != MHA_WEIGHTS_NONE)
@@ -289,7 +308,8 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
     mha_attn_run(plan->isa, plan->uk, &at, plan->threads,
                  mha_plan_scratch(plan), plan->per_thread);
 
-    mha_linear(at.ctx, rows_q, E, E, m->w_o, E, m->b_o, a->out, E);
+    mha_linear_blocks(at.ctx, rows_q, D, D, m->w_o, E, m->b_o, a->head_mask,
+                      a->head_mask ? s.H : 1, a->out, E);
     /* What the backward needs is now in the workspace. */
     plan->saved = *a;
     plan->has_saved = 1;

@@ -47,7 +47,8 @@ typedef struct mha_param {
 struct mha_module {
     mha_config cfg;              /* resolved: kdim, vdim, scale filled in */
     int scale_given;             /* cfg.scale was chosen, not the default */
-    int64_t head_dim;            /* d_h = E / H */
+    int64_t head_dim;            /* d_h (E / H unless configured) */
+    int64_t inner_dim;           /* D = H * d_h, the heads side by side */
     int packed;                  /* kdim == vdim == E: in_proj_weight */
     int nparams;
     mha_param param[MHA_MAX_PARAMS];
@@ -55,10 +56,10 @@ struct mha_module {
     int64_t params_numel;
 
     /* Views into params, set once at create (NULL when absent). */
-    const float *w_q, *w_k, *w_v;  /* [E, E], [E, kdim], [E, vdim] */
-    const float *b_q, *b_k, *b_v;  /* [E] each */
-    const float *w_o, *b_o;        /* [E, E], [E] */
-    const float *bias_k, *bias_v;  /* [E] each */
+    const float *w_q, *w_k, *w_v;  /* [D, E], [D, kdim], [D, vdim] */
+    const float *b_q, *b_k, *b_v;  /* [D] each */
+    const float *w_o, *b_o;        /* [E, D], [E] */
+    const float *bias_k, *bias_v;  /* [D] each */
 };
 
 /* ---- GEMM (gemm.c: the only file that calls CBLAS) --------------------- */
@@ -72,6 +73,16 @@ void mha_linear(const float *x, int64_t rows, int64_t n_in, int64_t ldx,
                 const float *w, int64_t n_out, const float *b,
                 float *y, int64_t ldy);
 
+/*
+ * mha_linear with x's n_in columns (and w's) in nblk equal blocks, block t
+ * scaled by scale[t] (scale NULL: all 1), blocks scaled by 0 skipped:
+ *   y = x_0 w_0^T s_0 + ... + b.   The output projection under a head mask.
+ */
+void mha_linear_blocks(const float *x, int64_t rows, int64_t n_in,
+                       int64_t ldx, const float *w, int64_t n_out,
+                       const float *b, const float *scale, int64_t nblk,
+                       float *y, int64_t ldy);
+
 /* The gradients of mha_linear (beta 0: overwrite, 1: add):
  *   dx = dy w,   dw = dy^T x,   db = column sums of dy (db may be NULL). */
 void mha_linear_grad_input(const float *dy, int64_t rows, int64_t n_out,
@@ -80,6 +91,13 @@ void mha_linear_grad_input(const float *dy, int64_t rows, int64_t n_out,
 void mha_linear_grad_params(const float *dy, int64_t rows, int64_t n_out,
                             int64_t lddy, const float *x, int64_t n_in,
                             int64_t ldx, float beta, float *dw, float *db);
+/* mha_linear_grad_params of mha_linear_blocks: dw's column block t is
+ * scale[t] dy^T x_t (+ itself when beta = 1); db is unscaled. */
+void mha_linear_grad_params_blocks(const float *dy, int64_t rows,
+                                   int64_t n_out, int64_t lddy,
+                                   const float *x, int64_t n_in, int64_t ldx,
+                                   const float *scale, int64_t nblk,
+                                   float beta, float *dw, float *db);
 
 /* ---- masks (mask.c): every mask kind -> one row of additive biases ----- */
 typedef struct mha_mask_plan {

@@ -48,7 +48,11 @@ static mha_status resolve_config(const mha_config *in, mha_config *out)
         return mha_set_error(MHA_ERR_INVALID_CONFIG,
                              "num_heads must be > 0, got %lld",
                              (long long)c.num_heads);
-    if (c.embed_dim % c.num_heads != 0)
+    if (c.head_dim < 0)
+        return mha_set_error(MHA_ERR_INVALID_CONFIG,
+                             "head_dim must be >= 0 (0 = embed_dim / "
+                             "num_heads), got %lld", (long long)c.head_dim);
+    if (c.head_dim == 0 && c.embed_dim % c.num_heads != 0)
         return mha_set_error(MHA_ERR_INVALID_CONFIG,
                              "embed_dim %lld is not divisible by num_heads %lld",
                              (long long)c.embed_dim, (long long)c.num_heads);
@@ -75,12 +79,19 @@ static mha_status resolve_config(const mha_config *in, mha_config *out)
                              "%lld, %lld, %lld", (long long)widest,
                              (long long)c.embed_dim, (long long)c.kdim,
                              (long long)c.vdim);
+    if (c.head_dim == 0)
+        c.head_dim = c.embed_dim / c.num_heads;
+    if (c.head_dim > widest / c.num_heads)
+        return mha_set_error(MHA_ERR_INVALID_CONFIG,
+                             "num_heads %lld * head_dim %lld must be <= %lld",
+                             (long long)c.num_heads, (long long)c.head_dim,
+                             (long long)widest);
     if (c.kdim == 0)
         c.kdim = c.embed_dim;
     if (c.vdim == 0)
         c.vdim = c.embed_dim;
     if (c.scale == 0.0f)
-        c.scale = (float)(1.0 / sqrt((double)(c.embed_dim / c.num_heads)));
+        c.scale = (float)(1.0 / sqrt((double)c.head_dim));
     c.no_bias = c.no_bias != 0;
     c.add_bias_kv = c.add_bias_kv != 0;
     c.add_zero_attn = c.add_zero_attn != 0;
@@ -127,27 +138,25 @@ static float *param_data(const mha_module *m, const char *name)
     return p ? m->params + p->offset : NULL;
 }
 
-/* The table, in PyTorch's state_dict order. */
+/* The table, in PyTorch's state_dict order (D = E but in pruned modules). */
 static mha_status build_table(mha_module *m)
 {
-    const int64_t E = m->cfg.embed_dim;
-    int64_t threeE;
-    if (!mha_mul_ok(3, E, &threeE))
-        return mha_set_error(MHA_ERR_OVERFLOW, "3 * embed_dim overflows");
+    const int64_t E = m->cfg.embed_dim, D = m->inner_dim;
+    const int64_t threeD = 3 * D;  /* D <= INT32_MAX: no overflow */
     if (m->packed) {
-        MHA_CHECK(add_param(m, "in_proj_weight", 2, threeE, E, 0));
+        MHA_CHECK(add_param(m, "in_proj_weight", 2, threeD, E, 0));
     } else {
-        MHA_CHECK(add_param(m, "q_proj_weight", 2, E, E, 0));
-        MHA_CHECK(add_param(m, "k_proj_weight", 2, E, m->cfg.kdim, 0));
-        MHA_CHECK(add_param(m, "v_proj_weight", 2, E, m->cfg.vdim, 0));
+        MHA_CHECK(add_param(m, "q_proj_weight", 2, D, E, 0));
+        MHA_CHECK(add_param(m, "k_proj_weight", 2, D, m->cfg.kdim, 0));
+        MHA_CHECK(add_param(m, "v_proj_weight", 2, D, m->cfg.vdim, 0));
     }
     if (!m->cfg.no_bias)
-        MHA_CHECK(add_param(m, "in_proj_bias", 1, threeE, 0, 0));
+        MHA_CHECK(add_param(m, "in_proj_bias", 1, threeD, 0, 0));
     if (m->cfg.add_bias_kv) {
-        MHA_CHECK(add_param(m, "bias_k", 3, 1, 1, E));
-        MHA_CHECK(add_param(m, "bias_v", 3, 1, 1, E));
+        MHA_CHECK(add_param(m, "bias_k", 3, 1, 1, D));
+        MHA_CHECK(add_param(m, "bias_v", 3, 1, 1, D));
     }
-    MHA_CHECK(add_param(m, "out_proj.weight", 2, E, E, 0));
+    MHA_CHECK(add_param(m, "out_proj.weight", 2, E, D, 0));
     if (!m->cfg.no_bias)
         MHA_CHECK(add_param(m, "out_proj.bias", 1, E, 0, 0));
     return MHA_OK;
@@ -155,12 +164,12 @@ static mha_status build_table(mha_module *m)
 
 static void set_views(mha_module *m)
 {
-    const int64_t E = m->cfg.embed_dim;
+    const int64_t E = m->cfg.embed_dim, D = m->inner_dim;
     if (m->packed) {
         const float *w = param_data(m, "in_proj_weight");
         m->w_q = w;
-        m->w_k = w + E * E;
-        m->w_v = w + 2 * E * E;
+        m->w_k = w + D * E;
+        m->w_v = w + 2 * D * E;
     } else {
         m->w_q = param_data(m, "q_proj_weight");
         m->w_k = param_data(m, "k_proj_weight");
@@ -168,8 +177,8 @@ static void set_views(mha_module *m)
     }
     const float *b = param_data(m, "in_proj_bias");
     m->b_q = b;
-    m->b_k = b ? b + E : NULL;
-    m->b_v = b ? b + 2 * E : NULL;
+    m->b_k = b ? b + D : NULL;
+    m->b_v = b ? b + 2 * D : NULL;
     m->w_o = param_data(m, "out_proj.weight");
     m->b_o = param_data(m, "out_proj.bias");
     m->bias_k = param_data(m, "bias_k");
@@ -204,9 +213,9 @@ static void xavier_uniform(float *w, const mha_param_info *info,
         w[k] = (float)((2.0 * draw(stream, (uint64_t)k) - 1.0) * a);
 }
 
-/* Xavier normal for bias_k / bias_v, shape (1, 1, E): PyTorch counts
- * fan_in = fan_out = E (the last dimension is the receptive field), so
- * std = sqrt(2 / (2E)).  Box-Muller on two uniforms per value. */
+/* Xavier normal for bias_k / bias_v, shape (1, 1, D): PyTorch counts
+ * fan_in = fan_out = D (the last dimension is the receptive field), so
+ * std = sqrt(2 / (2D)).  Box-Muller on two uniforms per value. */
 static void xavier_normal_kv(float *w, const mha_param_info *info,
                              uint64_t stream)
 {
@@ -253,7 +262,8 @@ mha_status mha_create(const mha_config *config, mha_module **out)
         return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate module");
     m->cfg = c;
     m->scale_given = config->scale != 0.0f;
-    m->head_dim = c.embed_dim / c.num_heads;
+    m->head_dim = c.head_dim;
+    m->inner_dim = c.num_heads * c.head_dim;
     m->packed = c.kdim == c.embed_dim && c.vdim == c.embed_dim;
     mha_status st = build_table(m);
     if (st == MHA_OK) {
@@ -389,24 +399,111 @@ mha_status mha_project(const mha_module *m, mha_projection which,
     if (rows <= 0)
         return mha_set_error(MHA_ERR_SHAPE, "rows must be > 0, got %lld",
                              (long long)rows);
-    const int64_t E = m->cfg.embed_dim;
+    const int64_t E = m->cfg.embed_dim, D = m->inner_dim;
     const float *w, *b;
-    int64_t n_in;
+    int64_t n_in, n_out = D;
     switch (which) {
     case MHA_PROJ_QUERY: w = m->w_q; b = m->b_q; n_in = E; break;
     case MHA_PROJ_KEY: w = m->w_k; b = m->b_k; n_in = m->cfg.kdim; break;
     case MHA_PROJ_VALUE: w = m->w_v; b = m->b_v; n_in = m->cfg.vdim; break;
-    case MHA_PROJ_OUT: w = m->w_o; b = m->b_o; n_in = E; break;
+    case MHA_PROJ_OUT: w = m->w_o; b = m->b_o; n_in = D; n_out = E; break;
     default:
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "unknown projection %d", (int)which);
     }
     int64_t n;
-    if (!mha_mul_ok(rows, n_in > E ? n_in : E, &n) ||
+    if (!mha_mul_ok(rows, n_in > n_out ? n_in : n_out, &n) ||
         (uint64_t)n > SIZE_MAX / sizeof(float))
         return mha_set_error(MHA_ERR_OVERFLOW,
                              "projection of %lld rows overflows",
                              (long long)rows);
-    mha_linear(x, rows, n_in, n_in, w, E, b, y, E);
+    mha_linear(x, rows, n_in, n_in, w, n_out, b, y, n_out);
+    return MHA_OK;
+}
+
+/* ---- head pruning -------------------------------------------------------- */
+
+/* Copies head keep[i]'s block of dh rows (each `width` floats) of the
+ * D-row matrix src into block i of dst, for i < n_keep. */
+static void copy_head_rows(float *dst, const float *src, const int64_t *keep,
+                           int64_t n_keep, int64_t dh, int64_t width)
+{
+    for (int64_t i = 0; i < n_keep; i++)
+        memcpy(dst + i * dh * width, src + keep[i] * dh * width,
+               (size_t)(dh * width) * sizeof(float));
+}
+
+/* The writable address of one of p's parameter views. */
+static float *own(mha_module *p, const float *view)
+{
+    return p->params + (view - p->params);
+}
+
+mha_status mha_prune_heads(const mha_module *m, const int64_t *keep,
+                           int64_t n_keep, mha_module **out)
+{
+    if (!out)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "output handle is NULL");
+    *out = NULL;
+    if (!m || !keep)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
+                             m ? "keep" : "module");
+    const int64_t H = m->cfg.num_heads, dh = m->head_dim;
+    const int64_t E = m->cfg.embed_dim, D = m->inner_dim;
+    if (n_keep < 1 || n_keep > H)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "n_keep must be in [1, num_heads=%lld], got %lld "
+                             "(with no head left the output would be "
+                             "out_proj.bias alone)", (long long)H,
+                             (long long)n_keep);
+    unsigned char *seen = calloc((size_t)H, 1);
+    if (!seen)
+        return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate %lld "
+                             "bytes", (long long)H);
+    mha_status st = MHA_OK;
+    for (int64_t i = 0; i < n_keep && st == MHA_OK; i++) {
+        if (keep[i] < 0 || keep[i] >= H)
+            st = mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                               "keep[%lld] = %lld is not a head of this "
+                               "module (0 .. %lld)", (long long)i,
+                               (long long)keep[i], (long long)(H - 1));
+        else if (seen[keep[i]]++)
+            st = mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                               "keep names head %lld twice", (long long)keep[i]);
+    }
+    free(seen);
+    MHA_CHECK(st);
+
+    mha_config c = m->cfg;
+    c.num_heads = n_keep;
+    c.head_dim = dh;
+    if (!m->scale_given)
+        c.scale = 0.0f;   /* the default, 1/sqrt(d_h), is unchanged */
+    mha_module *p;
+    MHA_CHECK(mha_create(&c, &p));
+    const int64_t Dp = p->inner_dim;
+    /* W_q, W_k, W_v and their biases: the kept heads' rows, part by part
+     * (packed: the three parts of in_proj_weight one after the other). */
+    const int64_t widths[3] = {E, m->cfg.kdim, m->cfg.vdim};
+    const float *src_w[3] = {m->w_q, m->w_k, m->w_v};
+    const float *dst_w[3] = {p->w_q, p->w_k, p->w_v};
+    for (int r = 0; r < 3; r++)
+        copy_head_rows(own(p, dst_w[r]), src_w[r], keep, n_keep, dh,
+                       widths[r]);
+    if (m->b_q) {
+        copy_head_rows(own(p, p->b_q), m->b_q, keep, n_keep, dh, 1);
+        copy_head_rows(own(p, p->b_k), m->b_k, keep, n_keep, dh, 1);
+        copy_head_rows(own(p, p->b_v), m->b_v, keep, n_keep, dh, 1);
+        memcpy(own(p, p->b_o), m->b_o, (size_t)E * sizeof(float));
+    }
+    if (m->bias_k) {
+        copy_head_rows(own(p, p->bias_k), m->bias_k, keep, n_keep, dh, 1);
+        copy_head_rows(own(p, p->bias_v), m->bias_v, keep, n_keep, dh, 1);
+    }
+    /* out_proj.weight [E, D]: the kept heads' columns of every row. */
+    for (int64_t e = 0; e < E; e++)
+        copy_head_rows(own(p, p->w_o) + e * Dp, m->w_o + e * D, keep, n_keep,
+                       dh, 1);
+    *out = p;
     return MHA_OK;
 }

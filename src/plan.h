@@ -9,8 +9,10 @@
 
 /* Shapes of a forward call, checked and derived once. */
 typedef struct fwd_shape {
-    int64_t B, Lq, Lk, Lt, E, H, dh;
-    int64_t n_q, n_kv, n_w;  /* element counts of q, k/v, weights */
+    int64_t B, Lq, Lk, Lt, E, H, dh, D;  /* D = H * dh, the inner width */
+    int64_t n_q;             /* elements of query and out: B * Lq * E    */
+    int64_t n_qd, n_kvd;     /* of projected q (and ctx), of k or v: * D */
+    int64_t n_w;             /* of the attention weights                 */
 } fwd_shape;
 
 /* Checks everything about `a` but its data pointers. */
@@ -25,7 +27,7 @@ struct mha_plan {
     int threads;
     int64_t n_proj;          /* projected q, k, v: the larger layout */
     int64_t per_thread;      /* attention scratch floats per thread  */
-    float *ws;               /* n_proj + n_q (ctx) + stats + partials
+    float *ws;               /* n_proj + n_qd (ctx) + stats + partials
                                 + packed K/V + scratch */
     int64_t n_partials, n_packed;
 

@@ -550,7 +550,7 @@ static void test_fully_masked_rows(void **state)
                         empty[b][i] = 1;
                 break;
             }
-            mha_backward_args bw = {G, gq, gk, gv, gp, 0};
+            mha_backward_args bw = {G, gq, gk, gv, gp, 0, NULL};
             if (mha_backward(m, &a, &bw) != MHA_OK)
                 fail_msg("case %d: %s", how, mha_last_error());
             assert_true(all_finite(gq, B * LQ * E));
@@ -821,9 +821,9 @@ static void test_threads_and_plans(void **state)
         big_grads r = {fmalloc(n_q), fmalloc(n_k), fmalloc(n_v), fmalloc(np)};
         big_grads g = {fmalloc(n_q), fmalloc(n_k), fmalloc(n_v), fmalloc(np)};
         mha_backward_args rb = {G, r.q, s->cross ? r.k : NULL,
-                                s->cross ? r.v : NULL, r.p, 0};
+                                s->cross ? r.v : NULL, r.p, 0, NULL};
         mha_backward_args gb = {G, g.q, s->cross ? g.k : NULL,
-                                s->cross ? g.v : NULL, g.p, 0};
+                                s->cross ? g.v : NULL, g.p, 0, NULL};
         a.num_threads = 1;
         assert_int_equal(mha_backward(m, &a, &rb), MHA_OK);
         assert_true(all_finite(r.q, n_q));
@@ -898,7 +898,7 @@ static void test_errors(void **state)
     a.q_len = L;
     a.query = x;
     a.out = out;
-    mha_backward_args bw = {G, gq, NULL, NULL, gp, 0};
+    mha_backward_args bw = {G, gq, NULL, NULL, gp, 0, NULL};
     assert_int_equal(mha_backward(m, &a, &bw), MHA_OK);
 
     /* NULL arguments */

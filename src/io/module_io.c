@@ -46,6 +46,23 @@ static mha_status expect(const mha_tensor *t, const char *name, int ndim,
                          "expected [%s]", name, got, exp);
 }
 
+/* expect() for a tensor whose shape involves D, the heads' width, read from
+ * out_proj.weight [E, D]: when D != E the error says where D came from. */
+static mha_status expect_d(const mha_tensor *t, const char *name, int ndim,
+                           int64_t d0, int64_t d1, int64_t d2,
+                           const mha_tensor *o_w)
+{
+    mha_status st = expect(t, name, ndim, d0, d1, d2);
+    if (st == MHA_OK || o_w->shape[0] == o_w->shape[1])
+        return st;
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s", mha_last_error());
+    return mha_set_error(st, "%s (the heads' width %lld is the column count "
+                         "of out_proj.weight [%lld, %lld])", msg,
+                         (long long)o_w->shape[1], (long long)o_w->shape[0],
+                         (long long)o_w->shape[1]);
+}
+
 /* A strict integer / float / boolean from a metadata string: the whole
  * string, no leading space or '+' (which strtoll / strtod would skip). */
 static int meta_int(const char *s, int64_t *out)
@@ -184,18 +201,20 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
         return mha_set_error(MHA_ERR_FORMAT,
                              "state_dict: out_proj.weight is missing");
     MHA_CHECK(expect(o_w, "out_proj.weight", 2, -1, -1, 0));
-    const int64_t E = o_w->shape[0];
-    MHA_CHECK(expect(o_w, "out_proj.weight", 2, E, E, 0));
-    if (E < 1)
+    /* out_proj.weight is [E, D]: D = E in every PyTorch module; a pruned
+     * module (mha_prune_heads) has fewer heads side by side, D < E. */
+    const int64_t E = o_w->shape[0], D = o_w->shape[1];
+    if (E < 1 || D < 1)
         return mha_set_error(MHA_ERR_SHAPE,
-                             "state_dict: out_proj.weight has shape [0, 0]: "
-                             "embed_dim must be > 0");
+                             "state_dict: out_proj.weight has shape [%lld, "
+                             "%lld]: embed_dim and the heads' width must be "
+                             "> 0", (long long)E, (long long)D);
     if (in_w && (q_w || k_w || v_w))
         return mha_set_error(MHA_ERR_FORMAT,
                              "state_dict: both in_proj_weight and "
                              "q/k/v_proj_weight are present");
     if (in_w) {
-        MHA_CHECK(expect(in_w, "in_proj_weight", 2, 3 * E, E, 0));
+        MHA_CHECK(expect_d(in_w, "in_proj_weight", 2, 3 * D, E, 0, o_w));
         c.kdim = c.vdim = E;
     } else {
         const char *missing = !q_w ? "q_proj_weight" : !k_w ? "k_proj_weight"
@@ -204,9 +223,9 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
             return mha_set_error(MHA_ERR_FORMAT,
                                  "state_dict: neither in_proj_weight nor %s "
                                  "is present", missing);
-        MHA_CHECK(expect(q_w, "q_proj_weight", 2, E, E, 0));
-        MHA_CHECK(expect(k_w, "k_proj_weight", 2, E, -1, 0));
-        MHA_CHECK(expect(v_w, "v_proj_weight", 2, E, -1, 0));
+        MHA_CHECK(expect_d(q_w, "q_proj_weight", 2, D, E, 0, o_w));
+        MHA_CHECK(expect_d(k_w, "k_proj_weight", 2, D, -1, 0, o_w));
+        MHA_CHECK(expect_d(v_w, "v_proj_weight", 2, D, -1, 0, o_w));
         /* A width of 0 would mean "E" to mha_create, and the packing below
          * would then read E * E floats from an empty tensor. */
         if (k_w->shape[1] < 1 || v_w->shape[1] < 1)
@@ -215,7 +234,7 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
                                  "and vdim must be > 0",
                                  k_w->shape[1] < 1 ? "k_proj_weight"
                                                    : "v_proj_weight",
-                                 (long long)E);
+                                 (long long)D);
         c.kdim = k_w->shape[1];
         c.vdim = v_w->shape[1];
     }
@@ -226,7 +245,7 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
                              in_b ? "in_proj_bias" : "out_proj.bias",
                              in_b ? "out_proj.bias" : "in_proj_bias");
     if (in_b) {
-        MHA_CHECK(expect(in_b, "in_proj_bias", 1, 3 * E, 0, 0));
+        MHA_CHECK(expect_d(in_b, "in_proj_bias", 1, 3 * D, 0, 0, o_w));
         MHA_CHECK(expect(o_b, "out_proj.bias", 1, E, 0, 0));
     }
     if (!b_k != !b_v)
@@ -235,8 +254,8 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
                              b_k ? "bias_k" : "bias_v",
                              b_k ? "bias_v" : "bias_k");
     if (b_k) {
-        MHA_CHECK(expect(b_k, "bias_k", 3, 1, 1, E));
-        MHA_CHECK(expect(b_v, "bias_v", 3, 1, 1, E));
+        MHA_CHECK(expect_d(b_k, "bias_k", 3, 1, 1, D, o_w));
+        MHA_CHECK(expect_d(b_v, "bias_v", 3, 1, 1, D, o_w));
     }
     c.embed_dim = E;
     c.no_bias = !in_b;
@@ -251,6 +270,15 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
                                  "given and __metadata__ has no num_heads");
         if (!meta_int(v, &c.num_heads) || c.num_heads <= 0)
             return bad_meta("num_heads", v);
+    }
+    if (D != E) {
+        if (D % c.num_heads != 0)
+            return mha_set_error(MHA_ERR_SHAPE,
+                                 "state_dict: out_proj.weight has %lld "
+                                 "columns (the heads side by side), not "
+                                 "divisible by num_heads %lld", (long long)D,
+                                 (long long)c.num_heads);
+        c.head_dim = D / c.num_heads;
     }
 
     MHA_CHECK(check_metadata_agrees(f, &c));
@@ -279,14 +307,15 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
             st = mha_param_set(m, t->name, t->data, t->numel);
     }
     if (st == MHA_OK && pack) {
-        float *w = mha_alloc_floats(3 * E * E, "in_proj_weight");
+        const int64_t n = D * E;
+        float *w = mha_alloc_floats(3 * n, "in_proj_weight");
         if (!w) {
             st = MHA_ERR_OUT_OF_MEMORY;
         } else {
-            memcpy(w, q_w->data, (size_t)(E * E) * sizeof(float));
-            memcpy(w + E * E, k_w->data, (size_t)(E * E) * sizeof(float));
-            memcpy(w + 2 * E * E, v_w->data, (size_t)(E * E) * sizeof(float));
-            st = mha_param_set(m, "in_proj_weight", w, 3 * E * E);
+            memcpy(w, q_w->data, (size_t)n * sizeof(float));
+            memcpy(w + n, k_w->data, (size_t)n * sizeof(float));
+            memcpy(w + 2 * n, v_w->data, (size_t)n * sizeof(float));
+            st = mha_param_set(m, "in_proj_weight", w, 3 * n);
             free(w);
         }
     }
