@@ -289,8 +289,9 @@ typedef struct mha_forward_args {
                              context is multiplied by head_mask[h] before
                              W_O; 0 removes the head's contribution (head
                              ablation), and a head of mask 0 costs no
-                             output-projection work.  The attention
-                             weights are not affected.                    */
+                             output-projection work.  All ones gives the
+                             same bits as NULL.  The attention weights
+                             are not affected.                            */
 
     float *out;           /* (B, Lq, E); may alias query                   */
 } mha_forward_args;

@@ -199,12 +199,13 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
     mha_linear_grad_input(g->grad_out, rows_q, E, E, m->w_o, D, 0.0f, dctx, D);
     if (g->grad_head_mask)
         head_mask_grad(s, dctx, at.ctx, beta, g->grad_head_mask);
-    if (a->head_mask)
-        scale_heads(s, a->head_mask, dctx);
+    const float *hm = mha_head_mask_in_use(a->head_mask, s->H);
+    if (hm)
+        scale_heads(s, hm, dctx);
     float *gp = g->grad_params;
     if (gp)
         mha_linear_grad_params_blocks(g->grad_out, rows_q, E, E, at.ctx, D, D,
-                                      a->head_mask, a->head_mask ? s->H : 1,
+                                      hm, hm ? s->H : 1,
                                       beta, grad_of(m, gp, "out_proj.weight"),
                                       grad_of(m, gp, "out_proj.bias"));
 

@@ -308,8 +308,9 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
     mha_attn_run(plan->isa, plan->uk, &at, plan->threads,
                  mha_plan_scratch(plan), plan->per_thread);
 
-    mha_linear_blocks(at.ctx, rows_q, D, D, m->w_o, E, m->b_o, a->head_mask,
-                      a->head_mask ? s.H : 1, a->out, E);
+    const float *hm = mha_head_mask_in_use(a->head_mask, s.H);
+    mha_linear_blocks(at.ctx, rows_q, D, D, m->w_o, E, m->b_o, hm,
+                      hm ? s.H : 1, a->out, E);
     /* What the backward needs is now in the workspace. */
     plan->saved = *a;
     plan->has_saved = 1;

@@ -44,6 +44,18 @@ struct mha_plan {
     int64_t bwd_per_thread, n_bpacked;
 };
 
+/* The head mask as the output projection uses it: NULL when it is absent
+ * or all ones (one GEMM; the same bits as no mask), else head_mask. */
+static inline const float *mha_head_mask_in_use(const float *head_mask,
+                                                int64_t H)
+{
+    if (head_mask)
+        for (int64_t h = 0; h < H; h++)
+            if (head_mask[h] != 1.0f)
+                return head_mask;
+    return NULL;
+}
+
 /* The attention problem of a forward with arguments `a` on this plan. */
 void mha_plan_attn(const mha_plan *plan, const mha_forward_args *a,
                    const mha_mask_plan *mask, mha_attn *at);

@@ -73,6 +73,8 @@ typedef struct bwd_case {
     tu_mask_spec attn, pad;
     int lengths;        /* pass key_lengths */
     mha_causal causal;
+    int64_t head_dim;   /* 0: E / H */
+    int head_mask;      /* pass a head mask (else grad_head_mask is at 1) */
 } bwd_case;
 
 #define ALLOW MHA_MASK_ALLOW
@@ -82,39 +84,47 @@ typedef struct bwd_case {
 #define TL MHA_CAUSAL_TOP_LEFT
 
 static const bwd_case CASES[] = {
-    /* name                  E  H kd vd nb bkv za scale  drop  B Lq Lk in attn pad len causal */
-    {"self plain",           8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 5, 0, SELF, {0}, {0}, 0, 0},
-    {"self one head",        4, 1, 0, 0, 0, 0, 0, 0,     0,    1, 4, 0, SELF, {0}, {0}, 0, 0},
-    {"self four heads",      8, 4, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {ALLOW, 2, 0, 0}, {0}, 0, BR},
-    {"cross kdim5 vdim3",    8, 2, 5, 3, 0, 0, 0, 0,     0,    2, 3, 5, CROSS, {0}, {0}, 0, 0},
-    {"key == value pointer", 8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 3, KV_SAME, {0}, {0}, 0, 0},
-    {"q == k == v pointer",  8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 4, ALL_SAME, {BLOCK, 2, 0, 0}, {0}, 0, 0},
-    {"bias off",             8, 2, 0, 0, 1, 0, 0, 0,     0,    2, 4, 0, SELF, {0}, {0}, 0, 0},
-    {"add_bias_kv",          8, 2, 0, 0, 0, 1, 0, 0,     0,    2, 3, 4, CROSS, {BLOCK, 2, 0, 0}, {0}, 0, 0},
-    {"add_zero_attn",        8, 2, 0, 0, 0, 0, 1, 0,     0,    2, 4, 0, SELF, {0}, {ALLOW, 2, 0, 0}, 0, 0},
-    {"bias off + extras",    8, 4, 3, 5, 1, 1, 1, 0,     0,    2, 3, 4, CROSS, {0}, {0}, 0, TL},
-    {"allow (Lq,Lk)",        8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 5, 0, SELF, {ALLOW, 2, 0, 0}, {0}, 0, 0},
-    {"block (B,Lq,Lk)",      8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 5, CROSS, {BLOCK, 3, 0, 0}, {0}, 0, 0},
-    {"block (1,Lq,Lk)",      8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {BLOCK, 3, 1, 0}, {0}, 0, 0},
-    {"additive (B,H,Lq,Lk)", 8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {ADD, 4, 0, 0}, {0}, 0, 0},
-    {"additive (B,1,Lq,Lk)", 8, 4, 0, 0, 0, 0, 0, 0,     0,    2, 3, 5, CROSS, {ADD, 4, 0, 1}, {0}, 0, 0},
-    {"additive (Lq,Lk)",     8, 2, 6, 8, 0, 0, 0, 0,     0,    2, 4, 3, CROSS, {ADD, 2, 0, 0}, {0}, 0, 0},
-    {"pad block (B,Lk)",     8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 3, 5, CROSS, {0}, {BLOCK, 2, 0, 0}, 0, 0},
-    {"pad allow (Lk)",       8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {0}, {ALLOW, 1, 0, 0}, 0, 0},
-    {"pad additive (1,Lk)",  8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {0}, {ADD, 2, 1, 0}, 0, 0},
-    {"key lengths",          8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 3, 5, CROSS, {0}, {0}, 1, 0},
-    {"value NULL",           8, 2, 5, 5, 0, 0, 0, 0,     0,    2, 3, 4, V_NULL, {0}, {BLOCK, 2, 0, 0}, 0, 0},
-    {"causal Lq = Lk",       8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 5, 0, SELF, {0}, {0}, 0, BR},
-    {"causal BR Lq < Lk",    8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 2, 5, CROSS, {0}, {0}, 0, BR},
-    {"causal BR Lq > Lk",    8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 5, 2, CROSS, {0}, {0}, 0, BR},
-    {"causal TL Lq < Lk",    8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 2, 5, CROSS, {0}, {0}, 0, TL},
-    {"causal TL Lq > Lk",    8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 5, 3, KV_SAME, {0}, {0}, 0, TL},
-    {"custom scale",         8, 2, 0, 0, 0, 0, 0, 0.9f,  0,    2, 4, 0, SELF, {0}, {0}, 0, 0},
-    {"negative scale",       8, 2, 0, 0, 0, 0, 0, -0.3f, 0,    2, 4, 0, SELF, {ADD, 2, 0, 0}, {0}, 0, 0},
-    {"dropout 0.3",          8, 2, 0, 0, 0, 0, 0, 0,     0.3f, 2, 5, 0, SELF, {0}, {0}, 0, 0},
-    {"dropout + masks",      8, 2, 0, 0, 0, 0, 0, 0,     0.4f, 2, 4, 5, CROSS, {ALLOW, 3, 0, 0}, {BLOCK, 2, 0, 0}, 0, BR},
-    {"dropout + extras",     8, 2, 5, 3, 0, 1, 1, 0,     0.5f, 2, 3, 4, CROSS, {0}, {0}, 1, 0},
-    {"everything",           8, 2, 3, 5, 0, 1, 1, 0.7f,  0.2f, 2, 4, 5, CROSS, {BLOCK, 4, 0, 1}, {ADD, 2, 0, 0}, 1, BR},
+    /* name                  E  H kd vd nb bkv za scale  drop  B Lq Lk in attn pad len causal head_dim head_mask */
+    {"self plain",           8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 5, 0, SELF, {0}, {0}, 0, 0, 0, 0},
+    {"self one head",        4, 1, 0, 0, 0, 0, 0, 0,     0,    1, 4, 0, SELF, {0}, {0}, 0, 0, 0, 0},
+    {"self four heads",      8, 4, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {ALLOW, 2, 0, 0}, {0}, 0, BR, 0, 0},
+    {"cross kdim5 vdim3",    8, 2, 5, 3, 0, 0, 0, 0,     0,    2, 3, 5, CROSS, {0}, {0}, 0, 0, 0, 0},
+    {"key == value pointer", 8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 3, KV_SAME, {0}, {0}, 0, 0, 0, 0},
+    {"q == k == v pointer",  8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 4, ALL_SAME, {BLOCK, 2, 0, 0}, {0}, 0, 0, 0, 0},
+    {"bias off",             8, 2, 0, 0, 1, 0, 0, 0,     0,    2, 4, 0, SELF, {0}, {0}, 0, 0, 0, 0},
+    {"add_bias_kv",          8, 2, 0, 0, 0, 1, 0, 0,     0,    2, 3, 4, CROSS, {BLOCK, 2, 0, 0}, {0}, 0, 0, 0, 0},
+    {"add_zero_attn",        8, 2, 0, 0, 0, 0, 1, 0,     0,    2, 4, 0, SELF, {0}, {ALLOW, 2, 0, 0}, 0, 0, 0, 0},
+    {"bias off + extras",    8, 4, 3, 5, 1, 1, 1, 0,     0,    2, 3, 4, CROSS, {0}, {0}, 0, TL, 0, 0},
+    {"allow (Lq,Lk)",        8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 5, 0, SELF, {ALLOW, 2, 0, 0}, {0}, 0, 0, 0, 0},
+    {"block (B,Lq,Lk)",      8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 5, CROSS, {BLOCK, 3, 0, 0}, {0}, 0, 0, 0, 0},
+    {"block (1,Lq,Lk)",      8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {BLOCK, 3, 1, 0}, {0}, 0, 0, 0, 0},
+    {"additive (B,H,Lq,Lk)", 8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {ADD, 4, 0, 0}, {0}, 0, 0, 0, 0},
+    {"additive (B,1,Lq,Lk)", 8, 4, 0, 0, 0, 0, 0, 0,     0,    2, 3, 5, CROSS, {ADD, 4, 0, 1}, {0}, 0, 0, 0, 0},
+    {"additive (Lq,Lk)",     8, 2, 6, 8, 0, 0, 0, 0,     0,    2, 4, 3, CROSS, {ADD, 2, 0, 0}, {0}, 0, 0, 0, 0},
+    {"pad block (B,Lk)",     8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 3, 5, CROSS, {0}, {BLOCK, 2, 0, 0}, 0, 0, 0, 0},
+    {"pad allow (Lk)",       8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {0}, {ALLOW, 1, 0, 0}, 0, 0, 0, 0},
+    {"pad additive (1,Lk)",  8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {0}, {ADD, 2, 1, 0}, 0, 0, 0, 0},
+    {"key lengths",          8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 3, 5, CROSS, {0}, {0}, 1, 0, 0, 0},
+    {"value NULL",           8, 2, 5, 5, 0, 0, 0, 0,     0,    2, 3, 4, V_NULL, {0}, {BLOCK, 2, 0, 0}, 0, 0, 0, 0},
+    {"causal Lq = Lk",       8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 5, 0, SELF, {0}, {0}, 0, BR, 0, 0},
+    {"causal BR Lq < Lk",    8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 2, 5, CROSS, {0}, {0}, 0, BR, 0, 0},
+    {"causal BR Lq > Lk",    8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 5, 2, CROSS, {0}, {0}, 0, BR, 0, 0},
+    {"causal TL Lq < Lk",    8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 2, 5, CROSS, {0}, {0}, 0, TL, 0, 0},
+    {"causal TL Lq > Lk",    8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 5, 3, KV_SAME, {0}, {0}, 0, TL, 0, 0},
+    {"custom scale",         8, 2, 0, 0, 0, 0, 0, 0.9f,  0,    2, 4, 0, SELF, {0}, {0}, 0, 0, 0, 0},
+    {"negative scale",       8, 2, 0, 0, 0, 0, 0, -0.3f, 0,    2, 4, 0, SELF, {ADD, 2, 0, 0}, {0}, 0, 0, 0, 0},
+    {"dropout 0.3",          8, 2, 0, 0, 0, 0, 0, 0,     0.3f, 2, 5, 0, SELF, {0}, {0}, 0, 0, 0, 0},
+    {"dropout + masks",      8, 2, 0, 0, 0, 0, 0, 0,     0.4f, 2, 4, 5, CROSS, {ALLOW, 3, 0, 0}, {BLOCK, 2, 0, 0}, 0, BR, 0, 0},
+    {"dropout + extras",     8, 2, 5, 3, 0, 1, 1, 0,     0.5f, 2, 3, 4, CROSS, {0}, {0}, 1, 0, 0, 0},
+    {"everything",           8, 2, 3, 5, 0, 1, 1, 0.7f,  0.2f, 2, 4, 5, CROSS, {BLOCK, 4, 0, 1}, {ADD, 2, 0, 0}, 1, BR, 0, 0},
+    /* Heads narrower or wider than E / H (pruned modules) and head masks
+     * (with a 0: an ablated head, and negative and fractional factors). */
+    {"head mask",            8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {0}, {0}, 0, BR, 0, 1},
+    {"head mask cross",      8, 4, 5, 3, 0, 0, 0, 0,     0.2f, 2, 3, 4, CROSS, {ADD, 2, 0, 0}, {0}, 0, 0, 0, 1},
+    {"head_dim 3, D < E",    8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {0}, {BLOCK, 2, 0, 0}, 0, 0, 3, 0},
+    {"head_dim 4, D > E",    6, 2, 0, 0, 0, 0, 0, 0,     0,    2, 3, 4, KV_SAME, {0}, {0}, 0, TL, 4, 1},
+    {"head_dim + extras",    8, 3, 5, 3, 0, 1, 1, 0,     0,    2, 3, 4, CROSS, {0}, {0}, 1, 0, 2, 1},
+    {"head_dim, no bias",    8, 3, 0, 0, 1, 0, 0, 0,     0,    2, 4, 0, V_NULL, {0}, {0}, 0, BR, 2, 1},
 };
 
 static float *fmalloc(int64_t n)
@@ -255,6 +265,7 @@ typedef struct problem {
     int64_t B, Lq, Lk, E, H;
     int64_t n_q, n_k, n_v, n_out, n_par;
     float *q, *k, *v, *G;
+    float hm[8];          /* the head mask, when the case has one */
     void *am, *pm;
     int64_t lengths[8];
     mha_forward_args a;   /* the analytic call's arguments */
@@ -273,9 +284,14 @@ static void problem_init(problem *p, const bwd_case *c, uint64_t seed)
     cfg.add_zero_attn = c->zero_attn;
     cfg.scale = c->scale;
     cfg.dropout = c->dropout;
+    cfg.head_dim = c->head_dim;
     p->m = tu_module(&cfg, seed);
     assert_non_null(p->m);
     assert_int_equal(mha_get_config(p->m, &p->rc), MHA_OK);
+    /* Random factors in [-1.5, 1.5], and head 1 ablated. */
+    assert_true(c->H <= 8);
+    tu_fill(p->hm, c->H, seed + 7, -1.5f, 1.5f);
+    p->hm[1 % c->H] = 0.0f;
     p->B = c->B;
     p->Lq = c->Lq;
     p->Lk = c->Lk ? c->Lk : c->Lq;
@@ -319,6 +335,7 @@ static void problem_init(problem *p, const bwd_case *c, uint64_t seed)
     a->causal = c->causal;
     a->training = c->dropout > 0;
     a->dropout_seed = seed * 7 + 3;
+    a->head_mask = c->head_mask ? p->hm : NULL;
 }
 
 static void problem_free(problem *p)
@@ -330,19 +347,20 @@ static void problem_free(problem *p)
 
 /* Analytic gradients of a problem (NULL where not wanted). */
 typedef struct grads {
-    float *q, *k, *v, *par;
+    float *q, *k, *v, *par, *hm;
 } grads;
 
 static grads grads_alloc(const problem *p, int key_grad, int value_grad)
 {
     grads g = {fmalloc(p->n_q), key_grad ? fmalloc(p->n_k) : NULL,
-               value_grad ? fmalloc(p->n_v) : NULL, fmalloc(p->n_par)};
+               value_grad ? fmalloc(p->n_v) : NULL, fmalloc(p->n_par),
+               fmalloc(p->H)};
     return g;
 }
 
 static void grads_free(grads *g)
 {
-    free(g->q); free(g->k); free(g->v); free(g->par);
+    free(g->q); free(g->k); free(g->v); free(g->par); free(g->hm);
 }
 
 static mha_backward_args bwd_args(const problem *p, grads *g, int accumulate)
@@ -353,6 +371,7 @@ static mha_backward_args bwd_args(const problem *p, grads *g, int accumulate)
     b.grad_key = g->k;
     b.grad_value = g->v;
     b.grad_params = g->par;
+    b.grad_head_mask = g->hm;
     b.accumulate = accumulate;
     return b;
 }
@@ -364,6 +383,7 @@ static void run_backward(const problem *p, grads *g, const char *cname)
     if (g->k) fill_nan(g->k, p->n_k);
     if (g->v) fill_nan(g->v, p->n_v);
     fill_nan(g->par, p->n_par);
+    fill_nan(g->hm, p->H);
     mha_backward_args b = bwd_args(p, g, 0);
     if (mha_backward(p->m, &p->a, &b) != MHA_OK)
         fail_msg("%s: mha_backward: %s", cname, mha_last_error());
@@ -388,6 +408,11 @@ static void check_case(const bwd_case *c, uint64_t seed)
     fa.query = fq;
     fa.key = key_grad ? fk : NULL;
     fa.value = value_grad ? fv : NULL;
+    /* Without a head mask the gradient is at m = 1: differentiate there. */
+    float fm[8];
+    for (int64_t h = 0; h < p.H; h++)
+        fm[h] = c->head_mask ? p.hm[h] : 1.0f;
+    fa.head_mask = fm;
     loss_fn f = {p.m, &fa, p.G, p.n_out, dmalloc(p.n_out)};
 
     int64_t n_fd = p.n_par;
@@ -417,6 +442,8 @@ static void check_case(const bwd_case *c, uint64_t seed)
         expect_grad(c->name, info.name, g.par + info.offset, fd, info.numel);
     }
     assert_int_equal(offset, p.n_par);
+    fd_input(&f, fm, p.H, fd);
+    expect_grad(c->name, "head_mask", g.hm, fd, p.H);
 
     free(fd); free(f.out64); free(fq); free(fk); free(fv);
     grads_free(&g);
@@ -600,6 +627,7 @@ static void test_accumulate(void **state)
     /* twice with accumulate = 1 on a zeroed buffer: 2x; the input
      * gradients are overwritten each time, never accumulated */
     memset(g2.par, 0, (size_t)p.n_par * sizeof(float));
+    memset(g2.hm, 0, (size_t)p.H * sizeof(float));
     for (int t = 0; t < 2; t++) {
         fill_nan(g2.q, p.n_q);
         fill_nan(g2.k, p.n_k);
@@ -610,6 +638,10 @@ static void test_accumulate(void **state)
     assert_memory_equal(g1.q, g2.q, (size_t)p.n_q * sizeof(float));
     assert_memory_equal(g1.k, g2.k, (size_t)p.n_k * sizeof(float));
     assert_memory_equal(g1.v, g2.v, (size_t)p.n_v * sizeof(float));
+    /* the head mask's gradient is summed in float64 from the float32
+     * value there: x + x is exact */
+    for (int64_t h = 0; h < p.H; h++)
+        assert_true(g2.hm[h] == 2.0f * g1.hm[h]);
     /* (the sums may be associated differently when the GEMM adds into
      * the buffer: equal to a few float32 roundings of each parameter's
      * largest gradient) */
@@ -630,12 +662,16 @@ static void test_accumulate(void **state)
     /* accumulate = 1 adds to what is there */
     for (int64_t k = 0; k < p.n_par; k++)
         g2.par[k] = (float)(k % 7) - 3.0f;
+    for (int64_t h = 0; h < p.H; h++)
+        g2.hm[h] = (float)h - 1.5f;
     mha_backward_args b = bwd_args(&p, &g2, 1);
     assert_int_equal(mha_backward(p.m, &p.a, &b), MHA_OK);
     for (int64_t k = 0; k < p.n_par; k++) {
         const float want = ((float)(k % 7) - 3.0f) + g1.par[k];
         assert_true(fabsf(g2.par[k] - want) <= 1e-6f * (4 + fabsf(want)));
     }
+    for (int64_t h = 0; h < p.H; h++)
+        assert_true(g2.hm[h] == (float)((double)h - 1.5 + g1.hm[h]));
 
     /* Any subset of the outputs may be asked for, with the same values;
      * the forward's out and attn_weights are not written. */
@@ -668,7 +704,11 @@ static void test_accumulate(void **state)
     bo.grad_query = g2.q;
     assert_int_equal(mha_backward(p.m, &a, &bo), MHA_OK);
     assert_memory_equal(g1.q, g2.q, (size_t)p.n_q * sizeof(float));
-    bo.grad_query = NULL;   /* nothing asked: nothing to do, still OK */
+    bo.grad_query = NULL;
+    bo.grad_head_mask = g2.hm;
+    assert_int_equal(mha_backward(p.m, &a, &bo), MHA_OK);
+    assert_memory_equal(g1.hm, g2.hm, (size_t)p.H * sizeof(float));
+    bo.grad_head_mask = NULL;   /* nothing asked: nothing to do, still OK */
     assert_int_equal(mha_backward(p.m, &a, &bo), MHA_OK);
 
     free(only); free(canary); free(canary2);
@@ -926,6 +966,10 @@ static void test_errors(void **state)
     a.q_len = -1;
     assert_int_not_equal(mha_backward(m, &a, &bw), MHA_OK);
     a.q_len = L;
+    const float bad_hm[H] = {1.0f, NAN};
+    a.head_mask = bad_hm;
+    assert_fails(mha_backward(m, &a, &bw), MHA_ERR_NON_FINITE, "head_mask[1]");
+    a.head_mask = NULL;
 
     /* plans */
     mha_plan *plan = NULL;
@@ -958,6 +1002,11 @@ static void test_errors(void **state)
     assert_fails(mha_plan_backward(plan, &a, &bw), MHA_ERR_INVALID_ARGUMENT,
                  "forward");
     a.causal = MHA_CAUSAL_NONE;
+    const float hm[H] = {1.0f, 0.0f};
+    a.head_mask = hm;
+    assert_fails(mha_plan_backward(plan, &a, &bw), MHA_ERR_INVALID_ARGUMENT,
+                 "head_mask");
+    a.head_mask = NULL;
     assert_int_equal(mha_plan_backward(plan, &a, &bw), MHA_OK);
     bw.grad_key = gk;
     assert_fails(mha_plan_backward(plan, &a, &bw), MHA_ERR_INVALID_ARGUMENT,

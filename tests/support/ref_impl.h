@@ -87,7 +87,8 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
     mha_get_config(m, &c);
     const int64_t B = a->batch, Lq = a->q_len;
     const int64_t Lk = a->kv_len ? a->kv_len : Lq;
-    const int64_t E = c.embed_dim, H = c.num_heads, dh = E / H;
+    const int64_t E = c.embed_dim, H = c.num_heads, dh = c.head_dim;
+    const int64_t D = H * dh;   /* the heads side by side (E unless pruned) */
     const int64_t kdim = c.kdim, vdim = c.vdim;
     const int64_t Lt = Lk + (c.add_bias_kv ? 1 : 0) + (c.add_zero_attn ? 1 : 0);
     const float *key = a->key ? a->key : a->query;
@@ -98,8 +99,8 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
     REAL *packed = FN(param)(m, "in_proj_weight");
     if (packed) {
         Wq = packed;
-        Wk = packed + E * E;
-        Wv = packed + 2 * E * E;
+        Wk = packed + D * E;
+        Wv = packed + 2 * D * E;
     } else {
         Wq = FN(param)(m, "q_proj_weight");
         Wk = FN(param)(m, "k_proj_weight");
@@ -114,35 +115,35 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
     REAL *xq = FN(widen)(a->query, B * Lq * E);
     REAL *xk = FN(widen)(key, B * Lk * kdim);
     REAL *xv = FN(widen)(value, B * Lk * vdim);
-    REAL *q = malloc((size_t)(B * Lq * E) * sizeof *q);
-    REAL *k = malloc((size_t)(B * Lt * E) * sizeof *k);   /* with extras */
-    REAL *v = malloc((size_t)(B * Lt * E) * sizeof *v);
-    REAL *ctx = calloc((size_t)(B * Lq * E), sizeof *ctx);
-    REAL *tmp = malloc((size_t)(Lk * E) * sizeof *tmp);
+    REAL *q = malloc((size_t)(B * Lq * D) * sizeof *q);
+    REAL *k = malloc((size_t)(B * Lt * D) * sizeof *k);   /* with extras */
+    REAL *v = malloc((size_t)(B * Lt * D) * sizeof *v);
+    REAL *ctx = calloc((size_t)(B * Lq * D), sizeof *ctx);
+    REAL *tmp = malloc((size_t)(Lk * D) * sizeof *tmp);
     REAL *s = malloc((size_t)Lt * sizeof *s);
     int *blocked = malloc((size_t)Lt * sizeof *blocked);
 
-    FN(linear)(xq, B * Lq, E, Wq, bin, E, q);
+    FN(linear)(xq, B * Lq, E, Wq, bin, D, q);
     /* Keys and values per batch, then the appended bias / zero rows. */
     for (int64_t b = 0; b < B; b++) {
-        FN(linear)(xk + b * Lk * kdim, Lk, kdim, Wk, bin ? bin + E : NULL, E,
+        FN(linear)(xk + b * Lk * kdim, Lk, kdim, Wk, bin ? bin + D : NULL, D,
                    tmp);
-        memcpy(k + b * Lt * E, tmp, (size_t)(Lk * E) * sizeof *tmp);
-        FN(linear)(xv + b * Lk * vdim, Lk, vdim, Wv, bin ? bin + 2 * E : NULL,
-                   E, tmp);
-        memcpy(v + b * Lt * E, tmp, (size_t)(Lk * E) * sizeof *tmp);
+        memcpy(k + b * Lt * D, tmp, (size_t)(Lk * D) * sizeof *tmp);
+        FN(linear)(xv + b * Lk * vdim, Lk, vdim, Wv, bin ? bin + 2 * D : NULL,
+                   D, tmp);
+        memcpy(v + b * Lt * D, tmp, (size_t)(Lk * D) * sizeof *tmp);
         int64_t row = Lk;
         if (c.add_bias_kv) {
-            for (int64_t e = 0; e < E; e++) {
-                k[(b * Lt + row) * E + e] = bk[e];
-                v[(b * Lt + row) * E + e] = bv[e];
+            for (int64_t e = 0; e < D; e++) {
+                k[(b * Lt + row) * D + e] = bk[e];
+                v[(b * Lt + row) * D + e] = bv[e];
             }
             row++;
         }
         if (c.add_zero_attn) {
-            for (int64_t e = 0; e < E; e++) {
-                k[(b * Lt + row) * E + e] = 0;
-                v[(b * Lt + row) * E + e] = 0;
+            for (int64_t e = 0; e < D; e++) {
+                k[(b * Lt + row) * D + e] = 0;
+                v[(b * Lt + row) * D + e] = 0;
             }
         }
     }
@@ -182,8 +183,8 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
                         continue;
                     REAL dot = 0;
                     for (int64_t d = 0; d < dh; d++)
-                        dot += q[(b * Lq + i) * E + h * dh + d] *
-                               k[(b * Lt + j) * E + h * dh + d];
+                        dot += q[(b * Lq + i) * D + h * dh + d] *
+                               k[(b * Lt + j) * D + h * dh + d];
                     s[j] = dot * scale + add;
                     if (s[j] > mx)
                         mx = s[j];
@@ -208,11 +209,17 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
                         weights[((b * H + h) * Lq + i) * Lt + j] = p;
                     if (use)
                         for (int64_t d = 0; d < dh; d++)
-                            ctx[(b * Lq + i) * E + h * dh + d] +=
-                                p * v[(b * Lt + j) * E + h * dh + d];
+                            ctx[(b * Lq + i) * D + h * dh + d] +=
+                                p * v[(b * Lt + j) * D + h * dh + d];
                 }
             }
-    FN(linear)(ctx, B * Lq, E, Wo, bo, E, out);
+    /* The head mask scales each head's context before W_O. */
+    if (a->head_mask)
+        for (int64_t r = 0; r < B * Lq; r++)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t d = 0; d < dh; d++)
+                    ctx[r * D + h * dh + d] *= (REAL)a->head_mask[h];
+    FN(linear)(ctx, B * Lq, D, Wo, bo, E, out);
 
     if (packed)
         free(packed);
