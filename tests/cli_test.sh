@@ -4,7 +4,9 @@
 # `mha forward` and `mha backward`: each subcommand, each flag, each error
 # path, and that a failing `mha forward` or `mha backward` leaves no output
 # file (nor a temporary one) behind; `mha bench`, with and without
-# --backward; `mha viz` (tests/check_viz.py, and its errors).
+# --backward; `mha viz` (tests/check_viz.py, and its errors); --head-mask
+# (its gradient against an exact difference) and `mha prune` (pruned ==
+# ablated).
 # Inputs are made by `mha init` and by NumPy (Debian's /usr/bin/python3).
 set -u
 mha="$1"; here="$(cd "$(dirname "$0")" && pwd)"
@@ -641,6 +643,56 @@ expect 0 "^batch item 1: 2 heads, 3 queries \(rows\) x 5 keys \(columns\)$" \
 # Panels side by side up to $COLUMNS: 3 at 80 columns, 1 at 20.
 expect 0 "^head 1 +head 2 +mean +$" -- "$mha" viz "${vz[@]}" --ascii
 expect 0 "^mean +$" -- env COLUMNS=20 "$mha" viz "${vz[@]}" --ascii
+
+# ---- head masks and mha prune ------------------------------------------------
+# W has 2 heads of 4 over E = 8; a 4-head module shows reordering.
+W4="$tmp/w4.safetensors"
+expect 0 "" -- "$mha" init --embed-dim 8 --heads 4 --seed 3 --out "$W4"
+expect 0 "^kept 2 of 4 heads \(3,1\): heads' width 8 -> 4, 288 -> 148 parameters$" \
+  -- "$mha" prune --weights "$W4" --keep 3,1 --out "$d/p31.safetensors"
+expect 0 "^module: embed_dim=8 num_heads=2 head_dim=2 kdim=8 vdim=8 " -- "$mha" info "$d/p31.safetensors"
+expect 0 "^  out_proj\.weight +F32 +\(8, 4\)$" -- "$mha" info "$d/p31.safetensors"
+expect 0 "" -- "$mha" forward --weights "$W4" --query "$d/q.npy" --head-mask 0,1,0,1 --out "$d/abl.npy"
+expect 0 "" -- "$mha" forward --weights "$d/p31.safetensors" --query "$d/q.npy" --out "$d/pr.npy"
+expect 0 "" -- "$mha" forward --weights "$W4" --query "$d/q.npy" --head-mask 1,1,1,1 --out "$d/ones.npy"
+expect 0 "" -- "$mha" forward --weights "$W4" --query "$d/q.npy" --out "$d/plain.npy"
+same "$d/ones.npy" "$d/plain.npy" "a head mask of ones"
+# dL/d head_mask: the output is linear in each m_h, so a central difference
+# of sum(dy * out) with any step is exact up to rounding.
+npy "$d/dy.npy" "np.random.randn(2, 3, 8).astype(np.float32)"
+expect 0 "" -- "$mha" backward --weights "$W4" --query "$d/q.npy" --head-mask 0.5,1,0,2 \
+  --grad-output "$d/dy.npy" --out "$d/ghm.safetensors"
+expect 1 "^  head_mask +F32 +\(4\)$" -- "$mha" info "$d/ghm.safetensors"
+for m in "1.5,1,0,2" "-0.5,1,0,2" "0.5,1,1,2" "0.5,1,-1,2"; do
+  expect 0 "" -- "$mha" forward --weights "$W4" --query "$d/q.npy" --head-mask "$m" --out "$d/hm_$m.npy"
+done
+if "$py" - "$d" "$here" <<'PYEOF'
+import sys, numpy as np
+d = sys.argv[1]
+sys.path.insert(0, sys.argv[2] + "/torch_live")
+import st
+g = st.load(d + "/ghm.safetensors")[0]["head_mask"]
+dy = np.load(d + "/dy.npy").astype(np.float64)
+L = lambda m: float((np.load(d + "/hm_" + m + ".npy") * dy).sum())
+fd = [(L("1.5,1,0,2") - L("-0.5,1,0,2")) / 2, (L("0.5,1,1,2") - L("0.5,1,-1,2")) / 2]
+assert np.allclose([g[0], g[2]], fd, rtol=1e-4, atol=1e-5), (g, fd)
+pr, abl = np.load(d + "/pr.npy"), np.load(d + "/abl.npy")
+assert np.abs(pr - abl).max() <= 1e-5 * (1 + np.abs(abl).max()), "pruned != ablated"
+PYEOF
+then ok; else bad "head mask gradient or pruned output"; fi
+expect 1 "^mha forward: --head-mask has 3 values, expected 4 \(one per head\)$" \
+  -- "$mha" forward --weights "$W4" --query "$d/q.npy" --head-mask 1,0,1 --out "$d/x.npy"
+expect 1 "^mha forward: --head-mask must be a finite number, got 'nan'$" \
+  -- "$mha" forward --weights "$W4" --query "$d/q.npy" --head-mask 1,nan,1,1 --out "$d/x.npy"
+absent "a refused head mask" "$d/x.npy"
+expect 1 "^mha prune: --keep 1,1: keep names head 1 twice$" \
+  -- "$mha" prune --weights "$W4" --keep 1,1 --out "$d/x.safetensors"
+expect 1 "^mha prune: --keep must be an integer in \[0, 3\], got '4'$" \
+  -- "$mha" prune --weights "$W4" --keep 0,4 --out "$d/x.safetensors"
+expect 1 "^mha prune: --keep is required" -- "$mha" prune --weights "$W4" --out "$d/x.safetensors"
+expect 1 "^mha prune: --weights .*missing" -- "$mha" prune --weights "$d/missing" --keep 0 --out "$d/x.safetensors"
+absent "a refused prune" "$d/x.safetensors"
+expect 0 "^usage: mha prune" -- "$mha" prune --help
 
 echo "$passes passed, $fails failed"
 [ "$fails" -eq 0 ]

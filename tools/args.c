@@ -103,3 +103,66 @@ int tool_float(const char *cmd, const char *name, const char *s, float *out)
     *out = (float)v;
     return 0;
 }
+
+/* Splits a comma-separated list into a malloc'ed copy whose commas are NULs;
+ * *n receives the number of items (an empty item is kept, and refused by
+ * the conversion). */
+static char *split_list(const char *s, int64_t *n)
+{
+    const size_t len = strlen(s);
+    char *copy = malloc(len + 1);
+    *n = 1;
+    if (!copy)
+        return NULL;
+    memcpy(copy, s, len + 1);
+    for (char *c = copy; *c; c++)
+        if (*c == ',') {
+            *c = '\0';
+            ++*n;
+        }
+    return copy;
+}
+
+int tool_floats(const char *cmd, const char *name, const char *s,
+                int64_t count, float **out)
+{
+    int64_t n;
+    char *items = split_list(s, &n);
+    float *v = items && n == count ? malloc((size_t)n * sizeof *v) : NULL;
+    int rc = 0;
+    if (!items || (n == count && !v))
+        rc = tool_fail(cmd, "out of memory for --%s", name);
+    else if (n != count)
+        rc = tool_fail(cmd, "--%s has %lld values, expected %lld (one per "
+                       "head)", name, (long long)n, (long long)count);
+    const char *item = items;
+    for (int64_t k = 0; !rc && k < n; item += strlen(item) + 1, k++)
+        rc = tool_float(cmd, name, item, &v[k]);
+    free(items);
+    if (rc) {
+        free(v);
+        return 1;
+    }
+    *out = v;
+    return 0;
+}
+
+int tool_ints(const char *cmd, const char *name, const char *s, int64_t lo,
+              int64_t hi, int64_t *count, int64_t **out)
+{
+    int64_t n;
+    char *items = split_list(s, &n);
+    int64_t *v = items ? malloc((size_t)n * sizeof *v) : NULL;
+    int rc = !v ? tool_fail(cmd, "out of memory for --%s", name) : 0;
+    const char *item = items;
+    for (int64_t k = 0; !rc && k < n; item += strlen(item) + 1, k++)
+        rc = tool_int(cmd, name, item, lo, hi, &v[k]);
+    free(items);
+    if (rc) {
+        free(v);
+        return 1;
+    }
+    *count = n;
+    *out = v;
+    return 0;
+}

@@ -42,5 +42,11 @@ int tool_require(const char *cmd, const tool_opt *opts, int n,
 int tool_int(const char *cmd, const char *name, const char *s, int64_t lo,
              int64_t hi, int64_t *out);
 int tool_float(const char *cmd, const char *name, const char *s, float *out);
+/* A comma-separated list of exactly `count` finite floats (or integers
+ * in [lo, hi]) into a malloc'ed array *out. */
+int tool_floats(const char *cmd, const char *name, const char *s,
+                int64_t count, float **out);
+int tool_ints(const char *cmd, const char *name, const char *s, int64_t lo,
+              int64_t hi, int64_t *count, int64_t **out);
 
 #endif

@@ -49,6 +49,7 @@ void run_free(run_setup *r)
     mha_tensor_free(r->in.mask);
     mha_tensor_free(r->in.kmask);
     mha_tensor_free(r->in.klen);
+    free(r->head_mask);
     mha_free(r->m);
     memset(r, 0, sizeof *r);
 }
@@ -138,6 +139,12 @@ static int run_module(const char *cmd, const tool_opt *o, int n,
                     !(OPT("dropout") && base.dropout == 0.0f);
     r->a.dropout_seed = (uint64_t)seed;
     r->a.num_threads = (int)threads;
+    if (OPT("head-mask")) {
+        if (tool_floats(cmd, "head-mask", OPT("head-mask"), r->c.num_heads,
+                        &r->head_mask))
+            return 1;
+        r->a.head_mask = r->head_mask;
+    }
     return 0;
 #undef OPT
 }
@@ -347,6 +354,9 @@ static const char BACKWARD_HELP[] =
     "                       in_proj_weight, ..., out_proj.bias\n"
     "                                     dL/d each parameter, named and\n"
     "                                     shaped as in the state_dict\n"
+    "                       head_mask     dL/d head mask (H), with\n"
+    "                                     --head-mask (use all ones for\n"
+    "                                     the heads' importance scores)\n"
     "One tensor serving several roles gets the sum of their gradients:\n"
     "without --key, `query` is dL/d query + dL/d key + dL/d value; with\n"
     "--key but no --value, `key` is dL/d key + dL/d value.  Dropout\n"
@@ -401,8 +411,10 @@ int cmd_backward(int argc, char **argv)
     /* One buffer: dq, dk, dv, then the parameters' gradients.  A NULL key
      * (value) makes the query (key) receive the sum of the gradients of
      * the inputs it serves as. */
-    float *g = NULL;
-    if (!rc && !(g = malloc((size_t)(nq + nk + nv + np) * sizeof *g)))
+    float *g = NULL, *ghm = NULL;
+    if (!rc && (!(g = malloc((size_t)(nq + nk + nv + np) * sizeof *g)) ||
+                (a->head_mask &&
+                 !(ghm = malloc((size_t)c->num_heads * sizeof *ghm)))))
         rc = tool_fail("backward", "out of memory for the gradients");
     mha_backward_args b = {0};
     if (!rc) {
@@ -411,12 +423,14 @@ int cmd_backward(int argc, char **argv)
         b.grad_key = k ? g + nq : NULL;
         b.grad_value = v ? g + nq + nk : NULL;
         b.grad_params = g + nq + nk + nv;
+        b.grad_head_mask = ghm;   /* with --head-mask */
         if (mha_backward(r.m, a, &b) != MHA_OK)
             rc = tool_fail("backward", "%s", mha_last_error());
     }
     const int nparams = mha_param_count(r.m), nin = 1 + !!k + !!v;
+    const int nhm = ghm != NULL;
     mha_tensor_view *views = NULL;
-    if (!rc && !(views = calloc((size_t)(nin + nparams), sizeof *views)))
+    if (!rc && !(views = calloc((size_t)(nin + nparams + nhm), sizeof *views)))
         rc = tool_fail("backward", "out of memory for the gradients");
     if (!rc) {
         views[0] = view_like("query", q, E, b.grad_query);
@@ -433,13 +447,17 @@ int cmd_backward(int argc, char **argv)
             for (int d = 0; d < info.ndim; d++)
                 pv->shape[d] = info.shape[d];
         }
-        if (mha_safetensors_save(OPT("out"), views, nin + nparams, NULL, NULL,
-                                 0) != MHA_OK)
+        if (ghm)
+            views[nin + nparams] = (mha_tensor_view){
+                "head_mask", MHA_DTYPE_F32, 1, {c->num_heads}, ghm};
+        if (mha_safetensors_save(OPT("out"), views, nin + nparams + nhm, NULL,
+                                 NULL, 0) != MHA_OK)
             rc = tool_fail("backward", "--out: %s", mha_last_error());
     }
 #undef OPT
     free(views);
     free(g);
+    free(ghm);
     mha_tensor_free(dy);
     run_free(&r);
     return rc;
@@ -553,9 +571,67 @@ int cmd_info(int argc, char **argv)
     printf("module: embed_dim=%lld num_heads=%lld head_dim=%lld kdim=%lld "
            "vdim=%lld bias=%s add_bias_kv=%s add_zero_attn=%s dropout=%g "
            "scale=%g\n", (long long)c.embed_dim, (long long)c.num_heads,
-           (long long)(c.embed_dim / c.num_heads), (long long)c.kdim,
+           (long long)c.head_dim, (long long)c.kdim,
            (long long)c.vdim, c.no_bias ? "false" : "true",
            c.add_bias_kv ? "true" : "false", c.add_zero_attn ? "true" : "false",
            (double)c.dropout, (double)c.scale);
     return 0;
+}
+
+/* ---- mha prune ---------------------------------------------------------- */
+
+static const char PRUNE_HELP[] =
+    "usage: mha prune --weights W.safetensors [--heads H] --keep 0,2,5\n"
+    "                 --out W2.safetensors\n"
+    "\n"
+    "Writes the module with only the heads listed in --keep, in that order\n"
+    "(mha_prune_heads): their rows of W_q, W_k, W_v (and of the biases,\n"
+    "bias_k, bias_v), their columns of out_proj.weight; out_proj.bias\n"
+    "unchanged.  Its output equals the original's under --head-mask with\n"
+    "1 for the kept heads and 0 for the others, at n_keep / H of the\n"
+    "projection and attention work.  Its heads are narrower than\n"
+    "embed_dim / num_heads would say (out_proj.weight is [E, n_keep * d_h]),\n"
+    "which libmha loads and PyTorch's nn.MultiheadAttention cannot.\n";
+
+int cmd_prune(int argc, char **argv)
+{
+    tool_opt o[] = {{"weights", 1, 0}, {"heads", 1, 0}, {"keep", 1, 0},
+                    {"out", 1, 0}};
+    int status;
+    if (tool_options("prune", argc, argv, o, NOPTS(o), PRUNE_HELP, &status))
+        return status;
+#define OPT(name) tool_get(o, NOPTS(o), name)
+    static const char *const need[] = {"weights", "keep", "out"};
+    if (tool_require("prune", o, NOPTS(o), need, 3))
+        return 1;
+    int64_t heads = 0;
+    if (OPT("heads") &&
+        tool_int("prune", "heads", OPT("heads"), 1, INT32_MAX, &heads))
+        return 1;
+    mha_module *m = NULL, *p = NULL;
+    if (mha_module_load(OPT("weights"), heads, &m) != MHA_OK)
+        return tool_fail("prune", "--weights %s: %s", OPT("weights"),
+                         mha_last_error());
+    mha_config c;
+    mha_get_config(m, &c);
+    int64_t n_keep = 0, *keep = NULL;
+    int rc = tool_ints("prune", "keep", OPT("keep"), 0, c.num_heads - 1,
+                       &n_keep, &keep);
+    if (!rc && mha_prune_heads(m, keep, n_keep, &p) != MHA_OK)
+        rc = tool_fail("prune", "--keep %s: %s", OPT("keep"),
+                       mha_last_error());
+    if (!rc && mha_module_save(p, OPT("out")) != MHA_OK)
+        rc = tool_fail("prune", "--out: %s", mha_last_error());
+    if (!rc)
+        printf("kept %lld of %lld heads (%s): heads' width %lld -> %lld, "
+               "%lld -> %lld parameters\n", (long long)n_keep,
+               (long long)c.num_heads, OPT("keep"),
+               (long long)(c.num_heads * c.head_dim),
+               (long long)(n_keep * c.head_dim),
+               (long long)mha_param_numel(m), (long long)mha_param_numel(p));
+#undef OPT
+    free(keep);
+    mha_free(p);
+    mha_free(m);
+    return rc;
 }

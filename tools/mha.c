@@ -80,6 +80,7 @@ static void usage(FILE *f)
           "             share of the FMA peak\n"
           "  viz        every head's attention weights as labelled heatmaps:\n"
           "             a PNG (--png) or the terminal (--ascii)\n"
+          "  prune      keep some heads of a module, drop the others\n"
           "\n"
           "  mha --version     print the version\n"
           "  mha <command> --help\n", f);
@@ -106,6 +107,8 @@ int main(int argc, char **argv)
         return cmd_forward(argc - 1, argv + 1);
     if (!strcmp(cmd, "backward"))
         return cmd_backward(argc - 1, argv + 1);
+    if (!strcmp(cmd, "prune"))
+        return cmd_prune(argc - 1, argv + 1);
     if (!strcmp(cmd, "init"))
         return cmd_init(argc - 1, argv + 1);
     if (!strcmp(cmd, "info"))

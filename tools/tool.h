@@ -41,7 +41,8 @@ unsigned tool_glyph_row(int c, int row);
     "         [--key K.npy [--value V.npy]] [--attn-mask M.npy]\n"          \
     "         [--key-mask KM.npy] [--key-lengths KL.npy]\n"                 \
     "         [--causal | --causal-top-left] [--scale S] [--add-zero-attn]\n" \
-    "         [--train [--dropout P] [--seed S]] [--threads T]\n"
+    "         [--train [--dropout P] [--seed S]] [--threads T]\n"           \
+    "         [--head-mask M0,M1,...]\n"
 #define RUN_HELP_INPUTS                                                      \
     "  --heads H          number of heads (default: __metadata__ num_heads)\n" \
     "  --query Q.npy      (B, Lq, E) or unbatched (Lq, E), float\n"          \
@@ -59,7 +60,10 @@ unsigned tool_glyph_row(int c, int row);
     "  --add-zero-attn    the module was built with add_zero_attn=True\n"     \
     "  --train            apply dropout P (default: the file's; 0 turns it\n" \
     "                     off) keyed by --seed S (default 0)\n"               \
-    "  --threads T        attention threads, 1..4096 (default: OpenMP's)\n"
+    "  --threads T        attention threads, 1..4096 (default: OpenMP's)\n" \
+    "  --head-mask M,...  H finite factors, one per head, applied to each\n" \
+    "                     head's output before out_proj: 0 removes the head\n" \
+    "                     (ablation), 1 keeps it\n"
 
 /* The options of all three, first in each one's table (tool_opt, args.h). */
 #define RUN_OPTS                                                             \
@@ -67,7 +71,8 @@ unsigned tool_glyph_row(int c, int row);
     {"value", 1, 0}, {"attn-mask", 1, 0}, {"key-mask", 1, 0},                \
     {"key-lengths", 1, 0}, {"causal", 0, 0}, {"causal-top-left", 0, 0},     \
     {"scale", 1, 0}, {"add-zero-attn", 0, 0}, {"train", 0, 0},               \
-    {"dropout", 1, 0}, {"seed", 1, 0}, {"threads", 1, 0}
+    {"dropout", 1, 0}, {"seed", 1, 0}, {"threads", 1, 0},                   \
+    {"head-mask", 1, 0}
 
 typedef struct fwd_inputs {
     mha_tensor *q, *k, *v, *mask, *kmask, *klen;
@@ -79,6 +84,7 @@ typedef struct run_setup {
     mha_module *m;
     mha_config c;
     fwd_inputs in;
+    float *head_mask;   /* --head-mask, or NULL */
     mha_forward_args a;
 } run_setup;
 
@@ -99,5 +105,6 @@ int cmd_init(int argc, char **argv);
 int cmd_info(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_viz(int argc, char **argv);
+int cmd_prune(int argc, char **argv);
 
 #endif
