@@ -672,6 +672,17 @@ int main(int argc, char **argv)
                    h + 1, prev, ind, role(prev, ind), 100 * a, 100 * (a - acc));
         }
 
+    /* A whole layer at once: each role is spread over several heads. */
+    for (int l = 0; l < LAYERS; l++) {
+        for (int h = 0; h < H; h++)
+            keep_mask[l][h] = 0.0f;
+        printf("%severy head of layer %d ablated: %.1f%%", l ? "; " : "\n",
+               l + 1, 100 * evaluate(&md, &ev, eval_tok, masks));
+        for (int h = 0; h < H; h++)
+            keep_mask[l][h] = 1.0f;
+    }
+    printf("\n");
+
     /* Greedy pruning by head_mask: remove the head that costs least, while
      * the accuracy stays within prune_loss of the full model's and every
      * layer keeps a head. */
