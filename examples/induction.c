@@ -44,6 +44,8 @@
  * Exit status 0 when the held-out accuracy at the end is >= the target
  * (0.95) and the pruned model scores what the ablated one does.
  */
+#define _POSIX_C_SOURCE 200809L   /* clock_gettime */
+
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
