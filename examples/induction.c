@@ -35,9 +35,10 @@
  * greedily: again and again the head whose removal (with those already
  * removed, by head_mask) costs least, while the accuracy stays within one
  * point of the full model's; builds that smaller model with
- * mha_prune_heads, and measures it (accuracy, speed).  With --out DIR it
- * writes what `mha viz` needs to draw every head (scripts/induction_demo.sh
- * does all of it in one command).
+ * mha_prune_heads, and measures it (accuracy, speed).  It prints the
+ * clearest previous-token and induction heads as text heatmaps; with
+ * --out DIR it writes what `mha viz` needs to draw every head as a PNG
+ * (scripts/induction_demo.sh does all of it in one command).
  *
  * Usage: example_induction [--quick] [--seed S] [--steps N] [--target ACC]
  *                          [--out DIR]
@@ -489,6 +490,32 @@ static const char *role(double prev, double ind)
     return "-";
 }
 
+/* Head h of layer l on held-out sequence 0, shaded as the seeds draw
+ * attention (' ' < 0.1 <= ░ < 0.25 <= ▒ < 0.5 <= ▓ < 0.75 <= █), the
+ * tokens on both axes. */
+static void print_head(const model *md, const run *r, const int *tok, int l,
+                       int h, const char *title)
+{
+    static const char *shade[] = {" ", "░", "▒", "▓", "█"};
+    const int T = md->T;
+    const float *w = r->weights[l] + (int64_t)h * T * T;   /* b = 0 */
+    printf("\n%s: head %d.%d on a held-out sequence (rows attend to "
+           "columns)\n   ", title, l + 1, h + 1);
+    for (int j = 0; j < T; j++)
+        printf(" %c", 'a' + tok[j]);
+    printf("\n");
+    for (int i = 0; i < T; i++) {
+        printf(" %c [", 'a' + tok[i]);
+        for (int j = 0; j < T; j++) {
+            const float p = w[i * T + j];
+            const int lvl = p < 0.1f ? 0 : p < 0.25f ? 1 : p < 0.5f ? 2
+                          : p < 0.75f ? 3 : 4;
+            printf(" %s", shade[lvl]);
+        }
+        printf(" ]\n");
+    }
+}
+
 /* ---- files for mha viz ------------------------------------------------------- */
 
 static int save_npy(const char *dir, const char *name, const float *x,
@@ -673,6 +700,27 @@ int main(int argc, char **argv)
             printf("| %d.%d | %.2f | %.2f | %s | %.1f%% (%+.1f) |\n", l + 1,
                    h + 1, prev, ind, role(prev, ind), 100 * a, 100 * (a - acc));
         }
+
+    /* The clearest previous-token head of layer 1 and induction head of
+     * layer 2, in the terminal. */
+    int best_prev = 0, best_ind = 0;
+    double top_prev = -1, top_ind = -1;
+    for (int h = 0; h < H; h++) {
+        double prev, ind;
+        head_scores(&md, &ev, eval_tok, 0, h, &prev, &ind);
+        if (prev > top_prev) {
+            top_prev = prev;
+            best_prev = h;
+        }
+        head_scores(&md, &ev, eval_tok, 1, h, &prev, &ind);
+        if (ind > top_ind) {
+            top_ind = ind;
+            best_ind = h;
+        }
+    }
+    evaluate(&md, &ev, eval_tok, NULL);   /* the unablated weights */
+    print_head(&md, &ev, eval_tok, 0, best_prev, "previous-token head");
+    print_head(&md, &ev, eval_tok, 1, best_ind, "induction head");
 
     /* A whole layer at once: each role is spread over several heads. */
     for (int l = 0; l < LAYERS; l++) {
