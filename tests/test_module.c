@@ -783,25 +783,33 @@ static void ref_linear(const float *x, int64_t rows, int64_t n_in,
         }
 }
 
+/* head_dim 0: E / H; otherwise the heads' width D = H * head_dim, and the
+ * input projections map to D columns, the output projection from D. */
 static void check_projections(int64_t E, int64_t H, int64_t kdim,
-                              int64_t vdim, int no_bias)
+                              int64_t vdim, int no_bias, int64_t head_dim)
 {
-    mha_module *m = make_simple(E, H, kdim, vdim, no_bias, 0, 31);
-    mha_config c;
+    mha_config c = cfg(E, H);
+    c.kdim = kdim;
+    c.vdim = vdim;
+    c.no_bias = no_bias;
+    c.seed = 31;
+    c.head_dim = head_dim;
+    mha_module *m = make(&c);
     assert_int_equal(mha_get_config(m, &c), MHA_OK);
     kdim = c.kdim;
     vdim = c.vdim;
+    const int64_t D = H * c.head_dim;
     uint64_t s = 7;
     /* Nonzero biases, so that a wrong bias slice shows. */
     float *bias_in = NULL, *bias_out = NULL;
     if (!no_bias) {
-        bias_in = malloc((size_t)(3 * E) * sizeof(float));
+        bias_in = malloc((size_t)(3 * D) * sizeof(float));
         bias_out = malloc((size_t)E * sizeof(float));
-        for (int64_t i = 0; i < 3 * E; i++)
+        for (int64_t i = 0; i < 3 * D; i++)
             bias_in[i] = frand(&s);
         for (int64_t i = 0; i < E; i++)
             bias_out[i] = frand(&s);
-        assert_int_equal(mha_param_set(m, "in_proj_bias", bias_in, 3 * E),
+        assert_int_equal(mha_param_set(m, "in_proj_bias", bias_in, 3 * D),
                          MHA_OK);
         assert_int_equal(mha_param_set(m, "out_proj.bias", bias_out, E),
                          MHA_OK);
@@ -811,8 +819,8 @@ static void check_projections(int64_t E, int64_t H, int64_t kdim,
     if (packed) {
         win = get_param(m, "in_proj_weight", NULL);
         wq = win;
-        wk = win + E * E;
-        wv = win + 2 * E * E;
+        wk = win + D * E;
+        wv = win + 2 * D * E;
     } else {
         wq = get_param(m, "q_proj_weight", NULL);
         wk = get_param(m, "k_proj_weight", NULL);
@@ -823,26 +831,26 @@ static void check_projections(int64_t E, int64_t H, int64_t kdim,
     const int64_t rows = 5;
     const struct {
         mha_projection which;
-        int64_t n_in;
+        int64_t n_in, n_out;
         const float *w, *b;
     } cases[4] = {
-        {MHA_PROJ_QUERY, E, wq, bias_in},
-        {MHA_PROJ_KEY, kdim, wk, bias_in ? bias_in + E : NULL},
-        {MHA_PROJ_VALUE, vdim, wv, bias_in ? bias_in + 2 * E : NULL},
-        {MHA_PROJ_OUT, E, wo, bias_out},
+        {MHA_PROJ_QUERY, E, D, wq, bias_in},
+        {MHA_PROJ_KEY, kdim, D, wk, bias_in ? bias_in + D : NULL},
+        {MHA_PROJ_VALUE, vdim, D, wv, bias_in ? bias_in + 2 * D : NULL},
+        {MHA_PROJ_OUT, D, E, wo, bias_out},
     };
     for (int k = 0; k < 4; k++) {
-        const int64_t n_in = cases[k].n_in;
+        const int64_t n_in = cases[k].n_in, n_out = cases[k].n_out;
         float *x = malloc((size_t)(rows * n_in) * sizeof(float));
-        float *y = malloc((size_t)(rows * E + 1) * sizeof(float));
-        double *ref = malloc((size_t)(rows * E) * sizeof(double));
+        float *y = malloc((size_t)(rows * n_out + 1) * sizeof(float));
+        double *ref = malloc((size_t)(rows * n_out) * sizeof(double));
         for (int64_t i = 0; i < rows * n_in; i++)
             x[i] = frand(&s) * 2.0f;
-        y[rows * E] = 12345.0f;   /* guard past the end */
+        y[rows * n_out] = 12345.0f;   /* guard past the end */
         assert_int_equal(mha_project(m, cases[k].which, x, rows, y), MHA_OK);
-        assert_true(y[rows * E] == 12345.0f);
-        ref_linear(x, rows, n_in, cases[k].w, cases[k].b, E, ref);
-        for (int64_t i = 0; i < rows * E; i++) {
+        assert_true(y[rows * n_out] == 12345.0f);
+        ref_linear(x, rows, n_in, cases[k].w, cases[k].b, n_out, ref);
+        for (int64_t i = 0; i < rows * n_out; i++) {
             double err = fabs((double)y[i] - ref[i]);
             if (err > 1e-5 * (1.0 + fabs(ref[i])))
                 fail_msg("projection %d (E=%lld kdim=%lld vdim=%lld): y[%lld]"
@@ -870,10 +878,12 @@ static void check_projections(int64_t E, int64_t H, int64_t kdim,
 static void test_project_values(void **state)
 {
     (void)state;
-    check_projections(16, 4, 8, 12, 0);   /* kdim, vdim != E */
-    check_projections(16, 4, 24, 5, 1);   /* no bias */
-    check_projections(16, 2, 0, 0, 0);    /* packed in_proj_weight */
-    check_projections(12, 3, 0, 7, 0);    /* only vdim differs */
+    check_projections(16, 4, 8, 12, 0, 0);   /* kdim, vdim != E */
+    check_projections(16, 4, 24, 5, 1, 0);   /* no bias */
+    check_projections(16, 2, 0, 0, 0, 0);    /* packed in_proj_weight */
+    check_projections(12, 3, 0, 7, 0, 0);    /* only vdim differs */
+    check_projections(16, 3, 0, 0, 0, 2);    /* D = 6 < E, packed */
+    check_projections(8, 2, 5, 0, 0, 7);     /* D = 14 > E, separate */
 }
 
 static void test_project_errors(void **state)
