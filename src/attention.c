@@ -624,7 +624,6 @@ typedef struct bwd_scratch {
     flash_scratch f;   /* qs (scaled q), o (the block's dq), s (P~), bias */
     float *dout;       /* [BR][dh]  dO of the block                       */
     float *dp;         /* [BR][BC]  dP, then dS                            */
-    float *acc;        /* [BC][dh]  one tile's share of dq, dk or dv       */
     float *pc, *dpc;   /* [BR][bwd_cache_width]  the block's P and dP~    */
     double delta[MHA_BR];
     float *extra;      /* [2][2][dh]  dk, dv of the extra keys            */
@@ -643,7 +642,7 @@ int64_t mha_attn_bwd_scratch(mha_isa isa, int64_t dh, int64_t Lt)
     if (isa == MHA_ISA_REF)   /* bias row; s, P, dq doubles; dk, dv doubles */
         return (Lt + 2) + 2 * (2 * Lt + dh + 2 * Lt * dh) + 2;
     return mha_attn_scratch(isa, dh, Lt) + MHA_BR * dh + MHA_BR * MHA_BC +
-           MHA_BC * dh + 2 * MHA_BR * bwd_cache_width(Lt) + 4 * dh;
+           2 * MHA_BR * bwd_cache_width(Lt) + 4 * dh;
 }
 
 static bwd_scratch carve_bwd(float *base, int64_t dh, int64_t Lt)
@@ -652,8 +651,7 @@ static bwd_scratch carve_bwd(float *base, int64_t dh, int64_t Lt)
     w.f = carve(base, dh);
     w.dout = base + mha_attn_scratch(MHA_ISA_SCALAR, dh, Lt);
     w.dp = w.dout + MHA_BR * dh;
-    w.acc = w.dp + MHA_BR * MHA_BC;
-    w.pc = w.acc + MHA_BC * dh;
+    w.pc = w.dp + MHA_BR * MHA_BC;
     w.dpc = w.pc + MHA_BR * bwd_cache_width(Lt);
     w.extra = w.dpc + MHA_BR * bwd_cache_width(Lt);
     return w;
@@ -716,12 +714,22 @@ static void bwd_pack_tile(const mha_attn *a, const mha_attn_grad *g,
     *(float *)bwd_packed_finite(a, g, b, h, t) = (float)finite;
 }
 
-/* dst[r][d] += x[r][d] for r < n, d < dh (dst with row stride ld). */
-static void add_rows(const float *x, int n, int dh, float *dst, int64_t ld)
+/* sum_c p[c] * d[c] over the c with p[c] != 0 (so an Inf or NaN in d
+ * under a zero p stays out), in float64: four interleaved partial sums,
+ * added in a fixed order at the end. */
+static double dot_nonzero(const float *p, const float *d, int n)
 {
-    for (int r = 0; r < n; r++)
-        for (int d = 0; d < dh; d++)
-            dst[r * ld + d] += x[r * dh + d];
+    double s[4] = {0.0, 0.0, 0.0, 0.0};
+    int c = 0;
+    for (; c + 4 <= n; c += 4)
+        for (int k = 0; k < 4; k++) {
+            const double t = (double)p[c + k] * d[c + k];
+            s[k] += p[c + k] != 0.0f ? t : 0.0;
+        }
+    for (; c < n; c++)
+        if (p[c] != 0.0f)
+            s[0] += (double)p[c] * d[c];
+    return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
 /*
@@ -764,11 +772,14 @@ static void bwd_probs_tile(const mha_microkernels *uk, const mha_attn *a,
         uk->scale(sr, nc, st[1]);
         memcpy(pr, sr, (size_t)nc * sizeof *pr);
         const float *dr = dpc + r * ldc;
+        if (!a->dropout) {
+            w->delta[r] += dot_nonzero(pr, dr, nc);
+            continue;
+        }
         double sum = 0.0;
         for (int c = 0; c < nc; c++)
             if (pr[c] != 0.0f &&
-                (!a->dropout ||
-                 mha_dropout_keep(a->seed, a->p_drop, b, h, i, j0 + c)))
+                mha_dropout_keep(a->seed, a->p_drop, b, h, i, j0 + c))
                 sum += (double)pr[c] * dr[c];
         w->delta[r] += sum * keep_scale;
     }
@@ -798,20 +809,36 @@ static void bwd_grads_tile(const mha_microkernels *uk, const mha_attn *a,
         a->dropout ? (a->p_drop < 1.0f ? 1.0f / (1.0f - a->p_drop) : 0.0f)
                    : 1.0f;
 
-    /* P~ into s (for dv), and dS = P * (dP - delta) into dp. */
+    /* dS = P * (dP - delta) into dp; under dropout also P~ (P with the
+     * dropped keys zeroed, kept ones scaled) into s for dv.  Without
+     * dropout dv reads P from the cache as it is. */
+    const float *pt = pc;
+    int64_t ldpt = ldc;
     for (int r = 0; r < mr; r++) {
         const int64_t i = i0 + r;
         const float *pr = pc + r * ldc, *dpr = dpc + r * ldc;
         const float delta = (float)w->delta[r];
-        float *dr = w->dp + r * MHA_BC, *pt = f->s + r * MHA_BC;
+        float *dr = w->dp + r * MHA_BC;
+        if (!a->dropout) {
+            /* branch-free, so the compiler vectorises it */
+            for (int c = 0; c < nc; c++) {
+                const float ds = pr[c] * (dpr[c] - delta);
+                dr[c] = pr[c] == 0.0f ? 0.0f : ds;
+            }
+            continue;
+        }
+        float *ptr = f->s + r * MHA_BC;
         for (int c = 0; c < nc; c++) {
             float pd = pr[c] * keep_scale, dp = dpr[c] * keep_scale;
-            if (a->dropout &&
-                !mha_dropout_keep(a->seed, a->p_drop, b, h, i, j0 + c))
+            if (!mha_dropout_keep(a->seed, a->p_drop, b, h, i, j0 + c))
                 pd = dp = 0.0f;
-            pt[c] = pd;
+            ptr[c] = pd;
             dr[c] = pr[c] == 0.0f ? 0.0f : pr[c] * (dp - delta);
         }
+    }
+    if (a->dropout) {
+        pt = f->s;
+        ldpt = MHA_BC;
     }
     float *dk_dst, *dv_dst;
     int64_t lddk, lddv;
@@ -826,23 +853,17 @@ static void bwd_grads_tile(const mha_microkernels *uk, const mha_attn *a,
         lddv = g->lddv;
     }
     /* Each (block, tile)'s share of dv, dq and dk is summed apart, then
-     * added: two levels of float sums (over 64 rows or keys, then over the
-     * blocks or tiles) instead of one chain as long as Lq or Lk. */
-    memset(w->acc, 0, (size_t)(nc * dh) * sizeof *w->acc);
-    (w->dout_finite ? uk->pvt : uk->pvt_exact)(mr, nc, dh, f->s, MHA_BC,
-                                               w->dout, w->acc, dh);
-    add_rows(w->acc, nc, dh, dv_dst, lddv);
-
+     * added (the kernels' pv_add / pvt): two levels of float sums (over 64
+     * rows or keys, then over the blocks or tiles) instead of one chain as
+     * long as Lq or Lk. */
+    (w->dout_finite ? uk->pvt : uk->pvt_exact)(mr, nc, dh, pt, (int)ldpt,
+                                               w->dout, dv_dst, (int)lddv);
     /* dq (unscaled: the block's dq is scaled once at the end) += dS k. */
-    memset(w->acc, 0, (size_t)(mr * dh) * sizeof *w->acc);
-    (k_finite ? uk->pv : uk->pv_exact)(mr, nc, dh, w->dp, MHA_BC, kc, w->acc,
-                                       dh);
-    add_rows(w->acc, mr, dh, f->o, dh);
+    (k_finite ? uk->pv_add : uk->pv_add_exact)(mr, nc, dh, w->dp, MHA_BC, kc,
+                                               f->o, dh);
     /* dk += dS^T (scale q): qs already holds the scaled rows. */
-    memset(w->acc, 0, (size_t)(nc * dh) * sizeof *w->acc);
     (w->q_finite ? uk->pvt : uk->pvt_exact)(mr, nc, dh, w->dp, MHA_BC, f->qs,
-                                            w->acc, dh);
-    add_rows(w->acc, nc, dh, dk_dst, lddk);
+                                            dk_dst, (int)lddk);
 }
 
 /* dO of the block's rows, packed, and whether it and the block's q are

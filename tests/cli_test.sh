@@ -527,7 +527,7 @@ expect 0 "bench +time the forward pass" -- "$mha" --help
 tiny=(--batch 1 --seq 8 --embed-dim 16 --heads 2 --repeat 2)
 ncpu=$(getconf _NPROCESSORS_ONLN)
 # The default thread count is the online CPUs, for the attention and the BLAS.
-jcheck "bench --json" "j['median_ms'] > 0 and j['min_ms'] > 0 and j['min_ms'] <= j['median_ms'] and j['gflops'] > 0 and j['peak_gflops'] > 0 and (j['batch'], j['seq'], j['kv_seq'], j['embed_dim'], j['heads'], j['head_dim']) == (1, 8, 8, 16, 2, 8) and j['causal'] is False and j['attention_only'] is False and j['threads'] == min($ncpu, 4096) == j['online_cpus'] and j['threads_default'] is True and j['blas_threads'] == j['threads'] and j['tier'] in ('avx2', 'scalar', 'ref') and j['repeat'] == 2 and j['warmup'] == 2" \
+jcheck "bench --json" "j['median_ms'] > 0 and j['min_ms'] > 0 and j['min_ms'] <= j['median_ms'] and j['gflops'] > 0 and j['peak_gflops'] > 0 and (j['batch'], j['seq'], j['kv_seq'], j['embed_dim'], j['heads'], j['head_dim']) == (1, 8, 8, 16, 2, 8) and j['causal'] is False and j['attention_only'] is False and j['threads'] == min($ncpu, 4096) == j['online_cpus'] and j['threads_default'] is True and j['blas_threads'] == j['threads'] and j['tier'] in ('avx512', 'avx2', 'scalar', 'ref') and j['repeat'] == 2 and j['warmup'] == 2" \
   -- "$mha" bench "${tiny[@]}" --json
 # --threads T reaches the library and the BLAS, whatever the caller's
 # environment says (mha bench re-executes itself with OPENBLAS_NUM_THREADS=T).
@@ -535,13 +535,21 @@ jcheck "bench --threads 2" "j['threads'] == 2 and j['threads_default'] is False 
   -- env OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 "$mha" bench "${tiny[@]}" --threads 2 --json
 jcheck "bench --threads 1" "j['threads'] == 1 and j['blas_threads'] == 1" \
   -- env OPENBLAS_NUM_THREADS=3 "$mha" bench "${tiny[@]}" --threads 1 --json
-expect 0 "^  kernels (avx2|scalar|ref) \(mha_kernel_tier\), 2 attention threads, OPENBLAS_NUM_THREADS=2$" -- "$mha" bench "${tiny[@]}" --threads 2
+expect 0 "^  kernels (avx512|avx2|scalar|ref) \(mha_kernel_tier\), 2 attention threads, OPENBLAS_NUM_THREADS=2$" -- "$mha" bench "${tiny[@]}" --threads 2
 expect 0 "^mha bench: .*, $ncpu threads? \(default: the online CPUs\)$" -- "$mha" bench "${tiny[@]}"
 expect 0 "^  timed   mha_plan_forward" -- "$mha" bench "${tiny[@]}"
 # The tier follows MHA_ISA; an unknown tier is refused.
 jcheck "bench: MHA_ISA=scalar" "j['tier'] == 'scalar'" -- env MHA_ISA=scalar "$mha" bench "${tiny[@]}" --json
 jcheck "bench: MHA_ISA=ref" "j['tier'] == 'ref'" -- env MHA_ISA=ref "$mha" bench "${tiny[@]}" --attention-only --json
 expect 1 "no attention kernels: MHA_ISA" -- env MHA_ISA=frob "$mha" bench "${tiny[@]}"
+# avx512 runs where the CPU has AVX-512F (and its peak probe is then the
+# AVX-512 one); elsewhere asking for it is refused by name.
+if grep -qw avx512f /proc/cpuinfo; then
+  jcheck "bench: MHA_ISA=avx512" "j['tier'] == 'avx512' and j['probe'] == 'AVX-512'" -- env MHA_ISA=avx512 "$mha" bench "${tiny[@]}" --json
+  jcheck "bench: MHA_ISA=avx2 probes AVX2" "j['tier'] == 'avx2' and j['probe'] == 'AVX2+FMA'" -- env MHA_ISA=avx2 "$mha" bench "${tiny[@]}" --json
+else
+  expect 1 "MHA_ISA=avx512, but this CPU or OS lacks its instructions" -- env MHA_ISA=avx512 "$mha" bench "${tiny[@]}"
+fi
 # FLOP counts: projections 2*4*16*16 (Q) + 2*6*16*32 (K, V) + 2*4*16*16 (out)
 # = 10240; causal bottom right with Lq=4, Lk=6 allows 3+4+5+6 = 18 pairs:
 # attention 4*H*d_h*18 = 1152.
@@ -550,7 +558,7 @@ jcheck "bench --causal --kv-seq: exact FLOP counts" "j['causal'] is True and j['
 jcheck "bench: self-attention attention FLOPs 4*B*H*L*L*d_h" "abs(j['attn_gflop'] - 4*3*2*5*5*8e-9) < 1e-15" \
   -- "$mha" bench --batch 3 --seq 5 --embed-dim 16 --heads 2 --repeat 1 --json
 # --attention-only: mha_attention on projected heads, no projection FLOPs.
-jcheck "bench --attention-only" "j['attention_only'] is True and j['proj_gflop'] == 0 and abs(j['attn_gflop'] - 4*3*2*5*5*8e-9) < 1e-15 and j['gflop'] == j['attn_gflop'] and j['gflops'] > 0 and j['threads'] == 2 and j['tier'] in ('avx2', 'scalar', 'ref')" \
+jcheck "bench --attention-only" "j['attention_only'] is True and j['proj_gflop'] == 0 and abs(j['attn_gflop'] - 4*3*2*5*5*8e-9) < 1e-15 and j['gflop'] == j['attn_gflop'] and j['gflops'] > 0 and j['threads'] == 2 and j['tier'] in ('avx512', 'avx2', 'scalar', 'ref')" \
   -- "$mha" bench --batch 3 --seq 5 --embed-dim 16 --heads 2 --repeat 1 --attention-only --threads 2 --json
 jcheck "bench --attention-only --causal --kv-seq --need-weights: exact pairs" "j['attention_only'] is True and j['causal'] is True and j['need_weights'] is True and j['proj_gflop'] == 0 and abs(j['attn_gflop'] - 1152e-9) < 1e-15" \
   -- "$mha" bench --batch 1 --seq 4 --kv-seq 6 --embed-dim 16 --heads 2 --causal --need-weights --attention-only --repeat 1 --warmup 0 --json

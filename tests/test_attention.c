@@ -201,6 +201,8 @@ static void test_errors(void **state)
 
 int main(void)
 {
+    if (tu_tier_unavailable())
+        return TU_SKIP;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_against_reference),
         cmocka_unit_test(test_errors),

@@ -504,6 +504,8 @@ static void test_finite_mask_saturates(void **state)
 
 int main(void)
 {
+    if (tu_tier_unavailable())
+        return TU_SKIP;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_fully_masked_rows),
         cmocka_unit_test(test_causal_empty_rows),

@@ -384,6 +384,8 @@ static void test_prune_errors(void **state)
 
 int main(void)
 {
+    if (tu_tier_unavailable())
+        return TU_SKIP;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(tu_test_tier),
         cmocka_unit_test(test_head_mask_forward),

@@ -31,7 +31,7 @@ static const uint32_t CANARY_BITS = 0x7fc0deadu;   /* a quiet NaN */
 /* The documented bound of each tier's exp (docs/KERNELS.md). */
 static double exp_ulp_bound(const mha_microkernels *k)
 {
-    return strcmp(k->name, "avx2") == 0 ? 2.0 : 1.0;
+    return strcmp(k->name, "scalar") != 0 ? 2.0 : 1.0;   /* avx2, avx512 */
 }
 
 static uint64_t rng_state;
@@ -101,7 +101,9 @@ static int same_bits(const float *a, const float *b, size_t n)
 }
 
 static const int MRS[] = {1, 2, 3, 4, 5, 7, 8, 13, 64};
-static const int NCS[] = {1, 3, 7, 8, 9, 15, 16, 17, 31, 64};
+/* Every block path of both wide tiers: avx2 16 / 8 / masked tail, avx512
+ * 64 / 32 / 16 / masked tail. */
+static const int NCS[] = {1, 3, 7, 8, 9, 15, 16, 17, 31, 32, 48, 63, 64};
 static const int DHS[] = {1, 3, 8, 40, 64, 80, 128};
 #define COUNT(a) ((int)(sizeof(a) / sizeof((a)[0])))
 
@@ -281,14 +283,81 @@ static void test_pv_exact_shapes(void **state)
                 run_pv_shape(k, 1, MRS[a], NCS[b], DHS[c]);
 }
 
+/*
+ * pv_add (o += a tile's sum) is bitwise pv into a zeroed buffer followed by
+ * one add per element, on every shape, plain and exact; for the exact form
+ * value rows of NaN / Inf that only zero weights touch leave o finite.
+ * (pv itself is checked against float64 above.)  Canaries after o and in
+ * its row padding catch stray writes.
+ */
+static void test_pv_add_is_pv_then_add(void **state)
+{
+    const mha_microkernels *k = *state;
+    rng_seed(25);
+    for (int a = 0; a < COUNT(MRS); a++)
+        for (int b = 0; b < COUNT(NCS); b++)
+            for (int c = 0; c < COUNT(DHS); c++)
+                for (int exact = 0; exact < 2; exact++) {
+                    const int mr = MRS[a], nc = NCS[b], dh = DHS[c];
+                    const int ldp = nc + 3, ldo = dh + 2;
+                    const size_t np = (size_t)(mr - 1) * ldp + nc;
+                    const size_t no = (size_t)(mr - 1) * ldo + dh;
+                    float *p = in_buf(np), *v = in_buf((size_t)nc * dh);
+                    float *o = out_buf(no), *sum = out_buf(no);
+                    float *want = malloc(no * sizeof *want);
+                    assert_non_null(want);
+                    fill(p, np, -1.0f, 1.0f);
+                    fill(v, (size_t)nc * dh, -1.0f, 1.0f);
+                    for (size_t i = 0; i < np; i += 4)
+                        p[i] = 0.0f;
+                    if (exact) {
+                        /* key nc/2: no row weighs it, and it is NaN / Inf */
+                        for (int r = 0; r < mr; r++)
+                            p[(size_t)r * ldp + nc / 2] = -0.0f;
+                        for (int d = 0; d < dh; d++)
+                            v[(nc / 2) * dh + d] = d & 1 ? NAN : -INFINITY;
+                    }
+                    for (int r = 0; r < mr; r++)
+                        for (int d = 0; d < dh; d++) {
+                            o[(size_t)r * ldo + d] = rng_f(-2.0f, 2.0f);
+                            sum[(size_t)r * ldo + d] = 0.0f;
+                        }
+                    (exact ? k->pv_exact : k->pv)(mr, nc, dh, p, ldp, v, sum,
+                                                  ldo);
+                    for (int r = 0; r < mr; r++)
+                        for (int d = 0; d < dh; d++)
+                            want[(size_t)r * ldo + d] =
+                                o[(size_t)r * ldo + d] +
+                                sum[(size_t)r * ldo + d];
+                    (exact ? k->pv_add_exact : k->pv_add)(mr, nc, dh, p, ldp,
+                                                          v, o, ldo);
+                    check_guard(o, no);
+                    check_padding(o, mr, dh, ldo);
+                    for (int r = 0; r < mr; r++) {
+                        const float *got = o + (size_t)r * ldo;
+                        if (!same_bits(got, want + (size_t)r * ldo, dh))
+                            fail_msg("%s pv_add%s mr=%d nc=%d dh=%d: row %d "
+                                     "is not pv then add", k->name,
+                                     exact ? "_exact" : "", mr, nc, dh, r);
+                        for (int d = 0; exact && d < dh; d++)
+                            assert_true(isfinite(got[d]));
+                    }
+                    free(p);
+                    free(v);
+                    free(o);
+                    free(sum);
+                    free(want);
+                }
+}
+
 /* Rows, keys and value dims split, tiles moved: the same bits; and for
  * finite v, pv == pv_exact bitwise even with many zero weights. */
 /*
- * pvt (the backward's o += p^T x) is pv applied to p transposed, bit for
- * bit: the same products summed in the same order.  Checked on every
- * shape, plain and exact, with zero weights and (for the exact form) NaN
- * rows of x that only zero weights touch; the canaries after o catch
- * writes past its nc rows.
+ * pvt (the backward's o += p^T x) is pv_add applied to p transposed, bit
+ * for bit: the same products summed in the same order, then added.
+ * Checked on every shape, plain and exact, with zero weights and (for the
+ * exact form) NaN rows of x that only zero weights touch; the canaries
+ * after o catch writes past its nc rows.
  */
 static void test_pvt_is_pv_transposed(void **state)
 {
@@ -324,8 +393,8 @@ static void test_pvt_is_pv_transposed(void **state)
                         o1[nc * dh + g] = o2[nc * dh + g] = canary();
                     (exact ? k->pvt_exact : k->pvt)(mr, nc, dh, p, LDP, x, o1,
                                                     dh);
-                    (exact ? k->pv_exact : k->pv)(nc, mr, dh, pt, mr, x, o2,
-                                                  dh);
+                    (exact ? k->pv_add_exact : k->pv_add)(nc, mr, dh, pt, mr,
+                                                          x, o2, dh);
                     assert_memory_equal(o1, o2,
                                         sizeof(float) * ((size_t)nc * dh + GUARD));
                     for (int i = 0; exact && i < nc * dh; i++)
@@ -511,7 +580,7 @@ static void test_exp_accuracy(void **state)
 {
     const mha_microkernels *k = *state;
     const double bound = exp_ulp_bound(k);
-    const int flushes = strcmp(k->name, "avx2") == 0;   /* docs/KERNELS.md */
+    const int flushes = strcmp(k->name, "scalar") != 0;   /* docs/KERNELS.md */
     enum { N = 1 << 20, CH = 61 };   /* 61: calls end in a tail */
     float *x = in_buf(N), *in = in_buf(N);
     for (int i = 0; i < N; i++)
@@ -528,7 +597,8 @@ static void test_exp_accuracy(void **state)
     for (int i = 0; i < N; i++) {
         const double e = exp((double)in[i]);
         if (flushes) {
-            /* avx2: exactly the results below FLT_MIN are 0, no denormal */
+            /* avx2, avx512: exactly the results below FLT_MIN are 0, no
+             * denormal */
             if (e < FLT_MIN) {
                 if (x[i] != 0.0f)
                     fail_msg("%s exp(%.9g) = %a, want 0 (flushed)", k->name,
@@ -753,6 +823,34 @@ static void test_bench(void **state)
     free(o);
 }
 
+/* The avx512 exp is the avx2 exp lane for lane (docs/KERNELS.md): the same
+ * bits for every input, the tails included. */
+static void test_avx512_exp_is_avx2s(void **state)
+{
+    (void)state;
+    enum { N = 1 << 18 };
+    float *a = in_buf(N), *b = in_buf(N);
+    rng_seed(77);
+    fill(a, N, -120.0f, 100.0f);
+    a[0] = -INFINITY;
+    a[1] = NAN;
+    a[2] = 0.0f;
+    a[3] = -0.0f;
+    a[4] = -0x1.5d589ep+6f;
+    a[5] = 88.7f;
+    memcpy(b, a, N * sizeof *a);
+    for (int i = 0; i < N; i += 37) {
+        const int n = N - i < 37 ? N - i : 37;
+        mha_microkernels_avx2.exp_sum(a + i, n, 0.25f);
+        mha_microkernels_avx512.exp_sum(b + i, n, 0.25f);
+    }
+    for (int i = 0; i < N; i++)
+        if (!same_bits(a + i, b + i, 1))
+            fail_msg("exp(%d): avx2 %a, avx512 %a", i, a[i], b[i]);
+    free(a);
+    free(b);
+}
+
 /* ---- main -----------------------------------------------------------------*/
 
 static void test_names(void **state)
@@ -760,6 +858,7 @@ static void test_names(void **state)
     (void)state;
     assert_string_equal(mha_microkernels_scalar.name, "scalar");
     assert_string_equal(mha_microkernels_avx2.name, "avx2");
+    assert_string_equal(mha_microkernels_avx512.name, "avx512");
 }
 
 #define KERNEL_TESTS(table)                                                  \
@@ -768,6 +867,7 @@ static void test_names(void **state)
     cmocka_unit_test_prestate(test_pv_shapes, (void *)&table),               \
     cmocka_unit_test_prestate(test_pv_exact_shapes, (void *)&table),         \
     cmocka_unit_test_prestate(test_pv_splits_bitwise, (void *)&table),       \
+    cmocka_unit_test_prestate(test_pv_add_is_pv_then_add, (void *)&table),   \
     cmocka_unit_test_prestate(test_pvt_is_pv_transposed, (void *)&table),    \
     cmocka_unit_test_prestate(test_pv_exact_nonfinite, (void *)&table),      \
     cmocka_unit_test_prestate(test_exp_accuracy, (void *)&table),            \
@@ -786,6 +886,10 @@ int main(void)
     const struct CMUnitTest avx2_tests[] = {
         KERNEL_TESTS(mha_microkernels_avx2),
     };
+    const struct CMUnitTest avx512_tests[] = {
+        KERNEL_TESTS(mha_microkernels_avx512),
+        cmocka_unit_test(test_avx512_exp_is_avx2s),
+    };
     int rc = cmocka_run_group_tests_name("microkernels_scalar", scalar_tests,
                                          NULL, NULL);
     __builtin_cpu_init();
@@ -794,5 +898,11 @@ int main(void)
                                           NULL, NULL);
     else
         printf("avx2 tier not tested: this CPU lacks AVX2 or FMA\n");
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
+        __builtin_cpu_supports("fma"))
+        rc |= cmocka_run_group_tests_name("microkernels_avx512", avx512_tests,
+                                          NULL, NULL);
+    else
+        printf("avx512 tier not tested: this CPU lacks AVX-512F\n");
     return rc;
 }

@@ -192,6 +192,8 @@ static void test_plan(void **state)
 
 int main(void)
 {
+    if (tu_tier_unavailable())
+        return TU_SKIP;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(tu_test_tier),
         cmocka_unit_test(test_plan),

@@ -59,6 +59,7 @@
 #include <string.h>
 
 #include "mha.h"
+#include "testutil.h"
 
 #define MIN_FIXTURES 8
 #define MAX_TENSORS 64
@@ -1093,6 +1094,8 @@ static void test_torch_fixtures(void **state)
 
 int main(void)
 {
+    if (tu_tier_unavailable())
+        return TU_SKIP;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_torch_fixtures),
     };

@@ -1,7 +1,8 @@
 /*
- * dispatch.c -- which tier runs: chosen once, by the CPU's features, or
- * forced with the environment variable MHA_ISA=ref|scalar|avx2 (the tests
- * run every tier this way).
+ * dispatch.c -- which tier runs: chosen once, by the CPU's features (the
+ * widest it has: avx512, avx2, scalar), or forced with the environment
+ * variable MHA_ISA=ref|scalar|avx2|avx512 (the tests run every tier this
+ * way).
  */
 #include "../attention.h"
 
@@ -21,21 +22,34 @@ static int cpu_has_avx2_fma(void)
 #endif
 }
 
+static int cpu_has_avx512(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    /* Also checks (XGETBV) that the OS saves the ZMM and mask state. */
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && cpu_has_avx2_fma();
+#else
+    return 0;
+#endif
+}
+
 /* -1: not chosen yet; otherwise the isa, or 100 + a status on error. */
 static atomic_int chosen = -1;
 
 static int choose(void)
 {
     const char *env = getenv("MHA_ISA");
-    const int avx2 = cpu_has_avx2_fma();
+    const int avx2 = cpu_has_avx2_fma(), avx512 = cpu_has_avx512();
     if (!env || !*env)
-        return avx2 ? MHA_ISA_AVX2 : MHA_ISA_SCALAR;
+        return avx512 ? MHA_ISA_AVX512 : avx2 ? MHA_ISA_AVX2 : MHA_ISA_SCALAR;
     if (!strcmp(env, "ref"))
         return MHA_ISA_REF;
     if (!strcmp(env, "scalar"))
         return MHA_ISA_SCALAR;
     if (!strcmp(env, "avx2"))
         return avx2 ? MHA_ISA_AVX2 : 100 + MHA_ERR_UNSUPPORTED;
+    if (!strcmp(env, "avx512"))
+        return avx512 ? MHA_ISA_AVX512 : 100 + MHA_ERR_UNSUPPORTED;
     return 100 + MHA_ERR_INVALID_ARGUMENT;
 }
 
@@ -51,20 +65,22 @@ mha_status mha_isa_get(mha_isa *isa, const mha_microkernels **uk)
         return mha_set_error((mha_status)(c - 100),
                              c - 100 == MHA_ERR_UNSUPPORTED
                                  ? "MHA_ISA=%s, but this CPU or OS lacks "
-                                   "AVX2 and FMA"
-                                 : "MHA_ISA=%s: expected ref, scalar or avx2",
+                                   "its instructions"
+                                 : "MHA_ISA=%s: expected ref, scalar, avx2 "
+                                   "or avx512",
                              env ? env : "");
     }
     *isa = (mha_isa)c;
-    *uk = c == MHA_ISA_AVX2 ? &mha_microkernels_avx2
-                            : &mha_microkernels_scalar;
+    *uk = c == MHA_ISA_AVX512 ? &mha_microkernels_avx512
+        : c == MHA_ISA_AVX2   ? &mha_microkernels_avx2
+                              : &mha_microkernels_scalar;
     return MHA_OK;
 }
 
 const char *mha_kernel_tier(void)
 {
-    mha_isa isa;
-    const mha_microkernels *uk;
+    mha_isa isa = MHA_ISA_REF;
+    const mha_microkernels *uk = NULL;
     if (mha_isa_get(&isa, &uk) != MHA_OK)
         return NULL;
     return isa == MHA_ISA_REF ? "ref" : uk->name;

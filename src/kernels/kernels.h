@@ -5,7 +5,7 @@
  * The driver (src/attention.c) walks query blocks against key tiles with
  * an online softmax; everything that touches O(rows x keys x d_h) data
  * goes through these few functions, so an instruction set is a table of
- * eight pointers.  Shapes, all row-major, all small (one tile):
+ * ten pointers.  Shapes, all row-major, all small (one tile):
  *
  *   q   [mr][dh]        query rows of one head, already multiplied by scale
  *   kt  [dh][ldkt]      one key tile, packed transposed: kt[d][c] = K[c][d]
@@ -24,7 +24,7 @@
 #include <stdint.h>
 
 typedef struct mha_microkernels {
-    const char *name;   /* "scalar", "avx2" */
+    const char *name;   /* "scalar", "avx2", "avx512" */
 
     /* s[r][c] = sum_d q[r][d] * kt[d][c]  for r < mr, c < nc. */
     void (*qk)(int mr, int nc, int dh, const float *q, const float *kt,
@@ -41,10 +41,19 @@ typedef struct mha_microkernels {
     void (*pv_exact)(int mr, int nc, int dh, const float *p, int ldp,
                      const float *v, float *o, int ldo);
 
-    /* The backward's transposed product: o[c][d] += sum_r p[r][c] * x[r][d]
-     * for c < nc, d < dh, the sum over r < mr in ascending order (bitwise
-     * pv applied to p transposed); x [mr][dh] contiguous.  The _exact form
-     * skips p == 0 entries, as pv_exact does. */
+    /* The backward's products, which add a tile's share to a gradient:
+     * o[r][d] += (sum_c p[r][c] * v[c][d]), the sum formed from zero in
+     * ascending c and then added to o with one rounding (bitwise: pv into a
+     * zeroed buffer, then o + buffer).  The _exact form skips p == 0
+     * entries, as pv_exact does. */
+    void (*pv_add)(int mr, int nc, int dh, const float *p, int ldp,
+                   const float *v, float *o, int ldo);
+    void (*pv_add_exact)(int mr, int nc, int dh, const float *p, int ldp,
+                         const float *v, float *o, int ldo);
+
+    /* The transposed product: o[c][d] += (sum_r p[r][c] * x[r][d]) for
+     * c < nc, d < dh, formed as in pv_add (bitwise pv_add applied to p
+     * transposed); x [mr][dh] contiguous. */
     void (*pvt)(int mr, int nc, int dh, const float *p, int ldp,
                 const float *x, float *o, int ldo);
     void (*pvt_exact)(int mr, int nc, int dh, const float *p, int ldp,
@@ -65,10 +74,15 @@ typedef struct mha_microkernels {
 
 /* The tiers.  ref is the float64-accumulating row loop of attention.c and
  * has no micro-kernels. */
-typedef enum mha_isa { MHA_ISA_REF = 0, MHA_ISA_SCALAR = 1, MHA_ISA_AVX2 = 2 }
-    mha_isa;
+typedef enum mha_isa {
+    MHA_ISA_REF = 0,
+    MHA_ISA_SCALAR = 1,
+    MHA_ISA_AVX2 = 2,
+    MHA_ISA_AVX512 = 3
+} mha_isa;
 
 extern const mha_microkernels mha_microkernels_scalar;
 extern const mha_microkernels mha_microkernels_avx2;   /* -mavx2 -mfma */
+extern const mha_microkernels mha_microkernels_avx512; /* -mavx512f -mfma */
 
 #endif /* MHA_KERNELS_H */

@@ -128,6 +128,27 @@ void *tu_make_mask(const tu_mask_spec *s, int64_t B, int64_t H, int64_t Lq,
     return data;
 }
 
+int tu_tier_unavailable(void)
+{
+    const char *want = getenv("MHA_ISA");
+    if (!want)
+        return 0;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    const int avx2 =
+        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const int avx512 = avx2 && __builtin_cpu_supports("avx512f");
+#else
+    const int avx2 = 0, avx512 = 0;
+#endif
+    if ((!strcmp(want, "avx2") && !avx2) ||
+        (!strcmp(want, "avx512") && !avx512)) {
+        printf("skipped: MHA_ISA=%s, which this CPU lacks\n", want);
+        return 1;
+    }
+    return 0;
+}
+
 void tu_test_tier(void **state)
 {
     (void)state;

@@ -45,6 +45,14 @@ void *tu_make_mask(const tu_mask_spec *s, int64_t B, int64_t H, int64_t Lq,
  * prints it); for tests linked with cmocka. */
 void tu_test_tier(void **state);
 
+/* The exit status CTest reads as "skipped" (SKIP_RETURN_CODE). */
+enum { TU_SKIP = 77 };
+
+/* Nonzero when MHA_ISA asks for a tier this CPU cannot run (avx2 without
+ * AVX2 + FMA, avx512 without AVX-512F): the test's main then prints why and
+ * returns TU_SKIP, so the per-tier CTest runs skip on older machines. */
+int tu_tier_unavailable(void);
+
 extern char tu_tmpdir[256];
 int tu_tmpdir_setup(void **state);
 int tu_tmpdir_teardown(void **state);

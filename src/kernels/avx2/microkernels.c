@@ -24,9 +24,12 @@
  * qk: A = q (lda dh), B = kt (ldb ldkt), K = dh, C = s, set.
  * pv: A = p (ldp),    B = v  (ldb dh),   K = nc, C = o, accumulate.
  * Each C element is acc = fma(A[r][k], B[k][j], acc) for k = 0, 1, ...,
- * starting from 0 (set) or from C (accumulate), in every variant below.
+ * starting from C (FROM_C) or from 0, in every variant below; with ADD the
+ * finished sum is then added to C (pv_add, pvt).  EXACT skips A == 0.
  */
-enum { MODE_SET = 0, MODE_ACC = 1, MODE_ACC_EXACT = 2 };
+enum { FROM_C = 1, EXACT = 2, ADD = 4 };
+enum { MODE_SET = 0, MODE_ACC = FROM_C, MODE_ACC_EXACT = FROM_C | EXACT,
+       MODE_ADD = ADD, MODE_ADD_EXACT = ADD | EXACT };
 
 /* Lanes < n are on (0 < n < 8). */
 MK_INLINE __m256i tail_mask(int n)
@@ -56,9 +59,9 @@ MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
     __m256 acc[6][2];
     for (int r = 0; r < R; r++)
         for (int w = 0; w < W; w++)
-            acc[r][w] = mode == MODE_SET
-                            ? _mm256_setzero_ps()
-                            : ld(C + (size_t)r * ldc + 8 * w, masked, m);
+            acc[r][w] = mode & FROM_C
+                            ? ld(C + (size_t)r * ldc + 8 * w, masked, m)
+                            : _mm256_setzero_ps();
 
     const __m256 zero = _mm256_setzero_ps();
     for (int k = 0; k < K; k++) {
@@ -68,7 +71,7 @@ MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
         for (int r = 0; r < R; r++) {
             const __m256 a =
                 _mm256_broadcast_ss(A + (size_t)r * lda + (size_t)k * ska);
-            if (mode == MODE_ACC_EXACT) {
+            if (mode & EXACT) {
                 /* p == 0 (either sign): keep acc as it was, so NaN / Inf in
                  * b never reaches this row.  Same bits as skipping. */
                 const __m256 z = _mm256_cmp_ps(a, zero, _CMP_EQ_OQ);
@@ -83,8 +86,12 @@ MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
     }
 
     for (int r = 0; r < R; r++)
-        for (int w = 0; w < W; w++)
-            st(C + (size_t)r * ldc + 8 * w, acc[r][w], masked, m);
+        for (int w = 0; w < W; w++) {
+            float *c = C + (size_t)r * ldc + 8 * w;
+            st(c, mode & ADD ? _mm256_add_ps(ld(c, masked, m), acc[r][w])
+                             : acc[r][w],
+               masked, m);
+        }
 }
 
 /* R rows against all N columns: 16-wide blocks, then one 8-wide, then a
@@ -147,17 +154,29 @@ static void pv_exact_avx2(int mr, int nc, int dh, const float *p, int ldp,
     gemm(4, MODE_ACC_EXACT, mr, dh, nc, p, ldp, 1, v, dh, o, ldo);
 }
 
+static void pv_add_avx2(int mr, int nc, int dh, const float *p, int ldp,
+                        const float *v, float *o, int ldo)
+{
+    gemm(6, MODE_ADD, mr, dh, nc, p, ldp, 1, v, dh, o, ldo);
+}
+
+static void pv_add_exact_avx2(int mr, int nc, int dh, const float *p, int ldp,
+                              const float *v, float *o, int ldo)
+{
+    gemm(4, MODE_ADD_EXACT, mr, dh, nc, p, ldp, 1, v, dh, o, ldo);
+}
+
 /* pT x: A is p read down its columns (row stride 1, k stride ldp). */
 static void pvt_avx2(int mr, int nc, int dh, const float *p, int ldp,
                      const float *x, float *o, int ldo)
 {
-    gemm(6, MODE_ACC, nc, dh, mr, p, 1, ldp, x, dh, o, ldo);
+    gemm(6, MODE_ADD, nc, dh, mr, p, 1, ldp, x, dh, o, ldo);
 }
 
 static void pvt_exact_avx2(int mr, int nc, int dh, const float *p, int ldp,
                            const float *x, float *o, int ldo)
 {
-    gemm(4, MODE_ACC_EXACT, nc, dh, mr, p, 1, ldp, x, dh, o, ldo);
+    gemm(4, MODE_ADD_EXACT, nc, dh, mr, p, 1, ldp, x, dh, o, ldo);
 }
 
 /* ---- exp ------------------------------------------------------------------
@@ -297,5 +316,6 @@ static float max_avx2(const float *x, int n)
 }
 
 const mha_microkernels mha_microkernels_avx2 = {
-    "avx2",       qk_avx2,    pv_avx2,  pv_exact_avx2, pvt_avx2,
-    pvt_exact_avx2, exp_sum_avx2, scale_avx2, max_avx2};
+    "avx2",         qk_avx2,        pv_avx2,      pv_exact_avx2,
+    pv_add_avx2,    pv_add_exact_avx2, pvt_avx2,  pvt_exact_avx2,
+    exp_sum_avx2,   scale_avx2,     max_avx2};

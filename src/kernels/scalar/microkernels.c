@@ -52,32 +52,51 @@ static void pv_exact_scalar(int mr, int nc, int dh, const float *p, int ldp,
         }
 }
 
+/*
+ * o[i][d] += (sum_k A[i][k] * B[k][d]) for i < M, d < dh, k < K, the sum
+ * formed from zero in ascending k, then added: A[i][k] = a[i*sa + k*sk].
+ * pv_add reads p along its rows, pvt down its columns.  One output element
+ * at a time (a strided walk: this tier is the readable one, not the fast
+ * one).
+ */
+static void add_sums(int exact, int M, int K, int dh, const float *a, int sa,
+                     int sk, const float *b, float *o, int ldo)
+{
+    for (int i = 0; i < M; i++)
+        for (int d = 0; d < dh; d++) {
+            float acc = 0.0f;
+            for (int k = 0; k < K; k++) {
+                const float w = a[i * sa + k * sk];
+                if (exact && w == 0.0f)
+                    continue;
+                acc += w * b[k * dh + d];
+            }
+            o[i * ldo + d] += acc;
+        }
+}
+
+static void pv_add_scalar(int mr, int nc, int dh, const float *p, int ldp,
+                          const float *v, float *o, int ldo)
+{
+    add_sums(0, mr, nc, dh, p, ldp, 1, v, o, ldo);
+}
+
+static void pv_add_exact_scalar(int mr, int nc, int dh, const float *p,
+                                int ldp, const float *v, float *o, int ldo)
+{
+    add_sums(1, mr, nc, dh, p, ldp, 1, v, o, ldo);
+}
+
 static void pvt_scalar(int mr, int nc, int dh, const float *p, int ldp,
                        const float *x, float *o, int ldo)
 {
-    for (int r = 0; r < mr; r++)
-        for (int c = 0; c < nc; c++) {
-            const float pc = p[r * ldp + c];
-            const float *xr = x + r * dh;
-            float *orow = o + c * ldo;
-            for (int d = 0; d < dh; d++)
-                orow[d] += pc * xr[d];
-        }
+    add_sums(0, nc, mr, dh, p, 1, ldp, x, o, ldo);
 }
 
 static void pvt_exact_scalar(int mr, int nc, int dh, const float *p, int ldp,
                              const float *x, float *o, int ldo)
 {
-    for (int r = 0; r < mr; r++)
-        for (int c = 0; c < nc; c++) {
-            const float pc = p[r * ldp + c];
-            if (pc == 0.0f)
-                continue;
-            const float *xr = x + r * dh;
-            float *orow = o + c * ldo;
-            for (int d = 0; d < dh; d++)
-                orow[d] += pc * xr[d];
-        }
+    add_sums(1, nc, mr, dh, p, 1, ldp, x, o, ldo);
 }
 
 static float exp_sum_scalar(float *x, int n, float m)
@@ -106,5 +125,6 @@ static float max_scalar(const float *x, int n)
 }
 
 const mha_microkernels mha_microkernels_scalar = {
-    "scalar", qk_scalar, pv_scalar, pv_exact_scalar, pvt_scalar,
-    pvt_exact_scalar, exp_sum_scalar, scale_scalar, max_scalar};
+    "scalar",           qk_scalar,      pv_scalar,    pv_exact_scalar,
+    pv_add_scalar,      pv_add_exact_scalar, pvt_scalar, pvt_exact_scalar,
+    exp_sum_scalar,     scale_scalar,   max_scalar};
