@@ -429,9 +429,10 @@ MHA_API mha_status mha_prune_heads(const mha_module *module,
                                    mha_module **out);
 
 /*
- * The attention kernels in use: "avx2" (AVX2 + FMA, chosen when the CPU and
- * OS support them), "scalar" (portable C) or "ref" (float64 row loop).  The
- * environment variable MHA_ISA=ref|scalar|avx2, read once, forces a tier.
+ * The attention kernels in use: "avx512" (AVX-512F, chosen when the CPU and
+ * OS support it), "avx2" (AVX2 + FMA, the same otherwise), "scalar"
+ * (portable C) or "ref" (float64 row loop).  The environment variable
+ * MHA_ISA=ref|scalar|avx2|avx512, read once, forces a tier.
  * NULL if MHA_ISA names an unknown or unsupported tier (then every forward
  * fails with a message saying so).
  */

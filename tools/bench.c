@@ -66,8 +66,9 @@ static const char BENCH_HELP[] =
     "the forward's size) and 2.5x the attention's, 10*d_h per allowed\n"
     "pair (Q K^T recomputed, dV, dP, dQ, dK): 3x projections + 3.5x\n"
     "attention in all.\n"
-    "The peak is a single-thread multiply-add loop (AVX2+FMA when the CPU\n"
-    "has them, else plain C) times T.  The BLAS reads its thread count\n"
+    "The peak is a single-thread multiply-add loop (AVX-512 with the\n"
+    "avx512 kernel tier, else AVX2+FMA when the CPU has them, else plain\n"
+    "C) times T.  The BLAS reads its thread count\n"
     "when it loads, so mha bench sets OPENBLAS_NUM_THREADS and\n"
     "OMP_NUM_THREADS to T and re-executes itself when they differ.\n";
 
