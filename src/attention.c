@@ -812,8 +812,6 @@ static void bwd_grads_tile(const mha_microkernels *uk, const mha_attn *a,
     /* dS = P * (dP - delta) into dp; under dropout also P~ (P with the
      * dropped keys zeroed, kept ones scaled) into s for dv.  Without
      * dropout dv reads P from the cache as it is. */
-    const float *pt = pc;
-    int64_t ldpt = ldc;
     for (int r = 0; r < mr; r++) {
         const int64_t i = i0 + r;
         const float *pr = pc + r * ldc, *dpr = dpc + r * ldc;
@@ -836,10 +834,8 @@ static void bwd_grads_tile(const mha_microkernels *uk, const mha_attn *a,
             dr[c] = pr[c] == 0.0f ? 0.0f : pr[c] * (dp - delta);
         }
     }
-    if (a->dropout) {
-        pt = f->s;
-        ldpt = MHA_BC;
-    }
+    const float *pt = a->dropout ? f->s : pc;
+    const int ldpt = a->dropout ? MHA_BC : (int)ldc;
     float *dk_dst, *dv_dst;
     int64_t lddk, lddv;
     if (extra) {
@@ -856,7 +852,7 @@ static void bwd_grads_tile(const mha_microkernels *uk, const mha_attn *a,
      * added (the kernels' pv_add / pvt): two levels of float sums (over 64
      * rows or keys, then over the blocks or tiles) instead of one chain as
      * long as Lq or Lk. */
-    (w->dout_finite ? uk->pvt : uk->pvt_exact)(mr, nc, dh, pt, (int)ldpt,
+    (w->dout_finite ? uk->pvt : uk->pvt_exact)(mr, nc, dh, pt, ldpt,
                                                w->dout, dv_dst, (int)lddv);
     /* dq (unscaled: the block's dq is scaled once at the end) += dS k. */
     (k_finite ? uk->pv_add : uk->pv_add_exact)(mr, nc, dh, w->dp, MHA_BC, kc,
