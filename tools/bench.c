@@ -319,8 +319,8 @@ int cmd_bench(int argc, char **argv)
     const long blas_threads = blas_env ? strtol(blas_env, NULL, 10) : 0;
     const char *tier = mha_kernel_tier();
     if (!tier)
-        return tool_fail("bench", "no attention kernels: MHA_ISA names an "
-                         "unknown or unsupported tier");
+        return tool_fail("bench", "no attention kernels: %s",
+                         mha_last_error());
     if (threads > ncpu && !json)
         fprintf(stderr, "mha bench: warning: %lld threads on %lld online "
                 "CPUs: oversubscribed, the timings mean little\n",
