@@ -54,7 +54,7 @@
 #include <string.h>
 #include <time.h>
 
-#include <mha.h>
+#include <mha_io.h>
 
 enum { LAYERS = 2, MAX_HEADS = 16 };
 

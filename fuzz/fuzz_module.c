@@ -31,7 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "mha.h"
+#include "mha_io.h"
 
 static void check(int ok)
 {

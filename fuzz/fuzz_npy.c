@@ -23,7 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "mha.h"
+#include "mha_io.h"
 
 static void check(int ok)
 {

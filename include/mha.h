@@ -42,8 +42,30 @@ extern "C" {
 #define MHA_API
 #endif
 
+/*
+ * API layers.
+ *   stable        everything in this header and in mha_io.h that is not
+ *                 marked experimental.  Calls and meanings stay; a call
+ *                 that is replaced is first marked MHA_DEPRECATED for one
+ *                 minor version (the compiler warns where it is used).
+ *   experimental  declared only when MHA_EXPERIMENTAL is defined before
+ *                 this header is included (zstd's ZSTD_STATIC_LINKING_ONLY):
+ *                 head pruning, the kernel tier, the dropout hash.  Struct
+ *                 fields that are experimental (head_dim, head_mask) say so
+ *                 where they are declared.  These may change in any minor
+ *                 version.
+ *
+ * The ABI rule.  Argument structs are passed by pointer and grow in every
+ * minor version, so a binary built against one minor version must never
+ * run against another: the shared library's soname carries MAJOR.MINOR
+ * (libmha.so.0.2), and the dynamic loader refuses a binary whose minor
+ * version is not installed rather than let the library read past the end
+ * of its structs.  Within a minor version (patch releases) no struct
+ * changes.  A program loading libmha by other means checks
+ * mha_version_number() / MHA_VERSION_NUMBER / 100 itself (MHA_ABI_OK).
+ */
 #define MHA_VERSION_MAJOR 0
-#define MHA_VERSION_MINOR 1
+#define MHA_VERSION_MINOR 2
 #define MHA_VERSION_PATCH 0
 #define MHA_VERSION_NUMBER \
     (MHA_VERSION_MAJOR * 10000 + MHA_VERSION_MINOR * 100 + MHA_VERSION_PATCH)
@@ -52,6 +74,16 @@ extern "C" {
 MHA_API const char *mha_version_string(void);
 /* MHA_VERSION_NUMBER of the library actually linked. */
 MHA_API int mha_version_number(void);
+/* Nonzero when the linked library has the struct layouts of this header:
+ * the same major and minor version (the soname makes this so for programs
+ * linked the usual way). */
+#define MHA_ABI_OK() (mha_version_number() / 100 == MHA_VERSION_NUMBER / 100)
+
+#if defined(__GNUC__) || defined(__clang__)
+#define MHA_DEPRECATED(msg) __attribute__((deprecated(msg)))
+#else
+#define MHA_DEPRECATED(msg)
+#endif
 
 /* ------------------------------------------------------------------------ */
 /* Status codes.  The values are pinned: they are never renumbered.         */
@@ -105,7 +137,7 @@ typedef struct mha_config {
                            only in training mode; 0 -> no dropout           */
     float scale;        /* softmax scale; 0 -> 1 / sqrt(d_h).  Finite.      */
     uint64_t seed;      /* seed of the Xavier initialisation at create      */
-    int64_t head_dim;   /* d_h; 0 -> E / H (then H must divide E).  Set, the
+    int64_t head_dim;   /* experimental.  d_h; 0 -> E / H (then H must divide E).  Set, the
                            heads' inner width D = H * d_h may differ from E:
                            what mha_prune_heads makes.  PyTorch's
                            nn.MultiheadAttention has no such module.        */
@@ -285,7 +317,7 @@ typedef struct mha_forward_args {
     int training;         /* nonzero: apply dropout (config.dropout)       */
     uint64_t dropout_seed;/* key of the counter-based dropout generator    */
 
-    const float *head_mask;/* (H) finite, or NULL (all ones): head h's
+    const float *head_mask;/* experimental.  (H) finite, or NULL (all ones): head h's
                              context is multiplied by head_mask[h] before
                              W_O; 0 removes the head's contribution (head
                              ablation), and a head of mask 0 costs no
@@ -413,6 +445,11 @@ MHA_API mha_status mha_plan_backward(mha_plan *plan,
                                      const mha_forward_args *fwd,
                                      const mha_backward_args *bwd);
 
+/* ------------------------------------------------------------------------ */
+/* Experimental: declared only with MHA_EXPERIMENTAL defined (see the top). */
+/* ------------------------------------------------------------------------ */
+#if defined(MHA_EXPERIMENTAL) || defined(MHA_BUILDING)
+
 /*
  * Head pruning: a new module with the n_keep heads keep[0..n_keep) of
  * `module`, in that order (distinct, each in [0, H)): the rows of W_q, W_k,
@@ -448,124 +485,7 @@ MHA_API const char *mha_kernel_tier(void);
 MHA_API int mha_dropout_keep(uint64_t seed, float p, int64_t b, int64_t h,
                              int64_t i, int64_t j);
 
-/* ------------------------------------------------------------------------ */
-/* Tensors in files: safetensors and .npy                                   */
-/* ------------------------------------------------------------------------ */
-
-/* Element types as stored in a file. */
-typedef enum mha_dtype {
-    MHA_DTYPE_F32 = 0,
-    MHA_DTYPE_F64 = 1,
-    MHA_DTYPE_F16 = 2,
-    MHA_DTYPE_BF16 = 3,
-    MHA_DTYPE_BOOL = 4,
-    MHA_DTYPE_I32 = 5,
-    MHA_DTYPE_I64 = 6
-} mha_dtype;
-
-/* "F32", "F64", "F16", "BF16", "BOOL", "I32", "I64" (safetensors names). */
-MHA_API const char *mha_dtype_name(mha_dtype dtype);
-
-#define MHA_MAX_NDIM 8
-
-/*
- * A tensor read from a file, converted for use in C:
- *   F32, F64, F16, BF16  ->  data is float *   (float32)
- *   BOOL                 ->  data is uint8_t * (0 or 1)
- *   I32, I64             ->  data is int64_t *
- * `dtype` says what the file held.  Data is C-order (row-major).
- */
-typedef struct mha_tensor {
-    const char *name;     /* safetensors: the tensor's name; npy: "" */
-    mha_dtype dtype;
-    int ndim;             /* 0 (a scalar) .. MHA_MAX_NDIM */
-    int64_t shape[MHA_MAX_NDIM];
-    int64_t numel;
-    void *data;
-} mha_tensor;
-
-/* A tensor to write: data in the C type of its dtype (float for F32,
- * double for F64, uint8_t for BOOL, int32_t for I32, int64_t for I64;
- * F16 and BF16 as uint16_t bit patterns). */
-typedef struct mha_tensor_view {
-    const char *name;
-    mha_dtype dtype;
-    int ndim;
-    int64_t shape[MHA_MAX_NDIM];
-    const void *data;
-} mha_tensor_view;
-
-/* Every tensor of a safetensors file, with its metadata.  Opaque. */
-typedef struct mha_tensor_file mha_tensor_file;
-
-/*
- * Reads a safetensors file (8-byte little-endian header length N, N bytes
- * of JSON header, then the data buffer) and checks every rule of the
- * format; each violation has its own message.  Limits: header <= 100 MB,
- * file size as given by the file system.
- */
-MHA_API mha_status mha_safetensors_load(const char *path,
-                                        mha_tensor_file **out);
-/* The same from memory (bytes, size). */
-MHA_API mha_status mha_safetensors_parse(const void *bytes, size_t size,
-                                         mha_tensor_file **out);
-MHA_API void mha_tensor_file_free(mha_tensor_file *file);
-MHA_API int mha_tensor_file_count(const mha_tensor_file *file);
-/* Tensors in file order (sorted by data offset); NULL if out of range. */
-MHA_API const mha_tensor *mha_tensor_file_at(const mha_tensor_file *file,
-                                             int index);
-MHA_API const mha_tensor *mha_tensor_file_find(const mha_tensor_file *file,
-                                               const char *name);
-/* The __metadata__ value for key, or NULL. */
-MHA_API const char *mha_tensor_file_metadata(const mha_tensor_file *file,
-                                             const char *key);
-
-/*
- * Writes tensors (in the given order) and optional metadata (n_meta
- * key/value string pairs) as a safetensors file.  Writes to a temporary
- * file beside `path` and renames it at the end: on failure nothing is left.
- */
-MHA_API mha_status mha_safetensors_save(const char *path,
-                                        const mha_tensor_view *tensors,
-                                        int n_tensors,
-                                        const char *const *meta_keys,
-                                        const char *const *meta_values,
-                                        int n_meta);
-
-/*
- * A module from a PyTorch nn.MultiheadAttention state_dict: in_proj_weight
- * or q/k/v_proj_weight, biases present or absent, bias_k/bias_v.  E, kdim,
- * vdim, bias and add_bias_kv are inferred from the shapes; num_heads is
- * `num_heads` if > 0, else __metadata__ "num_heads".  add_zero_attn,
- * dropout and scale come from __metadata__ when present (files saved by
- * mha_module_save have them), else defaults; a nonzero field of `base`
- * (which may be NULL) overrides either, and base->seed is kept.  Every
- * missing tensor, unexpected tensor and wrong shape is named.
- */
-MHA_API mha_status mha_module_from_file(const mha_tensor_file *file,
-                                        int64_t num_heads,
-                                        const mha_config *base,
-                                        mha_module **out);
-MHA_API mha_status mha_module_load(const char *path, int64_t num_heads,
-                                   mha_module **out);
-/* Saves every parameter under its PyTorch name, float32, with the config
- * in __metadata__ ("format": "pt", embed_dim, num_heads, kdim, vdim, bias,
- * add_bias_kv, add_zero_attn, dropout, and scale when it was chosen rather
- * than left to its default).  Atomic: on failure no file is left. */
-MHA_API mha_status mha_module_save(const mha_module *module, const char *path);
-
-/*
- * Reads a .npy file (format versions 1.0, 2.0 and 3.0): dtypes <f4, <f8,
- * |b1, <i4, <i8 (and |u1 as bool), C order; a Fortran-order array is
- * transposed into C order.  Truncated or inconsistent headers are refused.
- */
-MHA_API mha_status mha_npy_load(const char *path, mha_tensor **out);
-MHA_API mha_status mha_npy_parse(const void *bytes, size_t size,
-                                 mha_tensor **out);
-/* Frees a tensor from mha_npy_load / mha_npy_parse.  NULL is ignored. */
-MHA_API void mha_tensor_free(mha_tensor *tensor);
-/* Writes a .npy (version 1.0) file, atomically like mha_safetensors_save. */
-MHA_API mha_status mha_npy_save(const char *path, const mha_tensor_view *t);
+#endif /* MHA_EXPERIMENTAL */
 
 #ifdef __cplusplus
 }

@@ -4,7 +4,7 @@
 #ifndef MHA_INTERNAL_H
 #define MHA_INTERNAL_H
 
-#include "mha.h"
+#include "mha_io.h"
 
 #include <stdint.h>
 

@@ -5,7 +5,7 @@
 # examples/readme_example.c against the installed copy only, as a user would:
 #   1. cc + pkg-config (shared library, run with LD_LIBRARY_PATH);
 #   2. cc + pkg-config --static (libmha.a, its BLAS and libm from mha.pc);
-#   3. a CMake project with find_package(mha 0.1 REQUIRED), linking
+#   3. a CMake project with find_package(mha 0.2 REQUIRED), linking
 #      mha::mha (shared) and mha::mha_static (static), both run.
 # Every program must build without warnings and exit 0.
 set -euo pipefail
@@ -84,6 +84,34 @@ check_flags "$flags"
 LD_LIBRARY_PATH="$libdir" "$tmp/ex_pc_shared"
 loads_from_prefix "$tmp/ex_pc_shared" "$libdir"
 
+step "ABI: the soname carries MAJOR.MINOR, and another minor is refused"
+# mha.h's ABI rule: argument structs grow with every minor version, so a
+# binary needs exactly the minor version it was built against.
+hdr="$prefix/include/mha.h"
+major=$(sed -n 's/^#define MHA_VERSION_MAJOR \([0-9]*\)$/\1/p' "$hdr")
+minor=$(sed -n 's/^#define MHA_VERSION_MINOR \([0-9]*\)$/\1/p' "$hdr")
+soname="libmha.so.$major.$minor"
+test -e "$libdir/$soname" || { echo "no $soname in $libdir" >&2; exit 1; }
+if command -v readelf >/dev/null; then
+  readelf -d "$libdir/libmha.so" | grep -q "Library soname: \[$soname\]" ||
+    { echo "libmha.so's SONAME is not $soname:" >&2
+      readelf -d "$libdir/libmha.so" | grep -i soname >&2; exit 1; }
+  readelf -d "$tmp/ex_pc_shared" | grep -q "Shared library: \[$soname\]" ||
+    { echo "the example does not NEED $soname" >&2; exit 1; }
+fi
+# A library of the next minor version only: the loader refuses to start
+# the program (it never runs against struct layouts it was not built for).
+abi="$tmp/abi"
+mkdir -p "$abi"
+cp "$libdir/$soname" "$abi/libmha.so.$major.$((minor + 1))"
+if LD_LIBRARY_PATH="$abi" env -u LD_RUN_PATH "$tmp/ex_pc_shared" \
+     >"$tmp/abi.out" 2>&1; then
+  echo "the example ran against libmha.so.$major.$((minor + 1))" >&2; exit 1
+fi
+grep -q "$soname" "$tmp/abi.out" ||
+  { echo "the loader's refusal does not name $soname:" >&2
+    cat "$tmp/abi.out" >&2; exit 1; }
+
 step "pkg-config, static"
 sflags=$(pkg-config --static --cflags --libs mha)
 echo "pkg-config --static --cflags --libs mha: $sflags"
@@ -96,7 +124,7 @@ check_flags "$sflags"
 "$tmp/ex_pc_static"   # no LD_LIBRARY_PATH: libmha must not be needed
 loads_no_libmha "$tmp/ex_pc_static"
 
-step "CMake find_package(mha 0.1 REQUIRED)"
+step "CMake find_package(mha 0.2 REQUIRED)"
 proj="$tmp/consumer"
 mkdir -p "$proj"
 cp "$example" "$proj/readme_example.c"
@@ -104,14 +132,14 @@ cat >"$proj/CMakeLists.txt" <<'EOF'
 cmake_minimum_required(VERSION 3.16)
 project(mha_consumer LANGUAGES C)
 set(CMAKE_C_STANDARD 11)
-find_package(mha 0.1 REQUIRED)
+find_package(mha 0.2 REQUIRED)
 get_filename_component(found "${mha_DIR}" REALPATH)
 get_filename_component(want "${EXPECTED_PREFIX}" REALPATH)
 string(FIND "${found}/" "${want}/" at)
 if(NOT at EQUAL 0)
   message(FATAL_ERROR "found mha in ${mha_DIR}, not under ${EXPECTED_PREFIX}")
 endif()
-if(NOT mha_VERSION VERSION_GREATER_EQUAL 0.1)
+if(NOT mha_VERSION VERSION_GREATER_EQUAL 0.2)
   message(FATAL_ERROR "mha_VERSION is '${mha_VERSION}'")
 endif()
 foreach(t mha::mha mha::mha_static)

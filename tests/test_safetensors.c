@@ -33,7 +33,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "mha.h"
+#include "mha_io.h"
 #include "testutil.h"
 
 /* ------------------------------------------------------------------------ */

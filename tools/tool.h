@@ -4,7 +4,7 @@
 #ifndef MHA_TOOL_H
 #define MHA_TOOL_H
 
-#include "mha.h"
+#include "mha_io.h"
 
 #include <stdio.h>
 

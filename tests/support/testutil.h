@@ -4,7 +4,7 @@
 #ifndef MHA_TESTUTIL_H
 #define MHA_TESTUTIL_H
 
-#include "mha.h"
+#include "mha_io.h"
 
 #include <stdint.h>
 

@@ -25,7 +25,7 @@
  *
  * Exit 0 on success; otherwise one line on stderr and exit 1.
  */
-#include "mha.h"
+#include "mha_io.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -1,0 +1,142 @@
+/*
+ * mha_io.h -- libmha's file formats: safetensors and .npy tensors, and a
+ * module's parameters loaded from and saved to a PyTorch state_dict.
+ *
+ * The layer above the core API (mha.h, which this header includes): a
+ * program that only computes attention never needs it.  Every call is
+ * stable API (see "API layers" in mha.h).  Files are written atomically:
+ * a temporary file beside the target, renamed into place at the end.
+ */
+#ifndef MHA_IO_H
+#define MHA_IO_H
+
+#include "mha.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* Tensors in files: safetensors and .npy                                   */
+/* ------------------------------------------------------------------------ */
+
+/* Element types as stored in a file. */
+typedef enum mha_dtype {
+    MHA_DTYPE_F32 = 0,
+    MHA_DTYPE_F64 = 1,
+    MHA_DTYPE_F16 = 2,
+    MHA_DTYPE_BF16 = 3,
+    MHA_DTYPE_BOOL = 4,
+    MHA_DTYPE_I32 = 5,
+    MHA_DTYPE_I64 = 6
+} mha_dtype;
+
+/* "F32", "F64", "F16", "BF16", "BOOL", "I32", "I64" (safetensors names). */
+MHA_API const char *mha_dtype_name(mha_dtype dtype);
+
+#define MHA_MAX_NDIM 8
+
+/*
+ * A tensor read from a file, converted for use in C:
+ *   F32, F64, F16, BF16  ->  data is float *   (float32)
+ *   BOOL                 ->  data is uint8_t * (0 or 1)
+ *   I32, I64             ->  data is int64_t *
+ * `dtype` says what the file held.  Data is C-order (row-major).
+ */
+typedef struct mha_tensor {
+    const char *name;     /* safetensors: the tensor's name; npy: "" */
+    mha_dtype dtype;
+    int ndim;             /* 0 (a scalar) .. MHA_MAX_NDIM */
+    int64_t shape[MHA_MAX_NDIM];
+    int64_t numel;
+    void *data;
+} mha_tensor;
+
+/* A tensor to write: data in the C type of its dtype (float for F32,
+ * double for F64, uint8_t for BOOL, int32_t for I32, int64_t for I64;
+ * F16 and BF16 as uint16_t bit patterns). */
+typedef struct mha_tensor_view {
+    const char *name;
+    mha_dtype dtype;
+    int ndim;
+    int64_t shape[MHA_MAX_NDIM];
+    const void *data;
+} mha_tensor_view;
+
+/* Every tensor of a safetensors file, with its metadata.  Opaque. */
+typedef struct mha_tensor_file mha_tensor_file;
+
+/*
+ * Reads a safetensors file (8-byte little-endian header length N, N bytes
+ * of JSON header, then the data buffer) and checks every rule of the
+ * format; each violation has its own message.  Limits: header <= 100 MB,
+ * file size as given by the file system.
+ */
+MHA_API mha_status mha_safetensors_load(const char *path,
+                                        mha_tensor_file **out);
+/* The same from memory (bytes, size). */
+MHA_API mha_status mha_safetensors_parse(const void *bytes, size_t size,
+                                         mha_tensor_file **out);
+MHA_API void mha_tensor_file_free(mha_tensor_file *file);
+MHA_API int mha_tensor_file_count(const mha_tensor_file *file);
+/* Tensors in file order (sorted by data offset); NULL if out of range. */
+MHA_API const mha_tensor *mha_tensor_file_at(const mha_tensor_file *file,
+                                             int index);
+MHA_API const mha_tensor *mha_tensor_file_find(const mha_tensor_file *file,
+                                               const char *name);
+/* The __metadata__ value for key, or NULL. */
+MHA_API const char *mha_tensor_file_metadata(const mha_tensor_file *file,
+                                             const char *key);
+
+/*
+ * Writes tensors (in the given order) and optional metadata (n_meta
+ * key/value string pairs) as a safetensors file.  Writes to a temporary
+ * file beside `path` and renames it at the end: on failure nothing is left.
+ */
+MHA_API mha_status mha_safetensors_save(const char *path,
+                                        const mha_tensor_view *tensors,
+                                        int n_tensors,
+                                        const char *const *meta_keys,
+                                        const char *const *meta_values,
+                                        int n_meta);
+
+/*
+ * A module from a PyTorch nn.MultiheadAttention state_dict: in_proj_weight
+ * or q/k/v_proj_weight, biases present or absent, bias_k/bias_v.  E, kdim,
+ * vdim, bias and add_bias_kv are inferred from the shapes; num_heads is
+ * `num_heads` if > 0, else __metadata__ "num_heads".  add_zero_attn,
+ * dropout and scale come from __metadata__ when present (files saved by
+ * mha_module_save have them), else defaults; a nonzero field of `base`
+ * (which may be NULL) overrides either, and base->seed is kept.  Every
+ * missing tensor, unexpected tensor and wrong shape is named.
+ */
+MHA_API mha_status mha_module_from_file(const mha_tensor_file *file,
+                                        int64_t num_heads,
+                                        const mha_config *base,
+                                        mha_module **out);
+MHA_API mha_status mha_module_load(const char *path, int64_t num_heads,
+                                   mha_module **out);
+/* Saves every parameter under its PyTorch name, float32, with the config
+ * in __metadata__ ("format": "pt", embed_dim, num_heads, kdim, vdim, bias,
+ * add_bias_kv, add_zero_attn, dropout, and scale when it was chosen rather
+ * than left to its default).  Atomic: on failure no file is left. */
+MHA_API mha_status mha_module_save(const mha_module *module, const char *path);
+
+/*
+ * Reads a .npy file (format versions 1.0, 2.0 and 3.0): dtypes <f4, <f8,
+ * |b1, <i4, <i8 (and |u1 as bool), C order; a Fortran-order array is
+ * transposed into C order.  Truncated or inconsistent headers are refused.
+ */
+MHA_API mha_status mha_npy_load(const char *path, mha_tensor **out);
+MHA_API mha_status mha_npy_parse(const void *bytes, size_t size,
+                                 mha_tensor **out);
+/* Frees a tensor from mha_npy_load / mha_npy_parse.  NULL is ignored. */
+MHA_API void mha_tensor_free(mha_tensor *tensor);
+/* Writes a .npy (version 1.0) file, atomically like mha_safetensors_save. */
+MHA_API mha_status mha_npy_save(const char *path, const mha_tensor_view *t);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MHA_IO_H */
