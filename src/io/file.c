@@ -2,7 +2,7 @@
  * file.c -- whole-file reads and atomic writes, shared by every format.
  */
 #define _POSIX_C_SOURCE 200809L   /* fdopen, fstat, clock_gettime */
-#include "internal.h"
+#include "io.h"
 
 #include <errno.h>
 #include <fcntl.h>

@@ -2,7 +2,8 @@
  * module_io.c -- a module to and from a PyTorch nn.MultiheadAttention
  * state_dict saved as safetensors.
  */
-#include "internal.h"
+#include "io.h"
+#include "module/module.h"
 
 #include <errno.h>
 #include <math.h>

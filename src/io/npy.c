@@ -28,7 +28,7 @@
  * a little-endian host (x86, ARM, RISC-V as everyone runs them).  The #error
  * below stops a build on a big-endian host instead of silently misreading.
  */
-#include "internal.h"
+#include "io.h"
 
 #include <stdint.h>
 #include <stdio.h>

@@ -20,7 +20,7 @@
  *
  * Assumes a little-endian host (x86-64, AArch64), as the format does.
  */
-#include "internal.h"
+#include "io.h"
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "safetensors.c reads little-endian data in place: a big-endian host needs byte swaps"

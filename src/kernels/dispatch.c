@@ -4,7 +4,7 @@
  * variable MHA_ISA=ref|scalar|avx2|avx512 (the tests run every tier this
  * way).
  */
-#include "../attention.h"
+#include "attention/attention.h"
 
 #include <stdatomic.h>
 #include <stdlib.h>

@@ -6,8 +6,49 @@
 #ifndef MHA_ATTENTION_H
 #define MHA_ATTENTION_H
 
-#include "internal.h"
+#include "core/core.h"
 #include "kernels/kernels.h"
+
+/* ---- masks (mask.c): every mask kind -> one row of additive biases ----- */
+typedef struct mha_mask_plan {
+    int64_t batch, heads, q_len, kv_len, total_keys;
+    mha_mask attn;             /* kind NONE if absent */
+    int64_t attn_stride_b, attn_stride_h;   /* 0 where broadcast */
+    mha_mask pad;              /* kind NONE if absent */
+    int64_t pad_stride_b;
+    const int64_t *key_lengths;
+    mha_causal causal;
+} mha_mask_plan;
+
+/* Validates every mask argument of `args` (batch, q_len, kv_len and the
+ * mask fields) and fills the plan; extra_keys follow the real ones. */
+mha_status mha_mask_plan_init(mha_mask_plan *plan, int64_t heads,
+                              int64_t extra_keys,
+                              const mha_forward_args *args);
+
+/*
+ * Fills row[0 .. total_keys) for (b, h, i) with what is added to the scaled
+ * scores: 0 (plain), a finite additive value, or -INFINITY (excluded).
+ * Returns the number of keys that are not excluded.
+ */
+int64_t mha_mask_row(const mha_mask_plan *plan, int64_t b, int64_t h,
+                     int64_t i, float *row);
+
+/* The same for real-key columns j0 .. j0+n-1 only (j0 + n <= Lk). */
+int64_t mha_mask_cols(const mha_mask_plan *plan, int64_t b, int64_t h,
+                      int64_t i, int64_t j0, int64_t n, float *row);
+
+/* The last real key that causal masking and key_lengths leave to query
+ * row i of batch b (-1: none).  Explicit masks may block more. */
+int64_t mha_mask_last(const mha_mask_plan *plan, int64_t b, int64_t i);
+
+/* Whether the plan has an explicit (memory) mask, as opposed to masking
+ * that follows from indices alone. */
+static inline int mha_mask_has_explicit(const mha_mask_plan *p)
+{
+    return p->attn.kind != MHA_MASK_NONE || p->pad.kind != MHA_MASK_NONE;
+}
+
 
 /* Query rows per block and keys per tile of the flash tiers. */
 enum { MHA_BR = 64, MHA_BC = 64 };

@@ -8,7 +8,7 @@
  * counter; chaining it over the coordinates gives an independent stream
  * for every (seed, b, h, i, j).
  */
-#include "internal.h"
+#include "core.h"
 
 #define GOLDEN 0x9e3779b97f4a7c15ULL
 

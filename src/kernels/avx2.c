@@ -1,5 +1,5 @@
 /*
- * microkernels.c -- the AVX2 + FMA tier (Zen 3 / Haswell class).  This file,
+ * avx2.c -- the AVX2 + FMA tier (Zen 3 / Haswell class).  This file,
  * and only this file, is compiled with -mavx2 -mfma; it is called only when
  * the CPU reports both (dispatch.c).  AVX / AVX2 / FMA intrinsics only.
  *
@@ -10,7 +10,7 @@
  * the same bits.  exp is lane-independent; its sum has a fixed order for a
  * given n.  See docs/KERNELS.md.
  */
-#include "../kernels.h"
+#include "kernels.h"
 
 #include <immintrin.h>
 #include <math.h>

@@ -20,7 +20,7 @@
  * sizes one workspace; mha_plan_forward checks the data and runs without
  * allocating.  mha_forward is the two in one call.
  */
-#include "plan.h"
+#include "module.h"
 
 #include <math.h>
 #include <stdlib.h>

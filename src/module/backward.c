@@ -16,7 +16,7 @@
  * self-attention, k|v when key == value) are fused the same way here: one
  * GEMM for the weight gradient of in_proj_weight's rows, one for the input.
  */
-#include "plan.h"
+#include "module.h"
 
 #include <stdint.h>
 #include <stdlib.h>

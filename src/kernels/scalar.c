@@ -1,9 +1,9 @@
 /*
- * microkernels.c -- the portable tier: plain C loops, no intrinsics.
+ * scalar.c -- the portable tier: plain C loops, no intrinsics.
  * Accumulation order is fixed (ascending index), so results do not depend
  * on the tile's shape or position.
  */
-#include "../kernels.h"
+#include "kernels.h"
 
 #include <math.h>
 

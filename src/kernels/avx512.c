@@ -1,10 +1,10 @@
 /*
- * microkernels.c -- the AVX-512 tier (Zen 4 / Zen 5 / Skylake-X class).  This
+ * avx512.c -- the AVX-512 tier (Zen 4 / Zen 5 / Skylake-X class).  This
  * file, and only this file, is compiled with -mavx512f -mfma; it is called
  * only when the CPU and the OS report AVX-512F (dispatch.c).  AVX-512F
  * intrinsics only (no BW / DQ / VL), so any AVX-512 CPU runs it.
  *
- * It is the AVX2 tier (../avx2/microkernels.c) at twice the width, with
+ * It is the AVX2 tier (avx2.c) at twice the width, with
  * mask registers in place of blends and masked loads: the same register
  * tiling rule, the same determinism rule (every output element is one chain
  * of fused multiply-adds in ascending order of the reduction index, whatever
@@ -12,7 +12,7 @@
  * differs from avx2 is the order of exp_sum's sum (16 lanes, then a fixed
  * tree), so the two tiers agree to rounding, not bitwise.  docs/KERNELS.md.
  */
-#include "../kernels.h"
+#include "kernels.h"
 
 #include <immintrin.h>
 #include <math.h>

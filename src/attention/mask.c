@@ -11,7 +11,7 @@
  * The keys appended by add_bias_kv / add_zero_attn (columns Lk and up) are
  * never masked, as in PyTorch, which pads its masks with a zero column.
  */
-#include "internal.h"
+#include "attention.h"
 
 #include <float.h>
 #include <math.h>

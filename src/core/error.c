@@ -1,7 +1,7 @@
 /*
  * error.c -- status strings, the thread-local error message, the version.
  */
-#include "internal.h"
+#include "core.h"
 
 #include <stdarg.h>
 #include <stdio.h>

@@ -1,7 +1,7 @@
 /*
  * gemm.c -- the only file that calls CBLAS.
  */
-#include "internal.h"
+#include "module.h"
 
 #include <cblas.h>
 #include <limits.h>

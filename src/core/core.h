@@ -1,0 +1,40 @@
+/*
+ * core.h -- what every room of the library shares: errors, checked size
+ * arithmetic, counter-based random numbers.  Never installed.
+ */
+#ifndef MHA_CORE_H
+#define MHA_CORE_H
+
+#include "mha.h"
+
+#include <stdint.h>
+
+/* ---- errors (error.c) ---------------------------------------------------
+ * mha_set_error records a printf-style message in the thread-local buffer
+ * and returns `status`, so a check is one line:
+ *     if (x < 0) return mha_set_error(MHA_ERR_SHAPE, "x is %d", x);
+ */
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+mha_status mha_set_error(mha_status status, const char *fmt, ...);
+
+#define MHA_CHECK(expr)                           \
+    do {                                          \
+        mha_status mha_check_st_ = (expr);        \
+        if (mha_check_st_ != MHA_OK)              \
+            return mha_check_st_;                 \
+    } while (0)
+
+/* ---- checked size arithmetic (checked.c) -------------------------------- */
+/* *out = a * b; returns 0 on overflow of int64_t (a, b >= 0). */
+int mha_mul_ok(int64_t a, int64_t b, int64_t *out);
+/* Allocates n floats, n*4 checked against SIZE_MAX; NULL + error on failure. */
+float *mha_alloc_floats(int64_t n, const char *what);
+
+/* ---- counter-based random numbers (rng.c) ------------------------------ */
+uint64_t mha_mix64(uint64_t x);
+/* A uniform double in [0, 1) from the 53 high bits of a 64-bit hash. */
+double mha_u01(uint64_t bits);
+
+#endif /* MHA_CORE_H */

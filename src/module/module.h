@@ -1,0 +1,135 @@
+/*
+ * module.h -- the module room: parameters, the linear layer (the only
+ * caller of the GEMM library), plans, forward, backward, pruning.
+ * Never installed.
+ */
+#ifndef MHA_MODULE_H
+#define MHA_MODULE_H
+
+#include "core/core.h"
+#include "attention/attention.h"
+
+#include <stdint.h>
+
+/* ---- the module (module.c) --------------------------------------------- */
+enum { MHA_MAX_PARAMS = 8 };
+
+typedef struct mha_param {
+    mha_param_info info;
+    int64_t offset;              /* into mha_module.params, in floats */
+} mha_param;
+
+struct mha_module {
+    mha_config cfg;              /* resolved: kdim, vdim, scale filled in */
+    int scale_given;             /* cfg.scale was chosen, not the default */
+    int64_t head_dim;            /* d_h (E / H unless configured) */
+    int64_t inner_dim;           /* D = H * d_h, the heads side by side */
+    int packed;                  /* kdim == vdim == E: in_proj_weight */
+    int nparams;
+    mha_param param[MHA_MAX_PARAMS];
+    float *params;               /* every parameter, one allocation */
+    int64_t params_numel;
+
+    /* Views into params, set once at create (NULL when absent). */
+    const float *w_q, *w_k, *w_v;  /* [D, E], [D, kdim], [D, vdim] */
+    const float *b_q, *b_k, *b_v;  /* [D] each */
+    const float *w_o, *b_o;        /* [E, D], [E] */
+    const float *bias_k, *bias_v;  /* [D] each */
+};
+
+/* ---- the linear layer (linear.c: the only file that calls CBLAS) --------------------- */
+/*
+ * y (rows, n_out), row stride ldy  =  x (rows, n_in), row stride ldx
+ *                                     times w^T, w (n_out, n_in) row-major,
+ *                                     plus b (n_out) broadcast over rows
+ *                                     (b may be NULL).
+ */
+void mha_linear(const float *x, int64_t rows, int64_t n_in, int64_t ldx,
+                const float *w, int64_t n_out, const float *b,
+                float *y, int64_t ldy);
+
+/*
+ * mha_linear with x's n_in columns (and w's) in nblk equal blocks, block t
+ * scaled by scale[t] (scale NULL: all 1), blocks scaled by 0 skipped:
+ *   y = x_0 w_0^T s_0 + ... + b.   The output projection under a head mask.
+ */
+void mha_linear_blocks(const float *x, int64_t rows, int64_t n_in,
+                       int64_t ldx, const float *w, int64_t n_out,
+                       const float *b, const float *scale, int64_t nblk,
+                       float *y, int64_t ldy);
+
+/* The gradients of mha_linear (beta 0: overwrite, 1: add):
+ *   dx = dy w,   dw = dy^T x,   db = column sums of dy (db may be NULL). */
+void mha_linear_grad_input(const float *dy, int64_t rows, int64_t n_out,
+                           int64_t lddy, const float *w, int64_t n_in,
+                           float beta, float *dx, int64_t lddx);
+void mha_linear_grad_params(const float *dy, int64_t rows, int64_t n_out,
+                            int64_t lddy, const float *x, int64_t n_in,
+                            int64_t ldx, float beta, float *dw, float *db);
+/* mha_linear_grad_params of mha_linear_blocks: dw's column block t is
+ * scale[t] dy^T x_t (+ itself when beta = 1); db is unscaled. */
+void mha_linear_grad_params_blocks(const float *dy, int64_t rows,
+                                   int64_t n_out, int64_t lddy,
+                                   const float *x, int64_t n_in, int64_t ldx,
+                                   const float *scale, int64_t nblk,
+                                   float beta, float *dw, float *db);
+
+/* ---- plans (forward.c, backward.c) -------------------------------------- */
+
+/* Shapes of a forward call, checked and derived once. */
+typedef struct fwd_shape {
+    int64_t B, Lq, Lk, Lt, E, H, dh, D;  /* D = H * dh, the inner width */
+    int64_t n_q;             /* elements of query and out: B * Lq * E    */
+    int64_t n_qd, n_kvd;     /* of projected q (and ctx), of k or v: * D */
+    int64_t n_w;             /* of the attention weights                 */
+} fwd_shape;
+
+/* Checks everything about `a` but its data pointers. */
+mha_status mha_fwd_check_shapes(const mha_module *m,
+                                const mha_forward_args *a, fwd_shape *p);
+
+struct mha_plan {
+    const mha_module *m;
+    fwd_shape shape;
+    mha_isa isa;
+    const mha_microkernels *uk;
+    int threads;
+    int64_t n_proj;          /* projected q, k, v: the larger layout */
+    int64_t per_thread;      /* attention scratch floats per thread  */
+    float *ws;               /* n_proj + n_qd (ctx) + stats + partials
+                                + packed K/V + scratch */
+    int64_t n_partials, n_packed;
+
+    /* The last forward, kept for the backward: its arguments, where its
+     * projections are in ws and how they were computed. */
+    int has_saved;
+    mha_forward_args saved;
+    float *q, *k, *v;
+    int64_t ldq, ldk, ldv;
+    int fuse_qkv, fuse_kv;
+
+    /* The backward's own workspace, allocated by its first call. */
+    float *bws;
+    int64_t bwd_per_thread, n_bpacked;
+};
+
+/* The head mask as the output projection uses it: NULL when it is absent
+ * or all ones (one GEMM; the same bits as no mask), else head_mask. */
+static inline const float *mha_head_mask_in_use(const float *head_mask,
+                                                int64_t H)
+{
+    if (head_mask)
+        for (int64_t h = 0; h < H; h++)
+            if (head_mask[h] != 1.0f)
+                return head_mask;
+    return NULL;
+}
+
+/* The attention problem of a forward with arguments `a` on this plan. */
+void mha_plan_attn(const mha_plan *plan, const mha_forward_args *a,
+                   const mha_mask_plan *mask, mha_attn *at);
+
+/* The per-thread scratch of the forward's attention. */
+float *mha_plan_scratch(const mha_plan *p);
+
+#endif /* MHA_MODULE_H */
