@@ -119,6 +119,16 @@ MHA_API const char *mha_last_error(void);
 /* ------------------------------------------------------------------------ */
 
 /*
+ * Zero means "the default" in every options struct, so that
+ * `mha_config c = {0};` is complete.  Where zero is also a value one may
+ * want to say, a bit of the struct's `given` field makes the field mean
+ * exactly what it holds:
+ */
+#define MHA_GIVEN_SCALE   (1u << 0)  /* scale as written, 0 included       */
+#define MHA_GIVEN_DROPOUT (1u << 1)  /* dropout as written: 0 overrides a
+                                        file's p in mha_module_from_file  */
+
+/*
  * Configuration.  Zero in any field means "the default", so
  * `mha_config c = {0}; c.embed_dim = 512; c.num_heads = 8;` is complete.
  */
@@ -135,12 +145,15 @@ typedef struct mha_config {
                            after bias_k/bias_v (PyTorch)                    */
     float dropout;      /* p in [0, 1] on attention probabilities, applied
                            only in training mode; 0 -> no dropout           */
-    float scale;        /* softmax scale; 0 -> 1 / sqrt(d_h).  Finite.      */
+    float scale;        /* softmax scale; 0 -> 1 / sqrt(d_h) unless
+                           MHA_GIVEN_SCALE.  Finite.                        */
     uint64_t seed;      /* seed of the Xavier initialisation at create      */
-    int64_t head_dim;   /* experimental.  d_h; 0 -> E / H (then H must divide E).  Set, the
-                           heads' inner width D = H * d_h may differ from E:
-                           what mha_prune_heads makes.  PyTorch's
+    int64_t head_dim;   /* experimental.  d_h; 0 -> E / H (then H must
+                           divide E).  Set, the heads' inner width
+                           D = H * d_h may differ from E: what
+                           mha_prune_heads makes.  PyTorch's
                            nn.MultiheadAttention has no such module.        */
+    unsigned given;     /* MHA_GIVEN_SCALE, MHA_GIVEN_DROPOUT (above)        */
 } mha_config;
 
 /* Opaque handle.  One module may be used by several threads at once for
@@ -317,7 +330,8 @@ typedef struct mha_forward_args {
     int training;         /* nonzero: apply dropout (config.dropout)       */
     uint64_t dropout_seed;/* key of the counter-based dropout generator    */
 
-    const float *head_mask;/* experimental.  (H) finite, or NULL (all ones): head h's
+    const float *head_mask;/* experimental.  (H) finite, or NULL (all
+                             ones): head h's
                              context is multiplied by head_mask[h] before
                              W_O; 0 removes the head's contribution (head
                              ablation), and a head of mask 0 costs no
@@ -350,20 +364,54 @@ MHA_API mha_status mha_forward(const mha_module *module,
 typedef struct mha_attention_args {
     int64_t batch, num_heads, head_dim, q_len, kv_len;
     const float *q, *k, *v;
-    float scale;
+    float scale;          /* 0 -> 1/sqrt(d_h) unless MHA_GIVEN_SCALE     */
     mha_mask attn_mask;
     mha_mask key_padding_mask;
     const int64_t *key_lengths;
     mha_causal causal;
     mha_weights_mode need_weights;
-    float *attn_weights;
+    float *attn_weights;  /* must not overlap q, k, v or out              */
     float dropout;        /* p, applied when training is nonzero */
     int training;
     uint64_t dropout_seed;
     int num_threads;
-    float *out;           /* must not overlap q, k or v */
+    float *out;           /* must not overlap q, k, v or attn_weights     */
+    unsigned given;       /* MHA_GIVEN_SCALE: scale as written, 0 too     */
 } mha_attention_args;
 MHA_API mha_status mha_attention(const mha_attention_args *args);
+
+/*
+ * Attention on heads, planned, and its backward (for autograd of scaled
+ * dot-product attention).  mha_attention_plan_create checks `shape` (its
+ * data pointers may be NULL) and sizes one workspace; _run then computes
+ * any arguments of the same batch, num_heads, head_dim, q_len and kv_len
+ * without allocating, and keeps one (max, 1/sum) pair per row and head
+ * and the packed K and V.  _backward differentiates the plan's last run,
+ * which must have had the same q, k, v, masks, key_lengths, causal,
+ * scale, dropout, training and dropout_seed, over the same contents (a
+ * fingerprint taken by the run is checked): dL/dq, dL/dk, dL/dv from
+ * dL/d out, all three overwritten, none overlapping an input or another.
+ * The first backward allocates its workspace, later ones nothing.
+ * Dropout is regenerated from the hash, never stored.  Bitwise identical
+ * for every num_threads.  mha_attention is create + run + free, and
+ * mha_attention_backward create + run + backward + free.
+ */
+typedef struct mha_attention_plan mha_attention_plan;
+typedef struct mha_attention_grads {
+    const float *grad_out;  /* (B, Lq, H*d_h), dL/d out, required */
+    float *grad_q;          /* (B, Lq, H*d_h), required           */
+    float *grad_k, *grad_v; /* (B, Lk, H*d_h), required           */
+} mha_attention_grads;
+MHA_API mha_status mha_attention_plan_create(const mha_attention_args *shape,
+                                             mha_attention_plan **out);
+MHA_API mha_status mha_attention_plan_run(mha_attention_plan *plan,
+                                          const mha_attention_args *args);
+MHA_API mha_status mha_attention_plan_backward(
+    mha_attention_plan *plan, const mha_attention_args *args,
+    const mha_attention_grads *grads);
+MHA_API void mha_attention_plan_free(mha_attention_plan *plan);
+MHA_API mha_status mha_attention_backward(const mha_attention_args *args,
+                                          const mha_attention_grads *grads);
 
 /*
  * Planning apart from running.  mha_plan_create checks the shapes, flags

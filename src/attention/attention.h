@@ -1,7 +1,20 @@
 /*
- * attention.h -- scaled dot-product attention over already projected
- * heads: the part of the forward pass that is O(Lq x Lk).  Shared by
- * forward.c (the module) and mha_attention() (heads given directly).
+ * attention.h -- the attention engine: scaled dot-product attention over
+ * heads that are already projected, the part of the work that is
+ * O(Lq x Lk).  One private header for the engine's files (src/attention/)
+ * and for its callers, the module's plans (src/module/) and the public
+ * mha_attention calls (sdpa.c).
+ *
+ *   mask.c            every mask kind -> additive biases, by index
+ *   tiles.c           K/V packed by tile, the tile walk, masking a tile
+ *   flash_forward.c   the FlashAttention forward of one query block
+ *   decode.c          few query rows, many keys: split keys, merge
+ *   weights.c         the attention weights, a second pass from the stats
+ *   ref_forward.c     the float64 reference tier (the oracle)
+ *   flash_backward.c  the flash backward of one (batch, head)
+ *   ref_backward.c    the float64 reference backward
+ *   run.c             engines, workspaces, threads: who runs what
+ *   sdpa.c            mha_attention and its plan (the public calls)
  */
 #ifndef MHA_ATTENTION_H
 #define MHA_ATTENTION_H
@@ -50,6 +63,10 @@ static inline int mha_mask_has_explicit(const mha_mask_plan *p)
 }
 
 
+/* ======================================================================
+ * The problem and the engine that runs it (what the callers use)
+ * ====================================================================== */
+
 /* Query rows per block and keys per tile of the flash tiers. */
 enum { MHA_BR = 64, MHA_BC = 64 };
 
@@ -58,7 +75,7 @@ enum { MHA_BR = 64, MHA_BC = 64 };
  *     q[(b * Lq + i) * ldq + h * dh + d]     (k, v likewise with Lk)
  *     ctx[(b * Lq + i) * ldc + h * dh + d]   (the output)
  * bias_k / bias_v ([H * dh], or NULL) and zero_attn append one key each
- * after the Lk real ones, in that order, as PyTorch does.
+ * after the Lk real ones, in that order, as PyTorch does: Lt keys in all.
  */
 typedef struct mha_attn {
     int64_t B, H, Lq, Lk, Lt, dh;
@@ -79,37 +96,72 @@ typedef struct mha_attn {
                                apart: m + log(l) loses l when |m| is huge) */
     mha_weights_mode weights;
     float *w;               /* (B, H, Lq, Lt) or (B, Lq, Lt), zeroed */
-    float *partials;        /* mha_attn_partials() floats, for decoding */
-    float *packed;          /* mha_attn_packed() floats: K, V by tile   */
+    float *partials;        /* the layout's partials, for decoding */
+    float *packed;          /* the layout's packed K and V (flash tiers) */
+    const mha_microkernels *uk;  /* the tier's kernels: set by mha_attn_run
+                                    and mha_attn_backward from the engine */
 } mha_attn;
 
-/* The tier chosen at start-up (MHA_ISA=ref|scalar|avx2 forces one). */
-mha_status mha_isa_get(mha_isa *isa, const mha_microkernels **uk);
+/* The factor of a kept probability under dropout: 1 / (1 - p), 0 when
+ * p >= 1 (everything dropped), 1 without dropout.  The one place the
+ * formula is written; float users round it once. */
+static inline double mha_keep_scale(const mha_attn *a)
+{
+    if (!a->dropout)
+        return 1.0;
+    return a->p_drop < 1.0f ? 1.0 / (1.0 - (double)a->p_drop) : 0.0;
+}
 
-/* Key chunks of a split (decoding) problem, 1 when not split, and the
- * floats of the shared buffer for the chunks' partial results. */
-int64_t mha_attn_chunks(int64_t Lq, int64_t Lk);
-int64_t mha_attn_partials(int64_t B, int64_t H, int64_t Lq, int64_t Lk,
-                          int64_t dh);
+/* What runs a problem: the tier and the thread count, chosen once (by a
+ * plan's create). */
+typedef struct mha_engine {
+    mha_isa isa;
+    const mha_microkernels *uk;
+    int threads;
+} mha_engine;
 
-/* Floats of the packed K and V of the flash tiers (none for ref). */
-int64_t mha_attn_packed(int64_t B, int64_t H, int64_t Lk, int64_t dh);
+/* The tier (mha_isa_get) and `num_threads` checked and resolved: 0 means
+ * OpenMP's default (OMP_NUM_THREADS), 1 without OpenMP. */
+mha_status mha_engine_init(mha_engine *e, int num_threads);
 
-/* Floats of per-thread scratch for a tier. */
-int64_t mha_attn_scratch(mha_isa isa, int64_t dh, int64_t Lt);
+/* num_threads is in [0, 4096]. */
+mha_status mha_check_threads(int num_threads);
+/* need_weights is one of the three modes. */
+mha_status mha_check_weights_mode(mha_weights_mode mode);
 
-/* Runs the whole problem on `threads` threads (OpenMP), each with its own
- * `scratch` slice of mha_attn_scratch() floats.  Results do not depend on
- * the thread count. */
-void mha_attn_run(mha_isa isa, const mha_microkernels *uk, const mha_attn *a,
-                  int threads, float *scratch, int64_t scratch_per_thread);
+/*
+ * The forward's workspace, in floats from one base: the row stats,
+ * decoding partials, packed K/V, then `threads` slices of per-thread
+ * scratch.  Every part, and every thread's slice, starts at a multiple of
+ * 16 floats (64 bytes): no thread's scratch shares a cache line with
+ * another's, and the float64 scratch of the ref tier stays aligned.
+ */
+typedef struct mha_attn_layout {
+    int64_t stats, partials, packed, scratch;   /* offsets            */
+    int64_t per_thread;                         /* floats per thread  */
+    int64_t total;                              /* floats in all      */
+} mha_attn_layout;
+mha_status mha_attn_layout_forward(const mha_engine *e, int64_t B, int64_t H,
+                                   int64_t Lq, int64_t Lk, int64_t Lt,
+                                   int64_t dh, mha_attn_layout *out);
+/* The backward's own workspace: K and V packed its way (offset `packed`,
+ * flash tiers), then per-thread scratch; stats and partials unused. */
+mha_status mha_attn_layout_backward(const mha_engine *e, int64_t B,
+                                    int64_t H, int64_t Lk, int64_t Lt,
+                                    int64_t dh, mha_attn_layout *out);
+
+/* Runs the whole problem: ctx, the row stats and, when asked, the weights.
+ * scratch is the layout's per-thread part.  Results do not depend on the
+ * thread count. */
+void mha_attn_run(const mha_engine *e, const mha_attn *a, float *scratch,
+                  int64_t per_thread);
 
 /*
  * The backward of a problem whose forward ran with the same mha_attn (its
- * ctx, stats and, for the flash tiers, packed K/V kept).  dctx is the
- * gradient of ctx; dq, dk, dv (laid out as q, k, v with their own row
- * strides) are overwritten; dbias_k / dbias_v ([B][H][dh], or NULL) receive
- * each (b, h)'s gradient of bias_k / bias_v, summed over b by the caller.
+ * stats and, for the flash tiers, packed K/V kept).  dctx is the gradient
+ * of ctx; dq, dk, dv (laid out as q, k, v with their own row strides) are
+ * overwritten; dbias_k / dbias_v ([B][H][dh], or NULL) receive each
+ * (b, h)'s gradient of bias_k / bias_v, summed over b by the caller.
  */
 typedef struct mha_attn_grad {
     const float *dctx;
@@ -117,19 +169,195 @@ typedef struct mha_attn_grad {
     float *dq, *dk, *dv;
     int64_t lddq, lddk, lddv;
     float *dbias_k, *dbias_v;
-    float *packed;   /* mha_attn_bwd_packed() floats (flash tiers) */
+    float *packed;   /* the backward layout's packed K and V */
 } mha_attn_grad;
-
-/* Floats of the backward's own packing of K and V (flash tiers). */
-int64_t mha_attn_bwd_packed(int64_t B, int64_t H, int64_t Lk, int64_t dh);
-
-/* Floats of per-thread scratch for the backward of a tier. */
-int64_t mha_attn_bwd_scratch(mha_isa isa, int64_t dh, int64_t Lt);
 
 /* One work item per (b, h), each computed by one thread in a fixed order:
  * bitwise the same for every thread count. */
-void mha_attn_backward(mha_isa isa, const mha_microkernels *uk,
-                       const mha_attn *a, const mha_attn_grad *g, int threads,
-                       float *scratch, int64_t scratch_per_thread);
+void mha_attn_backward(const mha_engine *e, const mha_attn *a,
+                       const mha_attn_grad *g, float *scratch,
+                       int64_t per_thread);
 
-#endif
+/* ======================================================================
+ * Inside the engine (src/attention/ only)
+ * ====================================================================== */
+
+/* Below this many multiply-adds (B H Lq Lt dh) a problem runs on one
+ * thread: waking a second costs more than it saves.  Results do not depend
+ * on the thread count, so this changes speed only. */
+#define MHA_THREADS_MIN_WORK ((double)(1 << 20))
+
+/*
+ * K and V of every (b, h), packed once per call by key tile into two
+ * planes and a flag per tile:
+ *     a     [B][H][tiles][MHA_BC * dh]
+ *     b     [B][H][tiles][MHA_BC * dh]
+ *     flag  [B][H][tiles]               1.0f or 0.0f
+ * tiles = ceil(Lk / MHA_BC) + 1; the last tile holds the extra keys.  The
+ * forward packs kt (keys transposed, [dh][MHA_BC]) into a, v ([nc][dh])
+ * into b, "v is finite" into flag; the backward packs k ([nc][dh]), vt
+ * ([dh][MHA_BC]) and "k is finite".
+ */
+typedef struct mha_packed {
+    float *base;
+    int64_t H, tiles, tile, plane;   /* tile = MHA_BC * dh */
+} mha_packed;
+
+static inline int64_t mha_packed_tiles(int64_t Lk)
+{
+    return (Lk + MHA_BC - 1) / MHA_BC + 1;
+}
+static inline int64_t mha_packed_floats(int64_t B, int64_t H, int64_t Lk,
+                                        int64_t dh)
+{
+    return B * H * mha_packed_tiles(Lk) * (2 * MHA_BC * dh + 1);
+}
+static inline mha_packed mha_packed_at(float *base, const mha_attn *a)
+{
+    const int64_t tiles = mha_packed_tiles(a->Lk), tile = MHA_BC * a->dh;
+    const mha_packed p = {base, a->H, tiles, tile, a->B * a->H * tiles * tile};
+    return p;
+}
+static inline float *mha_packed_a(const mha_packed *p, int64_t b, int64_t h,
+                                  int64_t t)
+{
+    return p->base + ((b * p->H + h) * p->tiles + t) * p->tile;
+}
+static inline float *mha_packed_b(const mha_packed *p, int64_t b, int64_t h,
+                                  int64_t t)
+{
+    return mha_packed_a(p, b, h, t) + p->plane;
+}
+static inline float *mha_packed_flag(const mha_packed *p, int64_t b,
+                                     int64_t h, int64_t t)
+{
+    return p->base + 2 * p->plane + (b * p->H + h) * p->tiles + t;
+}
+
+/* Key row j of head h of batch b: a real key (j < Lk), bias_k (j = Lk
+ * with add_bias_kv), or NULL for the zero key of add_zero_attn. */
+static inline const float *mha_key_row(const mha_attn *a, int64_t b,
+                                       int64_t h, int64_t j)
+{
+    return j < a->Lk ? a->k + (b * a->Lk + j) * a->ldk + h * a->dh
+         : j == a->Lk && a->bias_k ? a->bias_k + h * a->dh : NULL;
+}
+static inline const float *mha_value_row(const mha_attn *a, int64_t b,
+                                         int64_t h, int64_t j)
+{
+    return j < a->Lk ? a->v + (b * a->Lk + j) * a->ldv + h * a->dh
+         : j == a->Lk && a->bias_v ? a->bias_v + h * a->dh : NULL;
+}
+
+/* Keys in packed tile t of a problem: MHA_BC, fewer in the last real
+ * tile, the extra keys' count in the extra tile. */
+static inline int mha_tile_keys(const mha_attn *a, int64_t t)
+{
+    if (t == mha_packed_tiles(a->Lk) - 1)
+        return (a->bias_k != NULL) + (a->zero_attn != 0);
+    const int64_t left = a->Lk - t * MHA_BC;
+    return (int)(left < MHA_BC ? left : MHA_BC);
+}
+
+/* How a tile's scores are masked: not at all, by index only (causal,
+ * key_lengths: each row's keys past its limit), or by an explicit mask
+ * (the tile's bias rows). */
+enum { MHA_TILE_OPEN = 0, MHA_TILE_BY_INDEX = 1, MHA_TILE_EXPLICIT = 2 };
+
+/*
+ * One tile of work: query rows i0 .. i0+mr-1 of head h of batch b against
+ * keys j0 .. j0+nc-1 (j0 >= Lk: the extra keys).  The descriptor is what
+ * every tile algorithm (forward, weights, the backward's two sweeps)
+ * reads; per-tile state that a future score modifier needs (key
+ * positions, windows, offsets) belongs here.
+ */
+typedef struct mha_tile {
+    int64_t b, h;
+    int64_t i0;
+    int mr;
+    int64_t j0;
+    int nc;
+    int64_t index;       /* its tile in the packed layout               */
+    int extra;           /* the tile of the extra keys (never masked)  */
+    int how;             /* MHA_TILE_OPEN, _BY_INDEX or _EXPLICIT      */
+    const float *bias;   /* [mr][MHA_BC] additive mask (EXPLICIT only) */
+} mha_tile;
+
+/* A tile algorithm: called once per tile that has a live key, with the
+ * caller's per-item state in ctx. */
+typedef void (*mha_tile_fn)(const mha_attn *a, const mha_tile *t, void *ctx);
+
+/*
+ * Visits the tiles of rows i0 .. i0+mr-1 of (b, h) over keys k0 .. k1-1
+ * in ascending order, then the extra keys' tile when with_extra.  Keys
+ * past the last one any row may see are never visited, nor an explicitly
+ * masked tile with no live key.  bias: [MHA_BR][MHA_BC] floats for the
+ * explicit mask of a tile.
+ */
+void mha_for_each_tile(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
+                       int mr, int64_t k0, int64_t k1, int with_extra,
+                       float *bias, mha_tile_fn fn, void *ctx);
+
+/* s[r][c] (row stride MHA_BC) masked as t->how says. */
+void mha_mask_tile(const mha_attn *a, const mha_tile *t, float *s);
+
+/* qs[r][d] = q[i0 + r][head h][d] * scale, r < mr. */
+void mha_load_q(const mha_attn *a, int64_t b, int64_t h, int64_t i0, int mr,
+                float *qs);
+
+/* Packs work item `item` (b, h, tile) of the forward's layout. */
+void mha_pack_forward_tile(const mha_attn *a, int64_t item);
+
+/* The flash tiers' per-thread scratch: what one query block needs. */
+typedef struct flash_scratch {
+    float *qs;    /* [BR][dh]  query rows * scale      */
+    float *o;     /* [BR][dh]  running output          */
+    float *s;     /* [BR][BC]  scores, then p          */
+    float *bias;  /* [BR][BC]  mask of an explicit tile */
+    float *m, *l; /* [BR]      running max and sum     */
+} flash_scratch;
+int64_t mha_flash_scratch_floats(int64_t dh);
+flash_scratch mha_flash_scratch_at(float *base, int64_t dh);
+
+/* flash_forward.c: the online softmax of rows i0 .. i0+mr-1 of (b, h) over
+ * keys k0 .. k1-1 (and the extra keys if with_extra) into f->m, f->l and
+ * the unnormalised f->o; then ctx = o / l and the row stats. */
+void mha_flash_rows(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
+                    int mr, int64_t k0, int64_t k1, int with_extra,
+                    flash_scratch *f);
+void mha_flash_finish(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
+                      int mr, const float *m, const float *l, const float *o);
+void mha_flash_block(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
+                     int mr, flash_scratch *f);
+
+/* decode.c: key chunks of a split problem (1: not split), the floats of
+ * their partial results, one chunk, and the merge of (b, h)'s chunks. */
+int64_t mha_decode_chunks(int64_t Lq, int64_t Lk);
+int64_t mha_decode_partials(int64_t B, int64_t H, int64_t Lq, int64_t Lk,
+                            int64_t dh);
+void mha_decode_chunk(const mha_attn *a, int64_t bh, int64_t c,
+                      int64_t chunks, flash_scratch *f);
+void mha_decode_merge(const mha_attn *a, int64_t bh, int64_t chunks,
+                      flash_scratch *f);
+
+/* weights.c: the weights of rows i0 .. i0+mr-1 of batch b, every head. */
+void mha_weights_block(const mha_attn *a, int64_t b, int64_t i0, int mr,
+                       flash_scratch *f);
+
+/* ref_forward.c: row i of every head of batch b, in float64. */
+int64_t mha_ref_scratch_floats(int64_t dh, int64_t Lt);
+void mha_ref_row(const mha_attn *a, int64_t b, int64_t i, float *scratch);
+
+/* flash_backward.c: the backward's packing, scratch, and one (b, h). */
+void mha_pack_backward_tile(const mha_attn *a, const mha_attn_grad *g,
+                            int64_t item);
+int64_t mha_flash_bwd_scratch_floats(int64_t dh, int64_t Lt);
+void mha_flash_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
+                        int64_t h, float *scratch);
+
+/* ref_backward.c: one (b, h) in float64. */
+int64_t mha_ref_bwd_scratch_floats(int64_t dh, int64_t Lt);
+void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
+                      int64_t h, float *scratch);
+
+#endif /* MHA_ATTENTION_H */

@@ -1,6 +1,13 @@
 /*
- * sdpa.c -- mha_attention: the attention of attention.c on heads the
- * caller has already projected, without a module.
+ * sdpa.c -- attention on heads the caller has already projected (what
+ * PyTorch calls scaled_dot_product_attention), without a module: the
+ * public mha_attention calls and their plan.
+ *
+ *   create    checks the shapes and options, chooses the engine, sizes
+ *             one workspace (the same layout as the module's plans)
+ *   run       checks the data pointers and runs, allocating nothing; keeps
+ *             the row stats and packed K/V for a backward
+ *   backward  dq, dk, dv of the last run, from what it kept
  */
 #include "attention.h"
 
@@ -8,25 +15,45 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+/* Shapes of a call, checked and derived once. */
+typedef struct sdpa_shape {
+    int64_t B, H, dh, Lq, Lk, E;   /* E = H * dh: a row of q, k, v, out */
+    int64_t n_q, n_kv, n_w;        /* floats of q and out, k or v, weights */
+} sdpa_shape;
 
-mha_status mha_attention(const mha_attention_args *a)
+struct mha_attention_plan {
+    sdpa_shape shape;
+    mha_engine eng;
+    mha_attn_layout lay, blay;
+    float *ws;            /* the forward's layout                          */
+    float *bws;           /* the backward's, allocated by its first call   */
+    int has_saved;        /* the last run, kept for the backward           */
+    mha_attention_args saved;
+    uint64_t saved_print;
+};
+
+static float resolved_scale(const mha_attention_args *a, int64_t dh)
 {
-    if (!a)
-        return mha_set_error(MHA_ERR_NULL_POINTER, "attention args are NULL");
-    const int64_t B = a->batch, H = a->num_heads, dh = a->head_dim;
-    const int64_t Lq = a->q_len, Lk = a->kv_len ? a->kv_len : a->q_len;
-    if (B < 1 || H < 1 || dh < 1 || Lq < 1 || Lk < 1)
+    if (a->scale != 0.0f || (a->given & MHA_GIVEN_SCALE))
+        return a->scale;
+    return (float)(1.0 / sqrt((double)dh));
+}
+
+/* Everything about `a` but its data pointers. */
+static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
+{
+    s->B = a->batch;
+    s->H = a->num_heads;
+    s->dh = a->head_dim;
+    s->Lq = a->q_len;
+    s->Lk = a->kv_len ? a->kv_len : a->q_len;
+    if (s->B < 1 || s->H < 1 || s->dh < 1 || s->Lq < 1 || s->Lk < 1)
         return mha_set_error(MHA_ERR_SHAPE,
                              "batch, num_heads, head_dim, q_len and kv_len "
                              "must be >= 1, got %lld, %lld, %lld, %lld, %lld",
-                             (long long)B, (long long)H, (long long)dh,
-                             (long long)Lq, (long long)Lk);
-    if (!a->q || !a->k || !a->v || !a->out)
-        return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
-                             !a->q ? "q" : !a->k ? "k" : !a->v ? "v" : "out");
+                             (long long)s->B, (long long)s->H,
+                             (long long)s->dh, (long long)s->Lq,
+                             (long long)s->Lk);
     if (!isfinite(a->scale))
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "scale must be finite, got %g", (double)a->scale);
@@ -34,79 +61,316 @@ mha_status mha_attention(const mha_attention_args *a)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "dropout must be in [0, 1], got %g",
                              (double)a->dropout);
-    if (a->need_weights != MHA_WEIGHTS_NONE &&
-        a->need_weights != MHA_WEIGHTS_AVERAGE &&
-        a->need_weights != MHA_WEIGHTS_PER_HEAD)
-        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "need_weights must be NONE, AVERAGE or PER_HEAD, "
-                             "got %d", (int)a->need_weights);
-    if (a->need_weights != MHA_WEIGHTS_NONE && !a->attn_weights)
-        return mha_set_error(MHA_ERR_NULL_POINTER,
-                             "need_weights is set but attn_weights is NULL");
-    if (a->num_threads < 0 || a->num_threads > 4096)
-        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "num_threads must be in [0, 4096], got %d",
-                             a->num_threads);
-    int64_t E, t, n_q, n_w;
-    if (!mha_mul_ok(H, dh, &E) || E > 0x7fffffff ||
-        !mha_mul_ok(B, Lq, &t) || !mha_mul_ok(t, E, &n_q) ||
-        !mha_mul_ok(B, Lk, &t) || !mha_mul_ok(t, E, &t) ||
-        !mha_mul_ok(B, H, &t) || !mha_mul_ok(t, Lq, &t) ||
-        !mha_mul_ok(t, Lk, &n_w) || n_w > INT64_MAX / 8 ||
-        n_q > INT64_MAX / 8)
+    MHA_CHECK(mha_check_weights_mode(a->need_weights));
+    MHA_CHECK(mha_check_threads(a->num_threads));
+    int64_t t, w;
+    if (!mha_mul_ok(s->H, s->dh, &s->E) || !mha_mul_ok(s->B, s->Lq, &t) ||
+        !mha_mul_ok(t, s->E, &s->n_q) || !mha_mul_ok(s->B, s->Lk, &t) ||
+        !mha_mul_ok(t, s->E, &s->n_kv) || !mha_mul_ok(s->B, s->H, &t) ||
+        !mha_mul_ok(t, s->Lq, &t) || !mha_mul_ok(t, s->Lk, &w) ||
+        s->n_q > INT64_MAX / 8 || s->n_kv > INT64_MAX / 8 ||
+        w > INT64_MAX / 8)
         return mha_set_error(MHA_ERR_OVERFLOW,
-                             "attention sizes overflow 64 bits");
-    if (a->need_weights == MHA_WEIGHTS_AVERAGE)
-        n_w /= H;
+                             "attention sizes B=%lld H=%lld d_h=%lld "
+                             "Lq=%lld Lk=%lld overflow 64 bits",
+                             (long long)s->B, (long long)s->H,
+                             (long long)s->dh, (long long)s->Lq,
+                             (long long)s->Lk);
+    s->n_w = a->need_weights == MHA_WEIGHTS_AVERAGE ? w / s->H : w;
+    return MHA_OK;
+}
 
-    /* The mask fields are those of mha_forward_args. */
+/* The mask plan of `a` (its mask fields are those of mha_forward_args). */
+static mha_status mask_plan(const mha_attention_args *a, const sdpa_shape *s,
+                            mha_mask_plan *mask)
+{
     mha_forward_args fa = {0};
-    fa.batch = B;
-    fa.q_len = Lq;
-    fa.kv_len = Lk;
+    fa.batch = s->B;
+    fa.q_len = s->Lq;
+    fa.kv_len = s->Lk;
     fa.attn_mask = a->attn_mask;
     fa.key_padding_mask = a->key_padding_mask;
     fa.key_lengths = a->key_lengths;
     fa.causal = a->causal;
-    mha_mask_plan mask;
-    MHA_CHECK(mha_mask_plan_init(&mask, H, 0, &fa));
-    mha_isa isa;
-    const mha_microkernels *uk;
-    MHA_CHECK(mha_isa_get(&isa, &uk));
+    return mha_mask_plan_init(mask, s->H, 0, &fa);
+}
 
-    int threads = a->num_threads;
-#ifdef _OPENMP
-    if (threads == 0)
-        threads = omp_get_max_threads();
-#else
-    threads = 1;
-#endif
-    if (threads < 1)
-        threads = 1;
-    const int64_t per_thread = mha_attn_scratch(isa, dh, Lk);
-    const int64_t n_stats = 2 * B * H * Lq;
-    const int64_t n_partials =
-        isa == MHA_ISA_REF ? 0 : mha_attn_partials(B, H, Lq, Lk, dh);
-    const int64_t n_packed =
-        isa == MHA_ISA_REF ? 0 : mha_attn_packed(B, H, Lk, dh);
-    float *ws = mha_alloc_floats(n_stats + n_partials + n_packed +
-                                     per_thread * threads,
-                                 "attention workspace");
-    if (!ws)
-        return MHA_ERR_OUT_OF_MEMORY;
-    if (a->need_weights != MHA_WEIGHTS_NONE)
-        memset(a->attn_weights, 0, (size_t)n_w * sizeof(float));
-    mha_attn at = {
-        .B = B, .H = H, .Lq = Lq, .Lk = Lk, .Lt = Lk, .dh = dh,
-        .q = a->q, .k = a->k, .v = a->v, .ldq = E, .ldk = E, .ldv = E,
-        .scale = a->scale != 0.0f ? a->scale : (float)(1.0 / sqrt((double)dh)),
-        .mask = &mask, .dropout = a->training && a->dropout > 0.0f,
-        .p_drop = a->dropout, .seed = a->dropout_seed, .ctx = a->out,
-        .ldc = E, .stats = ws, .weights = a->need_weights,
-        .w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights : NULL,
-        .partials = ws + n_stats, .packed = ws + n_stats + n_partials};
-    mha_attn_run(isa, uk, &at, threads, ws + n_stats + n_partials + n_packed,
-                 per_thread);
-    free(ws);
+/* Whether [a, a + na) and [b, b + nb) (floats) share memory. */
+static int overlaps(const void *a, int64_t na, const void *b, int64_t nb)
+{
+    if (!a || !b)
+        return 0;
+    const uintptr_t a0 = (uintptr_t)a, a1 = a0 + (uintptr_t)na * sizeof(float);
+    const uintptr_t b0 = (uintptr_t)b, b1 = b0 + (uintptr_t)nb * sizeof(float);
+    return a0 < b1 && b0 < a1;
+}
+
+/* Outputs written while inputs are read must not share memory with them,
+ * nor with one another. */
+typedef struct span {
+    const char *name;
+    const void *p;
+    int64_t n;
+} span;
+
+static mha_status check_disjoint(const span *out, int n_out, const span *in,
+                                 int n_in)
+{
+    for (int o = 0; o < n_out; o++) {
+        for (int i = 0; i < n_in; i++)
+            if (overlaps(out[o].p, out[o].n, in[i].p, in[i].n))
+                return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                     "%s overlaps %s: an output may not "
+                                     "share memory with an input",
+                                     out[o].name, in[i].name);
+        for (int p = 0; p < o; p++)
+            if (overlaps(out[o].p, out[o].n, out[p].p, out[p].n))
+                return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                     "%s overlaps %s: outputs may not share "
+                                     "memory", out[o].name, out[p].name);
+    }
     return MHA_OK;
+}
+
+static uint64_t fingerprint(const mha_attention_args *a, const sdpa_shape *s)
+{
+    const size_t f = sizeof(float);
+    uint64_t h = mha_fingerprint(0, a->q, (size_t)s->n_q * f);
+    h = mha_fingerprint(h, a->k, (size_t)s->n_kv * f);
+    h = mha_fingerprint(h, a->v, (size_t)s->n_kv * f);
+    const mha_mask *masks[2] = {&a->attn_mask, &a->key_padding_mask};
+    for (int k = 0; k < 2; k++) {
+        const mha_mask *mk = masks[k];
+        if (mk->kind == MHA_MASK_NONE)
+            continue;
+        size_t n = mk->kind == MHA_MASK_ADDITIVE ? f : 1;
+        for (int d = 0; d < mk->ndim; d++)
+            n *= (size_t)mk->shape[d];
+        h = mha_fingerprint(h, mk->data, n);
+    }
+    if (a->key_lengths)
+        h = mha_fingerprint(h, a->key_lengths, (size_t)s->B * sizeof(int64_t));
+    return h;
+}
+
+mha_status mha_attention_plan_create(const mha_attention_args *a,
+                                     mha_attention_plan **out)
+{
+    if (!out)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "output plan is NULL");
+    *out = NULL;
+    if (!a)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "attention args are NULL");
+    sdpa_shape s;
+    MHA_CHECK(check_shape(a, &s));
+    mha_engine eng;
+    MHA_CHECK(mha_engine_init(&eng, a->num_threads));
+    mha_attn_layout lay;
+    MHA_CHECK(mha_attn_layout_forward(&eng, s.B, s.H, s.Lq, s.Lk, s.Lk, s.dh,
+                                      &lay));
+    mha_attention_plan *p = calloc(1, sizeof *p);
+    if (!p)
+        return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate a plan");
+    p->ws = mha_alloc_floats(lay.total, "attention workspace");
+    if (!p->ws) {
+        free(p);
+        return MHA_ERR_OUT_OF_MEMORY;
+    }
+    p->shape = s;
+    p->eng = eng;
+    p->lay = lay;
+    *out = p;
+    return MHA_OK;
+}
+
+void mha_attention_plan_free(mha_attention_plan *p)
+{
+    if (!p)
+        return;
+    free(p->ws);
+    free(p->bws);
+    free(p);
+}
+
+/* The problem of arguments `a` on plan p (mask: its mask plan). */
+static mha_attn problem(const mha_attention_plan *p,
+                        const mha_attention_args *a,
+                        const mha_mask_plan *mask)
+{
+    const sdpa_shape *s = &p->shape;
+    const mha_attn at = {
+        .B = s->B, .H = s->H, .Lq = s->Lq, .Lk = s->Lk, .Lt = s->Lk,
+        .dh = s->dh, .q = a->q, .k = a->k, .v = a->v, .ldq = s->E,
+        .ldk = s->E, .ldv = s->E, .scale = resolved_scale(a, s->dh),
+        .mask = mask, .dropout = a->training && a->dropout > 0.0f,
+        .p_drop = a->dropout, .seed = a->dropout_seed, .ctx = a->out,
+        .ldc = s->E, .stats = p->ws + p->lay.stats,
+        .weights = a->need_weights,
+        .w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights : NULL,
+        .partials = p->ws + p->lay.partials,
+        .packed = p->ws + p->lay.packed};
+    return at;
+}
+
+mha_status mha_attention_plan_run(mha_attention_plan *p,
+                                  const mha_attention_args *a)
+{
+    if (!p)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "plan is NULL");
+    if (!a)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "attention args are NULL");
+    p->has_saved = 0;
+    sdpa_shape s;
+    MHA_CHECK(check_shape(a, &s));
+    const sdpa_shape *ps = &p->shape;
+    if (s.B != ps->B || s.H != ps->H || s.dh != ps->dh || s.Lq != ps->Lq ||
+        s.Lk != ps->Lk)
+        return mha_set_error(MHA_ERR_SHAPE,
+                             "arguments (B=%lld, H=%lld, d_h=%lld, Lq=%lld, "
+                             "Lk=%lld) do not match the plan (B=%lld, "
+                             "H=%lld, d_h=%lld, Lq=%lld, Lk=%lld)",
+                             (long long)s.B, (long long)s.H, (long long)s.dh,
+                             (long long)s.Lq, (long long)s.Lk,
+                             (long long)ps->B, (long long)ps->H,
+                             (long long)ps->dh, (long long)ps->Lq,
+                             (long long)ps->Lk);
+    if (!a->q || !a->k || !a->v || !a->out)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
+                             !a->q ? "q" : !a->k ? "k" : !a->v ? "v" : "out");
+    if (a->need_weights != MHA_WEIGHTS_NONE && !a->attn_weights)
+        return mha_set_error(MHA_ERR_NULL_POINTER,
+                             "need_weights is set but attn_weights is NULL");
+    const float *w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights
+                                                         : NULL;
+    const span outs[2] = {{"out", a->out, s.n_q}, {"attn_weights", w, s.n_w}};
+    const span ins[3] = {{"q", a->q, s.n_q}, {"k", a->k, s.n_kv},
+                         {"v", a->v, s.n_kv}};
+    MHA_CHECK(check_disjoint(outs, 2, ins, 3));
+    mha_mask_plan mask;
+    MHA_CHECK(mask_plan(a, &s, &mask));
+    const uint64_t print = fingerprint(a, &s);
+    if (w)
+        memset(a->attn_weights, 0, (size_t)s.n_w * sizeof(float));
+    const mha_attn at = problem(p, a, &mask);
+    mha_attn_run(&p->eng, &at, p->ws + p->lay.scratch, p->lay.per_thread);
+    p->saved = *a;
+    p->saved_print = print;
+    p->has_saved = 1;
+    return MHA_OK;
+}
+
+static int same_mask(const mha_mask *x, const mha_mask *y)
+{
+    return x->kind == y->kind &&
+           (x->kind == MHA_MASK_NONE || x->data == y->data);
+}
+
+/* Is `a` the run whose stats and packed K/V the plan holds? */
+static mha_status check_saved(const mha_attention_plan *p,
+                              const mha_attention_args *a)
+{
+    if (!p->has_saved)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "no run to differentiate: call "
+                             "mha_attention_plan_run on this plan first (a "
+                             "failed run leaves nothing either)");
+    const mha_attention_args *s = &p->saved;
+    if (a->q != s->q || a->k != s->k || a->v != s->v ||
+        !same_mask(&a->attn_mask, &s->attn_mask) ||
+        !same_mask(&a->key_padding_mask, &s->key_padding_mask) ||
+        a->key_lengths != s->key_lengths || a->causal != s->causal ||
+        resolved_scale(a, p->shape.dh) != resolved_scale(s, p->shape.dh) ||
+        (a->training != 0) != (s->training != 0) ||
+        a->dropout != s->dropout || a->dropout_seed != s->dropout_seed)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "the arguments differ from those of the plan's "
+                             "last run (q, k, v, masks, key_lengths, causal, "
+                             "scale, dropout, training and dropout_seed must "
+                             "be the same)");
+    if (fingerprint(a, &p->shape) != p->saved_print)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "the contents of q, k, v, the masks or "
+                             "key_lengths changed since the plan's last run: "
+                             "run it again on the new data before its "
+                             "backward");
+    return MHA_OK;
+}
+
+mha_status mha_attention_plan_backward(mha_attention_plan *p,
+                                       const mha_attention_args *a,
+                                       const mha_attention_grads *g)
+{
+    if (!p)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "plan is NULL");
+    if (!a)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "attention args are NULL");
+    if (!g)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "gradient args are NULL");
+    if (!g->grad_out || !g->grad_q || !g->grad_k || !g->grad_v)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
+                             !g->grad_out ? "grad_out"
+                             : !g->grad_q ? "grad_q"
+                             : !g->grad_k ? "grad_k" : "grad_v");
+    MHA_CHECK(check_saved(p, a));
+    const sdpa_shape *s = &p->shape;
+    const span outs[3] = {{"grad_q", g->grad_q, s->n_q},
+                          {"grad_k", g->grad_k, s->n_kv},
+                          {"grad_v", g->grad_v, s->n_kv}};
+    const span ins[4] = {{"q", a->q, s->n_q}, {"k", a->k, s->n_kv},
+                         {"v", a->v, s->n_kv},
+                         {"grad_out", g->grad_out, s->n_q}};
+    MHA_CHECK(check_disjoint(outs, 3, ins, 4));
+    if (!p->bws) {
+        MHA_CHECK(mha_attn_layout_backward(&p->eng, s->B, s->H, s->Lk, s->Lk,
+                                           s->dh, &p->blay));
+        p->bws = mha_alloc_floats(p->blay.total, "attention backward "
+                                                 "workspace");
+        if (!p->bws)
+            return MHA_ERR_OUT_OF_MEMORY;
+    }
+    mha_mask_plan mask;
+    MHA_CHECK(mask_plan(a, s, &mask));
+    mha_attn at = problem(p, a, &mask);
+    at.weights = MHA_WEIGHTS_NONE;
+    at.w = NULL;
+    const mha_attn_grad ag = {
+        .dctx = g->grad_out, .lddc = s->E, .dq = g->grad_q, .dk = g->grad_k,
+        .dv = g->grad_v, .lddq = s->E, .lddk = s->E, .lddv = s->E,
+        .packed = p->bws + p->blay.packed};
+    mha_attn_backward(&p->eng, &at, &ag, p->bws + p->blay.scratch,
+                      p->blay.per_thread);
+    return MHA_OK;
+}
+
+mha_status mha_attention(const mha_attention_args *a)
+{
+    mha_attention_plan *p;
+    MHA_CHECK(mha_attention_plan_create(a, &p));
+    const mha_status st = mha_attention_plan_run(p, a);
+    mha_attention_plan_free(p);
+    return st;
+}
+
+mha_status mha_attention_backward(const mha_attention_args *a,
+                                  const mha_attention_grads *g)
+{
+    if (!a)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "attention args are NULL");
+    if (!g)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "gradient args are NULL");
+    mha_attention_args f = *a;
+    f.need_weights = MHA_WEIGHTS_NONE;
+    f.attn_weights = NULL;
+    f.num_threads = a->num_threads;
+    mha_attention_plan *p;
+    MHA_CHECK(mha_attention_plan_create(&f, &p));
+    f.out = mha_alloc_floats(p->shape.n_q, "forward output");
+    mha_status st = f.out ? MHA_OK : MHA_ERR_OUT_OF_MEMORY;
+    if (st == MHA_OK)
+        st = mha_attention_plan_run(p, &f);
+    if (st == MHA_OK)
+        st = mha_attention_plan_backward(p, &f, g);
+    free(f.out);
+    mha_attention_plan_free(p);
+    return st;
 }

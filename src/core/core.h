@@ -7,6 +7,7 @@
 
 #include "mha.h"
 
+#include <stddef.h>
 #include <stdint.h>
 
 /* ---- errors (error.c) ---------------------------------------------------
@@ -36,5 +37,12 @@ float *mha_alloc_floats(int64_t n, const char *what);
 uint64_t mha_mix64(uint64_t x);
 /* A uniform double in [0, 1) from the 53 high bits of a 64-bit hash. */
 double mha_u01(uint64_t bits);
+
+/* A 64-bit fingerprint of `bytes` bytes at p, mixed into `h`: every byte
+ * of a buffer up to 16 KiB, and 1024 evenly spaced 8-byte words (the
+ * first and the last among them) of a larger one: O(1) per buffer.  It tells a
+ * buffer refilled with other data from the one seen before, not a single
+ * changed element of a large one.  NULL hashes as empty. */
+uint64_t mha_fingerprint(uint64_t h, const void *p, size_t bytes);
 
 #endif /* MHA_CORE_H */

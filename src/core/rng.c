@@ -10,6 +10,8 @@
  */
 #include "core.h"
 
+#include <string.h>
+
 #define GOLDEN 0x9e3779b97f4a7c15ULL
 
 uint64_t mha_mix64(uint64_t z)
@@ -44,4 +46,36 @@ int mha_dropout_keep(uint64_t seed, float p, int64_t b, int64_t h, int64_t i,
     /* Keep with probability 1 - p: compare 32 uniform bits with p * 2^32. */
     uint64_t threshold = (uint64_t)((double)p * 4294967296.0);
     return (dropout_bits(seed, b, h, i, j) >> 32) >= threshold;
+}
+
+/* ---- fingerprints ---------------------------------------------------------- */
+
+enum { PRINT_SAMPLES = 1024 };
+
+static uint64_t word_at(const unsigned char *p, size_t at, size_t bytes)
+{
+    uint64_t w = 0;
+    memcpy(&w, p + at, bytes - at < 8 ? bytes - at : 8);
+    return w;
+}
+
+uint64_t mha_fingerprint(uint64_t h, const void *data, size_t bytes)
+{
+    const unsigned char *p = data;
+    h = mha_mix64(h ^ (uint64_t)bytes ^ (p ? GOLDEN : 0));
+    if (!p || bytes == 0)
+        return h;
+    const size_t words = (bytes + 7) / 8;
+    if (words <= 2 * PRINT_SAMPLES) {
+        for (size_t w = 0; w < words; w++)
+            h = mha_mix64(h ^ word_at(p, 8 * w, bytes));
+        return h;
+    }
+    /* Samples every `step` words from the first, then the last word. */
+    const size_t step = (words - 1) / (PRINT_SAMPLES - 1);
+    for (size_t k = 0; k < PRINT_SAMPLES; k++) {
+        const size_t w = k + 1 < PRINT_SAMPLES ? k * step : words - 1;
+        h = mha_mix64(h ^ word_at(p, 8 * w, bytes) ^ (uint64_t)w);
+    }
+    return h;
 }

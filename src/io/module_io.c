@@ -124,9 +124,11 @@ static mha_status config_from_metadata(const mha_tensor_file *f,
     if ((v = mha_tensor_file_metadata(f, "dropout")) &&
         !meta_float(v, &c->dropout))
         return bad_meta("dropout", v);
-    if ((v = mha_tensor_file_metadata(f, "scale")) &&
-        !meta_float(v, &c->scale))
-        return bad_meta("scale", v);
+    if ((v = mha_tensor_file_metadata(f, "scale"))) {
+        if (!meta_float(v, &c->scale))
+            return bad_meta("scale", v);
+        c->given |= MHA_GIVEN_SCALE;   /* written only when chosen */
+    }
     return MHA_OK;
 }
 
@@ -194,8 +196,12 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
     MHA_CHECK(config_from_metadata(f, &c));
     if (base) {
         c.add_zero_attn = base->add_zero_attn ? 1 : c.add_zero_attn;
-        c.dropout = base->dropout != 0.0f ? base->dropout : c.dropout;
-        c.scale = base->scale != 0.0f ? base->scale : c.scale;
+        if (base->dropout != 0.0f || (base->given & MHA_GIVEN_DROPOUT))
+            c.dropout = base->dropout;
+        if (base->scale != 0.0f || (base->given & MHA_GIVEN_SCALE)) {
+            c.scale = base->scale;
+            c.given |= MHA_GIVEN_SCALE;
+        }
         c.seed = base->seed;
     }
     if (!o_w)

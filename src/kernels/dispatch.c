@@ -4,7 +4,8 @@
  * variable MHA_ISA=ref|scalar|avx2|avx512 (the tests run every tier this
  * way).
  */
-#include "attention/attention.h"
+#include "kernels.h"
+#include "core/core.h"
 
 #include <stdatomic.h>
 #include <stdlib.h>

@@ -2,7 +2,7 @@
  * kernels.h -- the micro-kernels of the tiled (flash-style) attention, one
  * table per instruction set, chosen once at start-up (dispatch.c).
  *
- * The driver (src/attention.c) walks query blocks against key tiles with
+ * The driver (src/attention/) walks query blocks against key tiles with
  * an online softmax; everything that touches O(rows x keys x d_h) data
  * goes through these few functions, so an instruction set is a table of
  * ten pointers.  Shapes, all row-major, all small (one tile):
@@ -20,6 +20,8 @@
  */
 #ifndef MHA_KERNELS_H
 #define MHA_KERNELS_H
+
+#include "mha.h"
 
 #include <stdint.h>
 
@@ -72,8 +74,8 @@ typedef struct mha_microkernels {
     float (*max)(const float *x, int n);
 } mha_microkernels;
 
-/* The tiers.  ref is the float64-accumulating row loop of attention.c and
- * has no micro-kernels. */
+/* The tiers.  ref is the float64 row loop of src/attention/ref_forward.c
+ * and has no micro-kernels. */
 typedef enum mha_isa {
     MHA_ISA_REF = 0,
     MHA_ISA_SCALAR = 1,
@@ -84,5 +86,10 @@ typedef enum mha_isa {
 extern const mha_microkernels mha_microkernels_scalar;
 extern const mha_microkernels mha_microkernels_avx2;   /* -mavx2 -mfma */
 extern const mha_microkernels mha_microkernels_avx512; /* -mavx512f -mfma */
+
+/* The tier chosen once, at the first call (dispatch.c): the widest the
+ * CPU and OS support, or the one MHA_ISA=ref|scalar|avx2|avx512 forces.
+ * Fails, naming MHA_ISA, for an unknown tier or one the CPU lacks. */
+mha_status mha_isa_get(mha_isa *isa, const mha_microkernels **uk);
 
 #endif /* MHA_KERNELS_H */

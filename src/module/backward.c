@@ -68,6 +68,15 @@ static mha_status check_saved(const mha_plan *p, const mha_forward_args *a)
                              "the forward's out overwrote its query, key or "
                              "value, which the backward needs: give the "
                              "forward a separate out");
+    /* The same pointers may hold other data: a training loop that refills
+     * its input buffer between forward and backward would get the
+     * gradients of data the forward never saw. */
+    if (mha_fwd_fingerprint(p->m, sh, a) != p->saved_print)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "the contents of the inputs, masks, key_lengths "
+                             "or head_mask changed since the plan's last "
+                             "forward: run mha_plan_forward again on the new "
+                             "data before its backward");
     return MHA_OK;
 }
 
@@ -97,19 +106,12 @@ static mha_status ensure_workspace(mha_plan *p)
     if (p->bws)
         return MHA_OK;
     const fwd_shape *s = &p->shape;
-    const int64_t per = mha_attn_bwd_scratch(p->isa, s->dh, s->Lt);
-    int64_t n_scratch;
-    if (!mha_mul_ok(per, p->threads, &n_scratch) || n_scratch > INT64_MAX / 8)
-        return mha_set_error(MHA_ERR_OVERFLOW, "backward scratch overflows");
-    p->n_bpacked = p->isa == MHA_ISA_REF
-                       ? 0 : mha_attn_bwd_packed(s->B, s->H, s->Lk, s->dh);
+    MHA_CHECK(mha_attn_layout_backward(&p->eng, s->B, s->H, s->Lk, s->Lt,
+                                       s->dh, &p->blay));
     p->bws = mha_alloc_floats(s->n_qd + p->n_proj + 2 * s->B * s->D +
-                                  p->n_bpacked + n_scratch,
+                                  p->blay.total,
                               "backward workspace");
-    if (!p->bws)
-        return MHA_ERR_OUT_OF_MEMORY;
-    p->bwd_per_thread = per;
-    return MHA_OK;
+    return p->bws ? MHA_OK : MHA_ERR_OUT_OF_MEMORY;
 }
 
 /* Where parameter `name`'s gradient starts in grad_params (NULL: absent). */
@@ -194,8 +196,7 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
     float *dctx = plan->bws;
     float *dproj = dctx + s->n_qd;
     float *dbias = dproj + plan->n_proj;
-    float *bpacked = dbias + 2 * s->B * D;
-    float *scratch = bpacked + plan->n_bpacked;
+    float *battn = dbias + 2 * s->B * D;   /* the backward's layout */
     mha_linear_grad_input(g->grad_out, rows_q, E, E, m->w_o, D, 0.0f, dctx, D);
     if (g->grad_head_mask)
         head_mask_grad(s, dctx, at.ctx, beta, g->grad_head_mask);
@@ -218,9 +219,9 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
         .lddq = plan->ldq, .lddk = plan->ldk, .lddv = plan->ldv,
         .dbias_k = m->bias_k ? dbias : NULL,
         .dbias_v = m->bias_k ? dbias + s->B * D : NULL,
-        .packed = bpacked};
-    mha_attn_backward(plan->isa, plan->uk, &at, &ag, plan->threads, scratch,
-                      plan->bwd_per_thread);
+        .packed = battn + plan->blay.packed};
+    mha_attn_backward(&plan->eng, &at, &ag, battn + plan->blay.scratch,
+                      plan->blay.per_thread);
 
     /* The input projections' parameters. */
     if (gp) {

@@ -26,9 +26,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 /* Checks everything about `a` but its data pointers. */
 mha_status mha_fwd_check_shapes(const mha_module *m,
@@ -71,16 +68,8 @@ mha_status mha_fwd_check_shapes(const mha_module *m,
                              "the value, but vdim is %lld",
                              (long long)c->kdim, (long long)c->vdim);
 
-    if (a->need_weights != MHA_WEIGHTS_NONE &&
-        a->need_weights != MHA_WEIGHTS_AVERAGE &&
-        a->need_weights != MHA_WEIGHTS_PER_HEAD)
-        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "need_weights must be NONE, AVERAGE or PER_HEAD, "
-                             "got %d", (int)a->need_weights);
-    if (a->num_threads < 0 || a->num_threads > 4096)
-        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "num_threads must be in [0, 4096] (0 = the "
-                             "OpenMP default), got %d", a->num_threads);
+    MHA_CHECK(mha_check_weights_mode(a->need_weights));
+    MHA_CHECK(mha_check_threads(a->num_threads));
 
     /* Every size product that indexes memory, checked once here. */
     int64_t rows_q, rows_k, t, lql;
@@ -123,53 +112,30 @@ mha_status mha_plan_create(const mha_module *m, const mha_forward_args *a,
         return mha_set_error(MHA_ERR_NULL_POINTER, "forward args are NULL");
     fwd_shape s;
     MHA_CHECK(mha_fwd_check_shapes(m, a, &s));
-    mha_isa isa;
-    const mha_microkernels *uk;
-    MHA_CHECK(mha_isa_get(&isa, &uk));
-    int threads = a->num_threads;
-#ifdef _OPENMP
-    if (threads == 0)
-        threads = omp_get_max_threads();
-#else
-    threads = 1;   /* built without OpenMP */
-#endif
-    if (threads < 1)
-        threads = 1;
+    mha_engine eng;
+    MHA_CHECK(mha_engine_init(&eng, a->num_threads));
+    mha_attn_layout lay;
+    MHA_CHECK(mha_attn_layout_forward(&eng, s.B, s.H, s.Lq, s.Lk, s.Lt, s.dh,
+                                      &lay));
 
     /* Self-attention with Lk = Lq may fuse q|k|v (3 n_qd); otherwise q and
      * k|v apart (n_qd + 2 n_kvd).  The workspace holds the larger. */
     const int64_t fused = s.Lk == s.Lq ? 3 * s.n_qd : 0;
     const int64_t split = s.n_qd + 2 * s.n_kvd;
     const int64_t n_proj = fused > split ? fused : split;
-    const int64_t per_thread = mha_attn_scratch(isa, s.dh, s.Lt);
-    const int64_t n_stats = 2 * s.B * s.H * s.Lq;
-    const int64_t n_partials =
-        isa == MHA_ISA_REF ? 0 : mha_attn_partials(s.B, s.H, s.Lq, s.Lk, s.dh);
-    const int64_t n_packed =
-        isa == MHA_ISA_REF ? 0 : mha_attn_packed(s.B, s.H, s.Lk, s.dh);
-    int64_t n_scratch;
-    if (!mha_mul_ok(per_thread, threads, &n_scratch) ||
-        n_scratch > INT64_MAX / 8)
-        return mha_set_error(MHA_ERR_OVERFLOW, "attention scratch overflows");
     mha_plan *p = calloc(1, sizeof *p);
     if (!p)
         return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate a plan");
-    p->ws = mha_alloc_floats(n_proj + s.n_qd + n_stats + n_partials +
-                                 n_packed + n_scratch,
-                             "forward workspace");
+    p->ws = mha_alloc_floats(n_proj + s.n_qd + lay.total, "forward workspace");
     if (!p->ws) {
         free(p);
         return MHA_ERR_OUT_OF_MEMORY;
     }
     p->m = m;
     p->shape = s;
-    p->isa = isa;
-    p->uk = uk;
-    p->threads = threads;
+    p->eng = eng;
+    p->lay = lay;
     p->n_proj = n_proj;
-    p->per_thread = per_thread;
-    p->n_partials = n_partials;
-    p->n_packed = n_packed;
     *out = p;
     return MHA_OK;
 }
@@ -183,24 +149,13 @@ void mha_plan_free(mha_plan *p)
     free(p);
 }
 
-/* The workspace, in order: projections (n_proj), ctx (n_qd), row stats,
- * decoding partials, packed K/V, per-thread scratch. */
+/* The workspace, in order: projections (n_proj), ctx (n_qd), then the
+ * attention's layout (row stats, decoding partials, packed K/V,
+ * per-thread scratch). */
 static float *ws_ctx(const mha_plan *p) { return p->ws + p->n_proj; }
-static float *ws_stats(const mha_plan *p)
+static float *ws_attn(const mha_plan *p)
 {
     return ws_ctx(p) + p->shape.n_qd;
-}
-static float *ws_partials(const mha_plan *p)
-{
-    return ws_stats(p) + 2 * p->shape.B * p->shape.H * p->shape.Lq;
-}
-static float *ws_packed(const mha_plan *p)
-{
-    return ws_partials(p) + p->n_partials;
-}
-float *mha_plan_scratch(const mha_plan *p)
-{
-    return ws_packed(p) + p->n_packed;
 }
 
 void mha_plan_attn(const mha_plan *plan, const mha_forward_args *a,
@@ -209,6 +164,7 @@ void mha_plan_attn(const mha_plan *plan, const mha_forward_args *a,
     const mha_module *m = plan->m;
     const mha_config *c = &m->cfg;
     const fwd_shape *s = &plan->shape;
+    float *base = ws_attn(plan);
     const mha_attn x = {
         .B = s->B, .H = s->H, .Lq = s->Lq, .Lk = s->Lk, .Lt = s->Lt,
         .dh = s->dh, .q = plan->q, .k = plan->k, .v = plan->v,
@@ -217,10 +173,39 @@ void mha_plan_attn(const mha_plan *plan, const mha_forward_args *a,
         .zero_attn = c->add_zero_attn, .scale = c->scale, .mask = mask,
         .dropout = a->training && c->dropout > 0.0f, .p_drop = c->dropout,
         .seed = a->dropout_seed, .ctx = ws_ctx(plan), .ldc = s->D,
-        .stats = ws_stats(plan), .weights = a->need_weights,
+        .stats = base + plan->lay.stats, .weights = a->need_weights,
         .w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights : NULL,
-        .partials = ws_partials(plan), .packed = ws_packed(plan)};
+        .partials = base + plan->lay.partials,
+        .packed = base + plan->lay.packed};
     *at = x;
+}
+
+uint64_t mha_fwd_fingerprint(const mha_module *m, const fwd_shape *s,
+                             const mha_forward_args *a)
+{
+    const mha_config *c = &m->cfg;
+    const size_t f = sizeof(float);
+    const int64_t rows_k = s->B * s->Lk;
+    uint64_t h = mha_fingerprint(0, a->query, (size_t)s->n_q * f);
+    if (a->key)
+        h = mha_fingerprint(h, a->key, (size_t)(rows_k * c->kdim) * f);
+    if (a->value)
+        h = mha_fingerprint(h, a->value, (size_t)(rows_k * c->vdim) * f);
+    const mha_mask *masks[2] = {&a->attn_mask, &a->key_padding_mask};
+    for (int k = 0; k < 2; k++) {
+        const mha_mask *mk = masks[k];
+        if (mk->kind == MHA_MASK_NONE)
+            continue;
+        size_t n = mk->kind == MHA_MASK_ADDITIVE ? f : 1;
+        for (int d = 0; d < mk->ndim; d++)
+            n *= (size_t)mk->shape[d];
+        h = mha_fingerprint(h, mk->data, n);
+    }
+    if (a->key_lengths)
+        h = mha_fingerprint(h, a->key_lengths, (size_t)s->B * sizeof(int64_t));
+    if (a->head_mask)
+        h = mha_fingerprint(h, a->head_mask, (size_t)s->H * f);
+    return h;
 }
 
 /* A head mask may hold any finite factors; NULL is all ones. */
@@ -265,6 +250,8 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
     MHA_CHECK(mha_mask_plan_init(&mask, s.H, s.Lt - s.Lk, a));
     MHA_CHECK(check_head_mask(a->head_mask, s.H));
 
+    /* Taken before out (which may alias the query) is written. */
+    const uint64_t print = mha_fwd_fingerprint(m, &s, a);
     const float *query = a->query;
     const float *key = a->key ? a->key : query;
     const float *value = a->value ? a->value : key;
@@ -305,14 +292,15 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
     plan->fuse_kv = fuse_kv;
     mha_attn at;
     mha_plan_attn(plan, a, &mask, &at);
-    mha_attn_run(plan->isa, plan->uk, &at, plan->threads,
-                 mha_plan_scratch(plan), plan->per_thread);
+    mha_attn_run(&plan->eng, &at, ws_attn(plan) + plan->lay.scratch,
+                 plan->lay.per_thread);
 
     const float *hm = mha_head_mask_in_use(a->head_mask, s.H);
     mha_linear_blocks(at.ctx, rows_q, D, D, m->w_o, E, m->b_o, hm,
                       hm ? s.H : 1, a->out, E);
     /* What the backward needs is now in the workspace. */
     plan->saved = *a;
+    plan->saved_print = print;
     plan->has_saved = 1;
     return MHA_OK;
 }

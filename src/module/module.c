@@ -65,7 +65,7 @@ static mha_status resolve_config(const mha_config *in, mha_config *out)
         c.kdim = c.embed_dim;
     if (c.vdim == 0)
         c.vdim = c.embed_dim;
-    if (c.scale == 0.0f)
+    if (c.scale == 0.0f && !(c.given & MHA_GIVEN_SCALE))
         c.scale = (float)(1.0 / sqrt((double)c.head_dim));
     c.no_bias = c.no_bias != 0;
     c.add_bias_kv = c.add_bias_kv != 0;
@@ -236,7 +236,8 @@ mha_status mha_create(const mha_config *config, mha_module **out)
     if (!m)
         return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate module");
     m->cfg = c;
-    m->scale_given = config->scale != 0.0f;
+    m->scale_given =
+        config->scale != 0.0f || (config->given & MHA_GIVEN_SCALE);
     m->head_dim = c.head_dim;
     m->inner_dim = c.num_heads * c.head_dim;
     m->packed = c.kdim == c.embed_dim && c.vdim == c.embed_dim;

@@ -91,27 +91,30 @@ mha_status mha_fwd_check_shapes(const mha_module *m,
 struct mha_plan {
     const mha_module *m;
     fwd_shape shape;
-    mha_isa isa;
-    const mha_microkernels *uk;
-    int threads;
-    int64_t n_proj;          /* projected q, k, v: the larger layout */
-    int64_t per_thread;      /* attention scratch floats per thread  */
-    float *ws;               /* n_proj + n_qd (ctx) + stats + partials
-                                + packed K/V + scratch */
-    int64_t n_partials, n_packed;
+    mha_engine eng;          /* tier and threads, chosen at create       */
+    mha_attn_layout lay;     /* the attention's part of ws               */
+    int64_t n_proj;          /* projected q, k, v: the larger layout     */
+    float *ws;               /* n_proj + n_qd (ctx) + lay.total          */
 
-    /* The last forward, kept for the backward: its arguments, where its
-     * projections are in ws and how they were computed. */
+    /* The last forward, kept for the backward: its arguments, a
+     * fingerprint of their contents, where its projections are in ws and
+     * how they were computed. */
     int has_saved;
     mha_forward_args saved;
+    uint64_t saved_print;
     float *q, *k, *v;
     int64_t ldq, ldk, ldv;
     int fuse_qkv, fuse_kv;
 
     /* The backward's own workspace, allocated by its first call. */
     float *bws;
-    int64_t bwd_per_thread, n_bpacked;
+    mha_attn_layout blay;
 };
+
+/* A fingerprint of the contents of the forward's inputs, masks, key
+ * lengths and head mask (mha_fingerprint of each). */
+uint64_t mha_fwd_fingerprint(const mha_module *m, const fwd_shape *s,
+                             const mha_forward_args *a);
 
 /* The head mask as the output projection uses it: NULL when it is absent
  * or all ones (one GEMM; the same bits as no mask), else head_mask. */
@@ -129,7 +132,5 @@ static inline const float *mha_head_mask_in_use(const float *head_mask,
 void mha_plan_attn(const mha_plan *plan, const mha_forward_args *a,
                    const mha_mask_plan *mask, mha_attn *at);
 
-/* The per-thread scratch of the forward's attention. */
-float *mha_plan_scratch(const mha_plan *p);
 
 #endif /* MHA_MODULE_H */

@@ -1,0 +1,88 @@
+/*
+ * decode.c -- few query rows against many keys (decoding).  (b, h) alone
+ * then gives too few work items to share among threads, so the keys are
+ * split in chunks of MHA_SPLIT, each chunk's (m, l, o) computed apart and
+ * the chunks merged in ascending order:
+ *
+ *     m = max_c m_c,   l = sum_c l_c e^(m_c - m),   o = sum_c o_c e^(m_c - m)
+ *
+ * Whether to split depends on the shape only, never on the thread count,
+ * and the merge order is fixed: results are bitwise the same for every
+ * thread count.
+ */
+#include "attention.h"
+
+#include <math.h>
+#include <string.h>
+
+enum { MHA_SPLIT = 512 };
+
+int64_t mha_decode_chunks(int64_t Lq, int64_t Lk)
+{
+    return Lq <= MHA_BR && Lk >= 2 * MHA_SPLIT
+               ? (Lk + MHA_SPLIT - 1) / MHA_SPLIT : 1;
+}
+
+int64_t mha_decode_partials(int64_t B, int64_t H, int64_t Lq, int64_t Lk,
+                            int64_t dh)
+{
+    const int64_t chunks = mha_decode_chunks(Lq, Lk);
+    return chunks > 1 ? B * H * chunks * Lq * (dh + 2) : 0;
+}
+
+/* Slot of chunk c of (b, h): Lq rows of [m, l, o[dh]]. */
+static float *partial_slot(const mha_attn *a, int64_t bh, int64_t c,
+                           int64_t chunks)
+{
+    return a->partials + (bh * chunks + c) * a->Lq * (a->dh + 2);
+}
+
+void mha_decode_chunk(const mha_attn *a, int64_t bh, int64_t c,
+                      int64_t chunks, flash_scratch *f)
+{
+    const int64_t k0 = c * MHA_SPLIT;
+    const int64_t k1 = k0 + MHA_SPLIT < a->Lk ? k0 + MHA_SPLIT : a->Lk;
+    const int mr = (int)a->Lq, dh = (int)a->dh;
+    mha_flash_rows(a, bh / a->H, bh % a->H, 0, mr, k0, k1, c == chunks - 1,
+                   f);
+    float *slot = partial_slot(a, bh, c, chunks);
+    for (int r = 0; r < mr; r++) {
+        float *row = slot + r * (dh + 2);
+        row[0] = f->m[r];
+        row[1] = f->l[r];
+        memcpy(row + 2, f->o + r * dh, (size_t)dh * sizeof *row);
+    }
+}
+
+void mha_decode_merge(const mha_attn *a, int64_t bh, int64_t chunks,
+                      flash_scratch *f)
+{
+    const int mr = (int)a->Lq, dh = (int)a->dh;
+    for (int r = 0; r < mr; r++) {
+        float m = -INFINITY;
+        for (int64_t c = 0; c < chunks; c++) {
+            const float mc = partial_slot(a, bh, c, chunks)[r * (dh + 2)];
+            if (mc > m)
+                m = mc;
+        }
+        float l = 0.0f;
+        float *o = f->o + r * dh;
+        memset(o, 0, (size_t)dh * sizeof *o);
+        f->m[r] = m;
+        if (m == -INFINITY) {
+            f->l[r] = 0.0f;
+            continue;
+        }
+        for (int64_t c = 0; c < chunks; c++) {
+            const float *row = partial_slot(a, bh, c, chunks) + r * (dh + 2);
+            if (row[0] == -INFINITY)
+                continue;
+            const float w = expf(row[0] - m);
+            l += row[1] * w;
+            for (int d = 0; d < dh; d++)
+                o[d] += row[2 + d] * w;
+        }
+        f->l[r] = l;
+    }
+    mha_flash_finish(a, bh / a->H, bh % a->H, 0, mr, f->m, f->l, f->o);
+}

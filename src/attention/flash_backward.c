@@ -1,0 +1,296 @@
+/*
+ * flash_backward.c -- the backward of the flash tiers.  With
+ * P = softmax(S), S = scale q k^T + mask, dropout keep mask D and
+ * P~ = P * D / (1 - p) (P~ = P without dropout), ctx = P~ v, and dO the
+ * gradient of ctx:
+ *
+ *     dv  = P~^T dO
+ *     dP~ = dO v^T,   dP = dP~ * D / (1 - p)
+ *     dS  = P * (dP - delta),  delta_i = sum_j P_ij dP_ij
+ *     dq  = scale dS k,   dk = scale dS^T q
+ *
+ * P is recomputed tile by tile from the forward's row stats (m, 1/l),
+ * exactly as the forward computed it, so nothing of size Lq x Lk is ever
+ * stored: a block of 64 query rows caches its own P and dP~ (64 x Lk
+ * each, O(L) per thread) between two sweeps over its key tiles, the first
+ * for delta, the second for the gradients.  One work item is one (batch,
+ * head): it owns the rows of dq, dk and dv of its head, and walks the
+ * query blocks in order, each against its key tiles in order, adding into
+ * dk and dv.  Every sum therefore has one fixed order, whatever the thread
+ * count.  dS is set to 0 wherever P is 0 (masked keys, rows with no key),
+ * so a masked key's NaN cannot reach any gradient.
+ */
+#include "attention.h"
+
+#include <math.h>
+#include <string.h>
+
+typedef struct bwd_scratch {
+    flash_scratch f;   /* qs (scaled q), o (the block's dq), s (P~), bias */
+    float *dout;       /* [BR][dh]  dO of the block                       */
+    float *dp;         /* [BR][BC]  dP, then dS                            */
+    float *pc, *dpc;   /* [BR][cache_width]  the block's P and dP~        */
+    int64_t ldc;       /* cache_width                                      */
+    double delta[MHA_BR];
+    float *extra;      /* [2][2][dh]  dk, dv of the extra keys            */
+    const mha_attn_grad *g;
+    mha_packed fwd, bwd;   /* the forward's packing and the backward's    */
+    int dout_finite, q_finite;
+} bwd_scratch;
+
+/* Columns of a block's cache of P and dP~: every tile of the keys. */
+static int64_t cache_width(int64_t Lt)
+{
+    return ((Lt + MHA_BC - 1) / MHA_BC + 1) * MHA_BC;
+}
+
+int64_t mha_flash_bwd_scratch_floats(int64_t dh, int64_t Lt)
+{
+    return mha_flash_scratch_floats(dh) + MHA_BR * dh + MHA_BR * MHA_BC +
+           2 * MHA_BR * cache_width(Lt) + 4 * dh;
+}
+
+static bwd_scratch bwd_scratch_at(float *base, int64_t dh, int64_t Lt)
+{
+    bwd_scratch w;
+    w.f = mha_flash_scratch_at(base, dh);
+    w.dout = base + mha_flash_scratch_floats(dh);
+    w.dp = w.dout + MHA_BR * dh;
+    w.ldc = cache_width(Lt);
+    w.pc = w.dp + MHA_BR * MHA_BC;
+    w.dpc = w.pc + MHA_BR * w.ldc;
+    w.extra = w.dpc + MHA_BR * w.ldc;
+    return w;
+}
+
+/* The backward reads each key tile as rows (for dq = dS k) and each value
+ * tile transposed (for dP~ = dO v^T): the transposes of the forward's
+ * packing, made once per call from it. */
+void mha_pack_backward_tile(const mha_attn *a, const mha_attn_grad *g,
+                            int64_t item)
+{
+    const mha_packed fp = mha_packed_at(a->packed, a);
+    const mha_packed bp = mha_packed_at(g->packed, a);
+    const int64_t t = item % fp.tiles, bh = item / fp.tiles;
+    const int64_t b = bh / a->H, h = bh % a->H, dh = a->dh;
+    const int nc = mha_tile_keys(a, t);
+    const float *kt = mha_packed_a(&fp, b, h, t);
+    const float *v = mha_packed_b(&fp, b, h, t);
+    float *kc = mha_packed_a(&bp, b, h, t), *vt = mha_packed_b(&bp, b, h, t);
+    int finite = 1;
+    for (int c = 0; c < nc; c++)
+        for (int64_t d = 0; d < dh; d++) {
+            kc[c * dh + d] = kt[d * MHA_BC + c];
+            vt[d * MHA_BC + c] = v[c * dh + d];
+            finite &= isfinite(kc[c * dh + d]) != 0;
+        }
+    *mha_packed_flag(&bp, b, h, t) = (float)finite;
+}
+
+/* sum_c p[c] * d[c] over the c with p[c] != 0 (so an Inf or NaN in d
+ * under a zero p stays out), in float64: four interleaved partial sums,
+ * added in a fixed order at the end. */
+static double dot_nonzero(const float *p, const float *d, int n)
+{
+    double s[4] = {0.0, 0.0, 0.0, 0.0};
+    int c = 0;
+    for (; c + 4 <= n; c += 4)
+        for (int k = 0; k < 4; k++) {
+            const double t = (double)p[c + k] * d[c + k];
+            s[k] += p[c + k] != 0.0f ? t : 0.0;
+        }
+    for (; c < n; c++)
+        if (p[c] != 0.0f)
+            s[0] += (double)p[c] * d[c];
+    return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+/*
+ * First sweep over a block's tiles: P (exactly as the forward computed it)
+ * and dP~ = dO v^T into the block's cache, and delta_i = sum_j P_ij dP_ij
+ * summed in float64.  delta is computed here rather than as dO_i . ctx_i:
+ * ctx carries the forward's rounding, and an error in delta_i shifts dq_i
+ * by delta's error times a P-weighted mean of k, which does not cancel.
+ */
+static void probs_tile(const mha_attn *a, const mha_tile *t, void *ctx)
+{
+    bwd_scratch *w = ctx;
+    flash_scratch *f = &w->f;
+    const mha_microkernels *uk = a->uk;
+    const int dh = (int)a->dh, mr = t->mr, nc = t->nc;
+    const int64_t b = t->b, h = t->h;
+    float *pc = w->pc + t->index * MHA_BC, *dpc = w->dpc + t->index * MHA_BC;
+    const double keep = mha_keep_scale(a);
+
+    uk->qk(mr, nc, dh, f->qs, mha_packed_a(&w->fwd, b, h, t->index), MHA_BC,
+           f->s, MHA_BC);
+    mha_mask_tile(a, t, f->s);
+    uk->qk(mr, nc, dh, w->dout, mha_packed_b(&w->bwd, b, h, t->index),
+           MHA_BC, dpc, (int)w->ldc);
+    for (int r = 0; r < mr; r++) {
+        const int64_t i = t->i0 + r;
+        const float *st = a->stats + 2 * ((b * a->H + h) * a->Lq + i);
+        float *sr = f->s + r * MHA_BC;
+        float *pr = pc + r * w->ldc;
+        if (st[0] == -INFINITY) {
+            memset(pr, 0, (size_t)nc * sizeof *pr);
+            continue;
+        }
+        uk->exp_sum(sr, nc, st[0]);
+        uk->scale(sr, nc, st[1]);
+        memcpy(pr, sr, (size_t)nc * sizeof *pr);
+        const float *dr = dpc + r * w->ldc;
+        if (!a->dropout) {
+            w->delta[r] += dot_nonzero(pr, dr, nc);
+            continue;
+        }
+        double sum = 0.0;
+        for (int c = 0; c < nc; c++)
+            if (pr[c] != 0.0f &&
+                mha_dropout_keep(a->seed, a->p_drop, b, h, i, t->j0 + c))
+                sum += (double)pr[c] * dr[c];
+        w->delta[r] += sum * keep;
+    }
+}
+
+/* Second sweep: dS = P * (dP - delta), and the tile's shares of dv, dq
+ * and dk. */
+static void grads_tile(const mha_attn *a, const mha_tile *t, void *ctx)
+{
+    bwd_scratch *w = ctx;
+    flash_scratch *f = &w->f;
+    const mha_microkernels *uk = a->uk;
+    const mha_attn_grad *g = w->g;
+    const int dh = (int)a->dh, mr = t->mr, nc = t->nc;
+    const int64_t b = t->b, h = t->h, j0 = t->j0, ldc = w->ldc;
+    const float *pc = w->pc + t->index * MHA_BC;
+    const float *dpc = w->dpc + t->index * MHA_BC;
+    const float *kc = mha_packed_a(&w->bwd, b, h, t->index);
+    const int k_finite = *mha_packed_flag(&w->bwd, b, h, t->index) != 0.0f;
+    const float keep = (float)mha_keep_scale(a);
+
+    /* dS = P * (dP - delta) into dp; under dropout also P~ (P with the
+     * dropped keys zeroed, kept ones scaled) into s for dv.  Without
+     * dropout dv reads P from the cache as it is. */
+    for (int r = 0; r < mr; r++) {
+        const int64_t i = t->i0 + r;
+        const float *pr = pc + r * ldc, *dpr = dpc + r * ldc;
+        const float delta = (float)w->delta[r];
+        float *dr = w->dp + r * MHA_BC;
+        if (!a->dropout) {
+            /* branch-free, so the compiler vectorises it */
+            for (int c = 0; c < nc; c++) {
+                const float ds = pr[c] * (dpr[c] - delta);
+                dr[c] = pr[c] == 0.0f ? 0.0f : ds;
+            }
+            continue;
+        }
+        float *ptr = f->s + r * MHA_BC;
+        for (int c = 0; c < nc; c++) {
+            float pd = pr[c] * keep, dp = dpr[c] * keep;
+            if (!mha_dropout_keep(a->seed, a->p_drop, b, h, i, j0 + c))
+                pd = dp = 0.0f;
+            ptr[c] = pd;
+            dr[c] = pr[c] == 0.0f ? 0.0f : pr[c] * (dp - delta);
+        }
+    }
+    const float *pt = a->dropout ? f->s : pc;
+    const int ldpt = a->dropout ? MHA_BC : (int)ldc;
+    float *dk_dst, *dv_dst;
+    int64_t lddk, lddv;
+    if (t->extra) {
+        dk_dst = w->extra;
+        dv_dst = w->extra + 2 * dh;
+        lddk = lddv = dh;
+    } else {
+        dk_dst = g->dk + (b * a->Lk + j0) * g->lddk + h * dh;
+        dv_dst = g->dv + (b * a->Lk + j0) * g->lddv + h * dh;
+        lddk = g->lddk;
+        lddv = g->lddv;
+    }
+    /* Each (block, tile)'s share of dv, dq and dk is summed apart, then
+     * added (the kernels' pv_add / pvt): two levels of float sums (over 64
+     * rows or keys, then over the blocks or tiles) instead of one chain as
+     * long as Lq or Lk. */
+    (w->dout_finite ? uk->pvt : uk->pvt_exact)(mr, nc, dh, pt, ldpt,
+                                               w->dout, dv_dst, (int)lddv);
+    /* dq (unscaled: the block's dq is scaled once at the end) += dS k. */
+    (k_finite ? uk->pv_add : uk->pv_add_exact)(mr, nc, dh, w->dp, MHA_BC, kc,
+                                               f->o, dh);
+    /* dk += dS^T (scale q): qs already holds the scaled rows. */
+    (w->q_finite ? uk->pvt : uk->pvt_exact)(mr, nc, dh, w->dp, MHA_BC, f->qs,
+                                            dk_dst, (int)lddk);
+}
+
+/* dO of the block's rows, packed, and whether it and the block's q are
+ * finite; delta starts at 0 (the first sweep sums it). */
+static void load_block(const mha_attn *a, const mha_attn_grad *g, int64_t b,
+                       int64_t h, int64_t i0, int mr, bwd_scratch *w)
+{
+    const int64_t dh = a->dh;
+    int fin = 1;
+    for (int r = 0; r < mr; r++) {
+        const float *src = g->dctx + (b * a->Lq + i0 + r) * g->lddc + h * dh;
+        for (int64_t d = 0; d < dh; d++) {
+            w->dout[r * dh + d] = src[d];
+            fin &= isfinite(src[d]) != 0;
+        }
+        w->delta[r] = 0.0;
+    }
+    w->dout_finite = fin;
+    fin = 1;
+    for (int64_t x = 0; x < mr * dh; x++)
+        fin &= isfinite(w->f.qs[x]) != 0;
+    w->q_finite = fin;
+}
+
+/* Zeroes the (b, h) slices of dk and dv. */
+static void zero_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
+                      int64_t h)
+{
+    const size_t row = (size_t)a->dh * sizeof(float);
+    for (int64_t j = 0; j < a->Lk; j++) {
+        memset(g->dk + (b * a->Lk + j) * g->lddk + h * a->dh, 0, row);
+        memset(g->dv + (b * a->Lk + j) * g->lddv + h * a->dh, 0, row);
+    }
+}
+
+/* The extra keys' gradients: bias_k / bias_v of this (b, h), or nothing
+ * for the zero key (a constant). */
+static void store_extra(const mha_attn *a, const mha_attn_grad *g, int64_t b,
+                        int64_t h, const float *dk, const float *dv)
+{
+    if (!a->bias_k || !g->dbias_k)
+        return;
+    const int64_t dh = a->dh;
+    memcpy(g->dbias_k + (b * a->H + h) * dh, dk, (size_t)dh * sizeof *dk);
+    memcpy(g->dbias_v + (b * a->H + h) * dh, dv, (size_t)dh * sizeof *dv);
+}
+
+void mha_flash_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
+                        int64_t h, float *scratch)
+{
+    const int64_t dh = a->dh;
+    bwd_scratch w = bwd_scratch_at(scratch, dh, a->Lt);
+    w.g = g;
+    w.fwd = mha_packed_at(a->packed, a);
+    w.bwd = mha_packed_at(g->packed, a);
+    zero_item(a, g, b, h);
+    memset(w.extra, 0, (size_t)(4 * dh) * sizeof *w.extra);
+    for (int64_t i0 = 0; i0 < a->Lq; i0 += MHA_BR) {
+        const int mr = (int)(a->Lq - i0 < MHA_BR ? a->Lq - i0 : MHA_BR);
+        mha_load_q(a, b, h, i0, mr, w.f.qs);
+        load_block(a, g, b, h, i0, mr, &w);
+        memset(w.f.o, 0, (size_t)(mr * dh) * sizeof *w.f.o);
+        mha_for_each_tile(a, b, h, i0, mr, 0, a->Lk, 1, w.f.bias, probs_tile,
+                          &w);
+        mha_for_each_tile(a, b, h, i0, mr, 0, a->Lk, 1, w.f.bias, grads_tile,
+                          &w);
+        for (int r = 0; r < mr; r++) {
+            float *dst = g->dq + (b * a->Lq + i0 + r) * g->lddq + h * dh;
+            for (int64_t d = 0; d < dh; d++)
+                dst[d] = w.f.o[r * dh + d] * a->scale;
+        }
+    }
+    store_extra(a, g, b, h, w.extra, w.extra + 2 * dh);
+}

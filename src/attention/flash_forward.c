@@ -1,0 +1,103 @@
+/*
+ * flash_forward.c -- the FlashAttention forward (Dao et al., 2022) of one
+ * block of query rows, the flash tiers' algorithm:
+ *
+ *   a block of MHA_BR query rows walks the keys in tiles of MHA_BC with a
+ *   running max m, running sum l and a rescaled accumulator o:
+ *
+ *       s   = q k_tile^T (+ mask)        (micro-kernel qk)
+ *       m'  = max(m, rowmax(s));  p = exp(s - m')
+ *       l   = l * exp(m - m') + rowsum(p)
+ *       o   = o * exp(m - m') + p v_tile (micro-kernel pv)
+ *       ctx = o / l;  the row statistics (m, 1/l) are kept
+ *
+ * Scores never exist beyond one tile: extra memory is
+ * O(MHA_BR * (MHA_BC + d_h)) per thread, whatever Lk is.
+ */
+#include "attention.h"
+
+#include <math.h>
+#include <string.h>
+
+/* One key tile against the block's rows: the online-softmax update. */
+static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
+{
+    flash_scratch *f = ctx;
+    const mha_microkernels *uk = a->uk;
+    const mha_packed p = mha_packed_at(a->packed, a);
+    const int dh = (int)a->dh, mr = t->mr, nc = t->nc;
+    uk->qk(mr, nc, dh, f->qs, mha_packed_a(&p, t->b, t->h, t->index),
+           MHA_BC, f->s, MHA_BC);
+    mha_mask_tile(a, t, f->s);
+    for (int r = 0; r < mr; r++) {
+        float *sr = f->s + r * MHA_BC;
+        /* NaN never wins the comparison but reaches the sum: it propagates */
+        const float mt = uk->max(sr, nc);
+        const float mn = mt > f->m[r] ? mt : f->m[r];
+        if (mn == -INFINITY) {            /* nothing live in this row yet */
+            memset(sr, 0, (size_t)nc * sizeof *sr);
+            continue;
+        }
+        const float alpha = expf(f->m[r] - mn);   /* 0 on the first tile */
+        const float sum = uk->exp_sum(sr, nc, mn);
+        if (alpha != 1.0f) {
+            uk->scale(f->o + r * dh, dh, alpha);
+            f->l[r] *= alpha;
+        }
+        f->l[r] += sum;
+        f->m[r] = mn;
+        if (a->dropout)
+            for (int c = 0; c < nc; c++)
+                if (!mha_dropout_keep(a->seed, a->p_drop, t->b, t->h,
+                                      t->i0 + r, t->j0 + c))
+                    sr[c] = 0.0f;
+    }
+    const int finite_v = *mha_packed_flag(&p, t->b, t->h, t->index) != 0.0f;
+    (finite_v ? uk->pv : uk->pv_exact)(mr, nc, dh, f->s, MHA_BC,
+                                       mha_packed_b(&p, t->b, t->h, t->index),
+                                       f->o, dh);
+}
+
+void mha_flash_rows(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
+                    int mr, int64_t k0, int64_t k1, int with_extra,
+                    flash_scratch *f)
+{
+    mha_load_q(a, b, h, i0, mr, f->qs);
+    memset(f->o, 0, (size_t)(mr * a->dh) * sizeof *f->o);
+    for (int r = 0; r < mr; r++) {
+        f->m[r] = -INFINITY;
+        f->l[r] = 0.0f;
+    }
+    mha_for_each_tile(a, b, h, i0, mr, k0, k1, with_extra, f->bias,
+                      output_tile, f);
+}
+
+void mha_flash_finish(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
+                      int mr, const float *m, const float *l, const float *o)
+{
+    const int64_t dh = a->dh;
+    const float keep = (float)mha_keep_scale(a);
+    for (int r = 0; r < mr; r++) {
+        float *dst = a->ctx + (b * a->Lq + i0 + r) * a->ldc + h * dh;
+        float *st = a->stats + 2 * ((b * a->H + h) * a->Lq + i0 + r);
+        if (m[r] == -INFINITY || l[r] == 0.0f) {
+            /* No key to attend to: zero context, zero weights. */
+            memset(dst, 0, (size_t)dh * sizeof *dst);
+            st[0] = -INFINITY;
+            st[1] = 0.0f;
+            continue;
+        }
+        st[0] = m[r];
+        st[1] = 1.0f / l[r];
+        const float inv = a->dropout ? st[1] * keep : st[1];
+        for (int64_t d = 0; d < dh; d++)
+            dst[d] = o[r * dh + d] * inv;
+    }
+}
+
+void mha_flash_block(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
+                     int mr, flash_scratch *f)
+{
+    mha_flash_rows(a, b, h, i0, mr, 0, a->Lk, 1, f);
+    mha_flash_finish(a, b, h, i0, mr, f->m, f->l, f->o);
+}

@@ -1,0 +1,91 @@
+/*
+ * ref_backward.c -- the reference backward of one (batch, head), in
+ * float64 row by row: P recomputed from the scores (not from the saved
+ * stats), dk and dv summed over rows in float64 and rounded once.  The
+ * formulas are those of flash_backward.c.
+ */
+#include "attention.h"
+
+#include <math.h>
+#include <string.h>
+
+/* The mask row (Lt floats, padded to even), then doubles: s, P and dq
+ * (2 Lt + dh), dk and dv (2 Lt dh). */
+int64_t mha_ref_bwd_scratch_floats(int64_t dh, int64_t Lt)
+{
+    return (Lt + 2) + 2 * (2 * Lt + dh + 2 * Lt * dh) + 2;
+}
+
+void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
+                      int64_t h, float *scratch)
+{
+    const int64_t dh = a->dh, Lk = a->Lk, Lt = a->Lt;
+    float *bias = scratch;
+    double *s = (double *)(void *)(scratch + ((Lt + 1) & ~(int64_t)1));
+    double *ds = s + Lt, *dq = ds + Lt, *dk = dq + dh, *dv = dk + Lt * dh;
+    memset(dk, 0, (size_t)(2 * Lt * dh) * sizeof *dk);
+    const double keep = mha_keep_scale(a);
+    for (int64_t i = 0; i < a->Lq; i++) {
+        const float *q = a->q + (b * a->Lq + i) * a->ldq + h * dh;
+        const float *dO = g->dctx + (b * a->Lq + i) * g->lddc + h * dh;
+        float *dqd = g->dq + (b * a->Lq + i) * g->lddq + h * dh;
+        const int64_t live = mha_mask_row(a->mask, b, h, i, bias);
+        memset(dq, 0, (size_t)dh * sizeof *dq);
+        double mx = -INFINITY, sum = 0.0, delta = 0.0;
+        for (int64_t j = 0; live && j < Lt; j++) {
+            if (bias[j] == -INFINITY)
+                continue;
+            const float *kj = mha_key_row(a, b, h, j);
+            double dot = 0.0;
+            for (int64_t d = 0; kj && d < dh; d++)
+                dot += (double)q[d] * kj[d];
+            s[j] = dot * a->scale + bias[j];
+            if (s[j] > mx)
+                mx = s[j];
+        }
+        for (int64_t j = 0; live && j < Lt; j++)
+            if (bias[j] != -INFINITY)
+                sum += s[j] = exp(s[j] - mx);
+        /* ds[j] = dP~_j * keep * scale_keep; delta = sum_j P~_j dP~_j */
+        for (int64_t j = 0; live && j < Lt; j++) {
+            ds[j] = 0.0;
+            if (bias[j] == -INFINITY)
+                continue;
+            s[j] /= sum;
+            if (a->dropout &&
+                !mha_dropout_keep(a->seed, a->p_drop, b, h, i, j))
+                continue;
+            const float *vj = mha_value_row(a, b, h, j);
+            double dp = 0.0;
+            for (int64_t d = 0; vj && d < dh; d++)
+                dp += (double)dO[d] * vj[d];
+            ds[j] = dp * keep;
+            delta += s[j] * ds[j];
+            for (int64_t d = 0; d < dh; d++)
+                dv[j * dh + d] += s[j] * keep * dO[d];
+        }
+        for (int64_t j = 0; live && j < Lt; j++) {
+            if (bias[j] == -INFINITY)
+                continue;
+            const double dsj = s[j] * (ds[j] - delta) * a->scale;
+            const float *kj = mha_key_row(a, b, h, j);
+            for (int64_t d = 0; d < dh; d++) {
+                if (kj)
+                    dq[d] += dsj * kj[d];
+                dk[j * dh + d] += dsj * q[d];
+            }
+        }
+        for (int64_t d = 0; d < dh; d++)
+            dqd[d] = (float)dq[d];
+    }
+    for (int64_t j = 0; j < Lk; j++)
+        for (int64_t d = 0; d < dh; d++) {
+            g->dk[(b * Lk + j) * g->lddk + h * dh + d] = (float)dk[j * dh + d];
+            g->dv[(b * Lk + j) * g->lddv + h * dh + d] = (float)dv[j * dh + d];
+        }
+    if (a->bias_k && g->dbias_k)
+        for (int64_t d = 0; d < dh; d++) {
+            g->dbias_k[(b * a->H + h) * dh + d] = (float)dk[Lk * dh + d];
+            g->dbias_v[(b * a->H + h) * dh + d] = (float)dv[Lk * dh + d];
+        }
+}

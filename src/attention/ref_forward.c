@@ -1,0 +1,76 @@
+/*
+ * ref_forward.c -- the reference tier: one query row at a time, the whole
+ * score row materialised, every sum in float64.  Slow, obviously right,
+ * never deleted: the oracle the flash tiers are tested against, and the
+ * tier MHA_ISA=ref forces.
+ */
+#include "attention.h"
+
+#include <math.h>
+#include <string.h>
+
+/* Lt floats (the mask row), then Lt doubles (the scores) and dh doubles
+ * (the context); the doubles start on an even float, so an 8-byte aligned
+ * base keeps them aligned. */
+int64_t mha_ref_scratch_floats(int64_t dh, int64_t Lt)
+{
+    return (Lt + 2) + 2 * (Lt + dh) + 2;
+}
+
+/* Scores, softmax, dropout, context, row stats and weights of row i of
+ * every head of batch b. */
+void mha_ref_row(const mha_attn *a, int64_t b, int64_t i, float *scratch)
+{
+    const int64_t dh = a->dh, Lt = a->Lt;
+    float *bias = scratch;
+    double *s = (double *)(void *)(scratch + ((Lt + 1) & ~(int64_t)1));
+    double *acc = s + Lt;
+    const double keep = mha_keep_scale(a);
+    for (int64_t h = 0; h < a->H; h++) {
+        const float *q = a->q + (b * a->Lq + i) * a->ldq + h * dh;
+        const int64_t live = mha_mask_row(a->mask, b, h, i, bias);
+        double mx = -INFINITY;
+        for (int64_t j = 0; j < Lt; j++) {
+            if (bias[j] == -INFINITY)
+                continue;
+            const float *kj = mha_key_row(a, b, h, j);
+            double dot = 0.0;
+            if (kj)
+                for (int64_t d = 0; d < dh; d++)
+                    dot += (double)q[d] * kj[d];
+            s[j] = dot * a->scale + bias[j];
+            if (s[j] > mx)
+                mx = s[j];
+        }
+        double sum = 0.0;
+        for (int64_t j = 0; j < Lt; j++)
+            if (bias[j] != -INFINITY)
+                sum += s[j] = exp(s[j] - mx);
+        memset(acc, 0, (size_t)dh * sizeof *acc);
+        float *dst = a->ctx + (b * a->Lq + i) * a->ldc + h * dh;
+        float *w = a->weights == MHA_WEIGHTS_PER_HEAD
+                       ? a->w + ((b * a->H + h) * a->Lq + i) * Lt
+                       : a->w ? a->w + (b * a->Lq + i) * Lt : NULL;
+        for (int64_t j = 0; live && j < Lt; j++) {
+            if (bias[j] == -INFINITY)
+                continue;
+            if (a->dropout &&
+                !mha_dropout_keep(a->seed, a->p_drop, b, h, i, j))
+                continue;
+            const double p = s[j] / sum * keep;
+            const float *vj = mha_value_row(a, b, h, j);
+            if (vj)
+                for (int64_t d = 0; d < dh; d++)
+                    acc[d] += p * vj[d];
+            if (a->weights == MHA_WEIGHTS_PER_HEAD)
+                w[j] = (float)p;
+            else if (w)
+                w[j] += (float)(p / (double)a->H);
+        }
+        for (int64_t d = 0; d < dh; d++)
+            dst[d] = (float)acc[d];
+        float *st = a->stats + 2 * ((b * a->H + h) * a->Lq + i);
+        st[0] = live ? (float)mx : -INFINITY;
+        st[1] = live ? (float)(1.0 / sum) : 0.0f;
+    }
+}

@@ -1,0 +1,198 @@
+/*
+ * run.c -- who runs what: the engine (tier and threads), the workspace
+ * layouts, and the scheduling of the forward's and backward's work items
+ * on OpenMP threads.
+ *
+ * Work is split into items that one thread computes alone, in a fixed
+ * order: (b, h, query block) for the output, (b, h, key chunk) then (b, h)
+ * when decoding, (b, query block) for the weights (heads summed in order
+ * for the average), (b, h) for the backward.  Results are therefore
+ * bitwise identical for any thread count.
+ */
+#include "attention.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+mha_status mha_check_threads(int num_threads)
+{
+    if (num_threads < 0 || num_threads > 4096)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "num_threads must be in [0, 4096] (0 = the "
+                             "OpenMP default), got %d", num_threads);
+    return MHA_OK;
+}
+
+mha_status mha_engine_init(mha_engine *e, int num_threads)
+{
+    MHA_CHECK(mha_check_threads(num_threads));
+    MHA_CHECK(mha_isa_get(&e->isa, &e->uk));
+    int threads = num_threads;
+#ifdef _OPENMP
+    if (threads == 0)
+        threads = omp_get_max_threads();
+#else
+    threads = 1;   /* built without OpenMP */
+#endif
+    e->threads = threads < 1 ? 1 : threads;
+    return MHA_OK;
+}
+
+mha_status mha_check_weights_mode(mha_weights_mode mode)
+{
+    if (mode != MHA_WEIGHTS_NONE && mode != MHA_WEIGHTS_AVERAGE &&
+        mode != MHA_WEIGHTS_PER_HEAD)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "need_weights must be NONE, AVERAGE or PER_HEAD, "
+                             "got %d", (int)mode);
+    return MHA_OK;
+}
+
+/* n rounded up to a whole number of 64-byte lines of floats. */
+static int64_t lines(int64_t n) { return (n + 15) & ~(int64_t)15; }
+
+/* The per-thread part of a layout; sizes below 2^60 are known to add up
+ * without overflow (the callers bound their shapes). */
+static mha_status finish_layout(const mha_engine *e, int64_t per_thread,
+                                mha_attn_layout *l)
+{
+    int64_t all;
+    l->per_thread = lines(per_thread);
+    if (!mha_mul_ok(l->per_thread, e->threads, &all) || all > INT64_MAX / 8 ||
+        l->scratch > INT64_MAX / 8)
+        return mha_set_error(MHA_ERR_OVERFLOW,
+                             "attention scratch of %d threads overflows",
+                             e->threads);
+    l->total = l->scratch + all;
+    return MHA_OK;
+}
+
+mha_status mha_attn_layout_forward(const mha_engine *e, int64_t B, int64_t H,
+                                   int64_t Lq, int64_t Lk, int64_t Lt,
+                                   int64_t dh, mha_attn_layout *l)
+{
+    const int flash = e->isa != MHA_ISA_REF;
+    l->stats = 0;
+    l->partials = lines(2 * B * H * Lq);
+    l->packed = l->partials +
+                lines(flash ? mha_decode_partials(B, H, Lq, Lk, dh) : 0);
+    l->scratch = l->packed + lines(flash ? mha_packed_floats(B, H, Lk, dh)
+                                         : 0);
+    return finish_layout(e, flash ? mha_flash_scratch_floats(dh)
+                                  : mha_ref_scratch_floats(dh, Lt), l);
+}
+
+mha_status mha_attn_layout_backward(const mha_engine *e, int64_t B,
+                                    int64_t H, int64_t Lk, int64_t Lt,
+                                    int64_t dh, mha_attn_layout *l)
+{
+    const int flash = e->isa != MHA_ISA_REF;
+    l->stats = l->partials = l->packed = 0;
+    l->scratch = lines(flash ? mha_packed_floats(B, H, Lk, dh) : 0);
+    return finish_layout(e, flash ? mha_flash_bwd_scratch_floats(dh, Lt)
+                                  : mha_ref_bwd_scratch_floats(dh, Lt), l);
+}
+
+static int threads_for(const mha_engine *e, const mha_attn *a)
+{
+    return (double)a->B * a->H * a->Lq * a->Lt * a->dh < MHA_THREADS_MIN_WORK
+               ? 1 : e->threads;
+}
+
+void mha_attn_run(const mha_engine *e, const mha_attn *problem,
+                  float *scratch, int64_t per_thread)
+{
+    mha_attn run = *problem;
+    run.uk = e->uk;
+    const mha_attn *a = &run;
+    const int threads = threads_for(e, a);
+    if (e->isa == MHA_ISA_REF) {
+        const int64_t rows = a->B * a->Lq;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
+        for (int64_t t = 0; t < rows; t++) {
+            int tid = 0;
+#ifdef _OPENMP
+            tid = omp_get_thread_num();
+#endif
+            mha_ref_row(a, t / a->Lq, t % a->Lq, scratch + tid * per_thread);
+        }
+        return;
+    }
+    const int64_t blocks = (a->Lq + MHA_BR - 1) / MHA_BR;
+    const int64_t bh_items = a->B * a->H;
+    const int64_t chunks = mha_decode_chunks(a->Lq, a->Lk);
+    const int64_t tiles = mha_packed_tiles(a->Lk);
+#pragma omp parallel num_threads(threads)
+    {
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        flash_scratch f =
+            mha_flash_scratch_at(scratch + tid * per_thread, a->dh);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < bh_items * tiles; t++)
+            mha_pack_forward_tile(a, t);
+        /* (the implicit barrier: every tile is packed) */
+        if (chunks > 1) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < bh_items * chunks; t++)
+                mha_decode_chunk(a, t / chunks, t % chunks, chunks, &f);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t bh = 0; bh < bh_items; bh++)
+                mha_decode_merge(a, bh, chunks, &f);
+        } else {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < bh_items * blocks; t++) {
+                const int64_t bh = t / blocks, i0 = (t % blocks) * MHA_BR;
+                const int mr = (int)(a->Lq - i0 < MHA_BR ? a->Lq - i0
+                                                         : MHA_BR);
+                mha_flash_block(a, bh / a->H, bh % a->H, i0, mr, &f);
+            }
+        }
+        if (a->weights != MHA_WEIGHTS_NONE) {
+            /* The implicit barrier above: every row's stats are written. */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < a->B * blocks; t++) {
+                const int64_t i0 = (t % blocks) * MHA_BR;
+                const int mr = (int)(a->Lq - i0 < MHA_BR ? a->Lq - i0
+                                                         : MHA_BR);
+                mha_weights_block(a, t / blocks, i0, mr, &f);
+            }
+        }
+    }
+}
+
+void mha_attn_backward(const mha_engine *e, const mha_attn *problem,
+                       const mha_attn_grad *g, float *scratch,
+                       int64_t per_thread)
+{
+    mha_attn run = *problem;
+    run.uk = e->uk;
+    const mha_attn *a = &run;
+    const int threads = threads_for(e, a);
+    const int64_t items = a->B * a->H;
+    const int64_t tiles = mha_packed_tiles(a->Lk);
+#pragma omp parallel num_threads(threads)
+    {
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        float *mine = scratch + tid * per_thread;
+        if (e->isa != MHA_ISA_REF) {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < items * tiles; t++)
+                mha_pack_backward_tile(a, g, t);
+        }
+        /* (the implicit barrier: every tile is packed) */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < items; t++) {
+            if (e->isa == MHA_ISA_REF)
+                mha_ref_bwd_item(a, g, t / a->H, t % a->H, mine);
+            else
+                mha_flash_bwd_item(a, g, t / a->H, t % a->H, mine);
+        }
+    }
+}

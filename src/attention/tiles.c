@@ -1,0 +1,139 @@
+/*
+ * tiles.c -- what every flash algorithm shares: K and V packed by tile
+ * once per call, the walk over a query block's key tiles, and the masking
+ * of one tile's scores.
+ *
+ * Masking by index costs nothing: tiles past the last key that causal
+ * masking and key_lengths leave are never visited, and a tile wholly
+ * before the first row's limit needs no mask at all.  Only tiles on the
+ * diagonal, or under an explicit mask, are masked element by element.
+ */
+#include "attention.h"
+
+#include <float.h>
+#include <math.h>
+#include <string.h>
+
+int64_t mha_flash_scratch_floats(int64_t dh)
+{
+    return 2 * MHA_BR * dh + 2 * MHA_BR * MHA_BC + 2 * MHA_BR;
+}
+
+flash_scratch mha_flash_scratch_at(float *base, int64_t dh)
+{
+    flash_scratch f;
+    f.qs = base;
+    f.o = f.qs + MHA_BR * dh;
+    f.s = f.o + MHA_BR * dh;
+    f.bias = f.s + MHA_BR * MHA_BC;
+    f.m = f.bias + MHA_BR * MHA_BC;
+    f.l = f.m + MHA_BR;
+    return f;
+}
+
+void mha_load_q(const mha_attn *a, int64_t b, int64_t h, int64_t i0, int mr,
+                float *qs)
+{
+    const int64_t dh = a->dh;
+    for (int r = 0; r < mr; r++) {
+        const float *src = a->q + (b * a->Lq + i0 + r) * a->ldq + h * dh;
+        for (int64_t d = 0; d < dh; d++)
+            qs[r * dh + d] = src[d] * a->scale;
+    }
+}
+
+/* The forward's packing of tile t of (b, h): kt [dh][MHA_BC] transposed,
+ * v [nc][dh] contiguous, and whether every value is finite (then the fast
+ * pv kernel is exact). */
+void mha_pack_forward_tile(const mha_attn *a, int64_t item)
+{
+    const mha_packed p = mha_packed_at(a->packed, a);
+    const int64_t t = item % p.tiles, bh = item / p.tiles;
+    const int64_t b = bh / a->H, h = bh % a->H, dh = a->dh;
+    const int64_t j0 = t == p.tiles - 1 ? a->Lk : t * MHA_BC;
+    const int nc = mha_tile_keys(a, t);
+    float *kt = mha_packed_a(&p, b, h, t), *v = mha_packed_b(&p, b, h, t);
+    int finite = 1;
+    for (int c = 0; c < nc; c++) {
+        const float *kr = mha_key_row(a, b, h, j0 + c);
+        const float *vr = mha_value_row(a, b, h, j0 + c);
+        for (int64_t d = 0; d < dh; d++)
+            kt[d * MHA_BC + c] = kr ? kr[d] : 0.0f;
+        if (vr)
+            memcpy(v + c * dh, vr, (size_t)dh * sizeof *v);
+        else
+            memset(v + c * dh, 0, (size_t)dh * sizeof *v);
+        for (int64_t d = 0; d < dh; d++)
+            finite &= isfinite(v[c * dh + d]) != 0;
+    }
+    *mha_packed_flag(&p, b, h, t) = (float)finite;
+}
+
+/* s + bias, where bias -inf excludes and finite sums saturate. */
+static inline float masked(float s, float bias)
+{
+    if (bias == -INFINITY)
+        return -INFINITY;
+    if (!isfinite(s))
+        return s;
+    const float x = s + bias;
+    return x < -FLT_MAX ? -FLT_MAX : x > FLT_MAX ? FLT_MAX : x;
+}
+
+void mha_mask_tile(const mha_attn *a, const mha_tile *t, float *s)
+{
+    if (t->how == MHA_TILE_OPEN)
+        return;
+    for (int r = 0; r < t->mr; r++) {
+        float *sr = s + r * MHA_BC;
+        if (t->how == MHA_TILE_EXPLICIT) {
+            const float *br = t->bias + r * MHA_BC;
+            for (int c = 0; c < t->nc; c++)
+                sr[c] = masked(sr[c], br[c]);
+        } else {
+            const int64_t live =
+                mha_mask_last(a->mask, t->b, t->i0 + r) - t->j0 + 1;
+            for (int64_t c = live < 0 ? 0 : live; c < t->nc; c++)
+                sr[c] = -INFINITY;
+        }
+    }
+}
+
+void mha_for_each_tile(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
+                       int mr, int64_t k0, int64_t k1, int with_extra,
+                       float *bias, mha_tile_fn fn, void *ctx)
+{
+    const mha_mask_plan *mk = a->mask;
+    const int64_t first_last = mha_mask_last(mk, b, i0);
+    int64_t end = mha_mask_last(mk, b, i0 + mr - 1) + 1;
+    if (end > k1)
+        end = k1;
+    const int explicit_mask = mha_mask_has_explicit(mk);
+    mha_tile t = {.b = b, .h = h, .i0 = i0, .mr = mr, .bias = bias};
+    for (int64_t j0 = k0; j0 < end; j0 += MHA_BC) {
+        t.j0 = j0;
+        t.nc = (int)(end - j0 < MHA_BC ? end - j0 : MHA_BC);
+        t.index = j0 / MHA_BC;
+        t.how = explicit_mask ? MHA_TILE_EXPLICIT
+              : j0 + t.nc - 1 > first_last ? MHA_TILE_BY_INDEX
+                                           : MHA_TILE_OPEN;
+        if (t.how == MHA_TILE_EXPLICIT) {
+            int64_t live = 0;
+            for (int r = 0; r < mr; r++)
+                live += mha_mask_cols(mk, b, h, i0 + r, j0, t.nc,
+                                      bias + r * MHA_BC);
+            if (live == 0)
+                continue;
+        }
+        fn(a, &t, ctx);
+    }
+    const int extra = (a->bias_k != NULL) + (a->zero_attn != 0);
+    if (extra && with_extra) {
+        t.j0 = a->Lk;
+        t.nc = extra;
+        t.index = mha_packed_tiles(a->Lk) - 1;
+        t.extra = 1;
+        t.how = MHA_TILE_OPEN;
+        fn(a, &t, ctx);
+    }
+}

@@ -1,0 +1,56 @@
+/*
+ * weights.c -- the attention weights, when asked for: a second pass over
+ * the tiles that recomputes p = exp(s - m) / l from the row statistics the
+ * output pass saved, so the output is bitwise the same whether weights are
+ * asked for or not.  One work item is (b, query block), every head in
+ * order, so the average over heads is summed in one fixed order.
+ */
+#include "attention.h"
+
+#include <math.h>
+
+static void weights_tile(const mha_attn *a, const mha_tile *t, void *ctx)
+{
+    flash_scratch *f = ctx;
+    const mha_microkernels *uk = a->uk;
+    const mha_packed p = mha_packed_at(a->packed, a);
+    const int64_t b = t->b, h = t->h, j0 = t->j0;
+    const int nc = t->nc;
+    uk->qk(t->mr, nc, (int)a->dh, f->qs, mha_packed_a(&p, b, h, t->index),
+           MHA_BC, f->s, MHA_BC);
+    mha_mask_tile(a, t, f->s);
+    const float keep = (float)mha_keep_scale(a);
+    const float inv_h = 1.0f / (float)a->H;
+    for (int r = 0; r < t->mr; r++) {
+        const int64_t i = t->i0 + r;
+        const float *st = a->stats + 2 * ((b * a->H + h) * a->Lq + i);
+        if (st[0] == -INFINITY)
+            continue;
+        float *sr = f->s + r * MHA_BC;
+        uk->exp_sum(sr, nc, st[0]);
+        const float inv_l = st[1] * keep;
+        float *w = a->weights == MHA_WEIGHTS_PER_HEAD
+                       ? a->w + ((b * a->H + h) * a->Lq + i) * a->Lt + j0
+                       : a->w + (b * a->Lq + i) * a->Lt + j0;
+        for (int c = 0; c < nc; c++) {
+            float pc = sr[c] * inv_l;
+            if (a->dropout &&
+                !mha_dropout_keep(a->seed, a->p_drop, b, h, i, j0 + c))
+                pc = 0.0f;
+            if (a->weights == MHA_WEIGHTS_PER_HEAD)
+                w[c] = pc;
+            else
+                w[c] += pc * inv_h;
+        }
+    }
+}
+
+void mha_weights_block(const mha_attn *a, int64_t b, int64_t i0, int mr,
+                       flash_scratch *f)
+{
+    for (int64_t h = 0; h < a->H; h++) {
+        mha_load_q(a, b, h, i0, mr, f->qs);
+        mha_for_each_tile(a, b, h, i0, mr, 0, a->Lk, 1, f->bias,
+                          weights_tile, f);
+    }
+}
