@@ -56,11 +56,14 @@ static mha_status resolve_config(const mha_config *in, mha_config *out)
                              (long long)c.vdim);
     if (c.head_dim == 0)
         c.head_dim = c.embed_dim / c.num_heads;
-    if (c.head_dim > widest / c.num_heads)
+    /* ... and the widest of all, the fused q|k|v projection of 3 D
+     * columns (k|v: 2 D), where D = num_heads * head_dim. */
+    if (c.num_heads > widest / 3 || c.head_dim > widest / (3 * c.num_heads))
         return mha_set_error(MHA_ERR_INVALID_CONFIG,
-                             "num_heads %lld * head_dim %lld must be <= %lld",
-                             (long long)c.num_heads, (long long)c.head_dim,
-                             (long long)widest);
+                             "3 * num_heads * head_dim (the width of the "
+                             "fused q|k|v projection) must be <= %lld, got "
+                             "3 * %lld * %lld", (long long)widest,
+                             (long long)c.num_heads, (long long)c.head_dim);
     if (c.kdim == 0)
         c.kdim = c.embed_dim;
     if (c.vdim == 0)

@@ -1,0 +1,582 @@
+/*
+ * test_attention_backward.c -- the planned mha_attention and its backward
+ * (mha_attention_plan_*, mha_attention_backward):
+ *
+ *   - gradients against central differences of a float64 attention
+ *     written here from the definition (scores, masks, softmax, dropout),
+ *     with every mask kind, causal, key lengths, an explicit scale of 0,
+ *     dropout and a row with no key;
+ *   - the plan's run equals mha_attention bitwise; results bitwise equal
+ *     on 1, 2 and 4 threads, on shapes where threads really run (the ref
+ *     tier with an odd key count included: its per-thread float64 scratch
+ *     was misaligned on odd threads);
+ *   - misuse refused: no run, other arguments, other contents (the
+ *     fingerprint), overlapping outputs, NULL gradients; the same for the
+ *     module's plan_backward.
+ *
+ * Every tier runs it (CTest, MHA_ISA).
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "assert_error.h"
+#include "testutil.h"
+
+/* ---- a float64 attention, from the definition ---------------------------- */
+
+typedef struct problem {
+    int64_t B, H, dh, Lq, Lk;
+    mha_causal causal;
+    const int64_t *lengths;      /* (B) or NULL                      */
+    const float *additive;       /* (Lq, Lk) or NULL                 */
+    const uint8_t *allow;        /* (B, H, Lq, Lk) bool or NULL      */
+    double scale;
+    float p;                     /* dropout (training)               */
+    uint64_t seed;
+} problem;
+
+/* Whether key j is visible from row i of (b, h), and its additive bias. */
+static int visible(const problem *P, int64_t b, int64_t h, int64_t i,
+                   int64_t j, double *bias)
+{
+    *bias = 0.0;
+    if (P->lengths && j >= P->lengths[b])
+        return 0;
+    if (P->causal == MHA_CAUSAL_TOP_LEFT && j > i)
+        return 0;
+    if (P->causal == MHA_CAUSAL_BOTTOM_RIGHT && j > i + P->Lk - P->Lq)
+        return 0;
+    if (P->allow && !P->allow[((b * P->H + h) * P->Lq + i) * P->Lk + j])
+        return 0;
+    if (P->additive) {
+        *bias = P->additive[i * P->Lk + j];
+        if (*bias == -INFINITY)
+            return 0;
+    }
+    return 1;
+}
+
+/* L = sum(g * attention(q, k, v)) in float64 (q, k, v as doubles). */
+static double loss64(const problem *P, const double *q, const double *k,
+                     const double *v, const float *g)
+{
+    const int64_t E = P->H * P->dh;
+    double *s = malloc((size_t)P->Lk * sizeof *s);
+    double L = 0.0;
+    for (int64_t b = 0; b < P->B; b++)
+        for (int64_t h = 0; h < P->H; h++)
+            for (int64_t i = 0; i < P->Lq; i++) {
+                const double *qi = q + (b * P->Lq + i) * E + h * P->dh;
+                double mx = -INFINITY, sum = 0.0, bias;
+                for (int64_t j = 0; j < P->Lk; j++) {
+                    s[j] = -INFINITY;
+                    if (!visible(P, b, h, i, j, &bias))
+                        continue;
+                    const double *kj = k + (b * P->Lk + j) * E + h * P->dh;
+                    double dot = 0.0;
+                    for (int64_t d = 0; d < P->dh; d++)
+                        dot += qi[d] * kj[d];
+                    s[j] = dot * P->scale + bias;
+                    mx = s[j] > mx ? s[j] : mx;
+                }
+                if (mx == -INFINITY)
+                    continue;   /* no key: zero output */
+                for (int64_t j = 0; j < P->Lk; j++)
+                    sum += s[j] == -INFINITY ? 0.0 : exp(s[j] - mx);
+                const float *gi = g + (b * P->Lq + i) * E + h * P->dh;
+                for (int64_t j = 0; j < P->Lk; j++) {
+                    if (s[j] == -INFINITY)
+                        continue;
+                    double pj = exp(s[j] - mx) / sum;
+                    if (P->p > 0.0f)
+                        pj = mha_dropout_keep(P->seed, P->p, b, h, i, j)
+                                 ? pj / (1.0 - P->p) : 0.0;
+                    const double *vj = v + (b * P->Lk + j) * E + h * P->dh;
+                    for (int64_t d = 0; d < P->dh; d++)
+                        L += pj * vj[d] * gi[d];
+                }
+            }
+    free(s);
+    return L;
+}
+
+/* dL/dx of every element of x (n doubles) by central differences. */
+static void central(const problem *P, double *q, double *k, double *v,
+                    const float *g, double *x, int64_t n, double *grad)
+{
+    const double step = 1e-4;
+    for (int64_t e = 0; e < n; e++) {
+        const double x0 = x[e];
+        x[e] = x0 + step;
+        const double up = loss64(P, q, k, v, g);
+        x[e] = x0 - step;
+        const double down = loss64(P, q, k, v, g);
+        x[e] = x0;
+        grad[e] = (up - down) / (2 * step);
+    }
+}
+
+static double *widen(const float *x, int64_t n)
+{
+    double *y = malloc((size_t)n * sizeof *y);
+    for (int64_t e = 0; e < n; e++)
+        y[e] = x[e];
+    return y;
+}
+
+/* |got - want| <= 1e-4 * (1 + max |want|) everywhere: float32 against
+ * the exact gradient (central differences of a float64 function with a
+ * step of 1e-4 are exact to ~1e-8). */
+static void expect_close(const char *name, const char *what, const float *got,
+                         const double *want, int64_t n)
+{
+    double mx = 0.0, err = 0.0;
+    for (int64_t e = 0; e < n; e++)
+        mx = fabs(want[e]) > mx ? fabs(want[e]) : mx;
+    for (int64_t e = 0; e < n; e++) {
+        const double d = fabs((double)got[e] - want[e]);
+        err = d > err || d != d ? d : err;
+    }
+    if (!(err <= 1e-4 * (1.0 + mx)))
+        fail_msg("%s: %s max error %.3g (max |grad| %.3g)", name, what, err,
+                 mx);
+}
+
+typedef struct gcase {
+    const char *name;
+    int64_t B, H, dh, Lq, Lk;
+    mha_causal causal;
+    int lengths, additive, allow;
+    float scale;          /* 0 with given: an explicit scale of 0 */
+    int given;
+    float p;
+} gcase;
+
+static const gcase GCASES[] = {
+    {"plain", 2, 2, 8, 9, 11, 0, 0, 0, 0, 0.0f, 0, 0.0f},
+    {"causal bottom-right", 1, 3, 4, 7, 12, MHA_CAUSAL_BOTTOM_RIGHT, 0, 0, 0, 0.0f, 0, 0.0f},
+    {"causal top-left, lengths (a row with no key)", 2, 2, 5, 8, 8, MHA_CAUSAL_TOP_LEFT, 1, 0, 0, 0.0f, 0, 0.0f},
+    {"additive mask, custom scale", 2, 1, 6, 5, 70, 0, 0, 1, 0, 0.31f, 0, 0.0f},
+    {"allow mask (B, H, Lq, Lk)", 2, 2, 3, 6, 9, 0, 0, 0, 1, 0.0f, 0, 0.0f},
+    {"explicit scale 0", 1, 2, 4, 5, 6, 0, 0, 0, 0, 0.0f, 1, 0.0f},
+    {"dropout", 2, 2, 4, 6, 10, 0, 1, 0, 0, 0.0f, 0, 0.3f},
+    {"one query row", 1, 2, 16, 1, 67, 0, 0, 0, 0, 0.0f, 0, 0.0f},
+};
+
+static void test_gradients(void **state)
+{
+    (void)state;
+    for (size_t t = 0; t < sizeof GCASES / sizeof *GCASES; t++) {
+        const gcase *c = &GCASES[t];
+        const int64_t E = c->H * c->dh;
+        const int64_t nq = c->B * c->Lq * E, nk = c->B * c->Lk * E;
+        float *q = malloc((size_t)nq * 4), *k = malloc((size_t)nk * 4);
+        float *v = malloc((size_t)nk * 4), *g = malloc((size_t)nq * 4);
+        float *out = malloc((size_t)nq * 4), *dq = malloc((size_t)nq * 4);
+        float *dk = malloc((size_t)nk * 4), *dv = malloc((size_t)nk * 4);
+        float *add = malloc((size_t)(c->Lq * c->Lk) * 4);
+        const int64_t nm = c->B * c->H * c->Lq * c->Lk;
+        uint8_t *allow = malloc((size_t)nm);
+        int64_t lens[2] = {c->Lk, 0};   /* batch 1 has no key at all */
+        tu_fill(q, nq, 10 * t + 1, -1.5f, 1.5f);
+        tu_fill(k, nk, 10 * t + 2, -1.5f, 1.5f);
+        tu_fill(v, nk, 10 * t + 3, -1.5f, 1.5f);
+        tu_fill(g, nq, 10 * t + 4, -1, 1);
+        tu_fill(add, c->Lq * c->Lk, 10 * t + 5, -2, 2);
+        for (int64_t j = 3; j < c->Lq * c->Lk; j += 5)
+            add[j] = -INFINITY;
+        for (int64_t x = 0; x < nm; x++)
+            allow[x] = (x * 7 + 3) % 5 != 0;
+
+        mha_attention_args a = {0};
+        a.batch = c->B;
+        a.num_heads = c->H;
+        a.head_dim = c->dh;
+        a.q_len = c->Lq;
+        a.kv_len = c->Lk;
+        a.q = q;
+        a.k = k;
+        a.v = v;
+        a.scale = c->scale;
+        a.given = c->given ? MHA_GIVEN_SCALE : 0;
+        a.causal = c->causal;
+        a.key_lengths = c->lengths ? lens : NULL;
+        if (c->additive)
+            a.attn_mask = (mha_mask){MHA_MASK_ADDITIVE, add, 2,
+                                     {c->Lq, c->Lk}};
+        if (c->allow)
+            a.attn_mask = (mha_mask){MHA_MASK_ALLOW, allow, 4,
+                                     {c->B, c->H, c->Lq, c->Lk}};
+        a.dropout = c->p;
+        a.training = c->p > 0.0f;
+        a.dropout_seed = 77;
+        a.out = out;
+        const mha_attention_grads gr = {g, dq, dk, dv};
+        if (mha_attention_backward(&a, &gr) != MHA_OK)
+            fail_msg("%s: %s", c->name, mha_last_error());
+
+        problem P = {c->B, c->H, c->dh, c->Lq, c->Lk, c->causal,
+                     a.key_lengths, c->additive ? add : NULL,
+                     c->allow ? allow : NULL,
+                     c->given || c->scale != 0.0f
+                         ? (double)c->scale : 1.0 / sqrt((double)c->dh),
+                     c->p, 77};
+        double *q64 = widen(q, nq), *k64 = widen(k, nk), *v64 = widen(v, nk);
+        double *want = malloc((size_t)(nq > nk ? nq : nk) * sizeof *want);
+        central(&P, q64, k64, v64, g, q64, nq, want);
+        expect_close(c->name, "dq", dq, want, nq);
+        central(&P, q64, k64, v64, g, k64, nk, want);
+        expect_close(c->name, "dk", dk, want, nk);
+        central(&P, q64, k64, v64, g, v64, nk, want);
+        expect_close(c->name, "dv", dv, want, nk);
+        if (c->lengths)   /* the batch with no key: zero gradients */
+            for (int64_t x = c->Lq * E; x < nq; x++)
+                assert_true(dq[x] == 0.0f);
+        free(q64); free(k64); free(v64); free(want);
+        free(q); free(k); free(v); free(g); free(out); free(dq); free(dk);
+        free(dv); free(add); free(allow);
+    }
+}
+
+/* ---- plans and threads ---------------------------------------------------- */
+
+typedef struct bufs {
+    int64_t nq, nk;
+    float *q, *k, *v, *g, *out, *dq, *dk, *dv;
+} bufs;
+
+static bufs bufs_make(const mha_attention_args *a)
+{
+    bufs x;
+    const int64_t E = a->num_heads * a->head_dim;
+    const int64_t Lk = a->kv_len ? a->kv_len : a->q_len;
+    x.nq = a->batch * a->q_len * E;
+    x.nk = a->batch * Lk * E;
+    x.q = malloc((size_t)x.nq * 4);
+    x.k = malloc((size_t)x.nk * 4);
+    x.v = malloc((size_t)x.nk * 4);
+    x.g = malloc((size_t)x.nq * 4);
+    x.out = malloc((size_t)x.nq * 4);
+    x.dq = malloc((size_t)x.nq * 4);
+    x.dk = malloc((size_t)x.nk * 4);
+    x.dv = malloc((size_t)x.nk * 4);
+    tu_fill(x.q, x.nq, 1, -2, 2);
+    tu_fill(x.k, x.nk, 2, -2, 2);
+    tu_fill(x.v, x.nk, 3, -2, 2);
+    tu_fill(x.g, x.nq, 4, -1, 1);
+    return x;
+}
+
+static void bufs_free(bufs *x)
+{
+    free(x->q); free(x->k); free(x->v); free(x->g); free(x->out);
+    free(x->dq); free(x->dk); free(x->dv);
+}
+
+/* Forward and backward of `a` on a plan with `threads` threads into x. */
+static void run_threads(mha_attention_args a, bufs *x, int threads)
+{
+    a.q = x->q;
+    a.k = x->k;
+    a.v = x->v;
+    a.out = x->out;
+    a.num_threads = threads;
+    mha_attention_plan *p = NULL;
+    assert_int_equal(mha_attention_plan_create(&a, &p), MHA_OK);
+    if (mha_attention_plan_run(p, &a) != MHA_OK)
+        fail_msg("run: %s", mha_last_error());
+    const mha_attention_grads g = {x->g, x->dq, x->dk, x->dv};
+    if (mha_attention_plan_backward(p, &a, &g) != MHA_OK)
+        fail_msg("backward: %s", mha_last_error());
+    mha_attention_plan_free(p);
+}
+
+static void test_threads_bitwise(void **state)
+{
+    (void)state;
+    /* B H Lq Lk d_h >= 2^20 in each, so the engine runs every thread;
+     * the odd key count made the ref tier's per-thread float64 scratch
+     * misaligned on odd threads (UBSan: misaligned load). */
+    static const int64_t shapes[][5] = {
+        /* B, H, dh, Lq, Lk */
+        {2, 4, 32, 200, 200},
+        {1, 2, 16, 64, 1505},
+        {1, 4, 64, 3, 2100},    /* decoding: split keys */
+    };
+    for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++) {
+        mha_attention_args a = {0};
+        a.batch = shapes[s][0];
+        a.num_heads = shapes[s][1];
+        a.head_dim = shapes[s][2];
+        a.q_len = shapes[s][3];
+        a.kv_len = shapes[s][4];
+        a.causal = s == 0 ? MHA_CAUSAL_BOTTOM_RIGHT : MHA_CAUSAL_NONE;
+        a.dropout = s == 1 ? 0.2f : 0.0f;
+        a.training = s == 1;
+        a.dropout_seed = 5;
+        bufs one = bufs_make(&a);
+        run_threads(a, &one, 1);
+        for (int threads = 2; threads <= 4; threads += 2) {
+            bufs many = bufs_make(&a);
+            run_threads(a, &many, threads);
+            assert_memory_equal(one.out, many.out, (size_t)one.nq * 4);
+            assert_memory_equal(one.dq, many.dq, (size_t)one.nq * 4);
+            assert_memory_equal(one.dk, many.dk, (size_t)one.nk * 4);
+            assert_memory_equal(one.dv, many.dv, (size_t)one.nk * 4);
+            bufs_free(&many);
+        }
+        /* The plan's run is mha_attention. */
+        float *out = malloc((size_t)one.nq * 4);
+        a.q = one.q;
+        a.k = one.k;
+        a.v = one.v;
+        a.out = out;
+        a.num_threads = 2;
+        assert_int_equal(mha_attention(&a), MHA_OK);
+        assert_memory_equal(one.out, out, (size_t)one.nq * 4);
+        free(out);
+        bufs_free(&one);
+    }
+}
+
+/* ---- misuse ------------------------------------------------------------------ */
+
+static void test_plan_misuse(void **state)
+{
+    (void)state;
+    mha_attention_args a = {0};
+    a.batch = 2;
+    a.num_heads = 2;
+    a.head_dim = 4;
+    a.q_len = 5;
+    a.kv_len = 7;
+    bufs x = bufs_make(&a);
+    a.q = x.q;
+    a.k = x.k;
+    a.v = x.v;
+    a.out = x.out;
+    const mha_attention_grads g = {x.g, x.dq, x.dk, x.dv};
+    mha_attention_plan *p = NULL;
+    assert_fails(mha_attention_plan_create(&a, NULL), MHA_ERR_NULL_POINTER,
+                 "plan");
+    assert_int_equal(mha_attention_plan_create(&a, &p), MHA_OK);
+    assert_fails(mha_attention_plan_backward(p, &a, &g),
+                 MHA_ERR_INVALID_ARGUMENT, "no run");
+    assert_int_equal(mha_attention_plan_run(p, &a), MHA_OK);
+
+    /* Other shapes than the plan's. */
+    mha_attention_args b = a;
+    b.q_len = 4;
+    assert_fails(mha_attention_plan_run(p, &b), MHA_ERR_SHAPE, "plan");
+    /* A failed run leaves nothing to differentiate. */
+    assert_fails(mha_attention_plan_backward(p, &a, &g),
+                 MHA_ERR_INVALID_ARGUMENT, "no run");
+    assert_int_equal(mha_attention_plan_run(p, &a), MHA_OK);
+
+    /* Other arguments than the run's. */
+    b = a;
+    b.causal = MHA_CAUSAL_TOP_LEFT;
+    assert_fails(mha_attention_plan_backward(p, &b, &g),
+                 MHA_ERR_INVALID_ARGUMENT, "differ");
+    b = a;
+    b.scale = 0.25f;   /* the default is 1/sqrt(4) = 0.5 */
+    assert_fails(mha_attention_plan_backward(p, &b, &g),
+                 MHA_ERR_INVALID_ARGUMENT, "differ");
+    /* The same buffers refilled: the fingerprint tells. */
+    const float saved = x.k[17];
+    x.k[17] += 1.0f;
+    assert_fails(mha_attention_plan_backward(p, &a, &g),
+                 MHA_ERR_INVALID_ARGUMENT, "changed");
+    x.k[17] = saved;
+    assert_int_equal(mha_attention_plan_backward(p, &a, &g), MHA_OK);
+
+    /* NULL and overlapping gradients. */
+    mha_attention_grads h = g;
+    h.grad_v = NULL;
+    assert_fails(mha_attention_plan_backward(p, &a, &h), MHA_ERR_NULL_POINTER,
+                 "grad_v");
+    h = g;
+    h.grad_k = x.dv + 1;
+    assert_fails(mha_attention_plan_backward(p, &a, &h),
+                 MHA_ERR_INVALID_ARGUMENT, "grad_v overlaps grad_k");
+    h = g;
+    h.grad_q = (float *)x.g;
+    assert_fails(mha_attention_plan_backward(p, &a, &h),
+                 MHA_ERR_INVALID_ARGUMENT, "grad_q overlaps grad_out");
+    h = g;
+    h.grad_v = x.v;
+    assert_fails(mha_attention_plan_backward(p, &a, &h),
+                 MHA_ERR_INVALID_ARGUMENT, "grad_v overlaps v");
+    mha_attention_plan_free(p);
+    mha_attention_plan_free(NULL);
+
+    /* out may not overlap q, k, v, nor the weights (the ref tier read its
+     * own output as keys before this was checked). */
+    b = a;
+    b.out = x.q;
+    assert_fails(mha_attention(&b), MHA_ERR_INVALID_ARGUMENT,
+                 "out overlaps q");
+    b = a;
+    b.out = x.v + 3;
+    assert_fails(mha_attention(&b), MHA_ERR_INVALID_ARGUMENT,
+                 "out overlaps v");
+    b = a;
+    b.need_weights = MHA_WEIGHTS_PER_HEAD;
+    b.attn_weights = x.out + 2;
+    assert_fails(mha_attention(&b), MHA_ERR_INVALID_ARGUMENT,
+                 "attn_weights overlaps out");
+    assert_fails(mha_attention_backward(&a, NULL), MHA_ERR_NULL_POINTER,
+                 "gradient");
+    bufs_free(&x);
+}
+
+/* The module's plan_backward: the same pointers with other contents. */
+static void test_module_fingerprint(void **state)
+{
+    (void)state;
+    mha_config cfg = {0};
+    cfg.embed_dim = 16;
+    cfg.num_heads = 4;
+    mha_module *m = tu_module(&cfg, 3);
+    assert_non_null(m);
+    enum { B = 2, L = 9, E = 16 };
+    float x[B * L * E], out[B * L * E], gout[B * L * E], gx[B * L * E];
+    uint8_t pad[B * L] = {0};
+    pad[5] = 1;
+    tu_fill(x, B * L * E, 8, -1, 1);
+    tu_fill(gout, B * L * E, 9, -1, 1);
+    mha_forward_args a = {0};
+    a.batch = B;
+    a.q_len = L;
+    a.query = x;
+    a.key_padding_mask = (mha_mask){MHA_MASK_BLOCK, pad, 2, {B, L}};
+    a.out = out;
+    mha_plan *p = NULL;
+    assert_int_equal(mha_plan_create(m, &a, &p), MHA_OK);
+    assert_int_equal(mha_plan_forward(p, &a), MHA_OK);
+    mha_backward_args g = {0};
+    g.grad_out = gout;
+    g.grad_query = gx;
+    assert_int_equal(mha_plan_backward(p, &a, &g), MHA_OK);
+    /* A training loop that refills its input buffer with the next batch
+     * but forgets the forward. */
+    const float saved = x[100];
+    x[100] = 0.5f - x[100];
+    assert_fails(mha_plan_backward(p, &a, &g), MHA_ERR_INVALID_ARGUMENT,
+                 "changed");
+    x[100] = saved;
+    pad[7] = 1;   /* the mask's contents count too */
+    assert_fails(mha_plan_backward(p, &a, &g), MHA_ERR_INVALID_ARGUMENT,
+                 "changed");
+    pad[7] = 0;
+    assert_int_equal(mha_plan_backward(p, &a, &g), MHA_OK);
+    mha_plan_free(p);
+    mha_free(m);
+}
+
+/* ---- configuration: widths and zero that means zero ------------------------ */
+
+static void test_config_bounds(void **state)
+{
+    (void)state;
+    /* CBLAS takes int sizes: the fused q|k|v width 3 D must fit. */
+    mha_config c = {0};
+    c.embed_dim = 1000000000;
+    c.num_heads = 1;
+    mha_module *m = NULL;
+    assert_fails(mha_create(&c, &m), MHA_ERR_INVALID_CONFIG, "3 * num_heads");
+    assert_null(m);
+    c.embed_dim = 64;
+    c.num_heads = 2;
+    c.head_dim = INT_MAX / 4;
+    assert_fails(mha_create(&c, &m), MHA_ERR_INVALID_CONFIG, "3 * num_heads");
+}
+
+static void test_given_zero(void **state)
+{
+    (void)state;
+    /* An explicit scale of 0: every visible key weighs the same. */
+    mha_config c = {0};
+    c.embed_dim = 8;
+    c.num_heads = 2;
+    c.given = MHA_GIVEN_SCALE;
+    mha_module *m = NULL;
+    assert_int_equal(mha_create(&c, &m), MHA_OK);
+    mha_config r;
+    assert_int_equal(mha_get_config(m, &r), MHA_OK);
+    assert_true(r.scale == 0.0f);
+    enum { L = 4 };
+    float x[L * 8], out[L * 8], w[2 * L * L];
+    tu_fill(x, L * 8, 1, -1, 1);
+    mha_forward_args a = {0};
+    a.batch = 1;
+    a.q_len = L;
+    a.query = x;
+    a.causal = MHA_CAUSAL_TOP_LEFT;
+    a.need_weights = MHA_WEIGHTS_PER_HEAD;
+    a.attn_weights = w;
+    a.out = out;
+    assert_int_equal(mha_forward(m, &a), MHA_OK);
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < L; i++)
+            for (int j = 0; j <= i; j++)
+                assert_float_equal(w[(h * L + i) * L + j], 1.0f / (i + 1),
+                                   1e-6f);
+    /* Saved and loaded, the 0 stays. */
+    char path[300];
+    snprintf(path, sizeof path, "%s/given.safetensors", tu_tmpdir);
+    assert_int_equal(mha_module_save(m, path), MHA_OK);
+    mha_module *back = NULL;
+    assert_int_equal(mha_module_load(path, 0, &back), MHA_OK);
+    assert_int_equal(mha_get_config(back, &r), MHA_OK);
+    assert_true(r.scale == 0.0f);
+    mha_free(back);
+    mha_free(m);
+
+    /* An explicit dropout of 0 over a file's 0.5. */
+    c = (mha_config){0};
+    c.embed_dim = 8;
+    c.num_heads = 2;
+    c.dropout = 0.5f;
+    assert_int_equal(mha_create(&c, &m), MHA_OK);
+    assert_int_equal(mha_module_save(m, path), MHA_OK);
+    mha_free(m);
+    mha_tensor_file *f = NULL;
+    assert_int_equal(mha_safetensors_load(path, &f), MHA_OK);
+    mha_config base = {0};
+    assert_int_equal(mha_module_from_file(f, 0, &base, &m), MHA_OK);
+    assert_int_equal(mha_get_config(m, &r), MHA_OK);
+    assert_true(r.dropout == 0.5f);   /* zero alone: the file's */
+    mha_free(m);
+    base.given = MHA_GIVEN_DROPOUT;
+    assert_int_equal(mha_module_from_file(f, 0, &base, &m), MHA_OK);
+    assert_int_equal(mha_get_config(m, &r), MHA_OK);
+    assert_true(r.dropout == 0.0f);   /* given: zero */
+    mha_free(m);
+    mha_tensor_file_free(f);
+}
+
+int main(void)
+{
+    if (tu_tier_unavailable())
+        return TU_SKIP;
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(tu_test_tier),
+        cmocka_unit_test(test_gradients),
+        cmocka_unit_test(test_threads_bitwise),
+        cmocka_unit_test(test_plan_misuse),
+        cmocka_unit_test(test_module_fingerprint),
+        cmocka_unit_test(test_config_bounds),
+        cmocka_unit_test(test_given_zero),
+    };
+    return cmocka_run_group_tests(tests, tu_tmpdir_setup, tu_tmpdir_teardown);
+}
