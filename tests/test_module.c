@@ -192,12 +192,19 @@ static void test_config_invalid(void **state)
     c.vdim = INT64_MAX;
     expect_bad_config(&c, MHA_ERR_INVALID_CONFIG, "vdim");
 
-    /* 3E * E with E = 2^31 - 1 does not fit in int64: refused, no crash. */
+    /* E = 2^31 - 1 fits an int, but the fused q|k|v projection's 3E
+     * columns do not: refused at config time, before any size product
+     * (3E * E would not even fit int64). */
     c = cfg(INT32_MAX, 1);
-    expect_bad_config(&c, MHA_ERR_OVERFLOW, "overflow");
-    /* With kdim != E the q/k/v weights are separate: still too large. */
+    expect_bad_config(&c, MHA_ERR_INVALID_CONFIG, "fused q|k|v");
+    /* With kdim != E the q/k/v weights are separate, but the same GEMM
+     * widths apply. */
     c = cfg(INT32_MAX, 1);
     c.kdim = 3;
+    expect_bad_config(&c, MHA_ERR_INVALID_CONFIG, "fused q|k|v");
+    /* The largest E whose 3E columns fit: configured, then too large to
+     * allocate (3E * E floats), and reported. */
+    c = cfg(INT32_MAX / 3, 1);
     {
         mha_module *m = (mha_module *)(uintptr_t)0x1234;
         mha_status st = mha_create(&c, &m);
