@@ -9,9 +9,10 @@ dropout, the weights `mha forward --attn-weights --per-head` writes.
 largest w): ' ' < 0.1 <= '░' < 0.25 <= '▒' < 0.5 <= '▓' < 0.75 <= '█',
 after max-pooling to at most 64 cells per axis; the labels are those asked.
 --png: the file decodes with libpng (tests/support/png_probe.c) as 8-bit
-RGB of exactly the size the layout at the top of tools/viz.c gives (mirrored
-in layout() below), and the centre of every cell of every panel has the
-colour of its weight on the colour bar (within 2 of 255 per channel).
+RGB of exactly the size the layout at the top of tools/cmd_viz.c gives
+(mirrored in layout() below), and the centre of every cell of every panel
+has the colour of its weight on the colour bar (within 2 of 255 per
+channel).
 
 Usage: /usr/bin/python3 check_viz.py MHA PNG_PROBE WORKDIR
 """
@@ -177,7 +178,7 @@ def check_ascii(what, text, maps, row_labels=None, col_labels=None):
 # ---- --png -----------------------------------------------------------------
 
 def layout(H, Lq, Lt, rows, cols, wmax, item):
-    """tools/viz.c's layout: (width, height, cell, [map origin per panel])."""
+    """tools/cmd_viz.c's layout: (width, height, cell, [map origin per panel])."""
     M, G, CAP, TH = 12, 16, 16, 24
     gc = math.ceil(math.sqrt(H))
     gr = -(-H // gc)

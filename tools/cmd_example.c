@@ -1,11 +1,15 @@
 /*
- * example.c -- `mha example`: the seeds' worked example, computed by
+ * cmd_example.c -- `mha example`: the seeds' worked example, computed by
  * libmha with its true values, then a larger self-attention demo.
  */
-#include "tool.h"
+#include "commands.h"
+#include "fail.h"
+#include "heatmap.h"
+#include "mha.h"
 
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 

@@ -1,5 +1,5 @@
 /*
- * viz.c -- `mha viz`: the attention weights of every head of one batch
+ * cmd_viz.c -- `mha viz`: the attention weights of every head of one batch
  * item, and their mean over heads, as labelled heatmaps in a PNG (libpng,
  * when the build found it) or in the terminal.
  *
@@ -35,7 +35,11 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include "args.h"
-#include "tool.h"
+#include "commands.h"
+#include "fail.h"
+#include "font.h"
+#include "heatmap.h"
+#include "run_setup.h"
 
 #include <errno.h>
 #include <math.h>
@@ -49,8 +53,6 @@
 #ifdef MHA_HAVE_PNG
 #include <png.h>
 #endif
-
-#define NOPTS(a) ((int)(sizeof(a) / sizeof((a)[0])))
 
 enum {
     LABEL_CHARS = 6,     /* labels are cut to this many characters */
