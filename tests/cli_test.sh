@@ -331,6 +331,27 @@ same "$o/self.npy" "$o/nometa.npy" "--heads 2 on the same weights without metada
 expect 0 "" -- "$mha" forward --weights "$W" --heads 4 --query "$d/q.npy" --out "$o/h4.npy"
 differ "$o/self.npy" "$o/h4.npy" "--heads 4 overriding the file's 2 heads"
 
+# --threads: bitwise the same at 1, 2 and 4 threads, on a shape where the
+# attention engine really splits the work (it runs one thread below
+# B*H*Lq*Lt*d_h = 2^20; here 2*4*256*256*16 = 2^23).  The BLAS's own
+# threads are pinned to one: its thread count is a separate matter.
+Wt="$tmp/wt.safetensors"
+expect 0 "" -- "$mha" init --embed-dim 64 --heads 4 --seed 5 --out "$Wt"
+npy "$d/qt.npy" "np.random.randn(2, 256, 64).astype(np.float32)"
+npy "$d/dyt.npy" "np.random.randn(2, 256, 64).astype(np.float32)"
+for c in "" --causal; do
+  n="t${c:+_causal}"
+  for t in 1 2 4; do
+    expect 0 "" -- env OPENBLAS_NUM_THREADS=1 "$mha" forward --weights "$Wt" \
+      --query "$d/qt.npy" $c --threads $t --out "$o/$n$t.npy" \
+      --attn-weights "$o/$n${t}_w.npy" --per-head
+  done
+  for t in 2 4; do
+    same "$o/${n}1.npy" "$o/$n$t.npy" "forward $c --threads 1 vs $t"
+    same "$o/${n}1_w.npy" "$o/$n${t}_w.npy" "forward $c --threads 1 vs $t (weights)"
+  done
+done
+
 # --scale
 expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --scale 0.5 --out "$o/s05.npy"
 same "$o/self.npy" "$o/s05.npy" "--scale 0.5 = the default 1/sqrt(4)"
@@ -437,9 +458,14 @@ stcheck "d out_proj.bias = dy summed over (B, L)" \
   "np.allclose(t['out_proj.bias'], a.sum((0, 1)), rtol=1e-5, atol=1e-5)" "$g/self.safetensors" "$d/dy.npy"
 stcheck "gradients are finite and not all zero" \
   "all(np.isfinite(v).all() and (v != 0).any() for v in t.values())" "$g/self.safetensors"
-expect 0 "" -- "$mha" backward "${bw[@]}" --threads 1 --out "$g/t1.safetensors"
-expect 0 "" -- "$mha" backward "${bw[@]}" --threads 2 --out "$g/t2.safetensors"
+# --threads: bitwise the same, on the threaded shape of the forward's test
+for t in 1 2 4; do
+  expect 0 "" -- env OPENBLAS_NUM_THREADS=1 "$mha" backward --weights "$Wt" \
+    --query "$d/qt.npy" --grad-output "$d/dyt.npy" --threads $t \
+    --out "$g/t$t.safetensors"
+done
 same "$g/t1.safetensors" "$g/t2.safetensors" "backward --threads 1 vs 2"
+same "$g/t1.safetensors" "$g/t4.safetensors" "backward --threads 1 vs 4"
 expect 0 "" -- "$mha" backward --weights "$W" --query "$d/q.npy" --grad-output "$d/dy64.npy" \
   --out "$g/dy64.safetensors"
 layout "$g/dy64.safetensors" "query (2, 3, 8); $P"
