@@ -160,6 +160,7 @@ expect 1 "^mha info: not a loadable nn.MultiheadAttention: .*num_heads" -- "$mha
 expect 0 "^module: embed_dim=8 num_heads=2 " -- "$mha" info --heads 2 "$tmp/nometa.safetensors"
 expect 1 "^mha info: not a loadable nn.MultiheadAttention: .*foo" -- "$mha" info "$tmp/foo.safetensors"
 head -c 100 "$W" > "$tmp/truncated.safetensors"
+expect 1 "^mha info: .*safetensors" -- "$mha" info "$tmp/truncated.safetensors"
 
 d="$tmp"
 npy "$d/q.npy"     "np.random.randn(2, 3, 8).astype(np.float32)"
@@ -454,6 +455,9 @@ P="in_proj_weight (24, 8); in_proj_bias (24,); out_proj.weight (8, 8); out_proj.
 bw=(--weights "$W" --query "$d/q.npy" --grad-output "$d/dy.npy")
 expect 0 "" -- "$mha" backward "${bw[@]}" --out "$g/self.safetensors"
 layout "$g/self.safetensors" "query (2, 3, 8); $P"
+# mha info lists a gradients file and says what it is (exit 0)
+expect 0 "^  query +F32 +\(2, 3, 8\)$" -- "$mha" info "$g/self.safetensors"
+expect 0 "^gradients \(mha backward\): query; 4 parameters$" -- "$mha" info "$g/self.safetensors"
 stcheck "d out_proj.bias = dy summed over (B, L)" \
   "np.allclose(t['out_proj.bias'], a.sum((0, 1)), rtol=1e-5, atol=1e-5)" "$g/self.safetensors" "$d/dy.npy"
 stcheck "gradients are finite and not all zero" \
@@ -482,6 +486,7 @@ stcheck "--key K alone: key = d key + d value of --key K --value K" \
 expect 0 "" -- "$mha" backward --weights "$Wkv" --query "$d/q.npy" --key "$d/k5.npy" \
   --value "$d/v7.npy" --grad-output "$d/dy.npy" --out "$g/kv.safetensors"
 layout "$g/kv.safetensors" "query (2, 3, 8); key (2, 4, 5); value (2, 4, 7); q_proj_weight (8, 8); k_proj_weight (8, 5); v_proj_weight (8, 7); bias_k (1, 1, 8); bias_v (1, 1, 8); out_proj.weight (8, 8)"
+expect 0 "^gradients \(mha backward\): query, key, value; 6 parameters$" -- "$mha" info "$g/kv.safetensors"
 expect 0 "" -- "$mha" backward "${bw[@]}" --key "$d/k.npy" --causal --add-zero-attn \
   --attn-mask "$d/m_br.npy" --key-mask "$d/km4.npy" --out "$g/masks.safetensors"
 layout "$g/masks.safetensors" "query (2, 3, 8); key (2, 4, 8); $P"
@@ -696,7 +701,8 @@ same "$d/ones.npy" "$d/plain.npy" "a head mask of ones"
 npy "$d/dy.npy" "np.random.randn(2, 3, 8).astype(np.float32)"
 expect 0 "" -- "$mha" backward --weights "$W4" --query "$d/q.npy" --head-mask 0.5,1,0,2 \
   --grad-output "$d/dy.npy" --out "$d/ghm.safetensors"
-expect 1 "^  head_mask +F32 +\(4\)$" -- "$mha" info "$d/ghm.safetensors"
+expect 0 "^  head_mask +F32 +\(4\)$" -- "$mha" info "$d/ghm.safetensors"
+expect 0 "^gradients \(mha backward\): query; 4 parameters; head_mask$" -- "$mha" info "$d/ghm.safetensors"
 for m in "1.5,1,0,2" "-0.5,1,0,2" "0.5,1,1,2" "0.5,1,-1,2"; do
   expect 0 "" -- "$mha" forward --weights "$W4" --query "$d/q.npy" --head-mask "$m" --out "$d/hm_$m.npy"
 done

@@ -9,6 +9,52 @@
 
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
+
+static int listed(const char *name, const char *const *names, int n)
+{
+    for (int k = 0; k < n; k++)
+        if (!strcmp(name, names[k]))
+            return 1;
+    return 0;
+}
+
+/*
+ * If f is a file of gradients as mha backward writes it (float32 tensors:
+ * dL/d query, and key and value when given; dL/d each parameter under its
+ * state_dict name; head_mask with --head-mask), prints what it holds and
+ * returns 1; else returns 0.
+ */
+static int describe_gradients(const mha_tensor_file *f)
+{
+    static const char *const inputs[] = {"query", "key", "value"};
+    static const char *const params[] = {
+        "in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
+        "in_proj_bias", "bias_k", "bias_v", "out_proj.weight",
+        "out_proj.bias"};
+    const int n = mha_tensor_file_count(f);
+    int nparams = 0, head_mask = 0;
+    if (!mha_tensor_file_find(f, "query"))
+        return 0;
+    for (int k = 0; k < n; k++) {
+        const mha_tensor *t = mha_tensor_file_at(f, k);
+        if (t->dtype != MHA_DTYPE_F32)
+            return 0;
+        if (listed(t->name, params, NOPTS(params)))
+            nparams++;
+        else if (!strcmp(t->name, "head_mask"))
+            head_mask = 1;
+        else if (!listed(t->name, inputs, NOPTS(inputs)))
+            return 0;
+    }
+    printf("gradients (mha backward): ");
+    for (int k = 0, shown = 0; k < NOPTS(inputs); k++)
+        if (mha_tensor_file_find(f, inputs[k]))
+            printf("%s%s", shown++ ? ", " : "", inputs[k]);
+    printf("; %d parameter%s%s\n", nparams, nparams == 1 ? "" : "s",
+           head_mask ? "; head_mask" : "");
+    return 1;
+}
 
 int cmd_info(int argc, char **argv)
 {
@@ -20,7 +66,9 @@ int cmd_info(int argc, char **argv)
     if (help) {
         fputs("usage: mha info [--heads H] W.safetensors\n\n"
               "Prints every tensor's name, dtype and shape, the metadata, and\n"
-              "the module configuration inferred from them.\n", stdout);
+              "the module configuration inferred from them; for a file of\n"
+              "gradients written by mha backward, which gradients it holds.\n",
+              stdout);
         return 0;
     }
     if (npos != 1)
@@ -47,6 +95,12 @@ int cmd_info(int argc, char **argv)
         const char *v = mha_tensor_file_metadata(f, keys[k]);
         if (v)
             printf("%s  %s = %s\n", shown++ ? "" : "metadata:\n", keys[k], v);
+    }
+    /* Gradients name their tensors as a state_dict does, plus the inputs:
+     * not a module, but nothing wrong either. */
+    if (describe_gradients(f)) {
+        mha_tensor_file_free(f);
+        return 0;
     }
     mha_module *m;
     mha_status st = mha_module_from_file(f, heads, NULL, &m);
