@@ -138,7 +138,8 @@ def check_ascii(what, text, maps, row_labels=None, col_labels=None):
     f_c = -(-maps.shape[2] // 64)
     pooled = max_pool(maps, f_r, f_c)
     panels = parse_ascii(text)
-    titles = [f"head {h + 1}" for h in range(H)] + ["mean"]
+    # heads numbered from 0, as --head-mask, --keep and the API count them
+    titles = [f"head {h}" for h in range(H)] + ["mean"]
     assert sorted(panels) == sorted(titles), f"{what}: panels {list(panels)}"
     if f_r > 1 or f_c > 1:
         assert f"max-pooled {f_r} x {f_c}" in text, f"{what}: no pooling note"
@@ -198,7 +199,7 @@ def layout(H, Lq, Lt, rows, cols, wmax, item):
 
     RW = 6 * ls * longest(rows, f_r) + 4
     CH = 6 * ls * longest(cols, f_c) + 4
-    IW = max(nc * cell, 12 * len(f"head {H}"))
+    IW = max(nc * cell, 12 * len(f"head {H - 1}"))   # the longest title
     PW, PH = RW + IW, TH + CH + nr * cell
     top = M + CAP
     mean_x = M + gc * (PW + G) + G
@@ -271,7 +272,7 @@ def main():
     for h in range(H):
         for p in range(3):
             inp[p * E + h * dh:p * E + (h + 1) * dh] = np.array(
-                SEED_W[h + 1][p]).T
+                SEED_W[h][p]).T
     seed = save_module("seed.safetensors", inp, H)
     x = npy("x.npy", SEED_X.astype(np.float32))
     maps = with_mean(reference(inp, None, H, SEED_X))
@@ -327,6 +328,21 @@ def main():
               path("big.png"))
     assert "max-pooled" in out, out
     check_png("L=300 causal", path("big.png"), out, maps, labels_of(L),
+              labels_of(L))
+
+    # -- 10 heads on 2 positions: the panels are as wide as their titles,
+    # "head 0" .. "head 9" (12 px a character), not their 2 cells of 32 px
+    E, H, L = 20, 10, 2
+    inp = rng.standard_normal((3 * E, E)).astype(np.float32)
+    ten = save_module("ten.safetensors", inp, H)
+    xt = rng.standard_normal((L, E)).astype(np.float32)
+    xtp = npy("xt.npy", xt)
+    maps = with_mean(reference(inp, None, H, xt))
+    out = run("viz", "--weights", ten, "--query", xtp, "--ascii")
+    check_ascii("10 heads", out, maps, "12", "12")
+    out = run("viz", "--weights", ten, "--query", xtp, "--png",
+              path("ten.png"))
+    check_png("10 heads", path("ten.png"), out, maps, labels_of(L),
               labels_of(L))
 
     # -- against mha forward's own weights: masks on batch item 1 (only that

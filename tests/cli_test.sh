@@ -680,7 +680,9 @@ expect 0 "^    w x y z " -- "$mha" viz "${vz[@]}" --key "$d/k.npy" --ascii --key
 expect 0 "^batch item 1: 2 heads, 3 queries \(rows\) x 5 keys \(columns\)$" \
   -- "$mha" viz --weights "$W" --query "$d/q.npy" --key "$d/k.npy" --add-zero-attn --ascii --batch-index 1
 # Panels side by side up to $COLUMNS: 3 at 80 columns, 1 at 20.
-expect 0 "^head 1 +head 2 +mean +$" -- "$mha" viz "${vz[@]}" --ascii
+# Heads numbered from 0, as --head-mask and --keep count them.
+expect 0 "^head 0 +head 1 +mean +$" -- "$mha" viz "${vz[@]}" --ascii
+expect 0 "^largest w: head 0 [0-9.]+, head 1 [0-9.]+, mean [0-9.]+$" -- "$mha" viz "${vz[@]}" --ascii
 expect 0 "^mean +$" -- env COLUMNS=20 "$mha" viz "${vz[@]}" --ascii
 
 # ---- head masks and mha prune ------------------------------------------------

@@ -18,7 +18,8 @@
  *             S >= ceil(12 ls / cell) * f, and on p = 1 when
  *             floor((S - 1) / f) * cell >= 12 ls; drawn in p's cell
  *   RW      = 6 ls * (longest row label) + 4,   CH = the same, columns
- *   TH      = 24, the title band;  IW = max(cols * cell, 12 * longest title)
+ *   TH      = 24, the title band ("head 0" .. "head H-1", "mean");
+ *             IW = max(cols * cell, 12 * longest title)
  *   panel   = PW x PH = (RW + IW) x (TH + CH + rows * cell); its map at
  *             (+RW, +TH + CH)
  *   M = 12 margin, G = 16 gap, CAP = 16 the caption band: head h (from 0)
@@ -384,7 +385,7 @@ static int render_ascii(const viz_maps *m, int64_t item)
     for (int k = 0; k < np; k++) {
         maps[k] = p + (int64_t)k * nr * nc;
         if (k < m->H)
-            snprintf(titles[k], sizeof titles[k], "head %d", k + 1);
+            snprintf(titles[k], sizeof titles[k], "head %d", k);
         else
             snprintf(titles[k], sizeof titles[k], "mean");
         tp[k] = titles[k];
@@ -540,8 +541,8 @@ static void plan_png(const viz_maps *m, int64_t item, float wmax, layout *L)
     L->tc = plan_ticks(L->fc, L->cell, L->ls);
     L->RW = 6 * L->ls * longest_label(m->rows, m->Lq, &L->tr) + 4;
     L->CH = 6 * L->ls * longest_label(m->cols, m->Lt, &L->tc) + 4;
-    char title[24];
-    snprintf(title, sizeof title, "head %lld", (long long)m->H);
+    char title[32];   /* the longest: that of the last head */
+    snprintf(title, sizeof title, "head %lld", (long long)(m->H - 1));
     L->IW = L->nc * L->cell;
     if (text_w(title, 2) > L->IW)
         L->IW = text_w(title, 2);
@@ -608,7 +609,7 @@ static void draw_png(canvas *c, const layout *L, const viz_maps *m,
     const size_t plane = (size_t)L->nr * (size_t)L->nc;
     char title[24];
     for (int h = 0; h < m->H; h++) {
-        snprintf(title, sizeof title, "head %d", h + 1);
+        snprintf(title, sizeof title, "head %d", h);
         draw_panel(c, L, m, p + (size_t)h * plane, wmax, title,
                    L->M + (h % L->gc) * (L->PW + L->G),
                    top + (h / L->gc) * (L->PH + L->G));
@@ -764,9 +765,10 @@ static const char VIZ_HELP[] =
     "         [--batch-index N] [--tokens T.txt] [--key-tokens T.txt]\n"
     "         --png HEADS.png | --ascii   (or both)\n"
     "\n"
-    "Draws the attention weights of every head (\"head 1\" .. \"head H\")\n"
-    "and their mean over heads (\"mean\"), rows = queries, columns = keys,\n"
-    "for one item of the batch.  The inputs are those of mha forward.\n"
+    "Draws the attention weights of every head (\"head 0\" .. \"head H-1\",\n"
+    "numbered from 0 as --head-mask and mha prune --keep count them) and\n"
+    "their mean over heads (\"mean\"), rows = queries, columns = keys, for\n"
+    "one item of the batch.  The inputs are those of mha forward.\n"
     RUN_HELP_INPUTS
     "  --batch-index N    the item of a batched query to draw (from 0;\n"
     "                     default 0)\n"
