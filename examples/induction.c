@@ -500,7 +500,7 @@ static void print_head(const model *md, const run *r, const int *tok, int l,
     const int T = md->T;
     const float *w = r->weights[l] + (int64_t)h * T * T;   /* b = 0 */
     printf("\n%s: head %d.%d on a held-out sequence (rows attend to "
-           "columns)\n   ", title, l + 1, h + 1);
+           "columns)\n   ", title, l + 1, h);
     for (int j = 0; j < T; j++)
         printf(" %c", 'a' + tok[j]);
     printf("\n");
@@ -687,7 +687,8 @@ int main(int argc, char **argv)
         for (int h = 0; h < H; h++)
             keep_mask[l][h] = 1.0f;
     const float *masks[LAYERS] = {keep_mask[0], keep_mask[1]};
-    printf("\nheads as layer.head, numbered from 1 as in mha viz\n\n"
+    printf("\nheads as layer.head: layers from 1 (layer1.png, layer2.png), "
+           "heads from 0\nas in mha viz, head_mask and mha prune --keep\n\n"
            "| head | previous-token score | induction score | role | "
            "accuracy without it |\n|---|---|---|---|---|\n");
     for (int l = 0; l < LAYERS; l++)
@@ -698,7 +699,7 @@ int main(int argc, char **argv)
             const double a = evaluate(&md, &ev, eval_tok, masks);
             keep_mask[l][h] = 1.0f;
             printf("| %d.%d | %.2f | %.2f | %s | %.1f%% (%+.1f) |\n", l + 1,
-                   h + 1, prev, ind, role(prev, ind), 100 * a, 100 * (a - acc));
+                   h, prev, ind, role(prev, ind), 100 * a, 100 * (a - acc));
         }
 
     /* The clearest previous-token head of layer 1 and induction head of
@@ -760,7 +761,7 @@ int main(int argc, char **argv)
         keep_mask[bl][bh] = 0.0f;
         left[bl]--;
         acc_ablated = best;
-        printf("  without head %d.%d: %.1f%%\n", bl + 1, bh + 1, 100 * best);
+        printf("  without head %d.%d: %.1f%%\n", bl + 1, bh, 100 * best);
     }
 
     /* The smaller model: mha_prune_heads on each layer. */
@@ -788,7 +789,7 @@ int main(int argc, char **argv)
     for (int l = 0; l < LAYERS; l++)
         for (int h = 0; h < H; h++)
             if (keep_mask[l][h] != 0.0f)
-                printf(" %d.%d", l + 1, h + 1);
+                printf(" %d.%d", l + 1, h);
     printf(" (%d of %d): %.1f%% held-out accuracy (%.1f%% ablated by "
            "head_mask, %.1f%% unpruned)\n", left[0] + left[1], 2 * H,
            100 * acc_pruned, 100 * acc_ablated, 100 * acc);

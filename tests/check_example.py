@@ -12,11 +12,13 @@ import sys
 import numpy as np
 
 X = np.array([[1, 0, 1, 0], [0, 1, 0, 1], [1, 1, 0, 0]], dtype=np.float64)
-W = {  # W[head] = (W_Q, W_K, W_V), each (4 x 2), used as X @ W
-    1: ([[1, 0], [0, 1], [0, 0], [0, 0]],
+# W[head] = (W_Q, W_K, W_V), each (4 x 2), used as X @ W.  Heads are
+# numbered from 0, as everywhere in mha (the seed's W1_*, W2_*).
+W = {
+    0: ([[1, 0], [0, 1], [0, 0], [0, 0]],
         [[0, 1], [1, 0], [0, 0], [0, 0]],
         [[1, 0], [0, 0], [1, 0], [0, 0]]),
-    2: ([[0, 0], [0, 0], [1, 0], [0, 1]],
+    1: ([[0, 0], [0, 0], [1, 0], [0, 1]],
         [[0, 0], [0, 0], [0, 1], [1, 0]],
         [[0, 1], [0, 1], [0, 0], [0, 0]]),
 }
@@ -56,7 +58,7 @@ def main():
     got = blocks(run.stdout)
     exp = expected()
     checked = 0
-    for h in (1, 2):
+    for h in (0, 1):
         e = exp[h]
         want = {
             f"Q{h} = X W{h}_Q:": e["Q"], f"K{h} = X W{h}_K:": e["K"],
@@ -69,7 +71,7 @@ def main():
             np.testing.assert_allclose(got[title], val, atol=5.1e-5,
                                        err_msg=title)
             checked += 1
-    concat = np.concatenate([exp[1]["out"], exp[2]["out"]], axis=1)
+    concat = np.concatenate([exp[0]["out"], exp[1]["out"]], axis=1)
     # blocks() keys the concat matrix by its (empty) title line.
     mats = [v for v in got.values() if v.shape == (3, 4)]
     assert any(np.allclose(m, concat, atol=5.1e-5) for m in mats), \
@@ -79,13 +81,15 @@ def main():
         r"softmax weights \(each row sums to 1\):\n((?:\s+\[.*\]\n){3})",
         run.stdout)
     assert len(soft_rows) == 2, "expected two softmax blocks"
-    for h, block in zip((1, 2), soft_rows):
+    for h, block in zip((0, 1), soft_rows):
         val = np.array([[float(t) for t in r.strip()[1:-1].split()]
                         for r in block.strip().splitlines()])
         np.testing.assert_allclose(val, exp[h]["softmax"], atol=5.1e-5)
         checked += 1
     assert "do not follow" in run.stdout, "the note on the seed's slips"
-    assert "head 4" in run.stdout, "the larger demo"
+    assert "-- Head 0 --" in run.stdout and "-- Head 2 --" not in run.stdout
+    assert "head 3" in run.stdout and "head 4" not in run.stdout, \
+        "the larger demo's heads 0..3"
     print(f"mha example: {checked + 1} blocks match NumPy float64")
 
 

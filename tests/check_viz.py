@@ -9,9 +9,10 @@ dropout, the weights `mha forward --attn-weights --per-head` writes.
 largest w): ' ' < 0.1 <= '░' < 0.25 <= '▒' < 0.5 <= '▓' < 0.75 <= '█',
 after max-pooling to at most 64 cells per axis; the labels are those asked.
 --png: the file decodes with libpng (tests/support/png_probe.c) as 8-bit
-RGB of exactly the size the layout at the top of tools/viz.c gives (mirrored
-in layout() below), and the centre of every cell of every panel has the
-colour of its weight on the colour bar (within 2 of 255 per channel).
+RGB of exactly the size the layout at the top of tools/cmd_viz.c gives
+(mirrored in layout() below), and the centre of every cell of every panel
+has the colour of its weight on the colour bar (within 2 of 255 per
+channel).
 
 Usage: /usr/bin/python3 check_viz.py MHA PNG_PROBE WORKDIR
 """
@@ -137,7 +138,8 @@ def check_ascii(what, text, maps, row_labels=None, col_labels=None):
     f_c = -(-maps.shape[2] // 64)
     pooled = max_pool(maps, f_r, f_c)
     panels = parse_ascii(text)
-    titles = [f"head {h + 1}" for h in range(H)] + ["mean"]
+    # heads numbered from 0, as --head-mask, --keep and the API count them
+    titles = [f"head {h}" for h in range(H)] + ["mean"]
     assert sorted(panels) == sorted(titles), f"{what}: panels {list(panels)}"
     if f_r > 1 or f_c > 1:
         assert f"max-pooled {f_r} x {f_c}" in text, f"{what}: no pooling note"
@@ -177,7 +179,7 @@ def check_ascii(what, text, maps, row_labels=None, col_labels=None):
 # ---- --png -----------------------------------------------------------------
 
 def layout(H, Lq, Lt, rows, cols, wmax, item):
-    """tools/viz.c's layout: (width, height, cell, [map origin per panel])."""
+    """tools/cmd_viz.c's layout: (width, height, cell, [map origin per panel])."""
     M, G, CAP, TH = 12, 16, 16, 24
     gc = math.ceil(math.sqrt(H))
     gr = -(-H // gc)
@@ -197,7 +199,7 @@ def layout(H, Lq, Lt, rows, cols, wmax, item):
 
     RW = 6 * ls * longest(rows, f_r) + 4
     CH = 6 * ls * longest(cols, f_c) + 4
-    IW = max(nc * cell, 12 * len(f"head {H}"))
+    IW = max(nc * cell, 12 * len(f"head {H - 1}"))   # the longest title
     PW, PH = RW + IW, TH + CH + nr * cell
     top = M + CAP
     mean_x = M + gc * (PW + G) + G
@@ -270,7 +272,7 @@ def main():
     for h in range(H):
         for p in range(3):
             inp[p * E + h * dh:p * E + (h + 1) * dh] = np.array(
-                SEED_W[h + 1][p]).T
+                SEED_W[h][p]).T
     seed = save_module("seed.safetensors", inp, H)
     x = npy("x.npy", SEED_X.astype(np.float32))
     maps = with_mean(reference(inp, None, H, SEED_X))
@@ -326,6 +328,21 @@ def main():
               path("big.png"))
     assert "max-pooled" in out, out
     check_png("L=300 causal", path("big.png"), out, maps, labels_of(L),
+              labels_of(L))
+
+    # -- 10 heads on 2 positions: the panels are as wide as their titles,
+    # "head 0" .. "head 9" (12 px a character), not their 2 cells of 32 px
+    E, H, L = 20, 10, 2
+    inp = rng.standard_normal((3 * E, E)).astype(np.float32)
+    ten = save_module("ten.safetensors", inp, H)
+    xt = rng.standard_normal((L, E)).astype(np.float32)
+    xtp = npy("xt.npy", xt)
+    maps = with_mean(reference(inp, None, H, xt))
+    out = run("viz", "--weights", ten, "--query", xtp, "--ascii")
+    check_ascii("10 heads", out, maps, "12", "12")
+    out = run("viz", "--weights", ten, "--query", xtp, "--png",
+              path("ten.png"))
+    check_png("10 heads", path("ten.png"), out, maps, labels_of(L),
               labels_of(L))
 
     # -- against mha forward's own weights: masks on batch item 1 (only that

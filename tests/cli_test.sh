@@ -160,6 +160,7 @@ expect 1 "^mha info: not a loadable nn.MultiheadAttention: .*num_heads" -- "$mha
 expect 0 "^module: embed_dim=8 num_heads=2 " -- "$mha" info --heads 2 "$tmp/nometa.safetensors"
 expect 1 "^mha info: not a loadable nn.MultiheadAttention: .*foo" -- "$mha" info "$tmp/foo.safetensors"
 head -c 100 "$W" > "$tmp/truncated.safetensors"
+expect 1 "^mha info: .*safetensors" -- "$mha" info "$tmp/truncated.safetensors"
 
 d="$tmp"
 npy "$d/q.npy"     "np.random.randn(2, 3, 8).astype(np.float32)"
@@ -331,6 +332,27 @@ same "$o/self.npy" "$o/nometa.npy" "--heads 2 on the same weights without metada
 expect 0 "" -- "$mha" forward --weights "$W" --heads 4 --query "$d/q.npy" --out "$o/h4.npy"
 differ "$o/self.npy" "$o/h4.npy" "--heads 4 overriding the file's 2 heads"
 
+# --threads: bitwise the same at 1, 2 and 4 threads, on a shape where the
+# attention engine really splits the work (it runs one thread below
+# B*H*Lq*Lt*d_h = 2^20; here 2*4*256*256*16 = 2^23).  The BLAS's own
+# threads are pinned to one: its thread count is a separate matter.
+Wt="$tmp/wt.safetensors"
+expect 0 "" -- "$mha" init --embed-dim 64 --heads 4 --seed 5 --out "$Wt"
+npy "$d/qt.npy" "np.random.randn(2, 256, 64).astype(np.float32)"
+npy "$d/dyt.npy" "np.random.randn(2, 256, 64).astype(np.float32)"
+for c in "" --causal; do
+  n="t${c:+_causal}"
+  for t in 1 2 4; do
+    expect 0 "" -- env OPENBLAS_NUM_THREADS=1 "$mha" forward --weights "$Wt" \
+      --query "$d/qt.npy" $c --threads $t --out "$o/$n$t.npy" \
+      --attn-weights "$o/$n${t}_w.npy" --per-head
+  done
+  for t in 2 4; do
+    same "$o/${n}1.npy" "$o/$n$t.npy" "forward $c --threads 1 vs $t"
+    same "$o/${n}1_w.npy" "$o/$n${t}_w.npy" "forward $c --threads 1 vs $t (weights)"
+  done
+done
+
 # --scale
 expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --scale 0.5 --out "$o/s05.npy"
 same "$o/self.npy" "$o/s05.npy" "--scale 0.5 = the default 1/sqrt(4)"
@@ -433,13 +455,21 @@ P="in_proj_weight (24, 8); in_proj_bias (24,); out_proj.weight (8, 8); out_proj.
 bw=(--weights "$W" --query "$d/q.npy" --grad-output "$d/dy.npy")
 expect 0 "" -- "$mha" backward "${bw[@]}" --out "$g/self.safetensors"
 layout "$g/self.safetensors" "query (2, 3, 8); $P"
+# mha info lists a gradients file and says what it is (exit 0)
+expect 0 "^  query +F32 +\(2, 3, 8\)$" -- "$mha" info "$g/self.safetensors"
+expect 0 "^gradients \(mha backward\): query; 4 parameters$" -- "$mha" info "$g/self.safetensors"
 stcheck "d out_proj.bias = dy summed over (B, L)" \
   "np.allclose(t['out_proj.bias'], a.sum((0, 1)), rtol=1e-5, atol=1e-5)" "$g/self.safetensors" "$d/dy.npy"
 stcheck "gradients are finite and not all zero" \
   "all(np.isfinite(v).all() and (v != 0).any() for v in t.values())" "$g/self.safetensors"
-expect 0 "" -- "$mha" backward "${bw[@]}" --threads 1 --out "$g/t1.safetensors"
-expect 0 "" -- "$mha" backward "${bw[@]}" --threads 2 --out "$g/t2.safetensors"
+# --threads: bitwise the same, on the threaded shape of the forward's test
+for t in 1 2 4; do
+  expect 0 "" -- env OPENBLAS_NUM_THREADS=1 "$mha" backward --weights "$Wt" \
+    --query "$d/qt.npy" --grad-output "$d/dyt.npy" --threads $t \
+    --out "$g/t$t.safetensors"
+done
 same "$g/t1.safetensors" "$g/t2.safetensors" "backward --threads 1 vs 2"
+same "$g/t1.safetensors" "$g/t4.safetensors" "backward --threads 1 vs 4"
 expect 0 "" -- "$mha" backward --weights "$W" --query "$d/q.npy" --grad-output "$d/dy64.npy" \
   --out "$g/dy64.safetensors"
 layout "$g/dy64.safetensors" "query (2, 3, 8); $P"
@@ -456,6 +486,7 @@ stcheck "--key K alone: key = d key + d value of --key K --value K" \
 expect 0 "" -- "$mha" backward --weights "$Wkv" --query "$d/q.npy" --key "$d/k5.npy" \
   --value "$d/v7.npy" --grad-output "$d/dy.npy" --out "$g/kv.safetensors"
 layout "$g/kv.safetensors" "query (2, 3, 8); key (2, 4, 5); value (2, 4, 7); q_proj_weight (8, 8); k_proj_weight (8, 5); v_proj_weight (8, 7); bias_k (1, 1, 8); bias_v (1, 1, 8); out_proj.weight (8, 8)"
+expect 0 "^gradients \(mha backward\): query, key, value; 6 parameters$" -- "$mha" info "$g/kv.safetensors"
 expect 0 "" -- "$mha" backward "${bw[@]}" --key "$d/k.npy" --causal --add-zero-attn \
   --attn-mask "$d/m_br.npy" --key-mask "$d/km4.npy" --out "$g/masks.safetensors"
 layout "$g/masks.safetensors" "query (2, 3, 8); key (2, 4, 8); $P"
@@ -649,7 +680,9 @@ expect 0 "^    w x y z " -- "$mha" viz "${vz[@]}" --key "$d/k.npy" --ascii --key
 expect 0 "^batch item 1: 2 heads, 3 queries \(rows\) x 5 keys \(columns\)$" \
   -- "$mha" viz --weights "$W" --query "$d/q.npy" --key "$d/k.npy" --add-zero-attn --ascii --batch-index 1
 # Panels side by side up to $COLUMNS: 3 at 80 columns, 1 at 20.
-expect 0 "^head 1 +head 2 +mean +$" -- "$mha" viz "${vz[@]}" --ascii
+# Heads numbered from 0, as --head-mask and --keep count them.
+expect 0 "^head 0 +head 1 +mean +$" -- "$mha" viz "${vz[@]}" --ascii
+expect 0 "^largest w: head 0 [0-9.]+, head 1 [0-9.]+, mean [0-9.]+$" -- "$mha" viz "${vz[@]}" --ascii
 expect 0 "^mean +$" -- env COLUMNS=20 "$mha" viz "${vz[@]}" --ascii
 
 # ---- head masks and mha prune ------------------------------------------------
@@ -670,7 +703,8 @@ same "$d/ones.npy" "$d/plain.npy" "a head mask of ones"
 npy "$d/dy.npy" "np.random.randn(2, 3, 8).astype(np.float32)"
 expect 0 "" -- "$mha" backward --weights "$W4" --query "$d/q.npy" --head-mask 0.5,1,0,2 \
   --grad-output "$d/dy.npy" --out "$d/ghm.safetensors"
-expect 1 "^  head_mask +F32 +\(4\)$" -- "$mha" info "$d/ghm.safetensors"
+expect 0 "^  head_mask +F32 +\(4\)$" -- "$mha" info "$d/ghm.safetensors"
+expect 0 "^gradients \(mha backward\): query; 4 parameters; head_mask$" -- "$mha" info "$d/ghm.safetensors"
 for m in "1.5,1,0,2" "-0.5,1,0,2" "0.5,1,1,2" "0.5,1,-1,2"; do
   expect 0 "" -- "$mha" forward --weights "$W4" --query "$d/q.npy" --head-mask "$m" --out "$d/hm_$m.npy"
 done

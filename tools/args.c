@@ -1,9 +1,13 @@
+/*
+ * args.c -- the option parser of the `mha` commands (args.h).
+ */
 #include "args.h"
 
-#include "tool.h"
+#include "fail.h"
 
 #include <errno.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 

@@ -9,6 +9,9 @@
 
 #include <stdint.h>
 
+/* The number of entries of an option table (an array). */
+#define NOPTS(a) ((int)(sizeof(a) / sizeof((a)[0])))
+
 typedef struct tool_opt {
     const char *name;      /* without the leading "--" */
     int takes_value;

@@ -5,7 +5,7 @@
  * bits are the row's pixels, 16 the leftmost.  'A' is
  * .###. #...# #...# ##### #...# #...# #...#  ->  "EHHVHHH".
  */
-#include "tool.h"
+#include "font.h"
 
 static const char GLYPHS[] =
     "00000004444404AA00000AAVAVAA4FKE5U4OP248J3CIK8LID4480000"  /*  !"#$%&' */

@@ -1,5 +1,5 @@
 /*
- * viz.c -- `mha viz`: the attention weights of every head of one batch
+ * cmd_viz.c -- `mha viz`: the attention weights of every head of one batch
  * item, and their mean over heads, as labelled heatmaps in a PNG (libpng,
  * when the build found it) or in the terminal.
  *
@@ -18,7 +18,8 @@
  *             S >= ceil(12 ls / cell) * f, and on p = 1 when
  *             floor((S - 1) / f) * cell >= 12 ls; drawn in p's cell
  *   RW      = 6 ls * (longest row label) + 4,   CH = the same, columns
- *   TH      = 24, the title band;  IW = max(cols * cell, 12 * longest title)
+ *   TH      = 24, the title band ("head 0" .. "head H-1", "mean");
+ *             IW = max(cols * cell, 12 * longest title)
  *   panel   = PW x PH = (RW + IW) x (TH + CH + rows * cell); its map at
  *             (+RW, +TH + CH)
  *   M = 12 margin, G = 16 gap, CAP = 16 the caption band: head h (from 0)
@@ -35,7 +36,11 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include "args.h"
-#include "tool.h"
+#include "commands.h"
+#include "fail.h"
+#include "font.h"
+#include "heatmap.h"
+#include "run_setup.h"
 
 #include <errno.h>
 #include <math.h>
@@ -49,8 +54,6 @@
 #ifdef MHA_HAVE_PNG
 #include <png.h>
 #endif
-
-#define NOPTS(a) ((int)(sizeof(a) / sizeof((a)[0])))
 
 enum {
     LABEL_CHARS = 6,     /* labels are cut to this many characters */
@@ -382,7 +385,7 @@ static int render_ascii(const viz_maps *m, int64_t item)
     for (int k = 0; k < np; k++) {
         maps[k] = p + (int64_t)k * nr * nc;
         if (k < m->H)
-            snprintf(titles[k], sizeof titles[k], "head %d", k + 1);
+            snprintf(titles[k], sizeof titles[k], "head %d", k);
         else
             snprintf(titles[k], sizeof titles[k], "mean");
         tp[k] = titles[k];
@@ -538,8 +541,8 @@ static void plan_png(const viz_maps *m, int64_t item, float wmax, layout *L)
     L->tc = plan_ticks(L->fc, L->cell, L->ls);
     L->RW = 6 * L->ls * longest_label(m->rows, m->Lq, &L->tr) + 4;
     L->CH = 6 * L->ls * longest_label(m->cols, m->Lt, &L->tc) + 4;
-    char title[24];
-    snprintf(title, sizeof title, "head %lld", (long long)m->H);
+    char title[32];   /* the longest: that of the last head */
+    snprintf(title, sizeof title, "head %lld", (long long)(m->H - 1));
     L->IW = L->nc * L->cell;
     if (text_w(title, 2) > L->IW)
         L->IW = text_w(title, 2);
@@ -606,7 +609,7 @@ static void draw_png(canvas *c, const layout *L, const viz_maps *m,
     const size_t plane = (size_t)L->nr * (size_t)L->nc;
     char title[24];
     for (int h = 0; h < m->H; h++) {
-        snprintf(title, sizeof title, "head %d", h + 1);
+        snprintf(title, sizeof title, "head %d", h);
         draw_panel(c, L, m, p + (size_t)h * plane, wmax, title,
                    L->M + (h % L->gc) * (L->PW + L->G),
                    top + (h / L->gc) * (L->PH + L->G));
@@ -762,9 +765,10 @@ static const char VIZ_HELP[] =
     "         [--batch-index N] [--tokens T.txt] [--key-tokens T.txt]\n"
     "         --png HEADS.png | --ascii   (or both)\n"
     "\n"
-    "Draws the attention weights of every head (\"head 1\" .. \"head H\")\n"
-    "and their mean over heads (\"mean\"), rows = queries, columns = keys,\n"
-    "for one item of the batch.  The inputs are those of mha forward.\n"
+    "Draws the attention weights of every head (\"head 0\" .. \"head H-1\",\n"
+    "numbered from 0 as --head-mask and mha prune --keep count them) and\n"
+    "their mean over heads (\"mean\"), rows = queries, columns = keys, for\n"
+    "one item of the batch.  The inputs are those of mha forward.\n"
     RUN_HELP_INPUTS
     "  --batch-index N    the item of a batched query to draw (from 0;\n"
     "                     default 0)\n"

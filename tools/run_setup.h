@@ -1,39 +1,16 @@
 /*
- * tool.h -- what the files of the `mha` command share.
+ * run_setup.h -- what mha forward, mha backward and mha viz share: their
+ * common options, and a module loaded from --weights with its .npy inputs
+ * and the forward's arguments; with a few helpers on loaded tensors.
  */
-#ifndef MHA_TOOL_H
-#define MHA_TOOL_H
+#ifndef MHA_TOOL_RUN_SETUP_H
+#define MHA_TOOL_RUN_SETUP_H
 
+#include "args.h"
 #include "mha_io.h"
 
-#include <stdio.h>
-
-/* Prints "mha <cmd>: <message>" on stderr; returns 1 (the exit status). */
-int tool_fail(const char *cmd, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
-/* The same for a failed library call: adds the status and last error. */
-int tool_fail_status(const char *cmd, const char *what, mha_status st);
-
-/*
- * Prints n maps side by side, each (rows, cols), row-major, shaded
- * " ░▒▓█" relative to that map's largest value, with titles above and
- * optional one-character labels for rows and columns.
- */
-void tool_heatmaps(FILE *f, const float *const *maps, const char *const *titles,
-                   int n, int rows, int cols, const char *row_labels,
-                   const char *col_labels);
-
-/*
- * The 5x7 bitmap font of mha viz (font.c), printable ASCII: the bits of
- * row `row` (0 = top .. 6) of character c, bit 4 the leftmost of 5
- * columns.  Characters outside ' '..'~' are drawn as '?'.
- */
-unsigned tool_glyph_row(int c, int row);
-
-/* ---- what mha forward, mha backward and mha viz share (commands.c) ------ */
+#include <stddef.h>
+#include <stdint.h>
 
 /* The usage lines of the options they all take, and their descriptions. */
 #define RUN_USAGE_INPUTS                                                     \
@@ -93,18 +70,22 @@ typedef struct run_setup {
  * RUN_OPTS (o, n: the command's parsed table); on failure prints, frees
  * what it made and returns 1.  run_free releases what it loaded.
  */
-struct tool_opt;
-int run_setup_load(const char *cmd, const struct tool_opt *o, int n,
+int run_setup_load(const char *cmd, const tool_opt *o, int n,
                    run_setup *r);
 void run_free(run_setup *r);
 
-int cmd_example(int argc, char **argv);
-int cmd_forward(int argc, char **argv);
-int cmd_backward(int argc, char **argv);
-int cmd_init(int argc, char **argv);
-int cmd_info(int argc, char **argv);
-int cmd_bench(int argc, char **argv);
-int cmd_viz(int argc, char **argv);
-int cmd_prune(int argc, char **argv);
+/* ---- loaded tensors ------------------------------------------------------ */
+
+/* Whether t holds floating-point values (F32, F64, F16, BF16). */
+int tool_is_float(const mha_tensor *t);
+
+/* A shape as "(2, 3, 8)" into buf (n bytes). */
+void tool_dims_str(int ndim, const int64_t *shape, char *buf, size_t n);
+void tool_shape_str(const mha_tensor *t, char *buf, size_t n);
+
+/* A view of `data` with the shape of the input `like`'s leading dimensions
+ * and last dimension `last` (an unbatched input gives an unbatched view). */
+mha_tensor_view tool_view_like(const char *name, const mha_tensor *like,
+                               int64_t last, const float *data);
 
 #endif

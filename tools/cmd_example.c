@@ -1,11 +1,15 @@
 /*
- * example.c -- `mha example`: the seeds' worked example, computed by
+ * cmd_example.c -- `mha example`: the seeds' worked example, computed by
  * libmha with its true values, then a larger self-attention demo.
  */
-#include "tool.h"
+#include "commands.h"
+#include "fail.h"
+#include "heatmap.h"
+#include "mha.h"
 
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -14,7 +18,9 @@
 static const float X[3][4] = {{1, 0, 1, 0}, {0, 1, 0, 1}, {1, 1, 0, 0}};
 
 /* W[head][q,k,v] as the seed writes them: (d_in = 4) x (d_k = 2), used as
- * X @ W.  libmha stores the transpose, [out, in], as PyTorch does. */
+ * X @ W.  libmha stores the transpose, [out, in], as PyTorch does.  The
+ * seed numbers its heads 1 and 2; mha numbers them 0 and 1 everywhere
+ * (head_mask, --keep, mha viz), and so does this output. */
 static const float W[2][3][4][2] = {
     {{{1, 0}, {0, 1}, {0, 0}, {0, 0}},     /* W1_Q */
      {{0, 1}, {1, 0}, {0, 0}, {0, 0}},     /* W1_K */
@@ -114,17 +120,19 @@ static int worked_example(void)
     printf("\n  Each head projects X with its own W_Q, W_K, W_V (4 x 2), as "
            "in the seed;\n  biases are off and W^O = I (the seed leaves W^O "
            "unspecified),\n  so the module's output is the concatenation of "
-           "the heads.\n");
+           "the heads.\n  Heads are numbered from 0, as everywhere in mha: "
+           "head 0 and head 1 are\n  the seed's heads 1 and 2 (its W1_*, "
+           "W2_*).\n");
 
     int slips = 0;
     char buf[96];
     const char *names[3] = {"Q", "K", "V"};
     const char labels[] = "123";
     for (int h = 0; h < H; h++) {
-        printf("\n-- Head %d --\n", h + 1);
+        printf("\n-- Head %d --\n", h);
         for (int p = 0; p < 3; p++) {
-            snprintf(buf, sizeof buf, "%s%d = X W%d_%s:", names[p], h + 1,
-                     h + 1, names[p]);
+            snprintf(buf, sizeof buf, "%s%d = X W%d_%s:", names[p], h, h,
+                     names[p]);
             print_matrix(buf, proj[p] + h * dh, L, dh, E);
         }
         float scores[9];
@@ -135,33 +143,31 @@ static int worked_example(void)
                     s += proj[0][i * E + h * dh + d] * proj[1][j * E + h * dh + d];
                 scores[i * L + j] = s * resolved.scale;
             }
-        snprintf(buf, sizeof buf, "scaled scores Q%d K%d^T / sqrt(2):", h + 1,
-                 h + 1);
+        snprintf(buf, sizeof buf, "scaled scores Q%d K%d^T / sqrt(2):", h, h);
         print_matrix(buf, scores, L, L, L);
         const float *w = weights + h * L * L;
         print_matrix("softmax weights (each row sums to 1):", w, L, L, L);
-        snprintf(buf, sizeof buf, "head %d output = weights V%d:", h + 1,
-                 h + 1);
+        snprintf(buf, sizeof buf, "head %d output = weights V%d:", h, h);
         print_matrix(buf, out + h * dh, L, dh, E);
         printf("  heatmap (rows: query position, columns: key position):\n");
-        snprintf(buf, sizeof buf, "  head %d", h + 1);
+        snprintf(buf, sizeof buf, "  head %d", h);
         const char *title = buf;
         tool_heatmaps(stdout, &w, &title, 1, L, L, labels, labels);
 
         /* Where the seed's tables disagree with the computation. */
         for (int p = 0; p < 3; p++) {
-            snprintf(buf, sizeof buf, "%s%d", names[p], h + 1);
+            snprintf(buf, sizeof buf, "%s%d", names[p], h);
             slips += report_slips(buf, &SEED_PROJ[h][p][0][0],
                                   proj[p] + h * dh, L, dh, E);
         }
         if (h == 0) {
-            slips += report_slips("scores1", &SEED_SCORES1[0][0], scores, L,
+            slips += report_slips("scores0", &SEED_SCORES1[0][0], scores, L,
                                   L, L);
-            slips += report_slips("softmax1", &SEED_SOFTMAX1[0][0], w, L, L,
+            slips += report_slips("softmax0", &SEED_SOFTMAX1[0][0], w, L, L,
                                   L);
         }
     }
-    printf("\n-- Concat(head 1, head 2) (3 x 4) = output, since W^O = I --\n");
+    printf("\n-- Concat(head 0, head 1) (3 x 4) = output, since W^O = I --\n");
     print_matrix("", out, L, E, E);
     printf("\nNote: %d entries of the seed's worked example do not follow "
            "from its own X and W\n(listed above under each head); the values "
@@ -231,8 +237,8 @@ static int random_demo(void)
         const float *maps[2] = {w + (2 * pair) * L * L,
                                 w + (2 * pair + 1) * L * L};
         char t0[32], t1[32];
-        snprintf(t0, sizeof t0, "  head %d", 2 * pair + 1);
-        snprintf(t1, sizeof t1, "  head %d", 2 * pair + 2);
+        snprintf(t0, sizeof t0, "  head %d", 2 * pair);
+        snprintf(t1, sizeof t1, "  head %d", 2 * pair + 1);
         const char *titles[2] = {t0, t1};
         tool_heatmaps(stdout, maps, titles, 2, L, L, lab, lab);
         printf("\n");
@@ -252,14 +258,14 @@ static int random_demo(void)
                     if (p > 0)
                         ent -= p * log(p);
                 }
-        printf("  head %d: %.3f\n", h + 1, ent / (B * L));
+        printf("  head %d: %.3f\n", h, ent / (B * L));
     }
     printf("Mean total-variation distance between the heads' rows:\n       ");
     for (int g = 0; g < H; g++)
-        printf("  head %d", g + 1);
+        printf("  head %d", g);
     printf("\n");
     for (int h = 0; h < H; h++) {
-        printf("  head %d", h + 1);
+        printf("  head %d", h);
         for (int g = 0; g < H; g++) {
             double tv = 0;
             for (int b = 0; b < B; b++)

@@ -1,5 +1,5 @@
 /*
- * bench.c -- `mha bench`: times a planned forward pass (mha_plan_forward),
+ * cmd_bench.c -- `mha bench`: times a planned forward pass (mha_plan_forward),
  * with --backward a planned forward + backward (mha_plan_backward), or,
  * with --attention-only, mha_attention on pre-projected heads, on random
  * inputs, and reports milliseconds, GFLOP/s, the share of the
@@ -7,7 +7,9 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include "args.h"
-#include "tool.h"
+#include "commands.h"
+#include "fail.h"
+#include "mha.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -16,8 +18,6 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
-
-#define NOPTS(a) ((int)(sizeof(a) / sizeof((a)[0])))
 
 static const char BENCH_HELP[] =
     "usage: mha bench --batch B --seq L [--kv-seq Lk] --embed-dim E --heads H\n"

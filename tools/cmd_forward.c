@@ -1,0 +1,97 @@
+/*
+ * cmd_forward.c -- `mha forward`: nn.MultiheadAttention's forward pass on
+ * a safetensors state_dict and .npy inputs, its outputs written as .npy.
+ */
+#include "args.h"
+#include "commands.h"
+#include "fail.h"
+#include "run_setup.h"
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char FORWARD_HELP[] =
+    "usage: mha forward " RUN_USAGE_INPUTS
+    "         --out OUT.npy [--attn-weights A.npy [--per-head]]\n"
+    "\n"
+    "Runs nn.MultiheadAttention's forward pass with the weights of a PyTorch\n"
+    "state_dict saved as safetensors.\n"
+    RUN_HELP_INPUTS
+    "  --out OUT.npy      (B, Lq, E) float32, or (Lq, E) for an unbatched query\n"
+    "  --attn-weights A   (B, Lq, Lk') averaged over heads, or (B, H, Lq, Lk')\n"
+    "                     with --per-head; Lk' counts bias_k / zero keys\n"
+    "A query row with no key left gives out_proj.bias and zero weights\n"
+    "(PyTorch gives NaN there). Outputs are written only on success.\n";
+
+/* Writes the outputs; if any write fails, removes what was written. */
+static int write_outputs(const char *out_path, const mha_tensor_view *out,
+                         const char *w_path, const mha_tensor_view *w)
+{
+    mha_status st = mha_npy_save(out_path, out);
+    if (st != MHA_OK)
+        return tool_fail("forward", "--out: %s", mha_last_error());
+    if (w_path && (st = mha_npy_save(w_path, w)) != MHA_OK) {
+        remove(out_path);
+        return tool_fail("forward", "--attn-weights: %s", mha_last_error());
+    }
+    return 0;
+}
+
+int cmd_forward(int argc, char **argv)
+{
+    tool_opt o[] = {RUN_OPTS, {"out", 1, 0}, {"attn-weights", 1, 0},
+                    {"per-head", 0, 0}};
+    int status;
+    if (tool_options("forward", argc, argv, o, NOPTS(o), FORWARD_HELP, &status))
+        return status;
+#define OPT(name) tool_get(o, NOPTS(o), name)
+    static const char *const need[] = {"out"};
+    if (tool_require("forward", o, NOPTS(o), need, 1))
+        return 1;
+    if (OPT("per-head") && !OPT("attn-weights"))
+        return tool_fail("forward", "--per-head needs --attn-weights");
+    if (OPT("attn-weights") && !strcmp(OPT("attn-weights"), OPT("out")))
+        return tool_fail("forward", "--out and --attn-weights name the same "
+                         "file");
+    run_setup r;
+    if (run_setup_load("forward", o, NOPTS(o), &r))
+        return 1;
+    mha_forward_args *a = &r.a;
+    const int64_t B = a->batch, Lq = a->q_len, E = r.c.embed_dim,
+                  H = r.c.num_heads, Lt = mha_total_keys(r.m, a->kv_len);
+    int rc = 0;
+    /* Sizes were checked by the loaders; the library checks again. */
+    float *out = malloc((size_t)(B * Lq * E) * sizeof *out), *w = NULL;
+    if (OPT("attn-weights")) {
+        a->need_weights = OPT("per-head") ? MHA_WEIGHTS_PER_HEAD
+                                          : MHA_WEIGHTS_AVERAGE;
+        w = malloc((size_t)(B * (OPT("per-head") ? H : 1) * Lq * Lt) *
+                   sizeof *w);
+    }
+    if (!out || (OPT("attn-weights") && !w))
+        rc = tool_fail("forward", "out of memory for the outputs");
+    a->out = out;
+    a->attn_weights = w;
+    if (!rc && mha_forward(r.m, a) != MHA_OK)
+        rc = tool_fail("forward", "%s", mha_last_error());
+    if (!rc) {
+        /* An unbatched query gives unbatched outputs, as in PyTorch. */
+        const int batched = r.in.q->ndim == 3;
+        const mha_tensor_view ov = tool_view_like("", r.in.q, E, out);
+        mha_tensor_view wv = {"", MHA_DTYPE_F32, 0, {0}, w};
+        if (batched)
+            wv.shape[wv.ndim++] = B;
+        if (OPT("per-head"))
+            wv.shape[wv.ndim++] = H;
+        wv.shape[wv.ndim++] = Lq;
+        wv.shape[wv.ndim++] = Lt;
+        rc = write_outputs(OPT("out"), &ov, OPT("attn-weights"), &wv);
+    }
+#undef OPT
+    free(out);
+    free(w);
+    run_free(&r);
+    return rc;
+}

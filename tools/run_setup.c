@@ -1,0 +1,245 @@
+/*
+ * run_setup.c -- what mha forward, mha backward and mha viz share: the
+ * module from --weights, the .npy inputs, the forward's arguments
+ * (run_setup.h); and a few helpers on loaded tensors.
+ */
+#include "run_setup.h"
+
+#include "fail.h"
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int tool_is_float(const mha_tensor *t)
+{
+    return t->dtype == MHA_DTYPE_F32 || t->dtype == MHA_DTYPE_F64 ||
+           t->dtype == MHA_DTYPE_F16 || t->dtype == MHA_DTYPE_BF16;
+}
+
+void tool_dims_str(int ndim, const int64_t *shape, char *buf, size_t n)
+{
+    size_t len = 0;
+    buf[len++] = '(';
+    buf[len] = 0;
+    for (int k = 0; k < ndim && len < n; k++)
+        len += (size_t)snprintf(buf + len, n - len, "%s%lld", k ? ", " : "",
+                                (long long)shape[k]);
+    if (len < n - 1)
+        snprintf(buf + len, n - len, ")");
+}
+
+void tool_shape_str(const mha_tensor *t, char *buf, size_t n)
+{
+    tool_dims_str(t->ndim, t->shape, buf, n);
+}
+
+/* ---- the module and its inputs ------------------------------------------ */
+
+void run_free(run_setup *r)
+{
+    mha_tensor_free(r->in.q);
+    mha_tensor_free(r->in.k);
+    mha_tensor_free(r->in.v);
+    mha_tensor_free(r->in.mask);
+    mha_tensor_free(r->in.kmask);
+    mha_tensor_free(r->in.klen);
+    free(r->head_mask);
+    mha_free(r->m);
+    memset(r, 0, sizeof *r);
+}
+
+/* Checks an input's rank and width, and returns its (B, L). */
+static int input_dims(const char *cmd, const char *opt, const mha_tensor *t,
+                      int64_t width, const char *wname, int64_t *B,
+                      int64_t *L)
+{
+    char s[128];
+    tool_shape_str(t, s, sizeof s);
+    if (!tool_is_float(t))
+        return tool_fail(cmd, "--%s must hold floats, got %s", opt,
+                         mha_dtype_name(t->dtype));
+    if (t->ndim != 2 && t->ndim != 3)
+        return tool_fail(cmd, "--%s must be (B, L, %s) or (L, %s), got %s",
+                         opt, wname, wname, s);
+    if (t->shape[t->ndim - 1] != width)
+        return tool_fail(cmd, "--%s has last dimension %lld, expected %s = "
+                         "%lld (shape %s)", opt,
+                         (long long)t->shape[t->ndim - 1], wname,
+                         (long long)width, s);
+    *B = t->ndim == 3 ? t->shape[0] : 1;
+    *L = t->shape[t->ndim - 2];
+    if (*B < 1 || *L < 1)
+        return tool_fail(cmd, "--%s is empty: shape %s", opt, s);
+    return 0;
+}
+
+/* Checks the option values of RUN_OPTS and loads the module. */
+static int run_module(const char *cmd, const tool_opt *o, int n,
+                      run_setup *r)
+{
+#define OPT(name) tool_get(o, n, name)
+    static const char *const need[] = {"weights", "query"};
+    if (tool_require(cmd, o, n, need, 2))
+        return 1;
+    if (OPT("value") && !OPT("key"))
+        return tool_fail(cmd, "--value needs --key");
+    if (OPT("causal") && OPT("causal-top-left"))
+        return tool_fail(cmd, "--causal and --causal-top-left exclude each "
+                         "other");
+    if ((OPT("dropout") || OPT("seed")) && !OPT("train"))
+        return tool_fail(cmd, "--dropout and --seed apply only with --train");
+
+    mha_config base = {0};
+    int64_t heads = 0, seed = 0, threads = 0;
+    if (OPT("heads") &&
+        tool_int(cmd, "heads", OPT("heads"), 1, INT32_MAX, &heads))
+        return 1;
+    if (OPT("scale")) {
+        if (tool_float(cmd, "scale", OPT("scale"), &base.scale))
+            return 1;
+        if (base.scale == 0.0f)
+            return tool_fail(cmd, "--scale must be nonzero");
+    }
+    if (OPT("dropout") &&
+        tool_float(cmd, "dropout", OPT("dropout"), &base.dropout))
+        return 1;
+    if (!(base.dropout >= 0.0f && base.dropout <= 1.0f))
+        return tool_fail(cmd, "--dropout must be in [0, 1], got %s",
+                         OPT("dropout"));
+    if (OPT("seed") && tool_int(cmd, "seed", OPT("seed"), 0, INT64_MAX, &seed))
+        return 1;
+    if (OPT("threads") &&
+        tool_int(cmd, "threads", OPT("threads"), 1, 4096, &threads))
+        return 1;
+    base.add_zero_attn = OPT("add-zero-attn") != NULL;
+
+    mha_tensor_file *file = NULL;
+    mha_status st = mha_safetensors_load(OPT("weights"), &file);
+    if (st != MHA_OK)
+        return tool_fail(cmd, "--weights: %s", mha_last_error());
+    st = mha_module_from_file(file, heads, &base, &r->m);
+    mha_tensor_file_free(file);
+    if (st != MHA_OK)
+        return tool_fail(cmd, "--weights %s: %s", OPT("weights"),
+                         mha_last_error());
+    mha_get_config(r->m, &r->c);
+
+    r->a.causal = OPT("causal") ? MHA_CAUSAL_BOTTOM_RIGHT
+                : OPT("causal-top-left") ? MHA_CAUSAL_TOP_LEFT
+                                         : MHA_CAUSAL_NONE;
+    /* --dropout 0 means no dropout, whatever the file's config says (a
+     * zero in `base` reads as "not given" to mha_module_from_file). */
+    r->a.training = OPT("train") != NULL &&
+                    !(OPT("dropout") && base.dropout == 0.0f);
+    r->a.dropout_seed = (uint64_t)seed;
+    r->a.num_threads = (int)threads;
+    if (OPT("head-mask")) {
+        if (tool_floats(cmd, "head-mask", OPT("head-mask"), r->c.num_heads,
+                        &r->head_mask))
+            return 1;
+        r->a.head_mask = r->head_mask;
+    }
+    return 0;
+#undef OPT
+}
+
+/* Loads the .npy inputs of RUN_OPTS and fills r->a from them. */
+static int run_inputs(const char *cmd, const tool_opt *o, int n,
+                      run_setup *r)
+{
+#define OPT(name) tool_get(o, n, name)
+    static const char *const files[] = {"query", "key", "value", "attn-mask",
+                                        "key-mask", "key-lengths"};
+    fwd_inputs *in = &r->in;
+    mha_tensor **slot[] = {&in->q, &in->k, &in->v, &in->mask, &in->kmask,
+                           &in->klen};
+    for (int k = 0; k < 6; k++)
+        if (OPT(files[k]) && mha_npy_load(OPT(files[k]), slot[k]) != MHA_OK)
+            return tool_fail(cmd, "--%s: %s", files[k], mha_last_error());
+#undef OPT
+    const mha_config *c = &r->c;
+    int64_t B = 0, Lq = 0, Bk = 0, Lk = 0, Bv = 0, Lv = 0;
+    if (input_dims(cmd, "query", in->q, c->embed_dim, "E", &B, &Lq) ||
+        (in->k && input_dims(cmd, "key", in->k, c->kdim, "kdim", &Bk, &Lk)) ||
+        (in->v && input_dims(cmd, "value", in->v, c->vdim, "vdim", &Bv, &Lv)))
+        return 1;
+    if (!in->k && c->kdim != c->embed_dim)
+        return tool_fail(cmd, "the module has kdim %lld != E %lld: give --key",
+                         (long long)c->kdim, (long long)c->embed_dim);
+    if (!in->v && c->vdim != (in->k ? c->kdim : c->embed_dim))
+        return tool_fail(cmd, "the module has vdim %lld: give --value",
+                         (long long)c->vdim);
+    if (in->k && (in->k->ndim != in->q->ndim || Bk != B))
+        return tool_fail(cmd, "--key must have the query's batch (%lld) and "
+                         "rank", (long long)B);
+    if (in->v && (in->v->ndim != in->k->ndim || Bv != B || Lv != Lk))
+        return tool_fail(cmd, "--value must have the key's batch and length "
+                         "(%lld, %lld)", (long long)B, (long long)Lk);
+
+    mha_forward_args *a = &r->a;
+    a->batch = B;
+    a->q_len = Lq;
+    a->kv_len = in->k ? Lk : Lq;
+    a->query = in->q->data;
+    a->key = in->k ? in->k->data : NULL;
+    a->value = in->v ? in->v->data : NULL;
+    if (in->mask) {
+        if (in->mask->dtype == MHA_DTYPE_BOOL)
+            a->attn_mask.kind = MHA_MASK_ALLOW;
+        else if (tool_is_float(in->mask))
+            a->attn_mask.kind = MHA_MASK_ADDITIVE;
+        else
+            return tool_fail(cmd, "--attn-mask must be bool (allow) or float "
+                             "(additive), got %s",
+                             mha_dtype_name(in->mask->dtype));
+        a->attn_mask.data = in->mask->data;
+        a->attn_mask.ndim = in->mask->ndim;
+        for (int d = 0; d < in->mask->ndim && d < 4; d++)
+            a->attn_mask.shape[d] = in->mask->shape[d];
+    }
+    if (in->kmask) {
+        if (in->kmask->dtype != MHA_DTYPE_BOOL)
+            return tool_fail(cmd, "--key-mask must be bool (true = real key), "
+                             "got %s", mha_dtype_name(in->kmask->dtype));
+        a->key_padding_mask = (mha_mask){MHA_MASK_ALLOW, in->kmask->data,
+                                         in->kmask->ndim, {0}};
+        for (int d = 0; d < in->kmask->ndim && d < 4; d++)
+            a->key_padding_mask.shape[d] = in->kmask->shape[d];
+    }
+    if (in->klen) {
+        if (in->klen->dtype != MHA_DTYPE_I32 &&
+            in->klen->dtype != MHA_DTYPE_I64)
+            return tool_fail(cmd, "--key-lengths must hold integers, got %s",
+                             mha_dtype_name(in->klen->dtype));
+        if (in->klen->numel != B || in->klen->ndim > 1)
+            return tool_fail(cmd, "--key-lengths must be (B) = (%lld), got "
+                             "%lld values", (long long)B,
+                             (long long)in->klen->numel);
+        a->key_lengths = in->klen->data;
+    }
+    return 0;
+}
+
+/* See run_setup.h. */
+int run_setup_load(const char *cmd, const tool_opt *o, int n,
+                   run_setup *r)
+{
+    memset(r, 0, sizeof *r);
+    if (run_module(cmd, o, n, r) || run_inputs(cmd, o, n, r)) {
+        run_free(r);
+        return 1;
+    }
+    return 0;
+}
+
+mha_tensor_view tool_view_like(const char *name, const mha_tensor *like,
+                               int64_t last, const float *data)
+{
+    mha_tensor_view v = {name, MHA_DTYPE_F32, like->ndim, {0}, data};
+    for (int d = 0; d < like->ndim; d++)
+        v.shape[d] = like->shape[d];
+    v.shape[like->ndim - 1] = last;
+    return v;
+}
