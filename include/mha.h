@@ -354,12 +354,14 @@ MHA_API mha_status mha_forward(const mha_module *module,
  * scaled_dot_product_attention, with heads side by side in the last
  * dimension as nn.MultiheadAttention keeps them):
  *
- *   out[b, i, h*d_h ..] = softmax(q_h k_h^T * scale + mask) v_h
- *   q (B, Lq, H*d_h), k and v (B, Lk, H*d_h), out (B, Lq, H*d_h)
+ *   out[b, i, h*d_h ..] = softmax(q_h k_g^T * scale + mask) v_g,
+ *                         g = h / (H / H_kv)
+ *   q (B, Lq, H*d_h), k and v (B, Lk, H_kv*d_h), out (B, Lq, H*d_h)
  *
  * Masks, causal, key lengths, weights ((B, H, Lq, Lk) or (B, Lq, Lk)),
  * dropout and threads behave exactly as in mha_forward.  Zero fields are
- * defaults: scale 0 -> 1/sqrt(d_h), kv_len 0 -> q_len.
+ * defaults: scale 0 -> 1/sqrt(d_h), kv_len 0 -> q_len, num_kv_heads 0 ->
+ * num_heads.
  */
 typedef struct mha_attention_args {
     int64_t batch, num_heads, head_dim, q_len, kv_len;
@@ -377,6 +379,11 @@ typedef struct mha_attention_args {
     int num_threads;
     float *out;           /* must not overlap q, k, v or attn_weights     */
     unsigned given;       /* MHA_GIVEN_SCALE: scale as written, 0 too     */
+    int64_t num_kv_heads; /* H_kv, dividing num_heads; 0 -> num_heads.
+                             Grouped-query attention (H_kv = 1: multi-
+                             query): k and v are (B, Lk, H_kv*d_h), and
+                             query head h reads K/V head h / (H / H_kv),
+                             as PyTorch SDPA's enable_gqa and Llama.     */
 } mha_attention_args;
 MHA_API mha_status mha_attention(const mha_attention_args *args);
 
@@ -400,7 +407,9 @@ typedef struct mha_attention_plan mha_attention_plan;
 typedef struct mha_attention_grads {
     const float *grad_out;  /* (B, Lq, H*d_h), dL/d out, required */
     float *grad_q;          /* (B, Lq, H*d_h), required           */
-    float *grad_k, *grad_v; /* (B, Lk, H*d_h), required           */
+    float *grad_k, *grad_v; /* (B, Lk, H_kv*d_h), required: each
+                               K/V head's gradient is summed over
+                               the query heads that read it      */
 } mha_attention_grads;
 MHA_API mha_status mha_attention_plan_create(const mha_attention_args *shape,
                                              mha_attention_plan **out);

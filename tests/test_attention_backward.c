@@ -34,7 +34,8 @@
 /* ---- a float64 attention, from the definition ---------------------------- */
 
 typedef struct problem {
-    int64_t B, H, dh, Lq, Lk;
+    int64_t B, H, Hkv, dh, Lq, Lk;  /* query head h reads K/V head
+                                       h / (H / Hkv)                  */
     mha_causal causal;
     const int64_t *lengths;      /* (B) or NULL                      */
     const float *additive;       /* (Lq, Lk) or NULL                 */
@@ -65,23 +66,24 @@ static int visible(const problem *P, int64_t b, int64_t h, int64_t i,
     return 1;
 }
 
-/* L = sum(g * attention(q, k, v)) in float64 (q, k, v as doubles). */
-static double loss64(const problem *P, const double *q, const double *k,
-                     const double *v, const float *g)
+/* out = attention(q, k, v) in float64 (q, k, v as doubles), (B, Lq, E). */
+static void attend64(const problem *P, const double *q, const double *k,
+                     const double *v, double *out)
 {
-    const int64_t E = P->H * P->dh;
+    const int64_t E = P->H * P->dh, Ekv = P->Hkv * P->dh;
     double *s = malloc((size_t)P->Lk * sizeof *s);
-    double L = 0.0;
+    memset(out, 0, (size_t)(P->B * P->Lq * E) * sizeof *out);
     for (int64_t b = 0; b < P->B; b++)
         for (int64_t h = 0; h < P->H; h++)
             for (int64_t i = 0; i < P->Lq; i++) {
+                const int64_t kvh = h / (P->H / P->Hkv);
                 const double *qi = q + (b * P->Lq + i) * E + h * P->dh;
                 double mx = -INFINITY, sum = 0.0, bias;
                 for (int64_t j = 0; j < P->Lk; j++) {
                     s[j] = -INFINITY;
                     if (!visible(P, b, h, i, j, &bias))
                         continue;
-                    const double *kj = k + (b * P->Lk + j) * E + h * P->dh;
+                    const double *kj = k + (b * P->Lk + j) * Ekv + kvh * P->dh;
                     double dot = 0.0;
                     for (int64_t d = 0; d < P->dh; d++)
                         dot += qi[d] * kj[d];
@@ -92,7 +94,7 @@ static double loss64(const problem *P, const double *q, const double *k,
                     continue;   /* no key: zero output */
                 for (int64_t j = 0; j < P->Lk; j++)
                     sum += s[j] == -INFINITY ? 0.0 : exp(s[j] - mx);
-                const float *gi = g + (b * P->Lq + i) * E + h * P->dh;
+                double *oi = out + (b * P->Lq + i) * E + h * P->dh;
                 for (int64_t j = 0; j < P->Lk; j++) {
                     if (s[j] == -INFINITY)
                         continue;
@@ -100,12 +102,25 @@ static double loss64(const problem *P, const double *q, const double *k,
                     if (P->p > 0.0f)
                         pj = mha_dropout_keep(P->seed, P->p, b, h, i, j)
                                  ? pj / (1.0 - P->p) : 0.0;
-                    const double *vj = v + (b * P->Lk + j) * E + h * P->dh;
+                    const double *vj = v + (b * P->Lk + j) * Ekv + kvh * P->dh;
                     for (int64_t d = 0; d < P->dh; d++)
-                        L += pj * vj[d] * gi[d];
+                        oi[d] += pj * vj[d];
                 }
             }
     free(s);
+}
+
+/* L = sum(g * attention(q, k, v)). */
+static double loss64(const problem *P, const double *q, const double *k,
+                     const double *v, const float *g)
+{
+    const int64_t n = P->B * P->Lq * P->H * P->dh;
+    double *out = malloc((size_t)n * sizeof *out);
+    attend64(P, q, k, v, out);
+    double L = 0.0;
+    for (int64_t e = 0; e < n; e++)
+        L += out[e] * g[e];
+    free(out);
     return L;
 }
 
@@ -153,7 +168,7 @@ static void expect_close(const char *name, const char *what, const float *got,
 
 typedef struct gcase {
     const char *name;
-    int64_t B, H, dh, Lq, Lk;
+    int64_t B, H, Hkv, dh, Lq, Lk;
     mha_causal causal;
     int lengths, additive, allow;
     float scale;          /* 0 with given: an explicit scale of 0 */
@@ -162,14 +177,17 @@ typedef struct gcase {
 } gcase;
 
 static const gcase GCASES[] = {
-    {"plain", 2, 2, 8, 9, 11, 0, 0, 0, 0, 0.0f, 0, 0.0f},
-    {"causal bottom-right", 1, 3, 4, 7, 12, MHA_CAUSAL_BOTTOM_RIGHT, 0, 0, 0, 0.0f, 0, 0.0f},
-    {"causal top-left, lengths (a row with no key)", 2, 2, 5, 8, 8, MHA_CAUSAL_TOP_LEFT, 1, 0, 0, 0.0f, 0, 0.0f},
-    {"additive mask, custom scale", 2, 1, 6, 5, 70, 0, 0, 1, 0, 0.31f, 0, 0.0f},
-    {"allow mask (B, H, Lq, Lk)", 2, 2, 3, 6, 9, 0, 0, 0, 1, 0.0f, 0, 0.0f},
-    {"explicit scale 0", 1, 2, 4, 5, 6, 0, 0, 0, 0, 0.0f, 1, 0.0f},
-    {"dropout", 2, 2, 4, 6, 10, 0, 1, 0, 0, 0.0f, 0, 0.3f},
-    {"one query row", 1, 2, 16, 1, 67, 0, 0, 0, 0, 0.0f, 0, 0.0f},
+    {"plain", 2, 2, 2, 8, 9, 11, 0, 0, 0, 0, 0.0f, 0, 0.0f},
+    {"causal bottom-right", 1, 3, 3, 4, 7, 12, MHA_CAUSAL_BOTTOM_RIGHT, 0, 0, 0, 0.0f, 0, 0.0f},
+    {"causal top-left, lengths (a row with no key)", 2, 2, 2, 5, 8, 8, MHA_CAUSAL_TOP_LEFT, 1, 0, 0, 0.0f, 0, 0.0f},
+    {"additive mask, custom scale", 2, 1, 1, 6, 5, 70, 0, 0, 1, 0, 0.31f, 0, 0.0f},
+    {"allow mask (B, H, Lq, Lk)", 2, 2, 2, 3, 6, 9, 0, 0, 0, 1, 0.0f, 0, 0.0f},
+    {"explicit scale 0", 1, 2, 2, 4, 5, 6, 0, 0, 0, 0, 0.0f, 1, 0.0f},
+    {"dropout", 2, 2, 2, 4, 6, 10, 0, 1, 0, 0, 0.0f, 0, 0.3f},
+    {"one query row", 1, 2, 2, 16, 1, 67, 0, 0, 0, 0, 0.0f, 0, 0.0f},
+    {"GQA 4/2, causal, lengths", 2, 4, 2, 4, 6, 9, MHA_CAUSAL_BOTTOM_RIGHT, 1, 0, 0, 0.0f, 0, 0.0f},
+    {"MQA 3/1, allow mask, dropout", 2, 3, 1, 4, 5, 70, 0, 0, 0, 1, 0.0f, 0, 0.2f},
+    {"GQA 6/3, two query rows", 1, 6, 3, 8, 2, 33, 0, 0, 1, 0, 0.0f, 0, 0.0f},
 };
 
 static void test_gradients(void **state)
@@ -177,8 +195,8 @@ static void test_gradients(void **state)
     (void)state;
     for (size_t t = 0; t < sizeof GCASES / sizeof *GCASES; t++) {
         const gcase *c = &GCASES[t];
-        const int64_t E = c->H * c->dh;
-        const int64_t nq = c->B * c->Lq * E, nk = c->B * c->Lk * E;
+        const int64_t E = c->H * c->dh, Ekv = c->Hkv * c->dh;
+        const int64_t nq = c->B * c->Lq * E, nk = c->B * c->Lk * Ekv;
         float *q = malloc((size_t)nq * 4), *k = malloc((size_t)nk * 4);
         float *v = malloc((size_t)nk * 4), *g = malloc((size_t)nq * 4);
         float *out = malloc((size_t)nq * 4), *dq = malloc((size_t)nq * 4);
@@ -200,6 +218,7 @@ static void test_gradients(void **state)
         mha_attention_args a = {0};
         a.batch = c->B;
         a.num_heads = c->H;
+        a.num_kv_heads = c->Hkv;
         a.head_dim = c->dh;
         a.q_len = c->Lq;
         a.kv_len = c->Lk;
@@ -221,10 +240,12 @@ static void test_gradients(void **state)
         a.dropout_seed = 77;
         a.out = out;
         const mha_attention_grads gr = {g, dq, dk, dv};
+        if (mha_attention(&a) != MHA_OK)
+            fail_msg("%s: %s", c->name, mha_last_error());
         if (mha_attention_backward(&a, &gr) != MHA_OK)
             fail_msg("%s: %s", c->name, mha_last_error());
 
-        problem P = {c->B, c->H, c->dh, c->Lq, c->Lk, c->causal,
+        problem P = {c->B, c->H, c->Hkv, c->dh, c->Lq, c->Lk, c->causal,
                      a.key_lengths, c->additive ? add : NULL,
                      c->allow ? allow : NULL,
                      c->given || c->scale != 0.0f
@@ -232,6 +253,9 @@ static void test_gradients(void **state)
                      c->p, 77};
         double *q64 = widen(q, nq), *k64 = widen(k, nk), *v64 = widen(v, nk);
         double *want = malloc((size_t)(nq > nk ? nq : nk) * sizeof *want);
+        /* The forward's output (the backward's own run) first. */
+        attend64(&P, q64, k64, v64, want);
+        expect_close(c->name, "out", out, want, nq);
         central(&P, q64, k64, v64, g, q64, nq, want);
         expect_close(c->name, "dq", dq, want, nq);
         central(&P, q64, k64, v64, g, k64, nk, want);
@@ -258,9 +282,10 @@ static bufs bufs_make(const mha_attention_args *a)
 {
     bufs x;
     const int64_t E = a->num_heads * a->head_dim;
+    const int64_t Hkv = a->num_kv_heads ? a->num_kv_heads : a->num_heads;
     const int64_t Lk = a->kv_len ? a->kv_len : a->q_len;
     x.nq = a->batch * a->q_len * E;
-    x.nk = a->batch * Lk * E;
+    x.nk = a->batch * Lk * Hkv * a->head_dim;
     x.q = malloc((size_t)x.nq * 4);
     x.k = malloc((size_t)x.nk * 4);
     x.v = malloc((size_t)x.nk * 4);
@@ -306,11 +331,13 @@ static void test_threads_bitwise(void **state)
     /* B H Lq Lk d_h >= 2^20 in each, so the engine runs every thread;
      * the odd key count made the ref tier's per-thread float64 scratch
      * misaligned on odd threads (UBSan: misaligned load). */
-    static const int64_t shapes[][5] = {
-        /* B, H, dh, Lq, Lk */
-        {2, 4, 32, 200, 200},
-        {1, 2, 16, 64, 1505},
-        {1, 4, 64, 3, 2100},    /* decoding: split keys */
+    static const int64_t shapes[][6] = {
+        /* B, H, dh, Lq, Lk, Hkv */
+        {2, 4, 32, 200, 200, 4},
+        {1, 2, 16, 64, 1505, 2},
+        {1, 4, 64, 3, 2100, 4},    /* decoding: split keys */
+        {2, 8, 32, 100, 150, 2},   /* grouped-query */
+        {1, 8, 64, 1, 2100, 1},    /* multi-query decoding */
     };
     for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++) {
         mha_attention_args a = {0};
@@ -319,6 +346,7 @@ static void test_threads_bitwise(void **state)
         a.head_dim = shapes[s][2];
         a.q_len = shapes[s][3];
         a.kv_len = shapes[s][4];
+        a.num_kv_heads = shapes[s][5];
         a.causal = s == 0 ? MHA_CAUSAL_BOTTOM_RIGHT : MHA_CAUSAL_NONE;
         a.dropout = s == 1 ? 0.2f : 0.0f;
         a.training = s == 1;
@@ -377,6 +405,13 @@ static void test_plan_misuse(void **state)
     mha_attention_args b = a;
     b.q_len = 4;
     assert_fails(mha_attention_plan_run(p, &b), MHA_ERR_SHAPE, "plan");
+    b = a;
+    b.num_kv_heads = 1;
+    assert_fails(mha_attention_plan_run(p, &b), MHA_ERR_SHAPE, "H_kv=1");
+    b.num_kv_heads = 3;   /* must divide num_heads */
+    assert_fails(mha_attention(&b), MHA_ERR_SHAPE, "num_kv_heads 3");
+    b.num_kv_heads = -1;
+    assert_fails(mha_attention(&b), MHA_ERR_SHAPE, "num_kv_heads -1");
     /* A failed run leaves nothing to differentiate. */
     assert_fails(mha_attention_plan_backward(p, &a, &g),
                  MHA_ERR_INVALID_ARGUMENT, "no run");

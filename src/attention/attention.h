@@ -71,14 +71,18 @@ static inline int mha_mask_has_explicit(const mha_mask_plan *p)
 enum { MHA_BR = 64, MHA_BC = 64 };
 
 /*
- * One attention problem.  Element d of head h of row i of batch b is at
- *     q[(b * Lq + i) * ldq + h * dh + d]     (k, v likewise with Lk)
- *     ctx[(b * Lq + i) * ldc + h * dh + d]   (the output)
- * bias_k / bias_v ([H * dh], or NULL) and zero_attn append one key each
+ * One attention problem.  H query heads share Hkv key/value heads (Hkv
+ * divides H; grouped-query attention, Hkv = H without it): query head h
+ * reads K/V head g = h / (H / Hkv).  Element d of
+ *     query head h of row i of batch b     q[(b * Lq + i) * ldq + h * dh + d]
+ *     K/V head g of key row j of batch b   k[(b * Lk + j) * ldk + g * dh + d]
+ *                                          (v likewise)
+ *     the output of query head h           ctx[(b * Lq + i) * ldc + h * dh + d]
+ * bias_k / bias_v ([Hkv * dh], or NULL) and zero_attn append one key each
  * after the Lk real ones, in that order, as PyTorch does: Lt keys in all.
  */
 typedef struct mha_attn {
-    int64_t B, H, Lq, Lk, Lt, dh;
+    int64_t B, H, Hkv, Lq, Lk, Lt, dh;
     const float *q, *k, *v;
     int64_t ldq, ldk, ldv;
     const float *bias_k, *bias_v;
@@ -142,12 +146,13 @@ typedef struct mha_attn_layout {
     int64_t total;                              /* floats in all      */
 } mha_attn_layout;
 mha_status mha_attn_layout_forward(const mha_engine *e, int64_t B, int64_t H,
-                                   int64_t Lq, int64_t Lk, int64_t Lt,
-                                   int64_t dh, mha_attn_layout *out);
+                                   int64_t Hkv, int64_t Lq, int64_t Lk,
+                                   int64_t Lt, int64_t dh,
+                                   mha_attn_layout *out);
 /* The backward's own workspace: K and V packed its way (offset `packed`,
  * flash tiers), then per-thread scratch; stats and partials unused. */
 mha_status mha_attn_layout_backward(const mha_engine *e, int64_t B,
-                                    int64_t H, int64_t Lk, int64_t Lt,
+                                    int64_t Hkv, int64_t Lk, int64_t Lt,
                                     int64_t dh, mha_attn_layout *out);
 
 /* Runs the whole problem: ctx, the row stats and, when asked, the weights.
@@ -160,8 +165,9 @@ void mha_attn_run(const mha_engine *e, const mha_attn *a, float *scratch,
  * The backward of a problem whose forward ran with the same mha_attn (its
  * stats and, for the flash tiers, packed K/V kept).  dctx is the gradient
  * of ctx; dq, dk, dv (laid out as q, k, v with their own row strides) are
- * overwritten; dbias_k / dbias_v ([B][H][dh], or NULL) receive each
- * (b, h)'s gradient of bias_k / bias_v, summed over b by the caller.
+ * overwritten, dk and dv summed over the query heads of each K/V head's
+ * group; dbias_k / dbias_v ([B][Hkv][dh], or NULL) receive each (b, g)'s
+ * gradient of bias_k / bias_v, summed over b by the caller.
  */
 typedef struct mha_attn_grad {
     const float *dctx;
@@ -172,8 +178,9 @@ typedef struct mha_attn_grad {
     float *packed;   /* the backward layout's packed K and V */
 } mha_attn_grad;
 
-/* One work item per (b, h), each computed by one thread in a fixed order:
- * bitwise the same for every thread count. */
+/* One work item per (b, g), each computed by one thread in a fixed order
+ * (the group's query heads in ascending order, each one's query blocks in
+ * order): bitwise the same for every thread count. */
 void mha_attn_backward(const mha_engine *e, const mha_attn *a,
                        const mha_attn_grad *g, float *scratch,
                        int64_t per_thread);
@@ -188,11 +195,11 @@ void mha_attn_backward(const mha_engine *e, const mha_attn *a,
 #define MHA_THREADS_MIN_WORK ((double)(1 << 20))
 
 /*
- * K and V of every (b, h), packed once per call by key tile into two
- * planes and a flag per tile:
- *     a     [B][H][tiles][MHA_BC * dh]
- *     b     [B][H][tiles][MHA_BC * dh]
- *     flag  [B][H][tiles]               1.0f or 0.0f
+ * K and V of every (b, g) (g a K/V head), packed once per call by key tile
+ * into two planes and a flag per tile:
+ *     a     [B][Hkv][tiles][MHA_BC * dh]
+ *     b     [B][Hkv][tiles][MHA_BC * dh]
+ *     flag  [B][Hkv][tiles]               1.0f or 0.0f
  * tiles = ceil(Lk / MHA_BC) + 1; the last tile holds the extra keys.  The
  * forward packs kt (keys transposed, [dh][MHA_BC]) into a, v ([nc][dh])
  * into b, "v is finite" into flag; the backward packs k ([nc][dh]), vt
@@ -200,53 +207,60 @@ void mha_attn_backward(const mha_engine *e, const mha_attn *a,
  */
 typedef struct mha_packed {
     float *base;
-    int64_t H, tiles, tile, plane;   /* tile = MHA_BC * dh */
+    int64_t Hkv, tiles, tile, plane;   /* tile = MHA_BC * dh */
 } mha_packed;
 
 static inline int64_t mha_packed_tiles(int64_t Lk)
 {
     return (Lk + MHA_BC - 1) / MHA_BC + 1;
 }
-static inline int64_t mha_packed_floats(int64_t B, int64_t H, int64_t Lk,
+static inline int64_t mha_packed_floats(int64_t B, int64_t Hkv, int64_t Lk,
                                         int64_t dh)
 {
-    return B * H * mha_packed_tiles(Lk) * (2 * MHA_BC * dh + 1);
+    return B * Hkv * mha_packed_tiles(Lk) * (2 * MHA_BC * dh + 1);
 }
 static inline mha_packed mha_packed_at(float *base, const mha_attn *a)
 {
     const int64_t tiles = mha_packed_tiles(a->Lk), tile = MHA_BC * a->dh;
-    const mha_packed p = {base, a->H, tiles, tile, a->B * a->H * tiles * tile};
+    const mha_packed p = {base, a->Hkv, tiles, tile,
+                          a->B * a->Hkv * tiles * tile};
     return p;
 }
-static inline float *mha_packed_a(const mha_packed *p, int64_t b, int64_t h,
+static inline float *mha_packed_a(const mha_packed *p, int64_t b, int64_t g,
                                   int64_t t)
 {
-    return p->base + ((b * p->H + h) * p->tiles + t) * p->tile;
+    return p->base + ((b * p->Hkv + g) * p->tiles + t) * p->tile;
 }
-static inline float *mha_packed_b(const mha_packed *p, int64_t b, int64_t h,
+static inline float *mha_packed_b(const mha_packed *p, int64_t b, int64_t g,
                                   int64_t t)
 {
-    return mha_packed_a(p, b, h, t) + p->plane;
+    return mha_packed_a(p, b, g, t) + p->plane;
 }
 static inline float *mha_packed_flag(const mha_packed *p, int64_t b,
-                                     int64_t h, int64_t t)
+                                     int64_t g, int64_t t)
 {
-    return p->base + 2 * p->plane + (b * p->H + h) * p->tiles + t;
+    return p->base + 2 * p->plane + (b * p->Hkv + g) * p->tiles + t;
 }
 
-/* Key row j of head h of batch b: a real key (j < Lk), bias_k (j = Lk
+/* The K/V head that query head h reads. */
+static inline int64_t mha_kv_head(const mha_attn *a, int64_t h)
+{
+    return h / (a->H / a->Hkv);
+}
+
+/* Key row j of K/V head g of batch b: a real key (j < Lk), bias_k (j = Lk
  * with add_bias_kv), or NULL for the zero key of add_zero_attn. */
 static inline const float *mha_key_row(const mha_attn *a, int64_t b,
-                                       int64_t h, int64_t j)
+                                       int64_t g, int64_t j)
 {
-    return j < a->Lk ? a->k + (b * a->Lk + j) * a->ldk + h * a->dh
-         : j == a->Lk && a->bias_k ? a->bias_k + h * a->dh : NULL;
+    return j < a->Lk ? a->k + (b * a->Lk + j) * a->ldk + g * a->dh
+         : j == a->Lk && a->bias_k ? a->bias_k + g * a->dh : NULL;
 }
 static inline const float *mha_value_row(const mha_attn *a, int64_t b,
-                                         int64_t h, int64_t j)
+                                         int64_t g, int64_t j)
 {
-    return j < a->Lk ? a->v + (b * a->Lk + j) * a->ldv + h * a->dh
-         : j == a->Lk && a->bias_v ? a->bias_v + h * a->dh : NULL;
+    return j < a->Lk ? a->v + (b * a->Lk + j) * a->ldv + g * a->dh
+         : j == a->Lk && a->bias_v ? a->bias_v + g * a->dh : NULL;
 }
 
 /* Keys in packed tile t of a problem: MHA_BC, fewer in the last real
@@ -273,6 +287,7 @@ enum { MHA_TILE_OPEN = 0, MHA_TILE_BY_INDEX = 1, MHA_TILE_EXPLICIT = 2 };
  */
 typedef struct mha_tile {
     int64_t b, h;
+    int64_t g;           /* the K/V head query head h reads              */
     int64_t i0;
     int mr;
     int64_t j0;
@@ -348,16 +363,17 @@ void mha_weights_block(const mha_attn *a, int64_t b, int64_t i0, int mr,
 int64_t mha_ref_scratch_floats(int64_t dh, int64_t Lt);
 void mha_ref_row(const mha_attn *a, int64_t b, int64_t i, float *scratch);
 
-/* flash_backward.c: the backward's packing, scratch, and one (b, h). */
+/* flash_backward.c: the backward's packing, scratch, and one (b, g):
+ * every query head of K/V head g's group. */
 void mha_pack_backward_tile(const mha_attn *a, const mha_attn_grad *g,
                             int64_t item);
 int64_t mha_flash_bwd_scratch_floats(int64_t dh, int64_t Lt);
 void mha_flash_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
-                        int64_t h, float *scratch);
+                        int64_t kvh, float *scratch);
 
-/* ref_backward.c: one (b, h) in float64. */
+/* ref_backward.c: one (b, g) in float64. */
 int64_t mha_ref_bwd_scratch_floats(int64_t dh, int64_t Lt);
 void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
-                      int64_t h, float *scratch);
+                      int64_t kvh, float *scratch);
 
 #endif /* MHA_ATTENTION_H */

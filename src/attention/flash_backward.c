@@ -14,9 +14,10 @@
  * stored: a block of 64 query rows caches its own P and dP~ (64 x Lk
  * each, O(L) per thread) between two sweeps over its key tiles, the first
  * for delta, the second for the gradients.  One work item is one (batch,
- * head): it owns the rows of dq, dk and dv of its head, and walks the
- * query blocks in order, each against its key tiles in order, adding into
- * dk and dv.  Every sum therefore has one fixed order, whatever the thread
+ * K/V head g): it owns the rows of dk and dv of g and of dq of the query
+ * heads that read g (one head without grouped-query attention), and walks
+ * those heads in ascending order, each one's query blocks in order, each
+ * block against its key tiles in order, adding into dk and dv.  Every sum therefore has one fixed order, whatever the thread
  * count.  dS is set to 0 wherever P is 0 (masked keys, rows with no key),
  * so a masked key's NaN cannot reach any gradient.
  */
@@ -71,12 +72,12 @@ void mha_pack_backward_tile(const mha_attn *a, const mha_attn_grad *g,
 {
     const mha_packed fp = mha_packed_at(a->packed, a);
     const mha_packed bp = mha_packed_at(g->packed, a);
-    const int64_t t = item % fp.tiles, bh = item / fp.tiles;
-    const int64_t b = bh / a->H, h = bh % a->H, dh = a->dh;
+    const int64_t t = item % fp.tiles, bg = item / fp.tiles;
+    const int64_t b = bg / a->Hkv, kvh = bg % a->Hkv, dh = a->dh;
     const int nc = mha_tile_keys(a, t);
-    const float *kt = mha_packed_a(&fp, b, h, t);
-    const float *v = mha_packed_b(&fp, b, h, t);
-    float *kc = mha_packed_a(&bp, b, h, t), *vt = mha_packed_b(&bp, b, h, t);
+    const float *kt = mha_packed_a(&fp, b, kvh, t);
+    const float *v = mha_packed_b(&fp, b, kvh, t);
+    float *kc = mha_packed_a(&bp, b, kvh, t), *vt = mha_packed_b(&bp, b, kvh, t);
     int finite = 1;
     for (int c = 0; c < nc; c++)
         for (int64_t d = 0; d < dh; d++) {
@@ -84,7 +85,7 @@ void mha_pack_backward_tile(const mha_attn *a, const mha_attn_grad *g,
             vt[d * MHA_BC + c] = v[c * dh + d];
             finite &= isfinite(kc[c * dh + d]) != 0;
         }
-    *mha_packed_flag(&bp, b, h, t) = (float)finite;
+    *mha_packed_flag(&bp, b, kvh, t) = (float)finite;
 }
 
 /* sum_c p[c] * d[c] over the c with p[c] != 0 (so an Inf or NaN in d
@@ -122,10 +123,10 @@ static void probs_tile(const mha_attn *a, const mha_tile *t, void *ctx)
     float *pc = w->pc + t->index * MHA_BC, *dpc = w->dpc + t->index * MHA_BC;
     const double keep = mha_keep_scale(a);
 
-    uk->qk(mr, nc, dh, f->qs, mha_packed_a(&w->fwd, b, h, t->index), MHA_BC,
-           f->s, MHA_BC);
+    uk->qk(mr, nc, dh, f->qs, mha_packed_a(&w->fwd, b, t->g, t->index),
+           MHA_BC, f->s, MHA_BC);
     mha_mask_tile(a, t, f->s);
-    uk->qk(mr, nc, dh, w->dout, mha_packed_b(&w->bwd, b, h, t->index),
+    uk->qk(mr, nc, dh, w->dout, mha_packed_b(&w->bwd, b, t->g, t->index),
            MHA_BC, dpc, (int)w->ldc);
     for (int r = 0; r < mr; r++) {
         const int64_t i = t->i0 + r;
@@ -165,8 +166,8 @@ static void grads_tile(const mha_attn *a, const mha_tile *t, void *ctx)
     const int64_t b = t->b, h = t->h, j0 = t->j0, ldc = w->ldc;
     const float *pc = w->pc + t->index * MHA_BC;
     const float *dpc = w->dpc + t->index * MHA_BC;
-    const float *kc = mha_packed_a(&w->bwd, b, h, t->index);
-    const int k_finite = *mha_packed_flag(&w->bwd, b, h, t->index) != 0.0f;
+    const float *kc = mha_packed_a(&w->bwd, b, t->g, t->index);
+    const int k_finite = *mha_packed_flag(&w->bwd, b, t->g, t->index) != 0.0f;
     const float keep = (float)mha_keep_scale(a);
 
     /* dS = P * (dP - delta) into dp; under dropout also P~ (P with the
@@ -203,8 +204,8 @@ static void grads_tile(const mha_attn *a, const mha_tile *t, void *ctx)
         dv_dst = w->extra + 2 * dh;
         lddk = lddv = dh;
     } else {
-        dk_dst = g->dk + (b * a->Lk + j0) * g->lddk + h * dh;
-        dv_dst = g->dv + (b * a->Lk + j0) * g->lddv + h * dh;
+        dk_dst = g->dk + (b * a->Lk + j0) * g->lddk + t->g * dh;
+        dv_dst = g->dv + (b * a->Lk + j0) * g->lddv + t->g * dh;
         lddk = g->lddk;
         lddv = g->lddv;
     }
@@ -244,53 +245,63 @@ static void load_block(const mha_attn *a, const mha_attn_grad *g, int64_t b,
     w->q_finite = fin;
 }
 
-/* Zeroes the (b, h) slices of dk and dv. */
+/* Zeroes the (b, g) slices of dk and dv. */
 static void zero_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
-                      int64_t h)
+                      int64_t kvh)
 {
     const size_t row = (size_t)a->dh * sizeof(float);
     for (int64_t j = 0; j < a->Lk; j++) {
-        memset(g->dk + (b * a->Lk + j) * g->lddk + h * a->dh, 0, row);
-        memset(g->dv + (b * a->Lk + j) * g->lddv + h * a->dh, 0, row);
+        memset(g->dk + (b * a->Lk + j) * g->lddk + kvh * a->dh, 0, row);
+        memset(g->dv + (b * a->Lk + j) * g->lddv + kvh * a->dh, 0, row);
     }
 }
 
-/* The extra keys' gradients: bias_k / bias_v of this (b, h), or nothing
+/* The extra keys' gradients: bias_k / bias_v of this (b, g), or nothing
  * for the zero key (a constant). */
 static void store_extra(const mha_attn *a, const mha_attn_grad *g, int64_t b,
-                        int64_t h, const float *dk, const float *dv)
+                        int64_t kvh, const float *dk, const float *dv)
 {
     if (!a->bias_k || !g->dbias_k)
         return;
     const int64_t dh = a->dh;
-    memcpy(g->dbias_k + (b * a->H + h) * dh, dk, (size_t)dh * sizeof *dk);
-    memcpy(g->dbias_v + (b * a->H + h) * dh, dv, (size_t)dh * sizeof *dv);
+    memcpy(g->dbias_k + (b * a->Hkv + kvh) * dh, dk, (size_t)dh * sizeof *dk);
+    memcpy(g->dbias_v + (b * a->Hkv + kvh) * dh, dv, (size_t)dh * sizeof *dv);
+}
+
+/* Query head h's share: its dq, and its additions to dk, dv of its K/V
+ * head. */
+static void bwd_head(const mha_attn *a, const mha_attn_grad *g, int64_t b,
+                     int64_t h, bwd_scratch *w)
+{
+    const int64_t dh = a->dh;
+    for (int64_t i0 = 0; i0 < a->Lq; i0 += MHA_BR) {
+        const int mr = (int)(a->Lq - i0 < MHA_BR ? a->Lq - i0 : MHA_BR);
+        mha_load_q(a, b, h, i0, mr, w->f.qs);
+        load_block(a, g, b, h, i0, mr, w);
+        memset(w->f.o, 0, (size_t)(mr * dh) * sizeof *w->f.o);
+        mha_for_each_tile(a, b, h, i0, mr, 0, a->Lk, 1, w->f.bias, probs_tile,
+                          w);
+        mha_for_each_tile(a, b, h, i0, mr, 0, a->Lk, 1, w->f.bias, grads_tile,
+                          w);
+        for (int r = 0; r < mr; r++) {
+            float *dst = g->dq + (b * a->Lq + i0 + r) * g->lddq + h * dh;
+            for (int64_t d = 0; d < dh; d++)
+                dst[d] = w->f.o[r * dh + d] * a->scale;
+        }
+    }
 }
 
 void mha_flash_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
-                        int64_t h, float *scratch)
+                        int64_t kvh, float *scratch)
 {
-    const int64_t dh = a->dh;
+    const int64_t dh = a->dh, group = a->H / a->Hkv;
     bwd_scratch w = bwd_scratch_at(scratch, dh, a->Lt);
     w.g = g;
     w.fwd = mha_packed_at(a->packed, a);
     w.bwd = mha_packed_at(g->packed, a);
-    zero_item(a, g, b, h);
+    zero_item(a, g, b, kvh);
     memset(w.extra, 0, (size_t)(4 * dh) * sizeof *w.extra);
-    for (int64_t i0 = 0; i0 < a->Lq; i0 += MHA_BR) {
-        const int mr = (int)(a->Lq - i0 < MHA_BR ? a->Lq - i0 : MHA_BR);
-        mha_load_q(a, b, h, i0, mr, w.f.qs);
-        load_block(a, g, b, h, i0, mr, &w);
-        memset(w.f.o, 0, (size_t)(mr * dh) * sizeof *w.f.o);
-        mha_for_each_tile(a, b, h, i0, mr, 0, a->Lk, 1, w.f.bias, probs_tile,
-                          &w);
-        mha_for_each_tile(a, b, h, i0, mr, 0, a->Lk, 1, w.f.bias, grads_tile,
-                          &w);
-        for (int r = 0; r < mr; r++) {
-            float *dst = g->dq + (b * a->Lq + i0 + r) * g->lddq + h * dh;
-            for (int64_t d = 0; d < dh; d++)
-                dst[d] = w.f.o[r * dh + d] * a->scale;
-        }
-    }
-    store_extra(a, g, b, h, w.extra, w.extra + 2 * dh);
+    for (int64_t h = kvh * group; h < (kvh + 1) * group; h++)
+        bwd_head(a, g, b, h, &w);
+    store_extra(a, g, b, kvh, w.extra, w.extra + 2 * dh);
 }

@@ -26,7 +26,7 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
     const mha_microkernels *uk = a->uk;
     const mha_packed p = mha_packed_at(a->packed, a);
     const int dh = (int)a->dh, mr = t->mr, nc = t->nc;
-    uk->qk(mr, nc, dh, f->qs, mha_packed_a(&p, t->b, t->h, t->index),
+    uk->qk(mr, nc, dh, f->qs, mha_packed_a(&p, t->b, t->g, t->index),
            MHA_BC, f->s, MHA_BC);
     mha_mask_tile(a, t, f->s);
     for (int r = 0; r < mr; r++) {
@@ -52,9 +52,9 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
                                       t->i0 + r, t->j0 + c))
                     sr[c] = 0.0f;
     }
-    const int finite_v = *mha_packed_flag(&p, t->b, t->h, t->index) != 0.0f;
+    const int finite_v = *mha_packed_flag(&p, t->b, t->g, t->index) != 0.0f;
     (finite_v ? uk->pv : uk->pv_exact)(mr, nc, dh, f->s, MHA_BC,
-                                       mha_packed_b(&p, t->b, t->h, t->index),
+                                       mha_packed_b(&p, t->b, t->g, t->index),
                                        f->o, dh);
 }
 

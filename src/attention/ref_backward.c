@@ -1,5 +1,5 @@
 /*
- * ref_backward.c -- the reference backward of one (batch, head), in
+ * ref_backward.c -- the reference backward of one (batch, K/V head), in
  * float64 row by row: P recomputed from the scores (not from the saved
  * stats), dk and dv summed over rows in float64 and rounded once.  The
  * formulas are those of flash_backward.c.
@@ -17,14 +17,18 @@ int64_t mha_ref_bwd_scratch_floats(int64_t dh, int64_t Lt)
 }
 
 void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
-                      int64_t h, float *scratch)
+                      int64_t kvh, float *scratch)
 {
     const int64_t dh = a->dh, Lk = a->Lk, Lt = a->Lt;
+    const int64_t group = a->H / a->Hkv;
     float *bias = scratch;
     double *s = (double *)(void *)(scratch + ((Lt + 1) & ~(int64_t)1));
     double *ds = s + Lt, *dq = ds + Lt, *dk = dq + dh, *dv = dk + Lt * dh;
     memset(dk, 0, (size_t)(2 * Lt * dh) * sizeof *dk);
     const double keep = mha_keep_scale(a);
+    /* Every query head of K/V head kvh's group, in order, adds into the
+     * same float64 dk and dv. */
+    for (int64_t h = kvh * group; h < (kvh + 1) * group; h++)
     for (int64_t i = 0; i < a->Lq; i++) {
         const float *q = a->q + (b * a->Lq + i) * a->ldq + h * dh;
         const float *dO = g->dctx + (b * a->Lq + i) * g->lddc + h * dh;
@@ -35,7 +39,7 @@ void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
         for (int64_t j = 0; live && j < Lt; j++) {
             if (bias[j] == -INFINITY)
                 continue;
-            const float *kj = mha_key_row(a, b, h, j);
+            const float *kj = mha_key_row(a, b, kvh, j);
             double dot = 0.0;
             for (int64_t d = 0; kj && d < dh; d++)
                 dot += (double)q[d] * kj[d];
@@ -55,7 +59,7 @@ void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
             if (a->dropout &&
                 !mha_dropout_keep(a->seed, a->p_drop, b, h, i, j))
                 continue;
-            const float *vj = mha_value_row(a, b, h, j);
+            const float *vj = mha_value_row(a, b, kvh, j);
             double dp = 0.0;
             for (int64_t d = 0; vj && d < dh; d++)
                 dp += (double)dO[d] * vj[d];
@@ -68,7 +72,7 @@ void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
             if (bias[j] == -INFINITY)
                 continue;
             const double dsj = s[j] * (ds[j] - delta) * a->scale;
-            const float *kj = mha_key_row(a, b, h, j);
+            const float *kj = mha_key_row(a, b, kvh, j);
             for (int64_t d = 0; d < dh; d++) {
                 if (kj)
                     dq[d] += dsj * kj[d];
@@ -80,12 +84,14 @@ void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
     }
     for (int64_t j = 0; j < Lk; j++)
         for (int64_t d = 0; d < dh; d++) {
-            g->dk[(b * Lk + j) * g->lddk + h * dh + d] = (float)dk[j * dh + d];
-            g->dv[(b * Lk + j) * g->lddv + h * dh + d] = (float)dv[j * dh + d];
+            g->dk[(b * Lk + j) * g->lddk + kvh * dh + d] =
+                (float)dk[j * dh + d];
+            g->dv[(b * Lk + j) * g->lddv + kvh * dh + d] =
+                (float)dv[j * dh + d];
         }
     if (a->bias_k && g->dbias_k)
         for (int64_t d = 0; d < dh; d++) {
-            g->dbias_k[(b * a->H + h) * dh + d] = (float)dk[Lk * dh + d];
-            g->dbias_v[(b * a->H + h) * dh + d] = (float)dv[Lk * dh + d];
+            g->dbias_k[(b * a->Hkv + kvh) * dh + d] = (float)dk[Lk * dh + d];
+            g->dbias_v[(b * a->Hkv + kvh) * dh + d] = (float)dv[Lk * dh + d];
         }
 }

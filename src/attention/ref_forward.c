@@ -27,13 +27,14 @@ void mha_ref_row(const mha_attn *a, int64_t b, int64_t i, float *scratch)
     double *acc = s + Lt;
     const double keep = mha_keep_scale(a);
     for (int64_t h = 0; h < a->H; h++) {
+        const int64_t g = mha_kv_head(a, h);
         const float *q = a->q + (b * a->Lq + i) * a->ldq + h * dh;
         const int64_t live = mha_mask_row(a->mask, b, h, i, bias);
         double mx = -INFINITY;
         for (int64_t j = 0; j < Lt; j++) {
             if (bias[j] == -INFINITY)
                 continue;
-            const float *kj = mha_key_row(a, b, h, j);
+            const float *kj = mha_key_row(a, b, g, j);
             double dot = 0.0;
             if (kj)
                 for (int64_t d = 0; d < dh; d++)
@@ -58,7 +59,7 @@ void mha_ref_row(const mha_attn *a, int64_t b, int64_t i, float *scratch)
                 !mha_dropout_keep(a->seed, a->p_drop, b, h, i, j))
                 continue;
             const double p = s[j] / sum * keep;
-            const float *vj = mha_value_row(a, b, h, j);
+            const float *vj = mha_value_row(a, b, g, j);
             if (vj)
                 for (int64_t d = 0; d < dh; d++)
                     acc[d] += p * vj[d];

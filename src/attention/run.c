@@ -6,7 +6,7 @@
  * Work is split into items that one thread computes alone, in a fixed
  * order: (b, h, query block) for the output, (b, h, key chunk) then (b, h)
  * when decoding, (b, query block) for the weights (heads summed in order
- * for the average), (b, h) for the backward.  Results are therefore
+ * for the average), (b, K/V head) for the backward.  Results are therefore
  * bitwise identical for any thread count.
  */
 #include "attention.h"
@@ -69,27 +69,27 @@ static mha_status finish_layout(const mha_engine *e, int64_t per_thread,
 }
 
 mha_status mha_attn_layout_forward(const mha_engine *e, int64_t B, int64_t H,
-                                   int64_t Lq, int64_t Lk, int64_t Lt,
-                                   int64_t dh, mha_attn_layout *l)
+                                   int64_t Hkv, int64_t Lq, int64_t Lk,
+                                   int64_t Lt, int64_t dh, mha_attn_layout *l)
 {
     const int flash = e->isa != MHA_ISA_REF;
     l->stats = 0;
     l->partials = lines(2 * B * H * Lq);
     l->packed = l->partials +
                 lines(flash ? mha_decode_partials(B, H, Lq, Lk, dh) : 0);
-    l->scratch = l->packed + lines(flash ? mha_packed_floats(B, H, Lk, dh)
+    l->scratch = l->packed + lines(flash ? mha_packed_floats(B, Hkv, Lk, dh)
                                          : 0);
     return finish_layout(e, flash ? mha_flash_scratch_floats(dh)
                                   : mha_ref_scratch_floats(dh, Lt), l);
 }
 
 mha_status mha_attn_layout_backward(const mha_engine *e, int64_t B,
-                                    int64_t H, int64_t Lk, int64_t Lt,
+                                    int64_t Hkv, int64_t Lk, int64_t Lt,
                                     int64_t dh, mha_attn_layout *l)
 {
     const int flash = e->isa != MHA_ISA_REF;
     l->stats = l->partials = l->packed = 0;
-    l->scratch = lines(flash ? mha_packed_floats(B, H, Lk, dh) : 0);
+    l->scratch = lines(flash ? mha_packed_floats(B, Hkv, Lk, dh) : 0);
     return finish_layout(e, flash ? mha_flash_bwd_scratch_floats(dh, Lt)
                                   : mha_ref_bwd_scratch_floats(dh, Lt), l);
 }
@@ -132,7 +132,7 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
         flash_scratch f =
             mha_flash_scratch_at(scratch + tid * per_thread, a->dh);
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < bh_items * tiles; t++)
+        for (int64_t t = 0; t < a->B * a->Hkv * tiles; t++)
             mha_pack_forward_tile(a, t);
         /* (the implicit barrier: every tile is packed) */
         if (chunks > 1) {
@@ -172,7 +172,7 @@ void mha_attn_backward(const mha_engine *e, const mha_attn *problem,
     run.uk = e->uk;
     const mha_attn *a = &run;
     const int threads = threads_for(e, a);
-    const int64_t items = a->B * a->H;
+    const int64_t items = a->B * a->Hkv;   /* (b, K/V head) */
     const int64_t tiles = mha_packed_tiles(a->Lk);
 #pragma omp parallel num_threads(threads)
     {
@@ -190,9 +190,9 @@ void mha_attn_backward(const mha_engine *e, const mha_attn *problem,
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < items; t++) {
             if (e->isa == MHA_ISA_REF)
-                mha_ref_bwd_item(a, g, t / a->H, t % a->H, mine);
+                mha_ref_bwd_item(a, g, t / a->Hkv, t % a->Hkv, mine);
             else
-                mha_flash_bwd_item(a, g, t / a->H, t % a->H, mine);
+                mha_flash_bwd_item(a, g, t / a->Hkv, t % a->Hkv, mine);
         }
     }
 }

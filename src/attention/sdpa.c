@@ -17,7 +17,8 @@
 
 /* Shapes of a call, checked and derived once. */
 typedef struct sdpa_shape {
-    int64_t B, H, dh, Lq, Lk, E;   /* E = H * dh: a row of q, k, v, out */
+    int64_t B, H, Hkv, dh, Lq, Lk;
+    int64_t E, Ekv;                /* H dh: a row of q and out; Hkv dh: of k, v */
     int64_t n_q, n_kv, n_w;        /* floats of q and out, k or v, weights */
 } sdpa_shape;
 
@@ -47,6 +48,7 @@ static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
     s->dh = a->head_dim;
     s->Lq = a->q_len;
     s->Lk = a->kv_len ? a->kv_len : a->q_len;
+    s->Hkv = a->num_kv_heads ? a->num_kv_heads : a->num_heads;
     if (s->B < 1 || s->H < 1 || s->dh < 1 || s->Lq < 1 || s->Lk < 1)
         return mha_set_error(MHA_ERR_SHAPE,
                              "batch, num_heads, head_dim, q_len and kv_len "
@@ -54,6 +56,11 @@ static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
                              (long long)s->B, (long long)s->H,
                              (long long)s->dh, (long long)s->Lq,
                              (long long)s->Lk);
+    if (s->Hkv < 1 || s->H % s->Hkv != 0)
+        return mha_set_error(MHA_ERR_SHAPE,
+                             "num_kv_heads %lld must divide num_heads %lld "
+                             "(0 = num_heads)", (long long)a->num_kv_heads,
+                             (long long)s->H);
     if (!isfinite(a->scale))
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "scale must be finite, got %g", (double)a->scale);
@@ -64,9 +71,10 @@ static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
     MHA_CHECK(mha_check_weights_mode(a->need_weights));
     MHA_CHECK(mha_check_threads(a->num_threads));
     int64_t t, w;
-    if (!mha_mul_ok(s->H, s->dh, &s->E) || !mha_mul_ok(s->B, s->Lq, &t) ||
+    if (!mha_mul_ok(s->H, s->dh, &s->E) || !mha_mul_ok(s->Hkv, s->dh, &s->Ekv) ||
+        !mha_mul_ok(s->B, s->Lq, &t) ||
         !mha_mul_ok(t, s->E, &s->n_q) || !mha_mul_ok(s->B, s->Lk, &t) ||
-        !mha_mul_ok(t, s->E, &s->n_kv) || !mha_mul_ok(s->B, s->H, &t) ||
+        !mha_mul_ok(t, s->Ekv, &s->n_kv) || !mha_mul_ok(s->B, s->H, &t) ||
         !mha_mul_ok(t, s->Lq, &t) || !mha_mul_ok(t, s->Lk, &w) ||
         s->n_q > INT64_MAX / 8 || s->n_kv > INT64_MAX / 8 ||
         w > INT64_MAX / 8)
@@ -166,8 +174,8 @@ mha_status mha_attention_plan_create(const mha_attention_args *a,
     mha_engine eng;
     MHA_CHECK(mha_engine_init(&eng, a->num_threads));
     mha_attn_layout lay;
-    MHA_CHECK(mha_attn_layout_forward(&eng, s.B, s.H, s.Lq, s.Lk, s.Lk, s.dh,
-                                      &lay));
+    MHA_CHECK(mha_attn_layout_forward(&eng, s.B, s.H, s.Hkv, s.Lq, s.Lk,
+                                      s.Lk, s.dh, &lay));
     mha_attention_plan *p = calloc(1, sizeof *p);
     if (!p)
         return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate a plan");
@@ -199,9 +207,10 @@ static mha_attn problem(const mha_attention_plan *p,
 {
     const sdpa_shape *s = &p->shape;
     const mha_attn at = {
-        .B = s->B, .H = s->H, .Lq = s->Lq, .Lk = s->Lk, .Lt = s->Lk,
-        .dh = s->dh, .q = a->q, .k = a->k, .v = a->v, .ldq = s->E,
-        .ldk = s->E, .ldv = s->E, .scale = resolved_scale(a, s->dh),
+        .B = s->B, .H = s->H, .Hkv = s->Hkv, .Lq = s->Lq, .Lk = s->Lk,
+        .Lt = s->Lk, .dh = s->dh, .q = a->q, .k = a->k, .v = a->v,
+        .ldq = s->E, .ldk = s->Ekv, .ldv = s->Ekv,
+        .scale = resolved_scale(a, s->dh),
         .mask = mask, .dropout = a->training && a->dropout > 0.0f,
         .p_drop = a->dropout, .seed = a->dropout_seed, .ctx = a->out,
         .ldc = s->E, .stats = p->ws + p->lay.stats,
@@ -223,15 +232,17 @@ mha_status mha_attention_plan_run(mha_attention_plan *p,
     sdpa_shape s;
     MHA_CHECK(check_shape(a, &s));
     const sdpa_shape *ps = &p->shape;
-    if (s.B != ps->B || s.H != ps->H || s.dh != ps->dh || s.Lq != ps->Lq ||
-        s.Lk != ps->Lk)
+    if (s.B != ps->B || s.H != ps->H || s.Hkv != ps->Hkv || s.dh != ps->dh ||
+        s.Lq != ps->Lq || s.Lk != ps->Lk)
         return mha_set_error(MHA_ERR_SHAPE,
-                             "arguments (B=%lld, H=%lld, d_h=%lld, Lq=%lld, "
-                             "Lk=%lld) do not match the plan (B=%lld, "
-                             "H=%lld, d_h=%lld, Lq=%lld, Lk=%lld)",
-                             (long long)s.B, (long long)s.H, (long long)s.dh,
-                             (long long)s.Lq, (long long)s.Lk,
-                             (long long)ps->B, (long long)ps->H,
+                             "arguments (B=%lld, H=%lld, H_kv=%lld, d_h=%lld, "
+                             "Lq=%lld, Lk=%lld) do not match the plan "
+                             "(B=%lld, H=%lld, H_kv=%lld, d_h=%lld, Lq=%lld, "
+                             "Lk=%lld)",
+                             (long long)s.B, (long long)s.H, (long long)s.Hkv,
+                             (long long)s.dh, (long long)s.Lq,
+                             (long long)s.Lk, (long long)ps->B,
+                             (long long)ps->H, (long long)ps->Hkv,
                              (long long)ps->dh, (long long)ps->Lq,
                              (long long)ps->Lk);
     if (!a->q || !a->k || !a->v || !a->out)
@@ -321,8 +332,8 @@ mha_status mha_attention_plan_backward(mha_attention_plan *p,
                          {"grad_out", g->grad_out, s->n_q}};
     MHA_CHECK(check_disjoint(outs, 3, ins, 4));
     if (!p->bws) {
-        MHA_CHECK(mha_attn_layout_backward(&p->eng, s->B, s->H, s->Lk, s->Lk,
-                                           s->dh, &p->blay));
+        MHA_CHECK(mha_attn_layout_backward(&p->eng, s->B, s->Hkv, s->Lk,
+                                           s->Lk, s->dh, &p->blay));
         p->bws = mha_alloc_floats(p->blay.total, "attention backward "
                                                  "workspace");
         if (!p->bws)
@@ -335,7 +346,7 @@ mha_status mha_attention_plan_backward(mha_attention_plan *p,
     at.w = NULL;
     const mha_attn_grad ag = {
         .dctx = g->grad_out, .lddc = s->E, .dq = g->grad_q, .dk = g->grad_k,
-        .dv = g->grad_v, .lddq = s->E, .lddk = s->E, .lddv = s->E,
+        .dv = g->grad_v, .lddq = s->E, .lddk = s->Ekv, .lddv = s->Ekv,
         .packed = p->bws + p->blay.packed};
     mha_attn_backward(&p->eng, &at, &ag, p->bws + p->blay.scratch,
                       p->blay.per_thread);

@@ -42,21 +42,21 @@ void mha_load_q(const mha_attn *a, int64_t b, int64_t h, int64_t i0, int mr,
     }
 }
 
-/* The forward's packing of tile t of (b, h): kt [dh][MHA_BC] transposed,
+/* The forward's packing of tile t of (b, g), g a K/V head: kt [dh][MHA_BC] transposed,
  * v [nc][dh] contiguous, and whether every value is finite (then the fast
  * pv kernel is exact). */
 void mha_pack_forward_tile(const mha_attn *a, int64_t item)
 {
     const mha_packed p = mha_packed_at(a->packed, a);
-    const int64_t t = item % p.tiles, bh = item / p.tiles;
-    const int64_t b = bh / a->H, h = bh % a->H, dh = a->dh;
+    const int64_t t = item % p.tiles, bg = item / p.tiles;
+    const int64_t b = bg / a->Hkv, g = bg % a->Hkv, dh = a->dh;
     const int64_t j0 = t == p.tiles - 1 ? a->Lk : t * MHA_BC;
     const int nc = mha_tile_keys(a, t);
-    float *kt = mha_packed_a(&p, b, h, t), *v = mha_packed_b(&p, b, h, t);
+    float *kt = mha_packed_a(&p, b, g, t), *v = mha_packed_b(&p, b, g, t);
     int finite = 1;
     for (int c = 0; c < nc; c++) {
-        const float *kr = mha_key_row(a, b, h, j0 + c);
-        const float *vr = mha_value_row(a, b, h, j0 + c);
+        const float *kr = mha_key_row(a, b, g, j0 + c);
+        const float *vr = mha_value_row(a, b, g, j0 + c);
         for (int64_t d = 0; d < dh; d++)
             kt[d * MHA_BC + c] = kr ? kr[d] : 0.0f;
         if (vr)
@@ -66,7 +66,7 @@ void mha_pack_forward_tile(const mha_attn *a, int64_t item)
         for (int64_t d = 0; d < dh; d++)
             finite &= isfinite(v[c * dh + d]) != 0;
     }
-    *mha_packed_flag(&p, b, h, t) = (float)finite;
+    *mha_packed_flag(&p, b, g, t) = (float)finite;
 }
 
 /* s + bias, where bias -inf excludes and finite sums saturate. */
@@ -109,7 +109,8 @@ void mha_for_each_tile(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
     if (end > k1)
         end = k1;
     const int explicit_mask = mha_mask_has_explicit(mk);
-    mha_tile t = {.b = b, .h = h, .i0 = i0, .mr = mr, .bias = bias};
+    mha_tile t = {.b = b, .h = h, .g = mha_kv_head(a, h), .i0 = i0,
+                  .mr = mr, .bias = bias};
     for (int64_t j0 = k0; j0 < end; j0 += MHA_BC) {
         t.j0 = j0;
         t.nc = (int)(end - j0 < MHA_BC ? end - j0 : MHA_BC);

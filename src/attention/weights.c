@@ -16,7 +16,7 @@ static void weights_tile(const mha_attn *a, const mha_tile *t, void *ctx)
     const mha_packed p = mha_packed_at(a->packed, a);
     const int64_t b = t->b, h = t->h, j0 = t->j0;
     const int nc = t->nc;
-    uk->qk(t->mr, nc, (int)a->dh, f->qs, mha_packed_a(&p, b, h, t->index),
+    uk->qk(t->mr, nc, (int)a->dh, f->qs, mha_packed_a(&p, b, t->g, t->index),
            MHA_BC, f->s, MHA_BC);
     mha_mask_tile(a, t, f->s);
     const float keep = (float)mha_keep_scale(a);

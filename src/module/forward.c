@@ -115,8 +115,8 @@ mha_status mha_plan_create(const mha_module *m, const mha_forward_args *a,
     mha_engine eng;
     MHA_CHECK(mha_engine_init(&eng, a->num_threads));
     mha_attn_layout lay;
-    MHA_CHECK(mha_attn_layout_forward(&eng, s.B, s.H, s.Lq, s.Lk, s.Lt, s.dh,
-                                      &lay));
+    MHA_CHECK(mha_attn_layout_forward(&eng, s.B, s.H, s.H, s.Lq, s.Lk, s.Lt,
+                                      s.dh, &lay));
 
     /* Self-attention with Lk = Lq may fuse q|k|v (3 n_qd); otherwise q and
      * k|v apart (n_qd + 2 n_kvd).  The workspace holds the larger. */
@@ -166,7 +166,7 @@ void mha_plan_attn(const mha_plan *plan, const mha_forward_args *a,
     const fwd_shape *s = &plan->shape;
     float *base = ws_attn(plan);
     const mha_attn x = {
-        .B = s->B, .H = s->H, .Lq = s->Lq, .Lk = s->Lk, .Lt = s->Lt,
+        .B = s->B, .H = s->H, .Hkv = s->H, .Lq = s->Lq, .Lk = s->Lk, .Lt = s->Lt,
         .dh = s->dh, .q = plan->q, .k = plan->k, .v = plan->v,
         .ldq = plan->ldq, .ldk = plan->ldk, .ldv = plan->ldv,
         .bias_k = m->bias_k, .bias_v = m->bias_v,
