@@ -154,6 +154,11 @@ typedef struct mha_config {
                            mha_prune_heads makes.  PyTorch's
                            nn.MultiheadAttention has no such module.        */
     unsigned given;     /* MHA_GIVEN_SCALE, MHA_GIVEN_DROPOUT (above)        */
+    int64_t num_kv_heads;  /* H_kv, dividing num_heads; 0 -> num_heads.
+                           Grouped-query attention (1: multi-query): W_k
+                           and W_v have H_kv * d_h rows, query head h
+                           reads K/V head h / (H / H_kv) (Llama).  Such a
+                           module keeps q/k/v_proj_weight apart.           */
 } mha_config;
 
 /* Opaque handle.  One module may be used by several threads at once for

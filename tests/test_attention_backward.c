@@ -600,6 +600,134 @@ static void test_given_zero(void **state)
     mha_tensor_file_free(f);
 }
 
+
+/* ---- grouped-query modules: table, projections, files, refusals --------- */
+
+static void test_gqa_module(void **state)
+{
+    (void)state;
+    enum { E = 16, H = 4, HKV = 2, DKV = HKV * E / H, L = 5 };
+    mha_config c = {0};
+    c.embed_dim = E;
+    c.num_heads = H;
+    c.num_kv_heads = 3;   /* does not divide 4 */
+    mha_module *m = NULL;
+    assert_fails(mha_create(&c, &m), MHA_ERR_INVALID_CONFIG, "num_kv_heads 3");
+    c.num_kv_heads = -1;
+    assert_fails(mha_create(&c, &m), MHA_ERR_INVALID_CONFIG, "num_kv_heads -1");
+    c.num_kv_heads = HKV;
+    c.add_bias_kv = 1;
+    m = tu_module(&c, 11);
+    assert_non_null(m);
+
+    /* The table: W_k, W_v, their biases and bias_k / bias_v have H_kv d_h
+     * rows; q/k/v stay apart (no in_proj_weight). */
+    mha_param_info info;
+    assert_int_equal(mha_param_info_by_name(m, "in_proj_weight", &info),
+                     MHA_ERR_NOT_FOUND);
+    assert_int_equal(mha_param_info_by_name(m, "q_proj_weight", &info), MHA_OK);
+    assert_true(info.shape[0] == E && info.shape[1] == E);
+    assert_int_equal(mha_param_info_by_name(m, "k_proj_weight", &info), MHA_OK);
+    assert_true(info.shape[0] == DKV && info.shape[1] == E);
+    assert_int_equal(mha_param_info_by_name(m, "v_proj_weight", &info), MHA_OK);
+    assert_true(info.shape[0] == DKV && info.shape[1] == E);
+    assert_int_equal(mha_param_info_by_name(m, "in_proj_bias", &info), MHA_OK);
+    assert_true(info.shape[0] == E + 2 * DKV);
+    assert_int_equal(mha_param_info_by_name(m, "bias_k", &info), MHA_OK);
+    assert_true(info.shape[2] == DKV);
+
+    /* The key projection, against float64 sums: x W_k^T + b_k, b_k the
+     * in_proj_bias entries after b_q. */
+    float x[L * E], y[L * DKV], wk[DKV * E], bias[E + 2 * DKV];
+    tu_fill(x, L * E, 12, -1, 1);
+    assert_int_equal(mha_param_get(m, "k_proj_weight", wk, DKV * E), MHA_OK);
+    assert_int_equal(mha_param_get(m, "in_proj_bias", bias, E + 2 * DKV),
+                     MHA_OK);
+    assert_int_equal(mha_project(m, MHA_PROJ_KEY, x, L, y), MHA_OK);
+    for (int r = 0; r < L; r++)
+        for (int o = 0; o < DKV; o++) {
+            double want = bias[E + o];
+            for (int i = 0; i < E; i++)
+                want += (double)x[r * E + i] * wk[o * E + i];
+            assert_true(fabs(y[r * DKV + o] - want) <= 1e-5 * (1 + fabs(want)));
+        }
+
+    /* Saved with num_kv_heads in __metadata__; loaded, the same module:
+     * the same outputs, bit for bit. */
+    char path[300];
+    snprintf(path, sizeof path, "%s/gqa.safetensors", tu_tmpdir);
+    assert_int_equal(mha_module_save(m, path), MHA_OK);
+    mha_tensor_file *f = NULL;
+    assert_int_equal(mha_safetensors_load(path, &f), MHA_OK);
+    assert_non_null(mha_tensor_file_metadata(f, "num_kv_heads"));
+    assert_string_equal(mha_tensor_file_metadata(f, "num_kv_heads"), "2");
+    mha_tensor_file_free(f);
+    mha_module *back = NULL;
+    assert_int_equal(mha_module_load(path, 0, &back), MHA_OK);
+    mha_config r;
+    assert_int_equal(mha_get_config(back, &r), MHA_OK);
+    assert_int_equal(r.num_kv_heads, HKV);
+    float out1[L * E], out2[L * E];
+    mha_forward_args a = {0};
+    a.batch = 1;
+    a.q_len = L;
+    a.query = x;
+    a.causal = MHA_CAUSAL_TOP_LEFT;
+    a.out = out1;
+    assert_int_equal(mha_forward(m, &a), MHA_OK);
+    a.out = out2;
+    assert_int_equal(mha_forward(back, &a), MHA_OK);
+    assert_memory_equal(out1, out2, sizeof out1);
+    mha_free(back);
+
+    /* Without the metadata, H_kv follows from the shapes and --heads. */
+    mha_tensor_view views[8];
+    float *data[8];
+    const int n = mha_param_count(m);
+    for (int k = 0; k < n; k++) {
+        assert_int_equal(mha_param_info_at(m, k, &info), MHA_OK);
+        data[k] = malloc((size_t)info.numel * sizeof(float));
+        assert_int_equal(mha_param_get(m, info.name, data[k], info.numel),
+                         MHA_OK);
+        views[k] = (mha_tensor_view){info.name, MHA_DTYPE_F32, info.ndim,
+                                     {0}, data[k]};
+        for (int d = 0; d < info.ndim; d++)
+            views[k].shape[d] = info.shape[d];
+    }
+    assert_int_equal(mha_safetensors_save(path, views, n, NULL, NULL, 0),
+                     MHA_OK);
+    assert_int_equal(mha_module_load(path, H, &back), MHA_OK);
+    assert_int_equal(mha_get_config(back, &r), MHA_OK);
+    assert_int_equal(r.num_kv_heads, HKV);
+    a.out = out2;
+    assert_int_equal(mha_forward(back, &a), MHA_OK);
+    assert_memory_equal(out1, out2, sizeof out1);
+    mha_free(back);
+    /* K/V rows that are no whole number of heads, or whose head count
+     * does not divide H: named. */
+    for (int k = 0; k < n; k++)
+        if (!strcmp(views[k].name, "k_proj_weight") ||
+            !strcmp(views[k].name, "v_proj_weight"))
+            views[k].shape[0] = 6;   /* 6 rows of 16: d_h = 4 */
+        else if (!strcmp(views[k].name, "in_proj_bias"))
+            views[k].shape[0] = E + 12;
+        else if (!strcmp(views[k].name, "bias_k") ||
+                 !strcmp(views[k].name, "bias_v"))
+            views[k].shape[2] = 6;
+    assert_int_equal(mha_safetensors_save(path, views, n, NULL, NULL, 0),
+                     MHA_OK);
+    assert_fails(mha_module_load(path, H, &back), MHA_ERR_SHAPE,
+                 "k_proj_weight has 6 rows");
+    for (int k = 0; k < n; k++)
+        free(data[k]);
+
+    /* Pruning: the heads of a group share their K/V rows. */
+    const int64_t keep[2] = {0, 1};
+    assert_fails(mha_prune_heads(m, keep, 2, &back), MHA_ERR_UNSUPPORTED,
+                 "grouped-query");
+    mha_free(m);
+}
+
 int main(void)
 {
     if (tu_tier_unavailable())
@@ -612,6 +740,7 @@ int main(void)
         cmocka_unit_test(test_module_fingerprint),
         cmocka_unit_test(test_config_bounds),
         cmocka_unit_test(test_given_zero),
+        cmocka_unit_test(test_gqa_module),
     };
     return cmocka_run_group_tests(tests, tu_tmpdir_setup, tu_tmpdir_teardown);
 }

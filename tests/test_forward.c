@@ -38,6 +38,7 @@ typedef struct fwd_case {
     int lengths;        /* pass key_lengths */
     mha_causal causal;
     mha_weights_mode weights;
+    int64_t kv_heads;   /* grouped-query attention; 0: H */
 } fwd_case;
 
 #define ALLOW MHA_MASK_ALLOW
@@ -49,44 +50,49 @@ typedef struct fwd_case {
 #define PER MHA_WEIGHTS_PER_HEAD
 
 static const fwd_case CASES[] = {
-    /* name                E  H kd vd nb bkv za scale drop B Lq Lk cr same attn pad len causal weights */
-    {"self plain",         8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 5, 0, 0, 0, {0}, {0}, 0, 0, AVG},
-    {"allow (Lq,Lk)",      8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 5, 0, 0, 0, {ALLOW, 2, 0, 0}, {0}, 0, 0, PER},
-    {"block (B,Lq,Lk)",    8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 4, 0, 0, 0, {BLOCK, 3, 0, 0}, {0}, 0, 0, PER},
-    {"block (1,Lq,Lk)",    8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 4, 0, 0, 0, {BLOCK, 3, 1, 0}, {0}, 0, 0, AVG},
-    {"additive (B,H,..)",  8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 6, 0, 0, 0, {ADD, 4, 0, 0}, {0}, 0, 0, PER},
-    {"additive (1,H,..)",  8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 6, 0, 0, 0, {ADD, 4, 1, 0}, {0}, 0, 0, PER},
-    {"allow (B,1,..)",     12, 3, 0, 0, 0, 0, 0, 0, 0, 2, 6, 0, 0, 0, {ALLOW, 4, 0, 1}, {0}, 0, 0, PER},
-    {"additive (Lq,Lk)",   8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 6, 0, 0, 0, {ADD, 2, 0, 0}, {0}, 0, 0, AVG},
-    {"pad allow (B,Lk)",   8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 5, 0, 0, 0, {0}, {ALLOW, 2, 0, 0}, 0, 0, PER},
-    {"pad block (Lk)",     8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 5, 0, 0, 0, {0}, {BLOCK, 1, 0, 0}, 0, 0, PER},
-    {"pad additive (1,Lk)",8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 5, 0, 0, 0, {0}, {ADD, 2, 1, 0}, 0, 0, PER},
-    {"key lengths",        8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 6, 0, 0, 0, {0}, {0}, 1, 0, PER},
-    {"causal Lq=Lk",       8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 7, 0, 0, 0, {0}, {0}, 0, BR, PER},
-    {"causal BR Lq<Lk",    8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 3, 8, 1, 0, {0}, {0}, 0, BR, PER},
-    {"causal BR Lq>Lk",    8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 8, 3, 1, 0, {0}, {0}, 0, BR, PER},
-    {"causal TL Lq<Lk",    8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 3, 8, 1, 0, {0}, {0}, 0, TL, PER},
-    {"causal TL Lq>Lk",    8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 8, 3, 1, 0, {0}, {0}, 0, TL, AVG},
-    {"cross kdim5 vdim7",  8, 2, 5, 7, 0, 0, 0, 0, 0, 2, 3, 6, 1, 0, {0}, {0}, 0, 0, PER},
-    {"cross kdim=vdim=3",  6, 3, 3, 3, 0, 0, 0, 0, 0, 2, 4, 5, 1, 1, {BLOCK, 2, 0, 0}, {0}, 0, 0, PER},
-    {"cross same k/v ptr", 8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 4, 6, 1, 1, {0}, {0}, 0, 0, AVG},
-    {"cross separate k/v", 8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 4, 6, 1, 0, {0}, {0}, 0, 0, AVG},
-    {"L = 1",              8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 1, 0, 0, 0, {0}, {0}, 0, BR, PER},
-    {"Lq = 1, Lk = 9",     8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 1, 9, 1, 0, {ADD, 3, 0, 0}, {0}, 0, BR, PER},
-    {"head dim 1",         4, 4, 0, 0, 0, 0, 0, 0, 0, 2, 5, 0, 0, 0, {ALLOW, 2, 0, 0}, {0}, 0, 0, PER},
-    {"head dim 3",         9, 3, 0, 0, 0, 0, 0, 0, 0, 2, 5, 0, 0, 0, {0}, {BLOCK, 2, 0, 0}, 0, BR, PER},
-    {"head dim 40",        80, 2, 0, 0, 0, 0, 0, 0, 0, 2, 9, 0, 0, 0, {ADD, 4, 0, 0}, {0}, 0, 0, PER},
-    {"head dim 64",        128, 2, 0, 0, 0, 0, 0, 0, 0, 2, 17, 0, 0, 0, {0}, {0}, 1, BR, AVG},
-    {"add_bias_kv",        8, 2, 0, 0, 0, 1, 0, 0, 0, 2, 5, 0, 0, 0, {BLOCK, 2, 0, 0}, {0}, 0, 0, PER},
-    {"add_zero_attn",      8, 2, 0, 0, 0, 0, 1, 0, 0, 2, 5, 0, 0, 0, {0}, {ALLOW, 2, 0, 0}, 0, 0, PER},
-    {"bias_kv + zero_attn",8, 2, 5, 7, 0, 1, 1, 0, 0, 2, 4, 6, 1, 0, {ADD, 4, 0, 0}, {0}, 1, BR, PER},
-    {"bias off",           8, 2, 0, 0, 1, 0, 0, 0, 0, 2, 5, 0, 0, 0, {ALLOW, 3, 0, 0}, {0}, 0, 0, AVG},
-    {"bias off + bias_kv", 8, 2, 0, 0, 1, 1, 1, 0, 0, 2, 5, 0, 0, 0, {0}, {0}, 0, TL, PER},
-    {"custom scale",       8, 2, 0, 0, 0, 0, 0, 0.9f, 0, 2, 5, 0, 0, 0, {0}, {0}, 0, 0, PER},
-    {"negative scale",     8, 2, 0, 0, 0, 0, 0, -0.3f, 0, 2, 5, 0, 0, 0, {ADD, 2, 0, 0}, {0}, 0, 0, PER},
-    {"everything",         12, 3, 5, 7, 0, 1, 1, 0, 0, 3, 6, 9, 1, 0, {BLOCK, 4, 0, 1}, {ADD, 2, 0, 0}, 1, BR, PER},
-    {"dropout 0.3",        8, 2, 0, 0, 0, 0, 0, 0, 0.3f, 2, 6, 0, 0, 0, {ALLOW, 2, 0, 0}, {0}, 0, 0, PER},
-    {"dropout + extras",   8, 2, 5, 7, 0, 1, 1, 0, 0.5f, 2, 4, 6, 1, 0, {0}, {0}, 0, BR, AVG},
+    /* name                E  H kd vd nb bkv za scale drop B Lq Lk cr same attn pad len causal weights H_kv */
+    {"self plain",         8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 5, 0, 0, 0, {0}, {0}, 0, 0, AVG, 0},
+    {"allow (Lq,Lk)",      8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 5, 0, 0, 0, {ALLOW, 2, 0, 0}, {0}, 0, 0, PER, 0},
+    {"block (B,Lq,Lk)",    8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 4, 0, 0, 0, {BLOCK, 3, 0, 0}, {0}, 0, 0, PER, 0},
+    {"block (1,Lq,Lk)",    8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 4, 0, 0, 0, {BLOCK, 3, 1, 0}, {0}, 0, 0, AVG, 0},
+    {"additive (B,H,..)",  8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 6, 0, 0, 0, {ADD, 4, 0, 0}, {0}, 0, 0, PER, 0},
+    {"additive (1,H,..)",  8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 6, 0, 0, 0, {ADD, 4, 1, 0}, {0}, 0, 0, PER, 0},
+    {"allow (B,1,..)",     12, 3, 0, 0, 0, 0, 0, 0, 0, 2, 6, 0, 0, 0, {ALLOW, 4, 0, 1}, {0}, 0, 0, PER, 0},
+    {"additive (Lq,Lk)",   8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 6, 0, 0, 0, {ADD, 2, 0, 0}, {0}, 0, 0, AVG, 0},
+    {"pad allow (B,Lk)",   8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 5, 0, 0, 0, {0}, {ALLOW, 2, 0, 0}, 0, 0, PER, 0},
+    {"pad block (Lk)",     8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 5, 0, 0, 0, {0}, {BLOCK, 1, 0, 0}, 0, 0, PER, 0},
+    {"pad additive (1,Lk)",8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 5, 0, 0, 0, {0}, {ADD, 2, 1, 0}, 0, 0, PER, 0},
+    {"key lengths",        8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 6, 0, 0, 0, {0}, {0}, 1, 0, PER, 0},
+    {"causal Lq=Lk",       8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 7, 0, 0, 0, {0}, {0}, 0, BR, PER, 0},
+    {"causal BR Lq<Lk",    8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 3, 8, 1, 0, {0}, {0}, 0, BR, PER, 0},
+    {"causal BR Lq>Lk",    8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 8, 3, 1, 0, {0}, {0}, 0, BR, PER, 0},
+    {"causal TL Lq<Lk",    8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 3, 8, 1, 0, {0}, {0}, 0, TL, PER, 0},
+    {"causal TL Lq>Lk",    8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 8, 3, 1, 0, {0}, {0}, 0, TL, AVG, 0},
+    {"cross kdim5 vdim7",  8, 2, 5, 7, 0, 0, 0, 0, 0, 2, 3, 6, 1, 0, {0}, {0}, 0, 0, PER, 0},
+    {"cross kdim=vdim=3",  6, 3, 3, 3, 0, 0, 0, 0, 0, 2, 4, 5, 1, 1, {BLOCK, 2, 0, 0}, {0}, 0, 0, PER, 0},
+    {"cross same k/v ptr", 8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 4, 6, 1, 1, {0}, {0}, 0, 0, AVG, 0},
+    {"cross separate k/v", 8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 4, 6, 1, 0, {0}, {0}, 0, 0, AVG, 0},
+    {"L = 1",              8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 1, 0, 0, 0, {0}, {0}, 0, BR, PER, 0},
+    {"Lq = 1, Lk = 9",     8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 1, 9, 1, 0, {ADD, 3, 0, 0}, {0}, 0, BR, PER, 0},
+    {"head dim 1",         4, 4, 0, 0, 0, 0, 0, 0, 0, 2, 5, 0, 0, 0, {ALLOW, 2, 0, 0}, {0}, 0, 0, PER, 0},
+    {"head dim 3",         9, 3, 0, 0, 0, 0, 0, 0, 0, 2, 5, 0, 0, 0, {0}, {BLOCK, 2, 0, 0}, 0, BR, PER, 0},
+    {"head dim 40",        80, 2, 0, 0, 0, 0, 0, 0, 0, 2, 9, 0, 0, 0, {ADD, 4, 0, 0}, {0}, 0, 0, PER, 0},
+    {"head dim 64",        128, 2, 0, 0, 0, 0, 0, 0, 0, 2, 17, 0, 0, 0, {0}, {0}, 1, BR, AVG, 0},
+    {"add_bias_kv",        8, 2, 0, 0, 0, 1, 0, 0, 0, 2, 5, 0, 0, 0, {BLOCK, 2, 0, 0}, {0}, 0, 0, PER, 0},
+    {"add_zero_attn",      8, 2, 0, 0, 0, 0, 1, 0, 0, 2, 5, 0, 0, 0, {0}, {ALLOW, 2, 0, 0}, 0, 0, PER, 0},
+    {"bias_kv + zero_attn",8, 2, 5, 7, 0, 1, 1, 0, 0, 2, 4, 6, 1, 0, {ADD, 4, 0, 0}, {0}, 1, BR, PER, 0},
+    {"bias off",           8, 2, 0, 0, 1, 0, 0, 0, 0, 2, 5, 0, 0, 0, {ALLOW, 3, 0, 0}, {0}, 0, 0, AVG, 0},
+    {"bias off + bias_kv", 8, 2, 0, 0, 1, 1, 1, 0, 0, 2, 5, 0, 0, 0, {0}, {0}, 0, TL, PER, 0},
+    {"custom scale",       8, 2, 0, 0, 0, 0, 0, 0.9f, 0, 2, 5, 0, 0, 0, {0}, {0}, 0, 0, PER, 0},
+    {"negative scale",     8, 2, 0, 0, 0, 0, 0, -0.3f, 0, 2, 5, 0, 0, 0, {ADD, 2, 0, 0}, {0}, 0, 0, PER, 0},
+    {"everything",         12, 3, 5, 7, 0, 1, 1, 0, 0, 3, 6, 9, 1, 0, {BLOCK, 4, 0, 1}, {ADD, 2, 0, 0}, 1, BR, PER, 0},
+    {"dropout 0.3",        8, 2, 0, 0, 0, 0, 0, 0, 0.3f, 2, 6, 0, 0, 0, {ALLOW, 2, 0, 0}, {0}, 0, 0, PER, 0},
+    {"dropout + extras",   8, 2, 5, 7, 0, 1, 1, 0, 0.5f, 2, 4, 6, 1, 0, {0}, {0}, 0, BR, AVG, 0},
+    /* Grouped-query and multi-query attention (the last field: H_kv). */
+    {"GQA 4/2, causal",    16, 4, 0, 0, 0, 0, 0, 0, 0, 2, 7, 0, 0, 0, {0}, {0}, 0, BR, PER, 2},
+    {"MQA 4/1, everything",16, 4, 5, 7, 0, 1, 1, 0, 0, 2, 5, 9, 1, 0, {ADD, 4, 0, 0}, {BLOCK, 2, 0, 0}, 1, 0, AVG, 1},
+    {"GQA 6/3, dropout",   12, 6, 0, 0, 0, 0, 0, 0, 0.3f, 2, 6, 0, 0, 0, {ALLOW, 2, 0, 0}, {0}, 0, 0, PER, 3},
+    {"GQA 4/2, 70 keys",   16, 4, 0, 0, 0, 0, 0, 0, 0, 1, 3, 70, 1, 1, {0}, {0}, 1, BR, PER, 2},
 };
 
 static void check_tensor(const char *cname, const char *what, const float *got,
@@ -109,6 +115,7 @@ static void run_case(const fwd_case *c, uint64_t seed)
     mha_config cfg = {0};
     cfg.embed_dim = c->E;
     cfg.num_heads = c->H;
+    cfg.num_kv_heads = c->kv_heads;
     cfg.kdim = c->kdim;
     cfg.vdim = c->vdim;
     cfg.no_bias = c->no_bias;

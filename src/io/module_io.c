@@ -147,6 +147,13 @@ static mha_status check_metadata_agrees(const mha_tensor_file *f,
                                  "tensors say %lld", ikeys[k], v,
                                  (long long)ivals[k]);
     }
+    const char *kv = mha_tensor_file_metadata(f, "num_kv_heads");
+    int64_t kvx;
+    const int64_t hkv = c->num_kv_heads ? c->num_kv_heads : c->num_heads;
+    if (kv && (!meta_int(kv, &kvx) || kvx != hkv))
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "state_dict: __metadata__ num_kv_heads = '%s' "
+                             "but the tensors say %lld", kv, (long long)hkv);
     const char *bkeys[2] = {"bias", "add_bias_kv"};
     const int bvals[2] = {!c->no_bias, c->add_bias_kv};
     for (int k = 0; k < 2; k++) {
@@ -211,6 +218,7 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
     /* out_proj.weight is [E, D]: D = E in every PyTorch module; a pruned
      * module (mha_prune_heads) has fewer heads side by side, D < E. */
     const int64_t E = o_w->shape[0], D = o_w->shape[1];
+    int64_t Dkv = D;   /* the rows of W_k and W_v: H_kv * d_h */
     if (E < 1 || D < 1)
         return mha_set_error(MHA_ERR_SHAPE,
                              "state_dict: out_proj.weight has shape [%lld, "
@@ -231,8 +239,13 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
                                  "state_dict: neither in_proj_weight nor %s "
                                  "is present", missing);
         MHA_CHECK(expect_d(q_w, "q_proj_weight", 2, D, E, 0, o_w));
-        MHA_CHECK(expect_d(k_w, "k_proj_weight", 2, D, -1, 0, o_w));
-        MHA_CHECK(expect_d(v_w, "v_proj_weight", 2, D, -1, 0, o_w));
+        /* k and v may have fewer rows than q: grouped-query attention,
+         * H_kv = rows / d_h (checked below, once num_heads is known). */
+        if (k_w->ndim == 2 && v_w->ndim == 2 && k_w->shape[0] >= 1 &&
+            k_w->shape[0] == v_w->shape[0])
+            Dkv = k_w->shape[0];
+        MHA_CHECK(expect(k_w, "k_proj_weight", 2, Dkv, -1, 0));
+        MHA_CHECK(expect(v_w, "v_proj_weight", 2, Dkv, -1, 0));
         /* A width of 0 would mean "E" to mha_create, and the packing below
          * would then read E * E floats from an empty tensor. */
         if (k_w->shape[1] < 1 || v_w->shape[1] < 1)
@@ -252,7 +265,7 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
                              in_b ? "in_proj_bias" : "out_proj.bias",
                              in_b ? "out_proj.bias" : "in_proj_bias");
     if (in_b) {
-        MHA_CHECK(expect_d(in_b, "in_proj_bias", 1, 3 * D, 0, 0, o_w));
+        MHA_CHECK(expect_d(in_b, "in_proj_bias", 1, D + 2 * Dkv, 0, 0, o_w));
         MHA_CHECK(expect(o_b, "out_proj.bias", 1, E, 0, 0));
     }
     if (!b_k != !b_v)
@@ -261,8 +274,8 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
                              b_k ? "bias_k" : "bias_v",
                              b_k ? "bias_v" : "bias_k");
     if (b_k) {
-        MHA_CHECK(expect_d(b_k, "bias_k", 3, 1, 1, D, o_w));
-        MHA_CHECK(expect_d(b_v, "bias_v", 3, 1, 1, D, o_w));
+        MHA_CHECK(expect_d(b_k, "bias_k", 3, 1, 1, Dkv, o_w));
+        MHA_CHECK(expect_d(b_v, "bias_v", 3, 1, 1, Dkv, o_w));
     }
     c.embed_dim = E;
     c.no_bias = !in_b;
@@ -286,6 +299,19 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
                                  "divisible by num_heads %lld", (long long)D,
                                  (long long)c.num_heads);
         c.head_dim = D / c.num_heads;
+    }
+    if (Dkv != D) {
+        const int64_t dh = D / c.num_heads;
+        if (D % c.num_heads != 0 || Dkv % dh != 0 ||
+            c.num_heads % (Dkv / dh) != 0)
+            return mha_set_error(MHA_ERR_SHAPE,
+                                 "state_dict: k_proj_weight has %lld rows: "
+                                 "for grouped-query attention they must be "
+                                 "H_kv * d_h with d_h = %lld / %lld heads "
+                                 "and H_kv dividing the heads",
+                                 (long long)Dkv, (long long)D,
+                                 (long long)c.num_heads);
+        c.num_kv_heads = Dkv / dh;
     }
 
     MHA_CHECK(check_metadata_agrees(f, &c));
@@ -372,11 +398,22 @@ mha_status mha_module_save(const mha_module *m, const char *path)
     snprintf(v[8], 32, "%.9g", (double)c->scale);
     /* A default scale is not written: it follows num_heads, so a file
      * loaded with another head count gets that count's default. */
-    const char *keys[10] = {"format", "embed_dim", "num_heads", "kdim", "vdim",
+    char kvh[32];
+    snprintf(kvh, sizeof kvh, "%lld", (long long)c->num_kv_heads);
+    const char *keys[11] = {"format", "embed_dim", "num_heads", "kdim", "vdim",
                             "bias", "add_bias_kv", "add_zero_attn", "dropout",
-                            "scale"};
-    const char *vals[10] = {"pt", v[0], v[1], v[2], v[3],
-                            v[4], v[5], v[6], v[7], v[8]};
-    return mha_safetensors_save(path, views, m->nparams, keys, vals,
-                                m->scale_given ? 10 : 9);
+                            "scale", "num_kv_heads"};
+    const char *vals[11] = {"pt", v[0], v[1], v[2], v[3],
+                            v[4], v[5], v[6], v[7], v[8], kvh};
+    /* num_kv_heads only for a grouped-query module, which PyTorch's
+     * nn.MultiheadAttention cannot load anyway. */
+    int n = m->scale_given ? 10 : 9;
+    if (c->num_kv_heads != c->num_heads) {
+        if (n == 9) {
+            keys[9] = keys[10];
+            vals[9] = vals[10];
+        }
+        n++;
+    }
+    return mha_safetensors_save(path, views, m->nparams, keys, vals, n);
 }

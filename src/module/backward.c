@@ -99,16 +99,16 @@ static mha_status check_grads(const mha_forward_args *a,
 }
 
 /* The backward's workspace: dctx (n_qd), dq|dk|dv laid out as the forward's
- * projections (n_proj), d bias_k and d bias_v per (b, h), K and V packed
+ * projections (n_proj), d bias_k and d bias_v per (b, K/V head), K and V packed
  * for the backward, per-thread scratch. */
 static mha_status ensure_workspace(mha_plan *p)
 {
     if (p->bws)
         return MHA_OK;
     const fwd_shape *s = &p->shape;
-    MHA_CHECK(mha_attn_layout_backward(&p->eng, s->B, s->H, s->Lk, s->Lt,
+    MHA_CHECK(mha_attn_layout_backward(&p->eng, s->B, s->Hkv, s->Lk, s->Lt,
                                        s->dh, &p->blay));
-    p->bws = mha_alloc_floats(s->n_qd + p->n_proj + 2 * s->B * s->D +
+    p->bws = mha_alloc_floats(s->n_qd + p->n_proj + 2 * s->B * s->Dkv +
                                   p->blay.total,
                               "backward workspace");
     return p->bws ? MHA_OK : MHA_ERR_OUT_OF_MEMORY;
@@ -129,10 +129,10 @@ static void reduce_bias_kv(const fwd_shape *s, const float *per_b, float beta,
                            float *dst)
 {
     if (beta == 0.0f)
-        memset(dst, 0, (size_t)s->D * sizeof *dst);
+        memset(dst, 0, (size_t)s->Dkv * sizeof *dst);
     for (int64_t b = 0; b < s->B; b++)
-        for (int64_t e = 0; e < s->D; e++)
-            dst[e] += per_b[b * s->D + e];
+        for (int64_t e = 0; e < s->Dkv; e++)
+            dst[e] += per_b[b * s->Dkv + e];
 }
 
 /* dL/dm_h = sum over rows and head h's columns of (dout W_o) . ctx, in
@@ -181,7 +181,7 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
     const mha_module *m = plan->m;
     const mha_config *c = &m->cfg;
     const fwd_shape *s = &plan->shape;
-    const int64_t E = s->E, D = s->D;
+    const int64_t E = s->E, D = s->D, Dkv = s->Dkv;
     const int64_t rows_q = s->B * s->Lq, rows_k = s->B * s->Lk;
     const float beta = g->accumulate ? 1.0f : 0.0f;
 
@@ -218,7 +218,7 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
         .dctx = dctx, .lddc = D, .dq = dq, .dk = dk, .dv = dv,
         .lddq = plan->ldq, .lddk = plan->ldk, .lddv = plan->ldv,
         .dbias_k = m->bias_k ? dbias : NULL,
-        .dbias_v = m->bias_k ? dbias + s->B * D : NULL,
+        .dbias_v = m->bias_k ? dbias + s->B * Dkv : NULL,
         .packed = battn + plan->blay.packed};
     mha_attn_backward(&plan->eng, &at, &ag, battn + plan->blay.scratch,
                       plan->blay.per_thread);
@@ -231,7 +231,8 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
         float *dw_k = m->packed ? dw_q + D * E : grad_of(m, gp, "k_proj_weight");
         float *dw_v = m->packed ? dw_q + 2 * D * E
                                 : grad_of(m, gp, "v_proj_weight");
-        float *db_k = db_q ? db_q + D : NULL, *db_v = db_q ? db_q + 2 * D : NULL;
+        float *db_k = db_q ? db_q + D : NULL;
+        float *db_v = db_q ? db_q + D + Dkv : NULL;
         const float *xq = a->query;
         const float *xk = a->key ? a->key : xq;
         const float *xv = a->value ? a->value : xk;
@@ -245,9 +246,9 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
                 mha_linear_grad_params(dk, rows_k, 2 * D, 2 * D, xk, E, E,
                                        beta, dw_k, db_k);
             } else {
-                mha_linear_grad_params(dk, rows_k, D, plan->ldk, xk, c->kdim,
+                mha_linear_grad_params(dk, rows_k, Dkv, plan->ldk, xk, c->kdim,
                                        c->kdim, beta, dw_k, db_k);
-                mha_linear_grad_params(dv, rows_k, D, plan->ldv, xv, c->vdim,
+                mha_linear_grad_params(dv, rows_k, Dkv, plan->ldv, xv, c->vdim,
                                        c->vdim, beta, dw_v, db_v);
             }
         }
@@ -277,10 +278,10 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
         return MHA_OK;
     }
     if (tk)
-        mha_linear_grad_input(dk, rows_k, D, plan->ldk, m->w_k, c->kdim,
+        mha_linear_grad_input(dk, rows_k, Dkv, plan->ldk, m->w_k, c->kdim,
                               tk == tq ? 1.0f : 0.0f, tk, c->kdim);
     if (tv)
-        mha_linear_grad_input(dv, rows_k, D, plan->ldv, m->w_v, c->vdim,
+        mha_linear_grad_input(dv, rows_k, Dkv, plan->ldv, m->w_v, c->vdim,
                               tv == tq || tv == tk ? 1.0f : 0.0f, tv, c->vdim);
     return MHA_OK;
 }

@@ -6,8 +6,9 @@
  * the module was pruned):
  *
  *   query (B,Lq,E)    -- W_q -->  q (B*Lq rows of D, row stride ldq)
- *   key   (B,Lk,kdim) -- W_k -->  k (B*Lk rows of D, row stride ldk)
- *   value (B,Lk,vdim) -- W_v -->  v (B*Lk rows of D, row stride ldv)
+ *   key   (B,Lk,kdim) -- W_k -->  k (B*Lk rows of Dkv, row stride ldk)
+ *   value (B,Lk,vdim) -- W_v -->  v (B*Lk rows of Dkv, row stride ldv)
+ *       (Dkv = H_kv * d_h: D, or less under grouped-query attention)
  *       (self-attention with one packed in_proj_weight: one GEMM writes
  *        q | k | v side by side, ldq = ldk = ldv = 3D; key == value: one
  *        GEMM writes k | v)
@@ -51,6 +52,8 @@ mha_status mha_fwd_check_shapes(const mha_module *m,
     p->H = c->num_heads;
     p->dh = m->head_dim;
     p->D = m->inner_dim;
+    p->Hkv = c->num_kv_heads;
+    p->Dkv = m->kv_dim;
 
     if (!a->key && c->kdim != c->embed_dim)
         return mha_set_error(MHA_ERR_SHAPE,
@@ -93,7 +96,7 @@ mha_status mha_fwd_check_shapes(const mha_module *m,
                              (long long)p->Lk);
     p->n_q = rows_q * p->E;
     p->n_qd = rows_q * p->D;
-    p->n_kvd = rows_k * p->D;
+    p->n_kvd = rows_k * p->Dkv;
     p->n_w = a->need_weights == MHA_WEIGHTS_PER_HEAD ? t : lql * p->B;
 
     return MHA_OK;
@@ -115,8 +118,8 @@ mha_status mha_plan_create(const mha_module *m, const mha_forward_args *a,
     mha_engine eng;
     MHA_CHECK(mha_engine_init(&eng, a->num_threads));
     mha_attn_layout lay;
-    MHA_CHECK(mha_attn_layout_forward(&eng, s.B, s.H, s.H, s.Lq, s.Lk, s.Lt,
-                                      s.dh, &lay));
+    MHA_CHECK(mha_attn_layout_forward(&eng, s.B, s.H, s.Hkv, s.Lq, s.Lk,
+                                      s.Lt, s.dh, &lay));
 
     /* Self-attention with Lk = Lq may fuse q|k|v (3 n_qd); otherwise q and
      * k|v apart (n_qd + 2 n_kvd).  The workspace holds the larger. */
@@ -166,7 +169,7 @@ void mha_plan_attn(const mha_plan *plan, const mha_forward_args *a,
     const fwd_shape *s = &plan->shape;
     float *base = ws_attn(plan);
     const mha_attn x = {
-        .B = s->B, .H = s->H, .Hkv = s->H, .Lq = s->Lq, .Lk = s->Lk, .Lt = s->Lt,
+        .B = s->B, .H = s->H, .Hkv = s->Hkv, .Lq = s->Lq, .Lk = s->Lk, .Lt = s->Lt,
         .dh = s->dh, .q = plan->q, .k = plan->k, .v = plan->v,
         .ldq = plan->ldq, .ldk = plan->ldk, .ldv = plan->ldv,
         .bias_k = m->bias_k, .bias_v = m->bias_v,
@@ -255,7 +258,8 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
     const float *query = a->query;
     const float *key = a->key ? a->key : query;
     const float *value = a->value ? a->value : key;
-    const int64_t E = s.E, D = s.D, rows_q = s.B * s.Lq, rows_k = s.B * s.Lk;
+    const int64_t E = s.E, D = s.D, Dkv = s.Dkv;
+    const int64_t rows_q = s.B * s.Lq, rows_k = s.B * s.Lk;
     /* One GEMM over the query rows serves as keys only when they are the
      * same rows: same pointer and same length. */
     const int fuse_qkv = m->packed && key == query && value == query &&
@@ -277,11 +281,11 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
             kp = ws + s.n_qd; vp = kp + D; ldk = ldv = 2 * D;
             mha_linear(key, rows_k, E, E, m->w_k, 2 * D, m->b_k, kp, 2 * D);
         } else {
-            kp = ws + s.n_qd; vp = kp + s.n_kvd; ldk = ldv = D;
-            mha_linear(key, rows_k, c->kdim, c->kdim, m->w_k, D, m->b_k, kp,
-                       D);
-            mha_linear(value, rows_k, c->vdim, c->vdim, m->w_v, D, m->b_v,
-                       vp, D);
+            kp = ws + s.n_qd; vp = kp + s.n_kvd; ldk = ldv = Dkv;
+            mha_linear(key, rows_k, c->kdim, c->kdim, m->w_k, Dkv, m->b_k, kp,
+                       Dkv);
+            mha_linear(value, rows_k, c->vdim, c->vdim, m->w_v, Dkv, m->b_v,
+                       vp, Dkv);
         }
     }
     if (a->need_weights != MHA_WEIGHTS_NONE)

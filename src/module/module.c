@@ -56,6 +56,14 @@ static mha_status resolve_config(const mha_config *in, mha_config *out)
                              (long long)c.vdim);
     if (c.head_dim == 0)
         c.head_dim = c.embed_dim / c.num_heads;
+    if (c.num_kv_heads < 0 ||
+        (c.num_kv_heads > 0 && c.num_heads % c.num_kv_heads != 0))
+        return mha_set_error(MHA_ERR_INVALID_CONFIG,
+                             "num_kv_heads %lld must divide num_heads %lld "
+                             "(0 = num_heads)", (long long)c.num_kv_heads,
+                             (long long)c.num_heads);
+    if (c.num_kv_heads == 0)
+        c.num_kv_heads = c.num_heads;
     /* ... and the widest of all, the fused q|k|v projection of 3 D
      * columns (k|v: 2 D), where D = num_heads * head_dim. */
     if (c.num_heads > widest / 3 || c.head_dim > widest / (3 * c.num_heads))
@@ -116,23 +124,24 @@ static float *param_data(const mha_module *m, const char *name)
     return p ? m->params + p->offset : NULL;
 }
 
-/* The table, in PyTorch's state_dict order (D = E but in pruned modules). */
+/* The table, in PyTorch's state_dict order (D = E but in pruned modules;
+ * Dkv = D but in grouped-query modules). */
 static mha_status build_table(mha_module *m)
 {
-    const int64_t E = m->cfg.embed_dim, D = m->inner_dim;
-    const int64_t threeD = 3 * D;  /* D <= INT32_MAX: no overflow */
+    const int64_t E = m->cfg.embed_dim, D = m->inner_dim, Dkv = m->kv_dim;
+    const int64_t inD = D + 2 * Dkv;  /* <= 3 D <= INT32_MAX */
     if (m->packed) {
-        MHA_CHECK(add_param(m, "in_proj_weight", 2, threeD, E, 0));
+        MHA_CHECK(add_param(m, "in_proj_weight", 2, inD, E, 0));
     } else {
         MHA_CHECK(add_param(m, "q_proj_weight", 2, D, E, 0));
-        MHA_CHECK(add_param(m, "k_proj_weight", 2, D, m->cfg.kdim, 0));
-        MHA_CHECK(add_param(m, "v_proj_weight", 2, D, m->cfg.vdim, 0));
+        MHA_CHECK(add_param(m, "k_proj_weight", 2, Dkv, m->cfg.kdim, 0));
+        MHA_CHECK(add_param(m, "v_proj_weight", 2, Dkv, m->cfg.vdim, 0));
     }
     if (!m->cfg.no_bias)
-        MHA_CHECK(add_param(m, "in_proj_bias", 1, threeD, 0, 0));
+        MHA_CHECK(add_param(m, "in_proj_bias", 1, inD, 0, 0));
     if (m->cfg.add_bias_kv) {
-        MHA_CHECK(add_param(m, "bias_k", 3, 1, 1, D));
-        MHA_CHECK(add_param(m, "bias_v", 3, 1, 1, D));
+        MHA_CHECK(add_param(m, "bias_k", 3, 1, 1, Dkv));
+        MHA_CHECK(add_param(m, "bias_v", 3, 1, 1, Dkv));
     }
     MHA_CHECK(add_param(m, "out_proj.weight", 2, E, D, 0));
     if (!m->cfg.no_bias)
@@ -156,7 +165,7 @@ static void set_views(mha_module *m)
     const float *b = param_data(m, "in_proj_bias");
     m->b_q = b;
     m->b_k = b ? b + D : NULL;
-    m->b_v = b ? b + 2 * D : NULL;
+    m->b_v = b ? b + D + m->kv_dim : NULL;
     m->w_o = param_data(m, "out_proj.weight");
     m->b_o = param_data(m, "out_proj.bias");
     m->bias_k = param_data(m, "bias_k");
@@ -243,7 +252,9 @@ mha_status mha_create(const mha_config *config, mha_module **out)
         config->scale != 0.0f || (config->given & MHA_GIVEN_SCALE);
     m->head_dim = c.head_dim;
     m->inner_dim = c.num_heads * c.head_dim;
-    m->packed = c.kdim == c.embed_dim && c.vdim == c.embed_dim;
+    m->kv_dim = c.num_kv_heads * c.head_dim;
+    m->packed = c.kdim == c.embed_dim && c.vdim == c.embed_dim &&
+                c.num_kv_heads == c.num_heads;
     mha_status st = build_table(m);
     if (st == MHA_OK) {
         m->params = mha_alloc_floats(m->params_numel, "parameters");
@@ -383,8 +394,12 @@ mha_status mha_project(const mha_module *m, mha_projection which,
     int64_t n_in, n_out = D;
     switch (which) {
     case MHA_PROJ_QUERY: w = m->w_q; b = m->b_q; n_in = E; break;
-    case MHA_PROJ_KEY: w = m->w_k; b = m->b_k; n_in = m->cfg.kdim; break;
-    case MHA_PROJ_VALUE: w = m->w_v; b = m->b_v; n_in = m->cfg.vdim; break;
+    case MHA_PROJ_KEY:
+        w = m->w_k; b = m->b_k; n_in = m->cfg.kdim; n_out = m->kv_dim;
+        break;
+    case MHA_PROJ_VALUE:
+        w = m->w_v; b = m->b_v; n_in = m->cfg.vdim; n_out = m->kv_dim;
+        break;
     case MHA_PROJ_OUT: w = m->w_o; b = m->b_o; n_in = D; n_out = E; break;
     default:
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,

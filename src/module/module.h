@@ -24,6 +24,8 @@ struct mha_module {
     int scale_given;             /* cfg.scale was chosen, not the default */
     int64_t head_dim;            /* d_h (E / H unless configured) */
     int64_t inner_dim;           /* D = H * d_h, the heads side by side */
+    int64_t kv_dim;              /* Dkv = H_kv * d_h, of k and v (= D but
+                                    in grouped-query modules) */
     int packed;                  /* kdim == vdim == E: in_proj_weight */
     int nparams;
     mha_param param[MHA_MAX_PARAMS];
@@ -31,10 +33,10 @@ struct mha_module {
     int64_t params_numel;
 
     /* Views into params, set once at create (NULL when absent). */
-    const float *w_q, *w_k, *w_v;  /* [D, E], [D, kdim], [D, vdim] */
-    const float *b_q, *b_k, *b_v;  /* [D] each */
+    const float *w_q, *w_k, *w_v;  /* [D, E], [Dkv, kdim], [Dkv, vdim] */
+    const float *b_q, *b_k, *b_v;  /* [D], [Dkv], [Dkv] */
     const float *w_o, *b_o;        /* [E, D], [E] */
-    const float *bias_k, *bias_v;  /* [D] each */
+    const float *bias_k, *bias_v;  /* [Dkv] each */
 };
 
 /* ---- the linear layer (linear.c: the only file that calls CBLAS) --------------------- */
@@ -79,8 +81,9 @@ void mha_linear_grad_params_blocks(const float *dy, int64_t rows,
 /* Shapes of a forward call, checked and derived once. */
 typedef struct fwd_shape {
     int64_t B, Lq, Lk, Lt, E, H, dh, D;  /* D = H * dh, the inner width */
+    int64_t Hkv, Dkv;        /* K/V heads, Dkv = Hkv * dh: k and v's width */
     int64_t n_q;             /* elements of query and out: B * Lq * E    */
-    int64_t n_qd, n_kvd;     /* of projected q (and ctx), of k or v: * D */
+    int64_t n_qd, n_kvd;     /* of projected q (and ctx): * D; k or v: * Dkv */
     int64_t n_w;             /* of the attention weights                 */
 } fwd_shape;
 

@@ -34,6 +34,13 @@ mha_status mha_prune_heads(const mha_module *m, const int64_t *keep,
                              m ? "keep" : "module");
     const int64_t H = m->cfg.num_heads, dh = m->head_dim;
     const int64_t E = m->cfg.embed_dim, D = m->inner_dim;
+    if (m->cfg.num_kv_heads != H)
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "pruning a grouped-query module (%lld query "
+                             "heads sharing %lld K/V heads) is not "
+                             "supported: its heads do not own their K/V "
+                             "rows", (long long)H,
+                             (long long)m->cfg.num_kv_heads);
     if (n_keep < 1 || n_keep > H)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "n_keep must be in [1, num_heads=%lld], got %lld "
@@ -60,6 +67,7 @@ mha_status mha_prune_heads(const mha_module *m, const int64_t *keep,
 
     mha_config c = m->cfg;
     c.num_heads = n_keep;
+    c.num_kv_heads = n_keep;
     c.head_dim = dh;
     if (!m->scale_given)
         c.scale = 0.0f;   /* the default, 1/sqrt(d_h), is unchanged */

@@ -89,6 +89,9 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
     const int64_t Lk = a->kv_len ? a->kv_len : Lq;
     const int64_t E = c.embed_dim, H = c.num_heads, dh = c.head_dim;
     const int64_t D = H * dh;   /* the heads side by side (E unless pruned) */
+    /* Grouped-query attention: query head h reads K/V head h / (H / Hkv). */
+    const int64_t Hkv = c.num_kv_heads ? c.num_kv_heads : H;
+    const int64_t Dkv = Hkv * dh, group = H / Hkv;
     const int64_t kdim = c.kdim, vdim = c.vdim;
     const int64_t Lt = Lk + (c.add_bias_kv ? 1 : 0) + (c.add_zero_attn ? 1 : 0);
     const float *key = a->key ? a->key : a->query;
@@ -100,7 +103,7 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
     if (packed) {
         Wq = packed;
         Wk = packed + D * E;
-        Wv = packed + 2 * D * E;
+        Wv = packed + (D + Dkv) * E;
     } else {
         Wq = FN(param)(m, "q_proj_weight");
         Wk = FN(param)(m, "k_proj_weight");
@@ -116,8 +119,8 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
     REAL *xk = FN(widen)(key, B * Lk * kdim);
     REAL *xv = FN(widen)(value, B * Lk * vdim);
     REAL *q = malloc((size_t)(B * Lq * D) * sizeof *q);
-    REAL *k = malloc((size_t)(B * Lt * D) * sizeof *k);   /* with extras */
-    REAL *v = malloc((size_t)(B * Lt * D) * sizeof *v);
+    REAL *k = malloc((size_t)(B * Lt * Dkv) * sizeof *k);   /* with extras */
+    REAL *v = malloc((size_t)(B * Lt * Dkv) * sizeof *v);
     REAL *ctx = calloc((size_t)(B * Lq * D), sizeof *ctx);
     REAL *tmp = malloc((size_t)(Lk * D) * sizeof *tmp);
     REAL *s = malloc((size_t)Lt * sizeof *s);
@@ -126,24 +129,24 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
     FN(linear)(xq, B * Lq, E, Wq, bin, D, q);
     /* Keys and values per batch, then the appended bias / zero rows. */
     for (int64_t b = 0; b < B; b++) {
-        FN(linear)(xk + b * Lk * kdim, Lk, kdim, Wk, bin ? bin + D : NULL, D,
-                   tmp);
-        memcpy(k + b * Lt * D, tmp, (size_t)(Lk * D) * sizeof *tmp);
-        FN(linear)(xv + b * Lk * vdim, Lk, vdim, Wv, bin ? bin + 2 * D : NULL,
-                   D, tmp);
-        memcpy(v + b * Lt * D, tmp, (size_t)(Lk * D) * sizeof *tmp);
+        FN(linear)(xk + b * Lk * kdim, Lk, kdim, Wk, bin ? bin + D : NULL,
+                   Dkv, tmp);
+        memcpy(k + b * Lt * Dkv, tmp, (size_t)(Lk * Dkv) * sizeof *tmp);
+        FN(linear)(xv + b * Lk * vdim, Lk, vdim, Wv,
+                   bin ? bin + D + Dkv : NULL, Dkv, tmp);
+        memcpy(v + b * Lt * Dkv, tmp, (size_t)(Lk * Dkv) * sizeof *tmp);
         int64_t row = Lk;
         if (c.add_bias_kv) {
-            for (int64_t e = 0; e < D; e++) {
-                k[(b * Lt + row) * D + e] = bk[e];
-                v[(b * Lt + row) * D + e] = bv[e];
+            for (int64_t e = 0; e < Dkv; e++) {
+                k[(b * Lt + row) * Dkv + e] = bk[e];
+                v[(b * Lt + row) * Dkv + e] = bv[e];
             }
             row++;
         }
         if (c.add_zero_attn) {
-            for (int64_t e = 0; e < D; e++) {
-                k[(b * Lt + row) * D + e] = 0;
-                v[(b * Lt + row) * D + e] = 0;
+            for (int64_t e = 0; e < Dkv; e++) {
+                k[(b * Lt + row) * Dkv + e] = 0;
+                v[(b * Lt + row) * Dkv + e] = 0;
             }
         }
     }
@@ -184,7 +187,7 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
                     REAL dot = 0;
                     for (int64_t d = 0; d < dh; d++)
                         dot += q[(b * Lq + i) * D + h * dh + d] *
-                               k[(b * Lt + j) * D + h * dh + d];
+                               k[(b * Lt + j) * Dkv + h / group * dh + d];
                     s[j] = dot * scale + add;
                     if (s[j] > mx)
                         mx = s[j];
@@ -210,7 +213,7 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
                     if (use)
                         for (int64_t d = 0; d < dh; d++)
                             ctx[(b * Lq + i) * D + h * dh + d] +=
-                                p * v[(b * Lt + j) * D + h * dh + d];
+                                p * v[(b * Lt + j) * Dkv + h / group * dh + d];
                 }
             }
     /* The head mask scales each head's context before W_O. */
