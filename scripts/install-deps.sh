@@ -14,6 +14,7 @@ packages=(
   libpng-dev                         # PNG heatmaps of `mha viz` (the command only)
   valgrind                           # memory checks in the test suite
   clang libomp-14-dev                # ThreadSanitizer build (LLVM OpenMP)
+  libclang-rt-14-dev                 # clang's sanitizer runtimes (TSan)
   python3-numpy python3-torch        # the independent oracle (Debian's own)
 )
 

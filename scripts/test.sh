@@ -12,7 +12,31 @@ jobs=$(nproc)
 echo "== release build and tests"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j"$jobs" >/dev/null
-ctest --test-dir build --output-on-failure
+ctest --test-dir build --output-on-failure --output-junit "$PWD/build/ctest-release.xml"
+
+# No silent skips: every test that did not run is listed by name, and the
+# only ones allowed are the *_avx512 tier runs on a CPU without AVX-512F.
+skipped=$(/usr/bin/python3 - "$PWD/build/ctest-release.xml" <<'PY'
+import sys
+import xml.etree.ElementTree as ET
+for t in ET.parse(sys.argv[1]).getroot().iter("testcase"):
+    if t.get("status") != "run" or t.find("skipped") is not None:
+        print(t.get("name"))
+PY
+)
+have_avx512=0
+grep -qw avx512f /proc/cpuinfo && have_avx512=1
+bad=0
+for t in $skipped; do
+  if [[ $t == *_avx512 && $have_avx512 == 0 ]]; then
+    echo "skipped: $t (this CPU has no AVX-512F)"
+  else
+    echo "skipped: $t -- not allowed"
+    bad=1
+  fi
+done
+[ -n "$skipped" ] || echo "skipped: none"
+[ "$bad" = 0 ] || { echo "tests were skipped that must run"; exit 1; }
 
 echo "== ASan + UBSan build and tests"
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug \

@@ -17,15 +17,17 @@
 #include "ref.h"
 #include "testutil.h"
 
-/* A module with W_q = W_k = W_v = W_o = I and no bias (and dropout p,
- * which lives in the config). */
-static mha_module *identity_module(int64_t E, int64_t H, float dropout)
+/* A module with W_q = W_k = W_v = W_o = I and no bias (and dropout p and
+ * the scale, which live in the config; scale 0 is 1/sqrt(d_h) in both). */
+static mha_module *identity_module(int64_t E, int64_t H, float dropout,
+                                   float scale)
 {
     mha_config cfg = {0};
     cfg.embed_dim = E;
     cfg.num_heads = H;
     cfg.no_bias = 1;
     cfg.dropout = dropout;
+    cfg.scale = scale;
     mha_module *m = NULL;
     assert_int_equal(mha_create(&cfg, &m), MHA_OK);
     float *w = calloc((size_t)(3 * E * E), sizeof *w);
@@ -45,15 +47,19 @@ typedef struct acase {
     int pad, lengths, additive;
     mha_weights_mode weights;
     float dropout;
+    float scale;        /* 0: the default, 1/sqrt(d_h) */
 } acase;
 
 static const acase CASES[] = {
-    {"self", 2, 3, 8, 17, 0, 0, 0, 0, 0, MHA_WEIGHTS_PER_HEAD, 0},
-    {"cross, causal", 2, 2, 16, 9, 150, MHA_CAUSAL_BOTTOM_RIGHT, 0, 0, 0, MHA_WEIGHTS_AVERAGE, 0},
-    {"padding + lengths", 3, 2, 5, 70, 90, 0, 1, 1, 0, MHA_WEIGHTS_PER_HEAD, 0},
-    {"additive, top-left", 1, 4, 64, 130, 70, MHA_CAUSAL_TOP_LEFT, 0, 0, 1, MHA_WEIGHTS_NONE, 0},
-    {"dropout", 2, 2, 8, 20, 0, 0, 0, 0, 0, MHA_WEIGHTS_PER_HEAD, 0.25f},
-    {"head dim 1, one query", 2, 3, 1, 1, 33, 0, 1, 0, 0, MHA_WEIGHTS_AVERAGE, 0},
+    {"self", 2, 3, 8, 17, 0, 0, 0, 0, 0, MHA_WEIGHTS_PER_HEAD, 0, 0},
+    {"cross, causal", 2, 2, 16, 9, 150, MHA_CAUSAL_BOTTOM_RIGHT, 0, 0, 0, MHA_WEIGHTS_AVERAGE, 0, 0},
+    {"padding + lengths", 3, 2, 5, 70, 90, 0, 1, 1, 0, MHA_WEIGHTS_PER_HEAD, 0, 0},
+    {"additive, top-left", 1, 4, 64, 130, 70, MHA_CAUSAL_TOP_LEFT, 0, 0, 1, MHA_WEIGHTS_NONE, 0, 0},
+    {"dropout", 2, 2, 8, 20, 0, 0, 0, 0, 0, MHA_WEIGHTS_PER_HEAD, 0.25f, 0},
+    {"head dim 1, one query", 2, 3, 1, 1, 33, 0, 1, 0, 0, MHA_WEIGHTS_AVERAGE, 0, 0},
+    /* scales other than the default 1/sqrt(d_h) (0.25 and 0.35 here) */
+    {"custom scale", 2, 2, 16, 33, 50, 0, 1, 0, 0, MHA_WEIGHTS_PER_HEAD, 0, 0.7f},
+    {"custom scale, split keys", 1, 2, 8, 3, 1100, MHA_CAUSAL_BOTTOM_RIGHT, 0, 0, 1, MHA_WEIGHTS_AVERAGE, 0.1f, -1.3f},
 };
 
 static void check(const char *name, const char *what, const float *got,
@@ -115,12 +121,13 @@ static void test_against_reference(void **state)
         a.dropout = c->dropout;
         a.training = c->dropout > 0;
         a.dropout_seed = 9;
+        a.scale = c->scale;
         a.out = out;
         if (mha_attention(&a) != MHA_OK)
             fail_msg("%s: %s", c->name, mha_last_error());
 
         /* The same problem as a module forward with identity weights. */
-        mha_module *m = identity_module(E, c->H, c->dropout);
+        mha_module *m = identity_module(E, c->H, c->dropout, c->scale);
         mha_forward_args f = {0};
         f.batch = c->B;
         f.q_len = c->Lq;

@@ -3,7 +3,8 @@
  * (mha_attention_plan_*, mha_attention_backward):
  *
  *   - gradients against central differences of a float64 attention
- *     written here from the definition (scores, masks, softmax, dropout),
+ *     written here from the definition (scores, masks, softmax, dropout
+ *     drawn by the tests' own generator, ref_dropout_keep),
  *     with every mask kind, causal, key lengths, an explicit scale of 0,
  *     dropout and a row with no key;
  *   - the plan's run equals mha_attention bitwise; results bitwise equal
@@ -29,6 +30,7 @@
 #include <string.h>
 
 #include "assert_error.h"
+#include "ref.h"
 #include "testutil.h"
 
 /* ---- a float64 attention, from the definition ---------------------------- */
@@ -100,7 +102,7 @@ static void attend64(const problem *P, const double *q, const double *k,
                         continue;
                     double pj = exp(s[j] - mx) / sum;
                     if (P->p > 0.0f)
-                        pj = mha_dropout_keep(P->seed, P->p, b, h, i, j)
+                        pj = ref_dropout_keep(P->seed, P->p, b, h, i, j)
                                  ? pj / (1.0 - P->p) : 0.0;
                     const double *vj = v + (b * P->Lk + j) * Ekv + kvh * P->dh;
                     for (int64_t d = 0; d < P->dh; d++)

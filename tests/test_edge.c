@@ -1,7 +1,8 @@
 /*
  * test_edge.c -- the corners of the contract: fully masked rows, -inf
- * masks, huge logits, NaN in masked-out keys, dropout statistics and
+ * masks, huge logits, NaN in masked-out keys, dropout's scale and
  * reproducibility, weights that do not disturb the output, aliasing.
+ * (The dropout generator itself: tests/test_dropout.c.)
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -308,34 +309,6 @@ static void test_dropout_zero_is_identity(void **state)
     mha_free(m5);
 }
 
-/* The generator drops a fraction p +- 0.01 over 10^6 draws, and the mask
- * depends on every coordinate. */
-static void test_dropout_statistics(void **state)
-{
-    (void)state;
-    const float ps[] = {0.1f, 0.5f, 0.9f};
-    for (int t = 0; t < 3; t++) {
-        long dropped = 0, n = 0;
-        for (int64_t b = 0; b < 4; b++)
-            for (int64_t h = 0; h < 4; h++)
-                for (int64_t i = 0; i < 250; i++)
-                    for (int64_t j = 0; j < 250; j++, n++)
-                        dropped += !mha_dropout_keep(1234, ps[t], b, h, i, j);
-        assert_int_equal(n, 1000000);
-        double frac = (double)dropped / (double)n;
-        if (fabs(frac - ps[t]) > 0.01)
-            fail_msg("p = %g: dropped fraction %g", ps[t], frac);
-    }
-    /* coordinates are not interchangeable */
-    int differ = 0;
-    for (int64_t k = 0; k < 64; k++)
-        differ += mha_dropout_keep(5, 0.5f, k, 0, 1, 2) !=
-                  mha_dropout_keep(5, 0.5f, 0, k, 1, 2);
-    assert_true(differ > 10);
-    assert_int_equal(mha_dropout_keep(5, 0.0f, 1, 2, 3, 4), 1);
-    assert_int_equal(mha_dropout_keep(5, 1.0f, 1, 2, 3, 4), 0);
-}
-
 static void test_dropout_reproducible(void **state)
 {
     (void)state;
@@ -356,13 +329,41 @@ static void test_dropout_reproducible(void **state)
     a.out = o3;
     assert_int_equal(mha_forward(m, &a), MHA_OK);
     assert_memory_not_equal(o1, o3, sizeof o1);
-    /* kept weights are scaled by 1 / (1 - p), dropped ones are 0 */
+    /* kept weights are scaled by 1 / (1 - p), dropped ones are 0: against
+     * the float64 reference (which draws the mask with its own generator),
+     * and kept ones against the weights without dropout */
     a.dropout_seed = 42;
     a.out = o2;
     assert_int_equal(mha_forward(m, &a), MHA_OK);
+    double w64[B * H * L * L], o64[B * L * E];
+    float w32[B * H * L * L], o32[B * L * E];
+    assert_int_equal(ref_forward_f64(m, &a, o64, w64), 0);
+    assert_int_equal(ref_forward_f32(m, &a, o32, w32), 0);
+    const double tol = ref_tolerance(ref_max_err_f32(w32, w64, B * H * L * L),
+                                     ref_max_abs(w64, B * H * L * L));
+    const double err = ref_max_err_f32(w, w64, B * H * L * L);
+    if (!(err <= tol))
+        fail_msg("weights under dropout: error %.3g > bound %.3g", err, tol);
+    float w_eval[B * H * L * L];
+    mha_forward_args e = a;
+    e.training = 0;
+    e.attn_weights = w_eval;
+    e.out = o3;
+    assert_int_equal(mha_forward(m, &e), MHA_OK);
     int zeros = 0;
-    for (int k = 0; k < B * H * L * L; k++)
-        zeros += w[k] == 0.0f;
+    for (int k = 0; k < B * H * L * L; k++) {
+        assert_true((w[k] == 0.0f) == (w64[k] == 0.0));   /* the same mask */
+        assert_true(w_eval[k] > 0.0f);
+        if (w[k] == 0.0f) {
+            zeros++;
+            continue;
+        }
+        /* w = w_eval / (1 - p), up to a few float roundings */
+        const double scaled = (double)w_eval[k] / (1.0 - 0.4f);
+        if (!(fabs(w[k] - scaled) <= 4 * FLT_EPSILON * scaled))
+            fail_msg("kept weight %d: %.9g, expected %.9g / (1 - p) = %.9g",
+                     k, (double)w[k], (double)w_eval[k], scaled);
+    }
     assert_true(zeros > 0 && zeros < B * H * L * L);
     mha_free(m);
 
@@ -513,7 +514,6 @@ int main(void)
         cmocka_unit_test(test_huge_logits),
         cmocka_unit_test(test_nan_in_masked_keys),
         cmocka_unit_test(test_dropout_zero_is_identity),
-        cmocka_unit_test(test_dropout_statistics),
         cmocka_unit_test(test_dropout_reproducible),
         cmocka_unit_test(test_weights_do_not_change_output),
         cmocka_unit_test(test_alias_and_unbatched),

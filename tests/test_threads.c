@@ -1,9 +1,11 @@
 /*
  * test_threads.c -- the attention's threads and plans: outputs and weights
- * bitwise identical for 1, 2, 3 and 4 threads (and equal to the float64
- * reference within the suite's bound); a plan runs many calls with no
- * change in results and refuses arguments it was not made for.  Run once
- * per kernel tier (MHA_ISA) by CTest.
+ * bitwise identical for 1, 2, 3 and 4 threads, gradients for 1, 2 and 4
+ * (and the output equal to the float64 reference within the suite's
+ * bound), on shapes large enough to run threaded: every block path, the
+ * split keys of decoding, dropout, d_h = 80, the backward; a plan runs
+ * many calls with no change in results and refuses arguments it was not
+ * made for.  Run once per kernel tier (MHA_ISA) by CTest.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -28,16 +30,26 @@ typedef struct shape {
     mha_weights_mode weights;
 } shape;
 
+/* Every shape is above the engine's one-thread threshold: below 2^20
+ * multiply-adds, B * H * Lq * Lt * d_h (Lt: keys with the extra ones), the
+ * forward and the backward run on one thread whatever num_threads says
+ * (src/attention.c, mha_attn_run and mha_attn_backward), and a thread
+ * test there would compare one thread with itself.  test_thread_counts
+ * asserts it for each shape. */
+#define ONE_THREAD_BELOW (1 << 20)
+
 static const shape SHAPES[] = {
     {"self, many blocks", 64, 4, 2, 200, 0, 0, 0, 0, 0, 0, 0, 0, MHA_WEIGHTS_AVERAGE},
     {"causal, diagonal tiles", 64, 2, 1, 300, 0, 0, 0, 0, MHA_CAUSAL_BOTTOM_RIGHT, 0, 0, 0, MHA_WEIGHTS_PER_HEAD},
     {"cross, padding, lengths", 48, 3, 3, 70, 130, 1, 1, 1, 0, 1, 1, 0, MHA_WEIGHTS_PER_HEAD},
-    {"decoding, one query", 64, 8, 2, 1, 700, 1, 0, 0, MHA_CAUSAL_BOTTOM_RIGHT, 0, 0, 0, MHA_WEIGHTS_AVERAGE},
-    {"dropout", 32, 2, 2, 90, 0, 0, 0, 0, MHA_CAUSAL_TOP_LEFT, 0, 0, 0.3f, MHA_WEIGHTS_PER_HEAD},
-    /* few queries, many keys: the keys are split in chunks and merged */
-    {"decoding, split keys", 32, 2, 2, 3, 1500, 1, 1, 1, MHA_CAUSAL_BOTTOM_RIGHT, 1, 1, 0, MHA_WEIGHTS_PER_HEAD},
-    {"decoding, split, dropout", 16, 1, 1, 1, 2100, 1, 0, 0, 0, 0, 0, 0.2f, MHA_WEIGHTS_AVERAGE},
-    {"head dim 80", 160, 2, 1, 65, 0, 0, 0, 0, 0, 1, 0, 0, MHA_WEIGHTS_NONE},
+    /* one query, fewer keys than a split needs: one work item per (b, h) */
+    {"decoding, one query", 16, 2, 72, 1, 1000, 1, 0, 0, MHA_CAUSAL_BOTTOM_RIGHT, 0, 0, 0, MHA_WEIGHTS_AVERAGE},
+    {"dropout", 32, 2, 5, 90, 0, 0, 0, 0, MHA_CAUSAL_TOP_LEFT, 0, 0, 0.3f, MHA_WEIGHTS_PER_HEAD},
+    /* few queries (<= 64), many keys (>= 1024): the keys are split in
+     * chunks of 512, computed in parallel and merged */
+    {"decoding, split keys", 64, 2, 2, 40, 1500, 1, 1, 1, MHA_CAUSAL_BOTTOM_RIGHT, 1, 1, 0, MHA_WEIGHTS_PER_HEAD},
+    {"decoding, split, dropout", 32, 2, 4, 16, 2100, 1, 0, 0, 0, 0, 0, 0.2f, MHA_WEIGHTS_AVERAGE},
+    {"head dim 80", 160, 2, 2, 65, 0, 0, 0, 0, 0, 1, 0, 0, MHA_WEIGHTS_NONE},
 };
 
 typedef struct run {
@@ -82,9 +94,43 @@ static run forward(const mha_module *m, const shape *s, const float *q,
     return r;
 }
 
+/* The gradients of every input and parameter for `threads` threads. */
+typedef struct grads {
+    float *q, *k, *v, *p;
+} grads;
+
+static grads backward(const mha_module *m, const shape *s, const float *q,
+                      const float *kv, const uint8_t *pad,
+                      const int64_t *lens, const float *G, int threads,
+                      int64_t n_q, int64_t n_kv)
+{
+    grads g = {malloc((size_t)n_q * sizeof(float)),
+               malloc((size_t)n_kv * sizeof(float)),
+               malloc((size_t)n_kv * sizeof(float)),
+               malloc((size_t)mha_param_numel(m) * sizeof(float))};
+    mha_forward_args a = problem(s, q, kv, pad, lens);
+    a.num_threads = threads;
+    /* cross: key and value are one buffer, two inputs (mha.h) */
+    mha_backward_args bw = {G, g.q, s->cross ? g.k : NULL,
+                            s->cross ? g.v : NULL, g.p, 0, NULL};
+    if (mha_backward(m, &a, &bw) != MHA_OK)
+        fail_msg("%s, backward on %d threads: %s", s->name, threads,
+                 mha_last_error());
+    return g;
+}
+
+/* Every shape runs; the differences are listed, then the test fails. */
+#define DIFFERS(what, t)                                                     \
+    do {                                                                     \
+        print_error("%s: %s with %d threads differ from 1 thread\n",        \
+                    s->name, what, t);                                       \
+        differ++;                                                            \
+    } while (0)
+
 static void test_thread_counts(void **state)
 {
     (void)state;
+    int differ = 0;
     for (size_t k = 0; k < sizeof SHAPES / sizeof *SHAPES; k++) {
         const shape *s = &SHAPES[k];
         mha_config cfg = {0};
@@ -96,33 +142,49 @@ static void test_thread_counts(void **state)
         mha_module *m = tu_module(&cfg, 31 + k);
         assert_non_null(m);
         const int64_t Lk = s->Lk ? s->Lk : s->Lq, Lt = mha_total_keys(m, Lk);
+        const double work = (double)s->B * s->H * s->Lq * Lt * (s->E / s->H);
+        if (!(work >= ONE_THREAD_BELOW))
+            fail_msg("%s: %.0f multiply-adds, under %d: it would run on one "
+                     "thread", s->name, work, ONE_THREAD_BELOW);
         const int64_t n_q = s->B * s->Lq * s->E, n_kv = s->B * Lk * s->E;
         const int64_t n_w = s->weights == MHA_WEIGHTS_PER_HEAD
                                 ? s->B * s->H * s->Lq * Lt
                             : s->weights == MHA_WEIGHTS_AVERAGE
                                 ? s->B * s->Lq * Lt : 0;
+        const int64_t n_p = mha_param_numel(m);
         float *q = malloc((size_t)n_q * sizeof *q);
         float *kv = malloc((size_t)n_kv * sizeof *kv);
+        float *G = malloc((size_t)n_q * sizeof *G);
         uint8_t *pad = calloc((size_t)(s->B * Lk), 1);
-        int64_t lens[4];
+        int64_t *lens = malloc((size_t)s->B * sizeof *lens);
         tu_fill(q, n_q, 100 + k, -1, 1);
         tu_fill(kv, n_kv, 200 + k, -1, 1);
+        tu_fill(G, n_q, 300 + k, -1, 1);
         for (int64_t b = 0; b < s->B; b++) {
             lens[b] = Lk - 7 * b - 1;
             for (int64_t j = 0; j < Lk; j++)
                 pad[b * Lk + j] = (j * 7 + b) % 5 == 0;
         }
         run one = forward(m, s, q, kv, pad, lens, 1, n_q, n_w);
+        grads g1 = backward(m, s, q, kv, pad, lens, G, 1, n_q, n_kv);
         for (int t = 2; t <= 4; t++) {
             run r = forward(m, s, q, kv, pad, lens, t, n_q, n_w);
             if (memcmp(one.out, r.out, (size_t)n_q * sizeof(float)))
-                fail_msg("%s: output with %d threads differs from 1 thread",
-                         s->name, t);
+                DIFFERS("output", t);
             if (n_w && memcmp(one.w, r.w, (size_t)n_w * sizeof(float)))
-                fail_msg("%s: weights with %d threads differ from 1 thread",
-                         s->name, t);
+                DIFFERS("weights", t);
             free(r.out);
             free(r.w);
+            if (t == 3)
+                continue;   /* the backward on 1, 2 and 4 threads */
+            grads g = backward(m, s, q, kv, pad, lens, G, t, n_q, n_kv);
+            if (memcmp(g1.q, g.q, (size_t)n_q * sizeof(float)) ||
+                (s->cross &&
+                 (memcmp(g1.k, g.k, (size_t)n_kv * sizeof(float)) ||
+                  memcmp(g1.v, g.v, (size_t)n_kv * sizeof(float)))) ||
+                memcmp(g1.p, g.p, (size_t)n_p * sizeof(float)))
+                DIFFERS("gradients", t);
+            free(g.q); free(g.k); free(g.v); free(g.p);
         }
         /* and the result is right */
         const mha_forward_args a = problem(s, q, kv, pad, lens);
@@ -136,10 +198,14 @@ static void test_thread_counts(void **state)
         if (!(err <= tol))
             fail_msg("%s: error %.3g > bound %.3g", s->name, err, tol);
         free(o64); free(o32);
-        free(one.out); free(one.w); free(q); free(kv); free(pad);
+        free(one.out); free(one.w); free(q); free(kv); free(G); free(pad);
+        free(lens); free(g1.q); free(g1.k); free(g1.v); free(g1.p);
         mha_free(m);
     }
+    if (differ)
+        fail_msg("%d results depend on the thread count", differ);
 }
+#undef DIFFERS
 
 static void test_plan(void **state)
 {

@@ -8,6 +8,44 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* ---- the dropout generator (docs/semantics.md, "Dropout") ---------------- */
+
+/* SplitMix64's output function (Steele, Lea & Flood, "Fast splittable
+ * pseudorandom number generators", 2014; the constants of Stafford's
+ * variant 13, as in java.util.SplittableRandom). */
+static uint64_t splitmix64_out(uint64_t z)
+{
+    z ^= z >> 30;
+    z *= UINT64_C(0xbf58476d1ce4e5b9);
+    z ^= z >> 27;
+    z *= UINT64_C(0x94d049bb133111eb);
+    z ^= z >> 31;
+    return z;
+}
+
+int ref_dropout_keep(uint64_t seed, float p, int64_t b, int64_t h, int64_t i,
+                     int64_t j)
+{
+    if (!(p > 0.0f))          /* p = 0: nothing is dropped */
+        return 1;
+    if (p >= 1.0f)            /* p = 1: everything is */
+        return 0;
+    /* phi = 2^64 / golden ratio, SplitMix64's increment.  Round n
+     * (n = 1..4) folds in coordinate n, offset by n * phi (mod 2^64). */
+    const uint64_t phi = UINT64_C(0x9e3779b97f4a7c15);
+    const int64_t coord[4] = {b, h, i, j};
+    uint64_t x = splitmix64_out(seed + phi);
+    for (uint64_t n = 1; n <= 4; n++)
+        x = splitmix64_out(x ^ ((uint64_t)coord[n - 1] + n * phi));
+    /* u: the high 32 bits, a uniform integer in [0, 2^32).  The entry is
+     * dropped when the whole cell [u, u + 1) * 2^-32 lies below p, i.e.
+     * u < floor(p * 2^32) (p * 2^32 is exact in a double). */
+    const double u = (double)(x >> 32);
+    return !(u + 1.0 <= ldexp((double)p, 32));
+}
+
+/* ---- the forward pass ------------------------------------------------------ */
+
 #define REAL double
 #define FN(name) ref64_##name
 #include "ref_impl.h"

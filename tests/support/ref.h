@@ -31,4 +31,15 @@ double ref_max_abs(const double *ref, int64_t n);
  */
 double ref_tolerance(double naive_err, double max_abs_ref);
 
+/*
+ * The dropout generator as docs/semantics.md ("Dropout") defines it,
+ * written from that definition and not from src/rng.c: 1 if entry
+ * (b, h, i, j) is kept for `seed` and drop probability p, 0 if dropped.
+ * The reference draws its masks with this, so a library whose
+ * mha_dropout_keep drifted from the documented generator disagrees with
+ * the reference (and tests/test_dropout.c compares the two bit for bit).
+ */
+int ref_dropout_keep(uint64_t seed, float p, int64_t b, int64_t h, int64_t i,
+                     int64_t j);
+
 #endif

@@ -1,8 +1,9 @@
 /*
  * ref_impl.h -- the reference multi-head attention forward pass, written
  * for clarity, not speed, and independently of the library's own code:
- * it reads the module only through the public API and interprets every
- * mask from its definition in mha.h.
+ * it reads the module only through the public API, interprets every
+ * mask from its definition in mha.h and draws dropout with its own
+ * generator (ref_dropout_keep, from the definition in docs/semantics.md).
  *
  * Included twice by ref.c: with REAL = double it is the oracle the tests
  * measure against; with REAL = float it is "a naive float32
@@ -203,7 +204,7 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
                     /* Excluded and dropped keys are never read. */
                     int use = live && !blocked[j];
                     if (use && dropout)
-                        use = mha_dropout_keep(a->dropout_seed, c.dropout, b,
+                        use = ref_dropout_keep(a->dropout_seed, c.dropout, b,
                                                h, i, j);
                     REAL p = 0;
                     if (use)

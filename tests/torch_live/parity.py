@@ -628,6 +628,31 @@ def configurations(rng):
     return cases
 
 
+def long_configurations(rng):
+    """Forward cases longer than one 64-key tile (the cases above have
+    L <= 16, inside one tile): self-attention over 2 and 3 tiles, causal
+    (diagonal tiles), key padding, cross-attention with Lk != Lq either
+    way, extra keys, and the decoding path that splits >= 1024 keys in
+    chunks (Lq <= 64).  Their own generator, so that the cases above see
+    the same random numbers as before."""
+    cases = []
+    add = case_adder(rng, cases)
+
+    add(Lq=100, mask="causal", weights="per_head")
+    add(Lq=130, keypad="mask", weights="avg")
+    add(cross=True, Lq=70, Lk=200, mask="float2d", keypad="lengths",
+        weights="per_head")
+    add(cross=True, Lq=200, Lk=130, kdim=5, vdim=7, mask="causal_tl",
+        weights="avg")
+    add(cross=True, Lq=3, Lk=1100, keypad="mask", mask="causal",
+        weights="per_head")                     # split keys
+    add(via="driver", Lq=130, mask="bool3d", keypad="mask",
+        weights="per_head")
+    add(via="driver", cross=True, Lq=100, Lk=200, bias_kv=True,
+        zero_attn=True, mask="causal", weights="avg")
+    return cases
+
+
 def backward_configurations(rng):
     """Seeded random configurations for the backward, all through the
     driver (the C API).  None leaves a query row without keys by chance:
@@ -687,13 +712,16 @@ def main():
     t0 = time.time()
     torch.manual_seed(20240601)
     rng = np.random.RandomState(20240601)
-    todo = [("forward", c) for c in configurations(rng)]
-    todo += [("init", c) for c in init_configurations()]
-    # The backward cases come last, with their own generator, so that the
-    # cases above see the same random numbers as before they were added.
+    todo = [("forward", c, rng) for c in configurations(rng)]
+    todo += [("init", c, rng) for c in init_configurations()]
+    # The long and the backward cases come last, each with its own
+    # generator, so that the cases above see the same random numbers as
+    # before they were added.
+    lrng = np.random.RandomState(20240603)
+    todo += [("forward", c, lrng) for c in long_configurations(lrng)]
     brng = np.random.RandomState(20240602)
-    todo += [("backward", c) for c in backward_configurations(brng)]
-    for n, (kind, c) in enumerate(todo):
+    todo += [("backward", c, brng) for c in backward_configurations(brng)]
+    for n, (kind, c, crng) in enumerate(todo):
         label = ("init " + " ".join(c["flags"]) + " E=%d H=%d" % (c["E"], c["H"])
                  if kind == "init" else
                  "backward " + describe(c) if kind == "backward" else
@@ -701,16 +729,16 @@ def main():
                  describe(c))
         try:
             if kind == "backward":
-                r_out, r_g, gname, vs32, nm = backward_case(c, brng)
+                r_out, r_g, gname, vs32, nm = backward_case(c, crng)
                 msg = "out %.3f  grads %.3f (worst %s; max err / torch32 " \
                       "err %.2f)" % (r_out, r_g, gname, vs32)
                 if nm:
                     msg += "  (%d fully masked rows)" % nm
             else:
                 if kind == "init":
-                    r_out, r_w, nm = init_case(c, rng)
+                    r_out, r_w, nm = init_case(c, crng)
                 else:
-                    r_out, r_w, nm = forward_case(c, rng)
+                    r_out, r_w, nm = forward_case(c, crng)
                 msg = "out %.3f" % r_out
                 if r_w is not None:
                     msg += "  weights %.3f" % r_w
