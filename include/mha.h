@@ -389,6 +389,11 @@ typedef struct mha_attention_args {
                              query): k and v are (B, Lk, H_kv*d_h), and
                              query head h reads K/V head h / (H / H_kv),
                              as PyTorch SDPA's enable_gqa and Llama.     */
+    float *lse;           /* (B, H, Lq) or NULL: each row's log-sum-exp
+                             of its scaled, masked scores (natural log;
+                             -INFINITY for a row with no key), what
+                             mha_attention_merge needs.  Must not overlap
+                             another input or output.                    */
 } mha_attention_args;
 MHA_API mha_status mha_attention(const mha_attention_args *args);
 
@@ -426,6 +431,32 @@ MHA_API mha_status mha_attention_plan_backward(
 MHA_API void mha_attention_plan_free(mha_attention_plan *plan);
 MHA_API mha_status mha_attention_backward(const mha_attention_args *args,
                                           const mha_attention_grads *grads);
+
+/*
+ * The merge of partial attention results: when the keys of a problem are
+ * split into parts (chunks of a long sequence, ranks of a ring, a cache and
+ * new tokens) and each part's attention is computed apart with its lse,
+ * the attention over all keys is, row by row,
+ *
+ *     lse = log sum_p exp(lse_p),   out = sum_p exp(lse_p - lse) out_p
+ *
+ * computed here in float64, parts in the given order (so the result is
+ * the same bits every time).  Each part: out (B, Lq, H*d_h) and lse
+ * (B, H, Lq) as mha_attention writes them.  A row whose every part has no
+ * key (lse -INFINITY) gives a zero row and lse -INFINITY; a NaN lse gives
+ * NaN.  out (and lse, which may be NULL) may be exactly one of the parts'
+ * buffers (merging in place), but not overlap them otherwise.  Dropout
+ * inside the parts is kept as it was drawn (keyed by each part's own key
+ * indices).
+ */
+typedef struct mha_attention_part {
+    const float *out;    /* (B, Lq, H*d_h) */
+    const float *lse;    /* (B, H, Lq)     */
+} mha_attention_part;
+MHA_API mha_status mha_attention_merge(const mha_attention_part *parts,
+                                       int n_parts, int64_t batch,
+                                       int64_t num_heads, int64_t head_dim,
+                                       int64_t q_len, float *out, float *lse);
 
 /*
  * Planning apart from running.  mha_plan_create checks the shapes, flags

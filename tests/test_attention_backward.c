@@ -730,6 +730,145 @@ static void test_gqa_module(void **state)
     mha_free(m);
 }
 
+/* ---- the merge of partial results ------------------------------------------ */
+
+/* log sum_j exp(s_ij) over the visible keys of every row (b, h, i), in
+ * float64; -inf for a row with no key. */
+static void lse64(const problem *P, const double *q, const double *k,
+                  double *lse)
+{
+    const int64_t E = P->H * P->dh, Ekv = P->Hkv * P->dh;
+    for (int64_t b = 0; b < P->B; b++)
+        for (int64_t h = 0; h < P->H; h++)
+            for (int64_t i = 0; i < P->Lq; i++) {
+                const int64_t g = h / (P->H / P->Hkv);
+                double mx = -INFINITY, bias, sum = 0.0;
+                double *s = malloc((size_t)P->Lk * sizeof *s);
+                for (int64_t j = 0; j < P->Lk; j++) {
+                    s[j] = -INFINITY;
+                    if (!visible(P, b, h, i, j, &bias))
+                        continue;
+                    double dot = 0.0;
+                    for (int64_t d = 0; d < P->dh; d++)
+                        dot += q[(b * P->Lq + i) * E + h * P->dh + d] *
+                               k[(b * P->Lk + j) * Ekv + g * P->dh + d];
+                    s[j] = dot * P->scale + bias;
+                    mx = s[j] > mx ? s[j] : mx;
+                }
+                for (int64_t j = 0; mx != -INFINITY && j < P->Lk; j++)
+                    sum += s[j] == -INFINITY ? 0.0 : exp(s[j] - mx);
+                lse[(b * P->H + h) * P->Lq + i] =
+                    mx == -INFINITY ? -INFINITY : mx + log(sum);
+                free(s);
+            }
+}
+
+static void test_merge_partials(void **state)
+{
+    (void)state;
+    enum { B = 2, H = 4, HKV = 2, DH = 8, LQ = 5, LK = 150, NP = 3 };
+    const int64_t E = H * DH, EKV = HKV * DH, cut[NP + 1] = {0, 40, 100, LK};
+    const int64_t nq = B * LQ * E, nk = B * LK * EKV, nl = B * H * LQ;
+    float *q = malloc(nq * 4), *k = malloc(nk * 4), *v = malloc(nk * 4);
+    uint8_t *allow = malloc(B * H * LQ * LK);
+    tu_fill(q, nq, 31, -1.5f, 1.5f);
+    tu_fill(k, nk, 32, -1.5f, 1.5f);
+    tu_fill(v, nk, 33, -1.5f, 1.5f);
+    for (int64_t x = 0; x < B * H * LQ * LK; x++)
+        allow[x] = (x * 13 + 5) % 7 != 0;
+    /* Row (1, 0, 0) sees no key of part 1; row (1, 1, 2) no key at all. */
+    for (int64_t j = 0; j < LK; j++) {
+        if (j >= cut[1] && j < cut[2])
+            allow[((1 * H + 0) * LQ + 0) * LK + j] = 0;
+        allow[((1 * H + 1) * LQ + 2) * LK + j] = 0;
+    }
+
+    /* Each part: its keys, values and mask columns, copied out. */
+    float *pout[NP], *plse[NP], *pk[NP], *pv[NP];
+    uint8_t *pm[NP];
+    mha_attention_part parts[NP];
+    for (int p = 0; p < NP; p++) {
+        const int64_t n = cut[p + 1] - cut[p];
+        pk[p] = malloc((size_t)(B * n * EKV) * 4);
+        pv[p] = malloc((size_t)(B * n * EKV) * 4);
+        pm[p] = malloc((size_t)(B * H * LQ * n));
+        pout[p] = malloc(nq * 4);
+        plse[p] = malloc(nl * 4);
+        for (int64_t b = 0; b < B; b++) {
+            memcpy(pk[p] + b * n * EKV, k + (b * LK + cut[p]) * EKV,
+                   (size_t)(n * EKV) * 4);
+            memcpy(pv[p] + b * n * EKV, v + (b * LK + cut[p]) * EKV,
+                   (size_t)(n * EKV) * 4);
+        }
+        for (int64_t r = 0; r < B * H * LQ; r++)
+            memcpy(pm[p] + r * n, allow + r * LK + cut[p], (size_t)n);
+        mha_attention_args a = {0};
+        a.batch = B;
+        a.num_heads = H;
+        a.num_kv_heads = HKV;
+        a.head_dim = DH;
+        a.q_len = LQ;
+        a.kv_len = n;
+        a.q = q;
+        a.k = pk[p];
+        a.v = pv[p];
+        a.attn_mask = (mha_mask){MHA_MASK_ALLOW, pm[p], 4, {B, H, LQ, n}};
+        a.out = pout[p];
+        a.lse = plse[p];
+        if (mha_attention(&a) != MHA_OK)
+            fail_msg("part %d: %s", p, mha_last_error());
+        parts[p] = (mha_attention_part){pout[p], plse[p]};
+    }
+    float *out = malloc(nq * 4), *lse = malloc(nl * 4);
+    assert_int_equal(mha_attention_merge(parts, NP, B, H, DH, LQ, out, lse),
+                     MHA_OK);
+
+    /* Against the float64 attention over all keys. */
+    problem P = {B, H, HKV, DH, LQ, LK, MHA_CAUSAL_NONE, NULL, NULL, allow,
+                 1.0 / sqrt((double)DH), 0.0f, 0};
+    double *q64 = widen(q, nq), *k64 = widen(k, nk), *v64 = widen(v, nk);
+    double *want = malloc(nq * sizeof *want), *wl = malloc(nl * sizeof *wl);
+    attend64(&P, q64, k64, v64, want);
+    expect_close("merge", "out", out, want, nq);
+    lse64(&P, q64, k64, wl);
+    for (int64_t r = 0; r < nl; r++) {
+        if (wl[r] == -INFINITY) {
+            assert_true(lse[r] == -INFINITY);
+            continue;
+        }
+        if (!(fabs(lse[r] - wl[r]) <= 1e-5 * (1 + fabs(wl[r]))))
+            fail_msg("lse[%lld] = %.9g, want %.9g", (long long)r,
+                     (double)lse[r], wl[r]);
+    }
+    for (int64_t d = 0; d < DH; d++)   /* the row with no key: zero */
+        assert_true(out[(1 * LQ + 2) * E + 1 * DH + d] == 0.0f);
+    assert_true(plse[1][(1 * H + 0) * LQ + 0] == -INFINITY);
+
+    /* In place, into part 0's buffers: the same bits. */
+    assert_int_equal(mha_attention_merge(parts, NP, B, H, DH, LQ, pout[0],
+                                         plse[0]), MHA_OK);
+    assert_memory_equal(out, pout[0], (size_t)nq * 4);
+    assert_memory_equal(lse, plse[0], (size_t)nl * 4);
+
+    /* Misuse. */
+    assert_fails(mha_attention_merge(parts, 0, B, H, DH, LQ, out, lse),
+                 MHA_ERR_INVALID_ARGUMENT, "n_parts");
+    assert_fails(mha_attention_merge(parts, NP, B, H, DH, LQ, pout[1] + 1,
+                                     NULL),
+                 MHA_ERR_INVALID_ARGUMENT, "overlaps parts[1].out");
+    mha_attention_part bad[2] = {parts[0], {pout[1], NULL}};
+    assert_fails(mha_attention_merge(bad, 2, B, H, DH, LQ, out, NULL),
+                 MHA_ERR_NULL_POINTER, "parts[1].lse");
+    assert_fails(mha_attention_merge(parts, NP, B, 0, DH, LQ, out, NULL),
+                 MHA_ERR_SHAPE, "num_heads");
+
+    for (int p = 0; p < NP; p++) {
+        free(pk[p]); free(pv[p]); free(pm[p]); free(pout[p]); free(plse[p]);
+    }
+    free(q); free(k); free(v); free(allow); free(out); free(lse);
+    free(q64); free(k64); free(v64); free(want); free(wl);
+}
+
 int main(void)
 {
     if (tu_tier_unavailable())
@@ -743,6 +882,7 @@ int main(void)
         cmocka_unit_test(test_config_bounds),
         cmocka_unit_test(test_given_zero),
         cmocka_unit_test(test_gqa_module),
+        cmocka_unit_test(test_merge_partials),
     };
     return cmocka_run_group_tests(tests, tu_tmpdir_setup, tu_tmpdir_teardown);
 }

@@ -221,6 +221,16 @@ static mha_attn problem(const mha_attention_plan *p,
     return at;
 }
 
+/* lse = m + log(l) from the row stats (m, 1/l), in float64. */
+static void write_lse(const float *stats, int64_t rows, float *lse)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const float m = stats[2 * r], inv_l = stats[2 * r + 1];
+        lse[r] = m == -INFINITY ? -INFINITY
+                                : (float)((double)m - log((double)inv_l));
+    }
+}
+
 mha_status mha_attention_plan_run(mha_attention_plan *p,
                                   const mha_attention_args *a)
 {
@@ -253,10 +263,11 @@ mha_status mha_attention_plan_run(mha_attention_plan *p,
                              "need_weights is set but attn_weights is NULL");
     const float *w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights
                                                          : NULL;
-    const span outs[2] = {{"out", a->out, s.n_q}, {"attn_weights", w, s.n_w}};
+    const span outs[3] = {{"out", a->out, s.n_q}, {"attn_weights", w, s.n_w},
+                          {"lse", a->lse, s.B * s.H * s.Lq}};
     const span ins[3] = {{"q", a->q, s.n_q}, {"k", a->k, s.n_kv},
                          {"v", a->v, s.n_kv}};
-    MHA_CHECK(check_disjoint(outs, 2, ins, 3));
+    MHA_CHECK(check_disjoint(outs, 3, ins, 3));
     mha_mask_plan mask;
     MHA_CHECK(mask_plan(a, &s, &mask));
     const uint64_t print = fingerprint(a, &s);
@@ -264,6 +275,8 @@ mha_status mha_attention_plan_run(mha_attention_plan *p,
         memset(a->attn_weights, 0, (size_t)s.n_w * sizeof(float));
     const mha_attn at = problem(p, a, &mask);
     mha_attn_run(&p->eng, &at, p->ws + p->lay.scratch, p->lay.per_thread);
+    if (a->lse)
+        write_lse(at.stats, s.B * s.H * s.Lq, a->lse);
     p->saved = *a;
     p->saved_print = print;
     p->has_saved = 1;
@@ -384,4 +397,91 @@ mha_status mha_attention_backward(const mha_attention_args *a,
     free(f.out);
     mha_attention_plan_free(p);
     return st;
+}
+
+/* ---- merging partial results ---------------------------------------------- */
+
+mha_status mha_attention_merge(const mha_attention_part *parts, int n_parts,
+                               int64_t B, int64_t H, int64_t dh, int64_t Lq,
+                               float *out, float *lse)
+{
+    if (!parts || !out)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
+                             !parts ? "parts" : "out");
+    if (n_parts < 1)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "n_parts must be >= 1, got %d", n_parts);
+    if (B < 1 || H < 1 || dh < 1 || Lq < 1)
+        return mha_set_error(MHA_ERR_SHAPE,
+                             "batch, num_heads, head_dim and q_len must be "
+                             ">= 1, got %lld, %lld, %lld, %lld", (long long)B,
+                             (long long)H, (long long)dh, (long long)Lq);
+    int64_t E, rows, n_out;
+    if (!mha_mul_ok(H, dh, &E) || !mha_mul_ok(B, Lq, &rows) ||
+        !mha_mul_ok(rows, E, &n_out) || !mha_mul_ok(rows, H, &rows) ||
+        n_out > INT64_MAX / 8)
+        return mha_set_error(MHA_ERR_OVERFLOW, "merge sizes overflow");
+    for (int p = 0; p < n_parts; p++) {
+        if (!parts[p].out || !parts[p].lse)
+            return mha_set_error(MHA_ERR_NULL_POINTER,
+                                 "parts[%d].%s is NULL", p,
+                                 !parts[p].out ? "out" : "lse");
+        /* In place means exactly one part's buffer, element for element. */
+        if (parts[p].out != out && overlaps(out, n_out, parts[p].out, n_out))
+            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                 "out overlaps parts[%d].out without being "
+                                 "it", p);
+        if (lse && parts[p].lse != lse &&
+            overlaps(lse, rows, parts[p].lse, rows))
+            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                 "lse overlaps parts[%d].lse without being "
+                                 "it", p);
+        if (overlaps(out, n_out, parts[p].lse, rows) ||
+            (lse && overlaps(lse, rows, parts[p].out, n_out)))
+            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                 "an output overlaps parts[%d]'s other "
+                                 "buffer", p);
+    }
+    if (lse && overlaps(out, n_out, lse, rows))
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT, "out overlaps lse");
+
+    /* Row (b, h, i) of the lse is d_h entries of row (b, i) of out. */
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t i = 0; i < Lq; i++) {
+                const int64_t r = (b * H + h) * Lq + i;
+                const int64_t o = (b * Lq + i) * E + h * dh;
+                double mx = -INFINITY;
+                int nan = 0;
+                for (int p = 0; p < n_parts; p++) {
+                    const double x = parts[p].lse[r];
+                    nan |= x != x;
+                    mx = x > mx ? x : mx;
+                }
+                double sum = 0.0;
+                if (!nan && mx != -INFINITY)
+                    for (int p = 0; p < n_parts; p++)
+                        sum += exp((double)parts[p].lse[r] - mx);
+                /* Every part read at d before out[o + d] is written: in
+                 * place is safe element by element. */
+                for (int64_t d = 0; d < dh; d++) {
+                    double acc = 0.0;
+                    if (nan) {
+                        acc = NAN;
+                    } else if (mx != -INFINITY) {
+                        for (int p = 0; p < n_parts; p++) {
+                            const double w =
+                                exp((double)parts[p].lse[r] - mx) / sum;
+                            if (w != 0.0)
+                                acc += w * parts[p].out[o + d];
+                        }
+                    }
+                    out[o + d] = (float)acc;
+                }
+                if (lse)
+                    lse[r] = nan ? NAN
+                           : mx == -INFINITY ? -INFINITY
+                                             : (float)(mx + log(sum));
+            }
+    return MHA_OK;
 }
