@@ -67,6 +67,13 @@ static const fwd_case CASES[] = {
     {"pad additive (1,Lk)",8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 5, 0, 0, 0, {0}, {ADD, 2, 1, 0}, 0, 0, PER, 0},
     {"key lengths",        8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 6, 0, 0, 0, {0}, {0}, 1, 0, PER, 0},
     {"causal Lq=Lk",       8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 7, 0, 0, 0, {0}, {0}, 0, BR, PER, 0},
+    /* key lengths below the causal limit of some rows, no explicit mask:
+     * only the index-masked tiles stand between those rows and key len */
+    {"causal + lengths",   8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 8, 0, 0, 0, {0}, {0}, 1, BR, PER, 0},
+    /* ... and equal to the block's last row's limit (lengths 1, 2, 3 of
+     * Lk = 4): the tile walk itself reaches key len */
+    {"causal, len = Lk-1", 8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 4, 0, 0, 0, {0}, {0}, 1, BR, PER, 0},
+    {"causal TL + lengths",8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 9, 70, 1, 0, {0}, {0}, 1, TL, AVG, 0},
     {"causal BR Lq<Lk",    8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 3, 8, 1, 0, {0}, {0}, 0, BR, PER, 0},
     {"causal BR Lq>Lk",    8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 8, 3, 1, 0, {0}, {0}, 0, BR, PER, 0},
     {"causal TL Lq<Lk",    8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 3, 8, 1, 0, {0}, {0}, 0, TL, PER, 0},
