@@ -296,6 +296,9 @@ typedef enum mha_weights_mode {
     MHA_WEIGHTS_PER_HEAD = 2  /* (B, H, Lq, Lk_total)                       */
 } mha_weights_mode;
 
+/* A KV cache (below, "Inference"); declared here for mha_forward_args. */
+typedef struct mha_kv_cache mha_kv_cache;
+
 /*
  * One forward pass.  Zero-initialise, then fill what you use.
  *
@@ -345,6 +348,17 @@ typedef struct mha_forward_args {
                              are not affected.                            */
 
     float *out;           /* (B, Lq, E); may alias query                   */
+
+    mha_kv_cache *cache;  /* NULL, or incremental self-attention (below):
+                             the Lq new tokens of every sequence are
+                             projected, their keys and values appended to
+                             the cache, and each new token attends to its
+                             sequence's cached keys and the new ones
+                             before it (causal, bottom-right per sequence).
+                             key, value, kv_len, the masks, key_lengths,
+                             need_weights and training must be unset;
+                             causal NONE or BOTTOM_RIGHT (the same). A
+                             cached forward has no backward.               */
 } mha_forward_args;
 
 /* Lk + (add_bias_kv ? 1 : 0) + (add_zero_attn ? 1 : 0): the key axis of
@@ -537,6 +551,57 @@ MHA_API mha_status mha_backward(const mha_module *module,
 MHA_API mha_status mha_plan_backward(mha_plan *plan,
                                      const mha_forward_args *fwd,
                                      const mha_backward_args *bwd);
+
+/* ------------------------------------------------------------------------ */
+/* Inference: the KV cache                                                  */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * A KV cache holds, for each of `batch` sequences, the projected keys and
+ * values of up to `capacity` tokens, H_kv heads of d_h, in the layout the
+ * attention kernels read, so decoding never repacks or copies it.  Give it
+ * to mha_forward / mha_plan_forward (args.cache) to prefill a prompt and
+ * then generate token by token, or fill it yourself (mha_kv_cache_append)
+ * with keys already projected (and rotated).  Sequences have their own
+ * lengths.  Every failed call leaves the cache unchanged.  One cache is
+ * used by one call at a time.
+ */
+typedef enum mha_kv_dtype {
+    MHA_KV_F32 = 0,    /* float32                                      */
+    MHA_KV_F16 = 1,    /* reserved: half precision (not yet built)     */
+    MHA_KV_BF16 = 2,   /* reserved: bfloat16 (not yet built)           */
+    MHA_KV_Q8 = 3      /* reserved: 8 bits, a scale per block (not yet) */
+} mha_kv_dtype;
+
+typedef struct mha_kv_cache_config {
+    int64_t batch;         /* sequences, >= 1                          */
+    int64_t num_kv_heads;  /* H_kv, >= 1                               */
+    int64_t head_dim;      /* d_h, >= 1                                */
+    int64_t capacity;      /* tokens per sequence, >= 1                */
+    mha_kv_dtype dtype;    /* MHA_KV_F32 (others: MHA_ERR_UNSUPPORTED) */
+} mha_kv_cache_config;
+
+MHA_API mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
+                                       mha_kv_cache **out);
+/* A cache shaped for `module` (its H_kv and d_h), f32. */
+MHA_API mha_status mha_kv_cache_for_module(const mha_module *module,
+                                           int64_t batch, int64_t capacity,
+                                           mha_kv_cache **out);
+/* Frees the cache.  NULL is accepted and ignored. */
+MHA_API void mha_kv_cache_free(mha_kv_cache *cache);
+/* Tokens held by sequence `seq`; -1 for a NULL cache or a bad seq. */
+MHA_API int64_t mha_kv_cache_length(const mha_kv_cache *cache, int64_t seq);
+/* Appends n tokens to sequence seq: k and v (n, H_kv * d_h), projected
+ * (and rotated).  Past the capacity: refused, nothing appended. */
+MHA_API mha_status mha_kv_cache_append(mha_kv_cache *cache, int64_t seq,
+                                       const float *k, const float *v,
+                                       int64_t n);
+/* Keeps the first `length` tokens of sequence seq (0 <= length <= its
+ * length): the rollback after rejected speculative tokens. */
+MHA_API mha_status mha_kv_cache_truncate(mha_kv_cache *cache, int64_t seq,
+                                         int64_t length);
+/* Empties sequence seq (-1: every sequence). */
+MHA_API mha_status mha_kv_cache_reset(mha_kv_cache *cache, int64_t seq);
 
 /* ------------------------------------------------------------------------ */
 /* Experimental: declared only with MHA_EXPERIMENTAL defined (see the top). */

@@ -31,6 +31,10 @@ typedef struct mha_mask_plan {
     int64_t pad_stride_b;
     const int64_t *key_lengths;
     mha_causal causal;
+    const int64_t *seq_lengths;  /* (B) or NULL: each sequence's own key
+                                    count, to which bottom-right causal
+                                    masking aligns instead of Lk (the
+                                    sequences of a KV cache) */
 } mha_mask_plan;
 
 /* Validates every mask argument of `args` (batch, q_len, kv_len and the
@@ -102,6 +106,12 @@ typedef struct mha_attn {
     float *w;               /* (B, H, Lq, Lt) or (B, Lq, Lt), zeroed */
     float *partials;        /* the layout's partials, for decoding */
     float *packed;          /* the layout's packed K and V (flash tiers) */
+    int64_t packed_tiles;   /* tiles per (b, g) in `packed`; 0: the count
+                               for Lk keys.  A KV cache packs for its
+                               capacity, so it has more */
+    int prepacked;          /* `packed` already holds K and V (a KV cache):
+                               the run writes only the extra keys' tiles,
+                               and k, v are unused */
     const mha_microkernels *uk;  /* the tier's kernels: set by mha_attn_run
                                     and mha_attn_backward from the engine */
 } mha_attn;
@@ -147,7 +157,7 @@ typedef struct mha_attn_layout {
 } mha_attn_layout;
 mha_status mha_attn_layout_forward(const mha_engine *e, int64_t B, int64_t H,
                                    int64_t Hkv, int64_t Lq, int64_t Lk,
-                                   int64_t Lt, int64_t dh,
+                                   int64_t Lt, int64_t dh, int prepacked,
                                    mha_attn_layout *out);
 /* The backward's own workspace: K and V packed its way (offset `packed`,
  * flash tiers), then per-thread scratch; stats and partials unused. */
@@ -185,6 +195,26 @@ void mha_attn_backward(const mha_engine *e, const mha_attn *a,
                        const mha_attn_grad *g, float *scratch,
                        int64_t per_thread);
 
+/*
+ * The KV cache (kv_cache.c): keys and values already projected, stored in
+ * the engine's packed layout (mha_packed below) with room for `capacity`
+ * keys per sequence plus the extra keys' tile, so attending reads it as it
+ * is: no repacking, no copy, no allocation.
+ */
+struct mha_kv_cache {
+    int64_t B, Hkv, dh, capacity;
+    int64_t tiles;          /* per (b, g): mha_packed_tiles(capacity)     */
+    mha_kv_dtype dtype;
+    int64_t *len;           /* [B] keys held per sequence                 */
+    float *data;            /* mha_packed_floats(B, Hkv, capacity, dh)    */
+};
+
+/* Appends n keys and values to sequence b: row r of k and v (row stride
+ * ldk, ldv; head g at g * dh) at positions len[b] + r.  The caller has
+ * checked the capacity. */
+void mha_kv_cache_put(mha_kv_cache *c, int64_t b, const float *k,
+                      int64_t ldk, const float *v, int64_t ldv, int64_t n);
+
 /* ======================================================================
  * Inside the engine (src/attention/ only)
  * ====================================================================== */
@@ -219,9 +249,15 @@ static inline int64_t mha_packed_floats(int64_t B, int64_t Hkv, int64_t Lk,
 {
     return B * Hkv * mha_packed_tiles(Lk) * (2 * MHA_BC * dh + 1);
 }
+/* Tiles per (b, g) of a problem's packed K/V; the last holds the extra
+ * keys. */
+static inline int64_t mha_tiles_of(const mha_attn *a)
+{
+    return a->packed_tiles ? a->packed_tiles : mha_packed_tiles(a->Lk);
+}
 static inline mha_packed mha_packed_at(float *base, const mha_attn *a)
 {
-    const int64_t tiles = mha_packed_tiles(a->Lk), tile = MHA_BC * a->dh;
+    const int64_t tiles = mha_tiles_of(a), tile = MHA_BC * a->dh;
     const mha_packed p = {base, a->Hkv, tiles, tile,
                           a->B * a->Hkv * tiles * tile};
     return p;
@@ -267,7 +303,7 @@ static inline const float *mha_value_row(const mha_attn *a, int64_t b,
  * tile, the extra keys' count in the extra tile. */
 static inline int mha_tile_keys(const mha_attn *a, int64_t t)
 {
-    if (t == mha_packed_tiles(a->Lk) - 1)
+    if (t == mha_tiles_of(a) - 1)
         return (a->bias_k != NULL) + (a->zero_attn != 0);
     const int64_t left = a->Lk - t * MHA_BC;
     return (int)(left < MHA_BC ? left : MHA_BC);

@@ -182,7 +182,7 @@ int64_t mha_mask_last(const mha_mask_plan *p, int64_t b, int64_t i)
     const int64_t Lk = p->kv_len;
     int64_t last = Lk - 1;
     if (p->causal == MHA_CAUSAL_BOTTOM_RIGHT)
-        last = i + (Lk - p->q_len);
+        last = i + ((p->seq_lengths ? p->seq_lengths[b] : Lk) - p->q_len);
     else if (p->causal == MHA_CAUSAL_TOP_LEFT)
         last = i;
     if (p->key_lengths && p->key_lengths[b] - 1 < last)

@@ -70,15 +70,17 @@ static mha_status finish_layout(const mha_engine *e, int64_t per_thread,
 
 mha_status mha_attn_layout_forward(const mha_engine *e, int64_t B, int64_t H,
                                    int64_t Hkv, int64_t Lq, int64_t Lk,
-                                   int64_t Lt, int64_t dh, mha_attn_layout *l)
+                                   int64_t Lt, int64_t dh, int prepacked,
+                                   mha_attn_layout *l)
 {
     const int flash = e->isa != MHA_ISA_REF;
     l->stats = 0;
     l->partials = lines(2 * B * H * Lq);
     l->packed = l->partials +
                 lines(flash ? mha_decode_partials(B, H, Lq, Lk, dh) : 0);
-    l->scratch = l->packed + lines(flash ? mha_packed_floats(B, Hkv, Lk, dh)
-                                         : 0);
+    l->scratch = l->packed +
+                 lines(flash && !prepacked ? mha_packed_floats(B, Hkv, Lk, dh)
+                                           : 0);
     return finish_layout(e, flash ? mha_flash_scratch_floats(dh)
                                   : mha_ref_scratch_floats(dh, Lt), l);
 }
@@ -107,6 +109,13 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
     run.uk = e->uk;
     const mha_attn *a = &run;
     const int threads = threads_for(e, a);
+    if (a->prepacked) {
+        /* A KV cache holds the keys; only the extra keys' tile of every
+         * (b, g) is written, for every tier (a few rows). */
+        const int64_t tiles = mha_tiles_of(a);
+        for (int64_t bg = 0; bg < a->B * a->Hkv; bg++)
+            mha_pack_forward_tile(a, bg * tiles + tiles - 1);
+    }
     if (e->isa == MHA_ISA_REF) {
         const int64_t rows = a->B * a->Lq;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
@@ -122,7 +131,7 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
     const int64_t blocks = (a->Lq + MHA_BR - 1) / MHA_BR;
     const int64_t bh_items = a->B * a->H;
     const int64_t chunks = mha_decode_chunks(a->Lq, a->Lk);
-    const int64_t tiles = mha_packed_tiles(a->Lk);
+    const int64_t tiles = mha_tiles_of(a);
 #pragma omp parallel num_threads(threads)
     {
         int tid = 0;
@@ -133,7 +142,8 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
             mha_flash_scratch_at(scratch + tid * per_thread, a->dh);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < a->B * a->Hkv * tiles; t++)
-            mha_pack_forward_tile(a, t);
+            if (!a->prepacked)
+                mha_pack_forward_tile(a, t);
         /* (the implicit barrier: every tile is packed) */
         if (chunks > 1) {
 #pragma omp for schedule(dynamic, 1)
@@ -173,7 +183,7 @@ void mha_attn_backward(const mha_engine *e, const mha_attn *problem,
     const mha_attn *a = &run;
     const int threads = threads_for(e, a);
     const int64_t items = a->B * a->Hkv;   /* (b, K/V head) */
-    const int64_t tiles = mha_packed_tiles(a->Lk);
+    const int64_t tiles = mha_tiles_of(a);
 #pragma omp parallel num_threads(threads)
     {
         int tid = 0;

@@ -175,7 +175,7 @@ mha_status mha_attention_plan_create(const mha_attention_args *a,
     MHA_CHECK(mha_engine_init(&eng, a->num_threads));
     mha_attn_layout lay;
     MHA_CHECK(mha_attn_layout_forward(&eng, s.B, s.H, s.Hkv, s.Lq, s.Lk,
-                                      s.Lk, s.dh, &lay));
+                                      s.Lk, s.dh, 0, &lay));
     mha_attention_plan *p = calloc(1, sizeof *p);
     if (!p)
         return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate a plan");

@@ -132,7 +132,7 @@ void mha_for_each_tile(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
     if (extra && with_extra) {
         t.j0 = a->Lk;
         t.nc = extra;
-        t.index = mha_packed_tiles(a->Lk) - 1;
+        t.index = mha_tiles_of(a) - 1;
         t.extra = 1;
         t.how = MHA_TILE_OPEN;
         fn(a, &t, ctx);

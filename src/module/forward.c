@@ -28,6 +28,49 @@
 #include <string.h>
 
 
+/* A forward with a KV cache is incremental self-attention: what it
+ * leaves unset, and the cache's shape. */
+static mha_status check_cache_args(const mha_module *m,
+                                   const mha_forward_args *a)
+{
+    const mha_kv_cache *kv = a->cache;
+    const char *bad = a->key ? "key" : a->value ? "value"
+                    : a->kv_len ? "kv_len"
+                    : a->attn_mask.kind != MHA_MASK_NONE ? "attn_mask"
+                    : a->key_padding_mask.kind != MHA_MASK_NONE
+                        ? "key_padding_mask"
+                    : a->key_lengths ? "key_lengths"
+                    : a->need_weights != MHA_WEIGHTS_NONE ? "need_weights"
+                    : a->training ? "training" : NULL;
+    if (bad)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "with a KV cache, %s must be unset: the keys "
+                             "are the cache's and the new tokens', masked "
+                             "causally per sequence", bad);
+    if (a->causal == MHA_CAUSAL_TOP_LEFT)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "with a KV cache, causal masking is bottom-right "
+                             "(each new token sees its sequence's past): "
+                             "TOP_LEFT is refused");
+    if (m->cfg.kdim != m->cfg.embed_dim || m->cfg.vdim != m->cfg.embed_dim)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "a KV cache needs self-attention: this module's "
+                             "kdim %lld / vdim %lld differ from E %lld",
+                             (long long)m->cfg.kdim, (long long)m->cfg.vdim,
+                             (long long)m->cfg.embed_dim);
+    if (kv->B != a->batch || kv->Hkv != m->cfg.num_kv_heads ||
+        kv->dh != m->head_dim)
+        return mha_set_error(MHA_ERR_SHAPE,
+                             "the cache holds %lld sequences of %lld K/V "
+                             "heads of %lld; the forward has batch %lld and "
+                             "the module %lld K/V heads of %lld",
+                             (long long)kv->B, (long long)kv->Hkv,
+                             (long long)kv->dh, (long long)a->batch,
+                             (long long)m->cfg.num_kv_heads,
+                             (long long)m->head_dim);
+    return MHA_OK;
+}
+
 /* Checks everything about `a` but its data pointers. */
 mha_status mha_fwd_check_shapes(const mha_module *m,
                                 const mha_forward_args *a, fwd_shape *p)
@@ -54,6 +97,8 @@ mha_status mha_fwd_check_shapes(const mha_module *m,
     p->D = m->inner_dim;
     p->Hkv = c->num_kv_heads;
     p->Dkv = m->kv_dim;
+    if (a->cache)
+        MHA_CHECK(check_cache_args(m, a));
 
     if (!a->key && c->kdim != c->embed_dim)
         return mha_set_error(MHA_ERR_SHAPE,
@@ -118,8 +163,14 @@ mha_status mha_plan_create(const mha_module *m, const mha_forward_args *a,
     mha_engine eng;
     MHA_CHECK(mha_engine_init(&eng, a->num_threads));
     mha_attn_layout lay;
-    MHA_CHECK(mha_attn_layout_forward(&eng, s.B, s.H, s.Hkv, s.Lq, s.Lk,
-                                      s.Lt, s.dh, &lay));
+    /* With a cache the attention reads up to its capacity of keys, packed
+     * by the cache itself. */
+    const int64_t Lk = a->cache ? a->cache->capacity : s.Lk;
+    if (a->cache && mha_total_keys(m, Lk) < 0)
+        return mha_set_error(MHA_ERR_OVERFLOW, "cache capacity overflows");
+    MHA_CHECK(mha_attn_layout_forward(&eng, s.B, s.H, s.Hkv, s.Lq, Lk,
+                                      mha_total_keys(m, Lk), s.dh,
+                                      a->cache != NULL, &lay));
 
     /* Self-attention with Lk = Lq may fuse q|k|v (3 n_qd); otherwise q and
      * k|v apart (n_qd + 2 n_kvd).  The workspace holds the larger. */
@@ -139,6 +190,7 @@ mha_status mha_plan_create(const mha_module *m, const mha_forward_args *a,
     p->eng = eng;
     p->lay = lay;
     p->n_proj = n_proj;
+    p->cache_capacity = a->cache ? a->cache->capacity : 0;
     *out = p;
     return MHA_OK;
 }
@@ -211,6 +263,44 @@ uint64_t mha_fwd_fingerprint(const mha_module *m, const fwd_shape *s,
     return h;
 }
 
+/*
+ * The attention of a forward with a KV cache: the new tokens' keys and
+ * values (at->k, at->v, Lq rows per sequence) are appended to the cache,
+ * the cache's extra-key tiles (bias_k, the zero key) written, and the new
+ * queries attend to the cache, each sequence over its own length with
+ * bottom-right causal masking.
+ */
+static void cached_attention(mha_plan *plan, mha_kv_cache *kv, mha_attn *at)
+{
+    const fwd_shape *s = &plan->shape;
+    for (int64_t b = 0; b < s->B; b++)
+        mha_kv_cache_put(kv, b, at->k + b * s->Lq * at->ldk, at->ldk,
+                         at->v + b * s->Lq * at->ldv, at->ldv, s->Lq);
+    int64_t longest = 0;
+    for (int64_t b = 0; b < s->B; b++)
+        longest = kv->len[b] > longest ? kv->len[b] : longest;
+    at->Lk = longest;
+    at->Lt = mha_total_keys(plan->m, longest);
+    at->k = at->v = NULL;
+    at->ldk = at->ldv = 0;
+    at->packed = kv->data;
+    at->packed_tiles = kv->tiles;
+    at->prepacked = 1;
+    /* Causal bottom-right per sequence, and no key past its length. */
+    mha_forward_args fa = {0};
+    fa.batch = s->B;
+    fa.q_len = s->Lq;
+    fa.kv_len = longest;
+    fa.causal = MHA_CAUSAL_BOTTOM_RIGHT;
+    mha_mask_plan mask;
+    (void)mha_mask_plan_init(&mask, s->H, at->Lt - at->Lk, &fa); /* valid */
+    mask.key_lengths = kv->len;
+    mask.seq_lengths = kv->len;
+    at->mask = &mask;
+    mha_attn_run(&plan->eng, at, ws_attn(plan) + plan->lay.scratch,
+                 plan->lay.per_thread);
+}
+
 /* A head mask may hold any finite factors; NULL is all ones. */
 static mha_status check_head_mask(const float *head_mask, int64_t H)
 {
@@ -246,6 +336,22 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
         return mha_set_error(MHA_ERR_NULL_POINTER, "query is NULL");
     if (!a->out)
         return mha_set_error(MHA_ERR_NULL_POINTER, "out is NULL");
+    if (!a->cache != !plan->cache_capacity ||
+        (a->cache && a->cache->capacity > plan->cache_capacity))
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             a->cache ? "this plan was made %s a KV cache "
+                                        "of capacity >= %lld"
+                                      : "this plan was made %s a KV cache",
+                             plan->cache_capacity ? "for" : "without",
+                             (long long)(a->cache ? a->cache->capacity : 0));
+    for (int64_t b = 0; a->cache && b < s.B; b++)
+        if (a->cache->len[b] > a->cache->capacity - s.Lq)
+            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                 "sequence %lld of the cache holds %lld of "
+                                 "%lld tokens: %lld more do not fit",
+                                 (long long)b, (long long)a->cache->len[b],
+                                 (long long)a->cache->capacity,
+                                 (long long)s.Lq);
     if (a->need_weights != MHA_WEIGHTS_NONE && !a->attn_weights)
         return mha_set_error(MHA_ERR_NULL_POINTER,
                              "need_weights is set but attn_weights is NULL");
@@ -296,6 +402,13 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
     plan->fuse_kv = fuse_kv;
     mha_attn at;
     mha_plan_attn(plan, a, &mask, &at);
+    if (a->cache) {
+        cached_attention(plan, a->cache, &at);
+        const float *hm = mha_head_mask_in_use(a->head_mask, s.H);
+        mha_linear_blocks(at.ctx, rows_q, D, D, m->w_o, E, m->b_o, hm,
+                          hm ? s.H : 1, a->out, E);
+        return MHA_OK;   /* no backward: has_saved stays 0 */
+    }
     mha_attn_run(&plan->eng, &at, ws_attn(plan) + plan->lay.scratch,
                  plan->lay.per_thread);
 

@@ -414,3 +414,13 @@ mha_status mha_project(const mha_module *m, mha_projection which,
     mha_linear(x, rows, n_in, n_in, w, n_out, b, y, n_out);
     return MHA_OK;
 }
+
+mha_status mha_kv_cache_for_module(const mha_module *m, int64_t batch,
+                                   int64_t capacity, mha_kv_cache **out)
+{
+    if (!m)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "module is NULL");
+    const mha_kv_cache_config c = {batch, m->cfg.num_kv_heads, m->head_dim,
+                                   capacity, MHA_KV_F32};
+    return mha_kv_cache_create(&c, out);
+}

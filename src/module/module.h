@@ -96,6 +96,8 @@ struct mha_plan {
     fwd_shape shape;
     mha_engine eng;          /* tier and threads, chosen at create       */
     mha_attn_layout lay;     /* the attention's part of ws               */
+    int64_t cache_capacity;  /* > 0: a plan for forwards with a KV cache
+                                of at most this capacity                */
     int64_t n_proj;          /* projected q, k, v: the larger layout     */
     float *ws;               /* n_proj + n_qd (ctx) + lay.total          */
 
