@@ -408,6 +408,14 @@ typedef struct mha_attention_args {
                              -INFINITY for a row with no key), what
                              mha_attention_merge needs.  Must not overlap
                              another input or output.                    */
+    mha_kv_cache *cache;  /* NULL, or decoding on heads: the Lq queries
+                             of every sequence attend to its keys in the
+                             cache (the caller appended the new tokens'
+                             K/V first, mha_kv_cache_append), causally
+                             bottom-right per sequence, read in place.
+                             k, v, kv_len, masks, key_lengths,
+                             need_weights and training must be unset;
+                             no backward.                                */
 } mha_attention_args;
 MHA_API mha_status mha_attention(const mha_attention_args *args);
 

@@ -869,6 +869,65 @@ static void test_merge_partials(void **state)
     free(q64); free(k64); free(v64); free(want); free(wl);
 }
 
+/* ---- grouped-query decoding: the group's heads stacked ------------------ */
+
+/* Decoding shapes (Lq <= 64 / group, Lk >= 1024: split keys) run the query
+ * heads of a K/V head as one block, each K/V tile read once for the group.
+ * The kernels' sums do not depend on the row count, so the result must be
+ * the same bits as the same problem with the K/V heads repeated (H_kv =
+ * H, one head per block), and within the bound of the float64 attention. */
+static void test_gqa_decode_stacked(void **state)
+{
+    (void)state;
+    enum { B = 2, H = 8, HKV = 2, DH = 16, LK = 1100 };
+    const int64_t E = H * DH, EKV = HKV * DH, G = H / HKV;
+    for (int64_t Lq = 1; Lq <= 3; Lq += 2) {
+        const int64_t nq = B * Lq * E, nk = B * LK * EKV, nkf = B * LK * E;
+        float *q = malloc(nq * 4), *k = malloc(nk * 4), *v = malloc(nk * 4);
+        float *kf = malloc(nkf * 4), *vf = malloc(nkf * 4);
+        float *o1 = malloc(nq * 4), *o2 = malloc(nq * 4);
+        tu_fill(q, nq, 41, -1.5f, 1.5f);
+        tu_fill(k, nk, 42, -1.5f, 1.5f);
+        tu_fill(v, nk, 43, -1.5f, 1.5f);
+        for (int64_t r = 0; r < B * LK; r++)     /* repeat_interleave */
+            for (int64_t h = 0; h < H; h++) {
+                memcpy(kf + r * E + h * DH, k + r * EKV + h / G * DH, DH * 4);
+                memcpy(vf + r * E + h * DH, v + r * EKV + h / G * DH, DH * 4);
+            }
+        const int64_t lens[B] = {LK, 1000};
+        mha_attention_args a = {0};
+        a.batch = B;
+        a.num_heads = H;
+        a.num_kv_heads = HKV;
+        a.head_dim = DH;
+        a.q_len = Lq;
+        a.kv_len = LK;
+        a.q = q;
+        a.k = k;
+        a.v = v;
+        a.key_lengths = lens;
+        a.causal = MHA_CAUSAL_BOTTOM_RIGHT;
+        a.out = o1;
+        assert_int_equal(mha_attention(&a), MHA_OK);
+        mha_attention_args f = a;
+        f.num_kv_heads = 0;
+        f.k = kf;
+        f.v = vf;
+        f.out = o2;
+        assert_int_equal(mha_attention(&f), MHA_OK);
+        assert_memory_equal(o1, o2, (size_t)nq * 4);
+
+        problem P = {B, H, HKV, DH, Lq, LK, MHA_CAUSAL_BOTTOM_RIGHT, lens,
+                     NULL, NULL, 1.0 / sqrt((double)DH), 0.0f, 0};
+        double *q64 = widen(q, nq), *k64 = widen(k, nk), *v64 = widen(v, nk);
+        double *want = malloc(nq * sizeof *want);
+        attend64(&P, q64, k64, v64, want);
+        expect_close("stacked decode", "out", o1, want, nq);
+        free(q64); free(k64); free(v64); free(want);
+        free(q); free(k); free(v); free(kf); free(vf); free(o1); free(o2);
+    }
+}
+
 int main(void)
 {
     if (tu_tier_unavailable())
@@ -883,6 +942,7 @@ int main(void)
         cmocka_unit_test(test_given_zero),
         cmocka_unit_test(test_gqa_module),
         cmocka_unit_test(test_merge_partials),
+        cmocka_unit_test(test_gqa_decode_stacked),
     };
     return cmocka_run_group_tests(tests, tu_tmpdir_setup, tu_tmpdir_teardown);
 }

@@ -209,6 +209,13 @@ struct mha_kv_cache {
     float *data;            /* mha_packed_floats(B, Hkv, capacity, dh)    */
 };
 
+/* Points problem `at` (its q, ctx, bias_k, zero_attn set) at the cache:
+ * keys are each sequence's cached ones (Lk the longest), read in place,
+ * masked causally bottom-right per sequence; `mask` receives the mask
+ * plan and must outlive the run. */
+void mha_attn_use_cache(mha_attn *at, const mha_kv_cache *kv,
+                        mha_mask_plan *mask);
+
 /* Appends n keys and values to sequence b: row r of k and v (row stride
  * ldk, ldv; head g at g * dh) at positions len[b] + r.  The caller has
  * checked the capacity. */
@@ -332,6 +339,11 @@ typedef struct mha_tile {
     int extra;           /* the tile of the extra keys (never masked)  */
     int how;             /* MHA_TILE_OPEN, _BY_INDEX or _EXPLICIT      */
     const float *bias;   /* [mr][MHA_BC] additive mask (EXPLICIT only) */
+    int stack;           /* 0, or the block stacks the query heads of K/V
+                            head g (decoding with grouped-query attention:
+                            one K/V load serves them all): row r is query
+                            i0 + r % stack of head g * (H / Hkv) + r / stack.
+                            Never with dropout or an explicit mask.      */
 } mha_tile;
 
 /* A tile algorithm: called once per tile that has a live key, with the
@@ -348,6 +360,12 @@ typedef void (*mha_tile_fn)(const mha_attn *a, const mha_tile *t, void *ctx);
 void mha_for_each_tile(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
                        int mr, int64_t k0, int64_t k1, int with_extra,
                        float *bias, mha_tile_fn fn, void *ctx);
+/* The same for a block that stacks the group's heads: `stack` query rows
+ * i0 .. i0+stack-1 of each of the H / Hkv heads of K/V head g, mr =
+ * stack * H / Hkv rows in all (mha_tile.stack). */
+void mha_for_each_tile_stacked(const mha_attn *a, int64_t b, int64_t g,
+                               int64_t i0, int stack, int64_t k0, int64_t k1,
+                               int with_extra, mha_tile_fn fn, void *ctx);
 
 /* s[r][c] (row stride MHA_BC) masked as t->how says. */
 void mha_mask_tile(const mha_attn *a, const mha_tile *t, float *s);
@@ -380,6 +398,11 @@ void mha_flash_finish(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
                       int mr, const float *m, const float *l, const float *o);
 void mha_flash_block(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
                      int mr, flash_scratch *f);
+/* mha_flash_rows for rows 0 .. stack-1 of every query head of K/V head g,
+ * stacked head after head (mha_tile.stack). */
+void mha_flash_rows_stacked(const mha_attn *a, int64_t b, int64_t g,
+                            int stack, int64_t k0, int64_t k1,
+                            int with_extra, flash_scratch *f);
 
 /* decode.c: key chunks of a split problem (1: not split), the floats of
  * their partial results, one chunk, and the merge of (b, h)'s chunks. */
@@ -390,6 +413,13 @@ void mha_decode_chunk(const mha_attn *a, int64_t bh, int64_t c,
                       int64_t chunks, flash_scratch *f);
 void mha_decode_merge(const mha_attn *a, int64_t bh, int64_t chunks,
                       flash_scratch *f);
+/* Whether the chunks run per (b, K/V head), the group's query heads
+ * stacked into one block (grouped-query decoding: each K/V tile read once
+ * for the whole group), and that chunk.  The same bits as per head (the
+ * kernels' results do not depend on the row count). */
+int mha_decode_stacked(const mha_attn *a);
+void mha_decode_chunk_stacked(const mha_attn *a, int64_t bg, int64_t c,
+                              int64_t chunks, flash_scratch *f);
 
 /* weights.c: the weights of rows i0 .. i0+mr-1 of batch b, every head. */
 void mha_weights_block(const mha_attn *a, int64_t b, int64_t i0, int mr,

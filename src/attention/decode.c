@@ -8,7 +8,9 @@
  *
  * Whether to split depends on the shape only, never on the thread count,
  * and the merge order is fixed: results are bitwise the same for every
- * thread count.
+ * thread count.  With grouped-query attention the chunks of the query
+ * heads that share a K/V head run as one block (their rows stacked), so
+ * each K/V tile is read once for the whole group, not once per head.
  */
 #include "attention.h"
 
@@ -51,6 +53,33 @@ void mha_decode_chunk(const mha_attn *a, int64_t bh, int64_t c,
         row[0] = f->m[r];
         row[1] = f->l[r];
         memcpy(row + 2, f->o + r * dh, (size_t)dh * sizeof *row);
+    }
+}
+
+int mha_decode_stacked(const mha_attn *a)
+{
+    return a->Hkv < a->H && (a->H / a->Hkv) * a->Lq <= MHA_BR &&
+           !a->dropout && !mha_mask_has_explicit(a->mask) &&
+           mha_decode_chunks(a->Lq, a->Lk) > 1;
+}
+
+void mha_decode_chunk_stacked(const mha_attn *a, int64_t bg, int64_t c,
+                              int64_t chunks, flash_scratch *f)
+{
+    const int64_t b = bg / a->Hkv, g = bg % a->Hkv, group = a->H / a->Hkv;
+    const int64_t k0 = c * MHA_SPLIT;
+    const int64_t k1 = k0 + MHA_SPLIT < a->Lk ? k0 + MHA_SPLIT : a->Lk;
+    const int Lq = (int)a->Lq, dh = (int)a->dh;
+    mha_flash_rows_stacked(a, b, g, Lq, k0, k1, c == chunks - 1, f);
+    for (int64_t hh = 0; hh < group; hh++) {
+        float *slot = partial_slot(a, b * a->H + g * group + hh, c, chunks);
+        for (int i = 0; i < Lq; i++) {
+            const int64_t r = hh * Lq + i;
+            float *row = slot + i * (dh + 2);
+            row[0] = f->m[r];
+            row[1] = f->l[r];
+            memcpy(row + 2, f->o + r * dh, (size_t)dh * sizeof *row);
+        }
     }
 }
 

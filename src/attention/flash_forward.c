@@ -72,6 +72,23 @@ void mha_flash_rows(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
                       output_tile, f);
 }
 
+void mha_flash_rows_stacked(const mha_attn *a, int64_t b, int64_t g,
+                            int stack, int64_t k0, int64_t k1,
+                            int with_extra, flash_scratch *f)
+{
+    const int group = (int)(a->H / a->Hkv), mr = stack * group;
+    for (int hh = 0; hh < group; hh++)
+        mha_load_q(a, b, g * group + hh, 0, stack,
+                   f->qs + (int64_t)hh * stack * a->dh);
+    memset(f->o, 0, (size_t)(mr * a->dh) * sizeof *f->o);
+    for (int r = 0; r < mr; r++) {
+        f->m[r] = -INFINITY;
+        f->l[r] = 0.0f;
+    }
+    mha_for_each_tile_stacked(a, b, g, 0, stack, k0, k1, with_extra,
+                              output_tile, f);
+}
+
 void mha_flash_finish(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
                       int mr, const float *m, const float *l, const float *o)
 {

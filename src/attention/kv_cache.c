@@ -142,6 +142,34 @@ void mha_kv_cache_put(mha_kv_cache *c, int64_t b, const float *k,
     c->len[b] += n;
 }
 
+void mha_attn_use_cache(mha_attn *at, const mha_kv_cache *kv,
+                        mha_mask_plan *mask)
+{
+    int64_t longest = 0;
+    for (int64_t b = 0; b < kv->B; b++)
+        longest = kv->len[b] > longest ? kv->len[b] : longest;
+    const int64_t extra = (at->bias_k != NULL) + (at->zero_attn != 0);
+    at->Lk = longest;
+    at->Lt = longest + extra;
+    at->k = at->v = NULL;
+    at->ldk = at->ldv = 0;
+    at->packed = kv->data;
+    at->packed_tiles = kv->tiles;
+    at->prepacked = 1;
+    /* Causal bottom-right per sequence, and no key past its length.  An
+     * empty cache (longest 0) leaves every row with no key. */
+    *mask = (mha_mask_plan){0};
+    mask->batch = kv->B;
+    mask->heads = at->H;
+    mask->q_len = at->Lq;
+    mask->kv_len = longest;
+    mask->total_keys = at->Lt;
+    mask->causal = MHA_CAUSAL_BOTTOM_RIGHT;
+    mask->key_lengths = kv->len;
+    mask->seq_lengths = kv->len;
+    at->mask = mask;
+}
+
 static mha_status check_seq(const mha_kv_cache *c, int64_t seq)
 {
     if (!c)

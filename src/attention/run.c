@@ -131,6 +131,7 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
     const int64_t blocks = (a->Lq + MHA_BR - 1) / MHA_BR;
     const int64_t bh_items = a->B * a->H;
     const int64_t chunks = mha_decode_chunks(a->Lq, a->Lk);
+    const int stacked = mha_decode_stacked(a);
     const int64_t tiles = mha_tiles_of(a);
 #pragma omp parallel num_threads(threads)
     {
@@ -145,7 +146,15 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
             if (!a->prepacked)
                 mha_pack_forward_tile(a, t);
         /* (the implicit barrier: every tile is packed) */
-        if (chunks > 1) {
+        if (chunks > 1 && stacked) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < a->B * a->Hkv * chunks; t++)
+                mha_decode_chunk_stacked(a, t / chunks, t % chunks, chunks,
+                                         &f);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t bh = 0; bh < bh_items; bh++)
+                mha_decode_merge(a, bh, chunks, &f);
+        } else if (chunks > 1) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t t = 0; t < bh_items * chunks; t++)
                 mha_decode_chunk(a, t / chunks, t % chunks, chunks, &f);

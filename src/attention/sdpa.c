@@ -24,6 +24,7 @@ typedef struct sdpa_shape {
 
 struct mha_attention_plan {
     sdpa_shape shape;
+    int64_t cache_capacity;   /* > 0: a plan for decoding on a cache */
     mha_engine eng;
     mha_attn_layout lay, blay;
     float *ws;            /* the forward's layout                          */
@@ -56,6 +57,32 @@ static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
                              (long long)s->B, (long long)s->H,
                              (long long)s->dh, (long long)s->Lq,
                              (long long)s->Lk);
+    if (a->cache) {
+        const mha_kv_cache *kv = a->cache;
+        const char *bad = a->k ? "k" : a->v ? "v" : a->kv_len ? "kv_len"
+                        : a->attn_mask.kind != MHA_MASK_NONE ? "attn_mask"
+                        : a->key_padding_mask.kind != MHA_MASK_NONE
+                            ? "key_padding_mask"
+                        : a->key_lengths ? "key_lengths"
+                        : a->need_weights != MHA_WEIGHTS_NONE ? "need_weights"
+                        : a->training ? "training"
+                        : a->causal == MHA_CAUSAL_TOP_LEFT ? "causal TOP_LEFT"
+                                                           : NULL;
+        if (bad)
+            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                 "with a KV cache, %s must be unset: the keys "
+                                 "are the cache's, masked causally per "
+                                 "sequence", bad);
+        if (kv->B != s->B || kv->Hkv != s->Hkv || kv->dh != s->dh)
+            return mha_set_error(MHA_ERR_SHAPE,
+                                 "the cache holds %lld sequences of %lld K/V "
+                                 "heads of %lld; the arguments say batch "
+                                 "%lld, %lld K/V heads of %lld",
+                                 (long long)kv->B, (long long)kv->Hkv,
+                                 (long long)kv->dh, (long long)s->B,
+                                 (long long)s->Hkv, (long long)s->dh);
+        s->Lk = kv->capacity;   /* the most keys a run can read */
+    }
     if (s->Hkv < 1 || s->H % s->Hkv != 0)
         return mha_set_error(MHA_ERR_SHAPE,
                              "num_kv_heads %lld must divide num_heads %lld "
@@ -175,7 +202,7 @@ mha_status mha_attention_plan_create(const mha_attention_args *a,
     MHA_CHECK(mha_engine_init(&eng, a->num_threads));
     mha_attn_layout lay;
     MHA_CHECK(mha_attn_layout_forward(&eng, s.B, s.H, s.Hkv, s.Lq, s.Lk,
-                                      s.Lk, s.dh, 0, &lay));
+                                      s.Lk, s.dh, a->cache != NULL, &lay));
     mha_attention_plan *p = calloc(1, sizeof *p);
     if (!p)
         return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate a plan");
@@ -187,6 +214,7 @@ mha_status mha_attention_plan_create(const mha_attention_args *a,
     p->shape = s;
     p->eng = eng;
     p->lay = lay;
+    p->cache_capacity = a->cache ? a->cache->capacity : 0;
     *out = p;
     return MHA_OK;
 }
@@ -242,6 +270,12 @@ mha_status mha_attention_plan_run(mha_attention_plan *p,
     sdpa_shape s;
     MHA_CHECK(check_shape(a, &s));
     const sdpa_shape *ps = &p->shape;
+    if (!a->cache != !p->cache_capacity)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "this plan was made %s a KV cache",
+                             p->cache_capacity ? "for" : "without");
+    if (a->cache && a->cache->capacity <= p->cache_capacity)
+        s.Lk = ps->Lk;   /* a smaller cache fits the plan's layout */
     if (s.B != ps->B || s.H != ps->H || s.Hkv != ps->Hkv || s.dh != ps->dh ||
         s.Lq != ps->Lq || s.Lk != ps->Lk)
         return mha_set_error(MHA_ERR_SHAPE,
@@ -255,6 +289,23 @@ mha_status mha_attention_plan_run(mha_attention_plan *p,
                              (long long)ps->H, (long long)ps->Hkv,
                              (long long)ps->dh, (long long)ps->Lq,
                              (long long)ps->Lk);
+    if (a->cache) {
+        if (!a->q || !a->out)
+            return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
+                                 !a->q ? "q" : "out");
+        const span outs[2] = {{"out", a->out, s.n_q},
+                              {"lse", a->lse, s.B * s.H * s.Lq}};
+        const span ins[1] = {{"q", a->q, s.n_q}};
+        MHA_CHECK(check_disjoint(outs, 2, ins, 1));
+        mha_mask_plan mask;
+        mha_attn at = problem(p, a, &mask);
+        mha_attn_use_cache(&at, a->cache, &mask);
+        mha_attn_run(&p->eng, &at, p->ws + p->lay.scratch,
+                     p->lay.per_thread);
+        if (a->lse)
+            write_lse(at.stats, s.B * s.H * s.Lq, a->lse);
+        return MHA_OK;   /* no backward */
+    }
     if (!a->q || !a->k || !a->v || !a->out)
         return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
                              !a->q ? "q" : !a->k ? "k" : !a->v ? "v" : "out");

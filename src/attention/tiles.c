@@ -91,26 +91,28 @@ void mha_mask_tile(const mha_attn *a, const mha_tile *t, float *s)
             for (int c = 0; c < t->nc; c++)
                 sr[c] = masked(sr[c], br[c]);
         } else {
-            const int64_t live =
-                mha_mask_last(a->mask, t->b, t->i0 + r) - t->j0 + 1;
+            const int64_t i = t->i0 + (t->stack ? r % t->stack : r);
+            const int64_t live = mha_mask_last(a->mask, t->b, i) - t->j0 + 1;
             for (int64_t c = live < 0 ? 0 : live; c < t->nc; c++)
                 sr[c] = -INFINITY;
         }
     }
 }
 
-void mha_for_each_tile(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
-                       int mr, int64_t k0, int64_t k1, int with_extra,
-                       float *bias, mha_tile_fn fn, void *ctx)
+/* The walk of rows i0 .. i0+n_i-1, the tile's mr rows (stacked heads:
+ * mr = n_i * group, stack = n_i). */
+static void walk(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
+                 int n_i, int mr, int stack, int64_t k0, int64_t k1,
+                 int with_extra, float *bias, mha_tile_fn fn, void *ctx)
 {
     const mha_mask_plan *mk = a->mask;
     const int64_t first_last = mha_mask_last(mk, b, i0);
-    int64_t end = mha_mask_last(mk, b, i0 + mr - 1) + 1;
+    int64_t end = mha_mask_last(mk, b, i0 + n_i - 1) + 1;
     if (end > k1)
         end = k1;
     const int explicit_mask = mha_mask_has_explicit(mk);
     mha_tile t = {.b = b, .h = h, .g = mha_kv_head(a, h), .i0 = i0,
-                  .mr = mr, .bias = bias};
+                  .mr = mr, .bias = bias, .stack = stack};
     for (int64_t j0 = k0; j0 < end; j0 += MHA_BC) {
         t.j0 = j0;
         t.nc = (int)(end - j0 < MHA_BC ? end - j0 : MHA_BC);
@@ -137,4 +139,20 @@ void mha_for_each_tile(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
         t.how = MHA_TILE_OPEN;
         fn(a, &t, ctx);
     }
+}
+
+void mha_for_each_tile(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
+                       int mr, int64_t k0, int64_t k1, int with_extra,
+                       float *bias, mha_tile_fn fn, void *ctx)
+{
+    walk(a, b, h, i0, mr, mr, 0, k0, k1, with_extra, bias, fn, ctx);
+}
+
+void mha_for_each_tile_stacked(const mha_attn *a, int64_t b, int64_t g,
+                               int64_t i0, int stack, int64_t k0, int64_t k1,
+                               int with_extra, mha_tile_fn fn, void *ctx)
+{
+    const int group = (int)(a->H / a->Hkv);
+    walk(a, b, g * group, i0, stack, stack * group, stack, k0, k1,
+         with_extra, NULL, fn, ctx);
 }

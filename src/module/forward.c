@@ -276,27 +276,8 @@ static void cached_attention(mha_plan *plan, mha_kv_cache *kv, mha_attn *at)
     for (int64_t b = 0; b < s->B; b++)
         mha_kv_cache_put(kv, b, at->k + b * s->Lq * at->ldk, at->ldk,
                          at->v + b * s->Lq * at->ldv, at->ldv, s->Lq);
-    int64_t longest = 0;
-    for (int64_t b = 0; b < s->B; b++)
-        longest = kv->len[b] > longest ? kv->len[b] : longest;
-    at->Lk = longest;
-    at->Lt = mha_total_keys(plan->m, longest);
-    at->k = at->v = NULL;
-    at->ldk = at->ldv = 0;
-    at->packed = kv->data;
-    at->packed_tiles = kv->tiles;
-    at->prepacked = 1;
-    /* Causal bottom-right per sequence, and no key past its length. */
-    mha_forward_args fa = {0};
-    fa.batch = s->B;
-    fa.q_len = s->Lq;
-    fa.kv_len = longest;
-    fa.causal = MHA_CAUSAL_BOTTOM_RIGHT;
     mha_mask_plan mask;
-    (void)mha_mask_plan_init(&mask, s->H, at->Lt - at->Lk, &fa); /* valid */
-    mask.key_lengths = kv->len;
-    mask.seq_lengths = kv->len;
-    at->mask = &mask;
+    mha_attn_use_cache(at, kv, &mask);
     mha_attn_run(&plan->eng, at, ws_attn(plan) + plan->lay.scratch,
                  plan->lay.per_thread);
 }
