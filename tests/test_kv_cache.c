@@ -369,6 +369,79 @@ static void test_misuse(void **state)
     mha_free(m);
 }
 
+/* mha_attention on a cache (queries on heads, keys appended by the
+ * caller): each sequence the same bits as mha_attention on its own keys,
+ * causal bottom-right, and the mha_attention path refuses what it must. */
+static void test_attention_on_cache(void **state)
+{
+    (void)state;
+    enum { B = 2, H = 4, HKV = 2, DH = 8, LQ = 2, CAP = 1500, E = H * DH,
+           EKV = HKV * DH };
+    const int64_t lens[B] = {70, 1300};
+    mha_kv_cache_config kc = {B, HKV, DH, CAP, MHA_KV_F32};
+    mha_kv_cache *kv = NULL;
+    assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
+    float *k = malloc((size_t)(CAP * EKV) * 4), *v = malloc((size_t)(CAP * EKV) * 4);
+    float q[B * LQ * E], out[B * LQ * E], one[LQ * E], lse[B * H * LQ];
+    tu_fill(q, B * LQ * E, 50, -1, 1);
+    for (int64_t b = 0; b < B; b++) {
+        tu_fill(k, lens[b] * EKV, 51 + (uint64_t)b, -1, 1);
+        tu_fill(v, lens[b] * EKV, 61 + (uint64_t)b, -1, 1);
+        assert_int_equal(mha_kv_cache_append(kv, b, k, v, lens[b]), MHA_OK);
+    }
+    mha_attention_args a = {0};
+    a.batch = B;
+    a.num_heads = H;
+    a.num_kv_heads = HKV;
+    a.head_dim = DH;
+    a.q_len = LQ;
+    a.q = q;
+    a.cache = kv;
+    a.out = out;
+    a.lse = lse;
+    assert_int_equal(mha_attention(&a), MHA_OK);
+    for (int64_t b = 0; b < B; b++) {
+        tu_fill(k, lens[b] * EKV, 51 + (uint64_t)b, -1, 1);
+        tu_fill(v, lens[b] * EKV, 61 + (uint64_t)b, -1, 1);
+        mha_attention_args s = {0};
+        s.batch = 1;
+        s.num_heads = H;
+        s.num_kv_heads = HKV;
+        s.head_dim = DH;
+        s.q_len = LQ;
+        s.kv_len = lens[b];
+        s.q = q + b * LQ * E;
+        s.k = k;
+        s.v = v;
+        s.causal = MHA_CAUSAL_BOTTOM_RIGHT;
+        s.out = one;
+        assert_int_equal(mha_attention(&s), MHA_OK);
+        assert_memory_equal(one, out + b * LQ * E, sizeof one);
+    }
+    mha_attention_args bad = a;
+    bad.k = k;
+    assert_fails(mha_attention(&bad), MHA_ERR_INVALID_ARGUMENT, "k must be");
+    bad = a;
+    bad.num_kv_heads = 4;
+    assert_fails(mha_attention(&bad), MHA_ERR_SHAPE, "cache holds");
+    bad = a;
+    bad.out = q;
+    assert_fails(mha_attention(&bad), MHA_ERR_INVALID_ARGUMENT, "overlaps");
+    mha_attention_plan *p = NULL;
+    bad = a;
+    bad.cache = NULL;
+    bad.k = k;
+    bad.v = v;
+    bad.kv_len = 70;
+    assert_int_equal(mha_attention_plan_create(&bad, &p), MHA_OK);
+    assert_fails(mha_attention_plan_run(p, &a), MHA_ERR_INVALID_ARGUMENT,
+                 "without a KV cache");
+    mha_attention_plan_free(p);
+    free(k);
+    free(v);
+    mha_kv_cache_free(kv);
+}
+
 int main(void)
 {
     if (tu_tier_unavailable())
@@ -379,6 +452,7 @@ int main(void)
         cmocka_unit_test(test_append_projected),
         cmocka_unit_test(test_threads_bitwise),
         cmocka_unit_test(test_misuse),
+        cmocka_unit_test(test_attention_on_cache),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
