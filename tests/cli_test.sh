@@ -3,8 +3,9 @@
 # checked against NumPy (tests/check_example.py); `mha init`, `mha info`,
 # `mha forward` and `mha backward`: each subcommand, each flag, each error
 # path, and that a failing `mha forward` or `mha backward` leaves no output
-# file (nor a temporary one) behind; `mha bench`, with and without
-# --backward; `mha viz` (tests/check_viz.py, and its errors); --head-mask
+# file (nor a temporary one) behind; `mha decode` (= forward --causal, for
+# every chunking, plain and grouped-query); `mha bench`, with --backward
+# and --decode; `mha viz` (tests/check_viz.py, and its errors); --head-mask
 # (its gradient against an exact difference) and `mha prune` (pruned ==
 # ablated).
 # Inputs are made by `mha init` and by NumPy (Debian's /usr/bin/python3).
@@ -539,6 +540,101 @@ fail_bwd "^mha backward: the module has vdim 7: give --value" \
 fail_bwd "^mha backward: --out: .*nodir" "${bw[@]}" --out "$d/nodir/g.safetensors"
 absent "backward into a missing directory" "$d/nodir"
 
+# ---- mha decode --------------------------------------------------------------
+# The causal self-attention run through a KV cache, a chunk at a time,
+# equals mha forward --causal on the same input: a plain and a grouped-query
+# module, B = 2, L = 70 (past one 64-key tile), chunks of 1, 7 and L, and a
+# prefill of 64 then chunks of 3.  Each comparison is first shown to tell
+# causal from full attention, so a decode that attended wrongly would fail.
+expect 0 "^usage: mha decode" -- "$mha" decode --help
+expect 0 "^usage: mha decode" -- "$mha" decode -h
+expect 0 "decode +causal self-attention through a KV cache" -- "$mha" --help
+dc="$d/dc"; mkdir "$dc"
+Wd="$tmp/wd.safetensors"
+expect 0 "" -- "$mha" init --embed-dim 32 --heads 4 --seed 7 --out "$Wd"
+# Grouped-query: H = 4 query heads, H_kv = 2 K/V heads of d_h = 8, nonzero
+# biases; H_kv is inferred from k_proj_weight's 16 rows.
+Wg="$tmp/wg.safetensors"
+"$py" -c "
+import sys, numpy as np; sys.path.insert(0, sys.argv[1]); import st
+r = np.random.RandomState(3)
+f = lambda *s: (r.randn(*s) * 0.3).astype(np.float32)
+st.save(sys.argv[2], {'q_proj_weight': f(32, 32), 'k_proj_weight': f(16, 32),
+                      'v_proj_weight': f(16, 32), 'in_proj_bias': f(64),
+                      'out_proj.weight': f(32, 32), 'out_proj.bias': f(32)},
+        {'num_heads': '4'})" "$here/torch_live" "$Wg" ||
+  bad "could not write wg.safetensors"
+expect 0 "^  k_proj_weight +F32 +\(16, 32\)$" -- "$mha" info "$Wg"
+npy "$d/x70.npy"  "np.random.randn(2, 70, 32).astype(np.float32)"
+npy "$d/x70u.npy" "np.random.randn(70, 32).astype(np.float32)"
+# close WHAT A B: same shape, equal up to float rounding
+close() {
+  check "$1" "a.shape == b.shape and np.abs(a - b).max() <= 2e-5 * (1 + np.abs(b).max())" "$2" "$3"
+}
+for w in "$Wd" "$Wg"; do
+  n=$(basename "$w" .safetensors)
+  expect 0 "" -- "$mha" forward --weights "$w" --query "$d/x70.npy" --causal --out "$dc/${n}_fwd.npy"
+  expect 0 "" -- "$mha" forward --weights "$w" --query "$d/x70.npy" --out "$dc/${n}_full.npy"
+  check "$n: causal and full attention differ far beyond the tolerance" \
+    "np.abs(a - b).max() > 1e-2 * (1 + np.abs(b).max())" "$dc/${n}_fwd.npy" "$dc/${n}_full.npy"
+  for c in 1 7 70; do
+    expect 0 "" -- "$mha" decode --weights "$w" --query "$d/x70.npy" --chunk $c --out "$dc/${n}_c$c.npy"
+    shape "$dc/${n}_c$c.npy" "float32 (2, 70, 32)"
+    close "$n: decode --chunk $c = forward --causal" "$dc/${n}_c$c.npy" "$dc/${n}_fwd.npy"
+  done
+  expect 0 "" -- "$mha" decode --weights "$w" --query "$d/x70.npy" --prefill 64 --chunk 3 --out "$dc/${n}_p64.npy"
+  close "$n: decode --prefill 64 --chunk 3 = forward --causal" "$dc/${n}_p64.npy" "$dc/${n}_fwd.npy"
+  expect 0 "" -- "$mha" forward --weights "$w" --query "$d/x70u.npy" --causal --out "$dc/${n}_ufwd.npy"
+  expect 0 "" -- "$mha" decode --weights "$w" --query "$d/x70u.npy" --chunk 5 --out "$dc/${n}_u.npy"
+  shape "$dc/${n}_u.npy" "float32 (70, 32)"
+  close "$n: unbatched decode = forward --causal" "$dc/${n}_u.npy" "$dc/${n}_ufwd.npy"
+done
+expect 0 "" -- "$mha" decode --weights "$Wd" --query "$d/x70.npy" --chunk 7 --kv-dtype f32 --out "$dc/f32.npy"
+same "$dc/f32.npy" "$dc/wd_c7.npy" "--kv-dtype f32 is the default"
+expect 0 "" -- "$mha" decode --weights "$Wd" --query "$d/x70.npy" --chunk 100 --prefill 200 --out "$dc/big.npy"
+same "$dc/big.npy" "$dc/wd_c70.npy" "--chunk and --prefill past L: one forward"
+# --threads: bitwise the same at 1 and 2 threads, with steps that thread:
+# a prefill of 1024 tokens, then single tokens on 1025..1030 cached keys
+# (B*H*1*Lk*d_h = 2*8*1025*64 >= 2^20, the decoding split of 512-key
+# chunks).  The BLAS is pinned to one thread, as above.
+Wb="$tmp/wb.safetensors"
+expect 0 "" -- "$mha" init --embed-dim 512 --heads 8 --seed 8 --out "$Wb"
+npy "$d/x1030.npy" "np.random.randn(2, 1030, 512).astype(np.float32)"
+for t in 1 2; do
+  expect 0 "" -- env OPENBLAS_NUM_THREADS=1 "$mha" decode --weights "$Wb" --query "$d/x1030.npy" \
+    --prefill 1024 --chunk 1 --threads $t --out "$dc/t$t.npy"
+done
+same "$dc/t1.npy" "$dc/t2.npy" "decode --threads 1 vs 2"
+expect 0 "" -- env OPENBLAS_NUM_THREADS=1 "$mha" forward --weights "$Wb" --query "$d/x1030.npy" \
+  --causal --threads 2 --out "$dc/t_fwd.npy"
+close "decode with 1030 keys = forward --causal" "$dc/t1.npy" "$dc/t_fwd.npy"
+# refusals: exit 1, one line, nothing written
+fail_dec() { fail_in decode "$@"; }  # fail_dec PATTERN ARGS...
+dq=(--weights "$Wd" --query "$d/x70.npy" --out "$O")
+for c in 0 -1 abc 2x ""; do
+  fail_dec "^mha decode: --chunk must be an integer in \[1, [0-9]+\], got '$c'$" "${dq[@]}" --chunk "$c"
+done
+fail_dec "^mha decode: --prefill must be an integer in \[1, [0-9]+\], got '0'$" "${dq[@]}" --prefill 0
+for t in f16 bf16 q8; do
+  fail_dec "^mha decode: --kv-dtype $t: unsupported: .*f32" "${dq[@]}" --kv-dtype $t
+done
+fail_dec "^mha decode: --kv-dtype must be f32, f16, bf16 or q8, got 'f64'$" "${dq[@]}" --kv-dtype f64
+fail_dec "^mha decode: --window: sliding-window caches are not built yet$" "${dq[@]}" --window 8
+fail_dec "^mha decode: --window must be an integer in \[1, " "${dq[@]}" --window 0
+fail_dec "^mha decode: --query is required" --weights "$Wd" --out "$O"
+fail_dec "^mha decode: --weights is required" --query "$d/x70.npy" --out "$O"
+expect 1 "^mha decode: --out is required" -- "$mha" decode --weights "$Wd" --query "$d/x70.npy"
+fail_dec "^mha decode: unknown option '--causal'" "${dq[@]}" --causal
+fail_dec "^mha decode: unknown option '--key'" "${dq[@]}" --key "$d/x70.npy"
+fail_dec "^mha decode: --threads must be an integer in \[1, 4096\], got '0'$" "${dq[@]}" --threads 0
+fail_dec "^mha decode: --query has last dimension 8, expected E = 32" --weights "$Wd" --query "$d/q.npy" --out "$O"
+fail_dec "^mha decode: --query: .*missing\.npy" --weights "$Wd" --query "$d/missing.npy" --out "$O"
+fail_dec "^mha decode: --weights: .*cannot open" --weights "$d/missing.safetensors" --query "$d/x70.npy" --out "$O"
+fail_dec "^mha decode: the module has kdim 5, vdim 7: mha decode runs self-attention, kdim = vdim = E = 8$" \
+  --weights "$Wkv" --query "$d/q.npy" --out "$O"
+fail_dec "^mha decode: --out: .*nodir" --weights "$Wd" --query "$d/x70.npy" --out "$d/nodir/o.npy"
+absent "decode into a missing directory" "$d/nodir"
+
 # ---- mha bench ---------------------------------------------------------------
 # jcheck WHAT EXPR -- command...: the command prints one JSON object j with EXPR
 jcheck() {
@@ -619,6 +715,28 @@ for t in 0 -1 abc 5000 2x ""; do
 done
 expect 1 "unknown option '--frob'" -- "$mha" bench "${tiny[@]}" --frob
 expect 1 "option --json takes no value" -- "$mha" bench "${tiny[@]}" --json=1
+
+# --decode: one decoding step on a cache of Lk tokens.  kv_bytes is
+# B*Lk*H_kv*d_h*2*4; kv_gbps, read_percent and weight_bytes follow from the
+# other fields (weight_bytes: every parameter of the E=32, H=4, H_kv=2
+# module, 4*(32*32 + 2*16*32 + 64 + 32*32 + 32)).
+dec=(--decode --kv-seq 100 --embed-dim 32 --heads 4 --kv-heads 2 --repeat 3 --warmup 1)
+jdec="j['decode'] is True and j['kv_dtype'] == 'f32' and j['tier'] in ('avx512', 'avx2', 'scalar', 'ref') and j['median_ms'] > 0 and 0 < j['min_ms'] <= j['median_ms'] and j['repeat'] == 3 and j['warmup'] == 1 and abs(j['kv_gbps'] - j['kv_bytes'] / (j['median_ms'] * 1e-3) * 1e-9) <= 1e-4 * j['kv_gbps'] and j['read_gbps'] > 0 and j['read_bytes'] >= 2**30 and abs(j['read_percent'] - 100 * j['kv_gbps'] / j['read_gbps']) <= 1e-4 * j['read_percent'] and j['weight_bytes'] == 4 * 3168"
+jcheck "bench --decode --json" "$jdec and (j['batch'], j['seq'], j['kv_seq'], j['embed_dim'], j['heads'], j['kv_heads'], j['head_dim']) == (1, 1, 100, 32, 4, 2, 8) and j['kv_bytes'] == 1 * 100 * 2 * 8 * 2 * 4 and j['threads'] == 1 == j['blas_threads']" \
+  -- "$mha" bench "${dec[@]}" --threads 1 --json
+jcheck "bench --decode --batch 3 --seq 2 --json" "$jdec and (j['batch'], j['seq'], j['kv_seq']) == (3, 2, 100) and j['kv_bytes'] == 3 * 100 * 2 * 8 * 2 * 4 and j['threads'] == 2 == j['blas_threads']" \
+  -- "$mha" bench "${dec[@]}" --batch 3 --seq 2 --threads 2 --json
+expect 0 "^  memory  [0-9.]+ GB/s streaming read \([0-9]+ MiB, 1 thread, best of 5\): the step reaches [0-9.]+%$" -- "$mha" bench "${dec[@]}" --threads 1
+expect 1 "^mha bench: --decode excludes --attention-only$" -- "$mha" bench "${dec[@]}" --attention-only
+expect 1 "^mha bench: --decode excludes --backward$" -- "$mha" bench "${dec[@]}" --backward
+expect 1 "^mha bench: --decode excludes --need-weights$" -- "$mha" bench "${dec[@]}" --need-weights
+expect 1 "^mha bench: --kv-seq is required" -- "$mha" bench --decode --embed-dim 32 --heads 4
+expect 1 "^mha bench: --kv-heads needs --decode$" -- "$mha" bench "${tiny[@]}" --kv-heads 1
+expect 1 "^mha bench: --kv-dtype needs --decode$" -- "$mha" bench "${tiny[@]}" --kv-dtype f32
+expect 1 "^mha bench: --kv-dtype f16: unsupported: .*f32" -- "$mha" bench "${dec[@]}" --kv-dtype f16
+expect 1 "^mha bench: --kv-dtype must be f32, f16, bf16 or q8, got 'x'$" -- "$mha" bench "${dec[@]}" --kv-dtype x
+expect 1 "^mha bench: num_kv_heads 3 must divide num_heads 4" -- "$mha" bench --decode --kv-seq 8 --embed-dim 32 --heads 4 --kv-heads 3
+expect 1 "^mha bench: --kv-seq must be an integer in \[1, " -- "$mha" bench --decode --kv-seq 0 --embed-dim 32 --heads 4
 
 # ---- mha viz -----------------------------------------------------------------
 # tests/check_viz.py: every --ascii cell's shade and every --png cell's colour

@@ -7,6 +7,8 @@
 #ifndef MHA_TOOL_ARGS_H
 #define MHA_TOOL_ARGS_H
 
+#include "mha.h"
+
 #include <stdint.h>
 
 /* The number of entries of an option table (an array). */
@@ -51,5 +53,8 @@ int tool_floats(const char *cmd, const char *name, const char *s,
                 int64_t count, float **out);
 int tool_ints(const char *cmd, const char *name, const char *s, int64_t lo,
               int64_t hi, int64_t *count, int64_t **out);
+/* A KV cache dtype by name (--kv-dtype): f32, f16, bf16 or q8; whether
+ * the library builds it is the library's to say. */
+int tool_kv_dtype(const char *cmd, const char *s, mha_kv_dtype *out);
 
 #endif

@@ -4,9 +4,10 @@
  * with --attention-only, mha_attention on pre-projected heads, on random
  * inputs, and reports milliseconds, GFLOP/s, the share of the
  * machine's FMA peak (measured by a built-in probe) and the kernel tier.
+ * --decode (one decoding step on a KV cache) is bench_decode.c's.
  */
-#define _POSIX_C_SOURCE 200809L
 #include "args.h"
+#include "bench.h"
 #include "commands.h"
 #include "fail.h"
 #include "mha.h"
@@ -16,13 +17,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-#include <unistd.h>
 
 static const char BENCH_HELP[] =
     "usage: mha bench --batch B --seq L [--kv-seq Lk] --embed-dim E --heads H\n"
     "                 [--causal] [--need-weights]\n"
     "                 [--attention-only | --backward]\n"
+    "                 [--threads T] [--repeat R] [--warmup W] [--json]\n"
+    "       mha bench --decode --kv-seq Lk --embed-dim E --heads H\n"
+    "                 [--kv-heads Hkv] [--kv-dtype f32] [--batch B] [--seq L]\n"
     "                 [--threads T] [--repeat R] [--warmup W] [--json]\n"
     "\n"
     "Times the forward pass of a module with Xavier-initialised weights\n"
@@ -70,7 +72,25 @@ static const char BENCH_HELP[] =
     "avx512 kernel tier, else AVX2+FMA when the CPU has them, else plain\n"
     "C) times T.  The BLAS reads its thread count\n"
     "when it loads, so mha bench sets OPENBLAS_NUM_THREADS and\n"
-    "OMP_NUM_THREADS to T and re-executes itself when they differ.\n";
+    "OMP_NUM_THREADS to T and re-executes itself when they differ.\n"
+    "\n"
+    "--decode times one decoding step: a module of E, H and Hkv K/V heads\n"
+    "(grouped-query when Hkv < H; default Hkv = H), a KV cache of\n"
+    "Lk + Lq tokens per sequence filled (untimed) with Lk random keys and\n"
+    "values, then W + R calls of mha_plan_forward on Lq new tokens of each\n"
+    "of B sequences (default B = 1, Lq = 1), each followed (untimed) by\n"
+    "mha_kv_cache_truncate back to Lk, so every step finds Lk cached keys.\n"
+    "At large Lk a step is bound by memory reads: it reports kv_bytes, the\n"
+    "bytes of K and V one step reads (B*Lk*Hkv*d_h*2 x 4 for f32), kv_gbps\n"
+    "= kv_bytes / the median time, and read_percent, that as a share of\n"
+    "read_gbps, the machine's streaming-read bandwidth measured in the same\n"
+    "run (T threads summing a buffer of max(1 GiB, 4x the L3), best of 5).\n"
+    "The time includes the projections of the Lq new tokens (q, k, v,\n"
+    "out), which read every parameter once: weight_bytes, small next to\n"
+    "the cache only when B*Lk*Hkv*d_h*2 is well above E*(2E + 2*Hkv*d_h)\n"
+    "(at E = 4096, Hkv = 8, Lk = 32768: 160 MiB of weights, 256 MiB of\n"
+    "cache).  --kv-dtype other than f32 is refused until the library\n"
+    "builds it.\n";
 
 /* ---- the FMA peak probe ------------------------------------------------- */
 
@@ -120,13 +140,6 @@ probe_avx512(long iters, double *flops)
 }
 #endif
 
-static double now_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 /* Single-thread multiply-add GFLOP/s: the best of ~0.2 s of short runs,
  * with the widest vectors the kernel tier in use has (AVX-512 for avx512,
  * else AVX2 + FMA where the CPU has them).  *kind names the loop that ran. */
@@ -151,18 +164,18 @@ static double measure_peak(const char **kind)
     long iters = 1000;
     /* Calibrate: one run of at least 20 ms. */
     for (;;) {
-        t = now_s();
+        t = bench_now_s();
         sink += probe(iters, &flops);
-        t = now_s() - t;
+        t = bench_now_s() - t;
         if (t >= 0.02 || iters > (1L << 40))
             break;
         iters *= 2;
     }
-    const double start = now_s();
-    while (now_s() - start < 0.2) {
-        t = now_s();
+    const double start = bench_now_s();
+    while (bench_now_s() - start < 0.2) {
+        t = bench_now_s();
         sink += probe(iters, &flops);
-        t = now_s() - t;
+        t = bench_now_s() - t;
         if (t > 0 && flops / t > best)
             best = flops / t;
     }
@@ -186,21 +199,6 @@ static double allowed_pairs(int64_t Lq, int64_t Lk, int causal)
     return n;
 }
 
-static int cmp_double(const void *x, const void *y)
-{
-    double a = *(const double *)x, b = *(const double *)y;
-    return a < b ? -1 : a > b;
-}
-
-/* Uniform in [-1, 1) from a 64-bit LCG (top 24 bits). */
-static void fill_random(float *x, int64_t n, uint64_t *state)
-{
-    for (int64_t i = 0; i < n; i++) {
-        *state = *state * 6364136223846793005ULL + 1442695040888963407ULL;
-        x[i] = (float)(*state >> 40) * (2.0f / 16777216.0f) - 1.0f;
-    }
-}
-
 /* a * b * c as a size_t count of floats, or 0 if it does not fit. */
 static size_t count3(int64_t a, int64_t b, int64_t c)
 {
@@ -212,58 +210,7 @@ static size_t count3(int64_t a, int64_t b, int64_t c)
     return (size_t)(a * b * c);
 }
 
-/* ---- the BLAS threads --------------------------------------------------- */
-
-static const char *const THREAD_VARS[] = {"OPENBLAS_NUM_THREADS",
-                                          "OMP_NUM_THREADS"};
-
-/*
- * The BLAS fixes its thread count from the environment when it is loaded,
- * before main: set the variables and start again, once.  Returns only if
- * nothing had to change or re-executing failed (then it warns).
- */
-static void pin_blas_threads(int argc, char **argv, int64_t threads)
-{
-    char want[32];
-    snprintf(want, sizeof want, "%lld", (long long)threads);
-    int differ = 0;
-    for (int k = 0; k < NOPTS(THREAD_VARS); k++) {
-        const char *v = getenv(THREAD_VARS[k]);
-        if (!v || strcmp(v, want))
-            differ = 1;
-    }
-    if (!differ)
-        return;
-    if (getenv("MHA_BENCH_REEXEC")) {
-        fprintf(stderr, "mha bench: warning: could not set the BLAS threads "
-                "to %s; they may differ from --threads\n", want);
-        return;
-    }
-    for (int k = 0; k < NOPTS(THREAD_VARS); k++)
-        setenv(THREAD_VARS[k], want, 1);
-    setenv("MHA_BENCH_REEXEC", "1", 1);
-    char **args = calloc((size_t)argc + 2, sizeof *args);
-    if (args) {
-        args[0] = "mha";
-        for (int i = 0; i < argc; i++)
-            args[i + 1] = argv[i];   /* argv[0] is "bench" */
-        fflush(NULL);
-        execv("/proc/self/exe", args);
-        free(args);
-    }
-    fprintf(stderr, "mha bench: warning: could not re-execute with %s=%s; "
-            "set it yourself for an exact thread count\n", THREAD_VARS[0],
-            want);
-}
-
 /* ---- mha bench ---------------------------------------------------------- */
-
-/* Online CPUs, clamped to the library's thread range [1, 4096]. */
-static int64_t online_cpus(void)
-{
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n < 1 ? 1 : n > 4096 ? 4096 : (int64_t)n;
-}
 
 int cmd_bench(int argc, char **argv)
 {
@@ -271,15 +218,21 @@ int cmd_bench(int argc, char **argv)
                     {"embed-dim", 1, 0}, {"heads", 1, 0}, {"causal", 0, 0},
                     {"need-weights", 0, 0}, {"attention-only", 0, 0},
                     {"backward", 0, 0}, {"threads", 1, 0}, {"repeat", 1, 0},
-                    {"warmup", 1, 0}, {"json", 0, 0}};
+                    {"warmup", 1, 0}, {"json", 0, 0}, {"decode", 0, 0},
+                    {"kv-heads", 1, 0}, {"kv-dtype", 1, 0}};
     int status;
     if (tool_options("bench", argc, argv, o, NOPTS(o), BENCH_HELP, &status))
         return status;
 #define OPT(name) tool_get(o, NOPTS(o), name)
+    if (OPT("decode"))
+        return bench_decode(argc, argv, o, NOPTS(o));
+    if (OPT("kv-heads") || OPT("kv-dtype"))
+        return tool_fail("bench", "--%s needs --decode",
+                         OPT("kv-heads") ? "kv-heads" : "kv-dtype");
     static const char *const need[] = {"batch", "seq", "embed-dim", "heads"};
     if (tool_require("bench", o, NOPTS(o), need, 4))
         return 1;
-    const int64_t ncpu = online_cpus();
+    const int64_t ncpu = bench_online_cpus();
     int64_t B, Lq, Lk = 0, threads = ncpu, repeat = 10, warmup = 2;
     mha_config c = {0};
     if (tool_int("bench", "batch", OPT("batch"), 1, INT32_MAX, &B) ||
@@ -313,9 +266,9 @@ int cmd_bench(int argc, char **argv)
         return tool_fail("bench", "embed_dim %lld is not divisible by "
                          "num_heads %lld", (long long)c.embed_dim,
                          (long long)c.num_heads);
-    pin_blas_threads(argc, argv, threads);
+    bench_pin_blas_threads(argc, argv, threads);
     /* What the BLAS was loaded with (after the re-execution, if any). */
-    const char *blas_env = getenv(THREAD_VARS[0]);
+    const char *blas_env = bench_blas_env();
     const long blas_threads = blas_env ? strtol(blas_env, NULL, 10) : 0;
     const char *tier = mha_kernel_tier();
     if (!tier)
@@ -370,13 +323,13 @@ int cmd_bench(int argc, char **argv)
                                          sizeof(float) / 1048576.0);
     uint64_t state = 1;
     if (!rc) {
-        fill_random(q, (int64_t)nq, &state);
+        bench_fill_random(q, (int64_t)nq, &state);
         if (need_kv)
-            fill_random(kv, (int64_t)nkv, &state);
+            bench_fill_random(kv, (int64_t)nkv, &state);
         if (attn_only)
-            fill_random(vv, (int64_t)nkv, &state);
+            bench_fill_random(vv, (int64_t)nkv, &state);
         if (backward)
-            fill_random(g, (int64_t)nq, &state);   /* dL/d out */
+            bench_fill_random(g, (int64_t)nq, &state);   /* dL/d out */
     }
     mha_backward_args b = {0};
     if (backward) {
@@ -429,12 +382,12 @@ int cmd_bench(int argc, char **argv)
     const char *probe_kind = "";
     const double peak1 = rc ? 0.0 : measure_peak(&probe_kind);
     for (int64_t r = 0; !rc && r < warmup + repeat; r++) {
-        const double t0 = now_s();
+        const double t0 = bench_now_s();
         mha_status st = attn_only ? mha_attention(&aa)
                                   : mha_plan_forward(plan, &a);
         if (st == MHA_OK && backward)
             st = mha_plan_backward(plan, &a, &b);
-        const double t1 = now_s();
+        const double t1 = bench_now_s();
         if (st != MHA_OK)
             rc = tool_fail("bench", "%s", mha_last_error());
         else if (r >= warmup)
@@ -451,10 +404,7 @@ int cmd_bench(int argc, char **argv)
                            backward ? "or a gradient " : "");
     }
     if (!rc) {
-        qsort(ms, (size_t)repeat, sizeof *ms, cmp_double);
-        const double med = repeat % 2 ? ms[repeat / 2]
-                                      : 0.5 * (ms[repeat / 2 - 1] +
-                                               ms[repeat / 2]);
+        const double med = bench_median(ms, repeat);
         const double mn = ms[0];
         const double kvw = (double)(c.kdim + c.vdim);
         /* The backward: 2x the projections, 2.5x the attention. */

@@ -9,6 +9,7 @@
 int cmd_example(int argc, char **argv);
 int cmd_forward(int argc, char **argv);
 int cmd_backward(int argc, char **argv);
+int cmd_decode(int argc, char **argv);
 int cmd_init(int argc, char **argv);
 int cmd_info(int argc, char **argv);
 int cmd_bench(int argc, char **argv);

@@ -25,6 +25,8 @@ static const command COMMANDS[] = {
      "run a PyTorch state_dict (safetensors) on .npy inputs"},
     {"backward", cmd_backward,
      "the gradients of that forward pass, given dL/d output"},
+    {"decode", cmd_decode,
+     "causal self-attention through a KV cache, token by token"},
     {"init", cmd_init, "write a freshly initialised module (safetensors)"},
     {"info", cmd_info, "describe a safetensors file and the module in it"},
     {"bench", cmd_bench,

@@ -165,6 +165,15 @@ static int run_inputs(const char *cmd, const tool_opt *o, int n,
         (in->k && input_dims(cmd, "key", in->k, c->kdim, "kdim", &Bk, &Lk)) ||
         (in->v && input_dims(cmd, "value", in->v, c->vdim, "vdim", &Bv, &Lv)))
         return 1;
+    /* A command without --key (decode) runs self-attention only. */
+    int has_key = 0;
+    for (int k = 0; k < n; k++)
+        has_key |= !strcmp(o[k].name, "key");
+    if (!has_key && (c->kdim != c->embed_dim || c->vdim != c->embed_dim))
+        return tool_fail(cmd, "the module has kdim %lld, vdim %lld: mha %s "
+                         "runs self-attention, kdim = vdim = E = %lld",
+                         (long long)c->kdim, (long long)c->vdim, cmd,
+                         (long long)c->embed_dim);
     if (!in->k && c->kdim != c->embed_dim)
         return tool_fail(cmd, "the module has kdim %lld != E %lld: give --key",
                          (long long)c->kdim, (long long)c->embed_dim);

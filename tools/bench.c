@@ -1,0 +1,83 @@
+/*
+ * bench.c -- the helpers of `mha bench`'s timings (bench.h).
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "bench.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+double bench_now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+void bench_fill_random(float *x, int64_t n, uint64_t *state)
+{
+    for (int64_t i = 0; i < n; i++) {
+        *state = *state * 6364136223846793005ULL + 1442695040888963407ULL;
+        x[i] = (float)(*state >> 40) * (2.0f / 16777216.0f) - 1.0f;
+    }
+}
+
+static int cmp_double(const void *x, const void *y)
+{
+    double a = *(const double *)x, b = *(const double *)y;
+    return a < b ? -1 : a > b;
+}
+
+double bench_median(double *ms, int64_t n)
+{
+    qsort(ms, (size_t)n, sizeof *ms, cmp_double);
+    return n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
+}
+
+int64_t bench_online_cpus(void)
+{
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : n > 4096 ? 4096 : (int64_t)n;
+}
+
+static const char *const THREAD_VARS[] = {"OPENBLAS_NUM_THREADS",
+                                          "OMP_NUM_THREADS"};
+
+const char *bench_blas_env(void) { return getenv(THREAD_VARS[0]); }
+
+void bench_pin_blas_threads(int argc, char **argv, int64_t threads)
+{
+    char want[32];
+    snprintf(want, sizeof want, "%lld", (long long)threads);
+    int differ = 0;
+    for (int k = 0; k < NOPTS(THREAD_VARS); k++) {
+        const char *v = getenv(THREAD_VARS[k]);
+        if (!v || strcmp(v, want))
+            differ = 1;
+    }
+    if (!differ)
+        return;
+    if (getenv("MHA_BENCH_REEXEC")) {
+        fprintf(stderr, "mha bench: warning: could not set the BLAS threads "
+                "to %s; they may differ from --threads\n", want);
+        return;
+    }
+    for (int k = 0; k < NOPTS(THREAD_VARS); k++)
+        setenv(THREAD_VARS[k], want, 1);
+    setenv("MHA_BENCH_REEXEC", "1", 1);
+    char **args = calloc((size_t)argc + 2, sizeof *args);
+    if (args) {
+        args[0] = "mha";
+        for (int i = 0; i < argc; i++)
+            args[i + 1] = argv[i];   /* argv[0] is "bench" */
+        fflush(NULL);
+        execv("/proc/self/exe", args);
+        free(args);
+    }
+    fprintf(stderr, "mha bench: warning: could not re-execute with %s=%s; "
+            "set it yourself for an exact thread count\n", THREAD_VARS[0],
+            want);
+}
