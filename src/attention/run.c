@@ -146,18 +146,19 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
             if (!a->prepacked)
                 mha_pack_forward_tile(a, t);
         /* (the implicit barrier: every tile is packed) */
-        if (chunks > 1 && stacked) {
+        if (chunks > 1) {
+            /* (every thread takes the same branch: it follows the shape) */
+            if (stacked) {
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < a->B * a->Hkv * chunks; t++)
-                mha_decode_chunk_stacked(a, t / chunks, t % chunks, chunks,
-                                         &f);
+                for (int64_t t = 0; t < a->B * a->Hkv * chunks; t++)
+                    mha_decode_chunk_stacked(a, t / chunks, t % chunks,
+                                             chunks, &f);
+            } else {
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t bh = 0; bh < bh_items; bh++)
-                mha_decode_merge(a, bh, chunks, &f);
-        } else if (chunks > 1) {
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < bh_items * chunks; t++)
-                mha_decode_chunk(a, t / chunks, t % chunks, chunks, &f);
+                for (int64_t t = 0; t < bh_items * chunks; t++)
+                    mha_decode_chunk(a, t / chunks, t % chunks, chunks, &f);
+            }
+            /* (the implicit barrier: every chunk's partials are written) */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t bh = 0; bh < bh_items; bh++)
                 mha_decode_merge(a, bh, chunks, &f);
