@@ -49,10 +49,9 @@ static const char BENCH_HELP[] =
     "                        for (the inputs' and the parameters'); the\n"
     "                        plan's first backward allocates its workspace\n"
     "                        (in the warm-up unless --warmup 0)\n"
-    "  --threads T           threads for the attention (num_threads = T) and\n"
-    "                        for the BLAS of the projections\n"
-    "                        (OPENBLAS_NUM_THREADS = T); default: the number\n"
-    "                        of online CPUs\n"
+    "  --threads T           threads for the attention and the projections'\n"
+    "                        GEMM blocks (num_threads = T); default: the\n"
+    "                        number of online CPUs\n"
     "  --repeat R            timed passes (default 10)\n"
     "  --warmup W            untimed passes first (default 2)\n"
     "  --json                one JSON object instead of the text report\n"
@@ -68,9 +67,9 @@ static const char BENCH_HELP[] =
     "attention in all.\n"
     "The peak is a single-thread multiply-add loop (AVX-512 with the\n"
     "avx512 kernel tier, else AVX2+FMA when the CPU has them, else plain\n"
-    "C) times T.  The BLAS reads its thread count\n"
-    "when it loads, so mha bench sets OPENBLAS_NUM_THREADS and\n"
-    "OMP_NUM_THREADS to T and re-executes itself when they differ.\n";
+    "C) times T.  mha bench also sets OPENBLAS_NUM_THREADS and\n"
+    "OMP_NUM_THREADS to T and re-executes itself when they differ (libmha\n"
+    "runs each BLAS call on one thread: they change no result).\n";
 
 /* ---- the FMA peak probe ------------------------------------------------- */
 
