@@ -235,7 +235,8 @@ MHA_API mha_status mha_param_set(mha_module *module, const char *name,
 /*
  * Projection by one of the input projections, for analysis and caching:
  * y (rows, D) = x (rows, in) W^T + b, with in = E, kdim or vdim; or by the
- * output projection, y (rows, E) = x (rows, D) W_O^T + b_O.
+ * output projection, y (rows, E) = x (rows, D) W_O^T + b_O.  Runs on the
+ * OpenMP default number of threads; the same bits for any.
  */
 typedef enum mha_projection {
     MHA_PROJ_QUERY = 0,
@@ -329,11 +330,16 @@ typedef struct mha_forward_args {
                              probabilities actually applied to V, i.e. after
                              dropout (scaled by 1/(1-p)), as PyTorch returns */
 
-    int num_threads;      /* threads for the attention; 0 -> the OpenMP
-                             default (OMP_NUM_THREADS).  Results are
-                             bitwise the same for every thread count.  The
-                             projections run in the BLAS, on its own
-                             threads (OPENBLAS_NUM_THREADS).              */
+    int num_threads;      /* threads for the attention and the
+                             projections; 0 -> the OpenMP default
+                             (OMP_NUM_THREADS).  Results are bitwise the
+                             same for every thread count, whatever sets
+                             it (OPENBLAS_NUM_THREADS included): each GEMM
+                             runs as a fixed grid of blocks on these
+                             threads, one single-threaded BLAS call per
+                             block.  With OpenBLAS's pthread build libmha
+                             sets openblas_set_num_threads(1) (README,
+                             "Threads").                                  */
 
     int training;         /* nonzero: apply dropout (config.dropout)       */
     uint64_t dropout_seed;/* key of the counter-based dropout generator    */

@@ -54,7 +54,7 @@ CC=clang cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug \
 cmake --build build-tsan -j"$jobs" >/dev/null
 TSAN_OPTIONS=ignore_noninstrumented_modules=1:halt_on_error=1 OMP_NUM_THREADS=4 \
   ctest --test-dir build-tsan --output-on-failure \
-  -R "^test_(threads|forward|edge|backward|attention_backward|kv_cache)"
+  -R "^test_(threads|thread_knobs|forward|edge|backward|attention_backward|kv_cache)"
 
 echo "== valgrind (memcheck) on the C tests"
 for t in build/tests/test_*; do

@@ -184,6 +184,7 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
     const int64_t E = s->E, D = s->D, Dkv = s->Dkv;
     const int64_t rows_q = s->B * s->Lq, rows_k = s->B * s->Lk;
     const float beta = g->accumulate ? 1.0f : 0.0f;
+    const int nt = plan->eng.threads;   /* the projections' threads too */
 
     mha_mask_plan mask;
     MHA_CHECK(mha_mask_plan_init(&mask, s->H, s->Lt - s->Lk, a));
@@ -197,7 +198,8 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
     float *dproj = dctx + s->n_qd;
     float *dbias = dproj + plan->n_proj;
     float *battn = dbias + 2 * s->B * D;   /* the backward's layout */
-    mha_linear_grad_input(g->grad_out, rows_q, E, E, m->w_o, D, 0.0f, dctx, D);
+    mha_linear_grad_input(g->grad_out, rows_q, E, E, m->w_o, D, 0.0f, dctx, D,
+                          nt);
     if (g->grad_head_mask)
         head_mask_grad(s, dctx, at.ctx, beta, g->grad_head_mask);
     const float *hm = mha_head_mask_in_use(a->head_mask, s->H);
@@ -208,7 +210,7 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
         mha_linear_grad_params_blocks(g->grad_out, rows_q, E, E, at.ctx, D, D,
                                       hm, hm ? s->H : 1,
                                       beta, grad_of(m, gp, "out_proj.weight"),
-                                      grad_of(m, gp, "out_proj.bias"));
+                                      grad_of(m, gp, "out_proj.bias"), nt);
 
     /* The attention: dq, dk, dv where the forward kept q, k, v. */
     float *dq = dproj + (plan->q - plan->ws);
@@ -238,18 +240,18 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
         const float *xv = a->value ? a->value : xk;
         if (plan->fuse_qkv) {
             mha_linear_grad_params(dq, rows_q, 3 * D, 3 * D, xq, E, E, beta,
-                                   dw_q, db_q);
+                                   dw_q, db_q, nt);
         } else {
             mha_linear_grad_params(dq, rows_q, D, plan->ldq, xq, E, E, beta,
-                                   dw_q, db_q);
+                                   dw_q, db_q, nt);
             if (plan->fuse_kv) {
                 mha_linear_grad_params(dk, rows_k, 2 * D, 2 * D, xk, E, E,
-                                       beta, dw_k, db_k);
+                                       beta, dw_k, db_k, nt);
             } else {
                 mha_linear_grad_params(dk, rows_k, Dkv, plan->ldk, xk, c->kdim,
-                                       c->kdim, beta, dw_k, db_k);
+                                       c->kdim, beta, dw_k, db_k, nt);
                 mha_linear_grad_params(dv, rows_k, Dkv, plan->ldv, xv, c->vdim,
-                                       c->vdim, beta, dw_v, db_v);
+                                       c->vdim, beta, dw_v, db_v, nt);
             }
         }
         if (m->bias_k) {
@@ -266,23 +268,24 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
     if (plan->fuse_qkv && tq && tk == tq && tv == tq) {
         /* [dq | dk | dv] [W_q; W_k; W_v]: one GEMM. */
         mha_linear_grad_input(dq, rows_q, 3 * D, 3 * D, m->w_q, E, 0.0f, tq,
-                              E);
+                              E, nt);
         return MHA_OK;
     }
     if (tq)
         mha_linear_grad_input(dq, rows_q, D, plan->ldq, m->w_q, E, 0.0f, tq,
-                              E);
+                              E, nt);
     if (plan->fuse_kv && tk && tv == tk) {
         mha_linear_grad_input(dk, rows_k, 2 * D, 2 * D, m->w_k, E,
-                              tk == tq ? 1.0f : 0.0f, tk, E);
+                              tk == tq ? 1.0f : 0.0f, tk, E, nt);
         return MHA_OK;
     }
     if (tk)
         mha_linear_grad_input(dk, rows_k, Dkv, plan->ldk, m->w_k, c->kdim,
-                              tk == tq ? 1.0f : 0.0f, tk, c->kdim);
+                              tk == tq ? 1.0f : 0.0f, tk, c->kdim, nt);
     if (tv)
         mha_linear_grad_input(dv, rows_k, Dkv, plan->ldv, m->w_v, c->vdim,
-                              tv == tq || tv == tk ? 1.0f : 0.0f, tv, c->vdim);
+                              tv == tq || tv == tk ? 1.0f : 0.0f, tv, c->vdim,
+                              nt);
     return MHA_OK;
 }
 

@@ -353,26 +353,28 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
                          s.Lk == s.Lq;
     const int fuse_kv = m->packed && !fuse_qkv && key == value;
 
+    const int nt = plan->eng.threads;   /* the projections' threads too */
     float *ws = plan->ws;
     float *qp, *kp, *vp;
     int64_t ldq, ldk, ldv;
     if (fuse_qkv) {
         /* Rows of in_proj_weight are [W_q; W_k; W_v]. */
-        mha_linear(query, rows_q, E, E, m->w_q, 3 * D, m->b_q, ws, 3 * D);
+        mha_linear(query, rows_q, E, E, m->w_q, 3 * D, m->b_q, ws, 3 * D, nt);
         qp = ws; kp = ws + D; vp = ws + 2 * D;
         ldq = ldk = ldv = 3 * D;
     } else {
         qp = ws; ldq = D;
-        mha_linear(query, rows_q, E, E, m->w_q, D, m->b_q, qp, D);
+        mha_linear(query, rows_q, E, E, m->w_q, D, m->b_q, qp, D, nt);
         if (fuse_kv) {
             kp = ws + s.n_qd; vp = kp + D; ldk = ldv = 2 * D;
-            mha_linear(key, rows_k, E, E, m->w_k, 2 * D, m->b_k, kp, 2 * D);
+            mha_linear(key, rows_k, E, E, m->w_k, 2 * D, m->b_k, kp, 2 * D,
+                       nt);
         } else {
             kp = ws + s.n_qd; vp = kp + s.n_kvd; ldk = ldv = Dkv;
             mha_linear(key, rows_k, c->kdim, c->kdim, m->w_k, Dkv, m->b_k, kp,
-                       Dkv);
+                       Dkv, nt);
             mha_linear(value, rows_k, c->vdim, c->vdim, m->w_v, Dkv, m->b_v,
-                       vp, Dkv);
+                       vp, Dkv, nt);
         }
     }
     if (a->need_weights != MHA_WEIGHTS_NONE)
@@ -383,19 +385,17 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
     plan->fuse_kv = fuse_kv;
     mha_attn at;
     mha_plan_attn(plan, a, &mask, &at);
-    if (a->cache) {
+    if (a->cache)   /* the cache's keys; no backward: has_saved stays 0 */
         cached_attention(plan, a->cache, &at);
-        const float *hm = mha_head_mask_in_use(a->head_mask, s.H);
-        mha_linear_blocks(at.ctx, rows_q, D, D, m->w_o, E, m->b_o, hm,
-                          hm ? s.H : 1, a->out, E);
-        return MHA_OK;   /* no backward: has_saved stays 0 */
-    }
-    mha_attn_run(&plan->eng, &at, ws_attn(plan) + plan->lay.scratch,
-                 plan->lay.per_thread);
+    else
+        mha_attn_run(&plan->eng, &at, ws_attn(plan) + plan->lay.scratch,
+                     plan->lay.per_thread);
 
     const float *hm = mha_head_mask_in_use(a->head_mask, s.H);
     mha_linear_blocks(at.ctx, rows_q, D, D, m->w_o, E, m->b_o, hm,
-                      hm ? s.H : 1, a->out, E);
+                      hm ? s.H : 1, a->out, E, nt);
+    if (a->cache)
+        return MHA_OK;
     /* What the backward needs is now in the workspace. */
     plan->saved = *a;
     plan->saved_print = print;

@@ -1,5 +1,30 @@
 /*
- * gemm.c -- the only file that calls CBLAS.
+ * linear.c -- the linear layer and its gradients: the only file that
+ * calls CBLAS.
+ *
+ * Bitwise the same for every thread count.  A BLAS's result bits depend
+ * on how it splits a GEMM among its threads, so no GEMM is handed to the
+ * BLAS whole.  Each is cut into a fixed grid of blocks that depends only
+ * on the shapes, never on the thread count, and no sum is ever split
+ * between blocks:
+ *
+ *   y  = x w^T + b   (rows, n_out)  blocks of LIN_ROWS rows x LIN_COLS
+ *   dx = dy w        (rows, n_in)   columns of the output; the whole
+ *                                   reduction (n_in, n_out) in one call
+ *                                   (under a head mask, one call per
+ *                                   head, in head order, into the block)
+ *   dw = dy^T x      (n_out, n_in)  tiles of GRAD_TILE x GRAD_TILE of dw;
+ *                                   the whole reduction over the rows in
+ *                                   one call (in chunks of INT_MAX rows
+ *                                   past that: a function of the shape)
+ *   db               (n_out)        column sums in float64, rows in
+ *                                   order, DB_COLS columns per block
+ *
+ * The blocks run on libmha's own OpenMP threads (the call's num_threads,
+ * dynamically scheduled: which thread computes a block changes nothing),
+ * and each block is one CBLAS call that runs on one thread (blas_serial).
+ * Blocks of 256+ rows and 512 columns keep each call near the BLAS's
+ * full speed (packing is O(1/256) of the work).
  */
 #include "module.h"
 
@@ -7,43 +32,131 @@
 #include <limits.h>
 #include <string.h>
 
-/* CBLAS dimensions are int; rows beyond INT_MAX are done in chunks.
- * The widths were bounded by INT32_MAX when the module was configured. */
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+enum {
+    LIN_ROWS = 256,   /* output rows per block of y and dx      */
+    LIN_COLS = 512,   /* output columns per block of y and dx   */
+    GRAD_TILE = 256,  /* rows and columns per tile of dw        */
+    DB_COLS = 256     /* columns of db per block                */
+};
+
+/*
+ * One thread inside every CBLAS call, two ways:
+ *
+ *  - On libmha's threads (omp_one_thread, first thing in every parallel
+ *    region below): omp_set_num_threads(1), which inside a parallel
+ *    region sets the thread count of that thread's own task only; the
+ *    caller's OpenMP setting is untouched.  An OpenMP-threaded BLAS
+ *    (OpenBLAS's OpenMP build, which the default build links) runs
+ *    serially when called inside an active parallel region, and from a
+ *    team of one thread (not an active region) reads
+ *    omp_get_max_threads(), now 1.
+ *
+ *  - A BLAS with a thread pool of its own (OpenBLAS's pthread build, the
+ *    distributions' default and what the clang builds link) ignores
+ *    OpenMP: blas_serial calls openblas_set_num_threads(1) when its count
+ *    is not 1, and leaves it at 1.  Restoring it after the call is not
+ *    safe: a GEMM of another thread still inside libmha would then run
+ *    threaded.  Not for the OpenMP build, whose openblas_set_num_threads
+ *    also sets the calling thread's OpenMP thread count (OpenBLAS
+ *    0.3.21), which num_threads = 0 reads.
+ *
+ * OpenBLAS's entry points are weak references, NULL with another CBLAS:
+ * such a CBLAS must run each call on one thread (a serial build) or take
+ * its thread count from OpenMP.
+ */
+extern int openblas_get_parallel(void) __attribute__((weak));
+extern int openblas_get_num_threads(void) __attribute__((weak));
+extern void openblas_set_num_threads(int num_threads) __attribute__((weak));
+
+static void blas_serial(void)
+{
+    if (!openblas_get_parallel || !openblas_get_num_threads ||
+        !openblas_set_num_threads)
+        return;
+    const int parallel = openblas_get_parallel();  /* 1 pthreads, 2 OpenMP */
+#ifdef _OPENMP
+    const int own_pool = parallel == 1;
+#else
+    const int own_pool = parallel != 0;   /* nothing sets OpenMP's count */
+#endif
+    if (own_pool && openblas_get_num_threads() != 1)
+        openblas_set_num_threads(1);
+}
+
+static void omp_one_thread(void)
+{
+#ifdef _OPENMP
+    omp_set_num_threads(1);
+#endif
+}
+
+/* The team for `items` blocks: num_threads (0: the OpenMP default), at
+ * most one thread per block. */
+static int team(int threads, int64_t items)
+{
+#ifdef _OPENMP
+    if (threads < 1)
+        threads = omp_get_max_threads();
+#endif
+    if (threads < 1)
+        threads = 1;
+    return items < threads ? (int)(items > 0 ? items : 1) : threads;
+}
+
+static int64_t nblocks(int64_t n, int64_t size) { return (n + size - 1) / size; }
+static int min_int(int64_t a, int64_t b) { return (int)(a < b ? a : b); }
+
 void mha_linear(const float *x, int64_t rows, int64_t n_in, int64_t ldx,
                 const float *w, int64_t n_out, const float *b, float *y,
-                int64_t ldy)
+                int64_t ldy, int threads)
 {
-    mha_linear_blocks(x, rows, n_in, ldx, w, n_out, b, NULL, 1, y, ldy);
+    mha_linear_blocks(x, rows, n_in, ldx, w, n_out, b, NULL, 1, y, ldy,
+                      threads);
 }
 
 void mha_linear_blocks(const float *x, int64_t rows, int64_t n_in,
                        int64_t ldx, const float *w, int64_t n_out,
                        const float *b, const float *scale, int64_t nblk,
-                       float *y, int64_t ldy)
+                       float *y, int64_t ldy, int threads)
 {
-    const int64_t chunk = INT_MAX, kb = n_in / nblk;
-    for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
-        const int64_t r = rows - r0 < chunk ? rows - r0 : chunk;
-        float *yc = y + r0 * ldy;
-        const float *xc = x + r0 * ldx;
-        float beta = 0.0f;
-        if (b) {
-            for (int64_t i = 0; i < r; i++)
-                memcpy(yc + i * ldy, b, (size_t)n_out * sizeof(float));
-            beta = 1.0f;
+    const int64_t kb = n_in / nblk;
+    const int64_t cb = nblocks(n_out, LIN_COLS);
+    const int64_t items = nblocks(rows, LIN_ROWS) * cb;
+    blas_serial();
+#pragma omp parallel num_threads(team(threads, items))
+    {
+        omp_one_thread();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t r0 = it / cb * LIN_ROWS, c0 = it % cb * LIN_COLS;
+            const int r = min_int(LIN_ROWS, rows - r0);
+            const int n = min_int(LIN_COLS, n_out - c0);
+            const float *xb = x + r0 * ldx;
+            float *yb = y + r0 * ldy + c0;
+            float beta = 0.0f;
+            if (b) {
+                for (int i = 0; i < r; i++)
+                    memcpy(yb + i * ldy, b + c0, (size_t)n * sizeof(float));
+                beta = 1.0f;
+            }
+            for (int64_t t = 0; t < nblk; t++) {
+                const float alpha = scale ? scale[t] : 1.0f;
+                if (alpha == 0.0f)
+                    continue;   /* an ablated head: nothing to add */
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r, n,
+                            (int)kb, alpha, xb + t * kb, (int)ldx,
+                            w + c0 * n_in + t * kb, (int)n_in, beta, yb,
+                            (int)ldy);
+                beta = 1.0f;
+            }
+            if (beta == 0.0f)   /* no bias and every block scaled by 0 */
+                for (int i = 0; i < r; i++)
+                    memset(yb + i * ldy, 0, (size_t)n * sizeof(float));
         }
-        for (int64_t t = 0; t < nblk; t++) {
-            const float alpha = scale ? scale[t] : 1.0f;
-            if (alpha == 0.0f)
-                continue;   /* an ablated head: nothing to add */
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)r,
-                        (int)n_out, (int)kb, alpha, xc + t * kb, (int)ldx,
-                        w + t * kb, (int)n_in, beta, yc, (int)ldy);
-            beta = 1.0f;
-        }
-        if (beta == 0.0f)   /* no bias and every block scaled by 0 */
-            for (int64_t i = 0; i < r; i++)
-                memset(yc + i * ldy, 0, (size_t)n_out * sizeof(float));
     }
 }
 
@@ -56,65 +169,112 @@ void mha_linear_blocks(const float *x, int64_t rows, int64_t n_in,
  */
 void mha_linear_grad_input(const float *dy, int64_t rows, int64_t n_out,
                            int64_t lddy, const float *w, int64_t n_in,
-                           float beta, float *dx, int64_t lddx)
+                           float beta, float *dx, int64_t lddx, int threads)
 {
-    const int64_t chunk = INT_MAX;
-    for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
-        const int64_t r = rows - r0 < chunk ? rows - r0 : chunk;
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)r,
-                    (int)n_in, (int)n_out, 1.0f, dy + r0 * lddy, (int)lddy, w,
-                    (int)n_in, beta, dx + r0 * lddx, (int)lddx);
+    const int64_t cb = nblocks(n_in, LIN_COLS);
+    const int64_t items = nblocks(rows, LIN_ROWS) * cb;
+    blas_serial();
+#pragma omp parallel num_threads(team(threads, items))
+    {
+        omp_one_thread();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t r0 = it / cb * LIN_ROWS, c0 = it % cb * LIN_COLS;
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans,
+                        min_int(LIN_ROWS, rows - r0),
+                        min_int(LIN_COLS, n_in - c0), (int)n_out, 1.0f,
+                        dy + r0 * lddy, (int)lddy, w + c0, (int)n_in, beta,
+                        dx + r0 * lddx + c0, (int)lddx);
+        }
     }
 }
 
 void mha_linear_grad_params(const float *dy, int64_t rows, int64_t n_out,
                             int64_t lddy, const float *x, int64_t n_in,
-                            int64_t ldx, float beta, float *dw, float *db)
+                            int64_t ldx, float beta, float *dw, float *db,
+                            int threads)
 {
     mha_linear_grad_params_blocks(dy, rows, n_out, lddy, x, n_in, ldx, NULL,
-                                  1, beta, dw, db);
+                                  1, beta, dw, db, threads);
+}
+
+/* dw's tile of rows [o0, o0 + m) and columns [c0, c0 + n): for each part
+ * of it in one column block t (a head), scale[t] dy^T x_t over every row. */
+static void dw_tile(const float *dy, int64_t rows, int64_t lddy,
+                    const float *x, int64_t n_in, int64_t ldx,
+                    const float *scale, int64_t kb, float beta, float *dw,
+                    int64_t o0, int m, int64_t c0, int n)
+{
+    const int64_t chunk = INT_MAX;
+    for (int64_t s0 = c0; s0 < c0 + n;) {
+        const int64_t t = s0 / kb;
+        const int64_t s1 = (t + 1) * kb < c0 + n ? (t + 1) * kb : c0 + n;
+        const float alpha = scale ? scale[t] : 1.0f;
+        float *d = dw + o0 * n_in + s0;
+        if (alpha == 0.0f) {   /* dw_t = 0 * (dy^T x_t) (+ dw_t) */
+            if (beta == 0.0f)
+                for (int i = 0; i < m; i++)
+                    memset(d + i * n_in, 0, (size_t)(s1 - s0) * sizeof(float));
+        } else {
+            for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+                const int64_t r = rows - r0 < chunk ? rows - r0 : chunk;
+                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m,
+                            (int)(s1 - s0), (int)r, alpha,
+                            dy + r0 * lddy + o0, (int)lddy,
+                            x + r0 * ldx + s0, (int)ldx, r0 ? 1.0f : beta, d,
+                            (int)n_in);
+            }
+        }
+        s0 = s1;
+    }
+}
+
+/* db's columns [o0, o0 + n): float64 sums over the rows in order (a
+ * float32 sum over thousands of rows would lose digits the GEMMs keep). */
+static void db_block(const float *dy, int64_t rows, int64_t lddy, float beta,
+                     float *db, int64_t o0, int n)
+{
+    double acc[DB_COLS];
+    for (int o = 0; o < n; o++)
+        acc[o] = beta == 0.0f ? 0.0 : (double)db[o0 + o];
+    for (int64_t i = 0; i < rows; i++) {
+        const float *row = dy + i * lddy + o0;
+        for (int o = 0; o < n; o++)
+            acc[o] += row[o];
+    }
+    for (int o = 0; o < n; o++)
+        db[o0 + o] = (float)acc[o];
 }
 
 void mha_linear_grad_params_blocks(const float *dy, int64_t rows,
                                    int64_t n_out, int64_t lddy,
                                    const float *x, int64_t n_in, int64_t ldx,
                                    const float *scale, int64_t nblk,
-                                   float beta, float *dw, float *db)
+                                   float beta, float *dw, float *db,
+                                   int threads)
 {
-    const int64_t chunk = INT_MAX, kb = n_in / nblk;
-    for (int64_t t = 0; t < nblk; t++) {
-        const float alpha = scale ? scale[t] : 1.0f;
-        float *dwt = dw + t * kb;
-        if (alpha == 0.0f) {   /* dw_t = 0 * (dy^T x_t) (+ dw_t) */
-            if (beta == 0.0f)
-                for (int64_t o = 0; o < n_out; o++)
-                    memset(dwt + o * n_in, 0, (size_t)kb * sizeof(float));
-            continue;
+    const int64_t kb = n_in / nblk;
+    const int64_t cb = nblocks(n_in, GRAD_TILE);
+    const int64_t tiles = nblocks(n_out, GRAD_TILE) * cb;
+    const int64_t items = tiles + (db ? nblocks(n_out, DB_COLS) : 0);
+    blas_serial();
+    /* The tiles first: the column sums are the short items. */
+#pragma omp parallel num_threads(team(threads, items))
+    {
+        omp_one_thread();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (it < tiles) {
+                const int64_t o0 = it / cb * GRAD_TILE;
+                const int64_t c0 = it % cb * GRAD_TILE;
+                dw_tile(dy, rows, lddy, x, n_in, ldx, scale, kb, beta, dw,
+                        o0, min_int(GRAD_TILE, n_out - o0), c0,
+                        min_int(GRAD_TILE, n_in - c0));
+            } else {
+                const int64_t o0 = (it - tiles) * DB_COLS;
+                db_block(dy, rows, lddy, beta, db, o0,
+                         min_int(DB_COLS, n_out - o0));
+            }
         }
-        for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
-            const int64_t r = rows - r0 < chunk ? rows - r0 : chunk;
-            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)n_out,
-                        (int)kb, (int)r, alpha, dy + r0 * lddy, (int)lddy,
-                        x + r0 * ldx + t * kb, (int)ldx, r0 ? 1.0f : beta,
-                        dwt, (int)n_in);
-        }
-    }
-    if (!db)
-        return;
-    /* Column sums in float64, a block of columns at a time: a float32 sum
-     * over thousands of rows would lose digits the GEMMs keep. */
-    enum { COLS = 256 };
-    double acc[COLS];
-    for (int64_t o0 = 0; o0 < n_out; o0 += COLS) {
-        const int64_t n = n_out - o0 < COLS ? n_out - o0 : COLS;
-        for (int64_t o = 0; o < n; o++)
-            acc[o] = beta == 0.0f ? 0.0 : (double)db[o0 + o];
-        for (int64_t i = 0; i < rows; i++) {
-            const float *row = dy + i * lddy + o0;
-            for (int64_t o = 0; o < n; o++)
-                acc[o] += row[o];
-        }
-        for (int64_t o = 0; o < n; o++)
-            db[o0 + o] = (float)acc[o];
     }
 }

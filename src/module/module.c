@@ -411,7 +411,7 @@ mha_status mha_project(const mha_module *m, mha_projection which,
         return mha_set_error(MHA_ERR_OVERFLOW,
                              "projection of %lld rows overflows",
                              (long long)rows);
-    mha_linear(x, rows, n_in, n_in, w, n_out, b, y, n_out);
+    mha_linear(x, rows, n_in, n_in, w, n_out, b, y, n_out, 0);
     return MHA_OK;
 }
 

@@ -39,8 +39,12 @@ struct mha_module {
     const float *bias_k, *bias_v;  /* [Dkv] each */
 };
 
-/* ---- the linear layer (linear.c: the only file that calls CBLAS) --------------------- */
+/* ---- the linear layer (linear.c: the only file that calls CBLAS) ------- */
 /*
+ * Every call runs on `threads` OpenMP threads (0: the OpenMP default) over
+ * a grid of blocks fixed by the shapes, one single-threaded CBLAS call per
+ * block, so the result bits do not depend on the thread count (linear.c).
+ *
  * y (rows, n_out), row stride ldy  =  x (rows, n_in), row stride ldx
  *                                     times w^T, w (n_out, n_in) row-major,
  *                                     plus b (n_out) broadcast over rows
@@ -48,7 +52,7 @@ struct mha_module {
  */
 void mha_linear(const float *x, int64_t rows, int64_t n_in, int64_t ldx,
                 const float *w, int64_t n_out, const float *b,
-                float *y, int64_t ldy);
+                float *y, int64_t ldy, int threads);
 
 /*
  * mha_linear with x's n_in columns (and w's) in nblk equal blocks, block t
@@ -58,23 +62,25 @@ void mha_linear(const float *x, int64_t rows, int64_t n_in, int64_t ldx,
 void mha_linear_blocks(const float *x, int64_t rows, int64_t n_in,
                        int64_t ldx, const float *w, int64_t n_out,
                        const float *b, const float *scale, int64_t nblk,
-                       float *y, int64_t ldy);
+                       float *y, int64_t ldy, int threads);
 
 /* The gradients of mha_linear (beta 0: overwrite, 1: add):
  *   dx = dy w,   dw = dy^T x,   db = column sums of dy (db may be NULL). */
 void mha_linear_grad_input(const float *dy, int64_t rows, int64_t n_out,
                            int64_t lddy, const float *w, int64_t n_in,
-                           float beta, float *dx, int64_t lddx);
+                           float beta, float *dx, int64_t lddx, int threads);
 void mha_linear_grad_params(const float *dy, int64_t rows, int64_t n_out,
                             int64_t lddy, const float *x, int64_t n_in,
-                            int64_t ldx, float beta, float *dw, float *db);
+                            int64_t ldx, float beta, float *dw, float *db,
+                            int threads);
 /* mha_linear_grad_params of mha_linear_blocks: dw's column block t is
  * scale[t] dy^T x_t (+ itself when beta = 1); db is unscaled. */
 void mha_linear_grad_params_blocks(const float *dy, int64_t rows,
                                    int64_t n_out, int64_t lddy,
                                    const float *x, int64_t n_in, int64_t ldx,
                                    const float *scale, int64_t nblk,
-                                   float beta, float *dw, float *db);
+                                   float beta, float *dw, float *db,
+                                   int threads);
 
 /* ---- plans (forward.c, backward.c) -------------------------------------- */
 
