@@ -24,7 +24,9 @@
  * dynamically scheduled: which thread computes a block changes nothing),
  * and each block is one CBLAS call that runs on one thread (blas_serial).
  * Blocks of 256+ rows and 512 columns keep each call near the BLAS's
- * full speed (packing is O(1/256) of the work).
+ * full speed (packing is O(1/256) of the work).  A block of one row (a
+ * decoding step) is a matrix-vector product (sgemv), which reads w once
+ * without packing it: a choice made by the shape, like the grid.
  */
 #include "module.h"
 
@@ -147,10 +149,15 @@ void mha_linear_blocks(const float *x, int64_t rows, int64_t n_in,
                 const float alpha = scale ? scale[t] : 1.0f;
                 if (alpha == 0.0f)
                     continue;   /* an ablated head: nothing to add */
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r, n,
-                            (int)kb, alpha, xb + t * kb, (int)ldx,
-                            w + c0 * n_in + t * kb, (int)n_in, beta, yb,
-                            (int)ldy);
+                if (r == 1)   /* one row (decoding): no packing of w */
+                    cblas_sgemv(CblasRowMajor, CblasNoTrans, n, (int)kb,
+                                alpha, w + c0 * n_in + t * kb, (int)n_in,
+                                xb + t * kb, 1, beta, yb, 1);
+                else
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r,
+                                n, (int)kb, alpha, xb + t * kb, (int)ldx,
+                                w + c0 * n_in + t * kb, (int)n_in, beta, yb,
+                                (int)ldy);
                 beta = 1.0f;
             }
             if (beta == 0.0f)   /* no bias and every block scaled by 0 */
