@@ -66,6 +66,18 @@ def main(argv):
     wanted = [a for a in argv if not a.startswith("-")]
     if wanted:
         muts = [m for m in muts if any(w in m["name"] for w in wanted)]
+    # Every mutation must apply to exactly one place, checked before any
+    # build: a list that has fallen behind the code says so at once.
+    stale = []
+    for m in muts:
+        with open(os.path.join(ROOT, m["path"]), encoding="utf-8") as f:
+            n = f.read().count(m["old"])
+        if n != 1:
+            stale.append(f"line {m['line']}: '{m['name']}': the text occurs "
+                         f"{n} times in {m['path']}")
+    if stale:
+        print("\n".join(stale))
+        return 2
     scratch = tempfile.mkdtemp(prefix="mha-mutate.")
     try:
         files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT,
