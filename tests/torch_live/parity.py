@@ -40,6 +40,7 @@ Prints one line per case with error / bound, then `N passed, M failed`;
 exits non-zero on any failure.
 """
 import copy
+import math
 import os
 import subprocess
 import sys
@@ -49,6 +50,7 @@ import time
 try:
     import numpy as np
     import torch
+    import torch.nn.functional as F
 except ImportError as e:  # CI installs python3-torch: its absence is a failure
     print("torch_live_parity: FAILED: cannot import torch / numpy (%s).\n"
           "Install Debian's python3-torch and python3-numpy "
@@ -707,6 +709,76 @@ def describe(c):
     return " ".join(parts)
 
 
+# ---------------------------------------------------------------------------
+# Grouped-query attention: no nn.MultiheadAttention has it, so the reference
+# is PyTorch's own ops, as Llama-family code writes it (Debian's 1.13 has no
+# scaled_dot_product_attention(enable_gqa=...)): q, k, v by F.linear, the
+# K/V heads repeat_interleave'd to the query heads, softmax(q k^T / sqrt(d_h)
+# + mask) v, the output projection.
+# ---------------------------------------------------------------------------
+
+def gqa_torch(P, x, H, Hkv, causal, dtype):
+    t = {k: torch.from_numpy(v).to(dtype) for k, v in P.items()}
+    xt = torch.from_numpy(x).to(dtype)
+    B, L, E = x.shape
+    dh = E // H
+    bq, bk, bv = torch.split(t["in_proj_bias"], [E, Hkv * dh, Hkv * dh])
+    q = F.linear(xt, t["q_proj_weight"], bq).view(B, L, H, dh).transpose(1, 2)
+    k = F.linear(xt, t["k_proj_weight"], bk).view(B, L, Hkv, dh).transpose(1, 2)
+    v = F.linear(xt, t["v_proj_weight"], bv).view(B, L, Hkv, dh).transpose(1, 2)
+    k = k.repeat_interleave(H // Hkv, dim=1)
+    v = v.repeat_interleave(H // Hkv, dim=1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(dh)
+    if causal:
+        s = s.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1),
+                          float("-inf"))
+    ctx = (torch.softmax(s, dim=-1) @ v).transpose(1, 2).reshape(B, L, E)
+    out = F.linear(ctx, t["out_proj.weight"], t["out_proj.bias"])
+    return out.double().numpy()
+
+
+def gqa_case(c, rng):
+    E, H, Hkv, B, L = c["E"], c["H"], c["Hkv"], c["B"], c["L"]
+    dh = E // H
+    a = 1.0 / math.sqrt(E)
+    P = {"q_proj_weight": rng.uniform(-a, a, (E, E)),
+         "k_proj_weight": rng.uniform(-a, a, (Hkv * dh, E)),
+         "v_proj_weight": rng.uniform(-a, a, (Hkv * dh, E)),
+         "in_proj_bias": rng.uniform(-0.1, 0.1, (E + 2 * Hkv * dh,)),
+         "out_proj.weight": rng.uniform(-a, a, (E, E)),
+         "out_proj.bias": rng.uniform(-0.1, 0.1, (E,))}
+    P = {k: v.astype(np.float32) for k, v in P.items()}
+    x = rng.uniform(-1.5, 1.5, (B, L, E)).astype(np.float32)
+    with tempfile.TemporaryDirectory(prefix="mha_live_") as tmp:
+        wpath = os.path.join(tmp, "w.safetensors")
+        st.save(wpath, {k: torch.from_numpy(v) for k, v in P.items()},
+                {"num_heads": str(H)})
+        qpath, opath = os.path.join(tmp, "q.npy"), os.path.join(tmp, "o.npy")
+        np.save(qpath, x)
+        cmd = [MHA, "forward", "--weights", wpath, "--query", qpath,
+               "--out", opath] + (["--causal"] if c["causal"] else [])
+        run(cmd)
+        got = np.load(opath)
+        if c["causal"]:   # and through a KV cache, token by token
+            dpath = os.path.join(tmp, "d.npy")
+            run([MHA, "decode", "--weights", wpath, "--query", qpath,
+                 "--out", dpath])
+            dec = np.load(dpath)
+    ref = gqa_torch(P, x, H, Hkv, c["causal"], torch.float64)
+    t32 = gqa_torch(P, x, H, Hkv, c["causal"], torch.float32)
+    r = compare("out", got, t32, ref)
+    if c["causal"]:
+        r = max(r, compare("out", dec, t32, ref))
+    return r
+
+
+def gqa_configurations():
+    return [dict(E=32, H=4, Hkv=2, B=2, L=9, causal=False),
+            dict(E=32, H=4, Hkv=1, B=2, L=11, causal=True),
+            dict(E=64, H=8, Hkv=2, B=1, L=130, causal=True),
+            dict(E=48, H=6, Hkv=3, B=3, L=70, causal=False)]
+
+
 def main():
     global passes, fails
     t0 = time.time()
@@ -721,14 +793,23 @@ def main():
     todo += [("forward", c, lrng) for c in long_configurations(lrng)]
     brng = np.random.RandomState(20240602)
     todo += [("backward", c, brng) for c in backward_configurations(brng)]
+    grng = np.random.RandomState(20240604)
+    todo += [("gqa", c, grng) for c in gqa_configurations()]
     for n, (kind, c, crng) in enumerate(todo):
         label = ("init " + " ".join(c["flags"]) + " E=%d H=%d" % (c["E"], c["H"])
                  if kind == "init" else
                  "backward " + describe(c) if kind == "backward" else
+                 "gqa E=%d H=%d H_kv=%d B=%d L=%d%s (cli forward%s)"
+                 % (c["E"], c["H"], c["Hkv"], c["B"], c["L"],
+                    " causal" if c["causal"] else "",
+                    ", decode" if c["causal"] else "")
+                 if kind == "gqa" else
                  ("driver " if c.get("via") == "driver" else "cli ") +
                  describe(c))
         try:
-            if kind == "backward":
+            if kind == "gqa":
+                msg = "out %.3f" % gqa_case(c, crng)
+            elif kind == "backward":
                 r_out, r_g, gname, vs32, nm = backward_case(c, crng)
                 msg = "out %.3f  grads %.3f (worst %s; max err / torch32 " \
                       "err %.2f)" % (r_out, r_g, gname, vs32)
