@@ -3,6 +3,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include "bench.h"
+#include "fail.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -80,4 +81,22 @@ void bench_pin_blas_threads(int argc, char **argv, int64_t threads)
     fprintf(stderr, "mha bench: warning: could not re-execute with %s=%s; "
             "set it yourself for an exact thread count\n", THREAD_VARS[0],
             want);
+}
+
+int bench_setup(int argc, char **argv, int64_t threads, int64_t ncpu,
+                int json, long *blas_threads, const char **tier)
+{
+    bench_pin_blas_threads(argc, argv, threads);
+    /* What the BLAS was loaded with (after the re-execution, if any). */
+    const char *blas_env = bench_blas_env();
+    *blas_threads = blas_env ? strtol(blas_env, NULL, 10) : 0;
+    *tier = mha_kernel_tier();
+    if (!*tier)
+        return tool_fail("bench", "no attention kernels: %s",
+                         mha_last_error());
+    if (threads > ncpu && !json)
+        fprintf(stderr, "mha bench: warning: %lld threads on %lld online "
+                "CPUs: oversubscribed, the timings mean little\n",
+                (long long)threads, (long long)ncpu);
+    return 0;
 }

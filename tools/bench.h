@@ -33,6 +33,16 @@ void bench_pin_blas_threads(int argc, char **argv, int64_t threads);
 /* OPENBLAS_NUM_THREADS as the BLAS was loaded with, or NULL if unset. */
 const char *bench_blas_env(void);
 
+/*
+ * What every timing does before it starts: pins the BLAS's threads
+ * (bench_pin_blas_threads, which may re-execute), reads the thread count
+ * the BLAS was loaded with (0 if unset) and the kernel tier, and warns on
+ * stderr (text mode) when `threads` oversubscribes the ncpu online CPUs.
+ * Returns 1 after printing why when no kernel tier can run, else 0.
+ */
+int bench_setup(int argc, char **argv, int64_t threads, int64_t ncpu,
+                int json, long *blas_threads, const char **tier);
+
 /* `mha bench --decode`, on the options cmd_bench parsed (o, n). */
 int bench_decode(int argc, char **argv, const tool_opt *o, int n);
 

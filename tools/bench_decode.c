@@ -199,17 +199,10 @@ int bench_decode(int argc, char **argv, const tool_opt *o, int n)
         return tool_fail("bench", "embed_dim %lld is not divisible by "
                          "num_heads %lld", (long long)c.embed_dim,
                          (long long)c.num_heads);
-    bench_pin_blas_threads(argc, argv, threads);
-    const char *blas_env = bench_blas_env();
-    const long blas_threads = blas_env ? strtol(blas_env, NULL, 10) : 0;
-    const char *tier = mha_kernel_tier();
-    if (!tier)
-        return tool_fail("bench", "no attention kernels: %s",
-                         mha_last_error());
-    if (threads > ncpu && !json)
-        fprintf(stderr, "mha bench: warning: %lld threads on %lld online "
-                "CPUs: oversubscribed, the timings mean little\n",
-                (long long)threads, (long long)ncpu);
+    long blas_threads;
+    const char *tier;
+    if (bench_setup(argc, argv, threads, ncpu, json, &blas_threads, &tier))
+        return 1;
 
     mha_module *m = NULL;
     c.seed = 1;
@@ -326,7 +319,7 @@ int bench_decode(int argc, char **argv, const tool_opt *o, int n)
             printf("  kernels %s (mha_kernel_tier), %lld attention "
                    "thread%s, OPENBLAS_NUM_THREADS=%s\n", tier,
                    (long long)threads, threads == 1 ? "" : "s",
-                   blas_env ? blas_env : "(unset)");
+                   bench_blas_env() ? bench_blas_env() : "(unset)");
             printf("  time    median %.4f ms, min %.4f ms over %lld runs "
                    "(after %lld warm-up)\n", med, mn, (long long)repeat,
                    (long long)warmup);
