@@ -580,11 +580,21 @@ MHA_API mha_status mha_plan_backward(mha_plan *plan,
  * lengths.  Every failed call leaves the cache unchanged.  One cache is
  * used by one call at a time.
  */
+/*
+ * How the cache stores K and V.  Values are rounded once, when appended
+ * (round to nearest, ties to even); attention then runs on exactly the
+ * stored values, converted back to float in registers by the kernels, so
+ * its result is the f32 attention on those values.  docs/semantics.md has
+ * the definitions; mha_kv_cache_read returns the stored values.
+ */
 typedef enum mha_kv_dtype {
-    MHA_KV_F32 = 0,    /* float32                                      */
-    MHA_KV_F16 = 1,    /* reserved: half precision (not yet built)     */
-    MHA_KV_BF16 = 2,   /* reserved: bfloat16 (not yet built)           */
-    MHA_KV_Q8 = 3      /* reserved: 8 bits, a scale per block (not yet) */
+    MHA_KV_F32 = 0,    /* float32: 4 bytes an element, exact            */
+    MHA_KV_F16 = 1,    /* IEEE half: 2 bytes; |x| >= 65520 -> +-Inf     */
+    MHA_KV_BF16 = 2,   /* bfloat16: 2 bytes, float32's range            */
+    MHA_KV_Q8 = 3      /* 8-bit codes, one float scale per block of 32
+                          elements of a key's (value's) d_h: 1.125 bytes
+                          an element; amax / 127 steps; a block holding
+                          NaN or Inf reads as NaN                        */
 } mha_kv_dtype;
 
 typedef struct mha_kv_cache_config {
@@ -592,12 +602,14 @@ typedef struct mha_kv_cache_config {
     int64_t num_kv_heads;  /* H_kv, >= 1                               */
     int64_t head_dim;      /* d_h, >= 1                                */
     int64_t capacity;      /* tokens per sequence, >= 1                */
-    mha_kv_dtype dtype;    /* MHA_KV_F32 (others: MHA_ERR_UNSUPPORTED) */
+    mha_kv_dtype dtype;    /* MHA_KV_F32 (0), _F16, _BF16 or _Q8       */
 } mha_kv_cache_config;
 
 MHA_API mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
                                        mha_kv_cache **out);
-/* A cache shaped for `module` (its H_kv and d_h), f32. */
+/* A cache shaped for `module` (its H_kv and d_h), f32.  For another
+ * dtype, mha_kv_cache_create with the module's num_kv_heads and head_dim
+ * (mha_get_config). */
 MHA_API mha_status mha_kv_cache_for_module(const mha_module *module,
                                            int64_t batch, int64_t capacity,
                                            mha_kv_cache **out);
@@ -616,6 +628,12 @@ MHA_API mha_status mha_kv_cache_truncate(mha_kv_cache *cache, int64_t seq,
                                          int64_t length);
 /* Empties sequence seq (-1: every sequence). */
 MHA_API mha_status mha_kv_cache_reset(mha_kv_cache *cache, int64_t seq);
+/* Copies tokens start .. start+n-1 of sequence seq, as the attention reads
+ * them (the stored values, converted to float), into k and v (n, H_kv *
+ * d_h); either may be NULL. */
+MHA_API mha_status mha_kv_cache_read(const mha_kv_cache *cache, int64_t seq,
+                                     int64_t start, int64_t n, float *k,
+                                     float *v);
 
 /* ------------------------------------------------------------------------ */
 /* Experimental: declared only with MHA_EXPERIMENTAL defined (see the top). */

@@ -615,8 +615,16 @@ for c in 0 -1 abc 2x ""; do
   fail_dec "^mha decode: --chunk must be an integer in \[1, [0-9]+\], got '$c'$" "${dq[@]}" --chunk "$c"
 done
 fail_dec "^mha decode: --prefill must be an integer in \[1, [0-9]+\], got '0'$" "${dq[@]}" --prefill 0
-for t in f16 bf16 q8; do
-  fail_dec "^mha decode: --kv-dtype $t: unsupported: .*f32" "${dq[@]}" --kv-dtype $t
+# Compact caches: the same outputs up to the rounding of K and V to the
+# dtype (unit roundoff u: f16 2^-11, bf16 2^-8, q8 half a step of amax/127
+# per block of 32), and not the f32 ones.  Exactness is test_kv_cache's.
+for tu in f16:4.9e-4 bf16:3.9e-3 q8:3.9e-3; do
+  t=${tu%%:*} u=${tu#*:}
+  expect 0 "" -- "$mha" decode --weights "$Wd" --query "$d/x70.npy" --chunk 7 --kv-dtype $t --out "$dc/$t.npy"
+  shape "$dc/$t.npy" "float32 (2, 70, 32)"
+  check "--kv-dtype $t: within 16 u of the f32 cache's" \
+    "np.abs(a - b).max() <= 16 * $u * (1 + np.abs(b).max())" "$dc/$t.npy" "$dc/f32.npy"
+  differ "$dc/$t.npy" "$dc/f32.npy" "--kv-dtype $t rounds K and V"
 done
 fail_dec "^mha decode: --kv-dtype must be f32, f16, bf16 or q8, got 'f64'$" "${dq[@]}" --kv-dtype f64
 fail_dec "^mha decode: --window: sliding-window caches are not built yet$" "${dq[@]}" --window 8
@@ -733,7 +741,7 @@ expect 1 "^mha bench: --decode excludes --need-weights$" -- "$mha" bench "${dec[
 expect 1 "^mha bench: --kv-seq is required" -- "$mha" bench --decode --embed-dim 32 --heads 4
 expect 1 "^mha bench: --kv-heads needs --decode$" -- "$mha" bench "${tiny[@]}" --kv-heads 1
 expect 1 "^mha bench: --kv-dtype needs --decode$" -- "$mha" bench "${tiny[@]}" --kv-dtype f32
-expect 1 "^mha bench: --kv-dtype f16: unsupported: .*f32" -- "$mha" bench "${dec[@]}" --kv-dtype f16
+expect 0 "f16 cache" -- "$mha" bench "${dec[@]}" --kv-dtype f16
 expect 1 "^mha bench: --kv-dtype must be f32, f16, bf16 or q8, got 'x'$" -- "$mha" bench "${dec[@]}" --kv-dtype x
 expect 1 "^mha bench: num_kv_heads 3 must divide num_heads 4" -- "$mha" bench --decode --kv-seq 8 --embed-dim 32 --heads 4 --kv-heads 3
 expect 1 "^mha bench: --kv-seq must be an integer in \[1, " -- "$mha" bench --decode --kv-seq 0 --embed-dim 32 --heads 4

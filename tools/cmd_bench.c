@@ -88,8 +88,7 @@ static const char BENCH_HELP[] =
     "out), which read every parameter once: weight_bytes, small next to\n"
     "the cache only when B*Lk*Hkv*d_h*2 is well above E*(2E + 2*Hkv*d_h)\n"
     "(at E = 4096, Hkv = 8, Lk = 32768: 160 MiB of weights, 256 MiB of\n"
-    "cache).  --kv-dtype other than f32 is refused until the library\n"
-    "builds it.\n";
+    "cache).\n";
 
 /* ---- the FMA peak probe ------------------------------------------------- */
 

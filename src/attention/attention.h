@@ -109,9 +109,13 @@ typedef struct mha_attn {
     int64_t packed_tiles;   /* tiles per (b, g) in `packed`; 0: the count
                                for Lk keys.  A KV cache packs for its
                                capacity, so it has more */
-    int prepacked;          /* `packed` already holds K and V (a KV cache):
-                               the run writes only the extra keys' tiles,
-                               and k, v are unused */
+    int prepacked;          /* K and V are held already (a KV cache): the
+                               run writes only the extra keys' tile, and
+                               k, v are unused */
+    const struct mha_kv_cache *kv;  /* that cache, or NULL: the real keys'
+                               tiles are read from it in its dtype, and
+                               `packed` holds one f32 tile per (b, g), the
+                               extra keys' (packed_tiles 1) */
     const mha_microkernels *uk;  /* the tier's kernels: set by mha_attn_run
                                     and mha_attn_backward from the engine */
 } mha_attn;
@@ -197,17 +201,28 @@ void mha_attn_backward(const mha_engine *e, const mha_attn *a,
 
 /*
  * The KV cache (kv_cache.c): keys and values already projected, stored in
- * the engine's packed layout (mha_packed below) with room for `capacity`
- * keys per sequence plus the extra keys' tile, so attending reads it as it
- * is: no repacking, no copy, no allocation.
+ * the engine's tile layout (mha_packed below: kt tiles, v tiles, a finite
+ * flag per tile) in the cache's dtype (kernels.h), with room for
+ * `capacity` keys per sequence, so attending reads it as it is: no
+ * repacking, no conversion, no copy, no allocation.  The extra keys of a
+ * module (bias_k, the zero key) have an f32 tile of their own per (b, g).
  */
 struct mha_kv_cache {
     int64_t B, Hkv, dh, capacity;
-    int64_t tiles;          /* per (b, g): mha_packed_tiles(capacity)     */
+    int64_t tiles;          /* per (b, g): ceil(capacity / MHA_BC)        */
     mha_kv_dtype dtype;
+    int64_t tile_bytes;     /* one kt or v tile: mha_kv_tile_bytes        */
     int64_t *len;           /* [B] keys held per sequence                 */
-    float *data;            /* mha_packed_floats(B, Hkv, capacity, dh)    */
+    unsigned char *k, *v;   /* [B][Hkv][tiles] kt tiles, then v tiles     */
+    float *finite;          /* [B][Hkv][tiles] 1.0f: every value finite   */
+    float *extra;           /* mha_packed_floats(B, Hkv, 0, dh): one tile */
 };
+
+/* Tile t of (b, g) of the cache's keys (kt) and values (v). */
+const unsigned char *mha_kv_cache_k_tile(const mha_kv_cache *c, int64_t b,
+                                         int64_t g, int64_t t);
+const unsigned char *mha_kv_cache_v_tile(const mha_kv_cache *c, int64_t b,
+                                         int64_t g, int64_t t);
 
 /* Points problem `at` (its q, ctx, bias_k, zero_attn set) at the cache:
  * keys are each sequence's cached ones (Lk the longest), read in place,
@@ -345,6 +360,25 @@ typedef struct mha_tile {
                             i0 + r % stack of head g * (H / Hkv) + r / stack.
                             Never with dropout or an explicit mask.      */
 } mha_tile;
+
+/* Where a tile's keys and values are read: the packed f32 planes, or for
+ * the real keys of a problem on a KV cache, the cache in its dtype (the
+ * kernels' qk_kv and pv_kv read both). */
+typedef struct mha_tile_src {
+    const void *kt, *v;     /* [dh][MHA_BC] and [MHA_BC][dh]            */
+    mha_kv_dtype dtype;
+    int finite;             /* every value finite: the fast pv is exact */
+} mha_tile_src;
+mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t);
+
+/* Key j's element d and value j's element d of K/V head g of batch b, read
+ * where the problem keeps them (the caller's rows, the packed tiles or a
+ * KV cache), as the kernels see them: the reference tier's reads.  0 for
+ * the zero key. */
+float mha_key_elem(const mha_attn *a, int64_t b, int64_t g, int64_t j,
+                   int64_t d);
+float mha_value_elem(const mha_attn *a, int64_t b, int64_t g, int64_t j,
+                     int64_t d);
 
 /* A tile algorithm: called once per tile that has a live key, with the
  * caller's per-item state in ctx. */

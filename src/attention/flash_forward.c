@@ -24,10 +24,9 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
 {
     flash_scratch *f = ctx;
     const mha_microkernels *uk = a->uk;
-    const mha_packed p = mha_packed_at(a->packed, a);
+    const mha_tile_src src = mha_tile_source(a, t);
     const int dh = (int)a->dh, mr = t->mr, nc = t->nc;
-    uk->qk(mr, nc, dh, f->qs, mha_packed_a(&p, t->b, t->g, t->index),
-           MHA_BC, f->s, MHA_BC);
+    uk->qk_kv(src.dtype, mr, nc, dh, f->qs, src.kt, MHA_BC, f->s, MHA_BC);
     mha_mask_tile(a, t, f->s);
     for (int r = 0; r < mr; r++) {
         float *sr = f->s + r * MHA_BC;
@@ -52,10 +51,8 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
                                       t->i0 + r, t->j0 + c))
                     sr[c] = 0.0f;
     }
-    const int finite_v = *mha_packed_flag(&p, t->b, t->g, t->index) != 0.0f;
-    (finite_v ? uk->pv : uk->pv_exact)(mr, nc, dh, f->s, MHA_BC,
-                                       mha_packed_b(&p, t->b, t->g, t->index),
-                                       f->o, dh);
+    uk->pv_kv(src.dtype, !src.finite, mr, nc, dh, f->s, MHA_BC, src.v,
+              MHA_BC, f->o, dh);
 }
 
 void mha_flash_rows(const mha_attn *a, int64_t b, int64_t h, int64_t i0,

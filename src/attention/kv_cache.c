@@ -1,17 +1,20 @@
 /*
  * kv_cache.c -- the KV cache: per sequence, the keys and values of the
  * tokens seen so far, already projected, kept in the layout the kernels
- * read (keys transposed by tiles of MHA_BC, values in rows; attention.h,
- * mha_packed), so decoding never repacks or copies them.
+ * read (keys transposed by tiles of MHA_BC, values in rows; attention.h)
+ * and in the cache's dtype (f32, f16, bf16 or q8; kernels.h), so
+ * decoding never repacks, converts or copies them:
  *
- *   data   [B][H_kv][tiles][MHA_BC * d_h]   key tiles, kt[d][c]
- *          [B][H_kv][tiles][MHA_BC * d_h]   value tiles, v[c][d]
- *          [B][H_kv][tiles]                 1.0f if the value tile is finite
+ *   k       [B][H_kv][tiles] kt tiles, kt[d][c], of tile_bytes each
+ *   v       [B][H_kv][tiles] v tiles, v[c][d]
+ *   finite  [B][H_kv][tiles] 1.0f if every value the tile holds is finite
+ *   extra   [B][H_kv] one f32 tile (an mha_packed of one tile): a module's
+ *           extra keys (bias_k, the zero key), written by each forward
  *
- * tiles = ceil(capacity / MHA_BC) + 1: the last tile of every (b, g)
- * holds a module's extra keys (bias_k, the zero key), written by each
- * forward.  Key position p of sequence b is column p % MHA_BC of tile
- * p / MHA_BC.
+ * tiles = ceil(capacity / MHA_BC); key position p of sequence b is column
+ * p % MHA_BC of tile p / MHA_BC.  Converting to the dtype happens once,
+ * when a token is appended (round to nearest even; q8 as kernels.h
+ * defines it); reading converts back in registers.
  */
 #include "attention.h"
 
@@ -19,12 +22,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-static mha_packed packed_of(const mha_kv_cache *c)
+static const char *dtype_name(mha_kv_dtype t)
 {
-    const int64_t tile = MHA_BC * c->dh;
-    const mha_packed p = {c->data, c->Hkv, c->tiles, tile,
-                          c->B * c->Hkv * c->tiles * tile};
-    return p;
+    return t == MHA_KV_F32 ? "f32" : t == MHA_KV_F16 ? "f16"
+         : t == MHA_KV_BF16 ? "bf16" : "q8";
 }
 
 mha_status mha_kv_cache_create(const mha_kv_cache_config *cfg,
@@ -44,19 +45,23 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *cfg,
                              (long long)cfg->num_kv_heads,
                              (long long)cfg->head_dim,
                              (long long)cfg->capacity);
-    if (cfg->dtype != MHA_KV_F32)
-        return mha_set_error(cfg->dtype == MHA_KV_F16 ||
-                                     cfg->dtype == MHA_KV_BF16 ||
-                                     cfg->dtype == MHA_KV_Q8
-                                 ? MHA_ERR_UNSUPPORTED
-                                 : MHA_ERR_INVALID_ARGUMENT,
-                             "cache dtype %d: this build stores f32 only",
-                             (int)cfg->dtype);
-    int64_t n, t;
-    if (!mha_mul_ok(cfg->batch, cfg->num_kv_heads, &t) ||
-        !mha_mul_ok(t, mha_packed_tiles(cfg->capacity), &t) ||
-        !mha_mul_ok(t, 2 * MHA_BC * cfg->head_dim + 1, &n) ||
-        n > INT64_MAX / 8)
+    if (cfg->dtype != MHA_KV_F32 && cfg->dtype != MHA_KV_F16 &&
+        cfg->dtype != MHA_KV_BF16 && cfg->dtype != MHA_KV_Q8)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "cache dtype %d: expected MHA_KV_F32, _F16, "
+                             "_BF16 or _Q8", (int)cfg->dtype);
+    /* Each dimension below 2^31 (the kernels' int widths), then the
+     * products checked. */
+    int64_t bg, tiles_all, bytes, extra;
+    const int64_t tiles = (cfg->capacity + MHA_BC - 1) / MHA_BC;
+    if (cfg->head_dim > INT32_MAX / (4 * MHA_BC) ||
+        !mha_mul_ok(cfg->batch, cfg->num_kv_heads, &bg) ||
+        !mha_mul_ok(bg, tiles, &tiles_all) ||
+        !mha_mul_ok(tiles_all,
+                    2 * mha_kv_tile_bytes(cfg->dtype, MHA_BC, cfg->head_dim),
+                    &bytes) ||
+        !mha_mul_ok(bg, 2 * MHA_BC * cfg->head_dim + 1, &extra) ||
+        bytes > INT64_MAX / 2 || extra > INT64_MAX / 8)
         return mha_set_error(MHA_ERR_OVERFLOW,
                              "a cache of %lld sequences x %lld tokens x "
                              "%lld heads x %lld overflows",
@@ -65,25 +70,36 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *cfg,
                              (long long)cfg->head_dim);
     mha_kv_cache *c = calloc(1, sizeof *c);
     int64_t *len = calloc((size_t)cfg->batch, sizeof *len);
-    float *data = mha_alloc_floats(n, "KV cache");
-    if (!c || !len || !data) {
+    /* Zeroed: a tile's unused columns hold finite values (0 in every
+     * dtype, a q8 scale of 0 too). */
+    unsigned char *data = (uint64_t)bytes <= SIZE_MAX
+                              ? calloc((size_t)bytes, 1) : NULL;
+    float *finite = calloc((size_t)tiles_all, sizeof *finite);
+    float *extra_tiles = mha_alloc_floats(extra, "KV cache's extra keys");
+    if (!c || !len || !data || !finite || !extra_tiles) {
         free(c);
         free(len);
         free(data);
-        return data ? mha_set_error(MHA_ERR_OUT_OF_MEMORY,
-                                    "cannot allocate a cache")
-                    : MHA_ERR_OUT_OF_MEMORY;
+        free(finite);
+        free(extra_tiles);
+        return mha_set_error(MHA_ERR_OUT_OF_MEMORY,
+                             "cannot allocate a %s cache of %lld bytes",
+                             dtype_name(cfg->dtype), (long long)bytes);
     }
-    /* Zero, so a tile's unused columns hold finite values. */
-    memset(data, 0, (size_t)n * sizeof *data);
+    for (int64_t t = 0; t < tiles_all; t++)
+        finite[t] = 1.0f;
     c->B = cfg->batch;
     c->Hkv = cfg->num_kv_heads;
     c->dh = cfg->head_dim;
     c->capacity = cfg->capacity;
-    c->tiles = mha_packed_tiles(cfg->capacity);
+    c->tiles = tiles;
     c->dtype = cfg->dtype;
+    c->tile_bytes = mha_kv_tile_bytes(cfg->dtype, MHA_BC, cfg->head_dim);
     c->len = len;
-    c->data = data;
+    c->k = data;
+    c->v = data + bytes / 2;
+    c->finite = finite;
+    c->extra = extra_tiles;
     *out = c;
     return MHA_OK;
 }
@@ -93,7 +109,9 @@ void mha_kv_cache_free(mha_kv_cache *c)
     if (!c)
         return;
     free(c->len);
-    free(c->data);
+    free(c->k);   /* the one allocation of both planes */
+    free(c->finite);
+    free(c->extra);
     free(c);
 }
 
@@ -104,39 +122,114 @@ int64_t mha_kv_cache_length(const mha_kv_cache *c, int64_t seq)
     return c->len[seq];
 }
 
-/* Whether every value of the first `cols` columns of tile t of (b, g) is
- * finite: the flag the kernels read to take the fast pv. */
-static float tile_finite(const mha_kv_cache *c, int64_t b, int64_t g,
-                         int64_t t, int64_t cols)
+/* ---- storing one element -------------------------------------------------
+ * x[i * stride], i < n: one key's (or value's) elements along d, stored at
+ * codes[i * cstride] in the cache's dtype.  For q8, the n <= MHA_Q8_BLOCK
+ * elements are one block and the scale is returned: amax / 127, the codes
+ * x / s rounded to nearest even (|code| <= 127); NaN or Inf anywhere
+ * makes the scale NaN (the block reads as NaN), an all-zero block, or one
+ * so small that amax / 127 is 0, has scale 0.
+ */
+static float q8_block(const float *x, int n, int8_t *codes, int64_t cstride)
 {
-    const mha_packed p = packed_of(c);
-    const float *v = mha_packed_b(&p, b, g, t);
-    for (int64_t x = 0; x < cols * c->dh; x++)
-        if (!isfinite(v[x]))
-            return 0.0f;
+    float amax = 0.0f;
+    int finite = 1;
+    for (int i = 0; i < n; i++) {
+        finite &= isfinite(x[i]) != 0;
+        amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    }
+    const float s = !finite ? NAN : amax / 127.0f;
+    for (int i = 0; i < n; i++) {
+        float q = finite && s > 0.0f ? rintf(x[i] / s) : 0.0f;
+        q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+        codes[i * cstride] = (int8_t)q;
+    }
+    return s;
+}
+
+static void store(mha_kv_dtype t, const float *x, int64_t n, void *dst,
+                  int64_t stride)
+{
+    for (int64_t i = 0; i < n; i++) {
+        switch (t) {
+        case MHA_KV_F16:
+            ((uint16_t *)dst)[i * stride] = mha_f16_from_float(x[i]);
+            break;
+        case MHA_KV_BF16:
+            ((uint16_t *)dst)[i * stride] = mha_bf16_from_float(x[i]);
+            break;
+        default:
+            ((float *)dst)[i * stride] = x[i];
+        }
+    }
+}
+
+const unsigned char *mha_kv_cache_k_tile(const mha_kv_cache *c, int64_t b,
+                                         int64_t g, int64_t t)
+{
+    return c->k + ((b * c->Hkv + g) * c->tiles + t) * c->tile_bytes;
+}
+
+const unsigned char *mha_kv_cache_v_tile(const mha_kv_cache *c, int64_t b,
+                                         int64_t g, int64_t t)
+{
+    return c->v + ((b * c->Hkv + g) * c->tiles + t) * c->tile_bytes;
+}
+
+/* Key and value `col` of tile t of (b, g) from kr and vr (dh floats). */
+static void put_column(mha_kv_cache *c, int64_t b, int64_t g, int64_t t,
+                       int64_t col, const float *kr, const float *vr)
+{
+    const int64_t dh = c->dh, cols = MHA_BC;
+    unsigned char *kt = (unsigned char *)mha_kv_cache_k_tile(c, b, g, t);
+    unsigned char *vt = (unsigned char *)mha_kv_cache_v_tile(c, b, g, t);
+    if (c->dtype == MHA_KV_Q8) {
+        float *ks = (float *)(kt + cols * dh), *vs = (float *)(vt + cols * dh);
+        const int64_t blocks = mha_q8_blocks(dh);
+        for (int64_t k = 0; k < blocks; k++) {
+            const int64_t d0 = k * MHA_Q8_BLOCK;
+            const int n = (int)(dh - d0 < MHA_Q8_BLOCK ? dh - d0
+                                                       : MHA_Q8_BLOCK);
+            ks[k * cols + col] = q8_block(
+                kr + d0, n, (int8_t *)kt + d0 * cols + col, cols);
+            vs[col * blocks + k] = q8_block(
+                vr + d0, n, (int8_t *)vt + col * dh + d0, 1);
+        }
+    } else {
+        const int64_t esize = c->dtype == MHA_KV_F32 ? 4 : 2;
+        store(c->dtype, kr, dh, kt + col * esize, cols);
+        store(c->dtype, vr, dh, vt + col * dh * esize, 1);
+    }
+}
+
+/* Whether every value of columns c0 .. c1-1 of tile t of (b, g) is
+ * finite as stored (f16 may overflow to Inf, a q8 block be NaN): the flag
+ * the kernels read to take the fast pv. */
+static float tile_finite(const mha_kv_cache *c, int64_t b, int64_t g,
+                         int64_t t, int64_t c0, int64_t c1)
+{
+    const unsigned char *v = mha_kv_cache_v_tile(c, b, g, t);
+    for (int64_t col = c0; col < c1; col++)
+        for (int64_t d = 0; d < c->dh; d++)
+            if (!isfinite(mha_v_load(c->dtype, v, MHA_BC, c->dh, col, d)))
+                return 0.0f;
     return 1.0f;
 }
 
 void mha_kv_cache_put(mha_kv_cache *c, int64_t b, const float *k,
                       int64_t ldk, const float *v, int64_t ldv, int64_t n)
 {
-    const mha_packed p = packed_of(c);
     const int64_t dh = c->dh;
     for (int64_t r = 0; r < n; r++) {
         const int64_t pos = c->len[b] + r;
         const int64_t t = pos / MHA_BC, col = pos % MHA_BC;
         for (int64_t g = 0; g < c->Hkv; g++) {
-            const float *kr = k + r * ldk + g * dh, *vr = v + r * ldv + g * dh;
-            float *kt = mha_packed_a(&p, b, g, t);
-            float *vt = mha_packed_b(&p, b, g, t) + col * dh;
-            int finite = 1;
-            for (int64_t d = 0; d < dh; d++) {
-                kt[d * MHA_BC + col] = kr[d];
-                vt[d] = vr[d];
-                finite &= isfinite(vr[d]) != 0;
-            }
-            float *flag = mha_packed_flag(&p, b, g, t);
-            *flag = col == 0 ? (float)finite : *flag * (float)finite;
+            put_column(c, b, g, t, col, k + r * ldk + g * dh,
+                       v + r * ldv + g * dh);
+            /* Finite only if every column so far is. */
+            float *flag = c->finite + (b * c->Hkv + g) * c->tiles + t;
+            const float mine = tile_finite(c, b, g, t, col, col + 1);
+            *flag = col == 0 ? mine : *flag * mine;
         }
     }
     c->len[b] += n;
@@ -153,8 +246,9 @@ void mha_attn_use_cache(mha_attn *at, const mha_kv_cache *kv,
     at->Lt = longest + extra;
     at->k = at->v = NULL;
     at->ldk = at->ldv = 0;
-    at->packed = kv->data;
-    at->packed_tiles = kv->tiles;
+    at->kv = kv;
+    at->packed = kv->extra;   /* the extra keys' tile of each (b, g) */
+    at->packed_tiles = 1;
     at->prepacked = 1;
     /* Causal bottom-right per sequence, and no key past its length.  An
      * empty cache (longest 0) leaves every row with no key. */
@@ -215,10 +309,40 @@ mha_status mha_kv_cache_truncate(mha_kv_cache *c, int64_t seq,
     /* The tile the sequence now ends in keeps only finite-or-not of its
      * remaining columns; a whole tile is flagged anew by its next put. */
     const int64_t t = length / MHA_BC, cols = length % MHA_BC;
-    if (cols) {
-        const mha_packed p = packed_of(c);
+    if (cols)
         for (int64_t g = 0; g < c->Hkv; g++)
-            *mha_packed_flag(&p, seq, g, t) = tile_finite(c, seq, g, t, cols);
+            c->finite[(seq * c->Hkv + g) * c->tiles + t] =
+                tile_finite(c, seq, g, t, 0, cols);
+    return MHA_OK;
+}
+
+mha_status mha_kv_cache_read(const mha_kv_cache *c, int64_t seq,
+                             int64_t start, int64_t n, float *k, float *v)
+{
+    MHA_CHECK(check_seq(c, seq));
+    if (start < 0 || n < 0 || start > c->len[seq] - n)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "tokens %lld .. %lld are not in sequence %lld "
+                             "of length %lld", (long long)start,
+                             (long long)(start + n - 1), (long long)seq,
+                             (long long)c->len[seq]);
+    if (n > 0 && !k && !v)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "k and v are both NULL");
+    const int64_t dh = c->dh, Ekv = c->Hkv * dh;
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t t = (start + r) / MHA_BC, col = (start + r) % MHA_BC;
+        for (int64_t g = 0; g < c->Hkv; g++) {
+            const void *kt = mha_kv_cache_k_tile(c, seq, g, t);
+            const void *vt = mha_kv_cache_v_tile(c, seq, g, t);
+            for (int64_t d = 0; d < dh; d++) {
+                if (k)
+                    k[r * Ekv + g * dh + d] =
+                        mha_kt_load(c->dtype, kt, MHA_BC, dh, d, col);
+                if (v)
+                    v[r * Ekv + g * dh + d] =
+                        mha_v_load(c->dtype, vt, MHA_BC, dh, col, d);
+            }
+        }
     }
     return MHA_OK;
 }

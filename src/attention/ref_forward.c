@@ -17,41 +17,22 @@ int64_t mha_ref_scratch_floats(int64_t dh, int64_t Lt)
     return (Lt + 2) + 2 * (Lt + dh) + 2;
 }
 
-/* K and V are read where they are: the caller's rows, or the packed
- * tiles of a KV cache (kt [dh][MHA_BC] transposed, v [nc][dh]). */
+/* K and V are read where they are: the caller's rows, or a KV cache's
+ * tiles in its dtype (mha_key_elem). */
 static double key_dot(const mha_attn *a, int64_t b, int64_t g, int64_t j,
                       const float *q)
 {
     double dot = 0.0;
-    if (!a->prepacked) {
-        const float *kj = mha_key_row(a, b, g, j);
-        for (int64_t d = 0; kj && d < a->dh; d++)
-            dot += (double)q[d] * kj[d];
-        return dot;
-    }
-    const mha_packed p = mha_packed_at(a->packed, a);
-    const int64_t t = j < a->Lk ? j / MHA_BC : p.tiles - 1;
-    const int64_t c = j < a->Lk ? j % MHA_BC : j - a->Lk;
-    const float *kt = mha_packed_a(&p, b, g, t);
     for (int64_t d = 0; d < a->dh; d++)
-        dot += (double)q[d] * kt[d * MHA_BC + c];
+        dot += (double)q[d] * mha_key_elem(a, b, g, j, d);
     return dot;
 }
 
 static void add_value(const mha_attn *a, int64_t b, int64_t g, int64_t j,
                       double w, double *acc)
 {
-    const float *vj;
-    if (!a->prepacked) {
-        vj = mha_value_row(a, b, g, j);
-    } else {
-        const mha_packed p = mha_packed_at(a->packed, a);
-        const int64_t t = j < a->Lk ? j / MHA_BC : p.tiles - 1;
-        const int64_t c = j < a->Lk ? j % MHA_BC : j - a->Lk;
-        vj = mha_packed_b(&p, b, g, t) + c * a->dh;
-    }
-    for (int64_t d = 0; vj && d < a->dh; d++)
-        acc[d] += w * vj[d];
+    for (int64_t d = 0; d < a->dh; d++)
+        acc[d] += w * mha_value_elem(a, b, g, j, d);
 }
 
 /* Scores, softmax, dropout, context, row stats and weights of row i of

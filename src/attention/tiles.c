@@ -69,6 +69,63 @@ void mha_pack_forward_tile(const mha_attn *a, int64_t item)
     *mha_packed_flag(&p, b, g, t) = (float)finite;
 }
 
+mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t)
+{
+    mha_tile_src src;
+    if (a->kv && !t->extra) {
+        const mha_kv_cache *c = a->kv;
+        src.kt = mha_kv_cache_k_tile(c, t->b, t->g, t->index);
+        src.v = mha_kv_cache_v_tile(c, t->b, t->g, t->index);
+        src.dtype = c->dtype;
+        src.finite = c->finite[(t->b * c->Hkv + t->g) * c->tiles + t->index] !=
+                     0.0f;
+        return src;
+    }
+    const mha_packed p = mha_packed_at(a->packed, a);
+    src.kt = mha_packed_a(&p, t->b, t->g, t->index);
+    src.v = mha_packed_b(&p, t->b, t->g, t->index);
+    src.dtype = MHA_KV_F32;
+    src.finite = *mha_packed_flag(&p, t->b, t->g, t->index) != 0.0f;
+    return src;
+}
+
+/* Key or value j (x: 0 key, 1 value) of (b, g), element d. */
+static float kv_elem(const mha_attn *a, int x, int64_t b, int64_t g,
+                     int64_t j, int64_t d)
+{
+    if (!a->prepacked) {
+        const float *row = x ? mha_value_row(a, b, g, j)
+                             : mha_key_row(a, b, g, j);
+        return row ? row[d] : 0.0f;
+    }
+    if (a->kv && j < a->Lk) {
+        const mha_kv_cache *c = a->kv;
+        const int64_t t = j / MHA_BC, col = j % MHA_BC;
+        return x ? mha_v_load(c->dtype, mha_kv_cache_v_tile(c, b, g, t),
+                              MHA_BC, c->dh, col, d)
+                 : mha_kt_load(c->dtype, mha_kv_cache_k_tile(c, b, g, t),
+                               MHA_BC, c->dh, d, col);
+    }
+    /* The packed f32 tiles (the extra keys' tile last, column j - Lk). */
+    const mha_packed p = mha_packed_at(a->packed, a);
+    const int64_t t = j < a->Lk ? j / MHA_BC : p.tiles - 1;
+    const int64_t col = j < a->Lk ? j % MHA_BC : j - a->Lk;
+    return x ? mha_packed_b(&p, b, g, t)[col * a->dh + d]
+             : mha_packed_a(&p, b, g, t)[d * MHA_BC + col];
+}
+
+float mha_key_elem(const mha_attn *a, int64_t b, int64_t g, int64_t j,
+                   int64_t d)
+{
+    return kv_elem(a, 0, b, g, j, d);
+}
+
+float mha_value_elem(const mha_attn *a, int64_t b, int64_t g, int64_t j,
+                     int64_t d)
+{
+    return kv_elem(a, 1, b, g, j, d);
+}
+
 /* s + bias, where bias -inf excludes and finite sums saturate. */
 static inline float masked(float s, float bias)
 {

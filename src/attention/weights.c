@@ -13,11 +13,11 @@ static void weights_tile(const mha_attn *a, const mha_tile *t, void *ctx)
 {
     flash_scratch *f = ctx;
     const mha_microkernels *uk = a->uk;
-    const mha_packed p = mha_packed_at(a->packed, a);
+    const mha_tile_src src = mha_tile_source(a, t);
     const int64_t b = t->b, h = t->h, j0 = t->j0;
     const int nc = t->nc;
-    uk->qk(t->mr, nc, (int)a->dh, f->qs, mha_packed_a(&p, b, t->g, t->index),
-           MHA_BC, f->s, MHA_BC);
+    uk->qk_kv(src.dtype, t->mr, nc, (int)a->dh, f->qs, src.kt, MHA_BC, f->s,
+              MHA_BC);
     mha_mask_tile(a, t, f->s);
     const float keep = (float)mha_keep_scale(a);
     const float inv_h = 1.0f / (float)a->H;

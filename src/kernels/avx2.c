@@ -1,7 +1,8 @@
 /*
  * avx2.c -- the AVX2 + FMA tier (Zen 3 / Haswell class).  This file,
- * and only this file, is compiled with -mavx2 -mfma; it is called only when
- * the CPU reports both (dispatch.c).  AVX / AVX2 / FMA intrinsics only.
+ * and only this file, is compiled with -mavx2 -mfma -mf16c; it is called
+ * only when the CPU reports all three (dispatch.c).  AVX / AVX2 / FMA /
+ * F16C intrinsics only.
  *
  * Determinism: every output element is one fixed chain of fused
  * multiply-adds in ascending order of the reduction index, whatever block of
@@ -31,6 +32,24 @@ enum { FROM_C = 1, EXACT = 2, ADD = 4 };
 enum { MODE_SET = 0, MODE_ACC = FROM_C, MODE_ACC_EXACT = FROM_C | EXACT,
        MODE_ADD = ADD, MODE_ADD_EXACT = ADD | EXACT };
 
+/*
+ * How B is stored: float, or a KV cache's compact formats, each vector
+ * converted to the floats it stands for as it is loaded (kernels.h):
+ * f16 by vcvtph2ps (F16C), bf16 by a 16-bit shift, q8 codes widened and
+ * multiplied by their scale, which varies along the columns in a kt tile
+ * (Q8K: one per key) and is one per 32 columns of a row in a v tile (Q8V).
+ * The conversion is exact for f16 and bf16 and one rounding of c * s for
+ * q8, as the scalar mha_kt_load / mha_v_load do it.
+ */
+enum { B_F32, B_F16, B_BF16, B_Q8K, B_Q8V };
+
+typedef struct bsrc {
+    const void *x;      /* the elements, ld per row of B               */
+    const float *s;     /* q8: the scales                              */
+    int ld;
+    int blocks;         /* Q8V: scales per row                         */
+} bsrc;
+
 /* Lanes < n are on (0 < n < 8). */
 MK_INLINE __m256i tail_mask(int n)
 {
@@ -51,12 +70,63 @@ MK_INLINE void st(float *x, __m256 v, int masked, __m256i m)
         _mm256_storeu_ps(x, v);
 }
 
-/* R rows (1..6) x W vectors (1 or 2) of C; masked only with W == 1. */
-MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
-                    int K, const float *A, int lda, int ska, const float *B,
-                    int ldb, float *C, int ldc, __m256i m)
+/* B[k][j] of a compact B, one element (the tails). */
+MK_INLINE float elem(const int T, const bsrc *b, int k, int j)
 {
-    __m256 acc[6][2];
+    const size_t at = (size_t)k * b->ld + j;
+    switch (T) {
+    case B_F16: return mha_f16_to_float(((const uint16_t *)b->x)[at]);
+    case B_BF16: return mha_bf16_to_float(((const uint16_t *)b->x)[at]);
+    case B_Q8K:
+        return (float)((const int8_t *)b->x)[at] *
+               b->s[(size_t)(k / MHA_Q8_BLOCK) * b->ld + j];
+    default:
+        return (float)((const int8_t *)b->x)[at] *
+               b->s[(size_t)k * b->blocks + j / MHA_Q8_BLOCK];
+    }
+}
+
+/* B[k][j .. j+7] as floats; with `masked` only the n < 8 lanes of the
+ * tail are read (the others 0). */
+MK_INLINE __m256 ldb(const int T, const bsrc *b, int k, int j, int masked,
+                     __m256i m, int n)
+{
+    const size_t at = (size_t)k * b->ld + j;
+    if (T == B_F32)
+        return ld((const float *)b->x + at, masked, m);
+    if (masked) {
+        float buf[8] = {0};
+        for (int i = 0; i < n; i++)
+            buf[i] = elem(T, b, k, j + i);
+        return _mm256_loadu_ps(buf);
+    }
+    const __m128i h = _mm_loadu_si128(
+        (const __m128i *)((const uint16_t *)b->x + at));
+    switch (T) {
+    case B_F16: return _mm256_cvtph_ps(h);
+    case B_BF16:
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    default: break;
+    }
+    const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+        _mm_loadl_epi64((const __m128i *)((const int8_t *)b->x + at))));
+    if (T == B_Q8K)
+        return _mm256_mul_ps(
+            c, _mm256_loadu_ps(b->s + (size_t)(k / MHA_Q8_BLOCK) * b->ld + j));
+    return _mm256_mul_ps(
+        c, _mm256_broadcast_ss(b->s + (size_t)k * b->blocks +
+                               j / MHA_Q8_BLOCK));
+}
+
+/* R rows x W vectors of C from column j; masked only with W == 1 (n
+ * columns).  R * W <= 12: the accumulators, B's vectors and a broadcast
+ * fit the 16 ymm registers. */
+MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
+                    const int T, int K, const float *A, int lda, int ska,
+                    const bsrc *B, int j, float *C, int ldc, __m256i m, int n)
+{
+    __m256 acc[6][8];
     for (int r = 0; r < R; r++)
         for (int w = 0; w < W; w++)
             acc[r][w] = mode & FROM_C
@@ -65,9 +135,9 @@ MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
 
     const __m256 zero = _mm256_setzero_ps();
     for (int k = 0; k < K; k++) {
-        __m256 b[2];
+        __m256 b[8];
         for (int w = 0; w < W; w++)
-            b[w] = ld(B + (size_t)k * ldb + 8 * w, masked, m);
+            b[w] = ldb(T, B, k, j + 8 * w, masked, m, n);
         for (int r = 0; r < R; r++) {
             const __m256 a =
                 _mm256_broadcast_ss(A + (size_t)r * lda + (size_t)k * ska);
@@ -94,89 +164,153 @@ MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
         }
 }
 
-/* R rows against all N columns: 16-wide blocks, then one 8-wide, then a
- * masked tail of 1..7. */
-MK_INLINE void panel(const int R, const int mode, int N, int K, const float *A,
-                     int lda, int ska, const float *B, int ldb, float *C,
-                     int ldc)
+/* R rows against all N columns.  One or two rows (decoding) take 64- or
+ * 32-wide blocks: eight or four independent chains keep the FMA units
+ * busy where 16-wide blocks of one row would wait on their latency.  Then
+ * 16-wide blocks, one 8-wide, a masked tail of 1..7.  The block width
+ * never changes an element's chain, so never its bits. */
+MK_INLINE void panel(const int R, const int mode, const int T, int N, int K,
+                     const float *A, int lda, int ska, const bsrc *B,
+                     float *C, int ldc)
 {
     const __m256i none = _mm256_setzero_si256();
+    const int wide = !(mode & EXACT);
     int j = 0;
+    if (R == 1 && wide)
+        for (; j + 64 <= N; j += 64)
+            tile(R, 8, 0, mode, T, K, A, lda, ska, B, j, C + j, ldc, none, 8);
+    if (R <= 2 && wide)
+        for (; j + 32 <= N; j += 32)
+            tile(R, 4, 0, mode, T, K, A, lda, ska, B, j, C + j, ldc, none, 8);
     for (; j + 16 <= N; j += 16)
-        tile(R, 2, 0, mode, K, A, lda, ska, B + j, ldb, C + j, ldc, none);
+        tile(R, 2, 0, mode, T, K, A, lda, ska, B, j, C + j, ldc, none, 8);
     if (j + 8 <= N) {
-        tile(R, 1, 0, mode, K, A, lda, ska, B + j, ldb, C + j, ldc, none);
+        tile(R, 1, 0, mode, T, K, A, lda, ska, B, j, C + j, ldc, none, 8);
         j += 8;
     }
     if (j < N)
-        tile(R, 1, 1, mode, K, A, lda, ska, B + j, ldb, C + j, ldc,
-             tail_mask(N - j));
+        tile(R, 1, 1, mode, T, K, A, lda, ska, B, j, C + j, ldc,
+             tail_mask(N - j), N - j);
 }
 
 /* All M rows: blocks of RMAX rows, then one block of the remainder. */
-MK_INLINE void gemm(const int RMAX, const int mode, int M, int N, int K,
-                    const float *A, int lda, int ska, const float *B, int ldb,
+MK_INLINE void gemm(const int RMAX, const int mode, const int T, int M, int N,
+                    int K, const float *A, int lda, int ska, const bsrc *B,
                     float *C, int ldc)
 {
     int i = 0;
     for (; i + RMAX <= M; i += RMAX)
-        panel(RMAX, mode, N, K, A + (size_t)i * lda, lda, ska, B, ldb,
+        panel(RMAX, mode, T, N, K, A + (size_t)i * lda, lda, ska, B,
               C + (size_t)i * ldc, ldc);
     const float *Ai = A + (size_t)i * lda;
     float *Ci = C + (size_t)i * ldc;
     switch (M - i) {
-    case 5: if (RMAX > 5) panel(5, mode, N, K, Ai, lda, ska, B, ldb, Ci, ldc); break;
-    case 4: if (RMAX > 4) panel(4, mode, N, K, Ai, lda, ska, B, ldb, Ci, ldc); break;
-    case 3: panel(3, mode, N, K, Ai, lda, ska, B, ldb, Ci, ldc); break;
-    case 2: panel(2, mode, N, K, Ai, lda, ska, B, ldb, Ci, ldc); break;
-    case 1: panel(1, mode, N, K, Ai, lda, ska, B, ldb, Ci, ldc); break;
+    case 5: if (RMAX > 5) panel(5, mode, T, N, K, Ai, lda, ska, B, Ci, ldc); break;
+    case 4: if (RMAX > 4) panel(4, mode, T, N, K, Ai, lda, ska, B, Ci, ldc); break;
+    case 3: panel(3, mode, T, N, K, Ai, lda, ska, B, Ci, ldc); break;
+    case 2: panel(2, mode, T, N, K, Ai, lda, ska, B, Ci, ldc); break;
+    case 1: panel(1, mode, T, N, K, Ai, lda, ska, B, Ci, ldc); break;
     default: break;
     }
+}
+
+/* A float B of ld columns. */
+MK_INLINE bsrc f32(const float *x, int ld)
+{
+    const bsrc b = {x, NULL, ld, 0};
+    return b;
 }
 
 /* 6 rows x 16 columns: 12 accumulators + 2 B vectors + 1 broadcast. */
 static void qk_avx2(int mr, int nc, int dh, const float *q, const float *kt,
                     int ldkt, float *s, int lds)
 {
-    gemm(6, MODE_SET, mr, nc, dh, q, dh, 1, kt, ldkt, s, lds);
+    const bsrc B = f32(kt, ldkt);
+    gemm(6, MODE_SET, B_F32, mr, nc, dh, q, dh, 1, &B, s, lds);
 }
 
 static void pv_avx2(int mr, int nc, int dh, const float *p, int ldp,
                     const float *v, float *o, int ldo)
 {
-    gemm(6, MODE_ACC, mr, dh, nc, p, ldp, 1, v, dh, o, ldo);
+    const bsrc B = f32(v, dh);
+    gemm(6, MODE_ACC, B_F32, mr, dh, nc, p, ldp, 1, &B, o, ldo);
 }
 
 /* 4 rows x 16 columns: the compare and the blend need registers too. */
 static void pv_exact_avx2(int mr, int nc, int dh, const float *p, int ldp,
                           const float *v, float *o, int ldo)
 {
-    gemm(4, MODE_ACC_EXACT, mr, dh, nc, p, ldp, 1, v, dh, o, ldo);
+    const bsrc B = f32(v, dh);
+    gemm(4, MODE_ACC_EXACT, B_F32, mr, dh, nc, p, ldp, 1, &B, o, ldo);
 }
 
 static void pv_add_avx2(int mr, int nc, int dh, const float *p, int ldp,
                         const float *v, float *o, int ldo)
 {
-    gemm(6, MODE_ADD, mr, dh, nc, p, ldp, 1, v, dh, o, ldo);
+    const bsrc B = f32(v, dh);
+    gemm(6, MODE_ADD, B_F32, mr, dh, nc, p, ldp, 1, &B, o, ldo);
 }
 
 static void pv_add_exact_avx2(int mr, int nc, int dh, const float *p, int ldp,
                               const float *v, float *o, int ldo)
 {
-    gemm(4, MODE_ADD_EXACT, mr, dh, nc, p, ldp, 1, v, dh, o, ldo);
+    const bsrc B = f32(v, dh);
+    gemm(4, MODE_ADD_EXACT, B_F32, mr, dh, nc, p, ldp, 1, &B, o, ldo);
 }
 
 /* pT x: A is p read down its columns (row stride 1, k stride ldp). */
 static void pvt_avx2(int mr, int nc, int dh, const float *p, int ldp,
                      const float *x, float *o, int ldo)
 {
-    gemm(6, MODE_ADD, nc, dh, mr, p, 1, ldp, x, dh, o, ldo);
+    const bsrc B = f32(x, dh);
+    gemm(6, MODE_ADD, B_F32, nc, dh, mr, p, 1, ldp, &B, o, ldo);
 }
 
 static void pvt_exact_avx2(int mr, int nc, int dh, const float *p, int ldp,
                            const float *x, float *o, int ldo)
 {
-    gemm(4, MODE_ADD_EXACT, nc, dh, mr, p, 1, ldp, x, dh, o, ldo);
+    const bsrc B = f32(x, dh);
+    gemm(4, MODE_ADD_EXACT, B_F32, nc, dh, mr, p, 1, ldp, &B, o, ldo);
+}
+
+/* qk and pv on a KV cache's tiles (kernels.h): the same blocking, B
+ * converted as it is loaded. */
+static void qk_kv_avx2(mha_kv_dtype dtype, int mr, int nc, int dh,
+                       const float *q, const void *kt, int cols, float *s,
+                       int lds)
+{
+    const bsrc B = {kt, mha_q8_scales(kt, cols, dh), cols, 0};
+    switch (dtype) {
+    case MHA_KV_F16:
+        gemm(6, MODE_SET, B_F16, mr, nc, dh, q, dh, 1, &B, s, lds);
+        break;
+    case MHA_KV_BF16:
+        gemm(6, MODE_SET, B_BF16, mr, nc, dh, q, dh, 1, &B, s, lds);
+        break;
+    case MHA_KV_Q8:
+        gemm(6, MODE_SET, B_Q8K, mr, nc, dh, q, dh, 1, &B, s, lds);
+        break;
+    default:
+        qk_avx2(mr, nc, dh, q, kt, cols, s, lds);
+    }
+}
+
+static void pv_kv_avx2(mha_kv_dtype dtype, int exact, int mr, int nc, int dh,
+                       const float *p, int ldp, const void *v, int cols,
+                       float *o, int ldo)
+{
+    const bsrc B = {v, mha_q8_scales(v, cols, dh), dh,
+                    (int)mha_q8_blocks(dh)};
+#define PV_KV(T)                                                            \
+    (exact ? gemm(4, MODE_ACC_EXACT, T, mr, dh, nc, p, ldp, 1, &B, o, ldo) \
+           : gemm(6, MODE_ACC, T, mr, dh, nc, p, ldp, 1, &B, o, ldo))
+    switch (dtype) {
+    case MHA_KV_F16: PV_KV(B_F16); break;
+    case MHA_KV_BF16: PV_KV(B_BF16); break;
+    case MHA_KV_Q8: PV_KV(B_Q8V); break;
+    default: PV_KV(B_F32);
+    }
+#undef PV_KV
 }
 
 /* ---- exp ------------------------------------------------------------------
@@ -318,4 +452,5 @@ static float max_avx2(const float *x, int n)
 const mha_microkernels mha_microkernels_avx2 = {
     "avx2",         qk_avx2,        pv_avx2,      pv_exact_avx2,
     pv_add_avx2,    pv_add_exact_avx2, pvt_avx2,  pvt_exact_avx2,
-    exp_sum_avx2,   scale_avx2,     max_avx2};
+    exp_sum_avx2,   scale_avx2,     max_avx2,
+    qk_kv_avx2,     pv_kv_avx2};

@@ -1,8 +1,8 @@
 /*
  * avx512.c -- the AVX-512 tier (Zen 4 / Zen 5 / Skylake-X class).  This
- * file, and only this file, is compiled with -mavx512f -mfma; it is called
- * only when the CPU and the OS report AVX-512F (dispatch.c).  AVX-512F
- * intrinsics only (no BW / DQ / VL), so any AVX-512 CPU runs it.
+ * file, and only this file, is compiled with -mavx512f -mfma -mf16c; it
+ * is called only when the CPU and the OS report AVX-512F (dispatch.c).
+ * AVX-512F intrinsics only (no BW / DQ / VL), so any AVX-512 CPU runs it.
  *
  * It is the AVX2 tier (avx2.c) at twice the width, with
  * mask registers in place of blends and masked loads: the same register
@@ -31,14 +31,79 @@ enum { FROM_C = 1, EXACT = 2, ADD = 4 };
 enum { MODE_SET = 0, MODE_ACC = FROM_C, MODE_ACC_EXACT = FROM_C | EXACT,
        MODE_ADD = ADD, MODE_ADD_EXACT = ADD | EXACT };
 
-/* R rows (1..6) x W vectors (1, 2 or 4) of C.  m masks the columns of a
- * W == 1 tail (0xffff otherwise): masked lanes are neither read nor
- * written, so the tile never touches memory past its last column. */
-MK_INLINE void tile(const int R, const int W, const int mode, int K,
-                    const float *A, int lda, int ska, const float *B, int ldb,
-                    float *C, int ldc, __mmask16 m)
+/*
+ * How B is stored: float, or a KV cache's compact formats converted as
+ * each vector is loaded, as in the avx2 tier (see there): f16 by
+ * vcvtph2ps, bf16 by a 16-bit shift, q8 codes widened and multiplied by
+ * their scales (one per key along a kt tile's columns, Q8K; one per 32
+ * columns of a v tile's row, Q8V).
+ */
+enum { B_F32, B_F16, B_BF16, B_Q8K, B_Q8V };
+
+typedef struct bsrc {
+    const void *x;      /* the elements, ld per row of B               */
+    const float *s;     /* q8: the scales                              */
+    int ld;
+    int blocks;         /* Q8V: scales per row                         */
+} bsrc;
+
+/* B[k][j] of a compact B, one element (the tails). */
+MK_INLINE float elem(const int T, const bsrc *b, int k, int j)
 {
-    __m512 acc[6][4];
+    const size_t at = (size_t)k * b->ld + j;
+    switch (T) {
+    case B_F16: return mha_f16_to_float(((const uint16_t *)b->x)[at]);
+    case B_BF16: return mha_bf16_to_float(((const uint16_t *)b->x)[at]);
+    case B_Q8K:
+        return (float)((const int8_t *)b->x)[at] *
+               b->s[(size_t)(k / MHA_Q8_BLOCK) * b->ld + j];
+    default:
+        return (float)((const int8_t *)b->x)[at] *
+               b->s[(size_t)k * b->blocks + j / MHA_Q8_BLOCK];
+    }
+}
+
+/* B[k][j .. j+15] as floats; lanes outside m (the n < 16 columns of a
+ * tail) are not read and read as 0. */
+MK_INLINE __m512 ldb(const int T, const bsrc *b, int k, int j, __mmask16 m,
+                     int n)
+{
+    const size_t at = (size_t)k * b->ld + j;
+    if (T == B_F32)
+        return _mm512_maskz_loadu_ps(m, (const float *)b->x + at);
+    if (n < 16) {
+        float buf[16] = {0};
+        for (int i = 0; i < n; i++)
+            buf[i] = elem(T, b, k, j + i);
+        return _mm512_loadu_ps(buf);
+    }
+    const __m256i h = _mm256_loadu_si256(
+        (const __m256i *)((const uint16_t *)b->x + at));
+    switch (T) {
+    case B_F16: return _mm512_cvtph_ps(h);
+    case B_BF16:
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    default: break;
+    }
+    const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128((const __m128i *)((const int8_t *)b->x + at))));
+    if (T == B_Q8K)
+        return _mm512_mul_ps(
+            c, _mm512_loadu_ps(b->s + (size_t)(k / MHA_Q8_BLOCK) * b->ld + j));
+    return _mm512_mul_ps(
+        c, _mm512_set1_ps(b->s[(size_t)k * b->blocks + j / MHA_Q8_BLOCK]));
+}
+
+/* R rows (1..6) x W vectors (1, 2, 4, or 8 with R <= 2) of C from column
+ * j.  m masks the n columns of a W == 1 tail (0xffff and 16 otherwise):
+ * masked lanes are neither read nor written, so the tile never touches
+ * memory past its last column. */
+MK_INLINE void tile(const int R, const int W, const int mode, const int T,
+                    int K, const float *A, int lda, int ska, const bsrc *B,
+                    int j, float *C, int ldc, __mmask16 m, int n)
+{
+    __m512 acc[6][8];
     for (int r = 0; r < R; r++)
         for (int w = 0; w < W; w++)
             acc[r][w] = mode & FROM_C
@@ -48,9 +113,9 @@ MK_INLINE void tile(const int R, const int W, const int mode, int K,
 
     const __m512 zero = _mm512_setzero_ps();
     for (int k = 0; k < K; k++) {
-        __m512 b[4];
+        __m512 b[8];
         for (int w = 0; w < W; w++)
-            b[w] = _mm512_maskz_loadu_ps(m, B + (size_t)k * ldb + 16 * w);
+            b[w] = ldb(T, B, k, j + 16 * w, m, n);
         for (int r = 0; r < R; r++) {
             const __m512 a =
                 _mm512_set1_ps(A[(size_t)r * lda + (size_t)k * ska]);
@@ -79,48 +144,60 @@ MK_INLINE void tile(const int R, const int W, const int mode, int K,
         }
 }
 
-/* R rows against all N columns: 64-wide blocks, then a 32-wide and a
- * 16-wide block, then a masked tail of 1..15. */
-MK_INLINE void panel(const int R, const int mode, int N, int K, const float *A,
-                     int lda, int ska, const float *B, int ldb, float *C,
-                     int ldc)
+/* R rows against all N columns: for one or two rows (decoding) 128-wide
+ * blocks, eight independent chains a row; then 64-wide blocks, a 32-wide
+ * and a 16-wide block, a masked tail of 1..15.  The block width never
+ * changes an element's chain, so never its bits. */
+MK_INLINE void panel(const int R, const int mode, const int T, int N, int K,
+                     const float *A, int lda, int ska, const bsrc *B,
+                     float *C, int ldc)
 {
     const __mmask16 all = 0xffff;
     int j = 0;
+    if (R <= 2)
+        for (; j + 128 <= N; j += 128)
+            tile(R, 8, mode, T, K, A, lda, ska, B, j, C + j, ldc, all, 16);
     for (; j + 64 <= N; j += 64)
-        tile(R, 4, mode, K, A, lda, ska, B + j, ldb, C + j, ldc, all);
+        tile(R, 4, mode, T, K, A, lda, ska, B, j, C + j, ldc, all, 16);
     if (j + 32 <= N) {
-        tile(R, 2, mode, K, A, lda, ska, B + j, ldb, C + j, ldc, all);
+        tile(R, 2, mode, T, K, A, lda, ska, B, j, C + j, ldc, all, 16);
         j += 32;
     }
     if (j + 16 <= N) {
-        tile(R, 1, mode, K, A, lda, ska, B + j, ldb, C + j, ldc, all);
+        tile(R, 1, mode, T, K, A, lda, ska, B, j, C + j, ldc, all, 16);
         j += 16;
     }
     if (j < N)
-        tile(R, 1, mode, K, A, lda, ska, B + j, ldb, C + j, ldc,
-             (__mmask16)((1u << (N - j)) - 1u));
+        tile(R, 1, mode, T, K, A, lda, ska, B, j, C + j, ldc,
+             (__mmask16)((1u << (N - j)) - 1u), N - j);
 }
 
 /* All M rows: blocks of 6 rows, then one block of the remainder. */
-MK_INLINE void gemm(const int mode, int M, int N, int K, const float *A,
-                    int lda, int ska, const float *B, int ldb, float *C,
+MK_INLINE void gemm(const int mode, const int T, int M, int N, int K,
+                    const float *A, int lda, int ska, const bsrc *B, float *C,
                     int ldc)
 {
     int i = 0;
     for (; i + 6 <= M; i += 6)
-        panel(6, mode, N, K, A + (size_t)i * lda, lda, ska, B, ldb,
+        panel(6, mode, T, N, K, A + (size_t)i * lda, lda, ska, B,
               C + (size_t)i * ldc, ldc);
     const float *Ai = A + (size_t)i * lda;
     float *Ci = C + (size_t)i * ldc;
     switch (M - i) {
-    case 5: panel(5, mode, N, K, Ai, lda, ska, B, ldb, Ci, ldc); break;
-    case 4: panel(4, mode, N, K, Ai, lda, ska, B, ldb, Ci, ldc); break;
-    case 3: panel(3, mode, N, K, Ai, lda, ska, B, ldb, Ci, ldc); break;
-    case 2: panel(2, mode, N, K, Ai, lda, ska, B, ldb, Ci, ldc); break;
-    case 1: panel(1, mode, N, K, Ai, lda, ska, B, ldb, Ci, ldc); break;
+    case 5: panel(5, mode, T, N, K, Ai, lda, ska, B, Ci, ldc); break;
+    case 4: panel(4, mode, T, N, K, Ai, lda, ska, B, Ci, ldc); break;
+    case 3: panel(3, mode, T, N, K, Ai, lda, ska, B, Ci, ldc); break;
+    case 2: panel(2, mode, T, N, K, Ai, lda, ska, B, Ci, ldc); break;
+    case 1: panel(1, mode, T, N, K, Ai, lda, ska, B, Ci, ldc); break;
     default: break;
     }
+}
+
+/* A float B of ld columns. */
+MK_INLINE bsrc f32(const float *x, int ld)
+{
+    const bsrc b = {x, NULL, ld, 0};
+    return b;
 }
 
 /* 6 rows x 64 columns: 24 accumulators + 4 B vectors + 1 broadcast of the
@@ -129,44 +206,91 @@ MK_INLINE void gemm(const int mode, int M, int N, int K, const float *A,
 static void qk_avx512(int mr, int nc, int dh, const float *q, const float *kt,
                       int ldkt, float *s, int lds)
 {
-    gemm(MODE_SET, mr, nc, dh, q, dh, 1, kt, ldkt, s, lds);
+    const bsrc B = f32(kt, ldkt);
+    gemm(MODE_SET, B_F32, mr, nc, dh, q, dh, 1, &B, s, lds);
 }
 
 static void pv_avx512(int mr, int nc, int dh, const float *p, int ldp,
                       const float *v, float *o, int ldo)
 {
-    gemm(MODE_ACC, mr, dh, nc, p, ldp, 1, v, dh, o, ldo);
+    const bsrc B = f32(v, dh);
+    gemm(MODE_ACC, B_F32, mr, dh, nc, p, ldp, 1, &B, o, ldo);
 }
 
 static void pv_exact_avx512(int mr, int nc, int dh, const float *p, int ldp,
                             const float *v, float *o, int ldo)
 {
-    gemm(MODE_ACC_EXACT, mr, dh, nc, p, ldp, 1, v, dh, o, ldo);
+    const bsrc B = f32(v, dh);
+    gemm(MODE_ACC_EXACT, B_F32, mr, dh, nc, p, ldp, 1, &B, o, ldo);
 }
 
 static void pv_add_avx512(int mr, int nc, int dh, const float *p, int ldp,
                           const float *v, float *o, int ldo)
 {
-    gemm(MODE_ADD, mr, dh, nc, p, ldp, 1, v, dh, o, ldo);
+    const bsrc B = f32(v, dh);
+    gemm(MODE_ADD, B_F32, mr, dh, nc, p, ldp, 1, &B, o, ldo);
 }
 
 static void pv_add_exact_avx512(int mr, int nc, int dh, const float *p,
                                 int ldp, const float *v, float *o, int ldo)
 {
-    gemm(MODE_ADD_EXACT, mr, dh, nc, p, ldp, 1, v, dh, o, ldo);
+    const bsrc B = f32(v, dh);
+    gemm(MODE_ADD_EXACT, B_F32, mr, dh, nc, p, ldp, 1, &B, o, ldo);
 }
 
 /* pT x: A is p read down its columns (row stride 1, k stride ldp). */
 static void pvt_avx512(int mr, int nc, int dh, const float *p, int ldp,
                        const float *x, float *o, int ldo)
 {
-    gemm(MODE_ADD, nc, dh, mr, p, 1, ldp, x, dh, o, ldo);
+    const bsrc B = f32(x, dh);
+    gemm(MODE_ADD, B_F32, nc, dh, mr, p, 1, ldp, &B, o, ldo);
 }
 
 static void pvt_exact_avx512(int mr, int nc, int dh, const float *p, int ldp,
                              const float *x, float *o, int ldo)
 {
-    gemm(MODE_ADD_EXACT, nc, dh, mr, p, 1, ldp, x, dh, o, ldo);
+    const bsrc B = f32(x, dh);
+    gemm(MODE_ADD_EXACT, B_F32, nc, dh, mr, p, 1, ldp, &B, o, ldo);
+}
+
+/* qk and pv on a KV cache's tiles (kernels.h): the same blocking, B
+ * converted as it is loaded. */
+static void qk_kv_avx512(mha_kv_dtype dtype, int mr, int nc, int dh,
+                         const float *q, const void *kt, int cols, float *s,
+                         int lds)
+{
+    const bsrc B = {kt, mha_q8_scales(kt, cols, dh), cols, 0};
+    switch (dtype) {
+    case MHA_KV_F16:
+        gemm(MODE_SET, B_F16, mr, nc, dh, q, dh, 1, &B, s, lds);
+        break;
+    case MHA_KV_BF16:
+        gemm(MODE_SET, B_BF16, mr, nc, dh, q, dh, 1, &B, s, lds);
+        break;
+    case MHA_KV_Q8:
+        gemm(MODE_SET, B_Q8K, mr, nc, dh, q, dh, 1, &B, s, lds);
+        break;
+    default:
+        qk_avx512(mr, nc, dh, q, kt, cols, s, lds);
+    }
+}
+
+static void pv_kv_avx512(mha_kv_dtype dtype, int exact, int mr, int nc,
+                         int dh, const float *p, int ldp, const void *v,
+                         int cols, float *o, int ldo)
+{
+    const bsrc B = {v, mha_q8_scales(v, cols, dh), dh,
+                    (int)mha_q8_blocks(dh)};
+#define PV_KV(T)                                                           \
+    (exact ? gemm(MODE_ACC_EXACT, T, mr, dh, nc, p, ldp, 1, &B, o, ldo)   \
+           : gemm(MODE_ACC, T, mr, dh, nc, p, ldp, 1, &B, o, ldo))
+    switch (dtype) {
+    case MHA_KV_F16: PV_KV(B_F16); break;
+    case MHA_KV_BF16: PV_KV(B_BF16); break;
+    case MHA_KV_Q8: PV_KV(B_Q8V); break;
+    default: PV_KV(B_F32);
+    }
+#undef PV_KV
 }
 
 /* ---- exp ------------------------------------------------------------------
@@ -291,4 +415,5 @@ static float max_avx512(const float *x, int n)
 const mha_microkernels mha_microkernels_avx512 = {
     "avx512",         qk_avx512,      pv_avx512,    pv_exact_avx512,
     pv_add_avx512,    pv_add_exact_avx512, pvt_avx512, pvt_exact_avx512,
-    exp_sum_avx512,   scale_avx512,   max_avx512};
+    exp_sum_avx512,   scale_avx512,   max_avx512,
+    qk_kv_avx512,     pv_kv_avx512};

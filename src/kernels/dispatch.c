@@ -7,17 +7,27 @@
 #include "kernels.h"
 #include "core/core.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
+/* AVX2, FMA and F16C (the f16 KV cache's conversions): every AVX2 CPU
+ * has the other two, but each is asked. */
 static int cpu_has_avx2_fma(void)
 {
 #if defined(__x86_64__) || defined(__i386__)
     /* libgcc's cpu model checks CPUID and that the OS saves the YMM state
-     * (XGETBV), so a kernel without AVX support reads as no AVX2 here. */
+     * (XGETBV), so a kernel without AVX support reads as no AVX2 here.
+     * It has no name for F16C: CPUID leaf 1, ECX bit 29. */
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    unsigned eax, ebx, ecx = 0, edx;
+    const int f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) &&
+                     (ecx & bit_F16C);
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           f16c;
 #else
     return 0;
 #endif

@@ -14,6 +14,9 @@
  *   v   [nc][dh]        one value tile, packed contiguous
  *   o   [mr][ldo]       the running output of the query rows
  *
+ * qk_kv and pv_kv read kt and v in a KV cache's storage format (below) and
+ * convert each vector to float in registers as it is loaded; with
+ * MHA_KV_F32 they are qk and pv.
  * Every kernel must give the same result whatever mr, nc and the position
  * of the tile in memory (no data-dependent summation order), so results
  * are bitwise reproducible across runs and thread counts within a tier.
@@ -22,6 +25,7 @@
 #define MHA_KERNELS_H
 
 #include "mha.h"
+#include "core/half.h"
 
 #include <stdint.h>
 
@@ -72,7 +76,84 @@ typedef struct mha_microkernels {
     /* max_c x[c] over c < n, ignoring NaN (-INFINITY if none is larger);
      * the driver relies on NaN reaching the sum through exp_sum instead. */
     float (*max)(const float *x, int n);
+
+    /* qk and pv (pv_exact when exact) on tiles stored as `dtype`: a kt
+     * tile of `cols` columns (ldkt = cols), a v tile of `cols` rows, laid
+     * out as mha_kv_tile_bytes says.  Each element is converted to the
+     * float it stands for (mha_kv_load below) before it enters the FMA
+     * chain, so the result is bitwise qk / pv on those floats. */
+    void (*qk_kv)(mha_kv_dtype dtype, int mr, int nc, int dh, const float *q,
+                  const void *kt, int cols, float *s, int lds);
+    void (*pv_kv)(mha_kv_dtype dtype, int exact, int mr, int nc, int dh,
+                  const float *p, int ldp, const void *v, int cols, float *o,
+                  int ldo);
 } mha_microkernels;
+
+/*
+ * The storage of a KV cache's tiles.  f32, f16 and bf16 tiles are arrays
+ * of that element, kt [dh][cols] and v [cols][dh].  A q8 tile holds every
+ * key's (or value's) d_h elements in blocks of MHA_Q8_BLOCK along d (the
+ * last block shorter when d_h is not a multiple), each block x as int8
+ * codes c and one float scale s, standing for the floats fl(c * s):
+ *
+ *     kt tile   int8 c[dh][cols],   then float s[blocks][cols]
+ *     v tile    int8 c[cols][dh],   then float s[cols][blocks]
+ *
+ * (s = amax|x| / 127 rounded to float, c = x / s rounded to nearest even;
+ * a block holding NaN or Inf has s = NaN: all of it reads as NaN.)
+ */
+enum { MHA_Q8_BLOCK = 32 };
+
+static inline int64_t mha_q8_blocks(int64_t dh)
+{
+    return (dh + MHA_Q8_BLOCK - 1) / MHA_Q8_BLOCK;
+}
+
+/* Bytes of one kt or v tile of `cols` keys; a multiple of 64 when cols
+ * is. */
+static inline int64_t mha_kv_tile_bytes(mha_kv_dtype dtype, int64_t cols,
+                                        int64_t dh)
+{
+    return dtype == MHA_KV_F32  ? 4 * cols * dh
+         : dtype == MHA_KV_Q8   ? cols * dh + 4 * cols * mha_q8_blocks(dh)
+                                : 2 * cols * dh;
+}
+
+/* q8: the float scales after a tile's int8 codes. */
+static inline const float *mha_q8_scales(const void *tile, int64_t cols,
+                                         int64_t dh)
+{
+    return (const float *)((const int8_t *)tile + cols * dh);
+}
+
+/* Element `at` of an f32, f16 or bf16 tile, as the float it stands for. */
+static inline float mha_kv_elem(mha_kv_dtype dtype, const void *tile,
+                                int64_t at)
+{
+    return dtype == MHA_KV_F16  ? mha_f16_to_float(((const uint16_t *)tile)[at])
+         : dtype == MHA_KV_BF16 ? mha_bf16_to_float(((const uint16_t *)tile)[at])
+                                : ((const float *)tile)[at];
+}
+
+/* kt[d][c] of a kt tile and v[c][d] of a v tile, as floats. */
+static inline float mha_kt_load(mha_kv_dtype dtype, const void *kt,
+                                int64_t cols, int64_t dh, int64_t d,
+                                int64_t c)
+{
+    if (dtype != MHA_KV_Q8)
+        return mha_kv_elem(dtype, kt, d * cols + c);
+    return (float)((const int8_t *)kt)[d * cols + c] *
+           mha_q8_scales(kt, cols, dh)[d / MHA_Q8_BLOCK * cols + c];
+}
+static inline float mha_v_load(mha_kv_dtype dtype, const void *v,
+                               int64_t cols, int64_t dh, int64_t c, int64_t d)
+{
+    if (dtype != MHA_KV_Q8)
+        return mha_kv_elem(dtype, v, c * dh + d);
+    return (float)((const int8_t *)v)[c * dh + d] *
+           mha_q8_scales(v, cols, dh)[c * mha_q8_blocks(dh) +
+                                      d / MHA_Q8_BLOCK];
+}
 
 /* The tiers.  ref is the float64 row loop of src/attention/ref_forward.c
  * and has no micro-kernels. */

@@ -124,7 +124,49 @@ static float max_scalar(const float *x, int n)
     return m;
 }
 
+/* qk and pv on a KV cache's tiles: the same loops, each element converted
+ * as it is read (mha_kt_load, mha_v_load). */
+static void qk_kv_scalar(mha_kv_dtype dtype, int mr, int nc, int dh,
+                         const float *q, const void *kt, int cols, float *s,
+                         int lds)
+{
+    if (dtype == MHA_KV_F32) {
+        qk_scalar(mr, nc, dh, q, kt, cols, s, lds);
+        return;
+    }
+    for (int r = 0; r < mr; r++) {
+        float *sr = s + r * lds;
+        for (int c = 0; c < nc; c++)
+            sr[c] = 0.0f;
+        for (int d = 0; d < dh; d++) {
+            const float qd = q[r * dh + d];
+            for (int c = 0; c < nc; c++)
+                sr[c] += qd * mha_kt_load(dtype, kt, cols, dh, d, c);
+        }
+    }
+}
+
+static void pv_kv_scalar(mha_kv_dtype dtype, int exact, int mr, int nc,
+                         int dh, const float *p, int ldp, const void *v,
+                         int cols, float *o, int ldo)
+{
+    if (dtype == MHA_KV_F32) {
+        (exact ? pv_exact_scalar : pv_scalar)(mr, nc, dh, p, ldp, v, o, ldo);
+        return;
+    }
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nc; c++) {
+            const float pc = p[r * ldp + c];
+            if (exact && pc == 0.0f)
+                continue;
+            float *orow = o + r * ldo;
+            for (int d = 0; d < dh; d++)
+                orow[d] += pc * mha_v_load(dtype, v, cols, dh, c, d);
+        }
+}
+
 const mha_microkernels mha_microkernels_scalar = {
     "scalar",           qk_scalar,      pv_scalar,    pv_exact_scalar,
     pv_add_scalar,      pv_add_exact_scalar, pvt_scalar, pvt_exact_scalar,
-    exp_sum_scalar,     scale_scalar,   max_scalar};
+    exp_sum_scalar,     scale_scalar,   max_scalar,
+    qk_kv_scalar,       pv_kv_scalar};
