@@ -57,22 +57,23 @@ for c in forward backward init info; do
   expect 0 "^usage: mha $c" -- "$mha" "$c" --help
   expect 0 "^usage: mha $c" -- "$mha" "$c" -h
 done
+expect 0 "^  --kv-heads Hkv +grouped-query attention" -- "$mha" init --help
 expect 0 "forward .*init .*info|forward" -- "$mha" --help
 
 # mha init: what it writes, and what info says of it
 W="$tmp/w.safetensors"
 expect 0 "" -- "$mha" init --embed-dim 8 --heads 2 --seed 1 --out "$W"
-expect 0 "^module: embed_dim=8 num_heads=2 head_dim=4 kdim=8 vdim=8 bias=true add_bias_kv=false add_zero_attn=false dropout=0 scale=0\.5$" \
+expect 0 "^module: embed_dim=8 num_heads=2 num_kv_heads=2 head_dim=4 kdim=8 vdim=8 bias=true add_bias_kv=false add_zero_attn=false dropout=0 scale=0\.5$" \
   -- "$mha" info "$W"
 expect 0 "^$W: 4 tensors$" -- "$mha" info "$W"
 expect 0 "^  in_proj_weight +F32 +\(24, 8\)$" -- "$mha" info "$W"
 expect 0 "^  out_proj\.bias +F32 +\(8\)$" -- "$mha" info "$W"
 expect 0 "^  num_heads = 2$" -- "$mha" info "$W"
-expect 0 "num_heads=4 head_dim=2" -- "$mha" info --heads 4 "$W"
+expect 0 "num_heads=4 num_kv_heads=4 head_dim=2" -- "$mha" info --heads 4 "$W"
 Wkv="$tmp/wkv.safetensors"
 expect 0 "" -- "$mha" init --embed-dim=8 --heads 2 --kdim 5 --vdim 7 --no-bias \
   --add-bias-kv --add-zero-attn --dropout 0.25 --scale 0.3 --seed 2 --out "$Wkv"
-expect 0 "^module: embed_dim=8 num_heads=2 head_dim=4 kdim=5 vdim=7 bias=false add_bias_kv=true add_zero_attn=true dropout=0\.25 scale=0\.3$" \
+expect 0 "^module: embed_dim=8 num_heads=2 num_kv_heads=2 head_dim=4 kdim=5 vdim=7 bias=false add_bias_kv=true add_zero_attn=true dropout=0\.25 scale=0\.3$" \
   -- "$mha" info "$Wkv"
 expect 0 "^  k_proj_weight +F32 +\(8, 5\)$" -- "$mha" info "$Wkv"
 expect 0 "^  v_proj_weight +F32 +\(8, 7\)$" -- "$mha" info "$Wkv"
@@ -87,6 +88,30 @@ expect 0 "" -- "$mha" init --embed-dim 8 --heads 2 --seed 1 --out "$tmp/w_again.
 same "$W" "$tmp/w_again.safetensors" "init with the same seed"
 expect 0 "" -- "$mha" init --embed-dim 8 --heads 2 --seed 9 --out "$tmp/w9.safetensors"
 differ "$W" "$tmp/w9.safetensors" "init with another seed"
+# mha init --kv-heads: a grouped-query module (H = 4 query heads of d_h = 4
+# sharing 2 K/V heads): W_k and W_v have 2 * 4 rows, apart from W_q, and
+# num_kv_heads is in the metadata; info reports the resolved H_kv of every
+# module (above: 2 = H for W and Wkv).
+Wg="$tmp/wg.safetensors"
+expect 0 "" -- "$mha" init --embed-dim 16 --heads 4 --kv-heads 2 --seed 5 --out "$Wg"
+expect 0 "^module: embed_dim=16 num_heads=4 num_kv_heads=2 head_dim=4 kdim=16 vdim=16 bias=true " \
+  -- "$mha" info "$Wg"
+expect 0 "^  num_kv_heads = 2$" -- "$mha" info "$Wg"
+expect 0 "^  q_proj_weight +F32 +\(16, 16\)$" -- "$mha" info "$Wg"
+expect 0 "^  k_proj_weight +F32 +\(8, 16\)$" -- "$mha" info "$Wg"
+expect 0 "^  v_proj_weight +F32 +\(8, 16\)$" -- "$mha" info "$Wg"
+expect 0 "^  in_proj_bias +F32 +\(32\)$" -- "$mha" info "$Wg"
+expect 0 "" -- "$mha" init --embed-dim 16 --heads 4 --kv-heads 1 --add-bias-kv --seed 5 \
+  --out "$tmp/wmq.safetensors"
+expect 0 "^module: embed_dim=16 num_heads=4 num_kv_heads=1 head_dim=4 .*add_bias_kv=true" \
+  -- "$mha" info "$tmp/wmq.safetensors"
+expect 0 "^  bias_k +F32 +\(1, 1, 4\)$" -- "$mha" info "$tmp/wmq.safetensors"
+# --kv-heads H is ordinary multi-head attention: the same file as without it.
+expect 0 "" -- "$mha" init --embed-dim 8 --heads 2 --kv-heads 2 --seed 1 --out "$tmp/w_kv2.safetensors"
+same "$W" "$tmp/w_kv2.safetensors" "init --kv-heads H"
+if "$mha" info "$W" | grep -q "^  num_kv_heads = "; then
+  bad "init without --kv-heads: num_kv_heads in the metadata"
+else ok; fi
 
 # mha init: errors (and nothing written)
 I="$tmp/init_fail.safetensors"
@@ -110,6 +135,12 @@ init_fail "^mha init: --dropout must be a finite number, got 'nan'" --embed-dim 
 init_fail "^mha init: --scale must be a finite number, got 'inf'" --embed-dim 8 --heads 2 --scale inf --seed 1 --out "$I"
 init_fail "^mha init: dropout must be in \[0, 1\], got 1\.5" --embed-dim 8 --heads 2 --dropout 1.5 --seed 1 --out "$I"
 init_fail "^mha init: embed_dim 10 is not divisible by num_heads 3" --embed-dim 10 --heads 3 --seed 1 --out "$I"
+init_fail "^mha init: --kv-heads 3 must divide --heads 4 \(each K/V head serves the same number of query heads\)$" \
+  --embed-dim 16 --heads 4 --kv-heads 3 --seed 1 --out "$I"
+init_fail "^mha init: --kv-heads 8 must divide --heads 4 " --embed-dim 16 --heads 4 --kv-heads 8 --seed 1 --out "$I"
+init_fail "^mha init: --kv-heads must be an integer in \[1, 2147483647\], got '0'$" --embed-dim 16 --heads 4 --kv-heads 0 --seed 1 --out "$I"
+init_fail "^mha init: --kv-heads must be an integer in \[1, 2147483647\], got '-2'$" --embed-dim 16 --heads 4 --kv-heads -2 --seed 1 --out "$I"
+init_fail "^mha init: --kv-heads must be an integer .*got '2.5'$" --embed-dim 16 --heads 4 --kv-heads 2.5 --seed 1 --out "$I"
 init_fail "^mha init: option --no-bias takes no value" --embed-dim 8 --heads 2 --no-bias=1 --seed 1 --out "$I"
 init_fail "^mha init: unexpected argument 'extra'" --embed-dim 8 --heads 2 --seed 1 --out "$I" extra
 expect 1 "^mha init: option --out needs a value" -- "$mha" init --embed-dim 8 --heads 2 --seed 1 --out
@@ -809,7 +840,7 @@ W4="$tmp/w4.safetensors"
 expect 0 "" -- "$mha" init --embed-dim 8 --heads 4 --seed 3 --out "$W4"
 expect 0 "^kept 2 of 4 heads \(3,1\): heads' width 8 -> 4, 288 -> 148 parameters$" \
   -- "$mha" prune --weights "$W4" --keep 3,1 --out "$d/p31.safetensors"
-expect 0 "^module: embed_dim=8 num_heads=2 head_dim=2 kdim=8 vdim=8 " -- "$mha" info "$d/p31.safetensors"
+expect 0 "^module: embed_dim=8 num_heads=2 num_kv_heads=2 head_dim=2 kdim=8 vdim=8 " -- "$mha" info "$d/p31.safetensors"
 expect 0 "^  out_proj\.weight +F32 +\(8, 4\)$" -- "$mha" info "$d/p31.safetensors"
 expect 0 "" -- "$mha" forward --weights "$W4" --query "$d/q.npy" --head-mask 0,1,0,1 --out "$d/abl.npy"
 expect 0 "" -- "$mha" forward --weights "$d/p31.safetensors" --query "$d/q.npy" --out "$d/pr.npy"
