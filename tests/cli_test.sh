@@ -4,10 +4,11 @@
 # `mha forward` and `mha backward`: each subcommand, each flag, each error
 # path, and that a failing `mha forward` or `mha backward` leaves no output
 # file (nor a temporary one) behind; `mha decode` (= forward --causal, for
-# every chunking, plain and grouped-query); `mha bench`, with --backward
-# and --decode; `mha viz` (tests/check_viz.py, and its errors); --head-mask
-# (its gradient against an exact difference) and `mha prune` (pruned ==
-# ablated).
+# every chunking, plain and grouped-query); `mha init --kv-heads` and what
+# `mha info` says of it; `mha bench`, with --backward and --decode
+# (--attention-only, --ragged); `mha viz` (tests/check_viz.py, and its
+# errors); --head-mask (its gradient against an exact difference) and
+# `mha prune` (pruned == ablated).
 # Inputs are made by `mha init` and by NumPy (Debian's /usr/bin/python3).
 set -u
 mha="$1"; here="$(cd "$(dirname "$0")" && pwd)"
@@ -57,22 +58,23 @@ for c in forward backward init info; do
   expect 0 "^usage: mha $c" -- "$mha" "$c" --help
   expect 0 "^usage: mha $c" -- "$mha" "$c" -h
 done
+expect 0 "^  --kv-heads Hkv +grouped-query attention" -- "$mha" init --help
 expect 0 "forward .*init .*info|forward" -- "$mha" --help
 
 # mha init: what it writes, and what info says of it
 W="$tmp/w.safetensors"
 expect 0 "" -- "$mha" init --embed-dim 8 --heads 2 --seed 1 --out "$W"
-expect 0 "^module: embed_dim=8 num_heads=2 head_dim=4 kdim=8 vdim=8 bias=true add_bias_kv=false add_zero_attn=false dropout=0 scale=0\.5$" \
+expect 0 "^module: embed_dim=8 num_heads=2 num_kv_heads=2 head_dim=4 kdim=8 vdim=8 bias=true add_bias_kv=false add_zero_attn=false dropout=0 scale=0\.5$" \
   -- "$mha" info "$W"
 expect 0 "^$W: 4 tensors$" -- "$mha" info "$W"
 expect 0 "^  in_proj_weight +F32 +\(24, 8\)$" -- "$mha" info "$W"
 expect 0 "^  out_proj\.bias +F32 +\(8\)$" -- "$mha" info "$W"
 expect 0 "^  num_heads = 2$" -- "$mha" info "$W"
-expect 0 "num_heads=4 head_dim=2" -- "$mha" info --heads 4 "$W"
+expect 0 "num_heads=4 num_kv_heads=4 head_dim=2" -- "$mha" info --heads 4 "$W"
 Wkv="$tmp/wkv.safetensors"
 expect 0 "" -- "$mha" init --embed-dim=8 --heads 2 --kdim 5 --vdim 7 --no-bias \
   --add-bias-kv --add-zero-attn --dropout 0.25 --scale 0.3 --seed 2 --out "$Wkv"
-expect 0 "^module: embed_dim=8 num_heads=2 head_dim=4 kdim=5 vdim=7 bias=false add_bias_kv=true add_zero_attn=true dropout=0\.25 scale=0\.3$" \
+expect 0 "^module: embed_dim=8 num_heads=2 num_kv_heads=2 head_dim=4 kdim=5 vdim=7 bias=false add_bias_kv=true add_zero_attn=true dropout=0\.25 scale=0\.3$" \
   -- "$mha" info "$Wkv"
 expect 0 "^  k_proj_weight +F32 +\(8, 5\)$" -- "$mha" info "$Wkv"
 expect 0 "^  v_proj_weight +F32 +\(8, 7\)$" -- "$mha" info "$Wkv"
@@ -87,6 +89,30 @@ expect 0 "" -- "$mha" init --embed-dim 8 --heads 2 --seed 1 --out "$tmp/w_again.
 same "$W" "$tmp/w_again.safetensors" "init with the same seed"
 expect 0 "" -- "$mha" init --embed-dim 8 --heads 2 --seed 9 --out "$tmp/w9.safetensors"
 differ "$W" "$tmp/w9.safetensors" "init with another seed"
+# mha init --kv-heads: a grouped-query module (H = 4 query heads of d_h = 4
+# sharing 2 K/V heads): W_k and W_v have 2 * 4 rows, apart from W_q, and
+# num_kv_heads is in the metadata; info reports the resolved H_kv of every
+# module (above: 2 = H for W and Wkv).
+Wg="$tmp/wg.safetensors"
+expect 0 "" -- "$mha" init --embed-dim 16 --heads 4 --kv-heads 2 --seed 5 --out "$Wg"
+expect 0 "^module: embed_dim=16 num_heads=4 num_kv_heads=2 head_dim=4 kdim=16 vdim=16 bias=true " \
+  -- "$mha" info "$Wg"
+expect 0 "^  num_kv_heads = 2$" -- "$mha" info "$Wg"
+expect 0 "^  q_proj_weight +F32 +\(16, 16\)$" -- "$mha" info "$Wg"
+expect 0 "^  k_proj_weight +F32 +\(8, 16\)$" -- "$mha" info "$Wg"
+expect 0 "^  v_proj_weight +F32 +\(8, 16\)$" -- "$mha" info "$Wg"
+expect 0 "^  in_proj_bias +F32 +\(32\)$" -- "$mha" info "$Wg"
+expect 0 "" -- "$mha" init --embed-dim 16 --heads 4 --kv-heads 1 --add-bias-kv --seed 5 \
+  --out "$tmp/wmq.safetensors"
+expect 0 "^module: embed_dim=16 num_heads=4 num_kv_heads=1 head_dim=4 .*add_bias_kv=true" \
+  -- "$mha" info "$tmp/wmq.safetensors"
+expect 0 "^  bias_k +F32 +\(1, 1, 4\)$" -- "$mha" info "$tmp/wmq.safetensors"
+# --kv-heads H is ordinary multi-head attention: the same file as without it.
+expect 0 "" -- "$mha" init --embed-dim 8 --heads 2 --kv-heads 2 --seed 1 --out "$tmp/w_kv2.safetensors"
+same "$W" "$tmp/w_kv2.safetensors" "init --kv-heads H"
+if "$mha" info "$W" | grep -q "^  num_kv_heads = "; then
+  bad "init without --kv-heads: num_kv_heads in the metadata"
+else ok; fi
 
 # mha init: errors (and nothing written)
 I="$tmp/init_fail.safetensors"
@@ -110,6 +136,12 @@ init_fail "^mha init: --dropout must be a finite number, got 'nan'" --embed-dim 
 init_fail "^mha init: --scale must be a finite number, got 'inf'" --embed-dim 8 --heads 2 --scale inf --seed 1 --out "$I"
 init_fail "^mha init: dropout must be in \[0, 1\], got 1\.5" --embed-dim 8 --heads 2 --dropout 1.5 --seed 1 --out "$I"
 init_fail "^mha init: embed_dim 10 is not divisible by num_heads 3" --embed-dim 10 --heads 3 --seed 1 --out "$I"
+init_fail "^mha init: --kv-heads 3 must divide --heads 4 \(each K/V head serves the same number of query heads\)$" \
+  --embed-dim 16 --heads 4 --kv-heads 3 --seed 1 --out "$I"
+init_fail "^mha init: --kv-heads 8 must divide --heads 4 " --embed-dim 16 --heads 4 --kv-heads 8 --seed 1 --out "$I"
+init_fail "^mha init: --kv-heads must be an integer in \[1, 2147483647\], got '0'$" --embed-dim 16 --heads 4 --kv-heads 0 --seed 1 --out "$I"
+init_fail "^mha init: --kv-heads must be an integer in \[1, 2147483647\], got '-2'$" --embed-dim 16 --heads 4 --kv-heads -2 --seed 1 --out "$I"
+init_fail "^mha init: --kv-heads must be an integer .*got '2.5'$" --embed-dim 16 --heads 4 --kv-heads 2.5 --seed 1 --out "$I"
 init_fail "^mha init: option --no-bias takes no value" --embed-dim 8 --heads 2 --no-bias=1 --seed 1 --out "$I"
 init_fail "^mha init: unexpected argument 'extra'" --embed-dim 8 --heads 2 --seed 1 --out "$I" extra
 expect 1 "^mha init: option --out needs a value" -- "$mha" init --embed-dim 8 --heads 2 --seed 1 --out
@@ -725,25 +757,46 @@ expect 1 "unknown option '--frob'" -- "$mha" bench "${tiny[@]}" --frob
 expect 1 "option --json takes no value" -- "$mha" bench "${tiny[@]}" --json=1
 
 # --decode: one decoding step on a cache of Lk tokens.  kv_bytes is
-# B*Lk*H_kv*d_h*2*4; kv_gbps, read_percent and weight_bytes follow from the
-# other fields (weight_bytes: every parameter of the E=32, H=4, H_kv=2
-# module, 4*(32*32 + 2*16*32 + 64 + 32*32 + 32)).
+# kv_keys*H_kv*d_h*2*4, kv_keys = B*Lk; kv_gbps, read_percent and
+# weight_bytes follow from the other fields (weight_bytes: every parameter
+# of the E=32, H=4, H_kv=2 module, 4*(32*32 + 2*16*32 + 64 + 32*32 + 32)).
+# Each run takes warm-up + repeat = 4 steps on a cache of room Lk + Lq: a
+# step that left its tokens in the cache would overflow it at the second.
 dec=(--decode --kv-seq 100 --embed-dim 32 --heads 4 --kv-heads 2 --repeat 3 --warmup 1)
-jdec="j['decode'] is True and j['kv_dtype'] == 'f32' and j['tier'] in ('avx512', 'avx2', 'scalar', 'ref') and j['median_ms'] > 0 and 0 < j['min_ms'] <= j['median_ms'] and j['repeat'] == 3 and j['warmup'] == 1 and abs(j['kv_gbps'] - j['kv_bytes'] / (j['median_ms'] * 1e-3) * 1e-9) <= 1e-4 * j['kv_gbps'] and j['read_gbps'] > 0 and j['read_bytes'] >= 2**30 and abs(j['read_percent'] - 100 * j['kv_gbps'] / j['read_gbps']) <= 1e-4 * j['read_percent'] and j['weight_bytes'] == 4 * 3168"
-jcheck "bench --decode --json" "$jdec and (j['batch'], j['seq'], j['kv_seq'], j['embed_dim'], j['heads'], j['kv_heads'], j['head_dim']) == (1, 1, 100, 32, 4, 2, 8) and j['kv_bytes'] == 1 * 100 * 2 * 8 * 2 * 4 and j['threads'] == 1 == j['blas_threads']" \
+jdec_any="j['decode'] is True and j['kv_dtype'] == 'f32' and j['tier'] in ('avx512', 'avx2', 'scalar', 'ref') and j['median_ms'] > 0 and 0 < j['min_ms'] <= j['median_ms'] and j['repeat'] == 3 and j['warmup'] == 1 and abs(j['kv_gbps'] - j['kv_bytes'] / (j['median_ms'] * 1e-3) * 1e-9) <= 1e-4 * j['kv_gbps'] and j['read_gbps'] > 0 and j['read_bytes'] >= 2**30 and abs(j['read_percent'] - 100 * j['kv_gbps'] / j['read_gbps']) <= 1e-4 * j['read_percent'] and j['kv_bytes'] == j['kv_keys'] * 2 * 8 * 2 * 4"
+jdec="$jdec_any and j['attention_only'] is False and j['weight_bytes'] == 4 * 3168"
+jdec_attn="$jdec_any and j['attention_only'] is True and j['weight_bytes'] == 0"
+jcheck "bench --decode --json" "$jdec and j['ragged'] is False and (j['batch'], j['seq'], j['kv_seq'], j['embed_dim'], j['heads'], j['kv_heads'], j['head_dim']) == (1, 1, 100, 32, 4, 2, 8) and j['kv_keys'] == 100 and j['kv_bytes'] == 1 * 100 * 2 * 8 * 2 * 4 and j['threads'] == 1 == j['blas_threads']" \
   -- "$mha" bench "${dec[@]}" --threads 1 --json
-jcheck "bench --decode --batch 3 --seq 2 --json" "$jdec and (j['batch'], j['seq'], j['kv_seq']) == (3, 2, 100) and j['kv_bytes'] == 3 * 100 * 2 * 8 * 2 * 4 and j['threads'] == 2 == j['blas_threads']" \
+jcheck "bench --decode --batch 3 --seq 2 --json" "$jdec and (j['batch'], j['seq'], j['kv_seq']) == (3, 2, 100) and j['kv_keys'] == 300 and j['kv_bytes'] == 3 * 100 * 2 * 8 * 2 * 4 and j['threads'] == 2 == j['blas_threads']" \
   -- "$mha" bench "${dec[@]}" --batch 3 --seq 2 --threads 2 --json
 expect 0 "^  memory  [0-9.]+ GB/s streaming read \([0-9]+ MiB, 1 thread, best of 5\): the step reaches [0-9.]+%$" -- "$mha" bench "${dec[@]}" --threads 1
-expect 1 "^mha bench: --decode excludes --attention-only$" -- "$mha" bench "${dec[@]}" --attention-only
+# --attention-only: mha_attention on the cache, no module, no weights read.
+jcheck "bench --decode --attention-only --json" "$jdec_attn and j['ragged'] is False and (j['batch'], j['seq'], j['kv_seq'], j['kv_heads'], j['head_dim']) == (2, 1, 100, 2, 8) and j['kv_keys'] == 200 and j['kv_bytes'] == 2 * 100 * 2 * 8 * 2 * 4" \
+  -- "$mha" bench "${dec[@]}" --batch 2 --attention-only --threads 1 --json
+expect 0 "^  timed   mha_attention_plan_run: 1 new token per sequence on 100 cached$" -- "$mha" bench "${dec[@]}" --attention-only --threads 1
+# --ragged: sequence b of B holds round(Lk*(b+1)/B) keys, halves up.  The
+# sums, written here as floor((2*Lk*(b+1) + B) / (2B)): B = 3, Lk = 100:
+# 33 + 67 + 100 = 200; B = 8: 13 + 25 + 38 + 50 + 63 + 75 + 88 + 100 = 452.
+ragged_sum() { "$py" -c "import sys; Lk, B = map(int, sys.argv[1:]); print(sum((2 * Lk * (b + 1) + B) // (2 * B) for b in range(B)))" "$@"; }
+r3=$(ragged_sum 100 3); r8=$(ragged_sum 100 8)
+if [ "$r3" = 200 ] && [ "$r8" = 452 ]; then ok; else bad "ragged sums $r3, $r8: expected 200, 452"; fi
+jcheck "bench --decode --ragged --batch 3 --seq 2" "$jdec and j['ragged'] is True and j['batch'] == 3 and j['kv_keys'] == $r3 and j['kv_bytes'] == $r3 * 2 * 8 * 2 * 4" \
+  -- "$mha" bench "${dec[@]}" --ragged --batch 3 --seq 2 --threads 1 --json
+jcheck "bench --decode --attention-only --ragged --batch 8 --seq 2" "$jdec_attn and j['ragged'] is True and (j['batch'], j['seq']) == (8, 2) and j['kv_keys'] == $r8 and j['kv_bytes'] == $r8 * 2 * 8 * 2 * 4" \
+  -- "$mha" bench "${dec[@]}" --attention-only --ragged --batch 8 --seq 2 --threads 2 --json
+expect 0 "^          ragged: 13 to 100 keys per sequence, 452 in all$" -- "$mha" bench "${dec[@]}" --attention-only --ragged --batch 8 --threads 1
 expect 1 "^mha bench: --decode excludes --backward$" -- "$mha" bench "${dec[@]}" --backward
 expect 1 "^mha bench: --decode excludes --need-weights$" -- "$mha" bench "${dec[@]}" --need-weights
 expect 1 "^mha bench: --kv-seq is required" -- "$mha" bench --decode --embed-dim 32 --heads 4
 expect 1 "^mha bench: --kv-heads needs --decode$" -- "$mha" bench "${tiny[@]}" --kv-heads 1
 expect 1 "^mha bench: --kv-dtype needs --decode$" -- "$mha" bench "${tiny[@]}" --kv-dtype f32
+expect 1 "^mha bench: --ragged needs --decode$" -- "$mha" bench "${tiny[@]}" --ragged
+expect 1 "^mha bench: option --ragged takes no value$" -- "$mha" bench "${dec[@]}" --ragged=1
 expect 0 "f16 cache" -- "$mha" bench "${dec[@]}" --kv-dtype f16
 expect 1 "^mha bench: --kv-dtype must be f32, f16, bf16 or q8, got 'x'$" -- "$mha" bench "${dec[@]}" --kv-dtype x
 expect 1 "^mha bench: num_kv_heads 3 must divide num_heads 4" -- "$mha" bench --decode --kv-seq 8 --embed-dim 32 --heads 4 --kv-heads 3
+expect 1 "^mha bench: num_kv_heads 3 must divide num_heads 4" -- "$mha" bench --decode --kv-seq 8 --embed-dim 32 --heads 4 --kv-heads 3 --attention-only
 expect 1 "^mha bench: --kv-seq must be an integer in \[1, " -- "$mha" bench --decode --kv-seq 0 --embed-dim 32 --heads 4
 
 # ---- mha viz -----------------------------------------------------------------
@@ -817,7 +870,7 @@ W4="$tmp/w4.safetensors"
 expect 0 "" -- "$mha" init --embed-dim 8 --heads 4 --seed 3 --out "$W4"
 expect 0 "^kept 2 of 4 heads \(3,1\): heads' width 8 -> 4, 288 -> 148 parameters$" \
   -- "$mha" prune --weights "$W4" --keep 3,1 --out "$d/p31.safetensors"
-expect 0 "^module: embed_dim=8 num_heads=2 head_dim=2 kdim=8 vdim=8 " -- "$mha" info "$d/p31.safetensors"
+expect 0 "^module: embed_dim=8 num_heads=2 num_kv_heads=2 head_dim=2 kdim=8 vdim=8 " -- "$mha" info "$d/p31.safetensors"
 expect 0 "^  out_proj\.weight +F32 +\(8, 4\)$" -- "$mha" info "$d/p31.safetensors"
 expect 0 "" -- "$mha" forward --weights "$W4" --query "$d/q.npy" --head-mask 0,1,0,1 --out "$d/abl.npy"
 expect 0 "" -- "$mha" forward --weights "$d/p31.safetensors" --query "$d/q.npy" --out "$d/pr.npy"

@@ -3,7 +3,11 @@
  * of each sequence attending to Lk cached ones, timed; and how much of the
  * machine's read bandwidth it reaches, since reading the cache is what
  * bounds a step at large Lk.  The read bandwidth is measured by a probe
- * of its own, in the same run, on the same threads.
+ * of its own, in the same run, on the same threads.  The step is the
+ * module's (projections and attention, mha_plan_forward) or, with
+ * --attention-only, the attention alone on the cache
+ * (mha_attention_plan_run); with --ragged the sequences hold different
+ * numbers of keys.
  */
 #include "bench.h"
 #include "fail.h"
@@ -125,10 +129,14 @@ static double read_gbps(int threads, int64_t *bytes)
 
 /* ---- mha bench --decode ------------------------------------------------- */
 
-/* Bytes per cached element of each dtype. */
-static double kv_elem_bytes(mha_kv_dtype t)
+/* Bytes of one key's (or value's) d_h elements as the cache stores
+ * them: q8 keeps a float scale per 32 elements beside its 8-bit codes
+ * (include/mha.h). */
+static double kv_row_bytes(mha_kv_dtype t, int64_t dh)
 {
-    return t == MHA_KV_F32 ? 4.0 : t == MHA_KV_Q8 ? 1.0 : 2.0;
+    return t == MHA_KV_F32 ? 4.0 * (double)dh
+         : t == MHA_KV_Q8  ? (double)dh + 4.0 * (double)((dh + 31) / 32)
+                           : 2.0 * (double)dh;
 }
 
 static const char *kv_dtype_name(mha_kv_dtype t)
@@ -137,9 +145,117 @@ static const char *kv_dtype_name(mha_kv_dtype t)
          : t == MHA_KV_BF16 ? "bf16" : "q8";
 }
 
-/* Fills every sequence of kv with Lk random keys and values, appended
- * 1024 tokens at a time. */
-static int prefill(mha_kv_cache *kv, int64_t B, int64_t Lk, int64_t Dkv)
+/* What one run times, read from the options. */
+typedef struct decode_bench {
+    int64_t B, Lq, Lk, E, H, Hkv, dh;
+    int64_t threads, repeat, warmup, ncpu;
+    mha_kv_dtype dtype;
+    int json, threads_default;
+    int attn_only;     /* time mha_attention on the cache, no module     */
+    int ragged;        /* sequence b holds round(Lk (b + 1) / B) keys    */
+    int64_t *len;      /* (B): the keys each sequence holds before a step */
+    int64_t kv_keys;   /* their sum: the cached keys one step reads      */
+} decode_bench;
+
+/* What a run allocates, and the arguments of its step. */
+typedef struct decode_state {
+    mha_module *m;               /* the module's step; NULL attention-only */
+    mha_plan *plan;
+    mha_attention_plan *aplan;   /* attention only                        */
+    mha_kv_cache *kv;
+    float *q, *out;              /* (B, Lq, E), E = H d_h                  */
+    float *kv_new;               /* attention only: the step's keys, then
+                                    values, each (B, Lq, H_kv d_h)        */
+    double *ms;                  /* (repeat) timings                      */
+    mha_forward_args a;
+    mha_attention_args aa;
+} decode_state;
+
+/* What it measured. */
+typedef struct decode_result {
+    long blas_threads;
+    const char *tier;
+    double read_gbps;
+    int64_t read_bytes;
+    double median_ms, min_ms, kv_bytes, kv_gbps, read_percent, weight_bytes;
+} decode_result;
+
+static int parse_decode(const tool_opt *o, int n, decode_bench *d)
+{
+#define OPT(name) tool_get(o, n, name)
+    static const char *const need[] = {"kv-seq", "embed-dim", "heads"};
+    if (tool_require("bench", o, n, need, 3))
+        return 1;
+    static const char *const excluded[] = {"backward", "need-weights"};
+    for (int k = 0; k < NOPTS(excluded); k++)
+        if (OPT(excluded[k]))
+            return tool_fail("bench", "--decode excludes --%s", excluded[k]);
+    *d = (decode_bench){.B = 1, .Lq = 1, .repeat = 10, .warmup = 2,
+                        .dtype = MHA_KV_F32};
+    d->ncpu = d->threads = bench_online_cpus();
+    if ((OPT("batch") &&
+         tool_int("bench", "batch", OPT("batch"), 1, INT32_MAX, &d->B)) ||
+        (OPT("seq") &&
+         tool_int("bench", "seq", OPT("seq"), 1, INT32_MAX, &d->Lq)) ||
+        tool_int("bench", "kv-seq", OPT("kv-seq"), 1, INT32_MAX, &d->Lk) ||
+        tool_int("bench", "embed-dim", OPT("embed-dim"), 1, INT32_MAX,
+                 &d->E) ||
+        tool_int("bench", "heads", OPT("heads"), 1, INT32_MAX, &d->H) ||
+        (OPT("kv-heads") &&
+         tool_int("bench", "kv-heads", OPT("kv-heads"), 1, INT32_MAX,
+                  &d->Hkv)) ||
+        (OPT("kv-dtype") &&
+         tool_kv_dtype("bench", OPT("kv-dtype"), &d->dtype)) ||
+        (OPT("threads") &&
+         tool_int("bench", "threads", OPT("threads"), 1, 4096,
+                  &d->threads)) ||
+        (OPT("repeat") &&
+         tool_int("bench", "repeat", OPT("repeat"), 1, 1000000,
+                  &d->repeat)) ||
+        (OPT("warmup") &&
+         tool_int("bench", "warmup", OPT("warmup"), 0, 1000000, &d->warmup)))
+        return 1;
+    d->json = OPT("json") != NULL;
+    d->threads_default = OPT("threads") == NULL;
+    d->attn_only = OPT("attention-only") != NULL;
+    d->ragged = OPT("ragged") != NULL;
+#undef OPT
+    if (d->E % d->H)
+        return tool_fail("bench", "embed_dim %lld is not divisible by "
+                         "num_heads %lld", (long long)d->E, (long long)d->H);
+    /* The module's defaults, which mha_attention shares: d_h = E / H,
+     * H_kv = H.  Whether H_kv divides H is the library's to check. */
+    d->dh = d->E / d->H;
+    if (!d->Hkv)
+        d->Hkv = d->H;
+    return 0;
+}
+
+/*
+ * The keys each sequence holds before a step: Lk, or with --ragged
+ * round(Lk (b + 1) / B), halves rounded up, so that the lengths climb
+ * evenly to Lk (B = 8, Lk = 4096: 512, 1024, ..., 4096) and a step reads
+ * about (B + 1) / 2B of the keys of B full sequences.  Lk (b + 1) < 2^62,
+ * both factors being below 2^31.
+ */
+static int sequence_lengths(decode_bench *d)
+{
+    d->len = malloc((size_t)d->B * sizeof *d->len);
+    if (!d->len)
+        return tool_fail("bench", "out of memory for %lld sequence lengths",
+                         (long long)d->B);
+    d->kv_keys = 0;
+    for (int64_t b = 0; b < d->B; b++) {
+        d->len[b] = d->ragged ? (d->Lk * (b + 1) + d->B / 2) / d->B : d->Lk;
+        d->kv_keys += d->len[b];
+    }
+    return 0;
+}
+
+/* Fills sequence b of kv with len[b] random keys and values, appended at
+ * most 1024 tokens at a time. */
+static int prefill(mha_kv_cache *kv, const int64_t *len, int64_t B,
+                   int64_t Lk, int64_t Dkv)
 {
     const int64_t step = Lk < 1024 ? Lk : 1024;
     float *k = malloc((size_t)(2 * step * Dkv) * sizeof *k);
@@ -148,8 +264,8 @@ static int prefill(mha_kv_cache *kv, int64_t B, int64_t Lk, int64_t Dkv)
     uint64_t state = 7;
     int rc = 0;
     for (int64_t b = 0; !rc && b < B; b++)
-        for (int64_t t = 0; !rc && t < Lk; t += step) {
-            const int64_t n = Lk - t < step ? Lk - t : step;
+        for (int64_t t = 0; !rc && t < len[b]; t += step) {
+            const int64_t n = len[b] - t < step ? len[b] - t : step;
             bench_fill_random(k, 2 * n * Dkv, &state);
             if (mha_kv_cache_append(kv, b, k, k + n * Dkv, n) != MHA_OK)
                 rc = tool_fail("bench", "prefill: %s", mha_last_error());
@@ -158,187 +274,259 @@ static int prefill(mha_kv_cache *kv, int64_t B, int64_t Lk, int64_t Dkv)
     return rc;
 }
 
-int bench_decode(int argc, char **argv, const tool_opt *o, int n)
+/* The cache: room for the step's Lq tokens after the longest sequence. */
+static int create_cache(const decode_bench *d, decode_state *s)
 {
-#define OPT(name) tool_get(o, n, name)
-    static const char *const need[] = {"kv-seq", "embed-dim", "heads"};
-    if (tool_require("bench", o, n, need, 3))
-        return 1;
-    static const char *const excluded[] = {"attention-only", "backward",
-                                           "need-weights"};
-    for (int k = 0; k < NOPTS(excluded); k++)
-        if (OPT(excluded[k]))
-            return tool_fail("bench", "--decode excludes --%s", excluded[k]);
-    const int64_t ncpu = bench_online_cpus();
-    int64_t B = 1, Lq = 1, Lk, threads = ncpu, repeat = 10, warmup = 2;
-    mha_config c = {0};
-    mha_kv_dtype dtype = MHA_KV_F32;
-    if ((OPT("batch") &&
-         tool_int("bench", "batch", OPT("batch"), 1, INT32_MAX, &B)) ||
-        (OPT("seq") && tool_int("bench", "seq", OPT("seq"), 1, INT32_MAX,
-                                &Lq)) ||
-        tool_int("bench", "kv-seq", OPT("kv-seq"), 1, INT32_MAX, &Lk) ||
-        tool_int("bench", "embed-dim", OPT("embed-dim"), 1, INT32_MAX,
-                 &c.embed_dim) ||
-        tool_int("bench", "heads", OPT("heads"), 1, INT32_MAX,
-                 &c.num_heads) ||
-        (OPT("kv-heads") &&
-         tool_int("bench", "kv-heads", OPT("kv-heads"), 1, INT32_MAX,
-                  &c.num_kv_heads)) ||
-        (OPT("kv-dtype") && tool_kv_dtype("bench", OPT("kv-dtype"), &dtype)) ||
-        (OPT("threads") &&
-         tool_int("bench", "threads", OPT("threads"), 1, 4096, &threads)) ||
-        (OPT("repeat") &&
-         tool_int("bench", "repeat", OPT("repeat"), 1, 1000000, &repeat)) ||
-        (OPT("warmup") &&
-         tool_int("bench", "warmup", OPT("warmup"), 0, 1000000, &warmup)))
-        return 1;
-    const int json = OPT("json") != NULL,
-              threads_default = OPT("threads") == NULL;
-    if (c.embed_dim % c.num_heads)
-        return tool_fail("bench", "embed_dim %lld is not divisible by "
-                         "num_heads %lld", (long long)c.embed_dim,
-                         (long long)c.num_heads);
-    long blas_threads;
-    const char *tier;
-    if (bench_setup(argc, argv, threads, ncpu, json, &blas_threads, &tier))
-        return 1;
+    const mha_kv_cache_config kc = {d->B, d->Hkv, d->dh, d->Lk + d->Lq,
+                                    d->dtype};
+    const mha_status st = mha_kv_cache_create(&kc, &s->kv);
+    if (st == MHA_OK)
+        return 0;
+    char what[64];
+    snprintf(what, sizeof what, "--kv-dtype %s", kv_dtype_name(d->dtype));
+    return tool_fail_status("bench", st == MHA_ERR_UNSUPPORTED ? what
+                                                               : "KV cache",
+                            st);
+}
 
-    mha_module *m = NULL;
-    c.seed = 1;
-    if (mha_create(&c, &m) != MHA_OK)
-        return tool_fail("bench", "%s", mha_last_error());
-    mha_get_config(m, &c);   /* num_kv_heads and head_dim resolved */
-    const int64_t E = c.embed_dim, H = c.num_heads, Hkv = c.num_kv_heads,
-                  dh = c.head_dim;
-    mha_kv_cache *kv = NULL;
-    const mha_kv_cache_config kc = {B, Hkv, dh, Lk + Lq, dtype};
-    mha_status st = mha_kv_cache_create(&kc, &kv);
-    int rc = 0;
-    if (st != MHA_OK) {
-        char what[64];
-        snprintf(what, sizeof what, "--kv-dtype %s", kv_dtype_name(dtype));
-        rc = tool_fail_status("bench", what, st);
+/* The step's arguments and its plan: the module's cached forward, or with
+ * attention only mha_attention on the cache (q already projected). */
+static int plan_step(const decode_bench *d, decode_state *s)
+{
+    mha_forward_args *a = &s->a;
+    a->batch = d->B;
+    a->q_len = d->Lq;
+    a->query = s->q;
+    a->out = s->out;
+    a->cache = s->kv;
+    a->causal = MHA_CAUSAL_BOTTOM_RIGHT;
+    a->num_threads = (int)d->threads;
+    mha_attention_args *aa = &s->aa;
+    aa->batch = d->B;
+    aa->num_heads = d->H;
+    aa->num_kv_heads = d->Hkv;
+    aa->head_dim = d->dh;
+    aa->q_len = d->Lq;
+    aa->q = s->q;
+    aa->out = s->out;
+    aa->cache = s->kv;
+    aa->causal = MHA_CAUSAL_BOTTOM_RIGHT;
+    aa->num_threads = (int)d->threads;
+    const mha_status st = d->attn_only
+                              ? mha_attention_plan_create(aa, &s->aplan)
+                              : mha_plan_create(s->m, a, &s->plan);
+    return st == MHA_OK ? 0 : tool_fail("bench", "%s", mha_last_error());
+}
+
+/* Everything a run needs: the sequences' lengths, the step planned, the
+ * cache prefilled (untimed). */
+static int setup(decode_bench *d, decode_state *s)
+{
+    if (!d->attn_only) {
+        mha_config c = {0};
+        c.embed_dim = d->E;
+        c.num_heads = d->H;
+        c.num_kv_heads = d->Hkv;
+        c.seed = 1;
+        if (mha_create(&c, &s->m) != MHA_OK)
+            return tool_fail("bench", "%s", mha_last_error());
     }
-    if (!rc)
-        rc = prefill(kv, B, Lk, Hkv * dh);
+    /* The lengths after the cache: a batch too large for memory is
+     * refused by the cache's allocation before B lengths are written. */
+    if (create_cache(d, s) || sequence_lengths(d))
+        return 1;
     /* B*Lq*E fits: the cache of B*(Lk+Lq)*Hkv*d_h <= B*(Lk+Lq)*E floats
      * was allocated. */
-    const size_t nq = (size_t)(B * Lq * E);
-    float *q = rc ? NULL : malloc(nq * sizeof *q);
-    float *out = rc ? NULL : malloc(nq * sizeof *out);
-    double *ms = rc ? NULL : malloc((size_t)repeat * sizeof *ms);
-    if (!rc && (!q || !out || !ms))
-        rc = tool_fail("bench", "out of memory for the inputs and outputs");
+    const int64_t Dkv = d->Hkv * d->dh, nq = d->B * d->Lq * d->E,
+                  nkv = 2 * d->B * d->Lq * Dkv;
+    s->q = malloc((size_t)nq * sizeof *s->q);
+    s->out = malloc((size_t)nq * sizeof *s->out);
+    s->ms = malloc((size_t)d->repeat * sizeof *s->ms);
+    s->kv_new = d->attn_only ? malloc((size_t)nkv * sizeof *s->kv_new)
+                             : NULL;
+    if (!s->q || !s->out || !s->ms || (d->attn_only && !s->kv_new))
+        return tool_fail("bench", "out of memory for the inputs and outputs");
     uint64_t state = 1;
-    if (!rc)
-        bench_fill_random(q, (int64_t)nq, &state);
-    mha_forward_args a = {0};
-    a.batch = B;
-    a.q_len = Lq;
-    a.query = q;
-    a.out = out;
-    a.cache = kv;
-    a.causal = MHA_CAUSAL_BOTTOM_RIGHT;
-    a.num_threads = (int)threads;
-    mha_plan *plan = NULL;
-    if (!rc && mha_plan_create(m, &a, &plan) != MHA_OK)
-        rc = tool_fail("bench", "%s", mha_last_error());
+    bench_fill_random(s->q, nq, &state);
+    if (s->kv_new)
+        bench_fill_random(s->kv_new, nkv, &state);
+    return plan_step(d, s) || prefill(s->kv, d->len, d->B, d->Lk, Dkv);
+}
 
+static void free_state(decode_state *s)
+{
+    mha_attention_plan_free(s->aplan);
+    mha_plan_free(s->plan);
+    free(s->ms);
+    free(s->kv_new);
+    free(s->out);
+    free(s->q);
+    mha_kv_cache_free(s->kv);
+    mha_free(s->m);
+}
+
+/* Attention only: appends each sequence's Lq new keys and values, what
+ * the caller of a real step does (mha_kv_cache_append) before
+ * mha_attention, as the module's step does inside its call. */
+static mha_status append_new_tokens(const decode_bench *d, decode_state *s)
+{
+    const int64_t Dkv = d->Hkv * d->dh, per_seq = d->Lq * Dkv,
+                  values = d->B * per_seq;
+    mha_status st = MHA_OK;
+    for (int64_t b = 0; st == MHA_OK && b < d->B; b++)
+        st = mha_kv_cache_append(s->kv, b, s->kv_new + b * per_seq,
+                                 s->kv_new + values + b * per_seq, d->Lq);
+    return st;
+}
+
+/* W + R steps; only the step's call is timed.  Before it (attention only)
+ * the new tokens are appended, after it every sequence is truncated back
+ * to the keys it held, so that each step finds the same cache. */
+static int time_steps(const decode_bench *d, decode_state *s)
+{
+    for (int64_t r = 0; r < d->warmup + d->repeat; r++) {
+        mha_status st = d->attn_only ? append_new_tokens(d, s) : MHA_OK;
+        const double t0 = bench_now_s();
+        if (st == MHA_OK)
+            st = d->attn_only ? mha_attention_plan_run(s->aplan, &s->aa)
+                              : mha_plan_forward(s->plan, &s->a);
+        const double t1 = bench_now_s();
+        for (int64_t b = 0; st == MHA_OK && b < d->B; b++)
+            st = mha_kv_cache_truncate(s->kv, b, d->len[b]);
+        if (st != MHA_OK)
+            return tool_fail("bench", "%s", mha_last_error());
+        if (r >= d->warmup)
+            s->ms[r - d->warmup] = (t1 - t0) * 1e3;
+    }
+    double sum = 0.0;
+    for (int64_t i = 0; i < d->B * d->Lq * d->E; i++)
+        sum += s->out[i];
+    return isfinite(sum) ? 0 : tool_fail("bench", "the output is not finite");
+}
+
+static void summarise(const decode_bench *d, decode_state *s,
+                      decode_result *res)
+{
+    res->median_ms = bench_median(s->ms, d->repeat);
+    res->min_ms = s->ms[0];
+    /* The cached keys and values a step reads, each K/V head once (the
+     * query heads of a group share its reads); the step's own Lq tokens
+     * are not counted. */
+    res->kv_bytes = (double)d->kv_keys * (double)d->Hkv * 2.0 *
+                    kv_row_bytes(d->dtype, d->dh);
+    res->kv_gbps = res->kv_bytes / (res->median_ms * 1e-3) * 1e-9;
+    res->read_percent = 100.0 * res->kv_gbps / res->read_gbps;
+    /* The module's projections read every parameter once per step. */
+    res->weight_bytes = s->m ? (double)mha_param_numel(s->m) * sizeof(float)
+                             : 0.0;
+}
+
+static const char *json_bool(int x)
+{
+    return x ? "true" : "false";
+}
+
+static void print_json(const decode_bench *d, const decode_result *r)
+{
+    printf("{\"decode\": true, \"attention_only\": %s, \"ragged\": %s, "
+           "\"batch\": %lld, \"seq\": %lld, \"kv_seq\": %lld, "
+           "\"kv_keys\": %lld, \"embed_dim\": %lld, \"heads\": %lld, "
+           "\"kv_heads\": %lld, \"head_dim\": %lld, "
+           "\"kv_dtype\": \"%s\", \"threads\": %lld, "
+           "\"threads_default\": %s, \"online_cpus\": %lld, "
+           "\"blas_threads\": %ld, \"tier\": \"%s\", "
+           "\"repeat\": %lld, \"warmup\": %lld, "
+           "\"median_ms\": %.6g, \"min_ms\": %.6g, "
+           "\"kv_bytes\": %.0f, \"kv_gbps\": %.6g, "
+           "\"read_gbps\": %.6g, \"read_percent\": %.6g, "
+           "\"read_bytes\": %lld, \"weight_bytes\": %.0f, "
+           "\"library\": \"%s\"}\n",
+           json_bool(d->attn_only), json_bool(d->ragged), (long long)d->B,
+           (long long)d->Lq, (long long)d->Lk, (long long)d->kv_keys,
+           (long long)d->E, (long long)d->H, (long long)d->Hkv,
+           (long long)d->dh, kv_dtype_name(d->dtype), (long long)d->threads,
+           json_bool(d->threads_default), (long long)d->ncpu,
+           r->blas_threads, r->tier, (long long)d->repeat,
+           (long long)d->warmup, r->median_ms, r->min_ms, r->kv_bytes,
+           r->kv_gbps, r->read_gbps, r->read_percent,
+           (long long)r->read_bytes, r->weight_bytes, mha_version_string());
+}
+
+static void print_text(const decode_bench *d, const decode_result *r)
+{
+    const char *s = d->threads == 1 ? "" : "s";
+    printf("mha bench --decode: B=%lld Lq=%lld Lk=%lld E=%lld H=%lld "
+           "H_kv=%lld d_h=%lld, %s cache, %lld thread%s%s\n",
+           (long long)d->B, (long long)d->Lq, (long long)d->Lk,
+           (long long)d->E, (long long)d->H, (long long)d->Hkv,
+           (long long)d->dh, kv_dtype_name(d->dtype), (long long)d->threads,
+           s, d->threads_default ? " (default: the online CPUs)" : "");
+    printf("  timed   %s: %lld new token%s per sequence on %s%lld cached\n",
+           d->attn_only ? "mha_attention_plan_run" : "mha_plan_forward",
+           (long long)d->Lq, d->Lq == 1 ? "" : "s", d->ragged ? "up to " : "",
+           (long long)d->Lk);
+    if (d->attn_only)
+        printf("          (attention only, on the cache: the step's K/V "
+               "appended before\n           and truncated away after, "
+               "untimed)\n");
+    else
+        printf("          (each step's tokens truncated away again, "
+               "untimed)\n");
+    printf("  kernels %s (mha_kernel_tier), %lld attention thread%s, "
+           "OPENBLAS_NUM_THREADS=%s\n", r->tier, (long long)d->threads, s,
+           bench_blas_env() ? bench_blas_env() : "(unset)");
+    printf("  time    median %.4f ms, min %.4f ms over %lld runs (after %lld "
+           "warm-up)\n", r->median_ms, r->min_ms, (long long)d->repeat,
+           (long long)d->warmup);
+    printf("  cache   %.1f MiB of K and V per step: %.2f GB/s at the "
+           "median\n", r->kv_bytes / 1048576.0, r->kv_gbps);
+    if (d->ragged)
+        printf("          ragged: %lld to %lld keys per sequence, %lld in "
+               "all\n", (long long)d->len[0], (long long)d->Lk,
+               (long long)d->kv_keys);
+    if (d->attn_only)
+        printf("  weights none read: q and the new K/V come projected\n");
+    else
+        printf("  weights %.1f MiB of parameters, read by the projections "
+               "in the same time\n", r->weight_bytes / 1048576.0);
+    printf("  memory  %.2f GB/s streaming read (%lld MiB, %lld thread%s, "
+           "best of %d): the step reaches %.1f%%\n", r->read_gbps,
+           (long long)(r->read_bytes >> 20), (long long)d->threads, s,
+           READ_PASSES, r->read_percent);
+}
+
+int bench_decode(int argc, char **argv, const tool_opt *o, int n)
+{
+    decode_bench d = {0};
+    decode_result res = {0};
+    if (parse_decode(o, n, &d) ||
+        bench_setup(argc, argv, d.threads, d.ncpu, d.json, &res.blas_threads,
+                    &res.tier))
+        return 1;
+    decode_state s = {0};
+    int rc = setup(&d, &s);
 #ifndef __OPTIMIZE__
     if (!rc)
         fprintf(stderr, "mha bench: warning: this mha was built without "
                 "optimisation; the read probe and the timings mean little\n");
 #endif
-    int64_t read_bytes = 0;
-    const double rgbps = rc ? 0.0 : read_gbps((int)threads, &read_bytes);
-    if (!rc && !(rgbps > 0.0))
-        rc = tool_fail("bench", "the read-bandwidth probe failed (out of "
-                       "memory for %lld MiB?)",
-                       (long long)(read_bytes >> 20));
-    for (int64_t r = 0; !rc && r < warmup + repeat; r++) {
-        const double t0 = bench_now_s();
-        st = mha_plan_forward(plan, &a);
-        const double t1 = bench_now_s();
-        /* Untimed: every sequence back to Lk cached tokens. */
-        for (int64_t b = 0; st == MHA_OK && b < B; b++)
-            st = mha_kv_cache_truncate(kv, b, Lk);
-        if (st != MHA_OK)
-            rc = tool_fail("bench", "%s", mha_last_error());
-        else if (r >= warmup)
-            ms[r - warmup] = (t1 - t0) * 1e3;
-    }
     if (!rc) {
-        double sum = 0.0;
-        for (size_t i = 0; i < nq; i++)
-            sum += out[i];
-        if (!isfinite(sum))
-            rc = tool_fail("bench", "the output is not finite");
+        res.read_gbps = read_gbps((int)d.threads, &res.read_bytes);
+        if (!(res.read_gbps > 0.0))
+            rc = tool_fail("bench", "the read-bandwidth probe failed (out of "
+                           "memory for %lld MiB?)",
+                           (long long)(res.read_bytes >> 20));
     }
+    if (!rc)
+        rc = time_steps(&d, &s);
     if (!rc) {
-        const double med = bench_median(ms, repeat), mn = ms[0];
-        const double kv_bytes = (double)B * (double)Lk * (double)Hkv *
-                                (double)dh * 2.0 * kv_elem_bytes(dtype);
-        const double kv_gbps = kv_bytes / (med * 1e-3) * 1e-9;
-        const double pct = 100.0 * kv_gbps / rgbps;
-        /* The projections read every parameter once per step as well. */
-        const double w_bytes = (double)mha_param_numel(m) * sizeof(float);
-        if (json) {
-            printf("{\"decode\": true, \"batch\": %lld, \"seq\": %lld, "
-                   "\"kv_seq\": %lld, \"embed_dim\": %lld, \"heads\": %lld, "
-                   "\"kv_heads\": %lld, \"head_dim\": %lld, "
-                   "\"kv_dtype\": \"%s\", \"threads\": %lld, "
-                   "\"threads_default\": %s, \"online_cpus\": %lld, "
-                   "\"blas_threads\": %ld, \"tier\": \"%s\", "
-                   "\"repeat\": %lld, \"warmup\": %lld, "
-                   "\"median_ms\": %.6g, \"min_ms\": %.6g, "
-                   "\"kv_bytes\": %.0f, \"kv_gbps\": %.6g, "
-                   "\"read_gbps\": %.6g, \"read_percent\": %.6g, "
-                   "\"read_bytes\": %lld, \"weight_bytes\": %.0f, "
-                   "\"library\": \"%s\"}\n",
-                   (long long)B, (long long)Lq, (long long)Lk, (long long)E,
-                   (long long)H, (long long)Hkv, (long long)dh,
-                   kv_dtype_name(dtype), (long long)threads,
-                   threads_default ? "true" : "false", (long long)ncpu,
-                   blas_threads, tier, (long long)repeat, (long long)warmup,
-                   med, mn, kv_bytes, kv_gbps, rgbps, pct,
-                   (long long)read_bytes, w_bytes, mha_version_string());
-        } else {
-            printf("mha bench --decode: B=%lld Lq=%lld Lk=%lld E=%lld "
-                   "H=%lld H_kv=%lld d_h=%lld, %s cache, %lld thread%s%s\n",
-                   (long long)B, (long long)Lq, (long long)Lk, (long long)E,
-                   (long long)H, (long long)Hkv, (long long)dh,
-                   kv_dtype_name(dtype), (long long)threads,
-                   threads == 1 ? "" : "s",
-                   threads_default ? " (default: the online CPUs)" : "");
-            printf("  timed   mha_plan_forward: %lld new token%s per "
-                   "sequence on %lld cached\n"
-                   "          (each step's tokens truncated away again, "
-                   "untimed)\n", (long long)Lq, Lq == 1 ? "" : "s",
-                   (long long)Lk);
-            printf("  kernels %s (mha_kernel_tier), %lld attention "
-                   "thread%s, OPENBLAS_NUM_THREADS=%s\n", tier,
-                   (long long)threads, threads == 1 ? "" : "s",
-                   bench_blas_env() ? bench_blas_env() : "(unset)");
-            printf("  time    median %.4f ms, min %.4f ms over %lld runs "
-                   "(after %lld warm-up)\n", med, mn, (long long)repeat,
-                   (long long)warmup);
-            printf("  cache   %.1f MiB of K and V per step: %.2f GB/s at "
-                   "the median\n", kv_bytes / 1048576.0, kv_gbps);
-            printf("  weights %.1f MiB of parameters, read by the "
-                   "projections in the same time\n", w_bytes / 1048576.0);
-            printf("  memory  %.2f GB/s streaming read (%lld MiB, %lld "
-                   "thread%s, best of %d): the step reaches %.1f%%\n", rgbps,
-                   (long long)(read_bytes >> 20), (long long)threads,
-                   threads == 1 ? "" : "s", READ_PASSES, pct);
-        }
+        summarise(&d, &s, &res);
+        if (d.json)
+            print_json(&d, &res);
+        else
+            print_text(&d, &res);
     }
-#undef OPT
-    mha_plan_free(plan);
-    free(ms);
-    free(out);
-    free(q);
-    mha_kv_cache_free(kv);
-    mha_free(m);
+    free_state(&s);
+    free(d.len);
     return rc;
 }

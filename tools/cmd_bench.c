@@ -25,6 +25,7 @@ static const char BENCH_HELP[] =
     "                 [--threads T] [--repeat R] [--warmup W] [--json]\n"
     "       mha bench --decode --kv-seq Lk --embed-dim E --heads H\n"
     "                 [--kv-heads Hkv] [--kv-dtype f32] [--batch B] [--seq L]\n"
+    "                 [--ragged] [--attention-only]\n"
     "                 [--threads T] [--repeat R] [--warmup W] [--json]\n"
     "\n"
     "Times the forward pass of a module with Xavier-initialised weights\n"
@@ -78,17 +79,38 @@ static const char BENCH_HELP[] =
     "Lk + Lq tokens per sequence filled (untimed) with Lk random keys and\n"
     "values, then W + R calls of mha_plan_forward on Lq new tokens of each\n"
     "of B sequences (default B = 1, Lq = 1), each followed (untimed) by\n"
-    "mha_kv_cache_truncate back to Lk, so every step finds Lk cached keys.\n"
-    "At large Lk a step is bound by memory reads: it reports kv_bytes, the\n"
-    "bytes of K and V one step reads (B*Lk*Hkv*d_h*2 x 4 for f32), kv_gbps\n"
-    "= kv_bytes / the median time, and read_percent, that as a share of\n"
-    "read_gbps, the machine's streaming-read bandwidth measured in the same\n"
-    "run (T threads summing a buffer of max(1 GiB, 4x the L3), best of 5).\n"
-    "The time includes the projections of the Lq new tokens (q, k, v,\n"
-    "out), which read every parameter once: weight_bytes, small next to\n"
-    "the cache only when B*Lk*Hkv*d_h*2 is well above E*(2E + 2*Hkv*d_h)\n"
-    "(at E = 4096, Hkv = 8, Lk = 32768: 160 MiB of weights, 256 MiB of\n"
-    "cache).\n";
+    "mha_kv_cache_truncate back to the keys it held, so every step finds\n"
+    "the same cache: Lk keys in each sequence unless --ragged.\n"
+    "  --ragged              sequence b (from 0) of B holds round(Lk*(b+1)/B)\n"
+    "                        cached keys (halves up): the longest Lk, the\n"
+    "                        others evenly shorter (B = 8, Lk = 4096: 512,\n"
+    "                        1024, ..., 4096); kv_keys is their sum, and\n"
+    "                        the JSON says \"ragged\": true\n"
+    "  --attention-only      time the attention of the step alone,\n"
+    "                        mha_attention_plan_run with args.cache on random\n"
+    "                        q (B, Lq, H*d_h) already projected: no module,\n"
+    "                        no projections (weight_bytes 0).  As a caller\n"
+    "                        decoding on heads does, each step's Lq new\n"
+    "                        keys and values are appended to the cache\n"
+    "                        (mha_kv_cache_append) before the call and\n"
+    "                        truncated away after it, both untimed; the\n"
+    "                        queries attend causally (bottom right) to the\n"
+    "                        cached keys and the new ones, as in the\n"
+    "                        module's step (JSON: \"attention_only\": true)\n"
+    "At large Lk a step is bound by memory reads: it reports kv_keys, the\n"
+    "cached keys of all sequences (B*Lk, or the ragged lengths' sum),\n"
+    "kv_bytes, the bytes of K and V they hold, each K/V head once\n"
+    "(kv_keys*Hkv*d_h*2 x 4 for f32; the step's own Lq new tokens are not\n"
+    "counted), kv_gbps = kv_bytes / the median time, and read_percent,\n"
+    "that as a share of read_gbps, the machine's streaming-read bandwidth\n"
+    "measured in the same run (T threads summing a buffer of max(1 GiB,\n"
+    "4x the L3), best of 5).\n"
+    "Without --attention-only the time includes the projections of the Lq\n"
+    "new tokens (q, k, v, out), which read every parameter once:\n"
+    "weight_bytes, small next to the cache only when kv_keys*Hkv*d_h*2 is\n"
+    "well above E*(2E + 2*Hkv*d_h) (at E = 4096, Hkv = 8, Lk = 32768: 160\n"
+    "MiB of weights, 256 MiB of cache).  --kv-dtype f16, bf16 or q8: the\n"
+    "cache stored so (q8: 1.125 bytes an element with its scales).\n";
 
 /* ---- the FMA peak probe ------------------------------------------------- */
 
@@ -217,16 +239,19 @@ int cmd_bench(int argc, char **argv)
                     {"need-weights", 0, 0}, {"attention-only", 0, 0},
                     {"backward", 0, 0}, {"threads", 1, 0}, {"repeat", 1, 0},
                     {"warmup", 1, 0}, {"json", 0, 0}, {"decode", 0, 0},
-                    {"kv-heads", 1, 0}, {"kv-dtype", 1, 0}};
+                    {"kv-heads", 1, 0}, {"kv-dtype", 1, 0},
+                    {"ragged", 0, 0}};
     int status;
     if (tool_options("bench", argc, argv, o, NOPTS(o), BENCH_HELP, &status))
         return status;
 #define OPT(name) tool_get(o, NOPTS(o), name)
     if (OPT("decode"))
         return bench_decode(argc, argv, o, NOPTS(o));
-    if (OPT("kv-heads") || OPT("kv-dtype"))
-        return tool_fail("bench", "--%s needs --decode",
-                         OPT("kv-heads") ? "kv-heads" : "kv-dtype");
+    static const char *const decode_only[] = {"kv-heads", "kv-dtype",
+                                              "ragged"};
+    for (int k = 0; k < NOPTS(decode_only); k++)
+        if (OPT(decode_only[k]))
+            return tool_fail("bench", "--%s needs --decode", decode_only[k]);
     static const char *const need[] = {"batch", "seq", "embed-dim", "heads"};
     if (tool_require("bench", o, NOPTS(o), need, 4))
         return 1;

@@ -87,9 +87,9 @@ int cmd_info(int argc, char **argv)
         tool_shape_str(t, s, sizeof s);
         printf("  %-16s %-5s %s\n", t->name, mha_dtype_name(t->dtype), s);
     }
-    const char *keys[] = {"format", "embed_dim", "num_heads", "kdim", "vdim",
-                          "bias", "add_bias_kv", "add_zero_attn", "dropout",
-                          "scale"};
+    const char *keys[] = {"format", "embed_dim", "num_heads", "num_kv_heads",
+                          "kdim", "vdim", "bias", "add_bias_kv",
+                          "add_zero_attn", "dropout", "scale"};
     int shown = 0;
     for (size_t k = 0; k < sizeof keys / sizeof *keys; k++) {
         const char *v = mha_tensor_file_metadata(f, keys[k]);
@@ -111,9 +111,13 @@ int cmd_info(int argc, char **argv)
     mha_config c;
     mha_get_config(m, &c);
     mha_free(m);
-    printf("module: embed_dim=%lld num_heads=%lld head_dim=%lld kdim=%lld "
-           "vdim=%lld bias=%s add_bias_kv=%s add_zero_attn=%s dropout=%g "
-           "scale=%g\n", (long long)c.embed_dim, (long long)c.num_heads,
+    /* num_kv_heads as resolved: H when not grouped-query, and inferred
+     * from k_proj_weight's rows when the metadata does not say it (the
+     * loader refuses metadata that disagrees with the tensors). */
+    printf("module: embed_dim=%lld num_heads=%lld num_kv_heads=%lld "
+           "head_dim=%lld kdim=%lld vdim=%lld bias=%s add_bias_kv=%s "
+           "add_zero_attn=%s dropout=%g scale=%g\n", (long long)c.embed_dim,
+           (long long)c.num_heads, (long long)c.num_kv_heads,
            (long long)c.head_dim, (long long)c.kdim,
            (long long)c.vdim, c.no_bias ? "false" : "true",
            c.add_bias_kv ? "true" : "false", c.add_zero_attn ? "true" : "false",

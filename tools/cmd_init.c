@@ -10,20 +10,29 @@
 #include <stdint.h>
 
 static const char INIT_HELP[] =
-    "usage: mha init --embed-dim E --heads H [--kdim K] [--vdim V] [--no-bias]\n"
-    "                [--add-bias-kv] [--add-zero-attn] [--dropout P]\n"
-    "                [--scale S] --seed S --out W.safetensors\n"
+    "usage: mha init --embed-dim E --heads H [--kv-heads Hkv] [--kdim K]\n"
+    "                [--vdim V] [--no-bias] [--add-bias-kv] [--add-zero-attn]\n"
+    "                [--dropout P] [--scale S] --seed S --out W.safetensors\n"
     "\n"
     "Writes a freshly initialised module (Xavier-uniform weights, zero biases)\n"
     "as a safetensors state_dict that PyTorch's nn.MultiheadAttention loads;\n"
-    "the configuration is kept in __metadata__.\n";
+    "the configuration is kept in __metadata__.\n"
+    "  --kv-heads Hkv   grouped-query attention (Hkv = 1: multi-query): Hkv\n"
+    "                   key/value heads, dividing H, each shared by H / Hkv\n"
+    "                   query heads; k_proj_weight and v_proj_weight have\n"
+    "                   Hkv * E / H rows and are kept apart from\n"
+    "                   q_proj_weight, and num_kv_heads is written to\n"
+    "                   __metadata__.  nn.MultiheadAttention cannot load\n"
+    "                   such a module; mha forward, decode and info can.\n"
+    "                   Default: Hkv = H (ordinary multi-head attention)\n";
 
 int cmd_init(int argc, char **argv)
 {
     tool_opt o[] = {{"embed-dim", 1, 0}, {"heads", 1, 0}, {"kdim", 1, 0},
                     {"vdim", 1, 0}, {"no-bias", 0, 0}, {"add-bias-kv", 0, 0},
                     {"add-zero-attn", 0, 0}, {"dropout", 1, 0},
-                    {"scale", 1, 0}, {"seed", 1, 0}, {"out", 1, 0}};
+                    {"scale", 1, 0}, {"seed", 1, 0}, {"out", 1, 0},
+                    {"kv-heads", 1, 0}};
     int status;
     if (tool_options("init", argc, argv, o, NOPTS(o), INIT_HELP, &status))
         return status;
@@ -36,6 +45,8 @@ int cmd_init(int argc, char **argv)
     if (tool_int("init", "embed-dim", OPT("embed-dim"), 1, INT32_MAX,
                  &c.embed_dim) ||
         tool_int("init", "heads", OPT("heads"), 1, INT32_MAX, &c.num_heads) ||
+        (OPT("kv-heads") && tool_int("init", "kv-heads", OPT("kv-heads"), 1,
+                                     INT32_MAX, &c.num_kv_heads)) ||
         (OPT("kdim") &&
          tool_int("init", "kdim", OPT("kdim"), 1, INT32_MAX, &c.kdim)) ||
         (OPT("vdim") &&
@@ -47,6 +58,13 @@ int cmd_init(int argc, char **argv)
                            tool_fail("init", "--scale must be nonzero")))) ||
         tool_int("init", "seed", OPT("seed"), 0, INT64_MAX, &seed))
         return 1;
+    /* The library refuses it too, but in its own terms ("0 = num_heads"),
+     * which would mislead here: --kv-heads 0 is refused above. */
+    if (c.num_kv_heads && c.num_heads % c.num_kv_heads)
+        return tool_fail("init", "--kv-heads %lld must divide --heads %lld "
+                         "(each K/V head serves the same number of query "
+                         "heads)", (long long)c.num_kv_heads,
+                         (long long)c.num_heads);
     c.seed = (uint64_t)seed;
     c.no_bias = OPT("no-bias") != NULL;
     c.add_bias_kv = OPT("add-bias-kv") != NULL;
