@@ -119,12 +119,13 @@ MK_INLINE __m256 ldb(const int T, const bsrc *b, int k, int j, int masked,
                                j / MHA_Q8_BLOCK));
 }
 
-/* R rows x W vectors of C from column j; masked only with W == 1 (n
- * columns).  R * W <= 12: the accumulators, B's vectors and a broadcast
+/* R rows x W vectors of C from column j, over k0 <= k < k1; masked only
+ * with W == 1 (n columns).  R * W <= 12: the accumulators, B's vectors and a broadcast
  * fit the 16 ymm registers. */
 MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
-                    const int T, int K, const float *A, int lda, int ska,
-                    const bsrc *B, int j, float *C, int ldc, __m256i m, int n)
+                    const int T, int k0, int k1, const float *A, int lda,
+                    int ska, const bsrc *B, int j, float *C, int ldc,
+                    __m256i m, int n)
 {
     __m256 acc[6][8];
     for (int r = 0; r < R; r++)
@@ -134,7 +135,7 @@ MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
                             : _mm256_setzero_ps();
 
     const __m256 zero = _mm256_setzero_ps();
-    for (int k = 0; k < K; k++) {
+    for (int k = k0; k < k1; k++) {
         __m256 b[8];
         for (int w = 0; w < W; w++)
             b[w] = ldb(T, B, k, j + 8 * w, masked, m, n);
@@ -164,52 +165,93 @@ MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
         }
 }
 
-/* R rows against all N columns.  One or two rows (decoding) take 64- or
- * 32-wide blocks: eight or four independent chains keep the FMA units
- * busy where 16-wide blocks of one row would wait on their latency.  Then
- * 16-wide blocks, one 8-wide, a masked tail of 1..7.  The block width
- * never changes an element's chain, so never its bits. */
-MK_INLINE void panel(const int R, const int mode, const int T, int N, int K,
-                     const float *A, int lda, int ska, const bsrc *B,
-                     float *C, int ldc)
+/* R rows against all N columns over k0 <= k < k1.  One or two rows
+ * (decoding) take 64- or 32-wide blocks: eight or four independent chains
+ * keep the FMA units busy where 16-wide blocks of one row would wait on
+ * their latency.  Then 16-wide blocks, one 8-wide, a masked tail of 1..7.
+ * The block width never changes an element's chain, so never its bits. */
+MK_INLINE void cols(const int R, const int mode, const int T, int N, int k0,
+                    int k1, const float *A, int lda, int ska, const bsrc *B,
+                    float *C, int ldc)
 {
     const __m256i none = _mm256_setzero_si256();
     const int wide = !(mode & EXACT);
     int j = 0;
     if (R == 1 && wide)
         for (; j + 64 <= N; j += 64)
-            tile(R, 8, 0, mode, T, K, A, lda, ska, B, j, C + j, ldc, none, 8);
+            tile(R, 8, 0, mode, T, k0, k1, A, lda, ska, B, j, C + j, ldc,
+                 none, 8);
     if (R <= 2 && wide)
         for (; j + 32 <= N; j += 32)
-            tile(R, 4, 0, mode, T, K, A, lda, ska, B, j, C + j, ldc, none, 8);
+            tile(R, 4, 0, mode, T, k0, k1, A, lda, ska, B, j, C + j, ldc,
+                 none, 8);
     for (; j + 16 <= N; j += 16)
-        tile(R, 2, 0, mode, T, K, A, lda, ska, B, j, C + j, ldc, none, 8);
+        tile(R, 2, 0, mode, T, k0, k1, A, lda, ska, B, j, C + j, ldc, none,
+             8);
     if (j + 8 <= N) {
-        tile(R, 1, 0, mode, T, K, A, lda, ska, B, j, C + j, ldc, none, 8);
+        tile(R, 1, 0, mode, T, k0, k1, A, lda, ska, B, j, C + j, ldc, none,
+             8);
         j += 8;
     }
     if (j < N)
-        tile(R, 1, 1, mode, T, K, A, lda, ska, B, j, C + j, ldc,
+        tile(R, 1, 1, mode, T, k0, k1, A, lda, ska, B, j, C + j, ldc,
              tail_mask(N - j), N - j);
 }
 
-/* All M rows: blocks of RMAX rows, then one block of the remainder. */
+/* Rows of B per slab when a panel walks K in slabs (below). */
+enum { KSLAB = 16 };
+
+/*
+ * R rows against all N columns.  Each block of columns walks all of K, so
+ * B is read in strips down its columns: fine when B is in cache (many
+ * row blocks reuse it), but a decoding step reads each B (a KV cache's
+ * tile) once, from memory, where strips far apart defeat the hardware's
+ * streaming.  A panel that is the only one (`slabs`) walks K in slabs of
+ * KSLAB rows instead, every block of columns through one slab (a few KB,
+ * contiguous, read from memory once and then from L1) before the next,
+ * the partial sums kept in C between slabs.  An element's chain is the
+ * same chain, stored and reloaded exactly: the same bits.  (SET and ACC
+ * only: ADD must form the whole sum before adding it to C.)
+ */
+MK_INLINE void panel(const int R, const int mode, const int T, int slabs,
+                     int N, int K, const float *A, int lda, int ska,
+                     const bsrc *B, float *C, int ldc)
+{
+    if (!slabs || (mode & ADD) || K <= KSLAB) {
+        cols(R, mode, T, N, 0, K, A, lda, ska, B, C, ldc);
+        return;
+    }
+    const size_t row = (size_t)B->ld * (T == B_F32 ? 4 : T <= B_BF16 ? 2 : 1);
+    const uintptr_t base = (uintptr_t)B->x;
+    for (int k0 = 0; k0 < K; k0 += KSLAB) {
+        /* The next slab, in address order, while this one is worked on. */
+        for (size_t at = (size_t)(k0 + KSLAB) * row;
+             at < (size_t)(k0 + 2 * KSLAB) * row; at += 64)
+            _mm_prefetch((const char *)(base + at), _MM_HINT_T0);
+        cols(R, k0 ? mode | FROM_C : mode, T, N, k0,
+             k0 + KSLAB < K ? k0 + KSLAB : K, A, lda, ska, B, C, ldc);
+    }
+}
+
+/* All M rows: blocks of RMAX rows, then one block of the remainder; a
+ * single block (M <= RMAX: decoding) walks K in slabs. */
 MK_INLINE void gemm(const int RMAX, const int mode, const int T, int M, int N,
                     int K, const float *A, int lda, int ska, const bsrc *B,
                     float *C, int ldc)
 {
+    const int slabs = M <= RMAX;
     int i = 0;
     for (; i + RMAX <= M; i += RMAX)
-        panel(RMAX, mode, T, N, K, A + (size_t)i * lda, lda, ska, B,
+        panel(RMAX, mode, T, slabs, N, K, A + (size_t)i * lda, lda, ska, B,
               C + (size_t)i * ldc, ldc);
     const float *Ai = A + (size_t)i * lda;
     float *Ci = C + (size_t)i * ldc;
     switch (M - i) {
-    case 5: if (RMAX > 5) panel(5, mode, T, N, K, Ai, lda, ska, B, Ci, ldc); break;
-    case 4: if (RMAX > 4) panel(4, mode, T, N, K, Ai, lda, ska, B, Ci, ldc); break;
-    case 3: panel(3, mode, T, N, K, Ai, lda, ska, B, Ci, ldc); break;
-    case 2: panel(2, mode, T, N, K, Ai, lda, ska, B, Ci, ldc); break;
-    case 1: panel(1, mode, T, N, K, Ai, lda, ska, B, Ci, ldc); break;
+    case 5: if (RMAX > 5) panel(5, mode, T, slabs, N, K, Ai, lda, ska, B, Ci, ldc); break;
+    case 4: if (RMAX > 4) panel(4, mode, T, slabs, N, K, Ai, lda, ska, B, Ci, ldc); break;
+    case 3: panel(3, mode, T, slabs, N, K, Ai, lda, ska, B, Ci, ldc); break;
+    case 2: panel(2, mode, T, slabs, N, K, Ai, lda, ska, B, Ci, ldc); break;
+    case 1: panel(1, mode, T, slabs, N, K, Ai, lda, ska, B, Ci, ldc); break;
     default: break;
     }
 }
