@@ -361,9 +361,14 @@ typedef struct mha_forward_args {
                              the cache, and each new token attends to its
                              sequence's cached keys and the new ones
                              before it (causal, bottom-right per sequence).
-                             key, value, kv_len, the masks, key_lengths,
-                             need_weights and training must be unset;
-                             causal NONE or BOTTOM_RIGHT (the same). A
+                             The masks, key_lengths and attn_weights are
+                             for Lk = the longest sequence after the
+                             append (rows: the new tokens; columns: key
+                             positions; keys past a sequence's length are
+                             masked whatever they say); kv_len 0 or that
+                             Lk.  key, value and training must be unset;
+                             causal NONE or BOTTOM_RIGHT (the same).  A
+                             refused call leaves the cache unchanged.  A
                              cached forward has no backward.               */
 } mha_forward_args;
 
@@ -419,9 +424,11 @@ typedef struct mha_attention_args {
                              cache (the caller appended the new tokens'
                              K/V first, mha_kv_cache_append), causally
                              bottom-right per sequence, read in place.
-                             k, v, kv_len, masks, key_lengths,
-                             need_weights and training must be unset;
-                             no backward.                                */
+                             Masks, key_lengths and attn_weights are for
+                             Lk = the longest sequence in the cache (keys
+                             past a sequence's length are masked); kv_len
+                             0 or that Lk.  k, v and training must be
+                             unset, causal not TOP_LEFT; no backward.    */
 } mha_attention_args;
 MHA_API mha_status mha_attention(const mha_attention_args *args);
 
@@ -430,12 +437,14 @@ MHA_API mha_status mha_attention(const mha_attention_args *args);
  * dot-product attention).  mha_attention_plan_create checks `shape` (its
  * data pointers may be NULL) and sizes one workspace; _run then computes
  * any arguments of the same batch, num_heads, head_dim, q_len and kv_len
- * without allocating, and keeps one (max, 1/sum) pair per row and head
- * and the packed K and V.  _backward differentiates the plan's last run,
- * which must have had the same q, k, v, masks, key_lengths, causal,
- * scale, dropout, training and dropout_seed, over the same contents (a
- * fingerprint taken by the run is checked): dL/dq, dL/dk, dL/dv from
- * dL/d out, all three overwritten, none overlapping an input or another.
+ * without allocating (with a cache: any cache of at most the plan's
+ * capacity, kv_len following its lengths), and keeps one (max, 1/sum)
+ * pair per row and head and the packed K and V.  _backward
+ * differentiates the plan's last run, which must have had the same q, k,
+ * v, masks, key_lengths, causal, scale, dropout, training and
+ * dropout_seed, over the same contents (a fingerprint taken by the run is
+ * checked): dL/dq, dL/dk, dL/dv from dL/d out, all three overwritten,
+ * none overlapping an input or another.
  * The first backward allocates its workspace, later ones nothing.
  * Dropout is regenerated from the hash, never stored.  Bitwise identical
  * for every num_threads.  mha_attention is create + run + free, and
@@ -492,6 +501,8 @@ MHA_API mha_status mha_attention_merge(const mha_attention_part *parts,
  * workspace; mha_plan_forward then runs any arguments of the same batch,
  * q_len and kv_len without allocating (masks, weights mode, inputs and
  * outputs may change between runs; the thread count is the plan's).  A
+ * plan made with a cache runs with any cache of at most that capacity,
+ * and each run's kv_len, masks and weights follow the cache's lengths.  A
  * plan belongs to one module, which must outlive it, and runs one call at
  * a time.  mha_forward is create + forward + free.
  */

@@ -16,7 +16,8 @@
  * every mask kind and rank, key padding, key lengths, causal, head masks,
  * dropout, cross-attention with extra keys, the split-key decoding path,
  * and 2 threads on shapes large enough to run threaded (allocations in the
- * workers count too).  Run once per
+ * workers count too); and planned steps on a KV cache with masks, key
+ * lengths and weights that follow its lengths.  Run once per
  * kernel tier (MHA_ISA) by CTest.
  */
 #define _POSIX_C_SOURCE 200809L
@@ -271,6 +272,114 @@ static void test_plan_forward_allocates_nothing(void **state)
     }
 }
 
+/* Planned forwards with a KV cache (the module's and mha_attention's):
+ * masks, key lengths and weights that follow the cache's lengths step
+ * after step, on the split-key path, on 2 threads: nothing allocated. */
+static void test_cached_plan_allocates_nothing(void **state)
+{
+    (void)state;
+    enum { B = 3, E = 128, H = 4, HKV = 2, DH = 32, LQ = 3, CAP = 1200,
+           EKV = HKV * DH, STEPS = 4 };
+    mha_config cfg = {0};
+    cfg.embed_dim = E;
+    cfg.num_heads = H;
+    cfg.num_kv_heads = HKV;
+    cfg.add_bias_kv = 1;
+    mha_module *m = tu_module(&cfg, 60);
+    assert_non_null(m);
+    mha_kv_cache *kv = NULL;
+    assert_int_equal(mha_kv_cache_for_module(m, B, CAP, &kv), MHA_OK);
+    static const int64_t lens[B] = {1100, 300, 0};
+    float *kvd = malloc((size_t)(2 * 1100 * EKV) * sizeof *kvd);
+    tu_fill(kvd, 2 * 1100 * EKV, 61, -1, 1);
+    for (int64_t b = 0; b < B; b++)
+        assert_int_equal(mha_kv_cache_append(kv, b, kvd, kvd + 1100 * EKV,
+                                             lens[b]), MHA_OK);
+    free(kvd);
+    const int64_t maxk = CAP + 1;
+    float *x = malloc((size_t)(B * LQ * E) * sizeof *x);
+    float *out = malloc((size_t)(B * LQ * E) * sizeof *out);
+    float *w = malloc((size_t)(B * H * LQ * maxk) * sizeof *w);
+    float *add = malloc((size_t)(B * H * LQ * maxk) * sizeof *add);
+    uint8_t *pad = malloc((size_t)(B * maxk));
+    int64_t kl[B];
+    const float head_mask[H] = {1.0f, 0.0f, 0.5f, 2.0f};
+    tu_fill(x, B * LQ * E, 62, -1, 1);
+    mha_forward_args a = {0};
+    a.batch = B;
+    a.q_len = LQ;
+    a.query = x;
+    a.cache = kv;
+    a.num_threads = 2;
+    a.out = out;
+    mha_plan *plan = NULL;
+    assert_int_equal(mha_plan_create(m, &a, &plan), MHA_OK);
+    for (int step = 0; step < STEPS; step++) {
+        const int64_t Lk = 1100 + LQ * (step + 1);
+        tu_fill(add, B * H * LQ * Lk, 63 + (uint64_t)step, -2, 2);
+        for (int64_t x2 = 0; x2 < B * Lk; x2++)
+            pad[x2] = x2 % 7 == 3;
+        for (int64_t b = 0; b < B; b++)
+            kl[b] = Lk - 5 * b;
+        mha_forward_args r = a;
+        r.attn_mask = (mha_mask){MHA_MASK_ADDITIVE, add, 4, {B, H, LQ, Lk}};
+        r.key_padding_mask = (mha_mask){MHA_MASK_BLOCK, pad, 2, {B, Lk}};
+        r.key_lengths = kl;
+        r.head_mask = head_mask;
+        r.need_weights = step % 2 ? MHA_WEIGHTS_AVERAGE : MHA_WEIGHTS_PER_HEAD;
+        r.attn_weights = w;
+        start_counting();
+        const mha_status st = mha_plan_forward(plan, &r);
+        const long n = stop_counting();
+        if (st != MHA_OK)
+            fail_msg("cached step %d: %s", step, mha_last_error());
+        if (n != 0)
+            fail_msg("cached mha_plan_forward (step %d) allocated %ld times",
+                     step, n);
+    }
+    mha_plan_free(plan);
+
+    /* mha_attention on the same cache (lengths 1112, 312, 12). */
+    const int64_t Lk = 1100 + LQ * STEPS;
+    float *q = malloc((size_t)(B * LQ * H * DH) * sizeof *q);
+    tu_fill(q, B * LQ * H * DH, 64, -1, 1);
+    mha_attention_args t = {0};
+    t.batch = B;
+    t.num_heads = H;
+    t.num_kv_heads = HKV;
+    t.head_dim = DH;
+    t.q_len = LQ;
+    t.q = q;
+    t.cache = kv;
+    t.num_threads = 2;
+    t.out = out;
+    mha_attention_plan *ap = NULL;
+    assert_int_equal(mha_attention_plan_create(&t, &ap), MHA_OK);
+    t.attn_mask = (mha_mask){MHA_MASK_ADDITIVE, add, 4, {B, H, LQ, Lk}};
+    t.key_padding_mask = (mha_mask){MHA_MASK_BLOCK, pad, 2, {B, Lk}};
+    t.key_lengths = kl;
+    t.need_weights = MHA_WEIGHTS_PER_HEAD;
+    t.attn_weights = w;
+    for (int64_t b = 0; b < B; b++)
+        kl[b] = Lk - 5 * b;
+    start_counting();
+    const mha_status st = mha_attention_plan_run(ap, &t);
+    const long n = stop_counting();
+    if (st != MHA_OK)
+        fail_msg("mha_attention on the cache: %s", mha_last_error());
+    if (n != 0)
+        fail_msg("mha_attention_plan_run on a cache allocated %ld times", n);
+    mha_attention_plan_free(ap);
+    free(q);
+    free(x);
+    free(out);
+    free(w);
+    free(add);
+    free(pad);
+    mha_kv_cache_free(kv);
+    mha_free(m);
+}
+
 /* The counters see libmha's own allocations: a one-shot forward allocates
  * its workspace, a plan its plan; and they count nothing when off. */
 static void test_wrap_counts_libmha(void **state)
@@ -311,6 +420,7 @@ int main(void)
         cmocka_unit_test(tu_test_tier),
         cmocka_unit_test(test_wrap_counts_libmha),
         cmocka_unit_test(test_plan_forward_allocates_nothing),
+        cmocka_unit_test(test_cached_plan_allocates_nothing),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -42,6 +42,13 @@ typedef struct mha_mask_plan {
 mha_status mha_mask_plan_init(mha_mask_plan *plan, int64_t heads,
                               int64_t extra_keys,
                               const mha_forward_args *args);
+/* The same for a forward with a KV cache: kv_len is Lk, the longest
+ * sequence once this step's keys are in (0 included), whatever
+ * args->kv_len says; a refusal says what Lk is.  mha_attn_use_cache then
+ * adds the causal masking of every sequence. */
+mha_status mha_mask_plan_init_cache(mha_mask_plan *plan, int64_t heads,
+                                    int64_t kv_len, int64_t extra_keys,
+                                    const mha_forward_args *args);
 
 /*
  * Fills row[0 .. total_keys) for (b, h, i) with what is added to the scaled
@@ -226,8 +233,10 @@ const unsigned char *mha_kv_cache_v_tile(const mha_kv_cache *c, int64_t b,
 
 /* Points problem `at` (its q, ctx, bias_k, zero_attn set) at the cache:
  * keys are each sequence's cached ones (Lk the longest), read in place,
- * masked causally bottom-right per sequence; `mask` receives the mask
- * plan and must outlive the run. */
+ * masked causally bottom-right per sequence.  `mask` is the caller's plan
+ * (mha_mask_plan_init_cache with kv_len = that Lk: attn_mask,
+ * key_padding_mask, key_lengths), to which the per-sequence causal
+ * masking is added; it must outlive the run. */
 void mha_attn_use_cache(mha_attn *at, const mha_kv_cache *kv,
                         mha_mask_plan *mask);
 

@@ -250,16 +250,12 @@ void mha_attn_use_cache(mha_attn *at, const mha_kv_cache *kv,
     at->packed = kv->extra;   /* the extra keys' tile of each (b, g) */
     at->packed_tiles = 1;
     at->prepacked = 1;
-    /* Causal bottom-right per sequence, and no key past its length.  An
-     * empty cache (longest 0) leaves every row with no key. */
-    *mask = (mha_mask_plan){0};
-    mask->batch = kv->B;
-    mask->heads = at->H;
-    mask->q_len = at->Lq;
-    mask->kv_len = longest;
-    mask->total_keys = at->Lt;
+    /* The caller's masks (for Lk = longest) stay; causal becomes
+     * bottom-right per sequence: new query i of sequence b sees keys
+     * j <= len_b - Lq + i, so never a key past its length, whatever the
+     * masks allow.  An empty cache (longest 0) leaves every row with no
+     * key. */
     mask->causal = MHA_CAUSAL_BOTTOM_RIGHT;
-    mask->key_lengths = kv->len;
     mask->seq_lengths = kv->len;
     at->mask = mask;
 }

@@ -15,6 +15,7 @@
 
 #include <float.h>
 #include <math.h>
+#include <stdio.h>
 
 static const char *kind_name(mha_mask_kind k)
 {
@@ -123,14 +124,15 @@ static mha_status plan_pad(mha_mask_plan *p, const mha_mask *mk)
     return MHA_OK;
 }
 
-mha_status mha_mask_plan_init(mha_mask_plan *p, int64_t heads,
-                              int64_t extra_keys, const mha_forward_args *a)
+/* The plan for kv_len real keys, whatever a->kv_len says. */
+static mha_status plan_init(mha_mask_plan *p, int64_t heads, int64_t kv_len,
+                            int64_t extra_keys, const mha_forward_args *a)
 {
     *p = (mha_mask_plan){0};
     p->batch = a->batch;
     p->heads = heads;
     p->q_len = a->q_len;
-    p->kv_len = a->kv_len ? a->kv_len : a->q_len;
+    p->kv_len = kv_len;
     p->total_keys = p->kv_len + extra_keys;
     if (a->causal != MHA_CAUSAL_NONE && a->causal != MHA_CAUSAL_BOTTOM_RIGHT &&
         a->causal != MHA_CAUSAL_TOP_LEFT)
@@ -153,6 +155,28 @@ mha_status mha_mask_plan_init(mha_mask_plan *p, int64_t heads,
         p->key_lengths = a->key_lengths;
     }
     return MHA_OK;
+}
+
+mha_status mha_mask_plan_init(mha_mask_plan *p, int64_t heads,
+                              int64_t extra_keys, const mha_forward_args *a)
+{
+    return plan_init(p, heads, a->kv_len ? a->kv_len : a->q_len, extra_keys,
+                     a);
+}
+
+mha_status mha_mask_plan_init_cache(mha_mask_plan *p, int64_t heads,
+                                    int64_t kv_len, int64_t extra_keys,
+                                    const mha_forward_args *a)
+{
+    const mha_status st = plan_init(p, heads, kv_len, extra_keys, a);
+    if (st != MHA_ERR_SHAPE && st != MHA_ERR_INVALID_ARGUMENT)
+        return st;
+    /* Say what Lk is: it changes with every step. */
+    char why[400];
+    snprintf(why, sizeof why, "%s", mha_last_error());
+    return mha_set_error(st, "%s (with a KV cache, Lk = %lld: the longest "
+                         "sequence in the cache, this step's tokens "
+                         "included)", why, (long long)kv_len);
 }
 
 /* Folds one mask value into the running bias of a column. */

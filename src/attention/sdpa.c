@@ -59,12 +59,7 @@ static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
                              (long long)s->Lk);
     if (a->cache) {
         const mha_kv_cache *kv = a->cache;
-        const char *bad = a->k ? "k" : a->v ? "v" : a->kv_len ? "kv_len"
-                        : a->attn_mask.kind != MHA_MASK_NONE ? "attn_mask"
-                        : a->key_padding_mask.kind != MHA_MASK_NONE
-                            ? "key_padding_mask"
-                        : a->key_lengths ? "key_lengths"
-                        : a->need_weights != MHA_WEIGHTS_NONE ? "need_weights"
+        const char *bad = a->k ? "k" : a->v ? "v"
                         : a->training ? "training"
                         : a->causal == MHA_CAUSAL_TOP_LEFT ? "causal TOP_LEFT"
                                                            : NULL;
@@ -73,6 +68,11 @@ static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
                                  "with a KV cache, %s must be unset: the keys "
                                  "are the cache's, masked causally per "
                                  "sequence", bad);
+        if (a->kv_len > kv->capacity)
+            return mha_set_error(MHA_ERR_SHAPE,
+                                 "kv_len %lld exceeds the cache's capacity "
+                                 "%lld", (long long)a->kv_len,
+                                 (long long)kv->capacity);
         if (kv->B != s->B || kv->Hkv != s->Hkv || kv->dh != s->dh)
             return mha_set_error(MHA_ERR_SHAPE,
                                  "the cache holds %lld sequences of %lld K/V "
@@ -115,7 +115,8 @@ static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
     return MHA_OK;
 }
 
-/* The mask plan of `a` (its mask fields are those of mha_forward_args). */
+/* The mask plan of `a` (its mask fields are those of mha_forward_args);
+ * with a cache, for its s->Lk keys. */
 static mha_status mask_plan(const mha_attention_args *a, const sdpa_shape *s,
                             mha_mask_plan *mask)
 {
@@ -127,7 +128,18 @@ static mha_status mask_plan(const mha_attention_args *a, const sdpa_shape *s,
     fa.key_padding_mask = a->key_padding_mask;
     fa.key_lengths = a->key_lengths;
     fa.causal = a->causal;
+    if (a->cache)
+        return mha_mask_plan_init_cache(mask, s->H, s->Lk, 0, &fa);
     return mha_mask_plan_init(mask, s->H, 0, &fa);
+}
+
+/* Lk of a run on a cache: its longest sequence (0 when it is empty). */
+static int64_t cache_keys(const mha_kv_cache *kv)
+{
+    int64_t longest = 0;
+    for (int64_t b = 0; b < kv->B; b++)
+        longest = kv->len[b] > longest ? kv->len[b] : longest;
+    return longest;
 }
 
 /* Whether [a, a + na) and [b, b + nb) (floats) share memory. */
@@ -293,11 +305,31 @@ mha_status mha_attention_plan_run(mha_attention_plan *p,
         if (!a->q || !a->out)
             return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
                                  !a->q ? "q" : "out");
-        const span outs[2] = {{"out", a->out, s.n_q},
+        /* The keys are the cache's: Lk is its longest sequence now. */
+        s.Lk = cache_keys(a->cache);
+        if (a->kv_len && a->kv_len != s.Lk)
+            return mha_set_error(MHA_ERR_SHAPE,
+                                 "kv_len %lld differs from Lk = %lld, the "
+                                 "longest sequence in the KV cache (0 = "
+                                 "that length)", (long long)a->kv_len,
+                                 (long long)s.Lk);
+        if (a->need_weights != MHA_WEIGHTS_NONE && !a->attn_weights)
+            return mha_set_error(MHA_ERR_NULL_POINTER,
+                                 "need_weights is set but attn_weights is "
+                                 "NULL");
+        s.n_w = s.B * s.Lq * s.Lk *
+                (a->need_weights == MHA_WEIGHTS_PER_HEAD ? s.H : 1);
+        float *w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights
+                                                       : NULL;
+        const span outs[3] = {{"out", a->out, s.n_q},
+                              {"attn_weights", w, s.n_w},
                               {"lse", a->lse, s.B * s.H * s.Lq}};
         const span ins[1] = {{"q", a->q, s.n_q}};
-        MHA_CHECK(check_disjoint(outs, 2, ins, 1));
+        MHA_CHECK(check_disjoint(outs, 3, ins, 1));
         mha_mask_plan mask;
+        MHA_CHECK(mask_plan(a, &s, &mask));
+        if (w)
+            memset(w, 0, (size_t)s.n_w * sizeof *w);
         mha_attn at = problem(p, a, &mask);
         mha_attn_use_cache(&at, a->cache, &mask);
         mha_attn_run(&p->eng, &at, p->ws + p->lay.scratch,

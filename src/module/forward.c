@@ -29,24 +29,24 @@
 
 
 /* A forward with a KV cache is incremental self-attention: what it
- * leaves unset, and the cache's shape. */
+ * leaves unset, and the cache's shape.  Its masks, key lengths and
+ * weights are for Lk keys, the longest sequence once the new tokens are
+ * in, which only the run knows (cache_keys). */
 static mha_status check_cache_args(const mha_module *m,
                                    const mha_forward_args *a)
 {
     const mha_kv_cache *kv = a->cache;
     const char *bad = a->key ? "key" : a->value ? "value"
-                    : a->kv_len ? "kv_len"
-                    : a->attn_mask.kind != MHA_MASK_NONE ? "attn_mask"
-                    : a->key_padding_mask.kind != MHA_MASK_NONE
-                        ? "key_padding_mask"
-                    : a->key_lengths ? "key_lengths"
-                    : a->need_weights != MHA_WEIGHTS_NONE ? "need_weights"
                     : a->training ? "training" : NULL;
     if (bad)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "with a KV cache, %s must be unset: the keys "
                              "are the cache's and the new tokens', masked "
                              "causally per sequence", bad);
+    if (a->kv_len > kv->capacity)
+        return mha_set_error(MHA_ERR_SHAPE,
+                             "kv_len %lld exceeds the cache's capacity %lld",
+                             (long long)a->kv_len, (long long)kv->capacity);
     if (a->causal == MHA_CAUSAL_TOP_LEFT)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "with a KV cache, causal masking is bottom-right "
@@ -68,7 +68,28 @@ static mha_status check_cache_args(const mha_module *m,
                              (long long)kv->dh, (long long)a->batch,
                              (long long)m->cfg.num_kv_heads,
                              (long long)m->head_dim);
+    /* The masks and weights of a run span up to the capacity's keys. */
+    const int64_t Lt = mha_total_keys(m, kv->capacity);
+    int64_t w;
+    if (!mha_mul_ok(a->batch, m->cfg.num_heads, &w) ||
+        !mha_mul_ok(w, a->q_len, &w) || !mha_mul_ok(w, Lt, &w) ||
+        w > INT64_MAX / 8)
+        return mha_set_error(MHA_ERR_OVERFLOW,
+                             "batch %lld x q_len %lld x %lld keys (the "
+                             "cache's capacity) overflow",
+                             (long long)a->batch, (long long)a->q_len,
+                             (long long)Lt);
     return MHA_OK;
+}
+
+/* The keys a forward with a cache attends to: the longest sequence once
+ * its Lq new tokens are in. */
+static int64_t cache_keys(const mha_kv_cache *kv, int64_t Lq)
+{
+    int64_t longest = 0;
+    for (int64_t b = 0; b < kv->B; b++)
+        longest = kv->len[b] + Lq > longest ? kv->len[b] + Lq : longest;
+    return longest;
 }
 
 /* Checks everything about `a` but its data pointers. */
@@ -89,7 +110,8 @@ mha_status mha_fwd_check_shapes(const mha_module *m,
                              (long long)a->kv_len);
     p->B = a->batch;
     p->Lq = a->q_len;
-    p->Lk = a->kv_len ? a->kv_len : a->q_len;
+    /* With a cache, the keys projected here are the Lq new tokens'. */
+    p->Lk = a->kv_len && !a->cache ? a->kv_len : a->q_len;
     p->Lt = mha_total_keys(m, p->Lk);
     p->E = c->embed_dim;
     p->H = c->num_heads;
@@ -268,16 +290,17 @@ uint64_t mha_fwd_fingerprint(const mha_module *m, const fwd_shape *s,
  * values (at->k, at->v, Lq rows per sequence) are appended to the cache,
  * the cache's extra-key tiles (bias_k, the zero key) written, and the new
  * queries attend to the cache, each sequence over its own length with
- * bottom-right causal masking.
+ * bottom-right causal masking added to the caller's masks (`mask`, made
+ * for Lk = the longest sequence after the append).
  */
-static void cached_attention(mha_plan *plan, mha_kv_cache *kv, mha_attn *at)
+static void cached_attention(mha_plan *plan, mha_kv_cache *kv, mha_attn *at,
+                             mha_mask_plan *mask)
 {
     const fwd_shape *s = &plan->shape;
     for (int64_t b = 0; b < s->B; b++)
         mha_kv_cache_put(kv, b, at->k + b * s->Lq * at->ldk, at->ldk,
                          at->v + b * s->Lq * at->ldv, at->ldv, s->Lq);
-    mha_mask_plan mask;
-    mha_attn_use_cache(at, kv, &mask);
+    mha_attn_use_cache(at, kv, mask);
     mha_attn_run(&plan->eng, at, ws_attn(plan) + plan->lay.scratch,
                  plan->lay.per_thread);
 }
@@ -337,7 +360,25 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
         return mha_set_error(MHA_ERR_NULL_POINTER,
                              "need_weights is set but attn_weights is NULL");
     mha_mask_plan mask;
-    MHA_CHECK(mha_mask_plan_init(&mask, s.H, s.Lt - s.Lk, a));
+    int64_t n_w = s.n_w;
+    if (a->cache) {
+        /* Masks and weights span Lk keys: the longest sequence once this
+         * step's tokens are in.  Every check passes before the append. */
+        const int64_t Lk = cache_keys(a->cache, s.Lq);
+        if (a->kv_len && a->kv_len != Lk)
+            return mha_set_error(MHA_ERR_SHAPE,
+                                 "kv_len %lld differs from Lk = %lld, the "
+                                 "longest sequence in the KV cache with "
+                                 "this step's %lld tokens (0 = that length)",
+                                 (long long)a->kv_len, (long long)Lk,
+                                 (long long)s.Lq);
+        const int64_t Lt = mha_total_keys(m, Lk);
+        MHA_CHECK(mha_mask_plan_init_cache(&mask, s.H, Lk, Lt - Lk, a));
+        n_w = s.B * s.Lq * Lt *
+              (a->need_weights == MHA_WEIGHTS_PER_HEAD ? s.H : 1);
+    } else {
+        MHA_CHECK(mha_mask_plan_init(&mask, s.H, s.Lt - s.Lk, a));
+    }
     MHA_CHECK(check_head_mask(a->head_mask, s.H));
 
     /* Taken before out (which may alias the query) is written. */
@@ -378,7 +419,7 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
         }
     }
     if (a->need_weights != MHA_WEIGHTS_NONE)
-        memset(a->attn_weights, 0, (size_t)s.n_w * sizeof(float));
+        memset(a->attn_weights, 0, (size_t)n_w * sizeof(float));
     plan->q = qp; plan->k = kp; plan->v = vp;
     plan->ldq = ldq; plan->ldk = ldk; plan->ldv = ldv;
     plan->fuse_qkv = fuse_qkv;
@@ -386,7 +427,7 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
     mha_attn at;
     mha_plan_attn(plan, a, &mask, &at);
     if (a->cache)   /* the cache's keys; no backward: has_saved stays 0 */
-        cached_attention(plan, a->cache, &at);
+        cached_attention(plan, a->cache, &at, &mask);
     else
         mha_attn_run(&plan->eng, &at, ws_attn(plan) + plan->lay.scratch,
                      plan->lay.per_thread);
