@@ -100,8 +100,12 @@ MK_INLINE __m256 ldb(const int T, const bsrc *b, int k, int j, int masked,
             buf[i] = elem(T, b, k, j + i);
         return _mm256_loadu_ps(buf);
     }
-    const __m128i h = _mm_loadu_si128(
-        (const __m128i *)((const uint16_t *)b->x + at));
+    /* (Only 16-bit elements are read as such: a q8 row is bytes, and read
+     * as 16-bit it ran past the end of a cache's last tile.) */
+    const __m128i h = T == B_F16 || T == B_BF16
+                          ? _mm_loadu_si128(
+                                (const __m128i *)((const uint16_t *)b->x + at))
+                          : _mm_setzero_si128();
     switch (T) {
     case B_F16: return _mm256_cvtph_ps(h);
     case B_BF16:

@@ -77,8 +77,12 @@ MK_INLINE __m512 ldb(const int T, const bsrc *b, int k, int j, __mmask16 m,
             buf[i] = elem(T, b, k, j + i);
         return _mm512_loadu_ps(buf);
     }
-    const __m256i h = _mm256_loadu_si256(
-        (const __m256i *)((const uint16_t *)b->x + at));
+    /* (Only 16-bit elements are read as such: a q8 row is bytes, and read
+     * as 16-bit it ran past the end of a cache's last tile.) */
+    const __m256i h = T == B_F16 || T == B_BF16
+                          ? _mm256_loadu_si256(
+                                (const __m256i *)((const uint16_t *)b->x + at))
+                          : _mm256_setzero_si256();
     switch (T) {
     case B_F16: return _mm512_cvtph_ps(h);
     case B_BF16:
