@@ -369,7 +369,11 @@ typedef struct mha_forward_args {
                              Lk.  key, value and training must be unset;
                              causal NONE or BOTTOM_RIGHT (the same).  A
                              refused call leaves the cache unchanged.  A
-                             cached forward has no backward.               */
+                             cached forward has no backward.  A sliding-
+                             window cache (mha_kv_cache_config.window W)
+                             attends each new token to the W positions
+                             up to itself; it takes no masks, key_lengths
+                             or weights, and Lq + W - 1 <= its capacity. */
 } mha_forward_args;
 
 /* Lk + (add_bias_kv ? 1 : 0) + (add_zero_attn ? 1 : 0): the key axis of
@@ -428,7 +432,12 @@ typedef struct mha_attention_args {
                              Lk = the longest sequence in the cache (keys
                              past a sequence's length are masked); kv_len
                              0 or that Lk.  k, v and training must be
-                             unset, causal not TOP_LEFT; no backward.    */
+                             unset, causal not TOP_LEFT; no backward.
+                             With a sliding-window cache the queries are
+                             each sequence's last Lq positions, each
+                             seeing the W keys up to itself (the ring
+                             must still hold them); no masks,
+                             key_lengths or weights.                     */
 } mha_attention_args;
 MHA_API mha_status mha_attention(const mha_attention_args *args);
 
@@ -608,40 +617,67 @@ typedef enum mha_kv_dtype {
                           NaN or Inf reads as NaN                        */
 } mha_kv_dtype;
 
+/*
+ * A sliding-window cache (window W >= 1, Mistral-style models): the query
+ * at absolute position P attends to the keys at positions
+ * max(0, P - W + 1) .. P, itself included, and the cache is a ring of
+ * `capacity` >= W slots per sequence that keeps only the last tokens:
+ * position p sits in slot p % capacity, overwriting position
+ * p - capacity.  A sequence's length still counts every token it was
+ * given (positions 0 .. length - 1), so a window cache decodes for ever
+ * in a fixed memory.  A step of n new tokens needs n + W - 1 <= capacity
+ * (the ring must hold every key its queries see): a decoder of chunks of
+ * C tokens uses capacity W - 1 + C.  Masks, key_lengths and attention
+ * weights are refused with a window (MHA_ERR_UNSUPPORTED); kv_len must
+ * be 0.  The attention sums the keys in slot order, which after the ring
+ * wraps around is not position order: results equal the windowed
+ * attention of the whole sequence up to float rounding (bitwise while
+ * nothing has wrapped).  docs/semantics.md has the details.
+ */
 typedef struct mha_kv_cache_config {
     int64_t batch;         /* sequences, >= 1                          */
     int64_t num_kv_heads;  /* H_kv, >= 1                               */
     int64_t head_dim;      /* d_h, >= 1                                */
-    int64_t capacity;      /* tokens per sequence, >= 1                */
+    int64_t capacity;      /* tokens per sequence, >= 1; with a window,
+                              the ring's slots per sequence, >= window */
     mha_kv_dtype dtype;    /* MHA_KV_F32 (0), _F16, _BF16 or _Q8       */
+    int64_t window;        /* 0: an ordinary cache; W >= 1: a sliding-
+                              window cache (above)                      */
 } mha_kv_cache_config;
 
 MHA_API mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
                                        mha_kv_cache **out);
-/* A cache shaped for `module` (its H_kv and d_h), f32.  For another
- * dtype, mha_kv_cache_create with the module's num_kv_heads and head_dim
- * (mha_get_config). */
+/* A cache shaped for `module` (its H_kv and d_h), f32, no window.  For
+ * another dtype or a window, mha_kv_cache_create with the module's
+ * num_kv_heads and head_dim (mha_get_config). */
 MHA_API mha_status mha_kv_cache_for_module(const mha_module *module,
                                            int64_t batch, int64_t capacity,
                                            mha_kv_cache **out);
 /* Frees the cache.  NULL is accepted and ignored. */
 MHA_API void mha_kv_cache_free(mha_kv_cache *cache);
-/* Tokens held by sequence `seq`; -1 for a NULL cache or a bad seq. */
+/* Tokens held by sequence `seq`; -1 for a NULL cache or a bad seq.  With
+ * a window: every token appended since the last reset (a ring holds the
+ * last min(length, capacity) of them). */
 MHA_API int64_t mha_kv_cache_length(const mha_kv_cache *cache, int64_t seq);
 /* Appends n tokens to sequence seq: k and v (n, H_kv * d_h), projected
- * (and rotated).  Past the capacity: refused, nothing appended. */
+ * (and rotated).  Past the capacity: refused, nothing appended.  With a
+ * window, any n <= capacity: the oldest positions are overwritten. */
 MHA_API mha_status mha_kv_cache_append(mha_kv_cache *cache, int64_t seq,
                                        const float *k, const float *v,
                                        int64_t n);
 /* Keeps the first `length` tokens of sequence seq (0 <= length <= its
- * length): the rollback after rejected speculative tokens. */
+ * length): the rollback after rejected speculative tokens.  With a
+ * window W, only while the ring still holds positions max(0, length - W)
+ * .. length - 1 (what the next token attends to); else refused, naming
+ * the oldest position held. */
 MHA_API mha_status mha_kv_cache_truncate(mha_kv_cache *cache, int64_t seq,
                                          int64_t length);
 /* Empties sequence seq (-1: every sequence). */
 MHA_API mha_status mha_kv_cache_reset(mha_kv_cache *cache, int64_t seq);
 /* Copies tokens start .. start+n-1 of sequence seq, as the attention reads
  * them (the stored values, converted to float), into k and v (n, H_kv *
- * d_h); either may be NULL. */
+ * d_h); either may be NULL.  With a window, positions the ring no longer
+ * holds are refused. */
 MHA_API mha_status mha_kv_cache_read(const mha_kv_cache *cache, int64_t seq,
                                      int64_t start, int64_t n, float *k,
                                      float *v);

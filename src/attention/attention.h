@@ -35,6 +35,14 @@ typedef struct mha_mask_plan {
                                     count, to which bottom-right causal
                                     masking aligns instead of Lk (the
                                     sequences of a KV cache) */
+    int64_t window, ring;        /* window > 0: a sliding-window KV cache.
+                                    Key column j is then slot j of a ring
+                                    of `ring` slots, holding the position
+                                    mha_ring_position gives, and row i of
+                                    batch b sees the positions
+                                    mha_mask_window gives (seq_lengths
+                                    set, no explicit mask, no key
+                                    lengths) */
 } mha_mask_plan;
 
 /* Validates every mask argument of `args` (batch, q_len, kv_len and the
@@ -65,6 +73,24 @@ int64_t mha_mask_cols(const mha_mask_plan *plan, int64_t b, int64_t h,
 /* The last real key that causal masking and key_lengths leave to query
  * row i of batch b (-1: none).  Explicit masks may block more. */
 int64_t mha_mask_last(const mha_mask_plan *plan, int64_t b, int64_t i);
+
+/*
+ * A sliding-window cache's ring: the position held by slot s of a sequence
+ * of length n (positions 0 .. n-1, position p in slot p % ring), < 0 for
+ * a slot never written.  head = n % ring is the slot the next position
+ * takes: slots before it hold this lap's positions, the others the last
+ * lap's.  Positions rise by one from slot to slot except at head.
+ */
+static inline int64_t mha_ring_position(int64_t n, int64_t ring, int64_t s)
+{
+    const int64_t head = n % ring;
+    return n - head + s - (s < head ? 0 : ring);
+}
+
+/* With a window: the positions row i of batch b sees, *lo .. the one
+ * returned, its own (none when that is < 0). */
+int64_t mha_mask_window(const mha_mask_plan *plan, int64_t b, int64_t i,
+                        int64_t *lo);
 
 /* Whether the plan has an explicit (memory) mask, as opposed to masking
  * that follows from indices alone. */
@@ -216,12 +242,19 @@ void mha_attn_backward(const mha_engine *e, const mha_attn *a,
  */
 struct mha_kv_cache {
     int64_t B, Hkv, dh, capacity;
+    int64_t window;         /* 0, or W: a ring of `capacity` slots (mha.h) */
+    int64_t *start;         /* [B] the oldest position held (window only:
+                               the ring overwrote the ones before)        */
     int64_t tiles;          /* per (b, g): ceil(capacity / MHA_BC)        */
     mha_kv_dtype dtype;
     int64_t tile_bytes;     /* one kt or v tile: mha_kv_tile_bytes        */
     int64_t *len;           /* [B] keys held per sequence                 */
     unsigned char *k, *v;   /* [B][Hkv][tiles] kt tiles, then v tiles     */
-    float *finite;          /* [B][Hkv][tiles] 1.0f: every value finite   */
+    float *finite;          /* [B][Hkv][tiles] 1.0f: every value finite
+                               (of the columns 0 .. len - 1 a sequence
+                               fills; with a window, of the whole tile,
+                               since a ring's tile holds any of its
+                               columns, older positions included)      */
     float *extra;           /* mha_packed_floats(B, Hkv, 0, dh): one tile */
 };
 
@@ -231,9 +264,22 @@ const unsigned char *mha_kv_cache_k_tile(const mha_kv_cache *c, int64_t b,
 const unsigned char *mha_kv_cache_v_tile(const mha_kv_cache *c, int64_t b,
                                          int64_t g, int64_t t);
 
+/* The keys a step attends once `more` tokens are appended to every
+ * sequence: the longest sequence, or with a window the most slots a
+ * sequence fills (min(length, capacity)); its Lk. */
+int64_t mha_kv_cache_keys(const mha_kv_cache *c, int64_t more);
+
+/* A step of q_len queries per sequence on a window cache, after `more`
+ * new tokens are appended (0: the caller appended them): refused unless
+ * q_len + W - 1 <= capacity and the ring holds every position each
+ * sequence's queries see.  MHA_OK for an ordinary cache. */
+mha_status mha_kv_cache_check_window(const mha_kv_cache *c, int64_t q_len,
+                                     int64_t more);
+
 /* Points problem `at` (its q, ctx, bias_k, zero_attn set) at the cache:
- * keys are each sequence's cached ones (Lk the longest), read in place,
- * masked causally bottom-right per sequence.  `mask` is the caller's plan
+ * keys are each sequence's cached ones (Lk = mha_kv_cache_keys), read in
+ * place, masked causally bottom-right per sequence (and, with a window,
+ * by position: key column j is slot j).  `mask` is the caller's plan
  * (mha_mask_plan_init_cache with kv_len = that Lk: attn_mask,
  * key_padding_mask, key_lengths), to which the per-sequence causal
  * masking is added; it must outlive the run. */
@@ -241,8 +287,9 @@ void mha_attn_use_cache(mha_attn *at, const mha_kv_cache *kv,
                         mha_mask_plan *mask);
 
 /* Appends n keys and values to sequence b: row r of k and v (row stride
- * ldk, ldv; head g at g * dh) at positions len[b] + r.  The caller has
- * checked the capacity. */
+ * ldk, ldv; head g at g * dh) at positions len[b] + r (in slot
+ * (len[b] + r) % capacity with a window).  The caller has checked the
+ * capacity. */
 void mha_kv_cache_put(mha_kv_cache *c, int64_t b, const float *k,
                       int64_t ldk, const float *v, int64_t ldv, int64_t n);
 
@@ -341,13 +388,17 @@ static inline int mha_tile_keys(const mha_attn *a, int64_t t)
 }
 
 /* How a tile's scores are masked: not at all, by index only (causal,
- * key_lengths: each row's keys past its limit), or by an explicit mask
- * (the tile's bias rows). */
-enum { MHA_TILE_OPEN = 0, MHA_TILE_BY_INDEX = 1, MHA_TILE_EXPLICIT = 2 };
+ * key_lengths: each row's keys past its limit), by an explicit mask (the
+ * tile's bias rows), or by position (a sliding-window cache: each key's
+ * position, from its slot, outside the row's window). */
+enum { MHA_TILE_OPEN = 0, MHA_TILE_BY_INDEX = 1, MHA_TILE_EXPLICIT = 2,
+       MHA_TILE_WINDOW = 3 };
 
 /*
  * One tile of work: query rows i0 .. i0+mr-1 of head h of batch b against
- * keys j0 .. j0+nc-1 (j0 >= Lk: the extra keys).  The descriptor is what
+ * keys j0 .. j0+nc-1 (j0 >= Lk: the extra keys; on a sliding-window cache
+ * the keys of slots j0 .. j0+nc-1, whose positions follow from the slot,
+ * the sequence's length and the ring).  The descriptor is what
  * every tile algorithm (forward, weights, the backward's two sweeps)
  * reads; per-tile state that a future score modifier needs (key
  * positions, windows, offsets) belongs here.
@@ -361,7 +412,8 @@ typedef struct mha_tile {
     int nc;
     int64_t index;       /* its tile in the packed layout               */
     int extra;           /* the tile of the extra keys (never masked)  */
-    int how;             /* MHA_TILE_OPEN, _BY_INDEX or _EXPLICIT      */
+    int how;             /* MHA_TILE_OPEN, _BY_INDEX, _EXPLICIT or
+                            _WINDOW                                     */
     const float *bias;   /* [mr][MHA_BC] additive mask (EXPLICIT only) */
     int stack;           /* 0, or the block stacks the query heads of K/V
                             head g (decoding with grouped-query attention:
@@ -397,8 +449,9 @@ typedef void (*mha_tile_fn)(const mha_attn *a, const mha_tile *t, void *ctx);
  * Visits the tiles of rows i0 .. i0+mr-1 of (b, h) over keys k0 .. k1-1
  * in ascending order, then the extra keys' tile when with_extra.  Keys
  * past the last one any row may see are never visited, nor an explicitly
- * masked tile with no live key.  bias: [MHA_BR][MHA_BC] floats for the
- * explicit mask of a tile.
+ * masked tile with no live key, nor (a window cache: k0, k1 are slots) a
+ * slot tile holding no position a row sees.  bias: [MHA_BR][MHA_BC]
+ * floats for the explicit mask of a tile.
  */
 void mha_for_each_tile(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
                        int mr, int64_t k0, int64_t k1, int with_extra,

@@ -15,6 +15,13 @@
  * p % MHA_BC of tile p / MHA_BC.  Converting to the dtype happens once,
  * when a token is appended (round to nearest even; q8 as kernels.h
  * defines it); reading converts back in registers.
+ *
+ * A sliding-window cache (window W) is a ring: position p goes to slot
+ * p % capacity (column slot % MHA_BC of tile slot / MHA_BC), overwriting
+ * position p - capacity, and start[b] remembers the oldest position the
+ * ring still holds (truncation does not bring back what was
+ * overwritten).  The attention reads the slots as they lie and masks
+ * each by the position it holds (tiles.c).
  */
 #include "attention.h"
 
@@ -50,6 +57,13 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *cfg,
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "cache dtype %d: expected MHA_KV_F32, _F16, "
                              "_BF16 or _Q8", (int)cfg->dtype);
+    if (cfg->window < 0 || cfg->window > cfg->capacity)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "cache window %lld: expected 0 (no window) or "
+                             "1 .. the capacity %lld (the ring holds at "
+                             "least the window's keys)",
+                             (long long)cfg->window,
+                             (long long)cfg->capacity);
     /* Each dimension below 2^31 (the kernels' int widths), then the
      * products checked. */
     int64_t bg, tiles_all, bytes, extra;
@@ -70,15 +84,17 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *cfg,
                              (long long)cfg->head_dim);
     mha_kv_cache *c = calloc(1, sizeof *c);
     int64_t *len = calloc((size_t)cfg->batch, sizeof *len);
+    int64_t *start = calloc((size_t)cfg->batch, sizeof *start);
     /* Zeroed: a tile's unused columns hold finite values (0 in every
      * dtype, a q8 scale of 0 too). */
     unsigned char *data = (uint64_t)bytes <= SIZE_MAX
                               ? calloc((size_t)bytes, 1) : NULL;
     float *finite = calloc((size_t)tiles_all, sizeof *finite);
     float *extra_tiles = mha_alloc_floats(extra, "KV cache's extra keys");
-    if (!c || !len || !data || !finite || !extra_tiles) {
+    if (!c || !len || !start || !data || !finite || !extra_tiles) {
         free(c);
         free(len);
+        free(start);
         free(data);
         free(finite);
         free(extra_tiles);
@@ -92,6 +108,8 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *cfg,
     c->Hkv = cfg->num_kv_heads;
     c->dh = cfg->head_dim;
     c->capacity = cfg->capacity;
+    c->window = cfg->window;
+    c->start = start;
     c->tiles = tiles;
     c->dtype = cfg->dtype;
     c->tile_bytes = mha_kv_tile_bytes(cfg->dtype, MHA_BC, cfg->head_dim);
@@ -109,6 +127,7 @@ void mha_kv_cache_free(mha_kv_cache *c)
     if (!c)
         return;
     free(c->len);
+    free(c->start);
     free(c->k);   /* the one allocation of both planes */
     free(c->finite);
     free(c->extra);
@@ -222,25 +241,76 @@ void mha_kv_cache_put(mha_kv_cache *c, int64_t b, const float *k,
     const int64_t dh = c->dh;
     for (int64_t r = 0; r < n; r++) {
         const int64_t pos = c->len[b] + r;
-        const int64_t t = pos / MHA_BC, col = pos % MHA_BC;
+        const int64_t slot = c->window ? pos % c->capacity : pos;
+        const int64_t t = slot / MHA_BC, col = slot % MHA_BC;
         for (int64_t g = 0; g < c->Hkv; g++) {
             put_column(c, b, g, t, col, k + r * ldk + g * dh,
                        v + r * ldv + g * dh);
-            /* Finite only if every column so far is. */
             float *flag = c->finite + (b * c->Hkv + g) * c->tiles + t;
             const float mine = tile_finite(c, b, g, t, col, col + 1);
-            *flag = col == 0 ? mine : *flag * mine;
+            if (!c->window)   /* finite only if every column so far is */
+                *flag = col == 0 ? mine : *flag * mine;
+            else if (mine == 0.0f)
+                *flag = 0.0f;
+            else if (*flag == 0.0f)   /* the bad column may be gone */
+                *flag = tile_finite(c, b, g, t, 0, MHA_BC);
         }
     }
     c->len[b] += n;
+    if (c->window && c->len[b] - c->capacity > c->start[b])
+        c->start[b] = c->len[b] - c->capacity;   /* overwritten */
+}
+
+int64_t mha_kv_cache_keys(const mha_kv_cache *c, int64_t more)
+{
+    int64_t longest = 0;
+    for (int64_t b = 0; b < c->B; b++) {
+        int64_t n = c->len[b] + more;
+        if (c->window && n > c->capacity)
+            n = c->capacity;   /* the ring's slots */
+        longest = n > longest ? n : longest;
+    }
+    return longest;
+}
+
+mha_status mha_kv_cache_check_window(const mha_kv_cache *c, int64_t q_len,
+                                     int64_t more)
+{
+    if (!c->window)
+        return MHA_OK;
+    const int64_t W = c->window, C = c->capacity;
+    if (q_len > C - W + 1)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "%lld queries with a window of %lld need the "
+                             "ring to hold %lld keys (q_len + window - 1), "
+                             "more than its capacity %lld",
+                             (long long)q_len, (long long)W,
+                             (long long)(q_len + W - 1), (long long)C);
+    for (int64_t b = 0; b < c->B; b++) {
+        /* The queries are the last q_len positions once `more` are in;
+         * the first sees from its position - W + 1. */
+        const int64_t n = c->len[b] + more;
+        int64_t need = n - q_len - W + 1, held = c->start[b];
+        need = need > 0 ? need : 0;
+        held = n - C > held ? n - C : held;
+        if (need < held)
+            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                 "sequence %lld: its queries at positions "
+                                 "%lld .. %lld see keys from position %lld, "
+                                 "but the ring holds positions %lld .. %lld "
+                                 "only (window %lld, capacity %lld)",
+                                 (long long)b, (long long)(n - q_len),
+                                 (long long)(n - 1), (long long)need,
+                                 (long long)held, (long long)(n - 1),
+                                 (long long)W, (long long)C);
+    }
+    return MHA_OK;
 }
 
 void mha_attn_use_cache(mha_attn *at, const mha_kv_cache *kv,
                         mha_mask_plan *mask)
 {
-    int64_t longest = 0;
-    for (int64_t b = 0; b < kv->B; b++)
-        longest = kv->len[b] > longest ? kv->len[b] : longest;
+    const int64_t longest = mha_kv_cache_keys(kv, 0);
     const int64_t extra = (at->bias_k != NULL) + (at->zero_attn != 0);
     at->Lk = longest;
     at->Lt = longest + extra;
@@ -257,6 +327,10 @@ void mha_attn_use_cache(mha_attn *at, const mha_kv_cache *kv,
      * key. */
     mask->causal = MHA_CAUSAL_BOTTOM_RIGHT;
     mask->seq_lengths = kv->len;
+    /* A window: key column j is slot j, masked by the position it holds
+     * (the callers refused explicit masks and key lengths). */
+    mask->window = kv->window;
+    mask->ring = kv->capacity;
     at->mask = mask;
 }
 
@@ -281,12 +355,21 @@ mha_status mha_kv_cache_append(mha_kv_cache *c, int64_t seq, const float *k,
     if (n > 0 && (!k || !v))
         return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
                              !k ? "k" : "v");
-    if (n > c->capacity - c->len[seq])
+    if (c->window && n > c->capacity)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "appending %lld tokens at once exceeds the "
+                             "capacity %lld of the window cache's ring",
+                             (long long)n, (long long)c->capacity);
+    if (!c->window && n > c->capacity - c->len[seq])
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "appending %lld tokens to sequence %lld of "
                              "length %lld exceeds the capacity %lld",
                              (long long)n, (long long)seq,
                              (long long)c->len[seq], (long long)c->capacity);
+    if (c->window && n > INT64_MAX - c->len[seq])
+        return mha_set_error(MHA_ERR_OVERFLOW,
+                             "sequence %lld's length overflows",
+                             (long long)seq);
     const int64_t Ekv = c->Hkv * c->dh;
     mha_kv_cache_put(c, seq, k, Ekv, v, Ekv, n);
     return MHA_OK;
@@ -301,6 +384,28 @@ mha_status mha_kv_cache_truncate(mha_kv_cache *c, int64_t seq,
                              "cannot truncate sequence %lld of length %lld "
                              "to %lld", (long long)seq,
                              (long long)c->len[seq], (long long)length);
+    if (c->window) {
+        /* The next token attends to positions length - W + 1 .. length,
+         * and a query of the last one kept to length - W .. length - 1:
+         * those the ring must still hold.  Its storage is unchanged, and
+         * every tile's flag covers every column: nothing else to do.
+         * Truncating to 0 needs nothing: the sequence starts again. */
+        const int64_t need = length - c->window > 0 ? length - c->window : 0;
+        if (length == 0)
+            c->start[seq] = 0;
+        else if (need < c->start[seq])
+            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                 "cannot truncate sequence %lld of length "
+                                 "%lld to %lld: a window of %lld needs "
+                                 "positions %lld .. %lld, but the oldest "
+                                 "position the ring holds is %lld",
+                                 (long long)seq, (long long)c->len[seq],
+                                 (long long)length, (long long)c->window,
+                                 (long long)need, (long long)(length - 1),
+                                 (long long)c->start[seq]);
+        c->len[seq] = length;
+        return MHA_OK;
+    }
     c->len[seq] = length;
     /* The tile the sequence now ends in keeps only finite-or-not of its
      * remaining columns; a whole tile is flagged anew by its next put. */
@@ -322,11 +427,21 @@ mha_status mha_kv_cache_read(const mha_kv_cache *c, int64_t seq,
                              "of length %lld", (long long)start,
                              (long long)(start + n - 1), (long long)seq,
                              (long long)c->len[seq]);
+    if (c->window && n > 0 && start < c->start[seq])
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "tokens %lld .. %lld of sequence %lld: the "
+                             "window cache's ring holds positions %lld .. "
+                             "%lld only", (long long)start,
+                             (long long)(start + n - 1), (long long)seq,
+                             (long long)c->start[seq],
+                             (long long)(c->len[seq] - 1));
     if (n > 0 && !k && !v)
         return mha_set_error(MHA_ERR_NULL_POINTER, "k and v are both NULL");
     const int64_t dh = c->dh, Ekv = c->Hkv * dh;
     for (int64_t r = 0; r < n; r++) {
-        const int64_t t = (start + r) / MHA_BC, col = (start + r) % MHA_BC;
+        const int64_t slot = c->window ? (start + r) % c->capacity
+                                       : start + r;
+        const int64_t t = slot / MHA_BC, col = slot % MHA_BC;
         for (int64_t g = 0; g < c->Hkv; g++) {
             const void *kt = mha_kv_cache_k_tile(c, seq, g, t);
             const void *vt = mha_kv_cache_v_tile(c, seq, g, t);
@@ -347,9 +462,11 @@ mha_status mha_kv_cache_reset(mha_kv_cache *c, int64_t seq)
 {
     if (c && seq == -1) {
         memset(c->len, 0, (size_t)c->B * sizeof *c->len);
+        memset(c->start, 0, (size_t)c->B * sizeof *c->start);
         return MHA_OK;
     }
     MHA_CHECK(check_seq(c, seq));
     c->len[seq] = 0;
+    c->start[seq] = 0;
     return MHA_OK;
 }

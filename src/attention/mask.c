@@ -216,9 +216,39 @@ int64_t mha_mask_last(const mha_mask_plan *p, int64_t b, int64_t i)
     return last < -1 ? -1 : last;
 }
 
+int64_t mha_mask_window(const mha_mask_plan *p, int64_t b, int64_t i,
+                        int64_t *lo)
+{
+    /* Bottom-right per sequence: row i is position n_b - Lq + i, and it
+     * sees itself and the window - 1 positions before it. */
+    const int64_t hi = p->seq_lengths[b] - p->q_len + i;
+    const int64_t first = hi - p->window + 1;
+    *lo = first > 0 ? first : 0;
+    return hi;
+}
+
+/* Columns j0 .. j0+n-1 of row i of a sliding-window cache: slots, each
+ * live when the position it holds is in the row's window. */
+static int64_t window_cols(const mha_mask_plan *p, int64_t b, int64_t i,
+                           int64_t j0, int64_t n, float *row)
+{
+    int64_t lo;
+    const int64_t hi = mha_mask_window(p, b, i, &lo);
+    int64_t live = 0;
+    for (int64_t c = 0; c < n; c++) {
+        const int64_t pos = mha_ring_position(p->seq_lengths[b], p->ring,
+                                              j0 + c);
+        row[c] = pos >= lo && pos <= hi ? 0.0f : -INFINITY;
+        live += row[c] == 0.0f;
+    }
+    return live;
+}
+
 int64_t mha_mask_cols(const mha_mask_plan *p, int64_t b, int64_t h, int64_t i,
                       int64_t j0, int64_t n, float *row)
 {
+    if (p->window)   /* (no explicit mask composes with a window) */
+        return window_cols(p, b, i, j0, n, row);
     const int64_t Lk = p->kv_len;
     const int64_t last = mha_mask_last(p, b, i);
     const int64_t attn_off = b * p->attn_stride_b + h * p->attn_stride_h +

@@ -81,6 +81,21 @@ static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
                                  (long long)kv->B, (long long)kv->Hkv,
                                  (long long)kv->dh, (long long)s->B,
                                  (long long)s->Hkv, (long long)s->dh);
+        if (kv->window) {
+            /* Its keys are slots of a ring (forward.c says the same). */
+            const char *no = a->attn_mask.kind ? "attn_mask"
+                           : a->key_padding_mask.kind ? "key_padding_mask"
+                           : a->key_lengths ? "key_lengths"
+                           : a->need_weights ? "need_weights"
+                           : a->kv_len ? "kv_len" : NULL;
+            if (no)
+                return mha_set_error(MHA_ERR_UNSUPPORTED,
+                                     "with a sliding-window KV cache, %s "
+                                     "must be unset: its keys are the last "
+                                     "window positions of each sequence, "
+                                     "held in a ring", no);
+            MHA_CHECK(mha_kv_cache_check_window(kv, s->Lq, 0));
+        }
         s->Lk = kv->capacity;   /* the most keys a run can read */
     }
     if (s->Hkv < 1 || s->H % s->Hkv != 0)
@@ -131,15 +146,6 @@ static mha_status mask_plan(const mha_attention_args *a, const sdpa_shape *s,
     if (a->cache)
         return mha_mask_plan_init_cache(mask, s->H, s->Lk, 0, &fa);
     return mha_mask_plan_init(mask, s->H, 0, &fa);
-}
-
-/* Lk of a run on a cache: its longest sequence (0 when it is empty). */
-static int64_t cache_keys(const mha_kv_cache *kv)
-{
-    int64_t longest = 0;
-    for (int64_t b = 0; b < kv->B; b++)
-        longest = kv->len[b] > longest ? kv->len[b] : longest;
-    return longest;
 }
 
 /* Whether [a, a + na) and [b, b + nb) (floats) share memory. */
@@ -305,8 +311,9 @@ mha_status mha_attention_plan_run(mha_attention_plan *p,
         if (!a->q || !a->out)
             return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
                                  !a->q ? "q" : "out");
-        /* The keys are the cache's: Lk is its longest sequence now. */
-        s.Lk = cache_keys(a->cache);
+        /* The keys are the cache's: Lk is its longest sequence now (a
+         * window cache: the most slots a sequence fills). */
+        s.Lk = mha_kv_cache_keys(a->cache, 0);
         if (a->kv_len && a->kv_len != s.Lk)
             return mha_set_error(MHA_ERR_SHAPE,
                                  "kv_len %lld differs from Lk = %lld, the "

@@ -7,6 +7,13 @@
  * masking and key_lengths leave are never visited, and a tile wholly
  * before the first row's limit needs no mask at all.  Only tiles on the
  * diagonal, or under an explicit mask, are masked element by element.
+ *
+ * A sliding-window KV cache is walked by slot: its keys are a ring, slot
+ * s holding the position mha_ring_position says, so a block's window of
+ * positions is one or two runs of slots (two once it wraps around the
+ * ring).  Slot tiles holding no position of the window are never
+ * visited; a tile whose every key is seen by every row is open; the
+ * others (the window's two edges) are masked by position, key by key.
  */
 #include "attention.h"
 
@@ -137,10 +144,33 @@ static inline float masked(float s, float bias)
     return x < -FLT_MAX ? -FLT_MAX : x > FLT_MAX ? FLT_MAX : x;
 }
 
+/* A window tile: each key whose position (from its slot) is outside the
+ * row's window is excluded. */
+static void mask_window(const mha_attn *a, const mha_tile *t, float *s)
+{
+    const mha_mask_plan *mk = a->mask;
+    const int64_t n = mk->seq_lengths[t->b];
+    for (int r = 0; r < t->mr; r++) {
+        float *sr = s + r * MHA_BC;
+        int64_t lo;
+        const int64_t hi = mha_mask_window(
+            mk, t->b, t->i0 + (t->stack ? r % t->stack : r), &lo);
+        for (int c = 0; c < t->nc; c++) {
+            const int64_t pos = mha_ring_position(n, mk->ring, t->j0 + c);
+            if (pos < lo || pos > hi)
+                sr[c] = -INFINITY;
+        }
+    }
+}
+
 void mha_mask_tile(const mha_attn *a, const mha_tile *t, float *s)
 {
     if (t->how == MHA_TILE_OPEN)
         return;
+    if (t->how == MHA_TILE_WINDOW) {
+        mask_window(a, t, s);
+        return;
+    }
     for (int r = 0; r < t->mr; r++) {
         float *sr = s + r * MHA_BC;
         if (t->how == MHA_TILE_EXPLICIT) {
@@ -156,6 +186,90 @@ void mha_mask_tile(const mha_attn *a, const mha_tile *t, float *s)
     }
 }
 
+/* The extra keys' tile (bias_k, the zero key), never masked. */
+static void extra_tile(const mha_attn *a, mha_tile *t, mha_tile_fn fn,
+                       void *ctx)
+{
+    const int extra = (a->bias_k != NULL) + (a->zero_attn != 0);
+    if (!extra)
+        return;
+    t->j0 = a->Lk;
+    t->nc = extra;
+    t->index = mha_tiles_of(a) - 1;
+    t->extra = 1;
+    t->how = MHA_TILE_OPEN;
+    fn(a, t, ctx);
+}
+
+/*
+ * Slots s0 .. s1-1 holding consecutive positions q0, q0 + 1, ... (one run
+ * of the ring, no wrap inside): the last of them whose position is in
+ * [lo, hi], or -1.
+ */
+static int64_t run_last(int64_t s0, int64_t s1, int64_t q0, int64_t lo,
+                        int64_t hi)
+{
+    const int64_t q1 = q0 + (s1 - s0) - 1;
+    const int64_t top = q1 < hi ? q1 : hi;
+    return s0 < s1 && top >= lo && top >= q0 ? s0 + (top - q0) : -1;
+}
+
+/* Whether slots s0 .. s1-1 of such a run all hold positions in [lo, hi]
+ * (true when the run is empty). */
+static int run_within(int64_t s0, int64_t s1, int64_t q0, int64_t lo,
+                      int64_t hi)
+{
+    return s0 >= s1 || (q0 >= lo && q0 + (s1 - s0) - 1 <= hi);
+}
+
+/*
+ * The walk of a sliding-window cache, rows i0 .. i0+n_i-1 over slots
+ * k0 .. k1-1.  The rows see positions [lo, hi] together (the first row's
+ * window start, the last row's own position) and [clo, chi] each (the
+ * last row's start, the first row's position).  Each slot tile of the
+ * sequence's filled slots is at most two runs of consecutive positions,
+ * split at head, the slot the next position takes: a tile is visited
+ * when a run reaches into [lo, hi], with nc up to its last such slot, and
+ * left open when every slot before that lies in [clo, chi].
+ */
+static void walk_window(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
+                        int n_i, int mr, int stack, int64_t k0, int64_t k1,
+                        int with_extra, mha_tile_fn fn, void *ctx)
+{
+    const mha_mask_plan *mk = a->mask;
+    const int64_t n = mk->seq_lengths[b], ring = mk->ring;
+    int64_t lo, clo;
+    const int64_t chi = mha_mask_window(mk, b, i0, &lo);
+    const int64_t hi = mha_mask_window(mk, b, i0 + n_i - 1, &clo);
+    const int64_t filled = n < ring ? n : ring, head = n % ring;
+    const int64_t end = k1 < filled ? k1 : filled;
+    mha_tile t = {.b = b, .h = h, .g = mha_kv_head(a, h), .i0 = i0,
+                  .mr = mr, .stack = stack};
+    for (int64_t j0 = k0; hi >= lo && j0 < end; j0 += MHA_BC) {
+        const int64_t j1 = end - j0 < MHA_BC ? end : j0 + MHA_BC;
+        /* Run A: slots j0 .. split-1; run B: split .. j1-1 (one of them
+         * empty unless head falls inside the tile). */
+        const int64_t split = head < j0 ? j0 : head > j1 ? j1 : head;
+        const int64_t qa = mha_ring_position(n, ring, j0);
+        const int64_t qb = mha_ring_position(n, ring, split);
+        const int64_t la = run_last(j0, split, qa, lo, hi);
+        const int64_t lb = run_last(split, j1, qb, lo, hi);
+        const int64_t last = la > lb ? la : lb;
+        if (last < 0)
+            continue;   /* no position of the window in this tile */
+        t.j0 = j0;
+        t.nc = (int)(last - j0 + 1);
+        t.index = j0 / MHA_BC;
+        const int64_t cut = last + 1;
+        t.how = run_within(j0, split < cut ? split : cut, qa, clo, chi) &&
+                        run_within(split, cut, qb, clo, chi)
+                    ? MHA_TILE_OPEN : MHA_TILE_WINDOW;
+        fn(a, &t, ctx);
+    }
+    if (with_extra)
+        extra_tile(a, &t, fn, ctx);
+}
+
 /* The walk of rows i0 .. i0+n_i-1, the tile's mr rows (stacked heads:
  * mr = n_i * group, stack = n_i). */
 static void walk(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
@@ -163,6 +277,11 @@ static void walk(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
                  int with_extra, float *bias, mha_tile_fn fn, void *ctx)
 {
     const mha_mask_plan *mk = a->mask;
+    if (mk->window) {
+        walk_window(a, b, h, i0, n_i, mr, stack, k0, k1, with_extra, fn,
+                    ctx);
+        return;
+    }
     const int64_t first_last = mha_mask_last(mk, b, i0);
     int64_t end = mha_mask_last(mk, b, i0 + n_i - 1) + 1;
     if (end > k1)
@@ -187,15 +306,8 @@ static void walk(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
         }
         fn(a, &t, ctx);
     }
-    const int extra = (a->bias_k != NULL) + (a->zero_attn != 0);
-    if (extra && with_extra) {
-        t.j0 = a->Lk;
-        t.nc = extra;
-        t.index = mha_tiles_of(a) - 1;
-        t.extra = 1;
-        t.how = MHA_TILE_OPEN;
-        fn(a, &t, ctx);
-    }
+    if (with_extra)
+        extra_tile(a, &t, fn, ctx);
 }
 
 void mha_for_each_tile(const mha_attn *a, int64_t b, int64_t h, int64_t i0,

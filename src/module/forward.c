@@ -31,7 +31,7 @@
 /* A forward with a KV cache is incremental self-attention: what it
  * leaves unset, and the cache's shape.  Its masks, key lengths and
  * weights are for Lk keys, the longest sequence once the new tokens are
- * in, which only the run knows (cache_keys). */
+ * in, which only the run knows (mha_kv_cache_keys). */
 static mha_status check_cache_args(const mha_module *m,
                                    const mha_forward_args *a)
 {
@@ -68,6 +68,23 @@ static mha_status check_cache_args(const mha_module *m,
                              (long long)kv->dh, (long long)a->batch,
                              (long long)m->cfg.num_kv_heads,
                              (long long)m->head_dim);
+    if (kv->window) {
+        /* A window cache's keys are slots of a ring, not positions
+         * 0 .. Lk-1: masks written over positions have no column to
+         * stand on, and weights no position to land on. */
+        const char *no = a->attn_mask.kind ? "attn_mask"
+                       : a->key_padding_mask.kind ? "key_padding_mask"
+                       : a->key_lengths ? "key_lengths"
+                       : a->need_weights ? "need_weights"
+                       : a->kv_len ? "kv_len" : NULL;
+        if (no)
+            return mha_set_error(MHA_ERR_UNSUPPORTED,
+                                 "with a sliding-window KV cache, %s must "
+                                 "be unset: its keys are the last window "
+                                 "positions of each sequence, held in a "
+                                 "ring", no);
+        MHA_CHECK(mha_kv_cache_check_window(kv, a->q_len, a->q_len));
+    }
     /* The masks and weights of a run span up to the capacity's keys. */
     const int64_t Lt = mha_total_keys(m, kv->capacity);
     int64_t w;
@@ -80,16 +97,6 @@ static mha_status check_cache_args(const mha_module *m,
                              (long long)a->batch, (long long)a->q_len,
                              (long long)Lt);
     return MHA_OK;
-}
-
-/* The keys a forward with a cache attends to: the longest sequence once
- * its Lq new tokens are in. */
-static int64_t cache_keys(const mha_kv_cache *kv, int64_t Lq)
-{
-    int64_t longest = 0;
-    for (int64_t b = 0; b < kv->B; b++)
-        longest = kv->len[b] + Lq > longest ? kv->len[b] + Lq : longest;
-    return longest;
 }
 
 /* Checks everything about `a` but its data pointers. */
@@ -348,7 +355,7 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
                                       : "this plan was made %s a KV cache",
                              plan->cache_capacity ? "for" : "without",
                              (long long)(a->cache ? a->cache->capacity : 0));
-    for (int64_t b = 0; a->cache && b < s.B; b++)
+    for (int64_t b = 0; a->cache && !a->cache->window && b < s.B; b++)
         if (a->cache->len[b] > a->cache->capacity - s.Lq)
             return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                                  "sequence %lld of the cache holds %lld of "
@@ -363,8 +370,9 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
     int64_t n_w = s.n_w;
     if (a->cache) {
         /* Masks and weights span Lk keys: the longest sequence once this
-         * step's tokens are in.  Every check passes before the append. */
-        const int64_t Lk = cache_keys(a->cache, s.Lq);
+         * step's tokens are in (a window cache: the most slots a sequence
+         * fills).  Every check passes before the append. */
+        const int64_t Lk = mha_kv_cache_keys(a->cache, s.Lq);
         if (a->kv_len && a->kv_len != Lk)
             return mha_set_error(MHA_ERR_SHAPE,
                                  "kv_len %lld differs from Lk = %lld, the "

@@ -421,6 +421,6 @@ mha_status mha_kv_cache_for_module(const mha_module *m, int64_t batch,
     if (!m)
         return mha_set_error(MHA_ERR_NULL_POINTER, "module is NULL");
     const mha_kv_cache_config c = {batch, m->cfg.num_kv_heads, m->head_dim,
-                                   capacity, MHA_KV_F32};
+                                   capacity, MHA_KV_F32, 0};
     return mha_kv_cache_create(&c, out);
 }
