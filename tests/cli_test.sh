@@ -659,7 +659,57 @@ for tu in f16:4.9e-4 bf16:3.9e-3 q8:3.9e-3; do
   differ "$dc/$t.npy" "$dc/f32.npy" "--kv-dtype $t rounds K and V"
 done
 fail_dec "^mha decode: --kv-dtype must be f32, f16, bf16 or q8, got 'f64'$" "${dq[@]}" --kv-dtype f64
-fail_dec "^mha decode: --window: sliding-window caches are not built yet$" "${dq[@]}" --window 8
+# --window W: a sliding-window cache, a ring of W - 1 + max(P, C) slots that
+# wraps around many times over 70 tokens; each query sees itself and the
+# W - 1 keys before it: `mha forward` with that band as its --attn-mask
+# (allow: i - W < j <= i), up to float rounding (the ring sums its keys in
+# slot order).  A window of L or more is no window: while nothing wraps
+# the slots are in position order, so the bits of decode without one.
+band() {  # band FILE L W
+  npy "$1" "(lambda i, j: (j <= i) & (j > i - $3))(np.arange($2)[:, None], np.arange($2)[None, :])"
+}
+for win in 1 5 20 64; do band "$dc/band$win.npy" 70 $win; done
+for w in "$Wd" "$Wg"; do
+  n=$(basename "$w" .safetensors)
+  for win in 1 5 20 64; do
+    expect 0 "" -- "$mha" forward --weights "$w" --query "$d/x70.npy" --attn-mask "$dc/band$win.npy" \
+      --out "$dc/${n}_band$win.npy"
+    for pc in 1:1 9:7 64:3; do
+      p=${pc%%:*} c=${pc#*:}
+      expect 0 "" -- "$mha" decode --weights "$w" --query "$d/x70.npy" --window $win \
+        --prefill $p --chunk $c --out "$dc/${n}_w${win}_${p}_$c.npy"
+      close "$n: decode --window $win --prefill $p --chunk $c = forward with the band" \
+        "$dc/${n}_w${win}_${p}_$c.npy" "$dc/${n}_band$win.npy"
+    done
+  done
+  check "$n: a window of 5 differs from causal attention beyond the tolerance" \
+    "np.abs(a - b).max() > 1e-2 * (1 + np.abs(b).max())" "$dc/${n}_w5_1_1.npy" "$dc/${n}_fwd.npy"
+  for win in 70 1000; do
+    expect 0 "" -- "$mha" decode --weights "$w" --query "$d/x70.npy" --window $win --chunk 7 \
+      --out "$dc/${n}_wide$win.npy"
+    same "$dc/${n}_wide$win.npy" "$dc/${n}_c7.npy" "$n: decode --window $win (>= L) = decode without one"
+  done
+done
+expect 0 "" -- "$mha" decode --weights "$Wd" --query "$d/x70u.npy" --window 5 --chunk 3 --out "$dc/wu.npy"
+shape "$dc/wu.npy" "float32 (70, 32)"
+expect 0 "" -- "$mha" forward --weights "$Wd" --query "$d/x70u.npy" --attn-mask "$dc/band5.npy" --out "$dc/wu_fwd.npy"
+close "unbatched decode --window 5 = forward with the band" "$dc/wu.npy" "$dc/wu_fwd.npy"
+expect 0 "" -- "$mha" decode --weights "$Wd" --query "$d/x70.npy" --window 20 --chunk 7 --kv-dtype f16 \
+  --out "$dc/w20_f16.npy"
+check "--window 20 --kv-dtype f16: within 16 u of the f32 ring's" \
+  "np.abs(a - b).max() <= 16 * 4.9e-4 * (1 + np.abs(b).max())" "$dc/w20_f16.npy" "$dc/wd_w20_9_7.npy"
+# threads: bitwise the same at 1 and 2 threads on steps that thread (1027
+# slots: the keys split in chunks of 512), the ring wrapping in the last
+# three steps (W = 4: a ring of 3 + 1024)
+band "$dc/band4_1030.npy" 1030 4
+for t in 1 2; do
+  expect 0 "" -- env OPENBLAS_NUM_THREADS=1 "$mha" decode --weights "$Wb" --query "$d/x1030.npy" \
+    --window 4 --prefill 1024 --chunk 1 --threads $t --out "$dc/wt$t.npy"
+done
+same "$dc/wt1.npy" "$dc/wt2.npy" "decode --window 4 --threads 1 vs 2"
+expect 0 "" -- env OPENBLAS_NUM_THREADS=1 "$mha" forward --weights "$Wb" --query "$d/x1030.npy" \
+  --attn-mask "$dc/band4_1030.npy" --threads 2 --out "$dc/wt_fwd.npy"
+close "decode --window 4 over 1030 tokens = forward with the band" "$dc/wt1.npy" "$dc/wt_fwd.npy"
 fail_dec "^mha decode: --window must be an integer in \[1, " "${dq[@]}" --window 0
 fail_dec "^mha decode: --query is required" --weights "$Wd" --out "$O"
 fail_dec "^mha decode: --weights is required" --query "$d/x70.npy" --out "$O"

@@ -2,7 +2,9 @@
  * cmd_decode.c -- `mha decode`: the causal self-attention of a sequence run
  * incrementally through a KV cache, a prefill and then a few tokens at a
  * time, as a generating model runs it.  The outputs, concatenated, are
- * those of `mha forward --causal` on the same input (up to rounding).
+ * those of `mha forward --causal` on the same input (up to rounding), or
+ * with --window W those of causal attention limited to the last W keys
+ * (a sliding-window cache: a ring of W - 1 + max(P, C) slots).
  */
 #include "args.h"
 #include "commands.h"
@@ -25,7 +27,8 @@ static const char DECODE_HELP[] =
     "attending to the keys cached so far and to the new ones up to itself\n"
     "(a cache of L tokens per sequence, mha_plan_forward with args.cache).\n"
     "The outputs, concatenated, equal `mha forward --causal` on X up to\n"
-    "float rounding.\n"
+    "float rounding (with --window W, `mha forward --attn-mask` of the\n"
+    "causal band of width W).\n"
     "  --heads H          number of heads (default: __metadata__ num_heads);\n"
     "                     grouped-query modules (num_kv_heads) work as they\n"
     "                     are, the cache holding their K/V heads only\n"
@@ -38,8 +41,10 @@ static const char DECODE_HELP[] =
     "                     q8 (8-bit codes, a scale per 32 elements): K and V\n"
     "                     rounded once when cached, the attention exact on\n"
     "                     what is stored\n"
-    "  --window W         a sliding-window cache of W tokens: refused, not\n"
-    "                     built yet\n"
+    "  --window W         a sliding-window cache: each query attends to\n"
+    "                     itself and the W - 1 keys before it (Mistral's\n"
+    "                     sliding_window), and the cache is a ring of\n"
+    "                     W - 1 + max(P, C) tokens, however long X is\n"
     "  --threads T        attention threads, 1..4096 (default: OpenMP's)\n"
     "  --out OUT.npy      (B, L, E) float32, or (L, E) for an unbatched X;\n"
     "                     written only on success\n";
@@ -131,9 +136,6 @@ int cmd_decode(int argc, char **argv)
         (OPT("window") &&
          tool_int("decode", "window", OPT("window"), 1, INT32_MAX, &window)))
         return 1;
-    if (OPT("window"))
-        return tool_fail("decode", "--window: sliding-window caches are not "
-                         "built yet");
     mha_kv_dtype dtype = MHA_KV_F32;
     if (OPT("kv-dtype") && tool_kv_dtype("decode", OPT("kv-dtype"), &dtype))
         return 1;
@@ -145,17 +147,24 @@ int cmd_decode(int argc, char **argv)
     P = P ? P : C;
     P = P < L ? P : L;
     C = C < L ? C : L;
+    /* A window of W >= L sees every earlier key, as one of L does; a step
+     * of n tokens needs n + W - 1 slots of the ring. */
+    window = window < L ? window : L;
+    const int64_t cap = window ? window - 1 + (P > C ? P : C) : L;
     mha_kv_cache *kv = NULL;
-    const mha_kv_cache_config kc = {B, r.c.num_kv_heads, r.c.head_dim, L,
-                                    dtype};
-    const mha_status st = kc.dtype == MHA_KV_F32
+    const mha_kv_cache_config kc = {B, r.c.num_kv_heads, r.c.head_dim, cap,
+                                    dtype, window};
+    const mha_status st = kc.dtype == MHA_KV_F32 && !window
                               ? mha_kv_cache_for_module(r.m, B, L, &kv)
                               : mha_kv_cache_create(&kc, &kv);
     int rc = 0;
     if (st != MHA_OK) {
         char what[64];
-        snprintf(what, sizeof what, "--kv-dtype %s",
-                 OPT("kv-dtype") ? OPT("kv-dtype") : "f32");
+        if (window)
+            snprintf(what, sizeof what, "--window %lld", (long long)window);
+        else
+            snprintf(what, sizeof what, "--kv-dtype %s",
+                     OPT("kv-dtype") ? OPT("kv-dtype") : "f32");
         rc = tool_fail_status("decode", what, st);
     }
     /* Sizes were checked by the loaders; the library checks again. */
