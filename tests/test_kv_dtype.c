@@ -563,6 +563,40 @@ static void test_non_finite(void **state)
     }
 }
 
+/* A non-finite value that stays in the tile a truncation cuts: the tile
+ * keeps its "not finite" flag, so a row that gives the value no weight
+ * (here: a key padding mask blocks it) does not see 0 * Inf = NaN. */
+static void test_truncation_keeps_flag(void **state)
+{
+    (void)state;
+    problem p;
+    problem_init(&p, 2, 90, 40, 320, 1.0f);
+    p.v[0][70 * 2 * DH + 5] = 1e6f;   /* Inf in f16: value 70, tile 1 */
+    mha_kv_cache *kv = cache_of(&p, MHA_KV_F16, p.k, p.v);
+    assert_int_equal(mha_kv_cache_truncate(kv, 0, 80), MHA_OK);
+    uint8_t pad[2 * 80] = {0};
+    pad[70] = 1;                      /* sequence 0 blocks key 70 */
+    const int64_t nout = 2 * LQ * H * DH;
+    float *out = malloc((size_t)nout * 4);
+    mha_attention_args a = {0};
+    a.batch = 2;
+    a.num_heads = H;
+    a.num_kv_heads = 2;
+    a.head_dim = DH;
+    a.q_len = LQ;
+    a.q = p.q;
+    a.cache = kv;
+    a.out = out;
+    a.key_padding_mask = (mha_mask){MHA_MASK_BLOCK, pad, 2, {2, 80}};
+    a.num_threads = 1;
+    assert_int_equal(mha_attention(&a), MHA_OK);
+    for (int64_t i = 0; i < nout; i++)
+        assert_true(isfinite(out[i]));
+    free(out);
+    mha_kv_cache_free(kv);
+    problem_free(&p);
+}
+
 static void test_read_misuse(void **state)
 {
     (void)state;
@@ -609,6 +643,7 @@ int main(void)
         cmocka_unit_test(test_q8_rounding),
         cmocka_unit_test(test_attention_bitwise),
         cmocka_unit_test(test_non_finite),
+        cmocka_unit_test(test_truncation_keeps_flag),
         cmocka_unit_test(test_read_misuse),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
