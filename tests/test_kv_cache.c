@@ -4,7 +4,8 @@
  *
  *   - three sequences of different lengths (a rollback by truncation, a
  *     reset) prefilled in chunks of 7 and continued token by token for
- *     hundreds of steps, every output row against the float64 reference
+ *     hundreds of steps (and 1,100 in a long grouped-query generation),
+ *     every output row against the float64 reference
  *     of its sequence's causal forward (tests/support), for plain,
  *     grouped-query, multi-query and bias_kv + zero_attn modules;
  *   - keys appended by the caller (mha_project + mha_kv_cache_append);
@@ -197,6 +198,28 @@ static void test_decode_equals_forward(void **state)
         decoder_check(&d, c->name);
         decoder_free(&d);
     }
+}
+
+/* A long generation: two sequences, grouped-query, a prefill of 7 and
+ * then 1,100 single-token steps (the later ones on more than 1,024 keys:
+ * the decoding split, the group's heads stacked), every output against
+ * the float64 causal forward of its whole sequence. */
+static void test_long_decode(void **state)
+{
+    (void)state;
+    mha_config cfg = {0};
+    cfg.embed_dim = 16;
+    cfg.num_heads = 4;
+    cfg.num_kv_heads = 2;
+    decoder d;
+    decoder_init(&d, &cfg, 2, 1110, 0);
+    decoder_step(&d, 7);
+    decoder_truncate(&d, 1, 2);
+    for (int step = 0; step < 1100; step++)
+        decoder_step(&d, 1);
+    assert_int_equal(mha_kv_cache_length(d.kv, 0), 1107);
+    decoder_check(&d, "long GQA decode");
+    decoder_free(&d);
 }
 
 /* Keys and values projected by the caller and appended, then a token
@@ -446,6 +469,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(tu_test_tier),
         cmocka_unit_test(test_decode_equals_forward),
+        cmocka_unit_test(test_long_decode),
         cmocka_unit_test(test_append_projected),
         cmocka_unit_test(test_threads_bitwise),
         cmocka_unit_test(test_misuse),

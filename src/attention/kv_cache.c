@@ -158,9 +158,13 @@ static float q8_block(const float *x, int n, int8_t *codes, int64_t cstride)
         amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
     }
     const float s = !finite ? NAN : amax / 127.0f;
+    /* x / s in float64 is within 2^-53 of the exact quotient, and an
+     * exact quotient that is not a half-integer lies at least ~2^-24 from
+     * one (x and s have 24-bit significands): rint then rounds the exact
+     * quotient, ties to even, with no double rounding. */
     for (int i = 0; i < n; i++) {
-        float q = finite && s > 0.0f ? rintf(x[i] / s) : 0.0f;
-        q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+        double q = finite && s > 0.0f ? rint((double)x[i] / (double)s) : 0.0;
+        q = q > 127.0 ? 127.0 : q < -127.0 ? -127.0 : q;
         codes[i * cstride] = (int8_t)q;
     }
     return s;

@@ -140,22 +140,24 @@ MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
 
     const __m256 zero = _mm256_setzero_ps();
     for (int k = k0; k < k1; k++) {
-        __m256 b[8];
-        for (int w = 0; w < W; w++)
-            b[w] = ldb(T, B, k, j + 8 * w, masked, m, n);
+        /* A's R values, and for the _exact forms where they are zero (then
+         * acc stays as it was, so NaN / Inf in b never reaches the row:
+         * the same bits as skipping the term). */
+        __m256 a[6], z[6];
         for (int r = 0; r < R; r++) {
-            const __m256 a =
-                _mm256_broadcast_ss(A + (size_t)r * lda + (size_t)k * ska);
-            if (mode & EXACT) {
-                /* p == 0 (either sign): keep acc as it was, so NaN / Inf in
-                 * b never reaches this row.  Same bits as skipping. */
-                const __m256 z = _mm256_cmp_ps(a, zero, _CMP_EQ_OQ);
-                for (int w = 0; w < W; w++)
-                    acc[r][w] = _mm256_blendv_ps(
-                        _mm256_fmadd_ps(a, b[w], acc[r][w]), acc[r][w], z);
-            } else {
-                for (int w = 0; w < W; w++)
-                    acc[r][w] = _mm256_fmadd_ps(a, b[w], acc[r][w]);
+            a[r] = _mm256_broadcast_ss(A + (size_t)r * lda + (size_t)k * ska);
+            if (mode & EXACT)
+                z[r] = _mm256_cmp_ps(a[r], zero, _CMP_EQ_OQ);
+        }
+        /* Each vector of B loaded (and converted) just before its R FMAs:
+         * with one or two rows, eight vectors of B held at once would not
+         * leave registers for the accumulators. */
+        for (int w = 0; w < W; w++) {
+            const __m256 b = ldb(T, B, k, j + 8 * w, masked, m, n);
+            for (int r = 0; r < R; r++) {
+                const __m256 f = _mm256_fmadd_ps(a[r], b, acc[r][w]);
+                acc[r][w] = mode & EXACT ? _mm256_blendv_ps(f, acc[r][w], z[r])
+                                         : f;
             }
         }
     }
@@ -203,25 +205,28 @@ MK_INLINE void cols(const int R, const int mode, const int T, int N, int k0,
 }
 
 /* Rows of B per slab when a panel walks K in slabs (below). */
-enum { KSLAB = 16 };
+enum { KSLAB = 8 };
 
 /*
  * R rows against all N columns.  Each block of columns walks all of K, so
  * B is read in strips down its columns: fine when B is in cache (many
  * row blocks reuse it), but a decoding step reads each B (a KV cache's
  * tile) once, from memory, where strips far apart defeat the hardware's
- * streaming.  A panel that is the only one (`slabs`) walks K in slabs of
- * KSLAB rows instead, every block of columns through one slab (a few KB,
+ * streaming.  A panel of 2 to 6 rows that is the only one (`slabs`: a
+ * grouped-query decode's stacked heads) walks K in slabs of KSLAB rows
+ * instead, every block of columns through one slab (a few KB,
  * contiguous, read from memory once and then from L1) before the next,
  * the partial sums kept in C between slabs.  An element's chain is the
  * same chain, stored and reloaded exactly: the same bits.  (SET and ACC
- * only: ADD must form the whole sum before adding it to C.)
+ * only: ADD must form the whole sum before adding it to C.  One row reads
+ * whole 64-column rows of a key tile already, and two strips of a value
+ * tile's rows stream well: slabs would only cost it the reloads.)
  */
 MK_INLINE void panel(const int R, const int mode, const int T, int slabs,
                      int N, int K, const float *A, int lda, int ska,
                      const bsrc *B, float *C, int ldc)
 {
-    if (!slabs || (mode & ADD) || K <= KSLAB) {
+    if (!slabs || R == 1 || (mode & ADD) || K <= KSLAB) {
         cols(R, mode, T, N, 0, K, A, lda, ska, B, C, ldc);
         return;
     }
