@@ -668,7 +668,7 @@ MHA_API mha_status mha_kv_cache_append(mha_kv_cache *cache, int64_t seq,
 /* Keeps the first `length` tokens of sequence seq (0 <= length <= its
  * length): the rollback after rejected speculative tokens.  With a
  * window W, only while the ring still holds positions max(0, length - W)
- * .. length - 1 (what the next token attends to); else refused, naming
+ * .. length - 1 (what the last kept token attends to); else refused, naming
  * the oldest position held. */
 MHA_API mha_status mha_kv_cache_truncate(mha_kv_cache *cache, int64_t seq,
                                          int64_t length);

@@ -140,8 +140,8 @@ typedef struct mha_attn {
     float *partials;        /* the layout's partials, for decoding */
     float *packed;          /* the layout's packed K and V (flash tiers) */
     int64_t packed_tiles;   /* tiles per (b, g) in `packed`; 0: the count
-                               for Lk keys.  A KV cache packs for its
-                               capacity, so it has more */
+                               for Lk keys.  1 with a KV cache: `packed`
+                               then holds only the extra keys' tile */
     int prepacked;          /* K and V are held already (a KV cache): the
                                run writes only the extra keys' tile, and
                                k, v are unused */

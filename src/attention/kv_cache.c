@@ -64,8 +64,9 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *cfg,
                              "least the window's keys)",
                              (long long)cfg->window,
                              (long long)cfg->capacity);
-    /* Each dimension below 2^31 (the kernels' int widths), then the
-     * products checked. */
+    /* d_h bounded so a tile's bytes fit the kernels' int widths (a tile
+     * has 64 keys; the other dimensions stay in int64), then every
+     * product checked. */
     int64_t bg, tiles_all, bytes, extra;
     const int64_t tiles = (cfg->capacity + MHA_BC - 1) / MHA_BC;
     if (cfg->head_dim > INT32_MAX / (4 * MHA_BC) ||

@@ -212,7 +212,7 @@ enum { KSLAB = 8 };
  * B is read in strips down its columns: fine when B is in cache (many
  * row blocks reuse it), but a decoding step reads each B (a KV cache's
  * tile) once, from memory, where strips far apart defeat the hardware's
- * streaming.  A panel of 2 to 6 rows that is the only one (`slabs`: a
+ * streaming.  A panel of 2 to RMAX rows that is the only one (`slabs`: a
  * grouped-query decode's stacked heads) walks K in slabs of KSLAB rows
  * instead, every block of columns through one slab (a few KB,
  * contiguous, read from memory once and then from L1) before the next,
