@@ -58,14 +58,14 @@ extern "C" {
  * The ABI rule.  Argument structs are passed by pointer and grow in every
  * minor version, so a binary built against one minor version must never
  * run against another: the shared library's soname carries MAJOR.MINOR
- * (libmha.so.0.2), and the dynamic loader refuses a binary whose minor
+ * (libmha.so.0.3), and the dynamic loader refuses a binary whose minor
  * version is not installed rather than let the library read past the end
  * of its structs.  Within a minor version (patch releases) no struct
  * changes.  A program loading libmha by other means checks
  * mha_version_number() / MHA_VERSION_NUMBER / 100 itself (MHA_ABI_OK).
  */
 #define MHA_VERSION_MAJOR 0
-#define MHA_VERSION_MINOR 2
+#define MHA_VERSION_MINOR 3
 #define MHA_VERSION_PATCH 0
 #define MHA_VERSION_NUMBER \
     (MHA_VERSION_MAJOR * 10000 + MHA_VERSION_MINOR * 100 + MHA_VERSION_PATCH)
@@ -115,6 +115,75 @@ MHA_API const char *mha_status_string(mha_status status);
 MHA_API const char *mha_last_error(void);
 
 /* ------------------------------------------------------------------------ */
+/* Positions and score modifiers (docs/semantics.md, "Score modifiers")     */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * Rotary position embeddings (RoPE, Su et al. 2021) of Q and K, after
+ * their projections and biases, before the scores.  The first `dims`
+ * elements of each head are rotated in pairs by angle
+ *     position / scale * theta^(-2k / dims),  k = 0 .. dims/2 - 1,
+ * the rest pass through.  NEOX pairs element k with k + dims/2 (Hugging
+ * Face Llama's rotate_half); GPTJ pairs 2k with 2k + 1 (interleaved).
+ */
+typedef enum mha_rope_style {
+    MHA_ROPE_NONE = 0,
+    MHA_ROPE_NEOX = 1,
+    MHA_ROPE_GPTJ = 2
+} mha_rope_style;
+
+typedef struct mha_rope {
+    mha_rope_style style;  /* NONE: no rotation, the other fields unused  */
+    int64_t dims;          /* rotary dims: even, <= d_h; 0 -> d_h          */
+    float theta;           /* base, > 1 and finite; 0 -> 10000             */
+    float scale;           /* linear position scaling (positions are
+                              divided by it), > 0 and finite; 0 -> 1       */
+} mha_rope;
+
+/*
+ * What changes the scores s_ij = scale q_i.k_j, in this order:
+ *   softcap c > 0    s <- c tanh(s / c)                      (Gemma 2)
+ *   alibi            s <- s - slope_h |i + Lk - Lq - j|      (BLOOM, MPT)
+ *   the masks        as elsewhere in this header
+ *   window           key j visible from query i iff
+ *                    i + Lk - Lq - left <= j <= i + Lk - Lq + right
+ *                    (FlashAttention's window_size; -1: no bound on that
+ *                    side), from indices: keys outside are never read
+ * Positions are aligned bottom-right, with a KV cache per sequence (Lk
+ * its own length).  The keys bias_k and the zero key appended by
+ * add_bias_kv / add_zero_attn have no position: softcapped, never biased
+ * or windowed.  Zero is "none" for every field.
+ */
+typedef struct mha_modifiers {
+    float softcap;              /* c > 0 and finite; 0: none              */
+    int alibi;                  /* nonzero: ALiBi                         */
+    const float *alibi_slopes;  /* (H) finite, or NULL: the paper's
+                                   geometric slopes for H heads
+                                   (mha_alibi_slopes)                    */
+    int window;                 /* nonzero: the window below applies      */
+    int64_t window_left;        /* >= -1                                  */
+    int64_t window_right;       /* >= -1                                  */
+    mha_rope rope;              /* rotary embeddings of Q and K           */
+} mha_modifiers;
+
+/* The default ALiBi slopes of H heads (Press et al. 2022): for H a power
+ * of two, 2^(-8 (h + 1) / H); otherwise those of the largest power of two
+ * n < H, followed by the 1st, 3rd, 5th, ... slopes of 2n's sequence
+ * until there are H.  slopes receives H floats. */
+MHA_API mha_status mha_alibi_slopes(int64_t num_heads, float *slopes);
+
+/*
+ * Rotates x in place: `rows` rows of `heads` heads of head_dim elements
+ * (row r, head h, element d at x[r * ld + h * head_dim + d]), row r at
+ * position positions[r] (NULL: pos0 + r).  What the module does to Q and
+ * K; for the keys a caller appends to a KV cache itself.
+ */
+MHA_API mha_status mha_rope_apply(const mha_rope *rope, int64_t rows,
+                                  int64_t heads, int64_t head_dim,
+                                  const int64_t *positions, int64_t pos0,
+                                  float *x, int64_t ld);
+
+/* ------------------------------------------------------------------------ */
 /* The module                                                               */
 /* ------------------------------------------------------------------------ */
 
@@ -159,6 +228,14 @@ typedef struct mha_config {
                            and W_v have H_kv * d_h rows, query head h
                            reads K/V head h / (H / H_kv) (Llama).  Such a
                            module keeps q/k/v_proj_weight apart.           */
+    mha_modifiers mods; /* RoPE, ALiBi, window, softcap (above).  The
+                           slopes are copied at create; mha_get_config
+                           points at the module's copy.                   */
+    int sinks;          /* nonzero: a parameter `sinks` (H) of learned
+                           logits, one per head, joins each softmax's
+                           denominator with no value (gpt-oss):
+                           p_ij = exp(s_ij) / (sum_j' exp(s_ij') +
+                           exp(sinks_h)).  Zero at create.               */
 } mha_config;
 
 /* Opaque handle.  One module may be used by several threads at once for
@@ -374,6 +451,11 @@ typedef struct mha_forward_args {
                              attends each new token to the W positions
                              up to itself; it takes no masks, key_lengths
                              or weights, and Lq + W - 1 <= its capacity. */
+    const int64_t *positions; /* (B, Lq) or NULL: the RoPE position of
+                             each query token, and of each key token in
+                             self-attention (packed sequences).  NULL:
+                             token i is at position i, with a cache at
+                             the sequence's length before the step + i. */
 } mha_forward_args;
 
 /* Lk + (add_bias_kv ? 1 : 0) + (add_zero_attn ? 1 : 0): the key axis of
@@ -438,6 +520,16 @@ typedef struct mha_attention_args {
                              seeing the W keys up to itself (the ring
                              must still hold them); no masks,
                              key_lengths or weights.                     */
+    mha_modifiers mods;   /* score modifiers and RoPE (above).  RoPE
+                             rotates q and k (never a cache: it holds
+                             keys rotated already) in the workspace.     */
+    const float *sinks;   /* (H) finite, or NULL: a learned logit per
+                             head in each softmax's denominator (above,
+                             mha_config.sinks).  lse then includes it.   */
+    const int64_t *q_positions;   /* (B, Lq) or NULL (Lk - Lq + i, with a
+                                     cache the sequence's length - Lq + i):
+                                     RoPE positions of the queries       */
+    const int64_t *k_positions;   /* (B, Lk) or NULL (j): of the keys     */
 } mha_attention_args;
 MHA_API mha_status mha_attention(const mha_attention_args *args);
 
@@ -466,6 +558,8 @@ typedef struct mha_attention_grads {
     float *grad_k, *grad_v; /* (B, Lk, H_kv*d_h), required: each
                                K/V head's gradient is summed over
                                the query heads that read it      */
+    float *grad_sinks;      /* (H) or NULL: dL/d sinks, overwritten
+                               (with sinks in the arguments)     */
 } mha_attention_grads;
 MHA_API mha_status mha_attention_plan_create(const mha_attention_args *shape,
                                              mha_attention_plan **out);
