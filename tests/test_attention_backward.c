@@ -241,7 +241,7 @@ static void test_gradients(void **state)
         a.training = c->p > 0.0f;
         a.dropout_seed = 77;
         a.out = out;
-        const mha_attention_grads gr = {g, dq, dk, dv};
+        const mha_attention_grads gr = {g, dq, dk, dv, NULL};
         if (mha_attention(&a) != MHA_OK)
             fail_msg("%s: %s", c->name, mha_last_error());
         if (mha_attention_backward(&a, &gr) != MHA_OK)
@@ -321,7 +321,7 @@ static void run_threads(mha_attention_args a, bufs *x, int threads)
     assert_int_equal(mha_attention_plan_create(&a, &p), MHA_OK);
     if (mha_attention_plan_run(p, &a) != MHA_OK)
         fail_msg("run: %s", mha_last_error());
-    const mha_attention_grads g = {x->g, x->dq, x->dk, x->dv};
+    const mha_attention_grads g = {x->g, x->dq, x->dk, x->dv, NULL};
     if (mha_attention_plan_backward(p, &a, &g) != MHA_OK)
         fail_msg("backward: %s", mha_last_error());
     mha_attention_plan_free(p);
@@ -394,7 +394,7 @@ static void test_plan_misuse(void **state)
     a.k = x.k;
     a.v = x.v;
     a.out = x.out;
-    const mha_attention_grads g = {x.g, x.dq, x.dk, x.dv};
+    const mha_attention_grads g = {x.g, x.dq, x.dk, x.dv, NULL};
     mha_attention_plan *p = NULL;
     assert_fails(mha_attention_plan_create(&a, NULL), MHA_ERR_NULL_POINTER,
                  "plan");
