@@ -43,6 +43,13 @@ typedef struct mha_mask_plan {
                                     mha_mask_window gives (seq_lengths
                                     set, no explicit mask, no key
                                     lengths) */
+    int band;                    /* nonzero: the window score modifier
+                                    (mha_modifiers.window): row i sees
+                                    keys whose position lies in
+                                    [qpos - band_left, qpos + band_right],
+                                    qpos its own (mha_mask_qpos); -1: no
+                                    bound on that side */
+    int64_t band_left, band_right;
 } mha_mask_plan;
 
 /* Validates every mask argument of `args` (batch, q_len, kv_len and the
@@ -70,9 +77,24 @@ int64_t mha_mask_row(const mha_mask_plan *plan, int64_t b, int64_t h,
 int64_t mha_mask_cols(const mha_mask_plan *plan, int64_t b, int64_t h,
                       int64_t i, int64_t j0, int64_t n, float *row);
 
-/* The last real key that causal masking and key_lengths leave to query
- * row i of batch b (-1: none).  Explicit masks may block more. */
+/* Adds the window modifier (left, right >= -1) to a plan. */
+void mha_mask_plan_band(mha_mask_plan *plan, int64_t left, int64_t right);
+
+/* The position of query row i of batch b, aligned bottom-right: i + Lk -
+ * Lq, Lk the sequence's own length with a KV cache.  Key j's position is
+ * j (with a sliding-window cache, the position its slot holds). */
+static inline int64_t mha_mask_qpos(const mha_mask_plan *p, int64_t b,
+                                    int64_t i)
+{
+    return i + (p->seq_lengths ? p->seq_lengths[b] : p->kv_len) - p->q_len;
+}
+
+/* The last real key that causal masking, key_lengths and the window leave
+ * to query row i of batch b (-1: none).  Explicit masks may block more. */
 int64_t mha_mask_last(const mha_mask_plan *plan, int64_t b, int64_t i);
+/* The first real key the window leaves to row i (0 without one); a row
+ * whose first is past its last sees no real key. */
+int64_t mha_mask_first(const mha_mask_plan *plan, int64_t b, int64_t i);
 
 /*
  * A sliding-window cache's ring: the position held by slot s of a sequence
@@ -125,7 +147,15 @@ typedef struct mha_attn {
     const float *bias_k, *bias_v;
     int zero_attn;
     float scale;
-    const mha_mask_plan *mask;
+    const mha_mask_plan *mask;   /* masks, causal, the window modifier */
+    float softcap;          /* c > 0: scores s <- c tanh(s / c); 0: none */
+    const float *alibi;     /* (H) ALiBi slopes, or NULL: real key j of row
+                               i gets -slope_h |qpos - kpos| (after the
+                               softcap, before the masks)               */
+    const float *sinks;     /* (H) sink logits, or NULL: each row's
+                               softmax denominator gains exp(sinks[h]),
+                               a key with no value.  The row stats (m,
+                               1/l) include it                          */
     int dropout;            /* training with p > 0 */
     float p_drop;
     uint64_t seed;
@@ -197,10 +227,12 @@ mha_status mha_attn_layout_forward(const mha_engine *e, int64_t B, int64_t H,
                                    int64_t Lt, int64_t dh, int prepacked,
                                    mha_attn_layout *out);
 /* The backward's own workspace: K and V packed its way (offset `packed`,
- * flash tiers), then per-thread scratch; stats and partials unused. */
+ * flash tiers), then per-thread scratch (more with a softcap); stats and
+ * partials unused. */
 mha_status mha_attn_layout_backward(const mha_engine *e, int64_t B,
                                     int64_t Hkv, int64_t Lk, int64_t Lt,
-                                    int64_t dh, mha_attn_layout *out);
+                                    int64_t dh, int softcap,
+                                    mha_attn_layout *out);
 
 /* Runs the whole problem: ctx, the row stats and, when asked, the weights.
  * scratch is the layout's per-thread part.  Results do not depend on the
@@ -222,6 +254,8 @@ typedef struct mha_attn_grad {
     float *dq, *dk, *dv;
     int64_t lddq, lddk, lddv;
     float *dbias_k, *dbias_v;
+    float *dsinks;   /* [B][H], or NULL: dL/d sinks[h] of each (b, h),
+                        summed over b by the caller (with sinks)       */
     float *packed;   /* the backward layout's packed K and V */
 } mha_attn_grad;
 
@@ -463,8 +497,36 @@ void mha_for_each_tile_stacked(const mha_attn *a, int64_t b, int64_t g,
                                int64_t i0, int stack, int64_t k0, int64_t k1,
                                int with_extra, mha_tile_fn fn, void *ctx);
 
-/* s[r][c] (row stride MHA_BC) masked as t->how says. */
-void mha_mask_tile(const mha_attn *a, const mha_tile *t, float *s);
+/* The scores s[r][c] (row stride MHA_BC) of a tile, as qk left them,
+ * made final: softcapped, ALiBi-biased, then masked as t->how says.
+ * dcap (row stride ldd), or NULL: receives the softcap's derivative
+ * 1 - tanh^2 (with a softcap; the backward's). */
+void mha_score_tile(const mha_attn *a, const mha_tile *t, float *s,
+                    float *dcap, int ldd);
+static inline void mha_mask_tile(const mha_attn *a, const mha_tile *t,
+                                 float *s)
+{
+    mha_score_tile(a, t, s, NULL, 0);
+}
+
+/* Query head of row r of a tile (stacked blocks hold several heads). */
+static inline int64_t mha_tile_head(const mha_attn *a, const mha_tile *t,
+                                    int r)
+{
+    return t->stack ? t->g * (a->H / a->Hkv) + r / t->stack : t->h;
+}
+/* Query row of row r of a tile. */
+static inline int64_t mha_tile_row(const mha_tile *t, int r)
+{
+    return t->i0 + (t->stack ? r % t->stack : r);
+}
+
+/* Checks the softcap, ALiBi slopes and window of `m` for H heads (RoPE is
+ * rope.c's); `who` prefixes the message. */
+mha_status mha_modifiers_check(const mha_modifiers *m, int64_t H,
+                               const char *who);
+/* The sinks (H) are finite. */
+mha_status mha_sinks_check(const float *sinks, int64_t H, const char *who);
 
 /* qs[r][d] = q[i0 + r][head h][d] * scale, r < mr. */
 void mha_load_q(const mha_attn *a, int64_t b, int64_t h, int64_t i0, int mr,
@@ -523,13 +585,18 @@ void mha_weights_block(const mha_attn *a, int64_t b, int64_t i0, int mr,
 
 /* ref_forward.c: row i of every head of batch b, in float64. */
 int64_t mha_ref_scratch_floats(int64_t dh, int64_t Lt);
+/* The modifiers on key j's scaled score s for row i of head h (float64):
+ * softcap, then ALiBi for a real key; dcap, or NULL, receives the
+ * softcap's derivative (1 without one). */
+double mha_ref_modify(const mha_attn *a, int64_t b, int64_t h, int64_t i,
+                      int64_t j, double s, double *dcap);
 void mha_ref_row(const mha_attn *a, int64_t b, int64_t i, float *scratch);
 
 /* flash_backward.c: the backward's packing, scratch, and one (b, g):
  * every query head of K/V head g's group. */
 void mha_pack_backward_tile(const mha_attn *a, const mha_attn_grad *g,
                             int64_t item);
-int64_t mha_flash_bwd_scratch_floats(int64_t dh, int64_t Lt);
+int64_t mha_flash_bwd_scratch_floats(int64_t dh, int64_t Lt, int softcap);
 void mha_flash_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
                         int64_t kvh, float *scratch);
 

@@ -20,6 +20,12 @@
  * block against its key tiles in order, adding into dk and dv.  Every sum therefore has one fixed order, whatever the thread
  * count.  dS is set to 0 wherever P is 0 (masked keys, rows with no key),
  * so a masked key's NaN cannot reach any gradient.
+ *
+ * The score modifiers: with a softcap s = c tanh(u / c) of the raw score
+ * u, dS is taken through it, dU = dS (1 - tanh^2) (the derivative cached
+ * beside P); ALiBi and the window are constants.  A sink adds
+ * exp(sink - m) / l to nothing but the denominator: P already includes
+ * it through the stats, and dL/d sink = -P_sink delta.
  */
 #include "attention.h"
 
@@ -31,6 +37,8 @@ typedef struct bwd_scratch {
     float *dout;       /* [BR][dh]  dO of the block                       */
     float *dp;         /* [BR][BC]  dP, then dS                            */
     float *pc, *dpc;   /* [BR][cache_width]  the block's P and dP~        */
+    float *cc;         /* [BR][cache_width]  with a softcap: its
+                          derivative 1 - tanh^2 at each score, or NULL    */
     int64_t ldc;       /* cache_width                                      */
     double delta[MHA_BR];
     float *extra;      /* [2][2][dh]  dk, dv of the extra keys            */
@@ -45,13 +53,14 @@ static int64_t cache_width(int64_t Lt)
     return ((Lt + MHA_BC - 1) / MHA_BC + 1) * MHA_BC;
 }
 
-int64_t mha_flash_bwd_scratch_floats(int64_t dh, int64_t Lt)
+int64_t mha_flash_bwd_scratch_floats(int64_t dh, int64_t Lt, int softcap)
 {
     return mha_flash_scratch_floats(dh) + MHA_BR * dh + MHA_BR * MHA_BC +
-           2 * MHA_BR * cache_width(Lt) + 4 * dh;
+           (softcap ? 3 : 2) * MHA_BR * cache_width(Lt) + 4 * dh;
 }
 
-static bwd_scratch bwd_scratch_at(float *base, int64_t dh, int64_t Lt)
+static bwd_scratch bwd_scratch_at(float *base, int64_t dh, int64_t Lt,
+                                  int softcap)
 {
     bwd_scratch w;
     w.f = mha_flash_scratch_at(base, dh);
@@ -61,6 +70,7 @@ static bwd_scratch bwd_scratch_at(float *base, int64_t dh, int64_t Lt)
     w.pc = w.dp + MHA_BR * MHA_BC;
     w.dpc = w.pc + MHA_BR * w.ldc;
     w.extra = w.dpc + MHA_BR * w.ldc;
+    w.cc = softcap ? w.extra + 4 * dh : NULL;
     return w;
 }
 
@@ -125,7 +135,8 @@ static void probs_tile(const mha_attn *a, const mha_tile *t, void *ctx)
 
     uk->qk(mr, nc, dh, f->qs, mha_packed_a(&w->fwd, b, t->g, t->index),
            MHA_BC, f->s, MHA_BC);
-    mha_mask_tile(a, t, f->s);
+    mha_score_tile(a, t, f->s, w->cc ? w->cc + t->index * MHA_BC : NULL,
+                   (int)w->ldc);
     uk->qk(mr, nc, dh, w->dout, mha_packed_b(&w->bwd, b, t->g, t->index),
            MHA_BC, dpc, (int)w->ldc);
     for (int r = 0; r < mr; r++) {
@@ -166,18 +177,39 @@ static void grads_tile(const mha_attn *a, const mha_tile *t, void *ctx)
     const int64_t b = t->b, h = t->h, j0 = t->j0, ldc = w->ldc;
     const float *pc = w->pc + t->index * MHA_BC;
     const float *dpc = w->dpc + t->index * MHA_BC;
+    const float *cc = w->cc ? w->cc + t->index * MHA_BC : NULL;
     const float *kc = mha_packed_a(&w->bwd, b, t->g, t->index);
     const int k_finite = *mha_packed_flag(&w->bwd, b, t->g, t->index) != 0.0f;
     const float keep = (float)mha_keep_scale(a);
 
-    /* dS = P * (dP - delta) into dp; under dropout also P~ (P with the
-     * dropped keys zeroed, kept ones scaled) into s for dv.  Without
-     * dropout dv reads P from the cache as it is. */
+    /* dS = P * (dP - delta) into dp (times the softcap's derivative
+     * with one); under dropout also P~ (P with the dropped keys zeroed,
+     * kept ones scaled) into s for dv.  Without dropout dv reads P from
+     * the cache as it is. */
     for (int r = 0; r < mr; r++) {
         const int64_t i = t->i0 + r;
         const float *pr = pc + r * ldc, *dpr = dpc + r * ldc;
         const float delta = (float)w->delta[r];
         float *dr = w->dp + r * MHA_BC;
+        if (cc) {
+            const float *cr = cc + r * ldc;
+            for (int c = 0; c < nc; c++) {
+                float dp = dpr[c];
+                if (a->dropout)
+                    dp = mha_dropout_keep(a->seed, a->p_drop, b, h, i, j0 + c)
+                             ? dp * keep : 0.0f;
+                const float ds = pr[c] * (dp - delta) * cr[c];
+                dr[c] = pr[c] == 0.0f ? 0.0f : ds;
+            }
+            if (a->dropout) {
+                float *ptr = f->s + r * MHA_BC;
+                for (int c = 0; c < nc; c++)
+                    ptr[c] = mha_dropout_keep(a->seed, a->p_drop, b, h, i,
+                                              j0 + c)
+                                 ? pr[c] * keep : 0.0f;
+            }
+            continue;
+        }
         if (!a->dropout) {
             /* branch-free, so the compiler vectorises it */
             for (int c = 0; c < nc; c++) {
@@ -269,11 +301,13 @@ static void store_extra(const mha_attn *a, const mha_attn_grad *g, int64_t b,
 }
 
 /* Query head h's share: its dq, and its additions to dk, dv of its K/V
- * head. */
+ * head (and with sinks, dL/d sinks[h] of batch b: -sum_i P_sink,i
+ * delta_i, the sink's P from the row stats, summed in float64). */
 static void bwd_head(const mha_attn *a, const mha_attn_grad *g, int64_t b,
                      int64_t h, bwd_scratch *w)
 {
     const int64_t dh = a->dh;
+    double dsink = 0.0;
     for (int64_t i0 = 0; i0 < a->Lq; i0 += MHA_BR) {
         const int mr = (int)(a->Lq - i0 < MHA_BR ? a->Lq - i0 : MHA_BR);
         mha_load_q(a, b, h, i0, mr, w->f.qs);
@@ -281,6 +315,10 @@ static void bwd_head(const mha_attn *a, const mha_attn_grad *g, int64_t b,
         memset(w->f.o, 0, (size_t)(mr * dh) * sizeof *w->f.o);
         mha_for_each_tile(a, b, h, i0, mr, 0, a->Lk, 1, w->f.bias, probs_tile,
                           w);
+        for (int r = 0; a->sinks && r < mr; r++) {
+            const float *st = a->stats + 2 * ((b * a->H + h) * a->Lq + i0 + r);
+            dsink -= exp((double)a->sinks[h] - st[0]) * st[1] * w->delta[r];
+        }
         mha_for_each_tile(a, b, h, i0, mr, 0, a->Lk, 1, w->f.bias, grads_tile,
                           w);
         for (int r = 0; r < mr; r++) {
@@ -289,13 +327,15 @@ static void bwd_head(const mha_attn *a, const mha_attn_grad *g, int64_t b,
                 dst[d] = w->f.o[r * dh + d] * a->scale;
         }
     }
+    if (a->sinks && g->dsinks)
+        g->dsinks[b * a->H + h] = (float)dsink;
 }
 
 void mha_flash_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
                         int64_t kvh, float *scratch)
 {
     const int64_t dh = a->dh, group = a->H / a->Hkv;
-    bwd_scratch w = bwd_scratch_at(scratch, dh, a->Lt);
+    bwd_scratch w = bwd_scratch_at(scratch, dh, a->Lt, a->softcap > 0.0f);
     w.g = g;
     w.fwd = mha_packed_at(a->packed, a);
     w.bwd = mha_packed_at(g->packed, a);

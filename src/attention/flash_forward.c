@@ -11,6 +11,10 @@
  *       o   = o * exp(m - m') + p v_tile (micro-kernel pv)
  *       ctx = o / l;  the row statistics (m, 1/l) are kept
  *
+ * The score modifiers act on s (mha_score_tile: softcap, ALiBi, the
+ * window with the masks); a sink is a first key of score sinks[h] and no
+ * value: m and l start at (sink, 1) instead of (-inf, 0).
+ *
  * Scores never exist beyond one tile: extra memory is
  * O(MHA_BR * (MHA_BC + d_h)) per thread, whatever Lk is.
  */
@@ -55,16 +59,30 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
               MHA_BC, f->o, dh);
 }
 
+/*
+ * The running (m, l, o) of mr rows before the first tile: nothing (m =
+ * -inf, l = 0), or with sinks and the extra keys (the part of the keys
+ * that holds them, once), the sink of the row's head as the first key,
+ * m = sink, l = exp(0) = 1, with no value.  Row r's head is
+ * h0 + r / stack (stack = 0: h0 for every row).
+ */
+static void start_rows(const mha_attn *a, int64_t h0, int stack, int mr,
+                       int with_extra, flash_scratch *f)
+{
+    memset(f->o, 0, (size_t)(mr * a->dh) * sizeof *f->o);
+    for (int r = 0; r < mr; r++) {
+        const int sink = a->sinks && with_extra;
+        f->m[r] = sink ? a->sinks[h0 + (stack ? r / stack : 0)] : -INFINITY;
+        f->l[r] = sink ? 1.0f : 0.0f;
+    }
+}
+
 void mha_flash_rows(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
                     int mr, int64_t k0, int64_t k1, int with_extra,
                     flash_scratch *f)
 {
     mha_load_q(a, b, h, i0, mr, f->qs);
-    memset(f->o, 0, (size_t)(mr * a->dh) * sizeof *f->o);
-    for (int r = 0; r < mr; r++) {
-        f->m[r] = -INFINITY;
-        f->l[r] = 0.0f;
-    }
+    start_rows(a, h, 0, mr, with_extra, f);
     mha_for_each_tile(a, b, h, i0, mr, k0, k1, with_extra, f->bias,
                       output_tile, f);
 }
@@ -77,11 +95,7 @@ void mha_flash_rows_stacked(const mha_attn *a, int64_t b, int64_t g,
     for (int hh = 0; hh < group; hh++)
         mha_load_q(a, b, g * group + hh, 0, stack,
                    f->qs + (int64_t)hh * stack * a->dh);
-    memset(f->o, 0, (size_t)(mr * a->dh) * sizeof *f->o);
-    for (int r = 0; r < mr; r++) {
-        f->m[r] = -INFINITY;
-        f->l[r] = 0.0f;
-    }
+    start_rows(a, g * group, stack, mr, with_extra, f);
     mha_for_each_tile_stacked(a, b, g, 0, stack, k0, k1, with_extra,
                               output_tile, f);
 }

@@ -3,11 +3,12 @@
  * (batch b, head h, query row i) a row of values added to the scaled
  * scores, where -INFINITY means "excluded: never read, never weighted".
  *
- * Four sources combine, each optional:
+ * Five sources combine, each optional:
  *   attn_mask          (Lq,Lk) | (B,Lq,Lk) | (B,H,Lq,Lk), B and H may be 1
  *   key_padding_mask   (Lk) | (B,Lk), B may be 1
  *   key_lengths        (B): keys j >= key_lengths[b] are excluded
  *   causal             from indices, no memory
+ *   the window         (the score modifier) from indices too
  * The keys appended by add_bias_kv / add_zero_attn (columns Lk and up) are
  * never masked, as in PyTorch, which pads its masks with a zero column.
  */
@@ -201,28 +202,50 @@ static float apply(mha_mask_kind kind, const void *data, int64_t k, float acc)
     }
 }
 
+void mha_mask_plan_band(mha_mask_plan *p, int64_t left, int64_t right)
+{
+    p->band = 1;
+    p->band_left = left;
+    p->band_right = right;
+}
+
 int64_t mha_mask_last(const mha_mask_plan *p, int64_t b, int64_t i)
 {
     const int64_t Lk = p->kv_len;
     int64_t last = Lk - 1;
     if (p->causal == MHA_CAUSAL_BOTTOM_RIGHT)
-        last = i + ((p->seq_lengths ? p->seq_lengths[b] : Lk) - p->q_len);
+        last = mha_mask_qpos(p, b, i);
     else if (p->causal == MHA_CAUSAL_TOP_LEFT)
         last = i;
     if (p->key_lengths && p->key_lengths[b] - 1 < last)
         last = p->key_lengths[b] - 1;
+    if (p->band && p->band_right >= 0 &&
+        mha_mask_qpos(p, b, i) + p->band_right < last)
+        last = mha_mask_qpos(p, b, i) + p->band_right;
     if (last > Lk - 1)
         last = Lk - 1;
     return last < -1 ? -1 : last;
+}
+
+int64_t mha_mask_first(const mha_mask_plan *p, int64_t b, int64_t i)
+{
+    if (!p->band || p->band_left < 0)
+        return 0;
+    const int64_t first = mha_mask_qpos(p, b, i) - p->band_left;
+    return first > 0 ? first : 0;
 }
 
 int64_t mha_mask_window(const mha_mask_plan *p, int64_t b, int64_t i,
                         int64_t *lo)
 {
     /* Bottom-right per sequence: row i is position n_b - Lq + i, and it
-     * sees itself and the window - 1 positions before it. */
-    const int64_t hi = p->seq_lengths[b] - p->q_len + i;
-    const int64_t first = hi - p->window + 1;
+     * sees itself and the window - 1 positions before it (and, with the
+     * window modifier, none before its left bound; its right bound is
+     * past the row's own position, which causal masking already keeps). */
+    const int64_t hi = mha_mask_qpos(p, b, i);
+    int64_t first = hi - p->window + 1;
+    if (p->band && p->band_left >= 0 && hi - p->band_left > first)
+        first = hi - p->band_left;
     *lo = first > 0 ? first : 0;
     return hi;
 }
@@ -251,13 +274,14 @@ int64_t mha_mask_cols(const mha_mask_plan *p, int64_t b, int64_t h, int64_t i,
         return window_cols(p, b, i, j0, n, row);
     const int64_t Lk = p->kv_len;
     const int64_t last = mha_mask_last(p, b, i);
+    const int64_t first = mha_mask_first(p, b, i);
     const int64_t attn_off = b * p->attn_stride_b + h * p->attn_stride_h +
                              i * Lk;
     const int64_t pad_off = b * p->pad_stride_b;
     int64_t live = 0;
     for (int64_t c = 0; c < n; c++) {
         const int64_t j = j0 + c;
-        float v = j <= last ? 0.0f : -INFINITY;
+        float v = j <= last && j >= first ? 0.0f : -INFINITY;
         if (p->pad.kind != MHA_MASK_NONE)
             v = apply(p->pad.kind, p->pad.data, pad_off + j, v);
         if (p->attn.kind != MHA_MASK_NONE)

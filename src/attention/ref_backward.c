@@ -9,11 +9,11 @@
 #include <math.h>
 #include <string.h>
 
-/* The mask row (Lt floats, padded to even), then doubles: s, P and dq
- * (2 Lt + dh), dk and dv (2 Lt dh). */
+/* The mask row (Lt floats, padded to even), then doubles: s, P, the
+ * softcap's derivative and dq (3 Lt + dh), dk and dv (2 Lt dh). */
 int64_t mha_ref_bwd_scratch_floats(int64_t dh, int64_t Lt)
 {
-    return (Lt + 2) + 2 * (2 * Lt + dh + 2 * Lt * dh) + 2;
+    return (Lt + 2) + 2 * (3 * Lt + dh + 2 * Lt * dh) + 2;
 }
 
 void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
@@ -23,9 +23,11 @@ void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
     const int64_t group = a->H / a->Hkv;
     float *bias = scratch;
     double *s = (double *)(void *)(scratch + ((Lt + 1) & ~(int64_t)1));
-    double *ds = s + Lt, *dq = ds + Lt, *dk = dq + dh, *dv = dk + Lt * dh;
+    double *ds = s + Lt, *dcap = ds + Lt, *dq = dcap + Lt, *dk = dq + dh;
+    double *dv = dk + Lt * dh;
     memset(dk, 0, (size_t)(2 * Lt * dh) * sizeof *dk);
     const double keep = mha_keep_scale(a);
+    double dsink = 0.0;
     /* Every query head of K/V head kvh's group, in order, adds into the
      * same float64 dk and dv. */
     for (int64_t h = kvh * group; h < (kvh + 1) * group; h++)
@@ -35,7 +37,8 @@ void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
         float *dqd = g->dq + (b * a->Lq + i) * g->lddq + h * dh;
         const int64_t live = mha_mask_row(a->mask, b, h, i, bias);
         memset(dq, 0, (size_t)dh * sizeof *dq);
-        double mx = -INFINITY, sum = 0.0, delta = 0.0;
+        const double sink = a->sinks ? a->sinks[h] : -INFINITY;
+        double mx = sink, delta = 0.0;
         for (int64_t j = 0; live && j < Lt; j++) {
             if (bias[j] == -INFINITY)
                 continue;
@@ -43,10 +46,12 @@ void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
             double dot = 0.0;
             for (int64_t d = 0; kj && d < dh; d++)
                 dot += (double)q[d] * kj[d];
-            s[j] = dot * a->scale + bias[j];
+            s[j] = mha_ref_modify(a, b, h, i, j, dot * a->scale, &dcap[j]) +
+                   bias[j];
             if (s[j] > mx)
                 mx = s[j];
         }
+        double sum = a->sinks ? exp(sink - mx) : 0.0;
         for (int64_t j = 0; live && j < Lt; j++)
             if (bias[j] != -INFINITY)
                 sum += s[j] = exp(s[j] - mx);
@@ -68,10 +73,18 @@ void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
             for (int64_t d = 0; d < dh; d++)
                 dv[j * dh + d] += s[j] * keep * dO[d];
         }
+        /* The sink's logit: dL/d sink = -P_sink delta (its value is 0),
+         * summed over the head's rows in float64. */
+        if (i == 0)
+            dsink = 0.0;
+        if (live && a->sinks)
+            dsink -= exp(sink - mx) / sum * delta;
+        if (i == a->Lq - 1 && a->sinks && g->dsinks)
+            g->dsinks[b * a->H + h] = (float)dsink;
         for (int64_t j = 0; live && j < Lt; j++) {
             if (bias[j] == -INFINITY)
                 continue;
-            const double dsj = s[j] * (ds[j] - delta) * a->scale;
+            const double dsj = s[j] * (ds[j] - delta) * dcap[j] * a->scale;
             const float *kj = mha_key_row(a, b, kvh, j);
             for (int64_t d = 0; d < dh; d++) {
                 if (kj)

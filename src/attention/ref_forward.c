@@ -35,8 +35,30 @@ static void add_value(const mha_attn *a, int64_t b, int64_t g, int64_t j,
         acc[d] += w * mha_value_elem(a, b, g, j, d);
 }
 
+double mha_ref_modify(const mha_attn *a, int64_t b, int64_t h, int64_t i,
+                      int64_t j, double s, double *dcap)
+{
+    if (a->softcap > 0.0f) {
+        const double t = tanh(s / a->softcap);
+        s = a->softcap * t;
+        if (dcap)
+            *dcap = 1.0 - t * t;
+    } else if (dcap) {
+        *dcap = 1.0;
+    }
+    if (a->alibi && j < a->Lk) {
+        const mha_mask_plan *mk = a->mask;
+        const int64_t kpos =
+            mk->window ? mha_ring_position(mk->seq_lengths[b], mk->ring, j)
+                       : j;
+        const int64_t d = mha_mask_qpos(mk, b, i) - kpos;
+        s -= (double)a->alibi[h] * (double)(d < 0 ? -d : d);
+    }
+    return s;
+}
+
 /* Scores, softmax, dropout, context, row stats and weights of row i of
- * every head of batch b. */
+ * every head of batch b.  A sink is one more term of the denominator. */
 void mha_ref_row(const mha_attn *a, int64_t b, int64_t i, float *scratch)
 {
     const int64_t dh = a->dh, Lt = a->Lt;
@@ -48,15 +70,18 @@ void mha_ref_row(const mha_attn *a, int64_t b, int64_t i, float *scratch)
         const int64_t g = mha_kv_head(a, h);
         const float *q = a->q + (b * a->Lq + i) * a->ldq + h * dh;
         const int64_t live = mha_mask_row(a->mask, b, h, i, bias);
-        double mx = -INFINITY;
+        const double sink = a->sinks ? a->sinks[h] : -INFINITY;
+        double mx = sink;
         for (int64_t j = 0; j < Lt; j++) {
             if (bias[j] == -INFINITY)
                 continue;
-            s[j] = key_dot(a, b, g, j, q) * a->scale + bias[j];
+            s[j] = mha_ref_modify(a, b, h, i, j,
+                                  key_dot(a, b, g, j, q) * a->scale, NULL) +
+                   bias[j];
             if (s[j] > mx)
                 mx = s[j];
         }
-        double sum = 0.0;
+        double sum = a->sinks ? exp(sink - mx) : 0.0;
         for (int64_t j = 0; j < Lt; j++)
             if (bias[j] != -INFINITY)
                 sum += s[j] = exp(s[j] - mx);
@@ -81,7 +106,8 @@ void mha_ref_row(const mha_attn *a, int64_t b, int64_t i, float *scratch)
         for (int64_t d = 0; d < dh; d++)
             dst[d] = (float)acc[d];
         float *st = a->stats + 2 * ((b * a->H + h) * a->Lq + i);
-        st[0] = live ? (float)mx : -INFINITY;
-        st[1] = live ? (float)(1.0 / sum) : 0.0f;
+        const int any = live || a->sinks;
+        st[0] = any ? (float)mx : -INFINITY;
+        st[1] = any ? (float)(1.0 / sum) : 0.0f;
     }
 }

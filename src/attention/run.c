@@ -87,12 +87,13 @@ mha_status mha_attn_layout_forward(const mha_engine *e, int64_t B, int64_t H,
 
 mha_status mha_attn_layout_backward(const mha_engine *e, int64_t B,
                                     int64_t Hkv, int64_t Lk, int64_t Lt,
-                                    int64_t dh, mha_attn_layout *l)
+                                    int64_t dh, int softcap,
+                                    mha_attn_layout *l)
 {
     const int flash = e->isa != MHA_ISA_REF;
     l->stats = l->partials = l->packed = 0;
     l->scratch = lines(flash ? mha_packed_floats(B, Hkv, Lk, dh) : 0);
-    return finish_layout(e, flash ? mha_flash_bwd_scratch_floats(dh, Lt)
+    return finish_layout(e, flash ? mha_flash_bwd_scratch_floats(dh, Lt, softcap)
                                   : mha_ref_bwd_scratch_floats(dh, Lt), l);
 }
 

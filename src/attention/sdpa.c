@@ -29,6 +29,8 @@ struct mha_attention_plan {
     mha_attn_layout lay, blay;
     float *ws;            /* the forward's layout                          */
     float *bws;           /* the backward's, allocated by its first call   */
+    float *slopes;        /* (H) ALiBi's default slopes                    */
+    float *dsinks;        /* [B][H] per-batch sink gradients, with bws     */
     int has_saved;        /* the last run, kept for the backward           */
     mha_attention_args saved;
     uint64_t saved_print;
@@ -112,6 +114,8 @@ static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
                              (double)a->dropout);
     MHA_CHECK(mha_check_weights_mode(a->need_weights));
     MHA_CHECK(mha_check_threads(a->num_threads));
+    MHA_CHECK(mha_modifiers_check(&a->mods, s->H, "attention"));
+    MHA_CHECK(mha_sinks_check(a->sinks, s->H, "attention"));
     int64_t t, w;
     if (!mha_mul_ok(s->H, s->dh, &s->E) || !mha_mul_ok(s->Hkv, s->dh, &s->Ekv) ||
         !mha_mul_ok(s->B, s->Lq, &t) ||
@@ -143,9 +147,11 @@ static mha_status mask_plan(const mha_attention_args *a, const sdpa_shape *s,
     fa.key_padding_mask = a->key_padding_mask;
     fa.key_lengths = a->key_lengths;
     fa.causal = a->causal;
-    if (a->cache)
-        return mha_mask_plan_init_cache(mask, s->H, s->Lk, 0, &fa);
-    return mha_mask_plan_init(mask, s->H, 0, &fa);
+    MHA_CHECK(a->cache ? mha_mask_plan_init_cache(mask, s->H, s->Lk, 0, &fa)
+                       : mha_mask_plan_init(mask, s->H, 0, &fa));
+    if (a->mods.window)
+        mha_mask_plan_band(mask, a->mods.window_left, a->mods.window_right);
+    return MHA_OK;
 }
 
 /* Whether [a, a + na) and [b, b + nb) (floats) share memory. */
@@ -203,6 +209,10 @@ static uint64_t fingerprint(const mha_attention_args *a, const sdpa_shape *s)
     }
     if (a->key_lengths)
         h = mha_fingerprint(h, a->key_lengths, (size_t)s->B * sizeof(int64_t));
+    if (a->sinks)
+        h = mha_fingerprint(h, a->sinks, (size_t)s->H * f);
+    if (a->mods.alibi && a->mods.alibi_slopes)
+        h = mha_fingerprint(h, a->mods.alibi_slopes, (size_t)s->H * f);
     return h;
 }
 
@@ -225,10 +235,14 @@ mha_status mha_attention_plan_create(const mha_attention_args *a,
     if (!p)
         return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate a plan");
     p->ws = mha_alloc_floats(lay.total, "attention workspace");
-    if (!p->ws) {
+    p->slopes = mha_alloc_floats(s.H, "ALiBi slopes");
+    if (!p->ws || !p->slopes) {
+        free(p->ws);
+        free(p->slopes);
         free(p);
         return MHA_ERR_OUT_OF_MEMORY;
     }
+    mha_alibi_slopes(s.H, p->slopes);
     p->shape = s;
     p->eng = eng;
     p->lay = lay;
@@ -243,6 +257,8 @@ void mha_attention_plan_free(mha_attention_plan *p)
         return;
     free(p->ws);
     free(p->bws);
+    free(p->slopes);
+    free(p->dsinks);
     free(p);
 }
 
@@ -257,7 +273,10 @@ static mha_attn problem(const mha_attention_plan *p,
         .Lt = s->Lk, .dh = s->dh, .q = a->q, .k = a->k, .v = a->v,
         .ldq = s->E, .ldk = s->Ekv, .ldv = s->Ekv,
         .scale = resolved_scale(a, s->dh),
-        .mask = mask, .dropout = a->training && a->dropout > 0.0f,
+        .mask = mask, .softcap = a->mods.softcap,
+        .alibi = !a->mods.alibi ? NULL
+               : a->mods.alibi_slopes ? a->mods.alibi_slopes : p->slopes,
+        .sinks = a->sinks, .dropout = a->training && a->dropout > 0.0f,
         .p_drop = a->dropout, .seed = a->dropout_seed, .ctx = a->out,
         .ldc = s->E, .stats = p->ws + p->lay.stats,
         .weights = a->need_weights,
@@ -395,12 +414,18 @@ static mha_status check_saved(const mha_attention_plan *p,
         a->key_lengths != s->key_lengths || a->causal != s->causal ||
         resolved_scale(a, p->shape.dh) != resolved_scale(s, p->shape.dh) ||
         (a->training != 0) != (s->training != 0) ||
-        a->dropout != s->dropout || a->dropout_seed != s->dropout_seed)
+        a->dropout != s->dropout || a->dropout_seed != s->dropout_seed ||
+        a->sinks != s->sinks || a->mods.softcap != s->mods.softcap ||
+        (a->mods.alibi != 0) != (s->mods.alibi != 0) ||
+        a->mods.alibi_slopes != s->mods.alibi_slopes ||
+        (a->mods.window != 0) != (s->mods.window != 0) ||
+        (a->mods.window && (a->mods.window_left != s->mods.window_left ||
+                            a->mods.window_right != s->mods.window_right)))
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "the arguments differ from those of the plan's "
                              "last run (q, k, v, masks, key_lengths, causal, "
-                             "scale, dropout, training and dropout_seed must "
-                             "be the same)");
+                             "scale, dropout, training, dropout_seed, sinks "
+                             "and the modifiers must be the same)");
     if (fingerprint(a, &p->shape) != p->saved_print)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "the contents of q, k, v, the masks or "
@@ -426,6 +451,10 @@ mha_status mha_attention_plan_backward(mha_attention_plan *p,
                              : !g->grad_q ? "grad_q"
                              : !g->grad_k ? "grad_k" : "grad_v");
     MHA_CHECK(check_saved(p, a));
+    if (g->grad_sinks && !a->sinks)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "grad_sinks is set but the arguments have no "
+                             "sinks");
     const sdpa_shape *s = &p->shape;
     const span outs[3] = {{"grad_q", g->grad_q, s->n_q},
                           {"grad_k", g->grad_k, s->n_kv},
@@ -435,12 +464,18 @@ mha_status mha_attention_plan_backward(mha_attention_plan *p,
                          {"grad_out", g->grad_out, s->n_q}};
     MHA_CHECK(check_disjoint(outs, 3, ins, 4));
     if (!p->bws) {
+        /* (sized for a softcap: any later run may have one) */
         MHA_CHECK(mha_attn_layout_backward(&p->eng, s->B, s->Hkv, s->Lk,
-                                           s->Lk, s->dh, &p->blay));
+                                           s->Lk, s->dh, 1, &p->blay));
         p->bws = mha_alloc_floats(p->blay.total, "attention backward "
                                                  "workspace");
-        if (!p->bws)
+        p->dsinks = mha_alloc_floats(s->B * s->H, "sink gradients");
+        if (!p->bws || !p->dsinks) {
+            free(p->bws);
+            free(p->dsinks);
+            p->bws = p->dsinks = NULL;
             return MHA_ERR_OUT_OF_MEMORY;
+        }
     }
     mha_mask_plan mask;
     MHA_CHECK(mask_plan(a, s, &mask));
@@ -450,9 +485,17 @@ mha_status mha_attention_plan_backward(mha_attention_plan *p,
     const mha_attn_grad ag = {
         .dctx = g->grad_out, .lddc = s->E, .dq = g->grad_q, .dk = g->grad_k,
         .dv = g->grad_v, .lddq = s->E, .lddk = s->Ekv, .lddv = s->Ekv,
+        .dsinks = a->sinks ? p->dsinks : NULL,
         .packed = p->bws + p->blay.packed};
     mha_attn_backward(&p->eng, &at, &ag, p->bws + p->blay.scratch,
                       p->blay.per_thread);
+    /* dL/d sinks[h]: the batch's shares summed in order, in float64. */
+    for (int64_t h = 0; a->sinks && g->grad_sinks && h < s->H; h++) {
+        double sum = 0.0;
+        for (int64_t b = 0; b < s->B; b++)
+            sum += p->dsinks[b * s->H + h];
+        g->grad_sinks[h] = (float)sum;
+    }
     return MHA_OK;
 }
 

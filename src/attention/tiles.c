@@ -8,6 +8,10 @@
  * before the first row's limit needs no mask at all.  Only tiles on the
  * diagonal, or under an explicit mask, are masked element by element.
  *
+ * The window score modifier is masking by index too: a block's tiles
+ * before its first row's first key are never visited either, so the cost
+ * follows the window's width, not Lk.
+ *
  * A sliding-window KV cache is walked by slot: its keys are a ring, slot
  * s holding the position mha_ring_position says, so a block's window of
  * positions is one or two runs of slots (two once it wraps around the
@@ -163,8 +167,37 @@ static void mask_window(const mha_attn *a, const mha_tile *t, float *s)
     }
 }
 
-void mha_mask_tile(const mha_attn *a, const mha_tile *t, float *s)
+/* ALiBi: each real key's score less slope_h times its distance from the
+ * row, |qpos - kpos| (positions: mha_mask_qpos; a window cache's keys at
+ * the positions their slots hold). */
+static void alibi_tile(const mha_attn *a, const mha_tile *t, float *s)
 {
+    const mha_mask_plan *mk = a->mask;
+    const int64_t n = mk->window ? mk->seq_lengths[t->b] : 0;
+    for (int r = 0; r < t->mr; r++) {
+        float *sr = s + r * MHA_BC;
+        const float slope = a->alibi[mha_tile_head(a, t, r)];
+        const int64_t qpos = mha_mask_qpos(mk, t->b, mha_tile_row(t, r));
+        for (int c = 0; c < t->nc; c++) {
+            const int64_t kpos = mk->window
+                                     ? mha_ring_position(n, mk->ring,
+                                                         t->j0 + c)
+                                     : t->j0 + c;
+            const int64_t d = qpos - kpos;
+            sr[c] -= slope * (float)(d < 0 ? -d : d);
+        }
+    }
+}
+
+void mha_score_tile(const mha_attn *a, const mha_tile *t, float *s,
+                    float *dcap, int ldd)
+{
+    if (a->softcap > 0.0f)
+        for (int r = 0; r < t->mr; r++)
+            a->uk->softcap(s + r * MHA_BC, t->nc, a->softcap,
+                           dcap ? dcap + (int64_t)r * ldd : NULL);
+    if (a->alibi && !t->extra)
+        alibi_tile(a, t, s);
     if (t->how == MHA_TILE_OPEN)
         return;
     if (t->how == MHA_TILE_WINDOW) {
@@ -178,8 +211,13 @@ void mha_mask_tile(const mha_attn *a, const mha_tile *t, float *s)
             for (int c = 0; c < t->nc; c++)
                 sr[c] = masked(sr[c], br[c]);
         } else {
-            const int64_t i = t->i0 + (t->stack ? r % t->stack : r);
+            /* Keys before the row's first (the window) and after its
+             * last (causal, key lengths, the window) are excluded. */
+            const int64_t i = mha_tile_row(t, r);
+            const int64_t first = mha_mask_first(a->mask, t->b, i) - t->j0;
             const int64_t live = mha_mask_last(a->mask, t->b, i) - t->j0 + 1;
+            for (int64_t c = 0; c < t->nc && c < first; c++)
+                sr[c] = -INFINITY;
             for (int64_t c = live < 0 ? 0 : live; c < t->nc; c++)
                 sr[c] = -INFINITY;
         }
@@ -282,20 +320,28 @@ static void walk(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
                     ctx);
         return;
     }
+    /* Rows see keys first(i) .. last(i), both rising with i: the block
+     * sees first(i0) .. last(i0 + n_i - 1), and a tile inside
+     * first(last row) .. last(first row) needs no masking. */
     const int64_t first_last = mha_mask_last(mk, b, i0);
+    const int64_t last_first = mha_mask_first(mk, b, i0 + n_i - 1);
     int64_t end = mha_mask_last(mk, b, i0 + n_i - 1) + 1;
     if (end > k1)
         end = k1;
+    int64_t start = mha_mask_first(mk, b, i0) / MHA_BC * MHA_BC;
+    if (start < k0)
+        start = k0;   /* (k0: a multiple of MHA_BC) */
     const int explicit_mask = mha_mask_has_explicit(mk);
     mha_tile t = {.b = b, .h = h, .g = mha_kv_head(a, h), .i0 = i0,
                   .mr = mr, .bias = bias, .stack = stack};
-    for (int64_t j0 = k0; j0 < end; j0 += MHA_BC) {
+    for (int64_t j0 = start; j0 < end; j0 += MHA_BC) {
         t.j0 = j0;
         t.nc = (int)(end - j0 < MHA_BC ? end - j0 : MHA_BC);
         t.index = j0 / MHA_BC;
         t.how = explicit_mask ? MHA_TILE_EXPLICIT
-              : j0 + t.nc - 1 > first_last ? MHA_TILE_BY_INDEX
-                                           : MHA_TILE_OPEN;
+              : j0 + t.nc - 1 > first_last || j0 < last_first
+                  ? MHA_TILE_BY_INDEX
+                  : MHA_TILE_OPEN;
         if (t.how == MHA_TILE_EXPLICIT) {
             int64_t live = 0;
             for (int r = 0; r < mr; r++)

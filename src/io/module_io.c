@@ -14,7 +14,7 @@
 static const char *const KNOWN[] = {
     "in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
     "in_proj_bias",   "bias_k",        "bias_v",        "out_proj.weight",
-    "out_proj.bias"};
+    "out_proj.bias",  "sinks"};
 
 /* A float tensor of exactly this shape, or an error naming it. */
 static mha_status expect(const mha_tensor *t, const char *name, int ndim,
@@ -186,7 +186,8 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
                                  "state_dict: unexpected tensor '%s' (an "
                                  "nn.MultiheadAttention has in_proj_weight or "
                                  "q/k/v_proj_weight, in_proj_bias, bias_k, "
-                                 "bias_v, out_proj.weight, out_proj.bias)",
+                                 "bias_v, out_proj.weight, out_proj.bias; "
+                                 "mha adds sinks)",
                                  name);
     }
     const mha_tensor *in_w = mha_tensor_file_find(f, "in_proj_weight");
@@ -198,6 +199,7 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
     const mha_tensor *o_b = mha_tensor_file_find(f, "out_proj.bias");
     const mha_tensor *b_k = mha_tensor_file_find(f, "bias_k");
     const mha_tensor *b_v = mha_tensor_file_find(f, "bias_v");
+    const mha_tensor *sinks = mha_tensor_file_find(f, "sinks");
 
     mha_config c = {0};
     MHA_CHECK(config_from_metadata(f, &c));
@@ -314,6 +316,10 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
         c.num_kv_heads = Dkv / dh;
     }
 
+    if (sinks) {   /* one learned logit per query head (gpt-oss) */
+        MHA_CHECK(expect(sinks, "sinks", 1, c.num_heads, 0, 0));
+        c.sinks = 1;
+    }
     MHA_CHECK(check_metadata_agrees(f, &c));
     /* Every value finite, named as the file names it (q/k/v_proj_weight
      * may be packed into in_proj_weight below). */

@@ -423,6 +423,60 @@ MK_INLINE __m256 exp8(__m256 x)
     return _mm256_andnot_ps(below, r);
 }
 
+/* ---- tanh -----------------------------------------------------------------
+ *
+ * tanh|x| = (1 - e) / (1 + e), e = exp(-2|x|) (exp8 above), for |x| >=
+ * 0.25; below, the Taylor series x (1 + x^2 P(x^2)) to x^11, whose first
+ * omitted term is < 1.3e-11 |x| there (the quotient would lose bits to
+ * 1 - e).  The sign of x is put back last.  +-Inf -> +-1, NaN -> NaN.
+ */
+MK_INLINE __m256 tanh8(__m256 x)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 a = _mm256_andnot_ps(sign, x);
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 e = exp8(_mm256_mul_ps(a, _mm256_set1_ps(-2.0f)));
+    const __m256 big = _mm256_div_ps(_mm256_sub_ps(one, e),
+                                     _mm256_add_ps(one, e));
+    const __m256 a2 = _mm256_mul_ps(a, a);
+    __m256 P = _mm256_set1_ps(-1382.0f / 155925.0f);
+    P = _mm256_fmadd_ps(P, a2, _mm256_set1_ps(62.0f / 2835.0f));
+    P = _mm256_fmadd_ps(P, a2, _mm256_set1_ps(-17.0f / 315.0f));
+    P = _mm256_fmadd_ps(P, a2, _mm256_set1_ps(2.0f / 15.0f));
+    P = _mm256_fmadd_ps(P, a2, _mm256_set1_ps(-1.0f / 3.0f));
+    const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(P, a2), a, a);
+    const __m256 is_small =
+        _mm256_cmp_ps(a, _mm256_set1_ps(0.25f), _CMP_LT_OQ);
+    const __m256 t = _mm256_blendv_ps(big, small, is_small);
+    return _mm256_or_ps(t, _mm256_and_ps(sign, x));
+}
+
+static void softcap_avx2(float *x, int n, float c, float *dcap)
+{
+    const __m256 cv = _mm256_set1_ps(c), inv = _mm256_set1_ps(1.0f / c);
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int k = 0; k < n; k += 8) {
+        /* The tail through a local buffer, as exp_sum's. */
+        float buf[8] = {0}, dbuf[8];
+        const int w = n - k < 8 ? n - k : 8;
+        float *src = w == 8 ? x + k : buf;
+        if (w < 8)
+            for (int i = 0; i < w; i++)
+                buf[i] = x[k + i];
+        const __m256 t = tanh8(_mm256_mul_ps(_mm256_loadu_ps(src), inv));
+        _mm256_storeu_ps(src, _mm256_mul_ps(cv, t));
+        if (dcap)
+            _mm256_storeu_ps(w == 8 ? dcap + k : dbuf,
+                             _mm256_fnmadd_ps(t, t, one));
+        if (w < 8)
+            for (int i = 0; i < w; i++) {
+                x[k + i] = buf[i];
+                if (dcap)
+                    dcap[k + i] = dbuf[i];
+            }
+    }
+}
+
 static float hsum8(__m256 v)
 {
     /* Fixed order: (lo128 + hi128), then (0+2, 1+3), then (0 + 1). */
@@ -503,5 +557,5 @@ static float max_avx2(const float *x, int n)
 const mha_microkernels mha_microkernels_avx2 = {
     "avx2",         qk_avx2,        pv_avx2,      pv_exact_avx2,
     pv_add_avx2,    pv_add_exact_avx2, pvt_avx2,  pvt_exact_avx2,
-    exp_sum_avx2,   scale_avx2,     max_avx2,
+    exp_sum_avx2,   scale_avx2,     max_avx2,     softcap_avx2,
     qk_kv_avx2,     pv_kv_avx2};

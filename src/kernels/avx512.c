@@ -345,6 +345,47 @@ MK_INLINE __m512 exp16(__m512 x)
     return _mm512_maskz_mov_ps((__mmask16)~below, r);
 }
 
+/* tanh, as avx2.c's tanh8 (the same formulas, 16 lanes). */
+MK_INLINE __m512 tanh16(__m512 x)
+{
+    const __m512 a = _mm512_abs_ps(x);
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 e = exp16(_mm512_mul_ps(a, _mm512_set1_ps(-2.0f)));
+    const __m512 big = _mm512_div_ps(_mm512_sub_ps(one, e),
+                                     _mm512_add_ps(one, e));
+    const __m512 a2 = _mm512_mul_ps(a, a);
+    __m512 P = _mm512_set1_ps(-1382.0f / 155925.0f);
+    P = _mm512_fmadd_ps(P, a2, _mm512_set1_ps(62.0f / 2835.0f));
+    P = _mm512_fmadd_ps(P, a2, _mm512_set1_ps(-17.0f / 315.0f));
+    P = _mm512_fmadd_ps(P, a2, _mm512_set1_ps(2.0f / 15.0f));
+    P = _mm512_fmadd_ps(P, a2, _mm512_set1_ps(-1.0f / 3.0f));
+    const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(P, a2), a, a);
+    const __mmask16 is_small =
+        _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.25f), _CMP_LT_OQ);
+    const __m512 t = _mm512_mask_mov_ps(big, is_small, small);
+    /* the sign of x back on |tanh| */
+    return _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_castps_si512(t),
+        _mm512_and_si512(_mm512_castps_si512(x),
+                         _mm512_set1_epi32((int)0x80000000u))));
+}
+
+static void softcap_avx512(float *x, int n, float c, float *dcap)
+{
+    const __m512 cv = _mm512_set1_ps(c), inv = _mm512_set1_ps(1.0f / c);
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int k = 0; k < n; k += 16) {
+        const __mmask16 m =
+            n - k >= 16 ? (__mmask16)0xffff
+                        : (__mmask16)((1u << (n - k)) - 1u);
+        const __m512 t =
+            tanh16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), inv));
+        _mm512_mask_storeu_ps(x + k, m, _mm512_mul_ps(cv, t));
+        if (dcap)
+            _mm512_mask_storeu_ps(dcap + k, m, _mm512_fnmadd_ps(t, t, one));
+    }
+}
+
 /* Fixed order: lanes (i + 8) onto i, then (i + 4), (i + 2), (i + 1). */
 static float hsum16(__m512 v)
 {
@@ -419,5 +460,5 @@ static float max_avx512(const float *x, int n)
 const mha_microkernels mha_microkernels_avx512 = {
     "avx512",         qk_avx512,      pv_avx512,    pv_exact_avx512,
     pv_add_avx512,    pv_add_exact_avx512, pvt_avx512, pvt_exact_avx512,
-    exp_sum_avx512,   scale_avx512,   max_avx512,
+    exp_sum_avx512,   scale_avx512,   max_avx512,   softcap_avx512,
     qk_kv_avx512,     pv_kv_avx512};

@@ -77,6 +77,12 @@ typedef struct mha_microkernels {
      * the driver relies on NaN reaching the sum through exp_sum instead. */
     float (*max)(const float *x, int n);
 
+    /* The softcap (Gemma 2): x[k] = c tanh(x[k] * (1/c)) for k < n, 1/c
+     * rounded to float, c > 0; and, when dcap is not NULL, dcap[k] =
+     * 1 - tanh^2, its derivative.  +-Inf -> +-c, NaN -> NaN.  The
+     * accuracy of the tier's tanh is in docs/KERNELS.md. */
+    void (*softcap)(float *x, int n, float c, float *dcap);
+
     /* qk and pv (pv_exact when exact) on tiles stored as `dtype`: a kt
      * tile of `cols` columns (ldkt = cols), a v tile of `cols` rows, laid
      * out as mha_kv_tile_bytes says.  Each element is converted to the

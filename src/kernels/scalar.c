@@ -124,6 +124,17 @@ static float max_scalar(const float *x, int n)
     return m;
 }
 
+static void softcap_scalar(float *x, int n, float c, float *dcap)
+{
+    const float inv = 1.0f / c;
+    for (int k = 0; k < n; k++) {
+        const float t = tanhf(x[k] * inv);
+        x[k] = c * t;
+        if (dcap)
+            dcap[k] = 1.0f - t * t;
+    }
+}
+
 /* qk and pv on a KV cache's tiles: the same loops, each element converted
  * as it is read (mha_kt_load, mha_v_load). */
 static void qk_kv_scalar(mha_kv_dtype dtype, int mr, int nc, int dh,
@@ -168,5 +179,5 @@ static void pv_kv_scalar(mha_kv_dtype dtype, int exact, int mr, int nc,
 const mha_microkernels mha_microkernels_scalar = {
     "scalar",           qk_scalar,      pv_scalar,    pv_exact_scalar,
     pv_add_scalar,      pv_add_exact_scalar, pvt_scalar, pvt_exact_scalar,
-    exp_sum_scalar,     scale_scalar,   max_scalar,
+    exp_sum_scalar,     scale_scalar,   max_scalar,     softcap_scalar,
     qk_kv_scalar,       pv_kv_scalar};

@@ -107,9 +107,10 @@ static mha_status ensure_workspace(mha_plan *p)
         return MHA_OK;
     const fwd_shape *s = &p->shape;
     MHA_CHECK(mha_attn_layout_backward(&p->eng, s->B, s->Hkv, s->Lk, s->Lt,
-                                       s->dh, &p->blay));
+                                       s->dh, p->m->cfg.mods.softcap > 0.0f,
+                                       &p->blay));
     p->bws = mha_alloc_floats(s->n_qd + p->n_proj + 2 * s->B * s->Dkv +
-                                  p->blay.total,
+                                  s->B * s->H + p->blay.total,
                               "backward workspace");
     return p->bws ? MHA_OK : MHA_ERR_OUT_OF_MEMORY;
 }
@@ -133,6 +134,19 @@ static void reduce_bias_kv(const fwd_shape *s, const float *per_b, float beta,
     for (int64_t b = 0; b < s->B; b++)
         for (int64_t e = 0; e < s->Dkv; e++)
             dst[e] += per_b[b * s->Dkv + e];
+}
+
+/* dL/d sinks = the batch's per-(b, h) shares, summed over b in order in
+ * float64 (added to dst when accumulating). */
+static void reduce_sinks(const fwd_shape *s, const float *per_b, float beta,
+                         float *dst)
+{
+    for (int64_t h = 0; h < s->H; h++) {
+        double acc = beta == 0.0f ? 0.0 : (double)dst[h];
+        for (int64_t b = 0; b < s->B; b++)
+            acc += per_b[b * s->H + h];
+        dst[h] = (float)acc;
+    }
 }
 
 /* dL/dm_h = sum over rows and head h's columns of (dout W_o) . ctx, in
@@ -188,6 +202,7 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
 
     mha_mask_plan mask;
     MHA_CHECK(mha_mask_plan_init(&mask, s->H, s->Lt - s->Lk, a));
+    mha_module_band(m, &mask);
     mha_attn at;
     mha_plan_attn(plan, a, &mask, &at);
     at.weights = MHA_WEIGHTS_NONE;
@@ -197,7 +212,8 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
     float *dctx = plan->bws;
     float *dproj = dctx + s->n_qd;
     float *dbias = dproj + plan->n_proj;
-    float *battn = dbias + 2 * s->B * D;   /* the backward's layout */
+    float *dsinks = dbias + 2 * s->B * Dkv;   /* [B][H] */
+    float *battn = dsinks + s->B * s->H;     /* the backward's layout */
     mha_linear_grad_input(g->grad_out, rows_q, E, E, m->w_o, D, 0.0f, dctx, D,
                           nt);
     if (g->grad_head_mask)
@@ -221,6 +237,7 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
         .lddq = plan->ldq, .lddk = plan->ldk, .lddv = plan->ldv,
         .dbias_k = m->bias_k ? dbias : NULL,
         .dbias_v = m->bias_k ? dbias + s->B * Dkv : NULL,
+        .dsinks = m->sinks ? dsinks : NULL,
         .packed = battn + plan->blay.packed};
     mha_attn_backward(&plan->eng, &at, &ag, battn + plan->blay.scratch,
                       plan->blay.per_thread);
@@ -258,6 +275,8 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
             reduce_bias_kv(s, ag.dbias_k, beta, grad_of(m, gp, "bias_k"));
             reduce_bias_kv(s, ag.dbias_v, beta, grad_of(m, gp, "bias_v"));
         }
+        if (m->sinks)
+            reduce_sinks(s, dsinks, beta, grad_of(m, gp, "sinks"));
     }
 
     /* The inputs.  A tensor that served as several inputs receives the sum,

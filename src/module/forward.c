@@ -255,6 +255,7 @@ void mha_plan_attn(const mha_plan *plan, const mha_forward_args *a,
         .ldq = plan->ldq, .ldk = plan->ldk, .ldv = plan->ldv,
         .bias_k = m->bias_k, .bias_v = m->bias_v,
         .zero_attn = c->add_zero_attn, .scale = c->scale, .mask = mask,
+        .softcap = c->mods.softcap, .alibi = m->slopes, .sinks = m->sinks,
         .dropout = a->training && c->dropout > 0.0f, .p_drop = c->dropout,
         .seed = a->dropout_seed, .ctx = ws_ctx(plan), .ldc = s->D,
         .stats = base + plan->lay.stats, .weights = a->need_weights,
@@ -382,10 +383,12 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
                                  (long long)s.Lq);
         const int64_t Lt = mha_total_keys(m, Lk);
         MHA_CHECK(mha_mask_plan_init_cache(&mask, s.H, Lk, Lt - Lk, a));
+        mha_module_band(m, &mask);
         n_w = s.B * s.Lq * Lt *
               (a->need_weights == MHA_WEIGHTS_PER_HEAD ? s.H : 1);
     } else {
         MHA_CHECK(mha_mask_plan_init(&mask, s.H, s.Lt - s.Lk, a));
+        mha_module_band(m, &mask);
     }
     MHA_CHECK(check_head_mask(a->head_mask, s.H));
 

@@ -78,6 +78,14 @@ static mha_status resolve_config(const mha_config *in, mha_config *out)
         c.vdim = c.embed_dim;
     if (c.scale == 0.0f && !(c.given & MHA_GIVEN_SCALE))
         c.scale = (float)(1.0 / sqrt((double)c.head_dim));
+    MHA_CHECK(mha_modifiers_check(&c.mods, c.num_heads, "config"));
+    c.mods.alibi = c.mods.alibi != 0;
+    c.mods.window = c.mods.window != 0;
+    if (!c.mods.alibi)
+        c.mods.alibi_slopes = NULL;
+    if (!c.mods.window)
+        c.mods.window_left = c.mods.window_right = 0;
+    c.sinks = c.sinks != 0;
     c.no_bias = c.no_bias != 0;
     c.add_bias_kv = c.add_bias_kv != 0;
     c.add_zero_attn = c.add_zero_attn != 0;
@@ -146,6 +154,8 @@ static mha_status build_table(mha_module *m)
     MHA_CHECK(add_param(m, "out_proj.weight", 2, E, D, 0));
     if (!m->cfg.no_bias)
         MHA_CHECK(add_param(m, "out_proj.bias", 1, E, 0, 0));
+    if (m->cfg.sinks)   /* gpt-oss's name; PyTorch's module has none */
+        MHA_CHECK(add_param(m, "sinks", 1, m->cfg.num_heads, 0, 0));
     return MHA_OK;
 }
 
@@ -170,6 +180,7 @@ static void set_views(mha_module *m)
     m->b_o = param_data(m, "out_proj.bias");
     m->bias_k = param_data(m, "bias_k");
     m->bias_v = param_data(m, "bias_v");
+    m->sinks = param_data(m, "sinks");
 }
 
 /* ---- initialisation ---------------------------------------------------- */
@@ -258,12 +269,26 @@ mha_status mha_create(const mha_config *config, mha_module **out)
     mha_status st = build_table(m);
     if (st == MHA_OK) {
         m->params = mha_alloc_floats(m->params_numel, "parameters");
-        if (!m->params)
+        m->slopes = c.mods.alibi ? mha_alloc_floats(c.num_heads, "ALiBi slopes")
+                                 : NULL;
+        if (!m->params || (c.mods.alibi && !m->slopes))
             st = MHA_ERR_OUT_OF_MEMORY;
     }
     if (st != MHA_OK) {
+        free(m->params);
+        free(m->slopes);
         free(m);
         return st;
+    }
+    if (m->slopes) {
+        /* The caller's slopes are copied; the config points at the copy. */
+        if (c.mods.alibi_slopes) {
+            memcpy(m->slopes, c.mods.alibi_slopes,
+                   (size_t)c.num_heads * sizeof *m->slopes);
+            m->cfg.mods.alibi_slopes = m->slopes;
+        } else {
+            mha_alibi_slopes(c.num_heads, m->slopes);
+        }
     }
     set_views(m);
     mha_reset_parameters(m, c.seed);
@@ -276,6 +301,7 @@ void mha_free(mha_module *m)
     if (!m)
         return;
     free(m->params);
+    free(m->slopes);
     free(m);
 }
 

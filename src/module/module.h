@@ -12,7 +12,7 @@
 #include <stdint.h>
 
 /* ---- the module (module.c) --------------------------------------------- */
-enum { MHA_MAX_PARAMS = 8 };
+enum { MHA_MAX_PARAMS = 9 };
 
 typedef struct mha_param {
     mha_param_info info;
@@ -37,7 +37,18 @@ struct mha_module {
     const float *b_q, *b_k, *b_v;  /* [D], [Dkv], [Dkv] */
     const float *w_o, *b_o;        /* [E, D], [E] */
     const float *bias_k, *bias_v;  /* [Dkv] each */
+    const float *sinks;            /* [H], with cfg.sinks */
+    float *slopes;                 /* [H] ALiBi's slopes (cfg.mods.alibi):
+                                      the caller's copy, or the defaults */
 };
+
+/* The module's window modifier, if it has one, added to a mask plan. */
+static inline void mha_module_band(const mha_module *m, mha_mask_plan *mask)
+{
+    if (m->cfg.mods.window)
+        mha_mask_plan_band(mask, m->cfg.mods.window_left,
+                           m->cfg.mods.window_right);
+}
 
 /* ---- the linear layer (linear.c: the only file that calls CBLAS) ------- */
 /*

@@ -71,8 +71,21 @@ mha_status mha_prune_heads(const mha_module *m, const int64_t *keep,
     c.head_dim = dh;
     if (!m->scale_given)
         c.scale = 0.0f;   /* the default, 1/sqrt(d_h), is unchanged */
+    /* ALiBi: the kept heads keep their slopes (the defaults of n_keep
+     * heads would differ); the sinks are copied below. */
+    float *slopes = NULL;
+    if (m->cfg.mods.alibi) {
+        slopes = mha_alloc_floats(n_keep, "ALiBi slopes");
+        if (!slopes)
+            return MHA_ERR_OUT_OF_MEMORY;
+        for (int64_t i = 0; i < n_keep; i++)
+            slopes[i] = m->slopes[keep[i]];
+        c.mods.alibi_slopes = slopes;
+    }
     mha_module *p;
-    MHA_CHECK(mha_create(&c, &p));
+    st = mha_create(&c, &p);
+    free(slopes);
+    MHA_CHECK(st);
     const int64_t Dp = p->inner_dim;
     /* W_q, W_k, W_v and their biases: the kept heads' rows, part by part
      * (packed: the three parts of in_proj_weight one after the other). */
@@ -92,6 +105,8 @@ mha_status mha_prune_heads(const mha_module *m, const int64_t *keep,
         copy_head_rows(own(p, p->bias_k), m->bias_k, keep, n_keep, dh, 1);
         copy_head_rows(own(p, p->bias_v), m->bias_v, keep, n_keep, dh, 1);
     }
+    if (m->sinks)
+        copy_head_rows(own(p, p->sinks), m->sinks, keep, n_keep, 1, 1);
     /* out_proj.weight [E, D]: the kept heads' columns of every row. */
     for (int64_t e = 0; e < E; e++)
         copy_head_rows(own(p, p->w_o) + e * Dp, m->w_o + e * D, keep, n_keep,
