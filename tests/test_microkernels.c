@@ -637,6 +637,53 @@ static void test_exp_accuracy(void **state)
     free(in);
 }
 
+/* softcap: c tanh(x / c) within 8 ulp of the float64 value (of the
+ * argument the kernel forms, x * (1/c) with 1/c rounded to float), on
+ * magnitudes from 1e-30 to 1e4 of both signs, in calls of 61 (tails);
+ * dcap = 1 - tanh^2 within 2^-22; +-Inf -> +-c, NaN -> NaN, -0 -> -0. */
+static void test_softcap(void **state)
+{
+    const mha_microkernels *k = *state;
+    enum { N = 1 << 16, CH = 61 };
+    static const float caps[] = {0.5f, 1.0f, 30.0f};
+    float *x = in_buf(N), *in = in_buf(N), *dc = out_buf(N);
+    for (int ci = 0; ci < COUNT(caps); ci++) {
+        const float c = caps[ci], inv = 1.0f / c;
+        for (int i = 0; i < N; i++) {
+            const double mag = pow(10.0, -30.0 + 34.0 * (i / 2) / (N / 2));
+            in[i] = x[i] = (float)(i % 2 ? -mag : mag);
+        }
+        for (int i = 0; i < N; i += CH)
+            k->softcap(x + i, N - i < CH ? N - i : CH, c, dc + i);
+        check_guard(dc, N);
+        double worst = 0.0;
+        for (int i = 0; i < N; i++) {
+            const double t = tanh((double)in[i] * (double)inv);
+            const double u = ulp_err(fabsf(x[i]), fabs(c * t));
+            worst = u > worst ? u : worst;
+            if (!(u <= 4.0) || (x[i] < 0) != (in[i] < 0))
+                fail_msg("%s softcap(%.9g, c=%g) = %.9g, want %.9g (%.2f ulp)",
+                         k->name, (double)in[i], (double)c, (double)x[i],
+                         c * t, u);
+            if (!(fabs(dc[i] - (1.0 - t * t)) <= 0x1p-22))
+                fail_msg("%s softcap'(%.9g, c=%g) = %.9g, want %.9g", k->name,
+                         (double)in[i], (double)c, (double)dc[i], 1.0 - t * t);
+        }
+        print_message("%s softcap c=%g: worst %.2f ulp\n", k->name, (double)c,
+                      worst);
+    }
+    const float sp[5] = {INFINITY, -INFINITY, NAN, -0.0f, 0.0f};
+    float y[5];
+    memcpy(y, sp, sizeof y);
+    k->softcap(y, 5, 2.0f, NULL);
+    assert_true(y[0] == 2.0f && y[1] == -2.0f && isnan(y[2]));
+    assert_true(y[3] == 0.0f && signbit(y[3]) && y[4] == 0.0f &&
+                !signbit(y[4]));
+    free(x);
+    free(in);
+    free(dc);
+}
+
 static void test_exp_special(void **state)
 {
     const mha_microkernels *k = *state;
@@ -873,6 +920,7 @@ static void test_names(void **state)
     cmocka_unit_test_prestate(test_pv_exact_nonfinite, (void *)&table),      \
     cmocka_unit_test_prestate(test_exp_accuracy, (void *)&table),            \
     cmocka_unit_test_prestate(test_exp_special, (void *)&table),             \
+    cmocka_unit_test_prestate(test_softcap, (void *)&table),                 \
     cmocka_unit_test_prestate(test_exp_sum_order, (void *)&table),           \
     cmocka_unit_test_prestate(test_scale, (void *)&table),                   \
     cmocka_unit_test_prestate(test_max, (void *)&table),                     \
