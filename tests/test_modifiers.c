@@ -279,6 +279,46 @@ static void test_forward_vs_reference(void **state)
         if (!(err <= tol))
             fail_msg("%s: out error %.3g > tolerance %.3g", c->name, err, tol);
         check_lse(c->name, p.lse, rlse, nlse, nl);
+        /* The weights: applied to V they give the output, and with the
+         * sink's share exp(sink - lse) each row sums to 1 (0 when the row
+         * has no key and no sink). */
+        const int64_t nw = nl * c->Lk, E = c->H * c->dh, Ekv = c->Hkv * c->dh;
+        float *w = malloc((size_t)nw * sizeof *w);
+        p.a.need_weights = MHA_WEIGHTS_PER_HEAD;
+        p.a.attn_weights = w;
+        assert_int_equal(mha_attention(&p.a), MHA_OK);
+        double *wv = malloc((size_t)p.nq * sizeof *wv);
+        for (int64_t b = 0; b < c->B; b++)
+            for (int64_t h = 0; h < c->H; h++)
+                for (int64_t i = 0; i < c->Lq; i++) {
+                    const int64_t row = (b * c->H + h) * c->Lq + i;
+                    const int64_t g = h / (c->H / c->Hkv);
+                    double sum = sinks && rlse[row] != -INFINITY
+                                     ? exp(sinks[h] - rlse[row]) : 0.0;
+                    double *o = wv + (b * c->Lq + i) * E + h * c->dh;
+                    for (int64_t d = 0; d < c->dh; d++)
+                        o[d] = 0.0;
+                    for (int64_t j = 0; j < c->Lk; j++) {
+                        const double wj = w[row * c->Lk + j];
+                        sum += wj;
+                        const float *vj = p.v + (b * c->Lk + j) * Ekv +
+                                          g * c->dh;
+                        for (int64_t d = 0; d < c->dh; d++)
+                            o[d] += wj * vj[d];
+                    }
+                    if (!(fabs(sum - (rlse[row] == -INFINITY ? 0.0 : 1.0)) <=
+                          1e-5))
+                        fail_msg("%s: weights of row %lld sum to %.9g", c->name,
+                                 (long long)row, sum);
+                }
+        double werr = 0.0;
+        for (int64_t e = 0; e < p.nq; e++)
+            werr = fmax(werr, fabs(wv[e] - ref[e]));
+        if (!(werr <= 1e-5 * (1.0 + ref_max_abs(ref, p.nq))))
+            fail_msg("%s: weights times V differ from the output by %.3g",
+                     c->name, werr);
+        free(w);
+        free(wv);
         free(ref);
         free(rlse);
         free(naive);
