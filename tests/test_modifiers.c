@@ -644,13 +644,19 @@ static void test_module_decodes(void **state)
             fail_msg("chunks of %lld: decoding differs from the forward by "
                      "%.3g", (long long)chunks[k], err);
     }
-    /* A sliding-window cache of 41 positions holds all a row sees. */
-    for (int k = 0; k < 2; k++) {
-        const double err = decode_vs_forward(m, x, B, L, chunks[k], 41, full);
-        if (!(err <= tol))
-            fail_msg("window cache, chunks of %lld: differs by %.3g",
-                     (long long)chunks[k], err);
-    }
+    /* A sliding-window cache of 41 positions holds all a row sees; one
+     * of 60 holds more, and the module's window (40 back) must still
+     * bound what a row sees in it. */
+    const int64_t windows[2] = {41, 60};
+    for (int k = 0; k < 2; k++)
+        for (int w = 0; w < 2; w++) {
+            const double err = decode_vs_forward(m, x, B, L, chunks[k],
+                                                 windows[w], full);
+            if (!(err <= tol))
+                fail_msg("window cache of %lld, chunks of %lld: differs by "
+                         "%.3g", (long long)windows[w], (long long)chunks[k],
+                         err);
+        }
     free(x);
     free(full);
     mha_free(m);
@@ -770,6 +776,67 @@ static void test_module_matches_heads(void **state)
     free(y);
     free(g);
     mha_free(m);
+}
+
+/* The keys of add_bias_kv and add_zero_attn have no position: ALiBi and
+ * the window leave them alone, so a module with ALiBi and a window equals
+ * the same module with the equivalent (B, H, Lq, Lk) additive mask, which
+ * covers the real keys only (bitwise on the flash tiers). */
+static void test_extra_keys_have_no_position(void **state)
+{
+    (void)state;
+    const int64_t B = 1, L = 70, E = 16, H = 2;
+    mha_config cfg = {0};
+    cfg.embed_dim = E;
+    cfg.num_heads = H;
+    cfg.add_bias_kv = 1;
+    cfg.add_zero_attn = 1;
+    cfg.mods.alibi = 1;
+    cfg.mods.window = 1;
+    cfg.mods.window_left = 9;
+    cfg.mods.window_right = 4;
+    mha_module *m = tu_module(&cfg, 8);
+    assert_non_null(m);
+    mha_config plain = cfg;
+    plain.mods = (mha_modifiers){0};
+    mha_module *p = tu_module(&plain, 8);   /* the same parameters */
+    assert_non_null(p);
+    float slopes[2];
+    assert_int_equal(mha_alibi_slopes(H, slopes), MHA_OK);
+    float *add = malloc((size_t)(H * L * L) * 4);
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t i = 0; i < L; i++)
+            for (int64_t j = 0; j < L; j++) {
+                const int64_t d = i - j;
+                add[(h * L + i) * L + j] =
+                    j < i - 9 || j > i + 4 ? -INFINITY
+                                           : -(slopes[h] *
+                                               (float)(d < 0 ? -d : d));
+            }
+    float *x = malloc((size_t)(B * L * E) * 4);
+    float *y1 = malloc((size_t)(B * L * E) * 4);
+    float *y2 = malloc((size_t)(B * L * E) * 4);
+    tu_fill(x, B * L * E, 2, -1.0f, 1.0f);
+    mha_forward_args a = {0};
+    a.batch = B;
+    a.q_len = L;
+    a.query = x;
+    a.out = y1;
+    assert_int_equal(mha_forward(m, &a), MHA_OK);
+    a.out = y2;
+    a.attn_mask = (mha_mask){MHA_MASK_ADDITIVE, add, 4, {1, H, L, L}};
+    assert_int_equal(mha_forward(p, &a), MHA_OK);
+    double err = 0.0;
+    for (int64_t e = 0; e < B * L * E; e++)
+        err = fmax(err, fabs((double)y1[e] - y2[e]));
+    if (strcmp(mha_kernel_tier(), "ref") ? err != 0.0 : !(err <= 1e-5))
+        fail_msg("modifiers vs their mask, with extra keys: %.3g", err);
+    free(add);
+    free(x);
+    free(y1);
+    free(y2);
+    mha_free(m);
+    mha_free(p);
 }
 
 /* ---- the default slopes --------------------------------------------------- */
@@ -892,6 +959,7 @@ int main(void)
         cmocka_unit_test(test_threads_bitwise),
         cmocka_unit_test(test_module_decodes),
         cmocka_unit_test(test_module_matches_heads),
+        cmocka_unit_test(test_extra_keys_have_no_position),
         cmocka_unit_test(test_alibi_slopes),
         cmocka_unit_test(test_bad_settings),
     };
