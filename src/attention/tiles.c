@@ -174,10 +174,23 @@ static void alibi_tile(const mha_attn *a, const mha_tile *t, float *s)
 {
     const mha_mask_plan *mk = a->mask;
     const int64_t n = mk->window ? mk->seq_lengths[t->b] : 0;
+    /* 0, 1, ..., MHA_BC - 1 as floats: distances in float arithmetic,
+     * exact below 2^24 (and so the same floats), which vectorises. */
+    float iota[MHA_BC];
+    for (int c = 0; c < MHA_BC; c++)
+        iota[c] = (float)c;
     for (int r = 0; r < t->mr; r++) {
         float *sr = s + r * MHA_BC;
         const float slope = a->alibi[mha_tile_head(a, t, r)];
         const int64_t qpos = mha_mask_qpos(mk, t->b, mha_tile_row(t, r));
+        const int64_t base = qpos - t->j0;
+        if (!mk->window && base < ((int64_t)1 << 24) - MHA_BC &&
+            base > -((int64_t)1 << 24)) {
+            const float fb = (float)base;
+            for (int c = 0; c < t->nc; c++)
+                sr[c] -= slope * fabsf(fb - iota[c]);
+            continue;
+        }
         for (int c = 0; c < t->nc; c++) {
             const int64_t kpos = mk->window
                                      ? mha_ring_position(n, mk->ring,
