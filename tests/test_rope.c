@@ -1161,6 +1161,139 @@ static void test_metadata_round_trip(void **state)
     mha_free(m);
 }
 
+/* ALiBi with custom slopes, the window and the softcap go to the file's
+ * metadata and come back; the caller's base overrides them. */
+static void test_metadata_modifiers(void **state)
+{
+    (void)state;
+    const float slopes[4] = {0.5f, 0.25f, 0.1f, 1.0f / 3.0f};
+    mha_config c = {0};
+    c.embed_dim = 16;
+    c.num_heads = 4;
+    c.mods.alibi = 1;
+    c.mods.alibi_slopes = slopes;
+    c.mods.window = 1;
+    c.mods.window_left = 7;
+    c.mods.window_right = -1;
+    c.mods.softcap = 30.5f;
+    mha_module *m = tu_module(&c, 3);
+    if (!m)
+        fail_msg("create: %s", mha_last_error());
+    char path[320];
+    snprintf(path, sizeof path, "%s/mods.safetensors", tu_tmpdir);
+    assert_int_equal(mha_module_save(m, path), MHA_OK);
+    mha_free(m);
+    mha_tensor_file *f = NULL;
+    assert_int_equal(mha_safetensors_load(path, &f), MHA_OK);
+    assert_string_equal(mha_tensor_file_metadata(f, "alibi"), "true");
+    assert_string_equal(mha_tensor_file_metadata(f, "alibi_slopes"),
+                        "0.5,0.25,0.100000001,0.333333343");
+    assert_string_equal(mha_tensor_file_metadata(f, "window"), "7,-1");
+    assert_string_equal(mha_tensor_file_metadata(f, "softcap"), "30.5");
+    assert_null(mha_tensor_file_metadata(f, "rope"));
+    mha_module *back = NULL;
+    assert_int_equal(mha_module_from_file(f, 0, NULL, &back), MHA_OK);
+    mha_config got;
+    mha_get_config(back, &got);
+    assert_true(got.mods.alibi);
+    assert_non_null(got.mods.alibi_slopes);
+    assert_memory_equal(got.mods.alibi_slopes, slopes, sizeof slopes);
+    assert_true(got.mods.window);
+    assert_int_equal(got.mods.window_left, 7);
+    assert_int_equal(got.mods.window_right, -1);
+    assert_true(got.mods.softcap == 30.5f);
+    mha_free(back);
+    /* base: its own slopes, window and softcap replace the file's */
+    const float mine[4] = {1, 2, 3, 4};
+    mha_config base = {0};
+    base.mods.alibi_slopes = mine;
+    base.mods.window = 1;
+    base.mods.window_left = -1;
+    base.mods.window_right = 0;
+    base.mods.softcap = 5.0f;
+    assert_int_equal(mha_module_from_file(f, 0, &base, &back), MHA_OK);
+    mha_get_config(back, &got);
+    assert_memory_equal(got.mods.alibi_slopes, mine, sizeof mine);
+    assert_int_equal(got.mods.window_left, -1);
+    assert_int_equal(got.mods.window_right, 0);
+    assert_true(got.mods.softcap == 5.0f);
+    mha_free(back);
+    /* base alibi without slopes: the default slopes */
+    mha_config b2 = {0};
+    b2.mods.alibi = 1;
+    assert_int_equal(mha_module_from_file(f, 0, &b2, &back), MHA_OK);
+    mha_get_config(back, &got);
+    assert_true(got.mods.alibi);
+    assert_null(got.mods.alibi_slopes);
+    mha_free(back);
+    mha_tensor_file_free(f);
+}
+
+/* Bad modifier metadata is refused, naming the key and the value. */
+static void test_metadata_errors(void **state)
+{
+    (void)state;
+    float w_in[3 * 8 * 8] = {0}, w_out[8 * 8] = {0};
+    const mha_tensor_view t[2] = {
+        {"in_proj_weight", MHA_DTYPE_F32, 2, {24, 8}, w_in},
+        {"out_proj.weight", MHA_DTYPE_F32, 2, {8, 8}, w_out}};
+    const struct {
+        const char *k1, *v1, *k2, *v2, *msg;
+    } bad[] = {
+        {"rope", "llama", NULL, NULL,
+         "rope = 'llama' is not valid: expected neox or gptj"},
+        {"rope", "NEOX", NULL, NULL, "rope = 'NEOX' is not valid"},
+        {"rope_dims", "2", NULL, NULL,
+         "rope_dims = '2' is not valid: there is no rope key"},
+        {"rope", "neox", "rope_dims", "2.5",
+         "rope_dims = '2.5' is not valid: expected an integer"},
+        {"rope", "neox", "rope_theta", "nan",
+         "rope_theta = 'nan' is not valid: expected a finite number"},
+        {"rope", "neox", "rope_scale", " 2",
+         "rope_scale = ' 2' is not valid"},
+        {"rope", "gptj", "rope_dims", "3", "rope.dims must be even"},
+        {"rope", "gptj", "rope_theta", "0.5", "rope.theta must be finite "
+         "and > 1"},
+        {"alibi", "yes", NULL, NULL, "alibi = 'yes' is not valid"},
+        {"alibi_slopes", "1,2", NULL, NULL,
+         "alibi_slopes = '1,2' is not valid: alibi is not on"},
+        {"alibi", "true", "alibi_slopes", "1",
+         "alibi_slopes has 1 values, expected num_heads 2"},
+        {"alibi", "true", "alibi_slopes", "1,2,3",
+         "alibi_slopes has more than num_heads 2 values"},
+        {"alibi", "true", "alibi_slopes", "1,,2",
+         "alibi_slopes = '1,,2' is not valid"},
+        {"alibi", "true", "alibi_slopes", "1,inf",
+         "alibi_slopes = '1,inf' is not valid"},
+        {"window", "3", NULL, NULL, "window = '3' is not valid: expected "
+         "LEFT,RIGHT"},
+        {"window", "3,-2", NULL, NULL, "window = '3,-2' is not valid"},
+        {"window", "a,1", NULL, NULL, "window = 'a,1' is not valid"},
+        {"softcap", "0", NULL, NULL, "softcap = '0' is not valid: expected "
+         "a finite number > 0"},
+        {"softcap", "-1", NULL, NULL, "softcap = '-1' is not valid"},
+    };
+    char path[320];
+    snprintf(path, sizeof path, "%s/bad.safetensors", tu_tmpdir);
+    for (size_t k = 0; k < sizeof bad / sizeof *bad; k++) {
+        const char *keys[3] = {"num_heads", bad[k].k1, bad[k].k2};
+        const char *vals[3] = {"2", bad[k].v1, bad[k].v2};
+        const int n = bad[k].k2 ? 3 : 2;
+        assert_int_equal(mha_safetensors_save(path, t, 2, keys, vals, n),
+                         MHA_OK);
+        mha_tensor_file *f = NULL;
+        assert_int_equal(mha_safetensors_load(path, &f), MHA_OK);
+        mha_module *m = NULL;
+        const mha_status st = mha_module_from_file(f, 0, NULL, &m);
+        if (st == MHA_OK)
+            fail_msg("metadata %s = '%s' was accepted", bad[k].k2 ? bad[k].k2
+                     : bad[k].k1, bad[k].k2 ? bad[k].v2 : bad[k].v1);
+        assert_null(m);
+        assert_msg_has(bad[k].msg);
+        mha_tensor_file_free(f);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1179,6 +1312,8 @@ int main(void)
         cmocka_unit_test(test_attention_cache),
         cmocka_unit_test(test_threads_bitwise),
         cmocka_unit_test(test_metadata_round_trip),
+        cmocka_unit_test(test_metadata_modifiers),
+        cmocka_unit_test(test_metadata_errors),
     };
     if (tu_tier_unavailable())
         return TU_SKIP;
