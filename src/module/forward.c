@@ -9,6 +9,7 @@
  *   key   (B,Lk,kdim) -- W_k -->  k (B*Lk rows of Dkv, row stride ldk)
  *   value (B,Lk,vdim) -- W_v -->  v (B*Lk rows of Dkv, row stride ldv)
  *       (Dkv = H_kv * d_h: D, or less under grouped-query attention)
+ *       (RoPE: q and k rotated in place here, rope_qk below)
  *       (self-attention with one packed in_proj_weight: one GEMM writes
  *        q | k | v side by side, ldq = ldk = ldv = 3D; key == value: one
  *        GEMM writes k | v)
