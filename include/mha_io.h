@@ -107,8 +107,13 @@ MHA_API mha_status mha_safetensors_save(const char *path,
  * `num_heads` if > 0, else __metadata__ "num_heads".  add_zero_attn,
  * dropout and scale come from __metadata__ when present (files saved by
  * mha_module_save have them), else defaults; a nonzero field of `base`
- * (which may be NULL) overrides either, and base->seed is kept.  Every
- * missing tensor, unexpected tensor and wrong shape is named.
+ * (which may be NULL) overrides either, and base->seed is kept.  So do
+ * the modifiers (mods), each block whole: base->mods.rope when its style
+ * is not NONE, ALiBi when base->mods.alibi or alibi_slopes is set (its
+ * slopes, or the defaults when NULL, replacing the file's), the window
+ * when base->mods.window, the softcap when nonzero.  Slopes are copied.
+ * Every missing tensor, unexpected tensor, wrong shape and malformed
+ * metadata value is named.
  */
 MHA_API mha_status mha_module_from_file(const mha_tensor_file *file,
                                         int64_t num_heads,
@@ -119,7 +124,11 @@ MHA_API mha_status mha_module_load(const char *path, int64_t num_heads,
 /* Saves every parameter under its PyTorch name, float32, with the config
  * in __metadata__ ("format": "pt", embed_dim, num_heads, kdim, vdim, bias,
  * add_bias_kv, add_zero_attn, dropout, and scale when it was chosen rather
- * than left to its default).  Atomic: on failure no file is left. */
+ * than left to its default; num_kv_heads for grouped-query modules; the
+ * modifiers that are on: rope "neox"/"gptj" with rope_dims, rope_theta and
+ * rope_scale resolved, alibi "true" and alibi_slopes "s0,s1,..." when not
+ * the defaults, window "LEFT,RIGHT", softcap).  Atomic: on failure no file
+ * is left. */
 MHA_API mha_status mha_module_save(const mha_module *module, const char *path);
 
 /*

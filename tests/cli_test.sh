@@ -8,7 +8,8 @@
 # `mha info` says of it; `mha bench`, with --backward and --decode
 # (--attention-only, --ragged); `mha viz` (tests/check_viz.py, and its
 # errors); --head-mask (its gradient against an exact difference) and
-# `mha prune` (pruned == ablated).
+# `mha prune` (pruned == ablated); RoPE and the score modifiers' flags and
+# their metadata round trip, and --rope against NumPy's float64 HF RoPE.
 # Inputs are made by `mha init` and by NumPy (Debian's /usr/bin/python3).
 set -u
 mha="$1"; here="$(cd "$(dirname "$0")" && pwd)"
@@ -964,6 +965,132 @@ expect 1 "^mha prune: --keep is required" -- "$mha" prune --weights "$W4" --out 
 expect 1 "^mha prune: --weights .*missing" -- "$mha" prune --weights "$d/missing" --keep 0 --out "$d/x.safetensors"
 absent "a refused prune" "$d/x.safetensors"
 expect 0 "^usage: mha prune" -- "$mha" prune --help
+
+# ---- RoPE and the score modifiers ---------------------------------------------
+# The flags of every command, their errors, the file's metadata round trip
+# (mha init writes it, mha info shows it, the flags override it), and
+# mha forward --rope against NumPy's float64 forward with Hugging Face's
+# RoPE (rotate_half for neox, interleaved pairs for gptj), decode included.
+r="$tmp/rope"; mkdir -p "$r"
+npy "$r/x.npy" "np.random.randn(2, 6, 16).astype(np.float32)"
+npy "$r/s2.npy" "np.array([0.5, 0.25], np.float32)"
+npy "$r/s3.npy" "np.array([0.5, 0.25, 1], np.float32)"
+npy "$r/s64.npy" "np.array([0.5, 0.25], np.float64)"
+WR="$r/wr.safetensors"; WP="$r/wp.safetensors"; WA="$r/wa.safetensors"
+WS="$r/ws.safetensors"
+expect 0 "" -- "$mha" init --embed-dim 16 --heads 2 --seed 3 --rope gptj \
+  --rope-theta 500 --rope-dim 6 --rope-scale 2 --out "$WR"
+expect 0 "" -- "$mha" init --embed-dim 16 --heads 2 --seed 3 --out "$WP"
+expect 0 "^  rope = gptj$" -- "$mha" info "$WR"
+expect 0 "^  rope_dims = 6$" -- "$mha" info "$WR"
+expect 0 "^  rope_theta = 500$" -- "$mha" info "$WR"
+expect 0 "^  rope_scale = 2$" -- "$mha" info "$WR"
+expect 0 "^modifiers: rope=gptj rope_dims=6 rope_theta=500 rope_scale=2$" -- "$mha" info "$WR"
+if "$mha" info "$WP" | grep -qE "^  rope|^modifiers"; then bad "a plain module shows modifiers"; else ok; fi
+expect 0 "" -- "$mha" init --embed-dim 16 --heads 2 --seed 3 --rope neox --out "$r/wn.safetensors"
+expect 0 "^modifiers: rope=neox rope_dims=8 rope_theta=10000 rope_scale=1$" -- "$mha" info "$r/wn.safetensors"
+expect 0 "" -- "$mha" init --embed-dim 16 --heads 2 --seed 3 --alibi --window 3,-1 --softcap 20 --out "$WA"
+expect 0 "^  alibi = true$" -- "$mha" info "$WA"
+expect 0 "^  window = 3,-1$" -- "$mha" info "$WA"
+expect 0 "^  softcap = 20$" -- "$mha" info "$WA"
+expect 0 "^modifiers: alibi=default window=3,-1 softcap=20$" -- "$mha" info "$WA"
+expect 0 "" -- "$mha" init --embed-dim 16 --heads 2 --seed 3 --alibi-slopes "$r/s2.npy" --out "$WS"
+expect 0 "^  alibi_slopes = 0.5,0.25$" -- "$mha" info "$WS"
+expect 0 "^modifiers: alibi=custom alibi_slopes=0.5,0.25$" -- "$mha" info "$WS"
+for c in forward backward viz decode init bench; do
+  expect 0 "--rope neox.gptj" -- "$mha" "$c" --help
+  expect 0 "^  --softcap C " -- "$mha" "$c" --help
+done
+expect 0 "^  --window L,R " -- "$mha" forward --help
+expect 0 "^  --window W " -- "$mha" decode --help
+
+# The file's rope, and the same rope given as flags over a plain file: the
+# same bits; another --rope over the file's: another output.
+expect 0 "" -- "$mha" forward --weights "$WR" --query "$r/x.npy" --out "$r/o_file.npy"
+expect 0 "" -- "$mha" forward --weights "$WP" --query "$r/x.npy" --rope gptj \
+  --rope-theta 500 --rope-dim 6 --rope-scale 2 --out "$r/o_flags.npy"
+same "$r/o_file.npy" "$r/o_flags.npy" "rope from the file vs from the flags"
+expect 0 "" -- "$mha" forward --weights "$WR" --query "$r/x.npy" --rope neox --out "$r/o_neox.npy"
+differ "$r/o_file.npy" "$r/o_neox.npy" "--rope neox over the file's gptj"
+expect 0 "" -- "$mha" forward --weights "$WP" --query "$r/x.npy" --out "$r/o_plain.npy"
+differ "$r/o_file.npy" "$r/o_plain.npy" "rope vs no rope"
+for st in neox gptj; do
+  expect 0 "" -- "$mha" forward --weights "$WP" --query "$r/x.npy" --causal \
+    --rope $st --rope-dim 6 --rope-theta 100 --out "$r/f_$st.npy"
+  expect 0 "" -- "$mha" decode --weights "$WP" --query "$r/x.npy" --chunk 2 \
+    --rope $st --rope-dim 6 --rope-theta 100 --out "$r/d_$st.npy"
+  expect 0 "" -- "$mha" backward --weights "$WP" --query "$r/x.npy" --causal \
+    --grad-output "$r/x.npy" --rope $st --rope-dim 6 --rope-theta 100 --out "$r/g_$st.safetensors"
+done
+if "$py" - "$r" "$WP" "$here" <<'PYEOF'
+import sys, numpy as np
+d, wp = sys.argv[1], sys.argv[2]
+sys.path.insert(0, sys.argv[3] + "/torch_live")
+import st
+t = {k: v.astype(np.float64) for k, v in st.load(wp)[0].items()}
+x = np.load(d + "/x.npy").astype(np.float64)
+B, L, E = x.shape; H = 2; dh = E // H; dims = 6; theta = 100.0
+W, b = t["in_proj_weight"], t["in_proj_bias"]
+q, k, v = (x @ W[i*E:(i+1)*E].T + b[i*E:(i+1)*E] for i in range(3))
+def rope(y, style):  # Hugging Face: cos/sin of pos * inv_freq
+    y = y.reshape(B, L, H, dh).copy()
+    inv = 1.0 / theta ** (np.arange(0, dims, 2) / dims)
+    f = np.arange(L)[:, None] * inv[None, :]
+    r = y[..., :dims]
+    if style == "neox":
+        emb = np.concatenate([f, f], -1)
+        rot = np.concatenate([-r[..., dims//2:], r[..., :dims//2]], -1)
+    else:
+        emb = np.repeat(f, 2, -1)
+        rot = np.stack([-r[..., 1::2], r[..., 0::2]], -1).reshape(r.shape)
+    c, s = np.cos(emb)[None, :, None, :], np.sin(emb)[None, :, None, :]
+    y[..., :dims] = r * c + rot * s
+    return y.reshape(B, L, E)
+for style in ("neox", "gptj"):
+    qr, kr = rope(q, style), rope(k, style)
+    ctx = np.zeros_like(q)
+    for h in range(H):
+        sl = slice(h*dh, (h+1)*dh)
+        s = qr[..., sl] @ kr[..., sl].transpose(0, 2, 1) / np.sqrt(dh)
+        s = np.where(np.tril(np.ones((L, L), bool)), s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True)); p /= p.sum(-1, keepdims=True)
+        ctx[..., sl] = p @ v[..., sl]
+    ref = ctx @ t["out_proj.weight"].T + t["out_proj.bias"]
+    for kind in ("f", "d"):
+        got = np.load("%s/%s_%s.npy" % (d, kind, style))
+        err = np.abs(got - ref).max()
+        assert err <= 1e-5 * (1 + np.abs(ref).max()), (style, kind, err)
+PYEOF
+then ok; else bad "mha forward/decode --rope disagree with NumPy's float64 HF RoPE"; fi
+
+# Errors, each naming the flag and the value
+x="$r/x.npy"; o="$r/bad.npy"
+expect 1 "^mha forward: --rope must be neox or gptj, got 'llama'$" -- "$mha" forward --weights "$WP" --query "$x" --out "$o" --rope llama
+expect 1 "^mha forward: --rope-theta needs --rope neox.gptj$" -- "$mha" forward --weights "$WP" --query "$x" --out "$o" --rope-theta 5
+expect 1 "^mha forward: --rope-theta must be > 1, got '1'$" -- "$mha" forward --weights "$WP" --query "$x" --out "$o" --rope neox --rope-theta 1
+expect 1 "^mha forward: --rope-theta must be a finite number, got 'inf'$" -- "$mha" forward --weights "$WP" --query "$x" --out "$o" --rope neox --rope-theta inf
+expect 1 "^mha forward: --rope-dim must be even \(dims rotate in pairs\), got '5'$" -- "$mha" forward --weights "$WP" --query "$x" --out "$o" --rope neox --rope-dim 5
+expect 1 "^mha forward: --rope-dim must be an integer in \[2, " -- "$mha" forward --weights "$WP" --query "$x" --out "$o" --rope neox --rope-dim 0
+expect 1 "^mha forward: --weights .*rope.dims must be even and in \[2, head_dim 8\] \(0: head_dim\), got 10$" -- "$mha" forward --weights "$WP" --query "$x" --out "$o" --rope neox --rope-dim 10
+expect 1 "^mha forward: --rope-scale must be > 0, got '-2'$" -- "$mha" forward --weights "$WP" --query "$x" --out "$o" --rope gptj --rope-scale -2
+expect 1 "^mha forward: --softcap must be > 0, got '0'$" -- "$mha" forward --weights "$WP" --query "$x" --out "$o" --softcap 0
+expect 1 "^mha forward: --softcap must be a finite number, got 'nan'$" -- "$mha" forward --weights "$WP" --query "$x" --out "$o" --softcap nan
+expect 1 "^mha forward: --window must be LEFT,RIGHT \(two integers >= -1, -1: no bound\), got '4'$" -- "$mha" forward --weights "$WP" --query "$x" --out "$o" --window 4
+expect 1 "^mha forward: --window must be an integer in \[-1, [0-9]+\], got '-2'$" -- "$mha" forward --weights "$WP" --query "$x" --out "$o" --window 1,-2
+expect 1 "^mha forward: --window must be LEFT,RIGHT" -- "$mha" forward --weights "$WP" --query "$x" --out "$o" --window 1,2,3
+expect 1 "^mha forward: --alibi-slopes has 3 values, expected one per head, H = 2$" -- "$mha" forward --weights "$WP" --query "$x" --out "$o" --alibi-slopes "$r/s3.npy"
+expect 1 "^mha forward: --alibi-slopes must be a 1-D float32 array of H values, got F64 \(2\)$" -- "$mha" forward --weights "$WP" --query "$x" --out "$o" --alibi-slopes "$r/s64.npy"
+expect 1 "^mha forward: --alibi-slopes: " -- "$mha" forward --weights "$WP" --query "$x" --out "$o" --alibi-slopes "$r/missing.npy"
+expect 1 "^mha backward: --rope must be neox or gptj" -- "$mha" backward --weights "$WP" --query "$x" --grad-output "$x" --out "$r/g.safetensors" --rope x
+expect 1 "^mha decode: --window must be an integer" -- "$mha" decode --weights "$WP" --query "$x" --out "$o" --window 3,1
+expect 1 "^mha init: --rope-dim must be even" -- "$mha" init --embed-dim 16 --heads 2 --seed 1 --rope neox --rope-dim 3 --out "$r/bad.safetensors"
+expect 1 "^mha init: rope.dims must be even and in \[2, head_dim 8\]" -- "$mha" init --embed-dim 16 --heads 2 --seed 1 --rope neox --rope-dim 12 --out "$r/bad.safetensors"
+expect 1 "^mha init: --alibi-slopes has 3 values, expected one per head, H = 2$" -- "$mha" init --embed-dim 16 --heads 2 --seed 1 --alibi-slopes "$r/s3.npy" --out "$r/bad.safetensors"
+expect 1 "^mha bench: --rope is not supported with --decode$" -- "$mha" bench --decode --kv-seq 64 --embed-dim 16 --heads 2 --rope neox
+expect 1 "^mha bench: --softcap must be > 0" -- "$mha" bench --batch 1 --seq 8 --embed-dim 16 --heads 2 --softcap -1
+absent "refused modifier flags" "$o" "$r/bad.safetensors" "$r/g.safetensors"
+expect 0 "mha_plan_forward" -- "$mha" bench --batch 1 --seq 16 --embed-dim 16 --heads 2 --rope neox --repeat 1 --warmup 0 --threads 1
+expect 0 "mha_attention" -- "$mha" bench --batch 1 --seq 16 --embed-dim 16 --heads 2 --rope gptj --attention-only --repeat 1 --warmup 0 --threads 1
 
 echo "$passes passed, $fails failed"
 [ "$fails" -eq 0 ]

@@ -36,7 +36,8 @@ static const char BACKWARD_HELP[] =
     "--train with the same seed.  The attention weights are not\n"
     "differentiated; a float --attn-mask is a constant.  A query row with\n"
     "no key left contributes zero gradients.  The file is written only on\n"
-    "success (atomically).\n";
+    "success (atomically).\n"
+    MOD_NOTE;
 
 int cmd_backward(int argc, char **argv)
 {

@@ -11,6 +11,7 @@
 #include "commands.h"
 #include "fail.h"
 #include "mha.h"
+#include "run_setup.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -23,6 +24,7 @@ static const char BENCH_HELP[] =
     "                 [--causal] [--need-weights]\n"
     "                 [--attention-only | --backward]\n"
     "                 [--threads T] [--repeat R] [--warmup W] [--json]\n"
+    MOD_USAGE MOD_WINDOW_USAGE "\n"
     "       mha bench --decode --kv-seq Lk --embed-dim E --heads H\n"
     "                 [--kv-heads Hkv] [--kv-dtype f32|f16|bf16|q8]\n"
     "                 [--batch B] [--seq L] [--ragged] [--attention-only]\n"
@@ -58,6 +60,9 @@ static const char BENCH_HELP[] =
     "  --repeat R            timed passes (default 10)\n"
     "  --warmup W            untimed passes first (default 2)\n"
     "  --json                one JSON object instead of the text report\n"
+    "The score modifiers (not with --decode) go to the module's config, or\n"
+    "with --attention-only to mha_attention's mods:\n"
+    MOD_HELP MOD_WINDOW_HELP
     "FLOPs counted (one multiply-add = 2): the projections\n"
     "2*B*L*E*E (Q) + 2*B*Lk*E*(kdim+vdim) (K, V) + 2*B*L*E*E (out), none\n"
     "with --attention-only, and the attention 4*d_h per allowed\n"
@@ -240,11 +245,19 @@ int cmd_bench(int argc, char **argv)
                     {"backward", 0, 0}, {"threads", 1, 0}, {"repeat", 1, 0},
                     {"warmup", 1, 0}, {"json", 0, 0}, {"decode", 0, 0},
                     {"kv-heads", 1, 0}, {"kv-dtype", 1, 0},
-                    {"ragged", 0, 0}};
+                    {"ragged", 0, 0}, MOD_OPTS, MOD_WINDOW_OPT};
     int status;
     if (tool_options("bench", argc, argv, o, NOPTS(o), BENCH_HELP, &status))
         return status;
 #define OPT(name) tool_get(o, NOPTS(o), name)
+    static const char *const mod_opts[] = {"rope", "rope-theta", "rope-dim",
+                                           "rope-scale", "alibi",
+                                           "alibi-slopes", "window",
+                                           "softcap"};
+    for (int k = 0; OPT("decode") && k < NOPTS(mod_opts); k++)
+        if (OPT(mod_opts[k]))
+            return tool_fail("bench", "--%s is not supported with --decode",
+                             mod_opts[k]);
     if (OPT("decode"))
         return bench_decode(argc, argv, o, NOPTS(o));
     static const char *const decode_only[] = {"kv-heads", "kv-dtype",
@@ -289,17 +302,30 @@ int cmd_bench(int argc, char **argv)
         return tool_fail("bench", "embed_dim %lld is not divisible by "
                          "num_heads %lld", (long long)c.embed_dim,
                          (long long)c.num_heads);
+    /* The modifiers (their slopes live until the end). */
+    tool_mods mods;
+    if (tool_mods_parse("bench", o, NOPTS(o), 1, &mods))
+        return 1;
+    if (tool_mods_heads("bench", &mods, c.num_heads)) {
+        tool_mods_free(&mods);
+        return 1;
+    }
+    c.mods = mods.mods;
     long blas_threads;
     const char *tier;
-    if (bench_setup(argc, argv, threads, ncpu, json, &blas_threads, &tier))
+    if (bench_setup(argc, argv, threads, ncpu, json, &blas_threads, &tier)) {
+        tool_mods_free(&mods);
         return 1;
+    }
 
     mha_module *m = NULL;
     int64_t E = c.embed_dim, H = c.num_heads, dh = E / H, Lt = Lk;
     if (!attn_only) {
         c.seed = 1;
-        if (mha_create(&c, &m) != MHA_OK)
+        if (mha_create(&c, &m) != MHA_OK) {
+            tool_mods_free(&mods);
             return tool_fail("bench", "%s", mha_last_error());
+        }
         mha_get_config(m, &c);   /* kdim, vdim and scale resolved */
         Lt = mha_total_keys(m, Lk);
     }
@@ -308,6 +334,7 @@ int cmd_bench(int argc, char **argv)
                  nw = count3(B, Lq, Lt);
     if (!nq || !nkv || (weights && !nw)) {
         mha_free(m);
+        tool_mods_free(&mods);
         return tool_fail("bench", "B=%lld L=%lld Lk=%lld E=%lld: the inputs "
                          "are too large", (long long)B, (long long)Lq,
                          (long long)Lk, (long long)E);
@@ -384,6 +411,7 @@ int cmd_bench(int argc, char **argv)
     aa.attn_weights = w;
     aa.num_threads = (int)threads;
     aa.out = out;
+    aa.mods = mods.mods;
 
     mha_plan *plan = NULL;
     if (!rc && !attn_only && mha_plan_create(m, &a, &plan) != MHA_OK)
@@ -507,5 +535,6 @@ int cmd_bench(int argc, char **argv)
     free(out);
     free(q);
     mha_free(m);
+    tool_mods_free(&mods);
     return rc;
 }

@@ -20,6 +20,7 @@ static const char DECODE_HELP[] =
     "usage: mha decode --weights W.safetensors [--heads H] --query X.npy\n"
     "                  [--prefill P] [--chunk C] [--kv-dtype f32|f16|bf16|q8]\n"
     "                  [--window W] [--threads T] --out OUT.npy\n"
+    MOD_USAGE "\n"
     "\n"
     "Runs the causal self-attention of X through a KV cache, as a model\n"
     "generating text does: the first P tokens of every sequence in one\n"
@@ -47,7 +48,10 @@ static const char DECODE_HELP[] =
     "                     W - 1 + max(P, C) tokens, however long X is\n"
     "  --threads T        attention threads, 1..4096 (default: OpenMP's)\n"
     "  --out OUT.npy      (B, L, E) float32, or (L, E) for an unbatched X;\n"
-    "                     written only on success\n";
+    "                     written only on success\n"
+    MOD_HELP
+    "RoPE rotates each token at its position in the sequence; the cache\n"
+    "holds the rotated keys.  " MOD_NOTE;
 
 /* At most three forward lengths: the prefill, the chunk, the last chunk. */
 typedef struct decode_plans {
@@ -120,7 +124,8 @@ int cmd_decode(int argc, char **argv)
 {
     tool_opt o[] = {{"weights", 1, 0}, {"heads", 1, 0}, {"query", 1, 0},
                     {"threads", 1, 0}, {"prefill", 1, 0}, {"chunk", 1, 0},
-                    {"kv-dtype", 1, 0}, {"window", 1, 0}, {"out", 1, 0}};
+                    {"kv-dtype", 1, 0}, {"window", 1, 0}, {"out", 1, 0},
+                    MOD_OPTS};
     int status;
     if (tool_options("decode", argc, argv, o, NOPTS(o), DECODE_HELP, &status))
         return status;

@@ -23,7 +23,8 @@ static const char FORWARD_HELP[] =
     "  --attn-weights A   (B, Lq, Lk') averaged over heads, or (B, H, Lq, Lk')\n"
     "                     with --per-head; Lk' counts bias_k / zero keys\n"
     "A query row with no key left gives out_proj.bias and zero weights\n"
-    "(PyTorch gives NaN there). Outputs are written only on success.\n";
+    "(PyTorch gives NaN there). Outputs are written only on success.\n"
+    MOD_NOTE;
 
 /* Writes the outputs; if any write fails, removes what was written. */
 static int write_outputs(const char *out_path, const mha_tensor_view *out,

@@ -56,6 +56,38 @@ static int describe_gradients(const mha_tensor_file *f)
     return 1;
 }
 
+/* The score modifiers and RoPE of a resolved config, one line, or none
+ * when no modifier is on. */
+static void print_modifiers(const mha_config *c)
+{
+    const mha_modifiers *m = &c->mods;
+    if (m->rope.style == MHA_ROPE_NONE && !m->alibi && !m->window &&
+        !(m->softcap > 0.0f) && !c->sinks)
+        return;
+    printf("modifiers:");
+    if (m->rope.style != MHA_ROPE_NONE)
+        printf(" rope=%s rope_dims=%lld rope_theta=%g rope_scale=%g",
+               m->rope.style == MHA_ROPE_GPTJ ? "gptj" : "neox",
+               (long long)m->rope.dims, (double)m->rope.theta,
+               (double)m->rope.scale);
+    if (m->alibi) {
+        printf(" alibi=%s", m->alibi_slopes ? "custom" : "default");
+        if (m->alibi_slopes) {
+            printf(" alibi_slopes=");
+            for (int64_t h = 0; h < c->num_heads; h++)
+                printf("%s%g", h ? "," : "", (double)m->alibi_slopes[h]);
+        }
+    }
+    if (m->window)
+        printf(" window=%lld,%lld", (long long)m->window_left,
+               (long long)m->window_right);
+    if (m->softcap > 0.0f)
+        printf(" softcap=%g", (double)m->softcap);
+    if (c->sinks)
+        printf(" sinks");
+    printf("\n");
+}
+
 int cmd_info(int argc, char **argv)
 {
     tool_opt o[] = {{"heads", 1, 0}};
@@ -89,7 +121,9 @@ int cmd_info(int argc, char **argv)
     }
     const char *keys[] = {"format", "embed_dim", "num_heads", "num_kv_heads",
                           "kdim", "vdim", "bias", "add_bias_kv",
-                          "add_zero_attn", "dropout", "scale"};
+                          "add_zero_attn", "dropout", "scale", "rope",
+                          "rope_dims", "rope_theta", "rope_scale", "alibi",
+                          "alibi_slopes", "window", "softcap"};
     int shown = 0;
     for (size_t k = 0; k < sizeof keys / sizeof *keys; k++) {
         const char *v = mha_tensor_file_metadata(f, keys[k]);
@@ -110,7 +144,6 @@ int cmd_info(int argc, char **argv)
                          mha_last_error());
     mha_config c;
     mha_get_config(m, &c);
-    mha_free(m);
     /* num_kv_heads as resolved: H when not grouped-query, and inferred
      * from k_proj_weight's rows when the metadata does not say it (the
      * loader refuses metadata that disagrees with the tensors). */
@@ -122,5 +155,7 @@ int cmd_info(int argc, char **argv)
            (long long)c.vdim, c.no_bias ? "false" : "true",
            c.add_bias_kv ? "true" : "false", c.add_zero_attn ? "true" : "false",
            (double)c.dropout, (double)c.scale);
+    print_modifiers(&c);
+    mha_free(m);   /* after: c.mods.alibi_slopes points into it */
     return 0;
 }

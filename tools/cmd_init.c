@@ -6,6 +6,7 @@
 #include "commands.h"
 #include "fail.h"
 #include "mha_io.h"
+#include "run_setup.h"
 
 #include <stdint.h>
 
@@ -13,6 +14,7 @@ static const char INIT_HELP[] =
     "usage: mha init --embed-dim E --heads H [--kv-heads Hkv] [--kdim K]\n"
     "                [--vdim V] [--no-bias] [--add-bias-kv] [--add-zero-attn]\n"
     "                [--dropout P] [--scale S] --seed S --out W.safetensors\n"
+    MOD_USAGE MOD_WINDOW_USAGE "\n"
     "\n"
     "Writes a freshly initialised module (Xavier-uniform weights, zero biases)\n"
     "as a safetensors state_dict that PyTorch's nn.MultiheadAttention loads;\n"
@@ -24,7 +26,11 @@ static const char INIT_HELP[] =
     "                   q_proj_weight, and num_kv_heads is written to\n"
     "                   __metadata__.  nn.MultiheadAttention cannot load\n"
     "                   such a module; mha forward, decode and info can.\n"
-    "                   Default: Hkv = H (ordinary multi-head attention)\n";
+    "                   Default: Hkv = H (ordinary multi-head attention)\n"
+    MOD_HELP MOD_WINDOW_HELP
+    "The modifiers are written to __metadata__ (rope, rope_dims, rope_theta,\n"
+    "rope_scale, alibi, alibi_slopes, window, softcap); mha forward, decode\n"
+    "and info read them back.\n";
 
 int cmd_init(int argc, char **argv)
 {
@@ -32,7 +38,7 @@ int cmd_init(int argc, char **argv)
                     {"vdim", 1, 0}, {"no-bias", 0, 0}, {"add-bias-kv", 0, 0},
                     {"add-zero-attn", 0, 0}, {"dropout", 1, 0},
                     {"scale", 1, 0}, {"seed", 1, 0}, {"out", 1, 0},
-                    {"kv-heads", 1, 0}};
+                    {"kv-heads", 1, 0}, MOD_OPTS, MOD_WINDOW_OPT};
     int status;
     if (tool_options("init", argc, argv, o, NOPTS(o), INIT_HELP, &status))
         return status;
@@ -69,8 +75,17 @@ int cmd_init(int argc, char **argv)
     c.no_bias = OPT("no-bias") != NULL;
     c.add_bias_kv = OPT("add-bias-kv") != NULL;
     c.add_zero_attn = OPT("add-zero-attn") != NULL;
+    tool_mods mods;
+    if (tool_mods_parse("init", o, NOPTS(o), 1, &mods))
+        return 1;
+    if (tool_mods_heads("init", &mods, c.num_heads)) {
+        tool_mods_free(&mods);
+        return 1;
+    }
+    c.mods = mods.mods;
     mha_module *m;
-    mha_status st = mha_create(&c, &m);
+    mha_status st = mha_create(&c, &m);   /* copies the slopes */
+    tool_mods_free(&mods);
     if (st != MHA_OK)
         return tool_fail("init", "%s", mha_last_error());
     st = mha_module_save(m, OPT("out"));

@@ -791,7 +791,8 @@ static const char VIZ_HELP[] =
     "                     per label (a position's last digit); panels side\n"
     "                     by side up to $COLUMNS (default 80) wide\n"
     "Keys appended by add_bias_kv and add_zero_attn are the last columns\n"
-    "(\"bias_k\", \"zero\").  A query row with no key left is all zero.\n";
+    "(\"bias_k\", \"zero\").  A query row with no key left is all zero.\n"
+    MOD_NOTE;
 
 int cmd_viz(int argc, char **argv)
 {

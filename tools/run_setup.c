@@ -35,6 +35,102 @@ void tool_shape_str(const mha_tensor *t, char *buf, size_t n)
     tool_dims_str(t->ndim, t->shape, buf, n);
 }
 
+/* ---- the score modifiers ------------------------------------------------- */
+
+int tool_mods_parse(const char *cmd, const tool_opt *o, int n, int window,
+                    tool_mods *t)
+{
+#define OPT(name) tool_get(o, n, name)
+    memset(t, 0, sizeof *t);
+    mha_modifiers *m = &t->mods;
+    static const char *const rope_opts[] = {"rope-theta", "rope-dim",
+                                            "rope-scale"};
+    for (int k = 0; k < 3; k++)
+        if (OPT(rope_opts[k]) && !OPT("rope"))
+            return tool_fail(cmd, "--%s needs --rope neox|gptj",
+                             rope_opts[k]);
+    if (OPT("rope")) {
+        if (!strcmp(OPT("rope"), "neox"))
+            m->rope.style = MHA_ROPE_NEOX;
+        else if (!strcmp(OPT("rope"), "gptj"))
+            m->rope.style = MHA_ROPE_GPTJ;
+        else
+            return tool_fail(cmd, "--rope must be neox or gptj, got '%s'",
+                             OPT("rope"));
+    }
+    if (OPT("rope-theta") &&
+        (tool_float(cmd, "rope-theta", OPT("rope-theta"), &m->rope.theta) ||
+         (!(m->rope.theta > 1.0f) &&
+          tool_fail(cmd, "--rope-theta must be > 1, got '%s'",
+                    OPT("rope-theta")))))
+        return 1;
+    if (OPT("rope-dim") &&
+        (tool_int(cmd, "rope-dim", OPT("rope-dim"), 2, INT32_MAX,
+                  &m->rope.dims) ||
+         (m->rope.dims % 2 &&
+          tool_fail(cmd, "--rope-dim must be even (dims rotate in pairs), "
+                    "got '%s'", OPT("rope-dim")))))
+        return 1;
+    if (OPT("rope-scale") &&
+        (tool_float(cmd, "rope-scale", OPT("rope-scale"), &m->rope.scale) ||
+         (!(m->rope.scale > 0.0f) &&
+          tool_fail(cmd, "--rope-scale must be > 0, got '%s'",
+                    OPT("rope-scale")))))
+        return 1;
+    if (OPT("softcap") &&
+        (tool_float(cmd, "softcap", OPT("softcap"), &m->softcap) ||
+         (!(m->softcap > 0.0f) &&
+          tool_fail(cmd, "--softcap must be > 0, got '%s'", OPT("softcap")))))
+        return 1;
+    if (window && OPT("window")) {
+        int64_t count = 0, *lr = NULL;
+        if (tool_ints(cmd, "window", OPT("window"), -1, INT64_MAX, &count,
+                      &lr))
+            return 1;
+        if (count != 2) {
+            free(lr);
+            return tool_fail(cmd, "--window must be LEFT,RIGHT (two integers "
+                             ">= -1, -1: no bound), got '%s'", OPT("window"));
+        }
+        m->window = 1;
+        m->window_left = lr[0];
+        m->window_right = lr[1];
+        free(lr);
+    }
+    m->alibi = OPT("alibi") || OPT("alibi-slopes");
+    if (OPT("alibi-slopes")) {
+        if (mha_npy_load(OPT("alibi-slopes"), &t->slopes) != MHA_OK)
+            return tool_fail(cmd, "--alibi-slopes: %s", mha_last_error());
+        if (t->slopes->ndim != 1 || t->slopes->dtype != MHA_DTYPE_F32) {
+            char s[64];
+            tool_shape_str(t->slopes, s, sizeof s);
+            const int rc = tool_fail(cmd, "--alibi-slopes must be a 1-D "
+                                     "float32 array of H values, got %s %s",
+                                     mha_dtype_name(t->slopes->dtype), s);
+            tool_mods_free(t);
+            return rc;
+        }
+        m->alibi_slopes = t->slopes->data;
+    }
+    return 0;
+#undef OPT
+}
+
+int tool_mods_heads(const char *cmd, const tool_mods *t, int64_t H)
+{
+    if (t->slopes && t->slopes->numel != H)
+        return tool_fail(cmd, "--alibi-slopes has %lld values, expected one "
+                         "per head, H = %lld", (long long)t->slopes->numel,
+                         (long long)H);
+    return 0;
+}
+
+void tool_mods_free(tool_mods *t)
+{
+    mha_tensor_free(t->slopes);
+    memset(t, 0, sizeof *t);
+}
+
 /* ---- the module and its inputs ------------------------------------------ */
 
 void run_free(run_setup *r)
@@ -46,6 +142,7 @@ void run_free(run_setup *r)
     mha_tensor_free(r->in.kmask);
     mha_tensor_free(r->in.klen);
     free(r->head_mask);
+    tool_mods_free(&r->mods);
     mha_free(r->m);
     memset(r, 0, sizeof *r);
 }
@@ -114,11 +211,26 @@ static int run_module(const char *cmd, const tool_opt *o, int n,
         tool_int(cmd, "threads", OPT("threads"), 1, 4096, &threads))
         return 1;
     base.add_zero_attn = OPT("add-zero-attn") != NULL;
+    /* mha decode's --window is its sliding-window cache, not the
+     * modifier's LEFT,RIGHT. */
+    if (tool_mods_parse(cmd, o, n, strcmp(cmd, "decode") != 0, &r->mods))
+        return 1;
+    base.mods = r->mods.mods;
 
     mha_tensor_file *file = NULL;
     mha_status st = mha_safetensors_load(OPT("weights"), &file);
     if (st != MHA_OK)
         return tool_fail(cmd, "--weights: %s", mha_last_error());
+    /* The slopes' count against H: --heads, else the file's num_heads
+     * (without either the load below says what is missing). */
+    const char *meta_h = mha_tensor_file_metadata(file, "num_heads");
+    int64_t H = heads;
+    if (!H && meta_h)
+        H = strtoll(meta_h, NULL, 10);
+    if (H > 0 && tool_mods_heads(cmd, &r->mods, H)) {
+        mha_tensor_file_free(file);
+        return 1;
+    }
     st = mha_module_from_file(file, heads, &base, &r->m);
     mha_tensor_file_free(file);
     if (st != MHA_OK)

@@ -12,6 +12,55 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/*
+ * The score modifiers and RoPE (mha_modifiers): MOD_OPTS holds every one
+ * but --window, which is MOD_WINDOW_OPT (mha decode's own --window is its
+ * sliding-window cache).  Given with --weights, they replace the file's
+ * __metadata__ (mha_module_from_file's base).
+ */
+#define MOD_OPTS                                                             \
+    {"rope", 1, 0}, {"rope-theta", 1, 0}, {"rope-dim", 1, 0},                \
+    {"rope-scale", 1, 0}, {"alibi", 0, 0}, {"alibi-slopes", 1, 0},           \
+    {"softcap", 1, 0}
+#define MOD_WINDOW_OPT {"window", 1, 0}
+#define MOD_USAGE                                                            \
+    "         [--rope neox|gptj [--rope-theta T] [--rope-dim N]\n"           \
+    "         [--rope-scale S]] [--alibi | --alibi-slopes S.npy]\n"          \
+    "         [--softcap C]"
+#define MOD_HELP                                                             \
+    "  --rope neox|gptj   rotary position embeddings of q and k after their\n" \
+    "                     projections: neox pairs element k with k + N/2\n"  \
+    "                     (Llama's rotate_half), gptj pairs 2k with 2k+1\n"   \
+    "  --rope-theta T     RoPE's base, > 1 (default 10000)\n"                \
+    "  --rope-dim N       rotary dims N, even, <= head_dim (default\n"       \
+    "                     head_dim); the rest of each head passes through\n" \
+    "  --rope-scale S     positions divided by S > 0 (linear scaling,\n"     \
+    "                     default 1)\n"                                       \
+    "  --alibi            ALiBi with the paper's slopes for H heads\n"        \
+    "  --alibi-slopes S   ALiBi with the slopes of S.npy: 1-D, H floats\n"    \
+    "  --softcap C        scores s <- C tanh(s / C), C > 0 (Gemma 2)\n"
+#define MOD_WINDOW_HELP                                                      \
+    "  --window L,R       query i sees keys j with i' - L <= j <= i' + R,\n" \
+    "                     i' = i + Lk - Lq; -1: no bound on that side\n"
+#define MOD_WINDOW_USAGE " [--window L,R]"
+#define MOD_NOTE                                                             \
+    "--rope, --alibi, --alibi-slopes, --window and --softcap replace the\n"  \
+    "file's own settings (its __metadata__; mha info shows them).\n"
+
+/* The parsed modifier options: mods points at slopes when given. */
+typedef struct tool_mods {
+    mha_modifiers mods;
+    mha_tensor *slopes;   /* --alibi-slopes, or NULL */
+} tool_mods;
+
+/* Parses the options of MOD_OPTS (and, when `window`, MOD_WINDOW_OPT)
+ * into *t (zeroed first); prints and returns 1 on a bad value. */
+int tool_mods_parse(const char *cmd, const tool_opt *o, int n, int window,
+                    tool_mods *t);
+/* --alibi-slopes holds H values; prints and returns 1 otherwise. */
+int tool_mods_heads(const char *cmd, const tool_mods *t, int64_t H);
+void tool_mods_free(tool_mods *t);
+
 /* The usage lines of the options they all take, and their descriptions. */
 #define RUN_USAGE_INPUTS                                                     \
     "--weights W.safetensors [--heads H] --query Q.npy\n"                   \
@@ -19,7 +68,8 @@
     "         [--key-mask KM.npy] [--key-lengths KL.npy]\n"                 \
     "         [--causal | --causal-top-left] [--scale S] [--add-zero-attn]\n" \
     "         [--train [--dropout P] [--seed S]] [--threads T]\n"           \
-    "         [--head-mask M0,M1,...]\n"
+    "         [--head-mask M0,M1,...]\n"                                  \
+    MOD_USAGE MOD_WINDOW_USAGE "\n"
 #define RUN_HELP_INPUTS                                                      \
     "  --heads H          number of heads (default: __metadata__ num_heads)\n" \
     "  --query Q.npy      (B, Lq, E) or unbatched (Lq, E), float\n"          \
@@ -40,7 +90,8 @@
     "  --threads T        attention threads, 1..4096 (default: OpenMP's)\n" \
     "  --head-mask M,...  H finite factors, one per head, applied to each\n" \
     "                     head's output before out_proj: 0 removes the head\n" \
-    "                     (ablation), 1 keeps it\n"
+    "                     (ablation), 1 keeps it\n"                    \
+    MOD_HELP MOD_WINDOW_HELP
 
 /* The options of all three, first in each one's table (tool_opt, args.h). */
 #define RUN_OPTS                                                             \
@@ -49,7 +100,7 @@
     {"key-lengths", 1, 0}, {"causal", 0, 0}, {"causal-top-left", 0, 0},     \
     {"scale", 1, 0}, {"add-zero-attn", 0, 0}, {"train", 0, 0},               \
     {"dropout", 1, 0}, {"seed", 1, 0}, {"threads", 1, 0},                   \
-    {"head-mask", 1, 0}
+    {"head-mask", 1, 0}, MOD_OPTS, MOD_WINDOW_OPT
 
 typedef struct fwd_inputs {
     mha_tensor *q, *k, *v, *mask, *kmask, *klen;
@@ -62,6 +113,7 @@ typedef struct run_setup {
     mha_config c;
     fwd_inputs in;
     float *head_mask;   /* --head-mask, or NULL */
+    tool_mods mods;     /* --rope, --alibi, ...: the base of the load */
     mha_forward_args a;
 } run_setup;
 

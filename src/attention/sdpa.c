@@ -10,6 +10,7 @@
  *   backward  dq, dk, dv of the last run, from what it kept
  */
 #include "attention.h"
+#include "rope.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -31,6 +32,8 @@ struct mha_attention_plan {
     float *bws;           /* the backward's, allocated by its first call   */
     float *slopes;        /* (H) ALiBi's default slopes                    */
     float *dsinks;        /* [B][H] per-batch sink gradients, with bws     */
+    float *rot;           /* with RoPE: q (n_q) and k (n_kv) rotated, kept
+                             for the backward (NULL: a plan without RoPE) */
     int has_saved;        /* the last run, kept for the backward           */
     mha_attention_args saved;
     uint64_t saved_print;
@@ -116,6 +119,12 @@ static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
     MHA_CHECK(mha_check_threads(a->num_threads));
     MHA_CHECK(mha_modifiers_check(&a->mods, s->H, "attention"));
     MHA_CHECK(mha_sinks_check(a->sinks, s->H, "attention"));
+    mha_rope rope;
+    MHA_CHECK(mha_rope_resolve(&a->mods.rope, s->dh, &rope));
+    if (a->cache && a->k_positions && rope.style != MHA_ROPE_NONE)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "with a KV cache, k_positions must be unset: "
+                             "the cache holds keys rotated already");
     int64_t t, w;
     if (!mha_mul_ok(s->H, s->dh, &s->E) || !mha_mul_ok(s->Hkv, s->dh, &s->Ekv) ||
         !mha_mul_ok(s->B, s->Lq, &t) ||
@@ -213,6 +222,13 @@ static uint64_t fingerprint(const mha_attention_args *a, const sdpa_shape *s)
         h = mha_fingerprint(h, a->sinks, (size_t)s->H * f);
     if (a->mods.alibi && a->mods.alibi_slopes)
         h = mha_fingerprint(h, a->mods.alibi_slopes, (size_t)s->H * f);
+    if (a->mods.rope.style != MHA_ROPE_NONE) {
+        const size_t i8 = sizeof(int64_t);
+        if (a->q_positions)
+            h = mha_fingerprint(h, a->q_positions, (size_t)(s->B * s->Lq) * i8);
+        if (a->k_positions)
+            h = mha_fingerprint(h, a->k_positions, (size_t)(s->B * s->Lk) * i8);
+    }
     return h;
 }
 
@@ -236,9 +252,14 @@ mha_status mha_attention_plan_create(const mha_attention_args *a,
         return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate a plan");
     p->ws = mha_alloc_floats(lay.total, "attention workspace");
     p->slopes = mha_alloc_floats(s.H, "ALiBi slopes");
-    if (!p->ws || !p->slopes) {
+    const int rope = a->mods.rope.style != MHA_ROPE_NONE;
+    if (rope)   /* rotated q, and k unless the keys are a cache's */
+        p->rot = mha_alloc_floats(s.n_q + (a->cache ? 0 : s.n_kv),
+                                  "RoPE's rotated q and k");
+    if (!p->ws || !p->slopes || (rope && !p->rot)) {
         free(p->ws);
         free(p->slopes);
+        free(p->rot);
         free(p);
         return MHA_ERR_OUT_OF_MEMORY;
     }
@@ -259,6 +280,7 @@ void mha_attention_plan_free(mha_attention_plan *p)
     free(p->bws);
     free(p->slopes);
     free(p->dsinks);
+    free(p->rot);
     free(p);
 }
 
@@ -284,6 +306,78 @@ static mha_attn problem(const mha_attention_plan *p,
         .partials = p->ws + p->lay.partials,
         .packed = p->ws + p->lay.packed};
     return at;
+}
+
+/* ---- RoPE -------------------------------------------------------------
+ * With mods.rope, the attention reads copies of q and k rotated in the
+ * plan's buffer (p->rot: q, then k), which the backward reads again; the
+ * caller's q and k are never written.  Query row i of sequence b is at
+ * q_positions[b][i], else Lk - Lq + i (bottom-right, as the causal mask
+ * and ALiBi align), with a cache the sequence's length - Lq + i; key j at
+ * k_positions[b][j], else j.  A cache's keys are rotated already. */
+
+/* Refuses a run with RoPE on a plan made without it, and negative
+ * positions. */
+static mha_status rope_check(const mha_attention_plan *p,
+                             const mha_attention_args *a,
+                             const sdpa_shape *s)
+{
+    if (a->mods.rope.style == MHA_ROPE_NONE)
+        return MHA_OK;
+    if (!p->rot)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "mods.rope is set but this plan was made "
+                             "without RoPE (give the plan's shape the same "
+                             "mods)");
+    MHA_CHECK(mha_rope_check_positions(a->q_positions, s->B * s->Lq,
+                                       "q_positions"));
+    if (!a->cache)
+        MHA_CHECK(mha_rope_check_positions(a->k_positions, s->B * s->Lk,
+                                           "k_positions"));
+    return MHA_OK;
+}
+
+/* Points `at` at q and k rotated (Lk: the run's keys). */
+static void rope_rotate(mha_attention_plan *p, const mha_attention_args *a,
+                        int64_t Lk, mha_attn *at)
+{
+    const sdpa_shape *s = &p->shape;
+    mha_rope r;
+    mha_rope_resolve(&a->mods.rope, s->dh, &r);   /* checked at the run */
+    const int nt = p->eng.threads;
+    float *q = p->rot;
+    memcpy(q, a->q, (size_t)s->n_q * sizeof *q);
+    if (a->cache) {
+        for (int64_t b = 0; b < s->B; b++)
+            mha_rope_rows(&r, 1, s->Lq, s->H, s->dh,
+                          a->q_positions ? a->q_positions + b * s->Lq : NULL,
+                          NULL, a->cache->len[b] - s->Lq,
+                          q + b * s->Lq * s->E, s->E, 0, nt);
+        at->q = q;
+        return;
+    }
+    float *k = p->rot + s->n_q;
+    memcpy(k, a->k, (size_t)s->n_kv * sizeof *k);
+    mha_rope_rows(&r, s->B, s->Lq, s->H, s->dh, a->q_positions, NULL,
+                  Lk - s->Lq, q, s->E, 0, nt);
+    mha_rope_rows(&r, s->B, Lk, s->Hkv, s->dh, a->k_positions, NULL, 0, k,
+                  s->Ekv, 0, nt);
+    at->q = q;
+    at->k = k;
+}
+
+/* dq and dk with respect to the rotated copies, turned back in place. */
+static void rope_grads(const mha_attention_plan *p,
+                       const mha_attention_args *a,
+                       const mha_attention_grads *g)
+{
+    const sdpa_shape *s = &p->shape;
+    mha_rope r;
+    mha_rope_resolve(&a->mods.rope, s->dh, &r);
+    mha_rope_rows(&r, s->B, s->Lq, s->H, s->dh, a->q_positions, NULL,
+                  s->Lk - s->Lq, g->grad_q, s->E, 1, p->eng.threads);
+    mha_rope_rows(&r, s->B, s->Lk, s->Hkv, s->dh, a->k_positions, NULL, 0,
+                  g->grad_k, s->Ekv, 1, p->eng.threads);
 }
 
 /* lse = m + log(l) from the row stats (m, 1/l), in float64. */
@@ -354,9 +448,12 @@ mha_status mha_attention_plan_run(mha_attention_plan *p,
         MHA_CHECK(check_disjoint(outs, 3, ins, 1));
         mha_mask_plan mask;
         MHA_CHECK(mask_plan(a, &s, &mask));
+        MHA_CHECK(rope_check(p, a, &s));
         if (w)
             memset(w, 0, (size_t)s.n_w * sizeof *w);
         mha_attn at = problem(p, a, &mask);
+        if (a->mods.rope.style != MHA_ROPE_NONE)
+            rope_rotate(p, a, s.Lk, &at);
         mha_attn_use_cache(&at, a->cache, &mask);
         mha_attn_run(&p->eng, &at, p->ws + p->lay.scratch,
                      p->lay.per_thread);
@@ -379,10 +476,13 @@ mha_status mha_attention_plan_run(mha_attention_plan *p,
     MHA_CHECK(check_disjoint(outs, 3, ins, 3));
     mha_mask_plan mask;
     MHA_CHECK(mask_plan(a, &s, &mask));
+    MHA_CHECK(rope_check(p, a, &s));
     const uint64_t print = fingerprint(a, &s);
     if (w)
         memset(a->attn_weights, 0, (size_t)s.n_w * sizeof(float));
-    const mha_attn at = problem(p, a, &mask);
+    mha_attn at = problem(p, a, &mask);
+    if (a->mods.rope.style != MHA_ROPE_NONE)
+        rope_rotate(p, a, s.Lk, &at);
     mha_attn_run(&p->eng, &at, p->ws + p->lay.scratch, p->lay.per_thread);
     if (a->lse)
         write_lse(at.stats, s.B * s.H * s.Lq, a->lse);
@@ -420,12 +520,20 @@ static mha_status check_saved(const mha_attention_plan *p,
         a->mods.alibi_slopes != s->mods.alibi_slopes ||
         (a->mods.window != 0) != (s->mods.window != 0) ||
         (a->mods.window && (a->mods.window_left != s->mods.window_left ||
-                            a->mods.window_right != s->mods.window_right)))
+                            a->mods.window_right != s->mods.window_right)) ||
+        a->mods.rope.style != s->mods.rope.style ||
+        a->mods.rope.dims != s->mods.rope.dims ||
+        a->mods.rope.theta != s->mods.rope.theta ||
+        a->mods.rope.scale != s->mods.rope.scale ||
+        (a->mods.rope.style != MHA_ROPE_NONE &&
+         (a->q_positions != s->q_positions ||
+          a->k_positions != s->k_positions)))
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "the arguments differ from those of the plan's "
                              "last run (q, k, v, masks, key_lengths, causal, "
-                             "scale, dropout, training, dropout_seed, sinks "
-                             "and the modifiers must be the same)");
+                             "scale, dropout, training, dropout_seed, sinks, "
+                             "the modifiers and RoPE's positions must be the "
+                             "same)");
     if (fingerprint(a, &p->shape) != p->saved_print)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "the contents of q, k, v, the masks or "
@@ -482,6 +590,10 @@ mha_status mha_attention_plan_backward(mha_attention_plan *p,
     mha_attn at = problem(p, a, &mask);
     at.weights = MHA_WEIGHTS_NONE;
     at.w = NULL;
+    if (a->mods.rope.style != MHA_ROPE_NONE) {   /* the run's rotated q, k */
+        at.q = p->rot;
+        at.k = p->rot + s->n_q;
+    }
     const mha_attn_grad ag = {
         .dctx = g->grad_out, .lddc = s->E, .dq = g->grad_q, .dk = g->grad_k,
         .dv = g->grad_v, .lddq = s->E, .lddk = s->Ekv, .lddv = s->Ekv,
@@ -489,6 +601,8 @@ mha_status mha_attention_plan_backward(mha_attention_plan *p,
         .packed = p->bws + p->blay.packed};
     mha_attn_backward(&p->eng, &at, &ag, p->bws + p->blay.scratch,
                       p->blay.per_thread);
+    if (a->mods.rope.style != MHA_ROPE_NONE)
+        rope_grads(p, a, g);
     /* dL/d sinks[h]: the batch's shares summed in order, in float64. */
     for (int64_t h = 0; a->sinks && g->grad_sinks && h < s->H; h++) {
         double sum = 0.0;

@@ -110,6 +110,134 @@ static mha_status bad_meta(const char *key, const char *value)
                          key, value);
 }
 
+static mha_status bad_meta_why(const char *key, const char *value,
+                               const char *why)
+{
+    return mha_set_error(MHA_ERR_FORMAT,
+                         "state_dict: __metadata__ %s = '%s' is not valid: "
+                         "%s", key, value, why);
+}
+
+/*
+ * The score modifiers and RoPE in __metadata__ (mha_module_save writes
+ * those that are not the default):
+ *   rope          "neox" or "gptj"; rope_dims (integer), rope_theta and
+ *                 rope_scale (floats) only beside it
+ *   alibi         a boolean; alibi_slopes "s0,s1,..." (num_heads floats,
+ *                 read by slopes_from_metadata once num_heads is known)
+ *   window        "LEFT,RIGHT", integers >= -1
+ *   softcap       a float > 0
+ * Each value is parsed strictly; what the values mean is checked by
+ * mha_create.
+ */
+static mha_status mods_from_metadata(const mha_tensor_file *f,
+                                     mha_modifiers *mods)
+{
+    const char *v;
+    if ((v = mha_tensor_file_metadata(f, "rope"))) {
+        if (!strcmp(v, "neox"))
+            mods->rope.style = MHA_ROPE_NEOX;
+        else if (!strcmp(v, "gptj"))
+            mods->rope.style = MHA_ROPE_GPTJ;
+        else
+            return bad_meta_why("rope", v, "expected neox or gptj");
+    }
+    const char *rk[3] = {"rope_dims", "rope_theta", "rope_scale"};
+    for (int k = 0; k < 3; k++) {
+        if (!(v = mha_tensor_file_metadata(f, rk[k])))
+            continue;
+        if (mods->rope.style == MHA_ROPE_NONE)
+            return bad_meta_why(rk[k], v, "there is no rope key (neox or "
+                                "gptj) for it to go with");
+        const int ok = k == 0 ? meta_int(v, &mods->rope.dims)
+                     : meta_float(v, k == 1 ? &mods->rope.theta
+                                            : &mods->rope.scale);
+        if (!ok)
+            return bad_meta_why(rk[k], v, k == 0 ? "expected an integer"
+                                                 : "expected a finite "
+                                                   "number");
+    }
+    int b;
+    if ((v = mha_tensor_file_metadata(f, "alibi"))) {
+        if (!meta_bool(v, &b))
+            return bad_meta_why("alibi", v, "expected true or false");
+        mods->alibi = b;
+    }
+    if ((v = mha_tensor_file_metadata(f, "alibi_slopes")) && !mods->alibi)
+        return bad_meta_why("alibi_slopes", v, "alibi is not on");
+    if ((v = mha_tensor_file_metadata(f, "window"))) {
+        char a[32], c[32];
+        const char *comma = strchr(v, ',');
+        const size_t n = comma ? (size_t)(comma - v) : 0;
+        if (!comma || n >= sizeof a || strlen(comma + 1) >= sizeof c)
+            return bad_meta_why("window", v, "expected LEFT,RIGHT");
+        memcpy(a, v, n);
+        a[n] = '\0';
+        strcpy(c, comma + 1);
+        if (!meta_int(a, &mods->window_left) ||
+            !meta_int(c, &mods->window_right) || mods->window_left < -1 ||
+            mods->window_right < -1)
+            return bad_meta_why("window", v, "expected LEFT,RIGHT, integers "
+                                ">= -1 (-1: no bound)");
+        mods->window = 1;
+    }
+    if ((v = mha_tensor_file_metadata(f, "softcap")) &&
+        (!meta_float(v, &mods->softcap) || !(mods->softcap > 0.0f)))
+        return bad_meta_why("softcap", v, "expected a finite number > 0");
+    return MHA_OK;
+}
+
+/* alibi_slopes "s0,s1,...": exactly H finite floats into a new array
+ * (*out, the caller frees it), or *out NULL when the key is absent. */
+static mha_status slopes_from_metadata(const mha_tensor_file *f, int64_t H,
+                                       float **out)
+{
+    *out = NULL;
+    const char *v = mha_tensor_file_metadata(f, "alibi_slopes");
+    if (!v)
+        return MHA_OK;
+    float *s = mha_alloc_floats(H, "ALiBi slopes");
+    if (!s)
+        return MHA_ERR_OUT_OF_MEMORY;
+    int64_t n = 0;
+    const char *p = v;
+    for (;;) {
+        const char *comma = strchr(p, ',');
+        const size_t len = comma ? (size_t)(comma - p) : strlen(p);
+        char tok[64];
+        if (len >= sizeof tok || n >= H) {
+            free(s);
+            return n >= H ? mha_set_error(MHA_ERR_FORMAT,
+                                          "state_dict: __metadata__ "
+                                          "alibi_slopes has more than "
+                                          "num_heads %lld values",
+                                          (long long)H)
+                          : bad_meta_why("alibi_slopes", v,
+                                         "a value is too long");
+        }
+        memcpy(tok, p, len);
+        tok[len] = '\0';
+        if (!meta_float(tok, &s[n])) {
+            free(s);
+            return bad_meta_why("alibi_slopes", v, "expected num_heads "
+                                "finite numbers separated by commas");
+        }
+        n++;
+        if (!comma)
+            break;
+        p = comma + 1;
+    }
+    if (n != H) {
+        free(s);
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "state_dict: __metadata__ alibi_slopes has %lld "
+                             "values, expected num_heads %lld", (long long)n,
+                             (long long)H);
+    }
+    *out = s;
+    return MHA_OK;
+}
+
 /* Fills the config fields that the shapes do not decide. */
 static mha_status config_from_metadata(const mha_tensor_file *f,
                                        mha_config *c)
@@ -129,7 +257,7 @@ static mha_status config_from_metadata(const mha_tensor_file *f,
             return bad_meta("scale", v);
         c->given |= MHA_GIVEN_SCALE;   /* written only when chosen */
     }
-    return MHA_OK;
+    return mods_from_metadata(f, &c->mods);
 }
 
 /* Config keys in __metadata__ that the shapes decide must agree. */
@@ -212,7 +340,23 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
             c.given |= MHA_GIVEN_SCALE;
         }
         c.seed = base->seed;
+        /* The modifiers a caller sets replace the file's, block by
+         * block (the command line's --rope, --alibi, ... over the
+         * metadata). */
+        const mha_modifiers *bm = &base->mods;
+        if (bm->rope.style != MHA_ROPE_NONE)
+            c.mods.rope = bm->rope;
+        if (bm->alibi || bm->alibi_slopes)
+            c.mods.alibi = 1;
+        if (bm->window) {
+            c.mods.window = 1;
+            c.mods.window_left = bm->window_left;
+            c.mods.window_right = bm->window_right;
+        }
+        if (bm->softcap != 0.0f)
+            c.mods.softcap = bm->softcap;
     }
+    const int base_slopes = base && (base->mods.alibi || base->mods.alibi_slopes);
     if (!o_w)
         return mha_set_error(MHA_ERR_FORMAT,
                              "state_dict: out_proj.weight is missing");
@@ -333,8 +477,19 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
                                      t->name, (long long)i, (double)x[i]);
     }
 
+    /* ALiBi's slopes: the caller's (base), else the file's, else the
+     * defaults; the module copies them at create. */
+    float *file_slopes = NULL;
+    if (base_slopes)
+        c.mods.alibi_slopes = base->mods.alibi_slopes;
+    else
+        MHA_CHECK(slopes_from_metadata(f, c.num_heads, &file_slopes));
+    if (file_slopes)
+        c.mods.alibi_slopes = file_slopes;
     mha_module *m;
-    MHA_CHECK(mha_create(&c, &m));
+    mha_status cst = mha_create(&c, &m);
+    free(file_slopes);
+    MHA_CHECK(cst);
     /* PyTorch stores separate q/k/v weights only when kdim or vdim != E;
      * a file that has them with kdim = vdim = E is packed here into the
      * module's in_proj_weight. */
@@ -392,34 +547,72 @@ mha_status mha_module_save(const mha_module *m, const char *path)
             views[k].shape[d] = info->shape[d];
     }
     const mha_config *c = &m->cfg;
-    char v[9][32];
-    snprintf(v[0], 32, "%lld", (long long)c->embed_dim);
-    snprintf(v[1], 32, "%lld", (long long)c->num_heads);
-    snprintf(v[2], 32, "%lld", (long long)c->kdim);
-    snprintf(v[3], 32, "%lld", (long long)c->vdim);
-    snprintf(v[4], 32, "%s", c->no_bias ? "false" : "true");
-    snprintf(v[5], 32, "%s", c->add_bias_kv ? "true" : "false");
-    snprintf(v[6], 32, "%s", c->add_zero_attn ? "true" : "false");
-    snprintf(v[7], 32, "%.9g", (double)c->dropout);
-    snprintf(v[8], 32, "%.9g", (double)c->scale);
+    enum { MAX_KEYS = 20 };
+    char v[MAX_KEYS][48];
+    const char *keys[MAX_KEYS], *vals[MAX_KEYS];
+    int n = 0;
+#define PUT(key, ...)                                    \
+    do {                                                 \
+        snprintf(v[n], sizeof v[n], __VA_ARGS__);        \
+        keys[n] = (key);                                 \
+        vals[n] = v[n];                                  \
+        n++;                                             \
+    } while (0)
+    PUT("format", "pt");
+    PUT("embed_dim", "%lld", (long long)c->embed_dim);
+    PUT("num_heads", "%lld", (long long)c->num_heads);
+    PUT("kdim", "%lld", (long long)c->kdim);
+    PUT("vdim", "%lld", (long long)c->vdim);
+    PUT("bias", "%s", c->no_bias ? "false" : "true");
+    PUT("add_bias_kv", "%s", c->add_bias_kv ? "true" : "false");
+    PUT("add_zero_attn", "%s", c->add_zero_attn ? "true" : "false");
+    PUT("dropout", "%.9g", (double)c->dropout);
     /* A default scale is not written: it follows num_heads, so a file
      * loaded with another head count gets that count's default. */
-    char kvh[32];
-    snprintf(kvh, sizeof kvh, "%lld", (long long)c->num_kv_heads);
-    const char *keys[11] = {"format", "embed_dim", "num_heads", "kdim", "vdim",
-                            "bias", "add_bias_kv", "add_zero_attn", "dropout",
-                            "scale", "num_kv_heads"};
-    const char *vals[11] = {"pt", v[0], v[1], v[2], v[3],
-                            v[4], v[5], v[6], v[7], v[8], kvh};
+    if (m->scale_given)
+        PUT("scale", "%.9g", (double)c->scale);
     /* num_kv_heads only for a grouped-query module, which PyTorch's
      * nn.MultiheadAttention cannot load anyway. */
-    int n = m->scale_given ? 10 : 9;
-    if (c->num_kv_heads != c->num_heads) {
-        if (n == 9) {
-            keys[9] = keys[10];
-            vals[9] = vals[10];
-        }
+    if (c->num_kv_heads != c->num_heads)
+        PUT("num_kv_heads", "%lld", (long long)c->num_kv_heads);
+    /* The modifiers that are on, RoPE's resolved settings in full. */
+    const mha_modifiers *md = &c->mods;
+    if (md->rope.style != MHA_ROPE_NONE) {
+        PUT("rope", "%s", md->rope.style == MHA_ROPE_GPTJ ? "gptj" : "neox");
+        PUT("rope_dims", "%lld", (long long)md->rope.dims);
+        PUT("rope_theta", "%.9g", (double)md->rope.theta);
+        PUT("rope_scale", "%.9g", (double)md->rope.scale);
+    }
+    if (md->alibi)
+        PUT("alibi", "true");
+    if (md->window)
+        PUT("window", "%lld,%lld", (long long)md->window_left,
+            (long long)md->window_right);
+    if (md->softcap > 0.0f)
+        PUT("softcap", "%.9g", (double)md->softcap);
+#undef PUT
+    /* Custom slopes (the defaults follow num_heads and are not written):
+     * H values of up to 16 characters and a comma each. */
+    char *slopes = NULL;
+    if (md->alibi && md->alibi_slopes) {
+        const int64_t H = c->num_heads;
+        if (H > (int64_t)(SIZE_MAX / 32))
+            return mha_set_error(MHA_ERR_OVERFLOW, "alibi_slopes: %lld heads",
+                                 (long long)H);
+        slopes = malloc((size_t)H * 32 + 1);
+        if (!slopes)
+            return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate the "
+                                 "alibi_slopes metadata");
+        size_t at = 0;
+        for (int64_t h = 0; h < H; h++)
+            at += (size_t)snprintf(slopes + at, 32, "%s%.9g", h ? "," : "",
+                                   (double)md->alibi_slopes[h]);
+        keys[n] = "alibi_slopes";
+        vals[n] = slopes;
         n++;
     }
-    return mha_safetensors_save(path, views, m->nparams, keys, vals, n);
+    const mha_status st =
+        mha_safetensors_save(path, views, m->nparams, keys, vals, n);
+    free(slopes);
+    return st;
 }

@@ -10,13 +10,15 @@
  *   q = x_q W_q^T + b_q          dx_q = dq W_q,  dW_q = dq^T x_q,
  *   (k, v likewise)              db_q = sum_rows dq
  *
- * The forward's plan keeps what this needs: the projections q, k, v, the
+ * The forward's plan keeps what this needs: the projections q, k, v (with
+ * RoPE, q and k as rotated: dq, dk are turned back below), the
  * context ctx and one (max, 1/sum) pair per row and head.  Gradients of
  * projections that were fused into one GEMM in the forward (q|k|v of
  * self-attention, k|v when key == value) are fused the same way here: one
  * GEMM for the weight gradient of in_proj_weight's rows, one for the input.
  */
 #include "module.h"
+#include "attention/rope.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -51,13 +53,14 @@ static mha_status check_saved(const mha_plan *p, const mha_forward_args *a)
         a->kv_len != s->kv_len || !same_mask(&a->attn_mask, &s->attn_mask) ||
         !same_mask(&a->key_padding_mask, &s->key_padding_mask) ||
         a->key_lengths != s->key_lengths || a->causal != s->causal ||
-        a->head_mask != s->head_mask ||
+        a->head_mask != s->head_mask || a->positions != s->positions ||
         (a->training != 0) != (s->training != 0) ||
         a->dropout_seed != s->dropout_seed)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "the arguments differ from those of the plan's "
                              "last forward (inputs, masks, head_mask, causal, "
-                             "training and dropout_seed must be the same)");
+                             "training, dropout_seed and positions must be "
+                             "the same)");
     const mha_config *c = &p->m->cfg;
     const fwd_shape *sh = &p->shape;
     const int64_t rows_k = sh->B * sh->Lk;
@@ -241,6 +244,19 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
         .packed = battn + plan->blay.packed};
     mha_attn_backward(&plan->eng, &at, &ag, battn + plan->blay.scratch,
                       plan->blay.per_thread);
+
+    /* RoPE: the forward rotated q and k after their projections (the
+     * attention saw, and the plan keeps, the rotated values), so dq and
+     * dk are with respect to the rotated values; the inverse rotation at
+     * the same positions makes them the projections' gradients. */
+    if (c->mods.rope.style != MHA_ROPE_NONE) {
+        const int self = !a->key || (a->key == a->query && s->Lk == s->Lq);
+        mha_rope_rows(&c->mods.rope, s->B, s->Lq, s->H, s->dh, a->positions,
+                      NULL, 0, dq, plan->ldq, 1, nt);
+        mha_rope_rows(&c->mods.rope, s->B, s->Lk, s->Hkv, s->dh,
+                      self ? a->positions : NULL, NULL, 0, dk, plan->ldk, 1,
+                      nt);
+    }
 
     /* The input projections' parameters. */
     if (gp) {

@@ -9,6 +9,7 @@
  *   key   (B,Lk,kdim) -- W_k -->  k (B*Lk rows of Dkv, row stride ldk)
  *   value (B,Lk,vdim) -- W_v -->  v (B*Lk rows of Dkv, row stride ldv)
  *       (Dkv = H_kv * d_h: D, or less under grouped-query attention)
+ *       (RoPE: q and k rotated in place here, rope_qk below)
  *       (self-attention with one packed in_proj_weight: one GEMM writes
  *        q | k | v side by side, ldq = ldk = ldv = 3D; key == value: one
  *        GEMM writes k | v)
@@ -22,6 +23,7 @@
  * allocating.  mha_forward is the two in one call.
  */
 #include "module.h"
+#include "attention/rope.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -290,6 +292,9 @@ uint64_t mha_fwd_fingerprint(const mha_module *m, const fwd_shape *s,
         h = mha_fingerprint(h, a->key_lengths, (size_t)s->B * sizeof(int64_t));
     if (a->head_mask)
         h = mha_fingerprint(h, a->head_mask, (size_t)s->H * f);
+    if (a->positions && c->mods.rope.style != MHA_ROPE_NONE)
+        h = mha_fingerprint(h, a->positions,
+                            (size_t)(s->B * s->Lq) * sizeof(int64_t));
     return h;
 }
 
@@ -311,6 +316,29 @@ static void cached_attention(mha_plan *plan, mha_kv_cache *kv, mha_attn *at,
     mha_attn_use_cache(at, kv, mask);
     mha_attn_run(&plan->eng, at, ws_attn(plan) + plan->lay.scratch,
                  plan->lay.per_thread);
+}
+
+/*
+ * RoPE (rope.c): q, and k, rotated in place right after their projections
+ * and biases, so the attention, the KV cache (which stores rotated keys)
+ * and the saved state for the backward all hold rotated values.  Query
+ * token i of sequence b is at positions[b][i], else at i, or with a cache
+ * at the sequence's length before this step + i.  The keys take the same
+ * positions in self-attention (key NULL or the query itself: the same
+ * tokens); a separate key input's token j is at j.
+ */
+static void rope_qk(const mha_plan *plan, const mha_forward_args *a,
+                    float *q, int64_t ldq, float *k, int64_t ldk)
+{
+    const mha_module *m = plan->m;
+    const fwd_shape *s = &plan->shape;
+    const mha_rope *r = &m->cfg.mods.rope;
+    const int self = !a->key || (a->key == a->query && s->Lk == s->Lq);
+    const int64_t *starts = a->cache ? a->cache->len : NULL;
+    mha_rope_rows(r, s->B, s->Lq, s->H, s->dh, a->positions, starts, 0, q,
+                  ldq, 0, plan->eng.threads);
+    mha_rope_rows(r, s->B, s->Lk, s->Hkv, s->dh, self ? a->positions : NULL,
+                  self ? starts : NULL, 0, k, ldk, 0, plan->eng.threads);
 }
 
 /* A head mask may hold any finite factors; NULL is all ones. */
@@ -391,6 +419,9 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
         mha_module_band(m, &mask);
     }
     MHA_CHECK(check_head_mask(a->head_mask, s.H));
+    if (c->mods.rope.style != MHA_ROPE_NONE)
+        MHA_CHECK(mha_rope_check_positions(a->positions, s.B * s.Lq,
+                                           "positions"));
 
     /* Taken before out (which may alias the query) is written. */
     const uint64_t print = mha_fwd_fingerprint(m, &s, a);
@@ -429,6 +460,8 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
                        vp, Dkv, nt);
         }
     }
+    if (c->mods.rope.style != MHA_ROPE_NONE)
+        rope_qk(plan, a, qp, ldq, kp, ldk);
     if (a->need_weights != MHA_WEIGHTS_NONE)
         memset(a->attn_weights, 0, (size_t)n_w * sizeof(float));
     plan->q = qp; plan->k = kp; plan->v = vp;

@@ -78,6 +78,46 @@ static int FN(mask_value)(const mha_mask *mk, int64_t idx, REAL *add)
 }
 
 /*
+ * RoPE as Hugging Face writes it (transformers' Llama / GPT-J), not as
+ * src/attention/rope.c does: inv_freq[k] = 1 / theta^(2k / dims), the
+ * angles pos / scale * inv_freq, cos and sin repeated to the rotary width
+ * (NEOX: cat(f, f); GPTJ: each twice, interleaved), then
+ *     x <- x * cos + rotate(x) * sin
+ * with rotate_half(x) = cat(-x2, x1) (NEOX) or the interleaved
+ * (-x1, x0, -x3, x2, ...) (GPTJ), on the first dims elements of each of
+ * the `heads` heads of row x.  Zero fields take mha.h's defaults.
+ */
+static void FN(rope_row)(const mha_rope *rp, int64_t dh, int64_t heads,
+                         int64_t pos, REAL *x)
+{
+    const int64_t dims = rp->dims ? rp->dims : dh, half = dims / 2;
+    const REAL theta = rp->theta != 0.0f ? (REAL)rp->theta : (REAL)10000;
+    const REAL scale = rp->scale != 0.0f ? (REAL)rp->scale : (REAL)1;
+    REAL *cs = malloc((size_t)(2 * dims) * sizeof *cs), *sn = cs + dims;
+    REAL *rot = malloc((size_t)dims * sizeof *rot);
+    for (int64_t d = 0; d < dims; d++) {
+        const int64_t k = rp->style == MHA_ROPE_NEOX ? d % half : d / 2;
+        const REAL inv_freq = 1 / pow(theta, (REAL)(2 * k) / (REAL)dims);
+        const REAL ang = ((REAL)pos / scale) * inv_freq;
+        cs[d] = cos(ang);
+        sn[d] = sin(ang);
+    }
+    for (int64_t h = 0; h < heads; h++) {
+        REAL *e = x + h * dh;
+        for (int64_t d = 0; d < dims; d++) {
+            if (rp->style == MHA_ROPE_NEOX)
+                rot[d] = d < half ? -e[d + half] : e[d - half];
+            else
+                rot[d] = d % 2 == 0 ? -e[d + 1] : e[d - 1];
+        }
+        for (int64_t d = 0; d < dims; d++)
+            e[d] = e[d] * cs[d] + rot[d] * sn[d];
+    }
+    free(cs);
+    free(rot);
+}
+
+/*
  * out (B, Lq, E); weights (B, H, Lq, Lt) always per head (or NULL).
  * Returns 0 on success.
  */
@@ -149,6 +189,23 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
                 k[(b * Lt + row) * Dkv + e] = 0;
                 v[(b * Lt + row) * Dkv + e] = 0;
             }
+        }
+    }
+
+    /* RoPE after the projections: query i at positions[b][i] (else i);
+     * the real keys at the same positions in self-attention, else j. */
+    if (c.mods.rope.style != MHA_ROPE_NONE) {
+        const int self = !a->key || (a->key == a->query && Lk == Lq);
+        for (int64_t b = 0; b < B; b++) {
+            for (int64_t i = 0; i < Lq; i++)
+                FN(rope_row)(&c.mods.rope, dh, H,
+                             a->positions ? a->positions[b * Lq + i] : i,
+                             q + (b * Lq + i) * D);
+            for (int64_t j = 0; j < Lk; j++)
+                FN(rope_row)(&c.mods.rope, dh, Hkv,
+                             self && a->positions ? a->positions[b * Lq + j]
+                                                  : j,
+                             k + (b * Lt + j) * Dkv);
         }
     }
 
