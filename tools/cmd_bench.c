@@ -24,7 +24,7 @@ static const char BENCH_HELP[] =
     "                 [--causal] [--need-weights]\n"
     "                 [--attention-only | --backward]\n"
     "                 [--threads T] [--repeat R] [--warmup W] [--json]\n"
-    MOD_USAGE MOD_WINDOW_USAGE "\n"
+    MOD_USAGE MOD_WINDOW_USAGE " [--sinks]\n"
     "       mha bench --decode --kv-seq Lk --embed-dim E --heads H\n"
     "                 [--kv-heads Hkv] [--kv-dtype f32|f16|bf16|q8]\n"
     "                 [--batch B] [--seq L] [--ragged] [--attention-only]\n"
@@ -63,6 +63,9 @@ static const char BENCH_HELP[] =
     "The score modifiers (not with --decode) go to the module's config, or\n"
     "with --attention-only to mha_attention's mods:\n"
     MOD_HELP MOD_WINDOW_HELP
+    "  --sinks               a sink logit per head (the module's `sinks`\n"
+    "                        parameter, 0 at create; with --attention-only\n"
+    "                        H values of 0.5)\n"
     "FLOPs counted (one multiply-add = 2): the projections\n"
     "2*B*L*E*E (Q) + 2*B*Lk*E*(kdim+vdim) (K, V) + 2*B*L*E*E (out), none\n"
     "with --attention-only, and the attention 4*d_h per allowed\n"
@@ -210,16 +213,23 @@ static double measure_peak(const char **kind)
 
 /* ---- work counts -------------------------------------------------------- */
 
-/* (query, key) pairs that attention computes, per (batch, head). */
-static double allowed_pairs(int64_t Lq, int64_t Lk, int causal)
+/* (query, key) pairs that attention computes, per (batch, head): row i
+ * (at position i + Lk - Lq) sees keys lo .. hi, causal bottom-right and
+ * the window (m, when on) bounding them, clamped to [0, Lk). */
+static double allowed_pairs(int64_t Lq, int64_t Lk, int causal,
+                            const mha_modifiers *m)
 {
-    if (!causal)
-        return (double)Lq * (double)Lk;
-    /* Bottom right: row i sees keys 0 .. i + Lk - Lq, clamped to [0, Lk]. */
     double n = 0.0;
     for (int64_t i = 0; i < Lq; i++) {
-        int64_t c = i + Lk - Lq + 1;
-        n += (double)(c < 0 ? 0 : c > Lk ? Lk : c);
+        const int64_t pos = i + Lk - Lq;
+        int64_t lo = 0, hi = Lk - 1;
+        if (causal && pos < hi)
+            hi = pos;
+        if (m->window && m->window_left >= 0 && pos - m->window_left > lo)
+            lo = pos - m->window_left;
+        if (m->window && m->window_right >= 0 && pos + m->window_right < hi)
+            hi = pos + m->window_right;
+        n += (double)(hi >= lo ? hi - lo + 1 : 0);
     }
     return n;
 }
@@ -245,7 +255,8 @@ int cmd_bench(int argc, char **argv)
                     {"backward", 0, 0}, {"threads", 1, 0}, {"repeat", 1, 0},
                     {"warmup", 1, 0}, {"json", 0, 0}, {"decode", 0, 0},
                     {"kv-heads", 1, 0}, {"kv-dtype", 1, 0},
-                    {"ragged", 0, 0}, MOD_OPTS, MOD_WINDOW_OPT};
+                    {"ragged", 0, 0}, {"sinks", 0, 0}, MOD_OPTS,
+                    MOD_WINDOW_OPT};
     int status;
     if (tool_options("bench", argc, argv, o, NOPTS(o), BENCH_HELP, &status))
         return status;
@@ -253,7 +264,7 @@ int cmd_bench(int argc, char **argv)
     static const char *const mod_opts[] = {"rope", "rope-theta", "rope-dim",
                                            "rope-scale", "alibi",
                                            "alibi-slopes", "window",
-                                           "softcap"};
+                                           "softcap", "sinks"};
     for (int k = 0; OPT("decode") && k < NOPTS(mod_opts); k++)
         if (OPT(mod_opts[k]))
             return tool_fail("bench", "--%s is not supported with --decode",
@@ -291,6 +302,7 @@ int cmd_bench(int argc, char **argv)
               json = OPT("json") != NULL,
               attn_only = OPT("attention-only") != NULL,
               backward = OPT("backward") != NULL,
+              sinks = OPT("sinks") != NULL,
               threads_default = OPT("threads") == NULL;
     if (!cross)
         Lk = Lq;
@@ -311,6 +323,7 @@ int cmd_bench(int argc, char **argv)
         return 1;
     }
     c.mods = mods.mods;
+    c.sinks = sinks;
     long blas_threads;
     const char *tier;
     if (bench_setup(argc, argv, threads, ncpu, json, &blas_threads, &tier)) {
@@ -412,6 +425,11 @@ int cmd_bench(int argc, char **argv)
     aa.num_threads = (int)threads;
     aa.out = out;
     aa.mods = mods.mods;
+    float *sink_logits = sinks ? malloc((size_t)H * sizeof *sink_logits)
+                               : NULL;
+    for (int64_t h = 0; sink_logits && h < H; h++)
+        sink_logits[h] = 0.5f;
+    aa.sinks = sink_logits;
 
     mha_plan *plan = NULL;
     if (!rc && !attn_only && mha_plan_create(m, &a, &plan) != MHA_OK)
@@ -457,7 +475,7 @@ int cmd_bench(int argc, char **argv)
                                              2.0 * B * Lk * E * kvw +
                                              2.0 * B * Lq * E * E);
         const double attn = (backward ? 3.5 : 1.0) * 4.0 * B * H * dh *
-                            allowed_pairs(Lq, Lk, causal);
+                            allowed_pairs(Lq, Lk, causal, &c.mods);
         const double total = proj + attn;
         const double gflops = total / (med * 1e-3) * 1e-9;
         const double peak = peak1 * (double)threads;
@@ -534,6 +552,7 @@ int cmd_bench(int argc, char **argv)
     free(kv);
     free(out);
     free(q);
+    free(sink_logits);
     mha_free(m);
     tool_mods_free(&mods);
     return rc;
