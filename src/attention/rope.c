@@ -88,15 +88,26 @@ mha_status mha_rope_check_positions(const int64_t *positions, int64_t n,
     return MHA_OK;
 }
 
+/* theta^(-2k / dims), pair k's frequency. */
+static double frequency(const mha_rope *rp, int64_t k)
+{
+    return pow((double)rp->theta, -2.0 * (double)k / (double)rp->dims);
+}
+
+/* The frequencies of the first FREQS pairs are computed once per call
+ * (the same doubles pow gives row by row); wider rotations compute the
+ * rest as they go. */
+enum { FREQS = 256 };
+
 /* Row x (heads of dh) at position pos; sign -1 turns it back. */
-static void rotate_row(const mha_rope *rp, double pos, int64_t heads,
-                       int64_t dh, float *x, double sign)
+static void rotate_row(const mha_rope *rp, const double *freqs, double pos,
+                       int64_t heads, int64_t dh, float *x, double sign)
 {
     const int64_t half = rp->dims / 2;
     const int neox = rp->style == MHA_ROPE_NEOX;
-    const double t = pos / (double)rp->scale, theta = (double)rp->theta;
+    const double t = pos / (double)rp->scale;
     for (int64_t k = 0; k < half; k++) {
-        const double freq = pow(theta, -2.0 * (double)k / (double)rp->dims);
+        const double freq = k < FREQS ? freqs[k] : frequency(rp, k);
         const double a = t * freq;
         const double c = cos(a), s = sign * sin(a);
         const int64_t i0 = neox ? k : 2 * k, i1 = neox ? k + half : 2 * k + 1;
@@ -116,6 +127,9 @@ void mha_rope_rows(const mha_rope *rope, int64_t B, int64_t L,
 {
     const double sign = inverse ? -1.0 : 1.0;
     const int64_t rows = B * L;
+    double freqs[FREQS];
+    for (int64_t k = 0; k < rope->dims / 2 && k < FREQS; k++)
+        freqs[k] = frequency(rope, k);
 #ifdef _OPENMP
     if (threads <= 0)
         threads = omp_get_max_threads();
@@ -130,7 +144,8 @@ void mha_rope_rows(const mha_rope *rope, int64_t B, int64_t L,
     for (int64_t r = 0; r < rows; r++) {
         const int64_t p = positions ? positions[r]
                         : (starts ? starts[r / L] : start) + r % L;
-        rotate_row(rope, (double)p, heads, head_dim, x + r * ld, sign);
+        rotate_row(rope, freqs, (double)p, heads, head_dim, x + r * ld,
+                   sign);
     }
 }
 
