@@ -5,7 +5,7 @@
 # forward; and the module's training step, forward + backward); then
 # causal attention at L=32768 with and without a window of 1,024 (peak
 # RSS by /usr/bin/time).  One JSON object per line on stdout.
-#   bash bench/modifiers.sh [ROUNDS] [MHA]
+#   bash bench/modifiers.sh [ROUNDS] [MHA]   (LONG_ROUNDS=0: skip L=32768)
 set -euo pipefail
 rounds=${1:-3}
 mha=${2:-build/mha}
@@ -22,7 +22,7 @@ for r in $(seq "$rounds"); do
     echo "{\"round\": $r, \"what\": \"train step\", \"mods\": \"$m\", \"r\": $j}"
   done
 done
-for r in $(seq "$rounds"); do
+for r in $(seq "${LONG_ROUNDS:-$rounds}"); do
   for m in "--window 1023,0" ""; do
     # shellcheck disable=SC2086
     out=$( { /usr/bin/time -f '%M' "$mha" bench --batch 1 --seq 32768 \

@@ -779,6 +779,146 @@ def gqa_configurations():
             dict(E=48, H=6, Hkv=3, B=3, L=70, causal=False)]
 
 
+# ---------------------------------------------------------------------------
+# The score modifiers and RoPE against PyTorch written the way the models'
+# reference code computes them: Hugging Face's rotary embedding (inverse
+# frequencies theta^(-2k/dims), rotate_half for NeoX, interleaved pairs for
+# GPT-J, partial rotary), Gemma 2's softcap, the ALiBi paper's get_slopes
+# and bias, a (left, right) band, gpt-oss's sinks (a logit column joined
+# to the scores and dropped after the softmax).  The module file carries
+# `sinks`; the modifiers are `mha forward` / `mha decode` flags.
+# ---------------------------------------------------------------------------
+
+def paper_slopes(n):
+    def pow2(n):
+        start = 2 ** (-2 ** -(math.log2(n) - 3))
+        return [start * start ** i for i in range(n)]
+    if math.log2(n).is_integer():
+        return pow2(n)
+    p2 = 2 ** math.floor(math.log2(n))
+    return pow2(p2) + paper_slopes(2 * p2)[0::2][:n - p2]
+
+
+def rope_torch(x, style, dims, theta, scale):
+    """x (B, H, L, dh) at positions 0 .. L-1, as Hugging Face rotates."""
+    L = x.shape[2]
+    inv = 1.0 / (theta ** (torch.arange(0, dims, 2, dtype=torch.float64)
+                           / dims))
+    ang = (torch.arange(L, dtype=torch.float64) / scale)[:, None] * inv
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    xr, rest = x[..., :dims], x[..., dims:]
+    if style == "neox":
+        cos2, sin2 = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+        half = dims // 2
+        rot_half = torch.cat([-xr[..., half:], xr[..., :half]], -1)
+        out = xr * cos2 + rot_half * sin2
+    else:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos],
+                          -1).flatten(-2)
+    return torch.cat([out, rest], -1)
+
+
+def mods_torch(P, x, c, dtype):
+    t = {k: torch.from_numpy(v).to(dtype) for k, v in P.items()}
+    xt = torch.from_numpy(x).to(dtype)
+    B, L, E = x.shape
+    H = c["H"]
+    dh = E // H
+    W, bias = t["in_proj_weight"], t["in_proj_bias"]
+    q, k, v = [F.linear(xt, W[i * E:(i + 1) * E], bias[i * E:(i + 1) * E])
+               .view(B, L, H, dh).transpose(1, 2) for i in range(3)]
+    if c.get("rope"):
+        q = rope_torch(q, c["rope"], c["dims"], c["theta"], c["scale"])
+        k = rope_torch(k, c["rope"], c["dims"], c["theta"], c["scale"])
+    s = q @ k.transpose(-1, -2) / math.sqrt(dh)
+    if c.get("softcap"):
+        s = c["softcap"] * torch.tanh(s / c["softcap"])
+    i = torch.arange(L)[:, None]
+    j = torch.arange(L)[None, :]
+    if c.get("alibi"):
+        slopes = torch.tensor(paper_slopes(H), dtype=dtype)
+        s = s - slopes[:, None, None] * (i - j).abs().to(dtype)
+    blocked = torch.zeros(L, L, dtype=torch.bool)
+    if c["causal"]:
+        blocked |= j > i
+    if c.get("window"):
+        left, right = c["window"]
+        if left >= 0:
+            blocked |= j < i - left
+        if right >= 0:
+            blocked |= j > i + right
+    s = s.masked_fill(blocked, float("-inf"))
+    if "sinks" in t:
+        col = t["sinks"].view(1, H, 1, 1).expand(B, H, L, 1)
+        p = torch.softmax(torch.cat([s, col], -1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
+    ctx = (p @ v).transpose(1, 2).reshape(B, L, E)
+    out = F.linear(ctx, t["out_proj.weight"], t["out_proj.bias"])
+    return out.double().numpy()
+
+
+def mods_case(c, rng):
+    E, H, B, L = c["E"], c["H"], c["B"], c["L"]
+    a = 1.0 / math.sqrt(E)
+    P = {"in_proj_weight": rng.uniform(-3 * a, 3 * a, (3 * E, E)),
+         "in_proj_bias": rng.uniform(-0.1, 0.1, (3 * E,)),
+         "out_proj.weight": rng.uniform(-a, a, (E, E)),
+         "out_proj.bias": rng.uniform(-0.1, 0.1, (E,))}
+    if c.get("sinks"):
+        P["sinks"] = rng.uniform(-1.0, 2.0, (H,))
+    P = {k: v.astype(np.float32) for k, v in P.items()}
+    x = rng.uniform(-1.5, 1.5, (B, L, E)).astype(np.float32)
+    flags = ["--causal"] if c["causal"] else []
+    mflags = []
+    if c.get("rope"):
+        mflags += ["--rope", c["rope"], "--rope-dim", str(c["dims"]),
+                   "--rope-theta", repr(c["theta"]),
+                   "--rope-scale", repr(c["scale"])]
+    if c.get("alibi"):
+        mflags += ["--alibi"]
+    if c.get("softcap"):
+        mflags += ["--softcap", repr(c["softcap"])]
+    wflags = (["--window", "%d,%d" % tuple(c["window"])]
+              if c.get("window") else [])
+    with tempfile.TemporaryDirectory(prefix="mha_live_") as tmp:
+        wpath = os.path.join(tmp, "w.safetensors")
+        st.save(wpath, {k: torch.from_numpy(v) for k, v in P.items()},
+                {"num_heads": str(H)})
+        qpath, opath = os.path.join(tmp, "q.npy"), os.path.join(tmp, "o.npy")
+        np.save(qpath, x)
+        run([MHA, "forward", "--weights", wpath, "--query", qpath,
+             "--out", opath] + flags + mflags + wflags)
+        got = np.load(opath)
+        dec = None
+        if c["causal"] and not c.get("window"):
+            dpath = os.path.join(tmp, "d.npy")
+            run([MHA, "decode", "--weights", wpath, "--query", qpath,
+                 "--chunk", "3", "--out", dpath] + mflags)
+            dec = np.load(dpath)
+    ref = mods_torch(P, x, c, torch.float64)
+    t32 = mods_torch(P, x, c, torch.float32)
+    r = compare("out", got, t32, ref)
+    if dec is not None:
+        r = max(r, compare("out", dec, t32, ref))
+    return r
+
+
+def mods_configurations():
+    return [dict(E=32, H=4, B=2, L=20, causal=True, rope="neox", dims=8,
+                 theta=10000.0, scale=1.0),
+            dict(E=48, H=3, B=1, L=70, causal=True, rope="gptj", dims=12,
+                 theta=500.0, scale=2.0),
+            dict(E=40, H=5, B=2, L=33, causal=True, alibi=True),
+            dict(E=32, H=4, B=1, L=90, causal=False, window=(7, 3)),
+            dict(E=32, H=2, B=2, L=40, causal=True, softcap=2.0),
+            dict(E=32, H=4, B=2, L=30, causal=True, sinks=True),
+            dict(E=64, H=4, B=1, L=80, causal=True, rope="neox", dims=16,
+                 theta=10000.0, scale=1.0, alibi=True, softcap=5.0,
+                 sinks=True, window=(20, 0))]
+
+
 def main():
     global passes, fails
     t0 = time.time()
@@ -795,6 +935,8 @@ def main():
     todo += [("backward", c, brng) for c in backward_configurations(brng)]
     grng = np.random.RandomState(20240604)
     todo += [("gqa", c, grng) for c in gqa_configurations()]
+    mrng = np.random.RandomState(20240605)
+    todo += [("mods", c, mrng) for c in mods_configurations()]
     for n, (kind, c, crng) in enumerate(todo):
         label = ("init " + " ".join(c["flags"]) + " E=%d H=%d" % (c["E"], c["H"])
                  if kind == "init" else
@@ -804,11 +946,19 @@ def main():
                     " causal" if c["causal"] else "",
                     ", decode" if c["causal"] else "")
                  if kind == "gqa" else
+                 "modifiers E=%d H=%d B=%d L=%d %s (cli forward%s)"
+                 % (c["E"], c["H"], c["B"], c["L"],
+                    " ".join(k for k in ("rope", "alibi", "window",
+                                         "softcap", "sinks") if c.get(k)),
+                    ", decode" if c["causal"] and not c.get("window") else "")
+                 if kind == "mods" else
                  ("driver " if c.get("via") == "driver" else "cli ") +
                  describe(c))
         try:
             if kind == "gqa":
                 msg = "out %.3f" % gqa_case(c, crng)
+            elif kind == "mods":
+                msg = "out %.3f" % mods_case(c, crng)
             elif kind == "backward":
                 r_out, r_g, gname, vs32, nm = backward_case(c, crng)
                 msg = "out %.3f  grads %.3f (worst %s; max err / torch32 " \
