@@ -38,6 +38,8 @@
 
 /* ---- the definitions, in float64 (and the same code in float32) ---------- */
 
+enum { SEED = 4242 };   /* the dropout seed of every case */
+
 typedef struct mcase {
     const char *name;
     int64_t B, H, Hkv, dh, Lq, Lk;
@@ -47,6 +49,7 @@ typedef struct mcase {
     int window;
     int64_t left, right;
     int sinks;
+    float p;             /* dropout (training), drawn by ref_dropout_keep */
 } mcase;
 
 /* Key j visible from row i: causal, then the window (bottom-right). */
@@ -118,7 +121,10 @@ static int visible(const mcase *c, int64_t i, int64_t j)
                     for (int64_t j = 0; j < c->Lk; j++) {                      \
                         if (s[j] == (T)-INFINITY)                              \
                             continue;                                          \
-                        const T p = EXP(s[j] - mx) / sum;                      \
+                        T p = EXP(s[j] - mx) / sum;                            \
+                        if (c->p > 0.0f)                                       \
+                            p = ref_dropout_keep(SEED, c->p, b, h, i, j)       \
+                                    ? p / (T)(1.0 - (double)c->p) : 0;         \
                         const int64_t vo = (b * c->Lk + j) * Ekv + g * c->dh;  \
                         for (int64_t d = 0; d < c->dh; d++)                    \
                             o[d] += p * (dv ? (T)dv[vo + d] : (T)v[vo + d]);   \
@@ -180,6 +186,9 @@ static void prob_init(prob *p, const mcase *c, uint64_t seed)
     a->mods.window_left = c->left;
     a->mods.window_right = c->right;
     a->sinks = c->sinks ? p->sinks : NULL;
+    a->dropout = c->p;
+    a->training = c->p > 0.0f;
+    a->dropout_seed = SEED;
 }
 
 static void prob_free(prob *p)
@@ -199,21 +208,23 @@ static double scale_of(const mcase *c)
 }
 
 static const mcase CASES[] = {
-    /* name                       B  H Hkv dh  Lq   Lk  causal cap  alibi cs win left right sinks */
-    {"softcap",                   2, 2, 2, 16, 9,   70, 0, 1.5f, 0, 0, 0, 0, 0, 0},
-    {"softcap, large scores",     1, 2, 2, 32, 5,   40, 0, 0.3f, 0, 0, 0, 0, 0, 0},
-    {"alibi, default slopes",     2, 3, 3, 8,  7,   90, 0, 0.0f, 1, 0, 0, 0, 0, 0},
-    {"alibi, causal, Lq < Lk",    1, 4, 2, 8,  20,  150, MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 1, 1, 0, 0, 0, 0},
-    {"window (16, 0) causal",     2, 2, 2, 8,  130, 130, MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 0, 0, 1, 16, 0, 0},
-    {"window (3, 5), no causal",  1, 2, 1, 8,  70,  70, 0, 0.0f, 0, 0, 1, 3, 5, 0},
-    {"window (-1, 2), Lq < Lk",   1, 2, 2, 8,  9,   200, 0, 0.0f, 0, 0, 1, -1, 2, 0},
-    {"window (100, -1)",          1, 1, 1, 4,  300, 300, 0, 0.0f, 0, 0, 1, 100, -1, 0},
-    {"window (0, 0): itself",     1, 2, 2, 4,  70,  70, 0, 0.0f, 0, 0, 1, 0, 0, 0},
-    {"sinks",                     2, 2, 2, 8,  9,   70, 0, 0.0f, 0, 0, 0, 0, 0, 1},
-    {"sinks, rows with no key",   1, 2, 2, 8,  20,  10, MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 0, 0, 0, 0, 0, 1},
-    {"everything, GQA",           2, 4, 2, 16, 33,  140, MHA_CAUSAL_BOTTOM_RIGHT, 2.0f, 1, 1, 1, 40, 0, 1},
-    {"everything, decoding",      2, 8, 2, 16, 1,   1500, MHA_CAUSAL_BOTTOM_RIGHT, 3.0f, 1, 0, 1, 700, 0, 1},
-    {"everything, top-left",      1, 2, 2, 8,  80,  80, MHA_CAUSAL_TOP_LEFT, 1.0f, 1, 0, 1, 20, 3, 1},
+    /* name                       B  H Hkv dh  Lq   Lk  causal cap  alibi cs win left right sinks p */
+    {"softcap",                   2, 2, 2, 16, 9,   70, 0, 1.5f, 0, 0, 0, 0, 0, 0, 0},
+    {"softcap, large scores",     1, 2, 2, 32, 5,   40, 0, 0.3f, 0, 0, 0, 0, 0, 0, 0},
+    {"alibi, default slopes",     2, 3, 3, 8,  7,   90, 0, 0.0f, 1, 0, 0, 0, 0, 0, 0},
+    {"alibi, causal, Lq < Lk",    1, 4, 2, 8,  20,  150, MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 1, 1, 0, 0, 0, 0, 0},
+    {"window (16, 0) causal",     2, 2, 2, 8,  130, 130, MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 0, 0, 1, 16, 0, 0, 0},
+    {"window (3, 5), no causal",  1, 2, 1, 8,  70,  70, 0, 0.0f, 0, 0, 1, 3, 5, 0, 0},
+    {"window (-1, 2), Lq < Lk",   1, 2, 2, 8,  9,   200, 0, 0.0f, 0, 0, 1, -1, 2, 0, 0},
+    {"window (100, -1)",          1, 1, 1, 4,  300, 300, 0, 0.0f, 0, 0, 1, 100, -1, 0, 0},
+    {"window (0, 0): itself",     1, 2, 2, 4,  70,  70, 0, 0.0f, 0, 0, 1, 0, 0, 0, 0},
+    {"sinks",                     2, 2, 2, 8,  9,   70, 0, 0.0f, 0, 0, 0, 0, 0, 1, 0},
+    {"sinks, rows with no key",   1, 2, 2, 8,  20,  10, MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 0, 0, 0, 0, 0, 1, 0},
+    {"everything, GQA",           2, 4, 2, 16, 33,  140, MHA_CAUSAL_BOTTOM_RIGHT, 2.0f, 1, 1, 1, 40, 0, 1, 0},
+    {"everything, decoding",      2, 8, 2, 16, 1,   1500, MHA_CAUSAL_BOTTOM_RIGHT, 3.0f, 1, 0, 1, 700, 0, 1, 0},
+    {"everything, top-left",      1, 2, 2, 8,  80,  80, MHA_CAUSAL_TOP_LEFT, 1.0f, 1, 0, 1, 20, 3, 1, 0},
+    {"everything, dropout",       2, 4, 2, 8,  40,  90, MHA_CAUSAL_BOTTOM_RIGHT, 2.0f, 1, 0, 1, 30, 0, 1, 0.25f},
+    {"softcap, sinks, dropout, decoding", 1, 4, 1, 16, 2, 1100, 0, 1.0f, 0, 0, 0, 0, 0, 1, 0.3f},
 };
 
 /* max |x - ref| over n, NaN anywhere: +inf. */
@@ -306,7 +317,8 @@ static void test_forward_vs_reference(void **state)
                         for (int64_t d = 0; d < c->dh; d++)
                             o[d] += wj * vj[d];
                     }
-                    if (!(fabs(sum - (rlse[row] == -INFINITY ? 0.0 : 1.0)) <=
+                    if (c->p == 0.0f &&   /* (dropout scales kept weights) */
+                        !(fabs(sum - (rlse[row] == -INFINITY ? 0.0 : 1.0)) <=
                           1e-5))
                         fail_msg("%s: weights of row %lld sum to %.9g", c->name,
                                  (long long)row, sum);
@@ -451,12 +463,13 @@ static double *widen(const float *x, int64_t n)
 }
 
 static const mcase GCASES[] = {
-    {"softcap",               1, 2, 2, 4, 5,  9,  0, 1.0f, 0, 0, 0, 0, 0, 0},
-    {"alibi, causal",         1, 2, 1, 4, 6,  9,  MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 1, 1, 0, 0, 0, 0},
-    {"window (2, 1)",         1, 2, 2, 4, 8,  8,  0, 0.0f, 0, 0, 1, 2, 1, 0},
-    {"sinks",                 2, 2, 2, 4, 5,  7,  0, 0.0f, 0, 0, 0, 0, 0, 1},
-    {"sinks, a row with no key", 1, 2, 2, 4, 6, 3, MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 0, 0, 0, 0, 0, 1},
-    {"everything, GQA",       2, 4, 2, 4, 7,  70, MHA_CAUSAL_BOTTOM_RIGHT, 1.5f, 1, 0, 1, 30, 0, 1},
+    {"softcap",               1, 2, 2, 4, 5,  9,  0, 1.0f, 0, 0, 0, 0, 0, 0, 0},
+    {"alibi, causal",         1, 2, 1, 4, 6,  9,  MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 1, 1, 0, 0, 0, 0, 0},
+    {"window (2, 1)",         1, 2, 2, 4, 8,  8,  0, 0.0f, 0, 0, 1, 2, 1, 0, 0},
+    {"sinks",                 2, 2, 2, 4, 5,  7,  0, 0.0f, 0, 0, 0, 0, 0, 1, 0},
+    {"sinks, a row with no key", 1, 2, 2, 4, 6, 3, MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 0, 0, 0, 0, 0, 1, 0},
+    {"everything, GQA",       2, 4, 2, 4, 7,  70, MHA_CAUSAL_BOTTOM_RIGHT, 1.5f, 1, 0, 1, 30, 0, 1, 0},
+    {"everything, dropout",   2, 2, 1, 4, 6,  40, MHA_CAUSAL_BOTTOM_RIGHT, 1.5f, 1, 0, 1, 10, 0, 1, 0.3f},
 };
 
 static void test_gradients(void **state)
