@@ -350,6 +350,19 @@ static void test_misuse(void **state)
     assert_fails(mha_plan_forward(p, &a), MHA_ERR_INVALID_ARGUMENT,
                  "without a KV cache");
     mha_plan_free(p);
+    /* A plan made for this cache: no cache, or a larger one, refused. */
+    assert_int_equal(mha_plan_create(m, &a, &p), MHA_OK);
+    assert_fails(mha_plan_forward(p, &b), MHA_ERR_INVALID_ARGUMENT,
+                 "made for a KV cache");
+    mha_kv_cache *big = NULL;
+    assert_int_equal(mha_kv_cache_for_module(m, 2, 25, &big), MHA_OK);
+    b = a;
+    b.cache = big;
+    assert_fails(mha_plan_forward(p, &b), MHA_ERR_INVALID_ARGUMENT,
+                 "capacity <= 10; the cache given holds 25");
+    assert_int_equal(mha_kv_cache_length(big, 0), 0);
+    mha_kv_cache_free(big);
+    mha_plan_free(p);
     /* No backward after a cached forward. */
     assert_int_equal(mha_plan_create(m, &a, &p), MHA_OK);
     assert_int_equal(mha_plan_forward(p, &a), MHA_OK);   /* lengths 8 */

@@ -376,14 +376,16 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
         return mha_set_error(MHA_ERR_NULL_POINTER, "query is NULL");
     if (!a->out)
         return mha_set_error(MHA_ERR_NULL_POINTER, "out is NULL");
-    if (!a->cache != !plan->cache_capacity ||
-        (a->cache && a->cache->capacity > plan->cache_capacity))
+    if (!a->cache != !plan->cache_capacity)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             a->cache ? "this plan was made %s a KV cache "
-                                        "of capacity >= %lld"
-                                      : "this plan was made %s a KV cache",
-                             plan->cache_capacity ? "for" : "without",
-                             (long long)(a->cache ? a->cache->capacity : 0));
+                             "this plan was made %s a KV cache",
+                             plan->cache_capacity ? "for" : "without");
+    if (a->cache && a->cache->capacity > plan->cache_capacity)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "this plan was made for KV caches of capacity "
+                             "<= %lld; the cache given holds %lld tokens",
+                             (long long)plan->cache_capacity,
+                             (long long)a->cache->capacity);
     for (int64_t b = 0; a->cache && !a->cache->window && b < s.B; b++)
         if (a->cache->len[b] > a->cache->capacity - s.Lq)
             return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
