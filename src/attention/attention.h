@@ -309,6 +309,15 @@ int64_t mha_kv_cache_keys(const mha_kv_cache *c, int64_t more);
  * sequence's queries see.  MHA_OK for an ordinary cache. */
 mha_status mha_kv_cache_check_window(const mha_kv_cache *c, int64_t q_len,
                                      int64_t more);
+/* A window cache's keys are slots of a ring, not positions 0 .. Lk-1:
+ * masks written over positions have no column to stand on, and weights
+ * no position to land on.  MHA_ERR_UNSUPPORTED naming the first of these
+ * arguments that is set (kv_len: nonzero). */
+mha_status mha_kv_cache_window_args(const mha_mask *attn_mask,
+                                    const mha_mask *key_padding_mask,
+                                    const int64_t *key_lengths,
+                                    mha_weights_mode need_weights,
+                                    int64_t kv_len);
 
 /* Points problem `at` (its q, ctx, bias_k, zero_attn set) at the cache:
  * keys are each sequence's cached ones (Lk = mha_kv_cache_keys), read in

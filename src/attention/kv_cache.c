@@ -305,6 +305,25 @@ int64_t mha_kv_cache_keys(const mha_kv_cache *c, int64_t more)
     return longest;
 }
 
+mha_status mha_kv_cache_window_args(const mha_mask *attn_mask,
+                                    const mha_mask *key_padding_mask,
+                                    const int64_t *key_lengths,
+                                    mha_weights_mode need_weights,
+                                    int64_t kv_len)
+{
+    const char *no = attn_mask->kind ? "attn_mask"
+                   : key_padding_mask->kind ? "key_padding_mask"
+                   : key_lengths ? "key_lengths"
+                   : need_weights ? "need_weights"
+                   : kv_len ? "kv_len" : NULL;
+    if (no)
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "with a sliding-window KV cache, %s must be "
+                             "unset: its keys are the last window positions "
+                             "of each sequence, held in a ring", no);
+    return MHA_OK;
+}
+
 mha_status mha_kv_cache_check_window(const mha_kv_cache *c, int64_t q_len,
                                      int64_t more)
 {

@@ -87,18 +87,10 @@ static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
                                  (long long)kv->dh, (long long)s->B,
                                  (long long)s->Hkv, (long long)s->dh);
         if (kv->window) {
-            /* Its keys are slots of a ring (forward.c says the same). */
-            const char *no = a->attn_mask.kind ? "attn_mask"
-                           : a->key_padding_mask.kind ? "key_padding_mask"
-                           : a->key_lengths ? "key_lengths"
-                           : a->need_weights ? "need_weights"
-                           : a->kv_len ? "kv_len" : NULL;
-            if (no)
-                return mha_set_error(MHA_ERR_UNSUPPORTED,
-                                     "with a sliding-window KV cache, %s "
-                                     "must be unset: its keys are the last "
-                                     "window positions of each sequence, "
-                                     "held in a ring", no);
+            MHA_CHECK(mha_kv_cache_window_args(&a->attn_mask,
+                                               &a->key_padding_mask,
+                                               a->key_lengths,
+                                               a->need_weights, a->kv_len));
             MHA_CHECK(mha_kv_cache_check_window(kv, s->Lq, 0));
         }
         s->Lk = kv->capacity;   /* the most keys a run can read */

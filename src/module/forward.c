@@ -71,20 +71,10 @@ static mha_status check_cache_args(const mha_module *m,
                              (long long)m->cfg.num_kv_heads,
                              (long long)m->head_dim);
     if (kv->window) {
-        /* A window cache's keys are slots of a ring, not positions
-         * 0 .. Lk-1: masks written over positions have no column to
-         * stand on, and weights no position to land on. */
-        const char *no = a->attn_mask.kind ? "attn_mask"
-                       : a->key_padding_mask.kind ? "key_padding_mask"
-                       : a->key_lengths ? "key_lengths"
-                       : a->need_weights ? "need_weights"
-                       : a->kv_len ? "kv_len" : NULL;
-        if (no)
-            return mha_set_error(MHA_ERR_UNSUPPORTED,
-                                 "with a sliding-window KV cache, %s must "
-                                 "be unset: its keys are the last window "
-                                 "positions of each sequence, held in a "
-                                 "ring", no);
+        MHA_CHECK(mha_kv_cache_window_args(&a->attn_mask,
+                                           &a->key_padding_mask,
+                                           a->key_lengths, a->need_weights,
+                                           a->kv_len));
         MHA_CHECK(mha_kv_cache_check_window(kv, a->q_len, a->q_len));
     }
     /* The masks and weights of a run span up to the capacity's keys. */
