@@ -11,6 +11,7 @@
  * the same bits.  exp is lane-independent; its sum has a fixed order for a
  * given n.  See docs/KERNELS.md.
  */
+#include "bsrc.h"
 #include "kernels.h"
 
 #include <immintrin.h>
@@ -28,27 +29,9 @@
  * starting from C (FROM_C) or from 0, in every variant below; with ADD the
  * finished sum is then added to C (pv_add, pvt).  EXACT skips A == 0.
  */
-enum { FROM_C = 1, EXACT = 2, ADD = 4 };
+enum { FROM_C = 1, EXACT = 2, ADD = 4 };   /* (B's storage: bsrc.h) */
 enum { MODE_SET = 0, MODE_ACC = FROM_C, MODE_ACC_EXACT = FROM_C | EXACT,
        MODE_ADD = ADD, MODE_ADD_EXACT = ADD | EXACT };
-
-/*
- * How B is stored: float, or a KV cache's compact formats, each vector
- * converted to the floats it stands for as it is loaded (kernels.h):
- * f16 by vcvtph2ps (F16C), bf16 by a 16-bit shift, q8 codes widened and
- * multiplied by their scale, which varies along the columns in a kt tile
- * (Q8K: one per key) and is one per 32 columns of a row in a v tile (Q8V).
- * The conversion is exact for f16 and bf16 and one rounding of c * s for
- * q8, as the scalar mha_kt_load / mha_v_load do it.
- */
-enum { B_F32, B_F16, B_BF16, B_Q8K, B_Q8V };
-
-typedef struct bsrc {
-    const void *x;      /* the elements, ld per row of B               */
-    const float *s;     /* q8: the scales                              */
-    int ld;
-    int blocks;         /* Q8V: scales per row                         */
-} bsrc;
 
 /* Lanes < n are on (0 < n < 8). */
 MK_INLINE __m256i tail_mask(int n)
@@ -70,22 +53,6 @@ MK_INLINE void st(float *x, __m256 v, int masked, __m256i m)
         _mm256_storeu_ps(x, v);
 }
 
-/* B[k][j] of a compact B, one element (the tails). */
-MK_INLINE float elem(const int T, const bsrc *b, int k, int j)
-{
-    const size_t at = (size_t)k * b->ld + j;
-    switch (T) {
-    case B_F16: return mha_f16_to_float(((const uint16_t *)b->x)[at]);
-    case B_BF16: return mha_bf16_to_float(((const uint16_t *)b->x)[at]);
-    case B_Q8K:
-        return (float)((const int8_t *)b->x)[at] *
-               b->s[(size_t)(k / MHA_Q8_BLOCK) * b->ld + j];
-    default:
-        return (float)((const int8_t *)b->x)[at] *
-               b->s[(size_t)k * b->blocks + j / MHA_Q8_BLOCK];
-    }
-}
-
 /* B[k][j .. j+7] as floats; with `masked` only the n < 8 lanes of the
  * tail are read (the others 0). */
 MK_INLINE __m256 ldb(const int T, const bsrc *b, int k, int j, int masked,
@@ -97,7 +64,7 @@ MK_INLINE __m256 ldb(const int T, const bsrc *b, int k, int j, int masked,
     if (masked) {
         float buf[8] = {0};
         for (int i = 0; i < n; i++)
-            buf[i] = elem(T, b, k, j + i);
+            buf[i] = bsrc_elem(T, b, k, j + i);
         return _mm256_loadu_ps(buf);
     }
     /* (Only 16-bit elements are read as such: a q8 row is bytes, and read

@@ -12,6 +12,7 @@
  * differs from avx2 is the order of exp_sum's sum (16 lanes, then a fixed
  * tree), so the two tiers agree to rounding, not bitwise.  docs/KERNELS.md.
  */
+#include "bsrc.h"
 #include "kernels.h"
 
 #include <immintrin.h>
@@ -31,38 +32,6 @@ enum { FROM_C = 1, EXACT = 2, ADD = 4 };
 enum { MODE_SET = 0, MODE_ACC = FROM_C, MODE_ACC_EXACT = FROM_C | EXACT,
        MODE_ADD = ADD, MODE_ADD_EXACT = ADD | EXACT };
 
-/*
- * How B is stored: float, or a KV cache's compact formats converted as
- * each vector is loaded, as in the avx2 tier (see there): f16 by
- * vcvtph2ps, bf16 by a 16-bit shift, q8 codes widened and multiplied by
- * their scales (one per key along a kt tile's columns, Q8K; one per 32
- * columns of a v tile's row, Q8V).
- */
-enum { B_F32, B_F16, B_BF16, B_Q8K, B_Q8V };
-
-typedef struct bsrc {
-    const void *x;      /* the elements, ld per row of B               */
-    const float *s;     /* q8: the scales                              */
-    int ld;
-    int blocks;         /* Q8V: scales per row                         */
-} bsrc;
-
-/* B[k][j] of a compact B, one element (the tails). */
-MK_INLINE float elem(const int T, const bsrc *b, int k, int j)
-{
-    const size_t at = (size_t)k * b->ld + j;
-    switch (T) {
-    case B_F16: return mha_f16_to_float(((const uint16_t *)b->x)[at]);
-    case B_BF16: return mha_bf16_to_float(((const uint16_t *)b->x)[at]);
-    case B_Q8K:
-        return (float)((const int8_t *)b->x)[at] *
-               b->s[(size_t)(k / MHA_Q8_BLOCK) * b->ld + j];
-    default:
-        return (float)((const int8_t *)b->x)[at] *
-               b->s[(size_t)k * b->blocks + j / MHA_Q8_BLOCK];
-    }
-}
-
 /* B[k][j .. j+15] as floats; lanes outside m (the n < 16 columns of a
  * tail) are not read and read as 0. */
 MK_INLINE __m512 ldb(const int T, const bsrc *b, int k, int j, __mmask16 m,
@@ -74,7 +43,7 @@ MK_INLINE __m512 ldb(const int T, const bsrc *b, int k, int j, __mmask16 m,
     if (n < 16) {
         float buf[16] = {0};
         for (int i = 0; i < n; i++)
-            buf[i] = elem(T, b, k, j + i);
+            buf[i] = bsrc_elem(T, b, k, j + i);
         return _mm512_loadu_ps(buf);
     }
     /* (Only 16-bit elements are read as such: a q8 row is bytes, and read

@@ -1,0 +1,45 @@
+/*
+ * bsrc.h -- how the SIMD tiers' GEMM reads its B operand (avx2.c,
+ * avx512.c): float, or a KV cache's compact formats, each vector
+ * converted to the floats it stands for as it is loaded (kernels.h):
+ * f16 by vcvtph2ps (F16C), bf16 by a 16-bit shift, q8 codes widened and
+ * multiplied by their scale, which varies along the columns in a kt tile
+ * (Q8K: one per key) and is one per 32 columns of a row in a v tile
+ * (Q8V).  The conversion is exact for f16 and bf16 and one rounding of
+ * c * s for q8, as the scalar mha_kt_load / mha_v_load do it.  Plain C:
+ * each tier's file includes it and adds its own vector loads.
+ */
+#ifndef MHA_BSRC_H
+#define MHA_BSRC_H
+
+#include "kernels.h"
+
+#include <stddef.h>
+
+enum { B_F32, B_F16, B_BF16, B_Q8K, B_Q8V };
+
+typedef struct bsrc {
+    const void *x;      /* the elements, ld per row of B               */
+    const float *s;     /* q8: the scales                              */
+    int ld;
+    int blocks;         /* Q8V: scales per row                         */
+} bsrc;
+
+/* B[k][j] of a compact B (T: B_F16 .. B_Q8V), one element (the tails). */
+static inline __attribute__((always_inline)) float
+bsrc_elem(const int T, const bsrc *b, int k, int j)
+{
+    const size_t at = (size_t)k * b->ld + j;
+    switch (T) {
+    case B_F16: return mha_f16_to_float(((const uint16_t *)b->x)[at]);
+    case B_BF16: return mha_bf16_to_float(((const uint16_t *)b->x)[at]);
+    case B_Q8K:
+        return (float)((const int8_t *)b->x)[at] *
+               b->s[(size_t)(k / MHA_Q8_BLOCK) * b->ld + j];
+    default:
+        return (float)((const int8_t *)b->x)[at] *
+               b->s[(size_t)k * b->blocks + j / MHA_Q8_BLOCK];
+    }
+}
+
+#endif /* MHA_BSRC_H */
