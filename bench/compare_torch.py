@@ -7,14 +7,15 @@ same thread count T on both sides:
 
   attention only   `mha bench --attention-only --json` (mha_attention on
                    random pre-projected q, k, v of shape (B, L, H*64))
-                   against the standard PyTorch formulation on (B, H, L, 64)
-                   tensors under torch.no_grad():
+                   against, on (B, H, L, 64) tensors under torch.no_grad(),
+                   F.scaled_dot_product_attention(q, k, v, is_causal=...)
+                   with torch >= 2.0 (its fused flash-style CPU kernel), or
+                   on torch 1.13 (no SDPA) the standard formulation
                        s = q @ k.transpose(-2, -1) * scale
                        s = s.masked_fill(mask, -inf)        # causal only
                        torch.softmax(s, -1) @ v
-                   (torch 1.13 has no F.scaled_dot_product_attention); the
-                   causal bool mask (True = blocked, triu(1)) is made once,
-                   outside the timing.
+                   with the causal bool mask (True = blocked, triu(1)) made
+                   once, outside the timing.
   training step    `mha bench --backward --json` (mha_plan_forward then
                    mha_plan_backward: the gradients of the input and of
                    every parameter) against nn.MultiheadAttention in train
@@ -27,7 +28,10 @@ same thread count T on both sides:
                    causal shapes use `--causal` for mha and an explicit bool
                    mask (triu(1), True = blocked) for torch.
 
-Run it with Debian's /usr/bin/python3 (python3-torch, 1.13):
+Run it with the Python whose torch is the peer: PyTorch 2.13 from a
+virtual environment (`python3 -m venv V && V/bin/pip install
+torch==2.13.0`, then `V/bin/python bench/compare_torch.py ...`), or
+Debian's /usr/bin/python3 (python3-torch, 1.13):
 
     /usr/bin/python3 bench/compare_torch.py --threads 2       # the shapes
     /usr/bin/python3 bench/compare_torch.py --threads 1 --markdown
@@ -166,7 +170,12 @@ def torch_attention(args, b, l, h, causal, repeat):
     scale = 1.0 / math.sqrt(HEAD_DIM)
     mask = torch.ones(l, l, dtype=torch.bool).triu(1) if causal else None
 
+    sdpa = getattr(torch.nn.functional, "scaled_dot_product_attention",
+                   None)
+
     def call():
+        if sdpa is not None:   # torch >= 2.0: its fused CPU kernel
+            return sdpa(q, k, v, is_causal=causal)
         s = q @ k.transpose(-2, -1) * scale
         if mask is not None:
             s = s.masked_fill(mask, float("-inf"))
