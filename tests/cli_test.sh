@@ -712,6 +712,13 @@ expect 0 "" -- env OPENBLAS_NUM_THREADS=1 "$mha" forward --weights "$Wb" --query
   --attn-mask "$dc/band4_1030.npy" --threads 2 --out "$dc/wt_fwd.npy"
 close "decode --window 4 over 1030 tokens = forward with the band" "$dc/wt1.npy" "$dc/wt_fwd.npy"
 fail_dec "^mha decode: --window must be an integer in \[1, " "${dq[@]}" --window 0
+# the modifier's LEFT,RIGHT form: a causal decoder's window of LEFT + 1
+expect 0 "" -- "$mha" decode --weights "$Wd" --query "$d/x70u.npy" --window 4,0 --chunk 3 --out "$dc/wu_lr.npy"
+same "$dc/wu.npy" "$dc/wu_lr.npy" "decode --window 4,0 = --window 5"
+expect 0 "" -- "$mha" decode --weights "$Wd" --query "$d/x70u.npy" --window 4,-1 --chunk 3 --out "$dc/wu_lr2.npy"
+same "$dc/wu.npy" "$dc/wu_lr2.npy" "decode --window 4,-1 = --window 5"
+fail_dec "^mha decode: --window must be W or LEFT,RIGHT" "${dq[@]}" --window 1,2,3
+fail_dec "^mha decode: --window" "${dq[@]}" --window 3,-2
 fail_dec "^mha decode: --query is required" --weights "$Wd" --out "$O"
 fail_dec "^mha decode: --weights is required" --query "$d/x70.npy" --out "$O"
 expect 1 "^mha decode: --out is required" -- "$mha" decode --weights "$Wd" --query "$d/x70.npy"
@@ -1082,7 +1089,10 @@ expect 1 "^mha forward: --alibi-slopes has 3 values, expected one per head, H = 
 expect 1 "^mha forward: --alibi-slopes must be a 1-D float32 array of H values, got F64 \(2\)$" -- "$mha" forward --weights "$WP" --query "$x" --out "$o" --alibi-slopes "$r/s64.npy"
 expect 1 "^mha forward: --alibi-slopes: " -- "$mha" forward --weights "$WP" --query "$x" --out "$o" --alibi-slopes "$r/missing.npy"
 expect 1 "^mha backward: --rope must be neox or gptj" -- "$mha" backward --weights "$WP" --query "$x" --grad-output "$x" --out "$r/g.safetensors" --rope x
-expect 1 "^mha decode: --window must be an integer" -- "$mha" decode --weights "$WP" --query "$x" --out "$o" --window 3,1
+# decode's --window takes the modifier's LEFT,RIGHT too (causal: LEFT + 1)
+expect 0 "" -- "$mha" decode --weights "$WP" --query "$x" --out "$r/dw31.npy" --window 3,1
+expect 0 "" -- "$mha" decode --weights "$WP" --query "$x" --out "$r/dw4.npy" --window 4
+same "$r/dw31.npy" "$r/dw4.npy" "rope decode --window 3,1 = --window 4"
 expect 1 "^mha init: --rope-dim must be even" -- "$mha" init --embed-dim 16 --heads 2 --seed 1 --rope neox --rope-dim 3 --out "$r/bad.safetensors"
 expect 1 "^mha init: rope.dims must be even and in \[2, head_dim 8\]" -- "$mha" init --embed-dim 16 --heads 2 --seed 1 --rope neox --rope-dim 12 --out "$r/bad.safetensors"
 expect 1 "^mha init: --alibi-slopes has 3 values, expected one per head, H = 2$" -- "$mha" init --embed-dim 16 --heads 2 --seed 1 --alibi-slopes "$r/s3.npy" --out "$r/bad.safetensors"

@@ -19,7 +19,8 @@
 static const char DECODE_HELP[] =
     "usage: mha decode --weights W.safetensors [--heads H] --query X.npy\n"
     "                  [--prefill P] [--chunk C] [--kv-dtype f32|f16|bf16|q8]\n"
-    "                  [--window W] [--threads T] --out OUT.npy\n"
+    "                  [--window W | --window L,R] [--threads T]\n"
+    "                  --out OUT.npy\n"
     MOD_USAGE "\n"
     "\n"
     "Runs the causal self-attention of X through a KV cache, as a model\n"
@@ -45,7 +46,13 @@ static const char DECODE_HELP[] =
     "  --window W         a sliding-window cache: each query attends to\n"
     "                     itself and the W - 1 keys before it (Mistral's\n"
     "                     sliding_window), and the cache is a ring of\n"
-    "                     W - 1 + max(P, C) tokens, however long X is\n"
+    "                     W - 1 + max(P, C) tokens, however long X is.\n"
+    "                     The window modifier's form LEFT,RIGHT (of\n"
+    "                     forward and the others) is taken too: decoding\n"
+    "                     is causal, so RIGHT changes nothing and LEFT is\n"
+    "                     W - 1 (-1: no window).  A window in the file's\n"
+    "                     __metadata__ applies without the flag, through\n"
+    "                     an ordinary cache\n"
     "  --threads T        attention threads, 1..4096 (default: OpenMP's)\n"
     "  --out OUT.npy      (B, L, E) float32, or (L, E) for an unbatched X;\n"
     "                     written only on success\n"
@@ -138,9 +145,23 @@ int cmd_decode(int argc, char **argv)
          tool_int("decode", "chunk", OPT("chunk"), 1, INT32_MAX, &C)) ||
         (OPT("prefill") &&
          tool_int("decode", "prefill", OPT("prefill"), 1, INT32_MAX, &P)) ||
-        (OPT("window") &&
+        (OPT("window") && !strchr(OPT("window"), ',') &&
          tool_int("decode", "window", OPT("window"), 1, INT32_MAX, &window)))
         return 1;
+    if (OPT("window") && strchr(OPT("window"), ',')) {
+        /* LEFT,RIGHT: the keys a causal query sees are LEFT before it. */
+        int64_t count = 0, *lr = NULL;
+        if (tool_ints("decode", "window", OPT("window"), -1, INT32_MAX - 1,
+                      &count, &lr))
+            return 1;
+        const int64_t left = lr[0];
+        free(lr);
+        if (count != 2)
+            return tool_fail("decode", "--window must be W or LEFT,RIGHT "
+                             "(two integers >= -1), got '%s'",
+                             OPT("window"));
+        window = left < 0 ? 0 : left + 1;
+    }
     mha_kv_dtype dtype = MHA_KV_F32;
     if (OPT("kv-dtype") && tool_kv_dtype("decode", OPT("kv-dtype"), &dtype))
         return 1;
