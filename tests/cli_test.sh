@@ -1004,6 +1004,11 @@ expect 0 "^modifiers: alibi=default window=3,-1 softcap=20$" -- "$mha" info "$WA
 expect 0 "" -- "$mha" init --embed-dim 16 --heads 2 --seed 3 --alibi-slopes "$r/s2.npy" --out "$WS"
 expect 0 "^  alibi_slopes = 0.5,0.25$" -- "$mha" info "$WS"
 expect 0 "^modifiers: alibi=custom alibi_slopes=0.5,0.25$" -- "$mha" info "$WS"
+# --sinks: a `sinks` tensor of H zeros; forward reads it (a sink of 0 takes
+# a share of every row, so the output differs from the module without)
+expect 0 "" -- "$mha" init --embed-dim 16 --heads 2 --seed 3 --sinks --out "$r/wsk.safetensors"
+expect 0 "^  sinks +F32 +\(2\)$" -- "$mha" info "$r/wsk.safetensors"
+expect 0 "^modifiers: sinks$" -- "$mha" info "$r/wsk.safetensors"
 for c in forward backward viz decode init bench; do
   expect 0 "--rope neox.gptj" -- "$mha" "$c" --help
   expect 0 "^  --softcap C " -- "$mha" "$c" --help
@@ -1072,6 +1077,10 @@ then ok; else bad "mha forward/decode --rope disagree with NumPy's float64 HF Ro
 
 # Errors, each naming the flag and the value
 x="$r/x.npy"; o="$r/bad.npy"
+expect 0 "" -- "$mha" init --embed-dim 16 --heads 2 --seed 3 --out "$r/wns.safetensors"
+expect 0 "" -- "$mha" forward --weights "$r/wsk.safetensors" --query "$x" --out "$r/osk.npy"
+expect 0 "" -- "$mha" forward --weights "$r/wns.safetensors" --query "$x" --out "$r/ons.npy"
+differ "$r/osk.npy" "$r/ons.npy" "forward with sinks vs without"
 expect 1 "^mha forward: --rope must be neox or gptj, got 'llama'$" -- "$mha" forward --weights "$WP" --query "$x" --out "$o" --rope llama
 expect 1 "^mha forward: --rope-theta needs --rope neox.gptj$" -- "$mha" forward --weights "$WP" --query "$x" --out "$o" --rope-theta 5
 expect 1 "^mha forward: --rope-theta must be > 1, got '1'$" -- "$mha" forward --weights "$WP" --query "$x" --out "$o" --rope neox --rope-theta 1

@@ -13,7 +13,8 @@
 static const char INIT_HELP[] =
     "usage: mha init --embed-dim E --heads H [--kv-heads Hkv] [--kdim K]\n"
     "                [--vdim V] [--no-bias] [--add-bias-kv] [--add-zero-attn]\n"
-    "                [--dropout P] [--scale S] --seed S --out W.safetensors\n"
+    "                [--dropout P] [--scale S] [--sinks] --seed S\n"
+    "                --out W.safetensors\n"
     MOD_USAGE MOD_WINDOW_USAGE "\n"
     "\n"
     "Writes a freshly initialised module (Xavier-uniform weights, zero biases)\n"
@@ -27,6 +28,11 @@ static const char INIT_HELP[] =
     "                   __metadata__.  nn.MultiheadAttention cannot load\n"
     "                   such a module; mha forward, decode and info can.\n"
     "                   Default: Hkv = H (ordinary multi-head attention)\n"
+    "  --sinks          a parameter `sinks` (H), gpt-oss's attention sinks:\n"
+    "                   one logit per head in each softmax's denominator,\n"
+    "                   written as 0 (nn.MultiheadAttention has no such\n"
+    "                   tensor; mha forward, backward, decode and info\n"
+    "                   read it)\n"
     MOD_HELP MOD_WINDOW_HELP
     "The modifiers are written to __metadata__ (rope, rope_dims, rope_theta,\n"
     "rope_scale, alibi, alibi_slopes, window, softcap); mha forward, decode\n"
@@ -38,7 +44,8 @@ int cmd_init(int argc, char **argv)
                     {"vdim", 1, 0}, {"no-bias", 0, 0}, {"add-bias-kv", 0, 0},
                     {"add-zero-attn", 0, 0}, {"dropout", 1, 0},
                     {"scale", 1, 0}, {"seed", 1, 0}, {"out", 1, 0},
-                    {"kv-heads", 1, 0}, MOD_OPTS, MOD_WINDOW_OPT};
+                    {"kv-heads", 1, 0}, {"sinks", 0, 0}, MOD_OPTS,
+                    MOD_WINDOW_OPT};
     int status;
     if (tool_options("init", argc, argv, o, NOPTS(o), INIT_HELP, &status))
         return status;
@@ -75,6 +82,7 @@ int cmd_init(int argc, char **argv)
     c.no_bias = OPT("no-bias") != NULL;
     c.add_bias_kv = OPT("add-bias-kv") != NULL;
     c.add_zero_attn = OPT("add-zero-attn") != NULL;
+    c.sinks = OPT("sinks") != NULL;
     tool_mods mods;
     if (tool_mods_parse("init", o, NOPTS(o), 1, &mods))
         return 1;
