@@ -287,6 +287,68 @@ static void test_nan_in_masked_keys(void **state)
     mha_free(m);
 }
 
+/* NaN or Inf in one query row reaches that row's output, in every tier
+ * and on every path (one block, split keys merged, stacked heads), as
+ * NaN: never "no key left" (out_proj.bias and zero weights, what a row
+ * whose keys are all masked gives).  The other rows are untouched. */
+static void test_nan_query_row(void **state)
+{
+    (void)state;
+    static const struct { int64_t nh, Hkv, Lq, Lk; } shapes[] = {
+        {2, 2, 5, 70}, {2, 2, 1, 1500}, {4, 1, 1, 1500}, {2, 2, 70, 200}};
+    const float bad[2] = {NAN, INFINITY};
+    for (size_t t = 0; t < sizeof shapes / sizeof *shapes; t++)
+        for (int v = 0; v < 2; v++) {
+            const int64_t nh = shapes[t].nh, Hkv = shapes[t].Hkv, dh = 8;
+            const int64_t Lq = shapes[t].Lq, Lk = shapes[t].Lk;
+            const int64_t nq = Lq * nh * dh, nk = Lk * Hkv * dh;
+            float *q = malloc((size_t)nq * 4), *k = malloc((size_t)nk * 4);
+            float *vv = malloc((size_t)nk * 4), *o = malloc((size_t)nq * 4);
+            float *w = malloc((size_t)(nh * Lq * Lk) * 4);
+            tu_fill(q, nq, 1 + t, -1, 1);
+            tu_fill(k, nk, 2 + t, -1, 1);
+            tu_fill(vv, nk, 3 + t, -1, 1);
+            const int64_t row = Lq - 1, head = nh - 1;
+            q[row * nh * dh + head * dh + 3] = bad[v];
+            mha_attention_args a = {0};
+            a.batch = 1;
+            a.num_heads = nh;
+            a.num_kv_heads = Hkv;
+            a.head_dim = dh;
+            a.q_len = Lq;
+            a.kv_len = Lk;
+            a.q = q;
+            a.k = k;
+            a.v = vv;
+            a.out = o;
+            a.need_weights = MHA_WEIGHTS_PER_HEAD;
+            a.attn_weights = w;
+            assert_int_equal(mha_attention(&a), MHA_OK);
+            for (int64_t i = 0; i < Lq; i++)
+                for (int64_t h = 0; h < nh; h++)
+                    for (int64_t d = 0; d < dh; d++) {
+                        const float x = o[(i * nh + h) * dh + d];
+                        const int poisoned = i == row && h == head;
+                        if (poisoned ? !isnan(x) : !isfinite(x))
+                            fail_msg("shape %zu, %s in q[%lld][%lld]: out[%lld]"
+                                     "[%lld][%lld] = %g", t,
+                                     v ? "Inf" : "NaN", (long long)row,
+                                     (long long)head, (long long)i,
+                                     (long long)h, (long long)d, (double)x);
+                    }
+            /* its weights are not zeros either */
+            int any_nan = 0;
+            for (int64_t j = 0; j < Lk; j++)
+                any_nan |= isnan(w[(head * Lq + row) * Lk + j]);
+            assert_true(any_nan);
+            free(q);
+            free(k);
+            free(vv);
+            free(o);
+            free(w);
+        }
+}
+
 static void test_dropout_zero_is_identity(void **state)
 {
     (void)state;
@@ -513,6 +575,7 @@ int main(void)
         cmocka_unit_test(test_bias_kv_keeps_row_alive),
         cmocka_unit_test(test_huge_logits),
         cmocka_unit_test(test_nan_in_masked_keys),
+        cmocka_unit_test(test_nan_query_row),
         cmocka_unit_test(test_dropout_zero_is_identity),
         cmocka_unit_test(test_dropout_reproducible),
         cmocka_unit_test(test_weights_do_not_change_output),

@@ -91,8 +91,8 @@ void mha_decode_merge(const mha_attn *a, int64_t bh, int64_t chunks,
         float m = -INFINITY;
         for (int64_t c = 0; c < chunks; c++) {
             const float mc = partial_slot(a, bh, c, chunks)[r * (dh + 2)];
-            if (mc > m)
-                m = mc;
+            if (mc > m || isnan(mc))   /* a NaN chunk makes the row NaN */
+                m = isnan(m) ? m : mc;
         }
         float l = 0.0f;
         float *o = f->o + r * dh;
@@ -105,7 +105,7 @@ void mha_decode_merge(const mha_attn *a, int64_t bh, int64_t chunks,
         for (int64_t c = 0; c < chunks; c++) {
             const float *row = partial_slot(a, bh, c, chunks) + r * (dh + 2);
             if (row[0] == -INFINITY)
-                continue;
+                continue;   /* (with m NaN, w below is NaN: NaN throughout) */
             const float w = expf(row[0] - m);
             l += row[1] * w;
             for (int d = 0; d < dh; d++)

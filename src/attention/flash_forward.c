@@ -38,6 +38,11 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
         const float mt = uk->max(sr, nc);
         const float mn = mt > f->m[r] ? mt : f->m[r];
         if (mn == -INFINITY) {            /* nothing live in this row yet */
+            /* ... unless its scores are NaN (a NaN or Inf in the query or
+             * in an attended key): NaN from here on, never "no key". */
+            for (int c = 0; c < nc; c++)
+                if (isnan(sr[c]))
+                    f->m[r] = f->l[r] = NAN;
             memset(sr, 0, (size_t)nc * sizeof *sr);
             continue;
         }
