@@ -389,7 +389,10 @@ typedef struct mha_kv_cache mha_kv_cache;
 typedef struct mha_forward_args {
     int64_t batch;        /* B >= 1; an unbatched (L, E) input is B = 1    */
     int64_t q_len;        /* Lq >= 1                                       */
-    int64_t kv_len;       /* Lk >= 1; 0 -> Lq (self-attention)             */
+    int64_t kv_len;       /* Lk >= 1; 0 -> Lq for self-attention only (key
+                             NULL or the query itself): with a key of its
+                             own, 0 is refused (its length is the caller's
+                             to say)                                      */
 
     const float *query;   /* (B, Lq, E)                                    */
     const float *key;     /* (B, Lk, kdim); NULL -> query                  */

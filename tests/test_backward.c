@@ -326,7 +326,7 @@ static void problem_init(problem *p, const bwd_case *c, uint64_t seed)
     mha_forward_args *a = &p->a;
     a->batch = p->B;
     a->q_len = p->Lq;
-    a->kv_len = c->Lk;
+    a->kv_len = p->Lk;   /* said even when it is Lq: a key is given */
     a->query = p->q;
     switch (c->in) {
     case SELF: break;
@@ -416,6 +416,7 @@ static void check_case(const bwd_case *c, uint64_t seed)
     fa.query = fq;
     fa.key = key_grad ? fk : NULL;
     fa.value = value_grad ? fv : NULL;
+    fa.kv_len = p.Lk;   /* a copy of the query as key: its length, said */
     /* Without a head mask the gradient is at m = 1: differentiate there. */
     float fm[8];
     for (int64_t h = 0; h < p.H; h++)

@@ -1052,6 +1052,12 @@ static void test_forward_null_and_sizes(void **state)
     a = fwd_args(f);
     a.kv_len = -1;
     expect_fwd_fail(f->m, &a, MHA_ERR_SHAPE, "kv_len");
+    /* A key of its own and kv_len 0: its length is not the query's to
+     * guess (it was read as q_len rows). */
+    a = fwd_args(f);
+    a.kv_len = 0;
+    expect_fwd_fail(f->m, &a, MHA_ERR_SHAPE,
+                    "key is given (and is not the query) but kv_len is 0");
 
     /* key NULL means key = query, whose width is E, not kdim. */
     a = fwd_args(f);

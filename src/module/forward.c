@@ -107,6 +107,15 @@ mha_status mha_fwd_check_shapes(const mha_module *m,
         return mha_set_error(MHA_ERR_SHAPE,
                              "kv_len must be >= 1 (0 = q_len), got %lld",
                              (long long)a->kv_len);
+    /* kv_len 0 means Lq for self-attention only: a separate key tensor's
+     * length is the caller's to say (a key of Lk rows read as Lq rows
+     * would be a plausible wrong answer, or a read past its end). */
+    if (a->key && a->key != a->query && a->kv_len == 0 && !a->cache)
+        return mha_set_error(MHA_ERR_SHAPE,
+                             "key is given (and is not the query) but "
+                             "kv_len is 0: set kv_len to the key's length "
+                             "(0 means q_len only in self-attention, key "
+                             "NULL or the query itself)");
     p->B = a->batch;
     p->Lq = a->q_len;
     /* With a cache, the keys projected here are the Lq new tokens'. */
