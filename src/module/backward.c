@@ -101,9 +101,19 @@ static mha_status check_grads(const mha_forward_args *a,
     return MHA_OK;
 }
 
+/* Floats of the per-(b, h) sink gradients, rounded up to a 64-byte line:
+ * the attention's layout after them keeps its float64 scratch aligned
+ * (an odd B H once put the reference tier's doubles on 4-byte
+ * boundaries). */
+static int64_t sinks_floats(const fwd_shape *s)
+{
+    return (s->B * s->H + 15) & ~(int64_t)15;
+}
+
 /* The backward's workspace: dctx (n_qd), dq|dk|dv laid out as the forward's
- * projections (n_proj), d bias_k and d bias_v per (b, K/V head), K and V packed
- * for the backward, per-thread scratch. */
+ * projections (n_proj), d bias_k and d bias_v per (b, K/V head), d sinks
+ * per (b, h), K and V packed for the backward, per-thread scratch.  The
+ * parts before the attention's add up to an even number of floats. */
 static mha_status ensure_workspace(mha_plan *p)
 {
     if (p->bws)
@@ -113,7 +123,7 @@ static mha_status ensure_workspace(mha_plan *p)
                                        s->dh, p->m->cfg.mods.softcap > 0.0f,
                                        &p->blay));
     p->bws = mha_alloc_floats(s->n_qd + p->n_proj + 2 * s->B * s->Dkv +
-                                  s->B * s->H + p->blay.total,
+                                  sinks_floats(s) + p->blay.total,
                               "backward workspace");
     return p->bws ? MHA_OK : MHA_ERR_OUT_OF_MEMORY;
 }
@@ -216,7 +226,7 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
     float *dproj = dctx + s->n_qd;
     float *dbias = dproj + plan->n_proj;
     float *dsinks = dbias + 2 * s->B * Dkv;   /* [B][H] */
-    float *battn = dsinks + s->B * s->H;     /* the backward's layout */
+    float *battn = dsinks + sinks_floats(s);  /* the backward's layout */
     mha_linear_grad_input(g->grad_out, rows_q, E, E, m->w_o, D, 0.0f, dctx, D,
                           nt);
     if (g->grad_head_mask)
