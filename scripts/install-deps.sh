@@ -16,6 +16,7 @@ packages=(
   clang libomp-14-dev                # ThreadSanitizer build (LLVM OpenMP)
   libclang-rt-14-dev                 # clang's sanitizer runtimes (TSan)
   python3-numpy python3-torch        # the independent oracle (Debian's own)
+  python3-venv python3-dev python3-pip  # the Python package's venv and build
 )
 
 missing=()

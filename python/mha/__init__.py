@@ -1,0 +1,765 @@
+"""mha: multi-head attention on libmha, from NumPy (this module) and from
+PyTorch (``mha.nn``, ``mha.nn.functional``).
+
+The NumPy level follows the C API (include/mha.h) closely:
+
+    Module        mha_module: create, load/save safetensors, parameters by
+                  PyTorch's names, forward, backward
+    attention     mha_attention on heads already projected, (B, L, H*d_h);
+    attention_backward                          and its backward
+    KVCache       mha_kv_cache: create, append, truncate, reset, read
+    allow, block, additive
+                  the three mask kinds: a bool mask must say its kind
+                  (``block(m)``: True = blocked, PyTorch MHA's polarity;
+                  ``allow(m)``: True = may attend, SDPA's); a float32
+                  array is additive
+
+Arrays.  Inputs must be float32 (masks: bool; lengths and positions:
+int64); any other dtype raises TypeError rather than being converted
+silently.  C-contiguous arrays are read in place, never copied; a
+non-contiguous array is copied once (numpy.ascontiguousarray).  Outputs
+are new float32 arrays.  Unbatched inputs (L, E) are batch 1 and give
+unbatched outputs.
+
+Errors.  Every libmha failure raises a subclass of ``MhaError`` (also a
+ValueError, OSError, ... as fits) with libmha's own message; wrong types
+raise TypeError, wrong shapes ValueError, before libmha is called.
+
+Semantics are libmha's (docs/semantics.md): a query row with no key to
+attend to gives a zero context (its output is out_proj.bias), never NaN;
+dropout comes from a counter-based hash keyed by (seed, b, h, i, j).
+"""
+import numpy as np
+
+from . import _core
+from ._errors import (BY_STATUS, ConfigError, FormatError,  # noqa: F401
+                      InvalidArgumentError, MhaError, MhaIOError,
+                      MhaMemoryError, MhaNullPointerError, MhaOverflowError,
+                      NonFiniteError, NotFoundError, ShapeError,
+                      UnsupportedError)
+
+_core._set_errors(BY_STATUS)
+
+__version__ = _core.version()
+__all__ = ["Module", "KVCache", "attention", "attention_backward", "allow",
+           "block", "additive", "alibi_slopes", "rope_apply", "MhaError",
+           "kernel_tier", "dropout_keep"]
+
+# mha_mask_kind, mha_causal, mha_weights_mode, mha_rope_style, mha_kv_dtype
+MASK_NONE, MASK_ALLOW, MASK_BLOCK, MASK_ADDITIVE = 0, 1, 2, 3
+_CAUSAL = {None: 0, False: 0, "none": 0, "bottom_right": 1, "top_left": 2}
+_WEIGHTS = {None: 0, False: 0, "none": 0, True: 1, "average": 1,
+            "per_head": 2}
+_ROPE = {None: 0, "none": 0, "neox": 1, "gptj": 2}
+_KV_DTYPE = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3}
+_PROJ = {"query": 0, "key": 1, "value": 2, "out": 3}
+
+
+# ---- arrays ------------------------------------------------------------------
+
+def _array(x, name, dtype=np.float32, required=True):
+    """x as a C-contiguous array of dtype (copied only if not contiguous)."""
+    if x is None:
+        if required:
+            raise TypeError("%s is required, got None" % name)
+        return None
+    if not isinstance(x, np.ndarray):
+        if hasattr(x, "__array__") or isinstance(x, (list, tuple)):
+            x = np.asarray(x)
+        else:
+            raise TypeError("%s must be a numpy array, not %s"
+                            % (name, type(x).__name__))
+    want = np.dtype(dtype)
+    if x.dtype != want:
+        raise TypeError("%s must have dtype %s, got %s"
+                        % (name, want.name, x.dtype.name))
+    if not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x)
+    return x
+
+
+def _int64(x, name):
+    if x is None:
+        return None
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise TypeError("%s must hold integers, got %s" % (name, a.dtype.name))
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+class _Mask:
+    __slots__ = ("kind", "data")
+
+    def __init__(self, kind, data):
+        self.kind = kind
+        self.data = data
+
+    def __repr__(self):
+        return "mha.%s(shape=%s)" % (
+            {1: "allow", 2: "block", 3: "additive"}[self.kind],
+            self.data.shape)
+
+
+def allow(mask):
+    """A bool mask whose True means "may attend" (MHA_MASK_ALLOW; the
+    polarity of torch's scaled_dot_product_attention)."""
+    return _Mask(MASK_ALLOW, _array(mask, "allow mask", np.bool_))
+
+
+def block(mask):
+    """A bool mask whose True means "blocked" (MHA_MASK_BLOCK; the polarity
+    of torch.nn.MultiheadAttention's attn_mask and key_padding_mask)."""
+    return _Mask(MASK_BLOCK, _array(mask, "block mask", np.bool_))
+
+
+def additive(mask):
+    """A float32 mask added to the scaled scores; -inf blocks
+    (MHA_MASK_ADDITIVE).  NaN and +inf are refused."""
+    return _Mask(MASK_ADDITIVE, _array(mask, "additive mask"))
+
+
+def _mask(m, name):
+    """(array, kind) for the C layer."""
+    if m is None:
+        return None, 0
+    if isinstance(m, _Mask):
+        return m.data, m.kind
+    a = m if isinstance(m, np.ndarray) else np.asarray(m)
+    if a.dtype == np.bool_:
+        raise TypeError("%s is a bool mask: say its kind, mha.allow(mask) "
+                        "(True = may attend) or mha.block(mask) (True = "
+                        "blocked)" % name)
+    return _array(a, name), MASK_ADDITIVE
+
+
+def _key(d, table, name):
+    try:
+        return table[d]
+    except (KeyError, TypeError):
+        raise ValueError("%s must be one of %s, got %r"
+                         % (name, sorted(k for k in table
+                                         if isinstance(k, str)), d)) from None
+
+
+def _modifiers(num_heads, rope=None, alibi=False, window=None, softcap=None):
+    """The tuple of mha_modifiers the C layer reads, or None."""
+    if rope is None and alibi is False and window is None and not softcap:
+        return None
+    slopes = None
+    if alibi is None or alibi is False:
+        alibi_on = 0
+    elif alibi is True:
+        alibi_on = 1
+    else:
+        alibi_on = 1
+        slopes = _array(alibi, "alibi slopes")
+        if slopes.shape != (num_heads,):
+            raise ValueError("alibi slopes must have shape (%d,), got %s"
+                             % (num_heads, slopes.shape))
+    win, left, right = 0, 0, 0
+    if window is not None:
+        try:
+            left, right = (int(w) for w in window)
+        except (TypeError, ValueError):
+            raise TypeError("window must be (left, right), -1 for no bound, "
+                            "got %r" % (window,)) from None
+        win = 1
+    style, dims, theta, rscale = 0, 0, 0.0, 0.0
+    if rope is not None:
+        if isinstance(rope, str):
+            rope = {"style": rope}
+        if not isinstance(rope, dict):
+            raise TypeError("rope must be 'neox', 'gptj' or a dict(style=, "
+                            "dims=, theta=, scale=), got %r" % (rope,))
+        unknown = set(rope) - {"style", "dims", "theta", "scale"}
+        if unknown:
+            raise TypeError("rope: unknown keys %s" % sorted(unknown))
+        style = _key(rope.get("style", "neox"), _ROPE, "rope style")
+        dims = int(rope.get("dims", 0))
+        theta = float(rope.get("theta", 0.0))
+        rscale = float(rope.get("scale", 0.0))
+    return (float(softcap or 0.0), alibi_on, slopes, win, left, right, style,
+            dims, theta, rscale)
+
+
+def _mods_kwargs(d, num_heads):
+    """mha_modifiers as a dict (from the C layer) -> Module kwargs."""
+    out = {}
+    if d["softcap"]:
+        out["softcap"] = d["softcap"]
+    if d["alibi"]:
+        out["alibi"] = (np.array(d["alibi_slopes"], np.float32)
+                        if d["alibi_slopes"] is not None else True)
+    if d["window"]:
+        out["window"] = (d["window_left"], d["window_right"])
+    if d["rope_style"]:
+        out["rope"] = {"style": {1: "neox", 2: "gptj"}[d["rope_style"]],
+                       "dims": d["rope_dims"], "theta": d["rope_theta"],
+                       "scale": d["rope_scale"]}
+    return out
+
+
+def _batched(x, name, ndim=3):
+    """(array as (B, L, W), was_unbatched)."""
+    if x.ndim == ndim - 1:
+        return x.reshape((1,) + x.shape), True
+    if x.ndim != ndim:
+        raise ValueError("%s must have %d dimensions (or %d unbatched), got "
+                         "shape %s" % (name, ndim, ndim - 1, x.shape))
+    return x, False
+
+
+# ---- the module --------------------------------------------------------------
+
+class Module:
+    """A libmha module with nn.MultiheadAttention's parameters
+    (mha_create).  Keyword arguments are mha_config's fields:
+
+        Module(embed_dim, num_heads, kdim=None, vdim=None, bias=True,
+               add_bias_kv=False, add_zero_attn=False, dropout=0.0,
+               scale=None, seed=0, num_kv_heads=None, head_dim=None,
+               sinks=False, rope=None, alibi=False, window=None,
+               softcap=None)
+
+    rope: 'neox' | 'gptj' | dict(style=, dims=, theta=, scale=); alibi:
+    True (the paper's slopes) or an (H,) float32 array of slopes; window:
+    (left, right) with -1 for no bound; softcap: c > 0.  Parameters start
+    as mha_create initialises them from ``seed`` (Xavier-uniform weights,
+    zero biases).
+    """
+
+    def __init__(self, embed_dim, num_heads, *, kdim=None, vdim=None,
+                 bias=True, add_bias_kv=False, add_zero_attn=False,
+                 dropout=0.0, scale=None, seed=0, num_kv_heads=None,
+                 head_dim=None, sinks=False, rope=None, alibi=False,
+                 window=None, softcap=None, _handle=None):
+        if _handle is None:
+            mods = _modifiers(int(num_heads), rope, alibi, window, softcap)
+            _handle = _core.module_create(
+                embed_dim=int(embed_dim), num_heads=int(num_heads),
+                kdim=int(kdim or 0), vdim=int(vdim or 0), bias=bool(bias),
+                add_bias_kv=bool(add_bias_kv),
+                add_zero_attn=bool(add_zero_attn), dropout=float(dropout),
+                scale=None if scale is None else float(scale),
+                seed=int(seed), num_kv_heads=int(num_kv_heads or 0),
+                head_dim=int(head_dim or 0), sinks=bool(sinks),
+                modifiers=mods)
+        self._m = _handle
+        self._cfg = _handle.config()
+        self._params = _handle.params()
+
+    # -- files --
+    @classmethod
+    def load(cls, path, num_heads=None, *, add_zero_attn=False, dropout=None,
+             scale=None, rope=None, alibi=False, window=None, softcap=None):
+        """A module from a safetensors state_dict (mha_module_from_file):
+        torch's nn.MultiheadAttention's, or one Module.save wrote.  The
+        head count comes from ``num_heads`` or the file's __metadata__;
+        the other keywords override what the file says."""
+        h = int(num_heads or 0)
+        mods = _modifiers(h, rope, alibi, window, softcap)
+        return cls(0, 0, _handle=_core.module_load(
+            path=str(path), num_heads=h, add_zero_attn=bool(add_zero_attn),
+            dropout=None if dropout is None else float(dropout),
+            scale=None if scale is None else float(scale), modifiers=mods))
+
+    def save(self, path):
+        """Saves the parameters as safetensors with the config in
+        __metadata__ (mha_module_save); atomic."""
+        self._m.save(str(path))
+
+    # -- configuration --
+    @property
+    def config(self):
+        """The resolved mha_config as a dict."""
+        return dict(self._cfg)
+
+    embed_dim = property(lambda self: self._cfg["embed_dim"])
+    num_heads = property(lambda self: self._cfg["num_heads"])
+    num_kv_heads = property(lambda self: self._cfg["num_kv_heads"])
+    head_dim = property(lambda self: self._cfg["head_dim"])
+    kdim = property(lambda self: self._cfg["kdim"])
+    vdim = property(lambda self: self._cfg["vdim"])
+    dropout = property(lambda self: self._cfg["dropout"])
+    scale = property(lambda self: self._cfg["scale"])
+
+    def _kwargs(self):
+        c = self._cfg
+        kw = dict(kdim=c["kdim"], vdim=c["vdim"], bias=c["bias"],
+                  add_bias_kv=c["add_bias_kv"],
+                  add_zero_attn=c["add_zero_attn"], dropout=c["dropout"],
+                  scale=c["scale"], seed=c["seed"],
+                  num_kv_heads=c["num_kv_heads"], head_dim=c["head_dim"],
+                  sinks=c["sinks"])
+        kw.update(_mods_kwargs(c["modifiers"], c["num_heads"]))
+        return kw
+
+    def __repr__(self):
+        c = self._cfg
+        return ("mha.Module(embed_dim=%d, num_heads=%d, num_kv_heads=%d, "
+                "kdim=%d, vdim=%d)" % (c["embed_dim"], c["num_heads"],
+                                      c["num_kv_heads"], c["kdim"],
+                                      c["vdim"]))
+
+    def __reduce__(self):
+        return (_module_from_state, (self._cfg["embed_dim"],
+                                     self._cfg["num_heads"], self._kwargs(),
+                                     self.state_dict()))
+
+    # -- parameters, by PyTorch's names and in state_dict order --
+    def parameter_names(self):
+        return [p[0] for p in self._params]
+
+    def parameter_shapes(self):
+        return {p[0]: p[1] for p in self._params}
+
+    def __getitem__(self, name):
+        """A copy of parameter ``name`` (mha_param_get)."""
+        for n, shape, _, _ in self._params:
+            if n == name:
+                out = np.empty(shape, np.float32)
+                self._m.param_get(name, out)
+                return out
+        raise NotFoundError("no parameter named %r; this module has %s"
+                            % (name, self.parameter_names()), 7)
+
+    def __setitem__(self, name, value):
+        """Sets parameter ``name`` (mha_param_set): float32 of its exact
+        shape, every value finite, else an exception and no change."""
+        shape = self.parameter_shapes().get(name)
+        if shape is None:
+            raise NotFoundError("no parameter named %r; this module has %s"
+                                % (name, self.parameter_names()), 7)
+        a = _array(value, name)
+        if a.shape != tuple(shape):
+            raise ValueError("%s must have shape %s, got %s"
+                             % (name, tuple(shape), a.shape))
+        self._m.param_set(name, a)
+
+    def state_dict(self):
+        """{name: float32 array} in PyTorch's state_dict order."""
+        return {n: self[n] for n in self.parameter_names()}
+
+    def load_state_dict(self, state, strict=True):
+        """Sets every parameter from ``state``; strict: the names must be
+        exactly this module's."""
+        names = self.parameter_names()
+        if strict:
+            missing = [n for n in names if n not in state]
+            extra = [n for n in state if n not in names]
+            if missing or extra:
+                raise KeyError("state_dict mismatch: missing %s, unexpected "
+                               "%s" % (missing, extra))
+        for n in names:
+            if n in state:
+                self[n] = state[n]
+
+    def reset_parameters(self, seed=0):
+        self._m.reset_parameters(int(seed))
+
+    def project(self, which, x):
+        """One projection (mha_project): which = 'query' | 'key' | 'value'
+        (x (rows, E|kdim|vdim) -> (rows, D or H_kv*d_h)) or 'out' (x (rows,
+        D) -> (rows, E))."""
+        w = _key(which, _PROJ, "projection")
+        x = _array(x, "x")
+        rows = int(np.prod(x.shape[:-1])) if x.ndim else 0
+        c = self._cfg
+        width = {0: c["num_heads"] * c["head_dim"],
+                 1: c["num_kv_heads"] * c["head_dim"],
+                 2: c["num_kv_heads"] * c["head_dim"], 3: c["embed_dim"]}[w]
+        y = np.empty(x.shape[:-1] + (width,), np.float32)
+        self._m.project(w, x, rows, y)
+        return y
+
+    # -- forward and backward --
+    def _args(self, query, key, value, attn_mask, key_padding_mask,
+              key_lengths, causal, need_weights, training, dropout_seed,
+              head_mask, cache, positions, num_threads):
+        q, unbatched = _batched(_array(query, "query"), "query")
+        B, Lq = q.shape[0], q.shape[1]
+        k = v = None
+        Lk = 0
+        if key is not None:
+            k, ub = _batched(_array(key, "key"), "key")
+            if ub != unbatched:
+                raise ValueError("query and key must both be batched or "
+                                 "both unbatched")
+            Lk = k.shape[1]
+            if value is not None:
+                v, _ = _batched(_array(value, "value"), "value")
+                if v.shape[:2] != k.shape[:2]:
+                    raise ValueError("key %s and value %s must have the same "
+                                     "batch and length" % (k.shape, v.shape))
+        elif value is not None:
+            raise ValueError("value given without key")
+        if k is not None and k.shape[0] != B:
+            raise ValueError("query has batch %d, key %d" % (B, k.shape[0]))
+        c = self._cfg
+        for name, t, want in (("query", q, c["embed_dim"]),
+                              ("key", k, c["kdim"]),
+                              ("value", v, c["vdim"])):
+            if t is not None and t.shape[2] != want:
+                raise ValueError("%s has last dimension %d, expected %s %d"
+                                 % (name, t.shape[2], {"query": "embed_dim",
+                                    "key": "kdim", "value": "vdim"}[name],
+                                    want))
+        am, amk = _mask(attn_mask, "attn_mask")
+        kpm, kpmk = _mask(key_padding_mask, "key_padding_mask")
+        if cache is not None and not isinstance(cache, KVCache):
+            raise TypeError("cache must be a mha.KVCache")
+        args = dict(query=q, key=k, value=v, batch=B, q_len=Lq, kv_len=Lk,
+                    attn_mask=am, attn_mask_kind=amk, key_padding_mask=kpm,
+                    key_padding_mask_kind=kpmk,
+                    key_lengths=_int64(key_lengths, "key_lengths"),
+                    causal=_key(causal, _CAUSAL, "causal"),
+                    need_weights=_key(need_weights, _WEIGHTS, "need_weights"),
+                    training=bool(training), dropout_seed=int(dropout_seed),
+                    head_mask=_array(head_mask, "head_mask", required=False),
+                    cache=None if cache is None else cache._c,
+                    positions=_int64(positions, "positions"),
+                    num_threads=int(num_threads))
+        return args, unbatched
+
+    def forward(self, query, key=None, value=None, *, attn_mask=None,
+                key_padding_mask=None, key_lengths=None, causal=None,
+                need_weights=False, training=False, dropout_seed=0,
+                head_mask=None, cache=None, positions=None, num_threads=0):
+        """The forward pass (mha_forward).
+
+        query (B, Lq, E), key (B, Lk, kdim), value (B, Lk, vdim); key None:
+        self-attention (query is also key and value); value None: the key
+        is also the value.  attn_mask: (Lq, Lk), (B, Lq, Lk) or (B, H, Lq,
+        Lk), key_padding_mask (Lk) or (B, Lk): float32 (additive) or a
+        typed bool mask (mha.block / mha.allow).  key_lengths (B) int.
+        causal: None, 'top_left' (j <= i) or 'bottom_right' (j <= i + Lk -
+        Lq).  need_weights: False, 'average' (B, Lq, Lk') or 'per_head'
+        (B, H, Lq, Lk'), Lk' counting bias_k and the zero key.  training:
+        dropout of config p keyed by dropout_seed.  head_mask (H) float32.
+        cache: a KVCache (incremental self-attention: key/value None).
+        positions (B, Lq) int: RoPE positions.
+
+        Returns out (B, Lq, E), or (out, weights) with need_weights.
+        """
+        a, unbatched = self._args(query, key, value, attn_mask,
+                                  key_padding_mask, key_lengths, causal,
+                                  need_weights, training, dropout_seed,
+                                  head_mask, cache, positions, num_threads)
+        c = self._cfg
+        B, Lq = a["batch"], a["q_len"]
+        out = np.empty((B, Lq, c["embed_dim"]), np.float32)
+        w = None
+        if a["need_weights"]:
+            if cache is not None:
+                lk = max(cache.length(s) for s in range(cache.batch)) + Lq
+            else:
+                lk = a["kv_len"] or Lq
+            lkt = self._m.total_keys(lk)
+            shape = ((B, Lq, lkt) if a["need_weights"] == 1
+                     else (B, c["num_heads"], Lq, lkt))
+            w = np.empty(shape, np.float32)
+        self._m.run(out=out, attn_weights=w, **a)
+        if unbatched:
+            out = out[0]
+            w = None if w is None else w[0]
+        return (out, w) if a["need_weights"] else out
+
+    __call__ = forward
+
+    def backward(self, grad_out, query, key=None, value=None, *,
+                 attn_mask=None, key_padding_mask=None, key_lengths=None,
+                 causal=None, training=False, dropout_seed=0, head_mask=None,
+                 positions=None, num_threads=0,
+                 wrt=("query", "key", "value", "params")):
+        """The gradients of ``sum(forward(...) * grad_out)`` (mha_backward):
+        the same arguments as forward, then a dict with the entries named
+        in ``wrt``: 'query', 'key', 'value' (arrays shaped like the inputs;
+        with key None the query's gradient sums all three, with value None
+        the key's sums two), 'params' ({name: gradient} in state_dict
+        order), 'head_mask' ((H), the head importance)."""
+        a, unbatched = self._args(query, key, value, attn_mask,
+                                  key_padding_mask, key_lengths, causal,
+                                  None, training, dropout_seed, head_mask,
+                                  None, positions, num_threads)
+        c = self._cfg
+        B, Lq = a["batch"], a["q_len"]
+        go = _array(grad_out, "grad_out")
+        if unbatched:
+            go = go.reshape((1,) + go.shape)
+        if go.shape != (B, Lq, c["embed_dim"]):
+            raise ValueError("grad_out must have shape %s, got %s"
+                             % ((B, Lq, c["embed_dim"])[unbatched:],
+                                go.shape[unbatched:]))
+        wrt = set(wrt)
+        unknown = wrt - {"query", "key", "value", "params", "head_mask"}
+        if unknown:
+            raise ValueError("wrt: unknown names %s" % sorted(unknown))
+        g = {}
+        if "query" in wrt:
+            g["query"] = np.empty_like(a["query"])
+        if "key" in wrt and a["key"] is not None:
+            g["key"] = np.empty_like(a["key"])
+        if "value" in wrt and a["value"] is not None:
+            g["value"] = np.empty_like(a["value"])
+        gp = (np.empty(self._m.param_numel(), np.float32)
+              if "params" in wrt else None)
+        ghm = (np.empty(c["num_heads"], np.float32)
+               if "head_mask" in wrt else None)
+        self._m.run(out=None, grad_out=go, grad_query=g.get("query"),
+                    grad_key=g.get("key"), grad_value=g.get("value"),
+                    grad_params=gp, grad_head_mask=ghm, **a)
+        if unbatched:
+            g = {k: v[0] for k, v in g.items()}
+        if gp is not None:
+            g["params"] = {n: gp[off:off + numel].reshape(shape)
+                           for n, shape, numel, off in self._params}
+        if ghm is not None:
+            g["head_mask"] = ghm
+        return g
+
+
+def _module_from_state(embed_dim, num_heads, kwargs, state):
+    m = Module(embed_dim, num_heads, **kwargs)
+    m.load_state_dict(state)
+    return m
+
+
+# ---- the KV cache ------------------------------------------------------------
+
+class KVCache:
+    """Projected (and rotated) keys and values of ``batch`` sequences, up
+    to ``capacity`` tokens each, H_kv heads of d_h (mha_kv_cache).  dtype:
+    'f32', 'f16', 'bf16' or 'q8' (rounded once, when appended).  window W
+    >= 1: a sliding-window ring of ``capacity`` >= W slots.  Give it to
+    Module.forward(cache=...) or attention(cache=...)."""
+
+    def __init__(self, batch, num_kv_heads, head_dim, capacity, dtype="f32",
+                 window=0):
+        self._c = _core.kv_cache_create(
+            batch=int(batch), num_kv_heads=int(num_kv_heads),
+            head_dim=int(head_dim), capacity=int(capacity),
+            dtype=_key(dtype, _KV_DTYPE, "dtype"), window=int(window))
+        cfg = self._c.config()
+        self.batch = cfg["batch"]
+        self.num_kv_heads = cfg["num_kv_heads"]
+        self.head_dim = cfg["head_dim"]
+        self.capacity = cfg["capacity"]
+        self.window = cfg["window"]
+        self.dtype = dtype
+
+    @classmethod
+    def for_module(cls, module, batch, capacity, dtype="f32", window=0):
+        """A cache shaped for ``module`` (its H_kv and d_h)."""
+        return cls(batch, module.num_kv_heads, module.head_dim, capacity,
+                   dtype, window)
+
+    def length(self, seq):
+        """Tokens held by sequence ``seq`` (counting every one appended
+        since the last reset, with a window)."""
+        return self._c.length(int(seq))
+
+    @property
+    def lengths(self):
+        return [self._c.length(s) for s in range(self.batch)]
+
+    def append(self, seq, k, v):
+        """Appends n tokens to sequence ``seq``: k and v (n, H_kv*d_h)
+        float32, projected (and rotated)."""
+        row = self.num_kv_heads * self.head_dim
+        k = _array(k, "k")
+        v = _array(v, "v")
+        if k.ndim != 2 or k.shape[1] != row or v.shape != k.shape:
+            raise ValueError("k and v must both have shape (n, %d), got %s "
+                             "and %s" % (row, k.shape, v.shape))
+        self._c.append(int(seq), k, v, k.shape[0])
+
+    def truncate(self, seq, length):
+        """Keeps the first ``length`` tokens of sequence ``seq``."""
+        self._c.truncate(int(seq), int(length))
+
+    def reset(self, seq=None):
+        """Empties sequence ``seq`` (None: every sequence)."""
+        self._c.reset(-1 if seq is None else int(seq))
+
+    def read(self, seq, start=0, n=None):
+        """(k, v), each (n, H_kv*d_h): tokens start .. start+n-1 of ``seq``
+        as the attention reads them (n None: up to the length)."""
+        if n is None:
+            n = self.length(seq) - int(start)
+        row = self.num_kv_heads * self.head_dim
+        k = np.empty((int(n), row), np.float32)
+        v = np.empty((int(n), row), np.float32)
+        self._c.read(int(seq), int(start), int(n), k, v)
+        return k, v
+
+    def __repr__(self):
+        return ("mha.KVCache(batch=%d, num_kv_heads=%d, head_dim=%d, "
+                "capacity=%d, dtype=%r, window=%d, lengths=%s)"
+                % (self.batch, self.num_kv_heads, self.head_dim,
+                   self.capacity, self.dtype, self.window, self.lengths))
+
+
+# ---- attention on heads --------------------------------------------------------
+
+def _attention_args(q, k, v, num_heads, num_kv_heads, scale, attn_mask,
+                    key_padding_mask, key_lengths, causal, need_weights,
+                    dropout, training, dropout_seed, num_threads, cache,
+                    rope, alibi, window, softcap, sinks, q_positions,
+                    k_positions):
+    q, unbatched = _batched(_array(q, "q"), "q")
+    H = int(num_heads)
+    if H < 1:
+        raise ValueError("num_heads must be >= 1, got %d" % H)
+    if q.shape[2] % H:
+        raise ValueError("q's last dimension %d is not num_heads %d times "
+                         "a head_dim" % (q.shape[2], H))
+    dh = q.shape[2] // H
+    Hkv = int(num_kv_heads or H)
+    B, Lq = q.shape[0], q.shape[1]
+    if cache is not None:
+        if not isinstance(cache, KVCache):
+            raise TypeError("cache must be a mha.KVCache")
+        if k is not None or v is not None:
+            raise ValueError("with a cache, k and v must be None (append "
+                             "them to the cache first)")
+        Lk = 0
+    else:
+        k, _ = _batched(_array(k, "k"), "k")
+        v, _ = _batched(_array(v, "v"), "v")
+        if k.shape != v.shape:
+            raise ValueError("k %s and v %s must have the same shape"
+                             % (k.shape, v.shape))
+        if k.shape[0] != B or k.shape[2] != Hkv * dh:
+            raise ValueError("k must have shape (%d, Lk, %d) (num_kv_heads "
+                             "%d x head_dim %d), got %s"
+                             % (B, Hkv * dh, Hkv, dh, k.shape))
+        Lk = k.shape[1]
+    am, amk = _mask(attn_mask, "attn_mask")
+    kpm, kpmk = _mask(key_padding_mask, "key_padding_mask")
+    s = _array(sinks, "sinks", required=False)
+    return dict(
+        q=q, k=k, v=v, batch=B, num_heads=H, head_dim=dh, q_len=Lq,
+        kv_len=Lk, num_kv_heads=Hkv,
+        scale=None if scale is None else float(scale), attn_mask=am,
+        attn_mask_kind=amk, key_padding_mask=kpm, key_padding_mask_kind=kpmk,
+        key_lengths=_int64(key_lengths, "key_lengths"),
+        causal=_key(causal, _CAUSAL, "causal"),
+        need_weights=_key(need_weights, _WEIGHTS, "need_weights"),
+        dropout=float(dropout), training=bool(training),
+        dropout_seed=int(dropout_seed), num_threads=int(num_threads),
+        cache=None if cache is None else cache._c,
+        modifiers=_modifiers(H, rope, alibi, window, softcap), sinks=s,
+        q_positions=_int64(q_positions, "q_positions"),
+        k_positions=_int64(k_positions, "k_positions")), unbatched
+
+
+def attention(q, k=None, v=None, *, num_heads, num_kv_heads=None, scale=None,
+              attn_mask=None, key_padding_mask=None, key_lengths=None,
+              causal=None, need_weights=False, dropout=0.0, training=False,
+              dropout_seed=0, num_threads=0, return_lse=False, cache=None,
+              rope=None, alibi=False, window=None, softcap=None, sinks=None,
+              q_positions=None, k_positions=None):
+    """Attention on projected heads (mha_attention):
+
+        out[b, i, h*d_h ..] = softmax(q_h k_g^T * scale + mask) v_g,
+        g = h // (H / H_kv)
+
+    q (B, Lq, H*d_h), k and v (B, Lk, H_kv*d_h) float32; d_h = q's last
+    dimension / num_heads.  Masks, causal and need_weights as in
+    Module.forward; dropout p applied when training.  Modifiers: rope,
+    alibi, window, softcap as in Module; sinks (H) float32 logits.
+    cache: a KVCache holding the keys (k, v None; append them first).
+
+    Returns out, then the weights (need_weights) and the lse (B, H, Lq)
+    (return_lse), as a tuple when there is more than out.
+    """
+    a, unbatched = _attention_args(
+        q, k, v, num_heads, num_kv_heads, scale, attn_mask,
+        key_padding_mask, key_lengths, causal, need_weights, dropout,
+        training, dropout_seed, num_threads, cache, rope, alibi, window,
+        softcap, sinks, q_positions, k_positions)
+    B, H, Lq = a["batch"], a["num_heads"], a["q_len"]
+    out = np.empty_like(a["q"])
+    w = lse = None
+    if a["need_weights"]:
+        lk = (max(cache.lengths) if cache is not None
+              else a["kv_len"] or Lq)
+        w = np.empty((B, Lq, lk) if a["need_weights"] == 1
+                     else (B, H, Lq, lk), np.float32)
+    if return_lse:
+        lse = np.empty((B, H, Lq), np.float32)
+    _core.attention(out=out, attn_weights=w, lse=lse, **a)
+    if unbatched:
+        out = out[0]
+        w = None if w is None else w[0]
+        lse = None if lse is None else lse[0]
+    res = (out,) + ((w,) if a["need_weights"] else ()) + \
+        ((lse,) if return_lse else ())
+    return res if len(res) > 1 else out
+
+
+def attention_backward(grad_out, q, k, v, *, num_heads, num_kv_heads=None,
+                       scale=None, attn_mask=None, key_padding_mask=None,
+                       key_lengths=None, causal=None, dropout=0.0,
+                       training=False, dropout_seed=0, num_threads=0,
+                       rope=None, alibi=False, window=None, softcap=None,
+                       sinks=None, q_positions=None, k_positions=None):
+    """The gradients of ``sum(attention(...) * grad_out)`` with respect to
+    q, k and v (mha_attention_backward), the same arguments as attention.
+    Returns (grad_q, grad_k, grad_v), and grad_sinks (H) last when sinks
+    are given."""
+    a, unbatched = _attention_args(
+        q, k, v, num_heads, num_kv_heads, scale, attn_mask,
+        key_padding_mask, key_lengths, causal, None, dropout, training,
+        dropout_seed, num_threads, None, rope, alibi, window, softcap, sinks,
+        q_positions, k_positions)
+    go = _array(grad_out, "grad_out")
+    if unbatched:
+        go = go.reshape((1,) + go.shape)
+    if go.shape != a["q"].shape:
+        raise ValueError("grad_out must have q's shape %s, got %s"
+                         % (a["q"].shape, go.shape))
+    gq = np.empty_like(a["q"])
+    gk = np.empty_like(a["k"])
+    gv = np.empty_like(a["v"])
+    gs = (np.empty(a["num_heads"], np.float32) if a["sinks"] is not None
+          else None)
+    _core.attention(out=None, grad_out=go, grad_q=gq, grad_k=gk, grad_v=gv,
+                    grad_sinks=gs, **a)
+    if unbatched:
+        gq, gk, gv = gq[0], gk[0], gv[0]
+    return (gq, gk, gv) + ((gs,) if gs is not None else ())
+
+
+# ---- small functions -------------------------------------------------------------
+
+def alibi_slopes(num_heads):
+    """The default ALiBi slopes of H heads (mha_alibi_slopes)."""
+    out = np.empty(int(num_heads), np.float32)
+    _core.alibi_slopes(int(num_heads), out)
+    return out
+
+
+def rope_apply(x, num_heads, rope="neox", positions=None, pos0=0):
+    """Returns x (rows, H*d_h) float32 with RoPE applied (mha_rope_apply):
+    row r at positions[r] (None: pos0 + r)."""
+    x = _array(x, "x").copy()
+    if x.ndim != 2 or x.shape[1] % int(num_heads):
+        raise ValueError("x must be (rows, num_heads*head_dim), got %s"
+                         % (x.shape,))
+    m = _modifiers(int(num_heads), rope=rope)
+    _core.rope_apply(x, x.shape[0], int(num_heads),
+                     x.shape[1] // int(num_heads), m[6], m[7], m[8], m[9],
+                     _int64(positions, "positions"), int(pos0))
+    return x
+
+
+def kernel_tier():
+    """The attention kernels in use: 'avx512', 'avx2', 'scalar' or 'ref'."""
+    return _core.kernel_tier()
+
+
+def dropout_keep(seed, p, b, h, i, j):
+    """Whether the dropout hash keeps probability (b, h, i, j)."""
+    return _core.dropout_keep(int(seed), float(p), int(b), int(h), int(i),
+                              int(j))

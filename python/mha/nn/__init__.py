@@ -1,0 +1,345 @@
+"""mha.nn: torch.nn.MultiheadAttention on libmha, a drop-in replacement.
+
+    from mha.nn import MultiheadAttention   # instead of torch.nn's
+
+The constructor, forward, parameter names (in_proj_weight or
+q/k/v_proj_weight, in_proj_bias, bias_k, bias_v, out_proj.weight/bias) and
+so state_dict() / load_state_dict() are torch's; autograd runs libmha's
+backward (mha_backward) through a torch.autograd.Function.
+
+Where it differs from torch:
+  - float32 CPU tensors only (anything else: TypeError / ValueError);
+  - a query row with no key left to attend to gives out_proj.bias (zero
+    context), not NaN, and zero gradients;
+  - dropout (training mode) comes from libmha's counter-based hash keyed
+    by a seed drawn from torch's default generator (torch.manual_seed
+    makes it reproducible), so its masks differ from torch's;
+  - is_causal without an attn_mask applies the causal mask (torch
+    requires the mask as well); with one, the mask is used as given;
+  - masks are constants: a float attn_mask gets no gradient;
+  - parameters must be finite (NaN or Inf raises mha.NonFiniteError).
+Importing this module imports torch; ``import mha`` alone does not.
+"""
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+import mha as _mha
+from mha import _core
+
+from . import functional  # noqa: F401
+
+__all__ = ["MultiheadAttention", "functional"]
+
+
+def _check_tensor(t, name):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError("%s must be a torch.Tensor, not %s"
+                        % (name, type(t).__name__))
+    if t.device.type != "cpu":
+        raise ValueError("%s is on %s: mha runs on the CPU only"
+                         % (name, t.device))
+    if t.dtype != torch.float32:
+        raise TypeError("%s must be float32, got %s" % (name, t.dtype))
+
+
+def _np(t):
+    return t.detach().contiguous().numpy()
+
+
+def _torch_mask(m, name, kind_bool):
+    """torch's bool (True = blocked) or float mask -> (array, kind)."""
+    if m is None:
+        return None, 0
+    if not isinstance(m, torch.Tensor):
+        raise TypeError("%s must be a torch.Tensor or None" % name)
+    if m.device.type != "cpu":
+        raise ValueError("%s is on %s: mha runs on the CPU only"
+                         % (name, m.device))
+    if m.dtype == torch.bool:
+        return _np(m), kind_bool
+    if m.dtype.is_floating_point:
+        return _np(m.to(torch.float32)), _mha.MASK_ADDITIVE
+    raise TypeError("only bool and floating types of %s are supported, "
+                    "got %s" % (name, m.dtype))
+
+
+class _MHAFunction(torch.autograd.Function):
+    """Inputs: query, key, value (batch first, float32), then every
+    parameter in libmha's (state_dict) order.  The libmha module receives
+    the parameters on every forward and again on every backward, so the
+    result follows optimizer steps and in-place changes."""
+
+    @staticmethod
+    def forward(ctx, owner, kw, q, k, v, *params):
+        core = owner._core_module()
+        owner._load_params(core, params)
+        B, Lq = q.shape[0], q.shape[1]
+        out = np.empty((B, Lq, owner.embed_dim), np.float32)
+        w = None
+        if kw["need_weights"]:
+            lkt = core.total_keys(kw["kv_len"] or Lq)
+            w = np.empty((B, Lq, lkt) if kw["need_weights"] == 1
+                         else (B, owner.num_heads, Lq, lkt), np.float32)
+        self_attn = k is None
+        core.run(query=_np(q), key=None if self_attn else _np(k),
+                 value=None if v is None else _np(v), out=out,
+                 attn_weights=w, **kw)
+        ctx.owner = owner
+        ctx.kw = dict(kw, need_weights=0)
+        ctx.save_for_backward(q, k, v, *params)
+        ctx.n_in = (q is not None, k is not None, v is not None)
+        if w is None:
+            return torch.from_numpy(out), None
+        wt = torch.from_numpy(w)
+        ctx.mark_non_differentiable(wt)
+        return torch.from_numpy(out), wt
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_w):
+        q, k, v, *params = ctx.saved_tensors
+        nones = [None] * (2 + 3 + len(params))
+        if grad_out is None:
+            return tuple(nones)
+        owner = ctx.owner
+        core = owner._core_module()
+        owner._load_params(core, params)
+        need = ctx.needs_input_grad
+        gq = np.empty(q.shape, np.float32) if need[2] else None
+        gk = (np.empty(k.shape, np.float32)
+              if k is not None and need[3] else None)
+        gv = np.empty(v.shape, np.float32) if v is not None and need[4] \
+            else None
+        gp = (np.empty(core.param_numel(), np.float32)
+              if any(need[5:]) else None)
+        core.run(query=_np(q), key=None if k is None else _np(k),
+                 value=None if v is None else _np(v), out=None,
+                 grad_out=_np(grad_out.to(torch.float32)), grad_query=gq,
+                 grad_key=gk, grad_value=gv, grad_params=gp, **ctx.kw)
+        res = [None, None,
+               None if gq is None else torch.from_numpy(gq),
+               None if gk is None else torch.from_numpy(gk),
+               None if gv is None else torch.from_numpy(gv)]
+        for (name, shape, numel, off), p in zip(core.params(), params):
+            res.append(None if gp is None else
+                       torch.from_numpy(gp[off:off + numel].reshape(shape)))
+        return tuple(res)
+
+
+class MultiheadAttention(nn.Module):
+    """torch.nn.MultiheadAttention computed by libmha (float32, CPU).
+
+    MultiheadAttention(embed_dim, num_heads, dropout=0.0, bias=True,
+                       add_bias_kv=False, add_zero_attn=False, kdim=None,
+                       vdim=None, batch_first=False, device=None,
+                       dtype=None)
+
+    Parameters and their initialisation are torch's, drawn from torch's
+    generator in torch's order: after torch.manual_seed(s) this module
+    and torch's hold the same values.  See the module docstring for the
+    differences from torch.
+    """
+
+    __constants__ = ["batch_first"]
+
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True,
+                 add_bias_kv=False, add_zero_attn=False, kdim=None,
+                 vdim=None, batch_first=False, device=None, dtype=None):
+        if embed_dim <= 0 or num_heads <= 0:
+            raise ValueError("embed_dim and num_heads must be greater than "
+                             "0, got embed_dim=%s and num_heads=%s instead"
+                             % (embed_dim, num_heads))
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError("mha.nn.MultiheadAttention runs on the CPU "
+                             "only, got device=%s" % (device,))
+        if dtype is not None and dtype != torch.float32:
+            raise TypeError("mha.nn.MultiheadAttention is float32 only, got "
+                            "dtype=%s" % (dtype,))
+        super().__init__()
+        fk = {"device": "cpu", "dtype": torch.float32}
+        self.embed_dim = embed_dim
+        self.kdim = kdim if kdim is not None else embed_dim
+        self.vdim = vdim if vdim is not None else embed_dim
+        self._qkv_same_embed_dim = (self.kdim == embed_dim and
+                                    self.vdim == embed_dim)
+        self.num_heads = num_heads
+        self.dropout = dropout
+        self.batch_first = batch_first
+        self.head_dim = embed_dim // num_heads
+        if self.head_dim * num_heads != embed_dim:
+            raise ValueError("embed_dim must be divisible by num_heads")
+        if not self._qkv_same_embed_dim:
+            self.q_proj_weight = nn.Parameter(
+                torch.empty((embed_dim, embed_dim), **fk))
+            self.k_proj_weight = nn.Parameter(
+                torch.empty((embed_dim, self.kdim), **fk))
+            self.v_proj_weight = nn.Parameter(
+                torch.empty((embed_dim, self.vdim), **fk))
+            self.register_parameter("in_proj_weight", None)
+        else:
+            self.in_proj_weight = nn.Parameter(
+                torch.empty((3 * embed_dim, embed_dim), **fk))
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **fk))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **fk)
+        if add_bias_kv:
+            self.bias_k = nn.Parameter(torch.empty((1, 1, embed_dim), **fk))
+            self.bias_v = nn.Parameter(torch.empty((1, 1, embed_dim), **fk))
+        else:
+            self.bias_k = self.bias_v = None
+        self.add_zero_attn = add_zero_attn
+        self._core = None
+        self._core_key = None
+        self._reset_parameters()
+
+    def _reset_parameters(self):
+        if self._qkv_same_embed_dim:
+            nn.init.xavier_uniform_(self.in_proj_weight)
+        else:
+            nn.init.xavier_uniform_(self.q_proj_weight)
+            nn.init.xavier_uniform_(self.k_proj_weight)
+            nn.init.xavier_uniform_(self.v_proj_weight)
+        if self.in_proj_bias is not None:
+            nn.init.constant_(self.in_proj_bias, 0.0)
+            nn.init.constant_(self.out_proj.bias, 0.0)
+        if self.bias_k is not None:
+            nn.init.xavier_normal_(self.bias_k)
+        if self.bias_v is not None:
+            nn.init.xavier_normal_(self.bias_v)
+
+    # -- the libmha module behind it --
+    def _core_module(self):
+        key = (float(self.dropout), bool(self.add_zero_attn))
+        if self._core is None or self._core_key != key:
+            self._core = _core.module_create(
+                embed_dim=self.embed_dim, num_heads=self.num_heads,
+                kdim=self.kdim, vdim=self.vdim,
+                bias=self.in_proj_bias is not None,
+                add_bias_kv=self.bias_k is not None,
+                add_zero_attn=bool(self.add_zero_attn),
+                dropout=float(self.dropout))
+            self._core_key = key
+        return self._core
+
+    def _param_list(self):
+        """The parameters in libmha's order (= torch's state_dict order)."""
+        named = dict(self.named_parameters())
+        return [named[name] for name, *_ in self._core_module().params()]
+
+    @staticmethod
+    def _load_params(core, params):
+        for (name, *_), p in zip(core.params(), params):
+            if p.dtype != torch.float32 or p.device.type != "cpu":
+                raise TypeError("parameter %s must be a float32 CPU tensor, "
+                                "got %s on %s" % (name, p.dtype, p.device))
+            core.param_set(name, _np(p))
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_core"] = None
+        state["_core_key"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+    def extra_repr(self):
+        return "embed_dim=%d, num_heads=%d, dropout=%s, batch_first=%s" % (
+            self.embed_dim, self.num_heads, self.dropout, self.batch_first)
+
+    def forward(self, query, key, value, key_padding_mask=None,
+                need_weights=True, attn_mask=None, average_attn_weights=True,
+                is_causal=False):
+        """torch.nn.MultiheadAttention.forward: query (L, N, E) (or (N, L,
+        E) with batch_first, or unbatched (L, E)), key (S, N, kdim), value
+        (S, N, vdim); key_padding_mask (N, S) (bool True = padding, or
+        float added); attn_mask (L, S) or (N*num_heads, L, S) (bool True =
+        NOT allowed, or float added).  Returns (attn_output, weights):
+        weights (N, L, S) averaged over heads, (N, num_heads, L, S) with
+        average_attn_weights=False, or None without need_weights."""
+        for t, n in ((query, "query"), (key, "key"), (value, "value")):
+            _check_tensor(t, n)
+        batched = query.dim() == 3
+        if query.dim() not in (2, 3) or key.dim() != query.dim() or \
+                value.dim() != query.dim():
+            raise ValueError("query, key and value must all be 3-D (batched) "
+                             "or 2-D (unbatched), got %s, %s, %s"
+                             % (tuple(query.shape), tuple(key.shape),
+                                tuple(value.shape)))
+        same_kv = key is value
+        self_attn = same_kv and query is key
+        if not batched:
+            q, k, v = query[None], key[None], value[None]
+        elif self.batch_first:
+            q, k, v = query, key, value
+        else:
+            q, k, v = (query.transpose(0, 1), key.transpose(0, 1),
+                       value.transpose(0, 1))
+        B, Lq, E = q.shape
+        if E != self.embed_dim:
+            raise ValueError("was expecting embedding dimension of %d, but "
+                             "got %d" % (self.embed_dim, E))
+        Lk = k.shape[1]
+        if k.shape[0] != B or v.shape[0] != B or v.shape[1] != Lk:
+            raise ValueError("key %s and value %s do not match query %s"
+                             % (tuple(key.shape), tuple(value.shape),
+                                tuple(query.shape)))
+        if k.shape[2] != self.kdim or v.shape[2] != self.vdim:
+            raise ValueError("key and value must have last dimensions kdim "
+                             "%d and vdim %d, got %d and %d"
+                             % (self.kdim, self.vdim, k.shape[2],
+                                v.shape[2]))
+        am, amk = _torch_mask(attn_mask, "attn_mask", _mha.MASK_BLOCK)
+        if am is not None:
+            H = self.num_heads
+            if am.ndim == 3:
+                if am.shape[0] != (B if batched else 1) * H:
+                    raise ValueError(
+                        "the shape of the 3D attn_mask is %s, but should be "
+                        "%s" % (am.shape, ((B if batched else 1) * H, Lq,
+                                           Lk)))
+                am = am.reshape(B, H, am.shape[1], am.shape[2])
+            elif am.ndim != 2:
+                raise ValueError("attn_mask's dimension %d is not supported"
+                                 % am.ndim)
+            if am.shape[-2:] != (Lq, Lk):
+                raise ValueError("attn_mask has shape %s, expected (%d, %d) "
+                                 "in its last two dimensions"
+                                 % (am.shape, Lq, Lk))
+        kpm, kpmk = _torch_mask(key_padding_mask, "key_padding_mask",
+                                _mha.MASK_BLOCK)
+        if kpm is not None:
+            want = (B, Lk) if batched else (Lk,)
+            if kpm.shape != want:
+                raise ValueError("expected key_padding_mask of shape %s, got "
+                                 "%s" % (want, kpm.shape))
+        causal = 2 if is_causal and am is None else 0
+        training = self.training and self.dropout > 0
+        kw = dict(batch=B, q_len=Lq, kv_len=Lk, attn_mask=am,
+                  attn_mask_kind=amk, key_padding_mask=kpm,
+                  key_padding_mask_kind=kpmk, causal=causal,
+                  need_weights=(0 if not need_weights else
+                                1 if average_attn_weights else 2),
+                  training=training,
+                  dropout_seed=(int(torch.randint(0, 2 ** 62, (1,)).item())
+                                if training else 0))
+        if self_attn:
+            ins = (q, None, None)
+        elif same_kv:
+            ins = (q, k, None)
+        else:
+            ins = (q, k, v)
+        out, w = _MHAFunction.apply(self, kw, *ins, *self._param_list())
+        if not batched:
+            out = out[0]
+            w = None if w is None else w[0]
+        elif not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, w

@@ -1,0 +1,207 @@
+"""mha.nn.functional: torch.nn.functional's scaled_dot_product_attention on
+libmha (mha_attention forward, mha_attention_backward for autograd).
+
+Where it differs from torch:
+  - float32 CPU tensors only (anything else: TypeError / ValueError);
+  - a query row with no key left to attend to gives zeros, not NaN, and
+    zero gradients;
+  - dropout comes from libmha's counter-based hash keyed by a seed drawn
+    from torch's default generator (torch.manual_seed makes it
+    reproducible), so the masks differ from torch's own;
+  - an additive float attn_mask is a constant: it gets no gradient
+    (a mask that requires grad is refused);
+  - the value's head dim must equal the query's;
+  - inputs are (B, H, L, d); libmha reads (B, L, H*d), so q, k and v are
+    copied once into that layout (and the gradients back).
+"""
+import numpy as np
+import torch
+
+import mha as _mha
+from mha import _core
+
+
+def _check(t, name, ndim=(3, 4)):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError("%s must be a torch.Tensor, not %s"
+                        % (name, type(t).__name__))
+    if t.device.type != "cpu":
+        raise ValueError("%s is on %s: mha runs on the CPU only"
+                         % (name, t.device))
+    if t.dtype != torch.float32:
+        raise TypeError("%s must be float32, got %s" % (name, t.dtype))
+    if t.dim() not in ndim:
+        raise ValueError("%s must have %s dimensions, got shape %s"
+                         % (name, " or ".join(map(str, ndim)),
+                            tuple(t.shape)))
+
+
+def _np(t):
+    """A NumPy view of a CPU tensor (contiguous first: a copy if needed)."""
+    return t.detach().contiguous().numpy()
+
+
+def _seed():
+    return int(torch.randint(0, 2 ** 62, (1,), dtype=torch.int64).item())
+
+
+def _sdpa_mask(m, B, H, Lq, Lk):
+    """torch's attn_mask (broadcastable to (B, H, Lq, Lk); bool True =
+    may attend, float added) as (array, kind) for mha_attention."""
+    if m is None:
+        return None, 0
+    if not isinstance(m, torch.Tensor):
+        raise TypeError("attn_mask must be a torch.Tensor or None")
+    if m.device.type != "cpu":
+        raise ValueError("attn_mask is on %s: mha runs on the CPU only"
+                         % m.device)
+    if m.dtype == torch.bool:
+        kind = _mha.MASK_ALLOW
+    elif m.dtype.is_floating_point:
+        kind = _mha.MASK_ADDITIVE
+        if m.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError(
+                "mha's scaled_dot_product_attention treats attn_mask as a "
+                "constant: it cannot differentiate an attn_mask that "
+                "requires grad")
+        m = m.to(torch.float32)
+    else:
+        raise TypeError("attn_mask must be bool or floating, got %s"
+                        % m.dtype)
+    if m.dim() > 4 or m.dim() < 1:
+        raise ValueError("attn_mask must have 1 to 4 dimensions, got %s"
+                         % (tuple(m.shape),))
+    # right-aligned broadcasting, as torch does: a 3-D mask is (H, Lq, Lk)
+    m = m.detach().reshape((1,) * (4 - m.dim()) + tuple(m.shape))
+    want = (B, H, Lq, Lk)
+    for i in range(4):
+        if m.shape[i] not in (1, want[i]):
+            raise ValueError("attn_mask of shape %s does not broadcast to "
+                             "(B, H, Lq, Lk) = %s" % (tuple(m.shape), want))
+    if m.shape[2] != Lq or m.shape[3] != Lk:
+        m = m.expand(m.shape[0], m.shape[1], Lq, Lk)
+    return _np(m), kind
+
+
+class _SDPA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, kw):
+        ctx.kw = kw
+        B, Lq = q.shape[0], q.shape[1]
+        out = np.empty((B, Lq, q.shape[2]), np.float32)
+        _core.attention(q=_np(q), k=_np(k), v=_np(v), out=out,
+                        sinks=None if sinks is None else _np(sinks), **kw)
+        ctx.save_for_backward(q, k, v, sinks)
+        return torch.from_numpy(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, sinks = ctx.saved_tensors
+        if grad_out is None:
+            return None, None, None, None, None
+        gq = np.empty(q.shape, np.float32)
+        gk = np.empty(k.shape, np.float32)
+        gv = np.empty(v.shape, np.float32)
+        gs = (np.empty(sinks.shape, np.float32) if sinks is not None
+              else None)
+        _core.attention(q=_np(q), k=_np(k), v=_np(v), out=None,
+                        sinks=None if sinks is None else _np(sinks),
+                        grad_out=_np(grad_out.to(torch.float32)), grad_q=gq,
+                        grad_k=gk, grad_v=gv, grad_sinks=gs, **ctx.kw)
+        return (torch.from_numpy(gq), torch.from_numpy(gk),
+                torch.from_numpy(gv),
+                None if gs is None else torch.from_numpy(gs), None)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None,
+                                 dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False, *, window=None,
+                                 alibi=False, softcap=None, sinks=None,
+                                 rope=None, q_positions=None,
+                                 k_positions=None):
+    """torch.nn.functional.scaled_dot_product_attention on libmha.
+
+    query (B, H, Lq, d), key and value (B, H_kv, Lk, d) float32 CPU
+    tensors (or unbatched (H, L, d)).  attn_mask broadcastable to (B, H,
+    Lq, Lk): bool True = may attend, or float added to the scores.
+    is_causal: query i sees keys j <= i (top-left, torch's), not with
+    attn_mask.  scale None: 1/sqrt(d).  enable_gqa: H_kv may divide H
+    (query head h reads K/V head h // (H / H_kv)).  dropout_p > 0 drops
+    (see the module docstring: libmha's own generator).
+
+    Keyword-only, libmha's score modifiers (docs/semantics.md), aligned
+    bottom-right (query i at position i + Lk - Lq):
+        window=(left, right)   keys i+Lk-Lq-left .. i+Lk-Lq+right (-1:
+                               no bound)
+        alibi=True | slopes    ALiBi, the paper's slopes or (H) given
+        softcap=c              s <- c tanh(s / c)
+        sinks=(H) tensor       a logit per head in each softmax's
+                               denominator (differentiable)
+        rope='neox' | 'gptj' | dict(style=, dims=, theta=, scale=)
+                               rotary embeddings of q and k, at
+                               q_positions (B, Lq) / k_positions (B, Lk)
+                               (default: Lk - Lq + i and j)
+
+    Returns (B, H, Lq, d) (a transposed view of libmha's (B, Lq, H*d)).
+    Differences from torch: see this module's docstring.
+    """
+    _check(query, "query")
+    _check(key, "key")
+    _check(value, "value")
+    if not (query.dim() == key.dim() == value.dim()):
+        raise ValueError("query, key and value must have the same number of "
+                         "dimensions, got %d, %d, %d"
+                         % (query.dim(), key.dim(), value.dim()))
+    unbatched = query.dim() == 3
+    if unbatched:
+        query, key, value = query[None], key[None], value[None]
+    B, H, Lq, d = query.shape
+    Bk, Hkv, Lk, dk = key.shape
+    if Bk != B or value.shape[0] != B:
+        raise ValueError("query, key and value must have the same batch, got "
+                         "%d, %d, %d" % (B, Bk, value.shape[0]))
+    if dk != d:
+        raise ValueError("key has head dim %d, query %d" % (dk, d))
+    if tuple(value.shape[1:3]) != (Hkv, Lk):
+        raise ValueError("value must be (B, %d, %d, d), got %s"
+                         % (Hkv, Lk, tuple(value.shape)))
+    if value.shape[3] != d:
+        raise ValueError("value has head dim %d, query %d: libmha needs "
+                         "them equal" % (value.shape[3], d))
+    if Hkv != H:
+        if not enable_gqa:
+            raise ValueError("key/value have %d heads, query %d: pass "
+                             "enable_gqa=True for grouped-query attention"
+                             % (Hkv, H))
+        if H % Hkv:
+            raise ValueError("the number of query heads %d must be a "
+                             "multiple of key/value heads %d" % (H, Hkv))
+    if is_causal and attn_mask is not None:
+        raise ValueError("is_causal and attn_mask are mutually exclusive "
+                         "(as in torch)")
+    if not 0.0 <= float(dropout_p) <= 1.0:
+        raise ValueError("dropout_p must be in [0, 1], got %r" % dropout_p)
+    am, amk = _sdpa_mask(attn_mask, B, H, Lq, Lk)
+    if sinks is not None:
+        _check(sinks, "sinks", ndim=(1,))
+        if sinks.shape[0] != H:
+            raise ValueError("sinks must have shape (%d,), got %s"
+                             % (H, tuple(sinks.shape)))
+    if isinstance(alibi, torch.Tensor):
+        alibi = _np(alibi.to(torch.float32))
+    p = float(dropout_p)
+    kw = dict(batch=B, num_heads=H, head_dim=d, q_len=Lq, kv_len=Lk,
+              num_kv_heads=Hkv, scale=None if scale is None else float(scale),
+              attn_mask=am, attn_mask_kind=amk, causal=2 if is_causal else 0,
+              dropout=p, training=p > 0, dropout_seed=_seed() if p > 0 else 0,
+              modifiers=_mha._modifiers(H, rope, alibi, window, softcap),
+              q_positions=_mha._int64(q_positions, "q_positions"),
+              k_positions=_mha._int64(k_positions, "k_positions"))
+    # (B, H, L, d) -> (B, L, H*d): reshape copies the transposed tensor,
+    # and autograd maps the gradients back
+    q2 = query.transpose(1, 2).reshape(B, Lq, H * d)
+    k2 = key.transpose(1, 2).reshape(B, Lk, Hkv * d)
+    v2 = value.transpose(1, 2).reshape(B, Lk, Hkv * d)
+    out = _SDPA.apply(q2, k2, v2, sinks, kw)
+    out = out.view(B, Lq, H, d).transpose(1, 2)
+    return out[0] if unbatched else out

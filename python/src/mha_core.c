@@ -1,0 +1,1188 @@
+/*
+ * mha_core.c -- mha._core, the CPython binding of libmha's public C API
+ * (include/mha.h, include/mha_io.h).  The Python layer (mha/__init__.py)
+ * normalises arguments (dtypes, layouts, defaults); this file checks every
+ * buffer it hands to libmha against the size libmha will read or write,
+ * so a wrong shape is a Python exception and never a read past a buffer.
+ *
+ * Buffers come through the buffer protocol, C-contiguous only, never
+ * copied: float32 ('f'), bool ('?' or uint8 'B') masks, int64 ('q'/'l')
+ * lengths and positions.  The GIL is released around every computation.
+ * Every libmha failure raises the exception registered for its status
+ * (mha._errors) with mha_last_error()'s message.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#define MHA_EXPERIMENTAL
+#include <mha.h>
+#include <mha_io.h>
+
+/* ---- errors ------------------------------------------------------------ */
+
+/* status -> exception class, filled by _set_errors() from mha._errors. */
+#define N_STATUS 12
+static PyObject *status_exc[N_STATUS];
+
+static PyObject *raise_status(mha_status st)
+{
+    const char *msg = mha_last_error();
+    PyObject *cls = NULL;
+    if ((int)st >= 0 && (int)st < N_STATUS)
+        cls = status_exc[st];
+    if (!cls)
+        cls = PyExc_RuntimeError;
+    PyObject *args = Py_BuildValue("(si)", (msg && *msg) ? msg
+                                   : mha_status_string(st), (int)st);
+    if (args) {
+        PyErr_SetObject(cls, args);
+        Py_DECREF(args);
+    }
+    return NULL;
+}
+
+static PyObject *set_errors(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    if (!PyDict_Check(arg))
+        return PyErr_Format(PyExc_TypeError, "expected a dict");
+    for (int i = 1; i < N_STATUS; i++) {
+        PyObject *k = PyLong_FromLong(i);
+        PyObject *v = k ? PyDict_GetItemWithError(arg, k) : NULL;
+        Py_XDECREF(k);
+        if (PyErr_Occurred())
+            return NULL;
+        Py_XINCREF(v);
+        Py_XSETREF(status_exc[i], v);
+    }
+    Py_RETURN_NONE;
+}
+
+/* ---- buffers ----------------------------------------------------------- */
+
+/* The buffers of one call, released together. */
+#define MAX_BUFS 32
+typedef struct bufset {
+    Py_buffer v[MAX_BUFS];
+    int n;
+} bufset;
+
+static void bufs_release(bufset *b)
+{
+    for (int i = 0; i < b->n; i++)
+        PyBuffer_Release(&b->v[i]);
+    b->n = 0;
+}
+
+enum { T_F32 = 'f', T_BOOL = 'b', T_I64 = 'q' };
+
+static const char *type_name(int t)
+{
+    return t == T_F32 ? "float32" : t == T_BOOL ? "bool (or uint8)" : "int64";
+}
+
+static int format_ok(const Py_buffer *v, int t)
+{
+    const char *f = v->format ? v->format : "B";
+    while (*f == '@' || *f == '=' || *f == '<')
+        f++;
+    if (f[0] == '\0' || f[1] != '\0')
+        return 0;
+    switch (t) {
+    case T_F32: return f[0] == 'f' && v->itemsize == 4;
+    case T_BOOL: return (f[0] == '?' || f[0] == 'B') && v->itemsize == 1;
+    case T_I64: return (f[0] == 'q' || f[0] == 'l') && v->itemsize == 8;
+    }
+    return 0;
+}
+
+/*
+ * Gets the buffer of `o` (None -> *ptr = NULL, unless required) as a
+ * C-contiguous array of type t with exactly `numel` elements (numel < 0:
+ * any).  Returns 0 or -1 with an exception set.
+ */
+static int get_buf(bufset *b, PyObject *o, const char *name, int t,
+                   int writable, int64_t numel, int required, void **ptr,
+                   Py_buffer **view)
+{
+    *ptr = NULL;
+    if (view)
+        *view = NULL;
+    if (o == NULL || o == Py_None) {
+        if (required) {
+            PyErr_Format(PyExc_TypeError, "%s is required, got None", name);
+            return -1;
+        }
+        return 0;
+    }
+    if (b->n >= MAX_BUFS) {
+        PyErr_SetString(PyExc_RuntimeError, "too many buffers in one call");
+        return -1;
+    }
+    Py_buffer *v = &b->v[b->n];
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT |
+                (writable ? PyBUF_WRITABLE : 0);
+    if (!PyObject_CheckBuffer(o)) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s must be a contiguous %s array (a buffer), not %s",
+                     name, type_name(t), Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    if (PyObject_GetBuffer(o, v, flags) != 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s must be a C-contiguous%s %s array",
+                     name, writable ? ", writable" : "", type_name(t));
+        return -1;
+    }
+    b->n++;
+    if (!format_ok(v, t)) {
+        PyErr_Format(PyExc_TypeError, "%s must have dtype %s, got format '%s'",
+                     name, type_name(t), v->format ? v->format : "B");
+        return -1;
+    }
+    int64_t have = (int64_t)(v->len / v->itemsize);
+    if (numel >= 0 && have != numel) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s has %lld elements, expected %lld", name,
+                     (long long)have, (long long)numel);
+        return -1;
+    }
+    *ptr = v->buf;
+    if (view)
+        *view = v;
+    return 0;
+}
+
+/* A mask: (kind, buffer) with the buffer's own shape (1 to 4 dims). */
+static int get_mask(bufset *b, PyObject *o, int kind, const char *name,
+                    mha_mask *m)
+{
+    memset(m, 0, sizeof *m);
+    if (o == NULL || o == Py_None || kind == MHA_MASK_NONE)
+        return 0;
+    if (kind < MHA_MASK_ALLOW || kind > MHA_MASK_ADDITIVE) {
+        PyErr_Format(PyExc_ValueError, "%s: unknown mask kind %d", name, kind);
+        return -1;
+    }
+    void *p;
+    Py_buffer *v;
+    if (get_buf(b, o, name, kind == MHA_MASK_ADDITIVE ? T_F32 : T_BOOL, 0, -1,
+                1, &p, &v))
+        return -1;
+    if (v->ndim < 1 || v->ndim > 4) {
+        PyErr_Format(PyExc_ValueError, "%s must have 1 to 4 dimensions, got %d",
+                     name, v->ndim);
+        return -1;
+    }
+    m->kind = (mha_mask_kind)kind;
+    m->data = p;
+    m->ndim = v->ndim;
+    for (int i = 0; i < v->ndim; i++)
+        m->shape[i] = v->shape[i];
+    return 0;
+}
+
+/* Modifiers: None or a tuple (softcap, alibi, slopes|None, window, left,
+ * right, rope_style, rope_dims, rope_theta, rope_scale). */
+static int get_mods(bufset *b, PyObject *o, int64_t heads, mha_modifiers *m)
+{
+    memset(m, 0, sizeof *m);
+    if (o == NULL || o == Py_None)
+        return 0;
+    PyObject *slopes = Py_None;
+    int rope_style = 0;
+    if (!PyArg_ParseTuple(o, "fiOiLLiLff;modifiers", &m->softcap, &m->alibi,
+                          &slopes, &m->window, &m->window_left,
+                          &m->window_right, &rope_style, &m->rope.dims,
+                          &m->rope.theta, &m->rope.scale))
+        return -1;
+    m->rope.style = (mha_rope_style)rope_style;
+    void *p;
+    if (get_buf(b, slopes, "alibi_slopes", T_F32, 0, heads, 0, &p, NULL))
+        return -1;
+    m->alibi_slopes = p;
+    return 0;
+}
+
+/* a * b * c, or -2 (matching no buffer) when it overflows */
+static int64_t mul3(int64_t a, int64_t b, int64_t c)
+{
+    int64_t r;
+    if (__builtin_mul_overflow(a, b, &r) || __builtin_mul_overflow(r, c, &r))
+        return -2;
+    return r;
+}
+
+/* ---- the module -------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    mha_module *m;
+    mha_config cfg;  /* resolved (alibi_slopes points into the module) */
+    int busy;        /* forwards in flight (the GIL guards it) */
+} ModuleObject;
+
+typedef struct {
+    PyObject_HEAD
+    mha_kv_cache *c;
+    mha_kv_cache_config cfg;
+    int busy;
+} CacheObject;
+
+static PyTypeObject ModuleType;
+static PyTypeObject CacheType;
+
+static void module_dealloc(ModuleObject *self)
+{
+    mha_free(self->m);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *wrap_module(mha_module *m)
+{
+    ModuleObject *o = PyObject_New(ModuleObject, &ModuleType);
+    if (!o) {
+        mha_free(m);
+        return NULL;
+    }
+    o->m = m;
+    o->busy = 0;
+    if (mha_get_config(m, &o->cfg) != MHA_OK) {
+        raise_status(MHA_ERR_INVALID_ARGUMENT);
+        Py_DECREF(o);
+        return NULL;
+    }
+    return (PyObject *)o;
+}
+
+/* Config keywords shared by module_create and module_load's base. */
+static char *cfg_kw[] = {
+    "embed_dim", "num_heads", "kdim", "vdim", "bias", "add_bias_kv",
+    "add_zero_attn", "dropout", "scale", "seed", "num_kv_heads", "head_dim",
+    "sinks", "modifiers", "path", NULL};
+
+static int parse_cfg(PyObject *args, PyObject *kw, mha_config *c,
+                     bufset *b, const char **path)
+{
+    memset(c, 0, sizeof *c);
+    int bias = 1, add_bias_kv = 0, add_zero_attn = 0, sinks = 0;
+    PyObject *scale = Py_None, *dropout = Py_None, *mods = Py_None;
+    unsigned long long seed = 0;
+    *path = NULL;
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kw, "|LLLLpppOOKLLpOz", cfg_kw, &c->embed_dim,
+            &c->num_heads, &c->kdim, &c->vdim, &bias, &add_bias_kv,
+            &add_zero_attn, &dropout, &scale, &seed, &c->num_kv_heads,
+            &c->head_dim, &sinks, &mods, path))
+        return -1;
+    c->no_bias = !bias;
+    c->add_bias_kv = add_bias_kv;
+    c->add_zero_attn = add_zero_attn;
+    c->sinks = sinks;
+    c->seed = seed;
+    if (dropout != Py_None) {
+        c->dropout = (float)PyFloat_AsDouble(dropout);
+        if (PyErr_Occurred())
+            return -1;
+        c->given |= MHA_GIVEN_DROPOUT;
+    }
+    if (scale != Py_None) {
+        c->scale = (float)PyFloat_AsDouble(scale);
+        if (PyErr_Occurred())
+            return -1;
+        c->given |= MHA_GIVEN_SCALE;
+    }
+    return get_mods(b, mods, c->num_heads, &c->mods);
+}
+
+static PyObject *module_create(PyObject *self, PyObject *args, PyObject *kw)
+{
+    (void)self;
+    mha_config c;
+    bufset b = {.n = 0};
+    const char *path;
+    if (parse_cfg(args, kw, &c, &b, &path)) {
+        bufs_release(&b);
+        return NULL;
+    }
+    mha_module *m = NULL;
+    mha_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = mha_create(&c, &m);
+    Py_END_ALLOW_THREADS
+    bufs_release(&b);
+    if (st != MHA_OK)
+        return raise_status(st);
+    return wrap_module(m);
+}
+
+/* module_load(path=..., num_heads=0, <config overrides as base>) */
+static PyObject *module_load(PyObject *self, PyObject *args, PyObject *kw)
+{
+    (void)self;
+    mha_config c;
+    bufset b = {.n = 0};
+    const char *path;
+    if (parse_cfg(args, kw, &c, &b, &path)) {
+        bufs_release(&b);
+        return NULL;
+    }
+    if (!path) {
+        bufs_release(&b);
+        return PyErr_Format(PyExc_TypeError, "path is required");
+    }
+    int64_t heads = c.num_heads;
+    mha_config base = c;
+    base.num_heads = 0;
+    /* A base field of zero keeps the file's value; dropout given as 0
+     * overrides the file's (MHA_GIVEN_DROPOUT). */
+    mha_tensor_file *f = NULL;
+    mha_module *m = NULL;
+    mha_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = mha_safetensors_load(path, &f);
+    if (st == MHA_OK)
+        st = mha_module_from_file(f, heads, &base, &m);
+    mha_tensor_file_free(f);
+    Py_END_ALLOW_THREADS
+    bufs_release(&b);
+    if (st != MHA_OK)
+        return raise_status(st);
+    return wrap_module(m);
+}
+
+static PyObject *module_save(ModuleObject *self, PyObject *args)
+{
+    const char *path;
+    if (!PyArg_ParseTuple(args, "s", &path))
+        return NULL;
+    mha_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = mha_module_save(self->m, path);
+    Py_END_ALLOW_THREADS
+    if (st != MHA_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mods_to_dict(const mha_modifiers *m, int64_t heads)
+{
+    PyObject *slopes = Py_None;
+    Py_INCREF(Py_None);
+    if (m->alibi_slopes) {
+        Py_DECREF(Py_None);
+        slopes = PyList_New(heads);
+        if (!slopes)
+            return NULL;
+        for (int64_t h = 0; h < heads; h++)
+            PyList_SET_ITEM(slopes, h, PyFloat_FromDouble(m->alibi_slopes[h]));
+    }
+    return Py_BuildValue(
+        "{sdsisNsisLsLsisLsdsd}", "softcap", (double)m->softcap, "alibi",
+        m->alibi, "alibi_slopes", slopes, "window", m->window, "window_left",
+        (long long)m->window_left, "window_right", (long long)m->window_right,
+        "rope_style", (int)m->rope.style, "rope_dims", (long long)m->rope.dims,
+        "rope_theta", (double)m->rope.theta, "rope_scale",
+        (double)m->rope.scale);
+}
+
+static PyObject *module_config(ModuleObject *self, PyObject *unused)
+{
+    (void)unused;
+    const mha_config *c = &self->cfg;
+    PyObject *mods = mods_to_dict(&c->mods, c->num_heads);
+    if (!mods)
+        return NULL;
+    return Py_BuildValue(
+        "{sLsLsLsLsOsOsOsdsdsKsLsLsOsN}", "embed_dim", (long long)c->embed_dim,
+        "num_heads", (long long)c->num_heads, "kdim", (long long)c->kdim,
+        "vdim", (long long)c->vdim, "bias", c->no_bias ? Py_False : Py_True,
+        "add_bias_kv", c->add_bias_kv ? Py_True : Py_False, "add_zero_attn",
+        c->add_zero_attn ? Py_True : Py_False, "dropout", (double)c->dropout,
+        "scale", (double)c->scale, "seed", (unsigned long long)c->seed,
+        "num_kv_heads", (long long)c->num_kv_heads, "head_dim",
+        (long long)c->head_dim, "sinks", c->sinks ? Py_True : Py_False,
+        "modifiers", mods);
+}
+
+/* [(name, shape tuple, numel, offset), ...] in PyTorch's state_dict order */
+static PyObject *module_params(ModuleObject *self, PyObject *unused)
+{
+    (void)unused;
+    int n = mha_param_count(self->m);
+    PyObject *list = PyList_New(n);
+    if (!list)
+        return NULL;
+    for (int i = 0; i < n; i++) {
+        mha_param_info info;
+        if (mha_param_info_at(self->m, i, &info) != MHA_OK) {
+            Py_DECREF(list);
+            return raise_status(MHA_ERR_INVALID_ARGUMENT);
+        }
+        PyObject *shape = PyTuple_New(info.ndim);
+        if (!shape) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        for (int d = 0; d < info.ndim; d++)
+            PyTuple_SET_ITEM(shape, d, PyLong_FromLongLong(info.shape[d]));
+        PyList_SET_ITEM(list, i,
+                        Py_BuildValue("(sNLL)", info.name, shape,
+                                      (long long)info.numel,
+                                      (long long)info.offset));
+    }
+    return list;
+}
+
+static PyObject *module_param_numel(ModuleObject *self, PyObject *unused)
+{
+    (void)unused;
+    return PyLong_FromLongLong(mha_param_numel(self->m));
+}
+
+static int param_numel_of(ModuleObject *self, const char *name, int64_t *n)
+{
+    mha_param_info info;
+    mha_status st = mha_param_info_by_name(self->m, name, &info);
+    if (st != MHA_OK) {
+        raise_status(st);
+        return -1;
+    }
+    *n = info.numel;
+    return 0;
+}
+
+/* param_get(name, out): copies the parameter into the float32 buffer out */
+static PyObject *module_param_get(ModuleObject *self, PyObject *args)
+{
+    const char *name;
+    PyObject *out;
+    if (!PyArg_ParseTuple(args, "sO", &name, &out))
+        return NULL;
+    int64_t n;
+    if (param_numel_of(self, name, &n))
+        return NULL;
+    bufset b = {.n = 0};
+    void *p;
+    if (get_buf(&b, out, "out", T_F32, 1, n, 1, &p, NULL)) {
+        bufs_release(&b);
+        return NULL;
+    }
+    mha_status st = mha_param_get(self->m, name, p, n);
+    bufs_release(&b);
+    if (st != MHA_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *module_param_set(ModuleObject *self, PyObject *args)
+{
+    const char *name;
+    PyObject *src;
+    if (!PyArg_ParseTuple(args, "sO", &name, &src))
+        return NULL;
+    if (self->busy)
+        return PyErr_Format(PyExc_RuntimeError,
+                            "the module's parameters cannot change while "
+                            "another thread runs it");
+    int64_t n;
+    if (param_numel_of(self, name, &n))
+        return NULL;
+    bufset b = {.n = 0};
+    void *p;
+    if (get_buf(&b, src, name, T_F32, 0, n, 1, &p, NULL)) {
+        bufs_release(&b);
+        return NULL;
+    }
+    mha_status st = mha_param_set(self->m, name, p, n);
+    bufs_release(&b);
+    if (st != MHA_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *module_reset_parameters(ModuleObject *self, PyObject *args)
+{
+    unsigned long long seed;
+    if (!PyArg_ParseTuple(args, "K", &seed))
+        return NULL;
+    if (self->busy)
+        return PyErr_Format(PyExc_RuntimeError,
+                            "the module's parameters cannot change while "
+                            "another thread runs it");
+    mha_status st = mha_reset_parameters(self->m, seed);
+    if (st != MHA_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *module_total_keys(ModuleObject *self, PyObject *args)
+{
+    long long kv;
+    if (!PyArg_ParseTuple(args, "L", &kv))
+        return NULL;
+    return PyLong_FromLongLong(mha_total_keys(self->m, kv));
+}
+
+static PyObject *module_project(ModuleObject *self, PyObject *args)
+{
+    int which;
+    PyObject *x, *y;
+    long long rows;
+    if (!PyArg_ParseTuple(args, "iOLO", &which, &x, &rows, &y))
+        return NULL;
+    const mha_config *c = &self->cfg;
+    int64_t hkv = c->num_kv_heads, D = c->num_heads * c->head_dim;
+    int64_t in, outw;
+    switch (which) {
+    case MHA_PROJ_QUERY: in = c->embed_dim; outw = D; break;
+    case MHA_PROJ_KEY: in = c->kdim; outw = hkv * c->head_dim; break;
+    case MHA_PROJ_VALUE: in = c->vdim; outw = hkv * c->head_dim; break;
+    case MHA_PROJ_OUT: in = D; outw = c->embed_dim; break;
+    default: return PyErr_Format(PyExc_ValueError, "unknown projection %d",
+                                 which);
+    }
+    if (rows < 0)
+        return PyErr_Format(PyExc_ValueError, "rows must be >= 0");
+    bufset b = {.n = 0};
+    void *px, *py;
+    if (get_buf(&b, x, "x", T_F32, 0, mul3(rows, in, 1), 1, &px, NULL) ||
+        get_buf(&b, y, "y", T_F32, 1, mul3(rows, outw, 1), 1, &py, NULL)) {
+        bufs_release(&b);
+        return NULL;
+    }
+    mha_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = mha_project(self->m, (mha_projection)which, px, rows, py);
+    Py_END_ALLOW_THREADS
+    bufs_release(&b);
+    if (st != MHA_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static int64_t cache_max_len(const mha_kv_cache_config *cc,
+                             const mha_kv_cache *c)
+{
+    int64_t mx = 0;
+    for (int64_t s = 0; s < cc->batch; s++) {
+        int64_t l = mha_kv_cache_length(c, s);
+        if (l > mx)
+            mx = l;
+    }
+    return mx;
+}
+
+
+/*
+ * forward(...) and, with grad_out, backward(...): one argument list, the
+ * fields of mha_forward_args and mha_backward_args.
+ */
+static PyObject *module_run(ModuleObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kws[] = {
+        "query", "key", "value", "out", "batch", "q_len", "kv_len",
+        "attn_mask", "attn_mask_kind", "key_padding_mask",
+        "key_padding_mask_kind", "key_lengths", "causal", "need_weights",
+        "attn_weights", "num_threads", "training", "dropout_seed",
+        "head_mask", "cache", "positions", "grad_out", "grad_query",
+        "grad_key", "grad_value", "grad_params", "accumulate",
+        "grad_head_mask", NULL};
+    PyObject *q = Py_None, *k = Py_None, *v = Py_None, *out = Py_None;
+    PyObject *am = Py_None, *kpm = Py_None, *kl = Py_None, *w = Py_None;
+    PyObject *hm = Py_None, *cache = Py_None, *pos = Py_None;
+    PyObject *go = Py_None, *gq = Py_None, *gk = Py_None, *gv = Py_None;
+    PyObject *gp = Py_None, *ghm = Py_None;
+    long long B = 0, Lq = 0, Lk = 0;
+    int amk = 0, kpmk = 0, causal = 0, nw = 0, threads = 0, training = 0;
+    int accumulate = 0;
+    unsigned long long seed = 0;
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kw, "OOOOLL|LOiOiOiiOipKOOOOOOOOpO", kws, &q, &k, &v, &out,
+            &B, &Lq, &Lk, &am, &amk, &kpm, &kpmk, &kl, &causal, &nw, &w,
+            &threads, &training, &seed, &hm, &cache, &pos, &go, &gq, &gk, &gv,
+            &gp, &accumulate, &ghm))
+        return NULL;
+    const mha_config *c = &self->cfg;
+    if (B < 1 || Lq < 1 || Lk < 0)
+        return PyErr_Format(PyExc_ValueError,
+                            "batch and q_len must be >= 1, kv_len >= 0");
+    CacheObject *co = NULL;
+    if (cache != Py_None) {
+        if (!PyObject_TypeCheck(cache, &CacheType))
+            return PyErr_Format(PyExc_TypeError, "cache must be a KVCache");
+        co = (CacheObject *)cache;
+        if (co->busy)
+            return PyErr_Format(PyExc_RuntimeError,
+                                "the KV cache is in use by another thread");
+    }
+    int backward = go != Py_None;
+    int64_t E = c->embed_dim, H = c->num_heads;
+    /* the resolved Lk: of the inputs, or of the cache after the append */
+    int64_t lk = Lk ? Lk : Lq;
+    if (co && !Lk)
+        lk = cache_max_len(&co->cfg, co->c) + Lq;
+    int64_t lkt = mha_total_keys(self->m, lk);
+    int64_t wn = nw == MHA_WEIGHTS_AVERAGE ? mul3(B, Lq, lkt)
+               : nw == MHA_WEIGHTS_PER_HEAD ? mul3(mul3(B, H, Lq), lkt, 1) : 0;
+    int kv_in = co == NULL;  /* key/value inputs exist */
+
+    mha_forward_args a;
+    memset(&a, 0, sizeof a);
+    bufset b = {.n = 0};
+    void *pq, *pk, *pv, *pout, *pw, *pkl, *phm, *ppos;
+    void *pgo, *pgq, *pgk, *pgv, *pgp, *pghm;
+    if (get_buf(&b, q, "query", T_F32, 0, mul3(B, Lq, E), 1, &pq, NULL) ||
+        get_buf(&b, k, "key", T_F32, 0, mul3(B, lk, c->kdim), 0, &pk, NULL) ||
+        get_buf(&b, v, "value", T_F32, 0,
+                mul3(B, lk, pk ? c->vdim : c->kdim), 0, &pv, NULL) ||
+        get_buf(&b, out, "out", T_F32, 1, mul3(B, Lq, E), !backward, &pout,
+                NULL) ||
+        get_buf(&b, w, "attn_weights", T_F32, 1, wn, nw != 0 && !backward,
+                &pw, NULL) ||
+        get_buf(&b, kl, "key_lengths", T_I64, 0, B, 0, &pkl, NULL) ||
+        get_buf(&b, hm, "head_mask", T_F32, 0, H, 0, &phm, NULL) ||
+        get_buf(&b, pos, "positions", T_I64, 0, mul3(B, Lq, 1), 0, &ppos, NULL) ||
+        get_mask(&b, am, amk, "attn_mask", &a.attn_mask) ||
+        get_mask(&b, kpm, kpmk, "key_padding_mask", &a.key_padding_mask))
+        goto fail;
+    if (pv && !pk) {
+        PyErr_SetString(PyExc_ValueError, "value given without key");
+        goto fail;
+    }
+    (void)kv_in;
+    a.batch = B;
+    a.q_len = Lq;
+    a.kv_len = Lk;
+    a.query = pq;
+    a.key = pk;
+    a.value = pv;
+    a.key_lengths = pkl;
+    a.causal = (mha_causal)causal;
+    a.need_weights = (mha_weights_mode)nw;
+    a.attn_weights = pw;
+    a.num_threads = threads;
+    a.training = training;
+    a.dropout_seed = seed;
+    a.head_mask = phm;
+    a.out = pout;
+    a.cache = co ? co->c : NULL;
+    a.positions = ppos;
+
+    mha_backward_args ba;
+    memset(&ba, 0, sizeof ba);
+    if (backward) {
+        if (get_buf(&b, go, "grad_out", T_F32, 0, mul3(B, Lq, E), 1, &pgo,
+                    NULL) ||
+            get_buf(&b, gq, "grad_query", T_F32, 1, mul3(B, Lq, E), 0, &pgq,
+                    NULL) ||
+            get_buf(&b, gk, "grad_key", T_F32, 1, mul3(B, lk, c->kdim), 0,
+                    &pgk, NULL) ||
+            get_buf(&b, gv, "grad_value", T_F32, 1, mul3(B, lk, c->vdim), 0,
+                    &pgv, NULL) ||
+            get_buf(&b, gp, "grad_params", T_F32, 1,
+                    mha_param_numel(self->m), 0, &pgp, NULL) ||
+            get_buf(&b, ghm, "grad_head_mask", T_F32, 1, H, 0, &pghm, NULL))
+            goto fail;
+        ba.grad_out = pgo;
+        ba.grad_query = pgq;
+        ba.grad_key = pgk;
+        ba.grad_value = pgv;
+        ba.grad_params = pgp;
+        ba.accumulate = accumulate;
+        ba.grad_head_mask = pghm;
+        a.need_weights = MHA_WEIGHTS_NONE;
+        a.attn_weights = NULL;
+    }
+
+    mha_status st;
+    self->busy++;
+    if (co)
+        co->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    st = backward ? mha_backward(self->m, &a, &ba) : mha_forward(self->m, &a);
+    Py_END_ALLOW_THREADS
+    self->busy--;
+    if (co)
+        co->busy = 0;
+    bufs_release(&b);
+    if (st != MHA_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+fail:
+    bufs_release(&b);
+    return NULL;
+}
+
+static PyMethodDef module_methods[] = {
+    {"save", (PyCFunction)module_save, METH_VARARGS, "save(path)"},
+    {"config", (PyCFunction)module_config, METH_NOARGS,
+     "the resolved configuration as a dict"},
+    {"params", (PyCFunction)module_params, METH_NOARGS,
+     "[(name, shape, numel, offset)] in state_dict order"},
+    {"param_numel", (PyCFunction)module_param_numel, METH_NOARGS, NULL},
+    {"param_get", (PyCFunction)module_param_get, METH_VARARGS,
+     "param_get(name, out)"},
+    {"param_set", (PyCFunction)module_param_set, METH_VARARGS,
+     "param_set(name, src)"},
+    {"reset_parameters", (PyCFunction)module_reset_parameters, METH_VARARGS,
+     NULL},
+    {"total_keys", (PyCFunction)module_total_keys, METH_VARARGS, NULL},
+    {"project", (PyCFunction)module_project, METH_VARARGS,
+     "project(which, x, rows, y)"},
+    {"run", (PyCFunction)(void (*)(void))module_run,
+     METH_VARARGS | METH_KEYWORDS, "forward, or backward with grad_out"},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject ModuleType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "mha._core.Module",
+    .tp_basicsize = sizeof(ModuleObject),
+    .tp_dealloc = (destructor)module_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "a libmha module (mha_module *); made by module_create/load",
+    .tp_methods = module_methods,
+};
+
+/* ---- the KV cache ------------------------------------------------------ */
+
+static void cache_dealloc(CacheObject *self)
+{
+    mha_kv_cache_free(self->c);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *cache_create(PyObject *self, PyObject *args, PyObject *kw)
+{
+    (void)self;
+    static char *kws[] = {"batch", "num_kv_heads", "head_dim", "capacity",
+                          "dtype", "window", NULL};
+    mha_kv_cache_config cc;
+    memset(&cc, 0, sizeof cc);
+    int dtype = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLL|iL", kws, &cc.batch,
+                                     &cc.num_kv_heads, &cc.head_dim,
+                                     &cc.capacity, &dtype, &cc.window))
+        return NULL;
+    cc.dtype = (mha_kv_dtype)dtype;
+    mha_kv_cache *c = NULL;
+    mha_status st = mha_kv_cache_create(&cc, &c);
+    if (st != MHA_OK)
+        return raise_status(st);
+    CacheObject *o = PyObject_New(CacheObject, &CacheType);
+    if (!o) {
+        mha_kv_cache_free(c);
+        return NULL;
+    }
+    o->c = c;
+    o->cfg = cc;
+    o->busy = 0;
+    return (PyObject *)o;
+}
+
+static int cache_check(CacheObject *self)
+{
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "the KV cache is in use by another thread");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *cache_length(CacheObject *self, PyObject *args)
+{
+    long long seq;
+    if (!PyArg_ParseTuple(args, "L", &seq))
+        return NULL;
+    if (seq < 0 || seq >= self->cfg.batch)
+        return PyErr_Format(PyExc_IndexError,
+                            "sequence %lld out of range [0, %lld)", seq,
+                            (long long)self->cfg.batch);
+    return PyLong_FromLongLong(mha_kv_cache_length(self->c, seq));
+}
+
+static PyObject *cache_append(CacheObject *self, PyObject *args)
+{
+    long long seq, n;
+    PyObject *k, *v;
+    if (!PyArg_ParseTuple(args, "LOOL", &seq, &k, &v, &n))
+        return NULL;
+    if (cache_check(self))
+        return NULL;
+    if (n < 0)
+        return PyErr_Format(PyExc_ValueError, "n must be >= 0");
+    int64_t row = self->cfg.num_kv_heads * self->cfg.head_dim;
+    bufset b = {.n = 0};
+    void *pk, *pv;
+    if (get_buf(&b, k, "k", T_F32, 0, mul3(n, row, 1), 1, &pk, NULL) ||
+        get_buf(&b, v, "v", T_F32, 0, mul3(n, row, 1), 1, &pv, NULL)) {
+        bufs_release(&b);
+        return NULL;
+    }
+    mha_status st;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    st = mha_kv_cache_append(self->c, seq, pk, pv, n);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    bufs_release(&b);
+    if (st != MHA_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *cache_truncate(CacheObject *self, PyObject *args)
+{
+    long long seq, len;
+    if (!PyArg_ParseTuple(args, "LL", &seq, &len))
+        return NULL;
+    if (cache_check(self))
+        return NULL;
+    mha_status st = mha_kv_cache_truncate(self->c, seq, len);
+    if (st != MHA_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *cache_reset(CacheObject *self, PyObject *args)
+{
+    long long seq = -1;
+    if (!PyArg_ParseTuple(args, "|L", &seq))
+        return NULL;
+    if (cache_check(self))
+        return NULL;
+    mha_status st = mha_kv_cache_reset(self->c, seq);
+    if (st != MHA_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *cache_read(CacheObject *self, PyObject *args)
+{
+    long long seq, start, n;
+    PyObject *k, *v;
+    if (!PyArg_ParseTuple(args, "LLLOO", &seq, &start, &n, &k, &v))
+        return NULL;
+    if (cache_check(self))
+        return NULL;
+    if (n < 0)
+        return PyErr_Format(PyExc_ValueError, "n must be >= 0");
+    int64_t row = self->cfg.num_kv_heads * self->cfg.head_dim;
+    bufset b = {.n = 0};
+    void *pk, *pv;
+    if (get_buf(&b, k, "k", T_F32, 1, mul3(n, row, 1), 0, &pk, NULL) ||
+        get_buf(&b, v, "v", T_F32, 1, mul3(n, row, 1), 0, &pv, NULL)) {
+        bufs_release(&b);
+        return NULL;
+    }
+    mha_status st = mha_kv_cache_read(self->c, seq, start, n, pk, pv);
+    bufs_release(&b);
+    if (st != MHA_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *cache_config(CacheObject *self, PyObject *unused)
+{
+    (void)unused;
+    const mha_kv_cache_config *c = &self->cfg;
+    return Py_BuildValue("{sLsLsLsLsisL}", "batch", (long long)c->batch,
+                         "num_kv_heads", (long long)c->num_kv_heads,
+                         "head_dim", (long long)c->head_dim, "capacity",
+                         (long long)c->capacity, "dtype", (int)c->dtype,
+                         "window", (long long)c->window);
+}
+
+static PyMethodDef cache_methods[] = {
+    {"length", (PyCFunction)cache_length, METH_VARARGS, "length(seq)"},
+    {"append", (PyCFunction)cache_append, METH_VARARGS,
+     "append(seq, k, v, n)"},
+    {"truncate", (PyCFunction)cache_truncate, METH_VARARGS,
+     "truncate(seq, length)"},
+    {"reset", (PyCFunction)cache_reset, METH_VARARGS, "reset(seq=-1)"},
+    {"read", (PyCFunction)cache_read, METH_VARARGS,
+     "read(seq, start, n, k, v)"},
+    {"config", (PyCFunction)cache_config, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject CacheType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "mha._core.KVCache",
+    .tp_basicsize = sizeof(CacheObject),
+    .tp_dealloc = (destructor)cache_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "a libmha KV cache (mha_kv_cache *); made by kv_cache_create",
+    .tp_methods = cache_methods,
+};
+
+/* ---- attention on heads ------------------------------------------------ */
+
+static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
+{
+    (void)self;
+    static char *kws[] = {
+        "q", "k", "v", "out", "batch", "num_heads", "head_dim", "q_len",
+        "kv_len", "num_kv_heads", "scale", "attn_mask", "attn_mask_kind",
+        "key_padding_mask", "key_padding_mask_kind", "key_lengths", "causal",
+        "need_weights", "attn_weights", "dropout", "training",
+        "dropout_seed", "num_threads", "lse", "cache", "modifiers", "sinks",
+        "q_positions", "k_positions", "grad_out", "grad_q", "grad_k",
+        "grad_v", "grad_sinks", NULL};
+    PyObject *q, *k = Py_None, *v = Py_None, *out = Py_None;
+    PyObject *scale = Py_None, *am = Py_None, *kpm = Py_None, *kl = Py_None;
+    PyObject *w = Py_None, *lse = Py_None, *cache = Py_None, *mods = Py_None;
+    PyObject *sinks = Py_None, *qp = Py_None, *kp = Py_None;
+    PyObject *go = Py_None, *gq = Py_None, *gk = Py_None, *gv = Py_None;
+    PyObject *gs = Py_None;
+    long long B, H, dh, Lq, Lk = 0, Hkv = 0;
+    int amk = 0, kpmk = 0, causal = 0, nw = 0, training = 0, threads = 0;
+    float dropout = 0;
+    unsigned long long seed = 0;
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kw, "OOOOLLLL|LLOOiOiOiiOfpKiOOOOOOOOOOO", kws, &q, &k, &v,
+            &out, &B, &H, &dh, &Lq, &Lk, &Hkv, &scale, &am, &amk, &kpm,
+            &kpmk, &kl, &causal, &nw, &w, &dropout, &training, &seed,
+            &threads, &lse, &cache, &mods, &sinks, &qp, &kp, &go, &gq, &gk,
+            &gv, &gs))
+        return NULL;
+    if (B < 1 || H < 1 || dh < 1 || Lq < 1 || Lk < 0 || Hkv < 0)
+        return PyErr_Format(PyExc_ValueError,
+                            "batch, num_heads, head_dim and q_len must be "
+                            ">= 1, kv_len and num_kv_heads >= 0");
+    if (Hkv == 0)
+        Hkv = H;
+    CacheObject *co = NULL;
+    if (cache != Py_None) {
+        if (!PyObject_TypeCheck(cache, &CacheType))
+            return PyErr_Format(PyExc_TypeError, "cache must be a KVCache");
+        co = (CacheObject *)cache;
+        if (co->busy)
+            return PyErr_Format(PyExc_RuntimeError,
+                                "the KV cache is in use by another thread");
+    }
+    int backward = go != Py_None;
+    int64_t lk = Lk ? Lk : Lq;
+    if (co && !Lk)
+        lk = cache_max_len(&co->cfg, co->c);
+    int64_t qn = mul3(B, Lq, mul3(H, dh, 1)),
+            kn = mul3(B, lk, mul3(Hkv, dh, 1));
+    int64_t wn = nw == MHA_WEIGHTS_AVERAGE ? mul3(B, Lq, lk)
+               : nw == MHA_WEIGHTS_PER_HEAD ? mul3(mul3(B, H, Lq), lk, 1) : 0;
+
+    mha_attention_args a;
+    memset(&a, 0, sizeof a);
+    bufset b = {.n = 0};
+    void *pq, *pk, *pv, *pout, *pw, *pkl, *plse, *psinks, *pqp, *pkp;
+    if (get_buf(&b, q, "q", T_F32, 0, qn, 1, &pq, NULL) ||
+        get_buf(&b, k, "k", T_F32, 0, kn, !co, &pk, NULL) ||
+        get_buf(&b, v, "v", T_F32, 0, kn, !co, &pv, NULL) ||
+        get_buf(&b, out, "out", T_F32, 1, qn, !backward, &pout, NULL) ||
+        get_buf(&b, w, "attn_weights", T_F32, 1, wn, nw != 0 && !backward,
+                &pw, NULL) ||
+        get_buf(&b, kl, "key_lengths", T_I64, 0, B, 0, &pkl, NULL) ||
+        get_buf(&b, lse, "lse", T_F32, 1, mul3(B, H, Lq), 0, &plse, NULL) ||
+        get_buf(&b, sinks, "sinks", T_F32, 0, H, 0, &psinks, NULL) ||
+        get_buf(&b, qp, "q_positions", T_I64, 0, mul3(B, Lq, 1), 0, &pqp, NULL) ||
+        get_buf(&b, kp, "k_positions", T_I64, 0, mul3(B, lk, 1), 0, &pkp, NULL) ||
+        get_mask(&b, am, amk, "attn_mask", &a.attn_mask) ||
+        get_mask(&b, kpm, kpmk, "key_padding_mask", &a.key_padding_mask) ||
+        get_mods(&b, mods, H, &a.mods))
+        goto fail;
+    a.batch = B;
+    a.num_heads = H;
+    a.head_dim = dh;
+    a.q_len = Lq;
+    a.kv_len = Lk;
+    a.num_kv_heads = Hkv;
+    a.q = pq;
+    a.k = pk;
+    a.v = pv;
+    if (scale != Py_None) {
+        a.scale = (float)PyFloat_AsDouble(scale);
+        if (PyErr_Occurred())
+            goto fail;
+        a.given |= MHA_GIVEN_SCALE;
+    }
+    a.key_lengths = pkl;
+    a.causal = (mha_causal)causal;
+    a.need_weights = (mha_weights_mode)nw;
+    a.attn_weights = pw;
+    a.dropout = dropout;
+    a.training = training;
+    a.dropout_seed = seed;
+    a.num_threads = threads;
+    a.out = pout;
+    a.lse = plse;
+    a.cache = co ? co->c : NULL;
+    a.sinks = psinks;
+    a.q_positions = pqp;
+    a.k_positions = pkp;
+
+    mha_attention_grads g;
+    memset(&g, 0, sizeof g);
+    if (backward) {
+        void *pgo, *pgq, *pgk, *pgv, *pgs;
+        if (get_buf(&b, go, "grad_out", T_F32, 0, qn, 1, &pgo, NULL) ||
+            get_buf(&b, gq, "grad_q", T_F32, 1, qn, 1, &pgq, NULL) ||
+            get_buf(&b, gk, "grad_k", T_F32, 1, kn, 1, &pgk, NULL) ||
+            get_buf(&b, gv, "grad_v", T_F32, 1, kn, 1, &pgv, NULL) ||
+            get_buf(&b, gs, "grad_sinks", T_F32, 1, H, 0, &pgs, NULL))
+            goto fail;
+        g.grad_out = pgo;
+        g.grad_q = pgq;
+        g.grad_k = pgk;
+        g.grad_v = pgv;
+        g.grad_sinks = pgs;
+        a.need_weights = MHA_WEIGHTS_NONE;
+        a.attn_weights = NULL;
+        a.lse = NULL;
+    }
+    mha_status st;
+    if (co)
+        co->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    st = backward ? mha_attention_backward(&a, &g) : mha_attention(&a);
+    Py_END_ALLOW_THREADS
+    if (co)
+        co->busy = 0;
+    bufs_release(&b);
+    if (st != MHA_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+fail:
+    bufs_release(&b);
+    return NULL;
+}
+
+/* ---- small functions --------------------------------------------------- */
+
+static PyObject *alibi_slopes(PyObject *self, PyObject *args)
+{
+    (void)self;
+    long long h;
+    PyObject *out;
+    if (!PyArg_ParseTuple(args, "LO", &h, &out))
+        return NULL;
+    if (h < 1)
+        return PyErr_Format(PyExc_ValueError, "num_heads must be >= 1");
+    bufset b = {.n = 0};
+    void *p;
+    if (get_buf(&b, out, "out", T_F32, 1, h, 1, &p, NULL)) {
+        bufs_release(&b);
+        return NULL;
+    }
+    mha_status st = mha_alibi_slopes(h, p);
+    bufs_release(&b);
+    if (st != MHA_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+/* rope_apply(x, rows, heads, head_dim, style, dims, theta, scale,
+ *            positions|None, pos0): rotates x (rows, heads*head_dim) */
+static PyObject *rope_apply(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *x, *pos;
+    long long rows, heads, dh, pos0;
+    mha_rope r;
+    int style;
+    memset(&r, 0, sizeof r);
+    if (!PyArg_ParseTuple(args, "OLLLiLffOL", &x, &rows, &heads, &dh, &style,
+                          &r.dims, &r.theta, &r.scale, &pos, &pos0))
+        return NULL;
+    if (rows < 0 || heads < 1 || dh < 1)
+        return PyErr_Format(PyExc_ValueError, "bad rows, heads or head_dim");
+    r.style = (mha_rope_style)style;
+    bufset b = {.n = 0};
+    void *px, *pp;
+    if (get_buf(&b, x, "x", T_F32, 1, mul3(rows, heads, dh), 1, &px, NULL) ||
+        get_buf(&b, pos, "positions", T_I64, 0, rows, 0, &pp, NULL)) {
+        bufs_release(&b);
+        return NULL;
+    }
+    mha_status st = mha_rope_apply(&r, rows, heads, dh, pp, pos0, px,
+                                   heads * dh);
+    bufs_release(&b);
+    if (st != MHA_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *dropout_keep(PyObject *self, PyObject *args)
+{
+    (void)self;
+    unsigned long long seed;
+    float p;
+    long long bb, h, i, j;
+    if (!PyArg_ParseTuple(args, "KfLLLL", &seed, &p, &bb, &h, &i, &j))
+        return NULL;
+    return PyBool_FromLong(mha_dropout_keep(seed, p, bb, h, i, j));
+}
+
+static PyObject *kernel_tier(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    const char *t = mha_kernel_tier();
+    if (!t)
+        Py_RETURN_NONE;
+    return PyUnicode_FromString(t);
+}
+
+static PyObject *version(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyUnicode_FromString(mha_version_string());
+}
+
+static PyMethodDef core_methods[] = {
+    {"_set_errors", set_errors, METH_O, "status -> exception class"},
+    {"module_create", (PyCFunction)(void (*)(void))module_create,
+     METH_VARARGS | METH_KEYWORDS, "mha_create"},
+    {"module_load", (PyCFunction)(void (*)(void))module_load,
+     METH_VARARGS | METH_KEYWORDS, "mha_module_from_file"},
+    {"kv_cache_create", (PyCFunction)(void (*)(void))cache_create,
+     METH_VARARGS | METH_KEYWORDS, "mha_kv_cache_create"},
+    {"attention", (PyCFunction)(void (*)(void))attention,
+     METH_VARARGS | METH_KEYWORDS,
+     "mha_attention, or mha_attention_backward with grad_out"},
+    {"alibi_slopes", alibi_slopes, METH_VARARGS, "alibi_slopes(H, out)"},
+    {"rope_apply", rope_apply, METH_VARARGS, "mha_rope_apply"},
+    {"dropout_keep", dropout_keep, METH_VARARGS, "mha_dropout_keep"},
+    {"kernel_tier", kernel_tier, METH_NOARGS, "mha_kernel_tier"},
+    {"version", version, METH_NOARGS, "mha_version_string"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef core_def = {
+    PyModuleDef_HEAD_INIT, "mha._core",
+    "The C binding of libmha; use the mha package above it.", -1,
+    core_methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__core(void)
+{
+    if (!MHA_ABI_OK()) {
+        PyErr_Format(PyExc_ImportError,
+                     "libmha %s does not match the headers mha._core was "
+                     "built with", mha_version_string());
+        return NULL;
+    }
+    if (PyType_Ready(&ModuleType) < 0 || PyType_Ready(&CacheType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&core_def);
+    if (!m)
+        return NULL;
+    Py_INCREF(&ModuleType);
+    Py_INCREF(&CacheType);
+    if (PyModule_AddObject(m, "Module", (PyObject *)&ModuleType) < 0 ||
+        PyModule_AddObject(m, "KVCache", (PyObject *)&CacheType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

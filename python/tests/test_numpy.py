@@ -1,0 +1,303 @@
+"""The NumPy level: mha.Module, mha.attention (+ backward) and mha.KVCache,
+against torch in float64 and against each other."""
+import copy
+import json
+import math
+import pickle
+import struct
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mha
+from conftest import check_close
+
+
+def f32(r, *shape):
+    return r.standard_normal(shape).astype(np.float32)
+
+
+def torch_mha(m, batch_first=True):
+    """torch's nn.MultiheadAttention holding mha.Module m's parameters."""
+    c = m.config
+    t = torch.nn.MultiheadAttention(
+        c["embed_dim"], c["num_heads"], bias=c["bias"],
+        add_bias_kv=c["add_bias_kv"], add_zero_attn=c["add_zero_attn"],
+        kdim=c["kdim"], vdim=c["vdim"], batch_first=batch_first)
+    t.load_state_dict({k: torch.from_numpy(v)
+                       for k, v in m.state_dict().items()})
+    return t
+
+
+def randomize(m, r):
+    for name, shape in m.parameter_shapes().items():
+        m[name] = f32(r, *shape) * 0.4
+
+
+def write_safetensors(path, tensors, meta=None):
+    """A safetensors file written by hand (the format's spec), as an
+    independent producer for Module.load."""
+    header, blobs, off = {}, [], 0
+    for name, a in tensors.items():
+        b = np.ascontiguousarray(a, np.float32).tobytes()
+        header[name] = {"dtype": "F32", "shape": list(a.shape),
+                        "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    if meta:
+        header["__metadata__"] = meta
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+def test_module_forward_backward_against_torch(rng):
+    m = mha.Module(12, 3, kdim=5, vdim=7, add_bias_kv=True, seed=3)
+    randomize(m, rng)
+    t = torch_mha(m)
+    t64 = copy.deepcopy(t).double()
+    B, Lq, Lk = 2, 4, 6
+    q, k, v = f32(rng, B, Lq, 12), f32(rng, B, Lk, 5), f32(rng, B, Lk, 7)
+    block = rng.random((B, Lk)) < 0.3
+    block[:, 0] = False
+    G = f32(rng, B, Lq, 12)
+    out, w = m.forward(q, k, v, key_padding_mask=mha.block(block),
+                       need_weights="per_head")
+    grads = m.backward(G, q, k, v, key_padding_mask=mha.block(block))
+    ref = {}
+    for dt, mod in ((torch.float32, t), (torch.float64, t64)):
+        ins = [torch.from_numpy(x).to(dt).requires_grad_() for x in (q, k, v)]
+        o, ww = mod(*ins, key_padding_mask=torch.from_numpy(block),
+                    average_attn_weights=False)
+        g = torch.autograd.grad((o * torch.from_numpy(G).to(dt)).sum(),
+                                ins + list(mod.parameters()))
+        names = ["query", "key", "value"] + [n for n, _ in
+                                             mod.named_parameters()]
+        ref[dt] = (o, ww, dict(zip(names, g)))
+    check_close(out, ref[torch.float32][0], ref[torch.float64][0], 2, "out")
+    check_close(w, ref[torch.float32][1], ref[torch.float64][1], 2, "w")
+    for n in ("query", "key", "value"):
+        check_close(grads[n], ref[torch.float32][2][n],
+                    ref[torch.float64][2][n], 3, n, backward=True)
+    assert list(grads["params"]) == m.parameter_names()
+    for n, g in grads["params"].items():
+        check_close(g, ref[torch.float32][2][n], ref[torch.float64][2][n], 3,
+                    n, backward=True)
+
+
+def test_masks_are_typed(rng):
+    m = mha.Module(8, 2)
+    x = f32(rng, 1, 3, 8)
+    b = np.zeros((3, 3), bool)
+    with pytest.raises(TypeError, match="kind"):
+        m.forward(x, attn_mask=b)
+    b[0, 1:] = True
+    blocked = m.forward(x, attn_mask=mha.block(b))
+    allowed = m.forward(x, attn_mask=mha.allow(~b))
+    additive = m.forward(x, attn_mask=np.where(b, -np.inf, 0).astype(
+        np.float32))
+    np.testing.assert_array_equal(blocked, allowed)
+    np.testing.assert_allclose(blocked, additive, rtol=0, atol=1e-7)
+    causal = m.forward(x, causal="top_left")
+    np.testing.assert_allclose(causal, m.forward(
+        x, attn_mask=mha.block(np.triu(np.ones((3, 3), bool), 1))),
+        rtol=1e-6, atol=1e-7)
+
+
+def test_save_load_and_torch_file(tmp_path, rng):
+    m = mha.Module(8, 2, add_zero_attn=True, dropout=0.25, seed=9)
+    randomize(m, rng)
+    p = tmp_path / "m.safetensors"
+    m.save(p)
+    m2 = mha.Module.load(p)
+    c1, c2 = m.config, m2.config
+    assert c2.pop("seed") == 0 and c1.pop("seed") == 9   # not in the file
+    assert c2 == c1 and c2["dropout"] == 0.25
+    for n in m.parameter_names():
+        np.testing.assert_array_equal(m2[n], m[n])
+    # a state_dict written by hand (no metadata): the heads must be given
+    t = torch.nn.MultiheadAttention(8, 4, kdim=3, vdim=5)
+    q = tmp_path / "t.safetensors"
+    write_safetensors(q, {k: v.numpy() for k, v in t.state_dict().items()})
+    with pytest.raises(mha.MhaError):
+        mha.Module.load(q)
+    m3 = mha.Module.load(q, num_heads=4)
+    assert m3.num_heads == 4 and m3.kdim == 3 and m3.vdim == 5
+    x, kk, vv = f32(rng, 2, 3, 8), f32(rng, 2, 4, 3), f32(rng, 2, 4, 5)
+    ref = t(*(torch.from_numpy(a).transpose(0, 1) for a in (x, kk, vv)))[0]
+    np.testing.assert_allclose(m3.forward(x, kk, vv),
+                               ref.transpose(0, 1).detach().numpy(),
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(mha.MhaIOError):
+        mha.Module.load(tmp_path / "missing.safetensors", num_heads=2)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    with pytest.raises(mha.FormatError):
+        mha.Module.load(bad, num_heads=2)
+
+
+def test_pickle_module(rng):
+    m = mha.Module(8, 2, num_kv_heads=1, rope="gptj", window=(3, 0),
+                   softcap=5.0, sinks=True, seed=4)
+    randomize(m, rng)
+    m2 = pickle.loads(pickle.dumps(m))
+    assert m2.config == m.config
+    x = f32(rng, 2, 5, 8)
+    np.testing.assert_array_equal(m2.forward(x), m.forward(x))
+
+
+def test_attention_gqa_lse_weights_against_torch(rng):
+    B, H, Hkv, d, Lq, Lk = 2, 4, 2, 8, 5, 7
+    q, k, v = f32(rng, B, Lq, H * d), f32(rng, B, Lk, Hkv * d), \
+        f32(rng, B, Lk, Hkv * d)
+    G = f32(rng, B, Lq, H * d)
+    kl = np.array([7, 4])
+    out, w, lse = mha.attention(q, k, v, num_heads=H, num_kv_heads=Hkv,
+                                key_lengths=kl, need_weights="per_head",
+                                return_lse=True)
+    gq, gk, gv = mha.attention_backward(G, q, k, v, num_heads=H,
+                                        num_kv_heads=Hkv, key_lengths=kl)
+    allowed = torch.from_numpy(np.arange(Lk)[None, :] < kl[:, None]) \
+        .reshape(B, 1, 1, Lk)
+    res = {}
+    for dt in (torch.float32, torch.float64):
+        def heads(a, n):
+            return torch.from_numpy(a).to(dt).reshape(B, -1, n, d) \
+                .transpose(1, 2).requires_grad_()
+        tq, tk, tv = heads(q, H), heads(k, Hkv), heads(v, Hkv)
+        o = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=allowed,
+                                           enable_gqa=True)
+        kr = tk.repeat_interleave(H // Hkv, 1)
+        s = (tq @ kr.transpose(-1, -2)) / math.sqrt(d)
+        s = s.masked_fill(~allowed, float("-inf"))
+        o2 = o.transpose(1, 2).reshape(B, Lq, H * d)
+        g = torch.autograd.grad((o2 * torch.from_numpy(G).to(dt)).sum(),
+                                [tq, tk, tv])
+        g = [gg.transpose(1, 2).reshape(B, -1, gg.shape[1] * d) for gg in g]
+        res[dt] = (o2, torch.softmax(s, -1), torch.logsumexp(s, -1), g)
+    r32, r64 = res[torch.float32], res[torch.float64]
+    check_close(out, r32[0], r64[0], 2, "out")
+    check_close(w, r32[1], r64[1], 2, "weights")
+    check_close(lse, r32[2], r64[2], 2, "lse")
+    for a, b, c, n in zip((gq, gk, gv), r32[3], r64[3], "qkv"):
+        check_close(a, b, c, 3, "grad " + n, backward=True)
+
+
+def test_kv_cache_decode_equals_full_causal_forward(rng):
+    m = mha.Module(16, 4, num_kv_heads=2, rope="neox", seed=2)
+    randomize(m, rng)
+    B, L = 2, 9
+    x = f32(rng, B, L, 16)
+    full = m.forward(x, causal="bottom_right")
+    cache = mha.KVCache.for_module(m, batch=B, capacity=16)
+    assert cache.lengths == [0, 0]
+    parts = [m.forward(x[:, :4], cache=cache)]          # prefill
+    for i in range(4, L):                                # then token by token
+        parts.append(m.forward(x[:, i:i + 1], cache=cache))
+    np.testing.assert_allclose(np.concatenate(parts, 1), full, rtol=1e-5,
+                               atol=1e-6)
+    assert cache.lengths == [L, L]
+    # rollback and redo the last three tokens
+    cache.truncate(0, L - 3)
+    cache.truncate(1, L - 3)
+    again = m.forward(x[:, L - 3:], cache=cache)
+    np.testing.assert_allclose(again, full[:, L - 3:], rtol=1e-5, atol=1e-6)
+    k, vv = cache.read(1)
+    assert k.shape == (L, 2 * 4) and vv.shape == (L, 2 * 4)
+    np.testing.assert_allclose(vv, m.project("value", x[1]), rtol=1e-5,
+                               atol=1e-6)
+    cache.reset()
+    assert cache.lengths == [0, 0]
+    with pytest.raises(mha.MhaError):
+        m.forward(x[:, :1], x[:, :1], cache=cache)   # a key with a cache
+
+
+def test_attention_with_cache_equals_attention(rng):
+    H, d, L = 2, 4, 6
+    q, k, v = f32(rng, 1, L, H * d), f32(rng, 1, L, H * d), \
+        f32(rng, 1, L, H * d)
+    full = mha.attention(q, k, v, num_heads=H, causal="bottom_right")
+    cache = mha.KVCache(1, H, d, capacity=8, dtype="f32")
+    cache.append(0, k[0, :L - 1], v[0, :L - 1])
+    cache.append(0, k[0, L - 1:], v[0, L - 1:])
+    last = mha.attention(q[:, L - 1:], num_heads=H, cache=cache)
+    np.testing.assert_allclose(last, full[:, L - 1:], rtol=1e-6, atol=1e-7)
+    with pytest.raises(mha.MhaError):
+        cache.append(0, k[0, :3], v[0, :3])     # past the capacity
+    assert cache.length(0) == L
+    f16 = mha.KVCache(1, H, d, capacity=8, dtype="f16")
+    f16.append(0, k[0], v[0])
+    k16, _ = f16.read(0)
+    np.testing.assert_array_equal(k16, k[0].astype(np.float16)
+                                  .astype(np.float32))
+
+
+def test_threads_release_the_gil(rng):
+    m = mha.Module(32, 4, seed=1)
+    x = f32(rng, 4, 64, 32)
+    ref = m.forward(x)
+    outs = [None] * 4
+
+    def work(i):
+        outs[i] = m.forward(x)
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for o in outs:
+        np.testing.assert_array_equal(o, ref)
+
+
+def test_exceptions_carry_libmha_messages(rng):
+    with pytest.raises(mha.ConfigError, match="divisible") as e:
+        mha.Module(10, 3)
+    assert isinstance(e.value, ValueError) and e.value.status == 2
+    m = mha.Module(8, 2)
+    with pytest.raises(mha.NotFoundError):
+        m["nope"]
+    w = m["in_proj_weight"]
+    w[0, 0] = np.nan
+    with pytest.raises(mha.NonFiniteError) as e:
+        m["in_proj_weight"] = w
+    assert "in_proj_weight" in str(e.value) or "finite" in str(e.value)
+    assert np.isfinite(m["in_proj_weight"]).all()   # left unchanged
+    x = f32(rng, 1, 3, 8)
+    bad = [
+        (TypeError, lambda: m.forward(x.astype(np.float64))),
+        (TypeError, lambda: m.forward(None)),
+        (TypeError, lambda: m.forward("x")),
+        (ValueError, lambda: m.forward(x[..., :7])),
+        (ValueError, lambda: m.forward(x[None])),
+        (ValueError, lambda: m.forward(x, causal="diagonal")),
+        (ValueError, lambda: m.forward(x, need_weights="all")),
+        (mha.ShapeError, lambda: m.forward(x, attn_mask=np.zeros(
+            (2, 2), np.float32))),
+        (mha.MhaError, lambda: m.forward(x, key_lengths=[5])),
+        (ValueError, lambda: m.backward(np.zeros((1, 2, 8), np.float32), x)),
+        (TypeError, lambda: m.forward(x, head_mask=[1, 1])),
+        (ValueError, lambda: m.__setitem__("in_proj_bias",
+                                           np.zeros(5, np.float32))),
+        (ValueError, lambda: mha.attention(x, x, x, num_heads=3)),
+        (TypeError, lambda: mha.attention(x, None, x, num_heads=2)),
+        (ValueError, lambda: mha.KVCache(1, 2, 4, 8, dtype="f8")),
+        (mha.MhaError, lambda: mha.KVCache(0, 2, 4, 8)),
+        (ValueError, lambda: mha.KVCache(1, 2, 4, 8).append(
+            0, np.zeros((1, 7), np.float32), np.zeros((1, 7), np.float32))),
+        (mha.MhaError, lambda: mha.KVCache(1, 2, 4, 8).truncate(0, 3)),
+    ]
+    for exc, fn in bad:
+        with pytest.raises(exc):
+            fn()
+
+
+def test_non_contiguous_is_copied_not_misread(rng):
+    m = mha.Module(8, 2, seed=5)
+    x = f32(rng, 3, 8, 2)
+    xt = x.transpose(0, 2, 1)            # (3, 2, 8), not contiguous
+    np.testing.assert_array_equal(m.forward(xt),
+                                  m.forward(np.ascontiguousarray(xt)))

@@ -1,0 +1,244 @@
+"""mha.nn.functional.scaled_dot_product_attention against torch's (2.13)
+in float64, and the score modifiers against reference code written here
+from their definitions (docs/semantics.md), forward and backward."""
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mha
+from mha.nn.functional import scaled_dot_product_attention as sdpa
+from conftest import check_close
+
+
+def tensors(r, *shapes):
+    return [torch.from_numpy(r.standard_normal(s).astype(np.float32))
+            for s in shapes]
+
+
+def compare(fn_ours, fn_ref, inputs, G, name, wrt=None):
+    """Runs ours in float32, the reference in float32 and float64; checks
+    the output (2x) and the gradients of sum(out * G) (3x)."""
+    res = {}
+    for key, fn, dt in (("ours", fn_ours, torch.float32),
+                        ("t32", fn_ref, torch.float32),
+                        ("t64", fn_ref, torch.float64)):
+        ins = [x.detach().to(dt).requires_grad_() for x in inputs]
+        out = fn(*ins)
+        grads = torch.autograd.grad((out * G.to(dt)).sum(), ins)
+        res[key] = (out, grads)
+    check_close(res["ours"][0], res["t32"][0], res["t64"][0], 2, name)
+    for i, (a, b, c) in enumerate(zip(res["ours"][1], res["t32"][1],
+                                      res["t64"][1])):
+        check_close(a, b, c, 3, "%s grad %d" % (name, i), backward=True)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_sdpa_parity(seed):
+    r = np.random.default_rng(100 + seed)
+    B, Hkv = int(r.integers(1, 3)), int(r.integers(1, 3))
+    H = Hkv * int(r.choice([1, 2, 3]))
+    d = int(r.choice([1, 3, 8, 16]))
+    Lq, Lk = int(r.integers(1, 9)), int(r.integers(1, 11))
+    causal = bool(r.random() < 0.3) and Lk >= Lq
+    scale = None if r.random() < 0.5 else float(r.uniform(0.1, 1.0))
+    mask = None
+    kind = int(r.integers(0, 4)) if not causal else 0
+    if kind == 1:      # bool (Lq, Lk), True = allowed
+        m = r.random((Lq, Lk)) < 0.7
+        m[:, 0] = True
+        mask = torch.from_numpy(m)
+    elif kind == 2:    # float (B, 1, Lq, Lk)
+        m = r.standard_normal((B, 1, Lq, Lk)).astype(np.float32)
+        m[r.random(m.shape) < 0.2] = -np.inf
+        m[..., -1] = 0.0
+        mask = torch.from_numpy(m)
+    elif kind == 3:    # bool (B, 1, 1, Lk): broadcast over heads and rows
+        m = r.random((B, 1, 1, Lk)) < 0.7
+        m[..., 0] = True
+        mask = torch.from_numpy(m)
+    q, k, v = tensors(r, (B, H, Lq, d), (B, Hkv, Lk, d), (B, Hkv, Lk, d))
+    G, = tensors(r, (B, H, Lq, d))
+    gqa = Hkv != H
+
+    def ours(q, k, v):
+        return sdpa(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                    enable_gqa=gqa)
+
+    def ref(q, k, v):
+        m = mask
+        if m is not None and m.dtype != torch.bool:
+            m = m.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m,
+                                              is_causal=causal, scale=scale,
+                                              enable_gqa=gqa)
+
+    compare(ours, ref, [q, k, v], G,
+            "seed %d B%d H%d Hkv%d d%d Lq%d Lk%d causal %s mask %d"
+            % (seed, B, H, Hkv, d, Lq, Lk, causal, kind))
+
+
+def test_unbatched_and_output_layout():
+    r = np.random.default_rng(1)
+    q, k, v = tensors(r, (2, 5, 4), (2, 6, 4), (2, 6, 4))
+    out = sdpa(q, k, v)
+    assert out.shape == (2, 5, 4)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v),
+                               rtol=1e-5, atol=1e-6)
+
+
+def manual(q, k, v, scale, bias=None, allowed=None, softcap=None,
+           sinks=None):
+    """Softmax attention written out: (B, H, Lq, d) with H == H_kv."""
+    s = (q @ k.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        col = sinks.reshape(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
+        p = torch.softmax(torch.cat([s, col.to(s.dtype)], -1), -1)[..., :-1]
+    else:
+        p = torch.softmax(s, -1)
+    return p @ v
+
+
+def positions(Lq, Lk):
+    i = torch.arange(Lq).reshape(-1, 1) + (Lk - Lq)   # bottom-right
+    j = torch.arange(Lk).reshape(1, -1)
+    return i, j
+
+
+@pytest.mark.parametrize("Lq,Lk", [(5, 5), (3, 7)])
+def test_modifiers(Lq, Lk):
+    r = np.random.default_rng(Lq * 10 + Lk)
+    B, H, d = 2, 4, 8
+    q, k, v = tensors(r, (B, H, Lq, d), (B, H, Lk, d), (B, H, Lk, d))
+    G, = tensors(r, (B, H, Lq, d))
+    sc = 1 / math.sqrt(d)
+    i, j = positions(Lq, Lk)
+
+    # window (left 2, right 0)
+    allowed = (j >= i - 2) & (j <= i)
+    compare(lambda q, k, v: sdpa(q, k, v, window=(2, 0)),
+            lambda q, k, v: manual(q, k, v, sc, allowed=allowed),
+            [q, k, v], G, "window")
+    # ALiBi, the paper's slopes, and given slopes
+    slopes = torch.tensor([2.0 ** (-8 * (h + 1) / H) for h in range(H)])
+    np.testing.assert_allclose(mha.alibi_slopes(H), slopes.numpy())
+    dist = (i - j).abs().to(torch.float64)
+    for given in (None, torch.tensor([0.5, 0.25, 0.1, 0.05])):
+        s = slopes if given is None else given
+        bias = -s.double().reshape(1, H, 1, 1) * dist
+        compare(lambda q, k, v: sdpa(q, k, v, alibi=True if given is None
+                                     else given),
+                lambda q, k, v: manual(q, k, v, sc, bias=bias.to(q.dtype)),
+                [q, k, v], G, "alibi %s" % given)
+    # softcap
+    compare(lambda q, k, v: sdpa(q, k, v, softcap=0.7),
+            lambda q, k, v: manual(q, k, v, sc, softcap=0.7),
+            [q, k, v], G, "softcap")
+    # sinks, with their gradient
+    sinks, = tensors(r, (H,))
+    compare(lambda q, k, v, s: sdpa(q, k, v, sinks=s),
+            lambda q, k, v, s: manual(q, k, v, sc, sinks=s),
+            [q, k, v, sinks], G, "sinks")
+
+
+def rotate_neox(x, pos, theta=10000.0):
+    """HF rotate_half RoPE of x (B, H, L, d) at positions pos (L)."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = pos.to(torch.float64).reshape(-1, 1) * inv.reshape(1, -1)
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(x.dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(x.dtype)
+    x1, x2 = x[..., :d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def test_rope():
+    r = np.random.default_rng(9)
+    B, H, Lq, Lk, d = 1, 2, 3, 6, 8
+    q, k, v = tensors(r, (B, H, Lq, d), (B, H, Lk, d), (B, H, Lk, d))
+    G, = tensors(r, (B, H, Lq, d))
+    qpos = torch.arange(Lq) + (Lk - Lq)
+    kpos = torch.arange(Lk)
+    compare(lambda q, k, v: sdpa(q, k, v, rope="neox"),
+            lambda q, k, v: manual(rotate_neox(q, qpos), rotate_neox(k, kpos),
+                                   v, 1 / math.sqrt(d)),
+            [q, k, v], G, "rope neox")
+
+
+def test_fully_masked_row_is_zero():
+    q = torch.randn(1, 2, 3, 4, requires_grad=True)
+    k = torch.randn(1, 2, 5, 4)
+    v = torch.randn(1, 2, 5, 4)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[1] = False
+    out = sdpa(q, k, v, attn_mask=mask)
+    assert (out[:, :, 1] == 0).all() and torch.isfinite(out).all()
+    out.sum().backward()
+    assert (q.grad[:, :, 1] == 0).all()
+
+
+def test_dropout_reproducible():
+    q, k, v = (torch.randn(1, 2, 6, 4) for _ in range(3))
+    torch.manual_seed(5)
+    a = sdpa(q, k, v, dropout_p=0.5)
+    torch.manual_seed(5)
+    b = sdpa(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, b)
+    assert not torch.allclose(a, sdpa(q, k, v))
+    assert torch.equal(sdpa(q, k, v, dropout_p=0.0), sdpa(q, k, v))
+
+
+BAD = [
+    ("float64", TypeError, lambda q, k, v: sdpa(q.double(), k, v)),
+    ("2-D", ValueError, lambda q, k, v: sdpa(q[0, 0], k[0, 0], v[0, 0])),
+    ("ndarray", TypeError, lambda q, k, v: sdpa(q.numpy(), k, v)),
+    ("None value", TypeError, lambda q, k, v: sdpa(q, k, None)),
+    ("head dim", ValueError, lambda q, k, v: sdpa(q, k[..., :3], v)),
+    ("gqa off", ValueError, lambda q, k, v: sdpa(q, k[:, :1], v[:, :1])),
+    ("gqa uneven", ValueError,
+     lambda q, k, v: sdpa(torch.randn(1, 3, 5, 4), k[:, :2], v[:, :2],
+                          enable_gqa=True)),
+    ("causal and mask", ValueError,
+     lambda q, k, v: sdpa(q, k, v, attn_mask=torch.ones(5, 6,
+                                                        dtype=torch.bool),
+                          is_causal=True)),
+    ("mask shape", ValueError,
+     lambda q, k, v: sdpa(q, k, v, attn_mask=torch.ones(5, 5,
+                                                        dtype=torch.bool))),
+    ("int mask", TypeError,
+     lambda q, k, v: sdpa(q, k, v, attn_mask=torch.ones(5, 6,
+                                                        dtype=torch.int64))),
+    ("NaN mask", mha.NonFiniteError,
+     lambda q, k, v: sdpa(q, k, v, attn_mask=torch.full((5, 6),
+                                                        float("nan")))),
+    ("dropout", ValueError, lambda q, k, v: sdpa(q, k, v, dropout_p=1.5)),
+    ("softcap", mha.MhaError, lambda q, k, v: sdpa(q, k, v, softcap=-1.0)),
+    ("window", TypeError, lambda q, k, v: sdpa(q, k, v, window=3)),
+    ("sinks shape", ValueError,
+     lambda q, k, v: sdpa(q, k, v, sinks=torch.zeros(3))),
+    ("rope", ValueError, lambda q, k, v: sdpa(q, k, v, rope="bogus")),
+]
+
+
+@pytest.mark.parametrize("name,exc,fn", BAD, ids=[b[0] for b in BAD])
+def test_bad_inputs(name, exc, fn):
+    q = torch.randn(1, 2, 5, 4)
+    k = torch.randn(1, 2, 6, 4)
+    v = torch.randn(1, 2, 6, 4)
+    with pytest.raises(exc):
+        fn(q, k, v)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_refused():
+    q = torch.randn(1, 2, 5, 4, device="cuda")
+    with pytest.raises(ValueError, match="CPU"):
+        sdpa(q, q, q)

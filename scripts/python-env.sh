@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Creates (once) the virtual environment of the Python package and its
+# tests at .venv/ (git-ignored), with PyTorch 2.13 (CPU), NumPy, pytest and
+# the build backend, scikit-build-core.  Idempotent: when everything is
+# already there it only checks the versions, in about a second.
+#   MHA_VENV=DIR   another place for the environment
+# Debian's python3-venv (scripts/install-deps.sh) provides `python3 -m venv`;
+# Debian's own /usr/bin/python3 and its python3-torch 1.13 are left alone.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${MHA_VENV:-$PWD/.venv}
+py="$venv/bin/python"
+
+# The versions the package and its tests are written against.
+reqs=(torch==2.13.0 "numpy>=1.24" "pytest>=7" "scikit-build-core>=0.8")
+
+if [ ! -x "$py" ]; then
+  echo "python-env: creating $venv"
+  python3 -m venv "$venv"
+fi
+if "$py" - <<'PY' 2>/dev/null
+import importlib.metadata as md, sys
+want = {"torch": "2.13.0"}
+for name in ("torch", "numpy", "pytest", "scikit_build_core"):
+    v = md.version(name.replace("_", "-"))
+    if name in want and not v.startswith(want[name]):
+        sys.exit(1)
+PY
+then
+  echo "python-env: $venv is ready"
+  exit 0
+fi
+echo "python-env: installing ${reqs[*]}"
+"$py" -m pip install --quiet "${reqs[@]}"
+echo "python-env: $venv is ready"
