@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite: installs what is needed, builds, runs every test
-# (CTest), installs the Python package into .venv and runs its tests
-# (pytest), then builds again with AddressSanitizer + UndefinedBehavior-
+# (CTest), then builds again with AddressSanitizer + UndefinedBehavior-
 # Sanitizer and runs every test again, then with ThreadSanitizer for the
 # threaded tests, then runs the C tests under valgrind.  Fails on any
 # failure or sanitizer/valgrind report.
@@ -38,14 +37,6 @@ for t in $skipped; do
 done
 [ -n "$skipped" ] || echo "skipped: none"
 [ "$bad" = 0 ] || { echo "tests were skipped that must run"; exit 1; }
-
-echo "== Python package: pip install ./python into .venv, then pytest"
-# scripts/python-env.sh makes .venv (torch 2.13, numpy, pytest,
-# scikit-build-core) once; the package builds libmha from this tree.
-bash scripts/python-env.sh
-.venv/bin/python -m pip install --quiet --no-build-isolation ./python
-(cd python && ../.venv/bin/python -P -m pytest -q -p no:cacheprovider \
-   --junitxml="$PWD/../build/pytest.xml" tests)
 
 echo "== ASan + UBSan build and tests"
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug \
