@@ -30,23 +30,9 @@ import mha as _mha
 from mha import _core
 
 from . import functional  # noqa: F401
+from .functional import _check_tensor, _np
 
 __all__ = ["MultiheadAttention", "functional"]
-
-
-def _check_tensor(t, name):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError("%s must be a torch.Tensor, not %s"
-                        % (name, type(t).__name__))
-    if t.device.type != "cpu":
-        raise ValueError("%s is on %s: mha runs on the CPU only"
-                         % (name, t.device))
-    if t.dtype != torch.float32:
-        raise TypeError("%s must be float32, got %s" % (name, t.dtype))
-
-
-def _np(t):
-    return t.detach().contiguous().numpy()
 
 
 def _torch_mask(m, name, kind_bool):

@@ -21,7 +21,8 @@ import mha as _mha
 from mha import _core
 
 
-def _check(t, name, ndim=(3, 4)):
+def _check_tensor(t, name):
+    """A float32 CPU tensor, or a TypeError / ValueError naming `name`."""
     if not isinstance(t, torch.Tensor):
         raise TypeError("%s must be a torch.Tensor, not %s"
                         % (name, type(t).__name__))
@@ -30,6 +31,10 @@ def _check(t, name, ndim=(3, 4)):
                          % (name, t.device))
     if t.dtype != torch.float32:
         raise TypeError("%s must be float32, got %s" % (name, t.dtype))
+
+
+def _check(t, name, ndim=(3, 4)):
+    _check_tensor(t, name)
     if t.dim() not in ndim:
         raise ValueError("%s must have %s dimensions, got shape %s"
                          % (name, " or ".join(map(str, ndim)),
