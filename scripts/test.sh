@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: installs what is needed, builds, runs every test
-# (CTest), then builds again with AddressSanitizer + UndefinedBehavior-
+# (CTest) and the Python package's tests (pytest, scripts/test-python.sh),
+# then builds again with AddressSanitizer + UndefinedBehavior-
 # Sanitizer and runs every test again, then with ThreadSanitizer for the
 # threaded tests, then runs the C tests under valgrind.  Fails on any
 # failure or sanitizer/valgrind report.
@@ -37,6 +38,10 @@ for t in $skipped; do
 done
 [ -n "$skipped" ] || echo "skipped: none"
 [ "$bad" = 0 ] || { echo "tests were skipped that must run"; exit 1; }
+
+# The Python package (pip install ./python into .venv, pytest), then the
+# same under ASan + UBSan.
+bash scripts/test-python.sh
 
 echo "== ASan + UBSan build and tests"
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug \

@@ -482,6 +482,50 @@ static void test_param_roundtrip(void **state)
     mha_free(m);
 }
 
+/* mha_param_data is the memory mha_param_get reads and mha_param_set
+ * writes, each parameter at its offset; a write through it is what the
+ * next forward uses. */
+static void test_param_data(void **state)
+{
+    (void)state;
+    assert_null(mha_param_data(NULL));
+    mha_module *m = make_simple(16, 4, 16, 16, 0, 1, 3);
+    float *data = mha_param_data(m);
+    assert_non_null(data);
+    for (int k = 0; k < mha_param_count(m); k++) {
+        mha_param_info info;
+        assert_int_equal(mha_param_info_at(m, k, &info), MHA_OK);
+        float *got = malloc((size_t)info.numel * sizeof(float));
+        assert_int_equal(mha_param_get(m, info.name, got, info.numel), MHA_OK);
+        assert_memory_equal(got, data + info.offset,
+                            (size_t)info.numel * sizeof(float));
+        free(got);
+    }
+    mha_param_info ob;
+    assert_int_equal(mha_param_info_by_name(m, "out_proj.bias", &ob), MHA_OK);
+    float x[2 * 16], y0[2 * 16], y1[2 * 16], y2[2 * 16];
+    uint64_t s = 7;
+    for (int i = 0; i < 2 * 16; i++)
+        x[i] = frand(&s);
+    mha_forward_args a = {.batch = 1, .q_len = 2, .query = x};
+    a.out = y0;
+    assert_int_equal(mha_forward(m, &a), MHA_OK);
+    data[ob.offset + 3] += 1.0f;           /* out_proj.bias[3] += 1 */
+    a.out = y1;
+    assert_int_equal(mha_forward(m, &a), MHA_OK);
+    for (int i = 0; i < 2; i++)
+        for (int e = 0; e < 16; e++)
+            assert_float_equal(y1[i * 16 + e],
+                               y0[i * 16 + e] + (e == 3 ? 1.0f : 0.0f), 1e-6);
+    float b[16];
+    assert_int_equal(mha_param_get(m, "out_proj.bias", b, 16), MHA_OK);
+    assert_memory_equal(b, data + ob.offset, sizeof b);
+    a.out = y2;
+    assert_int_equal(mha_forward(m, &a), MHA_OK);
+    assert_memory_equal(y1, y2, sizeof y1);
+    mha_free(m);
+}
+
 static void test_param_set_errors(void **state)
 {
     (void)state;
@@ -1453,6 +1497,7 @@ int main(void)
         cmocka_unit_test(test_table_bias_kv),
         cmocka_unit_test(test_table_lookup_errors),
         cmocka_unit_test(test_param_roundtrip),
+        cmocka_unit_test(test_param_data),
         cmocka_unit_test(test_param_set_errors),
         cmocka_unit_test(test_init_seeded),
         cmocka_unit_test(test_init_xavier_packed),

@@ -357,6 +357,15 @@ class Module:
     def reset_parameters(self, seed=0):
         self._m.reset_parameters(int(seed))
 
+    def prune_heads(self, keep):
+        """A new Module of the heads ``keep`` (distinct head indices, in
+        the order given), mha_prune_heads: the rows of the q/k/v
+        projections and the columns of out_proj.weight those heads own.
+        Its forward equals this one's with head_mask 1 on the kept heads
+        and 0 elsewhere, at len(keep)/H of the cost."""
+        return Module(0, 0, _handle=self._m.prune_heads(
+            [int(h) for h in keep]))
+
     def project(self, which, x):
         """One projection (mha_project): which = 'query' | 'key' | 'value'
         (x (rows, E|kdim|vdim) -> (rows, D or H_kv*d_h)) or 'out' (x (rows,

@@ -21,6 +21,8 @@
 #include <mha.h>
 #include <mha_io.h>
 
+#include <math.h>
+
 /* ---- errors ------------------------------------------------------------ */
 
 /* status -> exception class, filled by _set_errors() from mha._errors. */
@@ -223,6 +225,13 @@ typedef struct {
     mha_module *m;
     mha_config cfg;  /* resolved (alibi_slopes points into the module) */
     int busy;        /* forwards in flight (the GIL guards it) */
+    /* The last forward's plan (mha_plan_create), kept for the next call of
+     * the same shape so that a forward allocates nothing, as `mha bench`
+     * times it; used by one call at a time (others fall back to
+     * mha_forward), replaced when the shape changes. */
+    mha_plan *plan;
+    int64_t plan_key[5];  /* B, Lq, Lk, num_threads, cache capacity */
+    int plan_busy;
 } ModuleObject;
 
 typedef struct {
@@ -237,6 +246,7 @@ static PyTypeObject CacheType;
 
 static void module_dealloc(ModuleObject *self)
 {
+    mha_plan_free(self->plan);
     mha_free(self->m);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -250,6 +260,8 @@ static PyObject *wrap_module(mha_module *m)
     }
     o->m = m;
     o->busy = 0;
+    o->plan = NULL;
+    o->plan_busy = 0;
     if (mha_get_config(m, &o->cfg) != MHA_OK) {
         raise_status(MHA_ERR_INVALID_ARGUMENT);
         Py_DECREF(o);
@@ -527,6 +539,68 @@ static PyObject *module_total_keys(ModuleObject *self, PyObject *args)
     return PyLong_FromLongLong(mha_total_keys(self->m, kv));
 }
 
+/* prune_heads(keep): a new module of the heads keep (a sequence of
+ * distinct ints in [0, H)), mha_prune_heads. */
+static PyObject *module_prune_heads(ModuleObject *self, PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "keep must be a sequence of ints");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int64_t *keep = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *keep);
+    if (!keep) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long h = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (h == -1 && PyErr_Occurred()) {
+            PyMem_Free(keep);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        keep[i] = h;
+    }
+    Py_DECREF(seq);
+    mha_module *m = NULL;
+    mha_status st = mha_prune_heads(self->m, keep, (int64_t)n, &m);
+    PyMem_Free(keep);
+    if (st != MHA_OK)
+        return raise_status(st);
+    return wrap_module(m);
+}
+
+/* check_finite(): raises mha.NonFiniteError naming the first parameter
+ * element that is NaN or infinite (what mha_param_set refuses), for
+ * parameters written in place through the buffer (mha_param_data). */
+static PyObject *module_check_finite(ModuleObject *self, PyObject *unused)
+{
+    (void)unused;
+    const float *d = mha_param_data(self->m);
+    for (int i = 0; d && i < mha_param_count(self->m); i++) {
+        mha_param_info info;
+        if (mha_param_info_at(self->m, i, &info) != MHA_OK)
+            return raise_status(MHA_ERR_INVALID_ARGUMENT);
+        const float *p = d + info.offset;
+        for (int64_t k = 0; k < info.numel; k++) {
+            if (isfinite(p[k]))
+                continue;
+            char msg[160];
+            PyOS_snprintf(msg, sizeof msg, "parameter %s: element %lld is %g",
+                          info.name, (long long)k, (double)p[k]);
+            PyObject *cls = status_exc[MHA_ERR_NON_FINITE];
+            PyObject *args = Py_BuildValue("(si)", msg,
+                                           (int)MHA_ERR_NON_FINITE);
+            if (args) {
+                PyErr_SetObject(cls ? cls : PyExc_ValueError, args);
+                Py_DECREF(args);
+            }
+            return NULL;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *module_project(ModuleObject *self, PyObject *args)
 {
     int which;
@@ -698,13 +772,34 @@ static PyObject *module_run(ModuleObject *self, PyObject *args, PyObject *kw)
         a.attn_weights = NULL;
     }
 
+    /* A forward runs on the module's kept plan when no other call holds
+     * it: made (or remade) for this shape first. */
+    mha_plan *plan = NULL;
+    if (!backward && !self->plan_busy) {
+        int64_t key[5] = {B, Lq, Lk, threads, co ? co->cfg.capacity : 0};
+        if (!self->plan || memcmp(key, self->plan_key, sizeof key)) {
+            mha_plan_free(self->plan);
+            self->plan = NULL;
+            if (mha_plan_create(self->m, &a, &self->plan) == MHA_OK)
+                memcpy(self->plan_key, key, sizeof key);
+            else
+                self->plan = NULL;  /* mha_forward reports the error */
+        }
+        plan = self->plan;
+    }
     mha_status st;
     self->busy++;
     if (co)
         co->busy = 1;
+    if (plan)
+        self->plan_busy = 1;
     Py_BEGIN_ALLOW_THREADS
-    st = backward ? mha_backward(self->m, &a, &ba) : mha_forward(self->m, &a);
+    st = backward ? mha_backward(self->m, &a, &ba)
+       : plan     ? mha_plan_forward(plan, &a)
+                  : mha_forward(self->m, &a);
     Py_END_ALLOW_THREADS
+    if (plan)
+        self->plan_busy = 0;
     self->busy--;
     if (co)
         co->busy = 0;
@@ -731,11 +826,36 @@ static PyMethodDef module_methods[] = {
     {"reset_parameters", (PyCFunction)module_reset_parameters, METH_VARARGS,
      NULL},
     {"total_keys", (PyCFunction)module_total_keys, METH_VARARGS, NULL},
+    {"check_finite", (PyCFunction)module_check_finite, METH_NOARGS,
+     "raises NonFiniteError for a NaN or infinite parameter"},
+    {"prune_heads", (PyCFunction)module_prune_heads, METH_O,
+     "prune_heads(keep) -> new module (mha_prune_heads)"},
     {"project", (PyCFunction)module_project, METH_VARARGS,
      "project(which, x, rows, y)"},
     {"run", (PyCFunction)(void (*)(void))module_run,
      METH_VARARGS | METH_KEYWORDS, "forward, or backward with grad_out"},
     {NULL, NULL, 0, NULL}};
+
+/* The buffer protocol: the module's parameter memory (mha_param_data),
+ * writable bytes, so that np.frombuffer(core, np.float32) views every
+ * parameter without a copy; the view holds a reference to the module. */
+static int module_getbuffer(ModuleObject *self, Py_buffer *view, int flags)
+{
+    float *data = mha_param_data(self->m);
+    int64_t n = mha_param_numel(self->m);
+    if (!data || n < 0) {
+        PyErr_SetString(PyExc_BufferError, "module has no parameters");
+        view->obj = NULL;
+        return -1;
+    }
+    return PyBuffer_FillInfo(view, (PyObject *)self, data,
+                             (Py_ssize_t)n * (Py_ssize_t)sizeof(float), 0,
+                             flags);
+}
+
+static PyBufferProcs module_as_buffer = {
+    .bf_getbuffer = (getbufferproc)module_getbuffer,
+};
 
 static PyTypeObject ModuleType = {
     PyVarObject_HEAD_INIT(NULL, 0)
@@ -745,6 +865,7 @@ static PyTypeObject ModuleType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "a libmha module (mha_module *); made by module_create/load",
     .tp_methods = module_methods,
+    .tp_as_buffer = &module_as_buffer,
 };
 
 /* ---- the KV cache ------------------------------------------------------ */

@@ -8,6 +8,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 import mha
 import mha.nn as mnn
@@ -330,6 +331,52 @@ def test_parameters_follow_in_place_changes():
                                atol=1e-6)
 
 
+def test_parameters_are_libmha_memory_and_every_change_is_seen():
+    """The parameters are views of the libmha module's memory: writes that
+    bypass autograd's version counters (.data) are seen too; a parameter
+    replaced by another tensor is copied in; NaN written in place after
+    the first call is refused; a first call under inference_mode leaves
+    ordinary parameters; a changed dropout keeps the values."""
+    torch.manual_seed(5)
+    t = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    ours = mnn.MultiheadAttention(8, 2, batch_first=True)
+    ours.load_state_dict(t.state_dict())
+    x = torch.randn(1, 4, 8)
+
+    def same():
+        torch.testing.assert_close(ours(x, x, x)[0], t(x, x, x)[0],
+                                   rtol=1e-5, atol=1e-6)
+    with torch.inference_mode():
+        ours(x, x, x)
+    same()
+    for p in (t.in_proj_weight, ours.in_proj_weight):
+        p.data[3:5] *= -2.0                       # no version bump
+    same()
+    new_b = torch.randn(8)
+    t.out_proj.bias = nn.Parameter(new_b.clone())
+    ours.out_proj.bias = nn.Parameter(new_b.clone())
+    same()
+    with torch.no_grad():                           # the copy path follows
+        t.out_proj.bias.add_(1.0)
+        ours.out_proj.bias.add_(1.0)
+    same()
+    ours.dropout = 0.25                             # a new libmha module
+    ours.eval()
+    same()
+    with torch.no_grad():
+        ours.in_proj_weight[1, 2] = float("inf")
+    with pytest.raises(mha.NonFiniteError, match="in_proj_weight"):
+        ours(x, x, x)
+    with torch.no_grad():
+        ours.in_proj_weight[1, 2] = 0.0
+        t.in_proj_weight[1, 2] = 0.0
+    same()
+    # the state_dict's tensors outlive the module safely
+    sd = ours.state_dict()
+    del ours
+    t.load_state_dict(sd)
+
+
 BAD = [
     ("float64 query", TypeError,
      lambda m, x: m(x.double(), x.double(), x.double())),
@@ -379,9 +426,12 @@ def test_bad_construction_and_parameters():
         m2(x, x, x)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_cuda_tensor_refused():
+def test_non_cpu_tensor_refused():
+    # "meta" tensors have a device and no data: the check must come first
     m = mnn.MultiheadAttention(8, 2, batch_first=True)
-    x = torch.randn(1, 3, 8, device="cuda")
+    x = torch.randn(1, 3, 8, device="meta")
     with pytest.raises(ValueError, match="CPU"):
         m(x, x, x)
+    y = torch.randn(1, 3, 8)
+    with pytest.raises(ValueError, match="CPU"):
+        m(y, x, x)

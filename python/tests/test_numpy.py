@@ -301,3 +301,26 @@ def test_non_contiguous_is_copied_not_misread(rng):
     xt = x.transpose(0, 2, 1)            # (3, 2, 8), not contiguous
     np.testing.assert_array_equal(m.forward(xt),
                                   m.forward(np.ascontiguousarray(xt)))
+
+
+def test_prune_heads_equals_head_mask(rng):
+    m = mha.Module(24, 4, seed=2)
+    randomize(m, rng)
+    x = f32(rng, 2, 5, 24)
+    keep = [3, 0]
+    p = m.prune_heads(keep)
+    assert p.num_heads == 2 and p.head_dim == m.head_dim
+    mask = np.zeros(4, np.float32)
+    mask[keep] = 1
+    want = m.forward(x, head_mask=mask)
+    np.testing.assert_allclose(p.forward(x), want, rtol=0, atol=1e-5)
+    assert np.abs(want - m.forward(x)).max() > 1e-2  # the mask mattered
+    # the kept heads' weights, in the order given
+    _, w = m.forward(x, need_weights="per_head")
+    _, wp = p.forward(x, need_weights="per_head")
+    np.testing.assert_allclose(wp, w[:, keep], atol=1e-6)
+    for bad in ([], [0, 0], [4], [-1]):
+        with pytest.raises(mha.MhaError):
+            m.prune_heads(bad)
+    with pytest.raises(TypeError):
+        m.prune_heads(3)

@@ -237,8 +237,10 @@ def test_bad_inputs(name, exc, fn):
         fn(q, k, v)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_cuda_refused():
-    q = torch.randn(1, 2, 5, 4, device="cuda")
-    with pytest.raises(ValueError, match="CPU"):
-        sdpa(q, q, q)
+def test_non_cpu_refused():
+    # "meta" tensors have a device and no data: the check must come first
+    q = torch.randn(1, 2, 5, 4, device="meta")
+    c = torch.randn(1, 2, 5, 4)
+    for args in ((q, q, q), (c, q, c), (c, c, q)):
+        with pytest.raises(ValueError, match="CPU"):
+            sdpa(*args)

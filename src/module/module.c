@@ -395,6 +395,11 @@ mha_status mha_param_get(const mha_module *m, const char *name, float *dst,
     return MHA_OK;
 }
 
+float *mha_param_data(mha_module *m)
+{
+    return m ? m->params : NULL;
+}
+
 mha_status mha_param_set(mha_module *m, const char *name, const float *src,
                          int64_t numel)
 {

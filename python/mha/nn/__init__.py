@@ -52,27 +52,39 @@ def _torch_mask(m, name, kind_bool):
                     "got %s" % (name, m.dtype))
 
 
+def _check_param(name, p):
+    if p.dtype != torch.float32 or p.device.type != "cpu":
+        raise TypeError("parameter %s must be a float32 CPU tensor, got %s "
+                        "on %s" % (name, p.dtype, p.device))
+
+
+def _run_forward(owner, kw, q, k, v, params):
+    """libmha's forward on the (batch-first, float32) tensors: (out, w)
+    as arrays, w None without need_weights."""
+    core = owner._core_module()
+    owner._sync(core, params)
+    B, Lq = q.shape[0], q.shape[1]
+    out = np.empty((B, Lq, owner.embed_dim), np.float32)
+    w = None
+    if kw["need_weights"]:
+        lkt = core.total_keys(kw["kv_len"] or Lq)
+        w = np.empty((B, Lq, lkt) if kw["need_weights"] == 1
+                     else (B, owner.num_heads, Lq, lkt), np.float32)
+    core.run(query=_np(q), key=None if k is None else _np(k),
+             value=None if v is None else _np(v), out=out,
+             attn_weights=w, **kw)
+    return out, w
+
+
 class _MHAFunction(torch.autograd.Function):
     """Inputs: query, key, value (batch first, float32), then every
-    parameter in libmha's (state_dict) order.  The libmha module receives
-    the parameters on every forward and again on every backward, so the
-    result follows optimizer steps and in-place changes."""
+    parameter in libmha's (state_dict) order.  The parameters are views of
+    the libmha module's memory (MultiheadAttention._link), so forward and
+    backward compute with them as they are at each call."""
 
     @staticmethod
     def forward(ctx, owner, kw, q, k, v, *params):
-        core = owner._core_module()
-        owner._load_params(core, params)
-        B, Lq = q.shape[0], q.shape[1]
-        out = np.empty((B, Lq, owner.embed_dim), np.float32)
-        w = None
-        if kw["need_weights"]:
-            lkt = core.total_keys(kw["kv_len"] or Lq)
-            w = np.empty((B, Lq, lkt) if kw["need_weights"] == 1
-                         else (B, owner.num_heads, Lq, lkt), np.float32)
-        self_attn = k is None
-        core.run(query=_np(q), key=None if self_attn else _np(k),
-                 value=None if v is None else _np(v), out=out,
-                 attn_weights=w, **kw)
+        out, w = _run_forward(owner, kw, q, k, v, params)
         ctx.owner = owner
         ctx.kw = dict(kw, need_weights=0)
         ctx.save_for_backward(q, k, v, *params)
@@ -91,7 +103,7 @@ class _MHAFunction(torch.autograd.Function):
             return tuple(nones)
         owner = ctx.owner
         core = owner._core_module()
-        owner._load_params(core, params)
+        owner._sync(core, params)
         need = ctx.needs_input_grad
         gq = np.empty(q.shape, np.float32) if need[2] else None
         gk = (np.empty(k.shape, np.float32)
@@ -181,8 +193,8 @@ class MultiheadAttention(nn.Module):
         else:
             self.bias_k = self.bias_v = None
         self.add_zero_attn = add_zero_attn
-        self._core = None
-        self._core_key = None
+        self._core = self._core_key = None
+        self._paths = self._ptrs = self._stamp = None
         self._reset_parameters()
 
     def _reset_parameters(self):
@@ -202,35 +214,75 @@ class MultiheadAttention(nn.Module):
 
     # -- the libmha module behind it --
     def _core_module(self):
+        """The libmha module, made at the first call (and again when
+        dropout or add_zero_attn change), its parameters then linked."""
         key = (float(self.dropout), bool(self.add_zero_attn))
         if self._core is None or self._core_key != key:
-            self._core = _core.module_create(
+            core = _core.module_create(
                 embed_dim=self.embed_dim, num_heads=self.num_heads,
                 kdim=self.kdim, vdim=self.vdim,
                 bias=self.in_proj_bias is not None,
                 add_bias_kv=self.bias_k is not None,
                 add_zero_attn=bool(self.add_zero_attn),
                 dropout=float(self.dropout))
-            self._core_key = key
+            self._paths = [tuple(name.rsplit(".", 1)) if "." in name
+                           else ("", name) for name, *_ in core.params()]
+            self._link(core)
+            self._core, self._core_key = core, key
         return self._core
 
     def _param_list(self):
         """The parameters in libmha's order (= torch's state_dict order)."""
-        named = dict(self.named_parameters())
-        return [named[name] for name, *_ in self._core_module().params()]
+        self._core_module()
+        return [(getattr(self, m) if m else self)._parameters[n]
+                for m, n in self._paths]
 
-    @staticmethod
-    def _load_params(core, params):
-        for (name, *_), p in zip(core.params(), params):
-            if p.dtype != torch.float32 or p.device.type != "cpu":
-                raise TypeError("parameter %s must be a float32 CPU tensor, "
-                                "got %s on %s" % (name, p.dtype, p.device))
-            core.param_set(name, _np(p))
+    def _link(self, core):
+        """Makes every parameter a view of the libmha module's parameter
+        memory (mha_param_data, exported as a buffer), its values copied in
+        once: from then on forward and backward read the parameters where
+        they are, and every in-place change (optimizer steps,
+        load_state_dict, writes through .data) is what libmha computes
+        with, with no copy per call.  A parameter later replaced by
+        another tensor is copied in on each call instead (_sync)."""
+        buf = np.frombuffer(core, dtype=np.float32)
+        ptrs = []
+        params = [(getattr(self, m) if m else self)._parameters[n]
+                  for m, n in self._paths]
+        # (the first call may come under torch.inference_mode(), as
+        # sentence-transformers' encode runs: the views must be ordinary
+        # tensors, or the parameters could not change in place later)
+        with torch.inference_mode(False):
+            for (name, shape, numel, off), p in zip(core.params(), params):
+                _check_param(name, p)
+                core.param_set(name, _np(p))       # refuses NaN / Inf
+                p.data = torch.from_numpy(
+                    buf[off:off + numel].reshape(shape))
+                ptrs.append(p.data_ptr())
+        self._ptrs = ptrs
+        self._stamp = tuple(p._version for p in params)
+
+    def _sync(self, core, params):
+        """Before a call: a parameter that is no longer the linked view is
+        copied in (with mha_param_set's checks); the linked ones, if any
+        changed in place since the last check (a version counter moved),
+        are checked for NaN / Inf."""
+        moved = [i for i, (p, ptr) in enumerate(zip(params, self._ptrs))
+                 if p.data_ptr() != ptr]
+        if moved:
+            info = core.params()
+            for i in moved:
+                _check_param(info[i][0], params[i])
+                core.param_set(info[i][0], _np(params[i]))
+        stamp = tuple(p._version for p in params)
+        if stamp != self._stamp:
+            core.check_finite()
+            self._stamp = stamp
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_core"] = None
-        state["_core_key"] = None
+        for k in ("_core", "_core_key", "_paths", "_ptrs", "_stamp"):
+            state[k] = None
         return state
 
     def __setstate__(self, state):
@@ -322,7 +374,16 @@ class MultiheadAttention(nn.Module):
             ins = (q, k, None)
         else:
             ins = (q, k, v)
-        out, w = _MHAFunction.apply(self, kw, *ins, *self._param_list())
+        params = self._param_list()
+        if torch.is_grad_enabled() and (
+                any(t is not None and t.requires_grad for t in ins) or
+                any(p.requires_grad for p in params)):
+            out, w = _MHAFunction.apply(self, kw, *ins, *params)
+        else:
+            # nothing to differentiate: no autograd node, the same call
+            out, w = _run_forward(self, kw, *ins, params)
+            out = torch.from_numpy(out)
+            w = None if w is None else torch.from_numpy(w)
         if not batched:
             out = out[0]
             w = None if w is None else w[0]
