@@ -84,6 +84,9 @@ def c_bench(kind, B, L, E, H, warmup, repeat):
            str(warmup), "--json"]
     if kind == "attention":
         cmd.append("--attention-only")
+    # this process's OpenMP pools (libmha's and torch's) spin for a while
+    # after their last work: let them sleep before the C run takes the cores
+    time.sleep(0.2)
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     j = json.loads(out.stdout)
     return float(j["median_ms"])

@@ -17,7 +17,11 @@ Where it differs from torch:
   - is_causal without an attn_mask applies the causal mask (torch
     requires the mask as well); with one, the mask is used as given;
   - masks are constants: a float attn_mask gets no gradient;
-  - parameters must be finite (NaN or Inf raises mha.NonFiniteError).
+  - parameters must be finite (NaN or Inf raises mha.NonFiniteError,
+    except written through .data, which gives NaN as torch would);
+  - the parameters are views of the libmha module's memory from the first
+    call on (no copies per call; see docs/semantics.md, "The Python
+    package").
 Importing this module imports torch; ``import mha`` alone does not.
 """
 import math
