@@ -576,6 +576,30 @@ MHA_API mha_status mha_attention_backward(const mha_attention_args *args,
                                           const mha_attention_grads *grads);
 
 /*
+ * The backward of one part of a split-key problem (the keys cut into parts
+ * whose results mha_attention_merge joins: chunks of a long sequence, the
+ * blocks of ring attention).  `args` is the part as its forward computed
+ * it (q and the part's k, v, masks, causal, modifiers; lse and weights are
+ * ignored); `lse` (B, H, Lq) is each row's log-sum-exp over ALL parts and
+ * `out` (B, Lq, H*d_h) the output merged over all parts, as
+ * mha_attention_merge returns them.  With P = exp(s - lse) on the part's
+ * keys and delta = rowsum(dO * out) (float64), writes (overwrites)
+ *     grad_q              this part's share of dL/dq: the shares of all
+ *                         parts sum to dL/dq
+ *     grad_k, grad_v      dL/dk, dL/dv of the part's keys through these
+ *                         query rows
+ * The gradients of a row with lse -INFINITY are zero.  No sinks, no cache;
+ * dropout, as the forward drew it, keyed by the part's own indices.  The
+ * part's forward runs again inside (for its packing), so a part costs
+ * about 1.5x a plain backward of its size.  Bitwise the same for every
+ * num_threads.
+ */
+MHA_API mha_status mha_attention_backward_part(const mha_attention_args *args,
+                                               const float *lse,
+                                               const float *out,
+                                               const mha_attention_grads *grads);
+
+/*
  * The merge of partial attention results: when the keys of a problem are
  * split into parts (chunks of a long sequence, ranks of a ring, a cache and
  * new tokens) and each part's attention is computed apart with its lse,

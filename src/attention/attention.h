@@ -257,6 +257,14 @@ typedef struct mha_attn_grad {
     float *dsinks;   /* [B][H], or NULL: dL/d sinks[h] of each (b, h),
                         summed over b by the caller (with sinks)       */
     float *packed;   /* the backward layout's packed K and V */
+    /* A part of a split-key problem (mha_attention_backward_part), or
+     * NULL / NULL: each row's statistics over ALL parts, [B][H][Lq].
+     * row_lse: the global log-sum-exp (the flash tiers read it through
+     * the stats, set to (lse, 1) by the caller; the ref tier here);
+     * row_delta: delta_i = dO_i . out_i in float64, used in place of the
+     * sum over this part's keys. */
+    const float *row_lse;
+    const double *row_delta;
 } mha_attn_grad;
 
 /* One work item per (b, g), each computed by one thread in a fixed order

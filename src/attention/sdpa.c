@@ -535,9 +535,14 @@ static mha_status check_saved(const mha_attention_plan *p,
     return MHA_OK;
 }
 
-mha_status mha_attention_plan_backward(mha_attention_plan *p,
-                                       const mha_attention_args *a,
-                                       const mha_attention_grads *g)
+/* The plan's backward; row_lse / row_delta ([B][H][Lq], both or
+ * neither): a part of a split-key problem (mha_attention_backward_part),
+ * whose stats the caller has set to (lse, 1). */
+static mha_status plan_backward(mha_attention_plan *p,
+                                const mha_attention_args *a,
+                                const mha_attention_grads *g,
+                                const float *row_lse,
+                                const double *row_delta)
 {
     if (!p)
         return mha_set_error(MHA_ERR_NULL_POINTER, "plan is NULL");
@@ -590,7 +595,8 @@ mha_status mha_attention_plan_backward(mha_attention_plan *p,
         .dctx = g->grad_out, .lddc = s->E, .dq = g->grad_q, .dk = g->grad_k,
         .dv = g->grad_v, .lddq = s->E, .lddk = s->Ekv, .lddv = s->Ekv,
         .dsinks = a->sinks ? p->dsinks : NULL,
-        .packed = p->bws + p->blay.packed};
+        .packed = p->bws + p->blay.packed, .row_lse = row_lse,
+        .row_delta = row_delta};
     mha_attn_backward(&p->eng, &at, &ag, p->bws + p->blay.scratch,
                       p->blay.per_thread);
     if (a->mods.rope.style != MHA_ROPE_NONE)
@@ -603,6 +609,13 @@ mha_status mha_attention_plan_backward(mha_attention_plan *p,
         g->grad_sinks[h] = (float)sum;
     }
     return MHA_OK;
+}
+
+mha_status mha_attention_plan_backward(mha_attention_plan *p,
+                                       const mha_attention_args *a,
+                                       const mha_attention_grads *g)
+{
+    return plan_backward(p, a, g, NULL, NULL);
 }
 
 mha_status mha_attention(const mha_attention_args *a)
@@ -633,6 +646,93 @@ mha_status mha_attention_backward(const mha_attention_args *a,
         st = mha_attention_plan_run(p, &f);
     if (st == MHA_OK)
         st = mha_attention_plan_backward(p, &f, g);
+    free(f.out);
+    mha_attention_plan_free(p);
+    return st;
+}
+
+/*
+ * One part of a split-key problem: the part's forward runs as
+ * mha_attention would (for its packed K/V), then its row stats are
+ * replaced by (global lse, 1), so P = exp(s - lse) is the global
+ * probability, and delta = dO . out (the merged output) is the whole
+ * row's, in float64 in the order of d.
+ */
+mha_status mha_attention_backward_part(const mha_attention_args *a,
+                                       const float *lse, const float *out,
+                                       const mha_attention_grads *g)
+{
+    if (!a)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "attention args are NULL");
+    if (!g)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "gradient args are NULL");
+    if (!lse || !out)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
+                             !lse ? "lse (the rows' log-sum-exp over all "
+                                    "parts)"
+                                  : "out (the output merged over all parts)");
+    if (!g->grad_out)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "grad_out is NULL");
+    if (a->sinks || g->grad_sinks)
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "a part's backward takes no sinks (a sink "
+                             "belongs to no part of the keys)");
+    if (a->cache)
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "a part's backward takes no KV cache (a cached "
+                             "forward has no backward)");
+    mha_attention_args f = *a;
+    f.need_weights = MHA_WEIGHTS_NONE;
+    f.attn_weights = NULL;
+    f.lse = NULL;
+    mha_attention_plan *p;
+    MHA_CHECK(mha_attention_plan_create(&f, &p));
+    const sdpa_shape *s = &p->shape;
+    const int64_t rows = s->B * s->H * s->Lq;
+    for (int64_t r = 0; r < rows; r++)
+        if (lse[r] != lse[r] || lse[r] == INFINITY) {
+            mha_attention_plan_free(p);
+            return mha_set_error(MHA_ERR_NON_FINITE,
+                                 "lse[%lld] is %s: a row's log-sum-exp must "
+                                 "be finite or -inf (no key)",
+                                 (long long)r, lse[r] != lse[r] ? "NaN"
+                                                                : "+inf");
+        }
+    f.out = mha_alloc_floats(s->n_q, "the part's forward output");
+    double *delta = malloc((size_t)rows * sizeof *delta);
+    mha_status st = MHA_OK;
+    if (!f.out || !delta)
+        st = mha_set_error(MHA_ERR_OUT_OF_MEMORY,
+                           "out of memory for a part's backward (%lld "
+                           "floats)", (long long)(s->n_q + 2 * rows));
+    if (st == MHA_OK) {
+        const span outs[3] = {{"grad_q", g->grad_q, s->n_q},
+                              {"grad_k", g->grad_k, s->n_kv},
+                              {"grad_v", g->grad_v, s->n_kv}};
+        const span ins[2] = {{"lse", lse, rows}, {"out", out, s->n_q}};
+        st = check_disjoint(outs, 3, ins, 2);
+    }
+    if (st == MHA_OK)
+        st = mha_attention_plan_run(p, &f);
+    if (st == MHA_OK) {
+        float *stats = p->ws + p->lay.stats;
+        for (int64_t b = 0; b < s->B; b++)
+            for (int64_t h = 0; h < s->H; h++)
+                for (int64_t i = 0; i < s->Lq; i++) {
+                    const int64_t r = (b * s->H + h) * s->Lq + i;
+                    const float *o = out + (b * s->Lq + i) * s->E + h * s->dh;
+                    const float *d = g->grad_out + (b * s->Lq + i) * s->E +
+                                     h * s->dh;
+                    double sum = 0.0;
+                    for (int64_t x = 0; x < s->dh; x++)
+                        sum += (double)d[x] * o[x];
+                    delta[r] = sum;
+                    stats[2 * r] = lse[r];
+                    stats[2 * r + 1] = lse[r] == -INFINITY ? 0.0f : 1.0f;
+                }
+        st = plan_backward(p, &f, g, lse, delta);
+    }
+    free(delta);
     free(f.out);
     mha_attention_plan_free(p);
     return st;
