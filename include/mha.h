@@ -100,7 +100,9 @@ typedef enum mha_status {
     MHA_ERR_NON_FINITE = 8,       /* NaN or Inf where a finite value is due  */
     MHA_ERR_IO = 9,               /* reading or writing a file failed        */
     MHA_ERR_FORMAT = 10,          /* a file is malformed                     */
-    MHA_ERR_UNSUPPORTED = 11      /* valid, but not supported by this build  */
+    MHA_ERR_UNSUPPORTED = 11,     /* valid, but not supported by this build  */
+    MHA_ERR_COMM = 12             /* communication between processes failed
+                                     (libmha_mpi: an MPI call, a lost peer)  */
 } mha_status;
 
 /* A short constant description of a status ("shape mismatch"). */
@@ -113,6 +115,13 @@ MHA_API const char *mha_status_string(mha_status status);
  * The pointer is thread-local and valid until the next call on this thread.
  */
 MHA_API const char *mha_last_error(void);
+
+/*
+ * For libraries layered on libmha (libmha_mpi): records `message` as the
+ * message mha_last_error() returns on this thread (truncated to 511
+ * bytes) and returns `status`, so one message store serves them all.
+ */
+MHA_API mha_status mha_error_set(mha_status status, const char *message);
 
 /* ------------------------------------------------------------------------ */
 /* Positions and score modifiers (docs/semantics.md, "Score modifiers")     */
