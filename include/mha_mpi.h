@@ -135,6 +135,24 @@ typedef struct mha_ring_grads {
 MHA_API mha_status mha_ring_attention_backward(const mha_ring_args *args,
                                                const mha_ring_grads *grads);
 
+/*
+ * Ulysses (DeepSpeed-Ulysses), the second strategy, for num_heads and
+ * num_kv_heads both multiples of P: an all-to-all turns the sequence
+ * split into a head split (each rank then holds all L tokens of H / P
+ * query heads and H_kv / P K/V heads), mha_attention runs locally, and an
+ * all-to-all turns the output (and lse) back into this rank's shard.
+ * Same arguments and results as the ring; each (batch, head) is computed
+ * as one process computes it, so out and lse are bitwise the single-
+ * process mha_attention's, for every P.  Per rank: memory O(B L E / P),
+ * all-to-alls of about (P - 1) / P of the shard per tensor (q, k, v
+ * and out forward; q, k, v, dO, dq, dk, dv backward), not overlapped with
+ * compute.  The backward runs mha_attention_backward on the local heads
+ * (it recomputes the forward; out and lse are not read).
+ */
+MHA_API mha_status mha_ulysses_attention(const mha_ring_args *args);
+MHA_API mha_status mha_ulysses_attention_backward(const mha_ring_args *args,
+                                                  const mha_ring_grads *grads);
+
 #ifdef __cplusplus
 }
 #endif

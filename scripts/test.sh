@@ -59,6 +59,13 @@ TSAN_OPTIONS=ignore_noninstrumented_modules=1:halt_on_error=1 OMP_NUM_THREADS=4 
 echo "== valgrind (memcheck) on the C tests"
 for t in build/tests/test_*; do
   [ -x "$t" ] || continue
+  # test_mpi_ring runs under mpirun (release and ASan stages); Open MPI's
+  # own start-up (shared memory, hwloc, its progress thread) is not
+  # valgrind-clean, so memcheck would report MPI, not libmha_mpi.
+  if [[ $t == */test_mpi_* ]]; then
+    echo "valgrind: $t skipped (Open MPI under memcheck; see docs/TESTING.md)"
+    continue
+  fi
   OPENBLAS_NUM_THREADS=1 MHA_FIXTURES="$PWD/tests/fixtures" \
     valgrind --quiet --error-exitcode=99 --leak-check=full \
     --errors-for-leak-kinds=definite,indirect "$t" >/dev/null ||

@@ -66,6 +66,9 @@ static const tcase CASES[] = {
     {"MQA 3/1", 1, 3, 1, 16, 64, 0, 0, 0.0f},
     {"softcap", 1, 2, 2, 8, 19, 0, 0, 4.0f},
     {"short: L = 5 (empty pieces)", 2, 2, 1, 4, 5, 0, 1, 0.0f},
+    {"long: L = 301 (pieces of several tiles)", 1, 2, 2, 32, 301, 0, 1, 0.0f},
+    {"12 heads, 6 K/V heads (Ulysses for every P)", 1, 12, 6, 4, 23, 0, 1,
+     0.0f},
 };
 
 /* ---- the float64 reference (and its naive float32 twin) ------------------ */
@@ -263,7 +266,7 @@ typedef struct result {
 static int run_ring(const tcase *c, mha_seq_split split, int causal,
                     const int64_t *len, const float *q, const float *k,
                     const float *v, const float *go, int threads,
-                    const mha_shard *s, result *r)
+                    const mha_shard *s, result *r, int ulysses)
 {
     const int64_t E = c->H * c->dh, Ekv = c->Hkv * c->dh;
     r->out = calloc((size_t)(c->B * s->len * E) + 1, 4);
@@ -289,13 +292,15 @@ static int run_ring(const tcase *c, mha_seq_split split, int causal,
     a.out = r->out;
     a.lse = r->lse;
     a.stats = &r->fs;
-    mha_status st = mha_ring_attention(&a);
+    mha_status st = ulysses ? mha_ulysses_attention(&a)
+                            : mha_ring_attention(&a);
     CHECK(st == MHA_OK, "%s: forward: %s", c->name, mha_last_error());
     if (st != MHA_OK)
         return 0;
     const mha_ring_grads g = {go, r->dq, r->dk, r->dv};
     a.stats = &r->bs;
-    st = mha_ring_attention_backward(&a, &g);
+    st = ulysses ? mha_ulysses_attention_backward(&a, &g)
+                 : mha_ring_attention_backward(&a, &g);
     CHECK(st == MHA_OK, "%s: backward: %s", c->name, mha_last_error());
     return st == MHA_OK;
 }
@@ -342,7 +347,7 @@ static void test_case(const tcase *c, mha_seq_split split, int causal)
     memset(&r1, 0, sizeof r1);
     memset(&r2, 0, sizeof r2);
     memset(&r3, 0, sizeof r3);
-    if (!run_ring(c, split, causal, len, sq, sk, sv, sg, 1, &s, &r1))
+    if (!run_ring(c, split, causal, len, sq, sk, sv, sg, 1, &s, &r1, 0))
         goto out;
 
     /* The float64 reference and the naive float32 error. */
@@ -389,6 +394,7 @@ static void test_case(const tcase *c, mha_seq_split split, int causal)
     {
         float *so = malloc((size_t)nq * 4), *sdq = malloc((size_t)nq * 4);
         float *sdk = malloc((size_t)nk * 4), *sdv = malloc((size_t)nk * 4);
+        float *slse = malloc((size_t)rows * 4);
         mha_attention_args a = {0};
         a.batch = c->B;
         a.num_heads = c->H;
@@ -402,6 +408,7 @@ static void test_case(const tcase *c, mha_seq_split split, int causal)
         a.key_lengths = len;
         a.mods.softcap = c->softcap;
         a.out = so;
+        a.lse = slse;
         const mha_attention_grads g = {go, sdq, sdk, sdv, NULL};
         CHECK(mha_attention(&a) == MHA_OK &&
               mha_attention_backward(&a, &g) == MHA_OK, "%s: single: %s",
@@ -426,12 +433,51 @@ static void test_case(const tcase *c, mha_seq_split split, int causal)
         CHECK(err <= 1e-4 * (1 + mx), "%s: dv vs single process %.3g", name,
               err);
         free(w);
-        free(so); free(sdq); free(sdk); free(sdv);
+        /* Ulysses, where the heads split: bitwise the single process. */
+        if (c->H % g_P == 0 && c->Hkv % g_P == 0) {
+            result u;
+            memset(&u, 0, sizeof u);
+            if (run_ring(c, split, causal, len, sq, sk, sv, sg, 1, &s, &u,
+                         1)) {
+                float *t = malloc((size_t)(c->B * s.len * E) * 4 + 4);
+                float *tl = malloc((size_t)(c->B * c->H * s.len) * 4 + 4);
+                take(t, so, &s, c->B, L, E);
+                CHECK(!memcmp(t, u.out, (size_t)(c->B * s.len * E) * 4),
+                      "%s: Ulysses out differs from the single process",
+                      name);
+                for (int64_t bh = 0; bh < c->B * c->H; bh++)
+                    for (int64_t x = 0; x < s.len; x++)
+                        tl[bh * s.len + x] = slse[bh * L + global_row(&s, x)];
+                CHECK(!memcmp(tl, u.lse, (size_t)(c->B * c->H * s.len) * 4),
+                      "%s: Ulysses lse differs from the single process",
+                      name);
+                take(t, sdq, &s, c->B, L, E);
+                CHECK(!memcmp(t, u.dq, (size_t)(c->B * s.len * E) * 4),
+                      "%s: Ulysses dq differs from the single process", name);
+                take(t, sdk, &s, c->B, L, Ekv);
+                CHECK(!memcmp(t, u.dk, (size_t)(c->B * s.len * Ekv) * 4),
+                      "%s: Ulysses dk differs from the single process", name);
+                take(t, sdv, &s, c->B, L, Ekv);
+                CHECK(!memcmp(t, u.dv, (size_t)(c->B * s.len * Ekv) * 4),
+                      "%s: Ulysses dv differs from the single process", name);
+                /* all-to-alls: forward q, k, v, out, lse; backward q, k,
+                 * v, dO, dq, dk, dv: P - 1 messages each */
+                CHECK(u.fs.messages_sent == 5 * (g_P - 1) &&
+                          u.bs.messages_sent == 7 * (g_P - 1),
+                      "%s: Ulysses sent %lld + %lld messages", name,
+                      (long long)u.fs.messages_sent,
+                      (long long)u.bs.messages_sent);
+                free(t);
+                free(tl);
+            }
+            free_result(&u);
+        }
+        free(so); free(sdq); free(sdk); free(sdv); free(slse);
     }
 
     /* Run to run, and on 2 threads: the same bits. */
-    if (run_ring(c, split, causal, len, sq, sk, sv, sg, 1, &s, &r2) &&
-        run_ring(c, split, causal, len, sq, sk, sv, sg, 2, &s, &r3)) {
+    if (run_ring(c, split, causal, len, sq, sk, sv, sg, 1, &s, &r2, 0) &&
+        run_ring(c, split, causal, len, sq, sk, sv, sg, 2, &s, &r3, 0)) {
         const size_t bq = (size_t)(c->B * s.len * E) * 4;
         const size_t bk = (size_t)(c->B * s.len * Ekv) * 4;
         const size_t bl = (size_t)(c->B * c->H * s.len) * 4;
@@ -577,6 +623,14 @@ static void test_refusals(void)
                                                                         &gr);
         expect_all("forward against backward", st, MHA_ERR_INVALID_ARGUMENT,
                    "disagree on the call");
+    }
+    /* Ulysses needs heads that split over the ranks. */
+    if (g_P > 2) {
+        char uw[128];
+        snprintf(uw, sizeof uw, "must both be multiples of the rank count %d",
+                 g_P);
+        expect_all("Ulysses with 2 heads", mha_ulysses_attention(&a),
+                   MHA_ERR_UNSUPPORTED, uw);
     }
     /* A good call still works after the refusals. */
     CHECK(mha_ring_attention(&a) == MHA_OK, "after refusals: %s",

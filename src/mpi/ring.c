@@ -21,324 +21,11 @@
  * visible (the keys end before the queries start), the same chunk (top-
  * left causal on it) or wholly hidden (skipped, no work).
  */
-#include "mha_mpi.h"
+#include "common.h"
 
-#include <limits.h>
 #include <math.h>
-#include <stdarg.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* ---- errors ---------------------------------------------------------------- */
-
-static mha_status fail(mha_status st, const char *fmt, ...)
-{
-    char msg[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    return mha_error_set(st, msg);
-}
-
-static mha_status mpi_fail(int rc, const char *what)
-{
-    char s[MPI_MAX_ERROR_STRING];
-    int n = 0;
-    if (MPI_Error_string(rc, s, &n) != MPI_SUCCESS)
-        snprintf(s, sizeof s, "MPI error %d", rc);
-    return fail(MHA_ERR_COMM, "%s failed: %s", what, s);
-}
-
-#define MHA_STATUS_CHECK(expr)                     \
-    do {                                           \
-        const mha_status s_ = (expr);              \
-        if (s_ != MHA_OK)                          \
-            return s_;                             \
-    } while (0)
-
-#define MPI_TRY(call, what)                        \
-    do {                                           \
-        const int rc_ = (call);                    \
-        if (rc_ != MPI_SUCCESS) {                  \
-            st = mpi_fail(rc_, what);              \
-            goto done;                             \
-        }                                          \
-    } while (0)
-
-/* ---- shards ---------------------------------------------------------------- */
-
-static void chunk(int64_t L, int64_t n, int64_t c, int64_t *off, int64_t *len)
-{
-    const int64_t base = L / n, extra = L % n;
-    *len = base + (c < extra ? 1 : 0);
-    *off = c * base + (c < extra ? c : extra);
-}
-
-mha_status mha_shard_of(mha_seq_split split, int64_t L, int nranks, int rank,
-                        mha_shard *out)
-{
-    if (!out)
-        return fail(MHA_ERR_NULL_POINTER, "out is NULL");
-    memset(out, 0, sizeof *out);
-    if (split != MHA_SPLIT_CONTIGUOUS && split != MHA_SPLIT_ZIGZAG)
-        return fail(MHA_ERR_INVALID_ARGUMENT,
-                    "split must be MHA_SPLIT_CONTIGUOUS (0) or "
-                    "MHA_SPLIT_ZIGZAG (1), got %d", (int)split);
-    if (L < 1 || nranks < 1 || rank < 0 || rank >= nranks)
-        return fail(MHA_ERR_INVALID_ARGUMENT,
-                    "seq_len must be >= 1, nranks >= 1 and 0 <= rank < "
-                    "nranks, got seq_len %lld, nranks %d, rank %d",
-                    (long long)L, nranks, rank);
-    if (split == MHA_SPLIT_CONTIGUOUS) {
-        out->n_pieces = 1;
-        chunk(L, nranks, rank, &out->offset[0], &out->length[0]);
-    } else {
-        out->n_pieces = 2;
-        chunk(L, 2 * (int64_t)nranks, rank, &out->offset[0],
-              &out->length[0]);
-        chunk(L, 2 * (int64_t)nranks, 2 * (int64_t)nranks - 1 - rank,
-              &out->offset[1], &out->length[1]);
-    }
-    out->len = out->length[0] + out->length[1];
-    return MHA_OK;
-}
-
-/* ---- the collective check ---------------------------------------------------- */
-
-enum {
-    F_OP, F_SPLIT, F_L, F_B, F_H, F_HKV, F_DH, F_CAUSAL, F_SCALE, F_GIVEN,
-    F_LENGTHS, F_LENGTHS_SUM, F_SOFTCAP, F_N
-};
-static const char *const FIELD[F_N] = {
-    "the call (forward or backward)", "split", "seq_len", "batch",
-    "num_heads", "num_kv_heads", "head_dim", "causal", "scale",
-    "the explicit scale (MHA_GIVEN_SCALE)", "whether key_lengths is given",
-    "the key_lengths values", "softcap"};
-
-static int64_t float_bits(float x)
-{
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    return (int64_t)u;
-}
-
-static int64_t lengths_print(const int64_t *len, int64_t B)
-{
-    uint64_t h = 1469598103934665603ull;
-    for (int64_t b = 0; len && b < B; b++) {
-        h ^= (uint64_t)len[b];
-        h *= 1099511628211ull;
-    }
-    return (int64_t)(h >> 1);
-}
-
-typedef struct ring {
-    MPI_Comm comm;
-    int P, rank;
-    int64_t B, H, Hkv, dh, E, Ekv, L;
-    float scale;
-    mha_shard me;
-    int causal;
-    mha_ring_stats st;
-    double t0;
-} ring;
-
-/* This rank's arguments alone (no communication). */
-static mha_status check_local(const mha_ring_args *a, ring *r, int op,
-                              const mha_ring_grads *g)
-{
-    if (a->batch < 1 || a->num_heads < 1 || a->head_dim < 1)
-        return fail(MHA_ERR_SHAPE,
-                    "batch, num_heads and head_dim must be >= 1, got %lld, "
-                    "%lld, %lld", (long long)a->batch,
-                    (long long)a->num_heads, (long long)a->head_dim);
-    if (r->Hkv < 1 || r->H % r->Hkv)
-        return fail(MHA_ERR_SHAPE,
-                    "num_kv_heads %lld must divide num_heads %lld",
-                    (long long)a->num_kv_heads, (long long)a->num_heads);
-    if (a->causal != MHA_CAUSAL_NONE && a->causal != MHA_CAUSAL_TOP_LEFT &&
-        a->causal != MHA_CAUSAL_BOTTOM_RIGHT)
-        return fail(MHA_ERR_INVALID_ARGUMENT, "causal %d is not an "
-                    "mha_causal", (int)a->causal);
-    if (!(a->softcap >= 0.0f) || a->softcap == INFINITY)
-        return fail(MHA_ERR_INVALID_ARGUMENT,
-                    "softcap must be finite and >= 0, got %g",
-                    (double)a->softcap);
-    if (!isfinite(a->scale))
-        return fail(MHA_ERR_INVALID_ARGUMENT, "scale must be finite");
-    mha_status s = mha_shard_of(a->split, a->seq_len, r->P, r->rank, &r->me);
-    if (s != MHA_OK)
-        return s;
-    int64_t n;
-    if (__builtin_mul_overflow(r->B, r->L, &n) ||
-        __builtin_mul_overflow(n, 2 * (r->E > r->Ekv ? r->E : r->Ekv), &n) ||
-        n > INT_MAX)
-        return fail(MHA_ERR_OVERFLOW,
-                    "a block of B * L * 2 * max(E, Ekv) = %lld x %lld x 2 x "
-                    "%lld floats is past MPI's int count",
-                    (long long)r->B, (long long)r->L,
-                    (long long)(r->E > r->Ekv ? r->E : r->Ekv));
-    for (int64_t b = 0; a->key_lengths && b < r->B; b++)
-        if (a->key_lengths[b] < 0 || a->key_lengths[b] > r->L)
-            return fail(MHA_ERR_INVALID_ARGUMENT,
-                        "key_lengths[%lld] is %lld, outside [0, seq_len "
-                        "%lld]", (long long)b, (long long)a->key_lengths[b],
-                        (long long)r->L);
-    if (r->me.len > 0 && (!a->q || !a->k || !a->v || !a->out))
-        return fail(MHA_ERR_NULL_POINTER, "%s is NULL",
-                    !a->q ? "q" : !a->k ? "k" : !a->v ? "v" : "out");
-    if (op == 1) {
-        if (!g)
-            return fail(MHA_ERR_NULL_POINTER, "grads is NULL");
-        if (r->me.len > 0 && (!a->lse || !g->grad_out || !g->grad_q ||
-                              !g->grad_k || !g->grad_v))
-            return fail(MHA_ERR_NULL_POINTER, "%s is NULL",
-                        !a->lse ? "lse (the forward's, needed by the "
-                                  "backward)"
-                        : !g->grad_out ? "grad_out"
-                        : !g->grad_q   ? "grad_q"
-                        : !g->grad_k   ? "grad_k" : "grad_v");
-    }
-    if (a->num_threads < 0)
-        return fail(MHA_ERR_INVALID_ARGUMENT, "num_threads must be >= 0");
-    return MHA_OK;
-}
-
-/*
- * The verdict of all ranks on `local` (this rank's status, its message in
- * mha_last_error): MHA_OK on every rank when all are, else on every rank
- * the status and message of the lowest failing rank.
- */
-static mha_status agree(const ring *r, mha_status local)
-{
-    const int64_t mine = local != MHA_OK ? -(int64_t)r->rank : -(int64_t)r->P;
-    int64_t first;
-    int rc = MPI_Allreduce(&mine, &first, 1, MPI_INT64_T, MPI_MAX, r->comm);
-    if (rc != MPI_SUCCESS)
-        return mpi_fail(rc, "MPI_Allreduce of the ranks' statuses");
-    const int first_bad = (int)-first;
-    if (first_bad >= r->P)
-        return MHA_OK;
-    /* [status][message] from the lowest failing rank. */
-    char buf[4 + 512];
-    memset(buf, 0, sizeof buf);
-    if (r->rank == first_bad) {
-        const int32_t s32 = (int32_t)local;
-        memcpy(buf, &s32, 4);
-        snprintf(buf + 4, 512, "%s", mha_last_error());
-    }
-    rc = MPI_Bcast(buf, (int)sizeof buf, MPI_CHAR, first_bad, r->comm);
-    if (rc != MPI_SUCCESS)
-        return mpi_fail(rc, "MPI_Bcast of a rank's error");
-    int32_t s32;
-    memcpy(&s32, buf, 4);
-    buf[sizeof buf - 1] = '\0';
-    if (r->rank == first_bad && local == MHA_ERR_COMM)
-        return local;   /* its own message, as it was */
-    return fail((mha_status)s32, "rank %d of %d: %s", first_bad, r->P,
-                buf + 4);
-}
-
-/*
- * The collective part: every rank learns whether any rank failed (the
- * lowest such rank's status and message are broadcast) and whether the
- * fingerprints agree (max and min of each field).  Returns the same on
- * every rank.
- */
-static mha_status check_all(const mha_ring_args *a, ring *r, int op,
-                            mha_status local)
-{
-    int64_t f[F_N] = {0};
-    f[F_OP] = op;
-    f[F_SPLIT] = a->split;
-    f[F_L] = a->seq_len;
-    f[F_B] = a->batch;
-    f[F_H] = a->num_heads;
-    f[F_HKV] = r->Hkv;
-    f[F_DH] = a->head_dim;
-    f[F_CAUSAL] = a->causal != MHA_CAUSAL_NONE;
-    f[F_SCALE] = float_bits(a->scale);
-    f[F_GIVEN] = (a->given & MHA_GIVEN_SCALE) != 0;
-    f[F_LENGTHS] = a->key_lengths != NULL;
-    f[F_LENGTHS_SUM] = local == MHA_OK ? lengths_print(a->key_lengths,
-                                                        a->batch) : 0;
-    f[F_SOFTCAP] = float_bits(a->softcap);
-    /* A rank's own failure first (its message, on every rank). */
-    MHA_STATUS_CHECK(agree(r, local));
-    /* [0, F_N): max; [F_N, 2 F_N): -min. */
-    int64_t send[2 * F_N], recv[2 * F_N];
-    for (int i = 0; i < F_N; i++) {
-        send[i] = f[i];
-        send[F_N + i] = -f[i];
-    }
-    const int rc = MPI_Allreduce(send, recv, 2 * F_N, MPI_INT64_T, MPI_MAX,
-                                 r->comm);
-    if (rc != MPI_SUCCESS)
-        return mpi_fail(rc, "MPI_Allreduce of the ranks' shapes");
-    for (int i = 0; i < F_N; i++)
-        if (recv[i] != -recv[F_N + i]) {
-            if (i == F_SCALE || i == F_SOFTCAP || i == F_LENGTHS_SUM)
-                return fail(MHA_ERR_INVALID_ARGUMENT,
-                            "the ranks disagree on %s: every rank of the "
-                            "communicator must pass the same", FIELD[i]);
-            return fail(i == F_OP ? MHA_ERR_INVALID_ARGUMENT : MHA_ERR_SHAPE,
-                        "the ranks disagree on %s (values from %lld to "
-                        "%lld): every rank of the communicator must pass "
-                        "the same", FIELD[i], (long long)-recv[F_N + i],
-                        (long long)recv[i]);
-        }
-    return MHA_OK;
-}
-
-/* Sets up r (the duplicate communicator included) and runs both checks.
- * On failure r->comm is MPI_COMM_NULL or freed by the caller. */
-static mha_status ring_open(const mha_ring_args *a, const mha_ring_grads *g,
-                            int op, ring *r)
-{
-    memset(r, 0, sizeof *r);
-    r->comm = MPI_COMM_NULL;
-    if (!a)
-        return fail(MHA_ERR_NULL_POINTER, "ring args are NULL");
-    int ok = 0;
-    if (MPI_Initialized(&ok) != MPI_SUCCESS || !ok)
-        return fail(MHA_ERR_INVALID_ARGUMENT, "MPI is not initialised: call "
-                    "MPI_Init first");
-    if (MPI_Finalized(&ok) != MPI_SUCCESS || ok)
-        return fail(MHA_ERR_INVALID_ARGUMENT, "MPI is finalised already");
-    if (a->comm == MPI_COMM_NULL)
-        return fail(MHA_ERR_INVALID_ARGUMENT, "comm is MPI_COMM_NULL");
-    r->t0 = MPI_Wtime();
-    int rc = MPI_Comm_dup(a->comm, &r->comm);
-    if (rc != MPI_SUCCESS) {
-        r->comm = MPI_COMM_NULL;
-        return mpi_fail(rc, "MPI_Comm_dup of the communicator");
-    }
-    MPI_Comm_set_errhandler(r->comm, MPI_ERRORS_RETURN);
-    MPI_Comm_size(r->comm, &r->P);
-    MPI_Comm_rank(r->comm, &r->rank);
-    r->B = a->batch;
-    r->H = a->num_heads;
-    r->Hkv = a->num_kv_heads ? a->num_kv_heads : a->num_heads;
-    r->dh = a->head_dim;
-    r->E = r->H * r->dh;
-    r->Ekv = r->Hkv * r->dh;
-    r->L = a->seq_len;
-    r->causal = a->causal != MHA_CAUSAL_NONE;
-    const mha_status local = check_local(a, r, op, g);
-    return check_all(a, r, op, local);
-}
-
-static void ring_close(ring *r, const mha_ring_args *a)
-{
-    if (r->comm != MPI_COMM_NULL)
-        MPI_Comm_free(&r->comm);
-    if (a && a->stats) {
-        r->st.seconds = MPI_Wtime() - r->t0;
-        *a->stats = r->st;
-    }
-}
 
 /* ---- the walk -------------------------------------------------------------- */
 
@@ -356,26 +43,11 @@ static int visibility(const ring *r, int64_t qo, int64_t qn, int64_t ko,
     return 2;   /* the same chunk: ko == qo, kn == qn (one partition) */
 }
 
-/* Copies rows [r0, r0 + n) of every batch of x (B, Lx, w) to y (B, n, w),
- * or back when `back`. */
-static void rows_copy(float *y, const float *x, int64_t B, int64_t Lx,
-                      int64_t w, int64_t r0, int64_t n, int back)
-{
-    for (int64_t b = 0; n > 0 && b < B; b++) {
-        float *yy = y + b * n * w;
-        float *xx = (float *)x + (b * Lx + r0) * w;
-        if (back)
-            memcpy(xx, yy, (size_t)(n * w) * sizeof *y);
-        else
-            memcpy(yy, xx, (size_t)(n * w) * sizeof *y);
-    }
-}
-
 /* The lse rows [r0, r0 + n) of (B, H, Lx) to (B, H, n), or back. */
 static void lse_copy(float *y, const float *x, int64_t BH, int64_t Lx,
                      int64_t r0, int64_t n, int back)
 {
-    rows_copy(y, x, BH, Lx, 1, r0, n, back);
+    mha_mpi_rows_copy(y, x, BH, Lx, 1, r0, n, back);
 }
 
 /* Floats of one block in flight: K and V of a shard of len rows. */
@@ -464,46 +136,16 @@ static void merge_into(const ring *r, int64_t nloc, int64_t r0, int64_t n,
             }
 }
 
-static double now(void) { return MPI_Wtime(); }
-
-/* Waits for n requests, the time counted as waiting. */
-static int wait_all(ring *r, int n, MPI_Request *req)
-{
-    const double t = now();
-    const int rc = MPI_Waitall(n, req, MPI_STATUSES_IGNORE);
-    r->st.seconds_waiting += now() - t;
-    return rc;
-}
-
 /* Packs this rank's K and V into a block buffer. */
 static void pack_own(const ring *r, const mha_ring_args *a, float *buf)
 {
     for (int p = 0; p < r->me.n_pieces; p++) {
         const int64_t r0 = p ? r->me.length[0] : 0, n = r->me.length[p];
-        rows_copy(piece_of(r, buf, &r->me, p, 0), a->k, r->B, r->me.len,
+        mha_mpi_rows_copy(piece_of(r, buf, &r->me, p, 0), a->k, r->B, r->me.len,
                   r->Ekv, r0, n, 0);
-        rows_copy(piece_of(r, buf, &r->me, p, 1), a->v, r->B, r->me.len,
+        mha_mpi_rows_copy(piece_of(r, buf, &r->me, p, 1), a->v, r->B, r->me.len,
                   r->Ekv, r0, n, 0);
     }
-}
-
-/* Requests still pending after an MPI failure: cancelled and freed (best
- * effort: the communicator is failing already). */
-static void free_requests(MPI_Request *req, int n)
-{
-    for (int i = 0; i < n; i++)
-        if (req[i] != MPI_REQUEST_NULL) {
-            MPI_Cancel(&req[i]);
-            MPI_Request_free(&req[i]);
-        }
-}
-
-static void *alloc_bytes(ring *r, int64_t bytes)
-{
-    void *p = malloc(bytes > 0 ? (size_t)bytes : 1);
-    if (p)
-        r->st.workspace_bytes += bytes;
-    return p;
 }
 
 /* ---- forward ------------------------------------------------------------------ */
@@ -511,7 +153,7 @@ static void *alloc_bytes(ring *r, int64_t bytes)
 mha_status mha_ring_attention(const mha_ring_args *a)
 {
     ring r;
-    mha_status st = ring_open(a, NULL, 0, &r);
+    mha_status st = mha_mpi_ring_open(a, NULL, 0, &r);
     float *kv[2] = {NULL, NULL}, *qp[2] = {NULL, NULL};
     float *po = NULL, *pl = NULL;
     double *ao = NULL, *al = NULL;
@@ -528,30 +170,30 @@ mha_status mha_ring_attention(const mha_ring_args *a)
     const int64_t nloc = r.me.len, nq = r.B * nloc * r.E;
     const int64_t maxpiece = r.me.length[0] > r.me.length[1]
                                  ? r.me.length[0] : r.me.length[1];
-    kv[0] = alloc_bytes(&r, block_floats(&r, maxlen) * 4);
-    kv[1] = alloc_bytes(&r, block_floats(&r, maxlen) * 4);
-    po = alloc_bytes(&r, r.B * maxpiece * r.E * 4);
-    pl = alloc_bytes(&r, r.B * r.H * maxpiece * 4);
-    ao = alloc_bytes(&r, nq * 8);
-    al = alloc_bytes(&r, r.B * r.H * nloc * 8);
-    kl = alloc_bytes(&r, r.B * 8);
+    kv[0] = mha_mpi_alloc_bytes(&r, block_floats(&r, maxlen) * 4);
+    kv[1] = mha_mpi_alloc_bytes(&r, block_floats(&r, maxlen) * 4);
+    po = mha_mpi_alloc_bytes(&r, r.B * maxpiece * r.E * 4);
+    pl = mha_mpi_alloc_bytes(&r, r.B * r.H * maxpiece * 4);
+    ao = mha_mpi_alloc_bytes(&r, nq * 8);
+    al = mha_mpi_alloc_bytes(&r, r.B * r.H * nloc * 8);
+    kl = mha_mpi_alloc_bytes(&r, r.B * 8);
     int fail_alloc = !kv[0] || !kv[1] || !po || !pl || !ao || !al || !kl;
     /* Query pieces as problems of their own: zig-zag pieces copied. */
     const float *qpiece[2] = {a->q, NULL};
     for (int p = 0; r.me.n_pieces == 2 && p < 2 && !fail_alloc; p++) {
-        qp[p] = alloc_bytes(&r, r.B * r.me.length[p] * r.E * 4);
+        qp[p] = mha_mpi_alloc_bytes(&r, r.B * r.me.length[p] * r.E * 4);
         fail_alloc |= !qp[p];
         if (qp[p])
-            rows_copy(qp[p], a->q, r.B, nloc, r.E, p ? r.me.length[0] : 0,
+            mha_mpi_rows_copy(qp[p], a->q, r.B, nloc, r.E, p ? r.me.length[0] : 0,
                       r.me.length[p], 0);
         qpiece[p] = qp[p];
     }
     /* No rank starts a ring that another cannot finish. */
-    st = fail_alloc ? fail(MHA_ERR_OUT_OF_MEMORY,
+    st = fail_alloc ? mha_mpi_fail(MHA_ERR_OUT_OF_MEMORY,
                            "out of memory for the ring's buffers (%lld "
                            "bytes)", (long long)r.st.workspace_bytes)
                     : MHA_OK;
-    st = agree(&r, st);
+    st = mha_mpi_agree(&r, st);
     if (st != MHA_OK)
         goto done;
     for (int64_t x = 0; x < r.B * r.H * nloc; x++)
@@ -581,7 +223,7 @@ mha_status mha_ring_attention(const mha_ring_args *a)
             r.st.messages_received++;
             r.st.bytes_received += nrecv * 4;
         }
-        const double t = now();
+        const double t = mha_mpi_now();
         for (int qpi = 0; st == MHA_OK && qpi < r.me.n_pieces; qpi++) {
             const int64_t qo = r.me.offset[qpi], qn = r.me.length[qpi];
             const int64_t r0 = qpi ? r.me.length[0] : 0;
@@ -604,11 +246,11 @@ mha_status mha_ring_attention(const mha_ring_args *a)
                 MPI_Testall(2, req, &flag, MPI_STATUSES_IGNORE);
             }
         }
-        r.st.seconds_compute += now() - t;
+        r.st.seconds_compute += mha_mpi_now() - t;
         if (s + 1 < r.P)
-            MPI_TRY(wait_all(&r, 2, req), "MPI_Waitall of a K/V block");
+            MPI_TRY(mha_mpi_wait_all(&r, 2, req), "MPI_Waitall of a K/V block");
     }
-    st = agree(&r, st);
+    st = mha_mpi_agree(&r, st);
     if (st != MHA_OK)
         goto done;
     for (int64_t x = 0; x < nq; x++)
@@ -618,7 +260,7 @@ mha_status mha_ring_attention(const mha_ring_args *a)
             a->lse[x] = (float)al[x];
 
 done:
-    free_requests(req, 2);
+    mha_mpi_free_requests(req, 2);
     free(kv[0]);
     free(kv[1]);
     free(qp[0]);
@@ -628,7 +270,7 @@ done:
     free(ao);
     free(al);
     free(kl);
-    ring_close(&r, a);
+    mha_mpi_ring_close(&r, a);
     return st;
 }
 
@@ -645,7 +287,7 @@ mha_status mha_ring_attention_backward(const mha_ring_args *a,
                                        const mha_ring_grads *g)
 {
     ring r;
-    mha_status st = ring_open(a, g, 1, &r);
+    mha_status st = mha_mpi_ring_open(a, g, 1, &r);
     float *kv[2] = {NULL, NULL}, *dkv[2] = {NULL, NULL}, *loc = NULL;
     float *cp[4][2] = {{NULL, NULL}, {NULL, NULL}, {NULL, NULL},
                        {NULL, NULL}};
@@ -670,15 +312,15 @@ mha_status mha_ring_attention_backward(const mha_ring_args *a,
                                  ? r.me.length[0] : r.me.length[1];
     const int64_t nblock = block_floats(&r, maxlen);
     for (int i = 0; i < 2; i++) {
-        kv[i] = alloc_bytes(&r, nblock * 4);
-        dkv[i] = alloc_bytes(&r, nblock * 4);
+        kv[i] = mha_mpi_alloc_bytes(&r, nblock * 4);
+        dkv[i] = mha_mpi_alloc_bytes(&r, nblock * 4);
     }
-    loc = alloc_bytes(&r, nblock * 4);
-    pdq = alloc_bytes(&r, r.B * maxpiece * r.E * 4);
-    pdk = alloc_bytes(&r, r.B * maxlen * r.Ekv * 4);
-    pdv = alloc_bytes(&r, r.B * maxlen * r.Ekv * 4);
-    dq = alloc_bytes(&r, nq * 8);
-    kl = alloc_bytes(&r, r.B * 8);
+    loc = mha_mpi_alloc_bytes(&r, nblock * 4);
+    pdq = mha_mpi_alloc_bytes(&r, r.B * maxpiece * r.E * 4);
+    pdk = mha_mpi_alloc_bytes(&r, r.B * maxlen * r.Ekv * 4);
+    pdv = mha_mpi_alloc_bytes(&r, r.B * maxlen * r.Ekv * 4);
+    dq = mha_mpi_alloc_bytes(&r, nq * 8);
+    kl = mha_mpi_alloc_bytes(&r, r.B * 8);
     int fail_alloc = !kv[0] || !kv[1] || !dkv[0] || !dkv[1] || !loc ||
                      !pdq || !pdk || !pdv || !dq || !kl;
     /* Per query piece: q, out, grad_out and lse as problems of their own
@@ -689,25 +331,25 @@ mha_status mha_ring_attention_backward(const mha_ring_args *a,
     for (int p = 0; r.me.n_pieces == 2 && p < 2 && !fail_alloc; p++) {
         const int64_t n = r.me.length[p], r0 = p ? r.me.length[0] : 0;
         for (int c = 0; c < 4; c++) {
-            cp[c][p] = alloc_bytes(&r, (c == 3 ? BH * n : r.B * n * r.E) * 4);
+            cp[c][p] = mha_mpi_alloc_bytes(&r, (c == 3 ? BH * n : r.B * n * r.E) * 4);
             fail_alloc |= !cp[c][p];
         }
         if (fail_alloc)
             break;
-        rows_copy(cp[0][p], a->q, r.B, nloc, r.E, r0, n, 0);
-        rows_copy(cp[1][p], a->out, r.B, nloc, r.E, r0, n, 0);
-        rows_copy(cp[2][p], g->grad_out, r.B, nloc, r.E, r0, n, 0);
+        mha_mpi_rows_copy(cp[0][p], a->q, r.B, nloc, r.E, r0, n, 0);
+        mha_mpi_rows_copy(cp[1][p], a->out, r.B, nloc, r.E, r0, n, 0);
+        mha_mpi_rows_copy(cp[2][p], g->grad_out, r.B, nloc, r.E, r0, n, 0);
         lse_copy(cp[3][p], a->lse, BH, nloc, r0, n, 0);
         qv[p] = cp[0][p];
         ov[p] = cp[1][p];
         gv[p] = cp[2][p];
         lv[p] = cp[3][p];
     }
-    st = fail_alloc ? fail(MHA_ERR_OUT_OF_MEMORY,
+    st = fail_alloc ? mha_mpi_fail(MHA_ERR_OUT_OF_MEMORY,
                            "out of memory for the ring's buffers (%lld "
                            "bytes)", (long long)r.st.workspace_bytes)
                     : MHA_OK;
-    st = agree(&r, st);
+    st = mha_mpi_agree(&r, st);
     if (st != MHA_OK)
         goto done;
     memset(dq, 0, (size_t)nq * sizeof *dq);
@@ -735,14 +377,14 @@ mha_status mha_ring_attention_backward(const mha_ring_args *a,
         if (s >= 1) {
             /* block src's gradient so far, from the rank before: into a
              * buffer whose send of two steps ago has completed */
-            MPI_TRY(wait_all(&r, 1, &req[3 + s % 2]),
+            MPI_TRY(mha_mpi_wait_all(&r, 1, &req[3 + s % 2]),
                     "MPI_Wait of a dK/dV send");
             MPI_TRY(MPI_Irecv(acc, (int)nks, MPI_FLOAT, prev, r.P + s,
                               r.comm, &req[2]), "MPI_Irecv of a dK/dV block");
             r.st.messages_received++;
             r.st.bytes_received += nks * 4;
         }
-        const double t = now();
+        const double t = mha_mpi_now();
         memset(loc, 0, (size_t)nks * sizeof *loc);
         for (int qpi = 0; st == MHA_OK && qpi < r.me.n_pieces; qpi++) {
             const int64_t qo = r.me.offset[qpi], qn = r.me.length[qpi];
@@ -772,11 +414,11 @@ mha_status mha_ring_attention_backward(const mha_ring_args *a,
                 MPI_Testall(3, req, &flag, MPI_STATUSES_IGNORE);
             }
         }
-        r.st.seconds_compute += now() - t;
+        r.st.seconds_compute += mha_mpi_now() - t;
         if (s == 0) {
             memcpy(acc, loc, (size_t)nks * sizeof *acc);
         } else {
-            MPI_TRY(wait_all(&r, 1, &req[2]), "MPI_Wait of a dK/dV block");
+            MPI_TRY(mha_mpi_wait_all(&r, 1, &req[2]), "MPI_Wait of a dK/dV block");
             add_floats(acc, loc, nks);   /* the ring's order: acc + mine */
         }
         if (r.P > 1) {
@@ -788,7 +430,7 @@ mha_status mha_ring_attention_backward(const mha_ring_args *a,
             r.st.bytes_sent += nks * 4;
         }
         if (s + 1 < r.P)
-            MPI_TRY(wait_all(&r, 2, req), "MPI_Waitall of a K/V block");
+            MPI_TRY(mha_mpi_wait_all(&r, 2, req), "MPI_Waitall of a K/V block");
     }
     /* This rank's own block comes home, complete. */
     float *home = r.P > 1 ? loc : dkv[0];
@@ -798,23 +440,23 @@ mha_status mha_ring_attention_backward(const mha_ring_args *a,
                           &req[2]), "MPI_Irecv of this rank's dK/dV");
         r.st.messages_received++;
         r.st.bytes_received += n * 4;
-        MPI_TRY(wait_all(&r, 3, &req[2]), "MPI_Waitall of the dK/dV sends");
+        MPI_TRY(mha_mpi_wait_all(&r, 3, &req[2]), "MPI_Waitall of the dK/dV sends");
     }
-    st = agree(&r, st);
+    st = mha_mpi_agree(&r, st);
     if (st != MHA_OK)
         goto done;
     for (int p = 0; p < r.me.n_pieces; p++) {
         const int64_t r0 = p ? r.me.length[0] : 0, n = r.me.length[p];
-        rows_copy(piece_of(&r, home, &r.me, p, 0), g->grad_k, r.B, nloc,
+        mha_mpi_rows_copy(piece_of(&r, home, &r.me, p, 0), g->grad_k, r.B, nloc,
                   r.Ekv, r0, n, 1);
-        rows_copy(piece_of(&r, home, &r.me, p, 1), g->grad_v, r.B, nloc,
+        mha_mpi_rows_copy(piece_of(&r, home, &r.me, p, 1), g->grad_v, r.B, nloc,
                   r.Ekv, r0, n, 1);
     }
     for (int64_t x = 0; x < nq; x++)
         g->grad_q[x] = (float)dq[x];
 
 done:
-    free_requests(req, 5);
+    mha_mpi_free_requests(req, 5);
     for (int i = 0; i < 2; i++) {
         free(kv[i]);
         free(dkv[i]);
@@ -827,6 +469,6 @@ done:
     free(pdv);
     free(dq);
     free(kl);
-    ring_close(&r, a);
+    mha_mpi_ring_close(&r, a);
     return st;
 }
