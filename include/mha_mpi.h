@@ -153,6 +153,32 @@ MHA_API mha_status mha_ulysses_attention(const mha_ring_args *args);
 MHA_API mha_status mha_ulysses_attention_backward(const mha_ring_args *args,
                                                   const mha_ring_grads *grads);
 
+/*
+ * The module across ranks: each rank projects its shard of the inputs
+ * with the module's weights (mha_project, local), the attention runs
+ * across the ranks (the ring, or Ulysses), and each rank projects its
+ * rows of the result by out_proj (local).  Self-attention on one sequence
+ * split as above; key and value NULL -> the query.  Modules with
+ * add_bias_kv, add_zero_attn, sinks, RoPE, ALiBi or a window are refused
+ * (MHA_ERR_UNSUPPORTED); a softcap is kept.  Inference only (no dropout).
+ *     query (B, Lloc, E), key (B, Lloc, kdim), value (B, Lloc, vdim),
+ *     out (B, Lloc, E)
+ */
+typedef struct mha_ring_forward_args {
+    MPI_Comm comm;
+    mha_seq_split split;
+    int64_t seq_len, batch;
+    const float *query, *key, *value;
+    mha_causal causal;
+    const int64_t *key_lengths;   /* (B) or NULL, as in mha_ring_args */
+    int num_threads;
+    int ulysses;                  /* nonzero: Ulysses instead of the ring */
+    float *out;
+    mha_ring_stats *stats;        /* NULL, or the attention's statistics */
+} mha_ring_forward_args;
+MHA_API mha_status mha_ring_forward(const mha_module *module,
+                                    const mha_ring_forward_args *args);
+
 #ifdef __cplusplus
 }
 #endif

@@ -535,6 +535,85 @@ out:
     free(sq); free(sk); free(sv); free(sg);
 }
 
+/* ---- the module across ranks --------------------------------------------------- */
+
+static void expect_all(const char *what, mha_status got, mha_status want,
+                       const char *needle);
+
+/* mha_ring_forward (ring and Ulysses) against the float64 reference of
+ * the whole module forward (tests/support) within ref_tolerance. */
+static void test_module(mha_seq_split split, int causal)
+{
+    mha_config cfg = {0};
+    cfg.embed_dim = 24;
+    cfg.num_heads = 12;
+    cfg.num_kv_heads = 6;
+    mha_module *m = tu_module(&cfg, 7);
+    CHECK(m != NULL, "module: %s", mha_last_error());
+    if (!m)
+        return;
+    enum { B = 2, L = 23, E = 24 };
+    float *x = malloc(B * L * E * 4);
+    tu_fill(x, B * L * E, 21, -1, 1);
+    const int64_t lens[B] = {L, 9};
+    mha_forward_args fa = {0};
+    fa.batch = B;
+    fa.q_len = L;
+    fa.query = x;
+    fa.key_lengths = lens;
+    fa.causal = causal ? MHA_CAUSAL_TOP_LEFT : MHA_CAUSAL_NONE;
+    double *o64 = malloc(B * L * E * 8);
+    float *o32 = malloc(B * L * E * 4);
+    CHECK(ref_forward_f64(m, &fa, o64, NULL) == 0 &&
+              ref_forward_f32(m, &fa, o32, NULL) == 0,
+          "module reference failed");
+    const double tol = ref_tolerance(ref_max_err_f32(o32, o64, B * L * E),
+                                     ref_max_abs(o64, B * L * E));
+    mha_shard s;
+    mha_shard_of(split, L, g_P, g_rank, &s);
+    float *xs = malloc((size_t)(B * s.len * E) * 4 + 4);
+    float *out = malloc((size_t)(B * s.len * E) * 4 + 4);
+    take(xs, x, &s, B, L, E);
+    for (int u = 0; u < 2; u++) {
+        if (u && cfg.num_heads % g_P + cfg.num_kv_heads % g_P)
+            continue;
+        mha_ring_forward_args a = {0};
+        a.comm = MPI_COMM_WORLD;
+        a.split = split;
+        a.seq_len = L;
+        a.batch = B;
+        a.query = xs;
+        a.causal = fa.causal;
+        a.key_lengths = lens;
+        a.ulysses = u;
+        a.out = out;
+        const mha_status st = mha_ring_forward(m, &a);
+        CHECK(st == MHA_OK, "module %s: %s", u ? "Ulysses" : "ring",
+              mha_last_error());
+        double err, mx;
+        compare(out, o64, &s, B, L, E, &err, &mx);
+        CHECK(err <= tol, "module %s, split %d, causal %d, P=%d: error %.3g "
+              "> %.3g", u ? "Ulysses" : "ring", (int)split, causal, g_P, err,
+              tol);
+    }
+    /* A module the ring refuses: every rank says why. */
+    mha_config bad = cfg;
+    bad.add_zero_attn = 1;
+    mha_module *mb = tu_module(&bad, 8);
+    mha_ring_forward_args a = {0};
+    a.comm = MPI_COMM_WORLD;
+    a.split = split;
+    a.seq_len = L;
+    a.batch = B;
+    a.query = xs;
+    a.out = out;
+    expect_all("module with add_zero_attn", mha_ring_forward(mb, &a),
+               MHA_ERR_UNSUPPORTED, "add_zero_attn");
+    mha_free(mb);
+    free(x); free(o64); free(o32); free(xs); free(out);
+    mha_free(m);
+}
+
 /* ---- refusals ------------------------------------------------------------------ */
 
 /* Every rank got `want` and the same message (rank 0's, broadcast). */
@@ -677,6 +756,9 @@ int main(int argc, char **argv)
         for (int split = 0; split < 2; split++)
             for (int causal = 0; causal < 2; causal++)
                 test_case(&CASES[t], (mha_seq_split)split, causal);
+    for (int split = 0; split < 2; split++)
+        for (int causal = 0; causal < 2; causal++)
+            test_module((mha_seq_split)split, causal);
     test_refusals();
     int any = 0;
     MPI_Allreduce(&g_failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
