@@ -497,11 +497,11 @@ int cmd_bench_ring(int argc, char **argv)
                 hidden = 0.0;   /* all-to-alls: nothing overlaps */
             struct rusage ru;
             getrusage(RUSAGE_SELF, &ru);
-            double row[5] = {(double)sum.workspace_bytes, (double)ru.ru_maxrss,
-                             (double)sum.bytes_sent, hidden, wait};
-            double mx[5], mn[5];
-            MPI_Reduce(row, mx, 5, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
-            MPI_Reduce(row, mn, 5, MPI_DOUBLE, MPI_MIN, 0, MPI_COMM_WORLD);
+            double row[6] = {(double)sum.workspace_bytes, (double)ru.ru_maxrss,
+                             (double)sum.bytes_sent, hidden, wait, alone};
+            double mx[6], mn[6];
+            MPI_Reduce(row, mx, 6, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
+            MPI_Reduce(row, mn, 6, MPI_DOUBLE, MPI_MIN, 0, MPI_COMM_WORLD);
             if (g_rank == 0) {
                 printf("%s %s, P=%d, B=%lld L=%lld E=%lld H=%lld H_kv=%lld "
                        "%ssplit=%s threads/rank=%lld\n",
@@ -519,6 +519,8 @@ int cmd_bench_ring(int argc, char **argv)
                        mx[1] / 1024.0);
                 printf("  bytes sent per rank per call: %.0f .. %.0f\n",
                        mn[2], mx[2]);
+                printf("  the ring's transfers alone (no compute): %.4f .. "
+                       "%.4f s\n", mn[5], mx[5]);
                 printf("  blocked on communication: %.4f .. %.4f s per call; "
                        "share hidden: %.0f%% .. %.0f%%\n", mn[4], mx[4],
                        100 * mn[3], 100 * mx[3]);
