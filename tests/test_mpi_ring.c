@@ -18,6 +18,8 @@
  *   - cases: contiguous and zig-zag, causal and not, lengths that do not
  *     divide by P or 2P (and shorter than 2P: empty pieces), GQA, key
  *     lengths (a batch whose keys are all padding), a softcap;
+ *   - the module across ranks (mha_ring_forward: ring and Ulysses, with
+ *     and without RoPE) against the float64 reference module forward;
  *   - mismatches refused on all ranks with the same status and message:
  *     one rank with another num_heads, another split, causal, scale; one
  *     rank with a NULL q (its message, on every rank).
@@ -542,17 +544,22 @@ static void expect_all(const char *what, mha_status got, mha_status want,
 
 /* mha_ring_forward (ring and Ulysses) against the float64 reference of
  * the whole module forward (tests/support) within ref_tolerance. */
-static void test_module(mha_seq_split split, int causal)
+static void test_module(mha_seq_split split, int causal, int rope)
 {
     mha_config cfg = {0};
     cfg.embed_dim = 24;
     cfg.num_heads = 12;
     cfg.num_kv_heads = 6;
+    if (rope) {
+        cfg.embed_dim = 48;   /* d_h 4: RoPE on pairs */
+        cfg.mods.rope.style = MHA_ROPE_NEOX;
+    }
     mha_module *m = tu_module(&cfg, 7);
     CHECK(m != NULL, "module: %s", mha_last_error());
     if (!m)
         return;
-    enum { B = 2, L = 23, E = 24 };
+    enum { B = 2, L = 23 };
+    const int64_t E = cfg.embed_dim;
     float *x = malloc(B * L * E * 4);
     tu_fill(x, B * L * E, 21, -1, 1);
     const int64_t lens[B] = {L, 9};
@@ -592,9 +599,9 @@ static void test_module(mha_seq_split split, int causal)
               mha_last_error());
         double err, mx;
         compare(out, o64, &s, B, L, E, &err, &mx);
-        CHECK(err <= tol, "module %s, split %d, causal %d, P=%d: error %.3g "
-              "> %.3g", u ? "Ulysses" : "ring", (int)split, causal, g_P, err,
-              tol);
+        CHECK(err <= tol, "module %s, split %d, causal %d, rope %d, P=%d: "
+              "error %.3g > %.3g", u ? "Ulysses" : "ring", (int)split, causal,
+              rope, g_P, err, tol);
     }
     /* A module the ring refuses: every rank says why. */
     mha_config bad = cfg;
@@ -758,7 +765,8 @@ int main(int argc, char **argv)
                 test_case(&CASES[t], (mha_seq_split)split, causal);
     for (int split = 0; split < 2; split++)
         for (int causal = 0; causal < 2; causal++)
-            test_module((mha_seq_split)split, causal);
+            for (int rope = 0; rope < 2; rope++)
+                test_module((mha_seq_split)split, causal, rope);
     test_refusals();
     int any = 0;
     MPI_Allreduce(&g_failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);

@@ -39,14 +39,11 @@ static mha_status check_module(const mha_module *m,
                             c->add_bias_kv     ? "add_bias_kv"
                             : c->add_zero_attn ? "add_zero_attn"
                                                : "sinks");
-    if (c->mods.rope.style != MHA_ROPE_NONE || c->mods.alibi ||
-        c->mods.window)
+    if (c->mods.alibi || c->mods.window)
         return mha_mpi_fail(MHA_ERR_UNSUPPORTED,
-                            "the module across ranks takes no %s yet (only "
-                            "a softcap among the score modifiers)",
-                            c->mods.rope.style != MHA_ROPE_NONE ? "RoPE"
-                            : c->mods.alibi                     ? "ALiBi"
-                                                                : "window");
+                            "the module across ranks takes no %s yet (RoPE "
+                            "and a softcap are the score modifiers it "
+                            "keeps)", c->mods.alibi ? "ALiBi" : "window");
     if (nloc > 0 && (!a->query || !a->out))
         return mha_mpi_fail(MHA_ERR_NULL_POINTER, "%s is NULL",
                             !a->query ? "query" : "out");
@@ -104,6 +101,24 @@ mha_status mha_ring_forward(const mha_module *m,
         st = mha_project(m, MHA_PROJ_KEY, key, rows, k);
     if (st == MHA_OK && rows > 0)
         st = mha_project(m, MHA_PROJ_VALUE, value, rows, v);
+    /* RoPE at each token's global position, here, before the ring: the
+     * blocks then travel rotated already. */
+    if (st == MHA_OK && rows > 0 && c.mods.rope.style != MHA_ROPE_NONE) {
+        int64_t *pos = malloc((size_t)rows * sizeof *pos);
+        if (!pos)
+            st = mha_mpi_fail(MHA_ERR_OUT_OF_MEMORY,
+                              "out of memory for RoPE's positions");
+        for (int64_t b = 0; pos && b < B; b++)
+            for (int64_t x = 0; x < nloc; x++)
+                pos[b * nloc + x] = x < s.length[0]
+                                        ? s.offset[0] + x
+                                        : s.offset[1] + (x - s.length[0]);
+        if (st == MHA_OK)
+            st = mha_rope_apply(&c.mods.rope, rows, H, dh, pos, 0, q, D);
+        if (st == MHA_OK)
+            st = mha_rope_apply(&c.mods.rope, rows, Hkv, dh, pos, 0, k, Dkv);
+        free(pos);
+    }
     /* Every rank learns of any rank's failure before the attention. */
     st = agree_on(a->comm, st);
     if (st == MHA_OK) {
