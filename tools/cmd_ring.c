@@ -520,8 +520,9 @@ int cmd_bench_ring(int argc, char **argv)
                        mx[1] / 1024.0);
                 printf("  bytes sent per rank per call: %.0f .. %.0f\n",
                        mn[2], mx[2]);
-                printf("  the ring's transfers alone (no compute): %.4f .. "
-                       "%.4f s\n", mn[5], mx[5]);
+                if (!uly)
+                    printf("  the ring's transfers alone (no compute): %.4f "
+                           ".. %.4f s\n", mn[5], mx[5]);
                 printf("  blocked on communication: %.4f .. %.4f s per call; "
                        "share hidden: %.0f%% .. %.0f%%\n", mn[4], mx[4],
                        100 * mn[3], 100 * mx[3]);

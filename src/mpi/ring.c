@@ -2,8 +2,8 @@
  * ring.c -- exact attention over a sequence split across MPI ranks (Ring
  * Attention), forward and backward, on libmha's public API only.
  *
- *   check     every rank's arguments checked alone, then compared across
- *             ranks (one MPI_Allreduce of a fingerprint): the same status
+ *   check     (common.c) every rank's arguments checked alone, then compared
+ *             across ranks (one MPI_Allreduce of a fingerprint): the same status
  *             and message on every rank, before any block moves
  *   forward   step s = 0 .. P-1: this rank holds the K/V block of rank
  *             (r - s) mod P; the next block's receive and this block's
