@@ -5,6 +5,7 @@
 # within 60 seconds (timeout's 124 is a hang).
 set -u
 mpiexec=$1 prog=$2
+export OMPI_MCA_btl_vader_single_copy_mechanism=none
 start=$(date +%s)
 timeout 60 "$mpiexec" --allow-run-as-root --oversubscribe -np 3 "$prog" kill \
   >/dev/null 2>&1
