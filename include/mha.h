@@ -598,9 +598,9 @@ MHA_API mha_status mha_attention_backward(const mha_attention_args *args,
  *     grad_k, grad_v      dL/dk, dL/dv of the part's keys through these
  *                         query rows
  * The gradients of a row with lse -INFINITY are zero.  No sinks, no cache;
- * dropout, as the forward drew it, keyed by the part's own indices.  The
- * part's forward runs again inside (for its packing), so a part costs
- * about 1.5x a plain backward of its size.  Bitwise the same for every
+ * dropout, as the forward drew it, keyed by the part's own indices.  K and
+ * V are packed as a forward packs them, but no forward runs: a part costs
+ * the backward's two sweeps alone.  Bitwise the same for every
  * num_threads.
  */
 MHA_API mha_status mha_attention_backward_part(const mha_attention_args *args,

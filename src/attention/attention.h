@@ -175,6 +175,10 @@ typedef struct mha_attn {
     int prepacked;          /* K and V are held already (a KV cache): the
                                run writes only the extra keys' tile, and
                                k, v are unused */
+    int pack_only;          /* only pack K and V for a backward (the
+                               flash tiers; nothing for ref): no ctx, no
+                               stats (mha_attention_backward_part sets
+                               the stats itself) */
     const struct mha_kv_cache *kv;  /* that cache, or NULL: the real keys'
                                tiles are read from it in its dtype, and
                                `packed` holds one f32 tile per (b, g), the

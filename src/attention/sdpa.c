@@ -382,8 +382,10 @@ static void write_lse(const float *stats, int64_t rows, float *lse)
     }
 }
 
-mha_status mha_attention_plan_run(mha_attention_plan *p,
-                                  const mha_attention_args *a)
+/* The plan's run; pack_only: K and V packed (and RoPE applied, the
+ * arguments kept) for a backward, no output (mha_attention_backward_part). */
+static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
+                           int pack_only)
 {
     if (!p)
         return mha_set_error(MHA_ERR_NULL_POINTER, "plan is NULL");
@@ -473,15 +475,22 @@ mha_status mha_attention_plan_run(mha_attention_plan *p,
     if (w)
         memset(a->attn_weights, 0, (size_t)s.n_w * sizeof(float));
     mha_attn at = problem(p, a, &mask);
+    at.pack_only = pack_only;
     if (a->mods.rope.style != MHA_ROPE_NONE)
         rope_rotate(p, a, s.Lk, &at);
     mha_attn_run(&p->eng, &at, p->ws + p->lay.scratch, p->lay.per_thread);
-    if (a->lse)
+    if (a->lse && !pack_only)
         write_lse(at.stats, s.B * s.H * s.Lq, a->lse);
     p->saved = *a;
     p->saved_print = print;
     p->has_saved = 1;
     return MHA_OK;
+}
+
+mha_status mha_attention_plan_run(mha_attention_plan *p,
+                                  const mha_attention_args *a)
+{
+    return plan_run(p, a, 0);
 }
 
 static int same_mask(const mha_mask *x, const mha_mask *y)
@@ -652,11 +661,11 @@ mha_status mha_attention_backward(const mha_attention_args *a,
 }
 
 /*
- * One part of a split-key problem: the part's forward runs as
- * mha_attention would (for its packed K/V), then its row stats are
- * replaced by (global lse, 1), so P = exp(s - lse) is the global
- * probability, and delta = dO . out (the merged output) is the whole
- * row's, in float64 in the order of d.
+ * One part of a split-key problem: the plan runs with pack_only (K and V
+ * packed as a forward packs them, RoPE applied; no attention computed),
+ * its row stats are set to (global lse, 1), so P = exp(s - lse) is the
+ * global probability, and delta = dO . out (the merged output) is the
+ * whole row's, in float64 in the order of d.
  */
 mha_status mha_attention_backward_part(const mha_attention_args *a,
                                        const float *lse, const float *out,
@@ -713,7 +722,7 @@ mha_status mha_attention_backward_part(const mha_attention_args *a,
         st = check_disjoint(outs, 3, ins, 2);
     }
     if (st == MHA_OK)
-        st = mha_attention_plan_run(p, &f);
+        st = plan_run(p, &f, 1);   /* K and V packed, no forward */
     if (st == MHA_OK) {
         float *stats = p->ws + p->lay.stats;
         for (int64_t b = 0; b < s->B; b++)
