@@ -73,7 +73,7 @@ static const tcase CASES[] = {
      0.0f},
 };
 
-/* ---- the float64 reference (and its naive float32 twin) ------------------ */
+/* ---- the float64 reference (and its naive float32 twin) ----------------- */
 
 /* Is key j visible from query i of batch b? */
 static int visible(const int64_t *len, int64_t b, int64_t i,
@@ -215,7 +215,7 @@ static void ref64_backward(const tcase *c, int causal, const int64_t *len,
     free(dcap);
 }
 
-/* ---- shards ------------------------------------------------------------------ */
+/* ---- shards ------------------------------------------------------------- */
 
 /* The global row of local row x of a shard. */
 static int64_t global_row(const mha_shard *s, int64_t x)
@@ -244,7 +244,8 @@ static void compare(const float *got, const double *want, const mha_shard *s,
         for (int64_t r = 0; r < s->len; r++)
             for (int64_t d = 0; d < w; d++) {
                 const double x = want[(b * L + global_row(s, r)) * w + d];
-                const double e = fabs((double)got[(b * s->len + r) * w + d] - x);
+                const double e =
+                    fabs((double)got[(b * s->len + r) * w + d] - x);
                 *err = e > *err || e != e ? e : *err;
                 *mx = fabs(x) > *mx ? fabs(x) : *mx;
             }
@@ -258,7 +259,7 @@ static double *widen(const float *x, int64_t n)
     return y;
 }
 
-/* ---- one case ---------------------------------------------------------------- */
+/* ---- one case ----------------------------------------------------------- */
 
 typedef struct result {
     float *out, *lse, *dq, *dk, *dv;
@@ -537,7 +538,7 @@ out:
     free(sq); free(sk); free(sv); free(sg);
 }
 
-/* ---- the module across ranks --------------------------------------------------- */
+/* ---- the module across ranks -------------------------------------------- */
 
 static void expect_all(const char *what, mha_status got, mha_status want,
                        const char *needle);
@@ -621,7 +622,7 @@ static void test_module(mha_seq_split split, int causal, int rope)
     mha_free(m);
 }
 
-/* ---- refusals ------------------------------------------------------------------ */
+/* ---- refusals ----------------------------------------------------------- */
 
 /* Every rank got `want` and the same message (rank 0's, broadcast). */
 static void expect_all(const char *what, mha_status got, mha_status want,

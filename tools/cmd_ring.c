@@ -300,7 +300,7 @@ int cmd_forward_ring(int argc, char **argv)
     return rc;
 }
 
-/* ---- bench --ring ------------------------------------------------------------ */
+/* ---- bench --ring ------------------------------------------------------- */
 
 static const char BENCH_RING_HELP[] =
     "usage: mpirun -np P mha bench --ring [--ulysses] --seq L --embed-dim E\n"

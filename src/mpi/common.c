@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ---- errors ---------------------------------------------------------------- */
+/* ---- errors ------------------------------------------------------------- */
 
 mha_status mha_mpi_fail(mha_status st, const char *fmt, ...)
 {
@@ -33,7 +33,7 @@ mha_status mha_mpi_mpi_fail(int rc, const char *what)
     return mha_mpi_fail(MHA_ERR_COMM, "%s failed: %s", what, s);
 }
 
-/* ---- shards ---------------------------------------------------------------- */
+/* ---- shards ------------------------------------------------------------- */
 
 static void chunk(int64_t L, int64_t n, int64_t c, int64_t *off, int64_t *len)
 {
@@ -71,14 +71,15 @@ mha_status mha_shard_of(mha_seq_split split, int64_t L, int nranks, int rank,
     return MHA_OK;
 }
 
-/* ---- the collective check ---------------------------------------------------- */
+/* ---- the collective check ----------------------------------------------- */
 
 enum {
     F_OP, F_SPLIT, F_L, F_B, F_H, F_HKV, F_DH, F_CAUSAL, F_SCALE, F_GIVEN,
     F_LENGTHS, F_LENGTHS_SUM, F_SOFTCAP, F_N
 };
 static const char *const FIELD[F_N] = {
-    "the call (ring or Ulysses, forward or backward)", "split", "seq_len", "batch",
+    "the call (ring or Ulysses, forward or backward)", "split", "seq_len",
+    "batch",
     "num_heads", "num_kv_heads", "head_dim", "causal", "scale",
     "the explicit scale (MHA_GIVEN_SCALE)", "whether key_lengths is given",
     "the key_lengths values", "softcap"};
@@ -167,7 +168,8 @@ static mha_status check_local(const mha_ring_args *a, ring *r, int op,
                     "the rank count %d (use the ring otherwise)",
                     (long long)r->H, (long long)r->Hkv, r->P);
     if (a->num_threads < 0)
-        return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT, "num_threads must be >= 0");
+        return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT,
+                            "num_threads must be >= 0");
     return MHA_OK;
 }
 
@@ -248,7 +250,8 @@ static mha_status check_all(const mha_ring_args *a, ring *r, int op,
                 return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT,
                             "the ranks disagree on %s: every rank of the "
                             "communicator must pass the same", FIELD[i]);
-            return mha_mpi_fail(i == F_OP ? MHA_ERR_INVALID_ARGUMENT : MHA_ERR_SHAPE,
+            return mha_mpi_fail(i == F_OP ? MHA_ERR_INVALID_ARGUMENT
+                                          : MHA_ERR_SHAPE,
                         "the ranks disagree on %s (values from %lld to "
                         "%lld): every rank of the communicator must pass "
                         "the same", FIELD[i], (long long)-recv[F_N + i],
@@ -268,10 +271,12 @@ mha_status mha_mpi_ring_open(const mha_ring_args *a, const mha_ring_grads *g,
         return mha_mpi_fail(MHA_ERR_NULL_POINTER, "ring args are NULL");
     int ok = 0;
     if (MPI_Initialized(&ok) != MPI_SUCCESS || !ok)
-        return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT, "MPI is not initialised: call "
+        return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT,
+                            "MPI is not initialised: call "
                     "MPI_Init first");
     if (MPI_Finalized(&ok) != MPI_SUCCESS || ok)
-        return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT, "MPI is finalised already");
+        return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT,
+                            "MPI is finalised already");
     if (a->comm == MPI_COMM_NULL)
         return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT, "comm is MPI_COMM_NULL");
     r->t0 = MPI_Wtime();

@@ -2,9 +2,10 @@
  * ring.c -- exact attention over a sequence split across MPI ranks (Ring
  * Attention), forward and backward, on libmha's public API only.
  *
- *   check     (common.c) every rank's arguments checked alone, then compared
- *             across ranks (one MPI_Allreduce of a fingerprint): the same status
- *             and message on every rank, before any block moves
+ *   check     (common.c) every rank's arguments checked alone, then
+ *             compared across ranks (one MPI_Allreduce of a fingerprint):
+ *             the same status and message on every rank, before any block
+ *             moves
  *   forward   step s = 0 .. P-1: this rank holds the K/V block of rank
  *             (r - s) mod P; the next block's receive and this block's
  *             send are posted first, then each (query piece, key piece)
@@ -27,7 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ---- the walk -------------------------------------------------------------- */
+/* ---- the walk ----------------------------------------------------------- */
 
 /* How query piece (qo, qn) sees key piece (ko, kn): 0 not at all, 1
  * wholly, 2 the same chunk (causal top-left on it). */
@@ -148,7 +149,7 @@ static void pack_own(const ring *r, const mha_ring_args *a, float *buf)
     }
 }
 
-/* ---- forward ------------------------------------------------------------------ */
+/* ---- forward ------------------------------------------------------------ */
 
 mha_status mha_ring_attention(const mha_ring_args *a)
 {
@@ -184,7 +185,8 @@ mha_status mha_ring_attention(const mha_ring_args *a)
         qp[p] = mha_mpi_alloc_bytes(&r, r.B * r.me.length[p] * r.E * 4);
         fail_alloc |= !qp[p];
         if (qp[p])
-            mha_mpi_rows_copy(qp[p], a->q, r.B, nloc, r.E, p ? r.me.length[0] : 0,
+            mha_mpi_rows_copy(qp[p], a->q, r.B, nloc, r.E,
+                              p ? r.me.length[0] : 0,
                       r.me.length[p], 0);
         qpiece[p] = qp[p];
     }
@@ -274,7 +276,7 @@ done:
     return st;
 }
 
-/* ---- backward ----------------------------------------------------------------- */
+/* ---- backward ----------------------------------------------------------- */
 
 /* y[x] += x[x] for n floats, in index order. */
 static void add_floats(float *y, const float *x, int64_t n)
@@ -331,7 +333,8 @@ mha_status mha_ring_attention_backward(const mha_ring_args *a,
     for (int p = 0; r.me.n_pieces == 2 && p < 2 && !fail_alloc; p++) {
         const int64_t n = r.me.length[p], r0 = p ? r.me.length[0] : 0;
         for (int c = 0; c < 4; c++) {
-            cp[c][p] = mha_mpi_alloc_bytes(&r, (c == 3 ? BH * n : r.B * n * r.E) * 4);
+            const int64_t nf = c == 3 ? BH * n : r.B * n * r.E;
+            cp[c][p] = mha_mpi_alloc_bytes(&r, nf * 4);
             fail_alloc |= !cp[c][p];
         }
         if (fail_alloc)
@@ -418,7 +421,8 @@ mha_status mha_ring_attention_backward(const mha_ring_args *a,
         if (s == 0) {
             memcpy(acc, loc, (size_t)nks * sizeof *acc);
         } else {
-            MPI_TRY(mha_mpi_wait_all(&r, 1, &req[2]), "MPI_Wait of a dK/dV block");
+            MPI_TRY(mha_mpi_wait_all(&r, 1, &req[2]),
+                    "MPI_Wait of a dK/dV block");
             add_floats(acc, loc, nks);   /* the ring's order: acc + mine */
         }
         if (r.P > 1) {
@@ -440,7 +444,8 @@ mha_status mha_ring_attention_backward(const mha_ring_args *a,
                           &req[2]), "MPI_Irecv of this rank's dK/dV");
         r.st.messages_received++;
         r.st.bytes_received += n * 4;
-        MPI_TRY(mha_mpi_wait_all(&r, 3, &req[2]), "MPI_Waitall of the dK/dV sends");
+        MPI_TRY(mha_mpi_wait_all(&r, 3, &req[2]),
+                "MPI_Waitall of the dK/dV sends");
     }
     st = mha_mpi_agree(&r, st);
     if (st != MHA_OK)

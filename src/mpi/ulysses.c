@@ -226,7 +226,8 @@ mha_status mha_ulysses_attention(const mha_ring_args *a)
         for (int64_t bb = 0; bb < r.B; bb++)
             for (int64_t h = 0; h < hp; h++)
                 for (int64_t i = 0; i < r.L; i++)
-                    tm[(bb * r.L + i) * hp + h] = b.f[4][(bb * hp + h) * r.L + i];
+                    tm[(bb * r.L + i) * hp + h] =
+                        b.f[4][(bb * hp + h) * r.L + i];
         const int64_t dh = r.dh;
         r.dh = 1;
         st = exchange(&r, a, r.H, b.x, tm, b.tmp, 1, &c);
