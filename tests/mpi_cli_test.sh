@@ -4,7 +4,8 @@
 # output rank 0 writes equals the single-process `mha forward` within
 # 1e-5 (1 + max |ref|) (the library's bounds are checked by test_mpi_ring;
 # here a shard gathered to the wrong rows would be off by O(1)).  Refusals
-# exit non-zero and leave no output file.
+# exit non-zero and leave no output file.  `mha bench --ring` reports
+# what it sent.
 set -u
 mha=$1 mpiexec=$2
 run() { "$mpiexec" --allow-run-as-root --oversubscribe "$@"; }
@@ -55,4 +56,20 @@ msg=$(run -np 2 "$mha" forward --ring --weights w.safetensors \
   --query missing.npy --out out.npy 2>&1) && fail "a missing --query succeeded"
 echo "$msg" | grep -q "missing.npy" || fail "missing query message: $msg"
 [ -e out.npy ] && fail "a failed run left out.npy"
+# mha bench --ring: its report, and the bytes it says each rank sent: one
+# block of K and V of 128 tokens x 32 floats forward (P = 2, contiguous);
+# with --backward also the block again and two dK/dV blocks.
+out=$(run -np 2 "$mha" bench --ring --seq 256 --embed-dim 32 --heads 4 \
+  --repeat 2 --warmup 0 2>&1) || fail "bench --ring: $out"
+echo "$out" | grep -q "bytes sent per rank per call: 32768 .. 32768" ||
+  fail "bench --ring bytes: $out"
+echo "$out" | grep -q "share hidden" || fail "bench --ring report: $out"
+out=$(run -np 2 "$mha" bench --ring --backward --seq 256 --embed-dim 32 \
+  --heads 4 --repeat 2 --warmup 0 2>&1) || fail "bench --ring --backward: $out"
+echo "$out" | grep -q "bytes sent per rank per call: 131072 .. 131072" ||
+  fail "bench --ring --backward bytes: $out"
+out=$(run -np 2 "$mha" bench --ring --ulysses --causal --seq 256 \
+  --embed-dim 32 --heads 4 --repeat 2 --warmup 0 2>&1) ||
+  fail "bench --ring --ulysses: $out"
+echo "$out" | grep -q "^ulysses forward, P=2" || fail "bench --ulysses: $out"
 echo "all ok"
