@@ -205,6 +205,8 @@ MHA_API mha_status mha_rope_apply(const mha_rope *rope, int64_t rows,
 #define MHA_GIVEN_SCALE   (1u << 0)  /* scale as written, 0 included       */
 #define MHA_GIVEN_DROPOUT (1u << 1)  /* dropout as written: 0 overrides a
                                         file's p in mha_module_from_file  */
+#define MHA_GIVEN_Q_OFFSET (1u << 2) /* mha_attention_args.q_offset as
+                                        written, 0 included               */
 
 /*
  * Configuration.  Zero in any field means "the default", so
@@ -542,6 +544,15 @@ typedef struct mha_attention_args {
                                      cache the sequence's length - Lq + i):
                                      RoPE positions of the queries       */
     const int64_t *k_positions;   /* (B, Lk) or NULL (j): of the keys     */
+    int64_t q_offset;     /* with MHA_GIVEN_Q_OFFSET in `given`: query i
+                             sits at key position q_offset + i (default:
+                             Lk - Lq + i, bottom-right).  Bottom-right
+                             causal (key j visible iff j <= q_offset + i),
+                             ALiBi's distance and the window are measured
+                             from there; TOP_LEFT and RoPE's positions are
+                             not affected.  For a part of a split problem
+                             whose queries start at position q0 and keys
+                             at k0: q_offset = q0 - k0.  Not with a cache. */
 } mha_attention_args;
 MHA_API mha_status mha_attention(const mha_attention_args *args);
 

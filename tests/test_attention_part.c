@@ -30,15 +30,29 @@ typedef struct pcase {
     int64_t B, H, Hkv, dh, L;
     int causal, lengths, n_parts;
     float softcap;
+    int offset;                 /* parts placed by q_offset (= -k0) */
+    int alibi;
+    int64_t wl, wr;             /* a window, unless both are 0 */
 } pcase;
 
 static const pcase CASES[] = {
-    {"plain, two parts", 2, 2, 2, 8, 37, 0, 0, 2, 0.0f},
-    {"GQA 4/2, three parts", 1, 4, 2, 16, 70, 0, 0, 3, 0.0f},
-    {"key lengths (a batch with no key)", 2, 2, 1, 8, 29, 0, 1, 2, 0.0f},
-    {"causal, two parts", 2, 3, 3, 8, 67, 1, 0, 2, 0.0f},
-    {"causal GQA 6/2, three parts, lengths", 2, 6, 2, 4, 40, 1, 1, 3, 0.0f},
-    {"softcap, two parts", 1, 2, 2, 8, 33, 0, 0, 2, 5.0f},
+    {"plain, two parts", 2, 2, 2, 8, 37, 0, 0, 2, 0.0f, 0, 0, 0, 0},
+    {"GQA 4/2, three parts", 1, 4, 2, 16, 70, 0, 0, 3, 0.0f, 0, 0, 0, 0},
+    {"key lengths (a batch with no key)", 2, 2, 1, 8, 29, 0, 1, 2, 0.0f, 0,
+     0, 0, 0},
+    {"causal, two parts", 2, 3, 3, 8, 67, 1, 0, 2, 0.0f, 0, 0, 0, 0},
+    {"causal GQA 6/2, three parts, lengths", 2, 6, 2, 4, 40, 1, 1, 3, 0.0f,
+     0, 0, 0, 0},
+    {"softcap, two parts", 1, 2, 2, 8, 33, 0, 0, 2, 5.0f, 0, 0, 0, 0},
+    /* q_offset: every part bottom-right at its keys' true distance */
+    {"q_offset: causal, three parts", 2, 2, 2, 8, 70, 1, 1, 3, 0.0f, 1, 0,
+     0, 0},
+    {"q_offset: ALiBi, three parts", 1, 4, 2, 8, 70, 0, 0, 3, 0.0f, 1, 1, 0,
+     0},
+    {"q_offset: causal ALiBi + window (20, 0)", 2, 4, 4, 8, 90, 1, 1, 3,
+     0.0f, 1, 1, 20, 0},
+    {"q_offset: window (7, 5), GQA, lengths", 2, 4, 1, 8, 61, 0, 1, 2, 0.0f,
+     1, 0, 7, 5},
 };
 
 /* Copies keys k0 .. k1-1 of every batch: x (B, L, w) -> (B, k1 - k0, w). */
@@ -99,6 +113,10 @@ static void test_parts(void **state)
         a.causal = c->causal ? MHA_CAUSAL_TOP_LEFT : MHA_CAUSAL_NONE;
         a.key_lengths = c->lengths ? lens : NULL;
         a.mods.softcap = c->softcap;
+        a.mods.alibi = c->alibi;
+        a.mods.window = c->wl || c->wr;
+        a.mods.window_left = c->wl;
+        a.mods.window_right = c->wr;
         a.out = out;
         a.lse = lse;
         const mha_attention_grads whole = {g, dq, dk, dv, NULL};
@@ -138,6 +156,13 @@ static void test_parts(void **state)
             pa[p].causal = !c->causal ? MHA_CAUSAL_NONE
                            : p == 0   ? MHA_CAUSAL_TOP_LEFT
                                       : MHA_CAUSAL_BOTTOM_RIGHT;
+            if (c->offset) {
+                /* queries at 0 .. L-1, keys at kb[p] ..: q_offset -kb[p] */
+                pa[p].given |= MHA_GIVEN_Q_OFFSET;
+                pa[p].q_offset = -kb[p];
+                if (c->causal)
+                    pa[p].causal = MHA_CAUSAL_BOTTOM_RIGHT;
+            }
             pa[p].out = po[p];
             pa[p].lse = pl[p];
             parts[p] = (mha_attention_part){po[p], pl[p]};
@@ -145,7 +170,7 @@ static void test_parts(void **state)
         /* A middle part's edge j <= i - kb[1] is bottom-right only for
          * keys kb[1] .. L - 1: so with causal the middle part is given
          * those keys, cut at kb[2] - kb[1] by key_lengths. */
-        if (c->causal && P == 3) {
+        if (c->causal && P == 3 && !c->offset) {
             const int64_t n = L - kb[1];
             free(pk[1]);
             free(pv[1]);

@@ -50,6 +50,9 @@ typedef struct mha_mask_plan {
                                     qpos its own (mha_mask_qpos); -1: no
                                     bound on that side */
     int64_t band_left, band_right;
+    int64_t qpos_shift;          /* added to every query's position (a
+                                    part of a split problem, given as
+                                    mha_attention_args.q_offset); 0 */
 } mha_mask_plan;
 
 /* Validates every mask argument of `args` (batch, q_len, kv_len and the
@@ -86,7 +89,8 @@ void mha_mask_plan_band(mha_mask_plan *plan, int64_t left, int64_t right);
 static inline int64_t mha_mask_qpos(const mha_mask_plan *p, int64_t b,
                                     int64_t i)
 {
-    return i + (p->seq_lengths ? p->seq_lengths[b] : p->kv_len) - p->q_len;
+    return i + (p->seq_lengths ? p->seq_lengths[b] : p->kv_len) - p->q_len +
+           p->qpos_shift;
 }
 
 /* The last real key that causal masking, key_lengths and the window leave

@@ -150,6 +150,14 @@ static mha_status mask_plan(const mha_attention_args *a, const sdpa_shape *s,
     fa.causal = a->causal;
     MHA_CHECK(a->cache ? mha_mask_plan_init_cache(mask, s->H, s->Lk, 0, &fa)
                        : mha_mask_plan_init(mask, s->H, 0, &fa));
+    if (a->given & MHA_GIVEN_Q_OFFSET) {
+        if (a->cache)
+            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                 "q_offset (MHA_GIVEN_Q_OFFSET) is not taken "
+                                 "with a KV cache: its queries sit at each "
+                                 "sequence's end");
+        mask->qpos_shift = a->q_offset - (s->Lk - s->Lq);
+    }
     if (a->mods.window)
         mha_mask_plan_band(mask, a->mods.window_left, a->mods.window_right);
     return MHA_OK;
@@ -513,6 +521,8 @@ static mha_status check_saved(const mha_attention_plan *p,
         !same_mask(&a->attn_mask, &s->attn_mask) ||
         !same_mask(&a->key_padding_mask, &s->key_padding_mask) ||
         a->key_lengths != s->key_lengths || a->causal != s->causal ||
+        (a->given & MHA_GIVEN_Q_OFFSET) != (s->given & MHA_GIVEN_Q_OFFSET) ||
+        ((a->given & MHA_GIVEN_Q_OFFSET) && a->q_offset != s->q_offset) ||
         resolved_scale(a, p->shape.dh) != resolved_scale(s, p->shape.dh) ||
         (a->training != 0) != (s->training != 0) ||
         a->dropout != s->dropout || a->dropout_seed != s->dropout_seed ||
@@ -532,9 +542,9 @@ static mha_status check_saved(const mha_attention_plan *p,
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "the arguments differ from those of the plan's "
                              "last run (q, k, v, masks, key_lengths, causal, "
-                             "scale, dropout, training, dropout_seed, sinks, "
-                             "the modifiers and RoPE's positions must be the "
-                             "same)");
+                             "q_offset, scale, dropout, training, "
+                             "dropout_seed, sinks, the modifiers and RoPE's "
+                             "positions must be the same)");
     if (fingerprint(a, &p->shape) != p->saved_print)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "the contents of q, k, v, the masks or "
