@@ -87,8 +87,11 @@ typedef struct mha_ring_stats {
  * and the split.  causal: NONE, or TOP_LEFT / BOTTOM_RIGHT (the same
  * here, Lq = Lk = L): token i sees tokens j <= i.  key_lengths (B), the
  * same on every rank: keys at global positions >= key_lengths[b] are
- * masked.  softcap as mha_modifiers.softcap.  No other mask, modifier,
- * dropout or weights (a rank never holds a whole row of weights).
+ * masked.  mods: the softcap, ALiBi (its distance and the window's
+ * measured between global positions) and the window, as in
+ * mha_attention; RoPE must be NONE (rotate q and k at their global
+ * positions first, mha_rope_apply; mha_ring_forward does).  No other
+ * mask, no sinks, dropout or weights (a rank never holds a whole row).
  */
 typedef struct mha_ring_args {
     MPI_Comm comm;
@@ -100,7 +103,7 @@ typedef struct mha_ring_args {
     unsigned given;                  /* MHA_GIVEN_SCALE                  */
     mha_causal causal;
     const int64_t *key_lengths;      /* (B) or NULL                      */
-    float softcap;                   /* > 0: scores c tanh(s / c)        */
+    mha_modifiers mods;              /* softcap, ALiBi, window; no RoPE  */
     int num_threads;                 /* libmha's threads for each block  */
     float *out;                      /* forward: written; backward: the
                                         forward's output, read          */

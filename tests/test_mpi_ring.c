@@ -17,7 +17,8 @@
  *     gradient blocks;
  *   - cases: contiguous and zig-zag, causal and not, lengths that do not
  *     divide by P or 2P (and shorter than 2P: empty pieces), GQA, key
- *     lengths (a batch whose keys are all padding), a softcap;
+ *     lengths (a batch whose keys are all padding), a softcap, ALiBi, a
+ *     window, and all three;
  *   - the module across ranks (mha_ring_forward: ring and Ulysses, with
  *     and without RoPE) against the float64 reference module forward;
  *   - mismatches refused on all ranks with the same status and message:
@@ -60,18 +61,42 @@ typedef struct tcase {
     int64_t B, H, Hkv, dh, L;
     int causal, lengths;
     float softcap;
+    int alibi;
+    int64_t wl, wr;    /* a window unless both are 0; -1: unbounded */
 } tcase;
 
 static const tcase CASES[] = {
-    {"plain", 2, 2, 2, 8, 37, 0, 0, 0.0f},
-    {"GQA 4/2, key lengths", 2, 4, 2, 8, 29, 0, 1, 0.0f},
-    {"MQA 3/1", 1, 3, 1, 16, 64, 0, 0, 0.0f},
-    {"softcap", 1, 2, 2, 8, 19, 0, 0, 4.0f},
-    {"short: L = 5 (empty pieces)", 2, 2, 1, 4, 5, 0, 1, 0.0f},
-    {"long: L = 301 (pieces of several tiles)", 1, 2, 2, 32, 301, 0, 1, 0.0f},
+    {"plain", 2, 2, 2, 8, 37, 0, 0, 0.0f, 0, 0, 0},
+    {"GQA 4/2, key lengths", 2, 4, 2, 8, 29, 0, 1, 0.0f, 0, 0, 0},
+    {"MQA 3/1", 1, 3, 1, 16, 64, 0, 0, 0.0f, 0, 0, 0},
+    {"softcap", 1, 2, 2, 8, 19, 0, 0, 4.0f, 0, 0, 0},
+    {"short: L = 5 (empty pieces)", 2, 2, 1, 4, 5, 0, 1, 0.0f, 0, 0, 0},
+    {"long: L = 301 (pieces of several tiles)", 1, 2, 2, 32, 301, 0, 1, 0.0f,
+     0, 0, 0},
     {"12 heads, 6 K/V heads (Ulysses for every P)", 1, 12, 6, 4, 23, 0, 1,
-     0.0f},
+     0.0f, 0, 0, 0},
+    {"ALiBi, 4 heads, key lengths", 2, 4, 4, 8, 41, 0, 1, 0.0f, 1, 0, 0},
+    {"window (9, 3), GQA 4/2", 1, 4, 2, 8, 53, 0, 0, 0.0f, 0, 9, 3},
+    {"ALiBi + window (6, -1) + softcap", 1, 4, 4, 8, 47, 0, 0, 3.0f, 1, 6,
+     -1},
 };
+
+/* The ALiBi slopes of the test's heads (mha_alibi_slopes is checked
+ * against the paper's code in test_modifiers). */
+static double slope_of(const tcase *c, int64_t h)
+{
+    float s[16];
+    mha_alibi_slopes(c->H, s);
+    return s[h];
+}
+
+/* Does the window leave key j to query i? */
+static int in_window(const tcase *c, int64_t i, int64_t j)
+{
+    if (!c->wl && !c->wr)
+        return 1;
+    return (c->wl < 0 || j >= i - c->wl) && (c->wr < 0 || j <= i + c->wr);
+}
 
 /* ---- the float64 reference (and its naive float32 twin) ----------------- */
 
@@ -103,7 +128,8 @@ static int visible(const int64_t *len, int64_t b, int64_t i,
                     REAL mx = -INFINITY;                                      \
                     for (int64_t j = 0; j < L; j++) {                         \
                         s[j] = -INFINITY;                                     \
-                        if (!visible(len, b, i, j, causal))                \
+                        if (!visible(len, b, i, j, causal) ||               \
+                            !in_window(c, i, j))                              \
                             continue;                                         \
                         const float *kj = k + (b * L + j) * Ekv + g * c->dh;  \
                         REAL dot = 0;                                         \
@@ -112,6 +138,9 @@ static int visible(const int64_t *len, int64_t b, int64_t i,
                         dot *= scale;                                         \
                         if (c->softcap > 0)                                   \
                             dot = c->softcap * TANH(dot / c->softcap);        \
+                        if (c->alibi)                                         \
+                            dot -= (REAL)slope_of(c, h) *                     \
+                                   (REAL)(i > j ? i - j : j - i);             \
                         s[j] = dot;                                           \
                         mx = dot > mx ? dot : mx;                             \
                     }                                                         \
@@ -164,7 +193,7 @@ static void ref64_backward(const tcase *c, int causal, const int64_t *len,
                 for (int64_t j = 0; j < L; j++) {
                     p[j] = -INFINITY;
                     dcap[j] = 1.0;
-                    if (!visible(len, b, i, j, causal))
+                    if (!visible(len, b, i, j, causal) || !in_window(c, i, j))
                         continue;
                     const float *kj = k + (b * L + j) * Ekv + g * c->dh;
                     double dot = 0;
@@ -176,6 +205,8 @@ static void ref64_backward(const tcase *c, int causal, const int64_t *len,
                         dot = c->softcap * t;
                         dcap[j] = 1.0 - t * t;
                     }
+                    if (c->alibi)
+                        dot -= slope_of(c, h) * (double)(i > j ? i - j : j - i);
                     p[j] = dot;
                     mx = dot > mx ? dot : mx;
                 }
@@ -290,7 +321,11 @@ static int run_ring(const tcase *c, mha_seq_split split, int causal,
     a.v = v;
     a.causal = causal ? MHA_CAUSAL_TOP_LEFT : MHA_CAUSAL_NONE;
     a.key_lengths = len;
-    a.softcap = c->softcap;
+    a.mods.softcap = c->softcap;
+    a.mods.alibi = c->alibi;
+    a.mods.window = c->wl || c->wr;
+    a.mods.window_left = c->wl;
+    a.mods.window_right = c->wr;
     a.num_threads = threads;
     a.out = r->out;
     a.lse = r->lse;
@@ -410,6 +445,10 @@ static void test_case(const tcase *c, mha_seq_split split, int causal)
         a.causal = causal ? MHA_CAUSAL_TOP_LEFT : MHA_CAUSAL_NONE;
         a.key_lengths = len;
         a.mods.softcap = c->softcap;
+        a.mods.alibi = c->alibi;
+        a.mods.window = c->wl || c->wr;
+        a.mods.window_left = c->wl;
+        a.mods.window_right = c->wr;
         a.out = so;
         a.lse = slse;
         const mha_attention_grads g = {go, sdq, sdk, sdv, NULL};

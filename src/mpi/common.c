@@ -75,14 +75,16 @@ mha_status mha_shard_of(mha_seq_split split, int64_t L, int nranks, int rank,
 
 enum {
     F_OP, F_SPLIT, F_L, F_B, F_H, F_HKV, F_DH, F_CAUSAL, F_SCALE, F_GIVEN,
-    F_LENGTHS, F_LENGTHS_SUM, F_SOFTCAP, F_N
+    F_LENGTHS, F_LENGTHS_SUM, F_SOFTCAP, F_ALIBI, F_SLOPES, F_WINDOW, F_WL,
+    F_WR, F_N
 };
 static const char *const FIELD[F_N] = {
     "the call (ring or Ulysses, forward or backward)", "split", "seq_len",
     "batch",
     "num_heads", "num_kv_heads", "head_dim", "causal", "scale",
     "the explicit scale (MHA_GIVEN_SCALE)", "whether key_lengths is given",
-    "the key_lengths values", "softcap"};
+    "the key_lengths values", "softcap", "ALiBi", "the ALiBi slopes",
+    "the window", "window_left", "window_right"};
 
 static int64_t float_bits(float x)
 {
@@ -119,10 +121,26 @@ static mha_status check_local(const mha_ring_args *a, ring *r, int op,
         a->causal != MHA_CAUSAL_BOTTOM_RIGHT)
         return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT, "causal %d is not an "
                     "mha_causal", (int)a->causal);
-    if (!(a->softcap >= 0.0f) || a->softcap == INFINITY)
+    if (!(a->mods.softcap >= 0.0f) || a->mods.softcap == INFINITY)
         return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT,
                     "softcap must be finite and >= 0, got %g",
-                    (double)a->softcap);
+                    (double)a->mods.softcap);
+    if (a->mods.rope.style != MHA_ROPE_NONE)
+        return mha_mpi_fail(MHA_ERR_UNSUPPORTED,
+                    "mods.rope must be NONE across ranks: rotate q and k "
+                    "at their global positions first (mha_rope_apply)");
+    if (a->mods.window && (a->mods.window_left < -1 ||
+                           a->mods.window_right < -1))
+        return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT,
+                    "window bounds must be >= -1, got (%lld, %lld)",
+                    (long long)a->mods.window_left,
+                    (long long)a->mods.window_right);
+    for (int64_t h = 0; a->mods.alibi && a->mods.alibi_slopes &&
+                        h < a->num_heads; h++)
+        if (!isfinite(a->mods.alibi_slopes[h]))
+            return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT,
+                    "alibi_slopes[%lld] is %g; slopes must be finite",
+                    (long long)h, (double)a->mods.alibi_slopes[h]);
     if (!isfinite(a->scale))
         return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT, "scale must be finite");
     mha_status s = mha_shard_of(a->split, a->seq_len, r->P, r->rank, &r->me);
@@ -231,7 +249,20 @@ static mha_status check_all(const mha_ring_args *a, ring *r, int op,
     f[F_LENGTHS] = a->key_lengths != NULL;
     f[F_LENGTHS_SUM] = local == MHA_OK ? lengths_print(a->key_lengths,
                                                         a->batch) : 0;
-    f[F_SOFTCAP] = float_bits(a->softcap);
+    f[F_SOFTCAP] = float_bits(a->mods.softcap);
+    f[F_ALIBI] = a->mods.alibi != 0;
+    f[F_SLOPES] = 0;
+    if (local == MHA_OK && a->mods.alibi && a->mods.alibi_slopes) {
+        uint64_t h = 1469598103934665603ull;
+        for (int64_t x = 0; x < a->num_heads; x++) {
+            h ^= (uint64_t)float_bits(a->mods.alibi_slopes[x]);
+            h *= 1099511628211ull;
+        }
+        f[F_SLOPES] = (int64_t)(h >> 1);
+    }
+    f[F_WINDOW] = a->mods.window != 0;
+    f[F_WL] = a->mods.window ? a->mods.window_left : 0;
+    f[F_WR] = a->mods.window ? a->mods.window_right : 0;
     /* A rank's own failure first (its message, on every rank). */
     MHA_STATUS_CHECK(mha_mpi_agree(r, local));
     /* [0, F_N): max; [F_N, 2 F_N): -min. */
@@ -246,7 +277,8 @@ static mha_status check_all(const mha_ring_args *a, ring *r, int op,
         return mha_mpi_mpi_fail(rc, "MPI_Allreduce of the ranks' shapes");
     for (int i = 0; i < F_N; i++)
         if (recv[i] != -recv[F_N + i]) {
-            if (i == F_SCALE || i == F_SOFTCAP || i == F_LENGTHS_SUM)
+            if (i == F_SCALE || i == F_SOFTCAP || i == F_LENGTHS_SUM ||
+                i == F_SLOPES)
                 return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT,
                             "the ranks disagree on %s: every rank of the "
                             "communicator must pass the same", FIELD[i]);

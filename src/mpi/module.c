@@ -39,11 +39,6 @@ static mha_status check_module(const mha_module *m,
                             c->add_bias_kv     ? "add_bias_kv"
                             : c->add_zero_attn ? "add_zero_attn"
                                                : "sinks");
-    if (c->mods.alibi || c->mods.window)
-        return mha_mpi_fail(MHA_ERR_UNSUPPORTED,
-                            "the module across ranks takes no %s yet (RoPE "
-                            "and a softcap are the score modifiers it "
-                            "keeps)", c->mods.alibi ? "ALiBi" : "window");
     if (nloc > 0 && (!a->query || !a->out))
         return mha_mpi_fail(MHA_ERR_NULL_POINTER, "%s is NULL",
                             !a->query ? "query" : "out");
@@ -137,7 +132,8 @@ mha_status mha_ring_forward(const mha_module *m,
         r.given = c.given & MHA_GIVEN_SCALE;
         r.causal = a->causal;
         r.key_lengths = a->key_lengths;
-        r.softcap = c.mods.softcap;
+        r.mods = c.mods;
+        r.mods.rope.style = MHA_ROPE_NONE;   /* applied above */
         r.num_threads = a->num_threads;
         r.out = ctx;
         r.stats = a->stats;

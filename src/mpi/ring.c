@@ -72,10 +72,10 @@ static float *piece_of(const ring *r, float *buf, const mha_shard *s, int p,
     return x + (p ? r->B * s->length[0] * r->Ekv : 0);
 }
 
-/* The arguments of one pair: query piece (q, qn) against key piece
- * (k, v, kn) at key offset ko. */
+/* The arguments of one pair: query piece (q, qn) at position qo against
+ * key piece (k, v, kn) at position ko. */
 static mha_attention_args pair_args(const ring *r, const mha_ring_args *a,
-                                    const float *q, int64_t qn,
+                                    const float *q, int64_t qo, int64_t qn,
                                     const float *k, const float *v,
                                     int64_t ko, int64_t kn, int vis,
                                     int64_t *kl)
@@ -100,7 +100,11 @@ static mha_attention_args pair_args(const ring *r, const mha_ring_args *a,
         }
         p.key_lengths = kl;
     }
-    p.mods.softcap = a->softcap;
+    p.mods = a->mods;
+    /* ALiBi and the window measure between global positions: the pair's
+     * queries start at qo, its keys at ko. */
+    p.given |= MHA_GIVEN_Q_OFFSET;
+    p.q_offset = qo - ko;
     p.num_threads = a->num_threads;
     return p;
 }
@@ -235,7 +239,8 @@ mha_status mha_ring_attention(const mha_ring_args *a)
                 if (!vis)
                     continue;
                 mha_attention_args pa = pair_args(
-                    &r, a, qpiece[qpi], qn, piece_of(&r, cur, &ks, kp, 0),
+                    &r, a, qpiece[qpi], qo, qn,
+                    piece_of(&r, cur, &ks, kp, 0),
                     piece_of(&r, cur, &ks, kp, 1), ks.offset[kp],
                     ks.length[kp], vis, kl);
                 pa.out = po;
@@ -398,7 +403,7 @@ mha_status mha_ring_attention_backward(const mha_ring_args *a,
                 if (!vis)
                     continue;
                 const mha_attention_args pa = pair_args(
-                    &r, a, qv[qpi], qn, piece_of(&r, cur, &ks, kp, 0),
+                    &r, a, qv[qpi], qo, qn, piece_of(&r, cur, &ks, kp, 0),
                     piece_of(&r, cur, &ks, kp, 1), ks.offset[kp], kn, vis,
                     kl);
                 const mha_attention_grads pg = {gv[qpi], pdq, pdk, pdv,

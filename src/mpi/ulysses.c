@@ -122,8 +122,10 @@ static mha_status exchange(ring *r, const mha_ring_args *a, int64_t nh,
     return MHA_OK;
 }
 
-/* The local problem: the whole sequence, this rank's heads. */
-static mha_attention_args local_args(const ring *r, const mha_ring_args *a)
+/* The local problem: the whole sequence, this rank's heads (slopes: all
+ * H heads' ALiBi slopes, or NULL without ALiBi). */
+static mha_attention_args local_args(const ring *r, const mha_ring_args *a,
+                                     const float *slopes)
 {
     mha_attention_args p = {0};
     p.batch = r->B;
@@ -137,7 +139,9 @@ static mha_attention_args local_args(const ring *r, const mha_ring_args *a)
     p.causal = a->causal != MHA_CAUSAL_NONE ? MHA_CAUSAL_TOP_LEFT
                                             : MHA_CAUSAL_NONE;
     p.key_lengths = a->key_lengths;
-    p.mods.softcap = a->softcap;
+    p.mods = a->mods;
+    if (slopes)   /* this rank's heads' slopes, not H / P heads' defaults */
+        p.mods.alibi_slopes = slopes + r->rank * (r->H / r->P);
     p.num_threads = a->num_threads;
     return p;
 }
@@ -148,6 +152,7 @@ typedef struct bufs {
     float *f[5];   /* q/out/dq, k/dk, v/dv, dO, lse */
     float *tmp, *x;
     int *counts;
+    float *slopes; /* (H) with ALiBi: given or the defaults for H heads */
 } bufs;
 
 static void bufs_free(bufs *b)
@@ -157,11 +162,22 @@ static void bufs_free(bufs *b)
     free(b->tmp);
     free(b->x);
     free(b->counts);
+    free(b->slopes);
 }
 
-static int bufs_alloc(ring *r, bufs *b, int n, int lse)
+static int bufs_alloc(ring *r, const mha_ring_args *a, bufs *b, int n,
+                      int lse)
 {
     memset(b, 0, sizeof *b);
+    if (a->mods.alibi) {
+        b->slopes = mha_mpi_alloc_bytes(r, r->H * 4);
+        if (!b->slopes)
+            return 0;
+        if (a->mods.alibi_slopes)
+            memcpy(b->slopes, a->mods.alibi_slopes, (size_t)r->H * 4);
+        else if (mha_alibi_slopes(r->H, b->slopes) != MHA_OK)
+            return 0;
+    }
     const int64_t wq = r->H / r->P * r->dh, nloc = r->me.len;
     const int64_t big = r->L > r->P * nloc ? r->L : r->P * nloc;
     int ok = 1;
@@ -195,7 +211,7 @@ mha_status mha_ulysses_attention(const mha_ring_args *a)
     if (st != MHA_OK)
         goto done;
     const int with_lse = a->lse != NULL;
-    st = bufs_alloc(&r, &b, 3, 1)
+    st = bufs_alloc(&r, a, &b, 3, 1)
              ? MHA_OK
              : mha_mpi_fail(MHA_ERR_OUT_OF_MEMORY,
                             "out of memory for Ulysses' buffers (%lld "
@@ -206,7 +222,7 @@ mha_status mha_ulysses_attention(const mha_ring_args *a)
     MHA_GOTO_IF(exchange(&r, a, r.Hkv, (float *)a->k, b.f[1], b.tmp, 0, &c));
     MHA_GOTO_IF(exchange(&r, a, r.Hkv, (float *)a->v, b.f[2], b.tmp, 0, &c));
     const double t = mha_mpi_now();
-    mha_attention_args p = local_args(&r, a);
+    mha_attention_args p = local_args(&r, a, b.slopes);
     p.q = b.f[0];
     p.k = b.f[1];
     p.v = b.f[2];
@@ -255,7 +271,7 @@ mha_status mha_ulysses_attention_backward(const mha_ring_args *a,
     mha_status st = mha_mpi_ring_open(a, g, MHA_OP_ULYSSES_BACKWARD, &r);
     if (st != MHA_OK)
         goto done;
-    int ok = bufs_alloc(&r, &b, 4, 0);
+    int ok = bufs_alloc(&r, a, &b, 4, 0);
     for (int i = 0; i < 3; i++) {
         d[i] = mha_mpi_alloc_bytes(&r, r.B * r.L * (r.E / r.P) * 4);
         ok &= d[i] != NULL;
@@ -272,7 +288,7 @@ mha_status mha_ulysses_attention_backward(const mha_ring_args *a,
     MHA_GOTO_IF(exchange(&r, a, r.H, (float *)g->grad_out, b.f[3], b.tmp, 0,
                          &c));
     const double t = mha_mpi_now();
-    mha_attention_args p = local_args(&r, a);
+    mha_attention_args p = local_args(&r, a, b.slopes);
     p.q = b.f[0];
     p.k = b.f[1];
     p.v = b.f[2];
