@@ -162,10 +162,10 @@ MHA_API mha_status mha_ulysses_attention_backward(const mha_ring_args *args,
  * across the ranks (the ring, or Ulysses), and each rank projects its
  * rows of the result by out_proj (local).  Self-attention on one sequence
  * split as above; key and value NULL -> the query.  RoPE rotates each
- * rank's q and k at their global positions before the attention; a
- * softcap is kept; modules with add_bias_kv, add_zero_attn, sinks, ALiBi
- * or a window are refused (MHA_ERR_UNSUPPORTED).  Inference only (no
- * dropout).
+ * rank's q and k at their global positions before the attention; the
+ * softcap, ALiBi and the window are kept (measured between global
+ * positions); modules with add_bias_kv, add_zero_attn or sinks are
+ * refused (MHA_ERR_UNSUPPORTED).  Inference only (no dropout).
  *     query (B, Lloc, E), key (B, Lloc, kdim), value (B, Lloc, vdim),
  *     out (B, Lloc, E)
  */

@@ -123,8 +123,8 @@ static const char FORWARD_RING_HELP[] =
     "needs the head counts to be multiples of P), and rank 0 gathers and\n"
     "writes --out.  Each rank reads the input files whole and keeps its\n"
     "shard.  No masks but --key-lengths and causal; modules with\n"
-    "add_bias_kv, add_zero_attn, sinks, ALiBi or a window are refused (RoPE\n"
-    "and a softcap are kept).\n";
+    "add_bias_kv, add_zero_attn or sinks are refused (RoPE, ALiBi, the\n"
+    "window and a softcap are kept).\n";
 
 int cmd_forward_ring(int argc, char **argv)
 {
