@@ -100,7 +100,9 @@ typedef enum mha_status {
     MHA_ERR_NON_FINITE = 8,       /* NaN or Inf where a finite value is due  */
     MHA_ERR_IO = 9,               /* reading or writing a file failed        */
     MHA_ERR_FORMAT = 10,          /* a file is malformed                     */
-    MHA_ERR_UNSUPPORTED = 11      /* valid, but not supported by this build  */
+    MHA_ERR_UNSUPPORTED = 11,     /* valid, but not supported by this build  */
+    MHA_ERR_COMM = 12             /* communication between processes failed
+                                     (libmha_mpi: an MPI call, a lost peer)  */
 } mha_status;
 
 /* A short constant description of a status ("shape mismatch"). */
@@ -113,6 +115,13 @@ MHA_API const char *mha_status_string(mha_status status);
  * The pointer is thread-local and valid until the next call on this thread.
  */
 MHA_API const char *mha_last_error(void);
+
+/*
+ * For libraries layered on libmha (libmha_mpi): records `message` as the
+ * message mha_last_error() returns on this thread (truncated to 511
+ * bytes) and returns `status`, so one message store serves them all.
+ */
+MHA_API mha_status mha_error_set(mha_status status, const char *message);
 
 /* ------------------------------------------------------------------------ */
 /* Positions and score modifiers (docs/semantics.md, "Score modifiers")     */
@@ -196,6 +205,8 @@ MHA_API mha_status mha_rope_apply(const mha_rope *rope, int64_t rows,
 #define MHA_GIVEN_SCALE   (1u << 0)  /* scale as written, 0 included       */
 #define MHA_GIVEN_DROPOUT (1u << 1)  /* dropout as written: 0 overrides a
                                         file's p in mha_module_from_file  */
+#define MHA_GIVEN_Q_OFFSET (1u << 2) /* mha_attention_args.q_offset as
+                                        written, 0 included               */
 
 /*
  * Configuration.  Zero in any field means "the default", so
@@ -533,6 +544,15 @@ typedef struct mha_attention_args {
                                      cache the sequence's length - Lq + i):
                                      RoPE positions of the queries       */
     const int64_t *k_positions;   /* (B, Lk) or NULL (j): of the keys     */
+    int64_t q_offset;     /* with MHA_GIVEN_Q_OFFSET in `given`: query i
+                             sits at key position q_offset + i (default:
+                             Lk - Lq + i, bottom-right).  Bottom-right
+                             causal (key j visible iff j <= q_offset + i),
+                             ALiBi's distance and the window are measured
+                             from there; TOP_LEFT and RoPE's positions are
+                             not affected.  For a part of a split problem
+                             whose queries start at position q0 and keys
+                             at k0: q_offset = q0 - k0.  Not with a cache. */
 } mha_attention_args;
 MHA_API mha_status mha_attention(const mha_attention_args *args);
 
@@ -574,6 +594,30 @@ MHA_API mha_status mha_attention_plan_backward(
 MHA_API void mha_attention_plan_free(mha_attention_plan *plan);
 MHA_API mha_status mha_attention_backward(const mha_attention_args *args,
                                           const mha_attention_grads *grads);
+
+/*
+ * The backward of one part of a split-key problem (the keys cut into parts
+ * whose results mha_attention_merge joins: chunks of a long sequence, the
+ * blocks of ring attention).  `args` is the part as its forward computed
+ * it (q and the part's k, v, masks, causal, modifiers; lse and weights are
+ * ignored); `lse` (B, H, Lq) is each row's log-sum-exp over ALL parts and
+ * `out` (B, Lq, H*d_h) the output merged over all parts, as
+ * mha_attention_merge returns them.  With P = exp(s - lse) on the part's
+ * keys and delta = rowsum(dO * out) (float64), writes (overwrites)
+ *     grad_q              this part's share of dL/dq: the shares of all
+ *                         parts sum to dL/dq
+ *     grad_k, grad_v      dL/dk, dL/dv of the part's keys through these
+ *                         query rows
+ * The gradients of a row with lse -INFINITY are zero.  No sinks, no cache;
+ * dropout, as the forward drew it, keyed by the part's own indices.  K and
+ * V are packed as a forward packs them, but no forward runs: a part costs
+ * the backward's two sweeps alone.  Bitwise the same for every
+ * num_threads.
+ */
+MHA_API mha_status mha_attention_backward_part(const mha_attention_args *args,
+                                               const float *lse,
+                                               const float *out,
+                                               const mha_attention_grads *grads);
 
 /*
  * The merge of partial attention results: when the keys of a problem are

@@ -12,6 +12,7 @@ packages=(
   libcjson-dev                       # JSON of the safetensors header
   libcmocka-dev                      # the C test framework
   libpng-dev                         # PNG heatmaps of `mha viz` (the command only)
+  libopenmpi-dev openmpi-bin         # libmha_mpi: ring attention over MPI (optional)
   valgrind                           # memory checks in the test suite
   clang libomp-14-dev                # ThreadSanitizer build (LLVM OpenMP)
   libclang-rt-14-dev                 # clang's sanitizer runtimes (TSan)

@@ -11,7 +11,9 @@ bash scripts/install-deps.sh
 jobs=$(nproc)
 
 echo "== release build and tests"
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+# MHA_MPI=ON: libmha_mpi and its tests (mpirun) must build here; a machine
+# without Open MPI fails at configure rather than skipping them silently.
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMHA_MPI=ON >/dev/null
 cmake --build build -j"$jobs" >/dev/null
 ctest --test-dir build --output-on-failure --output-junit "$PWD/build/ctest-release.xml"
 
@@ -44,7 +46,7 @@ done
 bash scripts/test-python.sh
 
 echo "== ASan + UBSan build and tests"
-cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug \
+cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DMHA_MPI=ON \
   -DMHA_SANITIZE=address,undefined >/dev/null
 cmake --build build-asan -j"$jobs" >/dev/null
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
@@ -64,6 +66,13 @@ TSAN_OPTIONS=ignore_noninstrumented_modules=1:halt_on_error=1 OMP_NUM_THREADS=4 
 echo "== valgrind (memcheck) on the C tests"
 for t in build/tests/test_*; do
   [ -x "$t" ] || continue
+  # test_mpi_ring runs under mpirun (release and ASan stages); Open MPI's
+  # own start-up (shared memory, hwloc, its progress thread) is not
+  # valgrind-clean, so memcheck would report MPI, not libmha_mpi.
+  if [[ $t == */test_mpi_* ]]; then
+    echo "valgrind: $t skipped (Open MPI under memcheck; see docs/TESTING.md)"
+    continue
+  fi
   OPENBLAS_NUM_THREADS=1 MHA_FIXTURES="$PWD/tests/fixtures" \
     valgrind --quiet --error-exitcode=99 --leak-check=full \
     --errors-for-leak-kinds=definite,indirect "$t" >/dev/null ||

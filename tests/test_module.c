@@ -1364,8 +1364,8 @@ static void test_forward_overflow(void **state)
 static void test_status_strings(void **state)
 {
     (void)state;
-    const char *s[12];
-    for (int k = 0; k <= 11; k++) {
+    const char *s[13];
+    for (int k = 0; k <= 12; k++) {
         s[k] = mha_status_string((mha_status)k);
         assert_non_null(s[k]);
         assert_true(strlen(s[k]) > 0);
@@ -1374,7 +1374,7 @@ static void test_status_strings(void **state)
                 fail_msg("status %d and %d share the string \"%s\"", j, k,
                          s[k]);
     }
-    assert_non_null(mha_status_string((mha_status)12));
+    assert_non_null(mha_status_string((mha_status)13));
     assert_non_null(mha_status_string((mha_status)-1));
     assert_non_null(mha_status_string((mha_status)1000));
     /* The pinned values. */
@@ -1390,6 +1390,7 @@ static void test_status_strings(void **state)
     assert_int_equal(MHA_ERR_IO, 9);
     assert_int_equal(MHA_ERR_FORMAT, 10);
     assert_int_equal(MHA_ERR_UNSUPPORTED, 11);
+    assert_int_equal(MHA_ERR_COMM, 12);
 }
 
 static void test_version(void **state)

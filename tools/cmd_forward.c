@@ -42,6 +42,9 @@ static int write_outputs(const char *out_path, const mha_tensor_view *out,
 
 int cmd_forward(int argc, char **argv)
 {
+    for (int k = 1; k < argc; k++)
+        if (!strcmp(argv[k], "--ring"))
+            return cmd_forward_ring(argc, argv);
     tool_opt o[] = {RUN_OPTS, {"out", 1, 0}, {"attn-weights", 1, 0},
                     {"per-head", 0, 0}};
     int status;

@@ -15,5 +15,9 @@ int cmd_info(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_viz(int argc, char **argv);
 int cmd_prune(int argc, char **argv);
+/* `forward --ring` and `bench --ring` (cmd_ring.c): under mpirun, on
+ * libmha_mpi; without MPI they say so and fail. */
+int cmd_forward_ring(int argc, char **argv);
+int cmd_bench_ring(int argc, char **argv);
 
 #endif

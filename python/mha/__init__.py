@@ -36,7 +36,7 @@ from ._errors import (BY_STATUS, ConfigError, FormatError,  # noqa: F401
                       InvalidArgumentError, MhaError, MhaIOError,
                       MhaMemoryError, MhaNullPointerError, MhaOverflowError,
                       NonFiniteError, NotFoundError, ShapeError,
-                      UnsupportedError)
+                      UnsupportedError, CommError)
 
 _core._set_errors(BY_STATUS)
 

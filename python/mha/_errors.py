@@ -81,7 +81,13 @@ class UnsupportedError(MhaError, NotImplementedError):
     status = 11
 
 
+class CommError(MhaError, RuntimeError):
+    """MHA_ERR_COMM: communication between processes failed (libmha_mpi;
+    never raised by the single-process library this package binds)."""
+    status = 12
+
+
 BY_STATUS = {c.status: c for c in (
     MhaNullPointerError, ConfigError, InvalidArgumentError, ShapeError,
     MhaOverflowError, MhaMemoryError, NotFoundError, NonFiniteError,
-    MhaIOError, FormatError, UnsupportedError)}
+    MhaIOError, FormatError, UnsupportedError, CommError)}

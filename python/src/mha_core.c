@@ -26,7 +26,7 @@
 /* ---- errors ------------------------------------------------------------ */
 
 /* status -> exception class, filled by _set_errors() from mha._errors. */
-#define N_STATUS 12
+#define N_STATUS 13
 static PyObject *status_exc[N_STATUS];
 
 static PyObject *raise_status(mha_status st)

@@ -50,6 +50,9 @@ typedef struct mha_mask_plan {
                                     qpos its own (mha_mask_qpos); -1: no
                                     bound on that side */
     int64_t band_left, band_right;
+    int64_t qpos_shift;          /* added to every query's position (a
+                                    part of a split problem, given as
+                                    mha_attention_args.q_offset); 0 */
 } mha_mask_plan;
 
 /* Validates every mask argument of `args` (batch, q_len, kv_len and the
@@ -86,7 +89,8 @@ void mha_mask_plan_band(mha_mask_plan *plan, int64_t left, int64_t right);
 static inline int64_t mha_mask_qpos(const mha_mask_plan *p, int64_t b,
                                     int64_t i)
 {
-    return i + (p->seq_lengths ? p->seq_lengths[b] : p->kv_len) - p->q_len;
+    return i + (p->seq_lengths ? p->seq_lengths[b] : p->kv_len) - p->q_len +
+           p->qpos_shift;
 }
 
 /* The last real key that causal masking, key_lengths and the window leave
@@ -175,6 +179,10 @@ typedef struct mha_attn {
     int prepacked;          /* K and V are held already (a KV cache): the
                                run writes only the extra keys' tile, and
                                k, v are unused */
+    int pack_only;          /* only pack K and V for a backward (the
+                               flash tiers; nothing for ref): no ctx, no
+                               stats (mha_attention_backward_part sets
+                               the stats itself) */
     const struct mha_kv_cache *kv;  /* that cache, or NULL: the real keys'
                                tiles are read from it in its dtype, and
                                `packed` holds one f32 tile per (b, g), the
@@ -257,6 +265,14 @@ typedef struct mha_attn_grad {
     float *dsinks;   /* [B][H], or NULL: dL/d sinks[h] of each (b, h),
                         summed over b by the caller (with sinks)       */
     float *packed;   /* the backward layout's packed K and V */
+    /* A part of a split-key problem (mha_attention_backward_part), or
+     * NULL / NULL: each row's statistics over ALL parts, [B][H][Lq].
+     * row_lse: the global log-sum-exp (the flash tiers read it through
+     * the stats, set to (lse, 1) by the caller; the ref tier here);
+     * row_delta: delta_i = dO_i . out_i in float64, used in place of the
+     * sum over this part's keys. */
+    const float *row_lse;
+    const double *row_delta;
 } mha_attn_grad;
 
 /* One work item per (b, g), each computed by one thread in a fixed order

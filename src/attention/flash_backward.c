@@ -315,6 +315,9 @@ static void bwd_head(const mha_attn *a, const mha_attn_grad *g, int64_t b,
         memset(w->f.o, 0, (size_t)(mr * dh) * sizeof *w->f.o);
         mha_for_each_tile(a, b, h, i0, mr, 0, a->Lk, 1, w->f.bias, probs_tile,
                           w);
+        /* A part of a split-key problem: delta is the whole row's. */
+        for (int r = 0; g->row_delta && r < mr; r++)
+            w->delta[r] = g->row_delta[(b * a->H + h) * a->Lq + i0 + r];
         for (int r = 0; a->sinks && r < mr; r++) {
             const float *st = a->stats + 2 * ((b * a->H + h) * a->Lq + i0 + r);
             dsink -= exp((double)a->sinks[h] - st[0]) * st[1] * w->delta[r];

@@ -35,7 +35,7 @@ void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
         const float *q = a->q + (b * a->Lq + i) * a->ldq + h * dh;
         const float *dO = g->dctx + (b * a->Lq + i) * g->lddc + h * dh;
         float *dqd = g->dq + (b * a->Lq + i) * g->lddq + h * dh;
-        const int64_t live = mha_mask_row(a->mask, b, h, i, bias);
+        int64_t live = mha_mask_row(a->mask, b, h, i, bias);
         memset(dq, 0, (size_t)dh * sizeof *dq);
         const double sink = a->sinks ? a->sinks[h] : -INFINITY;
         double mx = sink, delta = 0.0;
@@ -52,9 +52,19 @@ void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
                 mx = s[j];
         }
         double sum = a->sinks ? exp(sink - mx) : 0.0;
+        /* A part of a split-key problem: P = exp(s - lse) with the whole
+         * row's lse (no key anywhere: P = 0). */
+        const float row_lse =
+            g->row_lse ? g->row_lse[(b * a->H + h) * a->Lq + i] : 0.0f;
+        if (g->row_lse && row_lse == -INFINITY)
+            live = 0;
+        if (g->row_lse)
+            mx = row_lse;
         for (int64_t j = 0; live && j < Lt; j++)
             if (bias[j] != -INFINITY)
                 sum += s[j] = exp(s[j] - mx);
+        if (g->row_lse)
+            sum = 1.0;
         /* ds[j] = dP~_j * keep * scale_keep; delta = sum_j P~_j dP~_j */
         for (int64_t j = 0; live && j < Lt; j++) {
             ds[j] = 0.0;
@@ -75,6 +85,8 @@ void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
         }
         /* The sink's logit: dL/d sink = -P_sink delta (its value is 0),
          * summed over the head's rows in float64. */
+        if (g->row_delta)
+            delta = g->row_delta[(b * a->H + h) * a->Lq + i];
         if (i == 0)
             dsink = 0.0;
         if (live && a->sinks)

@@ -117,6 +117,8 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
         for (int64_t bg = 0; bg < a->B * a->Hkv; bg++)
             mha_pack_forward_tile(a, bg * tiles + tiles - 1);
     }
+    if (e->isa == MHA_ISA_REF && a->pack_only)
+        return;   /* the ref backward reads k and v as they are */
     if (e->isa == MHA_ISA_REF) {
         const int64_t rows = a->B * a->Lq;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
@@ -147,7 +149,9 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
             if (!a->prepacked)
                 mha_pack_forward_tile(a, t);
         /* (the implicit barrier: every tile is packed) */
-        if (chunks > 1) {
+        if (a->pack_only) {
+            /* nothing more: a part's backward sets the stats itself */
+        } else if (chunks > 1) {
             /* (every thread takes the same branch: it follows the shape) */
             if (stacked) {
 #pragma omp for schedule(dynamic, 1)

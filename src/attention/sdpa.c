@@ -150,6 +150,14 @@ static mha_status mask_plan(const mha_attention_args *a, const sdpa_shape *s,
     fa.causal = a->causal;
     MHA_CHECK(a->cache ? mha_mask_plan_init_cache(mask, s->H, s->Lk, 0, &fa)
                        : mha_mask_plan_init(mask, s->H, 0, &fa));
+    if (a->given & MHA_GIVEN_Q_OFFSET) {
+        if (a->cache)
+            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                 "q_offset (MHA_GIVEN_Q_OFFSET) is not taken "
+                                 "with a KV cache: its queries sit at each "
+                                 "sequence's end");
+        mask->qpos_shift = a->q_offset - (s->Lk - s->Lq);
+    }
     if (a->mods.window)
         mha_mask_plan_band(mask, a->mods.window_left, a->mods.window_right);
     return MHA_OK;
@@ -382,8 +390,10 @@ static void write_lse(const float *stats, int64_t rows, float *lse)
     }
 }
 
-mha_status mha_attention_plan_run(mha_attention_plan *p,
-                                  const mha_attention_args *a)
+/* The plan's run; pack_only: K and V packed (and RoPE applied, the
+ * arguments kept) for a backward, no output (mha_attention_backward_part). */
+static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
+                           int pack_only)
 {
     if (!p)
         return mha_set_error(MHA_ERR_NULL_POINTER, "plan is NULL");
@@ -473,15 +483,22 @@ mha_status mha_attention_plan_run(mha_attention_plan *p,
     if (w)
         memset(a->attn_weights, 0, (size_t)s.n_w * sizeof(float));
     mha_attn at = problem(p, a, &mask);
+    at.pack_only = pack_only;
     if (a->mods.rope.style != MHA_ROPE_NONE)
         rope_rotate(p, a, s.Lk, &at);
     mha_attn_run(&p->eng, &at, p->ws + p->lay.scratch, p->lay.per_thread);
-    if (a->lse)
+    if (a->lse && !pack_only)
         write_lse(at.stats, s.B * s.H * s.Lq, a->lse);
     p->saved = *a;
     p->saved_print = print;
     p->has_saved = 1;
     return MHA_OK;
+}
+
+mha_status mha_attention_plan_run(mha_attention_plan *p,
+                                  const mha_attention_args *a)
+{
+    return plan_run(p, a, 0);
 }
 
 static int same_mask(const mha_mask *x, const mha_mask *y)
@@ -504,6 +521,8 @@ static mha_status check_saved(const mha_attention_plan *p,
         !same_mask(&a->attn_mask, &s->attn_mask) ||
         !same_mask(&a->key_padding_mask, &s->key_padding_mask) ||
         a->key_lengths != s->key_lengths || a->causal != s->causal ||
+        (a->given & MHA_GIVEN_Q_OFFSET) != (s->given & MHA_GIVEN_Q_OFFSET) ||
+        ((a->given & MHA_GIVEN_Q_OFFSET) && a->q_offset != s->q_offset) ||
         resolved_scale(a, p->shape.dh) != resolved_scale(s, p->shape.dh) ||
         (a->training != 0) != (s->training != 0) ||
         a->dropout != s->dropout || a->dropout_seed != s->dropout_seed ||
@@ -523,9 +542,9 @@ static mha_status check_saved(const mha_attention_plan *p,
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "the arguments differ from those of the plan's "
                              "last run (q, k, v, masks, key_lengths, causal, "
-                             "scale, dropout, training, dropout_seed, sinks, "
-                             "the modifiers and RoPE's positions must be the "
-                             "same)");
+                             "q_offset, scale, dropout, training, "
+                             "dropout_seed, sinks, the modifiers and RoPE's "
+                             "positions must be the same)");
     if (fingerprint(a, &p->shape) != p->saved_print)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "the contents of q, k, v, the masks or "
@@ -535,9 +554,14 @@ static mha_status check_saved(const mha_attention_plan *p,
     return MHA_OK;
 }
 
-mha_status mha_attention_plan_backward(mha_attention_plan *p,
-                                       const mha_attention_args *a,
-                                       const mha_attention_grads *g)
+/* The plan's backward; row_lse / row_delta ([B][H][Lq], both or
+ * neither): a part of a split-key problem (mha_attention_backward_part),
+ * whose stats the caller has set to (lse, 1). */
+static mha_status plan_backward(mha_attention_plan *p,
+                                const mha_attention_args *a,
+                                const mha_attention_grads *g,
+                                const float *row_lse,
+                                const double *row_delta)
 {
     if (!p)
         return mha_set_error(MHA_ERR_NULL_POINTER, "plan is NULL");
@@ -590,7 +614,8 @@ mha_status mha_attention_plan_backward(mha_attention_plan *p,
         .dctx = g->grad_out, .lddc = s->E, .dq = g->grad_q, .dk = g->grad_k,
         .dv = g->grad_v, .lddq = s->E, .lddk = s->Ekv, .lddv = s->Ekv,
         .dsinks = a->sinks ? p->dsinks : NULL,
-        .packed = p->bws + p->blay.packed};
+        .packed = p->bws + p->blay.packed, .row_lse = row_lse,
+        .row_delta = row_delta};
     mha_attn_backward(&p->eng, &at, &ag, p->bws + p->blay.scratch,
                       p->blay.per_thread);
     if (a->mods.rope.style != MHA_ROPE_NONE)
@@ -603,6 +628,13 @@ mha_status mha_attention_plan_backward(mha_attention_plan *p,
         g->grad_sinks[h] = (float)sum;
     }
     return MHA_OK;
+}
+
+mha_status mha_attention_plan_backward(mha_attention_plan *p,
+                                       const mha_attention_args *a,
+                                       const mha_attention_grads *g)
+{
+    return plan_backward(p, a, g, NULL, NULL);
 }
 
 mha_status mha_attention(const mha_attention_args *a)
@@ -633,6 +665,93 @@ mha_status mha_attention_backward(const mha_attention_args *a,
         st = mha_attention_plan_run(p, &f);
     if (st == MHA_OK)
         st = mha_attention_plan_backward(p, &f, g);
+    free(f.out);
+    mha_attention_plan_free(p);
+    return st;
+}
+
+/*
+ * One part of a split-key problem: the plan runs with pack_only (K and V
+ * packed as a forward packs them, RoPE applied; no attention computed),
+ * its row stats are set to (global lse, 1), so P = exp(s - lse) is the
+ * global probability, and delta = dO . out (the merged output) is the
+ * whole row's, in float64 in the order of d.
+ */
+mha_status mha_attention_backward_part(const mha_attention_args *a,
+                                       const float *lse, const float *out,
+                                       const mha_attention_grads *g)
+{
+    if (!a)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "attention args are NULL");
+    if (!g)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "gradient args are NULL");
+    if (!lse || !out)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
+                             !lse ? "lse (the rows' log-sum-exp over all "
+                                    "parts)"
+                                  : "out (the output merged over all parts)");
+    if (!g->grad_out)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "grad_out is NULL");
+    if (a->sinks || g->grad_sinks)
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "a part's backward takes no sinks (a sink "
+                             "belongs to no part of the keys)");
+    if (a->cache)
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "a part's backward takes no KV cache (a cached "
+                             "forward has no backward)");
+    mha_attention_args f = *a;
+    f.need_weights = MHA_WEIGHTS_NONE;
+    f.attn_weights = NULL;
+    f.lse = NULL;
+    mha_attention_plan *p;
+    MHA_CHECK(mha_attention_plan_create(&f, &p));
+    const sdpa_shape *s = &p->shape;
+    const int64_t rows = s->B * s->H * s->Lq;
+    for (int64_t r = 0; r < rows; r++)
+        if (lse[r] != lse[r] || lse[r] == INFINITY) {
+            mha_attention_plan_free(p);
+            return mha_set_error(MHA_ERR_NON_FINITE,
+                                 "lse[%lld] is %s: a row's log-sum-exp must "
+                                 "be finite or -inf (no key)",
+                                 (long long)r, lse[r] != lse[r] ? "NaN"
+                                                                : "+inf");
+        }
+    f.out = mha_alloc_floats(s->n_q, "the part's forward output");
+    double *delta = malloc((size_t)rows * sizeof *delta);
+    mha_status st = MHA_OK;
+    if (!f.out || !delta)
+        st = mha_set_error(MHA_ERR_OUT_OF_MEMORY,
+                           "out of memory for a part's backward (%lld "
+                           "floats)", (long long)(s->n_q + 2 * rows));
+    if (st == MHA_OK) {
+        const span outs[3] = {{"grad_q", g->grad_q, s->n_q},
+                              {"grad_k", g->grad_k, s->n_kv},
+                              {"grad_v", g->grad_v, s->n_kv}};
+        const span ins[2] = {{"lse", lse, rows}, {"out", out, s->n_q}};
+        st = check_disjoint(outs, 3, ins, 2);
+    }
+    if (st == MHA_OK)
+        st = plan_run(p, &f, 1);   /* K and V packed, no forward */
+    if (st == MHA_OK) {
+        float *stats = p->ws + p->lay.stats;
+        for (int64_t b = 0; b < s->B; b++)
+            for (int64_t h = 0; h < s->H; h++)
+                for (int64_t i = 0; i < s->Lq; i++) {
+                    const int64_t r = (b * s->H + h) * s->Lq + i;
+                    const float *o = out + (b * s->Lq + i) * s->E + h * s->dh;
+                    const float *d = g->grad_out + (b * s->Lq + i) * s->E +
+                                     h * s->dh;
+                    double sum = 0.0;
+                    for (int64_t x = 0; x < s->dh; x++)
+                        sum += (double)d[x] * o[x];
+                    delta[r] = sum;
+                    stats[2 * r] = lse[r];
+                    stats[2 * r + 1] = lse[r] == -INFINITY ? 0.0f : 1.0f;
+                }
+        st = plan_backward(p, &f, g, lse, delta);
+    }
+    free(delta);
     free(f.out);
     mha_attention_plan_free(p);
     return st;

@@ -22,6 +22,12 @@ mha_status mha_set_error(mha_status status, const char *fmt, ...)
 
 const char *mha_last_error(void) { return last_error; }
 
+mha_status mha_error_set(mha_status status, const char *message)
+{
+    snprintf(last_error, sizeof last_error, "%s", message ? message : "");
+    return status;
+}
+
 const char *mha_status_string(mha_status status)
 {
     switch (status) {
@@ -37,6 +43,7 @@ const char *mha_status_string(mha_status status)
     case MHA_ERR_IO: return "i/o error";
     case MHA_ERR_FORMAT: return "malformed file";
     case MHA_ERR_UNSUPPORTED: return "unsupported";
+    case MHA_ERR_COMM: return "communication failed";
     }
     return "unknown status";
 }

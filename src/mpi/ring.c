@@ -1,0 +1,484 @@
+/*
+ * ring.c -- exact attention over a sequence split across MPI ranks (Ring
+ * Attention), forward and backward, on libmha's public API only.
+ *
+ *   check     (common.c) every rank's arguments checked alone, then
+ *             compared across ranks (one MPI_Allreduce of a fingerprint):
+ *             the same status and message on every rank, before any block
+ *             moves
+ *   forward   step s = 0 .. P-1: this rank holds the K/V block of rank
+ *             (r - s) mod P; the next block's receive and this block's
+ *             send are posted first, then each (query piece, key piece)
+ *             pair of the step runs mha_attention with its lse and is
+ *             merged into a float64 (out, lse) accumulator, in step order
+ *   backward  the same walk with mha_attention_backward_part; each block's
+ *             dK/dV accumulator follows its block one step behind and
+ *             comes home at the end
+ *
+ * A block in flight is one buffer: [k of piece 0][k of piece 1][v of
+ * piece 0][v of piece 1], each (B, n_piece, Ekv); its gradient the same
+ * with dk, dv.  Pieces are the runs of consecutive positions of a shard
+ * (mha_shard_of): with causal masking a pair of pieces is either wholly
+ * visible (the keys end before the queries start), the same chunk (top-
+ * left causal on it) or wholly hidden (skipped, no work).
+ */
+#include "common.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- the walk ----------------------------------------------------------- */
+
+/* How query piece (qo, qn) sees key piece (ko, kn): 0 not at all, 1
+ * wholly, 2 the same chunk (causal top-left on it). */
+static int visibility(const ring *r, int64_t qo, int64_t qn, int64_t ko,
+                      int64_t kn)
+{
+    if (qn == 0 || kn == 0)
+        return 0;
+    if (!r->causal || ko + kn - 1 <= qo)
+        return 1;
+    if (ko > qo + qn - 1)
+        return 0;
+    return 2;   /* the same chunk: ko == qo, kn == qn (one partition) */
+}
+
+/* The lse rows [r0, r0 + n) of (B, H, Lx) to (B, H, n), or back. */
+static void lse_copy(float *y, const float *x, int64_t BH, int64_t Lx,
+                     int64_t r0, int64_t n, int back)
+{
+    mha_mpi_rows_copy(y, x, BH, Lx, 1, r0, n, back);
+}
+
+/* Floats of one block in flight: K and V of a shard of len rows. */
+static int64_t block_floats(const ring *r, int64_t len)
+{
+    return 2 * r->B * len * r->Ekv;
+}
+
+static mha_shard shard(const ring *r, const mha_ring_args *a, int rank)
+{
+    mha_shard s;
+    mha_shard_of(a->split, r->L, r->P, rank, &s);
+    return s;
+}
+
+/* The k (is_v 0) or v (1) of piece p of a block of shard s at buf. */
+static float *piece_of(const ring *r, float *buf, const mha_shard *s, int p,
+                       int is_v)
+{
+    float *x = buf + (is_v ? r->B * s->len * r->Ekv : 0);
+    return x + (p ? r->B * s->length[0] * r->Ekv : 0);
+}
+
+/* The arguments of one pair: query piece (q, qn) at position qo against
+ * key piece (k, v, kn) at position ko. */
+static mha_attention_args pair_args(const ring *r, const mha_ring_args *a,
+                                    const float *q, int64_t qo, int64_t qn,
+                                    const float *k, const float *v,
+                                    int64_t ko, int64_t kn, int vis,
+                                    int64_t *kl)
+{
+    mha_attention_args p = {0};
+    p.batch = r->B;
+    p.num_heads = r->H;
+    p.num_kv_heads = r->Hkv;
+    p.head_dim = r->dh;
+    p.q_len = qn;
+    p.kv_len = kn;
+    p.q = q;
+    p.k = k;
+    p.v = v;
+    p.scale = a->scale;
+    p.given = a->given;
+    p.causal = vis == 2 ? MHA_CAUSAL_TOP_LEFT : MHA_CAUSAL_NONE;
+    if (a->key_lengths) {
+        for (int64_t b = 0; b < r->B; b++) {
+            const int64_t x = a->key_lengths[b] - ko;
+            kl[b] = x < 0 ? 0 : x > kn ? kn : x;
+        }
+        p.key_lengths = kl;
+    }
+    p.mods = a->mods;
+    /* ALiBi and the window measure between global positions: the pair's
+     * queries start at qo, its keys at ko. */
+    p.given |= MHA_GIVEN_Q_OFFSET;
+    p.q_offset = qo - ko;
+    p.num_threads = a->num_threads;
+    return p;
+}
+
+/* Rows [r0, r0 + n) of the accumulator (out (B, nloc, E) and lse
+ * (B, H, nloc), float64) merged with a part (po (B, n, E), pl (B, H, n)):
+ * lse = log(e^acc + e^part), out weighted, in float64. */
+static void merge_into(const ring *r, int64_t nloc, int64_t r0, int64_t n,
+                       double *ao, double *al, const float *po,
+                       const float *pl)
+{
+    for (int64_t b = 0; b < r->B; b++)
+        for (int64_t h = 0; h < r->H; h++)
+            for (int64_t i = 0; i < n; i++) {
+                const int64_t xp = (b * r->H + h) * n + i;
+                const int64_t x = (b * r->H + h) * nloc + r0 + i;
+                double *o = ao + (b * nloc + r0 + i) * r->E + h * r->dh;
+                const float *p = po + (b * n + i) * r->E + h * r->dh;
+                const double lp = pl[xp], la = al[x];
+                if (lp == -INFINITY)
+                    continue;
+                if (la == -INFINITY) {
+                    for (int64_t d = 0; d < r->dh; d++)
+                        o[d] = p[d];
+                    al[x] = lp;
+                    continue;
+                }
+                const double m = la > lp ? la : lp;
+                const double wa = exp(la - m), wp = exp(lp - m);
+                const double s = wa + wp;
+                for (int64_t d = 0; d < r->dh; d++)
+                    o[d] = (o[d] * wa + p[d] * wp) / s;
+                al[x] = m + log(s);
+            }
+}
+
+/* Packs this rank's K and V into a block buffer. */
+static void pack_own(const ring *r, const mha_ring_args *a, float *buf)
+{
+    for (int p = 0; p < r->me.n_pieces; p++) {
+        const int64_t r0 = p ? r->me.length[0] : 0, n = r->me.length[p];
+        mha_mpi_rows_copy(piece_of(r, buf, &r->me, p, 0), a->k, r->B, r->me.len,
+                  r->Ekv, r0, n, 0);
+        mha_mpi_rows_copy(piece_of(r, buf, &r->me, p, 1), a->v, r->B, r->me.len,
+                  r->Ekv, r0, n, 0);
+    }
+}
+
+/* ---- forward ------------------------------------------------------------ */
+
+mha_status mha_ring_attention(const mha_ring_args *a)
+{
+    ring r;
+    mha_status st = mha_mpi_ring_open(a, NULL, 0, &r);
+    float *kv[2] = {NULL, NULL}, *qp[2] = {NULL, NULL};
+    float *po = NULL, *pl = NULL;
+    double *ao = NULL, *al = NULL;
+    int64_t *kl = NULL;
+    MPI_Request req[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+    if (st != MHA_OK)
+        goto done;
+
+    int64_t maxlen = 0;
+    for (int x = 0; x < r.P; x++) {
+        const mha_shard s = shard(&r, a, x);
+        maxlen = s.len > maxlen ? s.len : maxlen;
+    }
+    const int64_t nloc = r.me.len, nq = r.B * nloc * r.E;
+    const int64_t maxpiece = r.me.length[0] > r.me.length[1]
+                                 ? r.me.length[0] : r.me.length[1];
+    kv[0] = mha_mpi_alloc_bytes(&r, block_floats(&r, maxlen) * 4);
+    kv[1] = mha_mpi_alloc_bytes(&r, block_floats(&r, maxlen) * 4);
+    po = mha_mpi_alloc_bytes(&r, r.B * maxpiece * r.E * 4);
+    pl = mha_mpi_alloc_bytes(&r, r.B * r.H * maxpiece * 4);
+    ao = mha_mpi_alloc_bytes(&r, nq * 8);
+    al = mha_mpi_alloc_bytes(&r, r.B * r.H * nloc * 8);
+    kl = mha_mpi_alloc_bytes(&r, r.B * 8);
+    int fail_alloc = !kv[0] || !kv[1] || !po || !pl || !ao || !al || !kl;
+    /* Query pieces as problems of their own: zig-zag pieces copied. */
+    const float *qpiece[2] = {a->q, NULL};
+    for (int p = 0; r.me.n_pieces == 2 && p < 2 && !fail_alloc; p++) {
+        qp[p] = mha_mpi_alloc_bytes(&r, r.B * r.me.length[p] * r.E * 4);
+        fail_alloc |= !qp[p];
+        if (qp[p])
+            mha_mpi_rows_copy(qp[p], a->q, r.B, nloc, r.E,
+                              p ? r.me.length[0] : 0,
+                      r.me.length[p], 0);
+        qpiece[p] = qp[p];
+    }
+    /* No rank starts a ring that another cannot finish. */
+    st = fail_alloc ? mha_mpi_fail(MHA_ERR_OUT_OF_MEMORY,
+                           "out of memory for the ring's buffers (%lld "
+                           "bytes)", (long long)r.st.workspace_bytes)
+                    : MHA_OK;
+    st = mha_mpi_agree(&r, st);
+    if (st != MHA_OK)
+        goto done;
+    for (int64_t x = 0; x < r.B * r.H * nloc; x++)
+        al[x] = -INFINITY;
+    memset(ao, 0, (size_t)nq * sizeof *ao);
+    if (nloc > 0)
+        pack_own(&r, a, kv[0]);
+
+    /* A block that fails here (out of memory inside mha_attention) stops
+     * this rank's compute, not its part in the ring: the others are not
+     * left waiting, and the verdict after the ring is everyone's. */
+    const int next = (r.rank + 1) % r.P, prev = (r.rank + r.P - 1) % r.P;
+    for (int s = 0; s < r.P; s++) {
+        const int src = (r.rank - s + r.P) % r.P;
+        const mha_shard ks = shard(&r, a, src);
+        float *cur = kv[s % 2];
+        if (s + 1 < r.P) {
+            const mha_shard ns = shard(&r, a, (src - 1 + r.P) % r.P);
+            const int64_t nsend = block_floats(&r, ks.len);
+            const int64_t nrecv = block_floats(&r, ns.len);
+            MPI_TRY(MPI_Irecv(kv[(s + 1) % 2], (int)nrecv, MPI_FLOAT, prev,
+                              s, r.comm, &req[0]), "MPI_Irecv of a K/V block");
+            MPI_TRY(MPI_Isend(cur, (int)nsend, MPI_FLOAT, next, s, r.comm,
+                              &req[1]), "MPI_Isend of a K/V block");
+            r.st.messages_sent++;
+            r.st.bytes_sent += nsend * 4;
+            r.st.messages_received++;
+            r.st.bytes_received += nrecv * 4;
+        }
+        const double t = mha_mpi_now();
+        for (int qpi = 0; st == MHA_OK && qpi < r.me.n_pieces; qpi++) {
+            const int64_t qo = r.me.offset[qpi], qn = r.me.length[qpi];
+            const int64_t r0 = qpi ? r.me.length[0] : 0;
+            for (int kp = 0; st == MHA_OK && kp < ks.n_pieces; kp++) {
+                const int vis = visibility(&r, qo, qn, ks.offset[kp],
+                                           ks.length[kp]);
+                if (!vis)
+                    continue;
+                mha_attention_args pa = pair_args(
+                    &r, a, qpiece[qpi], qo, qn,
+                    piece_of(&r, cur, &ks, kp, 0),
+                    piece_of(&r, cur, &ks, kp, 1), ks.offset[kp],
+                    ks.length[kp], vis, kl);
+                pa.out = po;
+                pa.lse = pl;
+                st = mha_attention(&pa);
+                if (st == MHA_OK)
+                    merge_into(&r, nloc, r0, qn, ao, al, po, pl);
+                /* Let the transfers progress between blocks. */
+                int flag;
+                MPI_Testall(2, req, &flag, MPI_STATUSES_IGNORE);
+            }
+        }
+        r.st.seconds_compute += mha_mpi_now() - t;
+        if (s + 1 < r.P)
+            MPI_TRY(mha_mpi_wait_all(&r, 2, req), "MPI_Waitall of a K/V block");
+    }
+    st = mha_mpi_agree(&r, st);
+    if (st != MHA_OK)
+        goto done;
+    for (int64_t x = 0; x < nq; x++)
+        a->out[x] = (float)ao[x];
+    if (a->lse)
+        for (int64_t x = 0; x < r.B * r.H * nloc; x++)
+            a->lse[x] = (float)al[x];
+
+done:
+    mha_mpi_free_requests(req, 2);
+    free(kv[0]);
+    free(kv[1]);
+    free(qp[0]);
+    free(qp[1]);
+    free(po);
+    free(pl);
+    free(ao);
+    free(al);
+    free(kl);
+    mha_mpi_ring_close(&r, a);
+    return st;
+}
+
+/* ---- backward ----------------------------------------------------------- */
+
+/* y[x] += x[x] for n floats, in index order. */
+static void add_floats(float *y, const float *x, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        y[i] += x[i];
+}
+
+mha_status mha_ring_attention_backward(const mha_ring_args *a,
+                                       const mha_ring_grads *g)
+{
+    ring r;
+    mha_status st = mha_mpi_ring_open(a, g, 1, &r);
+    float *kv[2] = {NULL, NULL}, *dkv[2] = {NULL, NULL}, *loc = NULL;
+    float *cp[4][2] = {{NULL, NULL}, {NULL, NULL}, {NULL, NULL},
+                       {NULL, NULL}};
+    float *pdq = NULL, *pdk = NULL, *pdv = NULL;
+    double *dq = NULL;
+    int64_t *kl = NULL;
+    /* kv receive, kv send, dkv receive, dkv send from dkv[0], dkv[1] */
+    MPI_Request req[5] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL,
+                          MPI_REQUEST_NULL, MPI_REQUEST_NULL,
+                          MPI_REQUEST_NULL};
+    if (st != MHA_OK)
+        goto done;
+
+    int64_t maxlen = 0;
+    for (int x = 0; x < r.P; x++) {
+        const mha_shard s = shard(&r, a, x);
+        maxlen = s.len > maxlen ? s.len : maxlen;
+    }
+    const int64_t nloc = r.me.len, nq = r.B * nloc * r.E;
+    const int64_t BH = r.B * r.H;
+    const int64_t maxpiece = r.me.length[0] > r.me.length[1]
+                                 ? r.me.length[0] : r.me.length[1];
+    const int64_t nblock = block_floats(&r, maxlen);
+    for (int i = 0; i < 2; i++) {
+        kv[i] = mha_mpi_alloc_bytes(&r, nblock * 4);
+        dkv[i] = mha_mpi_alloc_bytes(&r, nblock * 4);
+    }
+    loc = mha_mpi_alloc_bytes(&r, nblock * 4);
+    pdq = mha_mpi_alloc_bytes(&r, r.B * maxpiece * r.E * 4);
+    pdk = mha_mpi_alloc_bytes(&r, r.B * maxlen * r.Ekv * 4);
+    pdv = mha_mpi_alloc_bytes(&r, r.B * maxlen * r.Ekv * 4);
+    dq = mha_mpi_alloc_bytes(&r, nq * 8);
+    kl = mha_mpi_alloc_bytes(&r, r.B * 8);
+    int fail_alloc = !kv[0] || !kv[1] || !dkv[0] || !dkv[1] || !loc ||
+                     !pdq || !pdk || !pdv || !dq || !kl;
+    /* Per query piece: q, out, grad_out and lse as problems of their own
+     * (the caller's arrays with one piece; copies with two). */
+    const float *qv[2] = {a->q, NULL}, *ov[2] = {a->out, NULL};
+    const float *gv[2] = {g ? g->grad_out : NULL, NULL}, *lv[2] = {a->lse,
+                                                                    NULL};
+    for (int p = 0; r.me.n_pieces == 2 && p < 2 && !fail_alloc; p++) {
+        const int64_t n = r.me.length[p], r0 = p ? r.me.length[0] : 0;
+        for (int c = 0; c < 4; c++) {
+            const int64_t nf = c == 3 ? BH * n : r.B * n * r.E;
+            cp[c][p] = mha_mpi_alloc_bytes(&r, nf * 4);
+            fail_alloc |= !cp[c][p];
+        }
+        if (fail_alloc)
+            break;
+        mha_mpi_rows_copy(cp[0][p], a->q, r.B, nloc, r.E, r0, n, 0);
+        mha_mpi_rows_copy(cp[1][p], a->out, r.B, nloc, r.E, r0, n, 0);
+        mha_mpi_rows_copy(cp[2][p], g->grad_out, r.B, nloc, r.E, r0, n, 0);
+        lse_copy(cp[3][p], a->lse, BH, nloc, r0, n, 0);
+        qv[p] = cp[0][p];
+        ov[p] = cp[1][p];
+        gv[p] = cp[2][p];
+        lv[p] = cp[3][p];
+    }
+    st = fail_alloc ? mha_mpi_fail(MHA_ERR_OUT_OF_MEMORY,
+                           "out of memory for the ring's buffers (%lld "
+                           "bytes)", (long long)r.st.workspace_bytes)
+                    : MHA_OK;
+    st = mha_mpi_agree(&r, st);
+    if (st != MHA_OK)
+        goto done;
+    memset(dq, 0, (size_t)nq * sizeof *dq);
+    if (nloc > 0)
+        pack_own(&r, a, kv[0]);
+
+    const int next = (r.rank + 1) % r.P, prev = (r.rank + r.P - 1) % r.P;
+    for (int s = 0; s < r.P; s++) {
+        const int src = (r.rank - s + r.P) % r.P;
+        const mha_shard ks = shard(&r, a, src);
+        const int64_t nks = block_floats(&r, ks.len);
+        float *cur = kv[s % 2], *acc = dkv[s % 2];
+        if (s + 1 < r.P) {
+            const mha_shard ns = shard(&r, a, (src - 1 + r.P) % r.P);
+            const int64_t nrecv = block_floats(&r, ns.len);
+            MPI_TRY(MPI_Irecv(kv[(s + 1) % 2], (int)nrecv, MPI_FLOAT, prev,
+                              s, r.comm, &req[0]), "MPI_Irecv of a K/V block");
+            MPI_TRY(MPI_Isend(cur, (int)nks, MPI_FLOAT, next, s, r.comm,
+                              &req[1]), "MPI_Isend of a K/V block");
+            r.st.messages_sent++;
+            r.st.bytes_sent += nks * 4;
+            r.st.messages_received++;
+            r.st.bytes_received += nrecv * 4;
+        }
+        if (s >= 1) {
+            /* block src's gradient so far, from the rank before: into a
+             * buffer whose send of two steps ago has completed */
+            MPI_TRY(mha_mpi_wait_all(&r, 1, &req[3 + s % 2]),
+                    "MPI_Wait of a dK/dV send");
+            MPI_TRY(MPI_Irecv(acc, (int)nks, MPI_FLOAT, prev, r.P + s,
+                              r.comm, &req[2]), "MPI_Irecv of a dK/dV block");
+            r.st.messages_received++;
+            r.st.bytes_received += nks * 4;
+        }
+        const double t = mha_mpi_now();
+        memset(loc, 0, (size_t)nks * sizeof *loc);
+        for (int qpi = 0; st == MHA_OK && qpi < r.me.n_pieces; qpi++) {
+            const int64_t qo = r.me.offset[qpi], qn = r.me.length[qpi];
+            const int64_t r0 = qpi ? r.me.length[0] : 0;
+            for (int kp = 0; st == MHA_OK && kp < ks.n_pieces; kp++) {
+                const int64_t kn = ks.length[kp];
+                const int vis = visibility(&r, qo, qn, ks.offset[kp], kn);
+                if (!vis)
+                    continue;
+                const mha_attention_args pa = pair_args(
+                    &r, a, qv[qpi], qo, qn, piece_of(&r, cur, &ks, kp, 0),
+                    piece_of(&r, cur, &ks, kp, 1), ks.offset[kp], kn, vis,
+                    kl);
+                const mha_attention_grads pg = {gv[qpi], pdq, pdk, pdv,
+                                                NULL};
+                st = mha_attention_backward_part(&pa, lv[qpi], ov[qpi], &pg);
+                if (st != MHA_OK)
+                    break;
+                for (int64_t b = 0; b < r.B; b++)
+                    for (int64_t i = 0; i < qn * r.E; i++)
+                        dq[(b * nloc + r0) * r.E + i] += pdq[b * qn * r.E + i];
+                add_floats(piece_of(&r, loc, &ks, kp, 0), pdk,
+                           r.B * kn * r.Ekv);
+                add_floats(piece_of(&r, loc, &ks, kp, 1), pdv,
+                           r.B * kn * r.Ekv);
+                int flag;
+                MPI_Testall(3, req, &flag, MPI_STATUSES_IGNORE);
+            }
+        }
+        r.st.seconds_compute += mha_mpi_now() - t;
+        if (s == 0) {
+            memcpy(acc, loc, (size_t)nks * sizeof *acc);
+        } else {
+            MPI_TRY(mha_mpi_wait_all(&r, 1, &req[2]),
+                    "MPI_Wait of a dK/dV block");
+            add_floats(acc, loc, nks);   /* the ring's order: acc + mine */
+        }
+        if (r.P > 1) {
+            /* on to the next rank (after the last step: home) */
+            MPI_TRY(MPI_Isend(acc, (int)nks, MPI_FLOAT, next, r.P + s + 1,
+                              r.comm, &req[3 + s % 2]),
+                    "MPI_Isend of a dK/dV block");
+            r.st.messages_sent++;
+            r.st.bytes_sent += nks * 4;
+        }
+        if (s + 1 < r.P)
+            MPI_TRY(mha_mpi_wait_all(&r, 2, req), "MPI_Waitall of a K/V block");
+    }
+    /* This rank's own block comes home, complete. */
+    float *home = r.P > 1 ? loc : dkv[0];
+    if (r.P > 1) {
+        const int64_t n = block_floats(&r, nloc);
+        MPI_TRY(MPI_Irecv(loc, (int)n, MPI_FLOAT, prev, 2 * r.P, r.comm,
+                          &req[2]), "MPI_Irecv of this rank's dK/dV");
+        r.st.messages_received++;
+        r.st.bytes_received += n * 4;
+        MPI_TRY(mha_mpi_wait_all(&r, 3, &req[2]),
+                "MPI_Waitall of the dK/dV sends");
+    }
+    st = mha_mpi_agree(&r, st);
+    if (st != MHA_OK)
+        goto done;
+    for (int p = 0; p < r.me.n_pieces; p++) {
+        const int64_t r0 = p ? r.me.length[0] : 0, n = r.me.length[p];
+        mha_mpi_rows_copy(piece_of(&r, home, &r.me, p, 0), g->grad_k, r.B, nloc,
+                  r.Ekv, r0, n, 1);
+        mha_mpi_rows_copy(piece_of(&r, home, &r.me, p, 1), g->grad_v, r.B, nloc,
+                  r.Ekv, r0, n, 1);
+    }
+    for (int64_t x = 0; x < nq; x++)
+        g->grad_q[x] = (float)dq[x];
+
+done:
+    mha_mpi_free_requests(req, 5);
+    for (int i = 0; i < 2; i++) {
+        free(kv[i]);
+        free(dkv[i]);
+        for (int c = 0; c < 4; c++)
+            free(cp[c][i]);
+    }
+    free(loc);
+    free(pdq);
+    free(pdk);
+    free(pdv);
+    free(dq);
+    free(kl);
+    mha_mpi_ring_close(&r, a);
+    return st;
+}

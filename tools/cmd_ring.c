@@ -1,0 +1,540 @@
+/*
+ * cmd_ring.c -- `mha forward --ring` and `mha bench --ring`: the module's
+ * forward, and the attention alone, across the ranks of an MPI job
+ * (`mpirun -np P mha ...`), on libmha_mpi.  Built with MPI only; without
+ * it both say so and fail.
+ *
+ * Every rank parses the same options and reads the inputs; a rank's own
+ * failure (a missing file) is printed by that rank, and every rank exits
+ * non-zero.  Library errors are the same on every rank (libmha_mpi checks
+ * collectively) and printed once, by rank 0.  Rank 0 gathers the output
+ * and writes it, only when every rank succeeded.
+ */
+#include "args.h"
+#include "commands.h"
+#include "fail.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef MHA_HAVE_MPI
+
+int cmd_forward_ring(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    return tool_fail("forward", "--ring: this mha was built without MPI "
+                     "(install libopenmpi-dev and configure with "
+                     "-DMHA_MPI=ON)");
+}
+
+int cmd_bench_ring(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    return tool_fail("bench", "--ring: this mha was built without MPI "
+                     "(install libopenmpi-dev and configure with "
+                     "-DMHA_MPI=ON)");
+}
+
+#else
+
+#include "mha_io.h"
+#include "mha_mpi.h"
+
+#include <math.h>
+#include <sys/resource.h>
+
+static int g_rank, g_P;
+
+/* 1 on every rank when any rank's rc is non-zero. */
+static int any_failed(int rc)
+{
+    int any = 0;
+    MPI_Allreduce(&rc, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    return any != 0;
+}
+
+static int parse_split(const char *cmd, const char *s, int causal,
+                       mha_seq_split *out)
+{
+    if (!s)
+        *out = causal ? MHA_SPLIT_ZIGZAG : MHA_SPLIT_CONTIGUOUS;
+    else if (!strcmp(s, "contiguous"))
+        *out = MHA_SPLIT_CONTIGUOUS;
+    else if (!strcmp(s, "zigzag"))
+        *out = MHA_SPLIT_ZIGZAG;
+    else
+        return tool_fail(cmd, "--split must be contiguous or zigzag, got "
+                         "'%s'", s);
+    return 0;
+}
+
+static int64_t global_row(const mha_shard *s, int64_t x)
+{
+    return x < s->length[0] ? s->offset[0] + x
+                            : s->offset[1] + (x - s->length[0]);
+}
+
+/* This rank's rows of x (B, L, w) into a new (B, len, w) array. */
+static float *take_shard(const float *x, const mha_shard *s, int64_t B,
+                         int64_t L, int64_t w)
+{
+    float *y = malloc((size_t)(B * s->len * w + 1) * sizeof *y);
+    for (int64_t b = 0; y && b < B; b++)
+        for (int64_t r = 0; r < s->len; r++)
+            memcpy(y + (b * s->len + r) * w,
+                   x + (b * L + global_row(s, r)) * w,
+                   (size_t)w * sizeof *y);
+    return y;
+}
+
+/* An input .npy: (B, L, w) or unbatched (L, w), float. */
+static int load_input(const char *path, const char *what, mha_tensor **t,
+                      int64_t *B, int64_t *L)
+{
+    mha_status st = mha_npy_load(path, t);
+    if (st != MHA_OK)
+        return tool_fail("forward", "%s %s: %s", what, path,
+                         mha_last_error());
+    const mha_tensor *x = *t;
+    if ((x->ndim != 2 && x->ndim != 3) ||
+        (x->dtype != MHA_DTYPE_F32 && x->dtype != MHA_DTYPE_F64 &&
+         x->dtype != MHA_DTYPE_F16 && x->dtype != MHA_DTYPE_BF16))
+        return tool_fail("forward", "%s %s: expected a float (B, L, E) or "
+                         "(L, E) array", what, path);
+    *B = x->ndim == 3 ? x->shape[0] : 1;
+    *L = x->shape[x->ndim - 2];
+    return 0;
+}
+
+static const char FORWARD_RING_HELP[] =
+    "usage: mpirun -np P mha forward --ring [--ulysses]\n"
+    "         --weights W.safetensors [--heads H] --query Q.npy\n"
+    "         [--key K.npy [--value V.npy]] [--key-lengths KL.npy]\n"
+    "         [--causal | --causal-top-left] [--split contiguous|zigzag]\n"
+    "         [--threads T] --out OUT.npy\n"
+    "\n"
+    "The module's forward (self-attention on one sequence) across the ranks\n"
+    "of an MPI job: each rank keeps its shard of the sequence (--split;\n"
+    "default zigzag with --causal, else contiguous), projects it, the\n"
+    "attention runs round the ring (or by all-to-all with --ulysses, which\n"
+    "needs the head counts to be multiples of P), and rank 0 gathers and\n"
+    "writes --out.  Each rank reads the input files whole and keeps its\n"
+    "shard.  No masks but --key-lengths and causal; modules with\n"
+    "add_bias_kv, add_zero_attn or sinks are refused (RoPE, ALiBi, the\n"
+    "window and a softcap are kept).\n";
+
+int cmd_forward_ring(int argc, char **argv)
+{
+    tool_opt o[] = {{"ring", 0, 0}, {"ulysses", 0, 0}, {"split", 1, 0},
+                    {"weights", 1, 0}, {"heads", 1, 0}, {"query", 1, 0},
+                    {"key", 1, 0}, {"value", 1, 0}, {"key-lengths", 1, 0},
+                    {"causal", 0, 0}, {"causal-top-left", 0, 0},
+                    {"threads", 1, 0}, {"out", 1, 0}};
+    int provided, status = 0;
+    MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+    MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &g_P);
+    int done = tool_options("forward", argc, argv, o, NOPTS(o),
+                            g_rank == 0 ? FORWARD_RING_HELP : "", &status);
+#define OPT(name) tool_get(o, NOPTS(o), name)
+    static const char *const need[] = {"weights", "query", "out"};
+    if (!done)
+        status = tool_require("forward", o, NOPTS(o), need, 3);
+    mha_module *m = NULL;
+    mha_tensor *tq = NULL, *tk = NULL, *tv = NULL, *tl = NULL;
+    float *xq = NULL, *xk = NULL, *xv = NULL, *out = NULL, *all = NULL;
+    int64_t B = 0, L = 0, E = 0, heads = 0, threads = 0;
+    mha_seq_split split = MHA_SPLIT_CONTIGUOUS;
+    mha_shard s;
+    memset(&s, 0, sizeof s);
+    const int causal = OPT("causal") || OPT("causal-top-left");
+    if (!done && !status && OPT("causal") && OPT("causal-top-left"))
+        status = tool_fail("forward", "--causal and --causal-top-left are "
+                           "the same here (one sequence): give one");
+    if (!done && !status && OPT("heads"))
+        status = tool_int("forward", "heads", OPT("heads"), 1, 1 << 20,
+                          &heads);
+    if (!done && !status && OPT("threads"))
+        status = tool_int("forward", "threads", OPT("threads"), 0, 4096,
+                          &threads);
+    if (!done && !status)
+        status = parse_split("forward", OPT("split"), causal, &split);
+    if (!done && !status) {
+        const mha_status st = mha_module_load(OPT("weights"), heads, &m);
+        if (st != MHA_OK)
+            status = tool_fail("forward", "--weights %s: %s", OPT("weights"),
+                               mha_last_error());
+    }
+    if (!done && !status)
+        status = load_input(OPT("query"), "--query", &tq, &B, &L);
+    for (int t = 0; !done && !status && t < 2; t++) {
+        const char *name = t ? "value" : "key";
+        mha_tensor **x = t ? &tv : &tk;
+        int64_t b2 = 0, l2 = 0;
+        if (OPT(name) && !(status = load_input(OPT(name), t ? "--value"
+                                                              : "--key",
+                                               x, &b2, &l2)) &&
+            (b2 != B || l2 != L))
+            status = tool_fail("forward", "--%s has batch %lld and length "
+                               "%lld; the query %lld and %lld (one sequence "
+                               "split across the ranks)", name,
+                               (long long)b2, (long long)l2, (long long)B,
+                               (long long)L);
+    }
+    if (!done && !status && OPT("key-lengths")) {
+        const mha_status st = mha_npy_load(OPT("key-lengths"), &tl);
+        if (st != MHA_OK)
+            status = tool_fail("forward", "--key-lengths %s: %s",
+                               OPT("key-lengths"), mha_last_error());
+        else if (tl->ndim != 1 || tl->shape[0] != B ||
+                 (tl->dtype != MHA_DTYPE_I32 && tl->dtype != MHA_DTYPE_I64))
+            status = tool_fail("forward", "--key-lengths must hold %lld "
+                               "integers (B), one per sequence",
+                               (long long)B);
+    }
+    if (!done && !status) {
+        mha_config c;
+        mha_get_config(m, &c);
+        E = c.embed_dim;
+        if (tq->shape[tq->ndim - 1] != E)
+            status = tool_fail("forward", "--query has width %lld, the "
+                               "module embed_dim %lld",
+                               (long long)tq->shape[tq->ndim - 1],
+                               (long long)E);
+    }
+    if (!done && !status &&
+        mha_shard_of(split, L, g_P, g_rank, &s) != MHA_OK)
+        status = tool_fail("forward", "%s", mha_last_error());
+    if (!done && !status) {
+        xq = take_shard(tq->data, &s, B, L, E);
+        xk = tk ? take_shard(tk->data, &s, B, L, tk->shape[tk->ndim - 1])
+                : NULL;
+        xv = tv ? take_shard(tv->data, &s, B, L, tv->shape[tv->ndim - 1])
+                : NULL;
+        out = malloc((size_t)(B * s.len * E + 1) * sizeof *out);
+        if (!xq || !out || (tk && !xk) || (tv && !xv))
+            status = tool_fail("forward", "out of memory for the shards");
+    }
+    /* Every rank learns of any rank's failure here. */
+    int rc = any_failed(done ? 0 : status) ? 1 : done ? status : 0;
+    if (!done && !rc) {
+        mha_ring_forward_args a = {0};
+        a.comm = MPI_COMM_WORLD;
+        a.split = split;
+        a.seq_len = L;
+        a.batch = B;
+        a.query = xq;
+        a.key = xk;
+        a.value = xv ? xv : NULL;
+        a.causal = causal ? MHA_CAUSAL_TOP_LEFT : MHA_CAUSAL_NONE;
+        a.key_lengths = tl ? (const int64_t *)tl->data : NULL;
+        a.num_threads = (int)threads;
+        a.ulysses = OPT("ulysses") != NULL;
+        a.out = out;
+        const mha_status st = mha_ring_forward(m, &a);
+        if (st != MHA_OK) {
+            /* the same on every rank */
+            if (g_rank == 0)
+                tool_fail("forward", "%s", mha_last_error());
+            rc = 1;
+        }
+    }
+    if (!done && !rc) {
+        /* Gather (B, len_r, E) of every rank into rank 0, in order. */
+        int *cnt = malloc((size_t)g_P * 2 * sizeof *cnt);
+        float *recv = g_rank == 0 ? malloc((size_t)(B * L * E + 1) * 4)
+                                  : NULL;
+        all = g_rank == 0 ? malloc((size_t)(B * L * E + 1) * 4) : NULL;
+        int bad = !cnt || (g_rank == 0 && (!recv || !all));
+        if (!any_failed(bad)) {
+            int64_t off = 0;
+            for (int r = 0; r < g_P; r++) {
+                mha_shard o2;
+                mha_shard_of(split, L, g_P, r, &o2);
+                cnt[r] = (int)(B * o2.len * E);
+                cnt[g_P + r] = (int)off;
+                off += cnt[r];
+            }
+            MPI_Gatherv(out, (int)(B * s.len * E), MPI_FLOAT, recv, cnt,
+                        cnt + g_P, MPI_FLOAT, 0, MPI_COMM_WORLD);
+            if (g_rank == 0) {
+                for (int r = 0; r < g_P; r++) {
+                    mha_shard o2;
+                    mha_shard_of(split, L, g_P, r, &o2);
+                    const float *src = recv + cnt[g_P + r];
+                    for (int64_t b = 0; b < B; b++)
+                        for (int64_t x = 0; x < o2.len; x++)
+                            memcpy(all + (b * L + global_row(&o2, x)) * E,
+                                   src + (b * o2.len + x) * E,
+                                   (size_t)E * 4);
+                }
+                mha_tensor_view v = {"", MHA_DTYPE_F32, tq->ndim, {0}, all};
+                for (int d = 0; d < tq->ndim; d++)
+                    v.shape[d] = tq->shape[d];
+                if (mha_npy_save(OPT("out"), &v) != MHA_OK)
+                    rc = tool_fail("forward", "--out: %s", mha_last_error());
+            }
+        } else {
+            rc = g_rank == 0 ? tool_fail("forward", "out of memory for the "
+                                         "gathered output") : 1;
+        }
+        rc = any_failed(rc);
+        free(cnt);
+        free(recv);
+    }
+#undef OPT
+    free(xq);
+    free(xk);
+    free(xv);
+    free(out);
+    free(all);
+    mha_tensor_free(tq);
+    mha_tensor_free(tk);
+    mha_tensor_free(tv);
+    mha_tensor_free(tl);
+    mha_free(m);
+    MPI_Finalize();
+    return rc;
+}
+
+/* ---- bench --ring ------------------------------------------------------- */
+
+static const char BENCH_RING_HELP[] =
+    "usage: mpirun -np P mha bench --ring [--ulysses] --seq L --embed-dim E\n"
+    "         --heads H [--kv-heads H_kv] [--batch B] [--causal]\n"
+    "         [--split contiguous|zigzag] [--backward] [--threads T]\n"
+    "         [--repeat N] [--warmup W]\n"
+    "\n"
+    "Times the attention alone (heads already projected, random inputs)\n"
+    "across the ranks: each rank holds its shard of L tokens.  Rank 0\n"
+    "prints the slowest rank's median time per call, per-rank peak memory\n"
+    "(the call's workspace and the process's maximum resident set), bytes\n"
+    "sent per rank, and the share of the communication hidden behind the\n"
+    "compute: 1 - (time blocked in MPI_Wait*) / (time of the same\n"
+    "transfers alone, measured by a ring pass without compute).\n";
+
+static int cmp_double(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* The ring's transfers alone: P - 1 steps of Isend / Irecv of the blocks
+ * the attention sends (2 B len Ekv floats of each rank's shard). */
+static double transfers_alone(mha_seq_split split, int64_t L, int64_t B,
+                              int64_t Ekv, float *buf[2])
+{
+    MPI_Barrier(MPI_COMM_WORLD);
+    const double t0 = MPI_Wtime();
+    const int next = (g_rank + 1) % g_P, prev = (g_rank + g_P - 1) % g_P;
+    for (int s = 0; s + 1 < g_P; s++) {
+        mha_shard a, b;
+        mha_shard_of(split, L, g_P, (g_rank - s + g_P) % g_P, &a);
+        mha_shard_of(split, L, g_P, (g_rank - s - 1 + 2 * g_P) % g_P, &b);
+        MPI_Request req[2];
+        MPI_Irecv(buf[(s + 1) % 2], (int)(2 * B * b.len * Ekv), MPI_FLOAT,
+                  prev, s, MPI_COMM_WORLD, &req[0]);
+        MPI_Isend(buf[s % 2], (int)(2 * B * a.len * Ekv), MPI_FLOAT, next, s,
+                  MPI_COMM_WORLD, &req[1]);
+        MPI_Waitall(2, req, MPI_STATUSES_IGNORE);
+    }
+    return MPI_Wtime() - t0;
+}
+
+int cmd_bench_ring(int argc, char **argv)
+{
+    tool_opt o[] = {{"ring", 0, 0}, {"ulysses", 0, 0}, {"split", 1, 0},
+                    {"seq", 1, 0}, {"embed-dim", 1, 0}, {"heads", 1, 0},
+                    {"kv-heads", 1, 0}, {"batch", 1, 0}, {"causal", 0, 0},
+                    {"backward", 0, 0}, {"threads", 1, 0},
+                    {"repeat", 1, 0}, {"warmup", 1, 0}};
+    int provided, status = 0;
+    MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+    MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &g_P);
+    int done = tool_options("bench", argc, argv, o, NOPTS(o),
+                            g_rank == 0 ? BENCH_RING_HELP : "", &status);
+#define OPT(name) tool_get(o, NOPTS(o), name)
+    static const char *const need[] = {"seq", "embed-dim", "heads"};
+    int64_t L = 0, E = 0, H = 0, Hkv = 0, B = 1, threads = 0, repeat = 5,
+            warmup = 1;
+    if (!done)
+        status = tool_require("bench", o, NOPTS(o), need, 3);
+    if (!done && !status)
+        status = tool_int("bench", "seq", OPT("seq"), 1, INT64_MAX / 2, &L) ||
+                 tool_int("bench", "embed-dim", OPT("embed-dim"), 1, 1 << 20,
+                          &E) ||
+                 tool_int("bench", "heads", OPT("heads"), 1, E, &H) ||
+                 (OPT("kv-heads") &&
+                  tool_int("bench", "kv-heads", OPT("kv-heads"), 1, H, &Hkv)) ||
+                 (OPT("batch") &&
+                  tool_int("bench", "batch", OPT("batch"), 1, 1 << 20, &B)) ||
+                 (OPT("threads") &&
+                  tool_int("bench", "threads", OPT("threads"), 0, 4096,
+                           &threads)) ||
+                 (OPT("repeat") &&
+                  tool_int("bench", "repeat", OPT("repeat"), 1, 1000,
+                           &repeat)) ||
+                 (OPT("warmup") &&
+                  tool_int("bench", "warmup", OPT("warmup"), 0, 1000,
+                           &warmup));
+    if (!done && !status && E % H)
+        status = tool_fail("bench", "--heads %lld must divide --embed-dim "
+                           "%lld", (long long)H, (long long)E);
+    mha_seq_split split = MHA_SPLIT_CONTIGUOUS;
+    const int causal = OPT("causal") != NULL;
+    if (!done && !status)
+        status = parse_split("bench", OPT("split"), causal, &split);
+    if (!Hkv)
+        Hkv = H;
+    const int64_t dh = H ? E / H : 1, Ekv = Hkv * dh;
+    mha_shard s;
+    memset(&s, 0, sizeof s);
+    if (!done && !status &&
+        mha_shard_of(split, L, g_P, g_rank, &s) != MHA_OK)
+        status = tool_fail("bench", "%s", mha_last_error());
+    float *q = NULL, *k = NULL, *v = NULL, *out = NULL, *lse = NULL,
+          *go = NULL, *dq = NULL, *dk = NULL, *dv = NULL, *buf[2] = {0, 0};
+    if (!done && !status) {
+        const size_t nq = (size_t)(B * s.len * E + 1),
+                     nk = (size_t)(B * s.len * Ekv + 1);
+        q = malloc(nq * 4);
+        k = malloc(nk * 4);
+        v = malloc(nk * 4);
+        out = malloc(nq * 4);
+        lse = malloc((size_t)(B * H * s.len + 1) * 4);
+        go = malloc(nq * 4);
+        dq = malloc(nq * 4);
+        dk = malloc(nk * 4);
+        dv = malloc(nk * 4);
+        const size_t nb = (size_t)(2 * B * (L / g_P + 2) * Ekv + 1);
+        buf[0] = calloc(nb, 4);
+        buf[1] = calloc(nb, 4);
+        if (!q || !k || !v || !out || !lse || !go || !dq || !dk || !dv ||
+            !buf[0] || !buf[1])
+            status = tool_fail("bench", "out of memory for the shards");
+    }
+    int rc = any_failed(done ? 0 : status) ? 1 : done ? status : 0;
+    if (!done && !rc) {
+        /* random inputs, different on every rank */
+        uint64_t x = 0x9e3779b97f4a7c15ull * (uint64_t)(g_rank + 1);
+        float *arr[4] = {q, k, v, go};
+        const int64_t n[4] = {B * s.len * E, B * s.len * Ekv,
+                              B * s.len * Ekv, B * s.len * E};
+        for (int t = 0; t < 4; t++)
+            for (int64_t i = 0; i < n[t]; i++) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                arr[t][i] = (float)((x >> 40) * (1.0 / (1 << 24))) - 0.5f;
+            }
+        mha_ring_args a = {0};
+        a.comm = MPI_COMM_WORLD;
+        a.split = split;
+        a.seq_len = L;
+        a.batch = B;
+        a.num_heads = H;
+        a.num_kv_heads = Hkv;
+        a.head_dim = dh;
+        a.q = q;
+        a.k = k;
+        a.v = v;
+        a.causal = causal ? MHA_CAUSAL_TOP_LEFT : MHA_CAUSAL_NONE;
+        a.num_threads = (int)threads;
+        a.out = out;
+        a.lse = lse;
+        const int uly = OPT("ulysses") != NULL, bwd = OPT("backward") != NULL;
+        const mha_ring_grads g = {go, dq, dk, dv};
+        double *times = malloc((size_t)repeat * sizeof *times);
+        mha_ring_stats st, sum = {0};
+        mha_status err = times ? MHA_OK : MHA_ERR_OUT_OF_MEMORY;
+        for (int64_t it = 0; err == MHA_OK && it < warmup + repeat; it++) {
+            MPI_Barrier(MPI_COMM_WORLD);
+            const double t0 = MPI_Wtime();
+            a.stats = &st;
+            err = uly ? mha_ulysses_attention(&a) : mha_ring_attention(&a);
+            if (err == MHA_OK && bwd) {
+                mha_ring_stats fs = st;
+                err = uly ? mha_ulysses_attention_backward(&a, &g)
+                          : mha_ring_attention_backward(&a, &g);
+                st.bytes_sent += fs.bytes_sent;
+                st.messages_sent += fs.messages_sent;
+                st.seconds_waiting += fs.seconds_waiting;
+                st.workspace_bytes = st.workspace_bytes > fs.workspace_bytes
+                                         ? st.workspace_bytes
+                                         : fs.workspace_bytes;
+            }
+            double t = MPI_Wtime() - t0, tmax;
+            MPI_Allreduce(&t, &tmax, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+            if (it >= warmup) {
+                times[it - warmup] = tmax;
+                sum.seconds_waiting += st.seconds_waiting;
+                sum.bytes_sent = st.bytes_sent;
+                sum.messages_sent = st.messages_sent;
+                sum.workspace_bytes = st.workspace_bytes;
+            }
+        }
+        if (err != MHA_OK) {
+            if (g_rank == 0)
+                tool_fail("bench", "%s", mha_last_error());
+            rc = 1;
+        } else {
+            qsort(times, (size_t)repeat, sizeof *times, cmp_double);
+            const double med = times[repeat / 2];
+            double alone = 0.0;
+            for (int r = 0; r < 3; r++)
+                alone += transfers_alone(split, L, B, Ekv, buf) / 3;
+            /* with the backward: P - 1 K/V blocks again and P dK/dV
+             * blocks of the same sizes */
+            if (bwd && g_P > 1)
+                alone *= (3.0 * g_P - 2) / (g_P - 1);
+            const double wait = sum.seconds_waiting / (double)repeat;
+            double hidden = alone > 0 ? 1.0 - wait / alone : 1.0;
+            hidden = hidden < 0 ? 0 : hidden > 1 ? 1 : hidden;
+            if (uly)
+                hidden = 0.0;   /* all-to-alls: nothing overlaps */
+            struct rusage ru;
+            getrusage(RUSAGE_SELF, &ru);
+            double row[6] = {(double)sum.workspace_bytes, (double)ru.ru_maxrss,
+                             (double)sum.bytes_sent, hidden, wait, alone};
+            double mx[6], mn[6];
+            MPI_Reduce(row, mx, 6, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
+            MPI_Reduce(row, mn, 6, MPI_DOUBLE, MPI_MIN, 0, MPI_COMM_WORLD);
+            if (g_rank == 0) {
+                printf("%s %s, P=%d, B=%lld L=%lld E=%lld H=%lld H_kv=%lld "
+                       "%ssplit=%s threads/rank=%lld\n",
+                       uly ? "ulysses" : "ring", bwd ? "forward+backward"
+                                                     : "forward",
+                       g_P, (long long)B, (long long)L, (long long)E,
+                       (long long)H, (long long)Hkv, causal ? "causal " : "",
+                       split == MHA_SPLIT_ZIGZAG ? "zigzag" : "contiguous",
+                       (long long)threads);
+                printf("  time per call (median of %lld, slowest rank): "
+                       "%.4f s\n", (long long)repeat, med);
+                printf("  workspace per rank: %.1f .. %.1f MiB; peak "
+                       "resident set: %.1f .. %.1f MiB\n",
+                       mn[0] / 1048576.0, mx[0] / 1048576.0, mn[1] / 1024.0,
+                       mx[1] / 1024.0);
+                printf("  bytes sent per rank per call: %.0f .. %.0f\n",
+                       mn[2], mx[2]);
+                if (!uly)
+                    printf("  the ring's transfers alone (no compute): %.4f "
+                           ".. %.4f s\n", mn[5], mx[5]);
+                printf("  blocked on communication: %.4f .. %.4f s per call; "
+                       "share hidden: %.0f%% .. %.0f%%\n", mn[4], mx[4],
+                       100 * mn[3], 100 * mx[3]);
+            }
+        }
+        free(times);
+    }
+#undef OPT
+    free(q); free(k); free(v); free(out); free(lse); free(go);
+    free(dq); free(dk); free(dv); free(buf[0]); free(buf[1]);
+    MPI_Finalize();
+    return rc;
+}
+
+#endif /* MHA_HAVE_MPI */
