@@ -90,6 +90,9 @@ expect 0 "" -- "$mha" init --embed-dim 8 --heads 2 --seed 1 --out "$tmp/w_again.
 same "$W" "$tmp/w_again.safetensors" "init with the same seed"
 expect 0 "" -- "$mha" init --embed-dim 8 --heads 2 --seed 9 --out "$tmp/w9.safetensors"
 differ "$W" "$tmp/w9.safetensors" "init with another seed"
+expect 0 "" -- "$mha" init --embed-dim 8 --heads 2 --seed 18446744073709551615 --out "$tmp/wmax.safetensors"
+expect 0 "" -- "$mha" init --embed-dim 8 --heads 2 --seed 9223372036854775807 --out "$tmp/wmax63.safetensors"
+differ "$tmp/wmax.safetensors" "$tmp/wmax63.safetensors" "init --seed 2^64-1 vs 2^63-1"
 # mha init --kv-heads: a grouped-query module (H = 4 query heads of d_h = 4
 # sharing 2 K/V heads): W_k and W_v have 2 * 4 rows, apart from W_q, and
 # num_kv_heads is in the metadata; info reports the resolved H_kv of every
@@ -401,6 +404,13 @@ expect 0 "" -- "$mha" forward "${tr[@]}" --seed 2 --out "$o/d2.npy"
 same "$o/d1.npy" "$o/d1b.npy" "--train --dropout 0.5 --seed 1 twice"
 same "$o/d1_w.npy" "$o/d1b_w.npy" "--train --dropout 0.5 --seed 1 twice (weights)"
 differ "$o/d1.npy" "$o/d2.npy" "--seed 1 vs --seed 2"
+# --seed takes the API's whole uint64 range (the top bit counts)
+expect 0 "" -- "$mha" forward "${tr[@]}" --seed 18446744073709551615 --out "$o/dmax.npy"
+expect 0 "" -- "$mha" forward "${tr[@]}" --seed 9223372036854775807 --out "$o/dmax63.npy"
+differ "$o/dmax.npy" "$o/dmax63.npy" "--seed 2^64-1 vs 2^63-1"
+fail_fwd "^mha forward: --seed must be an integer in \[0, 18446744073709551615\], got '18446744073709551616'" \
+  "${base[@]}" --train --seed 18446744073709551616
+fail_fwd "^mha forward: --seed must be an integer .*got ' 5'" "${base[@]}" --train --seed " 5"
 differ "$o/d1.npy" "$o/self.npy" "--train --dropout 0.5 vs eval"
 check "dropped weights are 0, kept ones scaled by 2" \
   "(a == 0).any() and np.allclose(a[a != 0], 2 * b[a != 0], atol=1e-6)" "$o/d1_w.npy" "$o/ph_w.npy"

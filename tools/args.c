@@ -96,6 +96,19 @@ int tool_int(const char *cmd, const char *name, const char *s, int64_t lo,
     return 0;
 }
 
+int tool_u64(const char *cmd, const char *name, const char *s, uint64_t *out)
+{
+    char *end;
+    errno = 0;
+    /* strtoull takes "-1" as 2^64 - 1: only digits are a seed */
+    unsigned long long v = strtoull(s, &end, 10);
+    if (*s < '0' || *s > '9' || *end || errno)
+        return tool_fail(cmd, "--%s must be an integer in [0, %llu], got "
+                         "'%s'", name, (unsigned long long)UINT64_MAX, s);
+    *out = (uint64_t)v;
+    return 0;
+}
+
 int tool_float(const char *cmd, const char *name, const char *s, float *out)
 {
     char *end;

@@ -54,7 +54,7 @@ int cmd_init(int argc, char **argv)
     if (tool_require("init", o, NOPTS(o), need, 4))
         return 1;
     mha_config c = {0};
-    int64_t seed;
+    uint64_t seed;
     if (tool_int("init", "embed-dim", OPT("embed-dim"), 1, INT32_MAX,
                  &c.embed_dim) ||
         tool_int("init", "heads", OPT("heads"), 1, INT32_MAX, &c.num_heads) ||
@@ -69,7 +69,7 @@ int cmd_init(int argc, char **argv)
         (OPT("scale") && (tool_float("init", "scale", OPT("scale"), &c.scale) ||
                           (c.scale == 0.0f &&
                            tool_fail("init", "--scale must be nonzero")))) ||
-        tool_int("init", "seed", OPT("seed"), 0, INT64_MAX, &seed))
+        tool_u64("init", "seed", OPT("seed"), &seed))
         return 1;
     /* The library refuses it too, but in its own terms ("0 = num_heads"),
      * which would mislead here: --kv-heads 0 is refused above. */
@@ -78,7 +78,7 @@ int cmd_init(int argc, char **argv)
                          "(each K/V head serves the same number of query "
                          "heads)", (long long)c.num_kv_heads,
                          (long long)c.num_heads);
-    c.seed = (uint64_t)seed;
+    c.seed = seed;
     c.no_bias = OPT("no-bias") != NULL;
     c.add_bias_kv = OPT("add-bias-kv") != NULL;
     c.add_zero_attn = OPT("add-zero-attn") != NULL;

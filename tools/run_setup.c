@@ -189,7 +189,8 @@ static int run_module(const char *cmd, const tool_opt *o, int n,
         return tool_fail(cmd, "--dropout and --seed apply only with --train");
 
     mha_config base = {0};
-    int64_t heads = 0, seed = 0, threads = 0;
+    int64_t heads = 0, threads = 0;
+    uint64_t seed = 0;
     if (OPT("heads") &&
         tool_int(cmd, "heads", OPT("heads"), 1, INT32_MAX, &heads))
         return 1;
@@ -205,7 +206,7 @@ static int run_module(const char *cmd, const tool_opt *o, int n,
     if (!(base.dropout >= 0.0f && base.dropout <= 1.0f))
         return tool_fail(cmd, "--dropout must be in [0, 1], got %s",
                          OPT("dropout"));
-    if (OPT("seed") && tool_int(cmd, "seed", OPT("seed"), 0, INT64_MAX, &seed))
+    if (OPT("seed") && tool_u64(cmd, "seed", OPT("seed"), &seed))
         return 1;
     if (OPT("threads") &&
         tool_int(cmd, "threads", OPT("threads"), 1, 4096, &threads))
@@ -245,7 +246,7 @@ static int run_module(const char *cmd, const tool_opt *o, int n,
      * zero in `base` reads as "not given" to mha_module_from_file). */
     r->a.training = OPT("train") != NULL &&
                     !(OPT("dropout") && base.dropout == 0.0f);
-    r->a.dropout_seed = (uint64_t)seed;
+    r->a.dropout_seed = seed;
     r->a.num_threads = (int)threads;
     if (OPT("head-mask")) {
         if (tool_floats(cmd, "head-mask", OPT("head-mask"), r->c.num_heads,
