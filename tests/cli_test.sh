@@ -217,6 +217,7 @@ npy "$d/v7.npy"    "np.random.randn(2, 4, 7).astype(np.float32)"
 npy "$d/m_int.npy" "np.ones((3, 3), np.int64)"
 npy "$d/m_bad.npy" "np.ones((3, 5), bool)"
 npy "$d/m_tril.npy" "np.tril(np.ones((3, 3), bool))"
+npy "$d/m_triu1.npy" "np.triu(np.ones((3, 3), bool), 1)"
 npy "$d/m_br.npy"  "np.arange(4)[None, :] <= np.arange(3)[:, None] + 1"
 npy "$d/m_tl.npy"  "np.arange(4)[None, :] <= np.arange(3)[:, None]"
 npy "$d/m_add.npy" "np.where(np.tril(np.ones((3, 3), bool)), 0, -np.inf).astype(np.float32)"
@@ -439,6 +440,18 @@ check "--causal weights are 0 above the diagonal" "(np.triu(a, 1) == 0).all()" "
 expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --causal-top-left --out "$o/ctl_self.npy"
 check "--causal-top-left = --causal when Lq = Lk" "np.allclose(a, b, rtol=0, atol=1e-6)" \
   "$o/ctl_self.npy" "$o/causal.npy"
+# --block-mask: PyTorch MHA's polarity (true = blocked), the tril's complement
+expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --block-mask "$d/m_triu1.npy" \
+  --out "$o/blk.npy" --attn-weights "$o/blk_w.npy"
+same "$o/blk.npy" "$o/tril.npy" "--block-mask triu(1) = --attn-mask tril"
+same "$o/blk_w.npy" "$o/tril_w.npy" "--block-mask triu(1) = --attn-mask tril (weights)"
+expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --block-mask "$d/m_tril.npy" \
+  --out "$o/blk_tril.npy"
+differ "$o/blk_tril.npy" "$o/tril.npy" "--block-mask tril is not --attn-mask tril"
+fail_fwd "^mha forward: give --attn-mask \(true = may attend\) or --block-mask \(true = blocked\), not both" \
+  "${base[@]}" --attn-mask "$d/m_tril.npy" --block-mask "$d/m_triu1.npy"
+fail_fwd "^mha forward: --block-mask must be bool \(true = blocked\), got F32" \
+  "${base[@]}" --block-mask "$d/m_add.npy"
 expect 0 "" -- "$mha" forward --weights "$W" --query "$d/q.npy" --attn-mask "$d/m_add.npy" --out "$o/addm.npy"
 check "a float -inf mask = the bool mask" "np.allclose(a, b, rtol=0, atol=1e-6)" "$o/addm.npy" "$o/tril.npy"
 ck=(--weights "$W" --query "$d/q.npy" --key "$d/k.npy")

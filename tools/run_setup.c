@@ -263,8 +263,14 @@ static int run_inputs(const char *cmd, const tool_opt *o, int n,
                       run_setup *r)
 {
 #define OPT(name) tool_get(o, n, name)
-    static const char *const files[] = {"query", "key", "value", "attn-mask",
-                                        "key-mask", "key-lengths"};
+    /* --block-mask is --attn-mask's slot in PyTorch MHA's polarity. */
+    const int block = OPT("block-mask") != NULL;
+    if (block && OPT("attn-mask"))
+        return tool_fail(cmd, "give --attn-mask (true = may attend) or "
+                         "--block-mask (true = blocked), not both");
+    const char *const files[] = {"query", "key", "value",
+                                 block ? "block-mask" : "attn-mask",
+                                 "key-mask", "key-lengths"};
     fwd_inputs *in = &r->in;
     mha_tensor **slot[] = {&in->q, &in->k, &in->v, &in->mask, &in->kmask,
                            &in->klen};
@@ -307,8 +313,13 @@ static int run_inputs(const char *cmd, const tool_opt *o, int n,
     a->query = in->q->data;
     a->key = in->k ? in->k->data : NULL;
     a->value = in->v ? in->v->data : NULL;
+    if (in->mask && block && in->mask->dtype != MHA_DTYPE_BOOL)
+        return tool_fail(cmd, "--block-mask must be bool (true = blocked), "
+                         "got %s", mha_dtype_name(in->mask->dtype));
     if (in->mask) {
-        if (in->mask->dtype == MHA_DTYPE_BOOL)
+        if (block)
+            a->attn_mask.kind = MHA_MASK_BLOCK;
+        else if (in->mask->dtype == MHA_DTYPE_BOOL)
             a->attn_mask.kind = MHA_MASK_ALLOW;
         else if (tool_is_float(in->mask))
             a->attn_mask.kind = MHA_MASK_ADDITIVE;

@@ -64,7 +64,8 @@ void tool_mods_free(tool_mods *t);
 /* The usage lines of the options they all take, and their descriptions. */
 #define RUN_USAGE_INPUTS                                                     \
     "--weights W.safetensors [--heads H] --query Q.npy\n"                   \
-    "         [--key K.npy [--value V.npy]] [--attn-mask M.npy]\n"          \
+    "         [--key K.npy [--value V.npy]]\n"                            \
+    "         [--attn-mask M.npy | --block-mask M.npy]\n"                  \
     "         [--key-mask KM.npy] [--key-lengths KL.npy]\n"                 \
     "         [--causal | --causal-top-left] [--scale S] [--add-zero-attn]\n" \
     "         [--train [--dropout P] [--seed S]] [--threads T]\n"           \
@@ -79,6 +80,9 @@ void tool_mods_free(tool_mods *t);
     "                     SDPA's convention; NOT nn.MultiheadAttention's);\n" \
     "                     float: added to the scores (-inf blocks).\n"        \
     "                     Shape (Lq, Lk), (B, Lq, Lk) or (B, H, Lq, Lk)\n"   \
+    "  --block-mask M.npy bool, true = blocked: nn.MultiheadAttention's bool\n" \
+    "                     attn_mask as it is (its (B*H, Lq, Lk) is our\n"   \
+    "                     (B, H, Lq, Lk)); shapes as --attn-mask\n"          \
     "  --key-mask KM.npy  (B, Lk) or (Lk) bool, true = real key\n"           \
     "  --key-lengths KL   (B) integers: keys past each length are masked\n"  \
     "  --causal           query i sees keys j <= i + Lk - Lq (bottom right)\n" \
@@ -96,7 +100,8 @@ void tool_mods_free(tool_mods *t);
 /* The options of all three, first in each one's table (tool_opt, args.h). */
 #define RUN_OPTS                                                             \
     {"weights", 1, 0}, {"heads", 1, 0}, {"query", 1, 0}, {"key", 1, 0},     \
-    {"value", 1, 0}, {"attn-mask", 1, 0}, {"key-mask", 1, 0},                \
+    {"value", 1, 0}, {"attn-mask", 1, 0}, {"block-mask", 1, 0},             \
+    {"key-mask", 1, 0},                                                      \
     {"key-lengths", 1, 0}, {"causal", 0, 0}, {"causal-top-left", 0, 0},     \
     {"scale", 1, 0}, {"add-zero-attn", 0, 0}, {"train", 0, 0},               \
     {"dropout", 1, 0}, {"seed", 1, 0}, {"threads", 1, 0},                   \
