@@ -726,6 +726,21 @@ int main(int argc, char **argv)
             return usage();
         i++;
     }
+    if (c.out_dir) {
+        /* Before 30 s of training, not after: DIR must take a file. */
+        char probe[4096];
+        snprintf(probe, sizeof probe, "%s/.example_induction_probe",
+                 c.out_dir);
+        FILE *f = fopen(probe, "w");
+        if (!f) {
+            fprintf(stderr, "example_induction: --out %s: cannot write "
+                    "there (is it an existing, writable directory?)\n",
+                    c.out_dir);
+            return 2;
+        }
+        fclose(f);
+        remove(probe);
+    }
     const int T = seq_len(&c);
     if (c.steps < 1 || !(c.target > 0 && c.target <= 1) ||
         c.vocab < c.seg + c.gap || c.vocab > 26 || T > 64)
