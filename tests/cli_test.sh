@@ -307,7 +307,9 @@ fail_fwd "^mha forward: --attn-mask must be bool \(allow\) or float \(additive\)
 fail_fwd "^mha forward: attn_mask has last dimensions \(3, 5\), expected \(Lq=3, Lk=3\)" "${base[@]}" --attn-mask "$d/m_bad.npy"
 fail_fwd "^mha forward: --attn-mask: .*missing\.npy" "${base[@]}" --attn-mask "$d/missing.npy"
 fail_fwd "^mha forward: --key-mask must be bool \(true = real key\), got F32" "${base[@]}" --key-mask "$d/km_f.npy"
-fail_fwd "^mha forward: --key-lengths must be \(B\) = \(2\), got 1 values" "${base[@]}" --key-lengths "$d/kl1.npy"
+fail_fwd "^mha forward: --key-lengths must have shape \(B\) = \(2\), got \(1\)$" "${base[@]}" --key-lengths "$d/kl1.npy"
+npy "$d/kl12.npy" "np.array([[3, 3]], np.int64)"
+fail_fwd "^mha forward: --key-lengths must have shape \(B\) = \(2\), got \(1, 2\)$" "${base[@]}" --key-lengths "$d/kl12.npy"
 fail_fwd "^mha forward: --key-lengths must hold integers, got F64" "${base[@]}" --key-lengths "$d/kl_f.npy"
 fail_fwd "^mha forward: key_lengths\[1\] = 9 is outside \[0, Lk=3\]" "${base[@]}" --key-lengths "$d/kl_oob.npy"
 fail_fwd "^mha forward: the module has kdim 5 != E 8: give --key" \

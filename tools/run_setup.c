@@ -346,10 +346,12 @@ static int run_inputs(const char *cmd, const tool_opt *o, int n,
             in->klen->dtype != MHA_DTYPE_I64)
             return tool_fail(cmd, "--key-lengths must hold integers, got %s",
                              mha_dtype_name(in->klen->dtype));
-        if (in->klen->numel != B || in->klen->ndim > 1)
-            return tool_fail(cmd, "--key-lengths must be (B) = (%lld), got "
-                             "%lld values", (long long)B,
-                             (long long)in->klen->numel);
+        if (in->klen->numel != B || in->klen->ndim > 1) {
+            char got[96];
+            tool_shape_str(in->klen, got, sizeof got);
+            return tool_fail(cmd, "--key-lengths must have shape (B) = "
+                             "(%lld), got %s", (long long)B, got);
+        }
         a->key_lengths = in->klen->data;
     }
     return 0;
