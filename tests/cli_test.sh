@@ -133,6 +133,8 @@ init_fail "^mha init: unknown option '--bogus'" --embed-dim 8 --heads 2 --seed 1
 init_fail "^mha init: option --heads given twice" --embed-dim 8 --heads 2 --heads 2 --seed 1 --out "$I"
 init_fail "^mha init: --heads must be an integer .*got 'abc'" --embed-dim 8 --heads abc --seed 1 --out "$I"
 init_fail "^mha init: --heads must be an integer .*got '0'" --embed-dim 8 --heads 0 --seed 1 --out "$I"
+init_fail "^mha init: --scale 1e-46 rounds to 0 in float32" --embed-dim 8 --heads 2 --seed 1 --scale 1e-46 --out "$I"
+init_fail "^mha init: --scale must be nonzero" --embed-dim 8 --heads 2 --seed 1 --scale 0 --out "$I"
 init_fail "^mha init: --embed-dim must be an integer .*got '8x'" --embed-dim 8x --heads 2 --seed 1 --out "$I"
 init_fail "^mha init: --kdim must be an integer .*got '-5'" --embed-dim 8 --heads 2 --kdim -5 --seed 1 --out "$I"
 init_fail "^mha init: --seed must be an integer in \[0, .*got '-1'" --embed-dim 8 --heads 2 --seed -1 --out "$I"
@@ -262,6 +264,8 @@ fail_fwd "^mha forward: --dropout must be a finite number, got 'nan'" "${base[@]
 fail_fwd "^mha forward: --dropout must be a finite number, got ''" "${base[@]}" --train --dropout=
 fail_fwd "dropout must be in \[0, 1\], got 1\.5" "${base[@]}" --train --dropout 1.5
 fail_fwd "^mha forward: --scale must be nonzero" "${base[@]}" --scale 0
+fail_fwd "^mha forward: --scale 1e-46 rounds to 0 in float32" "${base[@]}" --scale 1e-46
+fail_fwd "^mha forward: --scale must be nonzero" "${base[@]}" --scale -0.0
 fail_fwd "^mha forward: --scale must be a finite number, got 'abc'" "${base[@]}" --scale abc
 fail_fwd "^mha forward: --scale must be a finite number, got 'inf'" "${base[@]}" --scale inf
 fail_fwd "^mha forward: --weights: .*cannot open .*missing\.safetensors" \

@@ -121,6 +121,18 @@ int tool_float(const char *cmd, const char *name, const char *s, float *out)
     return 0;
 }
 
+int tool_scale(const char *cmd, const char *s, float *out)
+{
+    if (tool_float(cmd, "scale", s, out))
+        return 1;
+    if (*out == 0.0f)
+        return strtod(s, NULL) == 0.0
+                   ? tool_fail(cmd, "--scale must be nonzero")
+                   : tool_fail(cmd, "--scale %s rounds to 0 in float32 "
+                               "(the smallest nonzero is about 1.4e-45)", s);
+    return 0;
+}
+
 /* Splits a comma-separated list into a malloc'ed copy whose commas are NULs;
  * *n receives the number of items (an empty item is kept, and refused by
  * the conversion). */

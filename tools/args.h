@@ -47,6 +47,9 @@ int tool_require(const char *cmd, const tool_opt *opts, int n,
 /* An unsigned 64-bit integer (seeds: the API's whole uint64 range), digits
  * only; 0 or 1 (reported) as tool_int. */
 int tool_u64(const char *cmd, const char *name, const char *s, uint64_t *out);
+/* --scale: a finite float32 other than 0 (saying so when a nonzero number
+ * rounds to 0); 0 or 1 (reported) as tool_int. */
+int tool_scale(const char *cmd, const char *s, float *out);
 int tool_int(const char *cmd, const char *name, const char *s, int64_t lo,
              int64_t hi, int64_t *out);
 int tool_float(const char *cmd, const char *name, const char *s, float *out);

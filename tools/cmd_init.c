@@ -66,9 +66,7 @@ int cmd_init(int argc, char **argv)
          tool_int("init", "vdim", OPT("vdim"), 1, INT32_MAX, &c.vdim)) ||
         (OPT("dropout") &&
          tool_float("init", "dropout", OPT("dropout"), &c.dropout)) ||
-        (OPT("scale") && (tool_float("init", "scale", OPT("scale"), &c.scale) ||
-                          (c.scale == 0.0f &&
-                           tool_fail("init", "--scale must be nonzero")))) ||
+        (OPT("scale") && tool_scale("init", OPT("scale"), &c.scale)) ||
         tool_u64("init", "seed", OPT("seed"), &seed))
         return 1;
     /* The library refuses it too, but in its own terms ("0 = num_heads"),

@@ -194,12 +194,8 @@ static int run_module(const char *cmd, const tool_opt *o, int n,
     if (OPT("heads") &&
         tool_int(cmd, "heads", OPT("heads"), 1, INT32_MAX, &heads))
         return 1;
-    if (OPT("scale")) {
-        if (tool_float(cmd, "scale", OPT("scale"), &base.scale))
-            return 1;
-        if (base.scale == 0.0f)
-            return tool_fail(cmd, "--scale must be nonzero");
-    }
+    if (OPT("scale") && tool_scale(cmd, OPT("scale"), &base.scale))
+        return 1;
     if (OPT("dropout") &&
         tool_float(cmd, "dropout", OPT("dropout"), &base.dropout))
         return 1;
