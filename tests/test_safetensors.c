@@ -447,6 +447,46 @@ static void test_malformed_table(void **state)
     }
 }
 
+/* PyTorch's torch.save files are named as such, with what to do; a real
+ * safetensors file whose header length starts with the same bytes (640 =
+ * 0x280: 0x80 0x02) still loads. */
+static void test_torch_save_files(void **state)
+{
+    (void)state;
+    unsigned char zip[64] = "PK\3\4";
+    unsigned char pkl[64] = {0x80, 0x02, '}', 'q', 0x00, '(', 'X'};
+    const struct {
+        const unsigned char *p;
+        const char *kind;
+    } cases[] = {{zip, "zip archive"}, {pkl, "pickle"}};
+    for (int k = 0; k < 2; k++) {
+        mha_tensor_file *f = NULL;
+        assert_int_equal(mha_safetensors_parse(cases[k].p, 64, &f),
+                         MHA_ERR_FORMAT);
+        assert_null(f);
+        assert_non_null(strstr(mha_last_error(), "torch.save"));
+        assert_non_null(strstr(mha_last_error(), cases[k].kind));
+        assert_non_null(strstr(mha_last_error(), "save_file"));
+    }
+    /* header of exactly 640 bytes: {"x":...} padded with spaces */
+    const char *json = "{\"x\":{\"dtype\":\"F32\",\"shape\":[1],"
+                       "\"data_offsets\":[0,4]}}";
+    size_t n = 640, size = 8 + n + 4;
+    unsigned char *b = calloc(1, size);
+    assert_non_null(b);
+    b[0] = 0x80;
+    b[1] = 0x02;
+    memset(b + 8, ' ', n);
+    memcpy(b + 8, json, strlen(json));
+    float one = 1.0f;
+    memcpy(b + 8 + n, &one, 4);
+    mha_tensor_file *f = NULL;
+    assert_int_equal(mha_safetensors_parse(b, size, &f), MHA_OK);
+    assert_non_null(f);
+    mha_tensor_file_free(f);
+    free(b);
+}
+
 static void test_load_io_errors(void **state)
 {
     (void)state;
@@ -1533,6 +1573,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_malformed_table),
+        cmocka_unit_test(test_torch_save_files),
         cmocka_unit_test(test_load_io_errors),
         cmocka_unit_test(test_valid_empty),
         cmocka_unit_test(test_valid_zero_size_and_scalar),

@@ -498,6 +498,18 @@ mha_status mha_safetensors_parse(const void *bytes, size_t size,
         return mha_set_error(MHA_ERR_FORMAT,
                              "safetensors: %zu bytes, too short for the "
                              "8-byte header length", size);
+    /* What people give instead: PyTorch's torch.save files, a zip archive
+     * (PK\3\4) since 1.6 or a bare pickle (protocol 2+: 0x80, version).
+     * Either could also be a header length, so only when byte 8 is not the
+     * '{' a header must begin with. */
+    if ((size < 9 || p[8] != '{') &&
+        (!memcmp(p, "PK\3\4", 4) || (p[0] == 0x80 && p[1] >= 2 && p[1] <= 5)))
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "safetensors: this is a PyTorch torch.save file "
+                             "(%s), not safetensors; convert it in Python: "
+                             "safetensors.torch.save_file(torch.load(path), "
+                             "'w.safetensors')",
+                             p[0] == 'P' ? "a zip archive" : "a pickle");
     uint64_t n = 0;
     for (int k = 7; k >= 0; k--)
         n = (n << 8) | p[k];
