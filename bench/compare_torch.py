@@ -389,30 +389,27 @@ def main():
 
     print("\ntorch/mha > 1 means mha is faster.")
 
-    # The issue's targets, where this run measured them.
+    # The targets of the "Ahead of today's PyTorch" issue (against PyTorch
+    # 2.13), where this run measured them.
     checks = []
 
     def mark(ok):
         return "met" if ok else "NOT met"
 
-    for (b, l, h) in ((8, 512, 12), (1, 4096, 8)):
-        j = attn_res.get((b, l, h, False), (None,))[0]
-        if j:
-            checks.append(f"attention only B={b} L={l} H={h}: "
-                          f"{j['gflops']:.1f} GFLOP/s >= 120 "
-                          f"({args.threads} thread(s); the target is for "
-                          f"2): {mark(j['gflops'] >= 120)}")
-    for (b, l, h, c), (jp, *_rest) in attn_res.items():
-        jc = attn_res.get((b, l, h, True), (None,))[0]
-        if c or not jp or not jc:
+    # "Ahead of today's PyTorch": attention alone >= 2x SDPA at every shape
+    # (the ratio is against SDPA only when this torch has it, >= 2.0)
+    import torch
+    have_sdpa = hasattr(torch.nn.functional, "scaled_dot_product_attention")
+    for (b, l, h, c), r in attn_res.items():
+        if not r or not r[0]:
             continue
-        r = jp["median_ms"] / jc["median_ms"]
-        checks.append(f"attention only B={b} L={l} H={h}: causal {r:.2f}x "
-                      f"faster than plain" + (f" >= 1.8x: {mark(r >= 1.8)}"
-                                              if l >= 4096 else
-                                              " (no target at this L)"))
-    for shape, want in (((32, 10, 512, 8), 2.0), ((1, 4096, 512, 8), 2.0),
-                        ((8, 512, 768, 12), 1.6)):
+        ratio = r[1] / r[0]["median_ms"]
+        checks.append(f"attention only B={b} L={l} H={h}"
+                      f"{' causal' if c else ''}: {ratio:.2f}x "
+                      f"{'SDPA' if have_sdpa else 'torch (no SDPA)'} >= 2x: "
+                      f"{mark(ratio >= 2.0)}")
+    for shape, want in (((32, 10, 512, 8), 1.5), ((1, 4096, 512, 8), 2.0),
+                        ((8, 512, 768, 12), 1.5)):
         for causal in causals:
             r = mod_res.get((*shape, causal))
             if not r or not r[0]:
@@ -426,7 +423,7 @@ def main():
     if r and r[0]:
         ratio = r[1] / r[0]["median_ms"]
         checks.append(f"training step B=8 L=256 E=512 H=8: {ratio:.2f}x "
-                      f"PyTorch >= 2x: {mark(ratio >= 2.0)}")
+                      f"PyTorch >= 1.5x: {mark(ratio >= 1.5)}")
     if checks:
         print("targets:")
         for c in checks:
