@@ -918,6 +918,9 @@ fail_viz "^mha viz: --batch-index must be an integer in \[0, .*got '-1'" "${vz[@
 fail_viz "^mha viz: --tokens .*tok2\.txt has 2 tokens, but the query has 3 positions" \
   "${vz[@]}" --png "$P" --tokens "$d/tok2.txt"
 fail_viz "^mha viz: --tokens: cannot open .*missing\.txt" "${vz[@]}" --png "$P" --tokens "$d/missing.txt"
+# the tokens are checked before the forward pass (which would refuse the mask)
+fail_viz "^mha viz: --tokens .*tok2\.txt has 2 tokens, but the query has 3 positions" \
+  "${vz[@]}" --png "$P" --tokens "$d/tok2.txt" --attn-mask "$d/m_bad.npy"
 fail_viz "^mha viz: --key-tokens needs --key" "${vz[@]}" --png "$P" --key-tokens "$d/tok3.txt"
 fail_viz "^mha viz: --key-tokens .*tok3\.txt has 3 tokens, but the key has 4 positions" \
   "${vz[@]}" --key "$d/k.npy" --png "$P" --key-tokens "$d/tok3.txt"

@@ -822,8 +822,13 @@ int cmd_viz(int argc, char **argv)
     run_setup r;
     if (run_setup_load("viz", o, NOPTS(o), &r))
         return 1;
+    /* The labels first: a wrong --tokens file fails before the forward
+     * pass, not after it. */
     viz_maps m = {0};
-    int rc = item_weights(&r, item, &m) || make_labels(o, NOPTS(o), &r, &m);
+    m.Lq = r.a.q_len;
+    m.Lk = r.a.kv_len;
+    m.Lt = mha_total_keys(r.m, m.Lk);
+    int rc = make_labels(o, NOPTS(o), &r, &m) || item_weights(&r, item, &m);
     if (!rc && OPT("ascii"))
         rc = render_ascii(&m, item);
     if (!rc && OPT("png"))
