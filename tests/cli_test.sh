@@ -928,6 +928,7 @@ fail_viz "^mha viz: --query has last dimension 5, expected E = 8" --weights "$W"
 fail_viz "^mha viz: attn_mask has last dimensions \(3, 5\), expected \(Lq=3, Lk=3\)" \
   "${vz[@]}" --png "$P" --attn-mask "$d/m_bad.npy"
 fail_viz "^mha viz: --attn-mask has batch 3, the query 2" "${vz[@]}" --png "$P" --attn-mask "$d/m_b3.npy"
+fail_viz "^mha viz: --block-mask has batch 3, the query 2" "${vz[@]}" --png "$P" --block-mask "$d/m_b3.npy"
 fail_viz "^mha viz: key_lengths\[1\] = 9 is outside \[0, Lk=3\]" \
   "${vz[@]}" --png "$P" --key-lengths "$d/kl_oob.npy" --batch-index 1
 fail_viz "^mha viz: --causal and --causal-top-left exclude each other" "${vz[@]}" --png "$P" --causal --causal-top-left

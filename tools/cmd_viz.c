@@ -275,7 +275,9 @@ static int item_weights(const run_setup *r, int64_t n, viz_maps *m)
                                  (long long)a.key_lengths[b], (long long)Lk);
         if (a.key_lengths)
             a.key_lengths += n;
-        if (mask_item("attn-mask", &a.attn_mask, 2, B, n) ||
+        if (mask_item(a.attn_mask.kind == MHA_MASK_BLOCK ? "block-mask"
+                                                         : "attn-mask",
+                      &a.attn_mask, 2, B, n) ||
             mask_item("key-mask", &a.key_padding_mask, 1, B, n))
             return 1;
         a.batch = 1;
