@@ -63,7 +63,25 @@ TSAN_OPTIONS=ignore_noninstrumented_modules=1:halt_on_error=1 OMP_NUM_THREADS=4 
   ctest --test-dir build-tsan --output-on-failure \
   -R "^test_(threads|thread_knobs|forward|edge|backward|attention_backward|kv_cache)"
 
-echo "== valgrind (memcheck) on the C tests"
+echo "== valgrind (memcheck) on the C tests, two at a time"
+# Each test under memcheck runs on about one core (valgrind serialises its
+# threads), so two run side by side; each one's report goes to its own log,
+# printed when it fails.
+vglogs=build/valgrind-logs
+rm -rf "$vglogs" && mkdir -p "$vglogs"
+vg_one() {  # vg_one PROGRAM [ARGS...]: memcheck, exit 99 on any error
+  local log="$vglogs/$(basename "$1").log"
+  if OPENBLAS_NUM_THREADS=1 MHA_FIXTURES="$PWD/tests/fixtures" \
+     valgrind --quiet --error-exitcode=99 --leak-check=full \
+       --errors-for-leak-kinds=definite,indirect "$@" >/dev/null 2>"$log"; then
+    echo "valgrind clean: $*"
+  else
+    echo "valgrind: $* failed"; cat "$log"; return 1
+  fi
+}
+export -f vg_one
+export vglogs
+vg_tests=()
 for t in build/tests/test_*; do
   [ -x "$t" ] || continue
   # test_mpi_ring runs under mpirun (release and ASan stages); Open MPI's
@@ -73,14 +91,9 @@ for t in build/tests/test_*; do
     echo "valgrind: $t skipped (Open MPI under memcheck; see docs/TESTING.md)"
     continue
   fi
-  OPENBLAS_NUM_THREADS=1 MHA_FIXTURES="$PWD/tests/fixtures" \
-    valgrind --quiet --error-exitcode=99 --leak-check=full \
-    --errors-for-leak-kinds=definite,indirect "$t" >/dev/null ||
-    { echo "valgrind: $t failed"; exit 1; }
-  echo "valgrind clean: $t"
+  vg_tests+=("$t")
 done
-valgrind --quiet --error-exitcode=99 --leak-check=full \
-  --errors-for-leak-kinds=definite,indirect ./build/mha example >/dev/null ||
-  { echo "valgrind: mha example failed"; exit 1; }
-echo "valgrind clean: mha example"
+# xargs exits non-zero (123) when any run failed
+printf '%s\n' "${vg_tests[@]}" ./build/mha |
+  xargs -P 2 -I{} bash -c 'if [ "$1" = ./build/mha ]; then vg_one "$1" example; else vg_one "$1"; fi' _ {}
 echo "all tests passed"
