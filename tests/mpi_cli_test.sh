@@ -72,4 +72,18 @@ out=$(run -np 2 "$mha" bench --ring --ulysses --causal --seq 256 \
   --embed-dim 32 --heads 4 --repeat 2 --warmup 0 2>&1) ||
   fail "bench --ring --ulysses: $out"
 echo "$out" | grep -q "^ulysses forward, P=2" || fail "bench --ulysses: $out"
+# --check: sampled rows against a float64 attention of the regenerated
+# inputs (zig-zag, GQA, batch 2, a length no rank count divides), with
+# ring and Ulysses; a wrong output makes it say FAILED and exit non-zero
+# (docs/TESTING.md, mutation testing).
+for extra in "" "--ulysses" "--backward"; do
+  out=$(run -np 3 "$mha" bench --ring $extra --causal --seq 301 \
+    --embed-dim 48 --heads 6 --kv-heads 3 --batch 2 --check 9 --repeat 1 \
+    --warmup 0 2>&1) || fail "bench --ring $extra --check: $out"
+  echo "$out" | grep -q "check of 9 rows x 2 batch x 6 heads vs float64: .*: ok" ||
+    fail "bench --ring $extra --check report: $out"
+done
+msg=$(run -np 2 "$mha" bench --ring --seq 64 --embed-dim 4096 --heads 2 \
+  --check 2 2>&1) && fail "--check with head width 2048 succeeded"
+echo "$msg" | grep -q "head width 2048 > 1024" || fail "--check refusal: $msg"
 echo "all ok"

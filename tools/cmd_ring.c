@@ -306,15 +306,22 @@ static const char BENCH_RING_HELP[] =
     "usage: mpirun -np P mha bench --ring [--ulysses] --seq L --embed-dim E\n"
     "         --heads H [--kv-heads H_kv] [--batch B] [--causal]\n"
     "         [--split contiguous|zigzag] [--backward] [--threads T]\n"
-    "         [--repeat N] [--warmup W]\n"
+    "         [--repeat N] [--warmup W] [--check ROWS]\n"
     "\n"
     "Times the attention alone (heads already projected, random inputs)\n"
     "across the ranks: each rank holds its shard of L tokens.  Rank 0\n"
     "prints the slowest rank's median time per call, per-rank peak memory\n"
-    "(the call's workspace and the process's maximum resident set), bytes\n"
-    "sent per rank, and the share of the communication hidden behind the\n"
-    "compute: 1 - (time blocked in MPI_Wait*) / (time of the same\n"
-    "transfers alone, measured by a ring pass without compute).\n";
+    "(the call's workspace and the process's maximum resident set after\n"
+    "the timed calls), bytes sent per rank, and the share of the\n"
+    "communication hidden behind the compute: 1 - (time blocked in\n"
+    "MPI_Wait*) / (time of the same transfers alone, measured by a ring\n"
+    "pass without compute).  The inputs are a function of each element's\n"
+    "global index (the same for every P), so with --check ROWS the forward\n"
+    "output of ROWS query rows spread over the sequence (every batch row\n"
+    "and head) is compared with a float64 attention of that row over the\n"
+    "regenerated keys, within the test suite's bound: twice the error of a\n"
+    "naive float32 attention of the same row, plus 1e-6 (1 + max |ref|).\n"
+    "The check streams over the keys: it needs no memory of its own.\n";
 
 static int cmp_double(const void *a, const void *b)
 {
@@ -344,13 +351,136 @@ static double transfers_alone(mha_seq_split split, int64_t L, int64_t B,
     return MPI_Wtime() - t0;
 }
 
+/* The bench's inputs: element i of tensor t (0 q, 1 k, 2 v, 3 dO, each
+ * (B, L, w) over the whole sequence) is a hash of (t, i), uniform in
+ * [-0.5, 0.5): every rank makes its shard alone, the same for every P,
+ * and the check below regenerates any key it needs. */
+static float input_at(int t, uint64_t i)
+{
+    uint64_t x = i + 0x9e3779b97f4a7c15ull * (uint64_t)(t + 1);
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;   /* splitmix64's finaliser */
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    x ^= x >> 31;
+    return (float)((double)(x >> 40) * (1.0 / (1 << 24))) - 0.5f;
+}
+
+/* This rank's rows of tensor t (B, L, w) into x (B, len, w). */
+static void fill_shard(float *x, int t, const mha_shard *s, int64_t B,
+                       int64_t L, int64_t w)
+{
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t r = 0; r < s->len; r++) {
+            const uint64_t g = (uint64_t)((b * L + global_row(s, r)) * w);
+            float *y = x + (b * s->len + r) * w;
+            for (int64_t c = 0; c < w; c++)
+                y[c] = input_at(t, g + (uint64_t)c);
+        }
+}
+
+/* One query row's attention, head h of batch b at global position i,
+ * over the regenerated keys 0 .. n-1, in float64 (ref) and as a naive
+ * float32 program (naive: scores, max, exp and sums in float): the test
+ * suite's reference and its float32 twin. */
+static void check_row(int64_t b, int64_t i, int64_t h, int64_t L,
+                      int64_t n, int64_t dh, int64_t E, int64_t Ekv,
+                      int64_t group, double *ref, float *naive)
+{
+    const int64_t hk = h / group;
+    const double scale = 1.0 / sqrt((double)dh);
+    const uint64_t qi = (uint64_t)((b * L + i) * E + h * dh);
+    double m = -INFINITY, l = 0.0;
+    float mf = -INFINITY, lf = 0.0f;
+    for (int64_t d = 0; d < dh; d++) {
+        ref[d] = 0.0;
+        naive[d] = 0.0f;
+    }
+    for (int pass = 0; pass < 2; pass++)
+        for (int64_t j = 0; j < n; j++) {
+            const uint64_t kj = (uint64_t)((b * L + j) * Ekv + hk * dh);
+            double s = 0.0;
+            float sf = 0.0f;
+            for (int64_t d = 0; d < dh; d++) {
+                const float qd = input_at(0, qi + (uint64_t)d);
+                const float kd = input_at(1, kj + (uint64_t)d);
+                s += (double)qd * kd;
+                sf += qd * kd;
+            }
+            s *= scale;
+            sf *= (float)scale;
+            if (pass == 0) {   /* float64 online; the naive max */
+                const double mn = s > m ? s : m, c = exp(m - mn),
+                             p = exp(s - mn);
+                l = l * c + p;
+                for (int64_t d = 0; d < dh; d++)
+                    ref[d] = ref[d] * c + p * input_at(2, kj + (uint64_t)d);
+                m = mn;
+                mf = sf > mf ? sf : mf;
+            } else {           /* the naive sums */
+                const float p = expf(sf - mf);
+                lf += p;
+                for (int64_t d = 0; d < dh; d++)
+                    naive[d] += p * input_at(2, kj + (uint64_t)d);
+            }
+        }
+    for (int64_t d = 0; d < dh; d++) {
+        ref[d] /= l;
+        naive[d] /= lf;
+    }
+}
+
+/* The local row of global position i in shard s, or -1. */
+static int64_t local_row(const mha_shard *s, int64_t i)
+{
+    for (int p = 0; p < s->n_pieces; p++)
+        if (i >= s->offset[p] && i < s->offset[p] + s->length[p])
+            return (p ? s->length[0] : 0) + i - s->offset[p];
+    return -1;
+}
+
+enum { CHECK_MAX_DH = 1024 };
+
+/* --check: the query rows i_k = round(k (L - 1) / (ROWS - 1)), k < ROWS,
+ * that this rank holds, compared with check_row.  This rank's max errors
+ * (mha, naive) and max |ref| in e[3]. */
+static void check_rows(int64_t rows, const mha_shard *s, int64_t B,
+                       int64_t L, int64_t H, int64_t Hkv, int64_t dh,
+                       int causal, const float *out, double e[3])
+{
+    double ref[CHECK_MAX_DH];
+    float naive[CHECK_MAX_DH];
+    const int64_t E = H * dh, Ekv = Hkv * dh;
+    e[0] = e[1] = e[2] = 0.0;
+    for (int64_t k = 0; k < rows; k++) {
+        const int64_t i = rows == 1 ? 0
+                                    : (k * (L - 1) + (rows - 1) / 2) /
+                                          (rows - 1);
+        const int64_t x = local_row(s, i);
+        if (x < 0 || (k > 0 && i == (((k - 1) * (L - 1) + (rows - 1) / 2) /
+                                     (rows - 1))))
+            continue;   /* another rank's, or the same row again */
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < H; h++) {
+                check_row(b, i, h, L, causal ? i + 1 : L, dh, E, Ekv, H / Hkv,
+                          ref, naive);
+                const float *o = out + (b * s->len + x) * E + h * dh;
+                for (int64_t d = 0; d < dh; d++) {
+                    const double em = fabs(o[d] - ref[d]),
+                                 en = fabs(naive[d] - ref[d]);
+                    e[0] = em > e[0] ? em : e[0];
+                    e[1] = en > e[1] ? en : e[1];
+                    e[2] = fabs(ref[d]) > e[2] ? fabs(ref[d]) : e[2];
+                }
+            }
+    }
+}
+
 int cmd_bench_ring(int argc, char **argv)
 {
     tool_opt o[] = {{"ring", 0, 0}, {"ulysses", 0, 0}, {"split", 1, 0},
                     {"seq", 1, 0}, {"embed-dim", 1, 0}, {"heads", 1, 0},
                     {"kv-heads", 1, 0}, {"batch", 1, 0}, {"causal", 0, 0},
                     {"backward", 0, 0}, {"threads", 1, 0},
-                    {"repeat", 1, 0}, {"warmup", 1, 0}};
+                    {"repeat", 1, 0}, {"warmup", 1, 0}, {"check", 1, 0}};
     int provided, status = 0;
     MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
     MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
@@ -360,7 +490,7 @@ int cmd_bench_ring(int argc, char **argv)
 #define OPT(name) tool_get(o, NOPTS(o), name)
     static const char *const need[] = {"seq", "embed-dim", "heads"};
     int64_t L = 0, E = 0, H = 0, Hkv = 0, B = 1, threads = 0, repeat = 5,
-            warmup = 1;
+            warmup = 1, check = 0;
     if (!done)
         status = tool_require("bench", o, NOPTS(o), need, 3);
     if (!done && !status)
@@ -380,10 +510,19 @@ int cmd_bench_ring(int argc, char **argv)
                            &repeat)) ||
                  (OPT("warmup") &&
                   tool_int("bench", "warmup", OPT("warmup"), 0, 1000,
-                           &warmup));
+                           &warmup)) ||
+                 (OPT("check") &&
+                  tool_int("bench", "check", OPT("check"), 1, 1 << 20,
+                           &check));
     if (!done && !status && E % H)
         status = tool_fail("bench", "--heads %lld must divide --embed-dim "
                            "%lld", (long long)H, (long long)E);
+    if (!done && !status && Hkv && H % Hkv)
+        status = tool_fail("bench", "--kv-heads %lld must divide --heads "
+                           "%lld", (long long)Hkv, (long long)H);
+    if (!done && !status && check && E / H > CHECK_MAX_DH)
+        status = tool_fail("bench", "--check: head width %lld > %d",
+                           (long long)(E / H), CHECK_MAX_DH);
     mha_seq_split split = MHA_SPLIT_CONTIGUOUS;
     const int causal = OPT("causal") != NULL;
     if (!done && !status)
@@ -398,7 +537,10 @@ int cmd_bench_ring(int argc, char **argv)
         status = tool_fail("bench", "%s", mha_last_error());
     float *q = NULL, *k = NULL, *v = NULL, *out = NULL, *lse = NULL,
           *go = NULL, *dq = NULL, *dk = NULL, *dv = NULL, *buf[2] = {0, 0};
+    const int uly = OPT("ulysses") != NULL, bwd = OPT("backward") != NULL;
     if (!done && !status) {
+        /* what a caller holds: the shards of q, k, v, out and lse, and
+         * for the backward dO, dq, dk and dv */
         const size_t nq = (size_t)(B * s.len * E + 1),
                      nk = (size_t)(B * s.len * Ekv + 1);
         q = malloc(nq * 4);
@@ -406,31 +548,23 @@ int cmd_bench_ring(int argc, char **argv)
         v = malloc(nk * 4);
         out = malloc(nq * 4);
         lse = malloc((size_t)(B * H * s.len + 1) * 4);
-        go = malloc(nq * 4);
-        dq = malloc(nq * 4);
-        dk = malloc(nk * 4);
-        dv = malloc(nk * 4);
-        const size_t nb = (size_t)(2 * B * (L / g_P + 2) * Ekv + 1);
-        buf[0] = calloc(nb, 4);
-        buf[1] = calloc(nb, 4);
-        if (!q || !k || !v || !out || !lse || !go || !dq || !dk || !dv ||
-            !buf[0] || !buf[1])
+        if (bwd) {
+            go = malloc(nq * 4);
+            dq = malloc(nq * 4);
+            dk = malloc(nk * 4);
+            dv = malloc(nk * 4);
+        }
+        if (!q || !k || !v || !out || !lse ||
+            (bwd && (!go || !dq || !dk || !dv)))
             status = tool_fail("bench", "out of memory for the shards");
     }
     int rc = any_failed(done ? 0 : status) ? 1 : done ? status : 0;
     if (!done && !rc) {
-        /* random inputs, different on every rank */
-        uint64_t x = 0x9e3779b97f4a7c15ull * (uint64_t)(g_rank + 1);
-        float *arr[4] = {q, k, v, go};
-        const int64_t n[4] = {B * s.len * E, B * s.len * Ekv,
-                              B * s.len * Ekv, B * s.len * E};
-        for (int t = 0; t < 4; t++)
-            for (int64_t i = 0; i < n[t]; i++) {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                arr[t][i] = (float)((x >> 40) * (1.0 / (1 << 24))) - 0.5f;
-            }
+        fill_shard(q, 0, &s, B, L, E);
+        fill_shard(k, 1, &s, B, L, Ekv);
+        fill_shard(v, 2, &s, B, L, Ekv);
+        if (bwd)
+            fill_shard(go, 3, &s, B, L, E);
         mha_ring_args a = {0};
         a.comm = MPI_COMM_WORLD;
         a.split = split;
@@ -446,7 +580,6 @@ int cmd_bench_ring(int argc, char **argv)
         a.num_threads = (int)threads;
         a.out = out;
         a.lse = lse;
-        const int uly = OPT("ulysses") != NULL, bwd = OPT("backward") != NULL;
         const mha_ring_grads g = {go, dq, dk, dv};
         double *times = malloc((size_t)repeat * sizeof *times);
         mha_ring_stats st, sum = {0};
@@ -484,8 +617,15 @@ int cmd_bench_ring(int argc, char **argv)
         } else {
             qsort(times, (size_t)repeat, sizeof *times, cmp_double);
             const double med = times[repeat / 2];
-            double alone = 0.0;
-            for (int r = 0; r < 3; r++)
+            /* the peak of the timed calls, before the probes below */
+            struct rusage ru;
+            getrusage(RUSAGE_SELF, &ru);
+            const size_t nb = (size_t)(2 * B * (L / g_P + 2) * Ekv + 1);
+            buf[0] = calloc(nb, 4);
+            buf[1] = calloc(nb, 4);
+            double alone = 0.0;   /* 0: no memory left for the probe */
+            const int probe = !any_failed(!buf[0] || !buf[1]);
+            for (int r = 0; probe && r < 3; r++)
                 alone += transfers_alone(split, L, B, Ekv, buf) / 3;
             /* with the backward: P - 1 K/V blocks again and P dK/dV
              * blocks of the same sizes */
@@ -496,8 +636,10 @@ int cmd_bench_ring(int argc, char **argv)
             hidden = hidden < 0 ? 0 : hidden > 1 ? 1 : hidden;
             if (uly)
                 hidden = 0.0;   /* all-to-alls: nothing overlaps */
-            struct rusage ru;
-            getrusage(RUSAGE_SELF, &ru);
+            double e[3] = {0, 0, 0}, emax[3] = {0, 0, 0};
+            if (check)
+                check_rows(check, &s, B, L, H, Hkv, dh, causal, out, e);
+            MPI_Reduce(e, emax, 3, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
             double row[6] = {(double)sum.workspace_bytes, (double)ru.ru_maxrss,
                              (double)sum.bytes_sent, hidden, wait, alone};
             double mx[6], mn[6];
@@ -526,6 +668,17 @@ int cmd_bench_ring(int argc, char **argv)
                 printf("  blocked on communication: %.4f .. %.4f s per call; "
                        "share hidden: %.0f%% .. %.0f%%\n", mn[4], mx[4],
                        100 * mn[3], 100 * mx[3]);
+            }
+            if (check && g_rank == 0) {
+                /* the suite's bound (tests/support/ref.c) */
+                const double bound = 2.0 * emax[1] + 1e-6 * (1.0 + emax[2]);
+                printf("  check of %lld rows x %lld batch x %lld heads vs "
+                       "float64: max error %.3g (naive float32 %.3g, bound "
+                       "%.3g, max |ref| %.3g): %s\n", (long long)check,
+                       (long long)B, (long long)H, emax[0], emax[1], bound,
+                       emax[2], emax[0] <= bound ? "ok" : "FAILED");
+                if (emax[0] > bound)
+                    rc = 1;
             }
         }
         free(times);

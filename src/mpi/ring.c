@@ -72,16 +72,18 @@ static float *piece_of(const ring *r, float *buf, const mha_shard *s, int p,
     return x + (p ? r->B * s->length[0] * r->Ekv : 0);
 }
 
-/* The arguments of one pair: query piece (q, qn) at position qo against
- * key piece (k, v, kn) at position ko. */
+/* The arguments of one pair for batch row b: query piece (q, qn) at
+ * position qo against key piece (k, v, kn) at position ko, all of batch
+ * row b (one batch row a call: a zig-zag query piece is then a
+ * contiguous run of the caller's array, read in place). */
 static mha_attention_args pair_args(const ring *r, const mha_ring_args *a,
-                                    const float *q, int64_t qo, int64_t qn,
-                                    const float *k, const float *v,
-                                    int64_t ko, int64_t kn, int vis,
-                                    int64_t *kl)
+                                    int64_t b, const float *q, int64_t qo,
+                                    int64_t qn, const float *k,
+                                    const float *v, int64_t ko, int64_t kn,
+                                    int vis, int64_t *kl)
 {
     mha_attention_args p = {0};
-    p.batch = r->B;
+    p.batch = 1;
     p.num_heads = r->H;
     p.num_kv_heads = r->Hkv;
     p.head_dim = r->dh;
@@ -94,10 +96,8 @@ static mha_attention_args pair_args(const ring *r, const mha_ring_args *a,
     p.given = a->given;
     p.causal = vis == 2 ? MHA_CAUSAL_TOP_LEFT : MHA_CAUSAL_NONE;
     if (a->key_lengths) {
-        for (int64_t b = 0; b < r->B; b++) {
-            const int64_t x = a->key_lengths[b] - ko;
-            kl[b] = x < 0 ? 0 : x > kn ? kn : x;
-        }
+        const int64_t x = a->key_lengths[b] - ko;
+        *kl = x < 0 ? 0 : x > kn ? kn : x;
         p.key_lengths = kl;
     }
     p.mods = a->mods;
@@ -109,36 +109,34 @@ static mha_attention_args pair_args(const ring *r, const mha_ring_args *a,
     return p;
 }
 
-/* Rows [r0, r0 + n) of the accumulator (out (B, nloc, E) and lse
- * (B, H, nloc), float64) merged with a part (po (B, n, E), pl (B, H, n)):
- * lse = log(e^acc + e^part), out weighted, in float64. */
-static void merge_into(const ring *r, int64_t nloc, int64_t r0, int64_t n,
-                       double *ao, double *al, const float *po,
+/* Rows [r0, r0 + n) of batch row b's accumulator -- the caller's out
+ * (B, nloc, E), float32, and the running lse al (B, H, nloc), float64 --
+ * merged with a part (po (n, E), pl (H, n)): lse = log(e^acc + e^part),
+ * out the two weighted, computed in float64 and rounded once per merge. */
+static void merge_into(const ring *r, int64_t nloc, int64_t b, int64_t r0,
+                       int64_t n, float *ao, double *al, const float *po,
                        const float *pl)
 {
-    for (int64_t b = 0; b < r->B; b++)
-        for (int64_t h = 0; h < r->H; h++)
-            for (int64_t i = 0; i < n; i++) {
-                const int64_t xp = (b * r->H + h) * n + i;
-                const int64_t x = (b * r->H + h) * nloc + r0 + i;
-                double *o = ao + (b * nloc + r0 + i) * r->E + h * r->dh;
-                const float *p = po + (b * n + i) * r->E + h * r->dh;
-                const double lp = pl[xp], la = al[x];
-                if (lp == -INFINITY)
-                    continue;
-                if (la == -INFINITY) {
-                    for (int64_t d = 0; d < r->dh; d++)
-                        o[d] = p[d];
-                    al[x] = lp;
-                    continue;
-                }
-                const double m = la > lp ? la : lp;
-                const double wa = exp(la - m), wp = exp(lp - m);
-                const double s = wa + wp;
-                for (int64_t d = 0; d < r->dh; d++)
-                    o[d] = (o[d] * wa + p[d] * wp) / s;
-                al[x] = m + log(s);
+    for (int64_t h = 0; h < r->H; h++)
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t x = (b * r->H + h) * nloc + r0 + i;
+            float *o = ao + (b * nloc + r0 + i) * r->E + h * r->dh;
+            const float *p = po + i * r->E + h * r->dh;
+            const double lp = pl[h * n + i], la = al[x];
+            if (lp == -INFINITY)
+                continue;
+            if (la == -INFINITY) {
+                memcpy(o, p, (size_t)r->dh * sizeof *o);
+                al[x] = lp;
+                continue;
             }
+            const double m = la > lp ? la : lp;
+            const double wa = exp(la - m), wp = exp(lp - m);
+            const double s = wa + wp, ca = wa / s, cp = wp / s;
+            for (int64_t d = 0; d < r->dh; d++)
+                o[d] = (float)(o[d] * ca + p[d] * cp);
+            al[x] = m + log(s);
+        }
 }
 
 /* Packs this rank's K and V into a block buffer. */
@@ -159,10 +157,8 @@ mha_status mha_ring_attention(const mha_ring_args *a)
 {
     ring r;
     mha_status st = mha_mpi_ring_open(a, NULL, 0, &r);
-    float *kv[2] = {NULL, NULL}, *qp[2] = {NULL, NULL};
-    float *po = NULL, *pl = NULL;
-    double *ao = NULL, *al = NULL;
-    int64_t *kl = NULL;
+    float *kv[2] = {NULL, NULL}, *po = NULL, *pl = NULL;
+    double *al = NULL;
     MPI_Request req[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
     if (st != MHA_OK)
         goto done;
@@ -172,39 +168,29 @@ mha_status mha_ring_attention(const mha_ring_args *a)
         const mha_shard s = shard(&r, a, x);
         maxlen = s.len > maxlen ? s.len : maxlen;
     }
-    const int64_t nloc = r.me.len, nq = r.B * nloc * r.E;
+    const int64_t nloc = r.me.len;
     const int64_t maxpiece = r.me.length[0] > r.me.length[1]
                                  ? r.me.length[0] : r.me.length[1];
+    /* The workspace: the two K/V blocks (the one computed on, the one
+     * arriving), one part's (out, lse) and the running lse in float64;
+     * the running out is the caller's out itself. */
     kv[0] = mha_mpi_alloc_bytes(&r, block_floats(&r, maxlen) * 4);
     kv[1] = mha_mpi_alloc_bytes(&r, block_floats(&r, maxlen) * 4);
-    po = mha_mpi_alloc_bytes(&r, r.B * maxpiece * r.E * 4);
-    pl = mha_mpi_alloc_bytes(&r, r.B * r.H * maxpiece * 4);
-    ao = mha_mpi_alloc_bytes(&r, nq * 8);
+    po = mha_mpi_alloc_bytes(&r, maxpiece * r.E * 4);
+    pl = mha_mpi_alloc_bytes(&r, r.H * maxpiece * 4);
     al = mha_mpi_alloc_bytes(&r, r.B * r.H * nloc * 8);
-    kl = mha_mpi_alloc_bytes(&r, r.B * 8);
-    int fail_alloc = !kv[0] || !kv[1] || !po || !pl || !ao || !al || !kl;
-    /* Query pieces as problems of their own: zig-zag pieces copied. */
-    const float *qpiece[2] = {a->q, NULL};
-    for (int p = 0; r.me.n_pieces == 2 && p < 2 && !fail_alloc; p++) {
-        qp[p] = mha_mpi_alloc_bytes(&r, r.B * r.me.length[p] * r.E * 4);
-        fail_alloc |= !qp[p];
-        if (qp[p])
-            mha_mpi_rows_copy(qp[p], a->q, r.B, nloc, r.E,
-                              p ? r.me.length[0] : 0,
-                      r.me.length[p], 0);
-        qpiece[p] = qp[p];
-    }
     /* No rank starts a ring that another cannot finish. */
-    st = fail_alloc ? mha_mpi_fail(MHA_ERR_OUT_OF_MEMORY,
-                           "out of memory for the ring's buffers (%lld "
-                           "bytes)", (long long)r.st.workspace_bytes)
-                    : MHA_OK;
+    st = !kv[0] || !kv[1] || !po || !pl || !al
+             ? mha_mpi_fail(MHA_ERR_OUT_OF_MEMORY,
+                            "out of memory for the ring's buffers (%lld "
+                            "bytes)", (long long)r.st.workspace_bytes)
+             : MHA_OK;
     st = mha_mpi_agree(&r, st);
     if (st != MHA_OK)
         goto done;
     for (int64_t x = 0; x < r.B * r.H * nloc; x++)
         al[x] = -INFINITY;
-    memset(ao, 0, (size_t)nq * sizeof *ao);
+    memset(a->out, 0, (size_t)(r.B * nloc * r.E) * sizeof *a->out);
     if (nloc > 0)
         pack_own(&r, a, kv[0]);
 
@@ -230,29 +216,31 @@ mha_status mha_ring_attention(const mha_ring_args *a)
             r.st.bytes_received += nrecv * 4;
         }
         const double t = mha_mpi_now();
-        for (int qpi = 0; st == MHA_OK && qpi < r.me.n_pieces; qpi++) {
-            const int64_t qo = r.me.offset[qpi], qn = r.me.length[qpi];
-            const int64_t r0 = qpi ? r.me.length[0] : 0;
-            for (int kp = 0; st == MHA_OK && kp < ks.n_pieces; kp++) {
-                const int vis = visibility(&r, qo, qn, ks.offset[kp],
-                                           ks.length[kp]);
-                if (!vis)
-                    continue;
-                mha_attention_args pa = pair_args(
-                    &r, a, qpiece[qpi], qo, qn,
-                    piece_of(&r, cur, &ks, kp, 0),
-                    piece_of(&r, cur, &ks, kp, 1), ks.offset[kp],
-                    ks.length[kp], vis, kl);
-                pa.out = po;
-                pa.lse = pl;
-                st = mha_attention(&pa);
-                if (st == MHA_OK)
-                    merge_into(&r, nloc, r0, qn, ao, al, po, pl);
-                /* Let the transfers progress between blocks. */
-                int flag;
-                MPI_Testall(2, req, &flag, MPI_STATUSES_IGNORE);
+        for (int64_t b = 0; b < r.B; b++)
+            for (int qpi = 0; st == MHA_OK && qpi < r.me.n_pieces; qpi++) {
+                const int64_t qo = r.me.offset[qpi], qn = r.me.length[qpi];
+                const int64_t r0 = qpi ? r.me.length[0] : 0;
+                for (int kp = 0; st == MHA_OK && kp < ks.n_pieces; kp++) {
+                    const int64_t kn = ks.length[kp];
+                    const int vis = visibility(&r, qo, qn, ks.offset[kp], kn);
+                    if (!vis)
+                        continue;
+                    int64_t kl;
+                    mha_attention_args pa = pair_args(
+                        &r, a, b, a->q + (b * nloc + r0) * r.E, qo, qn,
+                        piece_of(&r, cur, &ks, kp, 0) + b * kn * r.Ekv,
+                        piece_of(&r, cur, &ks, kp, 1) + b * kn * r.Ekv,
+                        ks.offset[kp], kn, vis, &kl);
+                    pa.out = po;
+                    pa.lse = pl;
+                    st = mha_attention(&pa);
+                    if (st == MHA_OK)
+                        merge_into(&r, nloc, b, r0, qn, a->out, al, po, pl);
+                    /* Let the transfers progress between blocks. */
+                    int flag;
+                    MPI_Testall(2, req, &flag, MPI_STATUSES_IGNORE);
+                }
             }
-        }
         r.st.seconds_compute += mha_mpi_now() - t;
         if (s + 1 < r.P)
             MPI_TRY(mha_mpi_wait_all(&r, 2, req), "MPI_Waitall of a K/V block");
@@ -260,8 +248,6 @@ mha_status mha_ring_attention(const mha_ring_args *a)
     st = mha_mpi_agree(&r, st);
     if (st != MHA_OK)
         goto done;
-    for (int64_t x = 0; x < nq; x++)
-        a->out[x] = (float)ao[x];
     if (a->lse)
         for (int64_t x = 0; x < r.B * r.H * nloc; x++)
             a->lse[x] = (float)al[x];
@@ -270,13 +256,9 @@ done:
     mha_mpi_free_requests(req, 2);
     free(kv[0]);
     free(kv[1]);
-    free(qp[0]);
-    free(qp[1]);
     free(po);
     free(pl);
-    free(ao);
     free(al);
-    free(kl);
     mha_mpi_ring_close(&r, a);
     return st;
 }
@@ -296,11 +278,8 @@ mha_status mha_ring_attention_backward(const mha_ring_args *a,
     ring r;
     mha_status st = mha_mpi_ring_open(a, g, 1, &r);
     float *kv[2] = {NULL, NULL}, *dkv[2] = {NULL, NULL}, *loc = NULL;
-    float *cp[4][2] = {{NULL, NULL}, {NULL, NULL}, {NULL, NULL},
-                       {NULL, NULL}};
-    float *pdq = NULL, *pdk = NULL, *pdv = NULL;
+    float *lsep = NULL, *pdq = NULL, *pdk = NULL, *pdv = NULL;
     double *dq = NULL;
-    int64_t *kl = NULL;
     /* kv receive, kv send, dkv receive, dkv send from dkv[0], dkv[1] */
     MPI_Request req[5] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL,
                           MPI_REQUEST_NULL, MPI_REQUEST_NULL,
@@ -323,43 +302,29 @@ mha_status mha_ring_attention_backward(const mha_ring_args *a,
         dkv[i] = mha_mpi_alloc_bytes(&r, nblock * 4);
     }
     loc = mha_mpi_alloc_bytes(&r, nblock * 4);
-    pdq = mha_mpi_alloc_bytes(&r, r.B * maxpiece * r.E * 4);
-    pdk = mha_mpi_alloc_bytes(&r, r.B * maxlen * r.Ekv * 4);
-    pdv = mha_mpi_alloc_bytes(&r, r.B * maxlen * r.Ekv * 4);
+    lsep = mha_mpi_alloc_bytes(&r, BH * nloc * 4);
+    pdq = mha_mpi_alloc_bytes(&r, maxpiece * r.E * 4);
+    pdk = mha_mpi_alloc_bytes(&r, maxlen * r.Ekv * 4);
+    pdv = mha_mpi_alloc_bytes(&r, maxlen * r.Ekv * 4);
     dq = mha_mpi_alloc_bytes(&r, nq * 8);
-    kl = mha_mpi_alloc_bytes(&r, r.B * 8);
-    int fail_alloc = !kv[0] || !kv[1] || !dkv[0] || !dkv[1] || !loc ||
-                     !pdq || !pdk || !pdv || !dq || !kl;
-    /* Per query piece: q, out, grad_out and lse as problems of their own
-     * (the caller's arrays with one piece; copies with two). */
-    const float *qv[2] = {a->q, NULL}, *ov[2] = {a->out, NULL};
-    const float *gv[2] = {g ? g->grad_out : NULL, NULL}, *lv[2] = {a->lse,
-                                                                    NULL};
-    for (int p = 0; r.me.n_pieces == 2 && p < 2 && !fail_alloc; p++) {
-        const int64_t n = r.me.length[p], r0 = p ? r.me.length[0] : 0;
-        for (int c = 0; c < 4; c++) {
-            const int64_t nf = c == 3 ? BH * n : r.B * n * r.E;
-            cp[c][p] = mha_mpi_alloc_bytes(&r, nf * 4);
-            fail_alloc |= !cp[c][p];
-        }
-        if (fail_alloc)
-            break;
-        mha_mpi_rows_copy(cp[0][p], a->q, r.B, nloc, r.E, r0, n, 0);
-        mha_mpi_rows_copy(cp[1][p], a->out, r.B, nloc, r.E, r0, n, 0);
-        mha_mpi_rows_copy(cp[2][p], g->grad_out, r.B, nloc, r.E, r0, n, 0);
-        lse_copy(cp[3][p], a->lse, BH, nloc, r0, n, 0);
-        qv[p] = cp[0][p];
-        ov[p] = cp[1][p];
-        gv[p] = cp[2][p];
-        lv[p] = cp[3][p];
-    }
-    st = fail_alloc ? mha_mpi_fail(MHA_ERR_OUT_OF_MEMORY,
-                           "out of memory for the ring's buffers (%lld "
-                           "bytes)", (long long)r.st.workspace_bytes)
-                    : MHA_OK;
+    st = !kv[0] || !kv[1] || !dkv[0] || !dkv[1] || !loc || !lsep || !pdq ||
+                 !pdk || !pdv || !dq
+             ? mha_mpi_fail(MHA_ERR_OUT_OF_MEMORY,
+                            "out of memory for the ring's buffers (%lld "
+                            "bytes)", (long long)r.st.workspace_bytes)
+             : MHA_OK;
     st = mha_mpi_agree(&r, st);
     if (st != MHA_OK)
         goto done;
+    /* q, out and dO of a (batch row, query piece) are contiguous runs of
+     * the caller's arrays, read in place; its lse rows (H, n) are not
+     * (the heads are nloc apart): regrouped once, piece after piece. */
+    for (int64_t b = 0; b < r.B; b++)
+        for (int p = 0; p < r.me.n_pieces; p++) {
+            const int64_t r0 = p ? r.me.length[0] : 0, n = r.me.length[p];
+            lse_copy(lsep + b * r.H * nloc + r.H * r0,
+                     a->lse + b * r.H * nloc, r.H, nloc, r0, n, 0);
+        }
     memset(dq, 0, (size_t)nq * sizeof *dq);
     if (nloc > 0)
         pack_own(&r, a, kv[0]);
@@ -394,34 +359,39 @@ mha_status mha_ring_attention_backward(const mha_ring_args *a,
         }
         const double t = mha_mpi_now();
         memset(loc, 0, (size_t)nks * sizeof *loc);
-        for (int qpi = 0; st == MHA_OK && qpi < r.me.n_pieces; qpi++) {
-            const int64_t qo = r.me.offset[qpi], qn = r.me.length[qpi];
-            const int64_t r0 = qpi ? r.me.length[0] : 0;
-            for (int kp = 0; st == MHA_OK && kp < ks.n_pieces; kp++) {
-                const int64_t kn = ks.length[kp];
-                const int vis = visibility(&r, qo, qn, ks.offset[kp], kn);
-                if (!vis)
-                    continue;
-                const mha_attention_args pa = pair_args(
-                    &r, a, qv[qpi], qo, qn, piece_of(&r, cur, &ks, kp, 0),
-                    piece_of(&r, cur, &ks, kp, 1), ks.offset[kp], kn, vis,
-                    kl);
-                const mha_attention_grads pg = {gv[qpi], pdq, pdk, pdv,
-                                                NULL};
-                st = mha_attention_backward_part(&pa, lv[qpi], ov[qpi], &pg);
-                if (st != MHA_OK)
-                    break;
-                for (int64_t b = 0; b < r.B; b++)
+        for (int64_t b = 0; b < r.B; b++)
+            for (int qpi = 0; st == MHA_OK && qpi < r.me.n_pieces; qpi++) {
+                const int64_t qo = r.me.offset[qpi], qn = r.me.length[qpi];
+                const int64_t r0 = qpi ? r.me.length[0] : 0;
+                const int64_t row = (b * nloc + r0) * r.E;
+                for (int kp = 0; st == MHA_OK && kp < ks.n_pieces; kp++) {
+                    const int64_t kn = ks.length[kp];
+                    const int vis = visibility(&r, qo, qn, ks.offset[kp], kn);
+                    if (!vis)
+                        continue;
+                    int64_t kl;
+                    float *kb = piece_of(&r, loc, &ks, kp, 0) + b * kn * r.Ekv;
+                    float *vb = piece_of(&r, loc, &ks, kp, 1) + b * kn * r.Ekv;
+                    const mha_attention_args pa = pair_args(
+                        &r, a, b, a->q + row, qo, qn,
+                        piece_of(&r, cur, &ks, kp, 0) + b * kn * r.Ekv,
+                        piece_of(&r, cur, &ks, kp, 1) + b * kn * r.Ekv,
+                        ks.offset[kp], kn, vis, &kl);
+                    const mha_attention_grads pg = {g->grad_out + row, pdq,
+                                                    pdk, pdv, NULL};
+                    st = mha_attention_backward_part(
+                        &pa, lsep + b * r.H * nloc + r.H * r0, a->out + row,
+                        &pg);
+                    if (st != MHA_OK)
+                        break;
                     for (int64_t i = 0; i < qn * r.E; i++)
-                        dq[(b * nloc + r0) * r.E + i] += pdq[b * qn * r.E + i];
-                add_floats(piece_of(&r, loc, &ks, kp, 0), pdk,
-                           r.B * kn * r.Ekv);
-                add_floats(piece_of(&r, loc, &ks, kp, 1), pdv,
-                           r.B * kn * r.Ekv);
-                int flag;
-                MPI_Testall(3, req, &flag, MPI_STATUSES_IGNORE);
+                        dq[row + i] += pdq[i];
+                    add_floats(kb, pdk, kn * r.Ekv);
+                    add_floats(vb, pdv, kn * r.Ekv);
+                    int flag;
+                    MPI_Testall(3, req, &flag, MPI_STATUSES_IGNORE);
+                }
             }
-        }
         r.st.seconds_compute += mha_mpi_now() - t;
         if (s == 0) {
             memcpy(acc, loc, (size_t)nks * sizeof *acc);
@@ -470,15 +440,13 @@ done:
     for (int i = 0; i < 2; i++) {
         free(kv[i]);
         free(dkv[i]);
-        for (int c = 0; c < 4; c++)
-            free(cp[c][i]);
     }
     free(loc);
+    free(lsep);
     free(pdq);
     free(pdk);
     free(pdv);
     free(dq);
-    free(kl);
     mha_mpi_ring_close(&r, a);
     return st;
 }
