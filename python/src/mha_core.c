@@ -15,6 +15,7 @@
 #include <Python.h>
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MHA_EXPERIMENTAL
@@ -1042,6 +1043,132 @@ static PyTypeObject CacheType = {
 
 /* ---- attention on heads ------------------------------------------------ */
 
+/*
+ * heads_first: torch's SDPA layout.  q, k, v and grad_out are 4-D arrays
+ * (B, H, L, d_h) (k, v: H_kv heads) of any strides -- NumPy views of
+ * torch tensors as they come, contiguous or transposed views of (B, L, H,
+ * d_h) tensors (how models make them), even expanded -- and the outputs
+ * (out, grad_q, grad_k, grad_v) C-contiguous (B, L, H, d_h), libmha's own
+ * layout, which the caller views as (B, H, L, d_h) by a transpose.  An
+ * input already in libmha's layout is read in place; any other is
+ * gathered into it once, with the GIL released.
+ */
+typedef struct strided4 {
+    const char *base;
+    int64_t n[4];        /* B, H, L, d */
+    Py_ssize_t st[4];    /* strides in bytes */
+} strided4;
+
+/* A 4-D float32 input of shape (B, H, L, d), any strides (see above). */
+static int get_buf4(bufset *b, PyObject *o, const char *name, int64_t B,
+                    int64_t H, int64_t L, int64_t d, strided4 *x)
+{
+    if (o == NULL || o == Py_None) {
+        PyErr_Format(PyExc_TypeError, "%s is required, got None", name);
+        return -1;
+    }
+    if (b->n >= MAX_BUFS) {
+        PyErr_SetString(PyExc_RuntimeError, "too many buffers in one call");
+        return -1;
+    }
+    if (!PyObject_CheckBuffer(o)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a float32 array (a "
+                     "buffer), not %s", name, Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    Py_buffer *v = &b->v[b->n];
+    if (PyObject_GetBuffer(o, v, PyBUF_RECORDS_RO) != 0)
+        return -1;
+    b->n++;
+    if (!format_ok(v, T_F32)) {
+        PyErr_Format(PyExc_TypeError, "%s must have dtype float32, got "
+                     "format '%s'", name, v->format ? v->format : "B");
+        return -1;
+    }
+    const int64_t want[4] = {B, H, L, d};
+    int ok = v->ndim == 4;
+    for (int i = 0; ok && i < 4; i++)
+        ok = v->shape[i] == want[i] && v->strides[i] % 4 == 0;
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError, "%s must be a (%lld, %lld, %lld, "
+                     "%lld) float32 array with strides of whole elements",
+                     name, (long long)B, (long long)H, (long long)L,
+                     (long long)d);
+        return -1;
+    }
+    x->base = v->buf;
+    for (int i = 0; i < 4; i++) {
+        x->n[i] = want[i];
+        x->st[i] = v->strides[i];
+    }
+    return 0;
+}
+
+/* Is x libmha's (B, L, H, d) layout, C-contiguous?  (A dimension of size
+ * 1 may have any stride.) */
+static int in_place(const strided4 *x)
+{
+    const int64_t B = x->n[0], H = x->n[1], L = x->n[2], d = x->n[3];
+    return (d == 1 || x->st[3] == 4) && (H == 1 || x->st[1] == 4 * d) &&
+           (L == 1 || x->st[2] == 4 * H * d) &&
+           (B == 1 || x->st[0] == 4 * L * H * d);
+}
+
+/* x into libmha's layout at dst (B, L, H, d), C-contiguous. */
+static void gather(float *dst, const strided4 *x)
+{
+    const int64_t B = x->n[0], H = x->n[1], L = x->n[2], d = x->n[3];
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < L; i++)
+            for (int64_t h = 0; h < H; h++) {
+                const char *src = x->base + b * x->st[0] + h * x->st[1] +
+                                  i * x->st[2];
+                float *y = dst + ((b * L + i) * H + h) * d;
+                if (x->st[3] == 4)
+                    memcpy(y, src, (size_t)d * sizeof *y);
+                else
+                    for (int64_t c = 0; c < d; c++)
+                        memcpy(y + c, src + c * x->st[3], sizeof *y);
+            }
+}
+
+/* The inputs q, k, v (and grad_out, NULL in the forward) in libmha's
+ * layout: each read in place when it is, else gathered into one scratch
+ * allocation (*scratch, freed by the caller).  Sets a->q, k, v and
+ * *grad_out.  Returns MHA_OK or MHA_ERR_OUT_OF_MEMORY (with a message). */
+static mha_status heads_first_inputs(mha_attention_args *a,
+                                     const strided4 x[4], int nx,
+                                     const float **grad_out, float **scratch)
+{
+    int64_t need = 0, size[4];
+    for (int i = 0; i < nx; i++) {
+        size[i] = x[i].n[0] * x[i].n[1] * x[i].n[2] * x[i].n[3];
+        need += in_place(&x[i]) ? 0 : size[i];
+    }
+    float *s = NULL;
+    if (need > 0 && !(s = malloc((size_t)need * sizeof *s)))
+        return mha_error_set(MHA_ERR_OUT_OF_MEMORY,
+                             "heads_first: out of memory for the inputs in "
+                             "libmha's layout");
+    *scratch = s;
+    const float *p[4];
+    for (int i = 0; i < nx; i++) {
+        if (in_place(&x[i])) {
+            p[i] = (const float *)x[i].base;
+        } else {
+            gather(s, &x[i]);
+            p[i] = s;
+            s += size[i];
+        }
+    }
+    a->q = p[0];
+    a->k = p[1];
+    a->v = p[2];
+    if (nx == 4)
+        *grad_out = p[3];
+    return MHA_OK;
+}
+
 static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
 {
     (void)self;
@@ -1052,7 +1179,7 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
         "need_weights", "attn_weights", "dropout", "training",
         "dropout_seed", "num_threads", "lse", "cache", "modifiers", "sinks",
         "q_positions", "k_positions", "grad_out", "grad_q", "grad_k",
-        "grad_v", "grad_sinks", NULL};
+        "grad_v", "grad_sinks", "heads_first", NULL};
     PyObject *q, *k = Py_None, *v = Py_None, *out = Py_None;
     PyObject *scale = Py_None, *am = Py_None, *kpm = Py_None, *kl = Py_None;
     PyObject *w = Py_None, *lse = Py_None, *cache = Py_None, *mods = Py_None;
@@ -1061,15 +1188,19 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
     PyObject *gs = Py_None;
     long long B, H, dh, Lq, Lk = 0, Hkv = 0;
     int amk = 0, kpmk = 0, causal = 0, nw = 0, training = 0, threads = 0;
+    int heads_first = 0;
     float dropout = 0;
     unsigned long long seed = 0;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kw, "OOOOLLLL|LLOOiOiOiiOfpKiOOOOOOOOOOO", kws, &q, &k, &v,
+            args, kw, "OOOOLLLL|LLOOiOiOiiOfpKiOOOOOOOOOOOp", kws, &q, &k, &v,
             &out, &B, &H, &dh, &Lq, &Lk, &Hkv, &scale, &am, &amk, &kpm,
             &kpmk, &kl, &causal, &nw, &w, &dropout, &training, &seed,
             &threads, &lse, &cache, &mods, &sinks, &qp, &kp, &go, &gq, &gk,
-            &gv, &gs))
+            &gv, &gs, &heads_first))
         return NULL;
+    if (heads_first && cache != Py_None)
+        return PyErr_Format(PyExc_ValueError,
+                            "heads_first: not with a KV cache");
     if (B < 1 || H < 1 || dh < 1 || Lq < 1 || Lk < 0 || Hkv < 0)
         return PyErr_Format(PyExc_ValueError,
                             "batch, num_heads, head_dim and q_len must be "
@@ -1097,10 +1228,16 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
     mha_attention_args a;
     memset(&a, 0, sizeof a);
     bufset b = {.n = 0};
-    void *pq, *pk, *pv, *pout, *pw, *pkl, *plse, *psinks, *pqp, *pkp;
-    if (get_buf(&b, q, "q", T_F32, 0, qn, 1, &pq, NULL) ||
-        get_buf(&b, k, "k", T_F32, 0, kn, !co, &pk, NULL) ||
-        get_buf(&b, v, "v", T_F32, 0, kn, !co, &pv, NULL) ||
+    void *pq = NULL, *pk = NULL, *pv = NULL;
+    void *pout, *pw, *pkl, *plse, *psinks, *pqp, *pkp;
+    strided4 x4[4];   /* heads_first: q, k, v, grad_out */
+    if ((heads_first
+             ? get_buf4(&b, q, "q", B, H, Lq, dh, &x4[0]) ||
+                   get_buf4(&b, k, "k", B, Hkv, lk, dh, &x4[1]) ||
+                   get_buf4(&b, v, "v", B, Hkv, lk, dh, &x4[2])
+             : get_buf(&b, q, "q", T_F32, 0, qn, 1, &pq, NULL) ||
+                   get_buf(&b, k, "k", T_F32, 0, kn, !co, &pk, NULL) ||
+                   get_buf(&b, v, "v", T_F32, 0, kn, !co, &pv, NULL)) ||
         get_buf(&b, out, "out", T_F32, 1, qn, !backward, &pout, NULL) ||
         get_buf(&b, w, "attn_weights", T_F32, 1, wn, nw != 0 && !backward,
                 &pw, NULL) ||
@@ -1146,8 +1283,11 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
     mha_attention_grads g;
     memset(&g, 0, sizeof g);
     if (backward) {
-        void *pgo, *pgq, *pgk, *pgv, *pgs;
-        if (get_buf(&b, go, "grad_out", T_F32, 0, qn, 1, &pgo, NULL) ||
+        void *pgo = NULL, *pgq, *pgk, *pgv, *pgs;
+        if ((heads_first
+                 ? get_buf4(&b, go, "grad_out", B, H, Lq, dh, &x4[3])
+                 : get_buf(&b, go, "grad_out", T_F32, 0, qn, 1, &pgo,
+                           NULL)) ||
             get_buf(&b, gq, "grad_q", T_F32, 1, qn, 1, &pgq, NULL) ||
             get_buf(&b, gk, "grad_k", T_F32, 1, kn, 1, &pgk, NULL) ||
             get_buf(&b, gv, "grad_v", T_F32, 1, kn, 1, &pgv, NULL) ||
@@ -1162,11 +1302,17 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
         a.attn_weights = NULL;
         a.lse = NULL;
     }
-    mha_status st;
+    mha_status st = MHA_OK;
+    float *scratch = NULL;
     if (co)
         co->busy = 1;
     Py_BEGIN_ALLOW_THREADS
-    st = backward ? mha_attention_backward(&a, &g) : mha_attention(&a);
+    if (heads_first)
+        st = heads_first_inputs(&a, x4, backward ? 4 : 3, &g.grad_out,
+                                &scratch);
+    if (st == MHA_OK)
+        st = backward ? mha_attention_backward(&a, &g) : mha_attention(&a);
+    free(scratch);
     Py_END_ALLOW_THREADS
     if (co)
         co->busy = 0;

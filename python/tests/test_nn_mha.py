@@ -317,6 +317,52 @@ def test_dropout_training_mode():
                                atol=1e-7)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_no_grad_short_way_is_the_same_call(seed):
+    """Under no_grad, forward's short way (no masks, no weights) gives the
+    bits of the autograd path, for self-, shared-K/V and cross-attention,
+    both batch layouts, causal or not; and a parameter replaced or changed
+    in place, or set to NaN, is seen there too."""
+    r = np.random.default_rng(300 + seed)
+    cfg = random_config(r)
+    cfg["dropout"] = 0.3        # eval mode: no dropout on either path
+    torch.manual_seed(seed)
+    m = mnn.MultiheadAttention(**cfg).eval()
+    E, kd, vd = m.embed_dim, m.kdim, m.vdim
+    B, Lq, Lk = int(r.integers(1, 4)), int(r.integers(1, 7)), \
+        int(r.integers(1, 7))
+    bf = cfg["batch_first"]
+
+    def t(L, w):
+        x = torch.from_numpy(r.standard_normal((B, L, w)).astype(np.float32))
+        return x if bf else x.transpose(0, 1)   # seq-first: a view
+
+    if kd == vd == E and seed % 3 == 0:
+        q = k = v = t(Lq, E)
+    elif kd == vd and seed % 3 == 1:
+        q, k = t(Lq, E), t(Lk, kd)
+        v = k
+    else:
+        q, k, v = t(Lq, E), t(Lk, kd), t(Lk, vd)
+    causal = bool(seed % 2) and q is k
+    ref = m(q, k, v, need_weights=False, is_causal=causal)[0]
+    assert ref.requires_grad   # the autograd path ran
+    with torch.no_grad():
+        out, w = m(q, k, v, need_weights=False, is_causal=causal)
+        assert w is None and not out.requires_grad
+        assert torch.equal(out, ref.detach())
+        m.out_proj.weight.mul_(2.0)                       # in place
+        m.out_proj.bias = nn.Parameter(torch.ones(E))     # replaced
+    ref2 = m(q, k, v, need_weights=False, is_causal=causal)[0]
+    with torch.no_grad():
+        assert torch.equal(m(q, k, v, need_weights=False,
+                             is_causal=causal)[0], ref2.detach())
+        assert not torch.equal(ref2, ref)
+        m.out_proj.weight[0, 0] = float("nan")
+        with pytest.raises(mha.NonFiniteError):
+            m(q, k, v, need_weights=False, is_causal=causal)
+
+
 def test_parameters_follow_in_place_changes():
     torch.manual_seed(4)
     t = torch.nn.MultiheadAttention(8, 2, batch_first=True)

@@ -62,6 +62,12 @@ def test_sdpa_parity(seed):
     q, k, v = tensors(r, (B, H, Lq, d), (B, Hkv, Lk, d), (B, Hkv, Lk, d))
     G, = tensors(r, (B, H, Lq, d))
     gqa = Hkv != H
+    if seed % 2:
+        # as models make them: transposed views of (B, L, H, d) tensors,
+        # which libmha reads in place (the even seeds: contiguous, copied
+        # into libmha's layout by the C layer)
+        q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2)
+                   for x in (q, k, v))
 
     def ours(q, k, v):
         return sdpa(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
@@ -78,6 +84,37 @@ def test_sdpa_parity(seed):
     compare(ours, ref, [q, k, v], G,
             "seed %d B%d H%d Hkv%d d%d Lq%d Lk%d causal %s mask %d"
             % (seed, B, H, Hkv, d, Lq, Lk, causal, kind))
+
+
+def test_layouts_give_the_same_bits():
+    """q, k, v contiguous (B, H, L, d), transposed views of (B, L, H, d)
+    tensors (read in place) and expanded or sliced views (gathered by the
+    C layer): the same output and gradients, bit for bit."""
+    r = np.random.default_rng(7)
+    q, k, v = tensors(r, (2, 4, 5, 8), (2, 2, 6, 8), (2, 2, 6, 8))
+    G, = tensors(r, (2, 4, 5, 8))
+
+    def views(kind, x):
+        if kind == "contiguous":
+            return x.clone()
+        if kind == "BLHd":
+            return x.transpose(1, 2).contiguous().transpose(1, 2)
+        # every other element of the last dimension of a wider tensor
+        w = torch.zeros(x.shape[:3] + (2 * x.shape[3],))
+        w[..., ::2] = x
+        return w[..., ::2]
+
+    res = []
+    for kind in ("contiguous", "BLHd", "strided"):
+        ins = [views(kind, x).requires_grad_() for x in (q, k, v)]
+        assert all(t.is_contiguous() == (kind == "contiguous") for t in ins)
+        out = sdpa(*ins, enable_gqa=True, is_causal=True)
+        res.append([out] + list(torch.autograd.grad((out * G).sum(), ins)))
+        with torch.no_grad():   # the path without an autograd node
+            assert torch.equal(sdpa(*ins, enable_gqa=True, is_causal=True),
+                               out)
+    for a, b, c in zip(*res):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 def test_unbatched_and_output_layout():

@@ -238,7 +238,8 @@ class MultiheadAttention(nn.Module):
     def _param_list(self):
         """The parameters in libmha's order (= torch's state_dict order)."""
         self._core_module()
-        return [(getattr(self, m) if m else self)._parameters[n]
+        own, mods = self._parameters, self._modules
+        return [(mods[m]._parameters if m else own)[n]
                 for m, n in self._paths]
 
     def _link(self, core):
@@ -296,6 +297,44 @@ class MultiheadAttention(nn.Module):
         return "embed_dim=%d, num_heads=%d, dropout=%s, batch_first=%s" % (
             self.embed_dim, self.num_heads, self.dropout, self.batch_first)
 
+    def _forward_no_grad(self, query, key, value, is_causal):
+        """forward's short way, for the common inference call (no grad, no
+        masks, no weights, no dropout, batched float32 CPU tensors of the
+        right shapes): the same libmha call with fewer Python steps.  None
+        when the call is anything else: forward's checks then run (and
+        raise) as always."""
+        if self.training and self.dropout > 0:
+            return None
+        self_attn = query is key and key is value
+        for t in ((query,) if self_attn else (query, key, value)):
+            if type(t) is not torch.Tensor or t.dtype is not torch.float32 \
+                    or not t.is_cpu or t.dim() != 3:
+                return None
+        bf = self.batch_first
+        q = query if bf else query.transpose(0, 1)
+        B, Lq, E = q.shape
+        k = v = None
+        Lk = Lq
+        if not self_attn:
+            k = key if bf else key.transpose(0, 1)
+            v = value if bf else value.transpose(0, 1)
+            Lk = k.shape[1]
+            if E != self.embed_dim or k.shape != (B, Lk, self.kdim) or \
+                    v.shape != (B, Lk, self.vdim):
+                return None
+            if key is value:
+                v = None
+        elif E != self.embed_dim:
+            return None
+        core = self._core_module()
+        self._sync(core, self._param_list())
+        out = np.empty((B, Lq, E), np.float32)
+        core.run(query=_np(q), key=None if k is None else _np(k),
+                 value=None if v is None else _np(v), out=out, batch=B,
+                 q_len=Lq, kv_len=Lk, causal=2 if is_causal else 0)
+        out = torch.from_numpy(out)
+        return out if bf else out.transpose(0, 1)
+
     def forward(self, query, key, value, key_padding_mask=None,
                 need_weights=True, attn_mask=None, average_attn_weights=True,
                 is_causal=False):
@@ -306,6 +345,11 @@ class MultiheadAttention(nn.Module):
         NOT allowed, or float added).  Returns (attn_output, weights):
         weights (N, L, S) averaged over heads, (N, num_heads, L, S) with
         average_attn_weights=False, or None without need_weights."""
+        if not need_weights and attn_mask is None and \
+                key_padding_mask is None and not torch.is_grad_enabled():
+            out = self._forward_no_grad(query, key, value, is_causal)
+            if out is not None:
+                return out, None
         for t, n in ((query, "query"), (key, "key"), (value, "value")):
             _check_tensor(t, n)
         batched = query.dim() == 3

@@ -11,8 +11,11 @@ Where it differs from torch:
   - an additive float attn_mask is a constant: it gets no gradient
     (a mask that requires grad is refused);
   - the value's head dim must equal the query's;
-  - inputs are (B, H, L, d); libmha reads (B, L, H*d), so q, k and v are
-    copied once into that layout (and the gradients back).
+  - inputs are (B, H, L, d); libmha reads (B, L, H*d): q, k and v that
+    are transposed views of (B, L, H, d) tensors (how models make them)
+    are read in place, any others gathered into that layout by the C
+    layer (one pass each, the GIL released); the output (and the
+    gradients) are transposed views of (B, L, H, d) tensors.
 """
 import numpy as np
 import torch
@@ -88,34 +91,54 @@ def _sdpa_mask(m, B, H, Lq, Lk):
     return _np(m), kind
 
 
+def _any(t):
+    """A NumPy view of a CPU tensor as it is, any strides: the C layer
+    (heads_first) reads (B, H, L, d) in place when it is a transposed view
+    of a (B, L, H, d) tensor -- how models make q, k and v -- and gathers
+    it into libmha's layout otherwise."""
+    return t.detach().numpy()
+
+
+def _empty(B, H, L, d):
+    """An output in libmha's layout (B, L, H, d) and its (B, H, L, d)
+    view."""
+    a = np.empty((B, L, H, d), np.float32)
+    return a, torch.from_numpy(a).transpose(1, 2)
+
+
+def _sdpa_forward(q, k, v, sinks, kw):
+    """libmha's forward on (B, H, L, d) tensors: the output tensor."""
+    out, res = _empty(*q.shape)
+    _core.attention(q=_any(q), k=_any(k), v=_any(v), out=out,
+                    sinks=None if sinks is None else _np(sinks),
+                    heads_first=True, **kw)
+    return res
+
+
 class _SDPA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, kw):
         ctx.kw = kw
-        B, Lq = q.shape[0], q.shape[1]
-        out = np.empty((B, Lq, q.shape[2]), np.float32)
-        _core.attention(q=_np(q), k=_np(k), v=_np(v), out=out,
-                        sinks=None if sinks is None else _np(sinks), **kw)
         ctx.save_for_backward(q, k, v, sinks)
-        return torch.from_numpy(out)
+        return _sdpa_forward(q, k, v, sinks, kw)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, sinks = ctx.saved_tensors
         if grad_out is None:
             return None, None, None, None, None
-        gq = np.empty(q.shape, np.float32)
-        gk = np.empty(k.shape, np.float32)
-        gv = np.empty(v.shape, np.float32)
+        gq, tq = _empty(*q.shape)
+        gk, tk = _empty(*k.shape)
+        gv, tv = _empty(*v.shape)
         gs = (np.empty(sinks.shape, np.float32) if sinks is not None
               else None)
-        _core.attention(q=_np(q), k=_np(k), v=_np(v), out=None,
+        _core.attention(q=_any(q), k=_any(k), v=_any(v), out=None,
                         sinks=None if sinks is None else _np(sinks),
-                        grad_out=_np(grad_out.to(torch.float32)), grad_q=gq,
-                        grad_k=gk, grad_v=gv, grad_sinks=gs, **ctx.kw)
-        return (torch.from_numpy(gq), torch.from_numpy(gk),
-                torch.from_numpy(gv),
-                None if gs is None else torch.from_numpy(gs), None)
+                        grad_out=_any(grad_out.to(torch.float32)),
+                        grad_q=gq, grad_k=gk, grad_v=gv, grad_sinks=gs,
+                        heads_first=True, **ctx.kw)
+        return (tq, tk, tv, None if gs is None else torch.from_numpy(gs),
+                None)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None,
@@ -147,7 +170,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None,
                                q_positions (B, Lq) / k_positions (B, Lk)
                                (default: Lk - Lq + i and j)
 
-    Returns (B, H, Lq, d) (a transposed view of libmha's (B, Lq, H*d)).
+    Returns (B, H, Lq, d), a transposed view of libmha's (B, Lq, H, d)
+    output.
     Differences from torch: see this module's docstring.
     """
     _check(query, "query")
@@ -202,11 +226,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None,
               modifiers=_mha._modifiers(H, rope, alibi, window, softcap),
               q_positions=_mha._int64(q_positions, "q_positions"),
               k_positions=_mha._int64(k_positions, "k_positions"))
-    # (B, H, L, d) -> (B, L, H*d): reshape copies the transposed tensor,
-    # and autograd maps the gradients back
-    q2 = query.transpose(1, 2).reshape(B, Lq, H * d)
-    k2 = key.transpose(1, 2).reshape(B, Lk, Hkv * d)
-    v2 = value.transpose(1, 2).reshape(B, Lk, Hkv * d)
-    out = _SDPA.apply(q2, k2, v2, sinks, kw)
-    out = out.view(B, Lq, H, d).transpose(1, 2)
+    if torch.is_grad_enabled() and (
+            query.requires_grad or key.requires_grad or value.requires_grad
+            or (sinks is not None and sinks.requires_grad)):
+        out = _SDPA.apply(query, key, value, sinks, kw)
+    else:
+        # nothing to differentiate: no autograd node, the same call
+        out = _sdpa_forward(query, key, value, sinks, kw)
     return out[0] if unbatched else out
