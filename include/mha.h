@@ -191,6 +191,15 @@ MHA_API mha_status mha_rope_apply(const mha_rope *rope, int64_t rows,
                                   int64_t heads, int64_t head_dim,
                                   const int64_t *positions, int64_t pos0,
                                   float *x, int64_t ld);
+/*
+ * The inverse rotation (each pair turned by minus its angle), the same
+ * arguments: what carries a gradient with respect to rotated q or k back
+ * to the unrotated one (the rotation is orthogonal: R^-1 = R^T).
+ */
+MHA_API mha_status mha_rope_apply_inverse(const mha_rope *rope, int64_t rows,
+                                          int64_t heads, int64_t head_dim,
+                                          const int64_t *positions,
+                                          int64_t pos0, float *x, int64_t ld);
 
 /* ------------------------------------------------------------------------ */
 /* The module                                                               */
@@ -334,6 +343,28 @@ typedef enum mha_projection {
 } mha_projection;
 MHA_API mha_status mha_project(const mha_module *module, mha_projection which,
                                const float *x, int64_t rows, float *y);
+
+/*
+ * The backward of mha_project: given dy (rows, out) = dL/dy at the input
+ * x (rows, in) of the same projection,
+ *     dx (rows, in)  = dy W           (NULL: not computed); dx_accumulate
+ *                                      nonzero adds it to dx instead
+ *     grad_params    the projection's weight and bias gradients, dy^T x
+ *                    and the column sums of dy, at their places in the
+ *                    module's gradient layout (mha_param_info.offset;
+ *                    mha_param_numel floats, NULL: not computed); only
+ *                    those entries are touched, overwritten or, with
+ *                    accumulate nonzero, added to.
+ * What a caller that runs the attention itself (libmha_mpi's module
+ * across ranks) needs around it.  The bias sums are in float64, row
+ * order; the same bits for any num_threads (0: OpenMP's default).
+ */
+MHA_API mha_status mha_project_backward(const mha_module *module,
+                                        mha_projection which, const float *x,
+                                        int64_t rows, const float *dy,
+                                        float *dx, int dx_accumulate,
+                                        float *grad_params, int accumulate,
+                                        int num_threads);
 
 /* ------------------------------------------------------------------------ */
 /* Masks: every mask says what kind it is.                                  */

@@ -165,7 +165,8 @@ MHA_API mha_status mha_ulysses_attention_backward(const mha_ring_args *args,
  * rank's q and k at their global positions before the attention; the
  * softcap, ALiBi and the window are kept (measured between global
  * positions); modules with add_bias_kv, add_zero_attn or sinks are
- * refused (MHA_ERR_UNSUPPORTED).  Inference only (no dropout).
+ * refused (MHA_ERR_UNSUPPORTED).  No dropout; mha_ring_backward below
+ * is its backward.
  *     query (B, Lloc, E), key (B, Lloc, kdim), value (B, Lloc, vdim),
  *     out (B, Lloc, E)
  */
@@ -183,6 +184,34 @@ typedef struct mha_ring_forward_args {
 } mha_ring_forward_args;
 MHA_API mha_status mha_ring_forward(const mha_module *module,
                                     const mha_ring_forward_args *args);
+
+/*
+ * The backward of mha_ring_forward (the same forward args; its out is not
+ * read): the forward again, this rank's rows through out_proj's backward
+ * (mha_project_backward), the attention's backward across the ranks (the
+ * ring or Ulysses, as args->ulysses says), RoPE's rotation turned back,
+ * then the input projections' backward.
+ *   grad_out (B, Lloc, E) required; grad_query (B, Lloc, E), grad_key
+ *   (B, Lloc, kdim), grad_value (B, Lloc, vdim) overwritten, or NULL;
+ *   as in mha_backward, with the forward's key NULL grad_query receives
+ *   all three input gradients (grad_key, grad_value must be NULL), with
+ *   only its value NULL grad_key receives the key's and the value's.
+ *   grad_params (mha_param_numel floats) or NULL: the parameters'
+ *   gradients summed over every rank's rows (MPI_Allreduce), the same on
+ *   every rank; overwritten, or added to with accumulate.
+ * Bitwise the same from run to run for a given rank count; against one
+ * process's mha_backward it differs by the order of the sums (within the
+ * test suite's bound).  args->stats receives the attention backward's.
+ */
+typedef struct mha_ring_backward_args {
+    const float *grad_out;
+    float *grad_query, *grad_key, *grad_value;
+    float *grad_params;
+    int accumulate;
+} mha_ring_backward_args;
+MHA_API mha_status mha_ring_backward(const mha_module *module,
+                                     const mha_ring_forward_args *args,
+                                     const mha_ring_backward_args *grads);
 
 #ifdef __cplusplus
 }

@@ -661,6 +661,141 @@ static void test_module(mha_seq_split split, int causal, int rope)
     mha_free(m);
 }
 
+/* max |got - want| over n and max |want|, want in float32 */
+static void diff32(const float *got, const float *want, int64_t n,
+                   double *err, double *mx)
+{
+    *err = 0.0;
+    *mx = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        const double e = fabs((double)got[i] - want[i]);
+        *err = e > *err || e != e ? e : *err;
+        *mx = fabs(want[i]) > *mx ? fabs(want[i]) : *mx;
+    }
+}
+
+/* mha_ring_backward (ring and Ulysses; self-attention, and a key of its
+ * own that is also the value) against one process's mha_backward on the
+ * whole sequence (itself checked against float64 references in
+ * test_backward), within the suite's gradient bound 1e-4 (1 + max |g|):
+ * the input gradient rows of this rank's shard and every parameter's
+ * gradient (summed over the ranks); accumulate adds exactly; refusals. */
+static void test_module_backward(mha_seq_split split, int causal, int rope)
+{
+    mha_config cfg = {0};
+    cfg.embed_dim = 24;
+    cfg.num_heads = 12;
+    cfg.num_kv_heads = 6;
+    if (rope) {
+        cfg.embed_dim = 48;
+        cfg.mods.rope.style = MHA_ROPE_NEOX;
+    }
+    mha_module *m = tu_module(&cfg, 9);
+    CHECK(m != NULL, "module: %s", mha_last_error());
+    if (!m)
+        return;
+    enum { B = 2, L = 19 };
+    const int64_t E = cfg.embed_dim, np = mha_param_numel(m);
+    const int64_t lens[B] = {L, 11};
+    float *x = malloc(B * L * E * 4), *kx = malloc(B * L * E * 4);
+    float *G = malloc(B * L * E * 4);
+    tu_fill(x, B * L * E, 31, -1, 1);
+    tu_fill(kx, B * L * E, 32, -1, 1);
+    tu_fill(G, B * L * E, 33, -1, 1);
+    mha_shard s;
+    mha_shard_of(split, L, g_P, g_rank, &s);
+    const int64_t nl = B * s.len * E;
+    float *xs = malloc((size_t)nl * 4 + 4), *ks = malloc((size_t)nl * 4 + 4);
+    float *Gs = malloc((size_t)nl * 4 + 4), *gq = malloc((size_t)nl * 4 + 4);
+    float *gk = malloc((size_t)nl * 4 + 4), *sq = malloc((size_t)nl * 4 + 4);
+    float *sk = malloc((size_t)nl * 4 + 4);
+    float *gq1 = malloc(B * L * E * 4), *gk1 = malloc(B * L * E * 4);
+    float *gp1 = malloc((size_t)np * 4), *gp = malloc((size_t)np * 4);
+    float *gp2 = malloc((size_t)np * 4);
+    take(xs, x, &s, B, L, E);
+    take(ks, kx, &s, B, L, E);
+    take(Gs, G, &s, B, L, E);
+    for (int cross = 0; cross < 2; cross++) {
+        /* one process, the whole sequence */
+        mha_forward_args fa = {0};
+        fa.batch = B;
+        fa.q_len = L;
+        fa.kv_len = L;
+        fa.query = x;
+        fa.key = cross ? kx : NULL;
+        fa.key_lengths = lens;
+        fa.causal = causal ? MHA_CAUSAL_TOP_LEFT : MHA_CAUSAL_NONE;
+        mha_backward_args ba = {0};
+        ba.grad_out = G;
+        ba.grad_query = gq1;
+        ba.grad_key = cross ? gk1 : NULL;
+        ba.grad_params = gp1;
+        CHECK(mha_backward(m, &fa, &ba) == MHA_OK, "single backward: %s",
+              mha_last_error());
+        take(sq, gq1, &s, B, L, E);
+        take(sk, gk1, &s, B, L, E);
+        for (int u = 0; u < 2; u++) {
+            if (u && cfg.num_heads % g_P + cfg.num_kv_heads % g_P)
+                continue;
+            mha_ring_forward_args a = {0};
+            a.comm = MPI_COMM_WORLD;
+            a.split = split;
+            a.seq_len = L;
+            a.batch = B;
+            a.query = xs;
+            a.key = cross ? ks : NULL;
+            a.causal = fa.causal;
+            a.key_lengths = lens;
+            a.ulysses = u;
+            mha_ring_backward_args g = {Gs, gq, cross ? gk : NULL, NULL, gp,
+                                        0};
+            CHECK(mha_ring_backward(m, &a, &g) == MHA_OK,
+                  "module backward %s: %s", u ? "Ulysses" : "ring",
+                  mha_last_error());
+            double err, mx;
+            const char *what[3] = {"grad_query", "grad_key", "grad_params"};
+            for (int t = 0; t < 3; t++) {
+                if (t == 1 && !cross)
+                    continue;
+                if (t < 2)
+                    diff32(t ? gk : gq, t ? sk : sq, nl, &err, &mx);
+                else
+                    diff32(gp, gp1, np, &err, &mx);
+                CHECK(err <= 1e-4 * (1.0 + mx),
+                      "module backward %s, cross %d, split %d, causal %d, "
+                      "rope %d, P=%d: %s differs from one process's by "
+                      "%.3g (max %.3g)", u ? "Ulysses" : "ring", cross,
+                      (int)split, causal, rope, g_P, what[t], err, mx);
+            }
+            /* accumulate: the same sum added, so exactly twice */
+            memcpy(gp2, gp, (size_t)np * 4);
+            g.accumulate = 1;
+            CHECK(mha_ring_backward(m, &a, &g) == MHA_OK,
+                  "module backward, accumulate: %s", mha_last_error());
+            int same = 1;
+            for (int64_t i = 0; i < np; i++)
+                same &= gp[i] == 2.0f * gp2[i];
+            CHECK(same, "module backward: accumulate does not add the same "
+                  "bits (P=%d)", g_P);
+        }
+    }
+    /* self-attention: grad_query takes every input's gradient */
+    mha_ring_forward_args a = {0};
+    a.comm = MPI_COMM_WORLD;
+    a.split = split;
+    a.seq_len = L;
+    a.batch = B;
+    a.query = xs;
+    mha_ring_backward_args g = {Gs, gq, gk, NULL, NULL, 0};
+    expect_all("module backward, self-attention with grad_key",
+               mha_ring_backward(m, &a, &g), MHA_ERR_INVALID_ARGUMENT,
+               "grad_key and grad_value must be NULL");
+    free(x); free(kx); free(G); free(xs); free(ks); free(Gs); free(gq);
+    free(gk); free(sq); free(sk); free(gq1); free(gk1); free(gp1);
+    free(gp); free(gp2);
+    mha_free(m);
+}
+
 /* ---- refusals ----------------------------------------------------------- */
 
 /* Every rank got `want` and the same message (rank 0's, broadcast). */
@@ -807,6 +942,10 @@ int main(int argc, char **argv)
         for (int causal = 0; causal < 2; causal++)
             for (int rope = 0; rope < 2; rope++)
                 test_module((mha_seq_split)split, causal, rope);
+    for (int split = 0; split < 2; split++)
+        for (int causal = 0; causal < 2; causal++)
+            for (int rope = 0; rope < 2; rope++)
+                test_module_backward((mha_seq_split)split, causal, rope);
     test_refusals();
     int any = 0;
     MPI_Allreduce(&g_failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);

@@ -149,9 +149,11 @@ void mha_rope_rows(const mha_rope *rope, int64_t B, int64_t L,
     }
 }
 
-mha_status mha_rope_apply(const mha_rope *rope, int64_t rows, int64_t heads,
-                          int64_t head_dim, const int64_t *positions,
-                          int64_t pos0, float *x, int64_t ld)
+/* mha_rope_apply, or its inverse (the rotation by minus the angle). */
+static mha_status rope_apply(const mha_rope *rope, int64_t rows,
+                             int64_t heads, int64_t head_dim,
+                             const int64_t *positions, int64_t pos0, float *x,
+                             int64_t ld, int inverse)
 {
     if (!rope)
         return mha_set_error(MHA_ERR_NULL_POINTER, "rope_apply: rope is "
@@ -193,6 +195,21 @@ mha_status mha_rope_apply(const mha_rope *rope, int64_t rows, int64_t heads,
     if (r.style == MHA_ROPE_NONE || rows == 0)
         return MHA_OK;
     mha_rope_rows(&r, 1, rows, heads, head_dim, positions, NULL, pos0, x, ld,
-                  0, 0);
+                  inverse, 0);
     return MHA_OK;
+}
+
+mha_status mha_rope_apply(const mha_rope *rope, int64_t rows, int64_t heads,
+                          int64_t head_dim, const int64_t *positions,
+                          int64_t pos0, float *x, int64_t ld)
+{
+    return rope_apply(rope, rows, heads, head_dim, positions, pos0, x, ld, 0);
+}
+
+mha_status mha_rope_apply_inverse(const mha_rope *rope, int64_t rows,
+                                  int64_t heads, int64_t head_dim,
+                                  const int64_t *positions, int64_t pos0,
+                                  float *x, int64_t ld)
+{
+    return rope_apply(rope, rows, heads, head_dim, positions, pos0, x, ld, 1);
 }

@@ -449,6 +449,56 @@ mha_status mha_project(const mha_module *m, mha_projection which,
     return MHA_OK;
 }
 
+mha_status mha_project_backward(const mha_module *m, mha_projection which,
+                                const float *x, int64_t rows, const float *dy,
+                                float *dx, int dx_accumulate,
+                                float *grad_params, int accumulate,
+                                int num_threads)
+{
+    if (!m || !x || !dy)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "project_backward: %s is "
+                             "NULL", !m ? "module" : !x ? "input x" : "dy");
+    if (rows <= 0)
+        return mha_set_error(MHA_ERR_SHAPE, "project_backward: rows must be "
+                             "> 0, got %lld", (long long)rows);
+    if (num_threads < 0)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT, "project_backward: "
+                             "num_threads must be >= 0, got %d", num_threads);
+    const int64_t E = m->cfg.embed_dim, D = m->inner_dim;
+    const float *w, *b;
+    int64_t n_in, n_out = D;
+    switch (which) {
+    case MHA_PROJ_QUERY: w = m->w_q; b = m->b_q; n_in = E; break;
+    case MHA_PROJ_KEY:
+        w = m->w_k; b = m->b_k; n_in = m->cfg.kdim; n_out = m->kv_dim;
+        break;
+    case MHA_PROJ_VALUE:
+        w = m->w_v; b = m->b_v; n_in = m->cfg.vdim; n_out = m->kv_dim;
+        break;
+    case MHA_PROJ_OUT: w = m->w_o; b = m->b_o; n_in = D; n_out = E; break;
+    default:
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "unknown projection %d", (int)which);
+    }
+    int64_t n;
+    if (!mha_mul_ok(rows, n_in > n_out ? n_in : n_out, &n) ||
+        (uint64_t)n > SIZE_MAX / sizeof(float))
+        return mha_set_error(MHA_ERR_OVERFLOW,
+                             "project_backward: %lld rows overflow",
+                             (long long)rows);
+    if (dx)
+        mha_linear_grad_input(dy, rows, n_out, n_out, w, n_in,
+                              dx_accumulate ? 1.0f : 0.0f, dx, n_in,
+                              num_threads);
+    if (grad_params)   /* the gradients sit where the parameters do */
+        mha_linear_grad_params(dy, rows, n_out, n_out, x, n_in, n_in,
+                               accumulate ? 1.0f : 0.0f,
+                               grad_params + (w - m->params),
+                               b ? grad_params + (b - m->params) : NULL,
+                               num_threads);
+    return MHA_OK;
+}
+
 mha_status mha_kv_cache_for_module(const mha_module *m, int64_t batch,
                                    int64_t capacity, mha_kv_cache **out)
 {

@@ -28,7 +28,8 @@ static mha_status agree_on(MPI_Comm comm, mha_status local)
 /* What this rank can check alone: the module's options and the inputs. */
 static mha_status check_module(const mha_module *m,
                                const mha_ring_forward_args *a,
-                               const mha_config *c, int64_t nloc)
+                               const mha_config *c, int64_t nloc,
+                               int need_out)
 {
     if (!m)
         return mha_mpi_fail(MHA_ERR_NULL_POINTER, "module is NULL");
@@ -39,51 +40,112 @@ static mha_status check_module(const mha_module *m,
                             c->add_bias_kv     ? "add_bias_kv"
                             : c->add_zero_attn ? "add_zero_attn"
                                                : "sinks");
-    if (nloc > 0 && (!a->query || !a->out))
+    if (nloc > 0 && (!a->query || (need_out && !a->out)))
         return mha_mpi_fail(MHA_ERR_NULL_POINTER, "%s is NULL",
                             !a->query ? "query" : "out");
     return MHA_OK;
 }
 
-mha_status mha_ring_forward(const mha_module *m,
-                            const mha_ring_forward_args *a)
+/* The communicator and MPI itself, before anything collective. */
+static mha_status check_comm(const mha_ring_forward_args *a)
 {
     if (!a)
         return mha_mpi_fail(MHA_ERR_NULL_POINTER, "ring forward args are "
                             "NULL");
-    int ok = 0, P = 1, rank = 0;
+    int ok = 0;
     if (MPI_Initialized(&ok) != MPI_SUCCESS || !ok)
         return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT,
                             "MPI is not initialised: call MPI_Init first");
     if (a->comm == MPI_COMM_NULL)
         return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT,
                             "comm is MPI_COMM_NULL");
+    return MHA_OK;
+}
+
+/* One call's state: the module's shapes, this rank's shard, its
+ * projected heads (q, k, v rotated when the module has RoPE), the
+ * attention's output ctx and, for the backward, its lse. */
+typedef struct proj {
+    mha_config c;
+    mha_shard s;
+    int64_t B, nloc, rows, H, Hkv, dh, D, Dkv;
+    float *q, *k, *v, *ctx, *lse;
+    int64_t *pos;   /* global positions of the rows (RoPE), or NULL */
+} proj;
+
+static void proj_free(proj *p)
+{
+    free(p->q);
+    free(p->k);
+    free(p->v);
+    free(p->ctx);
+    free(p->lse);
+    free(p->pos);
+}
+
+/* The attention's arguments for this rank's heads. */
+static void ring_args_of(const mha_module *m, const mha_ring_forward_args *a,
+                         const proj *p, mha_ring_args *r)
+{
+    (void)m;
+    r->comm = a->comm;
+    r->split = a->split;
+    r->seq_len = a->seq_len;
+    r->batch = p->B;
+    r->num_heads = p->H;
+    r->num_kv_heads = p->Hkv;
+    r->head_dim = p->dh;
+    r->q = p->q;
+    r->k = p->k;
+    r->v = p->v;
+    r->scale = p->c.scale;
+    r->given = p->c.given & MHA_GIVEN_SCALE;
+    r->causal = a->causal;
+    r->key_lengths = a->key_lengths;
+    r->mods = p->c.mods;
+    r->mods.rope.style = MHA_ROPE_NONE;   /* applied before the ring */
+    r->num_threads = a->num_threads;
+    r->out = p->ctx;
+}
+
+/* Checks what this rank can alone, agrees with the others, projects this
+ * rank's rows and runs the attention across the ranks (with its lse when
+ * `with_lse`: for the backward, which needs no out).  On failure every rank returns the same status. */
+static mha_status forward_part(const mha_module *m,
+                               const mha_ring_forward_args *a, int with_lse,
+                               mha_ring_stats *stats, proj *p)
+{
+    memset(p, 0, sizeof *p);
+    int P = 1, rank = 0;
     MPI_Comm_size(a->comm, &P);
     MPI_Comm_rank(a->comm, &rank);
-    mha_config c;
-    memset(&c, 0, sizeof c);
-    mha_shard s;
-    memset(&s, 0, sizeof s);
-    mha_status st = m ? mha_get_config(m, &c) : MHA_OK;
+    mha_status st = m ? mha_get_config(m, &p->c) : MHA_OK;
     if (st == MHA_OK)
-        st = mha_shard_of(a->split, a->seq_len, P, rank, &s);
-    const int64_t nloc = s.len, B = a->batch;
-    if (st == MHA_OK && B < 1)
+        st = mha_shard_of(a->split, a->seq_len, P, rank, &p->s);
+    const mha_config *c = &p->c;
+    p->nloc = p->s.len;
+    p->B = a->batch;
+    if (st == MHA_OK && p->B < 1)
         st = mha_mpi_fail(MHA_ERR_SHAPE, "batch must be >= 1, got %lld",
-                          (long long)B);
+                          (long long)p->B);
     if (st == MHA_OK)
-        st = check_module(m, a, &c, nloc);
-    const int64_t H = c.num_heads, dh = c.head_dim ? c.head_dim
-                                                   : (H ? c.embed_dim / H : 0);
-    const int64_t Hkv = c.num_kv_heads ? c.num_kv_heads : H;
-    const int64_t D = H * dh, Dkv = Hkv * dh, rows = B * nloc;
-    float *q = NULL, *k = NULL, *v = NULL, *ctx = NULL;
+        st = check_module(m, a, c, p->nloc, !with_lse);
+    p->H = c->num_heads;
+    p->dh = c->head_dim ? c->head_dim : (p->H ? c->embed_dim / p->H : 0);
+    p->Hkv = c->num_kv_heads ? c->num_kv_heads : p->H;
+    p->D = p->H * p->dh;
+    p->Dkv = p->Hkv * p->dh;
+    p->rows = p->B * p->nloc;
+    const int64_t rows = p->rows;
     if (st == MHA_OK) {
-        q = malloc((size_t)(rows * D + 1) * sizeof *q);
-        k = malloc((size_t)(rows * Dkv + 1) * sizeof *k);
-        v = malloc((size_t)(rows * Dkv + 1) * sizeof *v);
-        ctx = malloc((size_t)(rows * D + 1) * sizeof *ctx);
-        if (!q || !k || !v || !ctx)
+        p->q = malloc((size_t)(rows * p->D + 1) * sizeof *p->q);
+        p->k = malloc((size_t)(rows * p->Dkv + 1) * sizeof *p->k);
+        p->v = malloc((size_t)(rows * p->Dkv + 1) * sizeof *p->v);
+        p->ctx = malloc((size_t)(rows * p->D + 1) * sizeof *p->ctx);
+        p->lse = with_lse ? malloc((size_t)(rows * p->H + 1) *
+                                   sizeof *p->lse)
+                          : NULL;
+        if (!p->q || !p->k || !p->v || !p->ctx || (with_lse && !p->lse))
             st = mha_mpi_fail(MHA_ERR_OUT_OF_MEMORY,
                               "out of memory for the projected heads "
                               "(%lld rows)", (long long)rows);
@@ -91,62 +153,186 @@ mha_status mha_ring_forward(const mha_module *m,
     const float *key = a->key ? a->key : a->query;
     const float *value = a->value ? a->value : key;
     if (st == MHA_OK && rows > 0)
-        st = mha_project(m, MHA_PROJ_QUERY, a->query, rows, q);
+        st = mha_project(m, MHA_PROJ_QUERY, a->query, rows, p->q);
     if (st == MHA_OK && rows > 0)
-        st = mha_project(m, MHA_PROJ_KEY, key, rows, k);
+        st = mha_project(m, MHA_PROJ_KEY, key, rows, p->k);
     if (st == MHA_OK && rows > 0)
-        st = mha_project(m, MHA_PROJ_VALUE, value, rows, v);
+        st = mha_project(m, MHA_PROJ_VALUE, value, rows, p->v);
     /* RoPE at each token's global position, here, before the ring: the
      * blocks then travel rotated already. */
-    if (st == MHA_OK && rows > 0 && c.mods.rope.style != MHA_ROPE_NONE) {
-        int64_t *pos = malloc((size_t)rows * sizeof *pos);
-        if (!pos)
+    if (st == MHA_OK && rows > 0 && c->mods.rope.style != MHA_ROPE_NONE) {
+        p->pos = malloc((size_t)rows * sizeof *p->pos);
+        if (!p->pos)
             st = mha_mpi_fail(MHA_ERR_OUT_OF_MEMORY,
                               "out of memory for RoPE's positions");
-        for (int64_t b = 0; pos && b < B; b++)
-            for (int64_t x = 0; x < nloc; x++)
-                pos[b * nloc + x] = x < s.length[0]
-                                        ? s.offset[0] + x
-                                        : s.offset[1] + (x - s.length[0]);
+        for (int64_t b = 0; p->pos && b < p->B; b++)
+            for (int64_t x = 0; x < p->nloc; x++)
+                p->pos[b * p->nloc + x] =
+                    x < p->s.length[0] ? p->s.offset[0] + x
+                                       : p->s.offset[1] + (x - p->s.length[0]);
         if (st == MHA_OK)
-            st = mha_rope_apply(&c.mods.rope, rows, H, dh, pos, 0, q, D);
+            st = mha_rope_apply(&c->mods.rope, rows, p->H, p->dh, p->pos, 0,
+                                p->q, p->D);
         if (st == MHA_OK)
-            st = mha_rope_apply(&c.mods.rope, rows, Hkv, dh, pos, 0, k, Dkv);
-        free(pos);
+            st = mha_rope_apply(&c->mods.rope, rows, p->Hkv, p->dh, p->pos, 0,
+                                p->k, p->Dkv);
     }
     /* Every rank learns of any rank's failure before the attention. */
     st = agree_on(a->comm, st);
-    if (st == MHA_OK) {
-        mha_ring_args r = {0};
-        r.comm = a->comm;
-        r.split = a->split;
-        r.seq_len = a->seq_len;
-        r.batch = B;
-        r.num_heads = H;
-        r.num_kv_heads = Hkv;
-        r.head_dim = dh;
-        r.q = q;
-        r.k = k;
-        r.v = v;
-        r.scale = c.scale;
-        r.given = c.given & MHA_GIVEN_SCALE;
-        r.causal = a->causal;
-        r.key_lengths = a->key_lengths;
-        r.mods = c.mods;
-        r.mods.rope.style = MHA_ROPE_NONE;   /* applied above */
-        r.num_threads = a->num_threads;
-        r.out = ctx;
-        r.stats = a->stats;
-        st = a->ulysses ? mha_ulysses_attention(&r) : mha_ring_attention(&r);
-    }
+    if (st != MHA_OK)
+        return st;
+    mha_ring_args r = {0};
+    ring_args_of(m, a, p, &r);
+    r.lse = p->lse;
+    r.stats = stats;
+    return a->ulysses ? mha_ulysses_attention(&r) : mha_ring_attention(&r);
+}
+
+mha_status mha_ring_forward(const mha_module *m,
+                            const mha_ring_forward_args *a)
+{
+    mha_status st = check_comm(a);
+    if (st != MHA_OK)
+        return st;
+    proj p;
+    st = forward_part(m, a, 0, a->stats, &p);
     mha_status local = MHA_OK;
-    if (st == MHA_OK && rows > 0)
-        local = mha_project(m, MHA_PROJ_OUT, ctx, rows, a->out);
+    if (st == MHA_OK && p.rows > 0)
+        local = mha_project(m, MHA_PROJ_OUT, p.ctx, p.rows, a->out);
     if (st == MHA_OK)
         st = agree_on(a->comm, local);
-    free(q);
-    free(k);
-    free(v);
-    free(ctx);
+    proj_free(&p);
+    return st;
+}
+
+/* The gradient targets, as mha_backward takes them: with the forward's
+ * key NULL grad_query receives all three input gradients, with only its
+ * value NULL grad_key receives the key's and the value's. */
+static mha_status check_grads(const mha_ring_forward_args *a,
+                              const mha_ring_backward_args *g, int64_t nloc)
+{
+    if (!g)
+        return mha_mpi_fail(MHA_ERR_NULL_POINTER, "backward args are NULL");
+    if (nloc > 0 && !g->grad_out)
+        return mha_mpi_fail(MHA_ERR_NULL_POINTER, "grad_out is NULL");
+    if (!a->key && (g->grad_key || g->grad_value))
+        return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT,
+                            "self-attention (key NULL): grad_query receives "
+                            "every input's gradient; grad_key and grad_value "
+                            "must be NULL");
+    if (!a->value && g->grad_value)
+        return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT,
+                            "value NULL (the key is the value): grad_key "
+                            "receives both; grad_value must be NULL");
+    return MHA_OK;
+}
+
+mha_status mha_ring_backward(const mha_module *m,
+                             const mha_ring_forward_args *a,
+                             const mha_ring_backward_args *g)
+{
+    mha_status st = check_comm(a);
+    if (st != MHA_OK)
+        return st;
+    proj p;
+    float *dctx = NULL, *dq = NULL, *dk = NULL, *dv = NULL, *gp = NULL;
+    int64_t np = m ? mha_param_numel(m) : 0;
+    {
+        /* what this rank can check before any work, agreed on */
+        mha_shard s;
+        int P = 1, rank = 0;
+        MPI_Comm_size(a->comm, &P);
+        MPI_Comm_rank(a->comm, &rank);
+        mha_status local = mha_shard_of(a->split, a->seq_len, P, rank, &s);
+        if (local == MHA_OK)
+            local = check_grads(a, g, s.len);
+        if (local == MHA_OK && g->grad_params && np > 0 &&
+            !(gp = malloc((size_t)np * sizeof *gp)))
+            local = mha_mpi_fail(MHA_ERR_OUT_OF_MEMORY, "out of memory for "
+                                 "the parameters' gradients");
+        st = agree_on(a->comm, local);
+        if (st != MHA_OK) {
+            free(gp);
+            return st;
+        }
+    }
+    st = forward_part(m, a, 1, NULL, &p);
+    const int64_t rows = p.rows;
+    mha_status local = MHA_OK;
+    if (st == MHA_OK) {
+        dctx = malloc((size_t)(rows * p.D + 1) * sizeof *dctx);
+        dq = malloc((size_t)(rows * p.D + 1) * sizeof *dq);
+        dk = malloc((size_t)(rows * p.Dkv + 1) * sizeof *dk);
+        dv = malloc((size_t)(rows * p.Dkv + 1) * sizeof *dv);
+        if (!dctx || !dq || !dk || !dv)
+            local = mha_mpi_fail(MHA_ERR_OUT_OF_MEMORY, "out of memory for "
+                                 "the heads' gradients (%lld rows)",
+                                 (long long)rows);
+        if (gp)
+            memset(gp, 0, (size_t)np * sizeof *gp);
+        /* out_proj: dW_o, db_o and d ctx */
+        if (local == MHA_OK && rows > 0)
+            local = mha_project_backward(m, MHA_PROJ_OUT, p.ctx, rows,
+                                         g->grad_out, dctx, 0, gp, 0,
+                                         a->num_threads);
+        st = agree_on(a->comm, local);
+    }
+    if (st == MHA_OK) {
+        /* the attention's backward across the ranks */
+        mha_ring_args r = {0};
+        ring_args_of(m, a, &p, &r);
+        r.lse = p.lse;
+        r.stats = a->stats;
+        const mha_ring_grads rg = {dctx, dq, dk, dv};
+        st = a->ulysses ? mha_ulysses_attention_backward(&r, &rg)
+                        : mha_ring_attention_backward(&r, &rg);
+    }
+    if (st == MHA_OK && rows > 0) {
+        /* RoPE's rotation turned back, then the input projections */
+        const mha_config *c = &p.c;
+        if (p.pos)
+            local = mha_rope_apply_inverse(&c->mods.rope, rows, p.H, p.dh,
+                                           p.pos, 0, dq, p.D);
+        if (local == MHA_OK && p.pos)
+            local = mha_rope_apply_inverse(&c->mods.rope, rows, p.Hkv, p.dh,
+                                           p.pos, 0, dk, p.Dkv);
+        const float *key = a->key ? a->key : a->query;
+        const float *value = a->value ? a->value : key;
+        /* where each input's gradient goes, and whether it adds */
+        float *gk = a->key ? g->grad_key : g->grad_query;
+        float *gv = a->value ? g->grad_value : gk;
+        if (local == MHA_OK)
+            local = mha_project_backward(m, MHA_PROJ_QUERY, a->query, rows,
+                                         dq, g->grad_query, 0, gp, 0,
+                                         a->num_threads);
+        if (local == MHA_OK)
+            local = mha_project_backward(m, MHA_PROJ_KEY, key, rows, dk, gk,
+                                         !a->key, gp, 0, a->num_threads);
+        if (local == MHA_OK)
+            local = mha_project_backward(m, MHA_PROJ_VALUE, value, rows, dv,
+                                         gv, !a->value, gp, 0,
+                                         a->num_threads);
+    }
+    if (st == MHA_OK)
+        st = agree_on(a->comm, local);
+    if (st == MHA_OK && gp) {
+        /* the parameters' gradients summed over the ranks (MPI's order:
+         * fixed for a given P and size, so bitwise from run to run) */
+        int rc = MPI_Allreduce(MPI_IN_PLACE, gp, (int)np, MPI_FLOAT, MPI_SUM,
+                               a->comm);
+        if (rc != MPI_SUCCESS)
+            st = mha_mpi_mpi_fail(rc, "MPI_Allreduce of the parameters' "
+                                  "gradients");
+        st = agree_on(a->comm, st);
+        for (int64_t i = 0; st == MHA_OK && i < np; i++)
+            g->grad_params[i] = g->accumulate ? g->grad_params[i] + gp[i]
+                                              : gp[i];
+    }
+    free(dctx);
+    free(dq);
+    free(dk);
+    free(dv);
+    free(gp);
+    proj_free(&p);
     return st;
 }
