@@ -4,8 +4,8 @@
 # output rank 0 writes equals the single-process `mha forward` within
 # 1e-5 (1 + max |ref|) (the library's bounds are checked by test_mpi_ring;
 # here a shard gathered to the wrong rows would be off by O(1)).  Refusals
-# exit non-zero and leave no output file.  `mha bench --ring` reports
-# what it sent.
+# exit non-zero and leave no output file.  `mha backward --ring` writes
+# the file one process writes.  `mha bench --ring` reports what it sent.
 set -u
 mha=$1 mpiexec=$2
 run() { "$mpiexec" --allow-run-as-root --oversubscribe "$@"; }
@@ -45,6 +45,68 @@ PY
     done
   done
 done
+# mpirun -np P mha backward --ring: the file `mha backward` writes (every
+# tensor by name and shape, within 1e-4 (1 + max |ref|), the suite's
+# gradient bound), self-attention and a key of its own (the value too).
+/usr/bin/python3 - <<'PY' || fail "numpy inputs"
+import numpy as np
+rng = np.random.default_rng(1)
+np.save("k.npy", rng.standard_normal((2, 29, 24)).astype(np.float32))
+np.save("dy.npy", rng.standard_normal((2, 29, 24)).astype(np.float32))
+PY
+for key in "" "--key k.npy"; do
+  "$mha" backward --weights w.safetensors --query q.npy $key \
+    --causal-top-left --key-lengths kl.npy --grad-output dy.npy \
+    --out gref.safetensors || fail "single-process backward"
+  for np in 1 3 4; do
+    for mode in "--split zigzag" "--split contiguous" "--ulysses"; do
+      [ "$mode" = "--ulysses" ] && [ $((4 % np)) -ne 0 -o $((2 % np)) -ne 0 ] &&
+        continue
+      rm -f g.safetensors
+      run -np $np "$mha" backward --ring $mode --weights w.safetensors \
+        --query q.npy $key --causal-top-left --key-lengths kl.npy \
+        --grad-output dy.npy --out g.safetensors >/dev/null 2>&1 ||
+        fail "backward np=$np $mode $key exited non-zero"
+      /usr/bin/python3 - "backward np=$np $mode $key" <<'PY' || exit 1
+import json, struct, sys
+import numpy as np
+def load(path):
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    head = json.loads(raw[8:8 + n])
+    head.pop("__metadata__", None)
+    out = {}
+    for name, t in head.items():
+        a, b = t["data_offsets"]
+        assert t["dtype"] == "F32", t
+        out[name] = np.frombuffer(raw[8 + n + a:8 + n + b],
+                                  np.float32).reshape(t["shape"])
+    return out
+got, ref = load("g.safetensors"), load("gref.safetensors")
+if sorted(got) != sorted(ref):
+    print("FAIL: %s: tensors %s, expected %s" % (sys.argv[1], sorted(got),
+                                                  sorted(ref)))
+    sys.exit(1)
+for name in ref:
+    a, b = got[name], ref[name]
+    err = float(np.abs(a - b).max()) if a.shape == b.shape else np.inf
+    if not err <= 1e-4 * (1 + float(np.abs(b).max())):
+        print("FAIL: %s: %s shape %s, error %g" % (sys.argv[1], name,
+                                                   a.shape, err))
+        sys.exit(1)
+print("ok: %s: %d tensors" % (sys.argv[1], len(ref)))
+PY
+    done
+  done
+done
+rm -f g.safetensors
+/usr/bin/python3 -c 'import numpy as np; np.save("dy_bad.npy", np.zeros((2, 28, 24), np.float32))'
+msg=$(run -np 2 "$mha" backward --ring --weights w.safetensors --query q.npy \
+  --grad-output dy_bad.npy --out g.safetensors 2>&1) &&
+  fail "a --grad-output of the wrong shape succeeded"
+echo "$msg" | grep -q "must have the forward output's shape" ||
+  fail "wrong --grad-output message: $msg"
+[ -e g.safetensors ] && fail "a failed backward left g.safetensors"
 # Refusals: every rank fails, nothing is written.
 rm -f out.npy
 msg=$(run -np 3 "$mha" forward --ring --ulysses --weights w.safetensors \

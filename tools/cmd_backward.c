@@ -9,6 +9,7 @@
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 static const char BACKWARD_HELP[] =
     "usage: mha backward " RUN_USAGE_INPUTS
@@ -41,6 +42,9 @@ static const char BACKWARD_HELP[] =
 
 int cmd_backward(int argc, char **argv)
 {
+    for (int k = 1; k < argc; k++)
+        if (!strcmp(argv[k], "--ring"))
+            return cmd_backward_ring(argc, argv);
     tool_opt o[] = {RUN_OPTS, {"grad-output", 1, 0}, {"out", 1, 0}};
     int status;
     if (tool_options("backward", argc, argv, o, NOPTS(o), BACKWARD_HELP,

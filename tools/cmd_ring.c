@@ -1,6 +1,7 @@
 /*
- * cmd_ring.c -- `mha forward --ring` and `mha bench --ring`: the module's
- * forward, and the attention alone, across the ranks of an MPI job
+ * cmd_ring.c -- `mha forward --ring`, `mha backward --ring` and `mha bench
+ * --ring`: the module's forward and backward, and the attention alone,
+ * across the ranks of an MPI job
  * (`mpirun -np P mha ...`), on libmha_mpi.  Built with MPI only; without
  * it both say so and fail.
  *
@@ -25,6 +26,15 @@ int cmd_forward_ring(int argc, char **argv)
     (void)argc;
     (void)argv;
     return tool_fail("forward", "--ring: this mha was built without MPI "
+                     "(install libopenmpi-dev and configure with "
+                     "-DMHA_MPI=ON)");
+}
+
+int cmd_backward_ring(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    return tool_fail("backward", "--ring: this mha was built without MPI "
                      "(install libopenmpi-dev and configure with "
                      "-DMHA_MPI=ON)");
 }
@@ -126,116 +136,231 @@ static const char FORWARD_RING_HELP[] =
     "add_bias_kv, add_zero_attn or sinks are refused (RoPE, ALiBi, the\n"
     "window and a softcap are kept).\n";
 
-int cmd_forward_ring(int argc, char **argv)
+static const char BACKWARD_RING_HELP[] =
+    "usage: mpirun -np P mha backward --ring [--ulysses]\n"
+    "         --weights W.safetensors [--heads H] --query Q.npy\n"
+    "         [--key K.npy [--value V.npy]] [--key-lengths KL.npy]\n"
+    "         [--causal | --causal-top-left] [--split contiguous|zigzag]\n"
+    "         [--threads T] --grad-output DY.npy --out GRADS.safetensors\n"
+    "\n"
+    "The gradients of `mha forward --ring` (the same inputs and options)\n"
+    "given dL/d output, across the ranks (mha_ring_backward): each rank\n"
+    "its shard's input gradients and its share of the parameters'\n"
+    "gradients, summed over the ranks; rank 0 gathers and writes --out,\n"
+    "the file `mha backward` writes (query, key, value when given, then\n"
+    "in_proj_weight ... out_proj.bias; without --key, `query` holds the sum\n"
+    "of the three inputs' gradients, with --key but no --value `key` holds\n"
+    "both), atomically, only when every rank succeeded.\n";
+
+/* What the module commands across ranks share: the module, the inputs
+ * (whole, as read) and this rank's shards of them. */
+typedef struct ring_inputs {
+    mha_module *m;
+    mha_config c;
+    mha_tensor *tq, *tk, *tv, *tl;
+    float *xq, *xk, *xv;
+    int64_t B, L, E, threads;
+    mha_seq_split split;
+    mha_shard s;
+    int causal;
+} ring_inputs;
+
+#define RING_OPTS                                                       \
+    {"ring", 0, 0}, {"ulysses", 0, 0}, {"split", 1, 0},                 \
+        {"weights", 1, 0}, {"heads", 1, 0}, {"query", 1, 0},            \
+        {"key", 1, 0}, {"value", 1, 0}, {"key-lengths", 1, 0},          \
+        {"causal", 0, 0}, {"causal-top-left", 0, 0}, {"threads", 1, 0}, \
+        {"out", 1, 0}
+
+static void ring_inputs_free(ring_inputs *in)
 {
-    tool_opt o[] = {{"ring", 0, 0}, {"ulysses", 0, 0}, {"split", 1, 0},
-                    {"weights", 1, 0}, {"heads", 1, 0}, {"query", 1, 0},
-                    {"key", 1, 0}, {"value", 1, 0}, {"key-lengths", 1, 0},
-                    {"causal", 0, 0}, {"causal-top-left", 0, 0},
-                    {"threads", 1, 0}, {"out", 1, 0}};
-    int provided, status = 0;
-    MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+    free(in->xq);
+    free(in->xk);
+    free(in->xv);
+    mha_tensor_free(in->tq);
+    mha_tensor_free(in->tk);
+    mha_tensor_free(in->tv);
+    mha_tensor_free(in->tl);
+    mha_free(in->m);
+}
+
+/* Reads the module and the inputs the options name, checks them, and
+ * takes this rank's shards.  Returns 0 or non-zero (printed by this
+ * rank). */
+static int ring_inputs_load(const char *cmd, tool_opt *o, int nopts,
+                            ring_inputs *in)
+{
+#define OPT(name) tool_get(o, nopts, name)
+    memset(in, 0, sizeof *in);
+    in->causal = OPT("causal") || OPT("causal-top-left");
+    int64_t heads = 0;
+    if (OPT("causal") && OPT("causal-top-left"))
+        return tool_fail(cmd, "--causal and --causal-top-left are the same "
+                         "here (one sequence): give one");
+    if ((OPT("heads") &&
+         tool_int(cmd, "heads", OPT("heads"), 1, 1 << 20, &heads)) ||
+        (OPT("threads") &&
+         tool_int(cmd, "threads", OPT("threads"), 0, 4096, &in->threads)) ||
+        parse_split(cmd, OPT("split"), in->causal, &in->split))
+        return 1;
+    if (mha_module_load(OPT("weights"), heads, &in->m) != MHA_OK)
+        return tool_fail(cmd, "--weights %s: %s", OPT("weights"),
+                         mha_last_error());
+    mha_get_config(in->m, &in->c);
+    if (load_input(OPT("query"), "--query", &in->tq, &in->B, &in->L))
+        return 1;
+    for (int t = 0; t < 2; t++) {
+        const char *name = t ? "value" : "key";
+        mha_tensor **x = t ? &in->tv : &in->tk;
+        int64_t b2 = 0, l2 = 0;
+        if (!OPT(name))
+            continue;
+        if (load_input(OPT(name), t ? "--value" : "--key", x, &b2, &l2))
+            return 1;
+        if (b2 != in->B || l2 != in->L)
+            return tool_fail(cmd, "--%s has batch %lld and length %lld; the "
+                             "query %lld and %lld (one sequence split "
+                             "across the ranks)", name, (long long)b2,
+                             (long long)l2, (long long)in->B,
+                             (long long)in->L);
+    }
+    if (OPT("key-lengths")) {
+        const mha_tensor *tl;
+        if (mha_npy_load(OPT("key-lengths"), &in->tl) != MHA_OK)
+            return tool_fail(cmd, "--key-lengths %s: %s", OPT("key-lengths"),
+                             mha_last_error());
+        tl = in->tl;
+        if (tl->ndim != 1 || tl->shape[0] != in->B ||
+            (tl->dtype != MHA_DTYPE_I32 && tl->dtype != MHA_DTYPE_I64))
+            return tool_fail(cmd, "--key-lengths must hold %lld integers "
+                             "(B), one per sequence", (long long)in->B);
+    }
+    in->E = in->c.embed_dim;
+    const mha_tensor *q = in->tq;
+    if (q->shape[q->ndim - 1] != in->E)
+        return tool_fail(cmd, "--query has width %lld, the module embed_dim "
+                         "%lld", (long long)q->shape[q->ndim - 1],
+                         (long long)in->E);
+    if (mha_shard_of(in->split, in->L, g_P, g_rank, &in->s) != MHA_OK)
+        return tool_fail(cmd, "%s", mha_last_error());
+    const mha_tensor *k = in->tk, *v = in->tv;
+    in->xq = take_shard(q->data, &in->s, in->B, in->L, in->E);
+    in->xk = k ? take_shard(k->data, &in->s, in->B, in->L,
+                            k->shape[k->ndim - 1])
+               : NULL;
+    in->xv = v ? take_shard(v->data, &in->s, in->B, in->L,
+                            v->shape[v->ndim - 1])
+               : NULL;
+    if (!in->xq || (k && !in->xk) || (v && !in->xv))
+        return tool_fail(cmd, "out of memory for the shards");
+    return 0;
+#undef OPT
+}
+
+static mha_ring_forward_args forward_args_of(const ring_inputs *in,
+                                             int ulysses, float *out)
+{
+    mha_ring_forward_args a = {0};
+    a.comm = MPI_COMM_WORLD;
+    a.split = in->split;
+    a.seq_len = in->L;
+    a.batch = in->B;
+    a.query = in->xq;
+    a.key = in->xk;
+    a.value = in->xv;
+    a.causal = in->causal ? MHA_CAUSAL_TOP_LEFT : MHA_CAUSAL_NONE;
+    a.key_lengths = in->tl ? (const int64_t *)in->tl->data : NULL;
+    a.num_threads = (int)in->threads;
+    a.ulysses = ulysses;
+    a.out = out;
+    return a;
+}
+
+/* Every rank's rows (B, len_r, w) of x into *all (B, L, w) on rank 0, in
+ * sequence order (*all NULL elsewhere).  Collective.  Returns non-zero on
+ * every rank when memory ran out on any. */
+static int gather_rows(const char *cmd, const ring_inputs *in,
+                       const float *x, int64_t w, float **all)
+{
+    const int64_t B = in->B, L = in->L;
+    int *cnt = malloc((size_t)g_P * 2 * sizeof *cnt);
+    float *recv = g_rank == 0 ? malloc((size_t)(B * L * w + 1) * 4) : NULL;
+    *all = g_rank == 0 ? malloc((size_t)(B * L * w + 1) * 4) : NULL;
+    if (any_failed(!cnt || (g_rank == 0 && (!recv || !*all)))) {
+        free(cnt);
+        free(recv);
+        free(*all);
+        *all = NULL;
+        return g_rank == 0 ? tool_fail(cmd, "out of memory for the gathered "
+                                       "rows") : 1;
+    }
+    int64_t off = 0;
+    for (int r = 0; r < g_P; r++) {
+        mha_shard o2;
+        mha_shard_of(in->split, L, g_P, r, &o2);
+        cnt[r] = (int)(B * o2.len * w);
+        cnt[g_P + r] = (int)off;
+        off += cnt[r];
+    }
+    MPI_Gatherv(x, (int)(B * in->s.len * w), MPI_FLOAT, recv, cnt, cnt + g_P,
+                MPI_FLOAT, 0, MPI_COMM_WORLD);
+    for (int r = 0; g_rank == 0 && r < g_P; r++) {
+        mha_shard o2;
+        mha_shard_of(in->split, L, g_P, r, &o2);
+        const float *src = recv + cnt[g_P + r];
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t i = 0; i < o2.len; i++)
+                memcpy(*all + (b * L + global_row(&o2, i)) * w,
+                       src + (b * o2.len + i) * w, (size_t)w * 4);
+    }
+    free(cnt);
+    free(recv);
+    return 0;
+}
+
+/* The view of a gathered (B, L, w) array in the shape of input t. */
+static mha_tensor_view view_like(const char *name, const mha_tensor *t,
+                                 const float *data)
+{
+    mha_tensor_view v = {name, MHA_DTYPE_F32, t->ndim, {0}, data};
+    for (int d = 0; d < t->ndim; d++)
+        v.shape[d] = t->shape[d];
+    return v;
+}
+
+/* MPI up, this process's rank and the rank count. */
+static void mpi_start(int *argc, char ***argv)
+{
+    int provided;
+    MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided);
     MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
     MPI_Comm_size(MPI_COMM_WORLD, &g_P);
+}
+
+int cmd_forward_ring(int argc, char **argv)
+{
+    tool_opt o[] = {RING_OPTS};
+    int status = 0;
+    mpi_start(&argc, &argv);
     int done = tool_options("forward", argc, argv, o, NOPTS(o),
                             g_rank == 0 ? FORWARD_RING_HELP : "", &status);
 #define OPT(name) tool_get(o, NOPTS(o), name)
     static const char *const need[] = {"weights", "query", "out"};
+    ring_inputs in;
+    memset(&in, 0, sizeof in);
+    float *out = NULL, *all = NULL;
     if (!done)
-        status = tool_require("forward", o, NOPTS(o), need, 3);
-    mha_module *m = NULL;
-    mha_tensor *tq = NULL, *tk = NULL, *tv = NULL, *tl = NULL;
-    float *xq = NULL, *xk = NULL, *xv = NULL, *out = NULL, *all = NULL;
-    int64_t B = 0, L = 0, E = 0, heads = 0, threads = 0;
-    mha_seq_split split = MHA_SPLIT_CONTIGUOUS;
-    mha_shard s;
-    memset(&s, 0, sizeof s);
-    const int causal = OPT("causal") || OPT("causal-top-left");
-    if (!done && !status && OPT("causal") && OPT("causal-top-left"))
-        status = tool_fail("forward", "--causal and --causal-top-left are "
-                           "the same here (one sequence): give one");
-    if (!done && !status && OPT("heads"))
-        status = tool_int("forward", "heads", OPT("heads"), 1, 1 << 20,
-                          &heads);
-    if (!done && !status && OPT("threads"))
-        status = tool_int("forward", "threads", OPT("threads"), 0, 4096,
-                          &threads);
-    if (!done && !status)
-        status = parse_split("forward", OPT("split"), causal, &split);
-    if (!done && !status) {
-        const mha_status st = mha_module_load(OPT("weights"), heads, &m);
-        if (st != MHA_OK)
-            status = tool_fail("forward", "--weights %s: %s", OPT("weights"),
-                               mha_last_error());
-    }
-    if (!done && !status)
-        status = load_input(OPT("query"), "--query", &tq, &B, &L);
-    for (int t = 0; !done && !status && t < 2; t++) {
-        const char *name = t ? "value" : "key";
-        mha_tensor **x = t ? &tv : &tk;
-        int64_t b2 = 0, l2 = 0;
-        if (OPT(name) && !(status = load_input(OPT(name), t ? "--value"
-                                                              : "--key",
-                                               x, &b2, &l2)) &&
-            (b2 != B || l2 != L))
-            status = tool_fail("forward", "--%s has batch %lld and length "
-                               "%lld; the query %lld and %lld (one sequence "
-                               "split across the ranks)", name,
-                               (long long)b2, (long long)l2, (long long)B,
-                               (long long)L);
-    }
-    if (!done && !status && OPT("key-lengths")) {
-        const mha_status st = mha_npy_load(OPT("key-lengths"), &tl);
-        if (st != MHA_OK)
-            status = tool_fail("forward", "--key-lengths %s: %s",
-                               OPT("key-lengths"), mha_last_error());
-        else if (tl->ndim != 1 || tl->shape[0] != B ||
-                 (tl->dtype != MHA_DTYPE_I32 && tl->dtype != MHA_DTYPE_I64))
-            status = tool_fail("forward", "--key-lengths must hold %lld "
-                               "integers (B), one per sequence",
-                               (long long)B);
-    }
-    if (!done && !status) {
-        mha_config c;
-        mha_get_config(m, &c);
-        E = c.embed_dim;
-        if (tq->shape[tq->ndim - 1] != E)
-            status = tool_fail("forward", "--query has width %lld, the "
-                               "module embed_dim %lld",
-                               (long long)tq->shape[tq->ndim - 1],
-                               (long long)E);
-    }
+        status = tool_require("forward", o, NOPTS(o), need, 3) ||
+                 ring_inputs_load("forward", o, NOPTS(o), &in);
     if (!done && !status &&
-        mha_shard_of(split, L, g_P, g_rank, &s) != MHA_OK)
-        status = tool_fail("forward", "%s", mha_last_error());
-    if (!done && !status) {
-        xq = take_shard(tq->data, &s, B, L, E);
-        xk = tk ? take_shard(tk->data, &s, B, L, tk->shape[tk->ndim - 1])
-                : NULL;
-        xv = tv ? take_shard(tv->data, &s, B, L, tv->shape[tv->ndim - 1])
-                : NULL;
-        out = malloc((size_t)(B * s.len * E + 1) * sizeof *out);
-        if (!xq || !out || (tk && !xk) || (tv && !xv))
-            status = tool_fail("forward", "out of memory for the shards");
-    }
+        !(out = malloc((size_t)(in.B * in.s.len * in.E + 1) * sizeof *out)))
+        status = tool_fail("forward", "out of memory for the output");
     /* Every rank learns of any rank's failure here. */
     int rc = any_failed(done ? 0 : status) ? 1 : done ? status : 0;
     if (!done && !rc) {
-        mha_ring_forward_args a = {0};
-        a.comm = MPI_COMM_WORLD;
-        a.split = split;
-        a.seq_len = L;
-        a.batch = B;
-        a.query = xq;
-        a.key = xk;
-        a.value = xv ? xv : NULL;
-        a.causal = causal ? MHA_CAUSAL_TOP_LEFT : MHA_CAUSAL_NONE;
-        a.key_lengths = tl ? (const int64_t *)tl->data : NULL;
-        a.num_threads = (int)threads;
-        a.ulysses = OPT("ulysses") != NULL;
-        a.out = out;
-        const mha_status st = mha_ring_forward(m, &a);
-        if (st != MHA_OK) {
+        const mha_ring_forward_args a =
+            forward_args_of(&in, OPT("ulysses") != NULL, out);
+        if (mha_ring_forward(in.m, &a) != MHA_OK) {
             /* the same on every rank */
             if (g_rank == 0)
                 tool_fail("forward", "%s", mha_last_error());
@@ -243,59 +368,117 @@ int cmd_forward_ring(int argc, char **argv)
         }
     }
     if (!done && !rc) {
-        /* Gather (B, len_r, E) of every rank into rank 0, in order. */
-        int *cnt = malloc((size_t)g_P * 2 * sizeof *cnt);
-        float *recv = g_rank == 0 ? malloc((size_t)(B * L * E + 1) * 4)
-                                  : NULL;
-        all = g_rank == 0 ? malloc((size_t)(B * L * E + 1) * 4) : NULL;
-        int bad = !cnt || (g_rank == 0 && (!recv || !all));
-        if (!any_failed(bad)) {
-            int64_t off = 0;
-            for (int r = 0; r < g_P; r++) {
-                mha_shard o2;
-                mha_shard_of(split, L, g_P, r, &o2);
-                cnt[r] = (int)(B * o2.len * E);
-                cnt[g_P + r] = (int)off;
-                off += cnt[r];
-            }
-            MPI_Gatherv(out, (int)(B * s.len * E), MPI_FLOAT, recv, cnt,
-                        cnt + g_P, MPI_FLOAT, 0, MPI_COMM_WORLD);
-            if (g_rank == 0) {
-                for (int r = 0; r < g_P; r++) {
-                    mha_shard o2;
-                    mha_shard_of(split, L, g_P, r, &o2);
-                    const float *src = recv + cnt[g_P + r];
-                    for (int64_t b = 0; b < B; b++)
-                        for (int64_t x = 0; x < o2.len; x++)
-                            memcpy(all + (b * L + global_row(&o2, x)) * E,
-                                   src + (b * o2.len + x) * E,
-                                   (size_t)E * 4);
-                }
-                mha_tensor_view v = {"", MHA_DTYPE_F32, tq->ndim, {0}, all};
-                for (int d = 0; d < tq->ndim; d++)
-                    v.shape[d] = tq->shape[d];
-                if (mha_npy_save(OPT("out"), &v) != MHA_OK)
-                    rc = tool_fail("forward", "--out: %s", mha_last_error());
-            }
-        } else {
-            rc = g_rank == 0 ? tool_fail("forward", "out of memory for the "
-                                         "gathered output") : 1;
+        rc = gather_rows("forward", &in, out, in.E, &all);
+        if (!rc && g_rank == 0) {
+            const mha_tensor_view v = view_like("", in.tq, all);
+            if (mha_npy_save(OPT("out"), &v) != MHA_OK)
+                rc = tool_fail("forward", "--out: %s", mha_last_error());
         }
         rc = any_failed(rc);
-        free(cnt);
-        free(recv);
     }
 #undef OPT
-    free(xq);
-    free(xk);
-    free(xv);
     free(out);
     free(all);
-    mha_tensor_free(tq);
-    mha_tensor_free(tk);
-    mha_tensor_free(tv);
-    mha_tensor_free(tl);
-    mha_free(m);
+    ring_inputs_free(&in);
+    MPI_Finalize();
+    return rc;
+}
+
+int cmd_backward_ring(int argc, char **argv)
+{
+    tool_opt o[] = {RING_OPTS, {"grad-output", 1, 0}};
+    int status = 0;
+    mpi_start(&argc, &argv);
+    int done = tool_options("backward", argc, argv, o, NOPTS(o),
+                            g_rank == 0 ? BACKWARD_RING_HELP : "", &status);
+#define OPT(name) tool_get(o, NOPTS(o), name)
+    static const char *const need[] = {"weights", "query", "grad-output",
+                                       "out"};
+    ring_inputs in;
+    memset(&in, 0, sizeof in);
+    mha_tensor *dy = NULL;
+    float *gy = NULL, *g[3] = {NULL, NULL, NULL}, *gp = NULL;
+    float *all[3] = {NULL, NULL, NULL};
+    mha_tensor_view *views = NULL;
+    if (!done)
+        status = tool_require("backward", o, NOPTS(o), need, 4) ||
+                 ring_inputs_load("backward", o, NOPTS(o), &in);
+    if (!done && !status) {
+        int64_t b2 = 0, l2 = 0;
+        status = load_input(OPT("grad-output"), "--grad-output", &dy, &b2,
+                            &l2);
+        if (!status && (dy->ndim != in.tq->ndim || b2 != in.B ||
+                        l2 != in.L || dy->shape[dy->ndim - 1] != in.E))
+            status = tool_fail("backward", "--grad-output %s must have the "
+                               "forward output's shape, the query's",
+                               OPT("grad-output"));
+    }
+    /* the inputs' gradients: query, and key / value when given (each
+     * input's own; a missing one's go to the input that served for it) */
+    const mha_tensor *ins[3] = {in.tq, in.tk, in.tv};
+    int64_t w[3] = {in.E, 0, 0};
+    const int64_t np = in.m ? mha_param_numel(in.m) : 0;
+    if (!done && !status) {
+        gy = take_shard(dy->data, &in.s, in.B, in.L, in.E);
+        for (int t = 0; t < 3; t++) {
+            if (!ins[t])
+                continue;
+            w[t] = ins[t]->shape[ins[t]->ndim - 1];
+            g[t] = malloc((size_t)(in.B * in.s.len * w[t] + 1) * 4);
+        }
+        gp = malloc((size_t)(np + 1) * 4);
+        if (!gy || !g[0] || (in.tk && !g[1]) || (in.tv && !g[2]) || !gp)
+            status = tool_fail("backward", "out of memory for the "
+                               "gradients");
+    }
+    int rc = any_failed(done ? 0 : status) ? 1 : done ? status : 0;
+    if (!done && !rc) {
+        const mha_ring_forward_args a =
+            forward_args_of(&in, OPT("ulysses") != NULL, NULL);
+        const mha_ring_backward_args b = {gy, g[0], g[1], g[2], gp, 0};
+        if (mha_ring_backward(in.m, &a, &b) != MHA_OK) {
+            if (g_rank == 0)
+                tool_fail("backward", "%s", mha_last_error());
+            rc = 1;
+        }
+    }
+    for (int t = 0; !done && !rc && t < 3; t++)
+        if (ins[t])
+            rc = gather_rows("backward", &in, g[t], w[t], &all[t]);
+    if (!done && !rc && g_rank == 0) {
+        static const char *const names[3] = {"query", "key", "value"};
+        const int nparams = mha_param_count(in.m);
+        int n = 0;
+        if (!(views = calloc((size_t)(3 + nparams), sizeof *views)))
+            rc = tool_fail("backward", "out of memory for the gradients");
+        for (int t = 0; !rc && t < 3; t++)
+            if (ins[t])
+                views[n++] = view_like(names[t], ins[t], all[t]);
+        for (int p = 0; !rc && p < nparams; p++) {
+            mha_param_info info;
+            mha_param_info_at(in.m, p, &info);
+            mha_tensor_view *pv = &views[n++];
+            *pv = (mha_tensor_view){info.name, MHA_DTYPE_F32, info.ndim, {0},
+                                    gp + info.offset};
+            for (int d = 0; d < info.ndim; d++)
+                pv->shape[d] = info.shape[d];
+        }
+        if (!rc && mha_safetensors_save(OPT("out"), views, n, NULL, NULL,
+                                        0) != MHA_OK)
+            rc = tool_fail("backward", "--out: %s", mha_last_error());
+    }
+    if (!done)
+        rc = any_failed(rc);
+#undef OPT
+    for (int t = 0; t < 3; t++) {
+        free(g[t]);
+        free(all[t]);
+    }
+    free(views);
+    free(gy);
+    free(gp);
+    mha_tensor_free(dy);
+    ring_inputs_free(&in);
     MPI_Finalize();
     return rc;
 }

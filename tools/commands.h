@@ -18,6 +18,7 @@ int cmd_prune(int argc, char **argv);
 /* `forward --ring` and `bench --ring` (cmd_ring.c): under mpirun, on
  * libmha_mpi; without MPI they say so and fail. */
 int cmd_forward_ring(int argc, char **argv);
+int cmd_backward_ring(int argc, char **argv);
 int cmd_bench_ring(int argc, char **argv);
 
 #endif
