@@ -414,6 +414,29 @@ mha_status mha_param_set(mha_module *m, const char *name, const float *src,
     return MHA_OK;
 }
 
+/* Projection `which`'s weight (n_out, n_in) and bias (or NULL). */
+static mha_status projection_of(const mha_module *m, mha_projection which,
+                                const float **w, const float **b,
+                                int64_t *n_in, int64_t *n_out)
+{
+    const int64_t E = m->cfg.embed_dim, D = m->inner_dim;
+    *n_out = D;
+    switch (which) {
+    case MHA_PROJ_QUERY: *w = m->w_q; *b = m->b_q; *n_in = E; break;
+    case MHA_PROJ_KEY:
+        *w = m->w_k; *b = m->b_k; *n_in = m->cfg.kdim; *n_out = m->kv_dim;
+        break;
+    case MHA_PROJ_VALUE:
+        *w = m->w_v; *b = m->b_v; *n_in = m->cfg.vdim; *n_out = m->kv_dim;
+        break;
+    case MHA_PROJ_OUT: *w = m->w_o; *b = m->b_o; *n_in = D; *n_out = E; break;
+    default:
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "unknown projection %d", (int)which);
+    }
+    return MHA_OK;
+}
+
 mha_status mha_project(const mha_module *m, mha_projection which,
                        const float *x, int64_t rows, float *y)
 {
@@ -423,22 +446,9 @@ mha_status mha_project(const mha_module *m, mha_projection which,
     if (rows <= 0)
         return mha_set_error(MHA_ERR_SHAPE, "rows must be > 0, got %lld",
                              (long long)rows);
-    const int64_t E = m->cfg.embed_dim, D = m->inner_dim;
-    const float *w, *b;
-    int64_t n_in, n_out = D;
-    switch (which) {
-    case MHA_PROJ_QUERY: w = m->w_q; b = m->b_q; n_in = E; break;
-    case MHA_PROJ_KEY:
-        w = m->w_k; b = m->b_k; n_in = m->cfg.kdim; n_out = m->kv_dim;
-        break;
-    case MHA_PROJ_VALUE:
-        w = m->w_v; b = m->b_v; n_in = m->cfg.vdim; n_out = m->kv_dim;
-        break;
-    case MHA_PROJ_OUT: w = m->w_o; b = m->b_o; n_in = D; n_out = E; break;
-    default:
-        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "unknown projection %d", (int)which);
-    }
+    const float *w = NULL, *b = NULL;
+    int64_t n_in = 0, n_out = 0;
+    MHA_CHECK(projection_of(m, which, &w, &b, &n_in, &n_out));
     int64_t n;
     if (!mha_mul_ok(rows, n_in > n_out ? n_in : n_out, &n) ||
         (uint64_t)n > SIZE_MAX / sizeof(float))
@@ -464,22 +474,9 @@ mha_status mha_project_backward(const mha_module *m, mha_projection which,
     if (num_threads < 0)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT, "project_backward: "
                              "num_threads must be >= 0, got %d", num_threads);
-    const int64_t E = m->cfg.embed_dim, D = m->inner_dim;
-    const float *w, *b;
-    int64_t n_in, n_out = D;
-    switch (which) {
-    case MHA_PROJ_QUERY: w = m->w_q; b = m->b_q; n_in = E; break;
-    case MHA_PROJ_KEY:
-        w = m->w_k; b = m->b_k; n_in = m->cfg.kdim; n_out = m->kv_dim;
-        break;
-    case MHA_PROJ_VALUE:
-        w = m->w_v; b = m->b_v; n_in = m->cfg.vdim; n_out = m->kv_dim;
-        break;
-    case MHA_PROJ_OUT: w = m->w_o; b = m->b_o; n_in = D; n_out = E; break;
-    default:
-        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "unknown projection %d", (int)which);
-    }
+    const float *w = NULL, *b = NULL;
+    int64_t n_in = 0, n_out = 0;
+    MHA_CHECK(projection_of(m, which, &w, &b, &n_in, &n_out));
     int64_t n;
     if (!mha_mul_ok(rows, n_in > n_out ? n_in : n_out, &n) ||
         (uint64_t)n > SIZE_MAX / sizeof(float))

@@ -72,16 +72,18 @@ static float *piece_of(const ring *r, float *buf, const mha_shard *s, int p,
     return x + (p ? r->B * s->length[0] * r->Ekv : 0);
 }
 
-/* The arguments of one pair for batch row b: query piece (q, qn) at
- * position qo against key piece (k, v, kn) at position ko, all of batch
- * row b (one batch row a call: a zig-zag query piece is then a
- * contiguous run of the caller's array, read in place). */
+/* The arguments of one pair: batch row b's query piece qpi of this rank
+ * against key piece kp of shard ks, whose K/V block is at `block` (one
+ * batch row a call: a zig-zag query piece is then a contiguous run of
+ * the caller's q, read in place).  vis: visibility() of the pair. */
 static mha_attention_args pair_args(const ring *r, const mha_ring_args *a,
-                                    int64_t b, const float *q, int64_t qo,
-                                    int64_t qn, const float *k,
-                                    const float *v, int64_t ko, int64_t kn,
-                                    int vis, int64_t *kl)
+                                    int64_t b, int qpi, const mha_shard *ks,
+                                    int kp, float *block, int vis,
+                                    int64_t *kl)
 {
+    const int64_t qo = r->me.offset[qpi], qn = r->me.length[qpi];
+    const int64_t r0 = qpi ? r->me.length[0] : 0;
+    const int64_t ko = ks->offset[kp], kn = ks->length[kp];
     mha_attention_args p = {0};
     p.batch = 1;
     p.num_heads = r->H;
@@ -89,9 +91,9 @@ static mha_attention_args pair_args(const ring *r, const mha_ring_args *a,
     p.head_dim = r->dh;
     p.q_len = qn;
     p.kv_len = kn;
-    p.q = q;
-    p.k = k;
-    p.v = v;
+    p.q = a->q + (b * r->me.len + r0) * r->E;
+    p.k = piece_of(r, block, ks, kp, 0) + b * kn * r->Ekv;
+    p.v = piece_of(r, block, ks, kp, 1) + b * kn * r->Ekv;
     p.scale = a->scale;
     p.given = a->given;
     p.causal = vis == 2 ? MHA_CAUSAL_TOP_LEFT : MHA_CAUSAL_NONE;
@@ -107,6 +109,14 @@ static mha_attention_args pair_args(const ring *r, const mha_ring_args *a,
     p.q_offset = qo - ko;
     p.num_threads = a->num_threads;
     return p;
+}
+
+/* How this rank's query piece qpi sees key piece kp of shard ks. */
+static int pair_visibility(const ring *r, int qpi, const mha_shard *ks,
+                           int kp)
+{
+    return visibility(r, r->me.offset[qpi], r->me.length[qpi],
+                      ks->offset[kp], ks->length[kp]);
 }
 
 /* Rows [r0, r0 + n) of batch row b's accumulator -- the caller's out
@@ -218,19 +228,15 @@ mha_status mha_ring_attention(const mha_ring_args *a)
         const double t = mha_mpi_now();
         for (int64_t b = 0; b < r.B; b++)
             for (int qpi = 0; st == MHA_OK && qpi < r.me.n_pieces; qpi++) {
-                const int64_t qo = r.me.offset[qpi], qn = r.me.length[qpi];
+                const int64_t qn = r.me.length[qpi];
                 const int64_t r0 = qpi ? r.me.length[0] : 0;
                 for (int kp = 0; st == MHA_OK && kp < ks.n_pieces; kp++) {
-                    const int64_t kn = ks.length[kp];
-                    const int vis = visibility(&r, qo, qn, ks.offset[kp], kn);
+                    const int vis = pair_visibility(&r, qpi, &ks, kp);
                     if (!vis)
                         continue;
                     int64_t kl;
-                    mha_attention_args pa = pair_args(
-                        &r, a, b, a->q + (b * nloc + r0) * r.E, qo, qn,
-                        piece_of(&r, cur, &ks, kp, 0) + b * kn * r.Ekv,
-                        piece_of(&r, cur, &ks, kp, 1) + b * kn * r.Ekv,
-                        ks.offset[kp], kn, vis, &kl);
+                    mha_attention_args pa =
+                        pair_args(&r, a, b, qpi, &ks, kp, cur, vis, &kl);
                     pa.out = po;
                     pa.lse = pl;
                     st = mha_attention(&pa);
@@ -361,22 +367,19 @@ mha_status mha_ring_attention_backward(const mha_ring_args *a,
         memset(loc, 0, (size_t)nks * sizeof *loc);
         for (int64_t b = 0; b < r.B; b++)
             for (int qpi = 0; st == MHA_OK && qpi < r.me.n_pieces; qpi++) {
-                const int64_t qo = r.me.offset[qpi], qn = r.me.length[qpi];
+                const int64_t qn = r.me.length[qpi];
                 const int64_t r0 = qpi ? r.me.length[0] : 0;
                 const int64_t row = (b * nloc + r0) * r.E;
                 for (int kp = 0; st == MHA_OK && kp < ks.n_pieces; kp++) {
                     const int64_t kn = ks.length[kp];
-                    const int vis = visibility(&r, qo, qn, ks.offset[kp], kn);
+                    const int vis = pair_visibility(&r, qpi, &ks, kp);
                     if (!vis)
                         continue;
                     int64_t kl;
                     float *kb = piece_of(&r, loc, &ks, kp, 0) + b * kn * r.Ekv;
                     float *vb = piece_of(&r, loc, &ks, kp, 1) + b * kn * r.Ekv;
-                    const mha_attention_args pa = pair_args(
-                        &r, a, b, a->q + row, qo, qn,
-                        piece_of(&r, cur, &ks, kp, 0) + b * kn * r.Ekv,
-                        piece_of(&r, cur, &ks, kp, 1) + b * kn * r.Ekv,
-                        ks.offset[kp], kn, vis, &kl);
+                    const mha_attention_args pa =
+                        pair_args(&r, a, b, qpi, &ks, kp, cur, vis, &kl);
                     const mha_attention_grads pg = {g->grad_out + row, pdq,
                                                     pdk, pdv, NULL};
                     st = mha_attention_backward_part(
