@@ -1118,9 +1118,11 @@ static int in_place(const strided4 *x)
 static void gather(float *dst, const strided4 *x)
 {
     const int64_t B = x->n[0], H = x->n[1], L = x->n[2], d = x->n[3];
+    /* heads outside, rows inside: a contiguous (B, H, L, d) source is
+     * read in order, and each destination row of a head is H*d apart */
     for (int64_t b = 0; b < B; b++)
-        for (int64_t i = 0; i < L; i++)
-            for (int64_t h = 0; h < H; h++) {
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t i = 0; i < L; i++) {
                 const char *src = x->base + b * x->st[0] + h * x->st[1] +
                                   i * x->st[2];
                 float *y = dst + ((b * L + i) * H + h) * d;
@@ -1133,33 +1135,30 @@ static void gather(float *dst, const strided4 *x)
 }
 
 /* The inputs q, k, v (and grad_out, NULL in the forward) in libmha's
- * layout: each read in place when it is, else gathered into one scratch
- * allocation (*scratch, freed by the caller).  Sets a->q, k, v and
- * *grad_out.  Returns MHA_OK or MHA_ERR_OUT_OF_MEMORY (with a message). */
+ * layout: each read in place when it is, else gathered into a buffer of
+ * its own (scratch[i], freed by the caller; one allocation per tensor, of
+ * the size NumPy's and torch's own copies make, which glibc serves from
+ * its heap after the first call instead of a fresh mmap, page faults and
+ * all, each time).  Sets a->q, k, v and *grad_out.  Returns MHA_OK or
+ * MHA_ERR_OUT_OF_MEMORY (with a message). */
 static mha_status heads_first_inputs(mha_attention_args *a,
                                      const strided4 x[4], int nx,
-                                     const float **grad_out, float **scratch)
+                                     const float **grad_out,
+                                     float *scratch[4])
 {
-    int64_t need = 0, size[4];
-    for (int i = 0; i < nx; i++) {
-        size[i] = x[i].n[0] * x[i].n[1] * x[i].n[2] * x[i].n[3];
-        need += in_place(&x[i]) ? 0 : size[i];
-    }
-    float *s = NULL;
-    if (need > 0 && !(s = malloc((size_t)need * sizeof *s)))
-        return mha_error_set(MHA_ERR_OUT_OF_MEMORY,
-                             "heads_first: out of memory for the inputs in "
-                             "libmha's layout");
-    *scratch = s;
     const float *p[4];
     for (int i = 0; i < nx; i++) {
         if (in_place(&x[i])) {
             p[i] = (const float *)x[i].base;
-        } else {
-            gather(s, &x[i]);
-            p[i] = s;
-            s += size[i];
+            continue;
         }
+        const int64_t n = x[i].n[0] * x[i].n[1] * x[i].n[2] * x[i].n[3];
+        if (!(scratch[i] = malloc((size_t)(n + 1) * sizeof(float))))
+            return mha_error_set(MHA_ERR_OUT_OF_MEMORY,
+                                 "heads_first: out of memory for the inputs "
+                                 "in libmha's layout");
+        gather(scratch[i], &x[i]);
+        p[i] = scratch[i];
     }
     a->q = p[0];
     a->k = p[1];
@@ -1303,16 +1302,17 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
         a.lse = NULL;
     }
     mha_status st = MHA_OK;
-    float *scratch = NULL;
+    float *scratch[4] = {NULL, NULL, NULL, NULL};
     if (co)
         co->busy = 1;
     Py_BEGIN_ALLOW_THREADS
     if (heads_first)
         st = heads_first_inputs(&a, x4, backward ? 4 : 3, &g.grad_out,
-                                &scratch);
+                                scratch);
     if (st == MHA_OK)
         st = backward ? mha_attention_backward(&a, &g) : mha_attention(&a);
-    free(scratch);
+    for (int i = 0; i < 4; i++)
+        free(scratch[i]);
     Py_END_ALLOW_THREADS
     if (co)
         co->busy = 0;
