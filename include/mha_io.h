@@ -139,6 +139,20 @@ MHA_API mha_status mha_module_save(const mha_module *module, const char *path);
 MHA_API mha_status mha_npy_load(const char *path, mha_tensor **out);
 MHA_API mha_status mha_npy_parse(const void *bytes, size_t size,
                                  mha_tensor **out);
+/* A .npy file's dtype (as loaded), ndim and shape in *info (data NULL),
+ * its header checked as mha_npy_load checks it, the data not read. */
+MHA_API mha_status mha_npy_info(const char *path, mha_tensor_view *info);
+/*
+ * Part of a .npy array of 2 or more dimensions (..., L, w): for every
+ * index of the leading dimensions, rows [starts[i], starts[i] + counts[i])
+ * of its L, for i = 0 .. nranges - 1 in that order -- shape (..., sum of
+ * counts, w), converted as mha_npy_load converts -- reading only those
+ * rows' bytes from the file (a Fortran-order array is read whole first).
+ * What a rank of an MPI job reads of a sequence split across ranks.
+ */
+MHA_API mha_status mha_npy_load_rows(const char *path, int nranges,
+                                     const int64_t *starts,
+                                     const int64_t *counts, mha_tensor **out);
 /* Frees a tensor from mha_npy_load / mha_npy_parse.  NULL is ignored. */
 MHA_API void mha_tensor_free(mha_tensor *tensor);
 /* Writes a .npy (version 1.0) file, atomically like mha_safetensors_save. */

@@ -107,6 +107,22 @@ msg=$(run -np 2 "$mha" backward --ring --weights w.safetensors --query q.npy \
 echo "$msg" | grep -q "must have the forward output's shape" ||
   fail "wrong --grad-output message: $msg"
 [ -e g.safetensors ] && fail "a failed backward left g.safetensors"
+# Each rank reads only its rows of the files (mha_npy_load_rows, tested
+# in test_npy): a float64 and a Fortran-order copy of the query give the
+# same output bits as the float32 C-order file.
+/usr/bin/python3 - <<'PY' || fail "numpy inputs"
+import numpy as np
+q = np.load("q.npy")
+np.save("q64.npy", q.astype(np.float64))
+np.save("qf.npy", np.asfortranarray(q))
+PY
+run -np 3 "$mha" forward --ring --weights w.safetensors --query q.npy \
+  --out o32.npy >/dev/null 2>&1 || fail "forward --ring, float32"
+for qq in q64.npy qf.npy; do
+  run -np 3 "$mha" forward --ring --weights w.safetensors --query $qq \
+    --out o2.npy >/dev/null 2>&1 || fail "forward --ring, $qq"
+  cmp -s o32.npy o2.npy || fail "forward --ring from $qq differs"
+done
 # Refusals: every rank fails, nothing is written.
 rm -f out.npy
 msg=$(run -np 3 "$mha" forward --ring --ulysses --weights w.safetensors \

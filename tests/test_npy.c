@@ -829,6 +829,120 @@ static void test_load_errors(void **state)
     remove(path);
 }
 
+/* mha_npy_load_rows and mha_npy_info on every NumPy fixture of 2 or more
+ * dimensions (C and Fortran order, float, bool, int, 4-D, an empty axis):
+ * for several sets of row ranges (in order, reversed, none, empty), the
+ * rows equal the same rows of mha_npy_load's whole array, byte for byte;
+ * then its refusals. */
+static void test_load_rows(void **state)
+{
+    (void)state;
+    for (size_t f = 0; f < N_FIXTURES; f++) {
+        const fixture *fx = &fixtures[f];
+        char path[512];
+        fixture_path(path, sizeof path, fx->file);
+        mha_tensor_view info;
+        assert_int_equal(mha_npy_info(path, &info), MHA_OK);
+        assert_int_equal(info.ndim, fx->ndim);
+        for (int k = 0; k < fx->ndim; k++)
+            assert_int_equal(info.shape[k], fx->shape[k]);
+        if (fx->ndim < 2) {
+            mha_tensor *t = NULL;
+            const int64_t s0 = 0, c0 = 1;
+            assert_error(mha_npy_load_rows(path, 1, &s0, &c0, &t),
+                         MHA_ERR_SHAPE, "at least 2 dimensions");
+            assert_null(t);
+            continue;
+        }
+        mha_tensor *all = NULL;
+        assert_int_equal(mha_npy_load(path, &all), MHA_OK);
+        const int nd = fx->ndim;
+        const int64_t L = fx->shape[nd - 2], w = fx->shape[nd - 1];
+        const size_t item = all->dtype == MHA_DTYPE_BOOL ? 1
+                          : (all->dtype == MHA_DTYPE_I32 ||
+                             all->dtype == MHA_DTYPE_I64) ? 8 : 4;
+        int64_t lead = 1;
+        for (int k = 0; k + 2 < nd; k++)
+            lead *= fx->shape[k];
+        const int64_t sets[5][2][2] = {
+            {{0, L}, {0, 0}},                       /* all rows */
+            {{L > 0 ? L - 1 : 0, L > 0}, {0, L > 0}}, /* last, then first */
+            {{L > 1, L > 1 ? L - 1 : 0}, {0, 0}},   /* all but the first */
+            {{0, 0}, {0, 0}},                       /* an empty range */
+            {{0, 0}, {0, 0}}};                      /* no range at all */
+        const int nr[5] = {1, 2, 1, 1, 0};
+        for (int c = 0; c < 5; c++) {
+            int64_t st[2], cn[2], rows = 0;
+            for (int i = 0; i < nr[c]; i++) {
+                st[i] = sets[c][i][0];
+                cn[i] = sets[c][i][1];
+                rows += cn[i];
+            }
+            mha_tensor *t = NULL;
+            mha_status s = mha_npy_load_rows(path, nr[c], st, cn, &t);
+            if (s != MHA_OK)
+                fail_msg("%s, set %d: %s", fx->file, c, mha_last_error());
+            assert_int_equal(t->dtype, all->dtype);
+            assert_int_equal(t->ndim, nd);
+            assert_int_equal(t->shape[nd - 2], rows);
+            assert_int_equal(t->numel, lead * rows * w);
+            const unsigned char *y = t->data;
+            for (int64_t b = 0; b < lead; b++)
+                for (int i = 0; i < nr[c]; i++) {
+                    const size_t n = (size_t)(cn[i] * w) * item;
+                    if (n && memcmp(y, (const unsigned char *)all->data +
+                                           (size_t)((b * L + st[i]) * w) *
+                                               item, n) != 0)
+                        fail_msg("%s, set %d: rows of batch %lld differ",
+                                 fx->file, c, (long long)b);
+                    y += n;
+                }
+            mha_tensor_free(t);
+        }
+        mha_tensor_free(all);
+    }
+    char path[512];
+    fixture_path(path, sizeof path, "f4_2x3.npy");
+    mha_tensor *t = NULL;
+    const int64_t s2[2] = {1, 0}, c2[2] = {2, 1};
+    assert_error(mha_npy_load_rows(path, 1, s2, c2, &t), MHA_ERR_SHAPE,
+                 "rows [1, 3) outside the 2 rows");
+    assert_null(t);
+    assert_error(mha_npy_load_rows(path, -1, s2, c2, &t),
+                 MHA_ERR_INVALID_ARGUMENT, "nranges");
+    assert_error(mha_npy_load_rows(path, 1, NULL, c2, &t),
+                 MHA_ERR_NULL_POINTER, "starts or counts");
+    assert_error(mha_npy_load_rows(NULL, 1, s2, c2, &t),
+                 MHA_ERR_NULL_POINTER, "path");
+    assert_error(mha_npy_load_rows(path, 1, s2, c2, NULL),
+                 MHA_ERR_NULL_POINTER, "out");
+    char missing[512];
+    tmp_path(missing, sizeof missing, "no_such.npy");
+    assert_error(mha_npy_load_rows(missing, 1, s2, c2, &t), MHA_ERR_IO,
+                 "cannot open");
+    assert_error(mha_npy_load_rows(tu_tmpdir, 1, s2, c2, &t), MHA_ERR_IO,
+                 "not a regular file");
+    /* a file whose data is cut short: refused from its header alone */
+    const unsigned char *all;
+    FILE *in = fopen(path, "rb");
+    assert_non_null(in);
+    unsigned char bytes[512];
+    const size_t n = fread(bytes, 1, sizeof bytes, in);
+    fclose(in);
+    all = bytes;
+    char cut[512];
+    tmp_path(cut, sizeof cut, "cut.npy");
+    FILE *out = fopen(cut, "wb");
+    assert_non_null(out);
+    assert_int_equal(fwrite(all, 1, n - 4, out), n - 4);
+    fclose(out);
+    assert_error(mha_npy_load_rows(cut, 1, s2, c2, &t), MHA_ERR_FORMAT,
+                 "truncated data");
+    mha_tensor_view info;
+    assert_error(mha_npy_info(cut, &info), MHA_ERR_FORMAT, "truncated data");
+    remove(cut);
+}
+
 static void test_save_errors(void **state)
 {
     (void)state;
@@ -911,6 +1025,7 @@ int main(void)
         cmocka_unit_test(test_null_arguments),
         cmocka_unit_test(test_load_errors),
         cmocka_unit_test(test_save_errors),
+        cmocka_unit_test(test_load_rows),
     };
     return cmocka_run_group_tests(tests, tu_tmpdir_setup, tu_tmpdir_teardown);
 }

@@ -87,35 +87,30 @@ static int64_t global_row(const mha_shard *s, int64_t x)
                             : s->offset[1] + (x - s->length[0]);
 }
 
-/* This rank's rows of x (B, L, w) into a new (B, len, w) array. */
-static float *take_shard(const float *x, const mha_shard *s, int64_t B,
-                         int64_t L, int64_t w)
+/* An input .npy's header: (B, L, w) or unbatched (L, w), float.  The
+ * data is not read (load_shard reads this rank's rows of it). */
+static int input_info(const char *cmd, const char *path, const char *what,
+                      mha_tensor_view *x, int64_t *B, int64_t *L)
 {
-    float *y = malloc((size_t)(B * s->len * w + 1) * sizeof *y);
-    for (int64_t b = 0; y && b < B; b++)
-        for (int64_t r = 0; r < s->len; r++)
-            memcpy(y + (b * s->len + r) * w,
-                   x + (b * L + global_row(s, r)) * w,
-                   (size_t)w * sizeof *y);
-    return y;
-}
-
-/* An input .npy: (B, L, w) or unbatched (L, w), float. */
-static int load_input(const char *path, const char *what, mha_tensor **t,
-                      int64_t *B, int64_t *L)
-{
-    mha_status st = mha_npy_load(path, t);
-    if (st != MHA_OK)
-        return tool_fail("forward", "%s %s: %s", what, path,
-                         mha_last_error());
-    const mha_tensor *x = *t;
+    if (mha_npy_info(path, x) != MHA_OK)
+        return tool_fail(cmd, "%s %s: %s", what, path, mha_last_error());
     if ((x->ndim != 2 && x->ndim != 3) ||
-        (x->dtype != MHA_DTYPE_F32 && x->dtype != MHA_DTYPE_F64 &&
-         x->dtype != MHA_DTYPE_F16 && x->dtype != MHA_DTYPE_BF16))
-        return tool_fail("forward", "%s %s: expected a float (B, L, E) or "
-                         "(L, E) array", what, path);
+        (x->dtype != MHA_DTYPE_F32 && x->dtype != MHA_DTYPE_F64))
+        return tool_fail(cmd, "%s %s: expected a float (B, L, E) or (L, E) "
+                         "array", what, path);
     *B = x->ndim == 3 ? x->shape[0] : 1;
     *L = x->shape[x->ndim - 2];
+    return 0;
+}
+
+/* This rank's rows of an input (B, L, w): its shard's pieces, read from
+ * the file alone, (B, len, w) float32. */
+static int load_shard(const char *cmd, const char *path, const char *what,
+                      const mha_shard *s, mha_tensor **t)
+{
+    if (mha_npy_load_rows(path, s->n_pieces, s->offset, s->length, t) !=
+        MHA_OK)
+        return tool_fail(cmd, "%s %s: %s", what, path, mha_last_error());
     return 0;
 }
 
@@ -131,8 +126,8 @@ static const char FORWARD_RING_HELP[] =
     "default zigzag with --causal, else contiguous), projects it, the\n"
     "attention runs round the ring (or by all-to-all with --ulysses, which\n"
     "needs the head counts to be multiples of P), and rank 0 gathers and\n"
-    "writes --out.  Each rank reads the input files whole and keeps its\n"
-    "shard.  No masks but --key-lengths and causal; modules with\n"
+    "writes --out.  Each rank reads only its shard's rows of the input\n"
+    "files.  No masks but --key-lengths and causal; modules with\n"
     "add_bias_kv, add_zero_attn or sinks are refused (RoPE, ALiBi, the\n"
     "window and a softcap are kept).\n";
 
@@ -157,8 +152,9 @@ static const char BACKWARD_RING_HELP[] =
 typedef struct ring_inputs {
     mha_module *m;
     mha_config c;
-    mha_tensor *tq, *tk, *tv, *tl;
-    float *xq, *xk, *xv;
+    mha_tensor_view iq, ik, iv;   /* the files' shapes (ndim 0: none) */
+    mha_tensor *tq, *tk, *tv, *tl;  /* this rank's rows; the key lengths */
+    const float *xq, *xk, *xv;
     int64_t B, L, E, threads;
     mha_seq_split split;
     mha_shard s;
@@ -174,9 +170,6 @@ typedef struct ring_inputs {
 
 static void ring_inputs_free(ring_inputs *in)
 {
-    free(in->xq);
-    free(in->xk);
-    free(in->xv);
     mha_tensor_free(in->tq);
     mha_tensor_free(in->tk);
     mha_tensor_free(in->tv);
@@ -184,8 +177,8 @@ static void ring_inputs_free(ring_inputs *in)
     mha_free(in->m);
 }
 
-/* Reads the module and the inputs the options name, checks them, and
- * takes this rank's shards.  Returns 0 or non-zero (printed by this
+/* Reads the module, checks the inputs the options name by their headers,
+ * and reads this rank's shards of them (nothing else of the files).  Returns 0 or non-zero (printed by this
  * rank). */
 static int ring_inputs_load(const char *cmd, tool_opt *o, int nopts,
                             ring_inputs *in)
@@ -207,15 +200,15 @@ static int ring_inputs_load(const char *cmd, tool_opt *o, int nopts,
         return tool_fail(cmd, "--weights %s: %s", OPT("weights"),
                          mha_last_error());
     mha_get_config(in->m, &in->c);
-    if (load_input(OPT("query"), "--query", &in->tq, &in->B, &in->L))
+    if (input_info(cmd, OPT("query"), "--query", &in->iq, &in->B, &in->L))
         return 1;
     for (int t = 0; t < 2; t++) {
         const char *name = t ? "value" : "key";
-        mha_tensor **x = t ? &in->tv : &in->tk;
+        mha_tensor_view *x = t ? &in->iv : &in->ik;
         int64_t b2 = 0, l2 = 0;
         if (!OPT(name))
             continue;
-        if (load_input(OPT(name), t ? "--value" : "--key", x, &b2, &l2))
+        if (input_info(cmd, OPT(name), t ? "--value" : "--key", x, &b2, &l2))
             return 1;
         if (b2 != in->B || l2 != in->L)
             return tool_fail(cmd, "--%s has batch %lld and length %lld; the "
@@ -236,23 +229,22 @@ static int ring_inputs_load(const char *cmd, tool_opt *o, int nopts,
                              "(B), one per sequence", (long long)in->B);
     }
     in->E = in->c.embed_dim;
-    const mha_tensor *q = in->tq;
+    const mha_tensor_view *q = &in->iq;
     if (q->shape[q->ndim - 1] != in->E)
         return tool_fail(cmd, "--query has width %lld, the module embed_dim "
                          "%lld", (long long)q->shape[q->ndim - 1],
                          (long long)in->E);
     if (mha_shard_of(in->split, in->L, g_P, g_rank, &in->s) != MHA_OK)
         return tool_fail(cmd, "%s", mha_last_error());
-    const mha_tensor *k = in->tk, *v = in->tv;
-    in->xq = take_shard(q->data, &in->s, in->B, in->L, in->E);
-    in->xk = k ? take_shard(k->data, &in->s, in->B, in->L,
-                            k->shape[k->ndim - 1])
-               : NULL;
-    in->xv = v ? take_shard(v->data, &in->s, in->B, in->L,
-                            v->shape[v->ndim - 1])
-               : NULL;
-    if (!in->xq || (k && !in->xk) || (v && !in->xv))
-        return tool_fail(cmd, "out of memory for the shards");
+    if (load_shard(cmd, OPT("query"), "--query", &in->s, &in->tq) ||
+        (OPT("key") &&
+         load_shard(cmd, OPT("key"), "--key", &in->s, &in->tk)) ||
+        (OPT("value") &&
+         load_shard(cmd, OPT("value"), "--value", &in->s, &in->tv)))
+        return 1;
+    in->xq = in->tq->data;
+    in->xk = in->tk ? in->tk->data : NULL;
+    in->xv = in->tv ? in->tv->data : NULL;
     return 0;
 #undef OPT
 }
@@ -319,7 +311,7 @@ static int gather_rows(const char *cmd, const ring_inputs *in,
 }
 
 /* The view of a gathered (B, L, w) array in the shape of input t. */
-static mha_tensor_view view_like(const char *name, const mha_tensor *t,
+static mha_tensor_view view_like(const char *name, const mha_tensor_view *t,
                                  const float *data)
 {
     mha_tensor_view v = {name, MHA_DTYPE_F32, t->ndim, {0}, data};
@@ -370,7 +362,7 @@ int cmd_forward_ring(int argc, char **argv)
     if (!done && !rc) {
         rc = gather_rows("forward", &in, out, in.E, &all);
         if (!rc && g_rank == 0) {
-            const mha_tensor_view v = view_like("", in.tq, all);
+            const mha_tensor_view v = view_like("", &in.iq, all);
             if (mha_npy_save(OPT("out"), &v) != MHA_OK)
                 rc = tool_fail("forward", "--out: %s", mha_last_error());
         }
@@ -397,7 +389,7 @@ int cmd_backward_ring(int argc, char **argv)
     ring_inputs in;
     memset(&in, 0, sizeof in);
     mha_tensor *dy = NULL;
-    float *gy = NULL, *g[3] = {NULL, NULL, NULL}, *gp = NULL;
+    float *g[3] = {NULL, NULL, NULL}, *gp = NULL;
     float *all[3] = {NULL, NULL, NULL};
     mha_tensor_view *views = NULL;
     if (!done)
@@ -405,21 +397,25 @@ int cmd_backward_ring(int argc, char **argv)
                  ring_inputs_load("backward", o, NOPTS(o), &in);
     if (!done && !status) {
         int64_t b2 = 0, l2 = 0;
-        status = load_input(OPT("grad-output"), "--grad-output", &dy, &b2,
-                            &l2);
-        if (!status && (dy->ndim != in.tq->ndim || b2 != in.B ||
-                        l2 != in.L || dy->shape[dy->ndim - 1] != in.E))
+        mha_tensor_view id;
+        status = input_info("backward", OPT("grad-output"), "--grad-output",
+                            &id, &b2, &l2);
+        if (!status && (id.ndim != in.iq.ndim || b2 != in.B ||
+                        l2 != in.L || id.shape[id.ndim - 1] != in.E))
             status = tool_fail("backward", "--grad-output %s must have the "
                                "forward output's shape, the query's",
                                OPT("grad-output"));
+        if (!status)
+            status = load_shard("backward", OPT("grad-output"),
+                                "--grad-output", &in.s, &dy);
     }
     /* the inputs' gradients: query, and key / value when given (each
      * input's own; a missing one's go to the input that served for it) */
-    const mha_tensor *ins[3] = {in.tq, in.tk, in.tv};
+    const mha_tensor_view *ins[3] = {&in.iq, in.ik.ndim ? &in.ik : NULL,
+                                     in.iv.ndim ? &in.iv : NULL};
     int64_t w[3] = {in.E, 0, 0};
     const int64_t np = in.m ? mha_param_numel(in.m) : 0;
     if (!done && !status) {
-        gy = take_shard(dy->data, &in.s, in.B, in.L, in.E);
         for (int t = 0; t < 3; t++) {
             if (!ins[t])
                 continue;
@@ -427,7 +423,7 @@ int cmd_backward_ring(int argc, char **argv)
             g[t] = malloc((size_t)(in.B * in.s.len * w[t] + 1) * 4);
         }
         gp = malloc((size_t)(np + 1) * 4);
-        if (!gy || !g[0] || (in.tk && !g[1]) || (in.tv && !g[2]) || !gp)
+        if (!g[0] || (ins[1] && !g[1]) || (ins[2] && !g[2]) || !gp)
             status = tool_fail("backward", "out of memory for the "
                                "gradients");
     }
@@ -435,7 +431,8 @@ int cmd_backward_ring(int argc, char **argv)
     if (!done && !rc) {
         const mha_ring_forward_args a =
             forward_args_of(&in, OPT("ulysses") != NULL, NULL);
-        const mha_ring_backward_args b = {gy, g[0], g[1], g[2], gp, 0};
+        const mha_ring_backward_args b = {dy->data, g[0], g[1], g[2], gp,
+                                          0};
         if (mha_ring_backward(in.m, &a, &b) != MHA_OK) {
             if (g_rank == 0)
                 tool_fail("backward", "%s", mha_last_error());
@@ -475,7 +472,6 @@ int cmd_backward_ring(int argc, char **argv)
         free(all[t]);
     }
     free(views);
-    free(gy);
     free(gp);
     mha_tensor_free(dy);
     ring_inputs_free(&in);

@@ -28,12 +28,15 @@
  * a little-endian host (x86, ARM, RISC-V as everyone runs them).  The #error
  * below stops a build on a big-endian host instead of silently misreading.
  */
+#define _POSIX_C_SOURCE 200809L   /* fseeko, fstat */
 #include "io.h"
 
+#include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #if defined(__BYTE_ORDER__) && defined(__ORDER_LITTLE_ENDIAN__) && \
     __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -480,15 +483,16 @@ static const char *shape_string(const int64_t *shape, int ndim, char *buf,
     return buf;
 }
 
-mha_status mha_npy_parse(const void *bytes, size_t size, mha_tensor **out)
+/*
+ * The preamble and header of a .npy file whose first `size` bytes are at
+ * b, the whole file `file_size` bytes: every check of the header, and of
+ * the data's length against the file's, before any data is read.  Sets
+ * *h, *data_off (where the data starts) and *numel.
+ */
+static mha_status npy_header_of(const unsigned char *b, size_t size,
+                                uint64_t file_size, npy_header *h,
+                                size_t *data_off, int64_t *numel_out)
 {
-    if (!out)
-        return mha_set_error(MHA_ERR_NULL_POINTER, "npy: out is NULL");
-    *out = NULL;
-    if (!bytes && size > 0)
-        return mha_set_error(MHA_ERR_NULL_POINTER, "npy: bytes is NULL");
-    const unsigned char *b = bytes;
-
     /* ---- preamble: magic, version, header length ---- */
     if (size == 0)
         return mha_set_error(MHA_ERR_FORMAT, "npy: the input is empty");
@@ -531,58 +535,80 @@ mha_status mha_npy_parse(const void *bytes, size_t size, mha_tensor **out)
                              (unsigned long long)hlen);
 
     /* ---- the dict ---- */
-    npy_header h;
-    memset(&h, 0, sizeof h);
+    memset(h, 0, sizeof *h);
     npy_lexer lx = {b + preamble, b + preamble + hlen, major <= 2};
-    MHA_CHECK(parse_dict(&lx, &h));
+    MHA_CHECK(parse_dict(&lx, h));
 
     /* ---- sizes, all checked before anything is allocated ---- */
     int64_t numel = 1;
-    for (int k = 0; k < h.ndim; k++)
-        if (h.shape[k] == 0)
+    for (int k = 0; k < h->ndim; k++)
+        if (h->shape[k] == 0)
             numel = 0;   /* empty, however large the other dimensions */
-    for (int k = 0; k < h.ndim && numel != 0; k++)
-        if (!mha_mul_ok(numel, h.shape[k], &numel)) {
+    for (int k = 0; k < h->ndim && numel != 0; k++)
+        if (!mha_mul_ok(numel, h->shape[k], &numel)) {
             char s[256];
             return mha_set_error(MHA_ERR_OVERFLOW,
                                  "npy: the element count of shape %s "
                                  "overflows 64 bits",
-                                 shape_string(h.shape, h.ndim, s, sizeof s));
+                                 shape_string(h->shape, h->ndim, s, sizeof s));
         }
     int64_t nbytes;
-    if (!mha_mul_ok(numel, (int64_t)h.itemsize, &nbytes)) {
+    if (!mha_mul_ok(numel, (int64_t)h->itemsize, &nbytes)) {
         char s[256];
         return mha_set_error(MHA_ERR_OVERFLOW,
                              "npy: the data size of shape %s (%lld elements "
                              "of %zu bytes) overflows 64 bits",
-                             shape_string(h.shape, h.ndim, s, sizeof s),
-                             (long long)numel, h.itemsize);
+                             shape_string(h->shape, h->ndim, s, sizeof s),
+                             (long long)numel, h->itemsize);
     }
-    const size_t data_off = preamble + (size_t)hlen;
-    const size_t have = size - data_off;
-    if ((uint64_t)nbytes > (uint64_t)have) {
+    *data_off = preamble + (size_t)hlen;
+    const uint64_t have = file_size - *data_off;
+    if ((uint64_t)nbytes > have) {
         char s[256];
         return mha_set_error(MHA_ERR_FORMAT,
                              "npy: truncated data: shape %s needs %lld bytes, "
-                             "the file has %zu",
-                             shape_string(h.shape, h.ndim, s, sizeof s),
-                             (long long)nbytes, have);
+                             "the file has %llu",
+                             shape_string(h->shape, h->ndim, s, sizeof s),
+                             (long long)nbytes, (unsigned long long)have);
     }
-    if ((uint64_t)nbytes < (uint64_t)have) {
+    if ((uint64_t)nbytes < have) {
         char s[256];
         return mha_set_error(MHA_ERR_FORMAT,
-                             "npy: %zu trailing bytes after the data of shape "
-                             "%s (%lld bytes)", have - (size_t)nbytes,
-                             shape_string(h.shape, h.ndim, s, sizeof s),
+                             "npy: %llu trailing bytes after the data of "
+                             "shape %s (%lld bytes)",
+                             (unsigned long long)(have - (uint64_t)nbytes),
+                             shape_string(h->shape, h->ndim, s, sizeof s),
                              (long long)nbytes);
     }
+    *numel_out = numel;
+    return MHA_OK;
+}
+
+/* The size of one element as loaded (float32, uint8 bool or int64). */
+static size_t out_item_of(const npy_header *h)
+{
+    return h->dtype == MHA_DTYPE_BOOL ? 1
+         : (h->dtype == MHA_DTYPE_I32 || h->dtype == MHA_DTYPE_I64)
+               ? sizeof(int64_t)
+               : sizeof(float);
+}
+
+mha_status mha_npy_parse(const void *bytes, size_t size, mha_tensor **out)
+{
+    if (!out)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "npy: out is NULL");
+    *out = NULL;
+    if (!bytes && size > 0)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "npy: bytes is NULL");
+    const unsigned char *b = bytes;
+    npy_header h;
+    size_t data_off;
+    int64_t numel;
+    MHA_CHECK(npy_header_of(b, size, size, &h, &data_off, &numel));
 
     /* numel <= size here, so the output size overflows only where size_t
      * is narrower than 8 * size. */
-    const size_t out_item = h.dtype == MHA_DTYPE_BOOL ? 1
-                          : (h.dtype == MHA_DTYPE_I32 ||
-                             h.dtype == MHA_DTYPE_I64) ? sizeof(int64_t)
-                          : sizeof(float);
+    const size_t out_item = out_item_of(&h);
     if ((uint64_t)numel > SIZE_MAX / out_item)
         return mha_set_error(MHA_ERR_OVERFLOW,
                              "npy: %lld elements do not fit in memory",
@@ -640,6 +666,194 @@ mha_status mha_npy_load(const char *path, mha_tensor **out)
         snprintf(msg, sizeof msg, "%s", e);
         return mha_set_error(st, "npy: '%s': %s", path, msg);
     }
+    return MHA_OK;
+}
+
+/* ---- reading part of a file ----------------------------------------- */
+
+/* Opens path (a regular file), reads and checks its header: *f open at
+ * the caller's charge on success. */
+static mha_status open_header(const char *path, FILE **f, npy_header *h,
+                              size_t *data_off, int64_t *numel)
+{
+    *f = NULL;
+    FILE *fp = fopen(path, "rb");
+    if (!fp)
+        return mha_set_error(MHA_ERR_IO, "npy: cannot open '%s': %s", path,
+                             strerror(errno));
+    struct stat st;
+    if (fstat(fileno(fp), &st) != 0 || !S_ISREG(st.st_mode)) {
+        fclose(fp);
+        return mha_set_error(MHA_ERR_IO, "npy: '%s' is not a regular file",
+                             path);
+    }
+    /* the preamble, then as much of the header as it says (a header of
+     * more than 16 MiB is no header NumPy writes) */
+    unsigned char pre[12] = {0};
+    size_t n = fread(pre, 1, sizeof pre, fp);
+    uint64_t hlen = n >= 10 ? ((uint64_t)pre[8] | (uint64_t)pre[9] << 8) : 0;
+    if (n >= 12 && pre[6] >= 2)
+        hlen |= (uint64_t)pre[10] << 16 | (uint64_t)pre[11] << 24;
+    size_t want = (size_t)(hlen < (16u << 20) ? hlen : 16u << 20) + 12;
+    if ((uint64_t)want > (uint64_t)st.st_size)
+        want = (size_t)st.st_size;
+    unsigned char *b = malloc(want + 1);
+    mha_status r = MHA_OK;
+    if (!b)
+        r = mha_set_error(MHA_ERR_OUT_OF_MEMORY, "npy: '%s': cannot allocate "
+                          "its header", path);
+    else if (fseeko(fp, 0, SEEK_SET) != 0 || fread(b, 1, want, fp) != want)
+        r = mha_set_error(MHA_ERR_IO, "npy: short read on '%s'", path);
+    if (r == MHA_OK)
+        r = npy_header_of(b, want, (uint64_t)st.st_size, h, data_off, numel);
+    free(b);
+    if (r != MHA_OK) {
+        fclose(fp);
+        if (strncmp(mha_last_error(), "npy: '", 6) != 0) {
+            char msg[512];
+            snprintf(msg, sizeof msg, "%s", mha_last_error() + 5);
+            return mha_set_error(r, "npy: '%s': %s", path, msg);
+        }
+        return r;
+    }
+    *f = fp;
+    return MHA_OK;
+}
+
+mha_status mha_npy_info(const char *path, mha_tensor_view *info)
+{
+    if (!path || !info)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "npy: %s is NULL",
+                             !path ? "path" : "info");
+    FILE *f;
+    npy_header h;
+    size_t off;
+    int64_t numel;
+    MHA_CHECK(open_header(path, &f, &h, &off, &numel));
+    fclose(f);
+    memset(info, 0, sizeof *info);
+    info->name = "";
+    info->dtype = h.dtype;
+    info->ndim = h.ndim;
+    for (int k = 0; k < h.ndim; k++)
+        info->shape[k] = h.shape[k];
+    return MHA_OK;
+}
+
+mha_status mha_npy_load_rows(const char *path, int nranges,
+                             const int64_t *starts, const int64_t *counts,
+                             mha_tensor **out)
+{
+    if (!out)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "npy: out is NULL");
+    *out = NULL;
+    if (!path || (nranges > 0 && (!starts || !counts)))
+        return mha_set_error(MHA_ERR_NULL_POINTER, "npy: %s is NULL",
+                             !path ? "path" : "starts or counts");
+    if (nranges < 0)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT, "npy: nranges %d < 0",
+                             nranges);
+    FILE *f;
+    npy_header h;
+    size_t off;
+    int64_t numel;
+    MHA_CHECK(open_header(path, &f, &h, &off, &numel));
+    mha_status st = MHA_OK;
+    if (h.ndim < 2)
+        st = mha_set_error(MHA_ERR_SHAPE, "npy: '%s': rows of a %d-D array: "
+                           "need at least 2 dimensions", path, h.ndim);
+    const int64_t L = h.ndim >= 2 ? h.shape[h.ndim - 2] : 0;
+    const int64_t w = h.ndim >= 2 ? h.shape[h.ndim - 1] : 0;
+    int64_t rows = 0, lead = 1;
+    for (int i = 0; st == MHA_OK && i < nranges; i++) {
+        if (starts[i] < 0 || counts[i] < 0 || starts[i] > L ||
+            counts[i] > L - starts[i])
+            st = mha_set_error(MHA_ERR_SHAPE, "npy: '%s': rows [%lld, %lld) "
+                               "outside the %lld rows", path,
+                               (long long)starts[i],
+                               (long long)(starts[i] + counts[i]),
+                               (long long)L);
+        rows += counts[i];   /* <= nranges * L: no overflow for sane n */
+    }
+    for (int k = 0; st == MHA_OK && k + 2 < h.ndim; k++)
+        lead *= h.shape[k];
+    if (st == MHA_OK && h.fortran && h.ndim > 1) {
+        /* Fortran order keeps no row together: read it whole */
+        fclose(f);
+        f = NULL;
+        mha_tensor *all;
+        MHA_CHECK(mha_npy_load(path, &all));
+        const size_t item = out_item_of(&h);
+        unsigned char *dst = malloc((size_t)(lead * rows * w) * item + 1);
+        if (!dst) {
+            mha_tensor_free(all);
+            return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "npy: '%s': cannot "
+                                 "allocate its rows", path);
+        }
+        unsigned char *y = dst;
+        for (int64_t b = 0; b < lead; b++)
+            for (int i = 0; i < nranges; i++) {
+                const size_t n = (size_t)(counts[i] * w) * item;
+                memcpy(y, (const unsigned char *)all->data +
+                              (size_t)((b * L + starts[i]) * w) * item, n);
+                y += n;
+            }
+        free((void *)all->data);
+        all->data = dst;
+        all->shape[all->ndim - 2] = rows;
+        all->numel = lead * rows * w;
+        *out = all;
+        return MHA_OK;
+    }
+    const size_t item = out_item_of(&h);
+    mha_tensor *t = st == MHA_OK ? malloc(sizeof *t) : NULL;
+    void *dst = st == MHA_OK ? malloc((size_t)(lead * rows * w) * item + 1)
+                             : NULL;
+    unsigned char *buf = st == MHA_OK ? malloc((size_t)w * h.itemsize + 1)
+                                      : NULL;
+    if (st == MHA_OK && (!t || !dst || !buf))
+        st = mha_set_error(MHA_ERR_OUT_OF_MEMORY, "npy: '%s': cannot "
+                           "allocate %lld rows", path, (long long)rows);
+    /* row by row: a row's bytes read into buf, converted into place */
+    int64_t c = 0;
+    for (int64_t b = 0; st == MHA_OK && b < lead; b++)
+        for (int i = 0; st == MHA_OK && i < nranges; i++) {
+            const int64_t r0 = b * L + starts[i];
+            if (counts[i] > 0 &&
+                fseeko(f, (off_t)(off + (size_t)(r0 * w) * h.itemsize),
+                       SEEK_SET) != 0)
+                st = mha_set_error(MHA_ERR_IO, "npy: seek failed on '%s'",
+                                   path);
+            for (int64_t r = 0; st == MHA_OK && r < counts[i]; r++) {
+                if (fread(buf, h.itemsize, (size_t)w, f) != (size_t)w) {
+                    st = mha_set_error(MHA_ERR_IO, "npy: short read on "
+                                       "'%s'", path);
+                    break;
+                }
+                for (int64_t x = 0; x < w; x++, c++)
+                    if (!convert_one(h.kind, buf, x, dst, c))
+                        st = mha_set_error(MHA_ERR_FORMAT, "npy: '%s': a "
+                                           "bool element is %u, not 0 or 1",
+                                           path, (unsigned)buf[x]);
+            }
+        }
+    fclose(f);
+    free(buf);
+    if (st != MHA_OK) {
+        free(t);
+        free(dst);
+        return st;
+    }
+    memset(t, 0, sizeof *t);
+    t->name = "";
+    t->dtype = h.dtype;
+    t->ndim = h.ndim;
+    for (int k = 0; k < h.ndim; k++)
+        t->shape[k] = h.shape[k];
+    t->shape[h.ndim - 2] = rows;
+    t->numel = lead * rows * w;
+    t->data = dst;
+    *out = t;
     return MHA_OK;
 }
 
