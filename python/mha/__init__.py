@@ -662,6 +662,30 @@ def _attention_args(q, k, v, num_heads, num_kv_heads, scale, attn_mask,
         k_positions=_int64(k_positions, "k_positions")), unbatched
 
 
+def _attention_plain(q, k, v, num_heads, num_kv_heads, scale, num_threads):
+    """attention's short way for q, k and v alone (batched C-contiguous
+    float32 arrays of consistent shapes): one positional C call, the same
+    computation.  None for anything else: the full way then checks (and
+    raises) as always."""
+    A, f32 = np.ndarray, np.float32
+    if type(q) is not A or type(k) is not A or type(v) is not A or \
+            q.dtype != f32 or k.dtype != f32 or v.dtype != f32 or \
+            q.ndim != 3 or k.ndim != 3 or k.shape != v.shape or \
+            q.size == 0 or k.size == 0 or \
+            not (q.flags.c_contiguous and k.flags.c_contiguous and
+                 v.flags.c_contiguous) or type(num_heads) is not int:
+        return None
+    H, Hkv = num_heads, num_kv_heads or num_heads
+    if type(Hkv) is not int or H < 1 or Hkv < 1 or q.shape[2] % H or \
+            k.shape[0] != q.shape[0] or k.shape[2] != Hkv * (q.shape[2] // H):
+        return None
+    out = np.empty(q.shape, f32)
+    _core.attention_plain(q, k, v, out, False, H, Hkv, 0,
+                          None if scale is None else float(scale),
+                          int(num_threads))
+    return out
+
+
 def attention(q, k=None, v=None, *, num_heads, num_kv_heads=None, scale=None,
               attn_mask=None, key_padding_mask=None, key_lengths=None,
               causal=None, need_weights=False, dropout=0.0, training=False,
@@ -682,6 +706,15 @@ def attention(q, k=None, v=None, *, num_heads, num_kv_heads=None, scale=None,
     Returns out, then the weights (need_weights) and the lse (B, H, Lq)
     (return_lse), as a tuple when there is more than out.
     """
+    if causal is None and attn_mask is None and key_padding_mask is None \
+            and key_lengths is None and not need_weights and not training \
+            and not return_lse and cache is None and rope is None and \
+            alibi is False and window is None and not softcap and \
+            sinks is None and q_positions is None and k_positions is None:
+        out = _attention_plain(q, k, v, num_heads, num_kv_heads, scale,
+                               num_threads)
+        if out is not None:
+            return out
     a, unbatched = _attention_args(
         q, k, v, num_heads, num_kv_heads, scale, attn_mask,
         key_padding_mask, key_lengths, causal, need_weights, dropout,

@@ -656,6 +656,9 @@ static int64_t cache_max_len(const mha_kv_cache_config *cc,
  * forward(...) and, with grad_out, backward(...): one argument list, the
  * fields of mha_forward_args and mha_backward_args.
  */
+static mha_status forward_kept(ModuleObject *self, mha_forward_args *a,
+                               CacheObject *co);
+
 static PyObject *module_run(ModuleObject *self, PyObject *args, PyObject *kw)
 {
     static char *kws[] = {
@@ -773,15 +776,40 @@ static PyObject *module_run(ModuleObject *self, PyObject *args, PyObject *kw)
         a.attn_weights = NULL;
     }
 
-    /* A forward runs on the module's kept plan when no other call holds
-     * it: made (or remade) for this shape first. */
+    mha_status st;
+    if (backward) {
+        self->busy++;
+        Py_BEGIN_ALLOW_THREADS
+        st = mha_backward(self->m, &a, &ba);
+        Py_END_ALLOW_THREADS
+        self->busy--;
+    } else {
+        st = forward_kept(self, &a, co);
+    }
+    bufs_release(&b);
+    if (st != MHA_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+fail:
+    bufs_release(&b);
+    return NULL;
+}
+
+/*
+ * A forward on the module's kept plan when no other call holds it (made,
+ * or remade for this shape, first), else mha_forward; the GIL released.
+ */
+static mha_status forward_kept(ModuleObject *self, mha_forward_args *a,
+                               CacheObject *co)
+{
     mha_plan *plan = NULL;
-    if (!backward && !self->plan_busy) {
-        int64_t key[5] = {B, Lq, Lk, threads, co ? co->cfg.capacity : 0};
+    if (!self->plan_busy) {
+        int64_t key[5] = {a->batch, a->q_len, a->kv_len, a->num_threads,
+                          co ? co->cfg.capacity : 0};
         if (!self->plan || memcmp(key, self->plan_key, sizeof key)) {
             mha_plan_free(self->plan);
             self->plan = NULL;
-            if (mha_plan_create(self->m, &a, &self->plan) == MHA_OK)
+            if (mha_plan_create(self->m, a, &self->plan) == MHA_OK)
                 memcpy(self->plan_key, key, sizeof key);
             else
                 self->plan = NULL;  /* mha_forward reports the error */
@@ -795,26 +823,78 @@ static PyObject *module_run(ModuleObject *self, PyObject *args, PyObject *kw)
     if (plan)
         self->plan_busy = 1;
     Py_BEGIN_ALLOW_THREADS
-    st = backward ? mha_backward(self->m, &a, &ba)
-       : plan     ? mha_plan_forward(plan, &a)
-                  : mha_forward(self->m, &a);
+    st = plan ? mha_plan_forward(plan, a) : mha_forward(self->m, a);
     Py_END_ALLOW_THREADS
     if (plan)
         self->plan_busy = 0;
     self->busy--;
     if (co)
         co->busy = 0;
+    return st;
+}
+
+/*
+ * forward_plain(query, key, value, out, batch, q_len, kv_len, causal):
+ * module_run's forward with nothing else (no masks, weights, dropout,
+ * head mask, cache or positions), positional (METH_FASTCALL): the
+ * drop-in nn.MultiheadAttention's common inference call without keyword
+ * parsing.  key / value None as in module_run.
+ */
+static PyObject *module_forward_plain(ModuleObject *self,
+                                      PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8)
+        return PyErr_Format(PyExc_TypeError, "forward_plain takes 8 "
+                            "arguments, got %zd", nargs);
+    const long long B = PyLong_AsLongLong(args[4]);
+    const long long Lq = PyLong_AsLongLong(args[5]);
+    const long long Lk = PyLong_AsLongLong(args[6]);
+    const long causal = PyLong_AsLong(args[7]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (B < 1 || Lq < 1 || Lk < 0)
+        return PyErr_Format(PyExc_ValueError,
+                            "batch and q_len must be >= 1, kv_len >= 0");
+    const mha_config *c = &self->cfg;
+    const int64_t E = c->embed_dim, lk = Lk ? Lk : Lq;
+    mha_forward_args a;
+    memset(&a, 0, sizeof a);
+    bufset b = {.n = 0};
+    void *pq, *pk, *pv, *pout;
+    if (get_buf(&b, args[0], "query", T_F32, 0, mul3(B, Lq, E), 1, &pq,
+                NULL) ||
+        get_buf(&b, args[1], "key", T_F32, 0, mul3(B, lk, c->kdim), 0, &pk,
+                NULL) ||
+        get_buf(&b, args[2], "value", T_F32, 0,
+                mul3(B, lk, pk ? c->vdim : c->kdim), 0, &pv, NULL) ||
+        get_buf(&b, args[3], "out", T_F32, 1, mul3(B, Lq, E), 1, &pout,
+                NULL)) {
+        bufs_release(&b);
+        return NULL;
+    }
+    if (pv && !pk) {
+        bufs_release(&b);
+        return PyErr_Format(PyExc_ValueError, "value given without key");
+    }
+    a.batch = B;
+    a.q_len = Lq;
+    a.kv_len = Lk;
+    a.query = pq;
+    a.key = pk;
+    a.value = pv;
+    a.causal = (mha_causal)causal;
+    a.out = pout;
+    const mha_status st = forward_kept(self, &a, NULL);
     bufs_release(&b);
     if (st != MHA_OK)
         return raise_status(st);
     Py_RETURN_NONE;
-fail:
-    bufs_release(&b);
-    return NULL;
 }
 
 static PyMethodDef module_methods[] = {
     {"save", (PyCFunction)module_save, METH_VARARGS, "save(path)"},
+    {"forward_plain", (PyCFunction)(void (*)(void))module_forward_plain,
+     METH_FASTCALL, "the forward of q, k, v alone, positional"},
     {"config", (PyCFunction)module_config, METH_NOARGS,
      "the resolved configuration as a dict"},
     {"params", (PyCFunction)module_params, METH_NOARGS,
@@ -1325,6 +1405,138 @@ fail:
     return NULL;
 }
 
+/*
+ * attention_plain(q, k, v, out, heads_first, num_heads, num_kv_heads,
+ *                 causal, scale, num_threads): the drop-ins' common call,
+ * nothing but q, k, v (no masks, modifiers, sinks, dropout, weights or
+ * cache), positional (METH_FASTCALL) and with the shapes read from the
+ * buffers, so that a call costs what it must and no keyword parsing:
+ *   heads_first 0: q (B, Lq, H*d_h), k and v (B, Lk, H_kv*d_h),
+ *                  C-contiguous (mha.attention's layout; num_heads says
+ *                  H, num_kv_heads H_kv or 0 for H);
+ *   heads_first 1: q (B, H, Lq, d_h), k and v (B, H_kv, Lk, d_h), any
+ *                  strides (SDPA's; see heads_first above; the head
+ *                  counts come from the shapes).
+ *   out (B, Lq, H*d_h) C-contiguous, written.  causal: mha_causal.  scale:
+ *   None (1/sqrt(d_h)) or a float.
+ */
+static PyObject *attention_plain(PyObject *self, PyObject *const *args,
+                                 Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 10)
+        return PyErr_Format(PyExc_TypeError, "attention_plain takes 10 "
+                            "arguments, got %zd", nargs);
+    const int heads_first = PyObject_IsTrue(args[4]);
+    const long long H0 = PyLong_AsLongLong(args[5]);
+    const long long Hkv0 = PyLong_AsLongLong(args[6]);
+    const long causal = PyLong_AsLong(args[7]);
+    const long threads = PyLong_AsLong(args[9]);
+    double scale = 0.0;
+    if (args[8] != Py_None)
+        scale = PyFloat_AsDouble(args[8]);
+    if (heads_first < 0 || PyErr_Occurred())
+        return NULL;
+    mha_attention_args a;
+    memset(&a, 0, sizeof a);
+    bufset b = {.n = 0};
+    strided4 x4[3];
+    float *scratch[4] = {NULL, NULL, NULL, NULL};
+    void *pq, *pk, *pv, *pout;
+    Py_buffer *vq = NULL, *vk = NULL;
+    int64_t B, H, Hkv, dh, Lq, Lk;
+    if (heads_first) {
+        /* the shapes from q's and k's buffers, then all three checked */
+        Py_buffer probe;
+        if (PyObject_GetBuffer(args[0], &probe, PyBUF_RECORDS_RO) != 0)
+            return NULL;
+        const int ok = probe.ndim == 4;
+        B = ok ? probe.shape[0] : 0;
+        H = ok ? probe.shape[1] : 0;
+        Lq = ok ? probe.shape[2] : 0;
+        dh = ok ? probe.shape[3] : 0;
+        PyBuffer_Release(&probe);
+        if (PyObject_GetBuffer(args[1], &probe, PyBUF_RECORDS_RO) != 0)
+            return NULL;
+        const int okk = probe.ndim == 4;
+        Hkv = okk ? probe.shape[1] : 0;
+        Lk = okk ? probe.shape[2] : 0;
+        PyBuffer_Release(&probe);
+        if (!ok || !okk)
+            return PyErr_Format(PyExc_ValueError, "q and k must be 4-D "
+                                "(B, H, L, d_h) arrays");
+        if (get_buf4(&b, args[0], "q", B, H, Lq, dh, &x4[0]) ||
+            get_buf4(&b, args[1], "k", B, Hkv, Lk, dh, &x4[1]) ||
+            get_buf4(&b, args[2], "v", B, Hkv, Lk, dh, &x4[2]))
+            goto fail;
+    } else {
+        if (get_buf(&b, args[0], "q", T_F32, 0, -1, 1, &pq, &vq) ||
+            get_buf(&b, args[1], "k", T_F32, 0, -1, 1, &pk, &vk) ||
+            get_buf(&b, args[2], "v", T_F32, 0, -1, 1, &pv, NULL))
+            goto fail;
+        H = H0;
+        Hkv = Hkv0 ? Hkv0 : H0;
+        if (vq->ndim != 3 || vk->ndim != 3 || H < 1 || Hkv < 1 ||
+            vq->shape[2] % H) {
+            PyErr_Format(PyExc_ValueError, "q and k must be (B, L, H*d_h) "
+                         "arrays with H = %lld dividing q's last dimension",
+                         (long long)H);
+            goto fail;
+        }
+        B = vq->shape[0];
+        Lq = vq->shape[1];
+        dh = vq->shape[2] / H;
+        Lk = vk->shape[1];
+        if (vk->shape[0] != B || vk->shape[2] != Hkv * dh ||
+            b.v[2].len != vk->len) {
+            PyErr_Format(PyExc_ValueError, "k and v must be (%lld, Lk, "
+                         "%lld) (num_kv_heads x head_dim), the same shape",
+                         (long long)B, (long long)(Hkv * dh));
+            goto fail;
+        }
+        a.q = pq;
+        a.k = pk;
+        a.v = pv;
+    }
+    if (B < 1 || Lq < 1 || Lk < 1) {
+        PyErr_Format(PyExc_ValueError, "batch, q_len and kv_len must be >= "
+                     "1");
+        goto fail;
+    }
+    if (get_buf(&b, args[3], "out", T_F32, 1, mul3(B, Lq, mul3(H, dh, 1)), 1,
+                &pout, NULL))
+        goto fail;
+    a.batch = B;
+    a.num_heads = H;
+    a.num_kv_heads = Hkv;
+    a.head_dim = dh;
+    a.q_len = Lq;
+    a.kv_len = Lk;
+    a.causal = (mha_causal)causal;
+    a.num_threads = (int)threads;
+    a.out = pout;
+    if (args[8] != Py_None) {
+        a.scale = (float)scale;
+        a.given |= MHA_GIVEN_SCALE;
+    }
+    mha_status st = MHA_OK;
+    Py_BEGIN_ALLOW_THREADS
+    if (heads_first)
+        st = heads_first_inputs(&a, x4, 3, NULL, scratch);
+    if (st == MHA_OK)
+        st = mha_attention(&a);
+    for (int i = 0; i < 4; i++)
+        free(scratch[i]);
+    Py_END_ALLOW_THREADS
+    bufs_release(&b);
+    if (st != MHA_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+fail:
+    bufs_release(&b);
+    return NULL;
+}
+
 /* ---- small functions --------------------------------------------------- */
 
 static PyObject *alibi_slopes(PyObject *self, PyObject *args)
@@ -1419,6 +1631,8 @@ static PyMethodDef core_methods[] = {
     {"attention", (PyCFunction)(void (*)(void))attention,
      METH_VARARGS | METH_KEYWORDS,
      "mha_attention, or mha_attention_backward with grad_out"},
+    {"attention_plain", (PyCFunction)(void (*)(void))attention_plain,
+     METH_FASTCALL, "mha_attention on q, k, v alone, positional"},
     {"alibi_slopes", alibi_slopes, METH_VARARGS, "alibi_slopes(H, out)"},
     {"rope_apply", rope_apply, METH_VARARGS, "mha_rope_apply"},
     {"dropout_keep", dropout_keep, METH_VARARGS, "mha_dropout_keep"},

@@ -324,3 +324,36 @@ def test_prune_heads_equals_head_mask(rng):
             m.prune_heads(bad)
     with pytest.raises(TypeError):
         m.prune_heads(3)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_attention_short_way_is_the_same_call(seed):
+    """mha.attention with q, k, v alone takes a short way (one positional
+    C call); with anything more, the full one.  The same bits, GQA or not,
+    a scale or not; and what the short way cannot take (a non-contiguous
+    or float64 array, an unbatched one) still goes the full way."""
+    r = np.random.default_rng(500 + seed)
+    Hkv = int(r.integers(1, 3))
+    H = Hkv * int(r.integers(1, 4))
+    d = int(r.choice([4, 8, 16]))
+    B, Lq, Lk = int(r.integers(1, 3)), int(r.integers(1, 9)), \
+        int(r.integers(1, 9))
+    q = r.standard_normal((B, Lq, H * d)).astype(np.float32)
+    k, v = (r.standard_normal((B, Lk, Hkv * d)).astype(np.float32)
+            for _ in range(2))
+    scale = None if seed % 2 else 0.3
+    short = mha.attention(q, k, v, num_heads=H, num_kv_heads=Hkv,
+                          scale=scale)
+    full, lse = mha.attention(q, k, v, num_heads=H, num_kv_heads=Hkv,
+                              scale=scale, return_lse=True)
+    assert np.array_equal(short, full)
+    # a transposed copy is not C-contiguous: copied by the full way
+    kt = np.ascontiguousarray(k.transpose(1, 0, 2)).transpose(1, 0, 2)
+    assert np.array_equal(mha.attention(q, kt, v, num_heads=H,
+                                        num_kv_heads=Hkv, scale=scale), full)
+    assert np.array_equal(mha.attention(q[0], k[0], v[0], num_heads=H,
+                                        num_kv_heads=Hkv, scale=scale),
+                          full[0])
+    with pytest.raises(TypeError, match="float32"):
+        mha.attention(q.astype(np.float64), k, v, num_heads=H,
+                      num_kv_heads=Hkv)

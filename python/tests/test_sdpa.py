@@ -284,3 +284,32 @@ def test_non_cpu_refused():
     for args in ((q, q, q), (c, q, c), (c, c, q)):
         with pytest.raises(ValueError, match="CPU"):
             sdpa(*args)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_no_grad_short_way_is_the_same_call(seed):
+    """Under no_grad, SDPA with q, k, v alone (and is_causal, scale,
+    enable_gqa) takes a short way, one positional C call: the same bits as
+    the autograd path; what it cannot take goes the full way and raises
+    there (heads that differ without enable_gqa)."""
+    r = np.random.default_rng(900 + seed)
+    Hkv = int(r.integers(1, 3))
+    H = Hkv * int(r.integers(1, 4))
+    d = int(r.choice([1, 4, 16]))
+    B, Lq, Lk = int(r.integers(1, 3)), int(r.integers(1, 7)), \
+        int(r.integers(1, 7))
+    causal = bool(seed % 2)
+    scale = None if seed % 3 else 0.25
+    q, k, v = tensors(r, (B, H, Lq, d), (B, Hkv, Lk, d), (B, Hkv, Lk, d))
+    if seed % 4 == 1:   # as models make them
+        q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2)
+                   for x in (q, k, v))
+    ins = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = sdpa(*ins, is_causal=causal, scale=scale, enable_gqa=True)
+    assert ref.requires_grad
+    with torch.no_grad():
+        out = sdpa(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+        assert not out.requires_grad and torch.equal(out, ref.detach())
+        if H != Hkv:
+            with pytest.raises(ValueError, match="enable_gqa"):
+                sdpa(q, k, v)

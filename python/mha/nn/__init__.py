@@ -329,9 +329,9 @@ class MultiheadAttention(nn.Module):
         core = self._core_module()
         self._sync(core, self._param_list())
         out = np.empty((B, Lq, E), np.float32)
-        core.run(query=_np(q), key=None if k is None else _np(k),
-                 value=None if v is None else _np(v), out=out, batch=B,
-                 q_len=Lq, kv_len=Lk, causal=2 if is_causal else 0)
+        core.forward_plain(_np(q), None if k is None else _np(k),
+                           None if v is None else _np(v), out, B, Lq, Lk,
+                           2 if is_causal else 0)
         out = torch.from_numpy(out)
         return out if bf else out.transpose(0, 1)
 

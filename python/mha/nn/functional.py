@@ -124,6 +124,33 @@ def _sdpa_forward(q, k, v, sinks, kw):
     return res
 
 
+_T, _F32 = torch.Tensor, torch.float32
+
+
+def _sdpa_plain(q, k, v, is_causal, scale, gqa):
+    """The short way for the common inference call (no grad, no mask,
+    dropout or modifier; batched float32 CPU tensors of consistent
+    shapes, below _TORCH_COPY_FROM elements): one positional C call,
+    the same computation.  None for anything else: the full way then
+    checks (and raises) as always."""
+    if type(q) is not _T or type(k) is not _T or type(v) is not _T or \
+            q.dtype is not _F32 or k.dtype is not _F32 or \
+            v.dtype is not _F32 or not (q.is_cpu and k.is_cpu and v.is_cpu) \
+            or q.dim() != 4 or not 0 < q.numel() < _TORCH_COPY_FROM:
+        return None
+    B, H, Lq, d = q.shape
+    ks = k.shape
+    if v.shape != ks or len(ks) != 4 or ks[0] != B or ks[3] != d or \
+            ks[2] == 0 or (ks[1] != H and (not gqa or H % ks[1])):
+        return None
+    out = np.empty((B, Lq, H, d), np.float32)
+    _core.attention_plain(q.detach().numpy(), k.detach().numpy(),
+                          v.detach().numpy(), out, True, 0, 0,
+                          2 if is_causal else 0,
+                          None if scale is None else float(scale), 0)
+    return torch.from_numpy(out).transpose(1, 2)
+
+
 class _SDPA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, kw):
@@ -183,6 +210,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None,
     output.
     Differences from torch: see this module's docstring.
     """
+    if attn_mask is None and not dropout_p and window is None and \
+            alibi is False and softcap is None and sinks is None and \
+            rope is None and q_positions is None and k_positions is None \
+            and not torch.is_grad_enabled():
+        out = _sdpa_plain(query, key, value, is_causal, scale, enable_gqa)
+        if out is not None:
+            return out
     _check(query, "query")
     _check(key, "key")
     _check(value, "value")
