@@ -834,6 +834,104 @@ static void ref_linear(const float *x, int64_t rows, int64_t n_in,
         }
 }
 
+/* mha_project_backward of projection `which` at x (rows, n_in) against
+ * float64 sums written here: dx = dy W, dW = dy^T x, db = column sums of
+ * dy, at their places in the gradient layout (the weight's and bias's
+ * offsets; every other entry untouched); accumulate and dx_accumulate add
+ * the same again; the same bits on 1 and 3 threads. */
+static void check_project_backward(const mha_module *m, mha_projection which,
+                                   int64_t rows, int64_t n_in, int64_t n_out,
+                                   const float *w, int has_bias,
+                                   const float *x, uint64_t *s)
+{
+    static const char *const wname[4][2] = {
+        {"q_proj_weight", "in_proj_weight"}, {"k_proj_weight",
+                                              "in_proj_weight"},
+        {"v_proj_weight", "in_proj_weight"}, {"out_proj.weight",
+                                              "out_proj.weight"}};
+    mha_config c;
+    mha_get_config(m, &c);
+    const int packed = c.kdim == c.embed_dim && c.vdim == c.embed_dim;
+    mha_param_info wi, bi;
+    assert_int_equal(mha_param_info_by_name(m, wname[which][packed], &wi),
+                     MHA_OK);
+    const int64_t D = c.num_heads * c.head_dim;
+    int64_t woff = wi.offset, boff = -1;
+    if (which != MHA_PROJ_OUT && packed)
+        woff += (int64_t)which * D * c.embed_dim;
+    if (has_bias) {
+        assert_int_equal(mha_param_info_by_name(
+                             m, which == MHA_PROJ_OUT ? "out_proj.bias"
+                                                      : "in_proj_bias", &bi),
+                         MHA_OK);
+        boff = bi.offset + (which == MHA_PROJ_OUT ? 0 : (int64_t)which * D);
+    }
+    const int64_t np = mha_param_numel(m);
+    float *dy = malloc((size_t)(rows * n_out) * sizeof(float));
+    float *dx = malloc((size_t)(rows * n_in) * sizeof(float));
+    float *dx3 = malloc((size_t)(rows * n_in) * sizeof(float));
+    float *g = malloc((size_t)np * sizeof(float));
+    float *g3 = malloc((size_t)np * sizeof(float));
+    for (int64_t i = 0; i < rows * n_out; i++)
+        dy[i] = frand(s);
+    for (int64_t i = 0; i < np; i++)
+        g[i] = g3[i] = -99.0f;
+    assert_int_equal(mha_project_backward(m, which, x, rows, dy, dx, 0, g, 0,
+                                          1), MHA_OK);
+    assert_int_equal(mha_project_backward(m, which, x, rows, dy, dx3, 0, g3,
+                                          0, 3), MHA_OK);
+    assert_memory_equal(dx, dx3, (size_t)(rows * n_in) * sizeof(float));
+    assert_memory_equal(g, g3, (size_t)np * sizeof(float));
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < n_in; i++) {
+            double ref = 0.0;
+            for (int64_t o = 0; o < n_out; o++)
+                ref += (double)dy[r * n_out + o] * w[o * n_in + i];
+            if (fabs(dx[r * n_in + i] - ref) > 1e-5 * (1.0 + fabs(ref)))
+                fail_msg("project_backward %d: dx[%lld] = %.9g, expected "
+                         "%.9g", (int)which, (long long)(r * n_in + i),
+                         (double)dx[r * n_in + i], ref);
+        }
+    for (int64_t k = 0; k < np; k++) {
+        double ref;
+        if (k >= woff && k < woff + n_out * n_in) {
+            const int64_t o = (k - woff) / n_in, i = (k - woff) % n_in;
+            ref = 0.0;
+            for (int64_t r = 0; r < rows; r++)
+                ref += (double)dy[r * n_out + o] * x[r * n_in + i];
+        } else if (has_bias && k >= boff && k < boff + n_out) {
+            ref = 0.0;
+            for (int64_t r = 0; r < rows; r++)
+                ref += dy[r * n_out + (k - boff)];
+        } else {
+            if (g[k] != -99.0f)
+                fail_msg("project_backward %d: gradient entry %lld outside "
+                         "the projection's written", (int)which,
+                         (long long)k);
+            continue;
+        }
+        if (fabs(g[k] - ref) > 1e-5 * (1.0 + fabs(ref)))
+            fail_msg("project_backward %d: gradient entry %lld = %.9g, "
+                     "expected %.9g", (int)which, (long long)k, (double)g[k],
+                     ref);
+    }
+    /* accumulating: the same sums added, so exactly twice (or -99 twice
+     * away from nothing where nothing is written) */
+    memcpy(g3, g, (size_t)np * sizeof(float));
+    memcpy(dx3, dx, (size_t)(rows * n_in) * sizeof(float));
+    assert_int_equal(mha_project_backward(m, which, x, rows, dy, dx3, 1, g3,
+                                          1, 2), MHA_OK);
+    for (int64_t i = 0; i < rows * n_in; i++)
+        assert_true(dx3[i] == 2.0f * dx[i]);
+    for (int64_t k = 0; k < np; k++)
+        assert_true(g[k] == -99.0f ? g3[k] == -99.0f : g3[k] == 2.0f * g[k]);
+    free(dy);
+    free(dx);
+    free(dx3);
+    free(g);
+    free(g3);
+}
+
 /* head_dim 0: E / H; otherwise the heads' width D = H * head_dim, and the
  * input projections map to D columns, the output projection from D. */
 static void check_projections(int64_t E, int64_t H, int64_t kdim,
@@ -909,6 +1007,8 @@ static void check_projections(int64_t E, int64_t H, int64_t kdim,
                          (long long)E, (long long)kdim, (long long)vdim,
                          (long long)i, (double)y[i], ref[i]);
         }
+        check_project_backward(m, cases[k].which, rows, n_in, n_out,
+                               cases[k].w, cases[k].b != NULL, x, &s);
         free(x);
         free(y);
         free(ref);
@@ -962,6 +1062,30 @@ static void test_project_errors(void **state)
                  MHA_ERR_INVALID_ARGUMENT, "projection");
     assert_fails(mha_project(m, MHA_PROJ_OUT, x, INT64_MAX / 2, y),
                  MHA_ERR_OVERFLOW, "rows");
+    for (int i = 0; i < 16; i++)
+        assert_true(y[i] == -7.0f);
+    /* its backward: the same refusals, and num_threads */
+    assert_fails(mha_project_backward(NULL, MHA_PROJ_QUERY, x, 2, y, y, 0,
+                                      NULL, 0, 0),
+                 MHA_ERR_NULL_POINTER, "module");
+    assert_fails(mha_project_backward(m, MHA_PROJ_QUERY, NULL, 2, y, y, 0,
+                                      NULL, 0, 0),
+                 MHA_ERR_NULL_POINTER, "x");
+    assert_fails(mha_project_backward(m, MHA_PROJ_QUERY, x, 2, NULL, y, 0,
+                                      NULL, 0, 0),
+                 MHA_ERR_NULL_POINTER, "dy");
+    assert_fails(mha_project_backward(m, MHA_PROJ_KEY, x, 0, y, y, 0, NULL,
+                                      0, 0),
+                 MHA_ERR_SHAPE, "rows");
+    assert_fails(mha_project_backward(m, (mha_projection)4, x, 2, y, y, 0,
+                                      NULL, 0, 0),
+                 MHA_ERR_INVALID_ARGUMENT, "projection");
+    assert_fails(mha_project_backward(m, MHA_PROJ_OUT, x, INT64_MAX / 2, y,
+                                      y, 0, NULL, 0, 0),
+                 MHA_ERR_OVERFLOW, "rows");
+    assert_fails(mha_project_backward(m, MHA_PROJ_OUT, x, 2, y, y, 0, NULL,
+                                      0, -1),
+                 MHA_ERR_INVALID_ARGUMENT, "num_threads");
     for (int i = 0; i < 16; i++)
         assert_true(y[i] == -7.0f);
     mha_free(m);

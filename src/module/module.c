@@ -414,11 +414,16 @@ mha_status mha_param_set(mha_module *m, const char *name, const float *src,
     return MHA_OK;
 }
 
-/* Projection `which`'s weight (n_out, n_in) and bias (or NULL). */
+/* Projection `which` of `rows` rows: its weight (n_out, n_in) and bias
+ * (or NULL), the row count checked (messages prefixed by `who`). */
 static mha_status projection_of(const mha_module *m, mha_projection which,
+                                int64_t rows, const char *who,
                                 const float **w, const float **b,
                                 int64_t *n_in, int64_t *n_out)
 {
+    if (rows <= 0)
+        return mha_set_error(MHA_ERR_SHAPE, "%srows must be > 0, got %lld",
+                             who, (long long)rows);
     const int64_t E = m->cfg.embed_dim, D = m->inner_dim;
     *n_out = D;
     switch (which) {
@@ -432,8 +437,14 @@ static mha_status projection_of(const mha_module *m, mha_projection which,
     case MHA_PROJ_OUT: *w = m->w_o; *b = m->b_o; *n_in = D; *n_out = E; break;
     default:
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "unknown projection %d", (int)which);
+                             "%sunknown projection %d", who, (int)which);
     }
+    int64_t n;
+    if (!mha_mul_ok(rows, *n_in > *n_out ? *n_in : *n_out, &n) ||
+        (uint64_t)n > SIZE_MAX / sizeof(float))
+        return mha_set_error(MHA_ERR_OVERFLOW,
+                             "%sprojection of %lld rows overflows", who,
+                             (long long)rows);
     return MHA_OK;
 }
 
@@ -443,18 +454,9 @@ mha_status mha_project(const mha_module *m, mha_projection which,
     if (!m || !x || !y)
         return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
                              !m ? "module" : !x ? "input x" : "output y");
-    if (rows <= 0)
-        return mha_set_error(MHA_ERR_SHAPE, "rows must be > 0, got %lld",
-                             (long long)rows);
     const float *w = NULL, *b = NULL;
     int64_t n_in = 0, n_out = 0;
-    MHA_CHECK(projection_of(m, which, &w, &b, &n_in, &n_out));
-    int64_t n;
-    if (!mha_mul_ok(rows, n_in > n_out ? n_in : n_out, &n) ||
-        (uint64_t)n > SIZE_MAX / sizeof(float))
-        return mha_set_error(MHA_ERR_OVERFLOW,
-                             "projection of %lld rows overflows",
-                             (long long)rows);
+    MHA_CHECK(projection_of(m, which, rows, "", &w, &b, &n_in, &n_out));
     mha_linear(x, rows, n_in, n_in, w, n_out, b, y, n_out, 0);
     return MHA_OK;
 }
@@ -468,21 +470,13 @@ mha_status mha_project_backward(const mha_module *m, mha_projection which,
     if (!m || !x || !dy)
         return mha_set_error(MHA_ERR_NULL_POINTER, "project_backward: %s is "
                              "NULL", !m ? "module" : !x ? "input x" : "dy");
-    if (rows <= 0)
-        return mha_set_error(MHA_ERR_SHAPE, "project_backward: rows must be "
-                             "> 0, got %lld", (long long)rows);
     if (num_threads < 0)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT, "project_backward: "
                              "num_threads must be >= 0, got %d", num_threads);
     const float *w = NULL, *b = NULL;
     int64_t n_in = 0, n_out = 0;
-    MHA_CHECK(projection_of(m, which, &w, &b, &n_in, &n_out));
-    int64_t n;
-    if (!mha_mul_ok(rows, n_in > n_out ? n_in : n_out, &n) ||
-        (uint64_t)n > SIZE_MAX / sizeof(float))
-        return mha_set_error(MHA_ERR_OVERFLOW,
-                             "project_backward: %lld rows overflow",
-                             (long long)rows);
+    MHA_CHECK(projection_of(m, which, rows, "project_backward: ", &w, &b,
+                            &n_in, &n_out));
     if (dx)
         mha_linear_grad_input(dy, rows, n_out, n_out, w, n_in,
                               dx_accumulate ? 1.0f : 0.0f, dx, n_in,
