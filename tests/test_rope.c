@@ -204,6 +204,55 @@ static void test_apply_checker_is_sensitive(void **state)
         assert_true(fabs(r[d] - x[d]) < 1e-12);
 }
 
+/* mha_rope_apply_inverse against the HF-style reference turned by minus
+ * the angle, both styles, partial dims, a theta and a scale; and apply
+ * then inverse gives x back (to float rounding); its refusals are
+ * mha_rope_apply's. */
+static void test_apply_inverse(void **state)
+{
+    (void)state;
+    const struct {
+        mha_rope rope;
+        int64_t dims;
+        double theta, scale;
+    } cases[] = {{{MHA_ROPE_NEOX, 0, 0, 0}, 8, 1e4, 1},
+                 {{MHA_ROPE_GPTJ, 0, 0, 0}, 8, 1e4, 1},
+                 {{MHA_ROPE_NEOX, 6, 0, 0}, 6, 1e4, 1},
+                 {{MHA_ROPE_GPTJ, 4, 500.0f, 2.0f}, 4, 500, 2}};
+    enum { ROWS = 5, HEADS = 2, DH = 8 };
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        float x[ROWS * HEADS * DH], y[ROWS * HEADS * DH];
+        tu_fill(x, ROWS * HEADS * DH, 40 + k, -2.0f, 2.0f);
+        memcpy(y, x, sizeof y);
+        assert_int_equal(mha_rope_apply_inverse(&cases[k].rope, ROWS, HEADS,
+                                                DH, NULL, 11, y, HEADS * DH),
+                         MHA_OK);
+        for (int64_t r = 0; r < ROWS; r++) {
+            double ref[HEADS * DH];
+            for (int d = 0; d < HEADS * DH; d++)
+                ref[d] = x[r * HEADS * DH + d];
+            hf_rope(cases[k].rope.style, cases[k].dims, cases[k].theta,
+                    cases[k].scale, 11 + r, HEADS, DH, ref, -1.0);
+            for (int d = 0; d < HEADS * DH; d++)
+                if (fabs(y[r * HEADS * DH + d] - ref[d]) > 1e-6 * 4)
+                    fail_msg("case %zu row %lld [%d]: %.9g, expected %.9g", k,
+                             (long long)r, d, (double)y[r * HEADS * DH + d],
+                             ref[d]);
+        }
+        assert_int_equal(mha_rope_apply(&cases[k].rope, ROWS, HEADS, DH, NULL,
+                                        11, y, HEADS * DH),
+                         MHA_OK);
+        for (int d = 0; d < ROWS * HEADS * DH; d++)
+            assert_true(fabs(y[d] - x[d]) < 1e-5);
+    }
+    float z[8] = {0};
+    const mha_rope neox = {MHA_ROPE_NEOX, 0, 0, 0};
+    assert_int_equal(mha_rope_apply_inverse(NULL, 1, 1, 8, NULL, 0, z, 8),
+                     MHA_ERR_NULL_POINTER);
+    assert_int_equal(mha_rope_apply_inverse(&neox, 1, 1, 8, NULL, -1, z, 8),
+                     MHA_ERR_INVALID_ARGUMENT);
+}
+
 /* Position 0 is the identity, bit for bit; NONE changes nothing. */
 static void test_apply_identity(void **state)
 {
@@ -1314,6 +1363,7 @@ int main(void)
         cmocka_unit_test(test_metadata_round_trip),
         cmocka_unit_test(test_metadata_modifiers),
         cmocka_unit_test(test_metadata_errors),
+        cmocka_unit_test(test_apply_inverse),
     };
     if (tu_tier_unavailable())
         return TU_SKIP;
