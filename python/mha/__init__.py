@@ -450,6 +450,19 @@ class Module:
 
         Returns out (B, Lq, E), or (out, weights) with need_weights.
         """
+        if type(query) is np.ndarray and attn_mask is None and \
+                key_padding_mask is None and key_lengths is None and \
+                not need_weights and not training and head_mask is None \
+                and cache is None and positions is None and \
+                (causal is None or type(causal) is str):
+            # the short way for the plain call: C reads the shapes from the
+            # arrays and answers NotImplemented for anything it would have
+            # to convert or refuse, which the full path below then does
+            out = np.empty_like(query)
+            if self._m.forward_fast(query, key, value, out,
+                                    _CAUSAL.get(causal, -1),
+                                    num_threads) is True:
+                return out
         a, unbatched = self._args(query, key, value, attn_mask,
                                   key_padding_mask, key_lengths, causal,
                                   need_weights, training, dropout_seed,

@@ -233,6 +233,11 @@ typedef struct {
     mha_plan *plan;
     int64_t plan_key[5];  /* B, Lq, Lk, num_threads, cache capacity */
     int plan_busy;
+    /* mha.nn's torch parameters (module_watch), checked by forward_fast:
+     * a weak reference to the nn module, the (sub, name) paths, and per
+     * parameter the data pointer and version it must have. */
+    PyObject *w_owner, *w_paths;
+    int64_t *w_state;
 } ModuleObject;
 
 typedef struct {
@@ -249,6 +254,9 @@ static void module_dealloc(ModuleObject *self)
 {
     mha_plan_free(self->plan);
     mha_free(self->m);
+    Py_XDECREF(self->w_owner);
+    Py_XDECREF(self->w_paths);
+    PyMem_Free(self->w_state);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -263,6 +271,8 @@ static PyObject *wrap_module(mha_module *m)
     o->busy = 0;
     o->plan = NULL;
     o->plan_busy = 0;
+    o->w_owner = o->w_paths = NULL;
+    o->w_state = NULL;
     if (mha_get_config(m, &o->cfg) != MHA_OK) {
         raise_status(MHA_ERR_INVALID_ARGUMENT);
         Py_DECREF(o);
@@ -834,67 +844,228 @@ static mha_status forward_kept(ModuleObject *self, mha_forward_args *a,
 }
 
 /*
- * forward_plain(query, key, value, out, batch, q_len, kv_len, causal):
- * module_run's forward with nothing else (no masks, weights, dropout,
- * head mask, cache or positions), positional (METH_FASTCALL): the
- * drop-in nn.MultiheadAttention's common inference call without keyword
- * parsing.  key / value None as in module_run.
+ * A buffer of `o` for forward_fast: a C-contiguous float32 array of 3
+ * dimensions, the last `width`; 0 with *ptr = NULL for None, 1 when `o`
+ * is anything else (no exception: the full path says what is wrong).
  */
-static PyObject *module_forward_plain(ModuleObject *self,
-                                      PyObject *const *args, Py_ssize_t nargs)
+static int fast_buf(bufset *b, PyObject *o, int64_t width, int writable,
+                    void **ptr, const Py_ssize_t **shape)
 {
-    if (nargs != 8)
-        return PyErr_Format(PyExc_TypeError, "forward_plain takes 8 "
-                            "arguments, got %zd", nargs);
-    const long long B = PyLong_AsLongLong(args[4]);
-    const long long Lq = PyLong_AsLongLong(args[5]);
-    const long long Lk = PyLong_AsLongLong(args[6]);
-    const long causal = PyLong_AsLong(args[7]);
-    if (PyErr_Occurred())
+    *ptr = NULL;
+    if (o == Py_None)
+        return 0;
+    Py_buffer *v = &b->v[b->n];
+    if (!PyObject_CheckBuffer(o) ||
+        PyObject_GetBuffer(o, v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT |
+                                     (writable ? PyBUF_WRITABLE : 0))) {
+        PyErr_Clear();
+        return 1;
+    }
+    b->n++;
+    if (!format_ok(v, T_F32) || v->ndim != 3 || v->shape[2] != width ||
+        v->shape[0] < 1 || v->shape[1] < 1)
+        return 1;
+    *ptr = v->buf;
+    *shape = v->shape;
+    return 0;
+}
+
+/*
+ * Whether the watched torch parameters (watch()) are all still the views
+ * of this module's memory that mha.nn linked, none changed in place since
+ * the last check: 1 yes (or nothing watched), 0 no, -1 error.
+ */
+static int watch_ok(ModuleObject *self)
+{
+    static PyObject *s_params, *s_modules, *s_data_ptr, *s_version;
+    if (!self->w_paths)
+        return 1;
+    if (!s_params && (!(s_params = PyUnicode_InternFromString("_parameters")) ||
+                      !(s_modules = PyUnicode_InternFromString("_modules")) ||
+                      !(s_data_ptr = PyUnicode_InternFromString("data_ptr")) ||
+                      !(s_version = PyUnicode_InternFromString("_version"))))
+        return -1;
+    PyObject *owner = PyWeakref_GetObject(self->w_owner);  /* borrowed */
+    if (!owner)
+        return -1;
+    if (owner == Py_None)
+        return 0;
+    Py_INCREF(owner);
+    int ok = 1;
+    const Py_ssize_t n = PyTuple_GET_SIZE(self->w_paths);
+    for (Py_ssize_t i = 0; ok == 1 && i < n; i++) {
+        PyObject *path = PyTuple_GET_ITEM(self->w_paths, i);
+        PyObject *sub = PyTuple_GET_ITEM(path, 0);
+        PyObject *name = PyTuple_GET_ITEM(path, 1);
+        PyObject *mod = owner, *mods = NULL, *dict = NULL, *p = NULL;
+        if (sub != Py_None) {             /* a submodule's: out_proj.weight */
+            mods = PyObject_GetAttr(owner, s_modules);
+            mod = mods && PyDict_Check(mods)       /* borrowed from mods */
+                      ? PyDict_GetItemWithError(mods, sub) : NULL;
+        }
+        dict = mod ? PyObject_GetAttr(mod, s_params) : NULL;
+        Py_XDECREF(mods);
+        if (dict && PyDict_Check(dict)) {
+            p = PyDict_GetItemWithError(dict, name);
+            Py_XINCREF(p);
+        }
+        Py_XDECREF(dict);
+        if (!p || p == Py_None) {
+            ok = PyErr_Occurred() ? -1 : 0;
+            if (ok < 0 && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+                PyErr_Clear();
+                ok = 0;
+            }
+            Py_XDECREF(p);
+            break;
+        }
+        PyObject *ptr = PyObject_CallMethodNoArgs(p, s_data_ptr);
+        PyObject *ver = ptr ? PyObject_GetAttr(p, s_version) : NULL;
+        Py_DECREF(p);
+        long long vp = ptr ? PyLong_AsLongLong(ptr) : -1;
+        long long vv = ver ? PyLong_AsLongLong(ver) : -1;
+        Py_XDECREF(ptr);
+        Py_XDECREF(ver);
+        if (PyErr_Occurred())
+            ok = -1;
+        else if (vp != self->w_state[2 * i] || vv != self->w_state[2 * i + 1])
+            ok = 0;
+    }
+    Py_DECREF(owner);
+    return ok;
+}
+
+/*
+ * watch(owner, paths, data_ptrs, versions): mha.nn's parameters, found as
+ * owner._parameters[name], or owner._modules[sub]._parameters[name], for
+ * each (sub or None, name) of paths, with the data pointers and version
+ * counters they must still have for forward_fast to run (the owner held
+ * by a weak reference: its parameters view this module's memory, so a
+ * strong one would be a cycle the collector cannot see); watch(None)
+ * stops watching.
+ */
+static PyObject *module_watch(ModuleObject *self, PyObject *args)
+{
+    PyObject *owner = Py_None, *paths = Py_None;
+    PyObject *ptrs = Py_None, *vers = Py_None;
+    if (!PyArg_ParseTuple(args, "O|OOO", &owner, &paths, &ptrs, &vers))
         return NULL;
-    if (B < 1 || Lq < 1 || Lk < 0)
-        return PyErr_Format(PyExc_ValueError,
-                            "batch and q_len must be >= 1, kv_len >= 0");
+    Py_CLEAR(self->w_owner);
+    Py_CLEAR(self->w_paths);
+    PyMem_Free(self->w_state);
+    self->w_state = NULL;
+    if (owner == Py_None)
+        Py_RETURN_NONE;
+    if (!PyTuple_Check(paths) || !PyTuple_Check(ptrs) || !PyTuple_Check(vers))
+        return PyErr_Format(PyExc_TypeError, "watch(owner, tuple, tuple, "
+                            "tuple)");
+    const Py_ssize_t n = PyTuple_GET_SIZE(paths);
+    if (PyTuple_GET_SIZE(ptrs) != n || PyTuple_GET_SIZE(vers) != n)
+        return PyErr_Format(PyExc_ValueError, "watch: %zd paths but %zd "
+                            "pointers and %zd versions", n,
+                            PyTuple_GET_SIZE(ptrs), PyTuple_GET_SIZE(vers));
+    int64_t *st = PyMem_Calloc((size_t)n + 1, 2 * sizeof *st);
+    if (!st)
+        return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *path = PyTuple_GET_ITEM(paths, i);
+        if (!PyTuple_Check(path) || PyTuple_GET_SIZE(path) != 2) {
+            PyMem_Free(st);
+            return PyErr_Format(PyExc_TypeError, "watch: paths must be "
+                                "(sub or None, name) pairs");
+        }
+        st[2 * i] = PyLong_AsLongLong(PyTuple_GET_ITEM(ptrs, i));
+        st[2 * i + 1] = PyLong_AsLongLong(PyTuple_GET_ITEM(vers, i));
+    }
+    PyObject *ref = PyErr_Occurred() ? NULL : PyWeakref_NewRef(owner, NULL);
+    if (!ref) {
+        PyMem_Free(st);
+        return NULL;
+    }
+    Py_INCREF(paths);
+    self->w_owner = ref;
+    self->w_paths = paths;
+    self->w_state = st;
+    Py_RETURN_NONE;
+}
+
+/*
+ * forward_fast(query, key, value, out, causal, num_threads): the forward
+ * of q, k, v alone (no masks, weights, dropout, head mask, cache or
+ * positions), positional (METH_FASTCALL), the shapes read from the
+ * buffers: the common inference call of mha.Module and the drop-in
+ * nn.MultiheadAttention with nothing checked twice.  query (B, Lq, E),
+ * key (B, Lk, kdim) or None (self-attention), value (B, Lk, vdim) or None
+ * (the key is also the value), out (B, Lq, E).  Returns True when done;
+ * NotImplemented, having computed nothing, when an argument is anything
+ * else (another dtype, layout or shape) or a watched parameter moved or
+ * changed: the caller then takes the full path, which converts, checks
+ * and raises as always.
+ */
+static PyObject *module_forward_fast(ModuleObject *self,
+                                     PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6)
+        return PyErr_Format(PyExc_TypeError, "forward_fast takes 6 "
+                            "arguments, got %zd", nargs);
+    long causal = -1, threads = -1;
+    if (PyLong_CheckExact(args[4]) && PyLong_CheckExact(args[5])) {
+        causal = PyLong_AsLong(args[4]);
+        threads = PyLong_AsLong(args[5]);
+        if (PyErr_Occurred()) {             /* too large: the full path */
+            PyErr_Clear();
+            causal = -1;
+        }
+    }
+    if (causal < MHA_CAUSAL_NONE || causal > MHA_CAUSAL_TOP_LEFT ||
+        threads < 0 || threads > INT_MAX)
+        Py_RETURN_NOTIMPLEMENTED;
+    const int ok = watch_ok(self);
+    if (ok < 0)
+        return NULL;
+    if (!ok)
+        Py_RETURN_NOTIMPLEMENTED;
     const mha_config *c = &self->cfg;
-    const int64_t E = c->embed_dim, lk = Lk ? Lk : Lq;
+    bufset b;
+    b.n = 0;
+    void *pq, *pk, *pv, *pout;
+    const Py_ssize_t *sq = NULL, *sk = NULL, *sv = NULL, *so = NULL;
+    int plain = !fast_buf(&b, args[0], c->embed_dim, 0, &pq, &sq) && pq &&
+                !fast_buf(&b, args[1], c->kdim, 0, &pk, &sk) &&
+                !fast_buf(&b, args[2], pk ? c->vdim : c->kdim, 0, &pv, &sv) &&
+                !fast_buf(&b, args[3], c->embed_dim, 1, &pout, &so) && pout &&
+                !(pv && !pk) && so[0] == sq[0] && so[1] == sq[1] &&
+                (!pk || sk[0] == sq[0]) &&
+                (!pv || (sv[0] == sk[0] && sv[1] == sk[1]));
+    if (!plain) {
+        bufs_release(&b);
+        Py_RETURN_NOTIMPLEMENTED;
+    }
     mha_forward_args a;
     memset(&a, 0, sizeof a);
-    bufset b = {.n = 0};
-    void *pq, *pk, *pv, *pout;
-    if (get_buf(&b, args[0], "query", T_F32, 0, mul3(B, Lq, E), 1, &pq,
-                NULL) ||
-        get_buf(&b, args[1], "key", T_F32, 0, mul3(B, lk, c->kdim), 0, &pk,
-                NULL) ||
-        get_buf(&b, args[2], "value", T_F32, 0,
-                mul3(B, lk, pk ? c->vdim : c->kdim), 0, &pv, NULL) ||
-        get_buf(&b, args[3], "out", T_F32, 1, mul3(B, Lq, E), 1, &pout,
-                NULL)) {
-        bufs_release(&b);
-        return NULL;
-    }
-    if (pv && !pk) {
-        bufs_release(&b);
-        return PyErr_Format(PyExc_ValueError, "value given without key");
-    }
-    a.batch = B;
-    a.q_len = Lq;
-    a.kv_len = Lk;
+    a.batch = sq[0];
+    a.q_len = sq[1];
+    a.kv_len = pk ? sk[1] : 0;
     a.query = pq;
     a.key = pk;
     a.value = pv;
     a.causal = (mha_causal)causal;
+    a.num_threads = (int)threads;
     a.out = pout;
     const mha_status st = forward_kept(self, &a, NULL);
     bufs_release(&b);
     if (st != MHA_OK)
         return raise_status(st);
-    Py_RETURN_NONE;
+    Py_RETURN_TRUE;
 }
 
 static PyMethodDef module_methods[] = {
     {"save", (PyCFunction)module_save, METH_VARARGS, "save(path)"},
-    {"forward_plain", (PyCFunction)(void (*)(void))module_forward_plain,
-     METH_FASTCALL, "the forward of q, k, v alone, positional"},
+    {"forward_fast", (PyCFunction)(void (*)(void))module_forward_fast,
+     METH_FASTCALL, "the forward of q, k, v alone, positional; True, or "
+     "NotImplemented for anything else"},
+    {"watch", (PyCFunction)module_watch, METH_VARARGS,
+     "watch(owner, paths, data_ptrs, versions) or watch(None)"},
     {"config", (PyCFunction)module_config, METH_NOARGS,
      "the resolved configuration as a dict"},
     {"params", (PyCFunction)module_params, METH_NOARGS,

@@ -2,8 +2,10 @@
 outputs and every gradient within torch-float32's own error of torch in
 float64; state_dict interchange; pickling; training with Adam."""
 import copy
+import gc
 import io
 import pickle
+import weakref
 
 import numpy as np
 import pytest
@@ -361,6 +363,49 @@ def test_no_grad_short_way_is_the_same_call(seed):
         m.out_proj.weight[0, 0] = float("nan")
         with pytest.raises(mha.NonFiniteError):
             m(q, k, v, need_weights=False, is_causal=causal)
+
+
+def test_short_way_sees_every_parameter_change():
+    """forward_fast skips _sync only while every parameter is the view
+    _link made, unchanged since: a parameter rebound through .data, a new
+    out_proj, load_state_dict and a deep copy are all seen; and the libmha
+    module watches its owner weakly (no cycle: the nn module is freed)."""
+    torch.manual_seed(6)
+    t = torch.nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    ours = mnn.MultiheadAttention(8, 2, batch_first=True).eval()
+    ours.load_state_dict(t.state_dict())
+    x = torch.randn(2, 3, 8)
+
+    def same(a, b):
+        with torch.no_grad():
+            torch.testing.assert_close(a(x, x, x, need_weights=False)[0],
+                                       b(x, x, x, need_weights=False)[0],
+                                       rtol=1e-5, atol=1e-6)
+    same(ours, t)
+    w = torch.randn(8, 8)
+    t.out_proj.weight.data = w.clone()                # a new data pointer
+    ours.out_proj.weight.data = w.clone()
+    same(ours, t)
+    lin = nn.Linear(8, 8)
+    t.out_proj = lin
+    ours.out_proj = copy.deepcopy(lin)                # a new submodule
+    same(ours, t)
+    sd = {k: torch.randn_like(v) for k, v in t.state_dict().items()}
+    t.load_state_dict(sd)
+    ours.load_state_dict(sd)
+    same(ours, t)
+    c, tc = copy.deepcopy(ours), copy.deepcopy(t)
+    with torch.no_grad():
+        c.in_proj_weight.mul_(0.5)
+        tc.in_proj_weight.mul_(0.5)
+    same(c, tc)
+    same(ours, t)
+    keep = ours.in_proj_weight
+    ref = weakref.ref(ours)
+    del ours
+    gc.collect()
+    assert ref() is None
+    assert torch.isfinite(keep).all()       # the memory lives on with it
 
 
 def test_parameters_follow_in_place_changes():

@@ -326,6 +326,57 @@ def test_prune_heads_equals_head_mask(rng):
         m.prune_heads(3)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_module_short_way_is_the_same_call(seed):
+    """Module.forward with no mask, weights, dropout, head mask, cache or
+    positions takes a short way (forward_fast: C reads the shapes from the
+    arrays); with anything more, or an array C would have to convert, the
+    full one.  The same bits for self-, shared-K/V and cross-attention,
+    each causal kind and thread count (the full way taken here by a
+    Fortran-ordered copy of the query); and what the short way declines
+    still raises the full way's errors."""
+    r = np.random.default_rng(700 + seed)
+    H = int(r.integers(1, 4))
+    E = H * int(r.choice([2, 4, 8]))
+    cross = seed % 3 == 2
+    kd, vd = (int(r.integers(3, 12)), int(r.integers(3, 12))) if cross \
+        else (E, E)
+    m = mha.Module(E, H, kdim=kd, vdim=vd, bias=bool(seed % 2),
+                   add_bias_kv=seed % 4 == 1, seed=seed)
+    B, Lq, Lk = int(r.integers(1, 4)), int(r.integers(1, 7)), \
+        int(r.integers(1, 7))
+    q = r.standard_normal((B, Lq, E)).astype(np.float32)
+    if seed % 3 == 0:
+        k = v = None
+    elif seed % 3 == 1:
+        k, v = r.standard_normal((B, Lk, E)).astype(np.float32), None
+    else:
+        k = r.standard_normal((B, Lk, kd)).astype(np.float32)
+        v = r.standard_normal((B, Lk, vd)).astype(np.float32)
+    causal = [None, "top_left", "bottom_right"][seed % 3]
+    threads = seed % 3
+    short = m.forward(q, k, v, causal=causal, num_threads=threads)
+    assert np.array_equal(m.forward(np.asfortranarray(q), k, v,
+                                    causal=causal, num_threads=threads),
+                          short)
+    # the full way with an argument the short way does not take
+    full, _ = m.forward(q, k, v, causal=causal, num_threads=threads,
+                        need_weights="average")
+    assert np.array_equal(full, short)
+    with pytest.raises(TypeError, match="float32"):
+        m.forward(q.astype(np.float64), k, v)
+    with pytest.raises(ValueError, match="causal"):
+        m.forward(q, k, v, causal="diagonal")
+    with pytest.raises(ValueError, match="last dimension"):
+        m.forward(q[..., :-1], k, v)
+    with pytest.raises(mha.MhaError):
+        m.forward(q, k, v, num_threads=-1)
+    if k is not None:
+        with pytest.raises(ValueError, match="batch"):
+            m.forward(q, np.concatenate([k, k]),
+                      None if v is None else np.concatenate([v, v]))
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_attention_short_way_is_the_same_call(seed):
     """mha.attention with q, k, v alone takes a short way (one positional

@@ -266,6 +266,13 @@ class MultiheadAttention(nn.Module):
                 ptrs.append(p.data_ptr())
         self._ptrs = ptrs
         self._stamp = tuple(p._version for p in params)
+        self._watch(core)
+
+    def _watch(self, core):
+        """Tells C (forward_fast) where the parameters are and the data
+        pointers and versions that let a call skip _sync."""
+        core.watch(self, tuple((m or None, n) for m, n in self._paths),
+                   tuple(self._ptrs), self._stamp)
 
     def _sync(self, core, params):
         """Before a call: a parameter that is no longer the linked view is
@@ -283,6 +290,7 @@ class MultiheadAttention(nn.Module):
         if stamp != self._stamp:
             core.check_finite()
             self._stamp = stamp
+            self._watch(core)
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -299,41 +307,39 @@ class MultiheadAttention(nn.Module):
 
     def _forward_no_grad(self, query, key, value, is_causal):
         """forward's short way, for the common inference call (no grad, no
-        masks, no weights, no dropout, batched float32 CPU tensors of the
-        right shapes): the same libmha call with fewer Python steps.  None
-        when the call is anything else: forward's checks then run (and
-        raise) as always."""
+        masks, no weights, no dropout, float32 CPU tensors of the right
+        shapes): NumPy views of the tensors straight to C, which checks the
+        shapes and the watched parameters (watch_ok in mha_core.c) and
+        answers NotImplemented for anything else.  None then: forward's
+        checks run (and raise) as always."""
         if self.training and self.dropout > 0:
             return None
-        self_attn = query is key and key is value
-        for t in ((query,) if self_attn else (query, key, value)):
-            if type(t) is not torch.Tensor or t.dtype is not torch.float32 \
-                    or not t.is_cpu or t.dim() != 3:
+        core = self._core
+        if core is None or self._core_key != (self.dropout,
+                                              self.add_zero_attn):
+            core = self._core_module()
+        for t in (query, key, value):
+            if type(t) is not torch.Tensor:
                 return None
-        bf = self.batch_first
-        q = query if bf else query.transpose(0, 1)
-        B, Lq, E = q.shape
-        k = v = None
-        Lk = Lq
-        if not self_attn:
-            k = key if bf else key.transpose(0, 1)
-            v = value if bf else value.transpose(0, 1)
-            Lk = k.shape[1]
-            if E != self.embed_dim or k.shape != (B, Lk, self.kdim) or \
-                    v.shape != (B, Lk, self.vdim):
-                return None
-            if key is value:
-                v = None
-        elif E != self.embed_dim:
+        try:                                # .numpy(): CPU, no grad, strided
+            if self.batch_first:
+                q = query.numpy()
+                k = None if key is query else key.numpy()
+                v = None if value is key else value.numpy()
+            else:
+                q = query.transpose(0, 1).contiguous().numpy()
+                k = None if key is query else \
+                    key.transpose(0, 1).contiguous().numpy()
+                v = None if value is key else \
+                    value.transpose(0, 1).contiguous().numpy()
+        except (RuntimeError, TypeError):
             return None
-        core = self._core_module()
-        self._sync(core, self._param_list())
-        out = np.empty((B, Lq, E), np.float32)
-        core.forward_plain(_np(q), None if k is None else _np(k),
-                           None if v is None else _np(v), out, B, Lq, Lk,
-                           2 if is_causal else 0)
+        out = np.empty_like(q)
+        if core.forward_fast(q, k, v, out, 2 if is_causal else 0,
+                             0) is not True:
+            return None
         out = torch.from_numpy(out)
-        return out if bf else out.transpose(0, 1)
+        return out if self.batch_first else out.transpose(0, 1)
 
     def forward(self, query, key, value, key_padding_mask=None,
                 need_weights=True, attn_mask=None, average_attn_weights=True,
