@@ -488,6 +488,68 @@ check "no key left: output = out_proj.bias (0 after init), weights 0" \
 check "no key left in batch 0: batch 1 is as without a mask" \
   "np.allclose(a[1], b[1], rtol=0, atol=1e-6)" "$o/kl0.npy" "$o/self.npy"
 
+# ---- files: never lost, never clobbered (the Reliability issue) ----------------
+f="$d/files"; mkdir "$f"
+fw=(forward --weights "$W" --query "$d/q.npy")
+"$mha" "${fw[@]}" --out "$f/ref.npy" --attn-weights "$f/ref_w.npy" || bad "files: reference run"
+# --out and --attn-weights compared as files, not as strings
+fail_fwd "^mha forward: --out and --attn-weights name the same file" \
+  --weights "$W" --query "$d/q.npy" --out "$O" --attn-weights "$d/out/../out/./o.npy"
+ln -s "$f/ref.npy" "$f/ref_link.npy"
+expect 1 "name the same file" -- "$mha" "${fw[@]}" --out "$f/ref.npy" --attn-weights "$f/ref_link.npy"
+# both or neither: the weights' write fails, a file already at --out is kept
+echo "precious" > "$f/old.npy"
+expect 1 "^mha forward: --attn-weights: .*nodir" -- "$mha" "${fw[@]}" \
+  --out "$f/old.npy" --attn-weights "$f/nodir/a.npy"
+if [ "$(cat "$f/old.npy")" = precious ]; then ok; else bad "files: --out's old content lost"; fi
+absent "files: no leftover" "$f/old.npy.keep."* "$f/old.npy.tmp."*
+# a symbolic link is followed: its target is written, the link stays a link
+echo "old" > "$f/target.npy"; ln -s target.npy "$f/link.npy"
+"$mha" "${fw[@]}" --out "$f/link.npy" || bad "files: writing through a link"
+if [ -L "$f/link.npy" ]; then ok; else bad "files: the link was replaced"; fi
+same "$f/target.npy" "$f/ref.npy" "files: a link's target"
+# a dangling link: the file it names is created
+ln -s made.npy "$f/dangling.npy"
+"$mha" "${fw[@]}" --out "$f/dangling.npy" || bad "files: a dangling link"
+same "$f/made.npy" "$f/ref.npy" "files: a dangling link's target"
+# the mode is kept (0600 stays 0600), and so are hard links
+echo "old" > "$f/private.npy"; chmod 600 "$f/private.npy"
+"$mha" "${fw[@]}" --out "$f/private.npy" || bad "files: overwriting a 0600 file"
+if [ "$(stat -c %a "$f/private.npy")" = 600 ]; then ok
+else bad "files: mode became $(stat -c %a "$f/private.npy")"; fi
+echo "old" > "$f/hard1.npy"; ln "$f/hard1.npy" "$f/hard2.npy"
+"$mha" "${fw[@]}" --out "$f/hard1.npy" || bad "files: overwriting a hard-linked file"
+same "$f/hard2.npy" "$f/ref.npy" "files: the other hard link"
+# a FIFO is written through (not replaced by a regular file) and read back
+# by its reader; one with no reader is refused at once, not waited on
+mkfifo "$f/fifo"
+timeout 30 cat "$f/fifo" > "$f/from_fifo.npy" & reader=$!
+timeout 20 "$mha" "${fw[@]}" --out "$f/fifo" || bad "files: writing into a FIFO"
+wait "$reader"
+if [ -p "$f/fifo" ]; then ok; else bad "files: the FIFO was replaced"; fi
+same "$f/from_fifo.npy" "$f/ref.npy" "files: what the FIFO's reader got"
+expect 1 "^mha forward: --out: cannot write .*fifo.*: a FIFO with no reader" -- \
+  timeout 20 "$mha" "${fw[@]}" --out "$f/fifo"
+# an input that is a FIFO with no writer is refused at once, not waited on
+expect 1 "^mha forward: .*fifo.* is not a regular file" -- \
+  timeout 20 "$mha" forward --weights "$W" --query "$f/fifo" --out "$f/x.npy"
+expect 1 "fifo.* is not a regular file" -- \
+  timeout 20 "$mha" forward --weights "$f/fifo" --query "$d/q.npy" --out "$f/x.npy"
+# standard output through a pipe: the bytes reach the pipe.  (/dev/fd/1,
+# not /dev/stdout: a regression would then fail to create its temporary
+# file in /proc, where the old code, as root, replaced /dev/stdout itself.)
+"$mha" "${fw[@]}" --out /dev/fd/1 | cat > "$f/piped.npy"
+same "$f/piped.npy" "$f/ref.npy" "files: --out /dev/fd/1 into a pipe"
+# a device node stays the device it is: a private null device (as root),
+# so that a regression replaces this one, not the system's /dev/null
+if mknod "$f/null" c 1 3 2>/dev/null; then
+  "$mha" "${fw[@]}" --out "$f/null" || bad "files: --out a null device"
+  if [ -c "$f/null" ]; then ok; else bad "files: the device node was replaced"; fi
+fi
+# a directory is refused by name
+expect 1 "cannot write .*: it is a directory" -- "$mha" "${fw[@]}" --out "$f"
+absent "files: no temporary file left" "$f/"*.tmp.*
+
 # ---- mha backward ------------------------------------------------------------
 # stcheck WHAT EXPR FILE...: EXPR is true of t, a, b = FILE1, FILE2, FILE3:
 # a safetensors file as {name: array} (file order), an .npy as an array

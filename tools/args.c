@@ -1,6 +1,7 @@
 /*
  * args.c -- the option parser of the `mha` commands (args.h).
  */
+#define _POSIX_C_SOURCE 200809L   /* lstat */
 #include "args.h"
 
 #include "fail.h"
@@ -10,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 int tool_parse(const char *cmd, int argc, char **argv, tool_opt *opts, int n,
                const char **positional, int max_pos, int *n_pos, int *help)
@@ -210,4 +212,34 @@ int tool_kv_dtype(const char *cmd, const char *s, mha_kv_dtype *out)
         }
     return tool_fail(cmd, "--kv-dtype must be f32, f16, bf16 or q8, got '%s'",
                      s);
+}
+
+/* The directory part of `path` ("." without one) and its last name. */
+static int dir_and_name(const char *path, char *dir, size_t cap,
+                        const char **name)
+{
+    const char *slash = strrchr(path, '/');
+    *name = slash ? slash + 1 : path;
+    if (!slash)
+        return snprintf(dir, cap, ".") < 0;
+    if (slash == path)
+        return snprintf(dir, cap, "/") < 0;
+    return snprintf(dir, cap, "%.*s", (int)(slash - path), path) < 0;
+}
+
+int tool_same_file(const char *a, const char *b)
+{
+    struct stat sa, sb;
+    const int ea = stat(a, &sa) == 0, eb = stat(b, &sb) == 0;
+    if (ea && eb)
+        return sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+    if (ea != eb)
+        return 0;
+    char da[4096], db[4096];
+    const char *na, *nb;
+    if (dir_and_name(a, da, sizeof da, &na) ||
+        dir_and_name(b, db, sizeof db, &nb) || strcmp(na, nb))
+        return 0;
+    return stat(da, &sa) == 0 && stat(db, &sb) == 0 &&
+           sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
 }

@@ -62,5 +62,9 @@ int tool_ints(const char *cmd, const char *name, const char *s, int64_t lo,
 /* A KV cache dtype by name (--kv-dtype): f32, f16, bf16 or q8; whether
  * the library builds it is the library's to say. */
 int tool_kv_dtype(const char *cmd, const char *s, mha_kv_dtype *out);
+/* Whether two paths name one file however they are spelt: the same inode
+ * when both exist (links followed), else the same directory (by inode)
+ * and the same last name. */
+int tool_same_file(const char *a, const char *b);
 
 #endif

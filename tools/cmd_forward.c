@@ -2,6 +2,7 @@
  * cmd_forward.c -- `mha forward`: nn.MultiheadAttention's forward pass on
  * a safetensors state_dict and .npy inputs, its outputs written as .npy.
  */
+#define _XOPEN_SOURCE 700   /* link, realpath */
 #include "args.h"
 #include "commands.h"
 #include "fail.h"
@@ -11,6 +12,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 static const char FORWARD_HELP[] =
     "usage: mha forward " RUN_USAGE_INPUTS
@@ -26,18 +30,67 @@ static const char FORWARD_HELP[] =
     "(PyTorch gives NaN there). Outputs are written only on success.\n"
     MOD_NOTE;
 
-/* Writes the outputs; if any write fails, removes what was written. */
+/* Copies the regular file `from` to a new file `to` with `mode`: 0 or -1
+ * (`to` then removed). */
+static int copy_file(const char *from, const char *to, mode_t mode)
+{
+    int in = open(from, O_RDONLY | O_CLOEXEC);
+    int out = in < 0 ? -1
+                     : open(to, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    int ok = out >= 0 && fchmod(out, mode & 07777) == 0;
+    char buf[1 << 16];
+    ssize_t n;
+    while (ok && (n = read(in, buf, sizeof buf)) != 0)
+        ok = n > 0 && write(out, buf, (size_t)n) == n;
+    if (out >= 0 && close(out) != 0)
+        ok = 0;
+    if (in >= 0)
+        close(in);
+    if (!ok && out >= 0)
+        unlink(to);
+    return ok ? 0 : -1;
+}
+
+/*
+ * Writes both outputs or neither.  Each save alone is atomic (the library
+ * renames a complete temporary file into place); for the pair, a file
+ * already at out_path is copied aside while the weights are written, and
+ * put back if they fail (a new out_path is removed).  (A file with several
+ * hard links is rewritten in place by the library, and not copied aside.)
+ */
 static int write_outputs(const char *out_path, const mha_tensor_view *out,
                          const char *w_path, const mha_tensor_view *w)
 {
-    mha_status st = mha_npy_save(out_path, out);
-    if (st != MHA_OK)
-        return tool_fail("forward", "--out: %s", mha_last_error());
-    if (w_path && (st = mha_npy_save(w_path, w)) != MHA_OK) {
-        remove(out_path);
-        return tool_fail("forward", "--attn-weights: %s", mha_last_error());
+    char *keep = NULL;       /* the old out_path's bytes, copied aside */
+    struct stat st;
+    const int existed = stat(out_path, &st) == 0;
+    char *target = existed && w_path ? realpath(out_path, NULL) : NULL;
+    if (target && S_ISREG(st.st_mode) && st.st_nlink == 1 &&
+        (keep = malloc(strlen(target) + 32))) {
+        snprintf(keep, strlen(target) + 32, "%s.keep.%ld", target,
+                 (long)getpid());
+        if (copy_file(target, keep, st.st_mode) != 0) {
+            free(keep);
+            keep = NULL;
+        }
     }
-    return 0;
+    int rc = 0;
+    if (mha_npy_save(out_path, out) != MHA_OK) {
+        rc = tool_fail("forward", "--out: %s", mha_last_error());
+    } else if (w_path && mha_npy_save(w_path, w) != MHA_OK) {
+        rc = tool_fail("forward", "--attn-weights: %s", mha_last_error());
+        if (keep && rename(keep, target) == 0) {
+            free(keep);
+            keep = NULL;                        /* out_path is as it was */
+        } else if (!existed) {
+            remove(out_path);
+        }
+    }
+    if (keep)
+        unlink(keep);
+    free(keep);
+    free(target);
+    return rc;
 }
 
 int cmd_forward(int argc, char **argv)
@@ -56,7 +109,7 @@ int cmd_forward(int argc, char **argv)
         return 1;
     if (OPT("per-head") && !OPT("attn-weights"))
         return tool_fail("forward", "--per-head needs --attn-weights");
-    if (OPT("attn-weights") && !strcmp(OPT("attn-weights"), OPT("out")))
+    if (OPT("attn-weights") && tool_same_file(OPT("attn-weights"), OPT("out")))
         return tool_fail("forward", "--out and --attn-weights name the same "
                          "file");
     run_setup r;

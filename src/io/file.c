@@ -14,22 +14,47 @@
 #include <time.h>
 #include <unistd.h>
 
+mha_status mha_open_regular(const char *path, const char *what, FILE **f)
+{
+    *f = NULL;
+    if (!path)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "%s: path is NULL", what);
+    /* O_NONBLOCK: opening a FIFO with no writer returns at once (a plain
+     * open would wait for a writer forever); anything not a regular file
+     * is then refused before a byte is read. */
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0)
+        return mha_set_error(MHA_ERR_IO, "%s: cannot open '%s': %s", what,
+                             path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return mha_set_error(MHA_ERR_IO, "%s: '%s' is not a regular file",
+                             what, path);
+    }
+    int fl = fcntl(fd, F_GETFL);
+    if (fl != -1)
+        fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+    if (!(*f = fdopen(fd, "rb"))) {
+        close(fd);
+        return mha_set_error(MHA_ERR_IO, "%s: cannot open '%s': %s", what,
+                             path, strerror(errno));
+    }
+    return MHA_OK;
+}
+
 mha_status mha_read_file(const char *path, size_t max_size, const char *what,
                          unsigned char **data, size_t *size)
 {
     *data = NULL;
     *size = 0;
-    if (!path)
-        return mha_set_error(MHA_ERR_NULL_POINTER, "%s: path is NULL", what);
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return mha_set_error(MHA_ERR_IO, "%s: cannot open '%s': %s", what,
-                             path, strerror(errno));
+    FILE *f;
+    MHA_CHECK(mha_open_regular(path, what, &f));
     struct stat st;
-    if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
+    if (fstat(fileno(f), &st) != 0) {
         fclose(f);
-        return mha_set_error(MHA_ERR_IO, "%s: '%s' is not a regular file",
-                             what, path);
+        return mha_set_error(MHA_ERR_IO, "%s: cannot stat '%s': %s", what,
+                             path, strerror(errno));
     }
     if ((uint64_t)st.st_size > max_size) {
         fclose(f);
@@ -60,6 +85,23 @@ mha_status mha_read_file(const char *path, size_t max_size, const char *what,
     return MHA_OK;
 }
 
+/* ---- writing -------------------------------------------------------------
+ * A save must leave the named file either complete or as it was, and must
+ * not change what the name is.  So (mha_write_file_atomic):
+ *   - a name that is a symbolic link is followed, link by link, to the
+ *     file it names, and that file is written (the link stays a link);
+ *   - a name that is a FIFO, a character device or a socket (or a file
+ *     reached through /proc: /dev/stdout, /dev/fd/N, /proc/self/fd/N) is
+ *     written through, as `cat > name` would (no temporary file, no rename, which
+ *     would put a regular file in the node's place); a FIFO with no reader
+ *     is refused rather than waited on;
+ *   - a regular file with more than one hard link is rewritten in place
+ *     (a rename would cut the links): not atomic, said in semantics.md;
+ *   - otherwise the bytes go to a temporary file beside the target, which
+ *     gets the target's mode and owner, is fsync'ed, and is renamed over
+ *     the target; the directory is then fsync'ed.  A failure removes the
+ *     temporary file and leaves the target as it was. */
+
 /* Creates path.tmp.<random> exclusively, mode 0666 less the umask (as any
  * new file gets).  The name is a hash of the time, the process and a stack
  * address; O_EXCL makes a collision a retry, never a shared file. */
@@ -80,42 +122,186 @@ static int create_temp(const char *path, char *tmp, size_t cap)
     return -1;
 }
 
+/* Writes every chunk to fd (restarting after short writes and signals);
+ * 0 or -1 with errno set. */
+static int write_all(int fd, const void *const *chunks, const size_t *sizes,
+                     int n)
+{
+    for (int k = 0; k < n; k++) {
+        const char *p = chunks[k];
+        size_t left = sizes[k];
+        while (left > 0) {
+            ssize_t w = write(fd, p, left > (1u << 30) ? (1u << 30) : left);
+            if (w < 0 && errno == EINTR)
+                continue;
+            if (w <= 0) {
+                if (w == 0)
+                    errno = EIO;
+                return -1;
+            }
+            p += w;
+            left -= (size_t)w;
+        }
+    }
+    return 0;
+}
+
+/* The file that `path` names, symbolic links followed (at most 40, as
+ * the kernel does), in *out (malloc'ed).  The last name need not exist (a
+ * link to a file not yet written: that file is created). */
+static mha_status follow_links(const char *path, char **out)
+{
+    *out = NULL;
+    char *cur = strdup(path);
+    for (int hops = 0; cur && hops <= 40; hops++) {
+        struct stat st;
+        if (lstat(cur, &st) != 0 || !S_ISLNK(st.st_mode)) {
+            *out = cur;
+            return MHA_OK;
+        }
+        char target[4096];
+        ssize_t n = readlink(cur, target, sizeof target - 1);
+        if (n < 0 || n >= (ssize_t)sizeof target - 1) {
+            mha_status s = mha_set_error(MHA_ERR_IO, "cannot read the "
+                                         "symbolic link '%s'", cur);
+            free(cur);
+            return s;
+        }
+        target[n] = 0;
+        /* a relative target is relative to the link's directory */
+        const char *slash = target[0] == '/' ? NULL : strrchr(cur, '/');
+        const size_t dir = slash ? (size_t)(slash - cur) + 1 : 0;
+        char *next = malloc(dir + (size_t)n + 1);
+        if (next) {
+            memcpy(next, cur, dir);
+            memcpy(next + dir, target, (size_t)n + 1);
+        }
+        free(cur);
+        cur = next;
+    }
+    if (!cur)
+        return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate a path");
+    free(cur);
+    return mha_set_error(MHA_ERR_IO, "too many symbolic links in '%s'", path);
+}
+
+/* fsyncs the directory holding `path` (best effort: some file systems
+ * refuse it, and the data itself is already synced). */
+static void sync_dir(const char *path)
+{
+    const char *slash = strrchr(path, '/');
+    char dir[4096];
+    if (!slash)
+        snprintf(dir, sizeof dir, ".");
+    else if (slash == path)
+        snprintf(dir, sizeof dir, "/");
+    else
+        snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd >= 0) {
+        fsync(fd);
+        close(fd);
+    }
+}
+
+/* Whether `path` reaches its file through /proc's links to open files
+ * (/dev/stdout, /dev/fd/N, /proc/self/fd/N): a regular file there is some
+ * process's open file, to be written, never replaced. */
+static int via_proc(const char *path)
+{
+    static const char *const prefixes[] = {"/dev/stdout", "/dev/stderr",
+                                           "/dev/fd/", "/proc/"};
+    for (size_t k = 0; k < sizeof prefixes / sizeof *prefixes; k++)
+        if (!strncmp(path, prefixes[k], strlen(prefixes[k])))
+            return 1;
+    return 0;
+}
+
+/* Writes through an existing node (not replaced): a FIFO, a device, or a
+ * regular file kept in place.  `trunc` for a regular file. */
+static mha_status write_through(const char *path, int trunc,
+                                const void *const *chunks,
+                                const size_t *sizes, int n)
+{
+    int fd = open(path, O_WRONLY | O_NONBLOCK | O_CLOEXEC |
+                            (trunc ? O_TRUNC : 0));
+    if (fd < 0)
+        return mha_set_error(MHA_ERR_IO, "cannot write '%s': %s", path,
+                             errno == ENXIO ? "a FIFO with no reader"
+                                            : strerror(errno));
+    int fl = fcntl(fd, F_GETFL);
+    if (fl != -1)
+        fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+    int ok = write_all(fd, chunks, sizes, n) == 0;
+    int err = errno;
+    if (close(fd) != 0 && ok) {
+        ok = 0;
+        err = errno;
+    }
+    if (!ok)
+        return mha_set_error(MHA_ERR_IO, "cannot write '%s': %s", path,
+                             strerror(err));
+    return MHA_OK;
+}
+
 mha_status mha_write_file_atomic(const char *path, const void *const *chunks,
                                  const size_t *sizes, int n)
 {
     if (!path)
         return mha_set_error(MHA_ERR_NULL_POINTER, "output path is NULL");
-    const size_t cap = strlen(path) + 32;
+    struct stat st;
+    const int exists = stat(path, &st) == 0;   /* the node, links followed */
+    if (exists && S_ISDIR(st.st_mode))
+        return mha_set_error(MHA_ERR_IO, "cannot write '%s': it is a "
+                             "directory", path);
+    if (exists && (!S_ISREG(st.st_mode) || via_proc(path)))
+        return write_through(path, S_ISREG(st.st_mode), chunks, sizes, n);
+    if (exists && st.st_nlink > 1)
+        return write_through(path, 1, chunks, sizes, n);
+    char *target;
+    MHA_CHECK(follow_links(path, &target));
+    const size_t cap = strlen(target) + 32;
     char *tmp = malloc(cap);
-    if (!tmp)
+    if (!tmp) {
+        free(target);
         return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate a path");
-    int fd = create_temp(path, tmp, cap);
+    }
+    int fd = create_temp(target, tmp, cap);
     if (fd < 0) {
-        mha_status st = mha_set_error(MHA_ERR_IO,
-                                      "cannot create a temporary file beside "
-                                      "'%s': %s", path, strerror(errno));
+        mha_status s = mha_set_error(MHA_ERR_IO,
+                                     "cannot create a temporary file beside "
+                                     "'%s': %s", target, strerror(errno));
         free(tmp);
-        return st;
+        free(target);
+        return s;
     }
-    FILE *f = fdopen(fd, "wb");
-    int ok = f != NULL;
-    for (int k = 0; ok && k < n; k++)
-        ok = sizes[k] == 0 || fwrite(chunks[k], 1, sizes[k], f) == sizes[k];
-    if (f) {
-        ok = fflush(f) == 0 && ok;
-        ok = fclose(f) == 0 && ok;
+    if (exists) {   /* the replacement keeps the file's mode and owner */
+        fchmod(fd, st.st_mode & 07777);
+        if (fchown(fd, st.st_uid, st.st_gid) != 0) {
+            /* not ours to give away: the mode still applies */
+        }
+    }
+    int ok = write_all(fd, chunks, sizes, n) == 0 && fsync(fd) == 0;
+    int err = errno;
+    if (close(fd) != 0 && ok) {
+        ok = 0;
+        err = errno;
+    }
+    if (ok && rename(tmp, target) != 0) {
+        ok = 0;
+        err = errno;
+    }
+    mha_status s = MHA_OK;
+    if (ok) {
+        sync_dir(target);
     } else {
-        close(fd);
+        s = mha_set_error(MHA_ERR_IO, "cannot write '%s': %s", path,
+                          strerror(err));
+        remove(tmp);
     }
-    if (ok && rename(tmp, path) == 0) {
-        free(tmp);
-        return MHA_OK;
-    }
-    mha_status st = mha_set_error(MHA_ERR_IO, "cannot write '%s': %s", path,
-                                  strerror(errno));
-    remove(tmp);
     free(tmp);
-    return st;
+    free(target);
+    return s;
 }
 
 size_t mha_dtype_size(mha_dtype dtype)

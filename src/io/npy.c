@@ -677,15 +677,13 @@ static mha_status open_header(const char *path, FILE **f, npy_header *h,
                               size_t *data_off, int64_t *numel)
 {
     *f = NULL;
-    FILE *fp = fopen(path, "rb");
-    if (!fp)
-        return mha_set_error(MHA_ERR_IO, "npy: cannot open '%s': %s", path,
-                             strerror(errno));
+    FILE *fp;
+    MHA_CHECK(mha_open_regular(path, "npy", &fp));
     struct stat st;
-    if (fstat(fileno(fp), &st) != 0 || !S_ISREG(st.st_mode)) {
+    if (fstat(fileno(fp), &st) != 0) {
         fclose(fp);
-        return mha_set_error(MHA_ERR_IO, "npy: '%s' is not a regular file",
-                             path);
+        return mha_set_error(MHA_ERR_IO, "npy: cannot stat '%s': %s", path,
+                             strerror(errno));
     }
     /* the preamble, then as much of the header as it says (a header of
      * more than 16 MiB is no header NumPy writes) */
