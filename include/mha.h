@@ -58,14 +58,14 @@ extern "C" {
  * The ABI rule.  Argument structs are passed by pointer and grow in every
  * minor version, so a binary built against one minor version must never
  * run against another: the shared library's soname carries MAJOR.MINOR
- * (libmha.so.0.3), and the dynamic loader refuses a binary whose minor
+ * (libmha.so.0.4), and the dynamic loader refuses a binary whose minor
  * version is not installed rather than let the library read past the end
  * of its structs.  Within a minor version (patch releases) no struct
  * changes.  A program loading libmha by other means checks
  * mha_version_number() / MHA_VERSION_NUMBER / 100 itself (MHA_ABI_OK).
  */
 #define MHA_VERSION_MAJOR 0
-#define MHA_VERSION_MINOR 3
+#define MHA_VERSION_MINOR 4
 #define MHA_VERSION_PATCH 0
 #define MHA_VERSION_NUMBER \
     (MHA_VERSION_MAJOR * 10000 + MHA_VERSION_MINOR * 100 + MHA_VERSION_PATCH)
@@ -510,6 +510,13 @@ MHA_API int64_t mha_total_keys(const mha_module *module, int64_t kv_len);
 MHA_API mha_status mha_forward(const mha_module *module,
                                const mha_forward_args *args);
 
+/* How mha_attention's q, k, v and out are laid out in memory. */
+typedef enum mha_layout {
+    MHA_LAYOUT_ROWS = 0,         /* a row of all heads per token (below) */
+    MHA_LAYOUT_HEADS_FIRST = 1   /* (B, heads, L, d_h): each head's rows
+                                    together, as PyTorch SDPA's tensors */
+} mha_layout;
+
 /*
  * Attention alone, on heads that are already projected (what PyTorch calls
  * scaled_dot_product_attention, with heads side by side in the last
@@ -584,6 +591,12 @@ typedef struct mha_attention_args {
                              not affected.  For a part of a split problem
                              whose queries start at position q0 and keys
                              at k0: q_offset = q0 - k0.  Not with a cache. */
+    mha_layout layout;    /* MHA_LAYOUT_ROWS (0, above) or
+                             MHA_LAYOUT_HEADS_FIRST: q and out (B, H, Lq,
+                             d_h), k and v (B, H_kv, Lk, d_h), PyTorch
+                             SDPA's layout, read and written in place.
+                             Forward only (the backward refuses it), not
+                             with a cache or RoPE.                       */
 } mha_attention_args;
 MHA_API mha_status mha_attention(const mha_attention_args *args);
 

@@ -164,6 +164,169 @@ static void test_against_reference(void **state)
     }
 }
 
+/* (B, L, heads*dh) -> (B, heads, L, dh), and back when `back`. */
+static void to_heads_first(const float *x, float *y, int64_t B, int64_t L,
+                           int64_t nh, int64_t dh, int back)
+{
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < L; i++)
+            for (int64_t h = 0; h < nh; h++) {
+                const int64_t rows = ((b * L + i) * nh + h) * dh;
+                const int64_t heads = ((b * nh + h) * L + i) * dh;
+                memcpy(back ? y + rows : y + heads, back ? x + heads : x + rows,
+                       (size_t)dh * sizeof *x);
+            }
+}
+
+/* MHA_LAYOUT_HEADS_FIRST: q, k, v and out as (B, heads, L, d_h) give the
+ * bits of the rows layout (the same arithmetic, other addresses), with
+ * every option that composes with it: masks, key lengths, causal kinds,
+ * weights, lse, dropout, GQA (decoding's stacked path too), the
+ * modifiers and sinks, 1 and 2 threads; and what it does not take is
+ * refused before anything is written. */
+static void test_heads_first(void **state)
+{
+    (void)state;
+    typedef struct {
+        int64_t B, H, Hkv, dh, Lq, Lk;
+        mha_causal causal;
+        int masks;
+        mha_weights_mode weights;
+        float dropout, softcap;
+        int alibi, window, sinks, threads;
+    } hcase;
+    static const hcase HC[] = {
+        {2, 3, 3, 8, 17, 17, 0, 1, MHA_WEIGHTS_PER_HEAD, 0, 0, 0, 0, 0, 1},
+        {2, 4, 2, 16, 9, 150, MHA_CAUSAL_BOTTOM_RIGHT, 0, MHA_WEIGHTS_AVERAGE, 0, 0, 1, 0, 1, 2},
+        {1, 4, 1, 64, 130, 70, MHA_CAUSAL_TOP_LEFT, 1, MHA_WEIGHTS_NONE, 0.2f, 0, 0, 0, 0, 2},
+        {3, 2, 2, 5, 70, 90, 0, 1, MHA_WEIGHTS_PER_HEAD, 0, 30.0f, 0, 1, 0, 1},
+        {2, 8, 2, 32, 1, 700, 0, 0, MHA_WEIGHTS_NONE, 0, 0, 0, 0, 1, 2},  /* decode, GQA */
+        {1, 2, 2, 8, 3, 1100, MHA_CAUSAL_BOTTOM_RIGHT, 1, MHA_WEIGHTS_AVERAGE, 0, 0, 1, 0, 0, 2},
+    };
+    for (size_t t = 0; t < sizeof HC / sizeof *HC; t++) {
+        const hcase *c = &HC[t];
+        const int64_t E = c->H * c->dh, Ekv = c->Hkv * c->dh;
+        const int64_t nq = c->B * c->Lq * E, nk = c->B * c->Lk * Ekv;
+        const int64_t nw = c->B * c->H * c->Lq * c->Lk, nl = c->B * c->H * c->Lq;
+        float *q = malloc((size_t)nq * 4), *k = malloc((size_t)nk * 4);
+        float *v = malloc((size_t)nk * 4), *qh = malloc((size_t)nq * 4);
+        float *kh = malloc((size_t)nk * 4), *vh = malloc((size_t)nk * 4);
+        float *out = malloc((size_t)nq * 4), *outh = malloc((size_t)nq * 4);
+        float *back = malloc((size_t)nq * 4);
+        float *w = calloc((size_t)nw, 4), *wh = calloc((size_t)nw, 4);
+        float *lse = malloc((size_t)nl * 4), *lseh = malloc((size_t)nl * 4);
+        uint8_t *pad = malloc((size_t)(c->B * c->Lk));
+        float *add = malloc((size_t)(c->Lq * c->Lk) * 4);
+        float sinks[8];
+        int64_t lens[3];
+        tu_fill(q, nq, 40 + t, -2, 2);
+        tu_fill(k, nk, 50 + t, -2, 2);
+        tu_fill(v, nk, 60 + t, -2, 2);
+        tu_fill(add, c->Lq * c->Lk, 70 + t, -3, 3);
+        tu_fill(sinks, 8, 80 + t, -1, 1);
+        for (int64_t b = 0; b < c->B; b++) {
+            lens[b] = c->Lk - 3 * b;
+            for (int64_t j = 0; j < c->Lk; j++)
+                pad[b * c->Lk + j] = (j + b) % 5 == 2;
+        }
+        to_heads_first(q, qh, c->B, c->Lq, c->H, c->dh, 0);
+        to_heads_first(k, kh, c->B, c->Lk, c->Hkv, c->dh, 0);
+        to_heads_first(v, vh, c->B, c->Lk, c->Hkv, c->dh, 0);
+        mha_attention_args a = {0};
+        a.batch = c->B;
+        a.num_heads = c->H;
+        a.num_kv_heads = c->Hkv;
+        a.head_dim = c->dh;
+        a.q_len = c->Lq;
+        a.kv_len = c->Lk;
+        a.causal = c->causal;
+        if (c->masks) {
+            a.key_padding_mask =
+                (mha_mask){MHA_MASK_BLOCK, pad, 2, {c->B, c->Lk}};
+            a.attn_mask =
+                (mha_mask){MHA_MASK_ADDITIVE, add, 2, {c->Lq, c->Lk}};
+            a.key_lengths = lens;
+        }
+        a.need_weights = c->weights;
+        a.dropout = c->dropout;
+        a.training = c->dropout > 0;
+        a.dropout_seed = 5;
+        a.mods.softcap = c->softcap;
+        a.mods.alibi = c->alibi;
+        if (c->window) {
+            a.mods.window = 1;
+            a.mods.window_left = 20;
+            a.mods.window_right = 3;
+        }
+        a.sinks = c->sinks ? sinks : NULL;
+        a.num_threads = c->threads;
+        mha_attention_args r = a;
+        r.q = q; r.k = k; r.v = v; r.out = out; r.attn_weights = w; r.lse = lse;
+        if (mha_attention(&r) != MHA_OK)
+            fail_msg("case %zu, rows: %s", t, mha_last_error());
+        mha_attention_args h = a;
+        h.layout = MHA_LAYOUT_HEADS_FIRST;
+        h.q = qh; h.k = kh; h.v = vh; h.out = outh; h.attn_weights = wh;
+        h.lse = lseh;
+        if (mha_attention(&h) != MHA_OK)
+            fail_msg("case %zu, heads first: %s", t, mha_last_error());
+        to_heads_first(outh, back, c->B, c->Lq, c->H, c->dh, 1);
+        if (memcmp(back, out, (size_t)nq * 4))
+            fail_msg("case %zu: heads-first output differs", t);
+        if (memcmp(w, wh, (size_t)nw * 4) || memcmp(lse, lseh, (size_t)nl * 4))
+            fail_msg("case %zu: heads-first weights or lse differ", t);
+        /* the backward refuses it and writes nothing */
+        if (t == 0) {
+            float *gq = malloc((size_t)nq * 4), *gk = malloc((size_t)nk * 4);
+            float *gv = malloc((size_t)nk * 4);
+            memset(gq, 0x7f, (size_t)nq * 4);
+            const mha_attention_grads g = {outh, gq, gk, gv, NULL};
+            h.need_weights = MHA_WEIGHTS_NONE;
+            assert_int_equal(mha_attention_backward(&h, &g),
+                             MHA_ERR_UNSUPPORTED);
+            assert_non_null(strstr(mha_last_error(), "MHA_LAYOUT_ROWS"));
+            assert_true(gq[0] == gq[nq - 1] && gq[0] != 0.0f);
+            free(gq); free(gk); free(gv);
+        }
+        free(q); free(k); free(v); free(qh); free(kh); free(vh); free(out);
+        free(outh); free(back); free(w); free(wh); free(lse); free(lseh);
+        free(pad); free(add);
+    }
+    /* refused: another layout value, RoPE, a KV cache */
+    float x[2 * 3 * 8], out[2 * 3 * 8];
+    tu_fill(x, 48, 1, -1, 1);
+    memset(out, 0, sizeof out);
+    mha_attention_args a = {0};
+    a.batch = 2;
+    a.num_heads = 2;
+    a.head_dim = 4;
+    a.q_len = 3;
+    a.q = a.k = a.v = x;
+    a.out = out;
+    a.layout = (mha_layout)2;
+    assert_int_equal(mha_attention(&a), MHA_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(mha_last_error(), "layout"));
+    a.layout = MHA_LAYOUT_HEADS_FIRST;
+    a.mods.rope.style = MHA_ROPE_NEOX;
+    assert_int_equal(mha_attention(&a), MHA_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(mha_last_error(), "RoPE"));
+    a.mods.rope.style = MHA_ROPE_NONE;
+    mha_kv_cache_config cc = {0};
+    cc.batch = 2;
+    cc.num_kv_heads = 2;
+    cc.head_dim = 4;
+    cc.capacity = 8;
+    mha_kv_cache *kv = NULL;
+    assert_int_equal(mha_kv_cache_create(&cc, &kv), MHA_OK);
+    a.k = a.v = NULL;
+    a.cache = kv;
+    assert_int_equal(mha_attention(&a), MHA_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(mha_last_error(), "KV cache"));
+    mha_kv_cache_free(kv);
+    for (size_t i = 0; i < sizeof out / sizeof *out; i++)
+        assert_true(out[i] == 0.0f);
+}
+
 static void test_errors(void **state)
 {
     (void)state;
@@ -213,6 +376,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_against_reference),
         cmocka_unit_test(test_errors),
+        cmocka_unit_test(test_heads_first),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

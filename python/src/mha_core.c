@@ -1587,9 +1587,11 @@ fail:
  *                  H, num_kv_heads H_kv or 0 for H);
  *   heads_first 1: q (B, H, Lq, d_h), k and v (B, H_kv, Lk, d_h), any
  *                  strides (SDPA's; see heads_first above; the head
- *                  counts come from the shapes).
- *   out (B, Lq, H*d_h) C-contiguous, written.  causal: mha_causal.  scale:
- *   None (1/sqrt(d_h)) or a float.
+ *                  counts come from the shapes); out (B, Lq, H*d_h);
+ *   heads_first 2: q, k and v as for 1 but C-contiguous, read in place
+ *                  (MHA_LAYOUT_HEADS_FIRST), and out (B, H, Lq, d_h).
+ *   out C-contiguous, written.  causal: mha_causal.  scale: None
+ *   (1/sqrt(d_h)) or a float.
  */
 static PyObject *attention_plain(PyObject *self, PyObject *const *args,
                                  Py_ssize_t nargs)
@@ -1598,7 +1600,7 @@ static PyObject *attention_plain(PyObject *self, PyObject *const *args,
     if (nargs != 10)
         return PyErr_Format(PyExc_TypeError, "attention_plain takes 10 "
                             "arguments, got %zd", nargs);
-    const int heads_first = PyObject_IsTrue(args[4]);
+    const long heads_first = PyLong_AsLong(args[4]);
     const long long H0 = PyLong_AsLongLong(args[5]);
     const long long Hkv0 = PyLong_AsLongLong(args[6]);
     const long causal = PyLong_AsLong(args[7]);
@@ -1606,8 +1608,11 @@ static PyObject *attention_plain(PyObject *self, PyObject *const *args,
     double scale = 0.0;
     if (args[8] != Py_None)
         scale = PyFloat_AsDouble(args[8]);
-    if (heads_first < 0 || PyErr_Occurred())
+    if (PyErr_Occurred())
         return NULL;
+    if (heads_first < 0 || heads_first > 2)
+        return PyErr_Format(PyExc_ValueError, "heads_first must be 0, 1 or "
+                            "2, got %ld", heads_first);
     mha_attention_args a;
     memset(&a, 0, sizeof a);
     bufset b = {.n = 0};
@@ -1616,7 +1621,31 @@ static PyObject *attention_plain(PyObject *self, PyObject *const *args,
     void *pq, *pk, *pv, *pout;
     Py_buffer *vq = NULL, *vk = NULL;
     int64_t B, H, Hkv, dh, Lq, Lk;
-    if (heads_first) {
+    if (heads_first == 2) {
+        /* (B, H, L, d_h), C-contiguous: the shapes from the buffers */
+        if (get_buf(&b, args[0], "q", T_F32, 0, -1, 1, &pq, &vq) ||
+            get_buf(&b, args[1], "k", T_F32, 0, -1, 1, &pk, &vk) ||
+            get_buf(&b, args[2], "v", T_F32, 0, -1, 1, &pv, NULL))
+            goto fail;
+        const Py_buffer *vv = &b.v[2];
+        if (vq->ndim != 4 || vk->ndim != 4 || vv->ndim != 4 ||
+            vk->shape[0] != vq->shape[0] || vk->shape[3] != vq->shape[3] ||
+            memcmp(vk->shape, vv->shape, 4 * sizeof *vk->shape)) {
+            PyErr_Format(PyExc_ValueError, "q must be (B, H, Lq, d_h), k "
+                         "and v (B, H_kv, Lk, d_h), the same shape");
+            goto fail;
+        }
+        B = vq->shape[0];
+        H = vq->shape[1];
+        Lq = vq->shape[2];
+        dh = vq->shape[3];
+        Hkv = vk->shape[1];
+        Lk = vk->shape[2];
+        a.q = pq;
+        a.k = pk;
+        a.v = pv;
+        a.layout = MHA_LAYOUT_HEADS_FIRST;
+    } else if (heads_first) {
         /* the shapes from q's and k's buffers, then all three checked */
         Py_buffer probe;
         if (PyObject_GetBuffer(args[0], &probe, PyBUF_RECORDS_RO) != 0)
@@ -1692,7 +1721,7 @@ static PyObject *attention_plain(PyObject *self, PyObject *const *args,
     }
     mha_status st = MHA_OK;
     Py_BEGIN_ALLOW_THREADS
-    if (heads_first)
+    if (heads_first == 1)
         st = heads_first_inputs(&a, x4, 3, NULL, scratch);
     if (st == MHA_OK)
         st = mha_attention(&a);

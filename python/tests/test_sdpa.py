@@ -286,6 +286,20 @@ def test_non_cpu_refused():
             sdpa(*args)
 
 
+def test_no_grad_heads_first_in_place_large():
+    """Large contiguous (B, H, L, d) tensors (past the size where other
+    layouts are copied by torch) are read in place too: the autograd
+    path's bits, GQA, causal."""
+    r = np.random.default_rng(77)
+    q, k, v = tensors(r, (2, 4, 130, 64), (2, 2, 150, 64), (2, 2, 150, 64))
+    assert q.numel() >= (1 << 16)
+    ins = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = sdpa(*ins, is_causal=True, enable_gqa=True)
+    with torch.no_grad():
+        out = sdpa(q, k, v, is_causal=True, enable_gqa=True)
+    assert out.is_contiguous() and torch.equal(out, ref.detach())
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_no_grad_short_way_is_the_same_call(seed):
     """Under no_grad, SDPA with q, k, v alone (and is_causal, scale,
@@ -310,6 +324,13 @@ def test_no_grad_short_way_is_the_same_call(seed):
     with torch.no_grad():
         out = sdpa(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
         assert not out.requires_grad and torch.equal(out, ref.detach())
+        # contiguous (B, H, L, d), torch's layout, is read in place
+        # (MHA_LAYOUT_HEADS_FIRST) and so is the output
+        if all(x.is_contiguous() for x in (q, k, v)):
+            assert out.is_contiguous()
+        mixed = sdpa(q, k.transpose(1, 2).contiguous().transpose(1, 2), v,
+                     is_causal=causal, scale=scale, enable_gqa=True)
+        assert torch.equal(mixed, ref.detach())
         if H != Hkv:
             with pytest.raises(ValueError, match="enable_gqa"):
                 sdpa(q, k, v)

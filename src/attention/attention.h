@@ -141,6 +141,9 @@ enum { MHA_BR = 64, MHA_BC = 64 };
  *     K/V head g of key row j of batch b   k[(b * Lk + j) * ldk + g * dh + d]
  *                                          (v likewise)
  *     the output of query head h           ctx[(b * Lq + i) * ldc + h * dh + d]
+ * in the rows layout; with head strides hs and batch strides bs set
+ * (heads first: ld = dh, hs = L * dh, bs = heads * L * dh), row i of head
+ * h of batch b is at b * bs + i * ld + h * hs (mha_q_row and the rest).
  * bias_k / bias_v ([Hkv * dh], or NULL) and zero_attn append one key each
  * after the Lk real ones, in that order, as PyTorch does: Lt keys in all.
  */
@@ -148,6 +151,8 @@ typedef struct mha_attn {
     int64_t B, H, Hkv, Lq, Lk, Lt, dh;
     const float *q, *k, *v;
     int64_t ldq, ldk, ldv;
+    int64_t hsq, hsk, hsv, hsc;  /* head strides: 0 -> dh (rows layout)  */
+    int64_t bsq, bsk, bsv, bsc;  /* batch strides: 0 -> L * ld           */
     const float *bias_k, *bias_v;
     int zero_attn;
     float scale;
@@ -421,18 +426,41 @@ static inline int64_t mha_kv_head(const mha_attn *a, int64_t h)
     return h / (a->H / a->Hkv);
 }
 
+/* The offset of row i of head h of batch b in a tensor of L rows, row
+ * stride ld, head stride hs and batch stride bs (0: the rows layout's). */
+static inline int64_t mha_row_at(const mha_attn *a, int64_t L, int64_t ld,
+                                 int64_t hs, int64_t bs, int64_t b,
+                                 int64_t h, int64_t i)
+{
+    return b * (bs ? bs : L * ld) + i * ld + h * (hs ? hs : a->dh);
+}
+
+/* Query row i of head h of batch b, and the output row it gives. */
+static inline const float *mha_q_row(const mha_attn *a, int64_t b,
+                                     int64_t h, int64_t i)
+{
+    return a->q + mha_row_at(a, a->Lq, a->ldq, a->hsq, a->bsq, b, h, i);
+}
+static inline float *mha_ctx_row(const mha_attn *a, int64_t b, int64_t h,
+                                 int64_t i)
+{
+    return a->ctx + mha_row_at(a, a->Lq, a->ldc, a->hsc, a->bsc, b, h, i);
+}
+
 /* Key row j of K/V head g of batch b: a real key (j < Lk), bias_k (j = Lk
  * with add_bias_kv), or NULL for the zero key of add_zero_attn. */
 static inline const float *mha_key_row(const mha_attn *a, int64_t b,
                                        int64_t g, int64_t j)
 {
-    return j < a->Lk ? a->k + (b * a->Lk + j) * a->ldk + g * a->dh
+    return j < a->Lk ? a->k + mha_row_at(a, a->Lk, a->ldk, a->hsk, a->bsk,
+                                         b, g, j)
          : j == a->Lk && a->bias_k ? a->bias_k + g * a->dh : NULL;
 }
 static inline const float *mha_value_row(const mha_attn *a, int64_t b,
                                          int64_t g, int64_t j)
 {
-    return j < a->Lk ? a->v + (b * a->Lk + j) * a->ldv + g * a->dh
+    return j < a->Lk ? a->v + mha_row_at(a, a->Lk, a->ldv, a->hsv, a->bsv,
+                                         b, g, j)
          : j == a->Lk && a->bias_v ? a->bias_v + g * a->dh : NULL;
 }
 

@@ -111,7 +111,7 @@ void mha_flash_finish(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
     const int64_t dh = a->dh;
     const float keep = (float)mha_keep_scale(a);
     for (int r = 0; r < mr; r++) {
-        float *dst = a->ctx + (b * a->Lq + i0 + r) * a->ldc + h * dh;
+        float *dst = mha_ctx_row(a, b, h, i0 + r);
         float *st = a->stats + 2 * ((b * a->H + h) * a->Lq + i0 + r);
         if (m[r] == -INFINITY || l[r] == 0.0f) {
             /* No key to attend to: zero context, zero weights. */

@@ -32,7 +32,7 @@ void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
      * same float64 dk and dv. */
     for (int64_t h = kvh * group; h < (kvh + 1) * group; h++)
     for (int64_t i = 0; i < a->Lq; i++) {
-        const float *q = a->q + (b * a->Lq + i) * a->ldq + h * dh;
+        const float *q = mha_q_row(a, b, h, i);
         const float *dO = g->dctx + (b * a->Lq + i) * g->lddc + h * dh;
         float *dqd = g->dq + (b * a->Lq + i) * g->lddq + h * dh;
         int64_t live = mha_mask_row(a->mask, b, h, i, bias);

@@ -68,7 +68,7 @@ void mha_ref_row(const mha_attn *a, int64_t b, int64_t i, float *scratch)
     const double keep = mha_keep_scale(a);
     for (int64_t h = 0; h < a->H; h++) {
         const int64_t g = mha_kv_head(a, h);
-        const float *q = a->q + (b * a->Lq + i) * a->ldq + h * dh;
+        const float *q = mha_q_row(a, b, h, i);
         const int64_t live = mha_mask_row(a->mask, b, h, i, bias);
         const double sink = a->sinks ? a->sinks[h] : -INFINITY;
         double mx = sink;
@@ -86,7 +86,7 @@ void mha_ref_row(const mha_attn *a, int64_t b, int64_t i, float *scratch)
             if (bias[j] != -INFINITY)
                 sum += s[j] = exp(s[j] - mx);
         memset(acc, 0, (size_t)dh * sizeof *acc);
-        float *dst = a->ctx + (b * a->Lq + i) * a->ldc + h * dh;
+        float *dst = mha_ctx_row(a, b, h, i);
         float *w = a->weights == MHA_WEIGHTS_PER_HEAD
                        ? a->w + ((b * a->H + h) * a->Lq + i) * Lt
                        : a->w ? a->w + (b * a->Lq + i) * Lt : NULL;

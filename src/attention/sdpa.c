@@ -113,6 +113,18 @@ static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
     MHA_CHECK(mha_sinks_check(a->sinks, s->H, "attention"));
     mha_rope rope;
     MHA_CHECK(mha_rope_resolve(&a->mods.rope, s->dh, &rope));
+    if (a->layout != MHA_LAYOUT_ROWS && a->layout != MHA_LAYOUT_HEADS_FIRST)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "layout must be MHA_LAYOUT_ROWS (0) or "
+                             "MHA_LAYOUT_HEADS_FIRST (1), got %d",
+                             (int)a->layout);
+    if (a->layout == MHA_LAYOUT_HEADS_FIRST &&
+        (a->cache || rope.style != MHA_ROPE_NONE))
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "layout MHA_LAYOUT_HEADS_FIRST is not supported "
+                             "with %s: give q, k, v and out in rows "
+                             "(MHA_LAYOUT_ROWS)",
+                             a->cache ? "a KV cache" : "RoPE");
     if (a->cache && a->k_positions && rope.style != MHA_ROPE_NONE)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "with a KV cache, k_positions must be unset: "
@@ -290,7 +302,7 @@ static mha_attn problem(const mha_attention_plan *p,
                         const mha_mask_plan *mask)
 {
     const sdpa_shape *s = &p->shape;
-    const mha_attn at = {
+    mha_attn at = {
         .B = s->B, .H = s->H, .Hkv = s->Hkv, .Lq = s->Lq, .Lk = s->Lk,
         .Lt = s->Lk, .dh = s->dh, .q = a->q, .k = a->k, .v = a->v,
         .ldq = s->E, .ldk = s->Ekv, .ldv = s->Ekv,
@@ -305,6 +317,14 @@ static mha_attn problem(const mha_attention_plan *p,
         .w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights : NULL,
         .partials = p->ws + p->lay.partials,
         .packed = p->ws + p->lay.packed};
+    if (a->layout == MHA_LAYOUT_HEADS_FIRST) {
+        /* (B, heads, L, d_h): rows d_h apart, heads L rows apart */
+        at.ldq = at.ldk = at.ldv = at.ldc = s->dh;
+        at.hsq = at.hsc = s->Lq * s->dh;
+        at.hsk = at.hsv = s->Lk * s->dh;
+        at.bsq = at.bsc = s->H * at.hsq;
+        at.bsk = at.bsv = s->Hkv * at.hsk;
+    }
     return at;
 }
 
@@ -554,6 +574,17 @@ static mha_status check_saved(const mha_attention_plan *p,
     return MHA_OK;
 }
 
+/* The backward reads and writes the rows layout only. */
+static mha_status backward_layout(const mha_attention_args *a)
+{
+    if (a->layout != MHA_LAYOUT_ROWS)
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "the backward takes q, k, v and their gradients "
+                             "in rows (MHA_LAYOUT_ROWS), got layout %d",
+                             (int)a->layout);
+    return MHA_OK;
+}
+
 /* The plan's backward; row_lse / row_delta ([B][H][Lq], both or
  * neither): a part of a split-key problem (mha_attention_backward_part),
  * whose stats the caller has set to (lse, 1). */
@@ -574,6 +605,7 @@ static mha_status plan_backward(mha_attention_plan *p,
                              !g->grad_out ? "grad_out"
                              : !g->grad_q ? "grad_q"
                              : !g->grad_k ? "grad_k" : "grad_v");
+    MHA_CHECK(backward_layout(a));
     MHA_CHECK(check_saved(p, a));
     if (g->grad_sinks && !a->sinks)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
@@ -653,6 +685,7 @@ mha_status mha_attention_backward(const mha_attention_args *a,
         return mha_set_error(MHA_ERR_NULL_POINTER, "attention args are NULL");
     if (!g)
         return mha_set_error(MHA_ERR_NULL_POINTER, "gradient args are NULL");
+    MHA_CHECK(backward_layout(a));
     mha_attention_args f = *a;
     f.need_weights = MHA_WEIGHTS_NONE;
     f.attn_weights = NULL;
@@ -692,6 +725,7 @@ mha_status mha_attention_backward_part(const mha_attention_args *a,
                                   : "out (the output merged over all parts)");
     if (!g->grad_out)
         return mha_set_error(MHA_ERR_NULL_POINTER, "grad_out is NULL");
+    MHA_CHECK(backward_layout(a));
     if (a->sinks || g->grad_sinks)
         return mha_set_error(MHA_ERR_UNSUPPORTED,
                              "a part's backward takes no sinks (a sink "

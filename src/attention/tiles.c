@@ -47,7 +47,7 @@ void mha_load_q(const mha_attn *a, int64_t b, int64_t h, int64_t i0, int mr,
 {
     const int64_t dh = a->dh;
     for (int r = 0; r < mr; r++) {
-        const float *src = a->q + (b * a->Lq + i0 + r) * a->ldq + h * dh;
+        const float *src = mha_q_row(a, b, h, i0 + r);
         for (int64_t d = 0; d < dh; d++)
             qs[r * dh + d] = src[d] * a->scale;
     }

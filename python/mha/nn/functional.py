@@ -130,18 +130,30 @@ _T, _F32 = torch.Tensor, torch.float32
 def _sdpa_plain(q, k, v, is_causal, scale, gqa):
     """The short way for the common inference call (no grad, no mask,
     dropout or modifier; batched float32 CPU tensors of consistent
-    shapes, below _TORCH_COPY_FROM elements): one positional C call,
-    the same computation.  None for anything else: the full way then
-    checks (and raises) as always."""
+    shapes): one positional C call, the same computation.  Contiguous
+    (B, H, L, d) tensors, torch's own layout, are read in place
+    (MHA_LAYOUT_HEADS_FIRST) and the output is one too; others, below
+    _TORCH_COPY_FROM elements, go to C as they are (heads_first above).
+    None for anything else: the full way then checks (and raises) as
+    always."""
     if type(q) is not _T or type(k) is not _T or type(v) is not _T or \
             q.dtype is not _F32 or k.dtype is not _F32 or \
             v.dtype is not _F32 or not (q.is_cpu and k.is_cpu and v.is_cpu) \
-            or q.dim() != 4 or not 0 < q.numel() < _TORCH_COPY_FROM:
+            or q.dim() != 4 or q.numel() == 0:
         return None
     B, H, Lq, d = q.shape
     ks = k.shape
     if v.shape != ks or len(ks) != 4 or ks[0] != B or ks[3] != d or \
             ks[2] == 0 or (ks[1] != H and (not gqa or H % ks[1])):
+        return None
+    if q.is_contiguous() and k.is_contiguous() and v.is_contiguous():
+        out = np.empty((B, H, Lq, d), np.float32)
+        _core.attention_plain(q.detach().numpy(), k.detach().numpy(),
+                              v.detach().numpy(), out, 2, 0, 0,
+                              2 if is_causal else 0,
+                              None if scale is None else float(scale), 0)
+        return torch.from_numpy(out)
+    if q.numel() >= _TORCH_COPY_FROM:
         return None
     out = np.empty((B, Lq, H, d), np.float32)
     _core.attention_plain(q.detach().numpy(), k.detach().numpy(),
