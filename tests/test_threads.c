@@ -5,16 +5,26 @@
  * bound), on shapes large enough to run threaded: every block path, the
  * split keys of decoding, dropout, d_h = 80, the backward; a plan runs
  * many calls with no change in results and refuses arguments it was not
- * made for.  Run once per kernel tier (MHA_ISA) by CTest.
+ * made for; threads loading good and bad safetensors files at once each
+ * get their own answer and message (run under ThreadSanitizer by
+ * scripts/test.sh: cJSON's parse writes a process-wide error record, so
+ * the library's parses take turns).  Run once per kernel tier (MHA_ISA)
+ * by CTest.
  */
+#define _XOPEN_SOURCE 700   /* mkdtemp */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <cmocka.h>
 
+#include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
+
+#include "mha_io.h"
 
 #include "ref.h"
 #include "testutil.h"
@@ -256,6 +266,81 @@ static void test_plan(void **state)
     mha_free(m);
 }
 
+/* ---- concurrent loads ---------------------------------------------------- */
+
+typedef struct loader {
+    const char *good, *bad;
+    int wrong;              /* loads that did not answer as they should */
+} loader;
+
+static void *load_many(void *arg)
+{
+    loader *l = arg;
+    for (int k = 0; k < 40; k++) {
+        mha_tensor_file *f = NULL;
+        if (mha_safetensors_load(l->good, &f) != MHA_OK ||
+            mha_tensor_file_count(f) != 1)
+            l->wrong++;
+        mha_tensor_file_free(f);
+        f = NULL;
+        if (mha_safetensors_load(l->bad, &f) != MHA_ERR_FORMAT || f ||
+            !strstr(mha_last_error(), "nests too deeply"))
+            l->wrong++;
+    }
+    return NULL;
+}
+
+static void test_concurrent_loads(void **state)
+{
+    (void)state;
+    char dir[] = "/tmp/mha-threads-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char good[64], bad[64];
+    snprintf(good, sizeof good, "%s/good.safetensors", dir);
+    snprintf(bad, sizeof bad, "%s/bad.safetensors", dir);
+    float x[6] = {1, 2, 3, 4, 5, 6};
+    const mha_tensor_view t = {"x", MHA_DTYPE_F32, 2, {2, 3}, x};
+    assert_int_equal(mha_safetensors_save(good, &t, 1, NULL, NULL, 0),
+                     MHA_OK);
+    /* lexically valid JSON nested past cJSON's limit: the parse fails */
+    const int depth = 1100;
+    char *json = malloc(2 * depth + 16);
+    int n = 0;
+    json[n++] = '{';
+    json[n++] = '"';
+    json[n++] = 'a';
+    json[n++] = '"';
+    json[n++] = ':';
+    for (int k = 0; k < depth; k++)
+        json[n++] = '[';
+    for (int k = 0; k < depth; k++)
+        json[n++] = ']';
+    json[n++] = '}';
+    unsigned char len[8] = {0};
+    for (int k = 0; k < 8; k++)
+        len[k] = (unsigned char)((uint64_t)n >> (8 * k));
+    FILE *f = fopen(bad, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(len, 1, 8, f), 8);
+    assert_int_equal(fwrite(json, 1, (size_t)n, f), (size_t)n);
+    assert_int_equal(fclose(f), 0);
+    free(json);
+    enum { T = 4 };
+    pthread_t th[T];
+    loader l[T];
+    for (int i = 0; i < T; i++) {
+        l[i] = (loader){good, bad, 0};
+        assert_int_equal(pthread_create(&th[i], NULL, load_many, &l[i]), 0);
+    }
+    for (int i = 0; i < T; i++) {
+        assert_int_equal(pthread_join(th[i], NULL), 0);
+        assert_int_equal(l[i].wrong, 0);
+    }
+    unlink(good);
+    unlink(bad);
+    rmdir(dir);
+}
+
 int main(void)
 {
     if (tu_tier_unavailable())
@@ -264,6 +349,7 @@ int main(void)
         cmocka_unit_test(tu_test_tier),
         cmocka_unit_test(test_plan),
         cmocka_unit_test(test_thread_counts),
+        cmocka_unit_test(test_concurrent_loads),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -28,6 +28,7 @@
 
 #include <cJSON.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -537,9 +538,15 @@ mha_status mha_safetensors_parse(const void *bytes, size_t size,
         return mha_set_error(MHA_ERR_FORMAT,
                              "safetensors: header is not valid JSON: %s at "
                              "byte %lld", why, (long long)bad);
+    /* cJSON's parse writes a process-wide error record (cJSON_GetErrorPtr)
+     * on every call: threads loading files at once would race on it, so
+     * parses take turns (the position comes back through `end`). */
+    static pthread_mutex_t parse_lock = PTHREAD_MUTEX_INITIALIZER;
     const char *end = NULL;
+    pthread_mutex_lock(&parse_lock);
     cJSON *root = cJSON_ParseWithLengthOpts((const char *)p + 8, (size_t)n,
                                             &end, 0);
+    pthread_mutex_unlock(&parse_lock);
     if (!root)
         return mha_set_error(MHA_ERR_FORMAT,
                              "safetensors: header is not valid JSON (or nests "
