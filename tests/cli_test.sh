@@ -550,6 +550,40 @@ fi
 expect 1 "cannot write .*: it is a directory" -- "$mha" "${fw[@]}" --out "$f"
 absent "files: no temporary file left" "$f/"*.tmp.*
 
+# ---- --seq-first: (L, B, E) files, nn.MultiheadAttention's default layout ----
+s="$d/seqfirst"; mkdir "$s"
+for x in q k v; do npy "$s/$x.npy" "np.load('$d/$x.npy').transpose(1, 0, 2)"; done
+npy "$s/dy_bf.npy" "np.random.randn(2, 3, 8).astype(np.float32)"
+npy "$s/dy.npy" "np.load('$s/dy_bf.npy').transpose(1, 0, 2)"
+cross_bf=(--weights "$W" --query "$d/q.npy" --key "$d/k.npy" --value "$d/v.npy")
+cross_sf=(--weights "$W" --query "$s/q.npy" --key "$s/k.npy" --value "$s/v.npy" --seq-first)
+"$mha" forward "${cross_bf[@]}" --out "$s/bf.npy" --attn-weights "$s/bf_w.npy" || bad "seq-first: batch-first run"
+"$mha" forward "${cross_sf[@]}" --out "$s/sf.npy" --attn-weights "$s/sf_w.npy" || bad "seq-first: run"
+check "--seq-first: the output is the batch-first one, (Lq, B, E)" \
+  "a.shape == (3, 2, 8) and np.array_equal(a, b.transpose(1, 0, 2))" "$s/sf.npy" "$s/bf.npy"
+same "$s/sf_w.npy" "$s/bf_w.npy" "--seq-first: the weights stay (B, Lq, Lk)"
+"$mha" backward "${cross_bf[@]}" --grad-output "$s/dy_bf.npy" --out "$s/g_bf.safetensors" || bad "seq-first: batch-first backward"
+"$mha" backward "${cross_sf[@]}" --grad-output "$s/dy.npy" --out "$s/g_sf.safetensors" || bad "seq-first: backward"
+if "$py" -c "
+import sys; sys.path.insert(0, sys.argv[1]); import st, numpy as np
+a, _ = st.load(sys.argv[2]); b, _ = st.load(sys.argv[3])
+assert sorted(a) == sorted(b)
+for n in a:
+    want = b[n].transpose(1, 0, 2) if n in ('query', 'key', 'value') else b[n]
+    assert np.array_equal(a[n], want), n" "$here/torch_live" "$s/g_sf.safetensors" "$s/g_bf.safetensors"
+then ok; else bad "--seq-first: backward's gradients are not the batch-first ones transposed"; fi
+expect 1 "^mha backward: --grad-output .* has shape \(2, 3, 8\), expected the forward output's shape \(3, 2, 8\) \(--seq-first\)" -- \
+  "$mha" backward "${cross_sf[@]}" --grad-output "$s/dy_bf.npy" --out "$s/x.safetensors"
+"$mha" decode --weights "$W" --query "$d/q.npy" --chunk 2 --out "$s/dec_bf.npy" || bad "seq-first: batch-first decode"
+"$mha" decode --weights "$W" --query "$s/q.npy" --seq-first --chunk 2 --out "$s/dec_sf.npy" || bad "seq-first: decode"
+check "--seq-first: decode's output is (L, B, E)" "np.array_equal(a, b.transpose(1, 0, 2))" "$s/dec_sf.npy" "$s/dec_bf.npy"
+npy "$s/q7.npy" "np.zeros((3, 2, 7), np.float32)"
+expect 1 "^mha forward: --query has last dimension 7, expected E = 8 \(shape \(3, 2, 7\), read as \(L, B, w\) with --seq-first\)" -- \
+  "$mha" forward --weights "$W" --query "$s/q7.npy" --seq-first --out "$s/x.npy"
+expect 1 "read as \(B, L, w\); --seq-first reads \(L, B, w\)" -- \
+  "$mha" forward --weights "$W" --query "$s/q7.npy" --out "$s/x.npy"
+absent "--seq-first: no output after a failure" "$s/x.npy" "$s/x.safetensors"
+
 # ---- mha backward ------------------------------------------------------------
 # stcheck WHAT EXPR FILE...: EXPR is true of t, a, b = FILE1, FILE2, FILE3:
 # a safetensors file as {name: array} (file order), an .npy as an array

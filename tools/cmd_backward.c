@@ -69,7 +69,11 @@ int cmd_backward(int argc, char **argv)
         rc = tool_fail("backward", "--grad-output: %s", mha_last_error());
     if (!rc) {
         /* The forward's output has the query's shape, last dimension E. */
-        const mha_tensor_view want = tool_view_like("", q, E, NULL);
+        mha_tensor_view want = tool_view_like("", q, E, NULL);
+        if (r.seq_first && want.ndim == 3) {    /* the file's (L, B, E) */
+            want.shape[0] = q->shape[1];
+            want.shape[1] = q->shape[0];
+        }
         int same = dy->ndim == want.ndim;
         for (int d = 0; same && d < want.ndim; d++)
             same = dy->shape[d] == want.shape[d];
@@ -81,8 +85,11 @@ int cmd_backward(int argc, char **argv)
                            "%s", mha_dtype_name(dy->dtype));
         else if (!same)
             rc = tool_fail("backward", "--grad-output %s has shape %s, "
-                           "expected the forward output's shape %s",
-                           OPT("grad-output"), got, exp);
+                           "expected the forward output's shape %s%s",
+                           OPT("grad-output"), got, exp,
+                           r.seq_first ? " (--seq-first)" : "");
+        else if (r.seq_first)
+            rc = tool_swap01("backward", dy->data, dy->ndim, dy->shape);
     }
 
     /* One buffer: dq, dk, dv, then the parameters' gradients.  A NULL key
@@ -115,6 +122,11 @@ int cmd_backward(int argc, char **argv)
             views[1] = tool_view_like("key", k, c->kdim, b.grad_key);
         if (v)
             views[2] = tool_view_like("value", v, c->vdim, b.grad_value);
+        /* --seq-first: the inputs' gradients in the inputs' (L, B, .) */
+        float *const gin[3] = {b.grad_query, b.grad_key, b.grad_value};
+        for (int t = 0; r.seq_first && t < nin && !rc; t++)
+            rc = tool_swap01("backward", gin[t], views[t].ndim,
+                             views[t].shape);
         for (int p = 0; p < nparams; p++) {
             mha_param_info info;
             mha_param_info_at(r.m, p, &info);
@@ -127,8 +139,9 @@ int cmd_backward(int argc, char **argv)
         if (ghm)
             views[nin + nparams] = (mha_tensor_view){
                 "head_mask", MHA_DTYPE_F32, 1, {c->num_heads}, ghm};
-        if (mha_safetensors_save(OPT("out"), views, nin + nparams + nhm, NULL,
-                                 NULL, 0) != MHA_OK)
+        if (!rc && mha_safetensors_save(OPT("out"), views,
+                                        nin + nparams + nhm, NULL, NULL,
+                                        0) != MHA_OK)
             rc = tool_fail("backward", "--out: %s", mha_last_error());
     }
 #undef OPT

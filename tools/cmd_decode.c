@@ -19,7 +19,7 @@
 static const char DECODE_HELP[] =
     "usage: mha decode --weights W.safetensors [--heads H] --query X.npy\n"
     "                  [--prefill P] [--chunk C] [--kv-dtype f32|f16|bf16|q8]\n"
-    "                  [--window W | --window L,R] [--threads T]\n"
+    "                  [--window W | --window L,R] [--threads T] [--seq-first]\n"
     "                  --out OUT.npy\n"
     MOD_USAGE "\n"
     "\n"
@@ -35,6 +35,8 @@ static const char DECODE_HELP[] =
     "                     grouped-query modules (num_kv_heads) work as they\n"
     "                     are, the cache holding their K/V heads only\n"
     "  --query X.npy      (B, L, E) or unbatched (L, E), float\n"
+    "  --seq-first        X and OUT are (L, B, E), nn.MultiheadAttention's\n"
+    "                     default batch_first=False layout\n"
     "  --prefill P        tokens of the first forward (default: C)\n"
     "  --chunk C          tokens of each later forward (default 1: token by\n"
     "                     token); the last may be shorter.  P >= L runs X\n"
@@ -132,7 +134,7 @@ int cmd_decode(int argc, char **argv)
     tool_opt o[] = {{"weights", 1, 0}, {"heads", 1, 0}, {"query", 1, 0},
                     {"threads", 1, 0}, {"prefill", 1, 0}, {"chunk", 1, 0},
                     {"kv-dtype", 1, 0}, {"window", 1, 0}, {"out", 1, 0},
-                    MOD_OPTS};
+                    {"seq-first", 0, 0}, MOD_OPTS};
     int status;
     if (tool_options("decode", argc, argv, o, NOPTS(o), DECODE_HELP, &status))
         return status;
@@ -201,8 +203,10 @@ int cmd_decode(int argc, char **argv)
         rc = decode_all(&r, kv, P, C, out);
     if (!rc) {
         /* An unbatched input gives an unbatched output, as in forward. */
-        const mha_tensor_view ov = tool_view_like("", r.in.q, E, out);
-        if (mha_npy_save(OPT("out"), &ov) != MHA_OK)
+        mha_tensor_view ov = tool_view_like("", r.in.q, E, out);
+        if (r.seq_first)        /* (B, L, E) -> the query's (L, B, E) */
+            rc = tool_swap01("decode", out, ov.ndim, ov.shape);
+        if (!rc && mha_npy_save(OPT("out"), &ov) != MHA_OK)
             rc = tool_fail("decode", "--out: %s", mha_last_error());
     }
 #undef OPT

@@ -23,7 +23,8 @@ static const char FORWARD_HELP[] =
     "Runs nn.MultiheadAttention's forward pass with the weights of a PyTorch\n"
     "state_dict saved as safetensors.\n"
     RUN_HELP_INPUTS
-    "  --out OUT.npy      (B, Lq, E) float32, or (Lq, E) for an unbatched query\n"
+    "  --out OUT.npy      (B, Lq, E) float32 ((Lq, B, E) with --seq-first), or\n"
+    "                     (Lq, E) for an unbatched query\n"
     "  --attn-weights A   (B, Lq, Lk') averaged over heads, or (B, H, Lq, Lk')\n"
     "                     with --per-head; Lk' counts bias_k / zero keys\n"
     "A query row with no key left gives out_proj.bias and zero weights\n"
@@ -136,7 +137,9 @@ int cmd_forward(int argc, char **argv)
     if (!rc) {
         /* An unbatched query gives unbatched outputs, as in PyTorch. */
         const int batched = r.in.q->ndim == 3;
-        const mha_tensor_view ov = tool_view_like("", r.in.q, E, out);
+        mha_tensor_view ov = tool_view_like("", r.in.q, E, out);
+        if (r.seq_first)        /* (B, Lq, E) -> the query's (Lq, B, E) */
+            rc = tool_swap01("forward", out, ov.ndim, ov.shape);
         mha_tensor_view wv = {"", MHA_DTYPE_F32, 0, {0}, w};
         if (batched)
             wv.shape[wv.ndim++] = B;
@@ -144,7 +147,8 @@ int cmd_forward(int argc, char **argv)
             wv.shape[wv.ndim++] = H;
         wv.shape[wv.ndim++] = Lq;
         wv.shape[wv.ndim++] = Lt;
-        rc = write_outputs(OPT("out"), &ov, OPT("attn-weights"), &wv);
+        if (!rc)
+            rc = write_outputs(OPT("out"), &ov, OPT("attn-weights"), &wv);
     }
 #undef OPT
     free(out);

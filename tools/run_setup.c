@@ -147,26 +147,49 @@ void run_free(run_setup *r)
     memset(r, 0, sizeof *r);
 }
 
-/* Checks an input's rank and width, and returns its (B, L). */
+int tool_swap01(const char *cmd, float *data, int ndim, int64_t *shape)
+{
+    if (ndim != 3)
+        return 0;
+    const int64_t A = shape[0], B = shape[1], w = shape[2];
+    const size_t row = (size_t)w * sizeof *data, n = (size_t)(A * B * w);
+    float *copy = malloc(n * sizeof *data + 1);
+    if (!copy)
+        return tool_fail(cmd, "out of memory for --seq-first's transpose");
+    memcpy(copy, data, n * sizeof *data);
+    for (int64_t a = 0; a < A; a++)
+        for (int64_t b = 0; b < B; b++)
+            memcpy(data + (b * A + a) * w, copy + (a * B + b) * w, row);
+    free(copy);
+    shape[0] = B;
+    shape[1] = A;
+    return 0;
+}
+
+/* Checks an input's rank and width, and returns its (B, L): the file's
+ * shape, read in the layout --seq-first says (and every message says
+ * which one was assumed). */
 static int input_dims(const char *cmd, const char *opt, const mha_tensor *t,
-                      int64_t width, const char *wname, int64_t *B,
-                      int64_t *L)
+                      int64_t width, const char *wname, int seq_first,
+                      int64_t *B, int64_t *L)
 {
     char s[128];
     tool_shape_str(t, s, sizeof s);
+    const char *as = seq_first ? "(L, B, w) with --seq-first"
+                               : "(B, L, w); --seq-first reads (L, B, w)";
     if (!tool_is_float(t))
         return tool_fail(cmd, "--%s must hold floats, got %s", opt,
                          mha_dtype_name(t->dtype));
     if (t->ndim != 2 && t->ndim != 3)
-        return tool_fail(cmd, "--%s must be (B, L, %s) or (L, %s), got %s",
-                         opt, wname, wname, s);
+        return tool_fail(cmd, "--%s must be %s, %s) or (L, %s), got %s",
+                         opt, seq_first ? "(L, B" : "(B, L", wname, wname, s);
     if (t->shape[t->ndim - 1] != width)
         return tool_fail(cmd, "--%s has last dimension %lld, expected %s = "
-                         "%lld (shape %s)", opt,
+                         "%lld (shape %s, read as %s)", opt,
                          (long long)t->shape[t->ndim - 1], wname,
-                         (long long)width, s);
-    *B = t->ndim == 3 ? t->shape[0] : 1;
-    *L = t->shape[t->ndim - 2];
+                         (long long)width, s, as);
+    *B = t->ndim == 3 ? t->shape[seq_first ? 1 : 0] : 1;
+    *L = t->shape[t->ndim == 3 && !seq_first ? 1 : 0];
     if (*B < 1 || *L < 1)
         return tool_fail(cmd, "--%s is empty: shape %s", opt, s);
     return 0;
@@ -273,13 +296,22 @@ static int run_inputs(const char *cmd, const tool_opt *o, int n,
     for (int k = 0; k < 6; k++)
         if (OPT(files[k]) && mha_npy_load(OPT(files[k]), slot[k]) != MHA_OK)
             return tool_fail(cmd, "--%s: %s", files[k], mha_last_error());
+    const int sf = r->seq_first = OPT("seq-first") != NULL;
 #undef OPT
     const mha_config *c = &r->c;
     int64_t B = 0, Lq = 0, Bk = 0, Lk = 0, Bv = 0, Lv = 0;
-    if (input_dims(cmd, "query", in->q, c->embed_dim, "E", &B, &Lq) ||
-        (in->k && input_dims(cmd, "key", in->k, c->kdim, "kdim", &Bk, &Lk)) ||
-        (in->v && input_dims(cmd, "value", in->v, c->vdim, "vdim", &Bv, &Lv)))
+    if (input_dims(cmd, "query", in->q, c->embed_dim, "E", sf, &B, &Lq) ||
+        (in->k &&
+         input_dims(cmd, "key", in->k, c->kdim, "kdim", sf, &Bk, &Lk)) ||
+        (in->v &&
+         input_dims(cmd, "value", in->v, c->vdim, "vdim", sf, &Bv, &Lv)))
         return 1;
+    /* (L, B, .) files into the library's (B, L, .) */
+    mha_tensor *const ins[3] = {in->q, in->k, in->v};
+    for (int k = 0; sf && k < 3; k++)
+        if (ins[k] &&
+            tool_swap01(cmd, ins[k]->data, ins[k]->ndim, ins[k]->shape))
+            return 1;
     /* A command without --key (decode) runs self-attention only. */
     int has_key = 0;
     for (int k = 0; k < n; k++)

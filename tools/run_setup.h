@@ -64,7 +64,7 @@ void tool_mods_free(tool_mods *t);
 /* The usage lines of the options they all take, and their descriptions. */
 #define RUN_USAGE_INPUTS                                                     \
     "--weights W.safetensors [--heads H] --query Q.npy\n"                   \
-    "         [--key K.npy [--value V.npy]]\n"                            \
+    "         [--key K.npy [--value V.npy]] [--seq-first]\n"              \
     "         [--attn-mask M.npy | --block-mask M.npy]\n"                  \
     "         [--key-mask KM.npy] [--key-lengths KL.npy]\n"                 \
     "         [--causal | --causal-top-left] [--scale S] [--add-zero-attn]\n" \
@@ -76,6 +76,9 @@ void tool_mods_free(tool_mods *t);
     "  --query Q.npy      (B, Lq, E) or unbatched (Lq, E), float\n"          \
     "  --key, --value     (B, Lk, kdim), (B, Lk, vdim); default: the query\n" \
     "                     (self-attention); --value defaults to --key\n"     \
+    "  --seq-first        3-D inputs and outputs are (L, B, .), as\n"        \
+    "                     nn.MultiheadAttention's default batch_first=False\n" \
+    "                     (the weights stay (B, Lq, Lk), as torch's do)\n"   \
     "  --attn-mask M.npy  bool: ALLOW mask, true = may attend (the seeds' and\n" \
     "                     SDPA's convention; NOT nn.MultiheadAttention's);\n" \
     "                     float: added to the scores (-inf blocks).\n"        \
@@ -105,7 +108,7 @@ void tool_mods_free(tool_mods *t);
     {"key-lengths", 1, 0}, {"causal", 0, 0}, {"causal-top-left", 0, 0},     \
     {"scale", 1, 0}, {"add-zero-attn", 0, 0}, {"train", 0, 0},               \
     {"dropout", 1, 0}, {"seed", 1, 0}, {"threads", 1, 0},                   \
-    {"head-mask", 1, 0}, MOD_OPTS, MOD_WINDOW_OPT
+    {"head-mask", 1, 0}, {"seq-first", 0, 0}, MOD_OPTS, MOD_WINDOW_OPT
 
 typedef struct fwd_inputs {
     mha_tensor *q, *k, *v, *mask, *kmask, *klen;
@@ -119,6 +122,7 @@ typedef struct run_setup {
     fwd_inputs in;
     float *head_mask;   /* --head-mask, or NULL */
     tool_mods mods;     /* --rope, --alibi, ...: the base of the load */
+    int seq_first;      /* --seq-first: 3-D tensors in files are (L, B, .) */
     mha_forward_args a;
 } run_setup;
 
@@ -130,6 +134,14 @@ typedef struct run_setup {
 int run_setup_load(const char *cmd, const tool_opt *o, int n,
                    run_setup *r);
 void run_free(run_setup *r);
+
+/*
+ * --seq-first: the float data of a 3-D (A, B, w) tensor rearranged in
+ * place as (B, A, w), shape[0] and shape[1] swapped (so (L, B, E) <-> (B,
+ * L, E)); other ranks are left alone.  0, or 1 after printing when out of
+ * memory.
+ */
+int tool_swap01(const char *cmd, float *data, int ndim, int64_t *shape);
 
 /* ---- loaded tensors ------------------------------------------------------ */
 
