@@ -164,6 +164,20 @@ static void test_against_reference(void **state)
     }
 }
 
+/* Self-attention of 2 sequences of 3 tokens, 2 heads of 4, on x (48
+ * floats), into out: the small valid call the refusals start from. */
+static mha_attention_args small_args(const float *x, float *out)
+{
+    mha_attention_args a = {0};
+    a.batch = 2;
+    a.num_heads = 2;
+    a.head_dim = 4;
+    a.q_len = 3;
+    a.q = a.k = a.v = x;
+    a.out = out;
+    return a;
+}
+
 /* (B, L, heads*dh) -> (B, heads, L, dh), and back when `back`. */
 static void to_heads_first(const float *x, float *y, int64_t B, int64_t L,
                            int64_t nh, int64_t dh, int back)
@@ -296,13 +310,7 @@ static void test_heads_first(void **state)
     float x[2 * 3 * 8], out[2 * 3 * 8];
     tu_fill(x, 48, 1, -1, 1);
     memset(out, 0, sizeof out);
-    mha_attention_args a = {0};
-    a.batch = 2;
-    a.num_heads = 2;
-    a.head_dim = 4;
-    a.q_len = 3;
-    a.q = a.k = a.v = x;
-    a.out = out;
+    mha_attention_args a = small_args(x, out);
     a.layout = (mha_layout)2;
     assert_int_equal(mha_attention(&a), MHA_ERR_INVALID_ARGUMENT);
     assert_non_null(strstr(mha_last_error(), "layout"));
@@ -332,13 +340,7 @@ static void test_errors(void **state)
     (void)state;
     float x[2 * 3 * 8], out[2 * 3 * 8];
     tu_fill(x, 48, 1, -1, 1);
-    mha_attention_args a = {0};
-    a.batch = 2;
-    a.num_heads = 2;
-    a.head_dim = 4;
-    a.q_len = 3;
-    a.q = a.k = a.v = x;
-    a.out = out;
+    mha_attention_args a = small_args(x, out);
     assert_int_equal(mha_attention(&a), MHA_OK);
     assert_int_equal(mha_attention(NULL), MHA_ERR_NULL_POINTER);
     mha_attention_args b = a;
