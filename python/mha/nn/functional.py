@@ -218,8 +218,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None,
                                q_positions (B, Lq) / k_positions (B, Lk)
                                (default: Lk - Lq + i and j)
 
-    Returns (B, H, Lq, d), a transposed view of libmha's (B, Lq, H, d)
-    output.
+    Returns (B, H, Lq, d): under no_grad with q, k and v alone and all
+    three contiguous, a contiguous tensor (libmha read them in place,
+    MHA_LAYOUT_HEADS_FIRST); otherwise a transposed view of libmha's (B,
+    Lq, H, d) output.
     Differences from torch: see this module's docstring.
     """
     if attn_mask is None and not dropout_p and window is None and \
