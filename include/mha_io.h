@@ -104,7 +104,8 @@ MHA_API mha_status mha_safetensors_save(const char *path,
  * A module from a PyTorch nn.MultiheadAttention state_dict: in_proj_weight
  * or q/k/v_proj_weight, biases present or absent, bias_k/bias_v.  E, kdim,
  * vdim, bias and add_bias_kv are inferred from the shapes; num_heads is
- * `num_heads` if > 0, else __metadata__ "num_heads".  add_zero_attn,
+ * `num_heads` if > 0 (refused if __metadata__ "num_heads" says another
+ * count), else __metadata__ "num_heads".  add_zero_attn,
  * dropout and scale come from __metadata__ when present (files saved by
  * mha_module_save have them), else defaults; a nonzero field of `base`
  * (which may be NULL) overrides either, and base->seed is kept.  So do

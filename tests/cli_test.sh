@@ -71,7 +71,9 @@ expect 0 "^$W: 4 tensors$" -- "$mha" info "$W"
 expect 0 "^  in_proj_weight +F32 +\(24, 8\)$" -- "$mha" info "$W"
 expect 0 "^  out_proj\.bias +F32 +\(8\)$" -- "$mha" info "$W"
 expect 0 "^  num_heads = 2$" -- "$mha" info "$W"
-expect 0 "num_heads=4 num_kv_heads=4 head_dim=2" -- "$mha" info --heads 4 "$W"
+# --heads that the file's num_heads contradicts is refused, not preferred
+expect 1 "num_heads 4 was given but __metadata__ says num_heads 2" -- "$mha" info --heads 4 "$W"
+expect 0 "num_heads=2 num_kv_heads=2 head_dim=4" -- "$mha" info --heads 2 "$W"
 Wkv="$tmp/wkv.safetensors"
 expect 0 "" -- "$mha" init --embed-dim=8 --heads 2 --kdim 5 --vdim 7 --no-bias \
   --add-bias-kv --add-zero-attn --dropout 0.25 --scale 0.3 --seed 2 --out "$Wkv"
@@ -163,7 +165,6 @@ expect 1 "^mha info: .*safetensors" -- "$mha" info "$tmp/text.safetensors"
 expect 1 "^mha info: --heads must be an integer .*got 'abc'" -- "$mha" info --heads abc "$W"
 expect 1 "^mha info: --heads must be an integer .*got '0'" -- "$mha" info --heads 0 "$W"
 expect 1 "^mha info: unknown option '--embed-dim'" -- "$mha" info --embed-dim 8 "$W"
-expect 1 "^mha info: not a loadable nn.MultiheadAttention: .*divisible" -- "$mha" info --heads 3 "$W"
 
 if ! "$py" -c "import numpy" 2>/dev/null; then
   bad "python3-numpy is missing: the mha forward tests need it (scripts/install-deps.sh installs it)"
@@ -197,6 +198,7 @@ st.save(sys.argv[4], {'foo': t['out_proj.bias']}, {'num_heads': '2'})" \
   bad "could not write nometa.safetensors"
 expect 1 "^mha info: not a loadable nn.MultiheadAttention: .*num_heads" -- "$mha" info "$tmp/nometa.safetensors"
 expect 0 "^module: embed_dim=8 num_heads=2 " -- "$mha" info --heads 2 "$tmp/nometa.safetensors"
+expect 1 "^mha info: not a loadable nn.MultiheadAttention: .*divisible" -- "$mha" info --heads 3 "$tmp/nometa.safetensors"
 expect 1 "^mha info: not a loadable nn.MultiheadAttention: .*foo" -- "$mha" info "$tmp/foo.safetensors"
 head -c 100 "$W" > "$tmp/truncated.safetensors"
 expect 1 "^mha info: .*safetensors" -- "$mha" info "$tmp/truncated.safetensors"
@@ -280,7 +282,9 @@ fail_fwd "^mha forward: --weights .*: .*num_heads" \
   --weights "$d/nometa.safetensors" --query "$d/q.npy" --out "$O" --attn-weights "$A"
 fail_fwd "^mha forward: --weights .*: .*foo" \
   --weights "$d/foo.safetensors" --query "$d/q.npy" --out "$O" --attn-weights "$A"
-fail_fwd "^mha forward: --weights .*: embed_dim 8 is not divisible by num_heads 3" "${base[@]}" --heads 3
+fail_fwd "^mha forward: --weights .*: embed_dim 8 is not divisible by num_heads 3" \
+  --weights "$d/nometa.safetensors" --query "$d/q.npy" --out "$O" --attn-weights "$A" --heads 3
+fail_fwd "^mha forward: --weights .*: num_heads 3 was given but __metadata__ says num_heads 2" "${base[@]}" --heads 3
 fail_fwd "^mha forward: --query: .*missing\.npy" \
   --weights "$W" --query "$d/missing.npy" --out "$O" --attn-weights "$A"
 fail_fwd "^mha forward: --query: " \
@@ -315,6 +319,8 @@ fail_fwd "^mha forward: --key-lengths must have shape \(B\) = \(2\), got \(1\)$"
 npy "$d/kl12.npy" "np.array([[3, 3]], np.int64)"
 fail_fwd "^mha forward: --key-lengths must have shape \(B\) = \(2\), got \(1, 2\)$" "${base[@]}" --key-lengths "$d/kl12.npy"
 fail_fwd "^mha forward: --key-lengths must hold integers, got F64" "${base[@]}" --key-lengths "$d/kl_f.npy"
+npy "$d/kl_u8.npy" "np.array([2, 3], np.uint8)"
+fail_fwd "^mha forward: --key-lengths must hold integers, got BOOL \(a bool or uint8 file\)$" "${base[@]}" --key-lengths "$d/kl_u8.npy"
 fail_fwd "^mha forward: key_lengths\[1\] = 9 is outside \[0, Lk=3\]" "${base[@]}" --key-lengths "$d/kl_oob.npy"
 fail_fwd "^mha forward: the module has kdim 5 != E 8: give --key" \
   --weights "$Wkv" --query "$d/q.npy" --out "$O" --attn-weights "$A"
@@ -373,8 +379,8 @@ shape "$o/bkv_w.npy" "float32 (2, 3, 5)"       # Lk 3 + bias_k + zero key
 expect 0 "" -- "$mha" forward --weights "$d/nometa.safetensors" --heads 2 \
   --query "$d/q.npy" --out "$o/nometa.npy"
 same "$o/self.npy" "$o/nometa.npy" "--heads 2 on the same weights without metadata"
-expect 0 "" -- "$mha" forward --weights "$W" --heads 4 --query "$d/q.npy" --out "$o/h4.npy"
-differ "$o/self.npy" "$o/h4.npy" "--heads 4 overriding the file's 2 heads"
+expect 0 "" -- "$mha" forward --weights "$d/nometa.safetensors" --heads 4 --query "$d/q.npy" --out "$o/h4.npy"
+differ "$o/self.npy" "$o/h4.npy" "--heads 4 on the same weights without metadata"
 
 # --threads: bitwise the same at 1, 2 and 4 threads, on a shape where the
 # attention engine really splits the work (it runs one thread below

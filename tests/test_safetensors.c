@@ -1379,13 +1379,19 @@ static void test_module_from_file_errors(void **state)
                      MHA_ERR_INVALID_CONFIG, "divisible");
         assert_fails(from_views(v, 2, NULL, NULL, 0, 3, NULL),
                      MHA_ERR_INVALID_CONFIG, "divisible");
-        /* The caller's num_heads wins over the file's. */
+        /* A caller's num_heads that the file contradicts is refused (one
+         * of the two is wrong); the same count is taken. */
         const char *v4[] = {"4"};
         mha_module *m = NULL;
-        assert_ok(from_views(v, 2, k1, v4, 1, 2, &m));
+        assert_fails(from_views(v, 2, k1, v4, 1, 2, &m),
+                     MHA_ERR_INVALID_ARGUMENT,
+                     "num_heads 2 was given but __metadata__ says "
+                     "num_heads 4");
+        assert_null(m);
+        assert_ok(from_views(v, 2, k1, v4, 1, 4, &m));
         mha_config c;
         assert_ok(mha_get_config(m, &c));
-        assert_int_equal(c.num_heads, 2);
+        assert_int_equal(c.num_heads, 4);
         mha_free(m);
     }
     /* Metadata that disagrees with the shapes, or is not valid. */

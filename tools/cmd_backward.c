@@ -82,7 +82,7 @@ int cmd_backward(int argc, char **argv)
         tool_dims_str(want.ndim, want.shape, exp, sizeof exp);
         if (!tool_is_float(dy))
             rc = tool_fail("backward", "--grad-output must hold floats, got "
-                           "%s", mha_dtype_name(dy->dtype));
+                           "%s", tool_dtype_of(dy));
         else if (!same)
             rc = tool_fail("backward", "--grad-output %s has shape %s, "
                            "expected the forward output's shape %s%s",

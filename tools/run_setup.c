@@ -106,7 +106,7 @@ int tool_mods_parse(const char *cmd, const tool_opt *o, int n, int window,
             tool_shape_str(t->slopes, s, sizeof s);
             const int rc = tool_fail(cmd, "--alibi-slopes must be a 1-D "
                                      "float32 array of H values, got %s %s",
-                                     mha_dtype_name(t->slopes->dtype), s);
+                                     tool_dtype_of(t->slopes), s);
             tool_mods_free(t);
             return rc;
         }
@@ -147,6 +147,14 @@ void run_free(run_setup *r)
     memset(r, 0, sizeof *r);
 }
 
+const char *tool_dtype_of(const mha_tensor *t)
+{
+    /* .npy's uint8 loads as a bool mask (nonzero = true): say so, or a
+     * uint8 file would be called BOOL */
+    return t->dtype == MHA_DTYPE_BOOL ? "BOOL (a bool or uint8 file)"
+                                      : mha_dtype_name(t->dtype);
+}
+
 int tool_swap01(const char *cmd, float *data, int ndim, int64_t *shape)
 {
     if (ndim != 3)
@@ -179,7 +187,7 @@ static int input_dims(const char *cmd, const char *opt, const mha_tensor *t,
                                : "(B, L, w); --seq-first reads (L, B, w)";
     if (!tool_is_float(t))
         return tool_fail(cmd, "--%s must hold floats, got %s", opt,
-                         mha_dtype_name(t->dtype));
+                         tool_dtype_of(t));
     if (t->ndim != 2 && t->ndim != 3)
         return tool_fail(cmd, "--%s must be %s, %s) or (L, %s), got %s",
                          opt, seq_first ? "(L, B" : "(B, L", wname, wname, s);
@@ -343,7 +351,7 @@ static int run_inputs(const char *cmd, const tool_opt *o, int n,
     a->value = in->v ? in->v->data : NULL;
     if (in->mask && block && in->mask->dtype != MHA_DTYPE_BOOL)
         return tool_fail(cmd, "--block-mask must be bool (true = blocked), "
-                         "got %s", mha_dtype_name(in->mask->dtype));
+                         "got %s", tool_dtype_of(in->mask));
     if (in->mask) {
         if (block)
             a->attn_mask.kind = MHA_MASK_BLOCK;
@@ -354,7 +362,7 @@ static int run_inputs(const char *cmd, const tool_opt *o, int n,
         else
             return tool_fail(cmd, "--attn-mask must be bool (allow) or float "
                              "(additive), got %s",
-                             mha_dtype_name(in->mask->dtype));
+                             tool_dtype_of(in->mask));
         a->attn_mask.data = in->mask->data;
         a->attn_mask.ndim = in->mask->ndim;
         for (int d = 0; d < in->mask->ndim && d < 4; d++)
@@ -363,7 +371,7 @@ static int run_inputs(const char *cmd, const tool_opt *o, int n,
     if (in->kmask) {
         if (in->kmask->dtype != MHA_DTYPE_BOOL)
             return tool_fail(cmd, "--key-mask must be bool (true = real key), "
-                             "got %s", mha_dtype_name(in->kmask->dtype));
+                             "got %s", tool_dtype_of(in->kmask));
         a->key_padding_mask = (mha_mask){MHA_MASK_ALLOW, in->kmask->data,
                                          in->kmask->ndim, {0}};
         for (int d = 0; d < in->kmask->ndim && d < 4; d++)
@@ -373,7 +381,7 @@ static int run_inputs(const char *cmd, const tool_opt *o, int n,
         if (in->klen->dtype != MHA_DTYPE_I32 &&
             in->klen->dtype != MHA_DTYPE_I64)
             return tool_fail(cmd, "--key-lengths must hold integers, got %s",
-                             mha_dtype_name(in->klen->dtype));
+                             tool_dtype_of(in->klen));
         if (in->klen->numel != B || in->klen->ndim > 1) {
             char got[96];
             tool_shape_str(in->klen, got, sizeof got);

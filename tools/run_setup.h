@@ -145,6 +145,10 @@ int tool_swap01(const char *cmd, float *data, int ndim, int64_t *shape);
 
 /* ---- loaded tensors ------------------------------------------------------ */
 
+/* The name of a loaded tensor's dtype for messages ("BOOL (a bool or
+ * uint8 file)" for BOOL, as .npy's uint8 loads as bool). */
+const char *tool_dtype_of(const mha_tensor *t);
+
 /* Whether t holds floating-point values (F32, F64, F16, BF16). */
 int tool_is_float(const mha_tensor *t);
 

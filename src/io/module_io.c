@@ -427,6 +427,17 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
     c.no_bias = !in_b;
     c.add_bias_kv = b_k != NULL;
     if (num_heads > 0) {
+        /* A given count that the file contradicts is refused, not
+         * silently preferred: one of the two is wrong. */
+        const char *v = mha_tensor_file_metadata(f, "num_heads");
+        int64_t meta = 0;
+        if (v && meta_int(v, &meta) && meta > 0 && meta != num_heads)
+            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                 "state_dict: num_heads %lld was given but "
+                                 "__metadata__ says num_heads %lld: give "
+                                 "the file's count (or none), or fix the "
+                                 "file", (long long)num_heads,
+                                 (long long)meta);
         c.num_heads = num_heads;
     } else {
         const char *v = mha_tensor_file_metadata(f, "num_heads");
