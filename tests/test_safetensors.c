@@ -1379,6 +1379,14 @@ static void test_module_from_file_errors(void **state)
                      MHA_ERR_INVALID_CONFIG, "divisible");
         assert_fails(from_views(v, 2, NULL, NULL, 0, 3, NULL),
                      MHA_ERR_INVALID_CONFIG, "divisible");
+        /* A scale float32 cannot hold is refused, not made 0 or inf. */
+        const char *ks[] = {"num_heads", "scale"};
+        const char *tiny[] = {"2", "1e-50"}, *huge[] = {"2", "1e39"};
+        assert_fails(from_views(v, 2, ks, tiny, 2, 0, NULL), MHA_ERR_FORMAT,
+                     "scale = '1e-50' is not valid: expected a finite "
+                     "number that float32 holds");
+        assert_fails(from_views(v, 2, ks, huge, 2, 0, NULL), MHA_ERR_FORMAT,
+                     "scale = '1e39'");
         /* A caller's num_heads that the file contradicts is refused (one
          * of the two is wrong); the same count is taken. */
         const char *v4[] = {"4"};

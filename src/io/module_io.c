@@ -86,7 +86,10 @@ static int meta_float(const char *s, float *out)
     char *end;
     errno = 0;
     double v = strtod(s, &end);
-    if (*end || errno || !isfinite(v))
+    /* a value float32 cannot hold (3e39, or 1e-50 rounding to 0) is not
+     * silently replaced by infinity or zero */
+    if (*end || errno || !isfinite(v) || !isfinite((float)v) ||
+        ((float)v == 0.0f && v != 0.0))
         return 0;
     *out = (float)v;
     return 1;
@@ -254,7 +257,8 @@ static mha_status config_from_metadata(const mha_tensor_file *f,
         return bad_meta("dropout", v);
     if ((v = mha_tensor_file_metadata(f, "scale"))) {
         if (!meta_float(v, &c->scale))
-            return bad_meta("scale", v);
+            return bad_meta_why("scale", v, "expected a finite number that "
+                                "float32 holds (not 0 after rounding)");
         c->given |= MHA_GIVEN_SCALE;   /* written only when chosen */
     }
     return mods_from_metadata(f, &c->mods);
