@@ -324,6 +324,9 @@ def test_no_grad_short_way_is_the_same_call(seed):
     with torch.no_grad():
         out = sdpa(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
         assert not out.requires_grad and torch.equal(out, ref.detach())
+        # inputs that require grad, under no_grad: the same short way
+        assert torch.equal(sdpa(*ins, is_causal=causal, scale=scale,
+                                enable_gqa=True), ref.detach())
         # contiguous (B, H, L, d), torch's layout, is read in place
         # (MHA_LAYOUT_HEADS_FIRST) and so is the output
         if all(x.is_contiguous() for x in (q, k, v)):

@@ -127,6 +127,12 @@ def _sdpa_forward(q, k, v, sinks, kw):
 _T, _F32 = torch.Tensor, torch.float32
 
 
+def _view(t):
+    """t.numpy(), detached first only when it requires grad (.detach()
+    makes a new tensor object: a microsecond a call at tiny shapes)."""
+    return t.detach().numpy() if t.requires_grad else t.numpy()
+
+
 def _sdpa_plain(q, k, v, is_causal, scale, gqa):
     """The short way for the common inference call (no grad, no mask,
     dropout or modifier; batched float32 CPU tensors of consistent
@@ -148,16 +154,14 @@ def _sdpa_plain(q, k, v, is_causal, scale, gqa):
         return None
     if q.is_contiguous() and k.is_contiguous() and v.is_contiguous():
         out = np.empty((B, H, Lq, d), np.float32)
-        _core.attention_plain(q.detach().numpy(), k.detach().numpy(),
-                              v.detach().numpy(), out, 2, 0, 0,
+        _core.attention_plain(_view(q), _view(k), _view(v), out, 2, 0, 0,
                               2 if is_causal else 0,
                               None if scale is None else float(scale), 0)
         return torch.from_numpy(out)
     if q.numel() >= _TORCH_COPY_FROM:
         return None
     out = np.empty((B, Lq, H, d), np.float32)
-    _core.attention_plain(q.detach().numpy(), k.detach().numpy(),
-                          v.detach().numpy(), out, True, 0, 0,
+    _core.attention_plain(_view(q), _view(k), _view(v), out, True, 0, 0,
                           2 if is_causal else 0,
                           None if scale is None else float(scale), 0)
     return torch.from_numpy(out).transpose(1, 2)
