@@ -275,6 +275,11 @@ static const bad_case BAD[] = {
      "control character"},
     {"raw newline in a name", "{\"a\nb\":{}}", 0, 0, NULL, F,
      "control character in a string"},
+    /* \u0000 would cut a name or a value short as a C string */
+    {"NUL escape in a name", "{" T("a\\u0000b", "F32", "[1]", 0, 4) "}", 0, 4,
+     NULL, F, "NUL character (\\u0000)"},
+    {"NUL escape in metadata", "{\"__metadata__\":{\"k\":\"v\\u0000w\"}}", 0,
+     0, NULL, F, "NUL character"},
     {"number with '+'", "{" T("a", "F32", "[+1]", 0, 4) "}", 0, 4, NULL, F,
      "malformed number"},
     {"number with a leading 0", "{" T("a", "F32", "[01]", 0, 4) "}", 0, 4,
@@ -398,6 +403,19 @@ static bytes build_bad(const bad_case *c)
         return c->build();
     size_t hlen = c->hlen ? c->hlen : strlen(c->header);
     return st_bytes(hlen, c->header, hlen, NULL, c->ndata);
+}
+
+/* "\\u0000" is a backslash and the text u0000, not a NUL: taken. */
+static void test_escaped_backslash_is_no_nul(void **state)
+{
+    (void)state;
+    static const char h[] = "{" T("a\\\\u0000", "F32", "[1]", 0, 4) "}";
+    bytes b = st_bytes(sizeof h - 1, h, sizeof h - 1, NULL, 4);
+    mha_tensor_file *f = NULL;
+    assert_int_equal(mha_safetensors_parse(b.p, b.n, &f), MHA_OK);
+    assert_non_null(mha_tensor_file_find(f, "a\\u0000"));
+    mha_tensor_file_free(f);
+    free(b.p);
 }
 
 static void test_malformed_table(void **state)
@@ -1586,6 +1604,7 @@ static void test_saved_file_mode(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_escaped_backslash_is_no_nul),
         cmocka_unit_test(test_malformed_table),
         cmocka_unit_test(test_torch_save_files),
         cmocka_unit_test(test_load_io_errors),

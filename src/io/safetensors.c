@@ -170,6 +170,14 @@ static int64_t json_lexically_invalid_at(const unsigned char *s, size_t n,
                     *why = "a raw control character in a string";
                     return (int64_t)i;
                 }
+                /* \u0000 would end a name or a metadata value early as a C
+                 * string: "a\u0000b" and "a" would be one name */
+                if (s[i] == '\\' && i + 5 < n && s[i + 1] == 'u' &&
+                    !memcmp(s + i + 2, "0000", 4)) {
+                    *why = "a NUL character (\\u0000) in a string (names "
+                           "and metadata are C strings)";
+                    return (int64_t)i;
+                }
                 if (s[i] == '\\')
                     i++;   /* the escaped byte: cJSON checks which it is */
             }
