@@ -118,8 +118,9 @@ MHA_API const char *mha_last_error(void);
 
 /*
  * For libraries layered on libmha (libmha_mpi): records `message` as the
- * message mha_last_error() returns on this thread (truncated to 511
- * bytes) and returns `status`, so one message store serves them all.
+ * message mha_last_error() returns on this thread (cut to 8191 bytes,
+ * ending in "...") and returns `status`, so one message store serves them
+ * all.
  */
 MHA_API mha_status mha_error_set(mha_status status, const char *message);
 

@@ -827,6 +827,23 @@ static void test_load_errors(void **state)
     assert_error(mha_npy_load(path, &t), MHA_ERR_FORMAT, "1 trailing bytes");
     assert_null(t);
     remove(path);
+
+    /* A long path (3,000 bytes, under PATH_MAX) keeps the reason after it
+     * in the message; a message too long for the buffer ends in "...". */
+    char *lp = malloc(12000);
+    assert_non_null(lp);
+    int n = snprintf(lp, 12000, "%s/missing", tu_tmpdir);
+    while (n < 3000)
+        n += snprintf(lp + n, (size_t)(12000 - n), "/%0200d", 7);
+    snprintf(lp + n, (size_t)(12000 - n), "/x.npy");
+    assert_error(mha_npy_load(lp, &t), MHA_ERR_IO, "No such file");
+    while (n < 11000)
+        n += snprintf(lp + n, (size_t)(12000 - n), "/%0200d", 7);
+    assert_int_equal(mha_npy_load(lp, &t), MHA_ERR_IO);
+    const char *msg = mha_last_error();
+    assert_int_equal(strlen(msg), 8191);
+    assert_string_equal(msg + 8188, "...");
+    free(lp);
 }
 
 /* mha_npy_load_rows and mha_npy_info on every NumPy fixture of 2 or more

@@ -5,17 +5,29 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 #define MHA_STR2(x) #x
 #define MHA_STR(x) MHA_STR2(x)
 
-static _Thread_local char last_error[512];
+/* Room for a path of PATH_MAX (4096) bytes and the reason after it: a
+ * message names the file first and says what was wrong last, and a
+ * buffer that cut it would lose the reason. */
+#define MHA_ERROR_CAP 8192
+static _Thread_local char last_error[MHA_ERROR_CAP];
+
+/* A message that did not fit ends in "..." (n: what it would have been). */
+static void mark_cut(int n)
+{
+    if (n >= MHA_ERROR_CAP)
+        memcpy(last_error + MHA_ERROR_CAP - 4, "...", 4);
+}
 
 mha_status mha_set_error(mha_status status, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    mark_cut(vsnprintf(last_error, sizeof last_error, fmt, ap));
     va_end(ap);
     return status;
 }
@@ -24,7 +36,8 @@ const char *mha_last_error(void) { return last_error; }
 
 mha_status mha_error_set(mha_status status, const char *message)
 {
-    snprintf(last_error, sizeof last_error, "%s", message ? message : "");
+    mark_cut(snprintf(last_error, sizeof last_error, "%s",
+                      message ? message : ""));
     return status;
 }
 
