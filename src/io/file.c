@@ -275,11 +275,11 @@ mha_status mha_write_file_atomic(const char *path, const void *const *chunks,
         free(target);
         return s;
     }
-    if (exists) {   /* the replacement keeps the file's mode and owner */
-        fchmod(fd, st.st_mode & 07777);
+    if (exists) {   /* the replacement keeps the file's owner and mode */
         if (fchown(fd, st.st_uid, st.st_gid) != 0) {
             /* not ours to give away: the mode still applies */
         }
+        fchmod(fd, st.st_mode & 07777);   /* after: chown clears setuid */
     }
     int ok = write_all(fd, chunks, sizes, n) == 0 && fsync(fd) == 0;
     int err = errno;
