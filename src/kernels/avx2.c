@@ -106,10 +106,39 @@ MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
                             : _mm256_setzero_ps();
 
     const __m256 zero = _mm256_setzero_ps();
+    /* Register budget: R*W accumulators.  With room for all W vectors of
+     * B besides them (the 6 x 16 and 4 x 16 tiles of many rows), B's row
+     * is loaded first and each row's broadcast is used at once, one
+     * register at a time; loading all R broadcasts first would need
+     * R + W + R*W > 16 registers, and the compiler spilled them to the
+     * stack, an extra load for every FMA.  One or two rows against wide
+     * blocks keep their one or two broadcasts and load B one vector at a
+     * time instead.  Either way each accumulator sees the same FMAs in
+     * the same order of k: the same bits. */
+    const int b_first = R * W + W + 2 <= 16;
     for (int k = k0; k < k1; k++) {
-        /* A's R values, and for the _exact forms where they are zero (then
-         * acc stays as it was, so NaN / Inf in b never reaches the row:
-         * the same bits as skipping the term). */
+        if (b_first) {
+            __m256 b[8];
+            for (int w = 0; w < W; w++)
+                b[w] = ldb(T, B, k, j + 8 * w, masked, m, n);
+            for (int r = 0; r < R; r++) {
+                const __m256 a = _mm256_broadcast_ss(A + (size_t)r * lda +
+                                                     (size_t)k * ska);
+                const __m256 z = mode & EXACT
+                                     ? _mm256_cmp_ps(a, zero, _CMP_EQ_OQ)
+                                     : zero;
+                for (int w = 0; w < W; w++) {
+                    const __m256 f = _mm256_fmadd_ps(a, b[w], acc[r][w]);
+                    /* (the _exact forms: where a is zero acc stays as it
+                     * was, so NaN / Inf in b never reaches the row, the
+                     * same bits as skipping the term) */
+                    acc[r][w] = mode & EXACT ? _mm256_blendv_ps(f, acc[r][w], z)
+                                             : f;
+                }
+            }
+            continue;
+        }
+        /* A's R values, and for the _exact forms where they are zero. */
         __m256 a[6], z[6];
         for (int r = 0; r < R; r++) {
             a[r] = _mm256_broadcast_ss(A + (size_t)r * lda + (size_t)k * ska);
