@@ -6,8 +6,9 @@ the same warm-up and repeat counts, the median of the timed runs, and the
 same thread count T on both sides:
 
   attention only   `mha bench --attention-only --json` (mha_attention on
-                   random pre-projected q, k, v of shape (B, L, H*64))
-                   against, on (B, H, L, 64) tensors under torch.no_grad(),
+                   random pre-projected q, k, v of shape (B, L, H*d_h);
+                   d_h 64 and 128) against, on (B, H, L, d_h) tensors under
+                   torch.no_grad(),
                    F.scaled_dot_product_attention(q, k, v, is_causal=...)
                    with torch >= 2.0 (its fused flash-style CPU kernel), or
                    on torch 1.13 (no SDPA) the standard formulation
@@ -75,13 +76,14 @@ import sys
 import time
 
 # The issue's targets.
-ATTN_SHAPES = [(8, 512, 12), (1, 4096, 8)]               # B, L, H; d_h = 64
+# B, L, H, d_h: the module shapes' attention with d_h 64 and 128
+ATTN_SHAPES = [(32, 10, 8, 64), (32, 10, 4, 128), (8, 512, 12, 64),
+               (8, 512, 6, 128), (1, 4096, 8, 64), (1, 4096, 4, 128)]
 MODULE_SHAPES = [(32, 10, 512, 8), (1, 4096, 512, 8), (8, 512, 768, 12)]
-QUICK_ATTN = [(2, 128, 4)]
+QUICK_ATTN = [(2, 128, 4, 64)]
 QUICK_MODULE = [(32, 10, 512, 8), (4, 64, 256, 4)]
 TRAIN_SHAPES = [(8, 256, 512, 8)]                          # B, L, E, H
 QUICK_TRAIN = [(2, 64, 128, 4)]
-HEAD_DIM = 64
 # Variables that change how the thread pools behave, printed with the
 # results (both sides inherit them).
 TUNING_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_PROC_BIND",
@@ -105,7 +107,7 @@ def parse_ints(n, what):
         if len(v) != n or min(v) < 1:
             raise argparse.ArgumentTypeError(
                 f"expected {what} (positive integers), got '{s}'")
-        if n == 4 and v[2] % v[3]:
+        if what == "B,L,E,H" and v[2] % v[3]:
             raise argparse.ArgumentTypeError(
                 f"H must divide E, got '{s}'")
         return v
@@ -163,11 +165,11 @@ def time_calls(fn, warmup, repeat):
     return statistics.median(ms), min(ms)
 
 
-def torch_attention(args, b, l, h, causal, repeat):
+def torch_attention(args, b, l, h, dh, causal, repeat):
     import torch
     torch.manual_seed(0)
-    q, k, v = (torch.rand(b, h, l, HEAD_DIM) * 2 - 1 for _ in range(3))
-    scale = 1.0 / math.sqrt(HEAD_DIM)
+    q, k, v = (torch.rand(b, h, l, dh) * 2 - 1 for _ in range(3))
+    scale = 1.0 / math.sqrt(dh)
     mask = torch.ones(l, l, dtype=torch.bool).triu(1) if causal else None
 
     sdpa = getattr(torch.nn.functional, "scaled_dot_product_attention",
@@ -247,9 +249,9 @@ def main():
                     "(default 5)")
     ap.add_argument("--warmup", type=int, default=2,
                     help="untimed runs first (default 2)")
-    ap.add_argument("--attention", type=parse_ints(3, "B,L,H"),
-                    action="append", metavar="B,L,H",
-                    help="attention-only shape, d_h = 64 (repeatable; "
+    ap.add_argument("--attention", type=parse_ints(4, "B,L,H,D"),
+                    action="append", metavar="B,L,H,D",
+                    help="attention-only shape, D = d_h (repeatable; "
                     "default: the issue's)")
     ap.add_argument("--module", type=parse_ints(4, "B,L,E,H"),
                     action="append", metavar="B,L,E,H",
@@ -326,8 +328,9 @@ def main():
         return res
 
     def attention(b, l, e, h, causal, rep):
-        tmed, _ = torch_attention(args, b, l, h, causal, rep)
-        gflop = 4.0 * b * h * HEAD_DIM * allowed_pairs(l, l, causal) * 1e-9
+        dh = e // h
+        tmed, _ = torch_attention(args, b, l, h, dh, causal, rep)
+        gflop = 4.0 * b * h * dh * allowed_pairs(l, l, causal) * 1e-9
         return tmed, f"{gflop / (tmed * 1e-3):.1f}"
 
     def module(b, l, e, h, causal, rep):
@@ -337,8 +340,8 @@ def main():
     def training(b, l, e, h, causal, rep):
         return torch_training(args, b, l, e, h, causal, rep)[0], None
 
-    attn_res = {(b, l, h, c): r for (b, l, e, h, c), r in measure(
-        [(b, l, h * HEAD_DIM, h) for b, l, h in attn_shapes],
+    attn_res = {(b, l, h, e // h, c): r for (b, l, e, h, c), r in measure(
+        [(b, l, h * dh, h) for b, l, h, dh in attn_shapes],
         ["--attention-only"], attention).items()}
     mod_res = measure(mod_shapes, [], module)
     train_res = measure(train_shapes, ["--backward"], training)
@@ -377,9 +380,9 @@ def main():
 
     common = ["causal", "mha ms", "torch ms", "torch/mha", "mha GFLOP/s",
               "% peak"]
-    table("Attention only", ["attention only (d_h=64)", *common,
+    table("Attention only", ["attention only", *common,
                              "torch GFLOP/s"], attn_res,
-          lambda b, l, h: f"B={b} L={l} H={h}")
+          lambda b, l, h, dh: f"B={b} L={l} H={h} d_h={dh}")
     table("Whole module (eval, need_weights=False)",
           ["whole module", *common, "torch path"], mod_res,
           lambda b, l, e, h: f"B={b} L={l} E={e} H={h}")
@@ -400,11 +403,11 @@ def main():
     # (the ratio is against SDPA only when this torch has it, >= 2.0)
     import torch
     have_sdpa = hasattr(torch.nn.functional, "scaled_dot_product_attention")
-    for (b, l, h, c), r in attn_res.items():
+    for (b, l, h, dh, c), r in attn_res.items():
         if not r or not r[0]:
             continue
         ratio = r[1] / r[0]["median_ms"]
-        checks.append(f"attention only B={b} L={l} H={h}"
+        checks.append(f"attention only B={b} L={l} H={h} d_h={dh}"
                       f"{' causal' if c else ''}: {ratio:.2f}x "
                       f"{'SDPA' if have_sdpa else 'torch (no SDPA)'} >= 2x: "
                       f"{mark(ratio >= 2.0)}")

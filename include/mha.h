@@ -910,6 +910,19 @@ MHA_API float *mha_param_data(mha_module *module);
 MHA_API const char *mha_kernel_tier(void);
 
 /*
+ * The GEMM backend of the projections: "onednn" (oneDNN's dnnl_sgemm, the
+ * default in a build that found oneDNN, on a CPU with AVX-512) or "cblas"
+ * (the CBLAS the build linked, OpenBLAS by default; the default
+ * otherwise).  The environment variable
+ * MHA_GEMM=cblas|onednn, read once, forces one.  Results are bitwise the
+ * same for every thread count with either; the two backends' bits differ.
+ * NULL, with mha_last_error() saying why, if MHA_GEMM names an unknown
+ * backend or oneDNN in a build without it (then every forward and
+ * projection fails with that message).
+ */
+MHA_API const char *mha_gemm_backend(void);
+
+/*
  * The dropout generator, exposed so a caller can reproduce the mask:
  * returns 1 if the attention probability at (batch b, head h, query row i,
  * key column j) is kept for `seed` and probability p, 0 if it is dropped.

@@ -8,6 +8,7 @@ packages=(
   build-essential cmake pkg-config   # compiler and build
   libopenblas-dev                    # CBLAS for the projections
   libopenblas0-openmp                # its OpenMP build: one thread pool
+  libdnnl-dev                        # oneDNN: the default GEMM backend
   libgfortran-12-dev                 # -lgfortran of OpenBLAS's static link line
   libcjson-dev                       # JSON of the safetensors header
   libcmocka-dev                      # the C test framework

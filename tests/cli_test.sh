@@ -260,6 +260,9 @@ expect 1 "^mha forward: option --heads needs a value" -- "$mha" forward "${base[
 fail_fwd "^mha forward: --heads must be an integer .*got 'abc'" "${base[@]}" --heads abc
 fail_fwd "^mha forward: --heads must be an integer .*got '0'" "${base[@]}" --heads 0
 fail_fwd "^mha forward: --heads must be an integer .*got '-2'" "${base[@]}" --heads -2
+# an unknown GEMM backend: refused before anything is written
+expect 1 "MHA_GEMM=frob: expected cblas or onednn" -- env MHA_GEMM=frob "$mha" forward "${base[@]}"
+if [ -n "$(ls -A "$d/out")" ]; then bad "MHA_GEMM=frob left files behind"; rm -f "$d/out/"*; else ok; fi
 fail_fwd "^mha forward: --seed must be an integer in \[0, .*got '-1'" "${base[@]}" --train --seed -1
 fail_fwd "^mha forward: --seed must be an integer .*got 'x'" "${base[@]}" --train --seed x
 fail_fwd "^mha forward: --dropout must be a finite number, got 'nan'" "${base[@]}" --train --dropout nan
@@ -891,13 +894,22 @@ jcheck "bench --threads 2" "j['threads'] == 2 and j['threads_default'] is False 
   -- env OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 "$mha" bench "${tiny[@]}" --threads 2 --json
 jcheck "bench --threads 1" "j['threads'] == 1 and j['blas_threads'] == 1" \
   -- env OPENBLAS_NUM_THREADS=3 "$mha" bench "${tiny[@]}" --threads 1 --json
-expect 0 "^  kernels (avx512|avx2|scalar|ref) \(mha_kernel_tier\), 2 attention threads, OPENBLAS_NUM_THREADS=2$" -- "$mha" bench "${tiny[@]}" --threads 2
+expect 0 "^  kernels (avx512|avx2|scalar|ref) \(mha_kernel_tier\), 2 attention threads, GEMMs (cblas|onednn) \(mha_gemm_backend\), OPENBLAS_NUM_THREADS=2$" -- "$mha" bench "${tiny[@]}" --threads 2
 expect 0 "^mha bench: .*, $ncpu threads? \(default: the online CPUs\)$" -- "$mha" bench "${tiny[@]}"
 expect 0 "^  timed   mha_plan_forward" -- "$mha" bench "${tiny[@]}"
 # The tier follows MHA_ISA; an unknown tier is refused.
 jcheck "bench: MHA_ISA=scalar" "j['tier'] == 'scalar'" -- env MHA_ISA=scalar "$mha" bench "${tiny[@]}" --json
 jcheck "bench: MHA_ISA=ref" "j['tier'] == 'ref'" -- env MHA_ISA=ref "$mha" bench "${tiny[@]}" --attention-only --json
 expect 1 "no attention kernels: MHA_ISA" -- env MHA_ISA=frob "$mha" bench "${tiny[@]}"
+# The GEMM backend follows MHA_GEMM; an unknown one is refused, by the
+# bench and by every command that projects.
+jcheck "bench: MHA_GEMM=cblas" "j['gemm'] == 'cblas'" -- env MHA_GEMM=cblas "$mha" bench "${tiny[@]}" --json
+expect 1 "no GEMM backend: MHA_GEMM=frob: expected cblas or onednn" -- env MHA_GEMM=frob "$mha" bench "${tiny[@]}"
+if env MHA_GEMM=onednn "$mha" bench "${tiny[@]}" --json > /dev/null 2>&1; then
+  jcheck "bench: MHA_GEMM=onednn" "j['gemm'] == 'onednn'" -- env MHA_GEMM=onednn "$mha" bench "${tiny[@]}" --json
+else
+  expect 1 "MHA_GEMM=onednn, but this libmha was built without oneDNN" -- env MHA_GEMM=onednn "$mha" bench "${tiny[@]}"
+fi
 # avx512 runs where the CPU has AVX-512F (and its peak probe is then the
 # AVX-512 one); elsewhere asking for it is refused by name.
 if grep -qw avx512f /proc/cpuinfo; then

@@ -466,11 +466,20 @@ static void test_plan_misuse(void **state)
     b.out = x.v + 3;
     assert_fails(mha_attention(&b), MHA_ERR_INVALID_ARGUMENT,
                  "out overlaps v");
+    /* (out and the weights in one allocation of their own: weights at
+     * x.out + 2 ran past out's end into whichever buffer malloc had put
+     * next, and the message named that one) */
+    const int64_t n_out = a.batch * a.q_len * a.num_heads * a.head_dim;
+    const int64_t n_w = a.batch * a.num_heads * a.q_len * a.kv_len;
+    float *both = calloc((size_t)(n_out + n_w + 2), sizeof *both);
+    assert_non_null(both);
     b = a;
     b.need_weights = MHA_WEIGHTS_PER_HEAD;
-    b.attn_weights = x.out + 2;
+    b.out = both;
+    b.attn_weights = both + 2;
     assert_fails(mha_attention(&b), MHA_ERR_INVALID_ARGUMENT,
                  "attn_weights overlaps out");
+    free(both);
     assert_fails(mha_attention_backward(&a, NULL), MHA_ERR_NULL_POINTER,
                  "gradient");
     bufs_free(&x);

@@ -248,7 +248,7 @@ static void test_reference_rows_sum_to_one(void **state)
 
 int main(void)
 {
-    if (tu_tier_unavailable())
+    if (tu_backend_unavailable())
         return TU_SKIP;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_reference_rows_sum_to_one),

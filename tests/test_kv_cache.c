@@ -477,7 +477,7 @@ static void test_attention_on_cache(void **state)
 
 int main(void)
 {
-    if (tu_tier_unavailable())
+    if (tu_backend_unavailable())
         return TU_SKIP;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(tu_test_tier),

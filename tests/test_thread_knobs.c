@@ -336,7 +336,7 @@ int main(int argc, char **argv)
 {
     if (argc > 1 && !strcmp(argv[1], "--child"))
         return child_main(argc, argv);
-    if (tu_tier_unavailable())
+    if (tu_backend_unavailable())
         return TU_SKIP;
     const ssize_t n = readlink("/proc/self/exe", SELF, sizeof SELF - 1);
     if (n > 0)

@@ -1094,7 +1094,7 @@ static void test_torch_fixtures(void **state)
 
 int main(void)
 {
-    if (tu_tier_unavailable())
+    if (tu_backend_unavailable())
         return TU_SKIP;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_torch_fixtures),

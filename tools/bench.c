@@ -94,6 +94,8 @@ int bench_setup(int argc, char **argv, int64_t threads, int64_t ncpu,
     if (!*tier)
         return tool_fail("bench", "no attention kernels: %s",
                          mha_last_error());
+    if (!mha_gemm_backend())
+        return tool_fail("bench", "no GEMM backend: %s", mha_last_error());
     if (threads > ncpu && !json)
         fprintf(stderr, "mha bench: warning: %lld threads on %lld online "
                 "CPUs: oversubscribed, the timings mean little\n",

@@ -452,7 +452,7 @@ static void print_json(const decode_bench *d, const decode_result *r)
            "\"kv_heads\": %lld, \"head_dim\": %lld, "
            "\"kv_dtype\": \"%s\", \"threads\": %lld, "
            "\"threads_default\": %s, \"online_cpus\": %lld, "
-           "\"blas_threads\": %ld, \"tier\": \"%s\", "
+           "\"blas_threads\": %ld, \"tier\": \"%s\", \"gemm\": \"%s\", "
            "\"repeat\": %lld, \"warmup\": %lld, "
            "\"median_ms\": %.6g, \"min_ms\": %.6g, "
            "\"kv_bytes\": %.0f, \"kv_gbps\": %.6g, "
@@ -464,7 +464,7 @@ static void print_json(const decode_bench *d, const decode_result *r)
            (long long)d->E, (long long)d->H, (long long)d->Hkv,
            (long long)d->dh, kv_dtype_name(d->dtype), (long long)d->threads,
            json_bool(d->threads_default), (long long)d->ncpu,
-           r->blas_threads, r->tier, (long long)d->repeat,
+           r->blas_threads, r->tier, mha_gemm_backend(), (long long)d->repeat,
            (long long)d->warmup, r->median_ms, r->min_ms, r->kv_bytes,
            r->kv_gbps, r->read_gbps, r->read_percent,
            (long long)r->read_bytes, r->weight_bytes, mha_version_string());
@@ -491,8 +491,8 @@ static void print_text(const decode_bench *d, const decode_result *r)
         printf("          (each step's tokens truncated away again, "
                "untimed)\n");
     printf("  kernels %s (mha_kernel_tier), %lld attention thread%s, "
-           "OPENBLAS_NUM_THREADS=%s\n", r->tier, (long long)d->threads, s,
-           bench_blas_env() ? bench_blas_env() : "(unset)");
+           "GEMMs %s (mha_gemm_backend), OPENBLAS_NUM_THREADS=%s\n", r->tier,
+           (long long)d->threads, s, mha_gemm_backend(), bench_blas_env() ? bench_blas_env() : "(unset)");
     printf("  time    median %.4f ms, min %.4f ms over %lld runs (after %lld "
            "warm-up)\n", r->median_ms, r->min_ms, (long long)d->repeat,
            (long long)d->warmup);

@@ -489,7 +489,7 @@ int cmd_bench(int argc, char **argv)
                    "\"attention_only\": %s, \"backward\": %s, "
                    "\"threads\": %lld, "
                    "\"threads_default\": %s, \"online_cpus\": %lld, "
-                   "\"blas_threads\": %ld, \"tier\": \"%s\", "
+                   "\"blas_threads\": %ld, \"tier\": \"%s\", \"gemm\": \"%s\", "
                    "\"repeat\": %lld, \"warmup\": %lld, "
                    "\"median_ms\": %.6g, \"min_ms\": %.6g, "
                    "\"gflop\": %.9g, \"proj_gflop\": %.9g, "
@@ -500,7 +500,7 @@ int cmd_bench(int argc, char **argv)
                    (long long)H, (long long)dh, causal ? "true" : "false",
                    weights ? "true" : "false", attn_only ? "true" : "false",
                    backward ? "true" : "false", (long long)threads, threads_default ? "true" : "false",
-                   (long long)ncpu, blas_threads, tier, (long long)repeat,
+                   (long long)ncpu, blas_threads, tier, mha_gemm_backend(), (long long)repeat,
                    (long long)warmup, med, mn, total * 1e-9, proj * 1e-9,
                    attn * 1e-9, gflops, peak, 100.0 * gflops / peak,
                    probe_kind, mha_version_string());
@@ -523,9 +523,10 @@ int cmd_bench(int argc, char **argv)
                 printf("  timed   mha_plan_forward (whole forward pass, "
                        "planned once)\n");
             printf("  kernels %s (mha_kernel_tier), %lld attention "
-                   "thread%s, OPENBLAS_NUM_THREADS=%s\n", tier,
+                   "thread%s, GEMMs %s (mha_gemm_backend), "
+                   "OPENBLAS_NUM_THREADS=%s\n", tier,
                    (long long)threads, threads == 1 ? "" : "s",
-                   bench_blas_env() ? bench_blas_env() : "(unset)");
+                   mha_gemm_backend(), bench_blas_env() ? bench_blas_env() : "(unset)");
             printf("  time    median %.4f ms, min %.4f ms over %lld runs "
                    "(after %lld warm-up)\n", med, mn, (long long)repeat,
                    (long long)warmup);

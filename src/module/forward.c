@@ -192,6 +192,7 @@ mha_status mha_plan_create(const mha_module *m, const mha_forward_args *a,
     MHA_CHECK(mha_fwd_check_shapes(m, a, &s));
     mha_engine eng;
     MHA_CHECK(mha_engine_init(&eng, a->num_threads));
+    MHA_CHECK(mha_gemm_check());
     mha_attn_layout lay;
     /* With a cache the attention reads up to its capacity of keys, packed
      * by the cache itself. */

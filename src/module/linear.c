@@ -1,6 +1,6 @@
 /*
- * linear.c -- the linear layer and its gradients: the only file that
- * calls CBLAS.
+ * linear.c -- the linear layer and its gradients, in GEMMs of the
+ * backend gemm.c chose (CBLAS or oneDNN).
  *
  * Bitwise the same for every thread count.  A BLAS's result bits depend
  * on how it splits a GEMM among its threads, so no GEMM is handed to the
@@ -22,7 +22,7 @@
  *
  * The blocks run on libmha's own OpenMP threads (the call's num_threads,
  * dynamically scheduled: which thread computes a block changes nothing),
- * and each block is one CBLAS call that runs on one thread (blas_serial).
+ * and each block is one GEMM call that runs on one thread (gemm.c).
  * Blocks of 256+ rows and 512 columns keep each call near the BLAS's
  * full speed (packing is O(1/256) of the work).  A block of one row (a
  * decoding step) is a matrix-vector product (sgemv), which reads w once
@@ -30,7 +30,6 @@
  */
 #include "module.h"
 
-#include <cblas.h>
 #include <limits.h>
 #include <string.h>
 
@@ -46,49 +45,16 @@ enum {
 };
 
 /*
- * One thread inside every CBLAS call, two ways:
- *
- *  - On libmha's threads (omp_one_thread, first thing in every parallel
- *    region below): omp_set_num_threads(1), which inside a parallel
- *    region sets the thread count of that thread's own task only; the
- *    caller's OpenMP setting is untouched.  An OpenMP-threaded BLAS
- *    (OpenBLAS's OpenMP build, which the default build links) runs
- *    serially when called inside an active parallel region, and from a
- *    team of one thread (not an active region) reads
- *    omp_get_max_threads(), now 1.
- *
- *  - A BLAS with a thread pool of its own (OpenBLAS's pthread build, the
- *    distributions' default and what the clang builds link) ignores
- *    OpenMP: blas_serial calls openblas_set_num_threads(1) when its count
- *    is not 1, and leaves it at 1.  Restoring it after the call is not
- *    safe: a GEMM of another thread still inside libmha would then run
- *    threaded.  Not for the OpenMP build, whose openblas_set_num_threads
- *    also sets the calling thread's OpenMP thread count (OpenBLAS
- *    0.3.21), which num_threads = 0 reads.
- *
- * OpenBLAS's entry points are weak references, NULL with another CBLAS:
- * such a CBLAS must run each call on one thread (a serial build) or take
- * its thread count from OpenMP.
+ * One thread inside every GEMM call (gemm.c): on libmha's threads,
+ * omp_one_thread is the first thing in every parallel region below:
+ * omp_set_num_threads(1), which inside a parallel region sets the thread
+ * count of that thread's own task only (the caller's OpenMP setting is
+ * untouched).  An OpenMP-threaded BLAS (OpenBLAS's OpenMP build, oneDNN)
+ * runs serially when called inside an active parallel region, and from a
+ * team of one thread (not an active region) reads omp_get_max_threads(),
+ * now 1.  A BLAS with a pool of its own is set to one thread by
+ * mha_gemm_serial.
  */
-extern int openblas_get_parallel(void) __attribute__((weak));
-extern int openblas_get_num_threads(void) __attribute__((weak));
-extern void openblas_set_num_threads(int num_threads) __attribute__((weak));
-
-static void blas_serial(void)
-{
-    if (!openblas_get_parallel || !openblas_get_num_threads ||
-        !openblas_set_num_threads)
-        return;
-    const int parallel = openblas_get_parallel();  /* 1 pthreads, 2 OpenMP */
-#ifdef _OPENMP
-    const int own_pool = parallel == 1;
-#else
-    const int own_pool = parallel != 0;   /* nothing sets OpenMP's count */
-#endif
-    if (own_pool && openblas_get_num_threads() != 1)
-        openblas_set_num_threads(1);
-}
-
 static void omp_one_thread(void)
 {
 #ifdef _OPENMP
@@ -128,7 +94,7 @@ void mha_linear_blocks(const float *x, int64_t rows, int64_t n_in,
     const int64_t kb = n_in / nblk;
     const int64_t cb = nblocks(n_out, LIN_COLS);
     const int64_t items = nblocks(rows, LIN_ROWS) * cb;
-    blas_serial();
+    mha_gemm_serial();
 #pragma omp parallel num_threads(team(threads, items))
     {
         omp_one_thread();
@@ -150,14 +116,12 @@ void mha_linear_blocks(const float *x, int64_t rows, int64_t n_in,
                 if (alpha == 0.0f)
                     continue;   /* an ablated head: nothing to add */
                 if (r == 1)   /* one row (decoding): no packing of w */
-                    cblas_sgemv(CblasRowMajor, CblasNoTrans, n, (int)kb,
-                                alpha, w + c0 * n_in + t * kb, (int)n_in,
-                                xb + t * kb, 1, beta, yb, 1);
+                    mha_sgemv(n, (int)kb, alpha, w + c0 * n_in + t * kb,
+                              (int)n_in, xb + t * kb, beta, yb);
                 else
-                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r,
-                                n, (int)kb, alpha, xb + t * kb, (int)ldx,
-                                w + c0 * n_in + t * kb, (int)n_in, beta, yb,
-                                (int)ldy);
+                    mha_sgemm(0, 1, r, n, (int)kb, alpha, xb + t * kb,
+                              (int)ldx, w + c0 * n_in + t * kb, (int)n_in,
+                              beta, yb, (int)ldy);
                 beta = 1.0f;
             }
             if (beta == 0.0f)   /* no bias and every block scaled by 0 */
@@ -180,18 +144,17 @@ void mha_linear_grad_input(const float *dy, int64_t rows, int64_t n_out,
 {
     const int64_t cb = nblocks(n_in, LIN_COLS);
     const int64_t items = nblocks(rows, LIN_ROWS) * cb;
-    blas_serial();
+    mha_gemm_serial();
 #pragma omp parallel num_threads(team(threads, items))
     {
         omp_one_thread();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             const int64_t r0 = it / cb * LIN_ROWS, c0 = it % cb * LIN_COLS;
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans,
-                        min_int(LIN_ROWS, rows - r0),
-                        min_int(LIN_COLS, n_in - c0), (int)n_out, 1.0f,
-                        dy + r0 * lddy, (int)lddy, w + c0, (int)n_in, beta,
-                        dx + r0 * lddx + c0, (int)lddx);
+            mha_sgemm(0, 0, min_int(LIN_ROWS, rows - r0),
+                      min_int(LIN_COLS, n_in - c0), (int)n_out, 1.0f,
+                      dy + r0 * lddy, (int)lddy, w + c0, (int)n_in, beta,
+                      dx + r0 * lddx + c0, (int)lddx);
         }
     }
 }
@@ -225,11 +188,9 @@ static void dw_tile(const float *dy, int64_t rows, int64_t lddy,
         } else {
             for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
                 const int64_t r = rows - r0 < chunk ? rows - r0 : chunk;
-                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m,
-                            (int)(s1 - s0), (int)r, alpha,
-                            dy + r0 * lddy + o0, (int)lddy,
-                            x + r0 * ldx + s0, (int)ldx, r0 ? 1.0f : beta, d,
-                            (int)n_in);
+                mha_sgemm(1, 0, m, (int)(s1 - s0), (int)r, alpha,
+                          dy + r0 * lddy + o0, (int)lddy, x + r0 * ldx + s0,
+                          (int)ldx, r0 ? 1.0f : beta, d, (int)n_in);
             }
         }
         s0 = s1;
@@ -264,7 +225,7 @@ void mha_linear_grad_params_blocks(const float *dy, int64_t rows,
     const int64_t cb = nblocks(n_in, GRAD_TILE);
     const int64_t tiles = nblocks(n_out, GRAD_TILE) * cb;
     const int64_t items = tiles + (db ? nblocks(n_out, DB_COLS) : 0);
-    blas_serial();
+    mha_gemm_serial();
     /* The tiles first: the column sums are the short items. */
 #pragma omp parallel num_threads(team(threads, items))
     {

@@ -439,6 +439,7 @@ static mha_status projection_of(const mha_module *m, mha_projection which,
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "%sunknown projection %d", who, (int)which);
     }
+    MHA_CHECK(mha_gemm_check());
     int64_t n;
     if (!mha_mul_ok(rows, *n_in > *n_out ? *n_in : *n_out, &n) ||
         (uint64_t)n > SIZE_MAX / sizeof(float))

@@ -50,11 +50,33 @@ static inline void mha_module_band(const mha_module *m, mha_mask_plan *mask)
                            m->cfg.mods.window_right);
 }
 
-/* ---- the linear layer (linear.c: the only file that calls CBLAS) ------- */
+/* ---- the GEMM backends (gemm.c: the only file that calls a BLAS) ------- */
+
+typedef enum { MHA_GEMM_CBLAS = 0, MHA_GEMM_ONEDNN = 1 } mha_gemm_kind;
+
+/* The backend resolved (MHA_GEMM read once): an error naming MHA_GEMM for
+ * an unknown one or oneDNN in a build without it.  Every entry point that
+ * reaches the linear layer checks it first (mha_engine_init does). */
+mha_status mha_gemm_check(void);
+
+/* A BLAS with a thread pool of its own set to one thread (before a
+ * parallel region of GEMM blocks). */
+void mha_gemm_serial(void);
+
+/* Row-major C = alpha op(A) op(B) + beta C, op = transpose when trans_*,
+ * on the calling thread; and y = alpha A x + beta y for A (m, n). */
+void mha_sgemm(int trans_a, int trans_b, int m, int n, int k, float alpha,
+               const float *a, int lda, const float *b, int ldb, float beta,
+               float *c, int ldc);
+void mha_sgemv(int m, int n, float alpha, const float *a, int lda,
+               const float *x, float beta, float *y);
+
+/* ---- the linear layer (linear.c) ---------------------------------------- */
 /*
  * Every call runs on `threads` OpenMP threads (0: the OpenMP default) over
- * a grid of blocks fixed by the shapes, one single-threaded CBLAS call per
+ * a grid of blocks fixed by the shapes, one single-threaded GEMM call per
  * block, so the result bits do not depend on the thread count (linear.c).
+ * (They depend on the backend and the CPU.)
  *
  * y (rows, n_out), row stride ldy  =  x (rows, n_in), row stride ldx
  *                                     times w^T, w (n_out, n_in) row-major,

@@ -149,6 +149,28 @@ int tu_tier_unavailable(void)
     return 0;
 }
 
+int tu_backend_unavailable(void)
+{
+    if (tu_tier_unavailable())
+        return 1;
+    const char *want = getenv("MHA_GEMM");
+    if (!want || !*want)
+        return 0;
+    const char *got = mha_gemm_backend();
+    if (!got && !strcmp(want, "onednn")) {
+        printf("skipped: MHA_GEMM=onednn in a build without oneDNN\n");
+        return 1;
+    }
+    if (!got || strcmp(got, want)) {
+        /* not a skip: the test would run another backend than asked */
+        fprintf(stderr, "MHA_GEMM=%s, but the backend is %s\n", want,
+                got ? got : mha_last_error());
+        exit(1);
+    }
+    printf("GEMM backend: %s\n", got);
+    return 0;
+}
+
 void tu_test_tier(void **state)
 {
     (void)state;

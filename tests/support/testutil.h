@@ -53,6 +53,10 @@ enum { TU_SKIP = 77 };
  * returns TU_SKIP, so the per-tier CTest runs skip on older machines. */
 int tu_tier_unavailable(void);
 
+/* tu_tier_unavailable, and MHA_GEMM=onednn in a build without oneDNN (a
+ * skip too); a backend other than the one MHA_GEMM asks for exits 1. */
+int tu_backend_unavailable(void);
+
 extern char tu_tmpdir[256];
 int tu_tmpdir_setup(void **state);
 int tu_tmpdir_teardown(void **state);
