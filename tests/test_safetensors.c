@@ -839,6 +839,43 @@ static void test_many_entries(void **state)
     free(h);
 }
 
+/* The parse's memory is bounded by the header's count of JSON values
+ * (2^20: each is one of cJSON's nodes): a header of 2^20 - 1 values
+ * parses, one of 2^20 + 1 is refused before cJSON sees it. */
+static void test_value_limit(void **state)
+{
+    (void)state;
+    const int limit = 1 << 20;
+    /* '{', "__metadata__", '{', then two values an entry */
+    const int fits = (limit - 3) / 2;            /* 2^20 - 1 values */
+    const size_t cap = (size_t)(fits + 1) * 24 + 64;
+    char *h = malloc(cap);
+    assert_non_null(h);
+    for (int over = 0; over < 2; over++) {
+        const int n = fits + over;
+        size_t len = (size_t)snprintf(h, cap, "{\"__metadata__\":{");
+        for (int k = 0; k < n; k++)
+            len += (size_t)snprintf(h + len, cap - len, "%s\"k%d\":\"\"",
+                                    k ? "," : "", k);
+        len += (size_t)snprintf(h + len, cap - len, "}}");
+        assert_true(len < cap);
+        bytes b = st_file(h, NULL, 0);
+        mha_tensor_file *f = NULL;
+        const mha_status st = mha_safetensors_parse(b.p, b.n, &f);
+        free(b.p);
+        if (over) {
+            assert_int_equal(st, MHA_ERR_FORMAT);
+            assert_null(f);
+            assert_msg_has("more than 1048576 JSON values");
+        } else {
+            assert_ok(st);
+            assert_string_equal(mha_tensor_file_metadata(f, "k77"), "");
+            mha_tensor_file_free(f);
+        }
+    }
+    free(h);
+}
+
 /* ------------------------------------------------------------------------ */
 /* The writer                                                               */
 /* ------------------------------------------------------------------------ */
@@ -1614,6 +1651,7 @@ int main(void)
         cmocka_unit_test(test_valid_dtypes),
         cmocka_unit_test(test_valid_metadata_and_padding),
         cmocka_unit_test(test_many_entries),
+        cmocka_unit_test(test_value_limit),
         cmocka_unit_test(test_writer_round_trip),
         cmocka_unit_test(test_writer_errors),
         cmocka_unit_test(test_module_round_trip),

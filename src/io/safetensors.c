@@ -9,7 +9,8 @@
  *   bytes 8+N..     the data buffer; offsets are relative to its start
  *
  * Every rule of the reference implementation is enforced, each with its
- * own message: N <= 100 MB and within the file; valid UTF-8; a JSON object;
+ * own message: N <= 100 MB and within the file (and, ours, at most 2^20
+ * JSON values, which bounds the parse's memory); valid UTF-8; a JSON object;
  * known dtypes; non-negative integer dimensions; element count times
  * element size (checked) equal to the byte range; ranges sorted,
  * contiguous, non-overlapping and covering the buffer exactly; no
@@ -34,6 +35,10 @@
 #include <string.h>
 
 #define MAX_HEADER 100000000ULL
+/* cJSON spends ~64 bytes and a string allocation on every value: an 89 MB
+ * header of 1.5 million tensors took 1.5 GB to parse.  At most 2^20
+ * values (a tensor's entry is about 12: ~85,000 tensors, ~100 MB). */
+#define MAX_JSON_VALUES 1048576
 /* JSON numbers are doubles: integers are exact up to 2^53. */
 #define MAX_JSON_INT 9007199254740992.0
 #define MAX_JSON_INT_I ((int64_t)1 << 53)
@@ -158,12 +163,25 @@ static int64_t utf8_invalid_at(const unsigned char *s, size_t n)
  */
 static int is_digit(unsigned char c) { return c >= '0' && c <= '9'; }
 
+/* The scan's reason when the header holds more than MAX_JSON_VALUES. */
+static const char too_many_values[] = "too many values";
+
 static int64_t json_lexically_invalid_at(const unsigned char *s, size_t n,
                                          const char **why)
 {
-    size_t i = 0;
+    size_t i = 0, values = 0;
     while (i < n) {
         const unsigned char c = s[i];
+        /* each string (a name too), number, literal, object and array
+         * becomes one of cJSON's nodes */
+        if (c == '"' || c == '{' || c == '[' || c == '-' || is_digit(c) ||
+            ((c == 't' || c == 'f' || c == 'n') &&
+             (i == 0 || !(s[i - 1] >= 'a' && s[i - 1] <= 'z')))) {
+            if (++values > MAX_JSON_VALUES) {
+                *why = too_many_values;
+                return (int64_t)i;
+            }
+        }
         if (c == '"') {
             for (i++; i < n && s[i] != '"'; i++) {
                 if (s[i] < 0x20) {
@@ -542,6 +560,13 @@ mha_status mha_safetensors_parse(const void *bytes, size_t size,
                              "safetensors: header does not start with '{'");
     const char *why = NULL;
     bad = json_lexically_invalid_at(p + 8, (size_t)n, &why);
+    if (bad >= 0 && why == too_many_values)
+        return mha_set_error(MHA_ERR_FORMAT,
+                             "safetensors: the header holds more than %d "
+                             "JSON values (names, numbers, objects; about "
+                             "12 a tensor), refused to bound the memory its "
+                             "parse takes (~100 bytes a value)",
+                             MAX_JSON_VALUES);
     if (bad >= 0)
         return mha_set_error(MHA_ERR_FORMAT,
                              "safetensors: header is not valid JSON: %s at "
@@ -600,7 +625,7 @@ mha_status mha_safetensors_load(const char *path, mha_tensor_file **out)
     free(data);
     if (st != MHA_OK) {
         /* Prefix the path to the parser's message. */
-        char msg[512];
+        char msg[8192];   /* (the error buffer's size) */
         snprintf(msg, sizeof msg, "%s", mha_last_error());
         mha_set_error(st, "%s: %s", path, msg);
     }
