@@ -3,7 +3,8 @@
 # (CTest) and the Python package's tests (pytest, scripts/test-python.sh),
 # then builds again with AddressSanitizer + UndefinedBehavior-
 # Sanitizer and runs every test again, then with ThreadSanitizer for the
-# threaded tests, then runs the C tests under valgrind.  Fails on any
+# threaded tests, builds everything with clang -Werror, then runs the C
+# tests under valgrind.  Fails on any
 # failure or sanitizer/valgrind report.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -62,6 +63,13 @@ cmake --build build-tsan -j"$jobs" >/dev/null
 TSAN_OPTIONS=ignore_noninstrumented_modules=1:halt_on_error=1 OMP_NUM_THREADS=4 \
   ctest --test-dir build-tsan --output-on-failure \
   -R "^test_(threads|thread_knobs|forward|edge|backward|attention_backward|kv_cache)"
+
+echo "== clang -Werror build (library, libmha_mpi, tools, tests, examples)"
+# The project's warnings (-Wall -Wextra -Wshadow -Wstrict-prototypes -Wvla)
+# as errors under the other compiler; GCC builds every stage above.
+CC=clang cmake -S . -B build-clang -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_C_FLAGS=-Werror >/dev/null
+cmake --build build-clang -j"$jobs" >/dev/null
 
 echo "== valgrind (memcheck) on the C tests, two at a time"
 # Each test under memcheck runs on about one core (valgrind serialises its

@@ -115,6 +115,8 @@ static void test_matches_documented_generator(void **state)
         SAME(seed, pr, b, h, i, j);
     }
     assert_int_equal(n_checked, 100000L * (n_fixed + 1));
+    /* both outcomes occurred (p ranges over (0, 1) and the fixed values) */
+    assert_true(n_kept > 0 && n_kept < n_checked);
     /* p = 0 and p = 1 themselves */
     for (int t = 0; t < 1000; t++) {
         const uint64_t seed = a_seed();
