@@ -84,6 +84,29 @@ check_flags "$flags"
 LD_LIBRARY_PATH="$libdir" "$tmp/ex_pc_shared"
 loads_from_prefix "$tmp/ex_pc_shared" "$libdir"
 
+# Only mha's own header directory: mha.h and mha_io.h include neither
+# CBLAS nor cJSON, so their -I would only leak into the user's flags.
+cf=$(pkg-config --cflags mha)
+# shellcheck disable=SC2086
+set -- $cf
+[ $# -eq 1 ] && [ "$(cd "${1#-I}" && pwd)" = "$(cd "$prefix/include" && pwd)" ] ||
+  { echo "pkg-config --cflags mha is not just the prefix's include: $cf" >&2
+    exit 1; }
+
+step "the installed mha runs from the prefix (its RUNPATH finds libmha)"
+if [ -x "$prefix/bin/mha" ]; then
+  env -u LD_LIBRARY_PATH "$prefix/bin/mha" --version
+  if command -v ldd >/dev/null; then
+    # (its RUNPATH is $ORIGIN/../lib: compare directories, not spellings)
+    got=$(env -u LD_LIBRARY_PATH ldd "$prefix/bin/mha" |
+          sed -n 's/^[[:space:]]*libmha\.so[^ ]* => \([^ ]*\).*/\1/p')
+    [ -n "$got" ] &&
+      [ "$(cd "$(dirname "$got")" && pwd -P)" = "$(cd "$libdir" && pwd -P)" ] ||
+      { echo "the installed mha loads libmha from '$got', not $libdir" >&2
+        exit 1; }
+  fi
+fi
+
 step "ABI: the soname carries MAJOR.MINOR, and another minor is refused"
 # mha.h's ABI rule: argument structs grow with every minor version, so a
 # binary needs exactly the minor version it was built against.
@@ -123,6 +146,16 @@ check_flags "$sflags"
   $(pkg-config --static --libs mha | sed 's/\(^\| \)-lmha\( \|$\)/ /')
 "$tmp/ex_pc_static"   # no LD_LIBRARY_PATH: libmha must not be needed
 loads_no_libmha "$tmp/ex_pc_static"
+# The static link takes the BLAS libmha.so was built with (the OpenMP
+# OpenBLAS by default, not the pthread build openblas.pc names).
+if command -v ldd >/dev/null; then
+  blas_of() { ldd "$1" | sed -n 's/^[[:space:]]*\(libopenblas[^ ]*\) => \([^ ]*\).*/\2/p'; }
+  want_blas=$(blas_of "$libdir/libmha.so")
+  got_blas=$(blas_of "$tmp/ex_pc_static")
+  [ "$want_blas" = "$got_blas" ] ||
+    { echo "the static link loads '$got_blas', libmha.so '$want_blas'" >&2
+      exit 1; }
+fi
 
 step "CMake find_package(mha 0.4 REQUIRED)"
 proj="$tmp/consumer"
