@@ -3,8 +3,8 @@
 # (CTest) and the Python package's tests (pytest, scripts/test-python.sh),
 # then builds again with AddressSanitizer + UndefinedBehavior-
 # Sanitizer and runs every test again, then with ThreadSanitizer for the
-# threaded tests, builds everything with clang -Werror, then runs the C
-# tests under valgrind.  Fails on any
+# threaded tests, builds everything with clang -Werror, builds and briefly
+# runs the fuzz targets, then runs the C tests under valgrind.  Fails on any
 # failure or sanitizer/valgrind report.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -70,6 +70,20 @@ echo "== clang -Werror build (library, libmha_mpi, tools, tests, examples)"
 CC=clang cmake -S . -B build-clang -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_C_FLAGS=-Werror >/dev/null
 cmake --build build-clang -j"$jobs" >/dev/null
+
+echo "== the libFuzzer targets: build, and 10 s each from the committed corpus"
+# (the long runs are scripts/fuzz.sh's; this keeps the targets building
+# and catches what a short run finds)
+CC=clang cmake -S . -B build-fuzz -DMHA_FUZZ=ON \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+for t in npy safetensors module; do
+  cmake --build build-fuzz --target "fuzz_$t" -j"$jobs" >/dev/null
+  mkdir -p "build-fuzz/ci-corpus-$t"
+  (cd build-fuzz && ./fuzz/"fuzz_$t" -max_total_time=10 -max_len=4096 \
+     "ci-corpus-$t" "../fuzz/corpus/$t" >"ci-fuzz-$t.log" 2>&1) ||
+    { echo "fuzz_$t failed:"; tail -40 "build-fuzz/ci-fuzz-$t.log"; exit 1; }
+  echo "fuzz_$t: $(grep -o 'Done [0-9]* runs.*' "build-fuzz/ci-fuzz-$t.log")"
+done
 
 echo "== valgrind (memcheck) on the C tests, two at a time"
 # Each test under memcheck runs on about one core (valgrind serialises its
