@@ -43,7 +43,7 @@ _core._set_errors(BY_STATUS)
 __version__ = _core.version()
 __all__ = ["Module", "KVCache", "attention", "attention_backward", "allow",
            "block", "additive", "alibi_slopes", "rope_apply", "MhaError",
-           "kernel_tier", "dropout_keep"]
+           "kernel_tier", "gemm_backend", "dropout_keep"]
 
 # mha_mask_kind, mha_causal, mha_weights_mode, mha_rope_style, mha_kv_dtype
 MASK_NONE, MASK_ALLOW, MASK_BLOCK, MASK_ADDITIVE = 0, 1, 2, 3
@@ -812,6 +812,12 @@ def rope_apply(x, num_heads, rope="neox", positions=None, pos0=0):
 def kernel_tier():
     """The attention kernels in use: 'avx512', 'avx2', 'scalar' or 'ref'."""
     return _core.kernel_tier()
+
+
+def gemm_backend():
+    """The projections' GEMM backend: 'onednn' or 'cblas' (MHA_GEMM forces
+    one); None if MHA_GEMM names one this build lacks."""
+    return _core.gemm_backend()
 
 
 def dropout_keep(seed, p, b, h, i, j):

@@ -1813,6 +1813,16 @@ static PyObject *kernel_tier(PyObject *self, PyObject *unused)
     return PyUnicode_FromString(t);
 }
 
+static PyObject *gemm_backend(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    const char *g = mha_gemm_backend();
+    if (!g)
+        Py_RETURN_NONE;
+    return PyUnicode_FromString(g);
+}
+
 static PyObject *version(PyObject *self, PyObject *unused)
 {
     (void)self;
@@ -1837,6 +1847,7 @@ static PyMethodDef core_methods[] = {
     {"rope_apply", rope_apply, METH_VARARGS, "mha_rope_apply"},
     {"dropout_keep", dropout_keep, METH_VARARGS, "mha_dropout_keep"},
     {"kernel_tier", kernel_tier, METH_NOARGS, "mha_kernel_tier"},
+    {"gemm_backend", gemm_backend, METH_NOARGS, "mha_gemm_backend"},
     {"version", version, METH_NOARGS, "mha_version_string"},
     {NULL, NULL, 0, NULL}};
 

@@ -408,3 +408,36 @@ def test_attention_short_way_is_the_same_call(seed):
     with pytest.raises(TypeError, match="float32"):
         mha.attention(q.astype(np.float64), k, v, num_heads=H,
                       num_kv_heads=Hkv)
+
+
+def test_gemm_backend_follows_mha_gemm():
+    """mha.gemm_backend() names the projections' backend; MHA_GEMM forces
+    one (read once per process, so each case runs in its own), and an
+    unknown one makes the forward raise, naming MHA_GEMM."""
+    import os
+    import subprocess
+    import sys
+    assert mha.gemm_backend() in ("onednn", "cblas")
+    code = ("import sys, numpy as np, mha\n"
+            "print(mha.gemm_backend())\n"
+            "m = mha.Module(8, 2)\n"
+            "x = np.ones((1, 3, 8), np.float32)\n"
+            "try:\n"
+            "    m.forward(x)\n"
+            "    print('ok')\n"
+            "except Exception as e:\n"
+            "    print(type(e).__name__, e)\n")
+    def run(value):
+        env = dict(os.environ, MHA_GEMM=value)
+        r = subprocess.run([sys.executable, "-P", "-c", code], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.splitlines()
+    assert run("cblas") == ["cblas", "ok"]
+    bad = run("frob")
+    assert bad[0] == "None"
+    assert "MHA_GEMM=frob: expected cblas or onednn" in bad[1]
+    onednn = run("onednn")
+    assert onednn in (["onednn", "ok"], ["None", onednn[1]])
+    if onednn[0] == "None":
+        assert "built without oneDNN" in onednn[1]
