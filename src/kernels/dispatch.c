@@ -33,7 +33,7 @@ static int cpu_has_avx2_fma(void)
 #endif
 }
 
-static int cpu_has_avx512(void)
+int mha_cpu_has_avx512(void)
 {
 #if defined(__x86_64__) || defined(__i386__)
     /* Also checks (XGETBV) that the OS saves the ZMM and mask state. */
@@ -50,7 +50,7 @@ static atomic_int chosen = -1;
 static int choose(void)
 {
     const char *env = getenv("MHA_ISA");
-    const int avx2 = cpu_has_avx2_fma(), avx512 = cpu_has_avx512();
+    const int avx2 = cpu_has_avx2_fma(), avx512 = mha_cpu_has_avx512();
     if (!env || !*env)
         return avx512 ? MHA_ISA_AVX512 : avx2 ? MHA_ISA_AVX2 : MHA_ISA_SCALAR;
     if (!strcmp(env, "ref"))

@@ -179,4 +179,8 @@ extern const mha_microkernels mha_microkernels_avx512; /* -mavx512f -mfma */
  * Fails, naming MHA_ISA, for an unknown tier or one the CPU lacks. */
 mha_status mha_isa_get(mha_isa *isa, const mha_microkernels **uk);
 
+/* Whether the CPU and OS run AVX-512F (and AVX2, FMA, F16C): the avx512
+ * tier, and where the oneDNN GEMM backend is the default (gemm.c). */
+int mha_cpu_has_avx512(void);
+
 #endif /* MHA_KERNELS_H */

@@ -25,6 +25,7 @@
  * thread count.
  */
 #include "module.h"
+#include "kernels/kernels.h"
 
 #include <cblas.h>
 #include <stdatomic.h>
@@ -35,19 +36,11 @@
 #include <dnnl.h>
 #endif
 
-/* Where oneDNN is the faster: a CPU with AVX-512F, whose kernels oneDNN
- * uses (and OpenBLAS, as this environment pins it, does not).  On an
- * AVX2 CPU the two run the blocks' GEMMs at the same speed and oneDNN's
- * training step is slower (docs/BENCHMARKS.md, "GEMM backends"). */
-static int cpu_has_avx512(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f");
-#else
-    return 0;
-#endif
-}
+/* Where oneDNN is the faster: a CPU with AVX-512F (mha_cpu_has_avx512),
+ * whose kernels oneDNN uses (and OpenBLAS, as this environment pins it,
+ * does not).  On an AVX2 CPU the two run the blocks' GEMMs at the same
+ * speed and oneDNN's training step is slower (docs/BENCHMARKS.md, "GEMM
+ * backends"). */
 
 /* -1: not chosen yet; otherwise a backend, or 100 + a status. */
 static atomic_int chosen = -1;
@@ -61,7 +54,8 @@ static int choose(void)
     const int onednn = 0;
 #endif
     if (!env || !*env)
-        return onednn && cpu_has_avx512() ? MHA_GEMM_ONEDNN : MHA_GEMM_CBLAS;
+        return onednn && mha_cpu_has_avx512() ? MHA_GEMM_ONEDNN
+                                              : MHA_GEMM_CBLAS;
     if (!strcmp(env, "cblas"))
         return MHA_GEMM_CBLAS;
     if (!strcmp(env, "onednn"))
