@@ -159,6 +159,19 @@ MHA_API void mha_tensor_free(mha_tensor *tensor);
 /* Writes a .npy (version 1.0) file, atomically like mha_safetensors_save. */
 MHA_API mha_status mha_npy_save(const char *path, const mha_tensor_view *t);
 
+/*
+ * An atomic save writes NAME.tmp.<random> beside NAME and renames it over
+ * NAME when complete.  A process killed by a signal in between would leave
+ * that temporary file behind; a signal handler that calls this first
+ * removes the temporary files of every save in progress (at most 64 at
+ * once are tracked; past that a save still works, untracked).  It is
+ * async-signal-safe (it only unlinks, through lock-free atomics) and the
+ * saves it interrupts then fail or leave NAME as it was: call it only when
+ * the process is about to end.  The `mha` command calls it on SIGINT,
+ * SIGTERM, SIGHUP and SIGPIPE before dying of the signal.
+ */
+MHA_API void mha_io_discard_temporaries(void);
+
 #ifdef __cplusplus
 }
 #endif

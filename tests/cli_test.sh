@@ -558,6 +558,22 @@ fi
 # a directory is refused by name
 expect 1 "cannot write .*: it is a directory" -- "$mha" "${fw[@]}" --out "$f"
 absent "files: no temporary file left" "$f/"*.tmp.*
+# killed while saving (SIGTERM, at a few moments of a ~100 MB init): the
+# command dies of the signal (or had finished), and no temporary file is
+# left beside the name (mha_io_discard_temporaries in its handler)
+for delay in 0.1 0.2 0.3 0.4; do
+  "$mha" init --embed-dim 2560 --heads 8 --seed 1 --out "$f/killed.safetensors" &
+  pid=$!
+  sleep "$delay"
+  kill -TERM "$pid" 2>/dev/null || true
+  st=0; wait "$pid" || st=$?
+  if [ "$st" -ne 143 ] && [ "$st" -ne 0 ]; then
+    bad "files: SIGTERM during init: exit status $st, not 143 (or 0)"
+  else ok; fi
+  absent "files: SIGTERM after ${delay}s left no temporary file" \
+    "$f/"killed.safetensors.tmp.*
+done
+rm -f "$f/killed.safetensors"
 
 # ---- --seq-first: (L, B, E) files, nn.MultiheadAttention's default layout ----
 s="$d/seqfirst"; mkdir "$s"

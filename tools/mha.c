@@ -6,9 +6,13 @@
  * with the others through their own headers (fail.h, args.h, heatmap.h,
  * font.h, run_setup.h); none of them calls back into this file.
  */
+#define _POSIX_C_SOURCE 200809L   /* sigaction */
+
 #include "commands.h"
 #include "mha.h"
+#include "mha_io.h"
 
+#include <signal.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -47,8 +51,36 @@ static void usage(FILE *f)
           "  mha <command> --help\n", f);
 }
 
+/* A signal that ends the process: first the temporary files of the saves
+ * in progress go (an interrupted save leaves NAME as it was and no
+ * NAME.tmp.* beside it), then the process dies of the signal as it would
+ * have (the default action, re-raised: the caller sees the signal). */
+static void on_fatal_signal(int sig)
+{
+    mha_io_discard_temporaries();
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+static void catch_fatal_signals(void)
+{
+    static const int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGPIPE};
+    for (size_t i = 0; i < sizeof sigs / sizeof sigs[0]; i++) {
+        struct sigaction sa, old;
+        /* a signal the caller ignores (nohup, a shell's SIGPIPE) stays
+         * ignored */
+        if (sigaction(sigs[i], NULL, &old) == 0 && old.sa_handler == SIG_IGN)
+            continue;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = on_fatal_signal;
+        sigemptyset(&sa.sa_mask);
+        sigaction(sigs[i], &sa, NULL);
+    }
+}
+
 int main(int argc, char **argv)
 {
+    catch_fatal_signals();
     if (argc < 2) {
         usage(stderr);
         return 2;

@@ -5,6 +5,7 @@
 #include "io.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <fcntl.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -101,6 +102,53 @@ mha_status mha_read_file(const char *path, size_t max_size, const char *what,
  *     gets the target's mode and owner, is fsync'ed, and is renamed over
  *     the target; the directory is then fsync'ed.  A failure removes the
  *     temporary file and leaves the target as it was. */
+
+/*
+ * The temporary files of the saves in progress, for
+ * mha_io_discard_temporaries (a signal handler's): a fixed table of
+ * atomic pointers, so registering, unregistering and discarding need no
+ * lock and no allocation.  A save registers its temporary path's buffer
+ * before creating the file and unregisters it after the rename (a discard
+ * in between unlinks a name that no longer exists: harmless) or after
+ * removing it.  (A name collision rewrites the buffer with the next
+ * candidate; a discard at that instant may read a mix of two candidate
+ * names, which no file has.)
+ */
+enum { TEMP_SLOTS = 64 };
+static _Atomic(char *) temps[TEMP_SLOTS];
+
+static void temp_register(char *tmp)
+{
+    for (int i = 0; i < TEMP_SLOTS; i++) {
+        char *none = NULL;
+        if (atomic_compare_exchange_strong(&temps[i], &none, tmp))
+            return;
+    }   /* full: this save is not tracked */
+}
+
+/* 1 if tmp was still registered (now not), 0 if a discard took it. */
+static int temp_unregister(char *tmp)
+{
+    for (int i = 0; i < TEMP_SLOTS; i++) {
+        char *want = tmp;
+        if (atomic_compare_exchange_strong(&temps[i], &want, NULL))
+            return 1;
+    }
+    return 0;
+}
+
+void mha_io_discard_temporaries(void)
+{
+    const int saved = errno;
+    for (int i = 0; i < TEMP_SLOTS; i++) {
+        /* the path is not freed: free() is not async-signal-safe, and the
+         * process is about to end */
+        char *tmp = atomic_exchange(&temps[i], NULL);
+        if (tmp)
+            unlink(tmp);
+    }
+    errno = saved;
+}
 
 /* Creates path.tmp.<random> exclusively, mode 0666 less the umask (as any
  * new file gets).  The name is a hash of the time, the process and a stack
@@ -266,12 +314,18 @@ mha_status mha_write_file_atomic(const char *path, const void *const *chunks,
         free(target);
         return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate a path");
     }
+    /* Registered before the file exists (an empty name until then: a
+     * discard's unlink("") fails), so no moment has a file that a discard
+     * would miss. */
+    tmp[0] = '\0';
+    temp_register(tmp);
     int fd = create_temp(target, tmp, cap);
     if (fd < 0) {
         mha_status s = mha_set_error(MHA_ERR_IO,
                                      "cannot create a temporary file beside "
                                      "'%s': %s", target, strerror(errno));
-        free(tmp);
+        if (temp_unregister(tmp))
+            free(tmp);
         free(target);
         return s;
     }
@@ -299,7 +353,8 @@ mha_status mha_write_file_atomic(const char *path, const void *const *chunks,
                           strerror(err));
         remove(tmp);
     }
-    free(tmp);
+    if (temp_unregister(tmp))
+        free(tmp);   /* (else a discard holds it, and the process ends) */
     free(target);
     return s;
 }
