@@ -13,6 +13,10 @@
 #include <sys/stat.h>
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+/* libFuzzer calls a target's LLVMFuzzerInitialize, when it has one, once
+ * before the first input; so does the replay (weak: most targets have
+ * none). */
+int LLVMFuzzerInitialize(int *argc, char ***argv) __attribute__((weak));
 
 static const char *prog = "replay";
 
@@ -50,6 +54,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "usage: %s FILE_OR_DIR...\n", prog);
         return 2;
     }
+    if (LLVMFuzzerInitialize)
+        LLVMFuzzerInitialize(&argc, &argv);
     for (int a = 1; a < argc; a++) {
         struct stat st;
         DIR *d = NULL;

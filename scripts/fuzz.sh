@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Fuzzes every file reader with libFuzzer: installs clang and libFuzzer
-# (Debian: clang, libclang-rt-14-dev), builds the targets with ASan and
+# Fuzzes every file reader, and the tiers against the float64 reference,
+# with libFuzzer: installs clang and libFuzzer (Debian: clang,
+# libclang-rt-14-dev), builds the targets with ASan and
 # UBSan, and runs each for SECONDS (default 60) from its committed corpus.
 # New inputs go to build-fuzz/corpus-<target>/, crashes to build-fuzz/.
 # Usage: bash scripts/fuzz.sh [SECONDS]
@@ -15,10 +16,15 @@ for p in clang libclang-rt-14-dev; do
 done
 cmake -S . -B build-fuzz -DMHA_FUZZ=ON -DCMAKE_C_COMPILER=clang \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-for t in npy safetensors module; do
-  cmake --build build-fuzz --target "fuzz_$t" -j"$(nproc)" >/dev/null
+cmake --build build-fuzz -j"$(nproc)" --target fuzz_npy fuzz_safetensors \
+  fuzz_module fuzz_tiers >/dev/null
+# fuzz_tiers runs on the CPU's best tier (MHA_ISA in the environment picks
+# another) and reads about 40 bytes of each input.
+for t in npy safetensors module tiers; do
+  len=4096
+  [ "$t" = tiers ] && len=64
   mkdir -p "build-fuzz/corpus-$t"
   echo "== fuzz_$t for ${seconds}s"
   (cd build-fuzz && ./fuzz/"fuzz_$t" -max_total_time="$seconds" \
-     -max_len=4096 "corpus-$t" "../fuzz/corpus/$t")
+     -max_len="$len" "corpus-$t" "../fuzz/corpus/$t")
 done

@@ -16,7 +16,8 @@ echo "== release build and tests"
 # without Open MPI fails at configure rather than skipping them silently.
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMHA_MPI=ON >/dev/null
 cmake --build build -j"$jobs" >/dev/null
-ctest --test-dir build --output-on-failure --output-junit "$PWD/build/ctest-release.xml"
+ctest --test-dir build -j"$jobs" --output-on-failure \
+  --output-junit "$PWD/build/ctest-release.xml"
 
 # No silent skips: every test that did not run is listed by name, and the
 # only ones allowed are the *_avx512 tier runs on a CPU without AVX-512F.
@@ -50,9 +51,14 @@ echo "== ASan + UBSan build and tests"
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DMHA_MPI=ON \
   -DMHA_SANITIZE=address,undefined >/dev/null
 cmake --build build-asan -j"$jobs" >/dev/null
+# Two tests at a time (each is mostly one thread); the thread-knob test
+# under each forced GEMM backend is left to the release stage (the same
+# code as test_thread_knobs here, 2 minutes each under ASan).
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --test-dir build-asan --output-on-failure -E install_and_build_example
+  ctest --test-dir build-asan -j"$jobs" --output-on-failure \
+  -E "install_and_build_example|test_thread_knobs_gemm_"
+
 
 echo "== ThreadSanitizer build (clang, LLVM OpenMP) and the threaded tests"
 # libgomp is not instrumented for TSan; LLVM's libomp is, and the runtime
@@ -61,7 +67,7 @@ CC=clang cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug \
   -DMHA_SANITIZE=thread -DMHA_BUILD_TOOLS=OFF >/dev/null
 cmake --build build-tsan -j"$jobs" >/dev/null
 TSAN_OPTIONS=ignore_noninstrumented_modules=1:halt_on_error=1 OMP_NUM_THREADS=4 \
-  ctest --test-dir build-tsan --output-on-failure \
+  ctest --test-dir build-tsan -j"$jobs" --output-on-failure \
   -R "^test_(threads|thread_knobs|forward|edge|backward|attention_backward|kv_cache)"
 
 echo "== clang -Werror build (library, libmha_mpi, tools, tests, examples)"
@@ -71,18 +77,33 @@ CC=clang cmake -S . -B build-clang -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_C_FLAGS=-Werror >/dev/null
 cmake --build build-clang -j"$jobs" >/dev/null
 
-echo "== the libFuzzer targets: build, and 10 s each from the committed corpus"
+echo "== the libFuzzer targets: build, and a bounded run of each"
 # (the long runs are scripts/fuzz.sh's; this keeps the targets building
-# and catches what a short run finds)
+# and catches what a short run finds).  The readers 10 s each from their
+# committed corpora; the differential fuzzer of the tiers (fuzz_tiers:
+# random modules and calls, every tier against the float64 reference,
+# forward and backward) 15 s on each tier this CPU has.
 CC=clang cmake -S . -B build-fuzz -DMHA_FUZZ=ON \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-for t in npy safetensors module; do
-  cmake --build build-fuzz --target "fuzz_$t" -j"$jobs" >/dev/null
+cmake --build build-fuzz -j"$jobs" --target fuzz_npy fuzz_safetensors \
+  fuzz_module fuzz_tiers >/dev/null
+fuzz_run() {  # fuzz_run TARGET SECONDS MAX_LEN [ENV=VALUE...]
+  local t=$1 secs=$2 len=$3 log="ci-fuzz-$1${4:+-${4#*=}}.log"
+  shift 3
   mkdir -p "build-fuzz/ci-corpus-$t"
-  (cd build-fuzz && ./fuzz/"fuzz_$t" -max_total_time=10 -max_len=4096 \
-     "ci-corpus-$t" "../fuzz/corpus/$t" >"ci-fuzz-$t.log" 2>&1) ||
-    { echo "fuzz_$t failed:"; tail -40 "build-fuzz/ci-fuzz-$t.log"; exit 1; }
-  echo "fuzz_$t: $(grep -o 'Done [0-9]* runs.*' "build-fuzz/ci-fuzz-$t.log")"
+  (cd build-fuzz && env "$@" ./fuzz/"fuzz_$t" -max_total_time="$secs" \
+     -max_len="$len" "ci-corpus-$t" "../fuzz/corpus/$t" >"$log" 2>&1) ||
+    { echo "fuzz_$t $* failed:"; tail -40 "build-fuzz/$log"; exit 1; }
+  echo "fuzz_$t $*: $(grep -o 'Done [0-9]* runs.*' "build-fuzz/$log")"
+}
+for t in npy safetensors module; do
+  fuzz_run "$t" 10 4096
+done
+tiers="ref scalar"
+grep -qw avx2 /proc/cpuinfo && tiers="$tiers avx2"
+grep -qw avx512f /proc/cpuinfo && tiers="$tiers avx512"
+for isa in $tiers; do
+  fuzz_run tiers 15 64 MHA_ISA="$isa"   # (it reads ~40 bytes)
 done
 
 echo "== valgrind (memcheck) on the C tests, two at a time"

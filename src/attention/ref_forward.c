@@ -103,8 +103,12 @@ void mha_ref_row(const mha_attn *a, int64_t b, int64_t i, float *scratch)
             else if (w)
                 w[j] += (float)(p / (double)a->H);
         }
+        /* A row whose softmax is NaN (a NaN score among its live keys)
+         * is NaN throughout, even where dropout removed every key: the
+         * flash tiers' o / l, and torch's dropout(softmax) @ v. */
+        const int nan_row = live && isnan(sum);
         for (int64_t d = 0; d < dh; d++)
-            dst[d] = (float)acc[d];
+            dst[d] = nan_row ? NAN : (float)acc[d];
         float *st = a->stats + 2 * ((b * a->H + h) * a->Lq + i);
         const int any = live || a->sinks;
         st[0] = any ? (float)mx : -INFINITY;

@@ -27,13 +27,23 @@ static void weights_tile(const mha_attn *a, const mha_tile *t, void *ctx)
         if (st[0] == -INFINITY)
             continue;
         float *sr = f->s + r * MHA_BC;
-        uk->exp_sum(sr, nc, st[0]);
-        const float inv_l = st[1] * keep;
+        if (isnan(st[0]) || isnan(st[1])) {
+            /* A NaN score among the row's live keys: its live weights are
+             * NaN, its masked ones still exactly 0 (exp(-inf - NaN) would
+             * be NaN), as in the reference tier. */
+            for (int c = 0; c < nc; c++)
+                sr[c] = sr[c] == -INFINITY ? 0.0f : NAN;
+        } else {
+            uk->exp_sum(sr, nc, st[0]);
+            const float inv_l = st[1] * keep;
+            for (int c = 0; c < nc; c++)
+                sr[c] *= inv_l;
+        }
         float *w = a->weights == MHA_WEIGHTS_PER_HEAD
                        ? a->w + ((b * a->H + h) * a->Lq + i) * a->Lt + j0
                        : a->w + (b * a->Lq + i) * a->Lt + j0;
         for (int c = 0; c < nc; c++) {
-            float pc = sr[c] * inv_l;
+            float pc = sr[c];
             if (a->dropout &&
                 !mha_dropout_keep(a->seed, a->p_drop, b, h, i, j0 + c))
                 pc = 0.0f;

@@ -46,28 +46,55 @@ int ref_dropout_keep(uint64_t seed, float p, int64_t b, int64_t h, int64_t i,
 
 /* ---- the forward pass ------------------------------------------------------ */
 
+/* The largest |scale q.k| of a live key (and additive mask term below
+ * 1e4) of the last forward (ref_score_magnitude). */
+static double ref_max_score;
+
+/* Every sum in order, or (ref_forward_f32_reversed) in reverse order. */
+static int ref_reversed;
+#define REF_ORDER(t, n) (ref_reversed ? (n) - 1 - (t) : (t))
+
 #define REAL double
 #define FN(name) ref64_##name
+#define TANH tanh
 #include "ref_impl.h"
 #undef REAL
 #undef FN
+#undef TANH
 
 #define REAL float
 #define FN(name) ref32_##name
+#define TANH tanhf   /* libm's float tanh, as a plain float32 code has */
 #include "ref_impl.h"
 #undef REAL
 #undef FN
+#undef TANH
 
 int ref_forward_f64(const mha_module *m, const mha_forward_args *a,
                     double *out, double *weights)
 {
+    ref_max_score = 0.0;
     return ref64_forward(m, a, out, weights);
+}
+
+double ref_score_magnitude(void)
+{
+    return ref_max_score;
 }
 
 int ref_forward_f32(const mha_module *m, const mha_forward_args *a,
                     float *out, float *weights)
 {
     return ref32_forward(m, a, out, weights);
+}
+
+int ref_forward_f32_reversed(const mha_module *m, const mha_forward_args *a,
+                             float *out, float *weights)
+{
+    ref_reversed = 1;   /* (not thread-safe: the tests call it from one) */
+    const int rc = ref32_forward(m, a, out, weights);
+    ref_reversed = 0;
+    return rc;
 }
 
 void ref_average_heads(const double *w, int64_t B, int64_t H, int64_t Lq,

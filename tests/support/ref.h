@@ -15,6 +15,18 @@ int ref_forward_f64(const mha_module *m, const mha_forward_args *a,
                     double *out, double *weights);
 int ref_forward_f32(const mha_module *m, const mha_forward_args *a,
                     float *out, float *weights);
+/* The same float32 code with every sum taken in reverse order: where the
+ * result is ill-conditioned (large terms cancelling), one order's error
+ * is a single draw; the two together show how much the order moves it
+ * (fuzz/fuzz_tiers.c takes the larger error of the two). */
+int ref_forward_f32_reversed(const mha_module *m, const mha_forward_args *a,
+                             float *out, float *weights);
+
+/* The largest |score| (scale q.k of a live key, before any softcap;
+ * additive mask terms under 1e4 too) of the last ref_forward_f64: a
+ * float32 code rounds each score to about 2^-24 of this, and the softmax
+ * passes that on to the weights. */
+double ref_score_magnitude(void);
 
 /* Heads-averaged weights (B, Lq, Lt) from per-head ones (B, H, Lq, Lt). */
 void ref_average_heads(const double *per_head, int64_t B, int64_t H,

@@ -9,7 +9,9 @@
  * measure against; with REAL = float it is "a naive float32
  * implementation", whose own error sets the tolerance of the tests.
  *
- * Requires REAL and FN(name) to be defined before inclusion.
+ * Requires REAL, FN(name) and TANH (tanh or tanhf) to be defined before
+ * inclusion, and REF_ORDER(t, n): the index the t-th step of every sum of
+ * n terms adds (t, or n - 1 - t for the sums in reverse order).
  */
 
 /* y (n, out) = x (n, in) W^T + b, everything in REAL. */
@@ -19,8 +21,10 @@ static void FN(linear)(const REAL *x, int64_t n, int64_t in, const REAL *W,
     for (int64_t r = 0; r < n; r++)
         for (int64_t o = 0; o < out; o++) {
             REAL acc = b ? b[o] : 0;
-            for (int64_t c = 0; c < in; c++)
+            for (int64_t t = 0; t < in; t++) {
+                const int64_t c = REF_ORDER(t, in);
                 acc += x[r * in + c] * W[o * in + c];
+            }
             y[r * out + o] = acc;
         }
 }
@@ -118,8 +122,33 @@ static void FN(rope_row)(const mha_rope *rp, int64_t dh, int64_t heads,
 }
 
 /*
+ * ALiBi's slopes (docs/semantics.md): given, or the paper's for H heads --
+ * for H a power of two 2^(-8k/H), k = 1..H; else the n = 2^floor(log2 H)
+ * slopes of n, then the odd-numbered ones (k = 1, 3, 5, ...) of 2n's
+ * sequence 2^(-4k/n) until there are H.  Rounded to float, as a module
+ * stores them.
+ */
+static void FN(alibi_slopes)(const mha_modifiers *md, int64_t H, REAL *out)
+{
+    int64_t n = 1;
+    while (2 * n <= H)
+        n *= 2;
+    for (int64_t h = 0; h < H; h++) {
+        double s;
+        if (md->alibi_slopes)
+            s = md->alibi_slopes[h];
+        else if (h < n)
+            s = pow(2.0, -8.0 * (double)(h + 1) / (double)n);
+        else
+            s = pow(2.0, -4.0 * (double)(2 * (h - n) + 1) / (double)n);
+        out[h] = (REAL)(float)s;
+    }
+}
+
+/*
  * out (B, Lq, E); weights (B, H, Lq, Lt) always per head (or NULL).
- * Returns 0 on success.
+ * The score modifiers (softcap, ALiBi, the window, sinks) as
+ * docs/semantics.md defines them, in its order.  Returns 0 on success.
  */
 static int FN(forward)(const mha_module *m, const mha_forward_args *a,
                        REAL *out, REAL *weights)
@@ -155,6 +184,11 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
     REAL *bo = FN(param)(m, "out_proj.bias");
     REAL *bk = FN(param)(m, "bias_k");
     REAL *bv = FN(param)(m, "bias_v");
+    REAL *sinks = FN(param)(m, "sinks");
+    const mha_modifiers *md = &c.mods;
+    REAL *slopes = malloc((size_t)H * sizeof *slopes);
+    if (md->alibi)
+        FN(alibi_slopes)(md, H, slopes);
 
     REAL *xq = FN(widen)(a->query, B * Lq * E);
     REAL *xk = FN(widen)(key, B * Lk * kdim);
@@ -220,7 +254,15 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
                 for (int64_t j = 0; j < Lt; j++) {
                     REAL add = 0;
                     int blk = 0;
+                    /* Positions aligned bottom-right: the query's
+                     * i + Lk - Lq, the key's j; the extra keys have none. */
+                    const int64_t qpos = i + Lk - Lq;
                     if (j < Lk) {
+                        if (md->window)
+                            blk |= (md->window_left >= 0 &&
+                                    j < qpos - md->window_left) ||
+                                   (md->window_right >= 0 &&
+                                    j > qpos + md->window_right);
                         if (a->causal == MHA_CAUSAL_BOTTOM_RIGHT)
                             blk |= j > i + (Lk - Lq);
                         if (a->causal == MHA_CAUSAL_TOP_LEFT)
@@ -243,21 +285,43 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
                     if (blk)
                         continue;
                     REAL dot = 0;
-                    for (int64_t d = 0; d < dh; d++)
+                    for (int64_t t = 0; t < dh; t++) {
+                        const int64_t d = REF_ORDER(t, dh);
                         dot += q[(b * Lq + i) * D + h * dh + d] *
                                k[(b * Lt + j) * Dkv + h / group * dh + d];
-                    s[j] = dot * scale + add;
+                    }
+                    REAL sc = dot * scale;
+                    /* The largest score (and additive term) a float32
+                     * code must round: ref_score_magnitude(). */
+                    if (fabs((double)sc) > ref_max_score)
+                        ref_max_score = fabs((double)sc);
+                    if (fabs((double)add) > ref_max_score &&
+                        fabs((double)add) < 1e4)
+                        ref_max_score = fabs((double)add);
+                    if (md->softcap > 0.0f)
+                        sc = (REAL)md->softcap * TANH(sc / (REAL)md->softcap);
+                    if (md->alibi && j < Lk)
+                        sc -= slopes[h] * (REAL)(qpos > j ? qpos - j
+                                                           : j - qpos);
+                    s[j] = sc + add;
                     if (s[j] > mx)
                         mx = s[j];
                     live++;
                 }
-                REAL sum = 0;
-                for (int64_t j = 0; j < Lt; j++)
+                /* A sink is a key of score sinks[h] and no value: it
+                 * joins the denominator only. */
+                if (sinks && live && sinks[h] > mx)
+                    mx = sinks[h];
+                REAL sum = sinks && live ? exp(sinks[h] - mx) : 0;
+                for (int64_t t = 0; t < Lt; t++) {
+                    const int64_t j = REF_ORDER(t, Lt);
                     if (!blocked[j]) {
                         s[j] = exp(s[j] - mx);
                         sum += s[j];
                     }
-                for (int64_t j = 0; j < Lt; j++) {
+                }
+                for (int64_t t = 0; t < Lt; t++) {
+                    const int64_t j = REF_ORDER(t, Lt);
                     /* Excluded and dropped keys are never read. */
                     int use = live && !blocked[j];
                     if (use && dropout)
@@ -273,13 +337,24 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
                             ctx[(b * Lq + i) * D + h * dh + d] +=
                                 p * v[(b * Lt + j) * Dkv + h / group * dh + d];
                 }
+                /* A NaN anywhere in the softmax (a NaN score of a live
+                 * key): the row's context is NaN, even when dropout
+                 * removed every key (docs/semantics.md). */
+                if (live && isnan(sum))
+                    for (int64_t d = 0; d < dh; d++)
+                        ctx[(b * Lq + i) * D + h * dh + d] = NAN;
             }
     /* The head mask scales each head's context before W_O. */
     if (a->head_mask)
         for (int64_t r = 0; r < B * Lq; r++)
             for (int64_t h = 0; h < H; h++)
                 for (int64_t d = 0; d < dh; d++)
-                    ctx[r * D + h * dh + d] *= (REAL)a->head_mask[h];
+                    /* m_h = 0 removes the head, NaN context and all
+                     * (docs/semantics.md, "Head masks"). */
+                    ctx[r * D + h * dh + d] =
+                        a->head_mask[h] == 0.0f
+                            ? 0 : ctx[r * D + h * dh + d] *
+                                      (REAL)a->head_mask[h];
     FN(linear)(ctx, B * Lq, D, Wo, bo, E, out);
 
     if (packed)
@@ -289,7 +364,8 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
         free(Wk);
         free(Wv);
     }
-    free(bin); free(Wo); free(bo); free(bk); free(bv);
+    free(bin); free(Wo); free(bo); free(bk); free(bv); free(sinks);
+    free(slopes);
     free(xq); free(xk); free(xv); free(q); free(k); free(v); free(ctx);
     free(tmp); free(s); free(blocked);
     return 0;
