@@ -152,6 +152,8 @@ def _modifiers(num_heads, rope=None, alibi=False, window=None, softcap=None):
         alibi_on = 1
     else:
         alibi_on = 1
+        if isinstance(alibi, (list, tuple)):   # Python numbers: float32
+            alibi = np.asarray(alibi, np.float32)
         slopes = _array(alibi, "alibi slopes")
         if slopes.shape != (num_heads,):
             raise ValueError("alibi slopes must have shape (%d,), got %s"
@@ -606,8 +608,14 @@ class KVCache:
     def read(self, seq, start=0, n=None):
         """(k, v), each (n, H_kv*d_h): tokens start .. start+n-1 of ``seq``
         as the attention reads them (n None: up to the length)."""
+        length = self.length(seq)
         if n is None:
-            n = self.length(seq) - int(start)
+            if not 0 <= int(start) <= length:
+                raise ValueError("start %d is outside sequence %d's %d "
+                                 "tokens" % (int(start), int(seq), length))
+            n = length - int(start)
+        if int(n) < 0:
+            raise ValueError("n must be >= 0, got %d" % int(n))
         row = self.num_kv_heads * self.head_dim
         k = np.empty((int(n), row), np.float32)
         v = np.empty((int(n), row), np.float32)
