@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Fuzzes every file reader, and the tiers against the float64 reference,
+# Fuzzes every file reader, the KV cache's operation sequences, the mha
+# command's option parsing, and the tiers against the float64 reference,
 # with libFuzzer: installs clang and libFuzzer (Debian: clang,
 # libclang-rt-14-dev), builds the targets with ASan and
 # UBSan, and runs each for SECONDS (default 60) from its committed corpus.
@@ -17,10 +18,10 @@ done
 cmake -S . -B build-fuzz -DMHA_FUZZ=ON -DCMAKE_C_COMPILER=clang \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build-fuzz -j"$(nproc)" --target fuzz_npy fuzz_safetensors \
-  fuzz_module fuzz_tiers >/dev/null
+  fuzz_module fuzz_cache fuzz_cli fuzz_tiers >/dev/null
 # fuzz_tiers runs on the CPU's best tier (MHA_ISA in the environment picks
 # another) and reads about 40 bytes of each input.
-for t in npy safetensors module tiers; do
+for t in npy safetensors module cache cli tiers; do
   len=4096
   [ "$t" = tiers ] && len=64
   mkdir -p "build-fuzz/corpus-$t"

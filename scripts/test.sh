@@ -79,14 +79,15 @@ cmake --build build-clang -j"$jobs" >/dev/null
 
 echo "== the libFuzzer targets: build, and a bounded run of each"
 # (the long runs are scripts/fuzz.sh's; this keeps the targets building
-# and catches what a short run finds).  The readers 10 s each from their
-# committed corpora; the differential fuzzer of the tiers (fuzz_tiers:
+# and catches what a short run finds).  The readers, the cache's
+# operation sequences and the command's option parsing 10 s each from
+# their committed corpora; the differential fuzzer of the tiers (fuzz_tiers:
 # random modules and calls, every tier against the float64 reference,
 # forward and backward) 15 s on each tier this CPU has.
 CC=clang cmake -S . -B build-fuzz -DMHA_FUZZ=ON \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build-fuzz -j"$jobs" --target fuzz_npy fuzz_safetensors \
-  fuzz_module fuzz_tiers >/dev/null
+  fuzz_module fuzz_cache fuzz_cli fuzz_tiers >/dev/null
 fuzz_run() {  # fuzz_run TARGET SECONDS MAX_LEN [ENV=VALUE...]
   local t=$1 secs=$2 len=$3 log="ci-fuzz-$1${4:+-${4#*=}}.log"
   shift 3
@@ -96,7 +97,7 @@ fuzz_run() {  # fuzz_run TARGET SECONDS MAX_LEN [ENV=VALUE...]
     { echo "fuzz_$t $* failed:"; tail -40 "build-fuzz/$log"; exit 1; }
   echo "fuzz_$t $*: $(grep -o 'Done [0-9]* runs.*' "build-fuzz/$log")"
 }
-for t in npy safetensors module; do
+for t in npy safetensors module cache cli; do
   fuzz_run "$t" 10 4096
 done
 tiers="ref scalar"

@@ -1,0 +1,282 @@
+/*
+ * fuzz_cache.c -- fuzz target for the KV cache's operation sequences:
+ * create, then any sequence of append, truncate, reset, read and decoding
+ * steps (mha_attention on the cache), driven by the input bytes, against a
+ * model kept here of what each sequence must hold.
+ *
+ * The first bytes choose the cache (batch 1..3, H_kv 1..2, d_h 1..40 --
+ * q8's blocks of 32 split in two past 32 --, capacity 1..12, dtype f32,
+ * f16, bf16 or q8, a window 0 or 1..capacity); each next byte pair is an
+ * operation and its argument.  Values come from a generator seeded by the
+ * input's hash.  Contract checks (trap if broken):
+ *   - a call either succeeds or fails with a message; a refused call
+ *     changes no length and no stored value;
+ *   - every length is the model's: an append past the capacity (ordinary
+ *     cache) is refused, one within it adds n; truncate to at most the
+ *     length works unless the window's ring no longer holds the positions
+ *     the last kept token attends to; reset empties;
+ *   - a read returns what the append stored: for f32 exactly the values
+ *     given; for every dtype the same values on every read until the
+ *     positions are truncated or overwritten (the model keeps the first
+ *     read after each append);
+ *   - a window cache refuses reads of positions its ring no longer holds;
+ *   - a decoding step on an ordinary cache gives, for each sequence, the
+ *     bits of mha_attention on the keys read back (causal bottom-right),
+ *     and a finite output from finite data on a window cache.
+ *
+ * Built two ways, as the other targets (fuzz/CMakeLists.txt); CTest's
+ * fuzz_replay_cache replays fuzz/corpus/cache.
+ */
+#define _POSIX_C_SOURCE 200809L
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mha.h"
+
+#define CHECK(ok, ...)                                                     \
+    do {                                                                   \
+        if (!(ok)) {                                                       \
+            fprintf(stderr, "fuzz_cache: ");                               \
+            fprintf(stderr, __VA_ARGS__);                                  \
+            fputc('\n', stderr);                                           \
+            __builtin_trap();                                              \
+        }                                                                  \
+    } while (0)
+
+enum { BMAX = 3, CAPMAX = 12, ROWMAX = 2 * 40, OPS = 64 };
+
+static uint64_t rng_state;
+static uint64_t rng_next(void)
+{
+    uint64_t z = (rng_state += UINT64_C(0x9e3779b97f4a7c15));
+    z = (z ^ (z >> 30)) * UINT64_C(0xbf58476d1ce4e5b9);
+    z = (z ^ (z >> 27)) * UINT64_C(0x94d049bb133111eb);
+    return z ^ (z >> 31);
+}
+static float rng_value(void)
+{
+    return (float)((double)(rng_next() >> 11) * 0x1p-52 * 4.0 - 2.0);
+}
+
+/* What sequence s must hold: its length, and (for the positions the ring
+ * or buffer still has) the K/V rows a read returned after their append. */
+typedef struct model {
+    int64_t len[BMAX];
+    float k[BMAX][CAPMAX][ROWMAX], v[BMAX][CAPMAX][ROWMAX];
+    int known[BMAX][CAPMAX];   /* slot holds the values in k/v above */
+} model;
+
+typedef struct setup {
+    mha_kv_cache_config c;
+    int64_t row;
+} setup;
+
+/* Slot of position p: p itself, or p % capacity in a ring. */
+static int64_t slot(const setup *s, int64_t p)
+{
+    return s->c.window ? p % s->c.capacity : p;
+}
+
+/* The oldest position the cache still holds for a sequence of length n. */
+static int64_t oldest(const setup *s, int64_t n)
+{
+    return s->c.window && n > s->c.capacity ? n - s->c.capacity : 0;
+}
+
+/* Reads positions [p0, p0 + n) back and checks them against the model. */
+static void check_read(mha_kv_cache *kv, const setup *s, model *m, int64_t q,
+                       int64_t p0, int64_t n)
+{
+    float k[CAPMAX * ROWMAX], v[CAPMAX * ROWMAX];
+    const mha_status st = mha_kv_cache_read(kv, q, p0, n, k, v);
+    const int held = p0 >= oldest(s, m->len[q]) && p0 + n <= m->len[q] &&
+                     p0 >= 0 && n >= 0;
+    CHECK((st == MHA_OK) == held,
+          "read of %lld at %lld from a length %lld: %s", (long long)n,
+          (long long)p0, (long long)m->len[q],
+          st == MHA_OK ? "accepted" : mha_last_error());
+    if (st != MHA_OK) {
+        CHECK(*mha_last_error(), "refused with no message");
+        return;
+    }
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t sl = slot(s, p0 + t);
+        const float *kr = k + t * s->row, *vr = v + t * s->row;
+        if (!m->known[q][sl]) {   /* the first read after the append */
+            memcpy(m->k[q][sl], kr, (size_t)s->row * sizeof *kr);
+            memcpy(m->v[q][sl], vr, (size_t)s->row * sizeof *vr);
+            m->known[q][sl] = 1;
+        }
+        CHECK(!memcmp(m->k[q][sl], kr, (size_t)s->row * sizeof *kr) &&
+              !memcmp(m->v[q][sl], vr, (size_t)s->row * sizeof *vr),
+              "position %lld of sequence %lld reads back differently",
+              (long long)(p0 + t), (long long)q);
+    }
+}
+
+static void check_lengths(mha_kv_cache *kv, const setup *s, const model *m)
+{
+    for (int64_t q = 0; q < s->c.batch; q++)
+        CHECK(mha_kv_cache_length(kv, q) == m->len[q],
+              "sequence %lld has length %lld, the model %lld", (long long)q,
+              (long long)mha_kv_cache_length(kv, q), (long long)m->len[q]);
+}
+
+/* A decoding step of lq queries per sequence on heads (H = 2 H_kv). */
+static void decode(mha_kv_cache *kv, const setup *s, model *m, int lq)
+{
+    const int64_t hkv = s->c.num_kv_heads, dh = s->c.head_dim, H = 2 * hkv;
+    float q[BMAX * 3 * 2 * ROWMAX], out[BMAX * 3 * 2 * ROWMAX];
+    for (int64_t t = 0; t < s->c.batch * lq * H * dh; t++)
+        q[t] = rng_value();
+    mha_attention_args a;
+    memset(&a, 0, sizeof a);
+    a.batch = s->c.batch;
+    a.num_heads = H;
+    a.num_kv_heads = hkv;
+    a.head_dim = dh;
+    a.q_len = lq;
+    a.q = q;
+    a.out = out;
+    a.cache = kv;
+    const mha_status st = mha_attention(&a);
+    if (st != MHA_OK) {
+        CHECK(*mha_last_error(), "decoding refused with no message");
+        return;
+    }
+    for (int64_t t = 0; t < s->c.batch * lq * H * dh; t++)
+        CHECK(isfinite(out[t]), "a non-finite output from finite data");
+    if (s->c.window)
+        return;
+    /* Ordinary cache: each sequence the bits of attention on its keys. */
+    for (int64_t b = 0; b < s->c.batch; b++) {
+        const int64_t L = m->len[b];
+        if (L < lq)
+            continue;   /* (its first queries see nothing: both zero) */
+        float k[CAPMAX * ROWMAX], v[CAPMAX * ROWMAX];
+        float o[3 * 2 * ROWMAX];
+        CHECK(mha_kv_cache_read(kv, b, 0, L, k, v) == MHA_OK, "read: %s",
+              mha_last_error());
+        mha_attention_args e;
+        memset(&e, 0, sizeof e);
+        e.batch = 1;
+        e.num_heads = H;
+        e.num_kv_heads = hkv;
+        e.head_dim = dh;
+        e.q_len = lq;
+        e.kv_len = L;
+        e.q = q + b * lq * H * dh;
+        e.k = k;
+        e.v = v;
+        e.causal = MHA_CAUSAL_BOTTOM_RIGHT;
+        e.out = o;
+        CHECK(mha_attention(&e) == MHA_OK, "attention: %s", mha_last_error());
+        CHECK(!memcmp(o, out + b * lq * H * dh,
+                      (size_t)(lq * H * dh) * sizeof *o),
+              "sequence %lld: decoding differs from attention on its keys",
+              (long long)b);
+    }
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    if (size < 6)
+        return 0;
+    uint64_t hsh = UINT64_C(1469598103934665603);
+    for (size_t t = 0; t < size; t++)
+        hsh = (hsh ^ data[t]) * UINT64_C(1099511628211);
+    rng_state = hsh;
+    setup s;
+    memset(&s, 0, sizeof s);
+    s.c.batch = 1 + data[0] % BMAX;
+    s.c.num_kv_heads = 1 + data[1] % 2;
+    s.c.head_dim = 1 + data[2] % 40;
+    s.c.capacity = 1 + data[3] % CAPMAX;
+    s.c.dtype = (mha_kv_dtype)(data[4] % 4);
+    s.c.window = data[5] % 3 ? 0 : 1 + (data[5] / 3) % s.c.capacity;
+    s.row = s.c.num_kv_heads * s.c.head_dim;
+    mha_kv_cache *kv = NULL;
+    const mha_status cst = mha_kv_cache_create(&s.c, &kv);
+    if (cst != MHA_OK) {
+        CHECK(cst == MHA_ERR_UNSUPPORTED && *mha_last_error(),
+              "a valid cache refused: %s", mha_last_error());
+        return 0;
+    }
+    static model m;
+    memset(&m, 0, sizeof m);
+    float k[CAPMAX * ROWMAX], v[CAPMAX * ROWMAX];
+    for (size_t at = 6, ops = 0; at + 1 < size && ops < OPS; at += 2, ops++) {
+        const int op = data[at] % 6;
+        const int arg = data[at + 1];
+        const int64_t q = arg % s.c.batch - (arg % 17 == 16);   /* -1 too */
+        if (op == 0) {            /* append n = 0 .. capacity + 1 */
+            const int64_t n = (arg / 4) % (s.c.capacity + 2);
+            for (int64_t t = 0; t < n * s.row; t++)
+                k[t] = rng_value(), v[t] = rng_value();
+            const mha_status st = mha_kv_cache_append(kv, q, k, v, n);
+            const int fits = q >= 0 && (s.c.window ? n <= s.c.capacity
+                                        : m.len[q] + n <= s.c.capacity);
+            CHECK((st == MHA_OK) == fits, "append of %lld to %lld: %s",
+                  (long long)n, (long long)q,
+                  st == MHA_OK ? "accepted" : mha_last_error());
+            if (st == MHA_OK) {
+                for (int64_t t = 0; t < n; t++) {
+                    const int64_t sl = slot(&s, m.len[q] + t);
+                    m.known[q][sl] = 0;
+                    if (s.c.dtype == MHA_KV_F32) {   /* exact: known now */
+                        memcpy(m.k[q][sl], k + t * s.row,
+                               (size_t)s.row * sizeof *k);
+                        memcpy(m.v[q][sl], v + t * s.row,
+                               (size_t)s.row * sizeof *v);
+                        m.known[q][sl] = 1;
+                    }
+                }
+                m.len[q] += n;
+            }
+        } else if (op == 1) {     /* truncate */
+            if (q < 0)
+                continue;
+            const int64_t to = (arg / 4) % (m.len[q] + 2);
+            const mha_status st = mha_kv_cache_truncate(kv, q, to);
+            const int64_t need = s.c.window ? (to > s.c.window
+                                                   ? to - s.c.window : 0)
+                                            : 0;
+            const int ok = to <= m.len[q] && need >= oldest(&s, m.len[q]);
+            CHECK((st == MHA_OK) == ok, "truncate of %lld from %lld to "
+                  "%lld: %s", (long long)q, (long long)m.len[q],
+                  (long long)to, st == MHA_OK ? "accepted" : mha_last_error());
+            if (st == MHA_OK)
+                m.len[q] = to;
+        } else if (op == 2) {     /* reset one sequence or all */
+            CHECK(mha_kv_cache_reset(kv, q) == MHA_OK, "reset %lld: %s",
+                  (long long)q, mha_last_error());
+            for (int64_t b = 0; b < s.c.batch && b < BMAX; b++)
+                if (q < 0 || b == q) {
+                    m.len[b] = 0;
+                    memset(m.known[b], 0, sizeof m.known[b]);
+                }
+        } else if (op == 3) {     /* read a range, possibly out of bounds */
+            if (q < 0)
+                continue;
+            const int64_t p0 = (int64_t)(arg / 4 % 8) - 1;
+            const int64_t n = (int64_t)(arg / 32 % 6);
+            check_read(kv, &s, &m, q, m.len[q] > 4 ? m.len[q] - 4 + p0 : p0,
+                       n);
+        } else if (op == 4) {     /* read all a sequence holds */
+            if (q < 0)
+                continue;
+            const int64_t p0 = oldest(&s, m.len[q]);
+            check_read(kv, &s, &m, q, p0, m.len[q] - p0);
+        } else {                  /* a decoding step */
+            decode(kv, &s, &m, 1 + arg % 3);
+        }
+        check_lengths(kv, &s, &m);
+    }
+    mha_kv_cache_free(kv);
+    return 0;
+}
