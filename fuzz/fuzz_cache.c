@@ -19,7 +19,9 @@
  *     given; for every dtype the same values on every read until the
  *     positions are truncated or overwritten (the model keeps the first
  *     read after each append);
- *   - a window cache refuses reads of positions its ring no longer holds;
+ *   - a window cache refuses reads of positions its ring no longer holds
+ *     (the model follows the oldest one: appends move it, a truncation
+ *     keeps it, a reset or a truncation to 0 clears it);
  *   - a decoding step on an ordinary cache gives, for each sequence, the
  *     bits of mha_attention on the keys read back (causal bottom-right),
  *     and a finite output from finite data on a window cache.
@@ -66,6 +68,7 @@ static float rng_value(void)
  * or buffer still has) the K/V rows a read returned after their append. */
 typedef struct model {
     int64_t len[BMAX];
+    int64_t lo[BMAX];          /* the oldest position the ring holds */
     float k[BMAX][CAPMAX][ROWMAX], v[BMAX][CAPMAX][ROWMAX];
     int known[BMAX][CAPMAX];   /* slot holds the values in k/v above */
 } model;
@@ -81,11 +84,6 @@ static int64_t slot(const setup *s, int64_t p)
     return s->c.window ? p % s->c.capacity : p;
 }
 
-/* The oldest position the cache still holds for a sequence of length n. */
-static int64_t oldest(const setup *s, int64_t n)
-{
-    return s->c.window && n > s->c.capacity ? n - s->c.capacity : 0;
-}
 
 /* Reads positions [p0, p0 + n) back and checks them against the model. */
 static void check_read(mha_kv_cache *kv, const setup *s, model *m, int64_t q,
@@ -93,8 +91,9 @@ static void check_read(mha_kv_cache *kv, const setup *s, model *m, int64_t q,
 {
     float k[CAPMAX * ROWMAX], v[CAPMAX * ROWMAX];
     const mha_status st = mha_kv_cache_read(kv, q, p0, n, k, v);
-    const int held = p0 >= oldest(s, m->len[q]) && p0 + n <= m->len[q] &&
-                     p0 >= 0 && n >= 0;
+    /* (no tokens: anywhere up to the length, ring or not) */
+    const int held = p0 >= 0 && n >= 0 && p0 + n <= m->len[q] &&
+                     (n == 0 || p0 >= m->lo[q]);
     CHECK((st == MHA_OK) == held,
           "read of %lld at %lld from a length %lld: %s", (long long)n,
           (long long)p0, (long long)m->len[q],
@@ -209,7 +208,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     static model m;
     memset(&m, 0, sizeof m);
-    float k[CAPMAX * ROWMAX], v[CAPMAX * ROWMAX];
+    float k[(CAPMAX + 1) * ROWMAX], v[(CAPMAX + 1) * ROWMAX];  /* n <= cap+1 */
     for (size_t at = 6, ops = 0; at + 1 < size && ops < OPS; at += 2, ops++) {
         const int op = data[at] % 6;
         const int arg = data[at + 1];
@@ -237,6 +236,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                     }
                 }
                 m.len[q] += n;
+                /* a ring overwrites position p - capacity with p */
+                if (s.c.window && m.len[q] - s.c.capacity > m.lo[q])
+                    m.lo[q] = m.len[q] - s.c.capacity;
             }
         } else if (op == 1) {     /* truncate */
             if (q < 0)
@@ -246,18 +248,24 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             const int64_t need = s.c.window ? (to > s.c.window
                                                    ? to - s.c.window : 0)
                                             : 0;
-            const int ok = to <= m.len[q] && need >= oldest(&s, m.len[q]);
+            /* (to 0 keeps no token: nothing to attend to, always kept) */
+            const int ok = to <= m.len[q] &&
+                           (to == 0 || need >= m.lo[q]);
             CHECK((st == MHA_OK) == ok, "truncate of %lld from %lld to "
                   "%lld: %s", (long long)q, (long long)m.len[q],
                   (long long)to, st == MHA_OK ? "accepted" : mha_last_error());
-            if (st == MHA_OK)
+            if (st == MHA_OK) {
                 m.len[q] = to;
+                if (to == 0)
+                    m.lo[q] = 0;
+            }
         } else if (op == 2) {     /* reset one sequence or all */
             CHECK(mha_kv_cache_reset(kv, q) == MHA_OK, "reset %lld: %s",
                   (long long)q, mha_last_error());
             for (int64_t b = 0; b < s.c.batch && b < BMAX; b++)
                 if (q < 0 || b == q) {
                     m.len[b] = 0;
+                    m.lo[b] = 0;
                     memset(m.known[b], 0, sizeof m.known[b]);
                 }
         } else if (op == 3) {     /* read a range, possibly out of bounds */
@@ -270,8 +278,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         } else if (op == 4) {     /* read all a sequence holds */
             if (q < 0)
                 continue;
-            const int64_t p0 = oldest(&s, m.len[q]);
-            check_read(kv, &s, &m, q, p0, m.len[q] - p0);
+            check_read(kv, &s, &m, q, m.lo[q], m.len[q] - m.lo[q]);
         } else {                  /* a decoding step */
             decode(kv, &s, &m, 1 + arg % 3);
         }
