@@ -82,9 +82,13 @@ mha_status mha_isa_get(mha_isa *isa, const mha_microkernels **uk)
                              env ? env : "");
     }
     *isa = (mha_isa)c;
+#if defined(__x86_64__) || defined(__i386__)
     *uk = c == MHA_ISA_AVX512 ? &mha_microkernels_avx512
         : c == MHA_ISA_AVX2   ? &mha_microkernels_avx2
                               : &mha_microkernels_scalar;
+#else   /* (the SIMD tiers are x86's; choose() never picks them here) */
+    *uk = &mha_microkernels_scalar;
+#endif
     return MHA_OK;
 }
 
