@@ -36,15 +36,18 @@ cmake --build build-arm64 -j"$(nproc)" >/dev/null
 # Python tests (torch has no arm64 build here), the install test, MPI,
 # the thread-knob test (minutes of re-executions), the x86 tier entries
 # (*_avx2, *_avx512: not built), the GEMM-backend entries (oneDNN is an
-# x86 choice), and the tests whose float64 reference runs take minutes
-# under emulation (see TESTING.md).
+# x86 choice), and the other tiers' runs of the tests above (minutes each
+# under emulation: TESTING.md has a run of all 65 entries).
 subset='^(test_module|test_forward|test_edge|test_npy|test_safetensors|'
 subset+='test_microkernels|test_attention|test_attention_backward|'
 subset+='test_attention_part|test_heads|test_dropout|test_rope|'
-subset+='test_kv_dtype|test_hostile|test_alloc|test_threads|'
+subset+='test_kv_dtype|test_hostile|test_alloc|test_threads|test_backward|'
+subset+='test_kv_cache|test_kv_cache_window|test_kv_cache_compose|'
+subset+='test_modifiers|test_torch_fixtures|example_train_step|'
+subset+='example_generate|'
 subset+='test_forward_ref|test_edge_scalar|test_attention_scalar|'
 subset+='fuzz_replay_(npy|safetensors|module|cache|cli|tiers_scalar))$'
 OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=2 \
   ctest --test-dir build-arm64 -j"$(nproc)" --output-on-failure -R "$subset"
-echo "aarch64: the tests ran as$(readelf -h build-arm64/tests/test_module |
+echo "aarch64: the tests ran as $(readelf -h build-arm64/tests/test_module |
   sed -n 's/^ *Machine: *//p') binaries under qemu-aarch64"
