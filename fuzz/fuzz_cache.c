@@ -39,29 +39,15 @@
 
 #include "mha.h"
 
-#define CHECK(ok, ...)                                                     \
-    do {                                                                   \
-        if (!(ok)) {                                                       \
-            fprintf(stderr, "fuzz_cache: ");                               \
-            fprintf(stderr, __VA_ARGS__);                                  \
-            fputc('\n', stderr);                                           \
-            __builtin_trap();                                              \
-        }                                                                  \
-    } while (0)
+static const char *fuzz_who(void) { return "fuzz_cache"; }
+#include "fuzz_common.h"
 
 enum { BMAX = 3, CAPMAX = 12, ROWMAX = 2 * 40, OPS = 64 };
 
-static uint64_t rng_state;
-static uint64_t rng_next(void)
-{
-    uint64_t z = (rng_state += UINT64_C(0x9e3779b97f4a7c15));
-    z = (z ^ (z >> 30)) * UINT64_C(0xbf58476d1ce4e5b9);
-    z = (z ^ (z >> 27)) * UINT64_C(0x94d049bb133111eb);
-    return z ^ (z >> 31);
-}
+/* Uniform in [-2, 2): finite in every dtype. */
 static float rng_value(void)
 {
-    return (float)((double)(rng_next() >> 11) * 0x1p-52 * 4.0 - 2.0);
+    return (float)(2.0 * rng_unit());
 }
 
 /* What sequence s must hold: its length, and (for the positions the ring
@@ -186,10 +172,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (size < 6)
         return 0;
-    uint64_t hsh = UINT64_C(1469598103934665603);
-    for (size_t t = 0; t < size; t++)
-        hsh = (hsh ^ data[t]) * UINT64_C(1099511628211);
-    rng_state = hsh;
+    rng_seed_bytes(data, size);
     setup s;
     memset(&s, 0, sizeof s);
     s.c.batch = 1 + data[0] % BMAX;

@@ -36,15 +36,8 @@
 #include "args.h"
 #include "fail.h"
 
-#define CHECK(ok, ...)                                                     \
-    do {                                                                   \
-        if (!(ok)) {                                                       \
-            fprintf(stderr, "fuzz_cli: ");                                 \
-            fprintf(stderr, __VA_ARGS__);                                  \
-            fputc('\n', stderr);                                           \
-            __builtin_trap();                                              \
-        }                                                                  \
-    } while (0)
+static const char *fuzz_who(void) { return "fuzz_cli"; }
+#include "fuzz_common.h"
 
 /* The last failure's message (tool_fail's, here). */
 static char msg[4096];

@@ -50,21 +50,19 @@
 #include "mha.h"
 #include "ref.h"
 
+/* A failed check names the tier too. */
+static const char *fuzz_who(void)
+{
+    static char who[64];
+    snprintf(who, sizeof who, "fuzz_tiers (%s)", mha_kernel_tier());
+    return who;
+}
+#include "fuzz_common.h"
+
 /* MHA_FUZZ_DEBUG=1 in the environment: each case's configuration and
  * refusals on stderr. */
 static int debug;
 #define DEBUGF(...) (debug ? (void)fprintf(stderr, __VA_ARGS__) : (void)0)
-
-/* A failed check: say which (the fuzzer keeps the input), then trap. */
-#define CHECK(ok, ...)                                                     \
-    do {                                                                   \
-        if (!(ok)) {                                                       \
-            fprintf(stderr, "fuzz_tiers (%s): ", mha_kernel_tier());       \
-            fprintf(stderr, __VA_ARGS__);                                  \
-            fputc('\n', stderr);                                           \
-            __builtin_trap();                                              \
-        }                                                                  \
-    } while (0)
 
 /* ---- the input: configuration bytes, then a seed for the values ------- */
 
@@ -79,20 +77,6 @@ static unsigned pick(bytes *in, unsigned m)
     return in->at < in->n ? in->p[in->at++] % m : 0;
 }
 
-/* SplitMix64 over a seed hashed from every input byte. */
-static uint64_t rng_state;
-static uint64_t rng_next(void)
-{
-    uint64_t z = (rng_state += UINT64_C(0x9e3779b97f4a7c15));
-    z = (z ^ (z >> 30)) * UINT64_C(0xbf58476d1ce4e5b9);
-    z = (z ^ (z >> 27)) * UINT64_C(0x94d049bb133111eb);
-    return z ^ (z >> 31);
-}
-/* Uniform in [-1, 1). */
-static double rng_unit(void)
-{
-    return (double)(rng_next() >> 11) * 0x1p-52 - 1.0;
-}
 static void fill(float *x, int64_t n, double mag)
 {
     for (int64_t k = 0; k < n; k++)
@@ -621,10 +605,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
-    uint64_t h = UINT64_C(1469598103934665603);   /* FNV-1a of the input */
-    for (size_t k = 0; k < size; k++)
-        h = (h ^ data[k]) * UINT64_C(1099511628211);
-    rng_state = h;
+    rng_seed_bytes(data, size);
     bytes in = {data, size, 0};
     fcase f;
     if (!case_make(&in, &f)) {

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs, from Debian 12's packages, everything mha needs to build, test
 # and cross-check against PyTorch. Run as root. Does nothing when all is
-# already installed.
+# already installed.  With arguments, installs those packages instead (the
+# same way: scripts/test-aarch64.sh's arm64 ones).
 set -euo pipefail
 
 packages=(
@@ -20,6 +21,8 @@ packages=(
   python3-numpy python3-torch        # the independent oracle (Debian's own)
   python3-venv python3-dev python3-pip  # the Python package's venv and build
 )
+
+[ $# -gt 0 ] && packages=("$@")
 
 missing=()
 for p in "${packages[@]}"; do

@@ -13,17 +13,7 @@ packages=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
           libopenblas-dev:arm64 libcjson-dev:arm64 libcmocka-dev:arm64)
 dpkg --print-foreign-architectures | grep -qx arm64 ||
   dpkg --add-architecture arm64
-missing=()
-for p in "${packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" ||
-    missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "installing: ${missing[*]}"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+bash scripts/install-deps.sh "${packages[@]}"
 
 # RelWithDebInfo (-O2): the release build's -O3 is where GCC 12's aarch64
 # vectorizer has stopped with internal errors (tests/CMakeLists.txt).

@@ -149,61 +149,30 @@ static mha_status config_with(void (*change)(mha_config *), mha_module **m)
     return mha_create(&c, m);
 }
 
-/* ---- the attacks ---------------------------------------------------------- */
+/* ---- the attacks -------------------------------------------------------- */
 
 #define ATTACK(name) static mha_status name(fixture *f)
 
-/* The cache itself. */
-ATTACK(cache_capacity_zero)
-{
-    mha_kv_cache *c = NULL;
-    (void)f;
-    const mha_kv_cache_config kc = {1, 2, 4, 0, MHA_KV_F32, 0};
-    return mha_kv_cache_create(&kc, &c);
-}
-ATTACK(cache_batch_negative)
-{
-    mha_kv_cache *c = NULL;
-    (void)f;
-    const mha_kv_cache_config kc = {-1, 2, 4, 8, MHA_KV_F32, 0};
-    return mha_kv_cache_create(&kc, &c);
-}
-ATTACK(cache_head_dim_zero)
-{
-    mha_kv_cache *c = NULL;
-    (void)f;
-    const mha_kv_cache_config kc = {1, 2, 0, 8, MHA_KV_F32, 0};
-    return mha_kv_cache_create(&kc, &c);
-}
-ATTACK(cache_absurd_size)
-{
-    mha_kv_cache *c = NULL;
-    (void)f;
-    const mha_kv_cache_config kc = {INT64_C(1) << 20, 64, 128,
-                                    INT64_C(1) << 40, MHA_KV_F32, 0};
-    return mha_kv_cache_create(&kc, &c);
-}
-ATTACK(cache_dtype_unknown)
-{
-    mha_kv_cache *c = NULL;
-    (void)f;
-    const mha_kv_cache_config kc = {1, 2, 4, 8, (mha_kv_dtype)7, 0};
-    return mha_kv_cache_create(&kc, &c);
-}
-ATTACK(cache_window_over_capacity)
-{
-    mha_kv_cache *c = NULL;
-    (void)f;
-    const mha_kv_cache_config kc = {1, 2, 4, 4, MHA_KV_F32, 5};
-    return mha_kv_cache_create(&kc, &c);
-}
-ATTACK(cache_window_negative)
-{
-    mha_kv_cache *c = NULL;
-    (void)f;
-    const mha_kv_cache_config kc = {1, 2, 4, 8, MHA_KV_F32, -2};
-    return mha_kv_cache_create(&kc, &c);
-}
+/* The cache itself: mha_kv_cache_create with a bad configuration (a
+ * cache made all the same is freed, and the row fails on its status). */
+#define CACHE_ATTACK(name, ...)                                              \
+    ATTACK(name)                                                             \
+    {                                                                        \
+        mha_kv_cache *c = NULL;                                              \
+        const mha_kv_cache_config kc = {__VA_ARGS__};                        \
+        (void)f;                                                             \
+        const mha_status st = mha_kv_cache_create(&kc, &c);                  \
+        mha_kv_cache_free(c);                                                \
+        return st;                                                           \
+    }
+CACHE_ATTACK(cache_capacity_zero, 1, 2, 4, 0, MHA_KV_F32, 0)
+CACHE_ATTACK(cache_batch_negative, -1, 2, 4, 8, MHA_KV_F32, 0)
+CACHE_ATTACK(cache_head_dim_zero, 1, 2, 0, 8, MHA_KV_F32, 0)
+CACHE_ATTACK(cache_absurd_size, INT64_C(1) << 20, 64, 128, INT64_C(1) << 40,
+             MHA_KV_F32, 0)
+CACHE_ATTACK(cache_dtype_unknown, 1, 2, 4, 8, (mha_kv_dtype)7, 0)
+CACHE_ATTACK(cache_window_over_capacity, 1, 2, 4, 4, MHA_KV_F32, 5)
+CACHE_ATTACK(cache_window_negative, 1, 2, 4, 8, MHA_KV_F32, -2)
 ATTACK(cache_config_null)
 {
     mha_kv_cache *c = NULL;
@@ -429,75 +398,37 @@ ATTACK(rope_apply_negative_position)
 }
 
 /* Grouped-query files. */
-ATTACK(gqa_rows_not_heads)
+/* A call that makes a module (freed if it is made after all). */
+#define MODULE_ATTACK(name, call)                                            \
+    ATTACK(name)                                                             \
+    {                                                                        \
+        mha_module *m = NULL;                                                \
+        (void)f;                                                             \
+        const mha_status st = (call);                                        \
+        mha_free(m);                                                         \
+        return st;                                                           \
+    }
+/* 6 rows: not whole heads of d_h 4 */
+MODULE_ATTACK(gqa_rows_not_heads, gqa_file(6, 6, "", &m))
+MODULE_ATTACK(gqa_k_v_disagree, gqa_file(4, 8, "", &m))
+/* 4 rows: 1 K/V head of d_h 4; the metadata says 2 */
+MODULE_ATTACK(gqa_metadata_contradicts,
+              gqa_file(4, 4, ",\"num_kv_heads\":\"2\"", &m))
+MODULE_ATTACK(gqa_metadata_not_a_number,
+              gqa_file(4, 4, ",\"num_kv_heads\":\"one\"", &m))
+static void kv_heads_not_dividing(mha_config *c)
 {
-    mha_module *m = NULL;
-    (void)f;
-    const mha_status st = gqa_file(6, 6, "", &m);   /* 6 rows: not d_h 4s */
-    mha_free(m);
-    return st;
+    c->embed_dim = 12;
+    c->num_heads = 3;
+    c->num_kv_heads = 2;
 }
-ATTACK(gqa_k_v_disagree)
-{
-    mha_module *m = NULL;
-    (void)f;
-    const mha_status st = gqa_file(4, 8, "", &m);
-    mha_free(m);
-    return st;
-}
-ATTACK(gqa_metadata_contradicts)
-{
-    mha_module *m = NULL;
-    (void)f;
-    /* 4 rows = 1 K/V head of d_h 4; the metadata says 2 */
-    const mha_status st = gqa_file(4, 4, ",\"num_kv_heads\":\"2\"", &m);
-    mha_free(m);
-    return st;
-}
-ATTACK(gqa_metadata_not_a_number)
-{
-    mha_module *m = NULL;
-    (void)f;
-    const mha_status st = gqa_file(4, 4, ",\"num_kv_heads\":\"one\"", &m);
-    mha_free(m);
-    return st;
-}
-ATTACK(gqa_config_not_dividing)
-{
-    mha_config c = {0};
-    mha_module *m = NULL;
-    (void)f;
-    c.embed_dim = 12;
-    c.num_heads = 3;
-    c.num_kv_heads = 2;
-    const mha_status st = mha_create(&c, &m);
-    mha_free(m);
-    return st;
-}
-ATTACK(rope_file_unknown_style)
-{
-    mha_module *m = NULL;
-    (void)f;
-    const mha_status st = gqa_file(8, 8, ",\"rope\":\"sideways\"", &m);
-    mha_free(m);
-    return st;
-}
-ATTACK(softcap_file_negative)
-{
-    mha_module *m = NULL;
-    (void)f;
-    const mha_status st = gqa_file(8, 8, ",\"softcap\":\"-1\"", &m);
-    mha_free(m);
-    return st;
-}
-ATTACK(window_file_malformed)
-{
-    mha_module *m = NULL;
-    (void)f;
-    const mha_status st = gqa_file(8, 8, ",\"window\":\"3\"", &m);
-    mha_free(m);
-    return st;
-}
+MODULE_ATTACK(gqa_config_not_dividing, config_with(kv_heads_not_dividing, &m))
+MODULE_ATTACK(rope_file_unknown_style,
+              gqa_file(8, 8, ",\"rope\":\"sideways\"", &m))
+MODULE_ATTACK(softcap_file_negative,
+              gqa_file(8, 8, ",\"softcap\":\"-1\"", &m))
+MODULE_ATTACK(window_file_malformed,
+              gqa_file(8, 8, ",\"window\":\"3\"", &m))
 
 /* The modifiers' settings. */
 static void softcap_nan(mha_config *c) { c->mods.softcap = NAN; }
@@ -531,62 +462,13 @@ static void alibi_nan_slope(mha_config *c)
     c->mods.alibi = 1;
     c->mods.alibi_slopes = nan_slopes;
 }
-ATTACK(modifier_softcap_nan)
-{
-    mha_module *m = NULL;
-    (void)f;
-    const mha_status st = config_with(softcap_nan, &m);
-    mha_free(m);
-    return st;
-}
-ATTACK(modifier_window_below)
-{
-    mha_module *m = NULL;
-    (void)f;
-    const mha_status st = config_with(window_below, &m);
-    mha_free(m);
-    return st;
-}
-ATTACK(modifier_rope_odd)
-{
-    mha_module *m = NULL;
-    (void)f;
-    const mha_status st = config_with(rope_odd, &m);
-    mha_free(m);
-    return st;
-}
-ATTACK(modifier_rope_wide)
-{
-    mha_module *m = NULL;
-    (void)f;
-    const mha_status st = config_with(rope_wide, &m);
-    mha_free(m);
-    return st;
-}
-ATTACK(modifier_rope_theta)
-{
-    mha_module *m = NULL;
-    (void)f;
-    const mha_status st = config_with(rope_theta_one, &m);
-    mha_free(m);
-    return st;
-}
-ATTACK(modifier_rope_style)
-{
-    mha_module *m = NULL;
-    (void)f;
-    const mha_status st = config_with(rope_style_unknown, &m);
-    mha_free(m);
-    return st;
-}
-ATTACK(modifier_alibi_nan)
-{
-    mha_module *m = NULL;
-    (void)f;
-    const mha_status st = config_with(alibi_nan_slope, &m);
-    mha_free(m);
-    return st;
-}
+MODULE_ATTACK(modifier_softcap_nan, config_with(softcap_nan, &m))
+MODULE_ATTACK(modifier_window_below, config_with(window_below, &m))
+MODULE_ATTACK(modifier_rope_odd, config_with(rope_odd, &m))
+MODULE_ATTACK(modifier_rope_wide, config_with(rope_wide, &m))
+MODULE_ATTACK(modifier_rope_theta, config_with(rope_theta_one, &m))
+MODULE_ATTACK(modifier_rope_style, config_with(rope_style_unknown, &m))
+MODULE_ATTACK(modifier_alibi_nan, config_with(alibi_nan_slope, &m))
 ATTACK(sinks_on_attention_nan)
 {
     const float sinks[H] = {0, 0, INFINITY, 0};
