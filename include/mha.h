@@ -502,6 +502,22 @@ typedef struct mha_forward_args {
                              self-attention (packed sequences).  NULL:
                              token i is at position i, with a cache at
                              the sequence's length before the step + i. */
+
+    /* A slice of the query rows (q_total > 0; 0: the Lq rows are the whole
+     * problem).  The Lq rows given are rows q_start .. q_start + Lq - 1 of
+     * a problem of q_total queries against the same keys, and every rule
+     * that depends on a query's index reads q_start + i: top-left causal
+     * (key j visible iff j <= q_start + i), bottom-right causal, ALiBi's
+     * and the window's position (q_start + i + Lk - q_total), RoPE's
+     * default position (q_start + i) and the dropout draw.  So slices that
+     * cover 0 .. q_total - 1 give the whole problem's rows, bit for bit,
+     * in a fraction of the memory of its weights (`mha viz` draws long
+     * sequences so).  The masks, key_lengths, positions, attn_weights and
+     * out are the slice's own (Lq rows).  The key must be given (the
+     * slice's rows are not its keys; RoPE's key j is at j) with kv_len;
+     * no cache; a sliced forward has no backward.                       */
+    int64_t q_start;
+    int64_t q_total;
 } mha_forward_args;
 
 /* Lk + (add_bias_kv ? 1 : 0) + (add_zero_attn ? 1 : 0): the key axis of

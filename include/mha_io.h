@@ -160,6 +160,18 @@ MHA_API void mha_tensor_free(mha_tensor *tensor);
 MHA_API mha_status mha_npy_save(const char *path, const mha_tensor_view *t);
 
 /*
+ * Writes `size` bytes to `path` by the rules of every save above: through
+ * NAME.tmp.<random> in the same directory, fsync'ed, given the old file's
+ * mode and owner, renamed over NAME when complete (on failure NAME is as
+ * it was and the temporary file is gone); a symbolic link is followed to
+ * its target; a FIFO, a device or /dev/stdout is written through, never
+ * replaced; a file of several hard links is rewritten in place.  For
+ * files of the caller's own format (`mha viz` writes its PNG so).
+ */
+MHA_API mha_status mha_file_save(const char *path, const void *data,
+                                 size_t size);
+
+/*
  * An atomic save writes NAME.tmp.<random> beside NAME and renames it over
  * NAME when complete.  A process killed by a signal in between would leave
  * that temporary file behind; a signal handler that calls this first

@@ -39,8 +39,14 @@ MHA, PROBE, WORK = sys.argv[1:4]
 checked = {"cells": 0, "pixels": 0, "runs": 0}
 
 
-def run(*args, ok=True):
-    p = subprocess.run([MHA, *map(str, args)], capture_output=True, text=True)
+def run(*args, ok=True, slice_bytes=None):
+    """mha ARGS; slice_bytes: MHA_VIZ_SLICE_BYTES, the memory `mha viz`
+    gives one slice of query rows' weights (small: many slices)."""
+    env = dict(os.environ)
+    if slice_bytes is not None:
+        env["MHA_VIZ_SLICE_BYTES"] = str(slice_bytes)
+    p = subprocess.run([MHA, *map(str, args)], capture_output=True, text=True,
+                       env=env)
     if ok and p.returncode != 0:
         raise AssertionError(f"mha {' '.join(map(str, args))}: {p.stderr}")
     checked["runs"] += 1
@@ -329,6 +335,16 @@ def main():
     assert "max-pooled" in out, out
     check_png("L=300 causal", path("big.png"), out, maps, labels_of(L),
               labels_of(L))
+    # The same in slices of 37 query rows (4 heads x 300 keys x 4 bytes a
+    # row; the slices are evened out: 9 of 34 rows), pooled as they come:
+    # slice and pooling-cell boundaries do not line up.
+    row_bytes = H * L * 4
+    out = run("viz", "--weights", big, "--query", xlp, "--causal", "--ascii",
+              "--png", path("sliced.png"), slice_bytes=37 * row_bytes)
+    check_ascii("L=300 causal, 9 slices", out, maps, digits(L, 5),
+                digits(L, 5))
+    check_png("L=300 causal, 9 slices", path("sliced.png"), out, maps,
+              labels_of(L), labels_of(L))
 
     # -- 10 heads on 2 positions: the panels are as wide as their titles,
     # "head 0" .. "head 9" (12 px a character), not their 2 cells of 32 px
@@ -360,6 +376,8 @@ def main():
     kl = npy("kl.npy", np.array([6, 4], np.int64))
     with open(path("ktok.txt"), "w") as f:
         f.write("alpha beta gamma delta epsilon zeta")
+    b4 = npy("b4.npy", np.where(rng.random((2, 2, 5, 6)) < 0.7, 0,
+                                -2.5).astype(np.float32))
     cases = [
         ("masks", [wkv, "--key", k, "--attn-mask", am, "--key-mask", km,
                    "--key-lengths", kl], 1),
@@ -367,23 +385,37 @@ def main():
                      "--seed", 3], 1),
         ("dropout item 0", [wkv, "--key", k, "--train", "--dropout", "0.4",
                             "--seed", 3], 0),
+        # Everything that depends on a query's position, for the slices:
+        # top-left causal with Lq != Lk, ALiBi, the window, RoPE; and a
+        # (B, H, Lq, Lk) mask whose rows each slice copies.
+        ("positions", [wkv, "--key", k, "--causal-top-left", "--alibi",
+                       "--window", "3,1", "--rope", "neox", "--attn-mask",
+                       b4], 1),
+        ("positions, bottom-right", [wkv, "--key", k, "--causal", "--alibi",
+                                     "--window", "2,0", "--rope", "gptj"], 0),
     ]
-    for what, args, item in cases:
+    for (what, args, item), sb in [(c, sb) for c in cases
+                                   for sb in (None, 1, 2 * 2 * 8 * 4)]:
+        # sb: the whole, then slices of one row, then of two rows of the
+        # whole batch (--train) or of one item (2 heads x 8 keys x 4 bytes)
+        what = what if sb is None else f"{what}, slices of {sb} bytes"
         fw = path("fw.npy")
         run("forward", "--weights", *args, "--query", q, "--out",
             path("fo.npy"), "--attn-weights", fw, "--per-head")
         maps = with_mean(np.load(fw)[item].astype(np.float64))
+        if what.startswith("dropout"):   # nothing else masks a weight here
+            assert (np.load(fw) == 0).any(), "dropout dropped nothing"
         out = run("viz", "--weights", *args, "--query", q, "--ascii",
-                  "--batch-index", item, "--key-tokens", path("ktok.txt"))
+                  "--batch-index", item, "--key-tokens", path("ktok.txt"),
+                  slice_bytes=sb)
         # keys: the tokens' initials, then bias_k's and the zero key's
         check_ascii(what, out, maps, digits(5), "abgdezbz")
         out = run("viz", "--weights", *args, "--query", q, "--png",
                   path("kv.png"), "--batch-index", item, "--key-tokens",
-                  path("ktok.txt"))
+                  path("ktok.txt"), slice_bytes=sb)
         check_png(what, path("kv.png"), out, maps, labels_of(5),
                   ["alpha", "beta", "gamma", "delta", "epsilo", "zeta",
                    "bias_k", "zero"], item)
-    assert (np.load(path("fw.npy")) == 0).any(), "dropout dropped nothing"
 
     print(f"mha viz: {checked['cells']} ASCII cells and {checked['pixels']} "
           f"PNG cells match NumPy float64 and mha forward "

@@ -1068,6 +1068,16 @@ absent "viz into a missing directory" "$d/nodir"
 mkdir -p "$d/vz/h.png"
 expect 1 "^mha viz: --png: cannot write .*h\.png" -- "$mha" viz "${vz[@]}" --png "$d/vz/h.png"
 if [ "$(ls -A "$d/vz")" = "h.png" ]; then ok; else bad "viz left $(ls -A "$d/vz")"; fi
+# The image is saved by the library's rules (mha_file_save): a symbolic
+# link is followed to its target, an existing file keeps its mode.
+mkdir -p "$d/vzl" && ln -s target.png "$d/vzl/link.png"
+expect 0 "^mha viz: wrote " -- "$mha" viz "${vz[@]}" --png "$d/vzl/link.png"
+if [ -L "$d/vzl/link.png" ] && [ "$(head -c 4 "$d/vzl/target.png" | tail -c 3)" = "PNG" ]
+then ok; else bad "viz replaced the symbolic link or missed its target"; fi
+touch "$d/vzl/m.png" && chmod 600 "$d/vzl/m.png"
+expect 0 "^mha viz: wrote " -- "$mha" viz "${vz[@]}" --png "$d/vzl/m.png"
+if [ "$(stat -c %a "$d/vzl/m.png")" = 600 ]; then ok
+else bad "viz changed the mode of m.png to $(stat -c %a "$d/vzl/m.png")"; fi
 # Success: tokens with a blank line, the file replaced, no temporary left.
 expect 0 "^mha viz: wrote .*/vz/a\.png: [0-9]+ x [0-9]+ px, 2 heads and their mean, 3 x 3 cells of 32 px, colour scale 0\.\." \
   -- "$mha" viz "${vz[@]}" --png "$d/vz/a.png" --tokens "$d/tok3b.txt"

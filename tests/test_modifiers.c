@@ -16,6 +16,8 @@
  *     token, chunks of 7, an ordinary and a sliding-window cache) as its
  *     one-shot causal forward computes; its `sinks` parameter, its
  *     gradient, and its pruning;
+ *   - slices of the query rows (q_start, q_total) give the whole
+ *     forward's rows, every causal kind, with dropout;
  *   - mha_alibi_slopes against the paper's recursive definition;
  *   - bad settings refused, naming what was wrong.
  *
@@ -855,6 +857,152 @@ static void test_extra_keys_have_no_position(void **state)
 /* ---- the default slopes --------------------------------------------------- */
 
 /* The paper's code, in C: get_slopes(n). */
+/* A forward of a slice of the query rows (mha_forward_args.q_start,
+ * q_total) computes those rows of the whole problem: everything that
+ * depends on a query's index (top-left and bottom-right causal, ALiBi,
+ * the window, RoPE, the dropout draw) reads q_start + i.  Slices of every
+ * size, covering the rows, give the whole forward's output and weights
+ * up to float rounding (the GEMMs' blocks and the kernels' tiles follow
+ * the number of rows: a misplaced position moves a weight by far more);
+ * the misuses are refused. */
+static double max_diff(const float *x, const float *y, int64_t n)
+{
+    double d = 0.0;
+    for (int64_t k = 0; k < n; k++)
+        d = fmax(d, fabs((double)x[k] - (double)y[k]));
+    return d;
+}
+
+static void slices_match(const mha_module *m, mha_forward_args whole,
+                         const char *what, int64_t E, int64_t H, int64_t Lt)
+{
+    const int64_t Lq = whole.q_len;
+    float *out = malloc((size_t)(Lq * E) * 4);
+    float *w = malloc((size_t)(H * Lq * Lt) * 4);
+    whole.out = out;
+    whole.need_weights = MHA_WEIGHTS_PER_HEAD;
+    whole.attn_weights = w;
+    if (mha_forward(m, &whole) != MHA_OK)
+        fail_msg("%s: %s", what, mha_last_error());
+    double mx = 0.0;
+    for (int64_t e = 0; e < Lq * E; e++)
+        mx = fmax(mx, fabs((double)out[e]));
+    const int64_t sizes[4] = {1, 7, 64, 100};
+    for (int k = 0; k < 4; k++) {
+        const int64_t n = sizes[k];
+        float *so = malloc((size_t)(n * E) * 4);
+        float *sw = malloc((size_t)(H * n * Lt) * 4);
+        double d_out = 0.0, d_w = 0.0;
+        for (int64_t i0 = 0; i0 < Lq; i0 += n) {
+            const int64_t nq = Lq - i0 < n ? Lq - i0 : n;
+            mha_forward_args a = whole;
+            a.query = whole.query + i0 * E;
+            a.q_len = nq;
+            a.q_start = i0;
+            a.q_total = Lq;
+            a.out = so;
+            a.attn_weights = sw;
+            if (mha_forward(m, &a) != MHA_OK)
+                fail_msg("%s, slice %lld+%lld: %s", what, (long long)i0,
+                         (long long)nq, mha_last_error());
+            d_out = fmax(d_out, max_diff(so, out + i0 * E, nq * E));
+            for (int64_t h = 0; h < H; h++)
+                d_w = fmax(d_w, max_diff(sw + h * nq * Lt,
+                                         w + (h * Lq + i0) * Lt, nq * Lt));
+        }
+        if (!(d_out <= 1e-5 * (1.0 + mx)) || !(d_w <= 1e-5))
+            fail_msg("%s, slices of %lld rows: the outputs differ from the "
+                     "whole forward's by %.3g, the weights by %.3g", what,
+                     (long long)n, d_out, d_w);
+        free(so);
+        free(sw);
+    }
+    free(out);
+    free(w);
+}
+
+static void test_query_slices(void **state)
+{
+    (void)state;
+    const int64_t E = 32, H = 4;
+    /* Lq != Lk, so that top-left and bottom-right differ; 1100 keys: the
+     * short slices (<= 64 rows, no dropout) take the decoding kernel,
+     * which splits the keys in chunks of 512, as the whole does not. */
+    const int64_t Lq = 150, Lk = 1100;
+    float *x = malloc((size_t)(Lq * E) * 4), *y = malloc((size_t)(Lk * E) * 4);
+    tu_fill(x, Lq * E, 10, -1.0f, 1.0f);
+    tu_fill(y, Lk * E, 11, -1.0f, 1.0f);
+    mha_forward_args a = {0};
+    a.batch = 1;
+    a.q_len = Lq;
+    a.kv_len = Lk;
+    a.query = x;
+    a.key = y;
+    mha_module *m = NULL;
+    /* Every modifier, then without the window (which, aligned bottom-
+     * right, leaves top-left causal rows no key when Lk > Lq). */
+    for (int win = 1; win >= 0; win--) {
+        mha_config cfg = {0};
+        cfg.embed_dim = E;
+        cfg.num_heads = H;
+        cfg.num_kv_heads = 2;
+        cfg.mods.softcap = 2.5f;
+        cfg.mods.alibi = 1;
+        cfg.mods.window = win;
+        cfg.mods.window_left = 40;
+        cfg.mods.window_right = 3;
+        cfg.mods.rope.style = MHA_ROPE_NEOX;
+        cfg.sinks = 1;
+        cfg.dropout = 0.25f;
+        mha_free(m);
+        m = tu_module(&cfg, 8);
+        assert_non_null(m);
+        const mha_causal kinds[3] = {MHA_CAUSAL_NONE, MHA_CAUSAL_TOP_LEFT,
+                                     MHA_CAUSAL_BOTTOM_RIGHT};
+        for (int k = 0; k < 3; k++)
+            for (int train = 0; train < 2; train++) {
+                char what[80];
+                snprintf(what, sizeof what, "window %d, causal kind %d, "
+                         "training %d", win, (int)kinds[k], train);
+                a.causal = kinds[k];
+                a.training = train;
+                a.dropout_seed = 77;
+                slices_match(m, a, what, E, H, mha_total_keys(m, Lk));
+            }
+    }
+
+    /* Misuse: named, refused. */
+    float *out = malloc((size_t)(Lq * E) * 4);
+    a.out = out;
+    a.q_len = 10;
+    a.q_total = 0;
+    a.q_start = 3;
+    assert_fails(mha_forward(m, &a), MHA_ERR_INVALID_ARGUMENT, "q_total");
+    a.q_total = 12;
+    assert_fails(mha_forward(m, &a), MHA_ERR_SHAPE, "q_start=3");
+    a.q_start = -1;
+    assert_fails(mha_forward(m, &a), MHA_ERR_SHAPE, "q_total=12");
+    a.q_start = 2;
+    a.key = NULL;
+    assert_fails(mha_forward(m, &a), MHA_ERR_INVALID_ARGUMENT, "key given");
+    a.key = y;
+    /* a sliced forward has no backward */
+    mha_plan *plan;
+    assert_int_equal(mha_plan_create(m, &a, &plan), MHA_OK);
+    assert_int_equal(mha_plan_forward(plan, &a), MHA_OK);
+    float *dy = calloc((size_t)(10 * E), 4);
+    mha_backward_args g = {0};
+    g.grad_out = dy;
+    assert_fails(mha_plan_backward(plan, &a, &g), MHA_ERR_INVALID_ARGUMENT,
+                 "slice");
+    mha_plan_free(plan);
+    free(dy);
+    free(out);
+    free(x);
+    free(y);
+    mha_free(m);
+}
+
 static void paper_slopes(int64_t n, double *out)
 {
     const double l2 = log2((double)n);
@@ -973,6 +1121,7 @@ int main(void)
         cmocka_unit_test(test_module_decodes),
         cmocka_unit_test(test_module_matches_heads),
         cmocka_unit_test(test_extra_keys_have_no_position),
+        cmocka_unit_test(test_query_slices),
         cmocka_unit_test(test_alibi_slopes),
         cmocka_unit_test(test_bad_settings),
     };

@@ -63,18 +63,17 @@ enum {
 
 typedef char label[24];  /* a token cut to LABEL_CHARS, or a position */
 
-/* The weights of one batch item: H heads and their mean, (H + 1, Lq, Lt),
- * Lt = Lk plus the bias_k and zero keys; labels of both axes. */
+/* The maps of one batch item: H heads and their mean, (H + 1, Lq, Lt),
+ * Lt = Lk plus the bias_k and zero keys (their weights are only ever held
+ * max-pooled, below); labels of both axes. */
 typedef struct viz_maps {
     int64_t H, Lq, Lk, Lt;
-    float *w;
     label *rows, *cols;
     char *row_ch, *col_ch;  /* one character per position, for --ascii */
 } viz_maps;
 
 static void maps_free(viz_maps *m)
 {
-    free(m->w);
     free(m->rows);
     free(m->cols);
     free(m->row_ch);
@@ -241,27 +240,87 @@ static int mask_item(const char *opt, mha_mask *mk, int batch_dim,
     return 0;
 }
 
+/* ---- pooling ------------------------------------------------------------ */
+
+static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* The H + 1 maps (heads, then the mean) max-pooled by fr x fc: cell
+ * (h, i / fr, j / fc) holds the largest weight of its block. */
+typedef struct pooled {
+    int64_t fr, fc, nr, nc;
+    float *p;   /* (H + 1, nr, nc) */
+} pooled;
+
+static int pooled_init(pooled *P, const viz_maps *m, int64_t fr, int64_t fc)
+{
+    P->fr = fr;
+    P->fc = fc;
+    P->nr = ceil_div(m->Lq, fr);
+    P->nc = ceil_div(m->Lt, fc);
+    P->p = calloc((size_t)((m->H + 1) * P->nr * P->nc), sizeof *P->p);
+    return P->p ? 0 : tool_fail("viz", "out of memory for the maps");
+}
+
+/* Folds row i of map h (Lt weights) into the cells of P. */
+static void pool_row(pooled *P, const viz_maps *m, int64_t h, int64_t i,
+                     const float *row)
+{
+    float *d = P->p + (h * P->nr + i / P->fr) * P->nc;
+    for (int64_t j = 0; j < m->Lt; j++)
+        if (row[j] > d[j / P->fc])
+            d[j / P->fc] = row[j];
+}
+
+/* Copies rows i0 .. i0 + n - 1 of every (Lq, Lk) plane of an attention
+ * mask into buf: the slice's own mask. */
+static void mask_rows(const mha_mask *mk, int64_t Lq, int64_t i0, int64_t n,
+                      void *buf, mha_mask *out)
+{
+    const int64_t Lk = mk->shape[mk->ndim - 1];
+    const size_t size = mk->kind == MHA_MASK_ADDITIVE ? sizeof(float) : 1;
+    int64_t planes = 1;
+    for (int d = 0; d < mk->ndim - 2; d++)
+        planes *= mk->shape[d];
+    for (int64_t t = 0; t < planes; t++)
+        memcpy((char *)buf + (size_t)(t * n * Lk) * size,
+               (const char *)mk->data + (size_t)((t * Lq + i0) * Lk) * size,
+               (size_t)(n * Lk) * size);
+    *out = *mk;
+    out->data = buf;
+    out->shape[mk->ndim - 2] = n;
+}
+
+/* The memory for one slice's weights: 256 MiB, or MHA_VIZ_SLICE_BYTES
+ * (an integer >= 1: the tests draw in many slices with a small one). */
+static double slice_bytes(void)
+{
+    const char *env = getenv("MHA_VIZ_SLICE_BYTES");
+    char *end;
+    const double v = env ? strtod(env, &end) : 0.0;
+    return env && *env && !*end && v >= 1.0 ? v : 256.0 * 1048576.0;
+}
+
 /*
- * Runs the forward pass for batch item n and keeps its per-head weights
- * and their mean.  Without dropout only item n is computed; with --train
+ * Runs the forward pass for batch item n and folds its per-head weights
+ * and their mean into the pooled maps P[0 .. np): the query rows go
+ * through in slices (mha_forward_args.q_start / q_total) whose weights fit
+ * in slice_bytes(), so a long sequence never holds its (H + 1) Lq Lt
+ * weights at once.  Without dropout only item n is computed; with --train
  * the whole batch runs, since the dropout mask depends on the item.
  */
-static int item_weights(const run_setup *r, int64_t n, viz_maps *m)
+static int item_weights(const run_setup *r, int64_t n, viz_maps *m,
+                        pooled *P, int np)
 {
     mha_forward_args a = r->a;
     const mha_config *c = &r->c;
-    const int64_t B = a.batch, Lq = a.q_len, Lk = a.kv_len;
+    const int64_t B = a.batch, Lq = a.q_len, Lk = a.kv_len, E = c->embed_dim;
     if (n >= B)
         return tool_fail("viz", "--batch-index %lld is out of range: the "
                          "query has batch %lld (items 0..%lld)", (long long)n,
                          (long long)B, (long long)(B - 1));
-    m->H = c->num_heads;
-    m->Lq = Lq;
-    m->Lk = Lk;
-    m->Lt = mha_total_keys(r->m, Lk);
     int64_t item = n;
     if (!a.training) {
-        a.query += n * Lq * c->embed_dim;
+        a.query += n * Lq * E;
         if (a.key)
             a.key += n * Lk * c->kdim;
         if (a.value)
@@ -283,66 +342,82 @@ static int item_weights(const run_setup *r, int64_t n, viz_maps *m)
         a.batch = 1;
         item = 0;
     }
-    /* One buffer: the forward's weights, (B', H, Lq, Lt), then room for
-     * the mean; item n's heads are moved to its start. */
-    const int64_t per = m->H * Lq * m->Lt, plane = Lq * m->Lt;
-    const double bytes = ((double)a.batch * (double)per + (double)plane) *
-                         sizeof(float);
-    float *out = NULL;
-    if (bytes < (double)SIZE_MAX / 2) {
-        out = malloc((size_t)(a.batch * Lq * c->embed_dim) * sizeof *out);
-        m->w = malloc((size_t)(a.batch * per + plane) * sizeof *m->w);
+    /* The slices: as many rows as slice_bytes() of weights hold, then
+     * evened out over the slices. */
+    const double row_bytes = (double)a.batch * (double)m->H *
+                             (double)m->Lt * sizeof(float);
+    const double fit = slice_bytes() / row_bytes;
+    int64_t rows = fit < (double)Lq ? (int64_t)fit : Lq;
+    rows = rows < 1 ? 1 : rows > Lq ? Lq : rows;
+    rows = ceil_div(Lq, ceil_div(Lq, rows));
+    int64_t mask_bytes = 0;
+    if (a.attn_mask.kind != MHA_MASK_NONE) {
+        mask_bytes = a.attn_mask.kind == MHA_MASK_ADDITIVE ? sizeof(float) : 1;
+        for (int d = 0; d < a.attn_mask.ndim; d++)
+            mask_bytes *= d == a.attn_mask.ndim - 2 ? rows
+                                                    : a.attn_mask.shape[d];
     }
+    float *w = malloc((size_t)(a.batch * m->H * rows * m->Lt) * sizeof *w);
+    float *q = malloc((size_t)(a.batch * rows * E) * sizeof *q);
+    float *out = malloc((size_t)(a.batch * rows * E) * sizeof *out);
+    double *mean = malloc((size_t)m->Lt * sizeof *mean);
+    float *mrow = malloc((size_t)m->Lt * sizeof *mrow);
+    void *mbuf = mask_bytes ? malloc((size_t)mask_bytes) : NULL;
     int rc = 0;
-    if (!out || !m->w)
-        rc = tool_fail("viz", "out of memory for the attention weights "
-                       "(%lld heads x %lld x %lld: %.3g GiB)",
-                       (long long)m->H, (long long)Lq, (long long)m->Lt,
-                       bytes / 1073741824.0);
+    if (!w || !q || !out || !mean || !mrow || (mask_bytes && !mbuf))
+        rc = tool_fail("viz", "out of memory for the attention weights of "
+                       "%lld query rows (%lld heads x %lld keys)",
+                       (long long)rows, (long long)m->H, (long long)m->Lt);
+    /* Every slice attends to all the keys: in self-attention the query's
+     * rows are the keys. */
+    const float *query = a.query;
+    const mha_mask full_mask = a.attn_mask;
+    if (!a.key) {
+        a.key = query;
+        a.kv_len = Lk;
+    }
     a.need_weights = MHA_WEIGHTS_PER_HEAD;
-    a.attn_weights = m->w;
+    a.attn_weights = w;
     a.out = out;
-    if (!rc && mha_forward(r->m, &a) != MHA_OK)
-        rc = tool_fail("viz", "%s", mha_last_error());
-    if (!rc) {
-        if (item)
-            memmove(m->w, m->w + item * per, (size_t)per * sizeof *m->w);
-        float *mean = m->w + per;
-        for (int64_t k = 0; k < plane; k++) {
-            double s = 0.0;
-            for (int64_t h = 0; h < m->H; h++)
-                s += m->w[h * plane + k];
-            mean[k] = (float)(s / (double)m->H);
+    a.query = q;
+    a.q_total = Lq;
+    for (int64_t i0 = 0; !rc && i0 < Lq; i0 += rows) {
+        const int64_t nq = Lq - i0 < rows ? Lq - i0 : rows;
+        for (int64_t b = 0; b < a.batch; b++)
+            memcpy(q + b * nq * E, query + (b * Lq + i0) * E,
+                   (size_t)(nq * E) * sizeof *q);
+        if (full_mask.kind != MHA_MASK_NONE)
+            mask_rows(&full_mask, Lq, i0, nq, mbuf, &a.attn_mask);
+        a.q_len = nq;
+        a.q_start = i0;
+        if (mha_forward(r->m, &a) != MHA_OK) {
+            rc = tool_fail("viz", "%s", mha_last_error());
+            break;
+        }
+        const float *wi = w + item * m->H * nq * m->Lt;
+        for (int64_t i = 0; i < nq; i++) {
+            for (int64_t j = 0; j < m->Lt; j++)
+                mean[j] = 0.0;
+            for (int64_t h = 0; h < m->H; h++) {
+                const float *row = wi + (h * nq + i) * m->Lt;
+                for (int64_t j = 0; j < m->Lt; j++)
+                    mean[j] += row[j];
+                for (int k = 0; k < np; k++)
+                    pool_row(&P[k], m, h, i0 + i, row);
+            }
+            for (int64_t j = 0; j < m->Lt; j++)
+                mrow[j] = (float)(mean[j] / (double)m->H);
+            for (int k = 0; k < np; k++)
+                pool_row(&P[k], m, m->H, i0 + i, mrow);
         }
     }
+    free(w);
+    free(q);
     free(out);
+    free(mean);
+    free(mrow);
+    free(mbuf);
     return rc;
-}
-
-/* ---- pooling ------------------------------------------------------------ */
-
-static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-/* The H + 1 maps max-pooled by fr x fc: (H + 1, ceil(Lq/fr), ceil(Lt/fc)). */
-static float *max_pool(const viz_maps *m, int64_t fr, int64_t fc)
-{
-    const int64_t nr = ceil_div(m->Lq, fr), nc = ceil_div(m->Lt, fc);
-    float *p = malloc((size_t)((m->H + 1) * nr * nc) * sizeof *p);
-    if (!p)
-        return NULL;
-    for (int64_t h = 0; h <= m->H; h++) {
-        float *dst = p + h * nr * nc;
-        const float *src = m->w + h * m->Lq * m->Lt;
-        for (int64_t k = 0; k < nr * nc; k++)
-            dst[k] = 0.0f;
-        for (int64_t i = 0; i < m->Lq; i++)
-            for (int64_t j = 0; j < m->Lt; j++) {
-                float *d = &dst[(i / fr) * nc + j / fc];
-                if (src[i * m->Lt + j] > *d)
-                    *d = src[i * m->Lt + j];
-            }
-    }
-    return p;
 }
 
 static float map_max(const float *p, int64_t n)
@@ -366,19 +441,24 @@ static void pool_note(char *buf, size_t n, int64_t fr, int64_t fc)
 
 /* ---- the terminal -------------------------------------------------------- */
 
-static int render_ascii(const viz_maps *m, int64_t item)
+/* The terminal's pooling: at most ASCII_CELLS cells per axis. */
+static int ascii_pool(pooled *P, const viz_maps *m)
 {
-    const int64_t fr = ceil_div(m->Lq, ASCII_CELLS),
-                  fc = ceil_div(m->Lt, ASCII_CELLS);
-    const int nr = (int)ceil_div(m->Lq, fr), nc = (int)ceil_div(m->Lt, fc);
+    return pooled_init(P, m, ceil_div(m->Lq, ASCII_CELLS),
+                       ceil_div(m->Lt, ASCII_CELLS));
+}
+
+static int render_ascii(const viz_maps *m, const pooled *P, int64_t item)
+{
+    const int64_t fr = P->fr, fc = P->fc;
+    const int nr = (int)P->nr, nc = (int)P->nc;
     const int np = (int)m->H + 1;
-    float *p = max_pool(m, fr, fc);
+    const float *p = P->p;
     const float **maps = malloc((size_t)np * sizeof *maps);
     char (*titles)[24] = malloc((size_t)np * sizeof *titles);
     const char **tp = malloc((size_t)np * sizeof *tp);
     char rl[ASCII_CELLS], cl[ASCII_CELLS];
-    if (!p || !maps || !titles || !tp) {
-        free(p);
+    if (!maps || !titles || !tp) {
         free(maps);
         free(titles);
         free(tp);
@@ -421,7 +501,6 @@ static int render_ascii(const viz_maps *m, int64_t item)
         printf(" %s %.4f%s", titles[k],
                (double)map_max(maps[k], (int64_t)nr * nc),
                k + 1 < np ? "," : "\n");
-    free(p);
     free(maps);
     free(titles);
     free(tp);
@@ -522,6 +601,22 @@ typedef struct layout {
     char caption[160], ticks[3][16];
 } layout;
 
+/* Cells per axis of a panel (see the top of this file). */
+static int png_budget(int64_t H)
+{
+    const int gc = (int)ceil(sqrt((double)H));
+    const int budget = 2304 / (gc + 1);
+    return budget < 64 ? 64 : budget > 256 ? 256 : budget;
+}
+
+/* The image's pooling. */
+static int png_pool(pooled *P, const viz_maps *m)
+{
+    const int budget = png_budget(m->H);
+    return pooled_init(P, m, ceil_div(m->Lq, budget),
+                       ceil_div(m->Lt, budget));
+}
+
 /* The geometry of the image (see the top of this file). */
 static void plan_png(const viz_maps *m, int64_t item, float wmax, layout *L)
 {
@@ -529,8 +624,7 @@ static void plan_png(const viz_maps *m, int64_t item, float wmax, layout *L)
     L->M = 12, L->G = 16, L->CAP = 16, L->TH = 24;
     L->gc = (int)ceil(sqrt((double)m->H));
     L->gr = (int)ceil_div(m->H, L->gc);
-    int budget = 2304 / (L->gc + 1);
-    budget = budget < 64 ? 64 : budget > 256 ? 256 : budget;
+    const int budget = png_budget(m->H);
     L->fr = ceil_div(m->Lq, budget);
     L->fc = ceil_div(m->Lt, budget);
     L->nr = (int)ceil_div(m->Lq, L->fr);
@@ -645,8 +739,34 @@ static void png_warn(png_structp png, png_const_charp msg)
     (void)msg;
 }
 
-/* Encodes c into f; 0, or 1 with a message in err (200 bytes). */
-static int png_encode(FILE *f, const canvas *c, png_bytep *rows, char *err)
+/* The encoded image, grown as libpng writes it. */
+typedef struct png_mem {
+    unsigned char *data;
+    size_t size, cap;
+} png_mem;
+
+static void png_mem_write(png_structp png, png_bytep bytes, png_size_t n)
+{
+    png_mem *m = png_get_io_ptr(png);
+    if (n > m->cap - m->size) {
+        size_t cap = m->cap ? m->cap : 65536;
+        while (cap - m->size < n)
+            cap *= 2;
+        unsigned char *d = realloc(m->data, cap);
+        if (!d)
+            png_error(png, "out of memory");
+        m->data = d;
+        m->cap = cap;
+    }
+    memcpy(m->data + m->size, bytes, n);
+    m->size += n;
+}
+
+static void png_mem_flush(png_structp png) { (void)png; }
+
+/* Encodes c into out; 0, or 1 with a message in err (200 bytes). */
+static int png_encode(png_mem *out, const canvas *c, png_bytep *rows,
+                      char *err)
 {
     png_structp png = png_create_write_struct(PNG_LIBPNG_VER_STRING, err,
                                               png_fail, png_warn);
@@ -662,7 +782,7 @@ static int png_encode(FILE *f, const canvas *c, png_bytep *rows, char *err)
     }
     for (int y = 0; y < c->h; y++)
         rows[y] = c->px + (size_t)y * (size_t)c->w * 3;
-    png_init_io(png, f);
+    png_set_write_fn(png, out, png_mem_write, png_mem_flush);
     png_set_IHDR(png, info, (png_uint_32)c->w, (png_uint_32)c->h, 8,
                  PNG_COLOR_TYPE_RGB, PNG_INTERLACE_NONE,
                  PNG_COMPRESSION_TYPE_DEFAULT, PNG_FILTER_TYPE_DEFAULT);
@@ -674,52 +794,22 @@ static int png_encode(FILE *f, const canvas *c, png_bytep *rows, char *err)
 }
 #endif
 
-/* Writes the image to a temporary file beside `path`, then renames it:
- * on any failure no file is left. */
+/* Encodes the image in memory, then saves it by the library's rules
+ * (mha_file_save: a temporary file renamed into place, so that on any
+ * failure `path` is as it was; symbolic links followed, FIFOs and devices
+ * written through, the old file's mode kept). */
 static int write_png(const char *path, const canvas *c)
 {
 #ifdef MHA_HAVE_PNG
-    const size_t n = strlen(path) + 16;
-    char *tmp = malloc(n);
+    png_mem img = {0};
     png_bytep *rows = malloc((size_t)c->h * sizeof *rows);
-    if (!tmp || !rows) {
-        free(tmp);
-        free(rows);
-        return tool_fail("viz", "out of memory for the image");
-    }
-    snprintf(tmp, n, "%s.tmp.XXXXXX", path);
-    const int fd = mkstemp(tmp);
-    if (fd < 0) {
-        const int e = errno;
-        free(tmp);
-        free(rows);
-        return tool_fail("viz", "--png: cannot create %s: %s", path,
-                         strerror(e));
-    }
-    const mode_t mask = umask(0);   /* mkstemp's 0600 -> 0666 & ~umask */
-    umask(mask);
-    FILE *f = fchmod(fd, 0666 & ~mask) == 0 ? fdopen(fd, "wb") : NULL;
-    char err[200] = "";
-    int rc = !f;
-    if (!f)
-        snprintf(err, sizeof err, "%s", strerror(errno));
-    if (!rc)
-        rc = png_encode(f, c, rows, err);
-    if (f && fclose(f) != 0 && !rc) {
-        rc = 1;
-        snprintf(err, sizeof err, "%s", strerror(errno));
-    } else if (!f) {
-        close(fd);
-    }
-    if (!rc && rename(tmp, path) != 0) {
-        rc = 1;
-        snprintf(err, sizeof err, "%s", strerror(errno));
-    }
-    if (rc) {
-        remove(tmp);
-        tool_fail("viz", "--png: cannot write %s: %s", path, err);
-    }
-    free(tmp);
+    char err[200] = "out of memory";
+    int rc = !rows || png_encode(&img, c, rows, err);
+    if (rc)
+        tool_fail("viz", "--png: cannot encode the image: %s", err);
+    else if (mha_file_save(path, img.data, img.size) != MHA_OK)
+        rc = tool_fail("viz", "--png: %s", mha_last_error());
+    free(img.data);
     free(rows);
     return rc;
 #else
@@ -731,22 +821,22 @@ static int write_png(const char *path, const canvas *c)
 #endif
 }
 
-static int render_png(const char *path, const viz_maps *m, int64_t item)
+static int render_png(const char *path, const viz_maps *m, const pooled *P,
+                      int64_t item)
 {
     layout L;
-    const float wmax = map_max(m->w, (m->H + 1) * m->Lq * m->Lt);
+    const float wmax = map_max(P->p, (m->H + 1) * P->nr * P->nc);
     plan_png(m, item, wmax, &L);
     if (L.W > PNG_MAX_SIDE || L.Ht > PNG_MAX_SIDE)
         return tool_fail("viz", "the image would be %d x %d px (%lld heads): "
                          "more than %d px a side; try --ascii", L.W, L.Ht,
                          (long long)m->H, PNG_MAX_SIDE);
     canvas c = {L.W, L.Ht, malloc((size_t)L.W * (size_t)L.Ht * 3)};
-    float *p = max_pool(m, L.fr, L.fc);
     int rc = 0;
-    if (!c.px || !p)
+    if (!c.px)
         rc = tool_fail("viz", "out of memory for the image");
     if (!rc) {
-        draw_png(&c, &L, m, p, wmax);
+        draw_png(&c, &L, m, P->p, wmax);
         rc = write_png(path, &c);
     }
     if (!rc)
@@ -755,7 +845,6 @@ static int render_png(const char *path, const viz_maps *m, int64_t item)
                L.W, L.Ht, (long long)m->H, m->H == 1 ? "" : "s", L.nr, L.nc,
                L.cell, L.fr > 1 || L.fc > 1 ? ", " : "",
                L.fr > 1 || L.fc > 1 ? "max-pooled" : "", (double)wmax);
-    free(p);
     free(c.px);
     return rc;
 }
@@ -794,6 +883,9 @@ static const char VIZ_HELP[] =
     "                     by side up to $COLUMNS (default 80) wide\n"
     "Keys appended by add_bias_kv and add_zero_attn are the last columns\n"
     "(\"bias_k\", \"zero\").  A query row with no key left is all zero.\n"
+    "The weights are computed in slices of query rows and max-pooled as\n"
+    "they come, so a long sequence needs about 256 MiB of weights at a\n"
+    "time (MHA_VIZ_SLICE_BYTES sets another amount), never all of them.\n"
     MOD_NOTE;
 
 int cmd_viz(int argc, char **argv)
@@ -830,12 +922,24 @@ int cmd_viz(int argc, char **argv)
     m.Lq = r.a.q_len;
     m.Lk = r.a.kv_len;
     m.Lt = mha_total_keys(r.m, m.Lk);
-    int rc = make_labels(o, NOPTS(o), &r, &m) || item_weights(&r, item, &m);
-    if (!rc && OPT("ascii"))
-        rc = render_ascii(&m, item);
-    if (!rc && OPT("png"))
-        rc = render_png(OPT("png"), &m, item);
+    m.H = r.c.num_heads;
+    /* The weights are pooled as they are computed, for each drawing. */
+    pooled P[2] = {{0}};
+    int rc = make_labels(o, NOPTS(o), &r, &m);
+    const int ascii = OPT("ascii") != NULL, png = OPT("png") != NULL;
+    if (!rc && ascii)
+        rc = ascii_pool(&P[0], &m);
+    if (!rc && png)
+        rc = png_pool(&P[ascii], &m);
+    if (!rc)
+        rc = item_weights(&r, item, &m, P, ascii + png);
+    if (!rc && ascii)
+        rc = render_ascii(&m, &P[0], item);
+    if (!rc && png)
+        rc = render_png(OPT("png"), &m, &P[ascii], item);
 #undef OPT
+    free(P[0].p);
+    free(P[1].p);
     maps_free(&m);
     run_free(&r);
     return rc;

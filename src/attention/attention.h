@@ -52,7 +52,10 @@ typedef struct mha_mask_plan {
     int64_t band_left, band_right;
     int64_t qpos_shift;          /* added to every query's position (a
                                     part of a split problem, given as
-                                    mha_attention_args.q_offset); 0 */
+                                    mha_attention_args.q_offset, or a
+                                    slice of the query rows); 0 */
+    int64_t row_shift;           /* added to the row index by top-left
+                                    causal masking: a slice's q_start; 0 */
 } mha_mask_plan;
 
 /* Validates every mask argument of `args` (batch, q_len, kv_len and the
@@ -168,6 +171,9 @@ typedef struct mha_attn {
     int dropout;            /* training with p > 0 */
     float p_drop;
     uint64_t seed;
+    int64_t drop_row0;      /* the dropout draw of row i is that of row
+                               drop_row0 + i (a slice of the query rows,
+                               mha_forward_args.q_start); 0 */
     float *ctx;
     int64_t ldc;
     float *stats;           /* [B][H][Lq][2]: the row's max m and 1 / l,

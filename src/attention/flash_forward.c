@@ -57,7 +57,7 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
         if (a->dropout)
             for (int c = 0; c < nc; c++)
                 if (!mha_dropout_keep(a->seed, a->p_drop, t->b, t->h,
-                                      t->i0 + r, t->j0 + c))
+                                      a->drop_row0 + t->i0 + r, t->j0 + c))
                     sr[c] = 0.0f;
     }
     uk->pv_kv(src.dtype, !src.finite, mr, nc, dh, f->s, MHA_BC, src.v,

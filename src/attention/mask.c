@@ -141,6 +141,10 @@ static mha_status plan_init(mha_mask_plan *p, int64_t heads, int64_t kv_len,
                              "causal must be NONE, BOTTOM_RIGHT or TOP_LEFT, "
                              "got %d", (int)a->causal);
     p->causal = a->causal;
+    if (a->q_total) {   /* rows q_start.. of q_total (checked by the caller) */
+        p->row_shift = a->q_start;
+        p->qpos_shift = a->q_start + a->q_len - a->q_total;
+    }
     if (a->attn_mask.kind != MHA_MASK_NONE)
         MHA_CHECK(plan_attn(p, &a->attn_mask));
     if (a->key_padding_mask.kind != MHA_MASK_NONE)
@@ -216,7 +220,7 @@ int64_t mha_mask_last(const mha_mask_plan *p, int64_t b, int64_t i)
     if (p->causal == MHA_CAUSAL_BOTTOM_RIGHT)
         last = mha_mask_qpos(p, b, i);
     else if (p->causal == MHA_CAUSAL_TOP_LEFT)
-        last = i;
+        last = i + p->row_shift;
     if (p->key_lengths && p->key_lengths[b] - 1 < last)
         last = p->key_lengths[b] - 1;
     if (p->band && p->band_right >= 0 &&

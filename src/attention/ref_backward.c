@@ -72,7 +72,8 @@ void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
                 continue;
             s[j] /= sum;
             if (a->dropout &&
-                !mha_dropout_keep(a->seed, a->p_drop, b, h, i, j))
+                !mha_dropout_keep(a->seed, a->p_drop, b, h,
+                                  a->drop_row0 + i, j))
                 continue;
             const float *vj = mha_value_row(a, b, kvh, j);
             double dp = 0.0;

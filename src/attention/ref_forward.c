@@ -94,7 +94,8 @@ void mha_ref_row(const mha_attn *a, int64_t b, int64_t i, float *scratch)
             if (bias[j] == -INFINITY)
                 continue;
             if (a->dropout &&
-                !mha_dropout_keep(a->seed, a->p_drop, b, h, i, j))
+                !mha_dropout_keep(a->seed, a->p_drop, b, h,
+                                  a->drop_row0 + i, j))
                 continue;
             const double p = s[j] / sum * keep;
             add_value(a, b, g, j, p, acc);

@@ -45,7 +45,8 @@ static void weights_tile(const mha_attn *a, const mha_tile *t, void *ctx)
         for (int c = 0; c < nc; c++) {
             float pc = sr[c];
             if (a->dropout &&
-                !mha_dropout_keep(a->seed, a->p_drop, b, h, i, j0 + c))
+                !mha_dropout_keep(a->seed, a->p_drop, b, h,
+                                  a->drop_row0 + i, j0 + c))
                 pc = 0.0f;
             if (a->weights == MHA_WEIGHTS_PER_HEAD)
                 w[c] = pc;

@@ -386,3 +386,13 @@ const char *mha_dtype_name(mha_dtype dtype)
     }
     return "unknown";
 }
+
+mha_status mha_file_save(const char *path, const void *data, size_t size)
+{
+    if (!data && size)
+        return mha_set_error(MHA_ERR_NULL_POINTER,
+                             "data is NULL but size is %zu", size);
+    const void *chunks[1] = {data};
+    const size_t sizes[1] = {size};
+    return mha_write_file_atomic(path, chunks, sizes, size ? 1 : 0);
+}

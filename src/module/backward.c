@@ -42,6 +42,11 @@ static int same_mask(const mha_mask *x, const mha_mask *y)
 /* Is `a` the forward the plan last ran, whose state is in the workspace? */
 static mha_status check_saved(const mha_plan *p, const mha_forward_args *a)
 {
+    if (a->q_total || a->q_start)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "a forward of a slice of the query rows "
+                             "(q_total) has no backward: differentiate the "
+                             "whole problem");
     if (!p->has_saved)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "no forward to differentiate: call "

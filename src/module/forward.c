@@ -92,6 +92,35 @@ static mha_status check_cache_args(const mha_module *m,
 }
 
 /* Checks everything about `a` but its data pointers. */
+/* A slice of the query rows (q_start, q_total): where it lies, and what it
+ * cannot be combined with. */
+static mha_status check_slice(const mha_forward_args *a)
+{
+    if (a->q_total < 1)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "q_start is %lld but q_total is %lld: a slice "
+                             "of the query rows needs q_total >= 1 (0: no "
+                             "slice, and then q_start must be 0)",
+                             (long long)a->q_start, (long long)a->q_total);
+    if (a->q_start < 0 || a->q_start > a->q_total - a->q_len)
+        return mha_set_error(MHA_ERR_SHAPE,
+                             "the slice's rows q_start=%lld .. +q_len=%lld "
+                             "are not within the q_total=%lld rows of the "
+                             "problem", (long long)a->q_start,
+                             (long long)a->q_len, (long long)a->q_total);
+    if (a->cache)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "a slice of the query rows (q_total) is not "
+                             "taken with a KV cache: its queries sit at "
+                             "each sequence's end");
+    if (!a->key)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "a slice of the query rows (q_total) needs the "
+                             "key given, with kv_len: the slice's rows are "
+                             "not the problem's keys");
+    return MHA_OK;
+}
+
 mha_status mha_fwd_check_shapes(const mha_module *m,
                                 const mha_forward_args *a, fwd_shape *p)
 {
@@ -116,6 +145,8 @@ mha_status mha_fwd_check_shapes(const mha_module *m,
                              "kv_len is 0: set kv_len to the key's length "
                              "(0 means q_len only in self-attention, key "
                              "NULL or the query itself)");
+    if (a->q_total || a->q_start)
+        MHA_CHECK(check_slice(a));
     p->B = a->batch;
     p->Lq = a->q_len;
     /* With a cache, the keys projected here are the Lq new tokens'. */
@@ -259,7 +290,7 @@ void mha_plan_attn(const mha_plan *plan, const mha_forward_args *a,
         .zero_attn = c->add_zero_attn, .scale = c->scale, .mask = mask,
         .softcap = c->mods.softcap, .alibi = m->slopes, .sinks = m->sinks,
         .dropout = a->training && c->dropout > 0.0f, .p_drop = c->dropout,
-        .seed = a->dropout_seed, .ctx = ws_ctx(plan), .ldc = s->D,
+        .seed = a->dropout_seed, .drop_row0 = a->q_start, .ctx = ws_ctx(plan), .ldc = s->D,
         .stats = base + plan->lay.stats, .weights = a->need_weights,
         .w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights : NULL,
         .partials = base + plan->lay.partials,
@@ -323,9 +354,10 @@ static void cached_attention(mha_plan *plan, mha_kv_cache *kv, mha_attn *at,
  * and biases, so the attention, the KV cache (which stores rotated keys)
  * and the saved state for the backward all hold rotated values.  Query
  * token i of sequence b is at positions[b][i], else at i, or with a cache
- * at the sequence's length before this step + i.  The keys take the same
- * positions in self-attention (key NULL or the query itself: the same
- * tokens); a separate key input's token j is at j.
+ * at the sequence's length before this step + i, or in a slice of the
+ * query rows (q_total) at q_start + i.  The keys take the same positions
+ * in self-attention (key NULL or the query itself: the same tokens, never
+ * in a slice); a separate key input's token j is at j.
  */
 static void rope_qk(const mha_plan *plan, const mha_forward_args *a,
                     float *q, int64_t ldq, float *k, int64_t ldk)
@@ -333,10 +365,11 @@ static void rope_qk(const mha_plan *plan, const mha_forward_args *a,
     const mha_module *m = plan->m;
     const fwd_shape *s = &plan->shape;
     const mha_rope *r = &m->cfg.mods.rope;
-    const int self = !a->key || (a->key == a->query && s->Lk == s->Lq);
+    const int self = !a->q_total &&
+                     (!a->key || (a->key == a->query && s->Lk == s->Lq));
     const int64_t *starts = a->cache ? a->cache->len : NULL;
-    mha_rope_rows(r, s->B, s->Lq, s->H, s->dh, a->positions, starts, 0, q,
-                  ldq, 0, plan->eng.threads);
+    mha_rope_rows(r, s->B, s->Lq, s->H, s->dh, a->positions, starts,
+                  a->q_start, q, ldq, 0, plan->eng.threads);
     mha_rope_rows(r, s->B, s->Lk, s->Hkv, s->dh, self ? a->positions : NULL,
                   self ? starts : NULL, 0, k, ldk, 0, plan->eng.threads);
 }
@@ -481,7 +514,7 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
     const float *hm = mha_head_mask_in_use(a->head_mask, s.H);
     mha_linear_blocks(at.ctx, rows_q, D, D, m->w_o, E, m->b_o, hm,
                       hm ? s.H : 1, a->out, E, nt);
-    if (a->cache)
+    if (a->cache || a->q_total)   /* neither has a backward */
         return MHA_OK;
     /* What the backward needs is now in the workspace. */
     plan->saved = *a;
