@@ -1803,24 +1803,26 @@ static PyObject *dropout_keep(PyObject *self, PyObject *args)
     return PyBool_FromLong(mha_dropout_keep(seed, p, bb, h, i, j));
 }
 
+/* A name the library reports, or None where it has none. */
+static PyObject *name_or_none(const char *name)
+{
+    if (!name)
+        Py_RETURN_NONE;
+    return PyUnicode_FromString(name);
+}
+
 static PyObject *kernel_tier(PyObject *self, PyObject *unused)
 {
     (void)self;
     (void)unused;
-    const char *t = mha_kernel_tier();
-    if (!t)
-        Py_RETURN_NONE;
-    return PyUnicode_FromString(t);
+    return name_or_none(mha_kernel_tier());
 }
 
 static PyObject *gemm_backend(PyObject *self, PyObject *unused)
 {
     (void)self;
     (void)unused;
-    const char *g = mha_gemm_backend();
-    if (!g)
-        Py_RETURN_NONE;
-    return PyUnicode_FromString(g);
+    return name_or_none(mha_gemm_backend());
 }
 
 static PyObject *version(PyObject *self, PyObject *unused)

@@ -20,6 +20,7 @@
  */
 #include "attention.h"
 
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
@@ -46,8 +47,24 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
             memset(sr, 0, (size_t)nc * sizeof *sr);
             continue;
         }
+        /* Where the value tile holds NaN or Inf (pv_exact below: a zero
+         * weight reads no value), the live keys are remembered, so that a
+         * weight that exp underflowed to 0 is told from a masked one. */
+        unsigned char live[MHA_BC];
+        if (!src.finite)
+            for (int c = 0; c < nc; c++)
+                live[c] = sr[c] != -INFINITY;   /* NaN: live */
         const float alpha = expf(f->m[r] - mn);   /* 0 on the first tile */
         const float sum = uk->exp_sum(sr, nc, mn);
+        /* An underflowed live weight becomes the least subnormal float,
+         * which adds nothing visible to a finite value's share but reads
+         * the value: NaN or Inf there reaches the row, as in the
+         * reference tier (float64 weight ~1e-40) and in exact arithmetic.
+         * Not in l: the sum stays the one exp_sum formed. */
+        if (!src.finite)
+            for (int c = 0; c < nc; c++)
+                if (live[c] && sr[c] == 0.0f)
+                    sr[c] = FLT_TRUE_MIN;
         if (alpha != 1.0f) {
             uk->scale(f->o + r * dh, dh, alpha);
             f->l[r] *= alpha;

@@ -20,6 +20,12 @@ __attribute__((format(printf, 2, 3)))
 #endif
 mha_status mha_set_error(mha_status status, const char *fmt, ...);
 
+/* The message buffer's size: room for a path of PATH_MAX (4096) bytes and
+ * the reason after it (a message names the file first and says what was
+ * wrong last; a buffer that cut it would lose the reason).  A copy of the
+ * message, to prefix it with context, takes this many bytes. */
+#define MHA_ERROR_CAP 8192
+
 #define MHA_CHECK(expr)                           \
     do {                                          \
         mha_status mha_check_st_ = (expr);        \

@@ -10,10 +10,6 @@
 #define MHA_STR2(x) #x
 #define MHA_STR(x) MHA_STR2(x)
 
-/* Room for a path of PATH_MAX (4096) bytes and the reason after it: a
- * message names the file first and says what was wrong last, and a
- * buffer that cut it would lose the reason. */
-#define MHA_ERROR_CAP 8192
 static _Thread_local char last_error[MHA_ERROR_CAP];
 
 /* A message that did not fit ends in "..." (n: what it would have been). */

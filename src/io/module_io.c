@@ -56,7 +56,7 @@ static mha_status expect_d(const mha_tensor *t, const char *name, int ndim,
     mha_status st = expect(t, name, ndim, d0, d1, d2);
     if (st == MHA_OK || o_w->shape[0] == o_w->shape[1])
         return st;
-    char msg[8192];   /* (the error buffer's size) */
+    char msg[MHA_ERROR_CAP];
     snprintf(msg, sizeof msg, "%s", mha_last_error());
     return mha_set_error(st, "%s (the heads' width %lld is the column count "
                          "of out_proj.weight [%lld, %lld])", msg,

@@ -659,7 +659,7 @@ mha_status mha_npy_load(const char *path, mha_tensor **out)
     free(buf);
     if (st != MHA_OK) {
         /* Name the file: "npy: x" -> "'path': x". */
-        char msg[8192];   /* (the error buffer's size) */
+        char msg[MHA_ERROR_CAP];
         const char *e = mha_last_error();
         if (strncmp(e, "npy: ", 5) == 0)
             e += 5;
@@ -708,7 +708,7 @@ static mha_status open_header(const char *path, FILE **f, npy_header *h,
     if (r != MHA_OK) {
         fclose(fp);
         if (strncmp(mha_last_error(), "npy: '", 6) != 0) {
-            char msg[8192];   /* (the error buffer's size) */
+            char msg[MHA_ERROR_CAP];
             snprintf(msg, sizeof msg, "%s", mha_last_error() + 5);
             return mha_set_error(r, "npy: '%s': %s", path, msg);
         }

@@ -625,7 +625,7 @@ mha_status mha_safetensors_load(const char *path, mha_tensor_file **out)
     free(data);
     if (st != MHA_OK) {
         /* Prefix the path to the parser's message. */
-        char msg[8192];   /* (the error buffer's size) */
+        char msg[MHA_ERROR_CAP];
         snprintf(msg, sizeof msg, "%s", mha_last_error());
         mha_set_error(st, "%s: %s", path, msg);
     }

@@ -16,7 +16,7 @@
 
 mha_status mha_mpi_fail(mha_status st, const char *fmt, ...)
 {
-    char msg[8192];   /* (the error buffer's size) */
+    char msg[8192];   /* libmha's error buffer's size (MHA_ERROR_CAP, core.h) */
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
