@@ -58,15 +58,15 @@ extern "C" {
  * The ABI rule.  Argument structs are passed by pointer and grow in every
  * minor version, so a binary built against one minor version must never
  * run against another: the shared library's soname carries MAJOR.MINOR
- * (libmha.so.0.4), and the dynamic loader refuses a binary whose minor
+ * (libmha.so.0.5), and the dynamic loader refuses a binary whose minor
  * version is not installed rather than let the library read past the end
  * of its structs.  Within a minor version (patch releases) no struct
  * changes.  A program loading libmha by other means checks
  * mha_version_number() / MHA_VERSION_NUMBER / 100 itself (MHA_ABI_OK).
  */
 #define MHA_VERSION_MAJOR 0
-#define MHA_VERSION_MINOR 4
-#define MHA_VERSION_PATCH 1
+#define MHA_VERSION_MINOR 5
+#define MHA_VERSION_PATCH 0
 #define MHA_VERSION_NUMBER \
     (MHA_VERSION_MAJOR * 10000 + MHA_VERSION_MINOR * 100 + MHA_VERSION_PATCH)
 
@@ -510,12 +510,13 @@ typedef struct mha_forward_args {
      * (key j visible iff j <= q_start + i), bottom-right causal, ALiBi's
      * and the window's position (q_start + i + Lk - q_total), RoPE's
      * default position (q_start + i) and the dropout draw.  So slices that
-     * cover 0 .. q_total - 1 give the whole problem's rows, bit for bit,
-     * in a fraction of the memory of its weights (`mha viz` draws long
-     * sequences so).  The masks, key_lengths, positions, attn_weights and
+     * cover 0 .. q_total - 1 give the whole problem's rows (up to float
+     * rounding: the GEMMs' blocks and the kernels' tiles follow the number
+     * of rows) in a fraction of the memory of its weights (`mha viz` draws
+     * long sequences so).  The masks, key_lengths, positions, attn_weights and
      * out are the slice's own (Lq rows).  The key must be given (the
-     * slice's rows are not its keys; RoPE's key j is at j) with kv_len;
-     * no cache; a sliced forward has no backward.                       */
+     * slice's rows are not its keys; RoPE's key j is at j) with kv_len
+     * >= 1; no cache; a sliced forward has no backward.                 */
     int64_t q_start;
     int64_t q_total;
 } mha_forward_args;

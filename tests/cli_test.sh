@@ -1032,6 +1032,10 @@ else bad "mha viz disagrees with NumPy"; fi
 printf 'a b\n' > "$d/tok2.txt"; printf 'a\nb\nc\n' > "$d/tok3.txt"
 printf 'a\n\nc\n' > "$d/tok3b.txt"; printf 'w x y z\n' > "$d/tok4.txt"
 npy "$d/m_b3.npy" "np.ones((3, 3, 3), bool)"
+npy "$d/m_r1.npy" "np.ones((3,), bool)"
+npy "$d/m_r5.npy" "np.ones((1, 1, 1, 3, 3), bool)"
+npy "$d/m_lq2.npy" "np.ones((2, 3), bool)"
+npy "$d/km_r3.npy" "np.ones((2, 1, 3), bool)"
 fail_viz() { fail_in viz "$@"; }  # fail_viz PATTERN ARGS...: nothing written
 P="$d/out/h.png"
 vz=(--weights "$W" --query "$d/q.npy")
@@ -1055,10 +1059,16 @@ fail_viz "^mha viz: --key-tokens needs --key" "${vz[@]}" --png "$P" --key-tokens
 fail_viz "^mha viz: --key-tokens .*tok3\.txt has 3 tokens, but the key has 4 positions" \
   "${vz[@]}" --key "$d/k.npy" --png "$P" --key-tokens "$d/tok3.txt"
 fail_viz "^mha viz: --query has last dimension 5, expected E = 8" --weights "$W" --query "$d/q5.npy" --png "$P"
-fail_viz "^mha viz: attn_mask has last dimensions \(3, 5\), expected \(Lq=3, Lk=3\)" \
+fail_viz "^mha viz: --attn-mask has last dimensions \(3, 5\), expected \(Lq=3, Lk=3\)" \
   "${vz[@]}" --png "$P" --attn-mask "$d/m_bad.npy"
 fail_viz "^mha viz: --attn-mask has batch 3, the query 2" "${vz[@]}" --png "$P" --attn-mask "$d/m_b3.npy"
 fail_viz "^mha viz: --block-mask has batch 3, the query 2" "${vz[@]}" --png "$P" --block-mask "$d/m_b3.npy"
+# Masks are sliced by their rows: their shapes are checked first (a rank-1
+# mask once overran the slice's buffer; rank 5 read past shape[3]).
+fail_viz "^mha viz: --attn-mask must have 2, 3 or 4 dimensions \(\(Lq,Lk\), \(B,Lq,Lk\) or \(B,H,Lq,Lk\)\), got 1$" "${vz[@]}" --png "$P" --attn-mask "$d/m_r1.npy"
+fail_viz "^mha viz: --attn-mask must have 2, 3 or 4 dimensions .*got 5$" "${vz[@]}" --png "$P" --attn-mask "$d/m_r5.npy"
+fail_viz "^mha viz: --block-mask has last dimensions \(2, 3\), expected \(Lq=3, Lk=3\)$" "${vz[@]}" --png "$P" --block-mask "$d/m_lq2.npy"
+fail_viz "^mha viz: --key-mask must have 1 or 2 dimensions \(\(Lk\) or \(B,Lk\)\), got 3$" "${vz[@]}" --png "$P" --key-mask "$d/km_r3.npy"
 fail_viz "^mha viz: key_lengths\[1\] = 9 is outside \[0, Lk=3\]" \
   "${vz[@]}" --png "$P" --key-lengths "$d/kl_oob.npy" --batch-index 1
 fail_viz "^mha viz: --causal and --causal-top-left exclude each other" "${vz[@]}" --png "$P" --causal --causal-top-left

@@ -985,7 +985,19 @@ static void test_query_slices(void **state)
     a.q_start = 2;
     a.key = NULL;
     assert_fails(mha_forward(m, &a), MHA_ERR_INVALID_ARGUMENT, "key given");
+    a.key = x;      /* the query itself, kv_len 0: the slice's own rows */
+    a.kv_len = 0;
+    assert_fails(mha_forward(m, &a), MHA_ERR_INVALID_ARGUMENT, "kv_len >= 1");
     a.key = y;
+    a.kv_len = Lk;
+    /* the one-shot backward refuses before it runs a forward */
+    float *gq = calloc((size_t)(10 * E), 4), *dy0 = calloc((size_t)(10 * E), 4);
+    mha_backward_args g0 = {0};
+    g0.grad_out = dy0;
+    g0.grad_query = gq;
+    assert_fails(mha_backward(m, &a, &g0), MHA_ERR_INVALID_ARGUMENT, "slice");
+    free(gq);
+    free(dy0);
     /* a sliced forward has no backward */
     mha_plan *plan;
     assert_int_equal(mha_plan_create(m, &a, &plan), MHA_OK);

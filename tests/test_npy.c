@@ -14,7 +14,10 @@
  *   - a table of malformed inputs built in memory, each refused with its
  *     status and a keyword of its message, and nothing returned;
  *   - load and save errors: missing file, missing directory, a directory as
- *     the target (no temporary file left), unsupported dtypes, bad views.
+ *     the target (no temporary file left), unsupported dtypes, bad views;
+ *   - mha_file_save (the same file rules for the caller's own bytes): the
+ *     bytes written, a 0600 file kept 0600, a symbolic link followed, an
+ *     empty file, its refusals.
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -963,6 +966,55 @@ static void test_load_rows(void **state)
     remove(cut);
 }
 
+/* mha_file_save: the bytes given, by the rules of every save (atomic, a
+ * symbolic link followed, the old file's mode kept); its refusals. */
+static void test_file_save(void **state)
+{
+    (void)state;
+    char path[512], target[512], link[512];
+    const char bytes[] = "not a tensor, the caller's own format\n";
+    tmp_path(path, sizeof path, "raw.bin");
+    assert_int_equal(mha_file_save(path, bytes, sizeof bytes), MHA_OK);
+    size_t n = 0;
+    unsigned char *got = read_all(path, &n);
+    assert_non_null(got);
+    assert_int_equal(n, sizeof bytes);
+    assert_memory_equal(got, bytes, sizeof bytes);
+    free(got);
+    /* an existing file keeps its mode */
+    assert_int_equal(chmod(path, 0600), 0);
+    assert_int_equal(mha_file_save(path, bytes, 5), MHA_OK);
+    struct stat st;
+    assert_int_equal(stat(path, &st), 0);
+    assert_int_equal(st.st_mode & 0777, 0600);
+    assert_int_equal(st.st_size, 5);
+    /* a symbolic link is followed: the link stays, its target is written */
+    tmp_path(target, sizeof target, "raw_target.bin");
+    tmp_path(link, sizeof link, "raw_link.bin");
+    assert_int_equal(symlink("raw_target.bin", link), 0);
+    assert_int_equal(mha_file_save(link, bytes, 7), MHA_OK);
+    assert_int_equal(lstat(link, &st), 0);
+    assert_true(S_ISLNK(st.st_mode));
+    assert_int_equal(stat(target, &st), 0);
+    assert_int_equal(st.st_size, 7);
+    /* nothing to write is an empty file */
+    assert_int_equal(mha_file_save(path, NULL, 0), MHA_OK);
+    assert_int_equal(stat(path, &st), 0);
+    assert_int_equal(st.st_size, 0);
+    /* refused, the file as it was, no temporary left */
+    assert_error(mha_file_save(path, NULL, 3), MHA_ERR_NULL_POINTER, "data");
+    assert_error(mha_file_save(NULL, bytes, 3), MHA_ERR_NULL_POINTER, "path");
+    char dir[512];
+    tmp_path(dir, sizeof dir, "raw_dir");
+    assert_int_equal(mkdir(dir, 0755), 0);
+    assert_error(mha_file_save(dir, bytes, 3), MHA_ERR_IO, dir);
+    assert_int_equal(count_in_tmpdir(".tmp."), 0);
+    rmdir(dir);
+    unlink(link);
+    unlink(target);
+    unlink(path);
+}
+
 static void test_save_errors(void **state)
 {
     (void)state;
@@ -1113,6 +1165,7 @@ int main(void)
         cmocka_unit_test(test_null_arguments),
         cmocka_unit_test(test_load_errors),
         cmocka_unit_test(test_save_errors),
+        cmocka_unit_test(test_file_save),
         cmocka_unit_test(test_load_rows),
         cmocka_unit_test(test_interrupted_save_leaves_no_temp),
     };

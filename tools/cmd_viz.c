@@ -318,6 +318,26 @@ static int item_weights(const run_setup *r, int64_t n, viz_maps *m,
         return tool_fail("viz", "--batch-index %lld is out of range: the "
                          "query has batch %lld (items 0..%lld)", (long long)n,
                          (long long)B, (long long)(B - 1));
+    /* The masks' ranks and the attention mask's last dimensions, checked
+     * as the library would check them, before a mask is narrowed to the
+     * item or sliced by its rows (and an index past shape[3] is taken). */
+    const mha_mask *am = &a.attn_mask, *km = &a.key_padding_mask;
+    const char *aname = am->kind == MHA_MASK_BLOCK ? "block-mask"
+                                                   : "attn-mask";
+    if (am->kind != MHA_MASK_NONE && (am->ndim < 2 || am->ndim > 4))
+        return tool_fail("viz", "--%s must have 2, 3 or 4 dimensions "
+                         "((Lq,Lk), (B,Lq,Lk) or (B,H,Lq,Lk)), got %d",
+                         aname, am->ndim);
+    if (am->kind != MHA_MASK_NONE && (am->shape[am->ndim - 2] != Lq ||
+                                      am->shape[am->ndim - 1] != Lk))
+        return tool_fail("viz", "--%s has last dimensions (%lld, %lld), "
+                         "expected (Lq=%lld, Lk=%lld)", aname,
+                         (long long)am->shape[am->ndim - 2],
+                         (long long)am->shape[am->ndim - 1], (long long)Lq,
+                         (long long)Lk);
+    if (km->kind != MHA_MASK_NONE && km->ndim != 1 && km->ndim != 2)
+        return tool_fail("viz", "--key-mask must have 1 or 2 dimensions "
+                         "((Lk) or (B,Lk)), got %d", km->ndim);
     int64_t item = n;
     if (!a.training) {
         a.query += n * Lq * E;

@@ -349,6 +349,11 @@ mha_status mha_backward(const mha_module *m, const mha_forward_args *fwd,
     if (!bwd)
         return mha_set_error(MHA_ERR_NULL_POINTER, "backward args are NULL");
     MHA_CHECK(check_grads(fwd, bwd));
+    if (fwd->q_total || fwd->q_start)   /* refused before a forward runs */
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "a forward of a slice of the query rows "
+                             "(q_total) has no backward: differentiate the "
+                             "whole problem");
     mha_forward_args f = *fwd;
     f.need_weights = MHA_WEIGHTS_NONE;
     f.attn_weights = NULL;

@@ -113,11 +113,11 @@ static mha_status check_slice(const mha_forward_args *a)
                              "a slice of the query rows (q_total) is not "
                              "taken with a KV cache: its queries sit at "
                              "each sequence's end");
-    if (!a->key)
+    if (!a->key || a->kv_len < 1)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "a slice of the query rows (q_total) needs the "
-                             "key given, with kv_len: the slice's rows are "
-                             "not the problem's keys");
+                             "key given, with kv_len >= 1: the slice's rows "
+                             "are not the problem's keys");
     return MHA_OK;
 }
 
