@@ -41,7 +41,9 @@ static const char *fuzz_who(void) { return "fuzz_cli"; }
 
 /* The last failure's message (tool_fail's, here). */
 static char msg[4096];
-static int failures;
+/* Messages so far: 64 bits, as a run of 10^8 inputs makes ~10^10 (an int
+ * overflowed after 18 million inputs: the target's own finding). */
+static uint64_t failures;
 
 int tool_fail(const char *cmd, const char *fmt, ...)
 {
@@ -61,12 +63,13 @@ int tool_fail_status(const char *cmd, const char *what, mha_status st)
 
 /* rc from a conversion: 0 with no new message, or 1 with one naming
  * `needle`. */
-static void expect_rc(int rc, int before, const char *needle, const char *s)
+static void expect_rc(int rc, uint64_t before, const char *needle,
+                      const char *s)
 {
     CHECK(rc == 0 || rc == 1, "returned %d for '%s'", rc, s);
     CHECK((rc == 1) == (failures > before),
-          "returned %d for '%s' with %d messages", rc, s,
-          failures - before);
+          "returned %d for '%s' with %llu messages", rc, s,
+          (unsigned long long)(failures - before));
     if (rc)
         CHECK(strstr(msg, needle) != NULL,
               "the message for '%s' does not name %s: %s", s, needle, msg);
@@ -74,7 +77,7 @@ static void expect_rc(int rc, int before, const char *needle, const char *s)
 
 static void conversions(const char *s)
 {
-    int before = failures;
+    uint64_t before = failures;
     int64_t i = 0;
     int rc = tool_int("x", "count", s, -5, 1000, &i);
     expect_rc(rc, before, "--count", s);
@@ -181,12 +184,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                        {"h", 1, NULL},      {"", 1, NULL}};
     const char *pos[2] = {NULL, NULL};
     int npos = -1, help = -1;
-    const int before = failures;
+    const uint64_t before = failures;
     const int rc = tool_parse("fuzz", argc, argv, opts, NOPTS(opts), pos, 2,
                               &npos, &help);
     CHECK(rc == 0 || rc == 1, "tool_parse returned %d", rc);
-    CHECK((rc == 1) == (failures > before), "tool_parse: rc %d, %d messages",
-          rc, failures - before);
+    CHECK((rc == 1) == (failures > before), "tool_parse: rc %d, %llu messages",
+          rc, (unsigned long long)(failures - before));
     CHECK(npos >= 0 && npos <= 2 && (help == 0 || help == 1),
           "tool_parse: %d positional, help %d", npos, help);
     if (rc)
@@ -208,7 +211,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
               "tool_get(%s) differs", opts[k].name);
     }
     const char *need[] = {"heads", "out"};
-    const int rb = failures;
+    const uint64_t rb = failures;
     const int rq = tool_require("fuzz", opts, NOPTS(opts), need, 2);
     CHECK((rq == 1) == (failures > rb) &&
           rq == (!opts[0].value || !opts[4].value),
