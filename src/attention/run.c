@@ -110,6 +110,7 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
     run.uk = e->uk;
     const mha_attn *a = &run;
     const int threads = threads_for(e, a);
+    (void)threads;   /* (a build without OpenMP ignores the pragma) */
     if (a->prepacked) {
         /* A KV cache holds the keys; only the extra keys' tile of every
          * (b, g) is written, for every tier (a few rows). */
@@ -197,6 +198,7 @@ void mha_attn_backward(const mha_engine *e, const mha_attn *problem,
     run.uk = e->uk;
     const mha_attn *a = &run;
     const int threads = threads_for(e, a);
+    (void)threads;   /* (a build without OpenMP ignores the pragma) */
     const int64_t items = a->B * a->Hkv;   /* (b, K/V head) */
     const int64_t tiles = mha_tiles_of(a);
 #pragma omp parallel num_threads(threads)
