@@ -1084,6 +1084,16 @@ mkdir -p "$d/vzl" && ln -s target.png "$d/vzl/link.png"
 expect 0 "^mha viz: wrote " -- "$mha" viz "${vz[@]}" --png "$d/vzl/link.png"
 if [ -L "$d/vzl/link.png" ] && [ "$(head -c 4 "$d/vzl/target.png" | tail -c 3)" = "PNG" ]
 then ok; else bad "viz replaced the symbolic link or missed its target"; fi
+# Into a pipe: the image alone reaches it (the summary line goes to
+# stderr), byte for byte the file's; with --ascii on stdout too, refused.
+"$mha" viz "${vz[@]}" --png "$d/vzl/file.png" > /dev/null
+"$mha" viz "${vz[@]}" --png /dev/fd/1 2> "$d/vzl/err.txt" | cat > "$d/vzl/piped.png"
+same "$d/vzl/piped.png" "$d/vzl/file.png" "viz --png /dev/fd/1 into a pipe"
+if grep -q "^mha viz: wrote /dev/fd/1: " "$d/vzl/err.txt"; then ok
+else bad "viz into a pipe: no summary on stderr: $(cat "$d/vzl/err.txt")"; fi
+out=$("$mha" viz "${vz[@]}" --png /dev/fd/1 --ascii 2>&1 | cat)
+if grep -q "^mha viz: --png /dev/fd/1 is standard output, where --ascii writes its text" <<<"$out"
+then ok; else bad "viz --png /dev/fd/1 --ascii not refused: $out"; fi
 touch "$d/vzl/m.png" && chmod 600 "$d/vzl/m.png"
 expect 0 "^mha viz: wrote " -- "$mha" viz "${vz[@]}" --png "$d/vzl/m.png"
 if [ "$(stat -c %a "$d/vzl/m.png")" = 600 ]; then ok

@@ -841,10 +841,21 @@ static int write_png(const char *path, const canvas *c)
 #endif
 }
 
+/* Whether path names the file standard output writes to (/dev/stdout,
+ * /dev/fd/1, a pipe's or terminal's node, or the very file `> FILE`
+ * opened): the image then goes there, and the summary line to stderr. */
+static int is_stdout(const char *path)
+{
+    struct stat a, b;
+    return stat(path, &a) == 0 && fstat(STDOUT_FILENO, &b) == 0 &&
+           a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+}
+
 static int render_png(const char *path, const viz_maps *m, const pooled *P,
                       int64_t item)
 {
     layout L;
+    const int to_stdout = is_stdout(path);   /* (before a save renames) */
     const float wmax = map_max(P->p, (m->H + 1) * P->nr * P->nc);
     plan_png(m, item, wmax, &L);
     if (L.W > PNG_MAX_SIDE || L.Ht > PNG_MAX_SIDE)
@@ -859,12 +870,13 @@ static int render_png(const char *path, const viz_maps *m, const pooled *P,
         draw_png(&c, &L, m, P->p, wmax);
         rc = write_png(path, &c);
     }
-    if (!rc)
-        printf("mha viz: wrote %s: %d x %d px, %lld head%s and their mean, "
-               "%d x %d cells of %d px%s%s, colour scale 0..%.4g\n", path,
-               L.W, L.Ht, (long long)m->H, m->H == 1 ? "" : "s", L.nr, L.nc,
-               L.cell, L.fr > 1 || L.fc > 1 ? ", " : "",
-               L.fr > 1 || L.fc > 1 ? "max-pooled" : "", (double)wmax);
+    if (!rc)    /* (not into the image when that went to stdout) */
+        fprintf(to_stdout ? stderr : stdout,
+                "mha viz: wrote %s: %d x %d px, %lld head%s and their mean, "
+                "%d x %d cells of %d px%s%s, colour scale 0..%.4g\n", path,
+                L.W, L.Ht, (long long)m->H, m->H == 1 ? "" : "s", L.nr,
+                L.nc, L.cell, L.fr > 1 || L.fc > 1 ? ", " : "",
+                L.fr > 1 || L.fc > 1 ? "max-pooled" : "", (double)wmax);
     free(c.px);
     return rc;
 }
@@ -894,7 +906,9 @@ static const char VIZ_HELP[] =
     "                     cells per axis (fewer with over 8 heads): a longer\n"
     "                     axis is MAX-POOLED, each cell the largest weight of\n"
     "                     its block, so a sharp peak stays visible.  Written\n"
-    "                     atomically: on failure no file is left\n"
+    "                     atomically: on failure no file is left.\n"
+    "                     /dev/stdout (a pipe) works: the summary line\n"
+    "                     then goes to stderr\n"
     "  --ascii            the same maps on stdout, shaded ' ' < 0.1 <= '░' <\n"
     "                     0.25 <= '▒' < 0.5 <= '▓' < 0.75 <= '█' of each\n"
     "                     map's largest weight (as mha example); at most 64\n"
@@ -921,6 +935,10 @@ int cmd_viz(int argc, char **argv)
                          "--ascii (see mha viz --help)");
     if (OPT("png") && !OPT("png")[0])
         return tool_fail("viz", "--png needs a file name");
+    if (OPT("png") && OPT("ascii") && is_stdout(OPT("png")))
+        return tool_fail("viz", "--png %s is standard output, where --ascii "
+                         "writes its text: the two would mix; give --png "
+                         "another file, or draw one at a time", OPT("png"));
     if (OPT("key-tokens") && !OPT("key"))
         return tool_fail("viz", "--key-tokens needs --key (in self-attention "
                          "--tokens labels both axes)");
