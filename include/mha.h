@@ -182,6 +182,11 @@ typedef struct mha_modifiers {
  * until there are H.  slopes receives H floats. */
 MHA_API mha_status mha_alibi_slopes(int64_t num_heads, float *slopes);
 
+/* The largest RoPE position: 2^53, up to which float64 (the precision of
+ * the angles) holds every integer.  Larger ones, and negative ones, are
+ * refused (MHA_ERR_INVALID_ARGUMENT) wherever positions are given. */
+#define MHA_ROPE_MAX_POSITION (INT64_C(1) << 53)
+
 /*
  * Rotates x in place: `rows` rows of `heads` heads of head_dim elements
  * (row r, head h, element d at x[r * ld + h * head_dim + d]), row r at

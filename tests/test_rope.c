@@ -317,11 +317,24 @@ static void test_apply_errors(void **state)
                  "MHA_ROPE_GPTJ (2), got 7");
     r.style = MHA_ROPE_GPTJ;
     assert_fails(mha_rope_apply(&r, 2, 1, 8, neg, 0, x, 8), BAD,
-                 "positions[1] is -1: RoPE positions must be >= 0");
+                 "positions[1] is -1: RoPE positions must be in [0, 2^53]");
     assert_fails(mha_rope_apply(&r, 2, 1, 8, NULL, -4, x, 8), BAD,
                  "pos0 -4 must be >= 0");
     assert_fails(mha_rope_apply(&r, 2, 1, 8, NULL, INT64_MAX, x, 8), BAD,
-                 "must fit in 64 bits");
+                 "at most 2^53");
+    /* past 2^53 float64 no longer holds every position: refused; up to
+     * it, accepted (the last row exactly at 2^53) */
+    const int64_t big[2] = {0, MHA_ROPE_MAX_POSITION + 1};
+    assert_fails(mha_rope_apply(&r, 2, 1, 8, big, 0, x, 8), BAD,
+                 "positions[1] is 9007199254740993: RoPE positions must be "
+                 "in [0, 2^53]");
+    assert_fails(mha_rope_apply(&r, 2, 1, 8, NULL, MHA_ROPE_MAX_POSITION, x,
+                                8), BAD, "pos0 9007199254740992 must be >= 0 "
+                 "and pos0 + rows - 1 at most 2^53");
+    assert_int_equal(mha_rope_apply(&r, 2, 1, 8, NULL,
+                                    MHA_ROPE_MAX_POSITION - 1, x, 8), MHA_OK);
+    const int64_t top[2] = {MHA_ROPE_MAX_POSITION, 0};
+    assert_int_equal(mha_rope_apply(&r, 2, 1, 8, top, 0, x, 8), MHA_OK);
     assert_fails(mha_rope_apply(&r, 2, 2, 8, NULL, 0, x, 15), MHA_ERR_SHAPE,
                  "ld 15 is less than a row's 2 x 8 = 16 elements");
     assert_fails(mha_rope_apply(&r, -1, 2, 8, NULL, 0, x, 16), MHA_ERR_SHAPE,
@@ -368,7 +381,7 @@ static void test_apply_errors(void **state)
     a.out = out;
     a.positions = pos;
     assert_fails(mha_forward(m, &a), BAD,
-                 "positions[4] is -5: RoPE positions must be >= 0");
+                 "positions[4] is -5: RoPE positions must be in [0, 2^53]");
     mha_free(m);
 }
 

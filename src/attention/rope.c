@@ -80,11 +80,12 @@ mha_status mha_rope_check_positions(const int64_t *positions, int64_t n,
                                     const char *who)
 {
     for (int64_t r = 0; positions && r < n; r++)
-        if (positions[r] < 0)
+        if (positions[r] < 0 || positions[r] > MHA_ROPE_MAX_POSITION)
             return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                                  "%s[%lld] is %lld: RoPE positions must be "
-                                 ">= 0", who, (long long)r,
-                                 (long long)positions[r]);
+                                 "in [0, 2^53] (where float64, the angles' "
+                                 "precision, holds every integer)", who,
+                                 (long long)r, (long long)positions[r]);
     return MHA_OK;
 }
 
@@ -187,10 +188,12 @@ static mha_status rope_apply(const mha_rope *rope, int64_t rows,
     MHA_CHECK(mha_rope_resolve(rope, head_dim, &r));
     if (positions) {
         MHA_CHECK(mha_rope_check_positions(positions, rows, "positions"));
-    } else if (pos0 < 0 || (rows > 0 && pos0 > INT64_MAX - (rows - 1))) {
+    } else if (pos0 < 0 || pos0 > MHA_ROPE_MAX_POSITION ||
+               (rows > 0 && rows - 1 > MHA_ROPE_MAX_POSITION - pos0)) {
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "rope_apply: pos0 %lld must be >= 0 and pos0 + "
-                             "rows - 1 must fit in 64 bits", (long long)pos0);
+                             "rows - 1 at most 2^53 (RoPE positions are "
+                             "exact in float64 up to there)", (long long)pos0);
     }
     if (r.style == MHA_ROPE_NONE || rows == 0)
         return MHA_OK;
