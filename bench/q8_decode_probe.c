@@ -85,6 +85,12 @@ static inline __m256 widen(const int8_t *p)
         _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
+static void zero(__m256 *x, int n)
+{
+    for (int w = 0; w < n; w++)
+        x[w] = _mm256_setzero_ps();
+}
+
 static void store_o(__m256 *acc, float *o)
 {
     for (int w = 0; w < 16; w++)
@@ -102,14 +108,12 @@ static void scores(const __m256 *acc, float *s)
 static void head_f16(int h)
 {
     __m256 o[16];
-    for (int w = 0; w < 16; w++)
-        o[w] = _mm256_setzero_ps();
+    zero(o, 16);
     for (int t = 0; t < T; t++) {
         const size_t at = ((size_t)h * T + t) * DH * BC;
         const uint16_t *K = kf + at, *V = vf + at;
         __m256 acc[8];
-        for (int w = 0; w < 8; w++)
-            acc[w] = _mm256_setzero_ps();
+        zero(acc, 8);
         for (int k = 0; k < DH; k++) {
             const __m256 a = _mm256_set1_ps(q[k]);
             for (int w = 0; w < 8; w++)
@@ -170,19 +174,16 @@ static void pv_q8_strips(const float *s, const int8_t *V, const float *VS,
 static void head_q8(int h, int factored)
 {
     __m256 o[16];
-    for (int w = 0; w < 16; w++)
-        o[w] = _mm256_setzero_ps();
+    zero(o, 16);
     for (int t = 0; t < T; t++) {
         const size_t tile = (size_t)h * T + t;
         const int8_t *K = kc + tile * DH * BC, *V = vc + tile * DH * BC;
         const float *KS = ks + tile * NB * BC, *VS = vs + tile * NB * BC;
         __m256 acc[8];
-        for (int w = 0; w < 8; w++)
-            acc[w] = _mm256_setzero_ps();
+        zero(acc, 8);
         for (int b = 0; b < NB; b++) {
             __m256 part[8];
-            for (int w = 0; w < 8; w++)
-                part[w] = _mm256_setzero_ps();
+            zero(part, 8);
             for (int k = 32 * b; k < 32 * b + 32; k++) {
                 const __m256 a = _mm256_set1_ps(q[k]);
                 for (int w = 0; w < 8; w++) {
@@ -224,15 +225,13 @@ static void head_q8int(int h, int factored)
     }
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 o[16];
-    for (int w = 0; w < 16; w++)
-        o[w] = _mm256_setzero_ps();
+    zero(o, 16);
     for (int t = 0; t < T; t++) {
         const size_t tile = (size_t)h * T + t;
         const int8_t *K = k4 + tile * DH * BC, *V = vc + tile * DH * BC;
         const float *KS = ks + tile * NB * BC, *VS = vs + tile * NB * BC;
         __m256 acc[8];
-        for (int w = 0; w < 8; w++)
-            acc[w] = _mm256_setzero_ps();
+        zero(acc, 8);
         for (int b = 0; b < NB; b++) {
             __m256i isum[8];
             for (int w = 0; w < 8; w++)
