@@ -29,6 +29,10 @@
  *   q8strips  q8 with the value tile walked as libmha's one-row kernel
  *           walks it: two passes of 64 columns (one cache line of each
  *           row per pass)
+ *   q8int16 q8int's keys, and the values summed in integers too: each
+ *           tile's weights p * (value scale) rounded to int16 against
+ *           the tile's largest, the codes stored two keys per d so that
+ *           vpmaddwd forms two keys' products at once
  *
  * Build and run (outside the library's build; HUGE=1 asks for
  * transparent huge pages, as libmha's cache does):
@@ -53,7 +57,8 @@ enum { DH = 128, BC = 64, NB = DH / 32, HEADS = 32, ROUNDS = 11 };
 
 static int T;                         /* tiles per head */
 static uint16_t *kf, *vf;             /* f16 tiles, [HEADS][T][...] */
-static int8_t *kc, *vc, *k4;          /* q8 codes; k4: [d/4][64][4] */
+static int8_t *kc, *vc, *k4, *v2;     /* q8 codes; k4: [d/4][64][4],
+                                         v2: [32 pairs][d][2] */
 static float *ks, *vs;                /* q8 scales: k [NB][64], v [64][NB] */
 static float q[DH], out[HEADS][DH];
 
@@ -211,11 +216,10 @@ static void head_q8(int h, int factored)
     store_o(o, out[h]);
 }
 
-static void head_q8int(int h, int factored)
+/* q to int8, a scale per 32 d (as ggml's q8_0). */
+static void quantise_q(int8_t *qi, float *sq)
 {
-    int8_t qi[DH];
-    float sq[NB];
-    for (int b = 0; b < NB; b++) {   /* q to int8, a scale per 32 d */
+    for (int b = 0; b < NB; b++) {
         float m = 0.0f;
         for (int d = 32 * b; d < 32 * b + 32; d++)
             m = fabsf(q[d]) > m ? fabsf(q[d]) : m;
@@ -223,46 +227,133 @@ static void head_q8int(int h, int factored)
         for (int d = 32 * b; d < 32 * b + 32; d++)
             qi[d] = (int8_t)lrintf(m > 0.0f ? q[d] * (127.0f / m) : 0.0f);
     }
+}
+
+/* p of a key tile stored 4 d at a time ([d/4][64][4]) from the rounded
+ * q: integer sums per block of 32 d, times both scales. */
+static void scores_int(const int8_t *K, const float *KS, const int8_t *qi,
+                       const float *sq, float *s)
+{
     const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[8];
+    zero(acc, 8);
+    for (int b = 0; b < NB; b++) {
+        __m256i isum[8];
+        for (int w = 0; w < 8; w++)
+            isum[w] = _mm256_setzero_si256();
+        for (int g = 0; g < 8; g++) {   /* 4 d of 64 keys: 256 bytes */
+            int32_t q4;
+            memcpy(&q4, qi + 32 * b + 4 * g, 4);
+            const __m256i qq = _mm256_set1_epi32(q4);
+            const __m256i qa = _mm256_abs_epi8(qq);
+            const int8_t *row = K + (size_t)(8 * b + g) * BC * 4;
+            for (int w = 0; w < 8; w++) {
+                const __m256i c =
+                    _mm256_loadu_si256((const __m256i *)(row + 32 * w));
+                /* |q| (unsigned) times c with q's sign: pairs summed to
+                 * int16 (|.| <= 2 * 127 * 127), then to int32 */
+                const __m256i p =
+                    _mm256_maddubs_epi16(qa, _mm256_sign_epi8(c, qq));
+                isum[w] = _mm256_add_epi32(isum[w],
+                                           _mm256_madd_epi16(p, ones));
+            }
+        }
+        const __m256 sqb = _mm256_set1_ps(sq[b]);
+        for (int w = 0; w < 8; w++)
+            acc[w] = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(isum[w]),
+                _mm256_mul_ps(sqb, _mm256_loadu_ps(KS + b * BC + 8 * w)),
+                acc[w]);
+    }
+    scores(acc, s);
+}
+
+static void head_q8int(int h, int factored)
+{
+    int8_t qi[DH];
+    float sq[NB];
+    quantise_q(qi, sq);
     __m256 o[16];
     zero(o, 16);
     for (int t = 0; t < T; t++) {
         const size_t tile = (size_t)h * T + t;
-        const int8_t *K = k4 + tile * DH * BC, *V = vc + tile * DH * BC;
-        const float *KS = ks + tile * NB * BC, *VS = vs + tile * NB * BC;
-        __m256 acc[8];
-        zero(acc, 8);
-        for (int b = 0; b < NB; b++) {
-            __m256i isum[8];
-            for (int w = 0; w < 8; w++)
-                isum[w] = _mm256_setzero_si256();
-            for (int g = 0; g < 8; g++) {   /* 4 d of 64 keys: 256 bytes */
-                int32_t q4;
-                memcpy(&q4, qi + 32 * b + 4 * g, 4);
-                const __m256i qq = _mm256_set1_epi32(q4);
-                const __m256i qa = _mm256_abs_epi8(qq);
-                const int8_t *row = K + (size_t)(8 * b + g) * BC * 4;
-                for (int w = 0; w < 8; w++) {
-                    const __m256i c =
-                        _mm256_loadu_si256((const __m256i *)(row + 32 * w));
-                    /* |q| (unsigned) times c with q's sign: pairs summed
-                     * to int16 (|.| <= 2 * 127 * 127), then to int32 */
-                    const __m256i p = _mm256_maddubs_epi16(
-                        qa, _mm256_sign_epi8(c, qq));
-                    isum[w] = _mm256_add_epi32(isum[w],
-                                               _mm256_madd_epi16(p, ones));
-                }
-            }
-            const __m256 sqb = _mm256_set1_ps(sq[b]);
-            for (int w = 0; w < 8; w++)
-                acc[w] = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(isum[w]),
-                    _mm256_mul_ps(sqb, _mm256_loadu_ps(KS + b * BC + 8 * w)),
-                    acc[w]);
-        }
         float s[BC];
-        scores(acc, s);
-        pv_q8(s, V, VS, factored, o);
+        scores_int(k4 + tile * DH * BC, ks + tile * NB * BC, qi, sq, s);
+        pv_q8(s, vc + tile * DH * BC, vs + tile * NB * BC, factored, o);
+    }
+    store_o(o, out[h]);
+}
+
+/* o += p v of a value tile stored two keys per d ([32][d][2]), summed in
+ * integers: the tile's weights w = p * (value scale) rounded to int16
+ * against its largest |w| (one scale per tile), then one vpmaddwd forms
+ * w_j c_j + w_j+1 c_j+1 for 8 d in int32 (|sum| over a tile <= 64 *
+ * 32767 * 127 < 2^31), converted and scaled once per tile. */
+static void pv_int16(const float *s, const int8_t *V, const float *VS,
+                     __m256 *o)
+{
+    float wf[NB * BC];   /* [NB][64] */
+    __m256 big8 = _mm256_setzero_ps();
+    const __m256 absmask =
+        _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i every4th = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    for (int b = 0; b < NB; b++)
+        for (int j = 0; j < BC; j += 8) {
+            /* VS is [64][NB]: the block's scales of 8 keys */
+            const __m256 sc =
+                _mm256_i32gather_ps(VS + j * NB + b, every4th, 4);
+            const __m256 w = _mm256_mul_ps(_mm256_loadu_ps(s + j), sc);
+            _mm256_storeu_ps(wf + b * BC + j, w);
+            big8 = _mm256_max_ps(big8, _mm256_and_ps(w, absmask));
+        }
+    float m8[8], m = 0.0f;
+    _mm256_storeu_ps(m8, big8);
+    for (int i = 0; i < 8; i++)
+        m = m8[i] > m ? m8[i] : m;
+    const __m256 inv = _mm256_set1_ps(m > 0.0f ? 32767.0f / m : 0.0f);
+    int16_t wq[NB * BC];
+    for (int i = 0; i < NB * BC; i += 16) {
+        const __m256i lo =
+            _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(wf + i), inv));
+        const __m256i hi = _mm256_cvtps_epi32(
+            _mm256_mul_ps(_mm256_loadu_ps(wf + i + 8), inv));
+        _mm256_storeu_si256(
+            (__m256i *)(wq + i),
+            _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xd8));
+    }
+    __m256i vi[16];
+    for (int w = 0; w < 16; w++)
+        vi[w] = _mm256_setzero_si256();
+    for (int pr = 0; pr < BC / 2; pr++) {
+        const int8_t *row = V + (size_t)pr * DH * 2;
+        for (int b = 0; b < NB; b++) {
+            int32_t pair;
+            memcpy(&pair, wq + b * BC + 2 * pr, 4);
+            const __m256i ww = _mm256_set1_epi32(pair);
+            for (int w = 4 * b; w < 4 * b + 4; w++) {
+                const __m256i c = _mm256_cvtepi8_epi16(
+                    _mm_loadu_si128((const __m128i *)(row + 16 * w)));
+                vi[w] = _mm256_add_epi32(vi[w], _mm256_madd_epi16(c, ww));
+            }
+        }
+    }
+    const __m256 u = _mm256_set1_ps(m / 32767.0f);
+    for (int w = 0; w < 16; w++)
+        o[w] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(vi[w]), u, o[w]);
+}
+
+static void head_q8int16(int h)
+{
+    int8_t qi[DH];
+    float sq[NB];
+    quantise_q(qi, sq);
+    __m256 o[16];
+    zero(o, 16);
+    for (int t = 0; t < T; t++) {
+        const size_t tile = (size_t)h * T + t;
+        float s[BC];
+        scores_int(k4 + tile * DH * BC, ks + tile * NB * BC, qi, sq, s);
+        pv_int16(s, v2 + tile * DH * BC, vs + tile * NB * BC, o);
     }
     store_o(o, out[h]);
 }
@@ -286,10 +377,10 @@ static void head_bytes(int h)
     _mm256_storeu_si256((__m256i *)out[h], a);
 }
 
-enum { F16, Q8, Q8FAC, Q8INT, Q8INTF, BYTES, Q8STRIPS, KINDS };
+enum { F16, Q8, Q8FAC, Q8INT, Q8INTF, BYTES, Q8STRIPS, Q8INT16, KINDS };
 static const char *const NAME[KINDS] = {"f16",   "q8",     "q8fac",
                                         "q8int", "q8int+", "bytes",
-                                        "q8strips"};
+                                        "q8strips", "q8int16"};
 
 static double step(int kind)
 {
@@ -303,6 +394,7 @@ static double step(int kind)
         case Q8INT: head_q8int(h, 0); break;
         case Q8INTF: head_q8int(h, 1); break;
         case BYTES: head_bytes(h); break;
+        case Q8INT16: head_q8int16(h); break;
         default: head_q8(h, 2); break;
         }
     }
@@ -325,7 +417,7 @@ int main(int argc, char **argv)
     T = lk / BC;
     const size_t n = (size_t)HEADS * (size_t)lk * DH;
     kf = big(n * 2), vf = big(n * 2);
-    kc = big(n), vc = big(n), k4 = big(n);
+    kc = big(n), vc = big(n), k4 = big(n), v2 = big(n);
     ks = big(n / 32 * sizeof(float)), vs = big(n / 32 * sizeof(float));
     /* Any codes will do (the time does not depend on them); finite f16. */
 #pragma omp parallel for
@@ -333,7 +425,7 @@ int main(int argc, char **argv)
         kf[i] = (uint16_t)(0x3c00 ^ (i & 0xff));
         vf[i] = (uint16_t)(0x3800 ^ (i & 0x7f));
         kc[i] = (int8_t)(i * 7), vc[i] = (int8_t)(i * 13);
-        k4[i] = (int8_t)(i * 5);
+        k4[i] = (int8_t)(i * 5), v2[i] = (int8_t)(i * 11);
     }
     for (size_t i = 0; i < n / 32; i++)
         ks[i] = 0.01f, vs[i] = 0.02f;
