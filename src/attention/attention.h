@@ -309,6 +309,8 @@ struct mha_kv_cache {
     int64_t tiles;          /* per (b, g): ceil(capacity / MHA_BC)        */
     mha_kv_dtype dtype;
     int64_t tile_bytes;     /* one kt or v tile: mha_kv_tile_bytes        */
+    int64_t tile_offset;    /* from a tile's start to the pointer the
+                               kernels take: q8's scales (kernels.h)     */
     int64_t *len;           /* [B] keys held per sequence                 */
     unsigned char *k, *v;   /* [B][Hkv][tiles] kt tiles, then v tiles     */
     float *finite;          /* [B][Hkv][tiles] 1.0f: every value finite
@@ -319,7 +321,8 @@ struct mha_kv_cache {
     float *extra;           /* mha_packed_floats(B, Hkv, 0, dh): one tile */
 };
 
-/* Tile t of (b, g) of the cache's keys (kt) and values (v). */
+/* Tile t of (b, g) of the cache's keys (kt) and values (v): the pointer
+ * the kernels take (a q8 tile's codes, its scales just before). */
 const unsigned char *mha_kv_cache_k_tile(const mha_kv_cache *c, int64_t b,
                                          int64_t g, int64_t t);
 const unsigned char *mha_kv_cache_v_tile(const mha_kv_cache *c, int64_t b,

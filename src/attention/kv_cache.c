@@ -6,6 +6,7 @@
  * decoding never repacks, converts or copies them:
  *
  *   k       [B][H_kv][tiles] kt tiles, kt[d][c], of tile_bytes each
+ *           (q8: each tile's scales, then its codes; kernels.h)
  *   v       [B][H_kv][tiles] v tiles, v[c][d]
  *   finite  [B][H_kv][tiles] 1.0f if every value the tile holds is finite
  *   extra   [B][H_kv] one f32 tile (an mha_packed of one tile): a module's
@@ -141,6 +142,8 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *cfg,
     c->tiles = tiles;
     c->dtype = cfg->dtype;
     c->tile_bytes = mha_kv_tile_bytes(cfg->dtype, MHA_BC, cfg->head_dim);
+    c->tile_offset = cfg->dtype == MHA_KV_Q8
+                         ? mha_q8_scale_bytes(MHA_BC, cfg->head_dim) : 0;
     c->len = len;
     c->k = data;
     c->v = data + bytes / 2;
@@ -218,13 +221,15 @@ static void store(mha_kv_dtype t, const float *x, int64_t n, void *dst,
 const unsigned char *mha_kv_cache_k_tile(const mha_kv_cache *c, int64_t b,
                                          int64_t g, int64_t t)
 {
-    return c->k + ((b * c->Hkv + g) * c->tiles + t) * c->tile_bytes;
+    return c->k + ((b * c->Hkv + g) * c->tiles + t) * c->tile_bytes +
+           c->tile_offset;
 }
 
 const unsigned char *mha_kv_cache_v_tile(const mha_kv_cache *c, int64_t b,
                                          int64_t g, int64_t t)
 {
-    return c->v + ((b * c->Hkv + g) * c->tiles + t) * c->tile_bytes;
+    return c->v + ((b * c->Hkv + g) * c->tiles + t) * c->tile_bytes +
+           c->tile_offset;
 }
 
 /* Key and value `col` of tile t of (b, g) from kr and vr (dh floats). */
@@ -235,7 +240,8 @@ static void put_column(mha_kv_cache *c, int64_t b, int64_t g, int64_t t,
     unsigned char *kt = (unsigned char *)mha_kv_cache_k_tile(c, b, g, t);
     unsigned char *vt = (unsigned char *)mha_kv_cache_v_tile(c, b, g, t);
     if (c->dtype == MHA_KV_Q8) {
-        float *ks = (float *)(kt + cols * dh), *vs = (float *)(vt + cols * dh);
+        float *ks = (float *)mha_q8_scales(kt, cols, dh);
+        float *vs = (float *)mha_q8_scales(vt, cols, dh);
         const int64_t blocks = mha_q8_blocks(dh);
         for (int64_t k = 0; k < blocks; k++) {
             const int64_t d0 = k * MHA_Q8_BLOCK;

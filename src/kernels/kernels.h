@@ -102,8 +102,15 @@ typedef struct mha_microkernels {
  * last block shorter when d_h is not a multiple), each block x as int8
  * codes c and one float scale s, standing for the floats fl(c * s):
  *
- *     kt tile   int8 c[dh][cols],   then float s[blocks][cols]
- *     v tile    int8 c[cols][dh],   then float s[cols][blocks]
+ *     kt tile   float s[blocks][cols],   then int8 c[dh][cols]
+ *     v tile    float s[cols][blocks],   then int8 c[cols][dh]
+ *
+ * and a q8 tile's pointer is its codes' (the scales lie just before it:
+ * mha_q8_scales).  The scales come first so that a kernel walking the
+ * tiles reads forward only: scales before codes in each tile, tile after
+ * tile.  With the scales after the codes, each tile's walk jumped ahead
+ * to its end for a block's scales and back, and the hardware's stream
+ * prefetchers fell behind (docs/BENCHMARKS.md, "The 8-bit cache").
  *
  * (s = amax|x| / 127 rounded to float, c = x / s rounded to nearest even;
  * a block holding NaN or Inf has s = NaN: all of it reads as NaN.)
@@ -115,21 +122,28 @@ static inline int64_t mha_q8_blocks(int64_t dh)
     return (dh + MHA_Q8_BLOCK - 1) / MHA_Q8_BLOCK;
 }
 
+/* Bytes of a q8 tile's scales, which precede its codes. */
+static inline int64_t mha_q8_scale_bytes(int64_t cols, int64_t dh)
+{
+    return 4 * cols * mha_q8_blocks(dh);
+}
+
 /* Bytes of one kt or v tile of `cols` keys; a multiple of 64 when cols
  * is. */
 static inline int64_t mha_kv_tile_bytes(mha_kv_dtype dtype, int64_t cols,
                                         int64_t dh)
 {
     return dtype == MHA_KV_F32  ? 4 * cols * dh
-         : dtype == MHA_KV_Q8   ? cols * dh + 4 * cols * mha_q8_blocks(dh)
+         : dtype == MHA_KV_Q8   ? mha_q8_scale_bytes(cols, dh) + cols * dh
                                 : 2 * cols * dh;
 }
 
-/* q8: the float scales after a tile's int8 codes. */
+/* q8: the float scales of the tile whose codes start at `tile`. */
 static inline const float *mha_q8_scales(const void *tile, int64_t cols,
                                          int64_t dh)
 {
-    return (const float *)((const int8_t *)tile + cols * dh);
+    return (const float *)((const int8_t *)tile -
+                           mha_q8_scale_bytes(cols, dh));
 }
 
 /* Element `at` of an f32, f16 or bf16 tile, as the float it stands for. */
