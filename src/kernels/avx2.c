@@ -208,21 +208,24 @@ enum { KSLAB = 8 };
  * B is read in strips down its columns: fine when B is in cache (many
  * row blocks reuse it), but a decoding step reads each B (a KV cache's
  * tile) once, from memory, where strips far apart defeat the hardware's
- * streaming.  A panel of 2 to RMAX rows that is the only one (`slabs`: a
- * grouped-query decode's stacked heads) walks K in slabs of KSLAB rows
- * instead, every block of columns through one slab (a few KB,
- * contiguous, read from memory once and then from L1) before the next,
- * the partial sums kept in C between slabs.  An element's chain is the
- * same chain, stored and reloaded exactly: the same bits.  (SET and ACC
- * only: ADD must form the whole sum before adding it to C.  One row reads
- * whole 64-column rows of a key tile already, and two strips of a value
- * tile's rows stream well: slabs would only cost it the reloads.)
+ * streaming.  A panel of 1 to RMAX rows that is the only one (`slabs`:
+ * a decoding step's row, or a grouped-query decode's stacked heads) walks
+ * K in slabs of KSLAB rows instead, every block of columns through one
+ * slab (a few KB, contiguous, read from memory once and then from L1)
+ * before the next, the partial sums kept in C between slabs.  An
+ * element's chain is the same chain, stored and reloaded exactly: the
+ * same bits.  (SET and ACC only: ADD must form the whole sum before
+ * adding it to C.  One row against at most 64 columns is one block of
+ * columns, a key tile's rows read whole: slabs would only cost it the
+ * reloads.  One row against a value tile of d_h 128 was two strips of
+ * 64 columns, and walking it in slabs made the q8 step 9% faster and
+ * f32's 8%, docs/BENCHMARKS.md.)
  */
 MK_INLINE void panel(const int R, const int mode, const int T, int slabs,
                      int N, int K, const float *A, int lda, int ska,
                      const bsrc *B, float *C, int ldc)
 {
-    if (!slabs || R == 1 || (mode & ADD) || K <= KSLAB) {
+    if (!slabs || (R == 1 && N <= 64) || (mode & ADD) || K <= KSLAB) {
         cols(R, mode, T, N, 0, K, A, lda, ska, B, C, ldc);
         return;
     }
