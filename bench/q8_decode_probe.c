@@ -33,6 +33,12 @@
  *           tile's weights p * (value scale) rounded to int16 against
  *           the tile's largest, the codes stored two keys per d so that
  *           vpmaddwd forms two keys' products at once
+ *   q8lay   q8's arithmetic on tiles laid out as libmha's cache laid them
+ *           out before e6d5fa4: each tile its codes, then its
+ *           scales (9 KiB at d_h 128), tile after tile
+ *   q8layS  the same with each tile's scales first (the cache's layout
+ *           since): read forward only
+ *   q8layP  codes then scales, the tiles padded to 12 KiB (4 KiB-aligned)
  *
  * Build and run (outside the library's build; HUGE=1 asks for
  * transparent huge pages, as libmha's cache does):
@@ -57,6 +63,7 @@ enum { DH = 128, BC = 64, NB = DH / 32, HEADS = 32, ROUNDS = 11 };
 
 static int T;                         /* tiles per head */
 static uint16_t *kf, *vf;             /* f16 tiles, [HEADS][T][...] */
+static int8_t *kl, *vl;               /* q8lay: tiles of codes + scales */
 static int8_t *kc, *vc, *k4, *v2;     /* q8 codes; k4: [d/4][64][4],
                                          v2: [32 pairs][d][2] */
 static float *ks, *vs;                /* q8 scales: k [NB][64], v [64][NB] */
@@ -268,6 +275,45 @@ static void scores_int(const int8_t *K, const float *KS, const int8_t *qi,
     scores(acc, s);
 }
 
+/* q8 as libmha's cache lays it out: each tile its codes then its scales
+ * (9 KiB for d_h 128), the tiles of a head one after another; or the
+ * scales first; or the tiles padded to 12 KiB (a multiple of 4 KiB). */
+enum { LAY_CODES_FIRST, LAY_SCALES_FIRST, LAY_PADDED };
+static size_t lay_stride(int how)
+{
+    return how == LAY_PADDED ? 3 * 4096 : DH * BC + NB * BC * 4;
+}
+
+static void head_q8lay(int h, int how)
+{
+    const size_t stride = lay_stride(how);
+    const size_t codes = how == LAY_SCALES_FIRST ? NB * BC * 4 : 0;
+    const size_t scales = how == LAY_SCALES_FIRST ? 0 : DH * BC;
+    __m256 o[16];
+    zero(o, 16);
+    for (int t = 0; t < T; t++) {
+        const size_t at = ((size_t)h * T + t) * stride;
+        const int8_t *K = kl + at + codes, *V = vl + at + codes;
+        const float *KS = (const float *)(kl + at + scales);
+        const float *VS = (const float *)(vl + at + scales);
+        __m256 acc[8];
+        zero(acc, 8);
+        for (int k = 0; k < DH; k++) {
+            const __m256 a = _mm256_set1_ps(q[k]);
+            for (int w = 0; w < 8; w++)
+                acc[w] = _mm256_fmadd_ps(
+                    a, _mm256_mul_ps(widen(K + k * BC + 8 * w),
+                                     _mm256_loadu_ps(KS + k / 32 * BC +
+                                                     8 * w)),
+                    acc[w]);
+        }
+        float s[BC];
+        scores(acc, s);
+        pv_q8(s, V, VS, 0, o);
+    }
+    store_o(o, out[h]);
+}
+
 static void head_q8int(int h, int factored)
 {
     int8_t qi[DH];
@@ -377,10 +423,12 @@ static void head_bytes(int h)
     _mm256_storeu_si256((__m256i *)out[h], a);
 }
 
-enum { F16, Q8, Q8FAC, Q8INT, Q8INTF, BYTES, Q8STRIPS, Q8INT16, KINDS };
+enum { F16, Q8, Q8FAC, Q8INT, Q8INTF, BYTES, Q8STRIPS, Q8INT16, Q8LAY, Q8LAYS,
+       Q8LAYP, KINDS };
 static const char *const NAME[KINDS] = {"f16",   "q8",     "q8fac",
                                         "q8int", "q8int+", "bytes",
-                                        "q8strips", "q8int16"};
+                                        "q8strips", "q8int16", "q8lay",
+                                        "q8layS", "q8layP"};
 
 static double step(int kind)
 {
@@ -395,6 +443,9 @@ static double step(int kind)
         case Q8INTF: head_q8int(h, 1); break;
         case BYTES: head_bytes(h); break;
         case Q8INT16: head_q8int16(h); break;
+        case Q8LAY: head_q8lay(h, LAY_CODES_FIRST); break;
+        case Q8LAYS: head_q8lay(h, LAY_SCALES_FIRST); break;
+        case Q8LAYP: head_q8lay(h, LAY_PADDED); break;
         default: head_q8(h, 2); break;
         }
     }
@@ -418,6 +469,7 @@ int main(int argc, char **argv)
     const size_t n = (size_t)HEADS * (size_t)lk * DH;
     kf = big(n * 2), vf = big(n * 2);
     kc = big(n), vc = big(n), k4 = big(n), v2 = big(n);
+    kl = big(n / 2 * 3), vl = big(n / 2 * 3);   /* the padded stride */
     ks = big(n / 32 * sizeof(float)), vs = big(n / 32 * sizeof(float));
     /* Any codes will do (the time does not depend on them); finite f16. */
 #pragma omp parallel for
@@ -429,6 +481,13 @@ int main(int argc, char **argv)
     }
     for (size_t i = 0; i < n / 32; i++)
         ks[i] = 0.01f, vs[i] = 0.02f;
+    /* q8lay's tiles: any codes; every 4-byte word of the scale region
+     * (wherever a layout puts it) a scale */
+    for (size_t i = 0; i < n / 2 * 3; i += 4) {
+        const float k = 0.01f, v = 0.02f;
+        memcpy(kl + i, &k, 4);
+        memcpy(vl + i, &v, 4);
+    }
     for (int d = 0; d < DH; d++)
         q[d] = (float)(d % 17) - 8.0f;
 
