@@ -314,22 +314,6 @@ static void head_q8lay(int h, int how)
     store_o(o, out[h]);
 }
 
-static void head_q8int(int h, int factored)
-{
-    int8_t qi[DH];
-    float sq[NB];
-    quantise_q(qi, sq);
-    __m256 o[16];
-    zero(o, 16);
-    for (int t = 0; t < T; t++) {
-        const size_t tile = (size_t)h * T + t;
-        float s[BC];
-        scores_int(k4 + tile * DH * BC, ks + tile * NB * BC, qi, sq, s);
-        pv_q8(s, vc + tile * DH * BC, vs + tile * NB * BC, factored, o);
-    }
-    store_o(o, out[h]);
-}
-
 /* o += p v of a value tile stored two keys per d ([32][d][2]), summed in
  * integers: the tile's weights w = p * (value scale) rounded to int16
  * against its largest |w| (one scale per tile), then one vpmaddwd forms
@@ -388,7 +372,9 @@ static void pv_int16(const float *s, const int8_t *V, const float *VS,
         o[w] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(vi[w]), u, o[w]);
 }
 
-static void head_q8int16(int h)
+/* q8int's integer scores; the values as q8 (values 0), q8fac (1) or
+ * summed in integers (2: q8int16). */
+static void head_q8int(int h, int values)
 {
     int8_t qi[DH];
     float sq[NB];
@@ -399,7 +385,10 @@ static void head_q8int16(int h)
         const size_t tile = (size_t)h * T + t;
         float s[BC];
         scores_int(k4 + tile * DH * BC, ks + tile * NB * BC, qi, sq, s);
-        pv_int16(s, v2 + tile * DH * BC, vs + tile * NB * BC, o);
+        if (values == 2)
+            pv_int16(s, v2 + tile * DH * BC, vs + tile * NB * BC, o);
+        else
+            pv_q8(s, vc + tile * DH * BC, vs + tile * NB * BC, values, o);
     }
     store_o(o, out[h]);
 }
@@ -442,7 +431,7 @@ static double step(int kind)
         case Q8INT: head_q8int(h, 0); break;
         case Q8INTF: head_q8int(h, 1); break;
         case BYTES: head_bytes(h); break;
-        case Q8INT16: head_q8int16(h); break;
+        case Q8INT16: head_q8int(h, 2); break;
         case Q8LAY: head_q8lay(h, LAY_CODES_FIRST); break;
         case Q8LAYS: head_q8lay(h, LAY_SCALES_FIRST); break;
         case Q8LAYP: head_q8lay(h, LAY_PADDED); break;
