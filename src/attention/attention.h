@@ -309,8 +309,6 @@ struct mha_kv_cache {
     int64_t tiles;          /* per (b, g): ceil(capacity / MHA_BC)        */
     mha_kv_dtype dtype;
     int64_t tile_bytes;     /* one kt or v tile: mha_kv_tile_bytes        */
-    int64_t tile_offset;    /* from a tile's start to the pointer the
-                               kernels take: q8's scales (kernels.h)     */
     int64_t *len;           /* [B] keys held per sequence                 */
     unsigned char *k, *v;   /* [B][Hkv][tiles] kt tiles, then v tiles     */
     float *finite;          /* [B][Hkv][tiles] 1.0f: every value finite

@@ -142,8 +142,6 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *cfg,
     c->tiles = tiles;
     c->dtype = cfg->dtype;
     c->tile_bytes = mha_kv_tile_bytes(cfg->dtype, MHA_BC, cfg->head_dim);
-    c->tile_offset = cfg->dtype == MHA_KV_Q8
-                         ? mha_q8_scale_bytes(MHA_BC, cfg->head_dim) : 0;
     c->len = len;
     c->k = data;
     c->v = data + bytes / 2;
@@ -218,18 +216,27 @@ static void store(mha_kv_dtype t, const float *x, int64_t n, void *dst,
     }
 }
 
+/* Tile t of (b, g) in one plane: the pointer the kernels take, past a
+ * q8 tile's scales (kernels.h). */
+static const unsigned char *tile_at(const mha_kv_cache *c,
+                                    const unsigned char *plane, int64_t b,
+                                    int64_t g, int64_t t)
+{
+    const int64_t skip =
+        c->dtype == MHA_KV_Q8 ? mha_q8_scale_bytes(MHA_BC, c->dh) : 0;
+    return plane + ((b * c->Hkv + g) * c->tiles + t) * c->tile_bytes + skip;
+}
+
 const unsigned char *mha_kv_cache_k_tile(const mha_kv_cache *c, int64_t b,
                                          int64_t g, int64_t t)
 {
-    return c->k + ((b * c->Hkv + g) * c->tiles + t) * c->tile_bytes +
-           c->tile_offset;
+    return tile_at(c, c->k, b, g, t);
 }
 
 const unsigned char *mha_kv_cache_v_tile(const mha_kv_cache *c, int64_t b,
                                          int64_t g, int64_t t)
 {
-    return c->v + ((b * c->Hkv + g) * c->tiles + t) * c->tile_bytes +
-           c->tile_offset;
+    return tile_at(c, c->v, b, g, t);
 }
 
 /* Key and value `col` of tile t of (b, g) from kr and vr (dh floats). */
