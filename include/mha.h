@@ -456,7 +456,9 @@ typedef struct mha_forward_args {
                              mha_total_keys(module, Lk) with the resolved
                              Lk (q_len when kv_len is 0).  These are the
                              probabilities actually applied to V, i.e. after
-                             dropout (scaled by 1/(1-p)), as PyTorch returns */
+                             dropout (scaled by 1/(1-p)), as PyTorch returns;
+                             must not overlap query, key, value, out or a
+                             mask's data                                 */
 
     int num_threads;      /* threads for the attention and the
                              projections; 0 -> the OpenMP default
@@ -857,7 +859,9 @@ MHA_API mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
                                        mha_kv_cache **out);
 /* A cache shaped for `module` (its H_kv and d_h), f32, no window.  For
  * another dtype or a window, mha_kv_cache_create with the module's
- * num_kv_heads and head_dim (mha_get_config). */
+ * num_kv_heads and head_dim (mha_get_config).  Refused for a module
+ * whose kdim or vdim differ from E (a cache is for self-attention); on
+ * any failure *out is NULL, as with mha_kv_cache_create. */
 MHA_API mha_status mha_kv_cache_for_module(const mha_module *module,
                                            int64_t batch, int64_t capacity,
                                            mha_kv_cache **out);

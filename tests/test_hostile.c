@@ -173,6 +173,31 @@ CACHE_ATTACK(cache_absurd_size, INT64_C(1) << 20, 64, 128, INT64_C(1) << 40,
 CACHE_ATTACK(cache_dtype_unknown, 1, 2, 4, 8, (mha_kv_dtype)7, 0)
 CACHE_ATTACK(cache_window_over_capacity, 1, 2, 4, 4, MHA_KV_F32, 5)
 CACHE_ATTACK(cache_window_negative, 1, 2, 4, 8, MHA_KV_F32, -2)
+/* capacity + 63 would overflow in rounding it up to whole tiles */
+CACHE_ATTACK(cache_capacity_int64_max, 1, 1, 8, INT64_MAX, MHA_KV_F32, 0)
+ATTACK(cache_for_module_int64_max)
+{
+    mha_kv_cache *c = NULL;
+    const mha_status st =
+        mha_kv_cache_for_module(f->m, 1, INT64_MAX - 10, &c);
+    mha_kv_cache_free(c);
+    return st;
+}
+ATTACK(cache_for_cross_module)
+{
+    mha_config c = {0};   /* keys of width 8, not E */
+    c.embed_dim = E;
+    c.num_heads = H;
+    c.kdim = 8;
+    c.vdim = 8;
+    mha_module *m = tu_module(&c, 5);
+    mha_kv_cache *kv = NULL;
+    (void)f;
+    const mha_status st = mha_kv_cache_for_module(m, 1, CAP, &kv);
+    mha_kv_cache_free(kv);
+    mha_free(m);
+    return st;
+}
 ATTACK(cache_config_null)
 {
     mha_kv_cache *c = NULL;
@@ -181,9 +206,11 @@ ATTACK(cache_config_null)
 }
 ATTACK(cache_for_null_module)
 {
-    mha_kv_cache *c = NULL;
-    (void)f;
-    return mha_kv_cache_for_module(NULL, 1, 8, &c);
+    /* refused, and *out set to NULL, as mha_kv_cache_create does (a
+     * pointer left as it was fails the row) */
+    mha_kv_cache *c = (mha_kv_cache *)f;
+    const mha_status st = mha_kv_cache_for_module(NULL, 1, 8, &c);
+    return c ? MHA_OK : st;
 }
 ATTACK(append_past_capacity)
 {
@@ -232,6 +259,40 @@ ATTACK(read_past_length)
 ATTACK(read_negative_start)
 {
     return mha_kv_cache_read(f->kv, 0, -1, 1, f->k, f->v);
+}
+ATTACK(read_negative_count)
+{
+    return mha_kv_cache_read(f->kv, 0, 0, -1, f->k, f->v);
+}
+/* (the message once printed start + n - 1, which overflows here) */
+ATTACK(read_huge_count)
+{
+    return mha_kv_cache_read(f->kv, 0, 2, INT64_MAX, f->k, f->v);
+}
+ATTACK(read_huge_start)
+{
+    return mha_kv_cache_read(f->kv, 0, INT64_MAX, 1, f->k, f->v);
+}
+
+/* The weights written over the forward's out, or over its query. */
+static mha_status weights_over(fixture *f, float *w)
+{
+    mha_forward_args a = {0};
+    a.batch = 1;
+    a.q_len = 2;
+    a.query = f->x;
+    a.out = f->y;
+    a.need_weights = MHA_WEIGHTS_PER_HEAD;
+    a.attn_weights = w;
+    return mha_forward(f->m, &a);
+}
+ATTACK(forward_weights_over_out)
+{
+    return weights_over(f, f->y + 8);
+}
+ATTACK(forward_weights_over_query)
+{
+    return weights_over(f, f->x + 31);
 }
 
 /* Decoding through the cache. */
@@ -335,6 +396,28 @@ ATTACK(decode_heads_with_k)
     mha_attention_args a = heads_step(f);
     a.k = f->k;
     return mha_attention(&a);
+}
+ATTACK(decode_heads_backward)
+{
+    const mha_attention_args a = heads_step(f);
+    mha_attention_grads g = {0};
+    g.grad_out = f->x;
+    g.grad_q = f->y;
+    return mha_attention_backward(&a, &g);
+}
+ATTACK(decode_heads_plan_other_cache)
+{
+    mha_attention_args a = heads_step(f);
+    mha_attention_plan *p = NULL;
+    if (mha_attention_plan_create(&a, &p) != MHA_OK)
+        return MHA_OK;   /* (the row then fails: creating must work) */
+    mha_kv_cache *big = NULL;
+    mha_kv_cache_for_module(f->m, 2, 2 * CAP, &big);
+    a.cache = big;
+    const mha_status st = mha_attention_plan_run(p, &a);
+    mha_kv_cache_free(big);
+    mha_attention_plan_free(p);
+    return st;
 }
 ATTACK(decode_plan_other_cache)
 {
@@ -525,6 +608,9 @@ static const attack ATTACKS[] = {
     ROW(cache_window_over_capacity, MHA_ERR_INVALID_ARGUMENT, "window"),
     ROW(cache_window_negative, MHA_ERR_INVALID_ARGUMENT, "window"),
     ROW(cache_config_null, MHA_ERR_NULL_POINTER, "config"),
+    ROW(cache_capacity_int64_max, MHA_ERR_OVERFLOW, "overflows"),
+    ROW(cache_for_module_int64_max, MHA_ERR_OVERFLOW, "overflows"),
+    ROW(cache_for_cross_module, MHA_ERR_INVALID_ARGUMENT, "self-attention"),
     ROW(cache_for_null_module, MHA_ERR_NULL_POINTER, "module"),
     ROW(append_past_capacity, MHA_ERR_INVALID_ARGUMENT, "capacity 8"),
     ROW(append_bad_sequence, MHA_ERR_INVALID_ARGUMENT, "sequence 2"),
@@ -537,6 +623,12 @@ static const attack ATTACKS[] = {
     ROW(reset_bad_sequence, MHA_ERR_INVALID_ARGUMENT, "sequence -2"),
     ROW(read_past_length, MHA_ERR_INVALID_ARGUMENT, "length 3"),
     ROW(read_negative_start, MHA_ERR_INVALID_ARGUMENT, "-1"),
+    ROW(read_negative_count, MHA_ERR_INVALID_ARGUMENT, "n >= 0"),
+    ROW(read_huge_count, MHA_ERR_INVALID_ARGUMENT, "length 3"),
+    ROW(read_huge_start, MHA_ERR_INVALID_ARGUMENT, "length 3"),
+    ROW(forward_weights_over_out, MHA_ERR_INVALID_ARGUMENT, "overlaps out"),
+    ROW(forward_weights_over_query, MHA_ERR_INVALID_ARGUMENT,
+        "overlaps query"),
     ROW(decode_wrong_module, MHA_ERR_SHAPE, "K/V heads"),
     ROW(decode_wrong_head_dim, MHA_ERR_SHAPE, "head"),
     ROW(decode_batch_mismatch, MHA_ERR_SHAPE, "2 sequences"),
@@ -550,6 +642,9 @@ static const attack ATTACKS[] = {
     ROW(decode_window_weights, MHA_ERR_UNSUPPORTED, "window"),
     ROW(decode_window_too_many_queries, MHA_ERR_INVALID_ARGUMENT, "window"),
     ROW(decode_heads_with_k, MHA_ERR_INVALID_ARGUMENT, "cache"),
+    ROW(decode_heads_backward, MHA_ERR_UNSUPPORTED, "no backward"),
+    ROW(decode_heads_plan_other_cache, MHA_ERR_INVALID_ARGUMENT,
+        "capacity <= 8"),
     ROW(decode_plan_other_cache, MHA_ERR_INVALID_ARGUMENT, "capacity"),
     ROW(decode_then_backward, MHA_ERR_INVALID_ARGUMENT, "no forward"),
     ROW(positions_negative, MHA_ERR_INVALID_ARGUMENT, "position"),

@@ -95,7 +95,10 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *cfg,
      * has 64 keys; the other dimensions stay in int64), then every
      * product checked. */
     int64_t bg, tiles_all, bytes, extra;
-    const int64_t tiles = (cfg->capacity + MHA_BC - 1) / MHA_BC;
+    /* (capacity / MHA_BC rounded up, without capacity + MHA_BC - 1,
+     * which overflows for a capacity near INT64_MAX) */
+    const int64_t tiles =
+        cfg->capacity / MHA_BC + (cfg->capacity % MHA_BC != 0);
     if (cfg->head_dim > INT32_MAX / (4 * MHA_BC) ||
         !mha_mul_ok(cfg->batch, cfg->num_kv_heads, &bg) ||
         !mha_mul_ok(bg, tiles, &tiles_all) ||
@@ -485,12 +488,25 @@ mha_status mha_kv_cache_read(const mha_kv_cache *c, int64_t seq,
                              int64_t start, int64_t n, float *k, float *v)
 {
     MHA_CHECK(check_seq(c, seq));
-    if (start < 0 || n < 0 || start > c->len[seq] - n)
+    if (n < 0)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "tokens %lld .. %lld are not in sequence %lld "
-                             "of length %lld", (long long)start,
-                             (long long)(start + n - 1), (long long)seq,
+                             "cannot read %lld tokens: expected n >= 0",
+                             (long long)n);
+    if (start < 0 || start > c->len[seq] - n) {
+        /* (named by their last token only where start + n - 1 does not
+         * overflow: not for the absurd values this refuses too) */
+        if (n > 0 && start <= INT64_MAX - (n - 1))
+            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                 "tokens %lld .. %lld are not in sequence "
+                                 "%lld of length %lld", (long long)start,
+                                 (long long)(start + (n - 1)),
+                                 (long long)seq, (long long)c->len[seq]);
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "%lld tokens from token %lld are not in "
+                             "sequence %lld of length %lld", (long long)n,
+                             (long long)start, (long long)seq,
                              (long long)c->len[seq]);
+    }
     if (c->window && n > 0 && start < c->start[seq])
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "tokens %lld .. %lld of sequence %lld: the "

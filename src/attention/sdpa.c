@@ -427,7 +427,13 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "this plan was made %s a KV cache",
                              p->cache_capacity ? "for" : "without");
-    if (a->cache && a->cache->capacity <= p->cache_capacity)
+    if (a->cache && a->cache->capacity > p->cache_capacity)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "this plan was made for KV caches of capacity "
+                             "<= %lld; the cache given holds %lld tokens",
+                             (long long)p->cache_capacity,
+                             (long long)a->cache->capacity);
+    if (a->cache)
         s.Lk = ps->Lk;   /* a smaller cache fits the plan's layout */
     if (s.B != ps->B || s.H != ps->H || s.Hkv != ps->Hkv || s.dh != ps->dh ||
         s.Lq != ps->Lq || s.Lk != ps->Lk)
@@ -577,6 +583,11 @@ static mha_status check_saved(const mha_attention_plan *p,
 /* The backward reads and writes the rows layout only. */
 static mha_status backward_layout(const mha_attention_args *a)
 {
+    if (a->cache)
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "attention on a KV cache has no backward "
+                             "(decoding is inference): give k and v, not a "
+                             "cache, to differentiate");
     if (a->layout != MHA_LAYOUT_ROWS)
         return mha_set_error(MHA_ERR_UNSUPPORTED,
                              "the backward takes q, k, v and their gradients "
@@ -730,10 +741,6 @@ mha_status mha_attention_backward_part(const mha_attention_args *a,
         return mha_set_error(MHA_ERR_UNSUPPORTED,
                              "a part's backward takes no sinks (a sink "
                              "belongs to no part of the keys)");
-    if (a->cache)
-        return mha_set_error(MHA_ERR_UNSUPPORTED,
-                             "a part's backward takes no KV cache (a cached "
-                             "forward has no backward)");
     mha_attention_args f = *a;
     f.need_weights = MHA_WEIGHTS_NONE;
     f.attn_weights = NULL;

@@ -386,6 +386,51 @@ static mha_status check_head_mask(const float *head_mask, int64_t H)
     return MHA_OK;
 }
 
+/* The weights are written while the masks are read and before out is:
+ * attn_weights may share no byte with query, key, value, out or a mask
+ * (with out it would be overwritten, with a mask it would corrupt it). */
+static int bytes_overlap(const void *a, size_t na, const void *b, size_t nb)
+{
+    const uintptr_t a0 = (uintptr_t)a, b0 = (uintptr_t)b;
+    return a && b && na && nb && a0 < b0 + nb && b0 < a0 + na;
+}
+
+static mha_status check_weights_apart(const mha_forward_args *a,
+                                      const mha_config *c, const fwd_shape *s,
+                                      int64_t n_w)
+{
+    const size_t f = sizeof(float), w = (size_t)n_w * f;
+    const size_t rows_k = (size_t)(s->B * s->Lk);
+    const mha_mask *mk[2] = {&a->attn_mask, &a->key_padding_mask};
+    size_t mn[2] = {0, 0};
+    for (int k = 0; k < 2; k++) {
+        if (mk[k]->kind == MHA_MASK_NONE)
+            continue;
+        mn[k] = mk[k]->kind == MHA_MASK_ADDITIVE ? f : 1;
+        for (int d = 0; d < mk[k]->ndim; d++)
+            mn[k] *= (size_t)mk[k]->shape[d];
+    }
+    const struct {
+        const char *name;
+        const void *p;
+        size_t n;
+    } in[] = {
+        {"query", a->query, (size_t)s->n_q * f},
+        {"key", a->key, rows_k * (size_t)c->kdim * f},
+        {"value", a->value, rows_k * (size_t)c->vdim * f},
+        {"out", a->out, (size_t)s->n_q * f},
+        {"attn_mask", mk[0]->data, mn[0]},
+        {"key_padding_mask", mk[1]->data, mn[1]},
+    };
+    for (size_t i = 0; i < sizeof in / sizeof in[0]; i++)
+        if (bytes_overlap(a->attn_weights, w, in[i].p, in[i].n))
+            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                 "attn_weights overlaps %s: the weights may "
+                                 "not share memory with the inputs or out",
+                                 in[i].name);
+    return MHA_OK;
+}
+
 mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
 {
     if (!plan)
@@ -457,6 +502,8 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
     if (c->mods.rope.style != MHA_ROPE_NONE)
         MHA_CHECK(mha_rope_check_positions(a->positions, s.B * s.Lq,
                                            "positions"));
+    if (a->need_weights != MHA_WEIGHTS_NONE)
+        MHA_CHECK(check_weights_apart(a, c, &s, n_w));
 
     /* Taken before out (which may alias the query) is written. */
     const uint64_t print = mha_fwd_fingerprint(m, &s, a);
