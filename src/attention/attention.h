@@ -331,6 +331,11 @@ const unsigned char *mha_kv_cache_v_tile(const mha_kv_cache *c, int64_t b,
  * sequence fills (min(length, capacity)); its Lk. */
 int64_t mha_kv_cache_keys(const mha_kv_cache *c, int64_t more);
 
+/* A plan made for caches of capacity <= plan_capacity (its workspace is
+ * sized for that many keys): refused, naming both, for a larger cache. */
+mha_status mha_kv_cache_check_plan(const mha_kv_cache *c,
+                                   int64_t plan_capacity);
+
 /* A step of q_len queries per sequence on a window cache, after `more`
  * new tokens are appended (0: the caller appended them): refused unless
  * q_len + W - 1 <= capacity and the ring holds every position each

@@ -484,6 +484,18 @@ mha_status mha_kv_cache_truncate(mha_kv_cache *c, int64_t seq,
     return MHA_OK;
 }
 
+mha_status mha_kv_cache_check_plan(const mha_kv_cache *c,
+                                   int64_t plan_capacity)
+{
+    if (c->capacity > plan_capacity)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "this plan was made for KV caches of capacity "
+                             "<= %lld; the cache given holds %lld tokens",
+                             (long long)plan_capacity,
+                             (long long)c->capacity);
+    return MHA_OK;
+}
+
 mha_status mha_kv_cache_read(const mha_kv_cache *c, int64_t seq,
                              int64_t start, int64_t n, float *k, float *v)
 {

@@ -427,14 +427,10 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "this plan was made %s a KV cache",
                              p->cache_capacity ? "for" : "without");
-    if (a->cache && a->cache->capacity > p->cache_capacity)
-        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "this plan was made for KV caches of capacity "
-                             "<= %lld; the cache given holds %lld tokens",
-                             (long long)p->cache_capacity,
-                             (long long)a->cache->capacity);
-    if (a->cache)
+    if (a->cache) {
+        MHA_CHECK(mha_kv_cache_check_plan(a->cache, p->cache_capacity));
         s.Lk = ps->Lk;   /* a smaller cache fits the plan's layout */
+    }
     if (s.B != ps->B || s.H != ps->H || s.Hkv != ps->Hkv || s.dh != ps->dh ||
         s.Lq != ps->Lq || s.Lk != ps->Lk)
         return mha_set_error(MHA_ERR_SHAPE,

@@ -54,12 +54,7 @@ static mha_status check_cache_args(const mha_module *m,
                              "with a KV cache, causal masking is bottom-right "
                              "(each new token sees its sequence's past): "
                              "TOP_LEFT is refused");
-    if (m->cfg.kdim != m->cfg.embed_dim || m->cfg.vdim != m->cfg.embed_dim)
-        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "a KV cache needs self-attention: this module's "
-                             "kdim %lld / vdim %lld differ from E %lld",
-                             (long long)m->cfg.kdim, (long long)m->cfg.vdim,
-                             (long long)m->cfg.embed_dim);
+    MHA_CHECK(mha_module_check_self_attention(m));
     if (kv->B != a->batch || kv->Hkv != m->cfg.num_kv_heads ||
         kv->dh != m->head_dim)
         return mha_set_error(MHA_ERR_SHAPE,
@@ -458,12 +453,8 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "this plan was made %s a KV cache",
                              plan->cache_capacity ? "for" : "without");
-    if (a->cache && a->cache->capacity > plan->cache_capacity)
-        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "this plan was made for KV caches of capacity "
-                             "<= %lld; the cache given holds %lld tokens",
-                             (long long)plan->cache_capacity,
-                             (long long)a->cache->capacity);
+    if (a->cache)
+        MHA_CHECK(mha_kv_cache_check_plan(a->cache, plan->cache_capacity));
     for (int64_t b = 0; a->cache && !a->cache->window && b < s.B; b++)
         if (a->cache->len[b] > a->cache->capacity - s.Lq)
             return mha_set_error(MHA_ERR_INVALID_ARGUMENT,

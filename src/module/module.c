@@ -491,6 +491,17 @@ mha_status mha_project_backward(const mha_module *m, mha_projection which,
     return MHA_OK;
 }
 
+mha_status mha_module_check_self_attention(const mha_module *m)
+{
+    if (m->cfg.kdim != m->cfg.embed_dim || m->cfg.vdim != m->cfg.embed_dim)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "a KV cache needs self-attention: this module's "
+                             "kdim %lld / vdim %lld differ from E %lld",
+                             (long long)m->cfg.kdim, (long long)m->cfg.vdim,
+                             (long long)m->cfg.embed_dim);
+    return MHA_OK;
+}
+
 mha_status mha_kv_cache_for_module(const mha_module *m, int64_t batch,
                                    int64_t capacity, mha_kv_cache **out)
 {
@@ -498,12 +509,7 @@ mha_status mha_kv_cache_for_module(const mha_module *m, int64_t batch,
         *out = NULL;   /* as mha_kv_cache_create leaves it on a failure */
     if (!m)
         return mha_set_error(MHA_ERR_NULL_POINTER, "module is NULL");
-    if (m->cfg.kdim != m->cfg.embed_dim || m->cfg.vdim != m->cfg.embed_dim)
-        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "a KV cache needs self-attention: this module's "
-                             "kdim %lld / vdim %lld differ from E %lld",
-                             (long long)m->cfg.kdim, (long long)m->cfg.vdim,
-                             (long long)m->cfg.embed_dim);
+    MHA_CHECK(mha_module_check_self_attention(m));
     const mha_kv_cache_config c = {batch, m->cfg.num_kv_heads, m->head_dim,
                                    capacity, MHA_KV_F32, 0};
     return mha_kv_cache_create(&c, out);

@@ -126,6 +126,10 @@ typedef struct fwd_shape {
     int64_t n_w;             /* of the attention weights                 */
 } fwd_shape;
 
+/* A KV cache is for self-attention: refused, by name, for a module whose
+ * kdim or vdim differ from E (mha_kv_cache_for_module, a cached forward). */
+mha_status mha_module_check_self_attention(const mha_module *m);
+
 /* Checks everything about `a` but its data pointers. */
 mha_status mha_fwd_check_shapes(const mha_module *m,
                                 const mha_forward_args *a, fwd_shape *p);
