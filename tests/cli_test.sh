@@ -955,7 +955,16 @@ jcheck "bench --backward --causal --kv-seq: FLOPs 3x projections, 3.5x attention
   -- "$mha" bench --batch 1 --seq 4 --kv-seq 6 --embed-dim 16 --heads 2 --causal --need-weights --backward --repeat 1 --warmup 0 --threads 1 --json
 expect 0 "^  timed   mha_plan_forward \+ mha_plan_backward" -- "$mha" bench "${tiny[@]}" --backward
 expect 0 "^  work    .* per forward \+ backward" -- "$mha" bench "${tiny[@]}" --backward --kv-seq 5
-expect 1 "^mha bench: --attention-only and --backward exclude each other" -- "$mha" bench "${tiny[@]}" --backward --attention-only
+# --attention-only --backward: a planned mha_attention_plan_run then
+# mha_attention_plan_backward; each half's median apart, the backward's
+# GFLOP/s from its own 2.5x the attention's FLOPs (10*d_h per pair).
+jcheck "bench --attention-only --backward --causal --kv-seq: 3.5x attention, the backward's half" "j['attention_only'] is True and j['backward'] is True and j['proj_gflop'] == 0 and abs(j['attn_gflop'] - 3.5 * 1152e-9) < 1e-15 and 0 < j['forward_ms'] <= j['median_ms'] and 0 < j['backward_ms'] <= j['median_ms'] and abs(j['backward_gflops'] / (2.5 * 1152e-9 / (j['backward_ms'] * 1e-3)) - 1) < 1e-4 and abs(j['backward_percent'] / (100 * j['backward_gflops'] / j['peak_gflops']) - 1) < 1e-3" \
+  -- "$mha" bench --batch 1 --seq 4 --kv-seq 6 --embed-dim 16 --heads 2 --causal --attention-only --backward --repeat 3 --warmup 1 --threads 1 --json
+jcheck "bench --backward: the backward's half counts 2x projections + 2.5x attention" "abs(j['backward_gflops'] / ((2 * 10240 + 2.5 * 1152) * 1e-9 / (j['backward_ms'] * 1e-3)) - 1) < 1e-4 and j['forward_ms'] <= j['median_ms']" \
+  -- "$mha" bench --batch 1 --seq 4 --kv-seq 6 --embed-dim 16 --heads 2 --causal --backward --repeat 3 --warmup 1 --threads 1 --json
+jcheck "bench without --backward: no backward half" "'backward_ms' not in j and j['forward_ms'] > 0" -- "$mha" bench "${tiny[@]}" --attention-only --json
+expect 0 "^  timed   mha_attention_plan_run \+ mha_attention_plan_backward on projected q, k, v \(attention only, planned once\)$" -- "$mha" bench "${tiny[@]}" --backward --attention-only
+expect 0 "^  halves  forward median [0-9.]+ ms; backward median [0-9.]+ ms, .* GFLOP/s = [0-9.]+% of peak$" -- "$mha" bench "${tiny[@]}" --backward --attention-only
 expect 0 "^  speed   [0-9.]+ GFLOP/s at the median" -- "$mha" bench "${tiny[@]}" --attention-only
 expect 0 "^  timed   mha_attention on projected q, k, v \(attention only\)$" -- "$mha" bench "${tiny[@]}" --attention-only
 expect 0 "^  time +median [0-9.]+ ms, min [0-9.]+ ms over 2 runs" -- "$mha" bench "${tiny[@]}"

@@ -827,6 +827,93 @@ static void test_max(void **state)
     assert_true(k->max(all_inf, 9) == -INFINITY);
 }
 
+/* ---- the backward's row work ---------------------------------------------*/
+
+/* dot_nonzero: the float64 sum of the products over p != 0, against the
+ * products (each exact in double) summed in long double; a zero p keeps
+ * a NaN or Inf of d out; the order depends on n alone (the same bits at
+ * another alignment). */
+static void test_dot_nonzero(void **state)
+{
+    const mha_microkernels *k = *state;
+    static const int ns[] = {0, 1, 3, 7, 8, 9, 15, 16, 17, 63, 64, 65, 100};
+    rng_seed(47);
+    for (int t = 0; t < COUNT(ns); t++) {
+        const int n = ns[t];
+        float *p = in_buf((size_t)n + 1), *d = in_buf((size_t)n + 1);
+        fill(p, (size_t)n + 1, 0.0f, 1.0f);
+        fill(d, (size_t)n + 1, -3.0f, 3.0f);
+        for (int i = 0; i < n; i++)
+            if (i % 3 == 1) {
+                p[i] = i % 2 ? -0.0f : 0.0f;
+                d[i] = i % 4 == 1 ? NAN : INFINITY;
+            }
+        long double want = 0.0L, mag = 0.0L;
+        for (int i = 0; i < n; i++)
+            if (p[i] != 0.0f) {
+                want += (long double)p[i] * d[i];
+                mag += fabsl((long double)p[i] * d[i]);
+            }
+        const double got = k->dot_nonzero(p, d, n);
+        if (!(fabsl(got - want) <= (n + 1) * 0x1p-52L * mag))
+            fail_msg("%s dot_nonzero, n=%d: %.17g, expected %.17Lg", k->name,
+                     n, got, want);
+        /* The same values one float further on: the same bits. */
+        memmove(p + 1, p, (size_t)n * sizeof *p);
+        memmove(d + 1, d, (size_t)n * sizeof *d);
+        const double moved = k->dot_nonzero(p + 1, d + 1, n);
+        assert_memory_equal(&moved, &got, sizeof got);
+        free(p);
+        free(d);
+    }
+    /* A NaN p is not zero: it reaches the sum. */
+    float p[9] = {0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f};
+    float d[9] = {1, 1, 1, 1, 1, 1, 1, 1, 1};
+    p[5] = NAN;
+    assert_true(isnan(k->dot_nonzero(p, d, 9)));
+}
+
+/* dscore: p * (d - delta), each operation rounded, +0 where p is zero
+ * (whatever d holds): the same bits as the C expression, in place too,
+ * nothing written past n. */
+static void test_dscore(void **state)
+{
+    const mha_microkernels *k = *state;
+    static const int ns[] = {0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 100};
+    rng_seed(53);
+    for (int t = 0; t < COUNT(ns); t++)
+        for (int in_place = 0; in_place < 2; in_place++) {
+            const int n = ns[t];
+            float *p = in_buf((size_t)n), *d = out_buf((size_t)n);
+            float *want = in_buf((size_t)n);
+            fill(p, (size_t)n, 0.0f, 1.0f);
+            fill(d, (size_t)n, -3.0f, 3.0f);
+            for (int i = 0; i < n; i++) {
+                if (i % 5 == 2) {
+                    p[i] = i % 2 ? -0.0f : 0.0f;
+                    d[i] = i % 3 ? NAN : -INFINITY;
+                } else if (i % 11 == 4) {
+                    d[i] = INFINITY;
+                }
+            }
+            const float delta = 0.3183099f;
+            for (int i = 0; i < n; i++)
+                want[i] = p[i] == 0.0f ? 0.0f : p[i] * (d[i] - delta);
+            float *ds = in_place ? d : out_buf((size_t)n);
+            k->dscore(p, d, delta, ds, n);
+            check_guard(ds, (size_t)n);
+            if (!same_bits(ds, want, (size_t)n))
+                fail_msg("%s dscore, n=%d%s: not the bits of "
+                         "p * (d - delta)", k->name, n,
+                         in_place ? " (in place)" : "");
+            if (!in_place)
+                free(ds);
+            free(p);
+            free(d);
+            free(want);
+        }
+}
+
 /* ---- micro-benchmark (printed, not asserted) ------------------------------*/
 
 static double now_s(void)
@@ -936,6 +1023,8 @@ static void test_names(void **state)
     cmocka_unit_test_prestate(test_exp_sum_order, (void *)&table),           \
     cmocka_unit_test_prestate(test_scale, (void *)&table),                   \
     cmocka_unit_test_prestate(test_max, (void *)&table),                     \
+    cmocka_unit_test_prestate(test_dot_nonzero, (void *)&table),             \
+    cmocka_unit_test_prestate(test_dscore, (void *)&table),                  \
     cmocka_unit_test_prestate(test_bench, (void *)&table)
 
 /* The tables to test are named on the command line: scalar, avx2, avx512.

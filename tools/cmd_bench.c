@@ -22,7 +22,7 @@
 static const char BENCH_HELP[] =
     "usage: mha bench --batch B --seq L [--kv-seq Lk] --embed-dim E --heads H\n"
     "                 [--causal] [--need-weights]\n"
-    "                 [--attention-only | --backward]\n"
+    "                 [--attention-only] [--backward]\n"
     "                 [--threads T] [--repeat R] [--warmup W] [--json]\n"
     MOD_USAGE MOD_WINDOW_USAGE " [--sinks]\n"
     "       mha bench --decode --kv-seq Lk --embed-dim E --heads H\n"
@@ -53,7 +53,12 @@ static const char BENCH_HELP[] =
     "                        a random dL/d output and every gradient asked\n"
     "                        for (the inputs' and the parameters'); the\n"
     "                        plan's first backward allocates its workspace\n"
-    "                        (in the warm-up unless --warmup 0)\n"
+    "                        (in the warm-up unless --warmup 0).  With\n"
+    "                        --attention-only: mha_attention_plan_run then\n"
+    "                        mha_attention_plan_backward (dq, dk, dv) on a\n"
+    "                        plan made once, each half timed on its own\n"
+    "                        too (JSON: forward_ms, backward_ms and the\n"
+    "                        backward's backward_gflops, backward_percent)\n"
     "  --threads T           threads for the attention and the projections'\n"
     "                        GEMM blocks (num_threads = T); default: the\n"
     "                        number of online CPUs\n"
@@ -310,9 +315,6 @@ int cmd_bench(int argc, char **argv)
     if (!cross)
         Lk = Lq;
 #undef OPT
-    if (attn_only && backward)
-        return tool_fail("bench", "--attention-only and --backward exclude "
-                         "each other");
     if (c.embed_dim % c.num_heads)
         return tool_fail("bench", "embed_dim %lld is not divisible by "
                          "num_heads %lld", (long long)c.embed_dim,
@@ -364,12 +366,17 @@ int cmd_bench(int argc, char **argv)
     float *w = weights ? malloc(nw * sizeof *w) : NULL;
     /* --backward, in one buffer: dL/d out, then the gradients of the query
      * (which is key and value too in self-attention), of the key (which is
-     * the value too) in cross-attention, and of the parameters. */
-    const size_t np = backward ? (size_t)mha_param_numel(m) : 0,
-                 ng = backward ? 2 * nq + (cross ? nkv : 0) + np : 0;
+     * the value too) in cross-attention, and of the parameters; with
+     * --attention-only dL/d out, dq, dk, dv. */
+    const size_t np = backward && !attn_only ? (size_t)mha_param_numel(m)
+                                             : 0,
+                 ng = !backward ? 0
+                      : attn_only ? 2 * nq + 2 * nkv   /* dq, dk, dv */
+                                  : 2 * nq + (cross ? nkv : 0) + np;
     float *g = backward && ng <= SIZE_MAX / sizeof *g ? malloc(ng * sizeof *g)
                                                       : NULL;
-    double *ms = malloc((size_t)repeat * sizeof *ms);
+    /* The timed calls, then (attention-only backward) each half's. */
+    double *ms = malloc((size_t)repeat * 3 * sizeof *ms);
     int rc = 0;
     if (!q || !out || (need_kv && !kv) || (attn_only && !vv) ||
         (weights && !w) || (backward && !g) || !ms)
@@ -390,7 +397,7 @@ int cmd_bench(int argc, char **argv)
             bench_fill_random(g, (int64_t)nq, &state);   /* dL/d out */
     }
     mha_backward_args b = {0};
-    if (backward) {
+    if (backward && !attn_only) {
         b.grad_out = g;
         b.grad_query = g + nq;
         b.grad_key = cross ? g + 2 * nq : NULL;
@@ -434,8 +441,20 @@ int cmd_bench(int argc, char **argv)
         sink_logits[h] = 0.5f;
     aa.sinks = sink_logits;
 
+    mha_attention_grads ag = {0};
+    if (backward && attn_only) {
+        ag.grad_out = g;
+        ag.grad_q = g + nq;
+        ag.grad_k = g + 2 * nq;
+        ag.grad_v = g + 2 * nq + nkv;
+    }
+
     mha_plan *plan = NULL;
+    mha_attention_plan *aplan = NULL;
     if (!rc && !attn_only && mha_plan_create(m, &a, &plan) != MHA_OK)
+        rc = tool_fail("bench", "%s", mha_last_error());
+    if (!rc && attn_only && backward &&
+        mha_attention_plan_create(&aa, &aplan) != MHA_OK)
         rc = tool_fail("bench", "%s", mha_last_error());
 
 #ifndef __OPTIMIZE__
@@ -445,17 +464,24 @@ int cmd_bench(int argc, char **argv)
 #endif
     const char *probe_kind = "";
     const double peak1 = rc ? 0.0 : measure_peak(&probe_kind);
+    double *fwd_ms = ms + repeat, *bwd_ms = ms + 2 * repeat;
     for (int64_t r = 0; !rc && r < warmup + repeat; r++) {
         const double t0 = bench_now_s();
-        mha_status st = attn_only ? mha_attention(&aa)
-                                  : mha_plan_forward(plan, &a);
+        mha_status st = aplan       ? mha_attention_plan_run(aplan, &aa)
+                        : attn_only ? mha_attention(&aa)
+                                    : mha_plan_forward(plan, &a);
+        const double tf = bench_now_s();
         if (st == MHA_OK && backward)
-            st = mha_plan_backward(plan, &a, &b);
+            st = aplan ? mha_attention_plan_backward(aplan, &aa, &ag)
+                       : mha_plan_backward(plan, &a, &b);
         const double t1 = bench_now_s();
         if (st != MHA_OK)
             rc = tool_fail("bench", "%s", mha_last_error());
-        else if (r >= warmup)
+        else if (r >= warmup) {
             ms[r - warmup] = (t1 - t0) * 1e3;
+            fwd_ms[r - warmup] = (tf - t0) * 1e3;
+            bwd_ms[r - warmup] = (t1 - tf) * 1e3;
+        }
     }
     if (!rc) {
         double sum = 0.0;
@@ -482,6 +508,13 @@ int cmd_bench(int argc, char **argv)
         const double total = proj + attn;
         const double gflops = total / (med * 1e-3) * 1e-9;
         const double peak = peak1 * (double)threads;
+        /* Each half alone: the forward's work, and the backward's (2x the
+         * projections', 2.5x the attention's), at their own medians. */
+        const double fmed = bench_median(fwd_ms, repeat),
+                     bmed = backward ? bench_median(bwd_ms, repeat) : 0.0,
+                     bwork = backward ? (2.0 / 3.0) * proj + (2.5 / 3.5) * attn
+                                      : 0.0,
+                     bgflops = bmed > 0 ? bwork / (bmed * 1e-3) * 1e-9 : 0.0;
         if (json) {
             printf("{\"batch\": %lld, \"seq\": %lld, \"kv_seq\": %lld, "
                    "\"embed_dim\": %lld, \"heads\": %lld, \"head_dim\": %lld, "
@@ -495,7 +528,8 @@ int cmd_bench(int argc, char **argv)
                    "\"gflop\": %.9g, \"proj_gflop\": %.9g, "
                    "\"attn_gflop\": %.9g, \"gflops\": %.6g, "
                    "\"peak_gflops\": %.6g, \"peak_percent\": %.4g, "
-                   "\"probe\": \"%s\", \"library\": \"%s\"}\n",
+                   "\"probe\": \"%s\", \"library\": \"%s\", "
+                   "\"forward_ms\": %.6g",
                    (long long)B, (long long)Lq, (long long)Lk, (long long)E,
                    (long long)H, (long long)dh, causal ? "true" : "false",
                    weights ? "true" : "false", attn_only ? "true" : "false",
@@ -503,7 +537,12 @@ int cmd_bench(int argc, char **argv)
                    (long long)ncpu, blas_threads, tier, mha_gemm_backend(), (long long)repeat,
                    (long long)warmup, med, mn, total * 1e-9, proj * 1e-9,
                    attn * 1e-9, gflops, peak, 100.0 * gflops / peak,
-                   probe_kind, mha_version_string());
+                   probe_kind, mha_version_string(), fmed);
+            if (backward)
+                printf(", \"backward_ms\": %.6g, \"backward_gflops\": %.6g, "
+                       "\"backward_percent\": %.4g", bmed, bgflops,
+                       100.0 * bgflops / peak);
+            printf("}\n");
         } else {
             printf("mha bench: B=%lld L=%lld Lk=%lld E=%lld H=%lld d_h=%lld, "
                    "%s%s%s, %lld thread%s%s\n", (long long)B, (long long)Lq,
@@ -513,7 +552,11 @@ int cmd_bench(int argc, char **argv)
                    weights ? ", averaged weights" : "", (long long)threads,
                    threads == 1 ? "" : "s",
                    threads_default ? " (default: the online CPUs)" : "");
-            if (attn_only)
+            if (attn_only && backward)
+                printf("  timed   mha_attention_plan_run + "
+                       "mha_attention_plan_backward on projected q, k, v "
+                       "(attention only, planned once)\n");
+            else if (attn_only)
                 printf("  timed   mha_attention on projected q, k, v "
                        "(attention only)\n");
             else if (backward)
@@ -531,8 +574,9 @@ int cmd_bench(int argc, char **argv)
                    "(after %lld warm-up)\n", med, mn, (long long)repeat,
                    (long long)warmup);
             if (attn_only)
-                printf("  work    %.4g GFLOP per call (attention: 4*d_h "
-                       "per allowed pair per head)\n", attn * 1e-9);
+                printf("  work    %.4g GFLOP per call (attention: %s*d_h "
+                       "per allowed pair per head)\n", attn * 1e-9,
+                       backward ? "(4 + 10)" : "4");
             else
                 printf("  work    %.4g GFLOP per %s: projections %.4g, "
                        "attention %.4g (%.1f%%)\n", total * 1e-9,
@@ -543,12 +587,18 @@ int cmd_bench(int argc, char **argv)
             printf("  speed   %.2f GFLOP/s at the median (%.2f at the min) "
                    "= %.1f%% of peak\n", gflops,
                    total / (mn * 1e-3) * 1e-9, 100.0 * gflops / peak);
+            if (backward)
+                printf("  halves  forward median %.4f ms; backward median "
+                       "%.4f ms, %.4g GFLOP, %.2f GFLOP/s = %.1f%% of peak\n",
+                       fmed, bmed, bwork * 1e-9, bgflops,
+                       100.0 * bgflops / peak);
             printf("  peak    %.1f GFLOP/s: %s multiply-add probe, %.1f x "
                    "%lld thread%s\n", peak, probe_kind, peak1,
                    (long long)threads, threads == 1 ? "" : "s");
         }
     }
     mha_plan_free(plan);
+    mha_attention_plan_free(aplan);
     free(g);
     free(ms);
     free(w);

@@ -36,27 +36,34 @@ typedef struct bwd_scratch {
     flash_scratch f;   /* qs (scaled q), o (the block's dq), s (P~), bias */
     float *dout;       /* [BR][dh]  dO of the block                       */
     float *dp;         /* [BR][BC]  dP, then dS                            */
-    float *pc, *dpc;   /* [BR][cache_width]  the block's P and dP~        */
-    float *cc;         /* [BR][cache_width]  with a softcap: its
+    float *pc, *dpc;   /* [tiles][BR][BC]  the block's P and dP~, tile by
+                          tile (each tile's rows one run of memory)       */
+    float *cc;         /* [tiles][BR][BC]  with a softcap: its
                           derivative 1 - tanh^2 at each score, or NULL    */
-    int64_t ldc;       /* cache_width                                      */
     double delta[MHA_BR];
     float *extra;      /* [2][2][dh]  dk, dv of the extra keys            */
-    const mha_attn_grad *g;
+    float *dkc, *dvc;  /* [Lk][dh]  the item's dk and dv, contiguous      */
     mha_packed fwd, bwd;   /* the forward's packing and the backward's    */
     int dout_finite, q_finite;
 } bwd_scratch;
 
-/* Columns of a block's cache of P and dP~: every tile of the keys. */
-static int64_t cache_width(int64_t Lt)
+/* Floats of a block's cache of P or dP~: a BR x BC tile for every tile
+ * of the keys (and one to spare). */
+static int64_t cache_floats(int64_t Lt)
 {
-    return ((Lt + MHA_BC - 1) / MHA_BC + 1) * MHA_BC;
+    return ((Lt + MHA_BC - 1) / MHA_BC + 1) * (MHA_BR * MHA_BC);
+}
+
+/* Tile t's part of a block's cache. */
+static float *cache_tile(float *cache, const mha_tile *t)
+{
+    return cache + t->index * (MHA_BR * MHA_BC);
 }
 
 int64_t mha_flash_bwd_scratch_floats(int64_t dh, int64_t Lt, int softcap)
 {
     return mha_flash_scratch_floats(dh) + MHA_BR * dh + MHA_BR * MHA_BC +
-           (softcap ? 3 : 2) * MHA_BR * cache_width(Lt) + 4 * dh;
+           (softcap ? 3 : 2) * cache_floats(Lt) + 4 * dh + 2 * Lt * dh;
 }
 
 static bwd_scratch bwd_scratch_at(float *base, int64_t dh, int64_t Lt,
@@ -66,11 +73,12 @@ static bwd_scratch bwd_scratch_at(float *base, int64_t dh, int64_t Lt,
     w.f = mha_flash_scratch_at(base, dh);
     w.dout = base + mha_flash_scratch_floats(dh);
     w.dp = w.dout + MHA_BR * dh;
-    w.ldc = cache_width(Lt);
     w.pc = w.dp + MHA_BR * MHA_BC;
-    w.dpc = w.pc + MHA_BR * w.ldc;
-    w.extra = w.dpc + MHA_BR * w.ldc;
-    w.cc = softcap ? w.extra + 4 * dh : NULL;
+    w.dpc = w.pc + cache_floats(Lt);
+    w.extra = w.dpc + cache_floats(Lt);
+    w.dkc = w.extra + 4 * dh;
+    w.dvc = w.dkc + Lt * dh;
+    w.cc = softcap ? w.dvc + Lt * dh : NULL;
     return w;
 }
 
@@ -98,24 +106,6 @@ void mha_pack_backward_tile(const mha_attn *a, const mha_attn_grad *g,
     *mha_packed_flag(&bp, b, kvh, t) = (float)finite;
 }
 
-/* sum_c p[c] * d[c] over the c with p[c] != 0 (so an Inf or NaN in d
- * under a zero p stays out), in float64: four interleaved partial sums,
- * added in a fixed order at the end. */
-static double dot_nonzero(const float *p, const float *d, int n)
-{
-    double s[4] = {0.0, 0.0, 0.0, 0.0};
-    int c = 0;
-    for (; c + 4 <= n; c += 4)
-        for (int k = 0; k < 4; k++) {
-            const double t = (double)p[c + k] * d[c + k];
-            s[k] += p[c + k] != 0.0f ? t : 0.0;
-        }
-    for (; c < n; c++)
-        if (p[c] != 0.0f)
-            s[0] += (double)p[c] * d[c];
-    return (s[0] + s[1]) + (s[2] + s[3]);
-}
-
 /*
  * First sweep over a block's tiles: P (exactly as the forward computed it)
  * and dP~ = dO v^T into the block's cache, and delta_i = sum_j P_ij dP_ij
@@ -130,30 +120,28 @@ static void probs_tile(const mha_attn *a, const mha_tile *t, void *ctx)
     const mha_microkernels *uk = a->uk;
     const int dh = (int)a->dh, mr = t->mr, nc = t->nc;
     const int64_t b = t->b, h = t->h;
-    float *pc = w->pc + t->index * MHA_BC, *dpc = w->dpc + t->index * MHA_BC;
+    float *pc = cache_tile(w->pc, t), *dpc = cache_tile(w->dpc, t);
     const double keep = mha_keep_scale(a);
 
+    /* The scores, then P, in the cache itself. */
     uk->qk(mr, nc, dh, f->qs, mha_packed_a(&w->fwd, b, t->g, t->index),
-           MHA_BC, f->s, MHA_BC);
-    mha_score_tile(a, t, f->s, w->cc ? w->cc + t->index * MHA_BC : NULL,
-                   (int)w->ldc);
+           MHA_BC, pc, MHA_BC);
+    mha_score_tile(a, t, pc, w->cc ? cache_tile(w->cc, t) : NULL, MHA_BC);
     uk->qk(mr, nc, dh, w->dout, mha_packed_b(&w->bwd, b, t->g, t->index),
-           MHA_BC, dpc, (int)w->ldc);
+           MHA_BC, dpc, MHA_BC);
     for (int r = 0; r < mr; r++) {
         const int64_t i = t->i0 + r;
         const float *st = a->stats + 2 * ((b * a->H + h) * a->Lq + i);
-        float *sr = f->s + r * MHA_BC;
-        float *pr = pc + r * w->ldc;
+        float *pr = pc + r * MHA_BC;
         if (st[0] == -INFINITY) {
             memset(pr, 0, (size_t)nc * sizeof *pr);
             continue;
         }
-        uk->exp_sum(sr, nc, st[0]);
-        uk->scale(sr, nc, st[1]);
-        memcpy(pr, sr, (size_t)nc * sizeof *pr);
-        const float *dr = dpc + r * w->ldc;
+        uk->exp_sum(pr, nc, st[0]);
+        uk->scale(pr, nc, st[1]);
+        const float *dr = dpc + r * MHA_BC;
         if (!a->dropout) {
-            w->delta[r] += dot_nonzero(pr, dr, nc);
+            w->delta[r] += uk->dot_nonzero(pr, dr, nc);
             continue;
         }
         double sum = 0.0;
@@ -172,12 +160,10 @@ static void grads_tile(const mha_attn *a, const mha_tile *t, void *ctx)
     bwd_scratch *w = ctx;
     flash_scratch *f = &w->f;
     const mha_microkernels *uk = a->uk;
-    const mha_attn_grad *g = w->g;
     const int dh = (int)a->dh, mr = t->mr, nc = t->nc;
-    const int64_t b = t->b, h = t->h, j0 = t->j0, ldc = w->ldc;
-    const float *pc = w->pc + t->index * MHA_BC;
-    const float *dpc = w->dpc + t->index * MHA_BC;
-    const float *cc = w->cc ? w->cc + t->index * MHA_BC : NULL;
+    const int64_t b = t->b, h = t->h, j0 = t->j0, ldc = MHA_BC;
+    const float *pc = cache_tile(w->pc, t), *dpc = cache_tile(w->dpc, t);
+    const float *cc = w->cc ? cache_tile(w->cc, t) : NULL;
     const float *kc = mha_packed_a(&w->bwd, b, t->g, t->index);
     const int k_finite = *mha_packed_flag(&w->bwd, b, t->g, t->index) != 0.0f;
     const float keep = (float)mha_keep_scale(a);
@@ -211,11 +197,7 @@ static void grads_tile(const mha_attn *a, const mha_tile *t, void *ctx)
             continue;
         }
         if (!a->dropout) {
-            /* branch-free, so the compiler vectorises it */
-            for (int c = 0; c < nc; c++) {
-                const float ds = pr[c] * (dpr[c] - delta);
-                dr[c] = pr[c] == 0.0f ? 0.0f : ds;
-            }
+            uk->dscore(pr, dpr, delta, dr, nc);
             continue;
         }
         float *ptr = f->s + r * MHA_BC;
@@ -236,10 +218,9 @@ static void grads_tile(const mha_attn *a, const mha_tile *t, void *ctx)
         dv_dst = w->extra + 2 * dh;
         lddk = lddv = dh;
     } else {
-        dk_dst = g->dk + (b * a->Lk + j0) * g->lddk + t->g * dh;
-        dv_dst = g->dv + (b * a->Lk + j0) * g->lddv + t->g * dh;
-        lddk = g->lddk;
-        lddv = g->lddv;
+        dk_dst = w->dkc + j0 * dh;
+        dv_dst = w->dvc + j0 * dh;
+        lddk = lddv = dh;
     }
     /* Each (block, tile)'s share of dv, dq and dk is summed apart, then
      * added (the kernels' pv_add / pvt): two levels of float sums (over 64
@@ -277,14 +258,19 @@ static void load_block(const mha_attn *a, const mha_attn_grad *g, int64_t b,
     w->q_finite = fin;
 }
 
-/* Zeroes the (b, g) slices of dk and dv. */
-static void zero_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
-                      int64_t kvh)
+/* The item's dk and dv, summed in contiguous rows (a tile's 64 rows one
+ * run of memory, not 64 rows a row stride apart in dk), into the (b, g)
+ * slices of dk and dv. */
+static void store_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
+                       int64_t kvh, const float *dkc, const float *dvc)
 {
-    const size_t row = (size_t)a->dh * sizeof(float);
+    const int64_t dh = a->dh;
+    const size_t row = (size_t)dh * sizeof(float);
     for (int64_t j = 0; j < a->Lk; j++) {
-        memset(g->dk + (b * a->Lk + j) * g->lddk + kvh * a->dh, 0, row);
-        memset(g->dv + (b * a->Lk + j) * g->lddv + kvh * a->dh, 0, row);
+        memcpy(g->dk + (b * a->Lk + j) * g->lddk + kvh * dh, dkc + j * dh,
+               row);
+        memcpy(g->dv + (b * a->Lk + j) * g->lddv + kvh * dh, dvc + j * dh,
+               row);
     }
 }
 
@@ -339,12 +325,13 @@ void mha_flash_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
 {
     const int64_t dh = a->dh, group = a->H / a->Hkv;
     bwd_scratch w = bwd_scratch_at(scratch, dh, a->Lt, a->softcap > 0.0f);
-    w.g = g;
     w.fwd = mha_packed_at(a->packed, a);
     w.bwd = mha_packed_at(g->packed, a);
-    zero_item(a, g, b, kvh);
+    memset(w.dkc, 0, (size_t)(a->Lk * dh) * sizeof *w.dkc);
+    memset(w.dvc, 0, (size_t)(a->Lk * dh) * sizeof *w.dvc);
     memset(w.extra, 0, (size_t)(4 * dh) * sizeof *w.extra);
     for (int64_t h = kvh * group; h < (kvh + 1) * group; h++)
         bwd_head(a, g, b, h, &w);
+    store_item(a, g, b, kvh, w.dkc, w.dvc);
     store_extra(a, g, b, kvh, w.extra, w.extra + 2 * dh);
 }

@@ -553,8 +553,53 @@ static float max_avx2(const float *x, int n)
     return r;
 }
 
+/* Eight products at a time, converted to float64 four by four (each
+ * exact there: 24 x 24 bits), summed in two vectors of four lanes; the
+ * lanes added in a fixed tree, then the tail in order.  A lane whose p is
+ * zero adds p * 0 (its d zeroed first), never p * d. */
+double mha_dot_nonzero_avx2(const float *p, const float *d, int n)
+{
+    const __m256 zero = _mm256_setzero_ps();
+    __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+    int c = 0;
+    for (; c + 8 <= n; c += 8) {
+        const __m256 pv = _mm256_loadu_ps(p + c);
+        const __m256 dv = _mm256_and_ps(
+            _mm256_loadu_ps(d + c), _mm256_cmp_ps(pv, zero, _CMP_NEQ_UQ));
+        s0 = _mm256_add_pd(s0, _mm256_mul_pd(
+                                   _mm256_cvtps_pd(_mm256_castps256_ps128(pv)),
+                                   _mm256_cvtps_pd(_mm256_castps256_ps128(dv))));
+        s1 = _mm256_add_pd(s1, _mm256_mul_pd(
+                                   _mm256_cvtps_pd(_mm256_extractf128_ps(pv, 1)),
+                                   _mm256_cvtps_pd(_mm256_extractf128_ps(dv, 1))));
+    }
+    double l[4];
+    _mm256_storeu_pd(l, _mm256_add_pd(s0, s1));
+    double s = (l[0] + l[1]) + (l[2] + l[3]);
+    for (; c < n; c++)
+        if (p[c] != 0.0f)
+            s += (double)p[c] * d[c];
+    return s;
+}
+
+void mha_dscore_avx2(const float *p, const float *d, float delta, float *ds,
+                     int n)
+{
+    const __m256 dl = _mm256_set1_ps(delta), zero = _mm256_setzero_ps();
+    int c = 0;
+    for (; c + 8 <= n; c += 8) {
+        const __m256 pv = _mm256_loadu_ps(p + c);
+        const __m256 v =
+            _mm256_mul_ps(pv, _mm256_sub_ps(_mm256_loadu_ps(d + c), dl));
+        _mm256_storeu_ps(ds + c, _mm256_andnot_ps(
+                                     _mm256_cmp_ps(pv, zero, _CMP_EQ_OQ), v));
+    }
+    for (; c < n; c++)
+        ds[c] = p[c] == 0.0f ? 0.0f : p[c] * (d[c] - delta);
+}
+
 const mha_microkernels mha_microkernels_avx2 = {
     "avx2",         qk_avx2,        pv_avx2,      pv_exact_avx2,
     pv_add_avx2,    pv_add_exact_avx2, pvt_avx2,  pvt_exact_avx2,
     exp_sum_avx2,   scale_avx2,     max_avx2,     softcap_avx2,
-    qk_kv_avx2,     pv_kv_avx2};
+    qk_kv_avx2,     pv_kv_avx2,     mha_dot_nonzero_avx2, mha_dscore_avx2};

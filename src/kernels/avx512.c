@@ -430,4 +430,4 @@ const mha_microkernels mha_microkernels_avx512 = {
     "avx512",         qk_avx512,      pv_avx512,    pv_exact_avx512,
     pv_add_avx512,    pv_add_exact_avx512, pvt_avx512, pvt_exact_avx512,
     exp_sum_avx512,   scale_avx512,   max_avx512,   softcap_avx512,
-    qk_kv_avx512,     pv_kv_avx512};
+    qk_kv_avx512,     pv_kv_avx512,   mha_dot_nonzero_avx2, mha_dscore_avx2};

@@ -93,6 +93,19 @@ typedef struct mha_microkernels {
     void (*pv_kv)(mha_kv_dtype dtype, int exact, int mr, int nc, int dh,
                   const float *p, int ldp, const void *v, int cols, float *o,
                   int ldo);
+
+    /* The backward's row work (flash_backward.c), once per element of
+     * every (block, tile).  dot_nonzero: sum_c p[c] * d[c] over the c < n
+     * with p[c] != 0 (so an Inf or NaN in d under a zero p stays out),
+     * each product exact in float64 and summed in float64, in an order
+     * fixed by n alone. */
+    double (*dot_nonzero)(const float *p, const float *d, int n);
+
+    /* ds[c] = p[c] == 0 ? +0 : p[c] * (d[c] - delta) for c < n, the
+     * subtraction and the product each rounded to float (never fused):
+     * the same bits in every tier.  ds may be d. */
+    void (*dscore)(const float *p, const float *d, float delta, float *ds,
+                   int n);
 } mha_microkernels;
 
 /*
@@ -187,6 +200,11 @@ typedef enum mha_isa {
 extern const mha_microkernels mha_microkernels_scalar;
 extern const mha_microkernels mha_microkernels_avx2;   /* -mavx2 -mfma */
 extern const mha_microkernels mha_microkernels_avx512; /* -mavx512f -mfma */
+/* (The avx512 table uses these two of the avx2 tier's: every CPU it runs
+ * on has AVX2, and they are not where its time goes.) */
+double mha_dot_nonzero_avx2(const float *p, const float *d, int n);
+void mha_dscore_avx2(const float *p, const float *d, float delta, float *ds,
+                     int n);
 
 /* The tier chosen once, at the first call (dispatch.c): the widest the
  * CPU and OS support, or the one MHA_ISA=ref|scalar|avx2|avx512 forces.

@@ -115,6 +115,28 @@ static void scale_scalar(float *x, int n, float a)
         x[c] *= a;
 }
 
+/* Four interleaved partial sums, added in a fixed order at the end. */
+static double dot_nonzero_scalar(const float *p, const float *d, int n)
+{
+    double s[4] = {0.0, 0.0, 0.0, 0.0};
+    int c = 0;
+    for (; c + 4 <= n; c += 4)
+        for (int k = 0; k < 4; k++)
+            if (p[c + k] != 0.0f)
+                s[k] += (double)p[c + k] * d[c + k];
+    for (; c < n; c++)
+        if (p[c] != 0.0f)
+            s[0] += (double)p[c] * d[c];
+    return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+static void dscore_scalar(const float *p, const float *d, float delta,
+                          float *ds, int n)
+{
+    for (int c = 0; c < n; c++)
+        ds[c] = p[c] == 0.0f ? 0.0f : p[c] * (d[c] - delta);
+}
+
 static float max_scalar(const float *x, int n)
 {
     float m = -INFINITY;
@@ -180,4 +202,4 @@ const mha_microkernels mha_microkernels_scalar = {
     "scalar",           qk_scalar,      pv_scalar,    pv_exact_scalar,
     pv_add_scalar,      pv_add_exact_scalar, pvt_scalar, pvt_exact_scalar,
     exp_sum_scalar,     scale_scalar,   max_scalar,     softcap_scalar,
-    qk_kv_scalar,       pv_kv_scalar};
+    qk_kv_scalar,       pv_kv_scalar,   dot_nonzero_scalar, dscore_scalar};
