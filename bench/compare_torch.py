@@ -17,6 +17,15 @@ same thread count T on both sides:
                        torch.softmax(s, -1) @ v
                    with the causal bool mask (True = blocked, triu(1)) made
                    once, outside the timing.
+  attention's      `mha bench --attention-only --backward --json` (a
+  training step    planned mha_attention_plan_run, then
+                   mha_attention_plan_backward: dq, dk, dv) against, on
+                   (B, H, L, d_h) tensors with requires_grad,
+                   out = F.scaled_dot_product_attention(q, k, v,
+                   is_causal=...) then out.backward(g) (torch 1.13: the
+                   standard formulation above under autograd); the grads
+                   set to None between runs.  The table also gives mha's
+                   backward alone as a share of the FMA peak.
   training step    `mha bench --backward --json` (mha_plan_forward then
                    mha_plan_backward: the gradients of the input and of
                    every parameter) against nn.MultiheadAttention in train
@@ -83,6 +92,8 @@ MODULE_SHAPES = [(32, 10, 512, 8), (1, 4096, 512, 8), (8, 512, 768, 12)]
 QUICK_ATTN = [(2, 128, 4, 64)]
 QUICK_MODULE = [(32, 10, 512, 8), (4, 64, 256, 4)]
 TRAIN_SHAPES = [(8, 256, 512, 8)]                          # B, L, E, H
+ATTN_BWD_SHAPES = [(8, 512, 12, 64), (1, 4096, 8, 64)]    # B, L, H, d_h
+QUICK_ATTN_BWD = [(2, 128, 4, 64)]
 QUICK_TRAIN = [(2, 64, 128, 4)]
 # Variables that change how the thread pools behave, printed with the
 # results (both sides inherit them).
@@ -187,6 +198,31 @@ def torch_attention(args, b, l, h, dh, causal, repeat):
         return time_calls(call, args.warmup, repeat)
 
 
+def torch_attention_backward(args, b, l, h, dh, causal, repeat):
+    import torch
+    torch.manual_seed(0)
+    q, k, v = ((torch.rand(b, h, l, dh) * 2 - 1).requires_grad_()
+               for _ in range(3))
+    g = torch.rand(b, h, l, dh) * 2 - 1
+    scale = 1.0 / math.sqrt(dh)
+    mask = torch.ones(l, l, dtype=torch.bool).triu(1) if causal else None
+    sdpa = getattr(torch.nn.functional, "scaled_dot_product_attention",
+                   None)
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        if sdpa is not None:
+            out = sdpa(q, k, v, is_causal=causal)
+        else:
+            s = q @ k.transpose(-2, -1) * scale
+            if mask is not None:
+                s = s.masked_fill(mask, float("-inf"))
+            out = torch.softmax(s, -1) @ v
+        out.backward(g)
+
+    return time_calls(step, args.warmup, repeat)
+
+
 def torch_module(args, b, l, e, h, causal, repeat):
     import torch
     torch.manual_seed(0)
@@ -261,6 +297,12 @@ def main():
                     action="append",
                     help="training-step shape (repeatable); default: the "
                          "issue's 8,256,512,8")
+    ap.add_argument("--attention-backward", type=parse_ints(4, "B,L,H,D"),
+                    action="append", metavar="B,L,H,D",
+                    help="shape of the attention's training step on heads "
+                    "(repeatable; default 8,512,12,64 and 1,4096,8,64)")
+    ap.add_argument("--no-attention-backward", action="store_true",
+                    help="skip the attention's forward + backward table")
     ap.add_argument("--no-training", action="store_true",
                     help="skip the training-step (forward + backward) table")
     ap.add_argument("--no-attention", action="store_true",
@@ -297,6 +339,9 @@ def main():
         args.module or (QUICK_MODULE if args.quick else MODULE_SHAPES))
     train_shapes = [] if args.no_training else (
         args.training or (QUICK_TRAIN if args.quick else TRAIN_SHAPES))
+    attn_bwd_shapes = [] if args.no_attention_backward else (
+        args.attention_backward or
+        (QUICK_ATTN_BWD if args.quick else ATTN_BWD_SHAPES))
     causals = (False,) if args.no_causal else (False, True)
     notes, peaks, tiers = [], [], set()
 
@@ -333,6 +378,12 @@ def main():
         gflop = 4.0 * b * h * dh * allowed_pairs(l, l, causal) * 1e-9
         return tmed, f"{gflop / (tmed * 1e-3):.1f}"
 
+    def attention_backward(b, l, e, h, causal, rep):
+        dh = e // h
+        tmed, _ = torch_attention_backward(args, b, l, h, dh, causal, rep)
+        gflop = 14.0 * b * h * dh * allowed_pairs(l, l, causal) * 1e-9
+        return tmed, f"{gflop / (tmed * 1e-3):.1f}"
+
     def module(b, l, e, h, causal, rep):
         tmed, _, path = torch_module(args, b, l, e, h, causal, rep)
         return tmed, path
@@ -343,6 +394,11 @@ def main():
     attn_res = {(b, l, h, e // h, c): r for (b, l, e, h, c), r in measure(
         [(b, l, h * dh, h) for b, l, h, dh in attn_shapes],
         ["--attention-only"], attention).items()}
+    attn_bwd_res = {(b, l, h, e // h, c): r for (b, l, e, h, c), r in
+                    measure([(b, l, h * dh, h)
+                             for b, l, h, dh in attn_bwd_shapes],
+                            ["--attention-only", "--backward"],
+                            attention_backward).items()}
     mod_res = measure(mod_shapes, [], module)
     train_res = measure(train_shapes, ["--backward"], training)
 
@@ -360,7 +416,8 @@ def main():
     print("environment: " + (" ".join(tuning) if tuning else
                              "no thread-tuning variables set (defaults)"))
 
-    def table(title, head, res, name_of):
+    def table(title, head, res, name_of, more=None):
+        """more(j): the columns mha's JSON adds after the torch column."""
         rows = []
         for key, (j, tmed, extra, why) in res.items():
             name, causal = name_of(*key[:-1]), key[-1]
@@ -368,13 +425,14 @@ def main():
             if j is None:
                 notes.append((f"{name}{' causal' if causal else ''}", why))
                 rows.append([name, "yes" if causal else "no", "n/a",
-                             f"{tmed:.3f}", "n/a", "n/a", "n/a", *last])
+                             f"{tmed:.3f}", "n/a", "n/a", "n/a", *last,
+                             *(["n/a"] if more else [])])
                 continue
             rows.append([name, "yes" if causal else "no",
                          f"{j['median_ms']:.3f}", f"{tmed:.3f}",
                          f"{tmed / j['median_ms']:.2f}",
                          f"{j['gflops']:.1f}", f"{j['peak_percent']:.1f}",
-                         *last])
+                         *last, *(more(j) if more else [])])
         if rows:
             print_table(args, title, head, rows)
 
@@ -383,6 +441,12 @@ def main():
     table("Attention only", ["attention only", *common,
                              "torch GFLOP/s"], attn_res,
           lambda b, l, h, dh: f"B={b} L={l} H={h} d_h={dh}")
+    table("Attention's training step on heads (forward + backward: dq, "
+          "dk, dv)", ["attention fwd+bwd", *common, "torch GFLOP/s",
+                      "mha bwd ms", "mha bwd % peak"], attn_bwd_res,
+          lambda b, l, h, dh: f"B={b} L={l} H={h} d_h={dh}",
+          lambda j: [f"{j['backward_ms']:.3f}",
+                     f"{j['backward_percent']:.1f}"])
     table("Whole module (eval, need_weights=False)",
           ["whole module", *common, "torch path"], mod_res,
           lambda b, l, e, h: f"B={b} L={l} E={e} H={h}")
@@ -422,6 +486,13 @@ def main():
             checks.append(f"whole module B={b} L={l} E={e} H={h}"
                           f"{' causal' if causal else ''}: {ratio:.2f}x "
                           f"PyTorch >= {want:g}x: {mark(ratio >= want)}")
+    # ... and the backward's attention part >= 60% of the FMA peak.
+    for (b, l, h, dh, c), r in attn_bwd_res.items():
+        if r and r[0]:
+            pct = r[0]["backward_percent"]
+            checks.append(f"attention backward B={b} L={l} H={h} d_h={dh}"
+                          f"{' causal' if c else ''}: {pct:.1f}% of the "
+                          f"FMA peak >= 60%: {mark(pct >= 60.0)}")
     r = train_res.get((8, 256, 512, 8, False))
     if r and r[0]:
         ratio = r[1] / r[0]["median_ms"]

@@ -142,6 +142,79 @@ static void central(const problem *P, double *q, double *k, double *v,
     }
 }
 
+/* dL/dq, dL/dk, dL/dv of L = sum(g * attention) analytically, in float64:
+ * with P the softmax, D/(1-p) the dropout's scaling (P~ = P D/(1-p)),
+ * dv += P~^T g, dP = (g v^T) D/(1-p), dS = P (dP - delta) with delta_i =
+ * sum_j P_ij dP_ij, dq = scale dS k, dk = scale dS^T q.  For the shapes
+ * where central differences cost too much; checked against them on the
+ * small ones. */
+static void grads64(const problem *P, const double *q, const double *k,
+                    const double *v, const float *g, double *dq, double *dk,
+                    double *dv)
+{
+    const int64_t E = P->H * P->dh, Ekv = P->Hkv * P->dh;
+    double *s = malloc((size_t)P->Lk * sizeof *s);
+    double *dp = malloc((size_t)P->Lk * sizeof *dp);
+    memset(dq, 0, (size_t)(P->B * P->Lq * E) * sizeof *dq);
+    memset(dk, 0, (size_t)(P->B * P->Lk * Ekv) * sizeof *dk);
+    memset(dv, 0, (size_t)(P->B * P->Lk * Ekv) * sizeof *dv);
+    for (int64_t b = 0; b < P->B; b++)
+        for (int64_t h = 0; h < P->H; h++)
+            for (int64_t i = 0; i < P->Lq; i++) {
+                const int64_t kvh = h / (P->H / P->Hkv);
+                const double *qi = q + (b * P->Lq + i) * E + h * P->dh;
+                const float *gi = g + (b * P->Lq + i) * E + h * P->dh;
+                double mx = -INFINITY, sum = 0.0, bias, delta = 0.0;
+                for (int64_t j = 0; j < P->Lk; j++) {
+                    s[j] = -INFINITY;
+                    if (!visible(P, b, h, i, j, &bias))
+                        continue;
+                    const double *kj = k + (b * P->Lk + j) * Ekv + kvh * P->dh;
+                    double dot = 0.0;
+                    for (int64_t d = 0; d < P->dh; d++)
+                        dot += qi[d] * kj[d];
+                    s[j] = dot * P->scale + bias;
+                    mx = s[j] > mx ? s[j] : mx;
+                }
+                if (mx == -INFINITY)
+                    continue;   /* no key: zero gradients */
+                for (int64_t j = 0; j < P->Lk; j++)
+                    sum += s[j] == -INFINITY ? 0.0 : exp(s[j] - mx);
+                for (int64_t j = 0; j < P->Lk; j++) {
+                    /* s[j] becomes P_ij, dp[j] dP_ij */
+                    s[j] = s[j] == -INFINITY ? 0.0 : exp(s[j] - mx) / sum;
+                    const double keep =
+                        P->p > 0.0f
+                            ? (ref_dropout_keep(P->seed, P->p, b, h, i, j)
+                                   ? 1.0 / (1.0 - P->p) : 0.0)
+                            : 1.0;
+                    const double *vj = v + (b * P->Lk + j) * Ekv + kvh * P->dh;
+                    double *dvj = dv + (b * P->Lk + j) * Ekv + kvh * P->dh;
+                    double dot = 0.0;
+                    for (int64_t d = 0; d < P->dh; d++) {
+                        dot += gi[d] * vj[d];
+                        dvj[d] += s[j] * keep * gi[d];
+                    }
+                    dp[j] = dot * keep;
+                    delta += s[j] * dp[j];
+                }
+                double *dqi = dq + (b * P->Lq + i) * E + h * P->dh;
+                for (int64_t j = 0; j < P->Lk; j++) {
+                    const double ds = s[j] * (dp[j] - delta) * P->scale;
+                    if (ds == 0.0)
+                        continue;
+                    const double *kj = k + (b * P->Lk + j) * Ekv + kvh * P->dh;
+                    double *dkj = dk + (b * P->Lk + j) * Ekv + kvh * P->dh;
+                    for (int64_t d = 0; d < P->dh; d++) {
+                        dqi[d] += ds * kj[d];
+                        dkj[d] += ds * qi[d];
+                    }
+                }
+            }
+    free(s);
+    free(dp);
+}
+
 static double *widen(const float *x, int64_t n)
 {
     double *y = malloc((size_t)n * sizeof *y);
@@ -168,6 +241,22 @@ static void expect_close(const char *name, const char *what, const float *got,
                  mx);
 }
 
+/* Two float64 gradients agree to 1e-7 * (1 + max |want|): grads64
+ * against central differences (exact to ~1e-8 here). */
+static void expect_near64(const char *name, const char *what,
+                          const double *got, const double *want, int64_t n)
+{
+    double mx = 0.0, err = 0.0;
+    for (int64_t e = 0; e < n; e++) {
+        mx = fabs(want[e]) > mx ? fabs(want[e]) : mx;
+        const double d = fabs(got[e] - want[e]);
+        err = d > err || d != d ? d : err;
+    }
+    if (!(err <= 1e-7 * (1.0 + mx)))
+        fail_msg("%s: %s max error %.3g (max |grad| %.3g)", name, what, err,
+                 mx);
+}
+
 typedef struct gcase {
     const char *name;
     int64_t B, H, Hkv, dh, Lq, Lk;
@@ -190,7 +279,17 @@ static const gcase GCASES[] = {
     {"GQA 4/2, causal, lengths", 2, 4, 2, 4, 6, 9, MHA_CAUSAL_BOTTOM_RIGHT, 1, 0, 0, 0.0f, 0, 0.0f},
     {"MQA 3/1, allow mask, dropout", 2, 3, 1, 4, 5, 70, 0, 0, 0, 1, 0.0f, 0, 0.2f},
     {"GQA 6/3, two query rows", 1, 6, 3, 8, 2, 33, 0, 0, 1, 0, 0.0f, 0, 0.0f},
+    /* From Lk = 4096 the flash backward takes 128-row blocks: against the
+     * analytic float64 gradients (central differences would take
+     * minutes), query blocks of 128 and a remainder, key tiles with a
+     * partial last one. */
+    {"tall blocks: GQA 2/1, causal bottom-right, lengths", 2, 2, 1, 4, 130, 4100, MHA_CAUSAL_BOTTOM_RIGHT, 1, 0, 0, 0.0f, 0, 0.0f},
+    {"tall blocks: dropout, allow mask", 1, 2, 2, 4, 150, 4096, 0, 0, 0, 1, 0.0f, 0, 0.2f},
+    {"tall blocks: additive mask, causal top-left, custom scale", 1, 1, 1, 8, 129, 4097, MHA_CAUSAL_TOP_LEFT, 0, 1, 0, 0.4f, 0, 0.0f},
 };
+
+/* Shapes whose exact gradients come from grads64 alone. */
+enum { ANALYTIC_FROM_LK = 4096 };
 
 static void test_gradients(void **state)
 {
@@ -258,12 +357,27 @@ static void test_gradients(void **state)
         /* The forward's output (the backward's own run) first. */
         attend64(&P, q64, k64, v64, want);
         expect_close(c->name, "out", out, want, nq);
-        central(&P, q64, k64, v64, g, q64, nq, want);
-        expect_close(c->name, "dq", dq, want, nq);
-        central(&P, q64, k64, v64, g, k64, nk, want);
-        expect_close(c->name, "dk", dk, want, nk);
-        central(&P, q64, k64, v64, g, v64, nk, want);
-        expect_close(c->name, "dv", dv, want, nk);
+        double *aq = malloc((size_t)nq * sizeof *aq);
+        double *ak = malloc((size_t)nk * sizeof *ak);
+        double *av = malloc((size_t)nk * sizeof *av);
+        grads64(&P, q64, k64, v64, g, aq, ak, av);
+        if (c->Lk >= ANALYTIC_FROM_LK) {
+            expect_close(c->name, "dq", dq, aq, nq);
+            expect_close(c->name, "dk", dk, ak, nk);
+            expect_close(c->name, "dv", dv, av, nk);
+        } else {
+            /* Central differences, and grads64 checked against them. */
+            central(&P, q64, k64, v64, g, q64, nq, want);
+            expect_close(c->name, "dq", dq, want, nq);
+            expect_near64(c->name, "grads64 dq", aq, want, nq);
+            central(&P, q64, k64, v64, g, k64, nk, want);
+            expect_close(c->name, "dk", dk, want, nk);
+            expect_near64(c->name, "grads64 dk", ak, want, nk);
+            central(&P, q64, k64, v64, g, v64, nk, want);
+            expect_close(c->name, "dv", dv, want, nk);
+            expect_near64(c->name, "grads64 dv", av, want, nk);
+        }
+        free(aq); free(ak); free(av);
         if (c->lengths)   /* the batch with no key: zero gradients */
             for (int64_t x = c->Lq * E; x < nq; x++)
                 assert_true(dq[x] == 0.0f);
@@ -340,6 +454,7 @@ static void test_threads_bitwise(void **state)
         {1, 4, 64, 3, 2100, 4},    /* decoding: split keys */
         {2, 8, 32, 100, 150, 2},   /* grouped-query */
         {1, 8, 64, 1, 2100, 1},    /* multi-query decoding */
+        {1, 2, 8, 130, 4100, 1},   /* the backward's 128-row blocks */
     };
     for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++) {
         mha_attention_args a = {0};
@@ -349,7 +464,8 @@ static void test_threads_bitwise(void **state)
         a.q_len = shapes[s][3];
         a.kv_len = shapes[s][4];
         a.num_kv_heads = shapes[s][5];
-        a.causal = s == 0 ? MHA_CAUSAL_BOTTOM_RIGHT : MHA_CAUSAL_NONE;
+        a.causal = s == 0 || s == 5 ? MHA_CAUSAL_BOTTOM_RIGHT
+                                    : MHA_CAUSAL_NONE;
         a.dropout = s == 1 ? 0.2f : 0.0f;
         a.training = s == 1;
         a.dropout_seed = 5;

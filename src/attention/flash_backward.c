@@ -11,15 +11,18 @@
  *
  * P is recomputed tile by tile from the forward's row stats (m, 1/l),
  * exactly as the forward computed it, so nothing of size Lq x Lk is ever
- * stored: a block of 64 query rows caches its own P and dP~ (64 x Lk
- * each, O(L) per thread) between two sweeps over its key tiles, the first
- * for delta, the second for the gradients.  One work item is one (batch,
- * K/V head g): it owns the rows of dk and dv of g and of dq of the query
- * heads that read g (one head without grouped-query attention), and walks
- * those heads in ascending order, each one's query blocks in order, each
- * block against its key tiles in order, adding into dk and dv.  Every sum therefore has one fixed order, whatever the thread
- * count.  dS is set to 0 wherever P is 0 (masked keys, rows with no key),
- * so a masked key's NaN cannot reach any gradient.
+ * stored: a block of 64 query rows (128 from Lk = 4096, block_rows)
+ * caches its own P and dP~ (rows x Lk each, O(L) per thread) between two
+ * sweeps over its key tiles, the first for delta, the second for the
+ * gradients.  One work item is one (batch, K/V head g): it owns the rows
+ * of dk and dv of g and of dq of the query heads that read g (one head
+ * without grouped-query attention), and walks those heads in ascending
+ * order, each one's query blocks in order, each block against its key
+ * tiles in order, adding into dk and dv (summed in the item's own
+ * contiguous rows, copied out at the end).  Every sum therefore has one
+ * fixed order, whatever the thread count.  dS is set to 0 wherever P
+ * is 0 (masked keys, rows with no key), so a masked key's NaN cannot
+ * reach any gradient.
  *
  * The score modifiers: with a softcap s = c tanh(u / c) of the raw score
  * u, dS is taken through it, dU = dS (1 - tanh^2) (the derivative cached
@@ -32,37 +35,62 @@
 #include <math.h>
 #include <string.h>
 
+/*
+ * Query rows per block of the backward: the forward's 64, or 128 (BRB)
+ * from Lk = 4096 keys on.  A block streams every key tile it sees (K and
+ * V in both packings) and the item's dk and dv rows once per sweep,
+ * whatever its height, while its cache of P and dP~ costs the same per
+ * row: at Lk = 4096, 64-row blocks stream 64 KiB of K and V and 64 KiB
+ * of dk, dv per row, 128-row blocks half that (the cache: 64 KiB a row
+ * either way).  Measured (docs/BENCHMARKS.md), taller blocks gained
+ * 4-16% at Lk = 4096 and 9% at 8192, and lost 8% at 2048, where the
+ * streams still sit in L2 and L3.  The height depends on the shape
+ * alone, so the results stay bitwise the same for every thread count.
+ */
+enum { BRB = 2 * MHA_BR, TALL_FROM_LK = 4096 };
+
+static int block_rows(const mha_attn *a)
+{
+    return a->Lk >= TALL_FROM_LK ? BRB : MHA_BR;
+}
+
 typedef struct bwd_scratch {
-    flash_scratch f;   /* qs (scaled q), o (the block's dq), s (P~), bias */
-    float *dout;       /* [BR][dh]  dO of the block                       */
-    float *dp;         /* [BR][BC]  dP, then dS                            */
-    float *pc, *dpc;   /* [tiles][BR][BC]  the block's P and dP~, tile by
+    float *qs;         /* [BRB][dh]  the block's q rows, scaled            */
+    float *o;          /* [BRB][dh]  the block's dq (unscaled)             */
+    float *s;          /* [BRB][BC]  P~ of a tile, under dropout           */
+    float *bias;       /* [BRB][BC]  an explicit mask's tile               */
+    float *dout;       /* [BRB][dh]  dO of the block                       */
+    float *dp;         /* [BRB][BC]  dP, then dS                           */
+    float *pc, *dpc;   /* [tiles][BRB][BC]  the block's P and dP~, tile by
                           tile (each tile's rows one run of memory)       */
-    float *cc;         /* [tiles][BR][BC]  with a softcap: its
+    float *cc;         /* [tiles][BRB][BC]  with a softcap: its
                           derivative 1 - tanh^2 at each score, or NULL    */
-    double delta[MHA_BR];
+    double delta[BRB];
+    int rows;          /* block_rows: the height of a block and of a
+                          cache tile                                     */
     float *extra;      /* [2][2][dh]  dk, dv of the extra keys            */
     float *dkc, *dvc;  /* [Lk][dh]  the item's dk and dv, contiguous      */
     mha_packed fwd, bwd;   /* the forward's packing and the backward's    */
     int dout_finite, q_finite;
 } bwd_scratch;
 
-/* Floats of a block's cache of P or dP~: a BR x BC tile for every tile
+/* Floats of a block's cache of P or dP~: a BRB x BC tile for every tile
  * of the keys (and one to spare). */
 static int64_t cache_floats(int64_t Lt)
 {
-    return ((Lt + MHA_BC - 1) / MHA_BC + 1) * (MHA_BR * MHA_BC);
+    return ((Lt + MHA_BC - 1) / MHA_BC + 1) * (BRB * MHA_BC);
 }
 
-/* Tile t's part of a block's cache. */
-static float *cache_tile(float *cache, const mha_tile *t)
+/* Tile t's part of a block's cache ([rows][BC], contiguous). */
+static float *cache_tile(const bwd_scratch *w, float *cache,
+                         const mha_tile *t)
 {
-    return cache + t->index * (MHA_BR * MHA_BC);
+    return cache + t->index * (w->rows * MHA_BC);
 }
 
 int64_t mha_flash_bwd_scratch_floats(int64_t dh, int64_t Lt, int softcap)
 {
-    return mha_flash_scratch_floats(dh) + MHA_BR * dh + MHA_BR * MHA_BC +
+    return 3 * BRB * dh + 3 * BRB * MHA_BC +
            (softcap ? 3 : 2) * cache_floats(Lt) + 4 * dh + 2 * Lt * dh;
 }
 
@@ -70,10 +98,13 @@ static bwd_scratch bwd_scratch_at(float *base, int64_t dh, int64_t Lt,
                                   int softcap)
 {
     bwd_scratch w;
-    w.f = mha_flash_scratch_at(base, dh);
-    w.dout = base + mha_flash_scratch_floats(dh);
-    w.dp = w.dout + MHA_BR * dh;
-    w.pc = w.dp + MHA_BR * MHA_BC;
+    w.qs = base;
+    w.o = w.qs + BRB * dh;
+    w.dout = w.o + BRB * dh;
+    w.s = w.dout + BRB * dh;
+    w.bias = w.s + BRB * MHA_BC;
+    w.dp = w.bias + BRB * MHA_BC;
+    w.pc = w.dp + BRB * MHA_BC;
     w.dpc = w.pc + cache_floats(Lt);
     w.extra = w.dpc + cache_floats(Lt);
     w.dkc = w.extra + 4 * dh;
@@ -116,17 +147,16 @@ void mha_pack_backward_tile(const mha_attn *a, const mha_attn_grad *g,
 static void probs_tile(const mha_attn *a, const mha_tile *t, void *ctx)
 {
     bwd_scratch *w = ctx;
-    flash_scratch *f = &w->f;
     const mha_microkernels *uk = a->uk;
     const int dh = (int)a->dh, mr = t->mr, nc = t->nc;
     const int64_t b = t->b, h = t->h;
-    float *pc = cache_tile(w->pc, t), *dpc = cache_tile(w->dpc, t);
+    float *pc = cache_tile(w, w->pc, t), *dpc = cache_tile(w, w->dpc, t);
     const double keep = mha_keep_scale(a);
 
     /* The scores, then P, in the cache itself. */
-    uk->qk(mr, nc, dh, f->qs, mha_packed_a(&w->fwd, b, t->g, t->index),
+    uk->qk(mr, nc, dh, w->qs, mha_packed_a(&w->fwd, b, t->g, t->index),
            MHA_BC, pc, MHA_BC);
-    mha_score_tile(a, t, pc, w->cc ? cache_tile(w->cc, t) : NULL, MHA_BC);
+    mha_score_tile(a, t, pc, w->cc ? cache_tile(w, w->cc, t) : NULL, MHA_BC);
     uk->qk(mr, nc, dh, w->dout, mha_packed_b(&w->bwd, b, t->g, t->index),
            MHA_BC, dpc, MHA_BC);
     for (int r = 0; r < mr; r++) {
@@ -158,12 +188,11 @@ static void probs_tile(const mha_attn *a, const mha_tile *t, void *ctx)
 static void grads_tile(const mha_attn *a, const mha_tile *t, void *ctx)
 {
     bwd_scratch *w = ctx;
-    flash_scratch *f = &w->f;
     const mha_microkernels *uk = a->uk;
     const int dh = (int)a->dh, mr = t->mr, nc = t->nc;
     const int64_t b = t->b, h = t->h, j0 = t->j0, ldc = MHA_BC;
-    const float *pc = cache_tile(w->pc, t), *dpc = cache_tile(w->dpc, t);
-    const float *cc = w->cc ? cache_tile(w->cc, t) : NULL;
+    const float *pc = cache_tile(w, w->pc, t), *dpc = cache_tile(w, w->dpc, t);
+    const float *cc = w->cc ? cache_tile(w, w->cc, t) : NULL;
     const float *kc = mha_packed_a(&w->bwd, b, t->g, t->index);
     const int k_finite = *mha_packed_flag(&w->bwd, b, t->g, t->index) != 0.0f;
     const float keep = (float)mha_keep_scale(a);
@@ -188,7 +217,7 @@ static void grads_tile(const mha_attn *a, const mha_tile *t, void *ctx)
                 dr[c] = pr[c] == 0.0f ? 0.0f : ds;
             }
             if (a->dropout) {
-                float *ptr = f->s + r * MHA_BC;
+                float *ptr = w->s + r * MHA_BC;
                 for (int c = 0; c < nc; c++)
                     ptr[c] = mha_dropout_keep(a->seed, a->p_drop, b, h, i,
                                               j0 + c)
@@ -200,7 +229,7 @@ static void grads_tile(const mha_attn *a, const mha_tile *t, void *ctx)
             uk->dscore(pr, dpr, delta, dr, nc);
             continue;
         }
-        float *ptr = f->s + r * MHA_BC;
+        float *ptr = w->s + r * MHA_BC;
         for (int c = 0; c < nc; c++) {
             float pd = pr[c] * keep, dp = dpr[c] * keep;
             if (!mha_dropout_keep(a->seed, a->p_drop, b, h, i, j0 + c))
@@ -209,7 +238,7 @@ static void grads_tile(const mha_attn *a, const mha_tile *t, void *ctx)
             dr[c] = pr[c] == 0.0f ? 0.0f : pr[c] * (dp - delta);
         }
     }
-    const float *pt = a->dropout ? f->s : pc;
+    const float *pt = a->dropout ? w->s : pc;
     const int ldpt = a->dropout ? MHA_BC : (int)ldc;
     float *dk_dst, *dv_dst;
     int64_t lddk, lddv;
@@ -230,9 +259,9 @@ static void grads_tile(const mha_attn *a, const mha_tile *t, void *ctx)
                                                w->dout, dv_dst, (int)lddv);
     /* dq (unscaled: the block's dq is scaled once at the end) += dS k. */
     (k_finite ? uk->pv_add : uk->pv_add_exact)(mr, nc, dh, w->dp, MHA_BC, kc,
-                                               f->o, dh);
+                                               w->o, dh);
     /* dk += dS^T (scale q): qs already holds the scaled rows. */
-    (w->q_finite ? uk->pvt : uk->pvt_exact)(mr, nc, dh, w->dp, MHA_BC, f->qs,
+    (w->q_finite ? uk->pvt : uk->pvt_exact)(mr, nc, dh, w->dp, MHA_BC, w->qs,
                                             dk_dst, (int)lddk);
 }
 
@@ -254,7 +283,7 @@ static void load_block(const mha_attn *a, const mha_attn_grad *g, int64_t b,
     w->dout_finite = fin;
     fin = 1;
     for (int64_t x = 0; x < mr * dh; x++)
-        fin &= isfinite(w->f.qs[x]) != 0;
+        fin &= isfinite(w->qs[x]) != 0;
     w->q_finite = fin;
 }
 
@@ -294,12 +323,13 @@ static void bwd_head(const mha_attn *a, const mha_attn_grad *g, int64_t b,
 {
     const int64_t dh = a->dh;
     double dsink = 0.0;
-    for (int64_t i0 = 0; i0 < a->Lq; i0 += MHA_BR) {
-        const int mr = (int)(a->Lq - i0 < MHA_BR ? a->Lq - i0 : MHA_BR);
-        mha_load_q(a, b, h, i0, mr, w->f.qs);
+    const int rows = w->rows;
+    for (int64_t i0 = 0; i0 < a->Lq; i0 += rows) {
+        const int mr = (int)(a->Lq - i0 < rows ? a->Lq - i0 : rows);
+        mha_load_q(a, b, h, i0, mr, w->qs);
         load_block(a, g, b, h, i0, mr, w);
-        memset(w->f.o, 0, (size_t)(mr * dh) * sizeof *w->f.o);
-        mha_for_each_tile(a, b, h, i0, mr, 0, a->Lk, 1, w->f.bias, probs_tile,
+        memset(w->o, 0, (size_t)(mr * dh) * sizeof *w->o);
+        mha_for_each_tile(a, b, h, i0, mr, 0, a->Lk, 1, w->bias, probs_tile,
                           w);
         /* A part of a split-key problem: delta is the whole row's. */
         for (int r = 0; g->row_delta && r < mr; r++)
@@ -308,12 +338,12 @@ static void bwd_head(const mha_attn *a, const mha_attn_grad *g, int64_t b,
             const float *st = a->stats + 2 * ((b * a->H + h) * a->Lq + i0 + r);
             dsink -= exp((double)a->sinks[h] - st[0]) * st[1] * w->delta[r];
         }
-        mha_for_each_tile(a, b, h, i0, mr, 0, a->Lk, 1, w->f.bias, grads_tile,
+        mha_for_each_tile(a, b, h, i0, mr, 0, a->Lk, 1, w->bias, grads_tile,
                           w);
         for (int r = 0; r < mr; r++) {
             float *dst = g->dq + (b * a->Lq + i0 + r) * g->lddq + h * dh;
             for (int64_t d = 0; d < dh; d++)
-                dst[d] = w->f.o[r * dh + d] * a->scale;
+                dst[d] = w->o[r * dh + d] * a->scale;
         }
     }
     if (a->sinks && g->dsinks)
@@ -327,6 +357,7 @@ void mha_flash_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
     bwd_scratch w = bwd_scratch_at(scratch, dh, a->Lt, a->softcap > 0.0f);
     w.fwd = mha_packed_at(a->packed, a);
     w.bwd = mha_packed_at(g->packed, a);
+    w.rows = block_rows(a);
     memset(w.dkc, 0, (size_t)(a->Lk * dh) * sizeof *w.dkc);
     memset(w.dvc, 0, (size_t)(a->Lk * dh) * sizeof *w.dvc);
     memset(w.extra, 0, (size_t)(4 * dh) * sizeof *w.extra);
