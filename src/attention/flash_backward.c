@@ -190,7 +190,7 @@ static void grads_tile(const mha_attn *a, const mha_tile *t, void *ctx)
     bwd_scratch *w = ctx;
     const mha_microkernels *uk = a->uk;
     const int dh = (int)a->dh, mr = t->mr, nc = t->nc;
-    const int64_t b = t->b, h = t->h, j0 = t->j0, ldc = MHA_BC;
+    const int64_t b = t->b, h = t->h, j0 = t->j0;
     const float *pc = cache_tile(w, w->pc, t), *dpc = cache_tile(w, w->dpc, t);
     const float *cc = w->cc ? cache_tile(w, w->cc, t) : NULL;
     const float *kc = mha_packed_a(&w->bwd, b, t->g, t->index);
@@ -203,11 +203,11 @@ static void grads_tile(const mha_attn *a, const mha_tile *t, void *ctx)
      * the cache as it is. */
     for (int r = 0; r < mr; r++) {
         const int64_t i = t->i0 + r;
-        const float *pr = pc + r * ldc, *dpr = dpc + r * ldc;
+        const float *pr = pc + r * MHA_BC, *dpr = dpc + r * MHA_BC;
         const float delta = (float)w->delta[r];
         float *dr = w->dp + r * MHA_BC;
         if (cc) {
-            const float *cr = cc + r * ldc;
+            const float *cr = cc + r * MHA_BC;
             for (int c = 0; c < nc; c++) {
                 float dp = dpr[c];
                 if (a->dropout)
@@ -238,8 +238,8 @@ static void grads_tile(const mha_attn *a, const mha_tile *t, void *ctx)
             dr[c] = pr[c] == 0.0f ? 0.0f : pr[c] * (dp - delta);
         }
     }
+    /* (P~ and the cache's P both have rows MHA_BC floats apart) */
     const float *pt = a->dropout ? w->s : pc;
-    const int ldpt = a->dropout ? MHA_BC : (int)ldc;
     float *dk_dst, *dv_dst;
     int64_t lddk, lddv;
     if (t->extra) {
@@ -252,10 +252,10 @@ static void grads_tile(const mha_attn *a, const mha_tile *t, void *ctx)
         lddk = lddv = dh;
     }
     /* Each (block, tile)'s share of dv, dq and dk is summed apart, then
-     * added (the kernels' pv_add / pvt): two levels of float sums (over 64
-     * rows or keys, then over the blocks or tiles) instead of one chain as
-     * long as Lq or Lk. */
-    (w->dout_finite ? uk->pvt : uk->pvt_exact)(mr, nc, dh, pt, ldpt,
+     * added (the kernels' pv_add / pvt): two levels of float sums (over a
+     * block's rows or a tile's keys, then over the blocks or tiles)
+     * instead of one chain as long as Lq or Lk. */
+    (w->dout_finite ? uk->pvt : uk->pvt_exact)(mr, nc, dh, pt, MHA_BC,
                                                w->dout, dv_dst, (int)lddv);
     /* dq (unscaled: the block's dq is scaled once at the end) += dS k. */
     (k_finite ? uk->pv_add : uk->pv_add_exact)(mr, nc, dh, w->dp, MHA_BC, kc,
