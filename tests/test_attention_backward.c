@@ -68,6 +68,34 @@ static int visible(const problem *P, int64_t b, int64_t h, int64_t i,
     return 1;
 }
 
+/* Row i of (b, h): s[j] = scale q_i . k_j + bias, -inf where j is not
+ * visible; *mx their max and *sum = sum_j exp(s[j] - mx) (0 and -inf
+ * for a row with no key). */
+static void scores64(const problem *P, const double *q, const double *k,
+                     int64_t b, int64_t h, int64_t i, double *s, double *mx,
+                     double *sum)
+{
+    const int64_t E = P->H * P->dh, Ekv = P->Hkv * P->dh;
+    const int64_t kvh = h / (P->H / P->Hkv);
+    const double *qi = q + (b * P->Lq + i) * E + h * P->dh;
+    double bias;
+    *mx = -INFINITY;
+    *sum = 0.0;
+    for (int64_t j = 0; j < P->Lk; j++) {
+        s[j] = -INFINITY;
+        if (!visible(P, b, h, i, j, &bias))
+            continue;
+        const double *kj = k + (b * P->Lk + j) * Ekv + kvh * P->dh;
+        double dot = 0.0;
+        for (int64_t d = 0; d < P->dh; d++)
+            dot += qi[d] * kj[d];
+        s[j] = dot * P->scale + bias;
+        *mx = s[j] > *mx ? s[j] : *mx;
+    }
+    for (int64_t j = 0; *mx != -INFINITY && j < P->Lk; j++)
+        *sum += s[j] == -INFINITY ? 0.0 : exp(s[j] - *mx);
+}
+
 /* out = attention(q, k, v) in float64 (q, k, v as doubles), (B, Lq, E). */
 static void attend64(const problem *P, const double *q, const double *k,
                      const double *v, double *out)
@@ -79,23 +107,10 @@ static void attend64(const problem *P, const double *q, const double *k,
         for (int64_t h = 0; h < P->H; h++)
             for (int64_t i = 0; i < P->Lq; i++) {
                 const int64_t kvh = h / (P->H / P->Hkv);
-                const double *qi = q + (b * P->Lq + i) * E + h * P->dh;
-                double mx = -INFINITY, sum = 0.0, bias;
-                for (int64_t j = 0; j < P->Lk; j++) {
-                    s[j] = -INFINITY;
-                    if (!visible(P, b, h, i, j, &bias))
-                        continue;
-                    const double *kj = k + (b * P->Lk + j) * Ekv + kvh * P->dh;
-                    double dot = 0.0;
-                    for (int64_t d = 0; d < P->dh; d++)
-                        dot += qi[d] * kj[d];
-                    s[j] = dot * P->scale + bias;
-                    mx = s[j] > mx ? s[j] : mx;
-                }
+                double mx, sum;
+                scores64(P, q, k, b, h, i, s, &mx, &sum);
                 if (mx == -INFINITY)
                     continue;   /* no key: zero output */
-                for (int64_t j = 0; j < P->Lk; j++)
-                    sum += s[j] == -INFINITY ? 0.0 : exp(s[j] - mx);
                 double *oi = out + (b * P->Lq + i) * E + h * P->dh;
                 for (int64_t j = 0; j < P->Lk; j++) {
                     if (s[j] == -INFINITY)
@@ -164,22 +179,10 @@ static void grads64(const problem *P, const double *q, const double *k,
                 const int64_t kvh = h / (P->H / P->Hkv);
                 const double *qi = q + (b * P->Lq + i) * E + h * P->dh;
                 const float *gi = g + (b * P->Lq + i) * E + h * P->dh;
-                double mx = -INFINITY, sum = 0.0, bias, delta = 0.0;
-                for (int64_t j = 0; j < P->Lk; j++) {
-                    s[j] = -INFINITY;
-                    if (!visible(P, b, h, i, j, &bias))
-                        continue;
-                    const double *kj = k + (b * P->Lk + j) * Ekv + kvh * P->dh;
-                    double dot = 0.0;
-                    for (int64_t d = 0; d < P->dh; d++)
-                        dot += qi[d] * kj[d];
-                    s[j] = dot * P->scale + bias;
-                    mx = s[j] > mx ? s[j] : mx;
-                }
+                double mx, sum, delta = 0.0;
+                scores64(P, q, k, b, h, i, s, &mx, &sum);
                 if (mx == -INFINITY)
                     continue;   /* no key: zero gradients */
-                for (int64_t j = 0; j < P->Lk; j++)
-                    sum += s[j] == -INFINITY ? 0.0 : exp(s[j] - mx);
                 for (int64_t j = 0; j < P->Lk; j++) {
                     /* s[j] becomes P_ij, dp[j] dP_ij */
                     s[j] = s[j] == -INFINITY ? 0.0 : exp(s[j] - mx) / sum;
@@ -862,30 +865,16 @@ static void test_gqa_module(void **state)
 static void lse64(const problem *P, const double *q, const double *k,
                   double *lse)
 {
-    const int64_t E = P->H * P->dh, Ekv = P->Hkv * P->dh;
+    double *s = malloc((size_t)P->Lk * sizeof *s);
     for (int64_t b = 0; b < P->B; b++)
         for (int64_t h = 0; h < P->H; h++)
             for (int64_t i = 0; i < P->Lq; i++) {
-                const int64_t g = h / (P->H / P->Hkv);
-                double mx = -INFINITY, bias, sum = 0.0;
-                double *s = malloc((size_t)P->Lk * sizeof *s);
-                for (int64_t j = 0; j < P->Lk; j++) {
-                    s[j] = -INFINITY;
-                    if (!visible(P, b, h, i, j, &bias))
-                        continue;
-                    double dot = 0.0;
-                    for (int64_t d = 0; d < P->dh; d++)
-                        dot += q[(b * P->Lq + i) * E + h * P->dh + d] *
-                               k[(b * P->Lk + j) * Ekv + g * P->dh + d];
-                    s[j] = dot * P->scale + bias;
-                    mx = s[j] > mx ? s[j] : mx;
-                }
-                for (int64_t j = 0; mx != -INFINITY && j < P->Lk; j++)
-                    sum += s[j] == -INFINITY ? 0.0 : exp(s[j] - mx);
+                double mx, sum;
+                scores64(P, q, k, b, h, i, s, &mx, &sum);
                 lse[(b * P->H + h) * P->Lq + i] =
                     mx == -INFINITY ? -INFINITY : mx + log(sum);
-                free(s);
             }
+    free(s);
 }
 
 static void test_merge_partials(void **state)
