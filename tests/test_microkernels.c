@@ -770,6 +770,47 @@ static void test_exp_sum_order(void **state)
     assert_true(same_bits(x, y, 40));
 }
 
+/* A lane's exp does not depend on its neighbours: the vector tiers take a
+ * fast path when every lane of a vector is within |x| <= 86 and a general
+ * one otherwise (docs/KERNELS.md); both must give the same bits.  Each
+ * value of [-86.5, 86.5] alone (a one-element call) against the same
+ * value beside a lane that forces the general path (-inf, NaN, +-100) in
+ * every position of a 16-wide group. */
+static void test_exp_lanes_apart(void **state)
+{
+    const mha_microkernels *k = *state;
+    enum { N = 4096, G = 16 };
+    static const float odd[] = {-INFINITY, NAN, 100.0f, -100.0f};
+    float *alone = out_buf(N), *mixed = out_buf(N);
+    rng_seed(41);
+    fill(alone, N, -86.5f, 86.5f);
+    alone[0] = -86.0f;
+    alone[1] = 86.0f;
+    alone[2] = 0.0f;
+    alone[3] = nextafterf(86.0f, 100.0f);
+    memcpy(mixed, alone, N * sizeof *alone);
+    for (int i = 0; i < N; i++)
+        k->exp_sum(alone + i, 1, 0.0f);
+    for (int i = 0; i < N; i++)
+        if (i % G == (i / G) % G)
+            mixed[i] = odd[(i / G) % COUNT(odd)];
+    k->exp_sum(mixed, N, 0.0f);
+    check_guard(alone, N);
+    check_guard(mixed, N);
+    for (int i = 0; i < N; i++) {
+        if (i % G == (i / G) % G)
+            continue;
+        uint32_t a, b;
+        memcpy(&a, alone + i, 4);
+        memcpy(&b, mixed + i, 4);
+        if (a != b)
+            fail_msg("%s exp lane %d: %a alone, %a beside a special lane",
+                     k->name, i, alone[i], mixed[i]);
+    }
+    free(alone);
+    free(mixed);
+}
+
 /* ---- scale ----------------------------------------------------------------*/
 
 static void test_scale(void **state)
@@ -1019,6 +1060,7 @@ static void test_names(void **state)
     cmocka_unit_test_prestate(test_pv_exact_nonfinite, (void *)&table),      \
     cmocka_unit_test_prestate(test_exp_accuracy, (void *)&table),            \
     cmocka_unit_test_prestate(test_exp_special, (void *)&table),             \
+    cmocka_unit_test_prestate(test_exp_lanes_apart, (void *)&table),         \
     cmocka_unit_test_prestate(test_softcap, (void *)&table),                 \
     cmocka_unit_test_prestate(test_exp_sum_order, (void *)&table),           \
     cmocka_unit_test_prestate(test_scale, (void *)&table),                   \

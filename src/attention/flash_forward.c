@@ -54,7 +54,9 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
         if (!src.finite)
             for (int c = 0; c < nc; c++)
                 live[c] = sr[c] != -INFINITY;   /* NaN: live */
-        const float alpha = expf(f->m[r] - mn);   /* 0 on the first tile */
+        /* 0 on the first tile; exactly 1 (expf(0)) when the max held,
+         * which most tiles of a long row see: no call then. */
+        const float alpha = mn == f->m[r] ? 1.0f : expf(f->m[r] - mn);
         const float sum = uk->exp_sum(sr, nc, mn);
         /* An underflowed live weight becomes the least subnormal float,
          * which adds nothing visible to a finite value's share but reads

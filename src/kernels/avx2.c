@@ -366,38 +366,38 @@ static void pv_kv_avx2(mha_kv_dtype dtype, int exact, int mr, int nc, int dh,
 /* ---- exp ------------------------------------------------------------------
  *
  * exp(x) = 2^n * e^f,  n = round(x / ln2),  f = x - n*ln2 in [-ln2/2, ln2/2]
- * f by Cody-Waite with FMA: ln2 = L_HI + L_LO, L_HI the float nearest ln2;
- * fma(n, -L_HI, x) is exact (|n| <= 160), then fma(n, -L_LO, .) rounds once.
- * e^f = 1 + f + f^2 * P(f), P of degree 5 (Cephes expf minimax coefficients),
- * evaluated by Horner with FMA; then (f + f^2 P) + 1.
- * 2^n as two exact float factors 2^(n>>1) * 2^(n - (n>>1)), so n = 128, 129
- * overflows correctly to +inf.  x is clamped to [ln FLT_MIN, 89] first
- * (keeps n in [-126, 129]; NaN passes through the clamp), and results for
- * x < ln FLT_MIN = -87.3365... (exact results below FLT_MIN) are flushed
- * to +0: no denormal is produced (nor a microcode assist taken).
- * -inf -> 0, NaN -> NaN, 0 -> exactly 1.
+ * n by the "magic" addition t = fma(x, log2 e, 1.5 * 2^23): floats in
+ * [2^23, 2^24) are the integers, so the one rounding of the fma rounds
+ * x log2 e to the nearest integer n, and t's low bits hold n itself;
+ * n = t - 1.5 * 2^23 exactly.  f by Cody-Waite with FMA: ln2 = L_HI +
+ * L_LO, L_HI the float nearest ln2; fma(n, -L_HI, x) is exact
+ * (|n| <= 160), then fma(n, -L_LO, .) rounds once.  e^f = 1 + f + f^2 *
+ * P(f), P of degree 5 (Cephes expf minimax coefficients), evaluated by
+ * Horner with FMA; then (f + f^2 P) + 1, in [0.70, 1.42].
+ *
+ * 2^n: for |x| <= 86 (every lane: the usual case, a softmax's scores
+ * minus their max), |n| <= 125 and y 2^n is a normal float, formed
+ * exactly by adding n to y's exponent bits (t shifted left by 23 is n
+ * << 23).  Otherwise (-inf, the flush, overflow, NaN in some lane) the
+ * general path: x is clamped to [ln FLT_MIN, 89] first (keeps n in
+ * [-126, 129]; NaN passes through the clamp), 2^n is two exact float
+ * factors 2^(n>>1) * 2^(n - (n>>1)), so n = 128, 129 overflow correctly
+ * to +inf, and results for x < ln FLT_MIN = -87.3365... (exact results
+ * below FLT_MIN) are flushed to +0: no denormal is produced (nor a
+ * microcode assist taken).  Both paths form the same n, f and y, and
+ * both scalings are exact, so a lane's result does not depend on its
+ * neighbours.  -inf -> 0, NaN -> NaN, 0 -> exactly 1.
  */
-MK_INLINE __m256 exp8(__m256 x)
+MK_INLINE __m256 exp8_poly(__m256 x, __m256 *t)
 {
-    /* The smallest float whose exp is >= FLT_MIN: -0x1.5d589ep+6 =
-     * -87.33654022 (ln FLT_MIN = -87.33654475 lies between it and the next
-     * float down, whose exp is already denormal). */
-    const __m256 flush = _mm256_set1_ps(-0x1.5d589ep+6f);
-    const __m256 x_lo = flush;
-    const __m256 x_hi = _mm256_set1_ps(89.0f);
     const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+    const __m256 magic = _mm256_set1_ps(0x1.8p23f);
     const __m256 ln2_hi = _mm256_set1_ps(0.693147182464599609375f);
     const __m256 ln2_lo = _mm256_set1_ps(-1.904654299957768e-09f);
-    const __m256 one = _mm256_set1_ps(1.0f);
 
-    /* min / max return their second operand when one is NaN: keep x there. */
-    const __m256 xc = _mm256_max_ps(x_lo, _mm256_min_ps(x_hi, x));
-    const __m256 below = _mm256_cmp_ps(x, flush, _CMP_LT_OQ);
-
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, log2e),
-                                     _MM_FROUND_TO_NEAREST_INT |
-                                         _MM_FROUND_NO_EXC);
-    __m256 f = _mm256_fnmadd_ps(n, ln2_hi, xc);
+    *t = _mm256_fmadd_ps(x, log2e, magic);
+    const __m256 n = _mm256_sub_ps(*t, magic);
+    __m256 f = _mm256_fnmadd_ps(n, ln2_hi, x);
     f = _mm256_fnmadd_ps(n, ln2_lo, f);
 
     __m256 P = _mm256_set1_ps(1.9875691500e-4f);
@@ -407,10 +407,28 @@ MK_INLINE __m256 exp8(__m256 x)
     P = _mm256_fmadd_ps(P, f, _mm256_set1_ps(1.6666665459e-1f));
     P = _mm256_fmadd_ps(P, f, _mm256_set1_ps(5.0000001201e-1f));
     const __m256 f2 = _mm256_mul_ps(f, f);
-    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(P, f2, f), one);
+    return _mm256_add_ps(_mm256_fmadd_ps(P, f2, f), _mm256_set1_ps(1.0f));
+}
+
+/* The general path of exp8: any x (a rare branch, inlined: a call
+ * cost exp_sum a stack frame and the spills around it). */
+MK_INLINE __m256 exp8_general(__m256 x)
+{
+    /* The smallest float whose exp is >= FLT_MIN: -0x1.5d589ep+6 =
+     * -87.33654022 (ln FLT_MIN = -87.33654475 lies between it and the next
+     * float down, whose exp is already denormal). */
+    const __m256 flush = _mm256_set1_ps(-0x1.5d589ep+6f);
+    const __m256 x_hi = _mm256_set1_ps(89.0f);
+
+    /* min / max return their second operand when one is NaN: keep x there. */
+    const __m256 xc = _mm256_max_ps(flush, _mm256_min_ps(x_hi, x));
+    const __m256 below = _mm256_cmp_ps(x, flush, _CMP_LT_OQ);
+    __m256 t;
+    const __m256 y = exp8_poly(xc, &t);
 
     /* n is an integer in [-126, 129] (garbage for NaN: y is NaN then). */
-    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i ni = _mm256_sub_epi32(_mm256_castps_si256(t),
+                                        _mm256_set1_epi32(0x4B400000));
     const __m256i n1 = _mm256_srai_epi32(ni, 1);
     const __m256i n2 = _mm256_sub_epi32(ni, n1);
     const __m256i bias = _mm256_set1_epi32(127);
@@ -420,6 +438,19 @@ MK_INLINE __m256 exp8(__m256 x)
         _mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
     __m256 r = _mm256_mul_ps(_mm256_mul_ps(y, s1), s2);
     return _mm256_andnot_ps(below, r);
+}
+
+MK_INLINE __m256 exp8(__m256 x)
+{
+    const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+    const __m256 in = _mm256_cmp_ps(a, _mm256_set1_ps(86.0f), _CMP_LE_OQ);
+    if (__builtin_expect(_mm256_movemask_ps(in) != 0xFF, 0))
+        return exp8_general(x);   /* (NaN compares false: here) */
+    __m256 t;
+    const __m256 y = exp8_poly(x, &t);
+    return _mm256_castsi256_ps(
+        _mm256_add_epi32(_mm256_castps_si256(y),
+                         _mm256_slli_epi32(_mm256_castps_si256(t), 23)));
 }
 
 /* ---- tanh -----------------------------------------------------------------

@@ -269,28 +269,23 @@ static void pv_kv_avx512(mha_kv_dtype dtype, int exact, int mr, int nc,
 /* ---- exp ------------------------------------------------------------------
  *
  * The avx2 tier's exp (see there, and docs/KERNELS.md), operation for
- * operation on 16 lanes: clamp to [flush, 89], n = round(x log2e), Cody-Waite
- * f, the degree-5 polynomial by Horner with FMA, 2^n as two exact factors,
- * results below FLT_MIN flushed to +0.  Each lane gives the bits the avx2
- * exp gives.
+ * operation on 16 lanes: n by the magic addition t = fma(x, log2e,
+ * 1.5 * 2^23), Cody-Waite f, the degree-5 polynomial by Horner with FMA;
+ * when every lane has |x| <= 86, 2^n added to y's exponent bits (t << 23),
+ * otherwise the general path: x clamped to [flush, 89], 2^n as two exact
+ * factors, results below FLT_MIN flushed to +0.  Each lane gives the bits
+ * the avx2 exp gives, whichever path its 8 or 16 lanes took.
  */
-MK_INLINE __m512 exp16(__m512 x)
+MK_INLINE __m512 exp16_poly(__m512 x, __m512 *t)
 {
-    const __m512 flush = _mm512_set1_ps(-0x1.5d589ep+6f);
-    const __m512 x_hi = _mm512_set1_ps(89.0f);
     const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 magic = _mm512_set1_ps(0x1.8p23f);
     const __m512 ln2_hi = _mm512_set1_ps(0.693147182464599609375f);
     const __m512 ln2_lo = _mm512_set1_ps(-1.904654299957768e-09f);
-    const __m512 one = _mm512_set1_ps(1.0f);
 
-    /* vmaxps / vminps return the second operand when one is NaN: x. */
-    const __m512 xc = _mm512_max_ps(flush, _mm512_min_ps(x_hi, x));
-    const __mmask16 below = _mm512_cmp_ps_mask(x, flush, _CMP_LT_OQ);
-
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, log2e),
-                                          _MM_FROUND_TO_NEAREST_INT |
-                                              _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_fnmadd_ps(n, ln2_hi, xc);
+    *t = _mm512_fmadd_ps(x, log2e, magic);
+    const __m512 n = _mm512_sub_ps(*t, magic);
+    __m512 f = _mm512_fnmadd_ps(n, ln2_hi, x);
     f = _mm512_fnmadd_ps(n, ln2_lo, f);
 
     __m512 P = _mm512_set1_ps(1.9875691500e-4f);
@@ -300,9 +295,22 @@ MK_INLINE __m512 exp16(__m512 x)
     P = _mm512_fmadd_ps(P, f, _mm512_set1_ps(1.6666665459e-1f));
     P = _mm512_fmadd_ps(P, f, _mm512_set1_ps(5.0000001201e-1f));
     const __m512 f2 = _mm512_mul_ps(f, f);
-    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(P, f2, f), one);
+    return _mm512_add_ps(_mm512_fmadd_ps(P, f2, f), _mm512_set1_ps(1.0f));
+}
 
-    const __m512i ni = _mm512_cvtps_epi32(n);
+MK_INLINE __m512 exp16_general(__m512 x)
+{
+    const __m512 flush = _mm512_set1_ps(-0x1.5d589ep+6f);
+    const __m512 x_hi = _mm512_set1_ps(89.0f);
+
+    /* vmaxps / vminps return the second operand when one is NaN: x. */
+    const __m512 xc = _mm512_max_ps(flush, _mm512_min_ps(x_hi, x));
+    const __mmask16 below = _mm512_cmp_ps_mask(x, flush, _CMP_LT_OQ);
+    __m512 t;
+    const __m512 y = exp16_poly(xc, &t);
+
+    const __m512i ni = _mm512_sub_epi32(_mm512_castps_si512(t),
+                                        _mm512_set1_epi32(0x4B400000));
     const __m512i n1 = _mm512_srai_epi32(ni, 1);
     const __m512i n2 = _mm512_sub_epi32(ni, n1);
     const __m512i bias = _mm512_set1_epi32(127);
@@ -312,6 +320,19 @@ MK_INLINE __m512 exp16(__m512 x)
         _mm512_slli_epi32(_mm512_add_epi32(n2, bias), 23));
     const __m512 r = _mm512_mul_ps(_mm512_mul_ps(y, s1), s2);
     return _mm512_maskz_mov_ps((__mmask16)~below, r);
+}
+
+MK_INLINE __m512 exp16(__m512 x)
+{
+    const __mmask16 in = _mm512_cmp_ps_mask(
+        _mm512_abs_ps(x), _mm512_set1_ps(86.0f), _CMP_LE_OQ);
+    if (__builtin_expect(in != 0xFFFF, 0))
+        return exp16_general(x);   /* (NaN compares false: here) */
+    __m512 t;
+    const __m512 y = exp16_poly(x, &t);
+    return _mm512_castsi512_ps(
+        _mm512_add_epi32(_mm512_castps_si512(y),
+                         _mm512_slli_epi32(_mm512_castps_si512(t), 23)));
 }
 
 /* tanh, as avx2.c's tanh8 (the same formulas, 16 lanes). */
