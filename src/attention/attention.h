@@ -574,6 +574,26 @@ static inline void mha_mask_tile(const mha_attn *a, const mha_tile *t,
     mha_score_tile(a, t, s, NULL, 0);
 }
 
+/*
+ * A tile masked by index (causal, key lengths) on the diagonal has keys
+ * that no row sees at its end.  The products skip them panel by panel:
+ * rows r0 .. r0+n-1 need only the first mha_tile_panel_cols() columns
+ * (their largest live count; nc for any other tile), the rest being
+ * excluded by the mask anyway.  A panel is MHA_PANEL rows, the last one
+ * up to twice that (mha_panel_rows): two of the avx2 and avx512 kernels'
+ * 6-row register blocks at least, because a call of 6 rows or fewer is
+ * what the kernels take for a decoding step and walk in slabs.  A
+ * diagonal tile's products then cost ~60% of a whole tile's.  Each
+ * element of a product is the same chain of FMAs whatever the panel
+ * (docs/KERNELS.md), so computed elements keep their bits.
+ */
+enum { MHA_PANEL = 12 };
+static inline int mha_panel_rows(int mr, int r0)
+{
+    return mr - r0 < 2 * MHA_PANEL ? mr - r0 : MHA_PANEL;
+}
+int mha_tile_panel_cols(const mha_attn *a, const mha_tile *t, int r0, int n);
+
 /* Query head of row r of a tile (stacked blocks hold several heads). */
 static inline int64_t mha_tile_head(const mha_attn *a, const mha_tile *t,
                                     int r)

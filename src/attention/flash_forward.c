@@ -31,7 +31,19 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
     const mha_microkernels *uk = a->uk;
     const mha_tile_src src = mha_tile_source(a, t);
     const int dh = (int)a->dh, mr = t->mr, nc = t->nc;
-    uk->qk_kv(src.dtype, mr, nc, dh, f->qs, src.kt, MHA_BC, f->s, MHA_BC);
+    /* The scores, panel by panel on a diagonal tile (the keys past a
+     * panel's last live one: -inf without a product). */
+    int cols[MHA_BR / MHA_PANEL + 1];
+    for (int r0 = 0, n, p = 0; r0 < mr; r0 += n, p++) {
+        n = mha_panel_rows(mr, r0);
+        const int w = cols[p] = mha_tile_panel_cols(a, t, r0, n);
+        if (w > 0)
+            uk->qk_kv(src.dtype, n, w, dh, f->qs + r0 * dh, src.kt, MHA_BC,
+                      f->s + r0 * MHA_BC, MHA_BC);
+        for (int r = r0; r < r0 + n; r++)
+            for (int c = w; c < nc; c++)
+                f->s[r * MHA_BC + c] = -INFINITY;
+    }
     mha_mask_tile(a, t, f->s);
     for (int r = 0; r < mr; r++) {
         float *sr = f->s + r * MHA_BC;
@@ -79,8 +91,15 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
                                       a->drop_row0 + t->i0 + r, t->j0 + c))
                     sr[c] = 0.0f;
     }
-    uk->pv_kv(src.dtype, !src.finite, mr, nc, dh, f->s, MHA_BC, src.v,
-              MHA_BC, f->o, dh);
+    /* o += p v, each panel over the keys it sees (the others' weights
+     * are 0: the same sums). */
+    for (int r0 = 0, n, p = 0; r0 < mr; r0 += n, p++) {
+        n = mha_panel_rows(mr, r0);
+        if (cols[p] > 0)
+            uk->pv_kv(src.dtype, !src.finite, n, cols[p], dh,
+                      f->s + r0 * MHA_BC, MHA_BC, src.v, MHA_BC,
+                      f->o + r0 * dh, dh);
+    }
 }
 
 /*

@@ -137,6 +137,19 @@ float mha_value_elem(const mha_attn *a, int64_t b, int64_t g, int64_t j,
     return kv_elem(a, 1, b, g, j, d);
 }
 
+int mha_tile_panel_cols(const mha_attn *a, const mha_tile *t, int r0, int n)
+{
+    if (t->how != MHA_TILE_BY_INDEX)
+        return t->nc;
+    int64_t live = 0;
+    for (int r = r0; r < r0 + n; r++) {
+        const int64_t l =
+            mha_mask_last(a->mask, t->b, mha_tile_row(t, r)) - t->j0 + 1;
+        live = l > live ? l : live;
+    }
+    return (int)(live < t->nc ? live : t->nc);
+}
+
 /* s + bias, where bias -inf excludes and finite sums saturate. */
 static inline float masked(float s, float bias)
 {
