@@ -593,6 +593,11 @@ static inline int mha_panel_rows(int mr, int r0)
     return mr - r0 < 2 * MHA_PANEL ? mr - r0 : MHA_PANEL;
 }
 int mha_tile_panel_cols(const mha_attn *a, const mha_tile *t, int r0, int n);
+/* The same seen down a column (the backward's dk, dv): the first row of
+ * tile t that sees its key c (rows before it see none of keys c ..:
+ * their weights there are 0); 0 for a tile not masked by index, mr when
+ * no row does. */
+int mha_tile_first_row(const mha_attn *a, const mha_tile *t, int c);
 
 /* Query head of row r of a tile (stacked blocks hold several heads). */
 static inline int64_t mha_tile_head(const mha_attn *a, const mha_tile *t,

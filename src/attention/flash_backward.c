@@ -153,12 +153,27 @@ static void probs_tile(const mha_attn *a, const mha_tile *t, void *ctx)
     float *pc = cache_tile(w, w->pc, t), *dpc = cache_tile(w, w->dpc, t);
     const double keep = mha_keep_scale(a);
 
-    /* The scores, then P, in the cache itself. */
-    uk->qk(mr, nc, dh, w->qs, mha_packed_a(&w->fwd, b, t->g, t->index),
-           MHA_BC, pc, MHA_BC);
+    /* The scores, then P, in the cache itself, and dP~; on a diagonal
+     * tile panel by panel, over the keys each panel sees (the others:
+     * -inf and 0 without a product, mha_tile_panel_cols). */
+    const float *kt = mha_packed_a(&w->fwd, b, t->g, t->index);
+    const float *vt = mha_packed_b(&w->bwd, b, t->g, t->index);
+    for (int r0 = 0, n; r0 < mr; r0 += n) {
+        n = mha_panel_rows(mr, r0);
+        const int cols = mha_tile_panel_cols(a, t, r0, n);
+        if (cols > 0) {
+            uk->qk(n, cols, dh, w->qs + r0 * dh, kt, MHA_BC,
+                   pc + r0 * MHA_BC, MHA_BC);
+            uk->qk(n, cols, dh, w->dout + r0 * dh, vt, MHA_BC,
+                   dpc + r0 * MHA_BC, MHA_BC);
+        }
+        for (int r = r0; r < r0 + n; r++)
+            for (int c = cols; c < nc; c++) {
+                pc[r * MHA_BC + c] = -INFINITY;
+                dpc[r * MHA_BC + c] = 0.0f;
+            }
+    }
     mha_score_tile(a, t, pc, w->cc ? cache_tile(w, w->cc, t) : NULL, MHA_BC);
-    uk->qk(mr, nc, dh, w->dout, mha_packed_b(&w->bwd, b, t->g, t->index),
-           MHA_BC, dpc, MHA_BC);
     for (int r = 0; r < mr; r++) {
         const int64_t i = t->i0 + r;
         const float *st = a->stats + 2 * ((b * a->H + h) * a->Lq + i);
@@ -255,14 +270,34 @@ static void grads_tile(const mha_attn *a, const mha_tile *t, void *ctx)
      * added (the kernels' pv_add / pvt): two levels of float sums (over a
      * block's rows or a tile's keys, then over the blocks or tiles)
      * instead of one chain as long as Lq or Lk. */
-    (w->dout_finite ? uk->pvt : uk->pvt_exact)(mr, nc, dh, pt, MHA_BC,
-                                               w->dout, dv_dst, (int)lddv);
+    /* On a diagonal tile the products skip what P = 0 leaves out: dv and
+     * dk panel by panel of keys, each from the first row that sees the
+     * panel's first key (the sums start from 0 and the rows before add
+     * only zeros: the same bits), dq panel by panel of rows, over the
+     * keys the panel sees.  Any other tile: one call each. */
+    const int diag = t->how == MHA_TILE_BY_INDEX;
+    for (int c0 = 0, n; c0 < nc; c0 += n) {
+        n = diag ? mha_panel_rows(nc, c0) : nc;
+        const int r0 = mha_tile_first_row(a, t, c0);
+        if (r0 >= mr)
+            continue;
+        (w->dout_finite ? uk->pvt : uk->pvt_exact)(
+            mr - r0, n, dh, pt + r0 * MHA_BC + c0, MHA_BC, w->dout + r0 * dh,
+            dv_dst + c0 * lddv, (int)lddv);
+        /* dk += dS^T (scale q): qs already holds the scaled rows. */
+        (w->q_finite ? uk->pvt : uk->pvt_exact)(
+            mr - r0, n, dh, w->dp + r0 * MHA_BC + c0, MHA_BC, w->qs + r0 * dh,
+            dk_dst + c0 * lddk, (int)lddk);
+    }
     /* dq (unscaled: the block's dq is scaled once at the end) += dS k. */
-    (k_finite ? uk->pv_add : uk->pv_add_exact)(mr, nc, dh, w->dp, MHA_BC, kc,
-                                               w->o, dh);
-    /* dk += dS^T (scale q): qs already holds the scaled rows. */
-    (w->q_finite ? uk->pvt : uk->pvt_exact)(mr, nc, dh, w->dp, MHA_BC, w->qs,
-                                            dk_dst, (int)lddk);
+    for (int r0 = 0, n; r0 < mr; r0 += n) {
+        n = diag ? mha_panel_rows(mr, r0) : mr;
+        const int cols = mha_tile_panel_cols(a, t, r0, n);
+        if (cols > 0)
+            (k_finite ? uk->pv_add : uk->pv_add_exact)(
+                n, cols, dh, w->dp + r0 * MHA_BC, MHA_BC, kc,
+                w->o + r0 * dh, dh);
+    }
 }
 
 /* dO of the block's rows, packed, and whether it and the block's q are

@@ -150,6 +150,17 @@ int mha_tile_panel_cols(const mha_attn *a, const mha_tile *t, int r0, int n)
     return (int)(live < t->nc ? live : t->nc);
 }
 
+int mha_tile_first_row(const mha_attn *a, const mha_tile *t, int c)
+{
+    if (t->how != MHA_TILE_BY_INDEX)
+        return 0;
+    int r = 0;
+    while (r < t->mr &&
+           mha_mask_last(a->mask, t->b, mha_tile_row(t, r)) < t->j0 + c)
+        r++;
+    return r;
+}
+
 /* s + bias, where bias -inf excludes and finite sums saturate. */
 static inline float masked(float s, float bias)
 {
