@@ -9,8 +9,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# (libgomp1:arm64 named: the cross compiler's own libgomp lies in
+# /usr/aarch64-linux-gnu/lib, where the arm64 loader under qemu does not
+# look, and no other package here is sure to pull in the multiarch one.)
 packages=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
-          libopenblas-dev:arm64 libcjson-dev:arm64 libcmocka-dev:arm64)
+          libopenblas-dev:arm64 libcjson-dev:arm64 libcmocka-dev:arm64
+          libgomp1:arm64)
 dpkg --print-foreign-architectures | grep -qx arm64 ||
   dpkg --add-architecture arm64
 bash scripts/install-deps.sh "${packages[@]}"
