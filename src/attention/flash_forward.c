@@ -31,8 +31,9 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
     const mha_microkernels *uk = a->uk;
     const mha_tile_src src = mha_tile_source(a, t);
     const int dh = (int)a->dh, mr = t->mr, nc = t->nc;
-    /* The scores, panel by panel on a diagonal tile (the keys past a
-     * panel's last live one: -inf without a product). */
+    /* The scores, panel by panel: on a diagonal tile each panel over the
+     * keys it sees (past its last live one: -inf without a product), on
+     * any other over all nc (the same blocks the kernel would take). */
     int cols[MHA_BR / MHA_PANEL + 1];
     for (int r0 = 0, n, p = 0; r0 < mr; r0 += n, p++) {
         n = mha_panel_rows(mr, r0);
