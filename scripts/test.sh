@@ -12,7 +12,27 @@ cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
 jobs=$(nproc)
 
-echo "== release build and tests"
+# Every stage runs two tests at a time on a 2-core machine, each with
+# OpenMP threads of its own.  OpenMP's default is to spin at a barrier
+# before sleeping (libgomp ~300,000 iterations, LLVM's libomp 200 ms), so
+# two tests' threads spin while the other's want the core: measured here,
+# two test_modifiers side by side took 7.8 s each, 2.4 s each with
+# passive waiting (alone: 2.0 s).  Passive waiting changes no result (the
+# bits never depend on the threads); timings belong to the benchmarks.
+export OMP_WAIT_POLICY=passive
+
+# The time each stage took, for docs/TESTING.md's record of whole runs.
+stage_start=$SECONDS
+stage() {  # stage NAME: ends the one running, starts NAME
+  local now=$SECONDS
+  [ -z "${stage_name:-}" ] ||
+    echo "-- $stage_name: $((now - stage_start)) s (at $((now / 60)) min)"
+  stage_name=${1:-}
+  stage_start=$now
+  [ -z "$stage_name" ] || echo "== $stage_name"
+}
+
+stage "release build and tests"
 # MHA_MPI=ON: libmha_mpi and its tests (mpirun) must build here; a machine
 # without Open MPI fails at configure rather than skipping them silently.
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMHA_MPI=ON >/dev/null
@@ -46,9 +66,10 @@ done
 
 # The Python package (pip install ./python into .venv, pytest), then the
 # same under ASan + UBSan.
+stage "Python package (pytest, then under ASan + UBSan)"
 bash scripts/test-python.sh
 
-echo "== ASan + UBSan build and tests"
+stage "ASan + UBSan build and tests"
 # -O1, as the sanitizers' documentation advises: the checks are the same
 # instrumentation at any level, and the tests take half the time of -O0's.
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_FLAGS_DEBUG="-g -O1" \
@@ -62,7 +83,7 @@ UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan -j"$jobs" --output-on-failure \
   -E "install_and_build_example|test_thread_knobs_gemm_"
 
-echo "== ThreadSanitizer build (clang, LLVM OpenMP) and the threaded tests"
+stage "ThreadSanitizer build (clang, LLVM OpenMP) and the threaded tests"
 # libgomp is not instrumented for TSan; LLVM's libomp is, and the runtime
 # asks for ignore_noninstrumented_modules to skip its own internals.
 CC=clang cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug \
@@ -78,14 +99,14 @@ TSAN_OPTIONS=ignore_noninstrumented_modules=1:halt_on_error=1 OMP_NUM_THREADS=4 
   -R "^test_(threads|thread_knobs|forward|edge|backward|attention_backward|kv_cache)" \
   -E "_gemm_|^test_kv_cache.*_ref$"
 
-echo "== clang -Werror build (library, libmha_mpi, tools, tests, examples)"
+stage "clang -Werror build (library, libmha_mpi, tools, tests, examples)"
 # The project's warnings (-Wall -Wextra -Wshadow -Wstrict-prototypes -Wvla)
 # as errors under the other compiler; GCC builds every stage above.
 CC=clang cmake -S . -B build-clang -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_C_FLAGS=-Werror >/dev/null
 cmake --build build-clang -j"$jobs" >/dev/null
 
-echo "== the libFuzzer targets: build, and a bounded run of each"
+stage "the libFuzzer targets: build, and a bounded run of each"
 # (the long runs are scripts/fuzz.sh's; this keeps the targets building
 # and catches what a short run finds).  The readers, the cache's
 # operation sequences and the command's option parsing 10 s each from
@@ -115,7 +136,7 @@ for isa in $tiers; do
   fuzz_run tiers 15 64 MHA_ISA="$isa"   # (it reads ~40 bytes)
 done
 
-echo "== valgrind (memcheck) on the C tests, two at a time"
+stage "valgrind (memcheck) on the C tests, two at a time"
 # Each test under memcheck runs on about one core (valgrind serialises its
 # threads), so two run side by side; each one's report goes to its own log,
 # printed when it fails.
@@ -133,8 +154,15 @@ vg_one() {  # vg_one PROGRAM [ARGS...]: memcheck, exit 99 on any error
 }
 export -f vg_one
 export vglogs
+# The longest under memcheck first (minutes each, measured on the 2-core
+# VM), so that none is left running alone at the end; then the rest.
 vg_tests=()
+for t in test_modifiers test_threads test_kv_cache_window test_kv_cache \
+         test_attention_backward test_kv_cache_compose; do
+  [ -x "build/tests/$t" ] && vg_tests+=("build/tests/$t")
+done
 for t in build/tests/test_*; do
+  [[ " ${vg_tests[*]} " == *" $t "* ]] && continue
   [ -x "$t" ] || continue
   # test_mpi_ring runs under mpirun (release and ASan stages); Open MPI's
   # own start-up (shared memory, hwloc, its progress thread) is not
@@ -148,6 +176,7 @@ done
 # xargs exits non-zero (123) when any run failed
 printf '%s\n' "${vg_tests[@]}" ./build/mha |
   xargs -P 2 -I{} bash -c 'if [ "$1" = ./build/mha ]; then vg_one "$1" example; else vg_one "$1"; fi' _ {}
-echo "== aarch64: cross-compiled, a named subset under qemu-user"
+stage "aarch64: cross-compiled, a named subset under qemu-user"
 bash scripts/test-aarch64.sh
-echo "all tests passed"
+stage   # (the last one ends)
+echo "all tests passed in $((SECONDS / 60)) min $((SECONDS % 60)) s"

@@ -10,7 +10,8 @@
  *     grouped-query, multi-query and bias_kv + zero_attn modules;
  *   - keys appended by the caller (mha_project + mha_kv_cache_append);
  *   - 1, 2 and 4 threads bitwise equal on a shape where the threads run
- *     (the decoding split included);
+ *     (a cached prefill against keys appended already projected, and the
+ *     decoding split);
  *   - every misuse refused with the cache unchanged.
  *
  * Every tier runs it (CTest, MHA_ISA).
@@ -265,28 +266,54 @@ static void test_append_projected(void **state)
     mha_free(m);
 }
 
-static void test_threads_bitwise(void **state)
+/* Fills the cache of every sequence with keys and values already
+ * projected (random: the run only compares bits, never the reference, so
+ * the stream keeps no inputs for them): sequence b gets n + 37 b tokens. */
+static void decoder_append_random(decoder *d, int64_t n, int64_t kv_width)
 {
-    (void)state;
-    /* B H Lq Lt d_h >= 2^20 once the prefill is in: the decoding steps
-     * (Lq = 1, Lk > 1024: split keys) run threaded. */
+    for (int64_t b = 0; b < d->B; b++) {
+        const int64_t nb = n + 37 * b;
+        float *k = malloc((size_t)(nb * kv_width) * sizeof *k);
+        float *v = malloc((size_t)(nb * kv_width) * sizeof *v);
+        tu_fill(k, nb * kv_width, 40 + (uint64_t)b, -1.0f, 1.0f);
+        tu_fill(v, nb * kv_width, 50 + (uint64_t)b, -1.0f, 1.0f);
+        assert_int_equal(mha_kv_cache_append(d->kv, b, k, v, nb), MHA_OK);
+        d->s[b].len += nb;
+        free(k);
+        free(v);
+    }
+}
+
+/* 1, 2 and 4 threads: the same bits.  B H Lq Lt d_h >= 2^20, so the
+ * threads run: a cached prefill of 100 tokens (query blocks shared among
+ * the threads) against ~1,000 keys appended already projected (sequences
+ * of different lengths), then four decoding steps (Lk > 1024: the keys
+ * split in chunks, the group's heads stacked). */
+static void threaded_decode(int threads, decoder *d)
+{
     mha_config cfg = {0};
     cfg.embed_dim = 512;
     cfg.num_heads = 8;
     cfg.num_kv_heads = 2;
-    decoder one, many;
-    decoder_init(&one, &cfg, 2, 1200, 1);
-    decoder_step(&one, 1100);
+    decoder_init(d, &cfg, 2, 1200, threads);
+    decoder_append_random(d, 1000, 2 * 64);
+    decoder_step(d, 100);
     for (int s = 0; s < 4; s++)
-        decoder_step(&one, 1);
+        decoder_step(d, 1);
+}
+
+static void test_threads_bitwise(void **state)
+{
+    (void)state;
+    decoder one, many;
+    threaded_decode(1, &one);
     for (int threads = 2; threads <= 4; threads += 2) {
-        decoder_init(&many, &cfg, 2, 1200, threads);
-        decoder_step(&many, 1100);
-        for (int s = 0; s < 4; s++)
-            decoder_step(&many, 1);
-        for (int64_t b = 0; b < 2; b++)
+        threaded_decode(threads, &many);
+        for (int64_t b = 0; b < 2; b++) {
+            assert_int_equal(many.s[b].n_out, 104);
             assert_memory_equal(one.s[b].out, many.s[b].out,
                                 (size_t)(one.s[b].n_out * 512) * 4);
+        }
         decoder_free(&many);
     }
     decoder_free(&one);
