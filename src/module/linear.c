@@ -62,9 +62,13 @@ static void omp_one_thread(void)
 #endif
 }
 
+/* Names used only in the OpenMP pragmas: without OpenMP (the fuzz build)
+ * the pragmas are comments, and every block runs on the calling thread. */
+#define OMP_ONLY __attribute__((unused))
+
 /* The team for `items` blocks: num_threads (0: the OpenMP default), at
  * most one thread per block. */
-static int team(int threads, int64_t items)
+static OMP_ONLY int team(int threads, int64_t items)
 {
 #ifdef _OPENMP
     if (threads < 1)
@@ -89,7 +93,7 @@ void mha_linear(const float *x, int64_t rows, int64_t n_in, int64_t ldx,
 void mha_linear_blocks(const float *x, int64_t rows, int64_t n_in,
                        int64_t ldx, const float *w, int64_t n_out,
                        const float *b, const float *scale, int64_t nblk,
-                       float *y, int64_t ldy, int threads)
+                       float *y, int64_t ldy, OMP_ONLY int threads)
 {
     const int64_t kb = n_in / nblk;
     const int64_t cb = nblocks(n_out, LIN_COLS);
@@ -140,7 +144,8 @@ void mha_linear_blocks(const float *x, int64_t rows, int64_t n_in,
  */
 void mha_linear_grad_input(const float *dy, int64_t rows, int64_t n_out,
                            int64_t lddy, const float *w, int64_t n_in,
-                           float beta, float *dx, int64_t lddx, int threads)
+                           float beta, float *dx, int64_t lddx,
+                           OMP_ONLY int threads)
 {
     const int64_t cb = nblocks(n_in, LIN_COLS);
     const int64_t items = nblocks(rows, LIN_ROWS) * cb;
@@ -219,7 +224,7 @@ void mha_linear_grad_params_blocks(const float *dy, int64_t rows,
                                    const float *x, int64_t n_in, int64_t ldx,
                                    const float *scale, int64_t nblk,
                                    float beta, float *dw, float *db,
-                                   int threads)
+                                   OMP_ONLY int threads)
 {
     const int64_t kb = n_in / nblk;
     const int64_t cb = nblocks(n_in, GRAD_TILE);
