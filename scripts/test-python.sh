@@ -11,6 +11,9 @@ cd "$(dirname "$0")/.."
 bash scripts/python-env.sh
 py=$PWD/.venv/bin/python
 mkdir -p build
+# pip's build (scikit-build-core, CMake's Makefiles) compiles libmha one
+# file at a time unless told otherwise.
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 
 echo "== Python package: pip install ./python, pytest"
 "$py" -m pip install --quiet --no-build-isolation ./python
