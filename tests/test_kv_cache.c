@@ -296,7 +296,8 @@ static void threaded_decode(int threads, decoder *d)
     cfg.num_heads = 8;
     cfg.num_kv_heads = 2;
     decoder_init(d, &cfg, 2, 1200, threads);
-    decoder_append_random(d, 1000, 2 * 64);
+    decoder_append_random(d, 1000,
+                          cfg.num_kv_heads * (cfg.embed_dim / cfg.num_heads));
     decoder_step(d, 100);
     for (int s = 0; s < 4; s++)
         decoder_step(d, 1);
