@@ -232,14 +232,15 @@ MK_INLINE void panel(const int R, const int mode, const int T, int slabs,
     const size_t row = (size_t)B->ld * (T == B_F32 ? 4 : T <= B_BF16 ? 2 : 1);
     const uintptr_t base = (uintptr_t)B->x;
     /* The next slab is prefetched, in address order, while this one is
-     * worked on; but not one row's 16-bit value slab.  That slab (2 KiB
-     * at d_h 128) is worked on in about as long as memory takes to
-     * deliver it, and the burst of 32 prefetches in front of it held up
-     * the loads of the slab in hand: the one-row f16 and bf16 steps ran
-     * 12-20% faster without it on a Zen 1, the hardware's stream
-     * prefetcher alone keeping ahead, while the same burst still helps
-     * the grouped-query panels (four rows' work per slab) and the q8 and
-     * f32 value slabs (docs/BENCHMARKS.md). */
+     * worked on; but not one row's 16-bit value slab (the value side is
+     * the accumulating one, FROM_C).  That slab (2 KiB at d_h 128) is
+     * worked on in about as long as memory takes to deliver it, and the
+     * burst of 32 prefetches in front of it held up the loads of the slab
+     * in hand: the one-row f16 steps ran 1.14-1.19x faster without it on
+     * a Zen 1, the hardware's stream prefetcher alone keeping ahead.  The
+     * grouped-query panels (four rows' work per slab) and the q8 and f32
+     * slabs keep it: dropping it there was slower or within the noise
+     * (docs/BENCHMARKS.md). */
     const int prefetch =
         !(R == 1 && (mode & FROM_C) && (T == B_F16 || T == B_BF16));
     for (int k0 = 0; k0 < K; k0 += KSLAB) {
