@@ -103,7 +103,9 @@ static inline __m256 ld_bf16(const void *x, int i)
 }
 
 /* q8: a code widened and converted, times its scale (libmha's q8 value
- * element: one rounding of code x scale, then the FMA). */
+ * element: one rounding of code x scale, then the FMA).  The scale sits
+ * in a register here, where libmha loads it: if anything this undercounts
+ * q8's cost. */
 static inline __m256 ld_q8(const void *x, int i)
 {
     const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(

@@ -244,9 +244,10 @@ MK_INLINE void panel(const int R, const int mode, const int T, int slabs,
     const int prefetch =
         !(R == 1 && (mode & FROM_C) && (T == B_F16 || T == B_BF16));
     for (int k0 = 0; k0 < K; k0 += KSLAB) {
-        for (size_t at = (size_t)(k0 + KSLAB) * row;
-             prefetch && at < (size_t)(k0 + 2 * KSLAB) * row; at += 64)
-            _mm_prefetch((const char *)(base + at), _MM_HINT_T0);
+        if (prefetch)
+            for (size_t at = (size_t)(k0 + KSLAB) * row;
+                 at < (size_t)(k0 + 2 * KSLAB) * row; at += 64)
+                _mm_prefetch((const char *)(base + at), _MM_HINT_T0);
         cols(R, k0 ? mode | FROM_C : mode, T, N, k0,
              k0 + KSLAB < K ? k0 + KSLAB : K, A, lda, ska, B, C, ldc);
     }
