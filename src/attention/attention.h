@@ -58,6 +58,13 @@ typedef struct mha_mask_plan {
                                     causal masking: a slice's q_start; 0 */
 } mha_mask_plan;
 
+/* The largest |shift| of the query positions a caller may give
+ * (mha_attention_args.q_offset, a slice's q_total): 2^61.  With Lq and Lk
+ * below 2^60 (their tensors' sizes are checked to 2^60 floats), a query's
+ * position, its distance to a key, and either plus or minus a window
+ * bound under 2^62 then all stay inside int64. */
+#define MHA_MAX_POSITION_SHIFT (INT64_C(1) << 61)
+
 /* Validates every mask argument of `args` (batch, q_len, kv_len and the
  * mask fields) and fills the plan; extra_keys follow the real ones. */
 mha_status mha_mask_plan_init(mha_mask_plan *plan, int64_t heads,
@@ -83,7 +90,9 @@ int64_t mha_mask_row(const mha_mask_plan *plan, int64_t b, int64_t h,
 int64_t mha_mask_cols(const mha_mask_plan *plan, int64_t b, int64_t h,
                       int64_t i, int64_t j0, int64_t n, float *row);
 
-/* Adds the window modifier (left, right >= -1) to a plan. */
+/* Adds the window modifier (left, right >= -1) to a plan.  A bound of
+ * 2^62 or more is no bound (-1): no key is that far from a query (see
+ * MHA_MAX_POSITION_SHIFT), and qpos +- it would overflow. */
 void mha_mask_plan_band(mha_mask_plan *plan, int64_t left, int64_t right);
 
 /* The position of query row i of batch b, aligned bottom-right: i + Lk -

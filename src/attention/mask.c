@@ -208,9 +208,11 @@ static float apply(mha_mask_kind kind, const void *data, int64_t k, float acc)
 
 void mha_mask_plan_band(mha_mask_plan *p, int64_t left, int64_t right)
 {
+    /* Farther than any key can be: no bound, and no overflow below. */
+    const int64_t far = INT64_C(1) << 62;
     p->band = 1;
-    p->band_left = left;
-    p->band_right = right;
+    p->band_left = left >= far ? -1 : left;
+    p->band_right = right >= far ? -1 : right;
 }
 
 int64_t mha_mask_last(const mha_mask_plan *p, int64_t b, int64_t i)

@@ -168,6 +168,12 @@ static mha_status mask_plan(const mha_attention_args *a, const sdpa_shape *s,
                                  "q_offset (MHA_GIVEN_Q_OFFSET) is not taken "
                                  "with a KV cache: its queries sit at each "
                                  "sequence's end");
+        if (a->q_offset > MHA_MAX_POSITION_SHIFT ||
+            a->q_offset < -MHA_MAX_POSITION_SHIFT)
+            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                 "q_offset %lld is outside [-2^61, 2^61]: "
+                                 "positions that far apart overflow 64-bit "
+                                 "position arithmetic", (long long)a->q_offset);
         mask->qpos_shift = a->q_offset - (s->Lk - s->Lq);
     }
     if (a->mods.window)

@@ -97,6 +97,11 @@ static mha_status check_slice(const mha_forward_args *a)
                              "of the query rows needs q_total >= 1 (0: no "
                              "slice, and then q_start must be 0)",
                              (long long)a->q_start, (long long)a->q_total);
+    if (a->q_total > MHA_MAX_POSITION_SHIFT)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "q_total %lld is over 2^61: positions that far "
+                             "apart overflow 64-bit position arithmetic",
+                             (long long)a->q_total);
     if (a->q_start < 0 || a->q_start > a->q_total - a->q_len)
         return mha_set_error(MHA_ERR_SHAPE,
                              "the slice's rows q_start=%lld .. +q_len=%lld "

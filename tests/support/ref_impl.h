@@ -258,11 +258,13 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
                      * i + Lk - Lq, the key's j; the extra keys have none. */
                     const int64_t qpos = i + Lk - Lq;
                     if (j < Lk) {
+                        /* (distances compared, not qpos +- a bound,
+                         * which overflows for bounds near INT64_MAX) */
                         if (md->window)
                             blk |= (md->window_left >= 0 &&
-                                    j < qpos - md->window_left) ||
+                                    qpos - j > md->window_left) ||
                                    (md->window_right >= 0 &&
-                                    j > qpos + md->window_right);
+                                    j - qpos > md->window_right);
                         if (a->causal == MHA_CAUSAL_BOTTOM_RIGHT)
                             blk |= j > i + (Lk - Lq);
                         if (a->causal == MHA_CAUSAL_TOP_LEFT)

@@ -1,0 +1,306 @@
+/*
+ * test_red_team.c -- the library-side findings of issue 38's red team,
+ * one test each, every one a case that once gave a silent wrong result:
+ *
+ *   1  window bounds and q_offset near INT64_MAX overflowed the position
+ *      arithmetic and masked every key (or gave ALiBi an lse of 5.8e17);
+ *   ...
+ *
+ * Results are compared with float64 definitions written here from
+ * include/mha.h (attend_f64, for mha_attention) or with the suite's
+ * reference of the module (tests/support/ref.c).  Every tier runs it
+ * (CTest, MHA_ISA).
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <float.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "assert_error.h"
+#include "ref.h"
+#include "testutil.h"
+
+/* ---- mha_attention's definition, in float64 ----------------------------- */
+
+/* out (B, Lq, H dh) and lse (B, H, Lq) of mha_attention's arguments `a`
+ * (no masks, GQA, sinks or RoPE; causal, window, ALiBi, softcap, q_offset,
+ * key_lengths).  Positions in 128-bit integers, so that bounds near
+ * INT64_MAX are compared exactly; scores in float64, where a float32
+ * scale times a float32 product cannot overflow. */
+static void attend_f64(const mha_attention_args *a, double *out, double *lse)
+{
+    const int64_t B = a->batch, H = a->num_heads, dh = a->head_dim;
+    const int64_t Lq = a->q_len, Lk = a->kv_len ? a->kv_len : Lq;
+    const double scale = (a->given & MHA_GIVEN_SCALE) || a->scale != 0.0f
+                             ? (double)a->scale : 1.0 / sqrt((double)dh);
+    const __int128 q0 = (a->given & MHA_GIVEN_Q_OFFSET)
+                            ? (__int128)a->q_offset : (__int128)(Lk - Lq);
+    float slopes[64];
+    if (a->mods.alibi)
+        mha_alibi_slopes(H, slopes);
+    double *s = malloc((size_t)Lk * sizeof *s);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t i = 0; i < Lq; i++) {
+                const __int128 qpos = q0 + i;
+                const float *q = a->q + (b * Lq + i) * H * dh + h * dh;
+                double mx = -INFINITY;
+                int live = 0, nan = 0;
+                for (int64_t j = 0; j < Lk; j++) {
+                    int vis = 1;
+                    if (a->causal == MHA_CAUSAL_BOTTOM_RIGHT && j > qpos)
+                        vis = 0;
+                    if (a->causal == MHA_CAUSAL_TOP_LEFT && j > i)
+                        vis = 0;
+                    if (a->key_lengths && j >= a->key_lengths[b])
+                        vis = 0;
+                    if (a->mods.window && a->mods.window_left >= 0 &&
+                        qpos - j > a->mods.window_left)
+                        vis = 0;
+                    if (a->mods.window && a->mods.window_right >= 0 &&
+                        j - qpos > a->mods.window_right)
+                        vis = 0;
+                    s[j] = -INFINITY;
+                    if (!vis)
+                        continue;
+                    const float *k = a->k + (b * Lk + j) * H * dh + h * dh;
+                    double dot = 0;
+                    for (int64_t d = 0; d < dh; d++)
+                        dot += (double)q[d] * (double)k[d];
+                    double x = dot * scale;
+                    if (a->mods.softcap > 0)
+                        x = a->mods.softcap * tanh(x / a->mods.softcap);
+                    if (a->mods.alibi) {
+                        const __int128 dist = qpos > j ? qpos - j : j - qpos;
+                        x -= (double)slopes[h] * (double)dist;
+                    }
+                    s[j] = x;
+                    nan |= isnan(x);
+                    mx = x > mx ? x : mx;
+                    live = 1;
+                }
+                double *o = out + (b * Lq + i) * H * dh + h * dh;
+                double *l = lse + (b * H + h) * Lq + i;
+                for (int64_t d = 0; d < dh; d++)
+                    o[d] = nan ? NAN : 0.0;
+                if (nan || !live) {
+                    *l = nan ? NAN : -INFINITY;
+                    continue;
+                }
+                double sum = 0;
+                for (int64_t j = 0; j < Lk; j++)
+                    sum += s[j] == -INFINITY ? 0.0 : exp(s[j] - mx);
+                for (int64_t j = 0; j < Lk; j++) {
+                    if (s[j] == -INFINITY)
+                        continue;
+                    const double p = exp(s[j] - mx) / sum;
+                    const float *v = a->v + (b * Lk + j) * H * dh + h * dh;
+                    for (int64_t d = 0; d < dh; d++)
+                        o[d] += p * (double)v[d];
+                }
+                *l = mx + log(sum);
+            }
+    free(s);
+}
+
+/* max |x - ref| / (1 + |ref|) over n; NaN against a finite ref is +inf. */
+static double rel_err(const float *x, const double *ref, int64_t n)
+{
+    double e = 0;
+    for (int64_t k = 0; k < n; k++) {
+        if (isnan(ref[k]) && isnan(x[k]))
+            continue;
+        if (isinf(ref[k]) && x[k] == ref[k])
+            continue;
+        const double d = fabs((double)x[k] - ref[k]) / (1.0 + fabs(ref[k]));
+        e = d > e || isnan(d) ? (isnan(d) ? INFINITY : d) : e;
+    }
+    return e;
+}
+
+/* A problem of mha_attention on random q, k, v in [-1, 1). */
+enum { AB = 1, AH = 2, ADH = 8, ALQ = 5, ALK = 7 };
+typedef struct aprob {
+    float q[AB * ALQ * AH * ADH], k[AB * ALK * AH * ADH];
+    float v[AB * ALK * AH * ADH], out[AB * ALQ * AH * ADH];
+    float lse[AB * AH * ALQ];
+    double ro[AB * ALQ * AH * ADH], rl[AB * AH * ALQ];
+    mha_attention_args a;
+} aprob;
+
+static void aprob_make(aprob *p, uint64_t seed)
+{
+    memset(p, 0, sizeof *p);
+    tu_fill(p->q, AB * ALQ * AH * ADH, seed, -1, 1);
+    tu_fill(p->k, AB * ALK * AH * ADH, seed + 1, -1, 1);
+    tu_fill(p->v, AB * ALK * AH * ADH, seed + 2, -1, 1);
+    mha_attention_args *a = &p->a;
+    a->batch = AB;
+    a->num_heads = AH;
+    a->head_dim = ADH;
+    a->q_len = ALQ;
+    a->kv_len = ALK;
+    a->q = p->q;
+    a->k = p->k;
+    a->v = p->v;
+    a->out = p->out;
+    a->lse = p->lse;
+}
+
+/* Runs p's problem and checks out and lse against attend_f64.  1e-5
+ * relative: scores of at most a few units, rounded once in float32 per
+ * product and sum of 8 terms, are far inside it. */
+static void aprob_check(aprob *p)
+{
+    assert_int_equal(mha_attention(&p->a), MHA_OK);
+    attend_f64(&p->a, p->ro, p->rl);
+    const double eo = rel_err(p->out, p->ro, AB * ALQ * AH * ADH);
+    const double el = rel_err(p->lse, p->rl, AB * AH * ALQ);
+    if (!(eo <= 1e-5) || !(el <= 1e-5))
+        fail_msg("out error %g, lse error %g against float64 (out[0] %g vs "
+                 "%g, lse[0] %g vs %g)", eo, el, (double)p->out[0], p->ro[0],
+                 (double)p->lse[0], p->rl[0]);
+}
+
+/* ---- finding 1: position arithmetic never overflows ---------------------- */
+
+/* A module of E 16, 4 heads with the window (left, right), its forward on
+ * 6 tokens (self-attention, causal or not, through an empty KV cache or
+ * not) against the reference. */
+static void window_module_case(int64_t left, int64_t right, mha_causal causal,
+                               int through_cache)
+{
+    enum { E = 16, L = 6 };
+    mha_config c = {0};
+    c.embed_dim = E;
+    c.num_heads = 4;
+    c.mods.window = 1;
+    c.mods.window_left = left;
+    c.mods.window_right = right;
+    mha_module *m = tu_module(&c, 7);
+    assert_non_null(m);
+    float x[L * E], y[L * E], y32[L * E];
+    double ref[L * E];
+    tu_fill(x, L * E, 8, -1, 1);
+    mha_forward_args a = {0};
+    a.batch = 1;
+    a.q_len = L;
+    a.query = x;
+    a.out = y;
+    a.causal = causal;
+    mha_kv_cache *kv = NULL;
+    if (through_cache) {
+        assert_int_equal(mha_kv_cache_for_module(m, 1, L, &kv), MHA_OK);
+        a.cache = kv;
+    }
+    assert_int_equal(mha_forward(m, &a), MHA_OK);
+    a.cache = NULL;
+    assert_int_equal(ref_forward_f64(m, &a, ref, NULL), 0);
+    assert_int_equal(ref_forward_f32(m, &a, y32, NULL), 0);
+    const double tol = ref_tolerance(ref_max_err_f32(y32, ref, L * E),
+                                     ref_max_abs(ref, L * E));
+    const double err = ref_max_err_f32(y, ref, L * E);
+    if (!(err <= tol))
+        fail_msg("window (%lld, %lld)%s: error %g > tolerance %g",
+                 (long long)left, (long long)right,
+                 through_cache ? " through a cache" : "", err, tol);
+    mha_kv_cache_free(kv);
+    mha_free(m);
+}
+
+static void test_window_bounds_near_int64_max(void **state)
+{
+    (void)state;
+    /* `mha forward --window 0,9223372036854775807` masked every key. */
+    window_module_case(0, INT64_MAX, MHA_CAUSAL_NONE, 0);
+    window_module_case(INT64_MAX, INT64_MAX, MHA_CAUSAL_NONE, 0);
+    window_module_case(INT64_MAX - 1, 2, MHA_CAUSAL_NONE, 0);
+    /* and decoding (a cache prefilled, causal) */
+    window_module_case(INT64_MAX, INT64_MAX, MHA_CAUSAL_BOTTOM_RIGHT, 1);
+    window_module_case(2, INT64_MAX, MHA_CAUSAL_BOTTOM_RIGHT, 1);
+}
+
+static void test_q_offset_near_int64_limits(void **state)
+{
+    (void)state;
+    aprob p;
+    /* Positions beyond 2^61 are refused: no overflow, a clear error. */
+    aprob_make(&p, 1);
+    p.a.given = MHA_GIVEN_Q_OFFSET;
+    p.a.q_offset = INT64_MAX;
+    p.a.causal = MHA_CAUSAL_BOTTOM_RIGHT;
+    assert_fails(mha_attention(&p.a), MHA_ERR_INVALID_ARGUMENT, "q_offset");
+    p.a.causal = MHA_CAUSAL_NONE;
+    p.a.mods.alibi = 1;
+    p.a.q_offset = INT64_MIN + 2;
+    assert_fails(mha_attention(&p.a), MHA_ERR_INVALID_ARGUMENT, "q_offset");
+    /* At the limit, every key is visible to a causal row and the window
+     * (0, INT64_MAX) leaves them all: the plain softmax. */
+    aprob_make(&p, 2);
+    p.a.given = MHA_GIVEN_Q_OFFSET;
+    p.a.q_offset = INT64_C(1) << 61;
+    p.a.causal = MHA_CAUSAL_BOTTOM_RIGHT;
+    aprob_check(&p);
+    p.a.q_offset = -(INT64_C(1) << 61);
+    p.a.causal = MHA_CAUSAL_NONE;
+    p.a.mods.window = 1;
+    p.a.mods.window_left = INT64_MAX;
+    p.a.mods.window_right = INT64_MAX;
+    aprob_check(&p);
+    /* ALiBi with the queries before the keys (distances of ~100, exact in
+     * float32 as in float64). */
+    p.a.mods.window = 0;
+    p.a.q_offset = -100;
+    p.a.mods.alibi = 1;
+    aprob_check(&p);
+}
+
+/* A slice of the query rows of a problem of q_total rows near INT64_MAX:
+ * its rows' positions (q_start + i + Lk - q_total) would overflow with
+ * ALiBi's distance or a window's bound; refused. */
+static void test_q_total_near_int64_max(void **state)
+{
+    (void)state;
+    enum { E = 16, L = 4 };
+    mha_config c = {0};
+    c.embed_dim = E;
+    c.num_heads = 4;
+    c.mods.alibi = 1;
+    c.mods.window = 1;
+    c.mods.window_left = 3;
+    c.mods.window_right = 3;
+    mha_module *m = tu_module(&c, 9);
+    assert_non_null(m);
+    float x[L * E], y[L * E];
+    tu_fill(x, L * E, 10, -1, 1);
+    mha_forward_args a = {0};
+    a.batch = 1;
+    a.q_len = L;
+    a.kv_len = L;
+    a.query = x;
+    a.key = x;
+    a.out = y;
+    a.q_total = INT64_MAX;
+    a.q_start = 0;
+    assert_fails(mha_forward(m, &a), MHA_ERR_INVALID_ARGUMENT, "q_total");
+    mha_free(m);
+}
+
+int main(void)
+{
+    if (tu_tier_unavailable())
+        return TU_SKIP;
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(tu_test_tier),
+        cmocka_unit_test(test_window_bounds_near_int64_max),
+        cmocka_unit_test(test_q_offset_near_int64_limits),
+        cmocka_unit_test(test_q_total_near_int64_max),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
