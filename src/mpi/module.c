@@ -5,6 +5,7 @@
  */
 #include "common.h"
 
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -59,6 +60,127 @@ static mha_status check_comm(const mha_ring_forward_args *a)
     if (a->comm == MPI_COMM_NULL)
         return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT,
                             "comm is MPI_COMM_NULL");
+    return MHA_OK;
+}
+
+/* ---- the module every rank holds must be the same -------------------- */
+
+/* FNV-1a, 64 bits, over n bytes: a fingerprint, not a defence against an
+ * adversary (ranks of one job are trusted; they may be mistaken). */
+static uint64_t fnv(uint64_t h, const void *p, size_t n)
+{
+    const unsigned char *b = p;
+    for (size_t k = 0; k < n; k++) {
+        h ^= b[k];
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
+static uint64_t fnv_i64(uint64_t h, int64_t x) { return fnv(h, &x, sizeof x); }
+
+/* The configuration as it acts (defaults resolved), field by field: every
+ * option that changes the output, RoPE's and the modifiers' included. */
+static uint64_t config_print(const mha_config *c)
+{
+    const int64_t dh = c->head_dim ? c->head_dim
+                                   : c->num_heads ? c->embed_dim / c->num_heads
+                                                  : 0;
+    const mha_rope *r = &c->mods.rope;
+    const float theta = r->theta != 0.0f ? r->theta : 10000.0f;
+    const float rscale = r->scale != 0.0f ? r->scale : 1.0f;
+    const int64_t f[] = {
+        c->embed_dim, c->num_heads, c->kdim, c->vdim, c->no_bias != 0,
+        c->add_bias_kv != 0, c->add_zero_attn != 0, dh,
+        c->num_kv_heads ? c->num_kv_heads : c->num_heads, c->sinks != 0,
+        c->mods.alibi != 0, c->mods.window != 0,
+        c->mods.window ? c->mods.window_left : 0,
+        c->mods.window ? c->mods.window_right : 0, r->style,
+        r->style != MHA_ROPE_NONE ? (r->dims ? r->dims : dh) : 0};
+    uint64_t h = 1469598103934665603ull;
+    for (size_t k = 0; k < sizeof f / sizeof f[0]; k++)
+        h = fnv_i64(h, f[k]);
+    h = fnv(h, &c->scale, sizeof c->scale);   /* resolved by mha_get_config */
+    h = fnv(h, &c->dropout, sizeof c->dropout);
+    h = fnv(h, &c->mods.softcap, sizeof c->mods.softcap);
+    if (r->style != MHA_ROPE_NONE) {
+        h = fnv(h, &theta, sizeof theta);
+        h = fnv(h, &rscale, sizeof rscale);
+    }
+    if (c->mods.alibi && c->mods.alibi_slopes)
+        h = fnv(h, c->mods.alibi_slopes,
+                (size_t)c->num_heads * sizeof(float));
+    return h;
+}
+
+/* Every parameter, by name and value.  Returns MHA_OK or out of memory. */
+static mha_status params_print(const mha_module *m, uint64_t *out)
+{
+    uint64_t h = 1469598103934665603ull;
+    float *buf = NULL;
+    int64_t cap = 0;
+    for (int i = 0; i < mha_param_count(m); i++) {
+        mha_param_info pi;
+        MHA_STATUS_CHECK(mha_param_info_at(m, i, &pi));
+        if (pi.numel > cap) {
+            float *nb = realloc(buf, (size_t)pi.numel * sizeof *buf);
+            if (!nb) {
+                free(buf);
+                return mha_mpi_fail(MHA_ERR_OUT_OF_MEMORY, "out of memory "
+                                    "for the parameters' fingerprint");
+            }
+            buf = nb;
+            cap = pi.numel;
+        }
+        const mha_status st = mha_param_get(m, pi.name, buf, pi.numel);
+        if (st != MHA_OK) {
+            free(buf);
+            return st;
+        }
+        h = fnv(h, pi.name, strlen(pi.name));
+        h = fnv(h, buf, (size_t)pi.numel * sizeof *buf);
+    }
+    free(buf);
+    *out = h;
+    return MHA_OK;
+}
+
+/*
+ * Whether every rank of comm holds the same module: its configuration
+ * and its parameters, each compared by a fingerprint (max and min over
+ * the ranks).  A rank with another weights file or another RoPE would
+ * otherwise compute an output that matches neither model.  Collective;
+ * the same status and message on every rank.
+ */
+static mha_status agree_on_module(MPI_Comm comm, const mha_module *m,
+                                  const mha_config *c)
+{
+    uint64_t print[2] = {config_print(c), 0};
+    mha_status local = params_print(m, &print[1]);
+    local = agree_on(comm, local);
+    if (local != MHA_OK)
+        return local;
+    /* [0, 2): max; [2, 4): -min, of the prints halved to fit int64 */
+    int64_t send[4], recv[4];
+    for (int k = 0; k < 2; k++) {
+        send[k] = (int64_t)(print[k] >> 1);
+        send[2 + k] = -send[k];
+    }
+    const int rc = MPI_Allreduce(send, recv, 4, MPI_INT64_T, MPI_MAX, comm);
+    if (rc != MPI_SUCCESS)
+        return mha_mpi_mpi_fail(rc, "MPI_Allreduce of the modules' "
+                                "fingerprints");
+    if (recv[0] != -recv[2])
+        return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT,
+                            "the ranks disagree on the module's "
+                            "configuration (shapes, scale, RoPE, ALiBi, the "
+                            "window, softcap or dropout): every rank must "
+                            "load the same module");
+    if (recv[1] != -recv[3])
+        return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT,
+                            "the ranks disagree on the module's parameters "
+                            "(a weights file that differs on some rank?): "
+                            "every rank must load the same module");
     return MHA_OK;
 }
 
@@ -130,6 +252,12 @@ static mha_status forward_part(const mha_module *m,
                           (long long)p->B);
     if (st == MHA_OK)
         st = check_module(m, a, c, p->nloc, !with_lse);
+    /* Every rank's failure known to all, then the same module on all. */
+    st = agree_on(a->comm, st);
+    if (st == MHA_OK)
+        st = agree_on_module(a->comm, m, c);
+    if (st != MHA_OK)
+        return st;
     p->H = c->num_heads;
     p->dh = c->head_dim ? c->head_dim : (p->H ? c->embed_dim / p->H : 0);
     p->Hkv = c->num_kv_heads ? c->num_kv_heads : p->H;
