@@ -243,3 +243,42 @@ int tool_same_file(const char *a, const char *b)
     return stat(da, &sa) == 0 && stat(db, &sb) == 0 &&
            sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
 }
+
+static int is_output(const char *name, const char *const *outs, int n_out)
+{
+    for (int k = 0; k < n_out; k++)
+        if (!strcmp(name, outs[k]))
+            return 1;
+    return 0;
+}
+
+int tool_outputs_apart(const char *cmd, const tool_opt *opts, int n,
+                       const char *const *outs, int n_out)
+{
+    for (int k = 0; k < n_out; k++) {
+        const char *out = tool_get(opts, n, outs[k]);
+        if (!out || !out[0])
+            continue;
+        for (int j = 0; j < k; j++) {
+            const char *other = tool_get(opts, n, outs[j]);
+            if (other && other[0] && tool_same_file(out, other))
+                return tool_fail(cmd, "--%s and --%s name the same file "
+                                 "(%s): give each output its own",
+                                 outs[j], outs[k], out);
+        }
+        /* Inputs: any other option whose value is an existing file (so
+         * `--heads 4` is never taken for a file named 4 not there). */
+        struct stat st;
+        for (int i = 0; i < n; i++) {
+            const char *in = opts[i].value;
+            if (!opts[i].takes_value || !in || !in[0] ||
+                is_output(opts[i].name, outs, n_out) || stat(in, &st) != 0)
+                continue;
+            if (tool_same_file(out, in))
+                return tool_fail(cmd, "--%s %s names the same file as --%s "
+                                 "%s: an output may not replace an input",
+                                 outs[k], out, opts[i].name, in);
+        }
+    }
+    return 0;
+}

@@ -66,5 +66,12 @@ int tool_kv_dtype(const char *cmd, const char *s, mha_kv_dtype *out);
  * when both exist (links followed), else the same directory (by inode)
  * and the same last name. */
 int tool_same_file(const char *a, const char *b);
+/* Outputs never replace inputs: each output option of outs[0..n_out)
+ * given in opts must name another file (tool_same_file) than every other
+ * output, and than the value of every other option that names an
+ * existing file (an input: the weights, a query, a mask, slopes...).
+ * Returns 0, or prints which two options collide and returns 1. */
+int tool_outputs_apart(const char *cmd, const tool_opt *opts, int n,
+                       const char *const *outs, int n_out);
 
 #endif

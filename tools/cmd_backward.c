@@ -52,7 +52,9 @@ int cmd_backward(int argc, char **argv)
         return status;
 #define OPT(name) tool_get(o, NOPTS(o), name)
     static const char *const need[] = {"grad-output", "out"};
-    if (tool_require("backward", o, NOPTS(o), need, 2))
+    static const char *const outs[] = {"out"};
+    if (tool_require("backward", o, NOPTS(o), need, 2) ||
+        tool_outputs_apart("backward", o, NOPTS(o), outs, 1))
         return 1;
     run_setup r;
     if (run_setup_load("backward", o, NOPTS(o), &r))

@@ -140,7 +140,9 @@ int cmd_decode(int argc, char **argv)
         return status;
 #define OPT(name) tool_get(o, NOPTS(o), name)
     static const char *const need[] = {"weights", "query", "out"};
-    if (tool_require("decode", o, NOPTS(o), need, 3))
+    static const char *const outs[] = {"out"};
+    if (tool_require("decode", o, NOPTS(o), need, 3) ||
+        tool_outputs_apart("decode", o, NOPTS(o), outs, 1))
         return 1;
     int64_t C = 1, P = 0, window = 0;
     if ((OPT("chunk") &&

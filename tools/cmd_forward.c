@@ -110,9 +110,9 @@ int cmd_forward(int argc, char **argv)
         return 1;
     if (OPT("per-head") && !OPT("attn-weights"))
         return tool_fail("forward", "--per-head needs --attn-weights");
-    if (OPT("attn-weights") && tool_same_file(OPT("attn-weights"), OPT("out")))
-        return tool_fail("forward", "--out and --attn-weights name the same "
-                         "file");
+    static const char *const outs[] = {"out", "attn-weights"};
+    if (tool_outputs_apart("forward", o, NOPTS(o), outs, 2))
+        return 1;
     run_setup r;
     if (run_setup_load("forward", o, NOPTS(o), &r))
         return 1;

@@ -51,7 +51,9 @@ int cmd_init(int argc, char **argv)
         return status;
 #define OPT(name) tool_get(o, NOPTS(o), name)
     static const char *const need[] = {"embed-dim", "heads", "seed", "out"};
-    if (tool_require("init", o, NOPTS(o), need, 4))
+    static const char *const outs[] = {"out"};
+    if (tool_require("init", o, NOPTS(o), need, 4) ||
+        tool_outputs_apart("init", o, NOPTS(o), outs, 1))
         return 1;
     mha_config c = {0};
     uint64_t seed;

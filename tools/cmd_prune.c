@@ -33,7 +33,9 @@ int cmd_prune(int argc, char **argv)
         return status;
 #define OPT(name) tool_get(o, NOPTS(o), name)
     static const char *const need[] = {"weights", "keep", "out"};
-    if (tool_require("prune", o, NOPTS(o), need, 3))
+    static const char *const outs[] = {"out"};
+    if (tool_require("prune", o, NOPTS(o), need, 3) ||
+        tool_outputs_apart("prune", o, NOPTS(o), outs, 1))
         return 1;
     int64_t heads = 0;
     if (OPT("heads") &&

@@ -338,11 +338,13 @@ int cmd_forward_ring(int argc, char **argv)
                             g_rank == 0 ? FORWARD_RING_HELP : "", &status);
 #define OPT(name) tool_get(o, NOPTS(o), name)
     static const char *const need[] = {"weights", "query", "out"};
+    static const char *const outs[] = {"out"};
     ring_inputs in;
     memset(&in, 0, sizeof in);
     float *out = NULL, *all = NULL;
     if (!done)
         status = tool_require("forward", o, NOPTS(o), need, 3) ||
+                 tool_outputs_apart("forward", o, NOPTS(o), outs, 1) ||
                  ring_inputs_load("forward", o, NOPTS(o), &in);
     if (!done && !status &&
         !(out = malloc((size_t)(in.B * in.s.len * in.E + 1) * sizeof *out)))
@@ -386,6 +388,7 @@ int cmd_backward_ring(int argc, char **argv)
 #define OPT(name) tool_get(o, NOPTS(o), name)
     static const char *const need[] = {"weights", "query", "grad-output",
                                        "out"};
+    static const char *const outs[] = {"out"};
     ring_inputs in;
     memset(&in, 0, sizeof in);
     mha_tensor *dy = NULL;
@@ -394,6 +397,7 @@ int cmd_backward_ring(int argc, char **argv)
     mha_tensor_view *views = NULL;
     if (!done)
         status = tool_require("backward", o, NOPTS(o), need, 4) ||
+                 tool_outputs_apart("backward", o, NOPTS(o), outs, 1) ||
                  ring_inputs_load("backward", o, NOPTS(o), &in);
     if (!done && !status) {
         int64_t b2 = 0, l2 = 0;

