@@ -421,15 +421,18 @@ static double loss64(const fcase *f, const double *dout, double *out64)
  * central difference's error, for the tensor x (n floats) moved in place
  * (restored after); param names a parameter to push the moved values
  * into (NULL for an input, read through the args' pointers).  *scale is
- * sum |grad_i (x+ - x-)_i|, *l1 sum |dout_k out_k| at x+.
+ * sum |grad_i (x+ - x-)_i|, *l1 sum |dout_k out_k| at x+, and *terms
+ * sum_k |dout_k (out_k(x+) - out_k(x-))|: the size of the terms whose
+ * signed sum L(x+) - L(x-) is (directional, below, says why it matters).
  */
 static double fd_error(fcase *f, float *x, const float *keep, const float *u,
                        double h, const float *grad, int64_t n,
                        const double *dout, double *out64, const char *param,
-                       double *scale, double *l1)
+                       double *scale, double *l1, double *terms)
 {
     float *plus = malloc((size_t)n * sizeof *plus);
     float *minus = malloc((size_t)n * sizeof *minus);
+    double *out_plus = malloc((size_t)(f->no ? f->no : 1) * sizeof *out_plus);
     double predicted = 0.0;
     *scale = 0.0;
     for (int64_t k = 0; k < n; k++) {
@@ -452,8 +455,13 @@ static double fd_error(fcase *f, float *x, const float *keep, const float *u,
             *l1 = 0.0;
             for (int64_t k = 0; k < f->no; k++)
                 *l1 += fabs(dout[k] * out64[k]);
+            memcpy(out_plus, out64, (size_t)f->no * sizeof *out64);
         }
     }
+    *terms = 0.0;
+    for (int64_t k = 0; k < f->no; k++)
+        *terms += fabs(dout[k] * (out_plus[k] - out64[k]));
+    free(out_plus);
     if (param)
         mha_param_set(f->m, param, keep, n);
     else
@@ -473,7 +481,11 @@ static double fd_error(fcase *f, float *x, const float *keep, const float *u,
  * sum |dout out|), plus float32's own floor, 1e-4 of the gradient a
  * tensor of this size has when L moves by sum |dout out| as x moves by
  * max |x| (a gradient far below that is the difference of large float32
- * terms).  Where the truncation has not yet fallen below that, h is
+ * terms), plus 1e-4 of sum_k |dout_k (out_k(x+) - out_k(x-))|: the
+ * gradient is a signed sum over the outputs k, each term carrying
+ * float32's relative error (a few eps per operation on its path, 1e-4
+ * ~ 1700 eps), and where those terms cancel (a fuzzed case: the sum 25x
+ * smaller than its terms) the error is the terms', not the sum's.  Where the truncation has not yet fallen below that, h is
  * halved, up to 8 times: a gradient error stays the same fraction of
  * sum |grad step| at every h, so a wrong gradient fails at all of them.
  */
@@ -492,24 +504,27 @@ static void directional(fcase *f, const char *what, float *x,
         u[k] = (float)rng_unit();
     }
     double h = 1e-4 * (big > 1.0 ? big : 1.0);
-    double scale, l1, scale2, l1b, e1 = 0.0, lin = 0.0, tol = 0.0;
+    double scale, l1, scale2, l1b, terms, terms2, e1 = 0.0, lin = 0.0,
+           tol = 0.0;
     double e2 = fd_error(f, x, keep, u, h, grad, n, dout, out64, param,
-                         &scale2, &l1b);
+                         &scale2, &l1b, &terms2);
     for (int level = 0; level < 8; level++) {
         e1 = e2;
         scale = scale2;
         l1 = l1b;
+        terms = terms2;
         double steps = 0.0;   /* sum |step|: scale's size without grad */
         for (int64_t k = 0; k < n; k++)
             steps += 2.0 * h * fabs((double)u[k]);
         tol = 1e-3 * scale + 1e-11 * l1 +
-              1e-4 * l1 / (big > 0.0 ? big : 1.0) * steps + 1e-30;
+              1e-4 * l1 / (big > 0.0 ? big : 1.0) * steps + 1e-4 * terms +
+              1e-30;
         if (fabs(e1) <= tol) {
             lin = e1;
             break;
         }
         e2 = fd_error(f, x, keep, u, h / 2, grad, n, dout, out64, param,
-                      &scale2, &l1b);
+                      &scale2, &l1b, &terms2);
         lin = (8.0 * e2 - e1) / 3.0;
         if (fabs(lin) <= tol)
             break;
@@ -518,7 +533,8 @@ static void directional(fcase *f, const char *what, float *x,
     CHECK(fabs(lin) <= tol,
           "gradient of %s: the central difference's error %.3g, after "
           "Richardson %.3g, tolerance %.3g; sum |grad step| %.3g, "
-          "sum |dout out| %.3g", what, e1, lin, tol, scale, l1);
+          "sum |dout out| %.3g, sum |dout (out+ - out-)| %.3g", what, e1,
+          lin, tol, scale, l1, terms);
     free(keep);
     free(u);
 }

@@ -1,14 +1,27 @@
 #!/usr/bin/env bash
-# The whole test suite: installs what is needed, builds, runs every test
-# (CTest) and the Python package's tests (pytest, scripts/test-python.sh),
-# then builds again with AddressSanitizer + UndefinedBehavior-
-# Sanitizer and runs every test again, then with ThreadSanitizer for the
-# threaded tests, builds everything with clang -Werror, builds and briefly
-# runs the fuzz targets, runs the C tests under valgrind, then cross-builds
-# for aarch64 and runs a subset under qemu (scripts/test-aarch64.sh).
-# Fails on any failure or sanitizer/valgrind report.
+# The test suite.  Installs what is needed and builds first.
+#   bash scripts/test.sh         the quick suite (minutes): every test
+#                                (CTest) on a release build and the Python
+#                                package's tests (pytest, scripts/test-python.sh)
+#   bash scripts/test.sh --all   the whole matrix (CI, .ci/run): the quick
+#                                suite, then the Python tests and every C
+#                                test again under AddressSanitizer +
+#                                UndefinedBehaviorSanitizer, the threaded
+#                                tests under ThreadSanitizer, a clang -Werror
+#                                build, the fuzz targets (fixed seeds, a fixed
+#                                number of runs), the C tests under valgrind,
+#                                and an aarch64 cross-build run under qemu
+#                                (scripts/test-aarch64.sh).
+# Fails on any failure, skip that is not allowed, or sanitizer/valgrind
+# report.  Nothing in it depends on the clock or on chance.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+all=0
+case "${1:-}" in
+  --all) all=1 ;;
+  "") ;;
+  *) echo "usage: bash scripts/test.sh [--all]" >&2; exit 2 ;;
+esac
 bash scripts/install-deps.sh
 jobs=$(nproc)
 
@@ -41,7 +54,8 @@ ctest --test-dir build -j"$jobs" --output-on-failure \
   --output-junit "$PWD/build/ctest-release.xml"
 
 # No silent skips: every test that did not run is listed by name, and the
-# only ones allowed are the *_avx512 tier runs on a CPU without AVX-512F.
+# only ones allowed are the *_avx512 tier runs on a CPU without AVX-512F
+# and the *_amx ones on a CPU without AMX-BF16.
 skipped=$(/usr/bin/python3 - "$PWD/build/ctest-release.xml" <<'PY'
 import sys
 import xml.etree.ElementTree as ET
@@ -50,12 +64,15 @@ for t in ET.parse(sys.argv[1]).getroot().iter("testcase"):
         print(t.get("name"))
 PY
 )
-have_avx512=0
+have_avx512=0 have_amx=0
 grep -qw avx512f /proc/cpuinfo && have_avx512=1
+grep -qw amx_bf16 /proc/cpuinfo && have_amx=1
 bad=0
 for t in $skipped; do
   if [[ $t == *_avx512 && $have_avx512 == 0 ]]; then
     echo "skipped: $t (this CPU has no AVX-512F)"
+  elif [[ $t == *_amx && $have_amx == 0 ]]; then
+    echo "skipped: $t (this CPU has no AMX-BF16)"
   else
     echo "skipped: $t -- not allowed"
     bad=1
@@ -64,10 +81,19 @@ done
 [ -n "$skipped" ] || echo "skipped: none"
 [ "$bad" = 0 ] || { echo "tests were skipped that must run"; exit 1; }
 
-# The Python package (pip install ./python into .venv, pytest), then the
-# same under ASan + UBSan.
-stage "Python package (pytest, then under ASan + UBSan)"
-bash scripts/test-python.sh
+# The Python package (pip install ./python into .venv, pytest); with
+# --all the same again under ASan + UBSan.
+if [ "$all" = 1 ]; then
+  stage "Python package (pytest, then under ASan + UBSan)"
+  MHA_PY_ASAN=1 bash scripts/test-python.sh
+else
+  stage "Python package (pytest)"
+  MHA_PY_ASAN=0 bash scripts/test-python.sh
+  stage
+  echo "quick suite passed in $((SECONDS / 60)) min $((SECONDS % 60)) s" \
+       "(the whole matrix: bash scripts/test.sh --all)"
+  exit 0
+fi
 
 stage "ASan + UBSan build and tests"
 # -O1, as the sanitizers' documentation advises: the checks are the same
@@ -107,33 +133,38 @@ CC=clang cmake -S . -B build-clang -DCMAKE_BUILD_TYPE=Release \
 cmake --build build-clang -j"$jobs" >/dev/null
 
 stage "the libFuzzer targets: build, and a bounded run of each"
-# (the long runs are scripts/fuzz.sh's; this keeps the targets building
-# and catches what a short run finds).  The readers, the cache's
-# operation sequences and the command's option parsing 10 s each from
-# their committed corpora; the differential fuzzer of the tiers (fuzz_tiers:
-# random modules and calls, every tier against the float64 reference,
-# forward and backward) 15 s on each tier this CPU has.
+# (the long, clock-seeded campaigns are scripts/fuzz.sh's; this keeps the
+# targets building and replays and extends their committed corpora).
+# Every run here has a fixed seed (-seed) and a fixed number of inputs
+# (-runs), from a fresh corpus directory: the same inputs on every machine
+# and every run, so the stage cannot pass or fail by chance.  The readers,
+# the cache's operation sequences and the command's option parsing; the
+# differential fuzzer of the tiers (fuzz_tiers: random modules and calls,
+# every tier against the float64 reference, forward and backward) on each
+# tier this CPU has.  The counts take ~10-15 s each on the 2-core VMs.
 CC=clang cmake -S . -B build-fuzz -DMHA_FUZZ=ON \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build-fuzz -j"$jobs" --target fuzz_npy fuzz_safetensors \
   fuzz_module fuzz_cache fuzz_cli fuzz_tiers >/dev/null
-fuzz_run() {  # fuzz_run TARGET SECONDS MAX_LEN [ENV=VALUE...]
-  local t=$1 secs=$2 len=$3 log="ci-fuzz-$1${4:+-${4#*=}}.log"
+fuzz_run() {  # fuzz_run TARGET RUNS MAX_LEN [ENV=VALUE...]
+  local t=$1 runs=$2 len=$3 log="ci-fuzz-$1${4:+-${4#*=}}.log"
   shift 3
-  mkdir -p "build-fuzz/ci-corpus-$t"
-  (cd build-fuzz && env "$@" ./fuzz/"fuzz_$t" -max_total_time="$secs" \
+  rm -rf "build-fuzz/ci-corpus-$t" && mkdir -p "build-fuzz/ci-corpus-$t"
+  (cd build-fuzz && env "$@" ./fuzz/"fuzz_$t" -seed=1 -runs="$runs" \
      -max_len="$len" "ci-corpus-$t" "../fuzz/corpus/$t" >"$log" 2>&1) ||
     { echo "fuzz_$t $* failed:"; tail -40 "build-fuzz/$log"; exit 1; }
   echo "fuzz_$t $*: $(grep -o 'Done [0-9]* runs.*' "build-fuzz/$log")"
 }
-for t in npy safetensors module cache cli; do
-  fuzz_run "$t" 10 4096
-done
+fuzz_run npy 40000 4096
+fuzz_run safetensors 40000 4096
+fuzz_run module 20000 4096
+fuzz_run cache 20000 4096
+fuzz_run cli 20000 4096
 tiers="ref scalar"
 grep -qw avx2 /proc/cpuinfo && tiers="$tiers avx2"
 grep -qw avx512f /proc/cpuinfo && tiers="$tiers avx512"
 for isa in $tiers; do
-  fuzz_run tiers 15 64 MHA_ISA="$isa"   # (it reads ~40 bytes)
+  fuzz_run tiers 6000 64 MHA_ISA="$isa"   # (it reads ~40 bytes)
 done
 
 stage "valgrind (memcheck) on the C tests, two at a time"
