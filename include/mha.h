@@ -535,6 +535,18 @@ MHA_API int64_t mha_total_keys(const mha_module *module, int64_t kv_len);
 MHA_API mha_status mha_forward(const mha_module *module,
                                const mha_forward_args *args);
 
+/* Element types: of mha_attention's q, k, v and out (F32, F16, BF16),
+ * and of tensors in files (mha_io.h: all of them). */
+typedef enum mha_dtype {
+    MHA_DTYPE_F32 = 0,
+    MHA_DTYPE_F64 = 1,
+    MHA_DTYPE_F16 = 2,    /* IEEE binary16 bits in a uint16_t             */
+    MHA_DTYPE_BF16 = 3,   /* bfloat16 bits in a uint16_t                  */
+    MHA_DTYPE_BOOL = 4,
+    MHA_DTYPE_I32 = 5,
+    MHA_DTYPE_I64 = 6
+} mha_dtype;
+
 /* How mha_attention's q, k, v and out are laid out in memory. */
 typedef enum mha_layout {
     MHA_LAYOUT_ROWS = 0,         /* a row of all heads per token (below) */
@@ -622,8 +634,26 @@ typedef struct mha_attention_args {
                              SDPA's layout, read and written in place.
                              Forward only (the backward refuses it), not
                              with a cache or RoPE.                       */
+    mha_dtype dtype;      /* of q, k, v and out.  MHA_DTYPE_F32 (0): the
+                             float pointers above.  BF16 or F16: q16, k16,
+                             v16 and out16 instead (each element the
+                             2-byte pattern, same shapes and layouts; q,
+                             k, v and out NULL); softmax, row statistics
+                             and sums in float32, out rounded to nearest
+                             even; lse and attn_weights stay float.  With
+                             AMX (bf16; plain, causal and key_lengths;
+                             d_h a multiple of 32) the weights are rounded
+                             to bf16 before P V (docs/semantics.md);
+                             otherwise the inputs are widened to float32
+                             and the float32 kernels run.  mha_attention
+                             only: no plan, backward, cache or merge yet. */
+    const uint16_t *q16, *k16, *v16;
+    uint16_t *out16;
 } mha_attention_args;
 MHA_API mha_status mha_attention(const mha_attention_args *args);
+/* "amx" where mha_attention runs bf16 on AMX tiles, else "float32" (the
+ * inputs widened).  MHA_AMX=0 in the environment forces "float32". */
+MHA_API const char *mha_bf16_kernel(void);
 
 /*
  * Attention on heads, planned, and its backward (for autograd of scaled

@@ -20,16 +20,7 @@ extern "C" {
 /* Tensors in files: safetensors and .npy                                   */
 /* ------------------------------------------------------------------------ */
 
-/* Element types as stored in a file. */
-typedef enum mha_dtype {
-    MHA_DTYPE_F32 = 0,
-    MHA_DTYPE_F64 = 1,
-    MHA_DTYPE_F16 = 2,
-    MHA_DTYPE_BF16 = 3,
-    MHA_DTYPE_BOOL = 4,
-    MHA_DTYPE_I32 = 5,
-    MHA_DTYPE_I64 = 6
-} mha_dtype;
+/* Element types as stored in a file: mha_dtype (mha.h). */
 
 /* "F32", "F64", "F16", "BF16", "BOOL", "I32", "I64" (safetensors names). */
 MHA_API const char *mha_dtype_name(mha_dtype dtype);

@@ -6,6 +6,7 @@
  * machine's FMA peak (measured by a built-in probe) and the kernel tier.
  * --decode (one decoding step on a KV cache) is bench_decode.c's.
  */
+#include "core/half.h"
 #include "args.h"
 #include "bench.h"
 #include "commands.h"
@@ -48,6 +49,10 @@ static const char BENCH_HELP[] =
     "                        projections (mha_attention allocates its\n"
     "                        workspace on each call: row stats, K and V\n"
     "                        packed by tile, per-thread tiles)\n"
+    "  --dtype f32|bf16|f16  with --attention-only (forward): q, k, v and\n"
+    "                        out in that type (rounded once, untimed); bf16\n"
+    "                        runs on AMX tiles where the CPU has them\n"
+    "                        (mha_bf16_kernel), otherwise widened\n"
     "  --backward            time a training step's work: each timed call is\n"
     "                        mha_plan_forward then mha_plan_backward, with\n"
     "                        a random dL/d output and every gradient asked\n"
@@ -263,8 +268,8 @@ int cmd_bench(int argc, char **argv)
                     {"backward", 0, 0}, {"threads", 1, 0}, {"repeat", 1, 0},
                     {"warmup", 1, 0}, {"json", 0, 0}, {"decode", 0, 0},
                     {"kv-heads", 1, 0}, {"kv-dtype", 1, 0},
-                    {"ragged", 0, 0}, {"sinks", 0, 0}, MOD_OPTS,
-                    MOD_WINDOW_OPT};
+                    {"ragged", 0, 0}, {"sinks", 0, 0}, {"dtype", 1, 0},
+                    MOD_OPTS, MOD_WINDOW_OPT};
     int status;
     if (tool_options("bench", argc, argv, o, NOPTS(o), BENCH_HELP, &status))
         return status;
@@ -312,6 +317,20 @@ int cmd_bench(int argc, char **argv)
               backward = OPT("backward") != NULL,
               sinks = OPT("sinks") != NULL,
               threads_default = OPT("threads") == NULL;
+    /* --dtype bf16|f16: mha_attention on 16-bit q, k, v, out */
+    const char *dtype_s = OPT("dtype");
+    const mha_dtype dtype = !dtype_s                  ? MHA_DTYPE_F32
+                          : !strcmp(dtype_s, "bf16")  ? MHA_DTYPE_BF16
+                          : !strcmp(dtype_s, "f16")   ? MHA_DTYPE_F16
+                          : !strcmp(dtype_s, "f32")   ? MHA_DTYPE_F32
+                                                      : (mha_dtype)-1;
+    if ((int)dtype < 0)
+        return tool_fail("bench", "--dtype must be f32, bf16 or f16, got "
+                         "'%s'", dtype_s);
+    if (dtype != MHA_DTYPE_F32 && (!attn_only || backward || weights))
+        return tool_fail("bench", "--dtype %s times mha_attention's forward "
+                         "alone: with --attention-only, without --backward "
+                         "or --need-weights", dtype_s);
     if (!cross)
         Lk = Lq;
 #undef OPT
@@ -440,6 +459,26 @@ int cmd_bench(int argc, char **argv)
     for (int64_t h = 0; sink_logits && h < H; h++)
         sink_logits[h] = 0.5f;
     aa.sinks = sink_logits;
+    /* 16-bit copies of q, k, v, rounded once before the timing */
+    uint16_t *h16 = NULL;
+    if (dtype != MHA_DTYPE_F32) {
+        h16 = malloc((2 * nq + 2 * nkv) * sizeof *h16);
+        if (!h16)
+            rc = tool_fail("bench", "cannot allocate the 16-bit inputs");
+        for (size_t i = 0; h16 && i < nq + 2 * nkv; i++) {
+            const float x = i < nq ? q[i] : i < nq + nkv ? kv[i - nq]
+                                                         : vv[i - nq - nkv];
+            h16[i] = dtype == MHA_DTYPE_BF16 ? mha_bf16_from_float(x)
+                                              : mha_f16_from_float(x);
+        }
+        aa.dtype = dtype;
+        aa.q = aa.k = aa.v = NULL;
+        aa.out = NULL;
+        aa.q16 = h16;
+        aa.k16 = h16 + nq;
+        aa.v16 = h16 + nq + nkv;
+        aa.out16 = h16 + nq + 2 * nkv;
+    }
 
     mha_attention_grads ag = {0};
     if (backward && attn_only) {
@@ -483,6 +522,11 @@ int cmd_bench(int argc, char **argv)
             bwd_ms[r - warmup] = (t1 - tf) * 1e3;
         }
     }
+    if (!rc && h16)   /* the 16-bit output, for the check below */
+        for (size_t i = 0; i < nq; i++)
+            out[i] = dtype == MHA_DTYPE_BF16
+                         ? mha_bf16_to_float(h16[nq + 2 * nkv + i])
+                         : mha_f16_to_float(h16[nq + 2 * nkv + i]);
     if (!rc) {
         double sum = 0.0;
         for (size_t i = 0; i < nq; i++)
@@ -607,6 +651,7 @@ int cmd_bench(int argc, char **argv)
     free(out);
     free(q);
     free(sink_logits);
+    free(h16);
     mha_free(m);
     tool_mods_free(&mods);
     return rc;

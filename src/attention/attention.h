@@ -704,4 +704,21 @@ int64_t mha_ref_bwd_scratch_floats(int64_t dh, int64_t Lt);
 void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
                       int64_t kvh, float *scratch);
 
+/* ---- bf16 attention on AMX tiles (half.c) --------------------------------
+ * q, k, v and out of 16-bit elements; element (b, h, i, d) of q at
+ * q[b bsq + h hsq + i ldq + d] (so both of mha_attention's layouts);
+ * causal and key_lengths as mha_attention takes them; lse (B, H, Lq) or
+ * NULL.  dh a multiple of 32; the caller checked everything else. */
+typedef struct mha_half_problem {
+    int64_t B, H, Hkv, Lq, Lk, dh;
+    const uint16_t *q, *k, *v;
+    uint16_t *out;
+    int64_t ldq, ldk, ldv, ldo, hsq, hsk, hsv, hso, bsq, bsk, bsv, bso;
+    float scale;
+    mha_causal causal;
+    const int64_t *key_lengths;
+    float *lse;
+} mha_half_problem;
+mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p);
+
 #endif /* MHA_ATTENTION_H */

@@ -49,6 +49,18 @@ static float resolved_scale(const mha_attention_args *a, int64_t dh)
 /* Everything about `a` but its data pointers. */
 static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
 {
+    if (a->dtype != MHA_DTYPE_F32)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "dtype %d: plans, the backward, caches and "
+                             "parts take float32 (MHA_DTYPE_F32) only; "
+                             "bf16 and f16 go through mha_attention",
+                             (int)a->dtype);
+    if (a->q16 || a->k16 || a->v16 || a->out16)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "%s is set but dtype is MHA_DTYPE_F32: give "
+                             "float data in q, k, v and out, or set dtype",
+                             a->q16 ? "q16" : a->k16 ? "k16"
+                             : a->v16 ? "v16" : "out16");
     s->B = a->batch;
     s->H = a->num_heads;
     s->dh = a->head_dim;
@@ -682,8 +694,133 @@ mha_status mha_attention_plan_backward(mha_attention_plan *p,
     return plan_backward(p, a, g, NULL, NULL);
 }
 
+/* ---- bf16 and f16 q, k, v, out ------------------------------------------ */
+
+const char *mha_bf16_kernel(void)
+{
+    mha_isa isa;
+    const mha_microkernels *uk;
+    if (mha_isa_get(&isa, &uk) != MHA_OK)
+        return NULL;
+    return isa == MHA_ISA_AVX512 && mha_cpu_has_amx() ? "amx" : "float32";
+}
+
+/* Whether the AMX kernel takes call a (shape s): bf16, plain or causal
+ * with key lengths, no other mask, modifier, weights or dropout. */
+static int amx_takes(const mha_attention_args *a, const sdpa_shape *s)
+{
+    const char *k = mha_bf16_kernel();
+    return k && !strcmp(k, "amx") && a->dtype == MHA_DTYPE_BF16 &&
+           s->dh % 32 == 0 && a->attn_mask.kind == MHA_MASK_NONE &&
+           a->key_padding_mask.kind == MHA_MASK_NONE &&
+           a->need_weights == MHA_WEIGHTS_NONE &&
+           !(a->training && a->dropout > 0.0f) && !a->sinks &&
+           !a->mods.softcap && !a->mods.alibi && !a->mods.window &&
+           a->mods.rope.style == MHA_ROPE_NONE &&
+           !(a->given & MHA_GIVEN_Q_OFFSET);
+}
+
+/* The float32 path for 16-bit data: q, k, v widened into float copies,
+ * the float32 attention, out narrowed (round to nearest even). */
+static mha_status attention_widened(const mha_attention_args *a,
+                                    const sdpa_shape *s)
+{
+    const int bf = a->dtype == MHA_DTYPE_BF16;
+    float *q = mha_alloc_floats(s->n_q, "widened q");
+    float *k = mha_alloc_floats(s->n_kv, "widened k");
+    float *v = mha_alloc_floats(s->n_kv, "widened v");
+    float *o = mha_alloc_floats(s->n_q, "float32 out");
+    mha_status st = q && k && v && o ? MHA_OK : MHA_ERR_OUT_OF_MEMORY;
+    if (st == MHA_OK) {
+        for (int64_t i = 0; i < s->n_q; i++)
+            q[i] = bf ? mha_bf16_to_float(a->q16[i]) : mha_f16_to_float(a->q16[i]);
+        for (int64_t i = 0; i < s->n_kv; i++) {
+            k[i] = bf ? mha_bf16_to_float(a->k16[i]) : mha_f16_to_float(a->k16[i]);
+            v[i] = bf ? mha_bf16_to_float(a->v16[i]) : mha_f16_to_float(a->v16[i]);
+        }
+        mha_attention_args f = *a;
+        f.dtype = MHA_DTYPE_F32;
+        f.q16 = f.k16 = f.v16 = NULL;
+        f.out16 = NULL;
+        f.q = q, f.k = k, f.v = v, f.out = o;
+        st = mha_attention(&f);
+    }
+    if (st == MHA_OK)
+        for (int64_t i = 0; i < s->n_q; i++)
+            a->out16[i] = bf ? mha_bf16_from_float(o[i]) : mha_f16_from_float(o[i]);
+    free(q);
+    free(k);
+    free(v);
+    free(o);
+    return st;
+}
+
+static mha_status attention_half(const mha_attention_args *a)
+{
+    if (a->dtype != MHA_DTYPE_BF16 && a->dtype != MHA_DTYPE_F16)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "dtype must be MHA_DTYPE_F32 (0), _F16 (2) or "
+                             "_BF16 (3), got %d", (int)a->dtype);
+    if (a->q || a->k || a->v || a->out)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "dtype %s takes its data in q16, k16, v16 and "
+                             "out16; %s must be NULL",
+                             a->dtype == MHA_DTYPE_BF16 ? "BF16" : "F16",
+                             a->q ? "q" : a->k ? "k" : a->v ? "v" : "out");
+    if (a->cache)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "bf16 and f16 queries do not take a KV cache "
+                             "yet: give them as float32");
+    if (!a->q16 || !a->k16 || !a->v16 || !a->out16)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
+                             !a->q16 ? "q16" : !a->k16 ? "k16"
+                             : !a->v16 ? "v16" : "out16");
+    mha_attention_args f = *a;   /* the shape checks, as float32 */
+    f.dtype = MHA_DTYPE_F32;
+    f.q16 = f.k16 = f.v16 = NULL;
+    f.out16 = NULL;
+    sdpa_shape s;
+    MHA_CHECK(check_shape(&f, &s));
+    if (a->need_weights != MHA_WEIGHTS_NONE && !a->attn_weights)
+        return mha_set_error(MHA_ERR_NULL_POINTER,
+                             "need_weights is set but attn_weights is NULL");
+    /* 16-bit arrays as spans of floats (overlaps() counts floats) */
+    const float *w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights
+                                                         : NULL;
+    const span outs[3] = {{"out16", a->out16, (s.n_q + 1) / 2},
+                          {"attn_weights", w, s.n_w},
+                          {"lse", a->lse, s.B * s.H * s.Lq}};
+    const span ins[3] = {{"q16", a->q16, (s.n_q + 1) / 2},
+                         {"k16", a->k16, (s.n_kv + 1) / 2},
+                         {"v16", a->v16, (s.n_kv + 1) / 2}};
+    MHA_CHECK(check_disjoint(outs, 3, ins, 3));
+    mha_mask_plan mask;
+    MHA_CHECK(mask_plan(&f, &s, &mask));   /* key_lengths' values */
+    if (!amx_takes(a, &s))
+        return attention_widened(a, &s);
+    mha_engine eng;
+    MHA_CHECK(mha_engine_init(&eng, a->num_threads));
+    const int heads_first = a->layout == MHA_LAYOUT_HEADS_FIRST;
+    mha_half_problem p = {
+        .B = s.B, .H = s.H, .Hkv = s.Hkv, .Lq = s.Lq, .Lk = s.Lk, .dh = s.dh,
+        .q = a->q16, .k = a->k16, .v = a->v16, .out = a->out16,
+        .ldq = heads_first ? s.dh : s.E, .ldo = heads_first ? s.dh : s.E,
+        .ldk = heads_first ? s.dh : s.Ekv, .ldv = heads_first ? s.dh : s.Ekv,
+        .hsq = heads_first ? s.Lq * s.dh : s.dh,
+        .hso = heads_first ? s.Lq * s.dh : s.dh,
+        .hsk = heads_first ? s.Lk * s.dh : s.dh,
+        .hsv = heads_first ? s.Lk * s.dh : s.dh,
+        .bsq = s.Lq * s.E, .bso = s.Lq * s.E,
+        .bsk = s.Lk * s.Ekv, .bsv = s.Lk * s.Ekv,
+        .scale = resolved_scale(a, s.dh), .causal = a->causal,
+        .key_lengths = a->key_lengths, .lse = a->lse};
+    return mha_attn_amx(&eng, &p);
+}
+
 mha_status mha_attention(const mha_attention_args *a)
 {
+    if (a && a->dtype != MHA_DTYPE_F32)
+        return attention_half(a);
     mha_attention_plan *p;
     MHA_CHECK(mha_attention_plan_create(a, &p));
     const mha_status st = mha_attention_plan_run(p, a);

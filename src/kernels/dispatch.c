@@ -4,6 +4,7 @@
  * variable MHA_ISA=ref|scalar|avx2|avx512 (the tests run every tier this
  * way).
  */
+#define _GNU_SOURCE   /* syscall() */
 #include "kernels.h"
 #include "core/core.h"
 
@@ -13,6 +14,10 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__x86_64__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 /* AVX2, FMA and F16C (the f16 KV cache's conversions): every AVX2 CPU
  * has the other two, but each is asked. */
@@ -39,6 +44,50 @@ int mha_cpu_has_avx512(void)
     /* Also checks (XGETBV) that the OS saves the ZMM and mask state. */
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && cpu_has_avx2_fma();
+#else
+    return 0;
+#endif
+}
+
+#if defined(__x86_64__) && defined(__linux__)
+/* CPUID leaf 7's bits, XCR0's tile bits, then Linux's permission for the
+ * tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): without
+ * it the first tile instruction would fault. */
+static int amx_usable(void)
+{
+    const char *env = getenv("MHA_AMX");
+    if (env && !strcmp(env, "0"))
+        return 0;
+    if (!mha_cpu_has_avx512())
+        return 0;
+    unsigned a, b, c, d, a1, b1, c1, d1;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) ||
+        !__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1))
+        return 0;
+    const int amx = (d >> 22 & 1) && (d >> 24 & 1);       /* BF16, TILE */
+    const int bw_dq_vl = (b >> 30 & 1) && (b >> 17 & 1) && (b >> 31 & 1);
+    const int bf16 = a1 >> 5 & 1;                           /* AVX512_BF16 */
+    if (!amx || !bw_dq_vl || !bf16)
+        return 0;
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17))   /* XTILECFG, XTILEDATA */
+        return 0;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                   18 /* XFEATURE_XTILEDATA */) == 0;
+}
+#endif
+
+int mha_cpu_has_amx(void)
+{
+#if defined(__x86_64__) && defined(__linux__)
+    static atomic_int known = -1;   /* asked once per process */
+    int k = atomic_load(&known);
+    if (k < 0) {
+        k = amx_usable();
+        atomic_store(&known, k);
+    }
+    return k;
 #else
     return 0;
 #endif

@@ -215,4 +215,54 @@ mha_status mha_isa_get(mha_isa *isa, const mha_microkernels **uk);
  * tier, and where the oneDNN GEMM backend is the default (gemm.c). */
 int mha_cpu_has_avx512(void);
 
+/* ---- bf16 attention on AMX tiles (amx.c; x86 only) ----------------------
+ * mha_cpu_has_amx: the CPU has AMX-TILE, AMX-BF16, AVX512-BF16 and
+ * AVX512-BW/DQ/VL, the OS saves the tile state, and Linux granted this
+ * process the tile data (arch_prctl, asked once); MHA_AMX=0 in the
+ * environment says no, so the tests can take the widening path too. */
+int mha_cpu_has_amx(void);
+
+/* One block of up to 32 query rows of one (b, h), its K/V head packed by
+ * mha_amx_pack_k / _v (keys rounded up to 32; dh a multiple of 32).  Row
+ * r sees keys 0 .. lim[r] - 1; out and lse get bf16(O / l) and the row's
+ * natural log-sum-exp (-inf and zeros for a row that sees nothing). */
+typedef struct mha_amx_block {
+    const uint16_t *q;     /* row r at q + r * ldq                       */
+    int64_t ldq;
+    int mr, dh;
+    const int64_t *lim;    /* (mr) keys each row sees, from key 0        */
+    const uint32_t *kp, *vp;
+    float scale;
+    uint16_t *out;         /* row r at out + r * ldo                     */
+    int64_t ldo;
+    float *lse;            /* (mr) or NULL                               */
+} mha_amx_block;
+
+/* A thread's scratch for mha_amx_flash_rows (64-byte aligned parts). */
+typedef struct mha_amx_scratch {
+    float *S;              /* 32 x 64 scores                             */
+    float *O;              /* 32 x dh accumulators                       */
+    float *m, *l;          /* 32 each                                    */
+    uint16_t *P;           /* 32 x 64 bf16 weights                       */
+    uint16_t *Q;           /* 32 x dh bf16 query rows                    */
+} mha_amx_scratch;
+
+/* Floats of scratch one thread needs for head dim dh. */
+static inline int64_t mha_amx_scratch_floats(int dh)
+{
+    return 32 * 64 + 32 * (int64_t)dh + 64 + 32 * 64 / 2 + 32 * dh / 2 + 64;
+}
+/* Words (uint32) of one packed K or V of Lk keys. */
+static inline int64_t mha_amx_packed_words(int64_t Lk, int dh)
+{
+    return (Lk + 31) / 32 * 32 * (int64_t)dh / 2;
+}
+void mha_amx_pack_k(const uint16_t *k, int64_t ld, int64_t Lk, int dh,
+                    uint32_t *dst);
+void mha_amx_pack_v(const uint16_t *v, int64_t ld, int64_t Lk, int dh,
+                    uint32_t *dst);
+void mha_amx_begin(void);   /* this thread's tile configuration         */
+void mha_amx_end(void);     /* releases it                              */
+void mha_amx_flash_rows(const mha_amx_block *w, mha_amx_scratch *s);
+
 #endif /* MHA_KERNELS_H */

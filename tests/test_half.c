@@ -1,0 +1,337 @@
+/*
+ * test_half.c -- mha_attention on bf16 and f16 q, k, v and out, against a
+ * float64 reference on the rounded inputs (written here: softmax(q k^T
+ * scale) v per head, causal and key lengths by index, grouped heads).
+ *
+ * Run twice by CTest: test_half_amx (the AMX kernel, where the CPU has
+ * it; exit 77, skipped by name, elsewhere) and test_half_widened
+ * (MHA_AMX=0: the inputs widened to float32, the float32 kernels).
+ *
+ * The bound, per output element (b, h, i, d), with w_j the reference's
+ * weights and A = sum_j w_j |v_jd|:
+ *   - out rounded to the 16-bit type: the unit roundoff, 2^-8 |ref| (bf16,
+ *     8 significant bits) or 2^-11 |ref| (f16, 11);
+ *   - on AMX each weight is rounded to bf16 before P V: at most 2^-8 of
+ *     each term, 2^-8 A;
+ *   - float32 arithmetic: the scores' sums of d_h products (d_h 2^-24 of
+ *     sum |q k| scale, which moves each weight and l by twice that), exp's
+ *     polynomial (3e-6 of each weight and of l), l's sum of Lk terms
+ *     (Lk 2^-24): each a fraction of A.
+ * The sum of these, times 1.25 for the second-order terms.  A key missed
+ * or added moves the output by ~w_j |v_j| and lse by w_j, which lse's
+ * bound (float32 only: 1e-5 (1 + |lse|)) catches where out's would not.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "testutil.h"
+#include "core/half.h"
+
+static int amx_run;   /* test_half_amx: the AMX kernel must be the one */
+
+typedef struct hcase {
+    int64_t B, H, Hkv, Lq, Lk, dh;
+    mha_causal causal;
+    int key_lengths;      /* 1: per-batch key lengths */
+    mha_layout layout;
+    mha_dtype dtype;
+    float scale;          /* 0: default */
+} hcase;
+
+static uint16_t to16(mha_dtype t, float x)
+{
+    return t == MHA_DTYPE_BF16 ? mha_bf16_from_float(x) : mha_f16_from_float(x);
+}
+
+static double from16(mha_dtype t, uint16_t x)
+{
+    return t == MHA_DTYPE_BF16 ? mha_bf16_to_float(x) : mha_f16_to_float(x);
+}
+
+/* Element (b, h, i, d) of a (B, heads, L, dh) tensor in layout lay. */
+static int64_t at(mha_layout lay, int64_t heads, int64_t L, int64_t dh,
+                  int64_t b, int64_t h, int64_t i, int64_t d)
+{
+    return lay == MHA_LAYOUT_HEADS_FIRST
+               ? ((b * heads + h) * L + i) * dh + d
+               : (b * L + i) * heads * dh + h * dh + d;
+}
+
+static void run_case(const hcase *c, uint64_t seed)
+{
+    const int64_t nq = c->B * c->Lq * c->H * c->dh;
+    const int64_t nk = c->B * c->Lk * c->Hkv * c->dh;
+    uint16_t *q = malloc(nq * 2), *k = malloc(nk * 2), *v = malloc(nk * 2);
+    uint16_t *out[3];
+    float *lse[3];
+    float *u = malloc((nq > nk ? nq : nk) * sizeof *u);
+    tu_fill(u, nq, seed, -2.0f, 2.0f);
+    for (int64_t x = 0; x < nq; x++)
+        q[x] = to16(c->dtype, u[x]);
+    tu_fill(u, nk, seed + 1, -2.0f, 2.0f);
+    for (int64_t x = 0; x < nk; x++)
+        k[x] = to16(c->dtype, u[x]);
+    tu_fill(u, nk, seed + 2, -3.0f, 3.0f);
+    for (int64_t x = 0; x < nk; x++)
+        v[x] = to16(c->dtype, u[x]);
+    int64_t *kl = NULL;
+    if (c->key_lengths) {
+        kl = malloc(c->B * sizeof *kl);
+        for (int64_t b = 0; b < c->B; b++)
+            kl[b] = (c->Lk * (b + 1)) / (c->B + 1) + (b == 0 ? 0 : 1);
+        kl[0] = 0;   /* a sequence with no key: zero rows, lse -inf */
+    }
+    /* 1, 2 and 4 threads */
+    static const int threads[3] = {1, 2, 4};
+    for (int t = 0; t < 3; t++) {
+        out[t] = malloc(nq * 2);
+        lse[t] = malloc(c->B * c->H * c->Lq * sizeof(float));
+        memset(out[t], 0xFF, nq * 2);
+        mha_attention_args a = {0};
+        a.batch = c->B, a.num_heads = c->H, a.num_kv_heads = c->Hkv;
+        a.head_dim = c->dh, a.q_len = c->Lq, a.kv_len = c->Lk;
+        a.dtype = c->dtype;
+        a.q16 = q, a.k16 = k, a.v16 = v, a.out16 = out[t];
+        a.causal = c->causal, a.key_lengths = kl, a.layout = c->layout;
+        a.scale = c->scale, a.lse = lse[t], a.num_threads = threads[t];
+        mha_status st = mha_attention(&a);
+        if (st != MHA_OK)
+            fail_msg("mha_attention: %s", mha_last_error());
+    }
+    for (int t = 1; t < 3; t++) {
+        assert_memory_equal(out[0], out[t], nq * 2);
+        assert_memory_equal(lse[0], lse[t],
+                            c->B * c->H * c->Lq * sizeof(float));
+    }
+
+    /* the float64 reference on the rounded inputs */
+    const int amx = amx_run && c->dtype == MHA_DTYPE_BF16 && c->dh % 32 == 0;
+    const double scale = c->scale ? c->scale : 1.0 / sqrt((double)c->dh);
+    const double ulp_out = c->dtype == MHA_DTYPE_BF16 ? 0x1p-8 : 0x1p-11;
+    double *s = malloc(c->Lk * sizeof *s), worst = 0.0, worst_lse = 0.0;
+    const int64_t group = c->H / c->Hkv;
+    for (int64_t b = 0; b < c->B; b++)
+        for (int64_t h = 0; h < c->H; h++)
+            for (int64_t i = 0; i < c->Lq; i++) {
+                const int64_t g = h / group;
+                int64_t lim = kl ? kl[b] : c->Lk;
+                const int64_t diag =
+                    c->causal == MHA_CAUSAL_TOP_LEFT ? i + 1
+                    : c->causal == MHA_CAUSAL_BOTTOM_RIGHT
+                        ? i + 1 + c->Lk - c->Lq
+                        : c->Lk;
+                lim = diag < lim ? diag : lim;
+                lim = lim < 0 ? 0 : lim;
+                double mx = -INFINITY, l = 0.0, qk = 0.0;
+                for (int64_t j = 0; j < lim; j++) {
+                    double dot = 0.0, adot = 0.0;
+                    for (int64_t d = 0; d < c->dh; d++) {
+                        const double x = from16(c->dtype, q[at(c->layout, c->H, c->Lq, c->dh, b, h, i, d)]);
+                        const double y = from16(c->dtype, k[at(c->layout, c->Hkv, c->Lk, c->dh, b, g, j, d)]);
+                        dot += x * y;
+                        adot += fabs(x * y);
+                    }
+                    s[j] = dot * scale;
+                    qk = fmax(qk, adot * fabs(scale));
+                    mx = fmax(mx, s[j]);
+                }
+                for (int64_t j = 0; j < lim; j++)
+                    l += exp(s[j] - mx);
+                const float got_lse = lse[0][(b * c->H + h) * c->Lq + i];
+                if (lim == 0) {
+                    assert_true(got_lse == -INFINITY);
+                } else {
+                    const double ref_lse = mx + log(l);
+                    const double e = fabs(got_lse - ref_lse) /
+                                     (1e-5 * (1.0 + fabs(ref_lse)));
+                    worst_lse = fmax(worst_lse, e);
+                }
+                const double frac =
+                    (amx ? 0x1p-8 : 0.0) + 2.0 * c->dh * 0x1p-24 * qk +
+                    6e-6 + (double)lim * 0x1p-24;
+                for (int64_t d = 0; d < c->dh; d++) {
+                    double ref = 0.0, A = 0.0;
+                    for (int64_t j = 0; j < lim; j++) {
+                        const double w = exp(s[j] - mx) / l;
+                        const double y = from16(c->dtype, v[at(c->layout, c->Hkv, c->Lk, c->dh, b, g, j, d)]);
+                        ref += w * y;
+                        A += w * fabs(y);
+                    }
+                    const double got = from16(
+                        c->dtype, out[0][at(c->layout, c->H, c->Lq, c->dh, b, h, i, d)]);
+                    const double tol =
+                        1.25 * (ulp_out * fabs(ref) + frac * A) + 1e-30;
+                    if (lim == 0)
+                        assert_true(got == 0.0);
+                    worst = fmax(worst, fabs(got - ref) / tol);
+                }
+            }
+    print_message("  B%lld H%lld/%lld Lq%lld Lk%lld d%lld causal %d kl %d "
+                  "layout %d %s: worst error / bound %.3f, lse %.3f\n",
+                  (long long)c->B, (long long)c->H, (long long)c->Hkv,
+                  (long long)c->Lq, (long long)c->Lk, (long long)c->dh,
+                  (int)c->causal, c->key_lengths, (int)c->layout,
+                  c->dtype == MHA_DTYPE_BF16 ? "bf16" : "f16", worst,
+                  worst_lse);
+    assert_true(worst <= 1.0);
+    assert_true(worst_lse <= 1.0);
+    for (int t = 0; t < 3; t++) {
+        free(out[t]);
+        free(lse[t]);
+    }
+    free(s);
+    free(kl);
+    free(u);
+    free(q);
+    free(k);
+    free(v);
+}
+
+static void test_bf16_shapes(void **state)
+{
+    (void)state;
+    const hcase cases[] = {
+        /* B H Hkv Lq Lk dh causal kl layout dtype scale */
+        {1, 1, 1, 1, 1, 64, MHA_CAUSAL_NONE, 0, MHA_LAYOUT_ROWS, MHA_DTYPE_BF16, 0},
+        {2, 4, 4, 37, 37, 64, MHA_CAUSAL_NONE, 0, MHA_LAYOUT_ROWS, MHA_DTYPE_BF16, 0},
+        {1, 2, 2, 100, 100, 64, MHA_CAUSAL_TOP_LEFT, 0, MHA_LAYOUT_ROWS, MHA_DTYPE_BF16, 0},
+        {1, 4, 2, 33, 130, 128, MHA_CAUSAL_BOTTOM_RIGHT, 0, MHA_LAYOUT_HEADS_FIRST, MHA_DTYPE_BF16, 0},
+        {3, 8, 2, 40, 75, 32, MHA_CAUSAL_NONE, 1, MHA_LAYOUT_ROWS, MHA_DTYPE_BF16, 0},
+        {2, 2, 1, 64, 64, 96, MHA_CAUSAL_BOTTOM_RIGHT, 1, MHA_LAYOUT_HEADS_FIRST, MHA_DTYPE_BF16, -0.3f},
+        {1, 2, 2, 70, 40, 64, MHA_CAUSAL_BOTTOM_RIGHT, 0, MHA_LAYOUT_ROWS, MHA_DTYPE_BF16, 0},
+        {1, 2, 2, 20, 300, 256, MHA_CAUSAL_NONE, 0, MHA_LAYOUT_ROWS, MHA_DTYPE_BF16, 0},
+        /* d_h not a multiple of 32: widened everywhere */
+        {2, 2, 2, 17, 23, 48, MHA_CAUSAL_TOP_LEFT, 0, MHA_LAYOUT_ROWS, MHA_DTYPE_BF16, 0},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++)
+        run_case(&cases[c], 1000 + 10 * c);
+}
+
+static void test_f16_shapes(void **state)
+{
+    (void)state;
+    const hcase cases[] = {
+        {2, 4, 2, 37, 50, 64, MHA_CAUSAL_NONE, 1, MHA_LAYOUT_ROWS, MHA_DTYPE_F16, 0},
+        {1, 2, 2, 64, 64, 32, MHA_CAUSAL_TOP_LEFT, 0, MHA_LAYOUT_HEADS_FIRST, MHA_DTYPE_F16, 0},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++)
+        run_case(&cases[c], 2000 + 10 * c);
+}
+
+/* NaN in, NaN out: a NaN query element makes its row's output and lse
+ * NaN, and leaves every other row as it was. */
+static void test_nan(void **state)
+{
+    (void)state;
+    enum { L = 40, D = 64 };
+    uint16_t q[L * D], k[L * D], v[L * D], o1[L * D], o2[L * D];
+    float u[L * D], lse1[L], lse2[L];
+    tu_fill(u, L * D, 7, -1.0f, 1.0f);
+    for (int x = 0; x < L * D; x++)
+        q[x] = k[x] = v[x] = mha_bf16_from_float(u[x]);
+    mha_attention_args a = {0};
+    a.batch = 1, a.num_heads = 1, a.head_dim = D, a.q_len = L;
+    a.dtype = MHA_DTYPE_BF16;
+    a.q16 = q, a.k16 = k, a.v16 = v, a.out16 = o1, a.lse = lse1;
+    assert_int_equal(mha_attention(&a), MHA_OK);
+    q[5 * D + 3] = 0x7FC0;   /* bf16 NaN in row 5 */
+    a.out16 = o2, a.lse = lse2;
+    assert_int_equal(mha_attention(&a), MHA_OK);
+    for (int i = 0; i < L; i++) {
+        if (i == 5) {
+            assert_true(isnan(lse2[i]));
+            for (int d = 0; d < D; d++)
+                assert_true(isnan(mha_bf16_to_float(o2[i * D + d])));
+        } else {
+            assert_memory_equal(o1 + i * D, o2 + i * D, D * 2);
+        }
+    }
+}
+
+static void test_misuse(void **state)
+{
+    (void)state;
+    uint16_t q[64], k[64], v[64], o[64];
+    float qf[64], of[64];
+    memset(q, 0, sizeof q);
+    memset(k, 0, sizeof k);
+    memset(v, 0, sizeof v);
+    mha_attention_args a = {0};
+    a.batch = 1, a.num_heads = 1, a.head_dim = 32, a.q_len = 2;
+    a.dtype = MHA_DTYPE_BF16;
+    a.q16 = q, a.k16 = k, a.v16 = v, a.out16 = o;
+    assert_int_equal(mha_attention(&a), MHA_OK);
+    /* the float pointers with a 16-bit dtype */
+    a.q = qf;
+    assert_int_equal(mha_attention(&a), MHA_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(mha_last_error(), "q must be NULL"));
+    a.q = NULL;
+    a.out16 = NULL;
+    assert_int_equal(mha_attention(&a), MHA_ERR_NULL_POINTER);
+    assert_non_null(strstr(mha_last_error(), "out16"));
+    /* an output over an input */
+    a.out16 = q + 1;
+    assert_int_equal(mha_attention(&a), MHA_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(mha_last_error(), "overlaps"));
+    a.out16 = o;
+    /* an unknown dtype, and F64 (a file type, not an attention one) */
+    a.dtype = (mha_dtype)77;
+    assert_int_equal(mha_attention(&a), MHA_ERR_INVALID_ARGUMENT);
+    a.dtype = MHA_DTYPE_F64;
+    assert_int_equal(mha_attention(&a), MHA_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(mha_last_error(), "dtype"));
+    /* 16-bit pointers with float32 */
+    a.dtype = MHA_DTYPE_F32;
+    a.q = qf, a.k = qf, a.v = qf, a.out = of;
+    assert_int_equal(mha_attention(&a), MHA_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(mha_last_error(), "q16"));
+    /* a plan or a backward in bf16: refused by name */
+    a.dtype = MHA_DTYPE_BF16;
+    a.q = a.k = a.v = NULL, a.out = NULL;
+    mha_attention_plan *p = NULL;
+    assert_int_equal(mha_attention_plan_create(&a, &p), MHA_ERR_INVALID_ARGUMENT);
+    assert_null(p);
+    assert_non_null(strstr(mha_last_error(), "float32"));
+    /* key_lengths outside [0, Lk] */
+    const int64_t kl[1] = {3};
+    a.key_lengths = kl;
+    assert_int_equal(mha_attention(&a), MHA_ERR_INVALID_ARGUMENT);
+    a.key_lengths = NULL;
+    /* absurd sizes: overflow, not a huge allocation */
+    a.batch = INT64_MAX / 2;
+    assert_int_not_equal(mha_attention(&a), MHA_OK);
+}
+
+static void test_kernel_named(void **state)
+{
+    (void)state;
+    const char *k = mha_bf16_kernel();
+    assert_non_null(k);
+    print_message("bf16 kernel: %s\n", k);
+    assert_string_equal(k, amx_run ? "amx" : "float32");
+}
+
+int main(void)
+{
+    const char *env = getenv("MHA_AMX");
+    amx_run = !(env && !strcmp(env, "0"));
+    if (amx_run && strcmp(mha_bf16_kernel(), "amx")) {
+        printf("skipped: this CPU or OS has no AMX-BF16 (test_half_amx)\n");
+        return 77;
+    }
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_kernel_named),
+        cmocka_unit_test(test_bf16_shapes),
+        cmocka_unit_test(test_f16_shapes),
+        cmocka_unit_test(test_nan),
+        cmocka_unit_test(test_misuse),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
