@@ -4,11 +4,11 @@
 # must all fail, each within seconds, with one clear message and no
 # output file; never exit 0 with an output that matches no model, never
 # hang.  Ranks get different arguments by mpirun's MPMD form
-# (`-np 1 cmd A : -np 1 cmd B`).  Every run is under `timeout 60`: a hang
+# (`-np 1 cmd A : -np 1 cmd B`).  Every run is under `timeout 30`: a hang
 # is a failure (exit 124), not a stuck suite.
 set -u
 mha=$1 mpiexec=$2
-run() { timeout 60 "$mpiexec" --allow-run-as-root --oversubscribe "$@"; }
+run() { timeout 30 "$mpiexec" --allow-run-as-root --oversubscribe "$@"; }
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 cd "$dir" || exit 1
@@ -54,4 +54,15 @@ for mode in "" "--ulysses"; do
     "configuration"
 done
 refused $bwd --weights w.st -- $bwd --weights w2.st -- "parameters"
+# Finding 5: ranks that run different commands, or whose options one
+# rank refuses (or asks for --help alone), agree to stop before any
+# collective of the command: no hang, every rank non-zero.
+refused $fwd --weights w.st -- $bwd --weights w.st -- "same command"
+refused $bwd --weights w.st -- $fwd --weights w.st -- "same command"
+refused $fwd --weights w.st -- bench --ring --seq 8 --embed-dim 8 --heads 2 \
+  -- "same command"
+refused $fwd --weights w.st -- $fwd --weights w.st --bogus -- "--bogus"
+refused $fwd --weights w.st --bogus -- $fwd --weights w.st -- "--bogus"
+refused $bwd --weights w.st -- $bwd --weights w.st --help -- "--help"
+refused $fwd --weights w.st --help -- $fwd --weights w.st -- "--help"
 echo "all ok"

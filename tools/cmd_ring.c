@@ -329,6 +329,50 @@ static void mpi_start(int *argc, char ***argv)
     MPI_Comm_size(MPI_COMM_WORLD, &g_P);
 }
 
+/* The ring commands, as the ranks compare them. */
+enum { RING_FORWARD = 1, RING_BACKWARD = 2, RING_BENCH = 3 };
+
+/*
+ * After parsing, before anything collective of the command: every rank
+ * learns which command each runs and whether its options were taken
+ * (`done`: tool_options ended the command, with `status` 0 after --help),
+ * so that a rank that stops early, or runs another command's
+ * collectives, cannot leave the others waiting for ever.  Returns -1 to
+ * go on, else the exit status of every rank (0 when all asked for
+ * --help); rank 0 says what the ranks disagree on, a rank whose options
+ * were refused has said why itself.
+ */
+static int agree_on_start(const char *cmd, int which, int done, int status)
+{
+    const int64_t state = !done ? 0 : status == 0 ? 1 : 2;  /* go, help, bad */
+    const int64_t mine[4] = {which, -which, state, -state};
+    int64_t all[4];
+    MPI_Allreduce(mine, all, 4, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+    if (all[0] != -all[1]) {
+        if (g_rank == 0)
+            tool_fail(cmd, "the ranks do not all run the same command (mha "
+                      "forward --ring, backward --ring, bench --ring): every "
+                      "rank of the job must run the same command");
+        return 1;
+    }
+    if (all[2] == 2) {
+        if (state != 2 && g_rank == 0)
+            tool_fail(cmd, "another rank's options were refused (its "
+                      "message says why): every rank must be given the same "
+                      "options");
+        return 1;
+    }
+    if (all[2] == 1 && -all[3] == 1)
+        return 0;   /* --help on every rank */
+    if (all[2] == 1) {
+        if (g_rank == 0)
+            tool_fail(cmd, "--help was given to some ranks only: every rank "
+                      "must be given the same options");
+        return 1;
+    }
+    return -1;
+}
+
 int cmd_forward_ring(int argc, char **argv)
 {
     tool_opt o[] = {RING_OPTS};
@@ -336,6 +380,11 @@ int cmd_forward_ring(int argc, char **argv)
     mpi_start(&argc, &argv);
     int done = tool_options("forward", argc, argv, o, NOPTS(o),
                             g_rank == 0 ? FORWARD_RING_HELP : "", &status);
+    const int start = agree_on_start("forward", RING_FORWARD, done, status);
+    if (start >= 0) {
+        MPI_Finalize();
+        return start;
+    }
 #define OPT(name) tool_get(o, NOPTS(o), name)
     static const char *const need[] = {"weights", "query", "out"};
     static const char *const outs[] = {"out"};
@@ -385,6 +434,11 @@ int cmd_backward_ring(int argc, char **argv)
     mpi_start(&argc, &argv);
     int done = tool_options("backward", argc, argv, o, NOPTS(o),
                             g_rank == 0 ? BACKWARD_RING_HELP : "", &status);
+    const int start = agree_on_start("backward", RING_BACKWARD, done, status);
+    if (start >= 0) {
+        MPI_Finalize();
+        return start;
+    }
 #define OPT(name) tool_get(o, NOPTS(o), name)
     static const char *const need[] = {"weights", "query", "grad-output",
                                        "out"};
@@ -670,6 +724,11 @@ int cmd_bench_ring(int argc, char **argv)
     MPI_Comm_size(MPI_COMM_WORLD, &g_P);
     int done = tool_options("bench", argc, argv, o, NOPTS(o),
                             g_rank == 0 ? BENCH_RING_HELP : "", &status);
+    const int start = agree_on_start("bench", RING_BENCH, done, status);
+    if (start >= 0) {
+        MPI_Finalize();
+        return start;
+    }
 #define OPT(name) tool_get(o, NOPTS(o), name)
     static const char *const need[] = {"seq", "embed-dim", "heads"};
     int64_t L = 0, E = 0, H = 0, Hkv = 0, B = 1, threads = 0, repeat = 5,
