@@ -68,5 +68,17 @@ refuse "name the same file" q.npy -- "$mha" forward --weights w.st \
   --query q.npy --attn-weights o.npy --out ./o.npy
 [ -e o.npy ] && bad "a refused forward wrote o.npy"
 
+# ---- finding 7: a scale whose scores overflow float32 ----------------------
+# (the float64 result is finite; NaN rows with exit 0 were the defect)
+refuse "scale 1e\+38" q.npy -- "$mha" forward --weights w.st --query q.npy \
+  --scale 1e38 --out o.npy
+"$mha" init --embed-dim 8 --heads 2 --seed 1 --scale 3e38 --out big.st >/dev/null ||
+  bad "init --scale 3e38"
+refuse "scale 3e\+38" q.npy -- "$mha" forward --weights big.st --query q.npy \
+  --out o.npy
+refuse "scale 3e\+38" q.npy -- "$mha" decode --weights big.st --query q.npy \
+  --out o.npy
+[ -e o.npy ] && bad "a refused scale wrote o.npy"
+
 echo "$passes passed, $fails failed"
 [ "$fails" -eq 0 ]

@@ -4,7 +4,8 @@
  *
  *   1  window bounds and q_offset near INT64_MAX overflowed the position
  *      arithmetic and masked every key (or gave ALiBi an lse of 5.8e17);
- *   ...
+ *   7  a scale whose scaled scores overflow float32 gave NaN where the
+ *      float64 reference is finite: refused, naming the scale;
  *
  * Results are compared with float64 definitions written here from
  * include/mha.h (attend_f64, for mha_attention) or with the suite's
@@ -292,6 +293,52 @@ static void test_q_total_near_int64_max(void **state)
     mha_free(m);
 }
 
+/* ---- finding 7: scaled scores never overflow to NaN ----------------------- */
+
+/* A scale whose scores overflow float32 is refused, naming the scale; the
+ * float64 reference of such a call is finite, so NaN would be wrong. */
+static void test_scale_overflow(void **state)
+{
+    (void)state;
+    aprob p;
+    aprob_make(&p, 3);
+    p.a.given = MHA_GIVEN_SCALE;
+    p.a.scale = FLT_MAX;
+    attend_f64(&p.a, p.ro, p.rl);
+    assert_true(isfinite(p.ro[0]));   /* what a NaN would contradict */
+    assert_fails(mha_attention(&p.a), MHA_ERR_INVALID_ARGUMENT, "scale");
+    /* A large scale whose scores stay finite (|s| <= 1e4 * 8) runs, and
+     * agrees with float64 (the softmax is then nearly one-hot). */
+    p.a.scale = 1e4f;
+    aprob_check(&p);
+
+    /* The module: a file's scale of 3e38, with and without a cache. */
+    enum { E = 16, L = 4 };
+    mha_config c = {0};
+    c.embed_dim = E;
+    c.num_heads = 2;
+    c.scale = 3e38f;
+    mha_module *m = tu_module(&c, 12);
+    assert_non_null(m);
+    float x[L * E], y[L * E];
+    tu_fill(x, L * E, 13, -1, 1);
+    mha_forward_args a = {0};
+    a.batch = 1;
+    a.q_len = L;
+    a.query = x;
+    a.out = y;
+    assert_fails(mha_forward(m, &a), MHA_ERR_INVALID_ARGUMENT, "scale");
+    mha_kv_cache *kv = NULL;
+    assert_int_equal(mha_kv_cache_for_module(m, 1, L, &kv), MHA_OK);
+    a.cache = kv;
+    a.causal = MHA_CAUSAL_BOTTOM_RIGHT;
+    assert_fails(mha_forward(m, &a), MHA_ERR_INVALID_ARGUMENT, "scale");
+    /* a refused step appends nothing */
+    assert_int_equal(mha_kv_cache_length(kv, 0), 0);
+    mha_kv_cache_free(kv);
+    mha_free(m);
+}
+
 int main(void)
 {
     if (tu_tier_unavailable())
@@ -301,6 +348,7 @@ int main(void)
         cmocka_unit_test(test_window_bounds_near_int64_max),
         cmocka_unit_test(test_q_offset_near_int64_limits),
         cmocka_unit_test(test_q_total_near_int64_max),
+        cmocka_unit_test(test_scale_overflow),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -238,6 +238,18 @@ mha_status mha_check_threads(int num_threads);
 /* need_weights is one of the three modes. */
 mha_status mha_check_weights_mode(mha_weights_mode mode);
 
+/* The largest finite |x| of `rows` rows of `cols` floats, ld apart (0
+ * for none): non-finite values are NaN in, NaN out, or masked, and are
+ * not the scale's to answer for. */
+double mha_max_abs_finite(const float *x, int64_t rows, int64_t cols,
+                          int64_t ld);
+/* Refuses a problem whose scaled scores could overflow float32: the bound
+ * |scale| * d_h * max|q| * max|k| of every |scale q.k| (each over finite
+ * elements) above FLT_MAX.  The kernels would see Inf scores and the
+ * softmax NaN where the float64 result is finite. */
+mha_status mha_check_score_range(float scale, int64_t dh, double qmax,
+                                 double kmax);
+
 /*
  * The forward's workspace, in floats from one base: the row stats,
  * decoding partials, packed K/V, then `threads` slices of per-thread
@@ -326,6 +338,10 @@ struct mha_kv_cache {
                                since a ring's tile holds any of its
                                columns, older positions included)      */
     float *extra;           /* mha_packed_floats(B, Hkv, 0, dh): one tile */
+    double key_amax;        /* the largest finite |k| ever appended since
+                               the last reset of every sequence (an upper
+                               bound of what the cache holds): what
+                               mha_check_score_range reads of the keys  */
 };
 
 /* Tile t of (b, g) of the cache's keys (kt) and values (v): the pointer

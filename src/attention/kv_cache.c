@@ -294,6 +294,9 @@ void mha_kv_cache_put(mha_kv_cache *c, int64_t b, const float *k,
         for (int64_t g = 0; g < c->Hkv; g++) {
             put_column(c, b, g, t, col, k + r * ldk + g * dh,
                        v + r * ldv + g * dh);
+            const double ka = mha_max_abs_finite(k + r * ldk + g * dh, 1,
+                                                 dh, dh);
+            c->key_amax = ka > c->key_amax ? ka : c->key_amax;
             float *flag = c->finite + (b * c->Hkv + g) * c->tiles + t;
             const float mine = tile_finite(c, b, g, t, col, col + 1);
             if (!c->window)   /* finite only if every column so far is */
@@ -555,6 +558,7 @@ mha_status mha_kv_cache_reset(mha_kv_cache *c, int64_t seq)
     if (c && seq == -1) {
         memset(c->len, 0, (size_t)c->B * sizeof *c->len);
         memset(c->start, 0, (size_t)c->B * sizeof *c->start);
+        c->key_amax = 0.0;
         return MHA_OK;
     }
     MHA_CHECK(check_seq(c, seq));

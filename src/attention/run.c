@@ -11,6 +11,9 @@
  */
 #include "attention.h"
 
+#include <float.h>
+#include <math.h>
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -222,4 +225,31 @@ void mha_attn_backward(const mha_engine *e, const mha_attn *problem,
                 mha_flash_bwd_item(a, g, t / a->Hkv, t % a->Hkv, mine);
         }
     }
+}
+
+double mha_max_abs_finite(const float *x, int64_t rows, int64_t cols,
+                          int64_t ld)
+{
+    float m = 0.0f;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) {
+            const float a = fabsf(x[r * ld + c]);
+            m = a > m && a <= FLT_MAX ? a : m;   /* (NaN, Inf: skipped) */
+        }
+    return m;
+}
+
+mha_status mha_check_score_range(float scale, int64_t dh, double qmax,
+                                 double kmax)
+{
+    const double bound = fabs((double)scale) * (double)dh * qmax * kmax;
+    if (bound > FLT_MAX)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "scale %g with max|q| %g and max|k| %g (d_h "
+                             "%lld): the scaled scores may reach %g, past "
+                             "float32's %g, which would make them Inf and "
+                             "the softmax NaN; use a smaller scale (or "
+                             "smaller inputs)", (double)scale, qmax, kmax,
+                             (long long)dh, bound, (double)FLT_MAX);
+    return MHA_OK;
 }

@@ -428,6 +428,20 @@ static void write_lse(const float *stats, int64_t rows, float *lse)
     }
 }
 
+/* Scores that could overflow float32 are refused before anything is
+ * written.  RoPE turns each pair, which may grow an element's |x| by up to
+ * sqrt(2) in q and in k: a factor 2 on the bound. */
+static mha_status score_range(const mha_attention_args *a,
+                              const sdpa_shape *s)
+{
+    const double qmax = mha_max_abs_finite(a->q, 1, s->n_q, 0);
+    const double kmax = a->cache ? a->cache->key_amax
+                                 : mha_max_abs_finite(a->k, 1, s->n_kv, 0);
+    const double rope = a->mods.rope.style != MHA_ROPE_NONE ? 2.0 : 1.0;
+    return mha_check_score_range(resolved_scale(a, s->dh), s->dh,
+                                 qmax * rope, kmax);
+}
+
 /* The plan's run; pack_only: K and V packed (and RoPE applied, the
  * arguments kept) for a backward, no output (mha_attention_backward_part). */
 static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
@@ -491,6 +505,7 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
         mha_mask_plan mask;
         MHA_CHECK(mask_plan(a, &s, &mask));
         MHA_CHECK(rope_check(p, a, &s));
+        MHA_CHECK(score_range(a, &s));
         if (w)
             memset(w, 0, (size_t)s.n_w * sizeof *w);
         mha_attn at = problem(p, a, &mask);
@@ -519,6 +534,7 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
     mha_mask_plan mask;
     MHA_CHECK(mask_plan(a, &s, &mask));
     MHA_CHECK(rope_check(p, a, &s));
+    MHA_CHECK(score_range(a, &s));
     const uint64_t print = fingerprint(a, &s);
     if (w)
         memset(a->attn_weights, 0, (size_t)s.n_w * sizeof(float));

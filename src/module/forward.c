@@ -540,6 +540,14 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
     }
     if (c->mods.rope.style != MHA_ROPE_NONE)
         rope_qk(plan, a, qp, ldq, kp, ldk);
+    /* Scores that could overflow float32 are refused here, before the
+     * cache or an output is written (the projections are the plan's). */
+    double kmax = mha_max_abs_finite(kp, rows_k, Dkv, ldk);
+    if (a->cache && a->cache->key_amax > kmax)
+        kmax = a->cache->key_amax;
+    MHA_CHECK(mha_check_score_range(c->scale, s.dh,
+                                    mha_max_abs_finite(qp, rows_q, D, ldq),
+                                    kmax));
     if (a->need_weights != MHA_WEIGHTS_NONE)
         memset(a->attn_weights, 0, (size_t)n_w * sizeof(float));
     plan->q = qp; plan->k = kp; plan->v = vp;
