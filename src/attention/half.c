@@ -86,11 +86,11 @@ mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p)
         float *base = scratch + t * per_thread;
         mha_amx_scratch s;
         s.S = base;
-        s.O = s.S + 32 * 64;
+        s.O = s.S + 32 * MHA_AMX_BK;
         s.m = s.O + 32 * dh;
         s.l = s.m + 32;
-        s.P = (uint16_t *)(s.l + 32);
-        s.Q = s.P + 32 * 64;
+        s.P = (uint16_t *)(s.l + 32 * 16);
+        s.Q = s.P + 32 * MHA_AMX_BK;
         int64_t lim[32];
         mha_amx_begin();
 #pragma omp for schedule(dynamic)

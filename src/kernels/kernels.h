@@ -239,18 +239,21 @@ typedef struct mha_amx_block {
 } mha_amx_block;
 
 /* A thread's scratch for mha_amx_flash_rows (64-byte aligned parts). */
+#define MHA_AMX_BK 256     /* keys per step of the online softmax      */
 typedef struct mha_amx_scratch {
-    float *S;              /* 32 x 64 scores                             */
+    float *S;              /* 32 x MHA_AMX_BK scores                     */
     float *O;              /* 32 x dh accumulators                       */
-    float *m, *l;          /* 32 each                                    */
-    uint16_t *P;           /* 32 x 64 bf16 weights                       */
+    float *m;              /* 32 row maxima (scaled, log2 units)         */
+    float *l;              /* 32 x 16: each row's sum, lane by lane      */
+    uint16_t *P;           /* 32 x MHA_AMX_BK bf16 weights               */
     uint16_t *Q;           /* 32 x dh bf16 query rows                    */
 } mha_amx_scratch;
 
-/* Floats of scratch one thread needs for head dim dh. */
+/* Floats of scratch one thread needs for head dim dh (parts in order). */
 static inline int64_t mha_amx_scratch_floats(int dh)
 {
-    return 32 * 64 + 32 * (int64_t)dh + 64 + 32 * 64 / 2 + 32 * dh / 2 + 64;
+    return 32 * MHA_AMX_BK + 32 * (int64_t)dh + 32 + 32 * 16 +
+           32 * MHA_AMX_BK / 2 + 32 * (int64_t)dh / 2;
 }
 /* Words (uint32) of one packed K or V of Lk keys. */
 static inline int64_t mha_amx_packed_words(int64_t Lk, int dh)
