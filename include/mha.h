@@ -849,7 +849,8 @@ MHA_API mha_status mha_plan_backward(mha_plan *plan,
  */
 typedef enum mha_kv_dtype {
     MHA_KV_F32 = 0,    /* float32: 4 bytes an element, exact            */
-    MHA_KV_F16 = 1,    /* IEEE half: 2 bytes; |x| >= 65520 -> +-Inf     */
+    MHA_KV_F16 = 1,    /* IEEE half: 2 bytes; a finite |x| >= 65520
+                          (past 65504) is refused at append, not Inf */
     MHA_KV_BF16 = 2,   /* bfloat16: 2 bytes, float32's range            */
     MHA_KV_Q8 = 3      /* 8-bit codes, one float scale per block of 32
                           elements of a key's (value's) d_h: 1.125 bytes

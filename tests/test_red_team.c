@@ -6,6 +6,8 @@
  *      arithmetic and masked every key (or gave ALiBi an lse of 5.8e17);
  *   7  a scale whose scaled scores overflow float32 gave NaN where the
  *      float64 reference is finite: refused, naming the scale;
+ *   6  an f16 cache stored a finite value past 65504 as Inf (NaN rows,
+ *      no word): refused, naming the value;
  *
  * Results are compared with float64 definitions written here from
  * include/mha.h (attend_f64, for mha_attention) or with the suite's
@@ -339,6 +341,62 @@ static void test_scale_overflow(void **state)
     mha_free(m);
 }
 
+/* ---- finding 6: an f16 cache never turns a finite value into Inf ---------- */
+
+/* Appending a finite key or value that f16 cannot hold (|x| >= 65520
+ * rounds to Inf) is refused, naming the value, and changes nothing; the
+ * largest f16, 65504, is kept exactly. */
+static void test_f16_cache_overflow(void **state)
+{
+    (void)state;
+    enum { HK = 2, D = 4, EK = HK * D };
+    const mha_kv_cache_config kc = {1, HK, D, 8, MHA_KV_F16, 0};
+    mha_kv_cache *kv = NULL;
+    assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
+    float k[2 * EK], v[2 * EK], rk[2 * EK], rv[2 * EK];
+    tu_fill(k, 2 * EK, 20, -1, 1);
+    tu_fill(v, 2 * EK, 21, -1, 1);
+    k[EK + 5] = 1e5f;
+    assert_fails(mha_kv_cache_append(kv, 0, k, v, 2),
+                 MHA_ERR_INVALID_ARGUMENT, "100000");
+    assert_int_equal(mha_kv_cache_length(kv, 0), 0);
+    k[EK + 5] = 0.5f;
+    v[3] = -7e4f;
+    assert_fails(mha_kv_cache_append(kv, 0, k, v, 2),
+                 MHA_ERR_INVALID_ARGUMENT, "f16");
+    assert_int_equal(mha_kv_cache_length(kv, 0), 0);
+    v[3] = -65504.0f;
+    k[0] = 65519.0f;   /* rounds to 65504, not Inf: kept */
+    assert_int_equal(mha_kv_cache_append(kv, 0, k, v, 2), MHA_OK);
+    assert_int_equal(mha_kv_cache_read(kv, 0, 0, 2, rk, rv), MHA_OK);
+    assert_true(rv[3] == -65504.0f && rk[0] == 65504.0f);
+    mha_kv_cache_free(kv);
+
+    /* A module decoding into an f16 cache: keys projected past f16's
+     * range are refused before the step appends anything. */
+    enum { E = 16, L = 3 };
+    mha_config c = {0};
+    c.embed_dim = E;
+    c.num_heads = 2;
+    mha_module *m = tu_module(&c, 22);
+    assert_non_null(m);
+    const mha_kv_cache_config mc = {1, 2, 8, L, MHA_KV_F16, 0};
+    assert_int_equal(mha_kv_cache_create(&mc, &kv), MHA_OK);
+    float x[L * E], y[L * E];
+    tu_fill(x, L * E, 23, -1e6f, 1e6f);
+    mha_forward_args a = {0};
+    a.batch = 1;
+    a.q_len = L;
+    a.query = x;
+    a.out = y;
+    a.cache = kv;
+    a.causal = MHA_CAUSAL_BOTTOM_RIGHT;
+    assert_fails(mha_forward(m, &a), MHA_ERR_INVALID_ARGUMENT, "f16");
+    assert_int_equal(mha_kv_cache_length(kv, 0), 0);
+    mha_kv_cache_free(kv);
+    mha_free(m);
+}
+
 int main(void)
 {
     if (tu_tier_unavailable())
@@ -349,6 +407,7 @@ int main(void)
         cmocka_unit_test(test_q_offset_near_int64_limits),
         cmocka_unit_test(test_q_total_near_int64_max),
         cmocka_unit_test(test_scale_overflow),
+        cmocka_unit_test(test_f16_cache_overflow),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

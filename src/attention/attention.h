@@ -344,6 +344,13 @@ struct mha_kv_cache {
                                mha_check_score_range reads of the keys  */
 };
 
+/* Refuses n tokens' keys and values (rows ldk, ldv apart, H_kv d_h each)
+ * that sequence b of an f16 cache cannot hold: a finite |x| >= 65520,
+ * which f16 would store as Inf.  MHA_OK for the other dtypes. */
+mha_status mha_kv_cache_check_values(const mha_kv_cache *c, int64_t b,
+                                     const float *k, int64_t ldk,
+                                     const float *v, int64_t ldv, int64_t n);
+
 /* Tile t of (b, g) of the cache's keys (kt) and values (v): the pointer
  * the kernels take (a q8 tile's codes, its scales just before). */
 const unsigned char *mha_kv_cache_k_tile(const mha_kv_cache *c, int64_t b,

@@ -283,6 +283,32 @@ static float tile_finite(const mha_kv_cache *c, int64_t b, int64_t g,
     return 1.0f;
 }
 
+mha_status mha_kv_cache_check_values(const mha_kv_cache *c, int64_t b,
+                                     const float *k, int64_t ldk,
+                                     const float *v, int64_t ldv, int64_t n)
+{
+    if (c->dtype != MHA_KV_F16)
+        return MHA_OK;
+    const int64_t w = c->Hkv * c->dh;
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t e = 0; e < 2 * w; e++) {
+            const float x = e < w ? k[r * ldk + e] : v[r * ldv + e - w];
+            /* 65520 is the midpoint of 65504 and 65536: it and all above
+             * round to Inf; Inf and NaN given stay what they are. */
+            if (isfinite(x) && fabsf(x) >= 65520.0f)
+                return mha_set_error(
+                    MHA_ERR_INVALID_ARGUMENT,
+                    "%s %g (token %lld of this append to sequence %lld, K/V "
+                    "head %lld, element %lld) is outside f16's range "
+                    "(|x| < 65520, stored as at most 65504): an f16 cache "
+                    "would hold Inf; use a bf16 or f32 cache",
+                    e < w ? "key" : "value", (double)x, (long long)r,
+                    (long long)b, (long long)((e % w) / c->dh),
+                    (long long)(e % c->dh));
+        }
+    return MHA_OK;
+}
+
 void mha_kv_cache_put(mha_kv_cache *c, int64_t b, const float *k,
                       int64_t ldk, const float *v, int64_t ldv, int64_t n)
 {
@@ -441,6 +467,7 @@ mha_status mha_kv_cache_append(mha_kv_cache *c, int64_t seq, const float *k,
                              "sequence %lld's length overflows",
                              (long long)seq);
     const int64_t Ekv = c->Hkv * c->dh;
+    MHA_CHECK(mha_kv_cache_check_values(c, seq, k, Ekv, v, Ekv, n));
     mha_kv_cache_put(c, seq, k, Ekv, v, Ekv, n);
     return MHA_OK;
 }

@@ -548,6 +548,10 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
     MHA_CHECK(mha_check_score_range(c->scale, s.dh,
                                     mha_max_abs_finite(qp, rows_q, D, ldq),
                                     kmax));
+    for (int64_t b = 0; a->cache && b < s.B; b++)   /* what f16 can hold */
+        MHA_CHECK(mha_kv_cache_check_values(a->cache, b,
+                                            kp + b * s.Lq * ldk, ldk,
+                                            vp + b * s.Lq * ldv, ldv, s.Lq));
     if (a->need_weights != MHA_WEIGHTS_NONE)
         memset(a->attn_weights, 0, (size_t)n_w * sizeof(float));
     plan->q = qp; plan->k = kp; plan->v = vp;
