@@ -796,6 +796,12 @@ def attention_backward(grad_out, q, k, v, *, num_heads, num_kv_heads=None,
 
 # ---- small functions -------------------------------------------------------------
 
+def bf16_kernel():
+    """'amx' where bf16 attention runs on AMX tiles (mha_bf16_kernel),
+    else 'float32' (bf16 and f16 inputs widened in C)."""
+    return _core.bf16_kernel()
+
+
 def alibi_slopes(num_heads):
     """The default ALiBi slopes of H heads (mha_alibi_slopes)."""
     out = np.empty(int(num_heads), np.float32)

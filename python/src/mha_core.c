@@ -80,11 +80,12 @@ static void bufs_release(bufset *b)
     b->n = 0;
 }
 
-enum { T_F32 = 'f', T_BOOL = 'b', T_I64 = 'q' };
+enum { T_F32 = 'f', T_BOOL = 'b', T_I64 = 'q', T_U16 = 'H' };
 
 static const char *type_name(int t)
 {
-    return t == T_F32 ? "float32" : t == T_BOOL ? "bool (or uint8)" : "int64";
+    return t == T_F32 ? "float32" : t == T_BOOL ? "bool (or uint8)"
+         : t == T_U16 ? "16-bit (int16, uint16 or float16)" : "int64";
 }
 
 static int format_ok(const Py_buffer *v, int t)
@@ -98,6 +99,8 @@ static int format_ok(const Py_buffer *v, int t)
     case T_F32: return f[0] == 'f' && v->itemsize == 4;
     case T_BOOL: return (f[0] == '?' || f[0] == 'B') && v->itemsize == 1;
     case T_I64: return (f[0] == 'q' || f[0] == 'l') && v->itemsize == 8;
+    case T_U16:   /* the bits of a bf16 or f16 element */
+        return (f[0] == 'h' || f[0] == 'H' || f[0] == 'e') && v->itemsize == 2;
     }
     return 0;
 }
@@ -1059,6 +1062,88 @@ static PyObject *module_forward_fast(ModuleObject *self,
     Py_RETURN_TRUE;
 }
 
+/*
+ * attention_half(q, k, v, out, dtype, causal, scale, threads): mha_attention
+ * on 16-bit elements (dtype 2: f16, 3: bf16, mha_dtype's values), q (B,
+ * H, Lq, d_h), k and v (B, H_kv, Lk, d_h), out like q, all C-contiguous
+ * arrays of 2-byte items (the bits), read and written in place.
+ */
+static PyObject *attention_half(PyObject *self, PyObject *const *args,
+                                Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 8)
+        return PyErr_Format(PyExc_TypeError, "attention_half takes 8 "
+                            "arguments, got %zd", nargs);
+    const long dtype = PyLong_AsLong(args[4]);
+    const long causal = PyLong_AsLong(args[5]);
+    const long threads = PyLong_AsLong(args[7]);
+    double scale = 0.0;
+    if (args[6] != Py_None)
+        scale = PyFloat_AsDouble(args[6]);
+    if (PyErr_Occurred())
+        return NULL;
+    mha_attention_args a;
+    memset(&a, 0, sizeof a);
+    bufset b = {.n = 0};
+    void *pq, *pk, *pv, *pout;
+    Py_buffer *vq = NULL, *vk = NULL;
+    if (get_buf(&b, args[0], "q", T_U16, 0, -1, 1, &pq, &vq) ||
+        get_buf(&b, args[1], "k", T_U16, 0, -1, 1, &pk, &vk) ||
+        get_buf(&b, args[2], "v", T_U16, 0, -1, 1, &pv, NULL))
+        goto fail;
+    const Py_buffer *vv = &b.v[2];
+    if (vq->ndim != 4 || vk->ndim != 4 || vv->ndim != 4 ||
+        vk->shape[0] != vq->shape[0] || vk->shape[3] != vq->shape[3] ||
+        memcmp(vk->shape, vv->shape, 4 * sizeof *vk->shape)) {
+        PyErr_Format(PyExc_ValueError, "q must be (B, H, Lq, d_h), k and v "
+                     "(B, H_kv, Lk, d_h), the same shape");
+        goto fail;
+    }
+    a.batch = vq->shape[0];
+    a.num_heads = vq->shape[1];
+    a.q_len = vq->shape[2];
+    a.head_dim = vq->shape[3];
+    a.num_kv_heads = vk->shape[1];
+    a.kv_len = vk->shape[2];
+    if (get_buf(&b, args[3], "out", T_U16, 1, (int64_t)(vq->len / 2), 1,
+                &pout, NULL))
+        goto fail;
+    a.dtype = (mha_dtype)dtype;
+    a.q16 = pq;
+    a.k16 = pk;
+    a.v16 = pv;
+    a.out16 = pout;
+    a.layout = MHA_LAYOUT_HEADS_FIRST;
+    a.causal = (mha_causal)causal;
+    a.num_threads = (int)threads;
+    if (args[6] != Py_None) {
+        a.scale = (float)scale;
+        a.given |= MHA_GIVEN_SCALE;
+    }
+    mha_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = mha_attention(&a);
+    Py_END_ALLOW_THREADS
+    bufs_release(&b);
+    if (st != MHA_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+fail:
+    bufs_release(&b);
+    return NULL;
+}
+
+static PyObject *bf16_kernel(PyObject *self, PyObject *noargs)
+{
+    (void)self;
+    (void)noargs;
+    const char *k = mha_bf16_kernel();
+    if (!k)
+        return raise_status(MHA_ERR_UNSUPPORTED);
+    return PyUnicode_FromString(k);
+}
+
 static PyMethodDef module_methods[] = {
     {"save", (PyCFunction)module_save, METH_VARARGS, "save(path)"},
     {"forward_fast", (PyCFunction)(void (*)(void))module_forward_fast,
@@ -1845,6 +1930,10 @@ static PyMethodDef core_methods[] = {
      "mha_attention, or mha_attention_backward with grad_out"},
     {"attention_plain", (PyCFunction)(void (*)(void))attention_plain,
      METH_FASTCALL, "mha_attention on q, k, v alone, positional"},
+    {"attention_half", (PyCFunction)(void (*)(void))attention_half,
+     METH_FASTCALL, "mha_attention on bf16 / f16 q, k, v (heads first)"},
+    {"bf16_kernel", bf16_kernel, METH_NOARGS,
+     "mha_bf16_kernel(): 'amx' or 'float32'"},
     {"alibi_slopes", alibi_slopes, METH_VARARGS, "alibi_slopes(H, out)"},
     {"rope_apply", rope_apply, METH_VARARGS, "mha_rope_apply"},
     {"dropout_keep", dropout_keep, METH_VARARGS, "mha_dropout_keep"},

@@ -2,7 +2,12 @@
 libmha (mha_attention forward, mha_attention_backward for autograd).
 
 Where it differs from torch:
-  - float32 CPU tensors only (anything else: TypeError / ValueError);
+  - float32, bfloat16 and float16 CPU tensors (anything else: TypeError /
+    ValueError).  bf16 / f16 q, k, v with no mask, dropout or modifier
+    and nothing to differentiate run libmha's 16-bit attention (AMX tiles
+    for bf16 where the CPU has them, docs/semantics.md "bf16 and f16");
+    any other bf16 / f16 call computes in float32 and casts the result
+    back (autograd flows through the casts);
   - a query row with no key left to attend to gives zeros, not NaN, and
     zero gradients;
   - dropout comes from libmha's counter-based hash keyed by a seed drawn
@@ -125,6 +130,66 @@ def _sdpa_forward(q, k, v, sinks, kw):
 
 
 _T, _F32 = torch.Tensor, torch.float32
+# torch's 16-bit float dtypes and mha_dtype's values for them
+_HALF = {torch.bfloat16: 3, torch.float16: 2}
+
+
+def _bits(t):
+    """The 2-byte elements of a contiguous bf16 / f16 tensor as an int16
+    NumPy array over the same memory."""
+    return t.view(torch.int16).numpy()
+
+
+def _sdpa_half(query, key, value, attn_mask, dropout_p, is_causal, scale,
+               enable_gqa, extra):
+    """scaled_dot_product_attention on bf16 / f16 tensors: libmha's
+    16-bit attention for the plain and causal inference call, float32
+    otherwise (the result cast back to the inputs' dtype)."""
+    dt = query.dtype
+    for t, name in ((key, "key"), (value, "value")):
+        if not isinstance(t, _T):
+            raise TypeError("%s must be a torch.Tensor, not %s"
+                            % (name, type(t).__name__))
+        if t.dtype != dt:
+            raise TypeError("query is %s but %s is %s: give all three the "
+                            "same dtype" % (dt, name, t.dtype))
+    grad = torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad)
+    if attn_mask is not None or dropout_p or extra or grad:
+        out = scaled_dot_product_attention(
+            query.float(), key.float(), value.float(), attn_mask, dropout_p,
+            is_causal, scale, enable_gqa, **extra)
+        return out.to(dt)
+    for t, name in ((query, "query"), (key, "key"), (value, "value")):
+        if t.device.type != "cpu":
+            raise ValueError("%s is on %s: mha runs on the CPU only"
+                             % (name, t.device))
+        if t.dim() not in (3, 4) or t.dim() != query.dim():
+            raise ValueError("query, key and value must all have 3 or 4 "
+                             "dimensions, got shapes %s, %s, %s"
+                             % (tuple(query.shape), tuple(key.shape),
+                                tuple(value.shape)))
+    unbatched = query.dim() == 3
+    q, k, v = (t[None] if unbatched else t for t in (query, key, value))
+    B, H, Lq, d = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != d:
+        raise ValueError("key and value must be (B, H_kv, Lk, %d) with "
+                         "B = %d, the same shape; got %s and %s"
+                         % (d, B, tuple(k.shape), tuple(v.shape)))
+    Hkv = k.shape[1]
+    if Hkv != H and not enable_gqa:
+        raise ValueError("key/value have %d heads, query %d: pass "
+                         "enable_gqa=True for grouped-query attention"
+                         % (Hkv, H))
+    if not 0 in q.shape and not 0 in k.shape:
+        out = torch.empty((B, H, Lq, d), dtype=dt)
+        _core.attention_half(_bits(q.contiguous()), _bits(k.contiguous()),
+                             _bits(v.contiguous()), _bits(out), _HALF[dt],
+                             2 if is_causal else 0,
+                             None if scale is None else float(scale), 0)
+    else:   # (libmha refuses empty shapes; torch returns an empty result)
+        out = torch.empty((B, H, Lq, d), dtype=dt)
+    return out[0] if unbatched else out
 
 
 def _view(t):
@@ -228,6 +293,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None,
     Lq, H, d) output.
     Differences from torch: see this module's docstring.
     """
+    if isinstance(query, _T) and query.dtype in _HALF:
+        extra = {n: v for n, v in (("window", window), ("softcap", softcap),
+                                   ("sinks", sinks), ("rope", rope),
+                                   ("q_positions", q_positions),
+                                   ("k_positions", k_positions))
+                 if v is not None}
+        if alibi is not False:
+            extra["alibi"] = alibi
+        return _sdpa_half(query, key, value, attn_mask, dropout_p, is_causal,
+                          scale, enable_gqa, extra)
     if attn_mask is None and not dropout_p and window is None and \
             alibi is False and softcap is None and sinks is None and \
             rope is None and q_positions is None and k_positions is None \

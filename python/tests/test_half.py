@@ -1,0 +1,100 @@
+"""bf16 and f16 through mha.nn.functional.scaled_dot_product_attention,
+against float64 on the rounded inputs, within 2x PyTorch 2.13's own
+error in that dtype (its bf16 / f16 SDPA on the same inputs), as
+docs/TESTING.md says of every half-precision path."""
+import pytest
+import torch
+
+import mha
+from mha.nn import functional as MF
+
+F = torch.nn.functional
+
+
+def _inputs(B, H, Hkv, Lq, Lk, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.rand(B, H, Lq, d, generator=g) * 4 - 2).to(dtype)
+    k = (torch.rand(B, Hkv, Lk, d, generator=g) * 4 - 2).to(dtype)
+    v = (torch.rand(B, Hkv, Lk, d, generator=g) * 6 - 3).to(dtype)
+    return q, k, v
+
+
+def _ref(q, k, v, causal, gqa):
+    # float64 on the rounded inputs, torch's math path
+    return F.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), is_causal=causal,
+        enable_gqa=gqa)
+
+
+SHAPES = [  # B, H, Hkv, Lq, Lk, d, causal
+    (2, 4, 4, 64, 64, 64, False),
+    (1, 8, 2, 100, 100, 64, True),
+    (1, 4, 4, 37, 300, 128, False),
+    (2, 2, 1, 48, 48, 32, True),
+    (1, 2, 2, 33, 33, 48, False),   # d % 32 != 0: widened in C
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_sdpa_half_within_twice_torch(dtype, shape):
+    B, H, Hkv, Lq, Lk, d, causal = shape
+    q, k, v = _inputs(B, H, Hkv, Lq, Lk, d, dtype, 11)
+    gqa = Hkv != H
+    ref = _ref(q, k, v, causal, gqa)
+    with torch.no_grad():
+        got = MF.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                              enable_gqa=gqa)
+        theirs = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                enable_gqa=gqa)
+    assert got.dtype == dtype and got.shape == ref.shape
+    err = (got.double() - ref).abs().max().item()
+    torch_err = (theirs.double() - ref).abs().max().item()
+    assert torch_err > 0   # (the rounded output alone makes it nonzero)
+    assert err <= 2 * torch_err, (err, torch_err, mha.bf16_kernel())
+
+
+def test_sdpa_half_layouts_and_checks():
+    q, k, v = _inputs(1, 2, 2, 40, 40, 64, torch.bfloat16, 3)
+    with torch.no_grad():
+        whole = MF.scaled_dot_product_attention(q, k, v)
+        # unbatched, and non-contiguous views: the same values
+        one = MF.scaled_dot_product_attention(q[0], k[0], v[0])
+        assert torch.equal(one, whole[0])
+        qt = q.transpose(1, 2).contiguous().transpose(1, 2)
+        assert not qt.is_contiguous()
+        assert torch.equal(MF.scaled_dot_product_attention(qt, k, v), whole)
+        with pytest.raises(TypeError, match="same dtype"):
+            MF.scaled_dot_product_attention(q, k.float(), v)
+        with pytest.raises(ValueError, match="enable_gqa"):
+            MF.scaled_dot_product_attention(q, k[:, :1], v[:, :1])
+
+
+def test_sdpa_half_float32_fallbacks():
+    """A mask or a gradient: computed in float32, returned in bf16, and
+    the gradients reach bf16 leaves."""
+    q, k, v = _inputs(1, 2, 2, 16, 16, 32, torch.bfloat16, 5)
+    mask = torch.rand(16, 16, generator=torch.Generator().manual_seed(1)) > 0.3
+    mask[:, 0] = True
+    with torch.no_grad():
+        got = MF.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                         attn_mask=mask)
+    assert got.dtype == torch.bfloat16
+    # float32 then one rounding: within bf16's unit roundoff of |ref|
+    assert ((got.double() - ref).abs() <=
+            2.0 ** -8 * ref.abs() + 1e-6).all()
+    qg = q.clone().requires_grad_()
+    out = MF.scaled_dot_product_attention(qg, k, v, is_causal=True)
+    out.float().sum().backward()
+    assert qg.grad is not None and qg.grad.dtype == torch.bfloat16
+    q64 = q.double().requires_grad_()
+    F.scaled_dot_product_attention(q64, k.double(), v.double(),
+                                   is_causal=True).sum().backward()
+    # the float32 gradient rounded to bf16 once
+    assert ((qg.grad.double() - q64.grad).abs() <=
+            2.0 ** -8 * q64.grad.abs() + 1e-5).all()
+
+
+def test_bf16_kernel_named():
+    assert mha.bf16_kernel() in ("amx", "float32")
