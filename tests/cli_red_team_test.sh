@@ -80,5 +80,33 @@ refuse "scale 3e\+38" q.npy -- "$mha" decode --weights big.st --query q.npy \
   --out o.npy
 [ -e o.npy ] && bad "a refused scale wrote o.npy"
 
+# ---- finding 4: decode's --window replaces the file's window ---------------
+# wwin.st carries the window (2, 0); `decode --window 5` must attend to the
+# 5 keys up to each query (forward --causal --window 4,0, whose --window
+# replaces the file's), and `--window -1,-1` to all of them.
+"$mha" init --embed-dim 8 --heads 2 --seed 1 --window 2,0 --out wwin.st >/dev/null ||
+  bad "init --window"
+"$py" -c 'import numpy as np; np.save("x8.npy", np.random.default_rng(5).standard_normal((9, 8)).astype(np.float32))'
+close() {  # close A B WHAT: within 1e-5 (1 + max|B|) (float rounding of
+           # a cache walk against one forward; a wrong window is O(0.1))
+  "$py" - "$1" "$2" "$3" <<'PY' && ok || bad "$3"
+import sys
+import numpy as np
+a, b = np.load(sys.argv[1]), np.load(sys.argv[2])
+err = float(np.abs(a - b).max())
+if a.shape != b.shape or not err <= 1e-5 * (1 + float(np.abs(b).max())):
+    print("%s: error %g" % (sys.argv[3], err))
+    sys.exit(1)
+PY
+}
+for w in "5:4,0" "-1,-1:-1,-1" "2,0:2,0"; do
+  rm -f d.npy f.npy
+  "$mha" decode --weights wwin.st --query x8.npy --window "${w%%:*}" \
+    --out d.npy >/dev/null 2>&1 || bad "decode --window ${w%%:*}"
+  "$mha" forward --weights wwin.st --query x8.npy --causal \
+    --window "${w##*:}" --out f.npy >/dev/null 2>&1 || bad "forward --window ${w##*:}"
+  close d.npy f.npy "decode --window ${w%%:*} against forward --window ${w##*:}"
+done
+
 echo "$passes passed, $fails failed"
 [ "$fails" -eq 0 ]

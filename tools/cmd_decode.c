@@ -54,7 +54,7 @@ static const char DECODE_HELP[] =
     "                     is causal, so RIGHT changes nothing and LEFT is\n"
     "                     W - 1 (-1: no window).  A window in the file's\n"
     "                     __metadata__ applies without the flag, through\n"
-    "                     an ordinary cache\n"
+    "                     an ordinary cache; the flag replaces it\n"
     "  --threads T        attention threads, 1..4096 (default: OpenMP's)\n"
     "  --out OUT.npy      (B, L, E) float32, or (L, E) for an unbatched X;\n"
     "                     written only on success\n"

@@ -244,6 +244,14 @@ static int run_module(const char *cmd, const tool_opt *o, int n,
     if (tool_mods_parse(cmd, o, n, strcmp(cmd, "decode") != 0, &r->mods))
         return 1;
     base.mods = r->mods.mods;
+    /* ... and it replaces the file's window modifier: the window (-1, -1),
+     * unbounded on both sides, is no window, and the cache's ring is
+     * then the only one (with --window -1,-1 there is none). */
+    if (!strcmp(cmd, "decode") && OPT("window")) {
+        base.mods.window = 1;
+        base.mods.window_left = -1;
+        base.mods.window_right = -1;
+    }
 
     mha_tensor_file *file = NULL;
     mha_status st = mha_safetensors_load(OPT("weights"), &file);
