@@ -8,6 +8,9 @@
  *      float64 reference is finite: refused, naming the scale;
  *   6  an f16 cache stored a finite value past 65504 as Inf (NaN rows,
  *      no word): refused, naming the value;
+ *   8  the reference tier gave lse -inf for a row of NaN scores (the
+ *      others NaN), so the merge dropped it: NaN in, NaN out everywhere;
+ *   9  a q8 block whose max is FLT_MAX read back as Inf;
  *
  * Results are compared with float64 definitions written here from
  * include/mha.h (attend_f64, for mha_attention) or with the suite's
@@ -397,6 +400,77 @@ static void test_f16_cache_overflow(void **state)
     mha_free(m);
 }
 
+/* ---- finding 8: NaN in, NaN out, in every tier ---------------------------- */
+
+/* A row whose scores are all NaN (its query is NaN) has a NaN output and
+ * a NaN lse in every tier: an lse of -inf (the reference tier's) reads as
+ * "no key" and mha_attention_merge would drop the part silently. */
+static void test_all_nan_row(void **state)
+{
+    (void)state;
+    aprob p;
+    aprob_make(&p, 4);
+    for (int d = 0; d < ADH; d++)
+        p.q[2 * AH * ADH + d] = NAN;   /* row 2, head 0 */
+    aprob_check(&p);                   /* NaN where float64 has NaN */
+    assert_true(isnan(p.lse[0 * ALQ + 2]));
+    assert_true(isnan(p.out[2 * AH * ADH]));
+    assert_true(isfinite(p.lse[1 * ALQ + 2]));   /* head 1 is untouched */
+    /* The merge of that part with a finite one is NaN, not the other. */
+    aprob q;
+    aprob_make(&q, 5);
+    assert_int_equal(mha_attention(&q.a), MHA_OK);
+    float mo[AB * ALQ * AH * ADH], ml[AB * AH * ALQ];
+    const mha_attention_part parts[2] = {{p.out, p.lse}, {q.out, q.lse}};
+    assert_int_equal(mha_attention_merge(parts, 2, AB, AH, ADH, ALQ, mo, ml),
+                     MHA_OK);
+    assert_true(isnan(ml[2]) && isnan(mo[2 * AH * ADH]));
+}
+
+/* ---- finding 9: a q8 block at FLT_MAX reads back finite ------------------- */
+
+/* Each element of a q8 block reads back within max|x| / 254 of what was
+ * stored (docs/semantics.md), FLT_MAX and -FLT_MAX included: 127 times
+ * the rounded scale FLT_MAX / 127 once rounded up to Inf. */
+static void test_q8_flt_max(void **state)
+{
+    (void)state;
+    enum { HK = 1, D = 32 };
+    const mha_kv_cache_config kc = {1, HK, D, 2, MHA_KV_Q8, 0};
+    mha_kv_cache *kv = NULL;
+    const mha_status st = mha_kv_cache_create(&kc, &kv);
+    if (st == MHA_ERR_UNSUPPORTED) {
+        mha_kv_cache_free(kv);
+        return;   /* (a build without q8 has nothing to check) */
+    }
+    assert_int_equal(st, MHA_OK);
+    float k[2 * D], v[2 * D], rk[2 * D], rv[2 * D];
+    tu_fill(k, 2 * D, 30, -1, 1);
+    tu_fill(v, 2 * D, 31, -1, 1);
+    k[0] = FLT_MAX;
+    v[D + 7] = -FLT_MAX;
+    k[D + 3] = -FLT_MAX;
+    k[D + 4] = FLT_MAX;
+    assert_int_equal(mha_kv_cache_append(kv, 0, k, v, 2), MHA_OK);
+    assert_int_equal(mha_kv_cache_read(kv, 0, 0, 2, rk, rv), MHA_OK);
+    for (int t = 0; t < 2; t++) {
+        const float *x[2] = {k + t * D, v + t * D};
+        const float *r[2] = {rk + t * D, rv + t * D};
+        for (int w = 0; w < 2; w++) {
+            double amax = 0;
+            for (int d = 0; d < D; d++)
+                amax = fmax(amax, fabs((double)x[w][d]));
+            for (int d = 0; d < D; d++)
+                if (!isfinite(r[w][d]) ||
+                    fabs((double)r[w][d] - (double)x[w][d]) > amax / 254)
+                    fail_msg("token %d %s[%d]: %g stored, %g read back "
+                             "(bound %g)", t, w ? "v" : "k", d,
+                             (double)x[w][d], (double)r[w][d], amax / 254);
+        }
+    }
+    mha_kv_cache_free(kv);
+}
+
 int main(void)
 {
     if (tu_tier_unavailable())
@@ -408,6 +482,8 @@ int main(void)
         cmocka_unit_test(test_q_total_near_int64_max),
         cmocka_unit_test(test_scale_overflow),
         cmocka_unit_test(test_f16_cache_overflow),
+        cmocka_unit_test(test_all_nan_row),
+        cmocka_unit_test(test_q8_flt_max),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

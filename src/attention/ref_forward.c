@@ -78,8 +78,10 @@ void mha_ref_row(const mha_attn *a, int64_t b, int64_t i, float *scratch)
             s[j] = mha_ref_modify(a, b, h, i, j,
                                   key_dot(a, b, g, j, q) * a->scale, NULL) +
                    bias[j];
-            if (s[j] > mx)
-                mx = s[j];
+            /* A NaN score makes the row's max NaN, as in the flash
+             * tiers: its lse is then NaN, never -inf ("no key"). */
+            if (s[j] > mx || isnan(s[j]))
+                mx = isnan(mx) ? mx : s[j];
         }
         double sum = a->sinks ? exp(sink - mx) : 0.0;
         for (int64_t j = 0; j < Lt; j++)
