@@ -189,7 +189,12 @@ static float q8_block(const float *x, int n, int8_t *codes, int64_t cstride)
         finite &= isfinite(x[i]) != 0;
         amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
     }
-    const float s = !finite ? NAN : amax / 127.0f;
+    float s = !finite ? NAN : amax / 127.0f;
+    /* The largest code reads back as fl(127 s), which must stay finite:
+     * for amax near FLT_MAX, s rounded up makes it Inf.  One ulp down
+     * costs 127 ulp(s) at most, far inside the bound max|x| / 254. */
+    if (isinf(127.0f * s))
+        s = nextafterf(s, 0.0f);
     /* x / s in float64 is within 2^-53 of the exact quotient, and an
      * exact quotient that is not a half-integer lies at least ~2^-24 from
      * one (x and s have 24-bit significands): rint then rounds the exact
