@@ -11,6 +11,9 @@
  *   8  the reference tier gave lse -inf for a row of NaN scores (the
  *      others NaN), so the merge dropped it: NaN in, NaN out everywhere;
  *   9  a q8 block whose max is FLT_MAX read back as Inf;
+ *   (a) a masked-out Inf value in an untruncated cache (the mutation of
+ *      tests/mutations.tsv that once survived: a tile's finite flag set
+ *      to its last column's alone).
  *
  * Results are compared with float64 definitions written here from
  * include/mha.h (attend_f64, for mha_attention) or with the suite's
@@ -471,6 +474,64 @@ static void test_q8_flt_max(void **state)
     mha_kv_cache_free(kv);
 }
 
+/* ---- (a): a masked-out Inf value in an untruncated cache ----------------- */
+
+/* An Inf value at key 2 of a cache tile, finite keys after it in the same
+ * tile, and a decoding step whose key padding mask excludes key 2: the
+ * tile's all-finite flag must stay down (the flag of every column so
+ * far, not the last one's), so that the exact pv skips the weight-0 key
+ * rather than computing 0 * Inf = NaN.  The result is the float64
+ * attention over the other keys. */
+static void test_masked_inf_in_cache(void **state)
+{
+    (void)state;
+    const mha_kv_dtype dtypes[] = {MHA_KV_F32, MHA_KV_F16, MHA_KV_BF16};
+    for (int t = 0; t < 3; t++) {
+        const mha_kv_cache_config kc = {AB, AH, ADH, ALK, dtypes[t], 0};
+        mha_kv_cache *kv = NULL;
+        assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
+        aprob p;
+        aprob_make(&p, 40 + (uint64_t)t);
+        const int64_t J = 2, E = AH * ADH;
+        p.v[J * E + 3] = INFINITY;
+        p.v[J * E + E - 1] = -INFINITY;   /* both heads */
+        for (int64_t j = 0; j < ALK; j++)   /* one token at a time */
+            assert_int_equal(mha_kv_cache_append(kv, 0, p.k + j * E,
+                                                 p.v + j * E, 1), MHA_OK);
+        /* what the cache holds (f16, bf16: rounded), the reference's keys */
+        float hk[ALK * AH * ADH], hv[ALK * AH * ADH];
+        assert_int_equal(mha_kv_cache_read(kv, 0, 0, ALK, hk, hv), MHA_OK);
+        uint8_t pad[ALK] = {0};
+        pad[J] = 1;
+        mha_attention_args a = p.a;
+        a.q_len = 1;
+        a.kv_len = 0;
+        a.k = a.v = NULL;
+        a.cache = kv;
+        a.key_padding_mask = (mha_mask){MHA_MASK_BLOCK, pad, 1, {ALK}};
+        assert_int_equal(mha_attention(&a), MHA_OK);
+        /* the reference: the same query over the keys but J */
+        float rk[(ALK - 1) * AH * ADH], rv[(ALK - 1) * AH * ADH];
+        for (int64_t j = 0, r = 0; j < ALK; j++)
+            if (j != J) {
+                memcpy(rk + r * E, hk + j * E, (size_t)E * sizeof *rk);
+                memcpy(rv + r * E, hv + j * E, (size_t)E * sizeof *rv);
+                r++;
+            }
+        mha_attention_args ra = p.a;
+        ra.q_len = 1;
+        ra.kv_len = ALK - 1;
+        ra.k = rk;
+        ra.v = rv;
+        attend_f64(&ra, p.ro, p.rl);
+        const double e = rel_err(p.out, p.ro, E);
+        if (!(e <= 1e-5))   /* (aprob_check's bound) */
+            fail_msg("dtype %d: error %g against float64 (out[0] %g vs %g)",
+                     (int)dtypes[t], e, (double)p.out[0], p.ro[0]);
+        mha_kv_cache_free(kv);
+    }
+}
+
 int main(void)
 {
     if (tu_tier_unavailable())
@@ -484,6 +545,7 @@ int main(void)
         cmocka_unit_test(test_f16_cache_overflow),
         cmocka_unit_test(test_all_nan_row),
         cmocka_unit_test(test_q8_flt_max),
+        cmocka_unit_test(test_masked_inf_in_cache),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
