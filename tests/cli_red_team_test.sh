@@ -108,5 +108,40 @@ for w in "5:4,0" "-1,-1:-1,-1" "2,0:2,0"; do
   close d.npy f.npy "decode --window ${w%%:*} against forward --window ${w##*:}"
 done
 
+# ---- finding 10: messages that say what was wrong --------------------------
+# A nonzero value that rounds to 0 (or a theta to 1) in float32 says so.
+refuse "rounds to 0 in float32" q.npy -- "$mha" forward --weights w.st \
+  --query q.npy --softcap 1e-46 --out o.npy
+refuse "rounds to 0 in float32" q.npy -- "$mha" forward --weights w.st \
+  --query q.npy --rope neox --rope-scale 1e-46 --out o.npy
+refuse "rounds to 1 in float32" q.npy -- "$mha" forward --weights w.st \
+  --query q.npy --rope neox --rope-theta 1.00000001 --out o.npy
+refuse "must be > 1, got '0.5'" q.npy -- "$mha" forward --weights w.st \
+  --query q.npy --rope neox --rope-theta 0.5 --out o.npy
+# A file whose k_proj and v_proj disagree in rows names both (not one of
+# them with a shape grouped-query attention does not require).
+"$py" - <<'PY' || bad "gqa file"
+import json, struct
+import numpy as np
+rng = np.random.default_rng(2)
+t = {"q_proj_weight": (16, 16), "k_proj_weight": (8, 16),
+     "v_proj_weight": (4, 16), "out_proj.weight": (16, 16)}
+hdr, blobs, off = {}, [], 0
+for name, shape in t.items():
+    b = rng.standard_normal(shape).astype(np.float32).tobytes()
+    hdr[name] = {"dtype": "F32", "shape": list(shape),
+                 "data_offsets": [off, off + len(b)]}
+    off += len(b)
+    blobs.append(b)
+hdr["__metadata__"] = {"num_heads": "4"}
+h = json.dumps(hdr).encode()
+h += b" " * (-len(h) % 8)
+open("gqa_bad.st", "wb").write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+np.save("q16.npy", rng.standard_normal((3, 16)).astype(np.float32))
+PY
+refuse "k_proj_weight has 8 rows and v_proj_weight 4" q16.npy -- "$mha" \
+  forward --weights gqa_bad.st --query q16.npy --out o.npy
+[ -e o.npy ] && bad "a refused forward wrote o.npy"
+
 echo "$passes passed, $fails failed"
 [ "$fails" -eq 0 ]

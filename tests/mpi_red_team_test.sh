@@ -65,4 +65,38 @@ refused $fwd --weights w.st -- $fwd --weights w.st --bogus -- "--bogus"
 refused $fwd --weights w.st --bogus -- $fwd --weights w.st -- "--bogus"
 refused $bwd --weights w.st -- $bwd --weights w.st --help -- "--help"
 refused $fwd --weights w.st --help -- $fwd --weights w.st -- "--help"
+# Finding 10: a failure every rank meets (a missing file, a bad option)
+# is printed once, by rank 0, not once per rank, interleaved.
+once() {  # once WORD ARGS...: 2 ranks fail, WORD on exactly one line
+  local word=$1; shift
+  rm -f out.npy
+  msg=$(run -np 2 "$mha" "$@" 2>&1)
+  rc=$?
+  [ $rc -eq 0 ] || [ $rc -eq 124 ] && fail "$*: exit $rc"
+  n=$(echo "$msg" | grep -c -- "$word")
+  [ "$n" -eq 1 ] || fail "$*: '$word' printed $n times: $msg"
+  echo "ok: once: $*"
+}
+once "missing.npy" forward --ring --weights w.st --query missing.npy \
+  --out out.npy
+once "missing.st" $bwd --weights missing.st
+once "given twice" $fwd --weights w.st --query q.npy
+once "unknown option" $fwd --weights w.st --bogus
+once "must be" forward --ring --weights w.st --query q.npy --split diagonal \
+  --out out.npy
+# Finding 11: --ulysses alone implies the sequence split across the ranks
+# (it once said "unknown option"): the same bits as --ring --ulysses.
+for c in "forward" "backward --grad-output dy.npy"; do
+  out=u.npy; [ "$c" = forward ] || out=u.st
+  rm -f u.npy u.st r.npy r.st
+  run -np 2 "$mha" $c --ulysses --weights w.st --query q.npy --out $out \
+    >/dev/null 2>&1 || fail "$c --ulysses alone failed"
+  run -np 2 "$mha" $c --ring --ulysses --weights w.st --query q.npy \
+    --out r${out#u} >/dev/null 2>&1 || fail "$c --ring --ulysses failed"
+  cmp -s $out r${out#u} || fail "$c --ulysses differs from --ring --ulysses"
+  echo "ok: $c --ulysses alone"
+done
+out=$(run -np 2 "$mha" bench --ulysses --seq 16 --embed-dim 8 --heads 2 \
+  --repeat 1 --warmup 0 2>&1) || fail "bench --ulysses alone: $out"
+echo "ok: bench --ulysses alone"
 echo "all ok"

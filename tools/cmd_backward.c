@@ -42,8 +42,9 @@ static const char BACKWARD_HELP[] =
 
 int cmd_backward(int argc, char **argv)
 {
+    /* across the ranks of an MPI job: --ring, or --ulysses alone */
     for (int k = 1; k < argc; k++)
-        if (!strcmp(argv[k], "--ring"))
+        if (!strcmp(argv[k], "--ring") || !strcmp(argv[k], "--ulysses"))
             return cmd_backward_ring(argc, argv);
     tool_opt o[] = {RUN_OPTS, {"grad-output", 1, 0}, {"out", 1, 0}};
     int status;

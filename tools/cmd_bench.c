@@ -259,8 +259,9 @@ static size_t count3(int64_t a, int64_t b, int64_t c)
 
 int cmd_bench(int argc, char **argv)
 {
+    /* across the ranks of an MPI job: --ring, or --ulysses alone */
     for (int k = 1; k < argc; k++)
-        if (!strcmp(argv[k], "--ring"))
+        if (!strcmp(argv[k], "--ring") || !strcmp(argv[k], "--ulysses"))
             return cmd_bench_ring(argc, argv);
     tool_opt o[] = {{"batch", 1, 0}, {"seq", 1, 0}, {"kv-seq", 1, 0},
                     {"embed-dim", 1, 0}, {"heads", 1, 0}, {"causal", 0, 0},

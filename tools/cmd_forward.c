@@ -96,8 +96,9 @@ static int write_outputs(const char *out_path, const mha_tensor_view *out,
 
 int cmd_forward(int argc, char **argv)
 {
+    /* across the ranks of an MPI job: --ring, or --ulysses alone */
     for (int k = 1; k < argc; k++)
-        if (!strcmp(argv[k], "--ring"))
+        if (!strcmp(argv[k], "--ring") || !strcmp(argv[k], "--ulysses"))
             return cmd_forward_ring(argc, argv);
     tool_opt o[] = {RUN_OPTS, {"out", 1, 0}, {"attn-weights", 1, 0},
                     {"per-head", 0, 0}};

@@ -122,7 +122,8 @@ static const char FORWARD_RING_HELP[] =
     "         [--threads T] --out OUT.npy\n"
     "\n"
     "The module's forward (self-attention on one sequence) across the ranks\n"
-    "of an MPI job: each rank keeps its shard of the sequence (--split;\n"
+    "of an MPI job (--ulysses alone implies --ring): each rank keeps its\n"
+    "shard of the sequence (--split;\n"
     "default zigzag with --causal, else contiguous), projects it, the\n"
     "attention runs round the ring (or by all-to-all with --ulysses, which\n"
     "needs the head counts to be multiples of P), and rank 0 gathers and\n"
@@ -320,13 +321,42 @@ static mha_tensor_view view_like(const char *name, const mha_tensor_view *t,
     return v;
 }
 
-/* MPI up, this process's rank and the rank count. */
+/* A failure met while the ranks parse and load (tool_fail_capture):
+ * every rank meets the same one when the files are shared, and it is
+ * printed once, by rank 0 (told_once), not once per rank, interleaved. */
+static char g_msg[1024];
+
+/* MPI up, this process's rank and the rank count; failures captured. */
 static void mpi_start(int *argc, char ***argv)
 {
     int provided;
     MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided);
     MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
     MPI_Comm_size(MPI_COMM_WORLD, &g_P);
+    tool_fail_capture(g_msg, sizeof g_msg);
+}
+
+/* Collective: 1 on every rank when any rank's rc is non-zero, and rank 0
+ * prints the captured message of the lowest failing rank (naming that
+ * rank if not itself).  Capturing ends here: later failures are printed
+ * as they come (the library's, by rank 0 alone). */
+static int told_once(int rc)
+{
+    tool_fail_capture(NULL, 0);
+    const int mine = rc ? g_rank : g_P;
+    int first = g_P;
+    MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    if (first == g_P)
+        return 0;
+    MPI_Bcast(g_msg, (int)sizeof g_msg, MPI_CHAR, first, MPI_COMM_WORLD);
+    g_msg[sizeof g_msg - 1] = '\0';
+    if (g_rank == 0) {
+        if (first)
+            fprintf(stderr, "%s (rank %d of %d)\n", g_msg, first, g_P);
+        else
+            fprintf(stderr, "%s\n", g_msg);
+    }
+    return 1;
 }
 
 /* The ring commands, as the ranks compare them. */
@@ -349,22 +379,19 @@ static int agree_on_start(const char *cmd, int which, int done, int status)
     int64_t all[4];
     MPI_Allreduce(mine, all, 4, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
     if (all[0] != -all[1]) {
+        tool_fail_capture(NULL, 0);
         if (g_rank == 0)
             tool_fail(cmd, "the ranks do not all run the same command (mha "
                       "forward --ring, backward --ring, bench --ring): every "
                       "rank of the job must run the same command");
         return 1;
     }
-    if (all[2] == 2) {
-        if (state != 2 && g_rank == 0)
-            tool_fail(cmd, "another rank's options were refused (its "
-                      "message says why): every rank must be given the same "
-                      "options");
-        return 1;
-    }
+    if (all[2] == 2)   /* the first refused rank's message, once */
+        return told_once(state == 2);
     if (all[2] == 1 && -all[3] == 1)
         return 0;   /* --help on every rank */
     if (all[2] == 1) {
+        tool_fail_capture(NULL, 0);
         if (g_rank == 0)
             tool_fail(cmd, "--help was given to some ranks only: every rank "
                       "must be given the same options");
@@ -399,7 +426,7 @@ int cmd_forward_ring(int argc, char **argv)
         !(out = malloc((size_t)(in.B * in.s.len * in.E + 1) * sizeof *out)))
         status = tool_fail("forward", "out of memory for the output");
     /* Every rank learns of any rank's failure here. */
-    int rc = any_failed(done ? 0 : status) ? 1 : done ? status : 0;
+    int rc = told_once(status);   /* (done is 0 here: agree_on_start) */
     if (!done && !rc) {
         const mha_ring_forward_args a =
             forward_args_of(&in, OPT("ulysses") != NULL, out);
@@ -485,7 +512,7 @@ int cmd_backward_ring(int argc, char **argv)
             status = tool_fail("backward", "out of memory for the "
                                "gradients");
     }
-    int rc = any_failed(done ? 0 : status) ? 1 : done ? status : 0;
+    int rc = told_once(status);   /* (done is 0 here: agree_on_start) */
     if (!done && !rc) {
         const mha_ring_forward_args a =
             forward_args_of(&in, OPT("ulysses") != NULL, NULL);
@@ -718,10 +745,8 @@ int cmd_bench_ring(int argc, char **argv)
                     {"kv-heads", 1, 0}, {"batch", 1, 0}, {"causal", 0, 0},
                     {"backward", 0, 0}, {"threads", 1, 0},
                     {"repeat", 1, 0}, {"warmup", 1, 0}, {"check", 1, 0}};
-    int provided, status = 0;
-    MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
-    MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &g_P);
+    int status = 0;
+    mpi_start(&argc, &argv);
     int done = tool_options("bench", argc, argv, o, NOPTS(o),
                             g_rank == 0 ? BENCH_RING_HELP : "", &status);
     const int start = agree_on_start("bench", RING_BENCH, done, status);
@@ -800,7 +825,7 @@ int cmd_bench_ring(int argc, char **argv)
             (bwd && (!go || !dq || !dk || !dv)))
             status = tool_fail("bench", "out of memory for the shards");
     }
-    int rc = any_failed(done ? 0 : status) ? 1 : done ? status : 0;
+    int rc = told_once(status);   /* (done is 0 here: agree_on_start) */
     if (!done && !rc) {
         fill_shard(q, 0, &s, B, L, E);
         fill_shard(k, 1, &s, B, L, Ekv);

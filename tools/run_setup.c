@@ -37,6 +37,21 @@ void tool_shape_str(const mha_tensor *t, char *buf, size_t n)
 
 /* ---- the score modifiers ------------------------------------------------- */
 
+/* --NAME s as a float32 that must be > lo: a value above lo that rounds
+ * to lo or below in float32 (1e-46 to 0, 1.00000001 to 1) says so. */
+static int float_above(const char *cmd, const char *name, const char *s,
+                       float lo, float *out)
+{
+    if (tool_float(cmd, name, s, out))
+        return 1;
+    if (*out > lo)
+        return 0;
+    if (strtod(s, NULL) > (double)lo)
+        return tool_fail(cmd, "--%s %s rounds to %g in float32, and must be "
+                         "> %g", name, s, (double)*out, (double)lo);
+    return tool_fail(cmd, "--%s must be > %g, got '%s'", name, (double)lo, s);
+}
+
 int tool_mods_parse(const char *cmd, const tool_opt *o, int n, int window,
                     tool_mods *t)
 {
@@ -59,10 +74,8 @@ int tool_mods_parse(const char *cmd, const tool_opt *o, int n, int window,
                              OPT("rope"));
     }
     if (OPT("rope-theta") &&
-        (tool_float(cmd, "rope-theta", OPT("rope-theta"), &m->rope.theta) ||
-         (!(m->rope.theta > 1.0f) &&
-          tool_fail(cmd, "--rope-theta must be > 1, got '%s'",
-                    OPT("rope-theta")))))
+        float_above(cmd, "rope-theta", OPT("rope-theta"), 1.0f,
+                    &m->rope.theta))
         return 1;
     if (OPT("rope-dim") &&
         (tool_int(cmd, "rope-dim", OPT("rope-dim"), 2, INT32_MAX,
@@ -72,15 +85,11 @@ int tool_mods_parse(const char *cmd, const tool_opt *o, int n, int window,
                     "got '%s'", OPT("rope-dim")))))
         return 1;
     if (OPT("rope-scale") &&
-        (tool_float(cmd, "rope-scale", OPT("rope-scale"), &m->rope.scale) ||
-         (!(m->rope.scale > 0.0f) &&
-          tool_fail(cmd, "--rope-scale must be > 0, got '%s'",
-                    OPT("rope-scale")))))
+        float_above(cmd, "rope-scale", OPT("rope-scale"), 0.0f,
+                    &m->rope.scale))
         return 1;
     if (OPT("softcap") &&
-        (tool_float(cmd, "softcap", OPT("softcap"), &m->softcap) ||
-         (!(m->softcap > 0.0f) &&
-          tool_fail(cmd, "--softcap must be > 0, got '%s'", OPT("softcap")))))
+        float_above(cmd, "softcap", OPT("softcap"), 0.0f, &m->softcap))
         return 1;
     if (window && OPT("window")) {
         int64_t count = 0, *lr = NULL;

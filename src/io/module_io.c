@@ -394,6 +394,14 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
         if (k_w->ndim == 2 && v_w->ndim == 2 && k_w->shape[0] >= 1 &&
             k_w->shape[0] == v_w->shape[0])
             Dkv = k_w->shape[0];
+        else if (k_w->ndim == 2 && v_w->ndim == 2)   /* say what differs */
+            return mha_set_error(MHA_ERR_SHAPE,
+                                 "state_dict: k_proj_weight has %lld rows "
+                                 "and v_proj_weight %lld: the key and value "
+                                 "projections must have the same rows (H_kv "
+                                 "* d_h; %lld without grouped-query "
+                                 "attention)", (long long)k_w->shape[0],
+                                 (long long)v_w->shape[0], (long long)D);
         MHA_CHECK(expect(k_w, "k_proj_weight", 2, Dkv, -1, 0));
         MHA_CHECK(expect(v_w, "v_proj_weight", 2, Dkv, -1, 0));
         /* A width of 0 would mean "E" to mha_create, and the packing below
