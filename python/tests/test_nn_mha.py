@@ -275,6 +275,30 @@ def test_is_causal():
                                rtol=1e-5, atol=1e-6)
 
 
+def test_is_causal_with_a_mask_that_is_not_causal():
+    # is_causal is torch's hint that attn_mask is causal; with an explicit
+    # mask that is not, the mask alone applies (docs: "with one, the mask
+    # is used as given"), never the mask and causal masking together.
+    # The oracle: torch's forward with the same mask and no hint.
+    torch.manual_seed(3)
+    t = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    ours = mnn.MultiheadAttention(8, 2, batch_first=True)
+    ours.load_state_dict(t.state_dict())
+    x = torch.randn(2, 5, 8)
+    mask = torch.zeros(5, 5, dtype=torch.bool)   # True: blocked
+    mask[0, 1] = True                            # row 0 keeps later keys
+    mask[3, 0] = True
+    ref = t(x, x, x, attn_mask=mask, need_weights=False)[0]
+    for need_weights in (False, True):
+        torch.testing.assert_close(
+            ours(x, x, x, attn_mask=mask, is_causal=True,
+                 need_weights=need_weights)[0], ref, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():   # the short way too
+        torch.testing.assert_close(
+            ours(x, x, x, attn_mask=mask, is_causal=True,
+                 need_weights=False)[0], ref, rtol=1e-5, atol=1e-6)
+
+
 def test_fully_masked_row_gives_bias_not_nan():
     ours = mnn.MultiheadAttention(8, 2, batch_first=True)
     randomize(ours, np.random.default_rng(5))
