@@ -337,9 +337,11 @@ MHA_API mha_status mha_param_set(mha_module *module, const char *name,
 
 /*
  * Projection by one of the input projections, for analysis and caching:
- * y (rows, D) = x (rows, in) W^T + b, with in = E, kdim or vdim; or by the
- * output projection, y (rows, E) = x (rows, D) W_O^T + b_O.  Runs on the
- * OpenMP default number of threads; the same bits for any.
+ * y (rows, out) = x (rows, in) W^T + b, with in = E, kdim or vdim, and
+ * out = D for the query and H_kv * d_h for the key and the value (D
+ * without grouped-query attention, where H_kv = H); or by the output
+ * projection, y (rows, E) = x (rows, D) W_O^T + b_O.  Runs on the OpenMP
+ * default number of threads; the same bits for any.
  */
 typedef enum mha_projection {
     MHA_PROJ_QUERY = 0,

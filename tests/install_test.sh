@@ -84,6 +84,19 @@ check_flags "$flags"
 LD_LIBRARY_PATH="$libdir" "$tmp/ex_pc_shared"
 loads_from_prefix "$tmp/ex_pc_shared" "$libdir"
 
+# The README's way for a prefix the loader does not search: an rpath to
+# pkg-config's libdir, and the program runs with no LD_LIBRARY_PATH.
+# shellcheck disable=SC2086
+"$cc" "${cflags[@]}" "$example" -o "$tmp/ex_pc_rpath" $flags \
+  -Wl,-rpath,"$(pkg-config --variable=libdir mha)"
+env -u LD_LIBRARY_PATH "$tmp/ex_pc_rpath"
+if command -v ldd >/dev/null; then   # (pkg-config spells libdir
+  got=$(env -u LD_LIBRARY_PATH ldd "$tmp/ex_pc_rpath" |  # relatively)
+        sed -n 's/^.*libmha\.so[^ ]* => \([^ ]*\) .*$/\1/p')
+  [ -n "$got" ] && [ "$(cd "$(dirname "$got")" && pwd -P)" = "$(cd "$libdir" && pwd -P)" ] ||
+    { echo "ex_pc_rpath does not load the installed libmha.so: $got" >&2; exit 1; }
+fi
+
 # Only mha's own header directory: mha.h and mha_io.h include neither
 # CBLAS nor cJSON, so their -I would only leak into the user's flags.
 cf=$(pkg-config --cflags mha)
