@@ -648,7 +648,8 @@ typedef struct mha_attention_args {
                              to bf16 before P V (docs/semantics.md);
                              otherwise the inputs are widened to float32
                              and the float32 kernels run.  mha_attention
-                             only: no plan, backward, cache or merge yet. */
+                             and mha_attention_backward16 only: no plan,
+                             cache or merge yet.                         */
     const uint16_t *q16, *k16, *v16;
     uint16_t *out16;
 } mha_attention_args;
@@ -695,6 +696,25 @@ MHA_API mha_status mha_attention_plan_backward(
 MHA_API void mha_attention_plan_free(mha_attention_plan *plan);
 MHA_API mha_status mha_attention_backward(const mha_attention_args *args,
                                           const mha_attention_grads *grads);
+
+/*
+ * The backward of mha_attention on 16-bit data (args.dtype BF16 or F16,
+ * args.q16, k16, v16): dL/d out in, dq, dk, dv out, each of the type and
+ * the shape and layout (both layouts) of q, k and v.  Plain, causal and
+ * key_lengths attention with d_h a multiple of 32 runs on AMX tiles where
+ * mha_bf16_kernel() is "amx": the forward again (for out and the row
+ * statistics), then the flash backward's two sweeps, P and scale dS
+ * rounded to bf16 before their products (as the forward rounds P), every
+ * sum float32; anything else widens to float32 and runs
+ * mha_attention_backward.  No sinks, dropout or weights.
+ */
+typedef struct mha_attention_grads16 {
+    const uint16_t *grad_out;   /* like out                               */
+    uint16_t *grad_q;           /* like q                                 */
+    uint16_t *grad_k, *grad_v;  /* like k and v, summed over each group   */
+} mha_attention_grads16;
+MHA_API mha_status mha_attention_backward16(const mha_attention_args *args,
+                                            const mha_attention_grads16 *grads);
 
 /*
  * The backward of one part of a split-key problem (the keys cut into parts

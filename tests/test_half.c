@@ -199,6 +199,221 @@ static void run_case(const hcase *c, uint64_t seed)
     free(v);
 }
 
+/*
+ * The backward, against float64 gradients on the rounded inputs (P, dP,
+ * D = sum_d dO O, dS = P (dP - D), dQ = scale dS K, dK = scale dS^T Q,
+ * dV = P^T dO).  The bound, per gradient element, from where bf16 enters:
+ * each gradient rounded (2^-8 |ref|); P rounded before P^T dO (2^-8 of
+ * sum_i P |dO|); dS rounded before its products (2^-8 of scale sum |dS|
+ * |Q| or |K|); float32's sums and the cubic 2^x (2e-4 of the same
+ * magnitudes); times 1.25 for the second-order terms.  And D, formed from
+ * the forward's bf16 output: its error dD_i is at most sum_d |dO| (2^-7
+ * (|O| + sum_j P |V|)), the forward's bound on each output element.  In
+ * dK that adds scale sum_i P dD_i |Q| to the bound.  In a row of dQ it
+ * acts along one direction, -dD_i scale sum_j P K: the test fits that
+ * multiple (it must be within dD_i) and bounds what is left, so that dQ
+ * is held to the tight bound and not to D's (25x looser in practice).
+ */
+static void run_backward(const hcase *c, uint64_t seed)
+{
+    const int64_t nq = c->B * c->Lq * c->H * c->dh;
+    const int64_t nk = c->B * c->Lk * c->Hkv * c->dh;
+    uint16_t *q = malloc(nq * 2), *k = malloc(nk * 2), *v = malloc(nk * 2);
+    uint16_t *go = malloc(nq * 2);
+    uint16_t *g[3][3];   /* per thread count: dq, dk, dv */
+    float *u = malloc((nq > nk ? nq : nk) * sizeof *u);
+    tu_fill(u, nq, seed, -2.0f, 2.0f);
+    for (int64_t x = 0; x < nq; x++)
+        q[x] = to16(c->dtype, u[x]);
+    tu_fill(u, nk, seed + 1, -2.0f, 2.0f);
+    for (int64_t x = 0; x < nk; x++)
+        k[x] = to16(c->dtype, u[x]);
+    tu_fill(u, nk, seed + 2, -3.0f, 3.0f);
+    for (int64_t x = 0; x < nk; x++)
+        v[x] = to16(c->dtype, u[x]);
+    tu_fill(u, nq, seed + 3, -1.0f, 1.0f);
+    for (int64_t x = 0; x < nq; x++)
+        go[x] = to16(c->dtype, u[x]);
+    int64_t *kl = NULL;
+    if (c->key_lengths) {
+        kl = malloc(c->B * sizeof *kl);
+        for (int64_t b = 0; b < c->B; b++)
+            kl[b] = c->Lk - b * (c->Lk / (c->B + 1));
+    }
+    static const int threads[3] = {1, 2, 4};
+    for (int t = 0; t < 3; t++) {
+        g[t][0] = malloc(nq * 2);
+        g[t][1] = malloc(nk * 2);
+        g[t][2] = malloc(nk * 2);
+        mha_attention_args a = {0};
+        a.batch = c->B, a.num_heads = c->H, a.num_kv_heads = c->Hkv;
+        a.head_dim = c->dh, a.q_len = c->Lq, a.kv_len = c->Lk;
+        a.dtype = c->dtype, a.q16 = q, a.k16 = k, a.v16 = v;
+        a.causal = c->causal, a.key_lengths = kl, a.layout = c->layout;
+        a.scale = c->scale, a.num_threads = threads[t];
+        const mha_attention_grads16 gr = {.grad_out = go, .grad_q = g[t][0],
+                                          .grad_k = g[t][1], .grad_v = g[t][2]};
+        if (mha_attention_backward16(&a, &gr) != MHA_OK)
+            fail_msg("mha_attention_backward16: %s", mha_last_error());
+    }
+    for (int t = 1; t < 3; t++) {
+        assert_memory_equal(g[0][0], g[t][0], nq * 2);
+        assert_memory_equal(g[0][1], g[t][1], nk * 2);
+        assert_memory_equal(g[0][2], g[t][2], nk * 2);
+    }
+
+    const double scale = c->scale ? c->scale : 1.0 / sqrt((double)c->dh);
+    const int64_t group = c->H / c->Hkv, L = c->Lq, M = c->Lk, D = c->dh;
+    double *P = calloc(L * M, sizeof *P), *dS = calloc(L * M, sizeof *dS);
+    double *dD = calloc(L, sizeof *dD);
+    /* reference gradients and bounds, summed over the heads of a group */
+    double *rq = calloc(D, sizeof *rq), *bq = calloc(D, sizeof *bq);
+    double *bdk = calloc(M * D, sizeof *bdk), *cohv = calloc(D, sizeof *cohv);
+    double *rk = calloc(M * D, sizeof *rk), *bk = calloc(M * D, sizeof *bk);
+    double *rv = calloc(M * D, sizeof *rv), *bv = calloc(M * D, sizeof *bv);
+    double worst = 0.0;
+#define E16(x, lay, heads, len, b_, h_, i_, d_) \
+    from16(c->dtype, x[at(lay, heads, len, c->dh, b_, h_, i_, d_)])
+    for (int64_t b = 0; b < c->B; b++)
+        for (int64_t gg = 0; gg < c->Hkv; gg++) {
+            memset(rk, 0, M * D * sizeof *rk);
+            memset(bk, 0, M * D * sizeof *bk);
+            memset(bdk, 0, M * D * sizeof *bdk);
+            memset(rv, 0, M * D * sizeof *rv);
+            memset(bv, 0, M * D * sizeof *bv);
+            for (int64_t h = gg * group; h < (gg + 1) * group; h++) {
+                for (int64_t i = 0; i < L; i++) {
+                    int64_t lim = kl ? kl[b] : M;
+                    const int64_t diag =
+                        c->causal == MHA_CAUSAL_TOP_LEFT ? i + 1
+                        : c->causal == MHA_CAUSAL_BOTTOM_RIGHT ? i + 1 + M - L
+                                                               : M;
+                    lim = diag < lim ? diag : lim;
+                    double mx = -INFINITY, l = 0.0, Di = 0.0, dDi = 0.0;
+                    for (int64_t j = 0; j < M; j++) {
+                        double sc = 0.0;
+                        for (int64_t d = 0; d < D; d++)
+                            sc += E16(q, c->layout, c->H, L, b, h, i, d) *
+                                  E16(k, c->layout, c->Hkv, M, b, gg, j, d);
+                        P[i * M + j] = j < lim ? sc * scale : -INFINITY;
+                        mx = fmax(mx, P[i * M + j]);
+                    }
+                    for (int64_t j = 0; j < M; j++)
+                        l += j < lim ? exp(P[i * M + j] - mx) : 0.0;
+                    for (int64_t j = 0; j < M; j++)
+                        P[i * M + j] = j < lim ? exp(P[i * M + j] - mx) / l : 0.0;
+                    for (int64_t d = 0; d < D; d++) {
+                        double o = 0.0, A = 0.0;
+                        for (int64_t j = 0; j < M; j++) {
+                            const double y = E16(v, c->layout, c->Hkv, M, b, gg, j, d);
+                            o += P[i * M + j] * y;
+                            A += P[i * M + j] * fabs(y);
+                        }
+                        const double dy = E16(go, c->layout, c->H, L, b, h, i, d);
+                        Di += dy * o;
+                        dDi += 0x1p-7 * fabs(dy) * (fabs(o) + A);
+                    }
+                    dD[i] = dDi;
+                    for (int64_t j = 0; j < M; j++) {
+                        double dp = 0.0;
+                        for (int64_t d = 0; d < D; d++)
+                            dp += E16(go, c->layout, c->H, L, b, h, i, d) *
+                                  E16(v, c->layout, c->Hkv, M, b, gg, j, d);
+                        dS[i * M + j] = P[i * M + j] * (dp - Di);
+                    }
+                }
+                /* dQ of this head, row by row */
+                for (int64_t i = 0; i < L; i++) {
+                    double ec = 0.0, cc = 0.0, tt = 0.0;
+                    for (int64_t d = 0; d < D; d++) {
+                        double r = 0.0, m = 0.0, coh = 0.0;
+                        for (int64_t j = 0; j < M; j++) {
+                            const double y = E16(k, c->layout, c->Hkv, M, b, gg, j, d);
+                            r += scale * dS[i * M + j] * y;
+                            m += fabs(scale) * fabs(dS[i * M + j]) * fabs(y);
+                            coh += scale * P[i * M + j] * y;
+                        }
+                        const double got = from16(
+                            c->dtype, g[0][0][at(c->layout, c->H, L, D, b, h, i, d)]);
+                        rq[d] = got - r;   /* the error */
+                        /* (the rounding of a value that is itself off: 2^-8 of the larger) */
+                        bq[d] = 1.25 * (0x1p-8 * fmax(fabs(r), fabs(got)) +
+                                        (0x1p-8 + 2e-4) * m);
+                        cohv[d] = coh;
+                        ec += rq[d] * coh;
+                        cc += coh * coh;
+                        tt += bq[d] * bq[d];
+                    }
+                    /* e = -delta coh + eps, |eps_d| <= bq_d: the fitted
+                     * delta is within |delta| + |eps| / |coh| */
+                    const double delta = cc > 0.0 ? -ec / cc : 0.0;
+                    const double slack = cc > 0.0 ? sqrt(tt / cc) : 0.0;
+                    worst = fmax(worst, fabs(delta) / (1.25 * dD[i] + slack + 1e-30));
+                    for (int64_t d = 0; d < D; d++) {
+                        const double resid = rq[d] + delta * cohv[d];
+                        const double tol = bq[d] + fabs(cohv[d]) * slack + 1e-30;
+                        worst = fmax(worst, fabs(resid) / tol);
+                    }
+                }
+                /* this head's share of dK and dV */
+                for (int64_t j = 0; j < M; j++)
+                    for (int64_t d = 0; d < D; d++)
+                        for (int64_t i = 0; i < L; i++) {
+                            const double x = E16(q, c->layout, c->H, L, b, h, i, d);
+                            const double dy = E16(go, c->layout, c->H, L, b, h, i, d);
+                            rk[j * D + d] += scale * dS[i * M + j] * x;
+                            bk[j * D + d] += fabs(scale) * fabs(dS[i * M + j]) * fabs(x);
+                            bdk[j * D + d] += fabs(scale) * P[i * M + j] * dD[i] * fabs(x);
+                            rv[j * D + d] += P[i * M + j] * dy;
+                            bv[j * D + d] += P[i * M + j] * fabs(dy);
+                        }
+            }
+            for (int64_t j = 0; j < M; j++)
+                for (int64_t d = 0; d < D; d++) {
+                    const int64_t x = at(c->layout, c->Hkv, M, D, b, gg, j, d);
+                    const double gk = from16(c->dtype, g[0][1][x]);
+                    const double gv = from16(c->dtype, g[0][2][x]);
+                    const double ek = fabs(gk - rk[j * D + d]);
+                    const double ev = fabs(gv - rv[j * D + d]);
+                    worst = fmax(worst, ek / (1.25 * (0x1p-8 * fmax(fabs(rk[j * D + d]), fabs(gk)) +
+                                                     (0x1p-8 + 2e-4) * bk[j * D + d] +
+                                                     bdk[j * D + d]) + 1e-30));
+                    worst = fmax(worst, ev / (1.25 * (0x1p-8 * fmax(fabs(rv[j * D + d]), fabs(gv)) +
+                                                     (0x1p-8 + 2e-4) * bv[j * D + d]) + 1e-30));
+                }
+        }
+#undef E16
+    print_message("  backward B%lld H%lld/%lld Lq%lld Lk%lld d%lld causal %d "
+                  "kl %d layout %d: worst error / bound %.3f\n",
+                  (long long)c->B, (long long)c->H, (long long)c->Hkv,
+                  (long long)c->Lq, (long long)c->Lk, (long long)c->dh,
+                  (int)c->causal, c->key_lengths, (int)c->layout, worst);
+    assert_true(worst <= 1.0);
+    for (int t = 0; t < 3; t++)
+        for (int x = 0; x < 3; x++)
+            free(g[t][x]);
+    free(P), free(dS), free(dD), free(rq), free(bq), free(rk), free(bk), free(bdk), free(cohv);
+    free(rv), free(bv), free(kl), free(u), free(q), free(k), free(v), free(go);
+}
+
+static void test_bf16_backward(void **state)
+{
+    (void)state;
+    const hcase cases[] = {
+        /* B H Hkv Lq Lk dh causal kl layout dtype scale */
+        {1, 2, 2, 40, 40, 64, MHA_CAUSAL_NONE, 0, MHA_LAYOUT_ROWS, MHA_DTYPE_BF16, 0},
+        {2, 4, 2, 70, 70, 32, MHA_CAUSAL_TOP_LEFT, 0, MHA_LAYOUT_ROWS, MHA_DTYPE_BF16, 0},
+        {1, 2, 2, 50, 45, 64, MHA_CAUSAL_NONE, 0, MHA_LAYOUT_ROWS, MHA_DTYPE_BF16, 0.2f},
+        {1, 2, 1, 33, 100, 64, MHA_CAUSAL_BOTTOM_RIGHT, 0, MHA_LAYOUT_HEADS_FIRST, MHA_DTYPE_BF16, 0},
+        {2, 2, 2, 50, 45, 128, MHA_CAUSAL_NONE, 1, MHA_LAYOUT_ROWS, MHA_DTYPE_BF16, -0.2f},
+        /* widened everywhere: d_h 48, and f16 */
+        {1, 2, 2, 20, 30, 48, MHA_CAUSAL_TOP_LEFT, 0, MHA_LAYOUT_ROWS, MHA_DTYPE_BF16, 0},
+        {1, 2, 1, 24, 24, 32, MHA_CAUSAL_NONE, 1, MHA_LAYOUT_ROWS, MHA_DTYPE_F16, 0},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++)
+        run_backward(&cases[c], 3000 + 10 * c);
+}
+
 static void test_bf16_shapes(void **state)
 {
     (void)state;
@@ -304,6 +519,27 @@ static void test_misuse(void **state)
     assert_int_equal(mha_attention_plan_create(&a, &p), MHA_ERR_INVALID_ARGUMENT);
     assert_null(p);
     assert_non_null(strstr(mha_last_error(), "float32"));
+    /* the backwards: each refuses the other's dtype, NULLs, overlaps */
+    uint16_t go[64], gq[64], gk[64], gv[64];
+    memset(go, 0, sizeof go);
+    mha_attention_grads16 g16 = {.grad_out = go, .grad_q = gq,
+                                 .grad_k = gk, .grad_v = gv};
+    assert_int_equal(mha_attention_backward16(&a, &g16), MHA_OK);
+    const mha_attention_grads g32 = {.grad_out = of, .grad_q = of,
+                                     .grad_k = of, .grad_v = of};
+    assert_int_equal(mha_attention_backward(&a, &g32),
+                     MHA_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(mha_last_error(), "mha_attention_backward16"));
+    g16.grad_q = NULL;
+    assert_int_equal(mha_attention_backward16(&a, &g16), MHA_ERR_NULL_POINTER);
+    assert_non_null(strstr(mha_last_error(), "grad_q"));
+    g16.grad_q = q;   /* over the input q16 */
+    assert_int_equal(mha_attention_backward16(&a, &g16),
+                     MHA_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(mha_last_error(), "overlaps"));
+    g16.grad_q = gq;
+    assert_int_equal(mha_attention_backward16(NULL, &g16), MHA_ERR_NULL_POINTER);
+    assert_int_equal(mha_attention_backward16(&a, NULL), MHA_ERR_NULL_POINTER);
     /* key_lengths outside [0, Lk] */
     const int64_t kl[1] = {3};
     a.key_lengths = kl;
@@ -335,6 +571,7 @@ int main(void)
         cmocka_unit_test(test_kernel_named),
         cmocka_unit_test(test_bf16_shapes),
         cmocka_unit_test(test_f16_shapes),
+        cmocka_unit_test(test_bf16_backward),
         cmocka_unit_test(test_nan),
         cmocka_unit_test(test_misuse),
     };

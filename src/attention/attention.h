@@ -736,6 +736,8 @@ typedef struct mha_half_problem {
     int64_t B, H, Hkv, Lq, Lk, dh;
     const uint16_t *q, *k, *v;
     uint16_t *out;
+    const uint16_t *dout;          /* the backward's: dL/d out, like out   */
+    uint16_t *dq, *dk, *dv;        /* like q, k and v                      */
     int64_t ldq, ldk, ldv, ldo, hsq, hsk, hsv, hso, bsq, bsk, bsv, bso;
     float scale;
     mha_causal causal;
@@ -743,5 +745,9 @@ typedef struct mha_half_problem {
     float *lse;
 } mha_half_problem;
 mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p);
+/* The backward of that forward: out and lse (given, the forward's) and
+ * dout in; dq, dk, dv out. */
+mha_status mha_attn_amx_backward(const mha_engine *e,
+                                 const mha_half_problem *p);
 
 #endif /* MHA_ATTENTION_H */

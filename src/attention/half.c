@@ -118,13 +118,170 @@ mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p)
     return MHA_OK;
 }
 
-#else   /* no AMX off x86: mha_half_amx_ok() never says yes */
+/* The backward: q, k, v, out (the forward's, bf16), dout and lse (the
+ * forward's) in; dq, dk, dv out (p's strides for all of them: q's for
+ * out, dout and dq, k's for dk, v's for dv). */
+mha_status mha_attn_amx_backward(const mha_engine *e,
+                                 const mha_half_problem *p)
+{
+    const int dh = (int)p->dh;
+    const int64_t group = p->H / p->Hkv, Lq64 = (p->Lq + 63) / 64 * 64;
+    const int64_t wq = mha_amx_b_words(dh, p->Lq), wqn = mha_amx_b_words(p->Lq, dh);
+    const int64_t wk = mha_amx_b_words(dh, p->Lk), wkn = mha_amx_b_words(p->Lk, dh);
+    /* per (b, h): qt, dot, qn, don, then lim, lse2, D (Lq64 each);
+     * per (b, g): kt, vt, kn */
+    const int64_t per_h = 2 * wq + 2 * wqn + 3 * Lq64, per_g = 2 * wk + wkn;
+    const int64_t per_thread = mha_amx_bwd_scratch_floats(dh) + group * 
+                               (int64_t)(sizeof(mha_amx_bwd_head) / 4 + 1) + 16;
+    int64_t nh, ng, nt;
+    if (!mha_mul_ok(p->B * p->H, per_h, &nh) ||
+        !mha_mul_ok(p->B * p->Hkv, per_g, &ng) ||
+        !mha_mul_ok(e->threads, per_thread, &nt) ||
+        nh > INT64_MAX / 16 || ng > INT64_MAX / 16 || nt > INT64_MAX / 16)
+        return mha_set_error(MHA_ERR_OVERFLOW,
+                             "bf16 attention backward workspace overflows");
+    const size_t bytes = ((size_t)(nh + ng + nt) * 4 + 63) / 64 * 64;
+    uint32_t *ws = aligned_alloc(64, bytes);
+    if (!ws)
+        return mha_set_error(MHA_ERR_OUT_OF_MEMORY,
+                             "cannot allocate the bf16 attention backward's "
+                             "workspace (%zu bytes)", bytes);
+    uint32_t *hs = ws, *gs = ws + nh;
+    float *scratch_all = (float *)(gs + ng);
+    const int64_t nkb = (p->Lk + 31) / 32, nqb = (p->Lq + 31) / 32;
+    const float log2e = 1.44269504088896341f;
+
+#pragma omp parallel num_threads(e->threads)
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num();
+#else
+        const int t = 0;
+#endif
+        /* 1. packing, and each query's lim, lse log2 e and D */
+#pragma omp for schedule(dynamic)
+        for (int64_t it = 0; it < p->B * (p->H + p->Hkv); it++) {
+            if (it < p->B * p->H) {
+                const int64_t b = it / p->H, h = it % p->H;
+                uint32_t *x = hs + it * per_h;
+                const uint16_t *q = p->q + b * p->bsq + h * p->hsq;
+                const uint16_t *o = p->out + b * p->bso + h * p->hso;
+                const uint16_t *d = p->dout + b * p->bso + h * p->hso;
+                mha_amx_pack_b(q, 1, p->ldq, dh, p->Lq, x);
+                mha_amx_pack_b(d, 1, p->ldo, dh, p->Lq, x + wq);
+                mha_amx_pack_b(q, p->ldq, 1, p->Lq, dh, x + 2 * wq);
+                mha_amx_pack_b(d, p->ldo, 1, p->Lq, dh, x + 2 * wq + wqn);
+                int32_t *lim = (int32_t *)(x + 2 * wq + 2 * wqn);
+                float *lse2 = (float *)(lim + Lq64), *D = lse2 + Lq64;
+                const float *lse = p->lse + (b * p->H + h) * p->Lq;
+                for (int64_t i = 0; i < Lq64; i++) {
+                    const int live = i < p->Lq;
+                    lim[i] = live ? (int32_t)row_limit(p, b, i) : 0;
+                    lse2[i] = live && lim[i] > 0 ? lse[i] * log2e : 0.0f;
+                    float acc = 0.0f;
+                    for (int64_t c = 0; live && c < dh; c++)
+                        acc += mha_bf16_to_float(d[i * p->ldo + c]) *
+                               mha_bf16_to_float(o[i * p->ldo + c]);
+                    D[i] = acc;
+                }
+            } else {
+                const int64_t bg = it - p->B * p->H;
+                const int64_t b = bg / p->Hkv, g = bg % p->Hkv;
+                uint32_t *x = gs + bg * per_g;
+                const uint16_t *k = p->k + b * p->bsk + g * p->hsk;
+                const uint16_t *v = p->v + b * p->bsv + g * p->hsv;
+                mha_amx_pack_b(k, 1, p->ldk, dh, p->Lk, x);
+                mha_amx_pack_b(v, 1, p->ldv, dh, p->Lk, x + wk);
+                mha_amx_pack_b(k, p->ldk, 1, p->Lk, dh, x + 2 * wk);
+            }
+        }
+
+        float *base = scratch_all + t * per_thread;
+        mha_amx_bwd_scratch s;
+        s.S = base;
+        s.dP = s.S + 32 * 64;
+        s.acc = s.dP + 32 * 64;
+        s.P = (uint16_t *)(s.acc + 64 * dh);
+        s.dS = s.P + 32 * 64;
+        s.x = s.dS + 32 * 64;
+        s.y = s.x + 32 * dh;
+        mha_amx_bwd_head *heads = (mha_amx_bwd_head *)(
+            base + mha_amx_bwd_scratch_floats(dh) + 16);
+        mha_amx_begin();
+        /* 2. dK and dV: a block of 32 keys of one (b, K/V head) an item */
+#pragma omp for schedule(dynamic)
+        for (int64_t it = 0; it < p->B * p->Hkv * nkb; it++) {
+            const int64_t bg = it / nkb, kb = it % nkb;
+            const int64_t b = bg / p->Hkv, g = bg % p->Hkv, j0 = kb * 32;
+            for (int64_t hh = 0; hh < group; hh++) {
+                const uint32_t *x = hs + (b * p->H + g * group + hh) * per_h;
+                const int32_t *lim = (const int32_t *)(x + 2 * wq + 2 * wqn);
+                heads[hh] = (mha_amx_bwd_head){
+                    .qt = x, .dot = x + wq, .qn = x + 2 * wq,
+                    .don = x + 2 * wq + wqn,
+                    .qt_stride = (p->Lq + 31) / 32 * 2,
+                    .dot_stride = (p->Lq + 31) / 32 * 2,
+                    .qn_stride = dh / 16, .don_stride = dh / 16,
+                    .lim = lim, .lse2 = (const float *)(lim + Lq64),
+                    .D = (const float *)(lim + Lq64) + Lq64, .Lq = p->Lq};
+            }
+            const int mr = (int)(p->Lk - j0 < 32 ? p->Lk - j0 : 32);
+            const mha_amx_bwd_kv w = {
+                .k = p->k + b * p->bsk + g * p->hsk + j0 * p->ldk,
+                .v = p->v + b * p->bsv + g * p->hsv + j0 * p->ldv,
+                .ldk = p->ldk, .ldv = p->ldv, .j0 = j0, .mr = mr, .dh = dh,
+                .heads = (int)group, .head = heads, .scale = p->scale,
+                .dk = p->dk + b * p->bsk + g * p->hsk + j0 * p->ldk,
+                .dv = p->dv + b * p->bsv + g * p->hsv + j0 * p->ldv,
+                .ldk_out = p->ldk, .ldv_out = p->ldv};
+            mha_amx_backward_kv(&w, &s);
+        }
+        /* 3. dQ: a block of 32 query rows of one (b, h) an item */
+        int64_t lim[32];
+#pragma omp for schedule(dynamic)
+        for (int64_t it = 0; it < p->B * p->H * nqb; it++) {
+            const int64_t bh = it / nqb, qb = it % nqb;
+            const int64_t b = bh / p->H, h = bh % p->H, g = h / group;
+            const int64_t i0 = qb * 32;
+            const int mr = (int)(p->Lq - i0 < 32 ? p->Lq - i0 : 32);
+            const uint32_t *x = hs + bh * per_h;
+            const int32_t *lim32 = (const int32_t *)(x + 2 * wq + 2 * wqn);
+            for (int r = 0; r < mr; r++)
+                lim[r] = lim32[i0 + r];
+            const uint32_t *y = gs + (b * p->Hkv + g) * per_g;
+            const mha_amx_bwd_q w = {
+                .q = p->q + b * p->bsq + h * p->hsq + i0 * p->ldq,
+                .dout = p->dout + b * p->bso + h * p->hso + i0 * p->ldo,
+                .ldq = p->ldq, .ldo = p->ldo, .mr = mr, .dh = dh,
+                .lim = lim, .lse2 = (const float *)(lim32 + Lq64) + i0,
+                .D = (const float *)(lim32 + Lq64) + Lq64 + i0,
+                .kt = y, .vt = y + wk, .kn = y + 2 * wk,
+                .kt_stride = (p->Lk + 31) / 32 * 2,
+                .vt_stride = (p->Lk + 31) / 32 * 2, .kn_stride = dh / 16,
+                .scale = p->scale,
+                .dq = p->dq + b * p->bsq + h * p->hsq + i0 * p->ldq,
+                .ldq_out = p->ldq};
+            mha_amx_backward_q(&w, &s);
+        }
+        mha_amx_end();
+    }
+    free(ws);
+    return MHA_OK;
+}
+
+#else   /* no AMX off x86: mha_cpu_has_amx() never says yes */
 
 mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p)
 {
     (void)e;
     (void)p;
     return mha_set_error(MHA_ERR_UNSUPPORTED, "AMX exists on x86 only");
+}
+
+mha_status mha_attn_amx_backward(const mha_engine *e,
+                                 const mha_half_problem *p)
+{
+    return mha_attn_amx(e, p);
 }
 
 #endif

@@ -736,42 +736,9 @@ static int amx_takes(const mha_attention_args *a, const sdpa_shape *s)
            !(a->given & MHA_GIVEN_Q_OFFSET);
 }
 
-/* The float32 path for 16-bit data: q, k, v widened into float copies,
- * the float32 attention, out narrowed (round to nearest even). */
-static mha_status attention_widened(const mha_attention_args *a,
-                                    const sdpa_shape *s)
-{
-    const int bf = a->dtype == MHA_DTYPE_BF16;
-    float *q = mha_alloc_floats(s->n_q, "widened q");
-    float *k = mha_alloc_floats(s->n_kv, "widened k");
-    float *v = mha_alloc_floats(s->n_kv, "widened v");
-    float *o = mha_alloc_floats(s->n_q, "float32 out");
-    mha_status st = q && k && v && o ? MHA_OK : MHA_ERR_OUT_OF_MEMORY;
-    if (st == MHA_OK) {
-        for (int64_t i = 0; i < s->n_q; i++)
-            q[i] = bf ? mha_bf16_to_float(a->q16[i]) : mha_f16_to_float(a->q16[i]);
-        for (int64_t i = 0; i < s->n_kv; i++) {
-            k[i] = bf ? mha_bf16_to_float(a->k16[i]) : mha_f16_to_float(a->k16[i]);
-            v[i] = bf ? mha_bf16_to_float(a->v16[i]) : mha_f16_to_float(a->v16[i]);
-        }
-        mha_attention_args f = *a;
-        f.dtype = MHA_DTYPE_F32;
-        f.q16 = f.k16 = f.v16 = NULL;
-        f.out16 = NULL;
-        f.q = q, f.k = k, f.v = v, f.out = o;
-        st = mha_attention(&f);
-    }
-    if (st == MHA_OK)
-        for (int64_t i = 0; i < s->n_q; i++)
-            a->out16[i] = bf ? mha_bf16_from_float(o[i]) : mha_f16_from_float(o[i]);
-    free(q);
-    free(k);
-    free(v);
-    free(o);
-    return st;
-}
-
-static mha_status attention_half(const mha_attention_args *a)
+/* The checks of a 16-bit call: its dtype and pointers, then every shape
+ * and option as a float32 call's (check_shape on a copy). */
+static mha_status half_shape(const mha_attention_args *a, sdpa_shape *s)
 {
     if (a->dtype != MHA_DTYPE_BF16 && a->dtype != MHA_DTYPE_F16)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
@@ -787,16 +754,159 @@ static mha_status attention_half(const mha_attention_args *a)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "bf16 and f16 queries do not take a KV cache "
                              "yet: give them as float32");
-    if (!a->q16 || !a->k16 || !a->v16 || !a->out16)
+    if (!a->q16 || !a->k16 || !a->v16)
         return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
-                             !a->q16 ? "q16" : !a->k16 ? "k16"
-                             : !a->v16 ? "v16" : "out16");
-    mha_attention_args f = *a;   /* the shape checks, as float32 */
+                             !a->q16 ? "q16" : !a->k16 ? "k16" : "v16");
+    mha_attention_args f = *a;
     f.dtype = MHA_DTYPE_F32;
     f.q16 = f.k16 = f.v16 = NULL;
     f.out16 = NULL;
+    MHA_CHECK(check_shape(&f, s));
+    mha_mask_plan mask;
+    return mask_plan(&f, s, &mask);   /* key_lengths' values */
+}
+
+/* The largest finite |x| of n 16-bit elements. */
+static double max_abs16(const uint16_t *x, int64_t n, int bf)
+{
+    double m = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        const double v = fabs(bf ? mha_bf16_to_float(x[i])
+                                 : mha_f16_to_float(x[i]));
+        if (v > m && isfinite(v))
+            m = v;
+    }
+    return m;
+}
+
+/* The problem of a 16-bit call in either layout (element (b, h, i, d) at
+ * b bs + h hs + i ld + d). */
+static mha_half_problem half_problem(const mha_attention_args *a,
+                                     const sdpa_shape *s)
+{
+    const int hf = a->layout == MHA_LAYOUT_HEADS_FIRST;
+    return (mha_half_problem){
+        .B = s->B, .H = s->H, .Hkv = s->Hkv, .Lq = s->Lq, .Lk = s->Lk,
+        .dh = s->dh, .q = a->q16, .k = a->k16, .v = a->v16, .out = a->out16,
+        .ldq = hf ? s->dh : s->E, .ldo = hf ? s->dh : s->E,
+        .ldk = hf ? s->dh : s->Ekv, .ldv = hf ? s->dh : s->Ekv,
+        .hsq = hf ? s->Lq * s->dh : s->dh, .hso = hf ? s->Lq * s->dh : s->dh,
+        .hsk = hf ? s->Lk * s->dh : s->dh, .hsv = hf ? s->Lk * s->dh : s->dh,
+        .bsq = s->Lq * s->E, .bso = s->Lq * s->E,
+        .bsk = s->Lk * s->Ekv, .bsv = s->Lk * s->Ekv,
+        .scale = resolved_scale(a, s->dh), .causal = a->causal,
+        .key_lengths = a->key_lengths, .lse = a->lse};
+}
+
+static void widen(const uint16_t *x, int64_t n, int bf, float *y)
+{
+    for (int64_t i = 0; i < n; i++)
+        y[i] = bf ? mha_bf16_to_float(x[i]) : mha_f16_to_float(x[i]);
+}
+
+static void narrow(const float *x, int64_t n, int bf, uint16_t *y)
+{
+    for (int64_t i = 0; i < n; i++)
+        y[i] = bf ? mha_bf16_from_float(x[i]) : mha_f16_from_float(x[i]);
+}
+
+/* x (B, heads, L, dh) in `layout` <-> float rows (B, L, heads dh): the
+ * widened backward's copies (the float32 backward takes rows). */
+static void widen_rows(const uint16_t *x, mha_layout layout, int64_t B,
+                       int64_t heads, int64_t L, int64_t dh, int bf,
+                       float *y)
+{
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t i = 0; i < L; i++) {
+                const int64_t from = layout == MHA_LAYOUT_HEADS_FIRST
+                                         ? ((b * heads + h) * L + i) * dh
+                                         : (b * L + i) * heads * dh + h * dh;
+                widen(x + from, dh, bf, y + (b * L + i) * heads * dh + h * dh);
+            }
+}
+
+static void narrow_rows(const float *y, mha_layout layout, int64_t B,
+                        int64_t heads, int64_t L, int64_t dh, int bf,
+                        uint16_t *x)
+{
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t i = 0; i < L; i++) {
+                const int64_t to = layout == MHA_LAYOUT_HEADS_FIRST
+                                       ? ((b * heads + h) * L + i) * dh
+                                       : (b * L + i) * heads * dh + h * dh;
+                narrow(y + (b * L + i) * heads * dh + h * dh, dh, bf, x + to);
+            }
+}
+
+/* The float32 backward on widened copies, the gradients narrowed. */
+static mha_status backward_widened(const mha_attention_args *a,
+                                   const mha_attention_grads16 *g,
+                                   const sdpa_shape *s)
+{
+    const int bf = a->dtype == MHA_DTYPE_BF16;
+    float *buf = mha_alloc_floats(3 * s->n_q + 6 * s->n_kv,
+                                  "widened q, k, v and gradients");
+    if (!buf)
+        return MHA_ERR_OUT_OF_MEMORY;
+    float *q = buf, *go = q + s->n_q, *gq = go + s->n_q, *k = gq + s->n_q;
+    float *v = k + s->n_kv, *gk = v + s->n_kv, *gv = gk + s->n_kv;
+    const mha_layout lay = a->layout;
+    widen_rows(a->q16, lay, s->B, s->H, s->Lq, s->dh, bf, q);
+    widen_rows(g->grad_out, lay, s->B, s->H, s->Lq, s->dh, bf, go);
+    widen_rows(a->k16, lay, s->B, s->Hkv, s->Lk, s->dh, bf, k);
+    widen_rows(a->v16, lay, s->B, s->Hkv, s->Lk, s->dh, bf, v);
+    mha_attention_args f = *a;
+    f.dtype = MHA_DTYPE_F32;
+    f.q16 = f.k16 = f.v16 = NULL;
+    f.out16 = NULL;
+    f.layout = MHA_LAYOUT_ROWS;
+    f.q = q, f.k = k, f.v = v;
+    mha_attention_grads fg = {.grad_out = go, .grad_q = gq, .grad_k = gk,
+                              .grad_v = gv};
+    const mha_status st = mha_attention_backward(&f, &fg);
+    if (st == MHA_OK) {
+        narrow_rows(gq, lay, s->B, s->H, s->Lq, s->dh, bf, g->grad_q);
+        narrow_rows(gk, lay, s->B, s->Hkv, s->Lk, s->dh, bf, g->grad_k);
+        narrow_rows(gv, lay, s->B, s->Hkv, s->Lk, s->dh, bf, g->grad_v);
+    }
+    free(buf);
+    return st;
+}
+
+/* The float32 path for 16-bit data: q, k, v widened into float copies,
+ * the float32 attention, out narrowed (round to nearest even). */
+static mha_status attention_widened(const mha_attention_args *a,
+                                    const sdpa_shape *s)
+{
+    const int bf = a->dtype == MHA_DTYPE_BF16;
+    float *buf = mha_alloc_floats(2 * s->n_q + 2 * s->n_kv,
+                                  "widened q, k, v and out");
+    if (!buf)
+        return MHA_ERR_OUT_OF_MEMORY;
+    float *q = buf, *o = q + s->n_q, *k = o + s->n_q, *v = k + s->n_kv;
+    widen(a->q16, s->n_q, bf, q);
+    widen(a->k16, s->n_kv, bf, k);
+    widen(a->v16, s->n_kv, bf, v);
+    mha_attention_args f = *a;
+    f.dtype = MHA_DTYPE_F32;
+    f.q16 = f.k16 = f.v16 = NULL;
+    f.out16 = NULL;
+    f.q = q, f.k = k, f.v = v, f.out = o;
+    const mha_status st = mha_attention(&f);
+    if (st == MHA_OK)
+        narrow(o, s->n_q, bf, a->out16);
+    free(buf);
+    return st;
+}
+
+static mha_status attention_half(const mha_attention_args *a)
+{
     sdpa_shape s;
-    MHA_CHECK(check_shape(&f, &s));
+    MHA_CHECK(half_shape(a, &s));
+    if (!a->out16)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "out16 is NULL");
     if (a->need_weights != MHA_WEIGHTS_NONE && !a->attn_weights)
         return mha_set_error(MHA_ERR_NULL_POINTER,
                              "need_weights is set but attn_weights is NULL");
@@ -810,27 +920,90 @@ static mha_status attention_half(const mha_attention_args *a)
                          {"k16", a->k16, (s.n_kv + 1) / 2},
                          {"v16", a->v16, (s.n_kv + 1) / 2}};
     MHA_CHECK(check_disjoint(outs, 3, ins, 3));
-    mha_mask_plan mask;
-    MHA_CHECK(mask_plan(&f, &s, &mask));   /* key_lengths' values */
     if (!amx_takes(a, &s))
-        return attention_widened(a, &s);
+        return attention_widened(a, &s);   /* (it checks the score range) */
+    /* scores that could overflow float32 are refused, as in plan_run */
+    MHA_CHECK(mha_check_score_range(resolved_scale(a, s.dh), s.dh,
+                                    max_abs16(a->q16, s.n_q, 1),
+                                    max_abs16(a->k16, s.n_kv, 1)));
     mha_engine eng;
     MHA_CHECK(mha_engine_init(&eng, a->num_threads));
-    const int heads_first = a->layout == MHA_LAYOUT_HEADS_FIRST;
-    mha_half_problem p = {
-        .B = s.B, .H = s.H, .Hkv = s.Hkv, .Lq = s.Lq, .Lk = s.Lk, .dh = s.dh,
-        .q = a->q16, .k = a->k16, .v = a->v16, .out = a->out16,
-        .ldq = heads_first ? s.dh : s.E, .ldo = heads_first ? s.dh : s.E,
-        .ldk = heads_first ? s.dh : s.Ekv, .ldv = heads_first ? s.dh : s.Ekv,
-        .hsq = heads_first ? s.Lq * s.dh : s.dh,
-        .hso = heads_first ? s.Lq * s.dh : s.dh,
-        .hsk = heads_first ? s.Lk * s.dh : s.dh,
-        .hsv = heads_first ? s.Lk * s.dh : s.dh,
-        .bsq = s.Lq * s.E, .bso = s.Lq * s.E,
-        .bsk = s.Lk * s.Ekv, .bsv = s.Lk * s.Ekv,
-        .scale = resolved_scale(a, s.dh), .causal = a->causal,
-        .key_lengths = a->key_lengths, .lse = a->lse};
+    const mha_half_problem p = half_problem(a, &s);
     return mha_attn_amx(&eng, &p);
+}
+
+/* The backward on 16-bit data: AMX (the forward again for out and lse,
+ * then the two sweeps), or float32 copies through the float32 backward. */
+static mha_status attention_half_backward(const mha_attention_args *a,
+                                          const mha_attention_grads16 *g)
+{
+    if (!g->grad_out || !g->grad_q || !g->grad_k || !g->grad_v)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
+                             !g->grad_out ? "grad_out" : !g->grad_q ? "grad_q"
+                             : !g->grad_k ? "grad_k" : "grad_v");
+    if (a->sinks || (a->training && a->dropout > 0.0f))
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "the 16-bit backward takes no %s: give the "
+                             "data as float32 (mha_attention_backward)",
+                             a->sinks ? "sinks" : "dropout");
+    if (a->cache)
+        return backward_layout(a);
+    mha_attention_args f = *a;
+    f.need_weights = MHA_WEIGHTS_NONE;
+    f.attn_weights = NULL;
+    f.lse = NULL;
+    sdpa_shape s;
+    MHA_CHECK(half_shape(&f, &s));
+    const span outs[3] = {{"grad_q", g->grad_q, (s.n_q + 1) / 2},
+                          {"grad_k", g->grad_k, (s.n_kv + 1) / 2},
+                          {"grad_v", g->grad_v, (s.n_kv + 1) / 2}};
+    const span ins[4] = {{"q16", a->q16, (s.n_q + 1) / 2},
+                         {"k16", a->k16, (s.n_kv + 1) / 2},
+                         {"v16", a->v16, (s.n_kv + 1) / 2},
+                         {"grad_out", g->grad_out, (s.n_q + 1) / 2}};
+    MHA_CHECK(check_disjoint(outs, 3, ins, 4));
+    if (!amx_takes(a, &s) || s.Lq > INT32_MAX - 64 || s.Lk > INT32_MAX - 64)
+        return backward_widened(a, g, &s);
+    /* the forward, for out and the row statistics */
+    uint16_t *out = malloc((size_t)s.n_q * 2);
+    float *lse = mha_alloc_floats(s.B * s.H * s.Lq, "the forward's lse");
+    mha_status st = out && lse ? MHA_OK : MHA_ERR_OUT_OF_MEMORY;
+    if (st == MHA_OK) {
+        f.out16 = out;
+        f.lse = lse;
+        st = attention_half(&f);
+    }
+    if (st == MHA_OK) {
+        mha_engine eng;
+        st = mha_engine_init(&eng, a->num_threads);
+        if (st == MHA_OK) {
+            mha_half_problem p = half_problem(a, &s);
+            p.out = out;
+            p.lse = lse;
+            p.dout = g->grad_out;
+            p.dq = g->grad_q;
+            p.dk = g->grad_k;
+            p.dv = g->grad_v;
+            st = mha_attn_amx_backward(&eng, &p);
+        }
+    }
+    free(out);
+    free(lse);
+    return st;
+}
+
+mha_status mha_attention_backward16(const mha_attention_args *a,
+                                    const mha_attention_grads16 *g)
+{
+    if (!a)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "attention args are NULL");
+    if (!g)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "gradient args are NULL");
+    if (a->dtype == MHA_DTYPE_F32)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "args.dtype is MHA_DTYPE_F32: its backward is "
+                             "mha_attention_backward");
+    return attention_half_backward(a, g);
 }
 
 mha_status mha_attention(const mha_attention_args *a)
@@ -851,6 +1024,10 @@ mha_status mha_attention_backward(const mha_attention_args *a,
         return mha_set_error(MHA_ERR_NULL_POINTER, "attention args are NULL");
     if (!g)
         return mha_set_error(MHA_ERR_NULL_POINTER, "gradient args are NULL");
+    if (a->dtype != MHA_DTYPE_F32)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "args.dtype is %d: the backward of 16-bit data "
+                             "is mha_attention_backward16", (int)a->dtype);
     MHA_CHECK(backward_layout(a));
     mha_attention_args f = *a;
     f.need_weights = MHA_WEIGHTS_NONE;

@@ -379,3 +379,232 @@ void mha_amx_flash_rows(const mha_amx_block *w, mha_amx_scratch *s)
                                        ((double)m[r] + log2((double)l)));
     }
 }
+
+/* ---- the backward ----------------------------------------------------------
+ * With S = scale Q K^T, P = softmax(S) (from the forward's lse: P =
+ * 2^(S log2 e - lse log2 e)), dP = dO V^T, D_i = sum_d dO_id O_id:
+ *
+ *   dS = P (dP - D)      dQ = scale dS K    dK = scale dS^T Q    dV = P^T dO
+ *
+ * in two sweeps, so that each gradient row is summed by one thread in a
+ * fixed order (no atomics, the same bits for every thread count):
+ *   1. per block of 32 keys (of one K/V head): every query head of its
+ *      group and every 64 queries that see it, in the transposed
+ *      orientation (S^T = K Q^T: the rows are keys), dK and dV summed;
+ *   2. per block of 32 query rows: every 64 keys it sees, dQ summed.
+ * S and dP are recomputed in each sweep.  P and scale dS are rounded to
+ * bf16 before their products (as the forward rounds P); every sum is
+ * float32.
+ */
+
+void mha_amx_pack_b(const uint16_t *src, int64_t sk, int64_t sn, int64_t K,
+                    int64_t N, uint32_t *dst)
+{
+    const int64_t nkt = (K + 31) / 32, nnt = (N + 31) / 32 * 2;
+    for (int64_t kt = 0; kt < nkt; kt++)
+        for (int64_t nt = 0; nt < nnt; nt++) {
+            uint32_t *t = dst + (kt * nnt + nt) * 256;
+            for (int r = 0; r < 16; r++) {
+                const int64_t k0 = 32 * kt + 2 * r, k1 = k0 + 1;
+                for (int c = 0; c < 16; c++) {
+                    const int64_t n = 16 * nt + c;
+                    const uint32_t lo =
+                        k0 < K && n < N ? src[k0 * sk + n * sn] : 0;
+                    const uint32_t hi =
+                        k1 < K && n < N ? src[k1 * sk + n * sn] : 0;
+                    t[r * 16 + c] = lo | hi << 16;
+                }
+            }
+        }
+}
+
+/*
+ * C (32 x N floats, rows ldc apart) = (acc: +=) A (32 x K bf16, rows lda
+ * apart) B, B packed by mha_amx_pack_b with its tile (kt, nt) at
+ * b + (kt * bstride + nt) * 256.  N and K multiples of 32; rows 16-31
+ * only when two.
+ */
+static void gemm32(float *C, int ldc, int N, const uint16_t *A, int lda,
+                   int K, const uint32_t *b, int64_t bstride, int acc,
+                   int two)
+{
+    for (int nt = 0; nt < N / 16; nt += 2) {
+        if (acc) {
+            _tile_loadd(0, C + 16 * nt, ldc * 4);
+            _tile_loadd(1, C + 16 * nt + 16, ldc * 4);
+            if (two) {
+                _tile_loadd(2, C + 16 * ldc + 16 * nt, ldc * 4);
+                _tile_loadd(3, C + 16 * ldc + 16 * nt + 16, ldc * 4);
+            }
+        } else {
+            _tile_zero(0);
+            _tile_zero(1);
+            if (two) {
+                _tile_zero(2);
+                _tile_zero(3);
+            }
+        }
+        for (int kt = 0; kt < K / 32; kt++) {
+            const uint32_t *bt = b + ((int64_t)kt * bstride + nt) * 256;
+            for (int x = 0; x < 2048; x += 64)   /* the next step's */
+                _mm_prefetch((const char *)(bt + bstride * 256) + x,
+                             _MM_HINT_T0);
+            _tile_loadd(4, A + 32 * kt, lda * 2);
+            _tile_loadd(6, bt, 64);
+            _tile_loadd(7, bt + 256, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (two) {
+                _tile_loadd(5, A + 16 * lda + 32 * kt, lda * 2);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, C + 16 * nt, ldc * 4);
+        _tile_stored(1, C + 16 * nt + 16, ldc * 4);
+        if (two) {
+            _tile_stored(2, C + 16 * ldc + 16 * nt, ldc * 4);
+            _tile_stored(3, C + 16 * ldc + 16 * nt + 16, ldc * 4);
+        }
+    }
+}
+
+/* Rows of a (rows x dh) bf16 matrix into a zero-padded 32 x dh block. */
+static void stage(uint16_t *dst, const uint16_t *src, int64_t ld, int rows,
+                  int dh)
+{
+    for (int r = 0; r < 32; r++) {
+        if (r < rows)
+            memcpy(dst + r * dh, src + r * ld, (size_t)dh * 2);
+        else
+            memset(dst + r * dh, 0, (size_t)dh * 2);
+    }
+}
+
+/* 32 x dh float32 accumulators, rows 0..rows-1, into bf16 rows ld apart. */
+static void unstage(uint16_t *dst, int64_t ld, const float *acc, int rows,
+                    int dh)
+{
+    for (int r = 0; r < rows; r++)
+        for (int d = 0; d < dh; d += 32)
+            _mm512_storeu_si512(
+                dst + r * ld + d,
+                (__m512i)_mm512_cvtne2ps_pbh(
+                    _mm512_loadu_ps(acc + r * dh + d + 16),
+                    _mm512_loadu_ps(acc + r * dh + d)));
+}
+
+enum { QS = 64, KS = 64 };   /* queries per step (sweep 1), keys (2) */
+
+void mha_amx_backward_kv(const mha_amx_bwd_kv *w, mha_amx_bwd_scratch *s)
+{
+    const int dh = w->dh, mr = w->mr, two = mr > 16;
+    const float c = w->scale * 1.44269504088896341f;
+    const __m512 cv = _mm512_set1_ps(c), sc = _mm512_set1_ps(w->scale);
+    float *dk = s->acc, *dv = s->acc + 32 * dh;
+    memset(s->acc, 0, sizeof(float) * 64 * (size_t)dh);
+    stage(s->x, w->k, w->ldk, mr, dh);
+    stage(s->y, w->v, w->ldv, mr, dh);
+    for (int hh = 0; hh < w->heads; hh++) {
+        const mha_amx_bwd_head *h = &w->head[hh];
+        /* the first query that sees key j0 (lim grows with the query) */
+        int64_t first = 0;
+        while (first < h->Lq && h->lim[first] <= w->j0)
+            first++;
+        for (int64_t i0 = first / 32 * 32; i0 < h->Lq; i0 += QS) {
+            const int n = h->Lq - i0 < QS ? (int)((h->Lq - i0 + 31) / 32 * 32)
+                                          : QS;
+            /* S^T = K Q^T, dP^T = V dO^T: 32 keys x n queries */
+            gemm32(s->S, QS, n, s->x, dh, dh, h->qt + i0 / 16 * 256,
+                   h->qt_stride, 0, two);
+            gemm32(s->dP, QS, n, s->y, dh, dh, h->dot + i0 / 16 * 256,
+                   h->dot_stride, 0, two);
+            /* P^T and scale dS^T: each key row, 16 queries a vector; key
+             * j is seen by query q when j < lim[q] (padded queries: 0) */
+            for (int r = 0; r < 32; r++) {
+                const __m512i j = _mm512_set1_epi32((int)(w->j0 + r));
+                for (int v = 0; v < n; v += 32) {
+                    __m512 p[2], ds[2];
+                    for (int u = 0; u < 2; u++) {
+                        const int64_t q = i0 + v + 16 * u;
+                        const __mmask16 k = r < mr
+                            ? _mm512_cmpgt_epi32_mask(
+                                  _mm512_loadu_si512(h->lim + q), j)
+                            : 0;
+                        const int at = r * QS + v + 16 * u;
+                        p[u] = _mm512_maskz_mov_ps(
+                            k, exp2_16(_mm512_fmsub_ps(
+                                   _mm512_loadu_ps(s->S + at), cv,
+                                   _mm512_loadu_ps(h->lse2 + q))));
+                        ds[u] = _mm512_mul_ps(
+                            _mm512_mul_ps(p[u],
+                                          _mm512_sub_ps(
+                                              _mm512_loadu_ps(s->dP + at),
+                                              _mm512_loadu_ps(h->D + q))),
+                            sc);
+                    }
+                    _mm512_storeu_si512(s->P + r * QS + v,
+                                        (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+                    _mm512_storeu_si512(s->dS + r * QS + v,
+                                        (__m512i)_mm512_cvtne2ps_pbh(ds[1], ds[0]));
+                }
+            }
+            /* dV += P^T dO, dK += scale dS^T Q (n queries) */
+            gemm32(dv, dh, dh, s->P, QS, n,
+                   h->don + i0 / 32 * h->don_stride * 256, h->don_stride, 1,
+                   two);
+            gemm32(dk, dh, dh, s->dS, QS, n,
+                   h->qn + i0 / 32 * h->qn_stride * 256, h->qn_stride, 1,
+                   two);
+        }
+    }
+    unstage(w->dk, w->ldk_out, dk, mr, dh);
+    unstage(w->dv, w->ldv_out, dv, mr, dh);
+}
+
+void mha_amx_backward_q(const mha_amx_bwd_q *w, mha_amx_bwd_scratch *s)
+{
+    const int dh = w->dh, mr = w->mr, two = mr > 16;
+    const float c = w->scale * 1.44269504088896341f;
+    float *dq = s->acc;
+    memset(dq, 0, sizeof(float) * 32 * (size_t)dh);
+    stage(s->x, w->q, w->ldq, mr, dh);
+    stage(s->y, w->dout, w->ldo, mr, dh);
+    int64_t kend = 0;
+    for (int r = 0; r < mr; r++)
+        kend = w->lim[r] > kend ? w->lim[r] : kend;
+    for (int64_t j0 = 0; j0 < kend; j0 += KS) {
+        const int n = (int)(kend - j0 < KS ? (kend - j0 + 31) / 32 * 32 : KS);
+        gemm32(s->S, KS, n, s->x, dh, dh, w->kt + j0 / 16 * 256, w->kt_stride,
+               0, two);
+        gemm32(s->dP, KS, n, s->y, dh, dh, w->vt + j0 / 16 * 256,
+               w->vt_stride, 0, two);
+        for (int r = 0; r < 32; r++) {
+            const int live = r < mr ? (int)(w->lim[r] - j0 > n ? n
+                                            : w->lim[r] - j0 < 0 ? 0
+                                            : w->lim[r] - j0)
+                                    : 0;
+            const __m512 lse2 = _mm512_set1_ps(r < mr ? w->lse2[r] : 0.0f);
+            const __m512 D = _mm512_set1_ps(r < mr ? w->D[r] : 0.0f);
+            for (int v = 0; v < n; v += 32) {
+                __m512 ds[2];
+                for (int u = 0; u < 2; u++) {
+                    const __mmask16 k = lanes(live - v - 16 * u);
+                    const __m512 sv = _mm512_loadu_ps(s->S + r * KS + v + 16 * u);
+                    const __m512 p = exp2_16(
+                        _mm512_fmsub_ps(sv, _mm512_set1_ps(c), lse2));
+                    const __m512 dp = _mm512_loadu_ps(s->dP + r * KS + v + 16 * u);
+                    ds[u] = _mm512_maskz_mul_ps(
+                        k, _mm512_mul_ps(p, _mm512_sub_ps(dp, D)),
+                        _mm512_set1_ps(w->scale));
+                }
+                _mm512_storeu_si512(s->dS + r * KS + v,
+                                    (__m512i)_mm512_cvtne2ps_pbh(ds[1], ds[0]));
+            }
+        }
+        /* dQ += scale dS K (n keys) */
+        gemm32(dq, dh, dh, s->dS, KS, n, w->kn + j0 / 32 * w->kn_stride * 256,
+               w->kn_stride, 1, two);
+    }
+    unstage(w->dq, w->ldq_out, dq, mr, dh);
+}

@@ -268,4 +268,67 @@ void mha_amx_begin(void);   /* this thread's tile configuration         */
 void mha_amx_end(void);     /* releases it                              */
 void mha_amx_flash_rows(const mha_amx_block *w, mha_amx_scratch *s);
 
+/* The backward (amx.c).  mha_amx_pack_b: the K x N matrix whose (k, n)
+ * element is src[k sk + n sn] as B tiles, tile (kt, nt) at dst + (kt *
+ * nnt + nt) * 256 words, nnt = 2 ceil(N / 32); zeros past K and N. */
+void mha_amx_pack_b(const uint16_t *src, int64_t sk, int64_t sn, int64_t K,
+                    int64_t N, uint32_t *dst);
+static inline int64_t mha_amx_b_words(int64_t K, int64_t N)
+{
+    return (K + 31) / 32 * ((N + 31) / 32) * 512;
+}
+
+/* One query head as the key blocks of sweep 1 read it: Q^T and dO^T
+ * (K = d_h, N = Lq) and Q and dO (K = Lq, N = d_h) packed, and per query
+ * (padded with zeros to a multiple of 64): lim, the keys it sees, from 0;
+ * lse log2 e; D = sum_d dO O. */
+typedef struct mha_amx_bwd_head {
+    const uint32_t *qt, *dot, *qn, *don;
+    int64_t qt_stride, dot_stride, qn_stride, don_stride;   /* nnt */
+    const int32_t *lim;
+    const float *lse2, *D;
+    int64_t Lq;
+} mha_amx_bwd_head;
+
+/* Sweep 1: keys j0 .. j0 + mr - 1 (mr <= 32) of one K/V head, against
+ * the `heads` query heads that read it; dK and dV written as bf16. */
+typedef struct mha_amx_bwd_kv {
+    const uint16_t *k, *v;      /* row r at k + r ldk (v + r ldv)          */
+    int64_t ldk, ldv, j0;
+    int mr, dh, heads;
+    const mha_amx_bwd_head *head;
+    float scale;
+    uint16_t *dk, *dv;
+    int64_t ldk_out, ldv_out;
+} mha_amx_bwd_kv;
+
+/* Sweep 2: query rows of one head (mr <= 32) against its K/V head: K^T
+ * and V^T (K = d_h, N = Lk) and K (K = Lk, N = d_h) packed; per row lim,
+ * lse log2 e and D; dQ written as bf16. */
+typedef struct mha_amx_bwd_q {
+    const uint16_t *q, *dout;
+    int64_t ldq, ldo;
+    int mr, dh;
+    const int64_t *lim;
+    const float *lse2, *D;
+    const uint32_t *kt, *vt, *kn;
+    int64_t kt_stride, vt_stride, kn_stride;
+    float scale;
+    uint16_t *dq;
+    int64_t ldq_out;
+} mha_amx_bwd_q;
+
+typedef struct mha_amx_bwd_scratch {
+    float *S, *dP;              /* 32 x 64 each                            */
+    float *acc;                 /* 64 x dh: dK then dV, or dQ              */
+    uint16_t *P, *dS;           /* 32 x 64 bf16 each                       */
+    uint16_t *x, *y;            /* 32 x dh bf16 each: staged rows          */
+} mha_amx_bwd_scratch;
+static inline int64_t mha_amx_bwd_scratch_floats(int dh)
+{
+    return 2 * 32 * 64 + 64 * (int64_t)dh + 32 * 64 + 32 * (int64_t)dh;
+}
+void mha_amx_backward_kv(const mha_amx_bwd_kv *w, mha_amx_bwd_scratch *s);
+void mha_amx_backward_q(const mha_amx_bwd_q *w, mha_amx_bwd_scratch *s);
+
 #endif /* MHA_KERNELS_H */
