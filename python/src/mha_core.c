@@ -1066,15 +1066,19 @@ static PyObject *module_forward_fast(ModuleObject *self,
  * attention_half(q, k, v, out, dtype, causal, scale, threads): mha_attention
  * on 16-bit elements (dtype 2: f16, 3: bf16, mha_dtype's values), q (B,
  * H, Lq, d_h), k and v (B, H_kv, Lk, d_h), out like q, all C-contiguous
- * arrays of 2-byte items (the bits), read and written in place.
+ * arrays of 2-byte items (the bits), read and written in place.  With
+ * four more, (..., grad_out, grad_q, grad_k, grad_v), its backward
+ * (mha_attention_backward16): out is then not written (None).
  */
 static PyObject *attention_half(PyObject *self, PyObject *const *args,
                                 Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 8)
+    if (nargs != 8 && nargs != 12)
         return PyErr_Format(PyExc_TypeError, "attention_half takes 8 "
-                            "arguments, got %zd", nargs);
+                            "arguments (12 for the backward), got %zd",
+                            nargs);
+    const int backward = nargs == 12;
     const long dtype = PyLong_AsLong(args[4]);
     const long causal = PyLong_AsLong(args[5]);
     const long threads = PyLong_AsLong(args[7]);
@@ -1106,8 +1110,19 @@ static PyObject *attention_half(PyObject *self, PyObject *const *args,
     a.head_dim = vq->shape[3];
     a.num_kv_heads = vk->shape[1];
     a.kv_len = vk->shape[2];
-    if (get_buf(&b, args[3], "out", T_U16, 1, (int64_t)(vq->len / 2), 1,
-                &pout, NULL))
+    if (get_buf(&b, args[3], "out", T_U16, 1, (int64_t)(vq->len / 2),
+                !backward, &pout, NULL))
+        goto fail;
+    void *pgo = NULL, *pgq = NULL, *pgk = NULL, *pgv = NULL;
+    if (backward &&
+        (get_buf(&b, args[8], "grad_out", T_U16, 0, (int64_t)(vq->len / 2),
+                 1, &pgo, NULL) ||
+         get_buf(&b, args[9], "grad_q", T_U16, 1, (int64_t)(vq->len / 2), 1,
+                 &pgq, NULL) ||
+         get_buf(&b, args[10], "grad_k", T_U16, 1, (int64_t)(vk->len / 2), 1,
+                 &pgk, NULL) ||
+         get_buf(&b, args[11], "grad_v", T_U16, 1, (int64_t)(vk->len / 2), 1,
+                 &pgv, NULL)))
         goto fail;
     a.dtype = (mha_dtype)dtype;
     a.q16 = pq;
@@ -1121,9 +1136,11 @@ static PyObject *attention_half(PyObject *self, PyObject *const *args,
         a.scale = (float)scale;
         a.given |= MHA_GIVEN_SCALE;
     }
+    const mha_attention_grads16 g = {.grad_out = pgo, .grad_q = pgq,
+                                     .grad_k = pgk, .grad_v = pgv};
     mha_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = mha_attention(&a);
+    st = backward ? mha_attention_backward16(&a, &g) : mha_attention(&a);
     Py_END_ALLOW_THREADS
     bufs_release(&b);
     if (st != MHA_OK)

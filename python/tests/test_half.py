@@ -71,8 +71,8 @@ def test_sdpa_half_layouts_and_checks():
 
 
 def test_sdpa_half_float32_fallbacks():
-    """A mask or a gradient: computed in float32, returned in bf16, and
-    the gradients reach bf16 leaves."""
+    """A mask: computed in float32, returned in bf16; with a gradient too
+    (the float32 backward then), the gradients reach bf16 leaves."""
     q, k, v = _inputs(1, 2, 2, 16, 16, 32, torch.bfloat16, 5)
     mask = torch.rand(16, 16, generator=torch.Generator().manual_seed(1)) > 0.3
     mask[:, 0] = True
@@ -85,15 +85,44 @@ def test_sdpa_half_float32_fallbacks():
     assert ((got.double() - ref).abs() <=
             2.0 ** -8 * ref.abs() + 1e-6).all()
     qg = q.clone().requires_grad_()
-    out = MF.scaled_dot_product_attention(qg, k, v, is_causal=True)
+    out = MF.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
     out.float().sum().backward()
     assert qg.grad is not None and qg.grad.dtype == torch.bfloat16
     q64 = q.double().requires_grad_()
     F.scaled_dot_product_attention(q64, k.double(), v.double(),
-                                   is_causal=True).sum().backward()
+                                   attn_mask=mask).sum().backward()
     # the float32 gradient rounded to bf16 once
     assert ((qg.grad.double() - q64.grad).abs() <=
             2.0 ** -8 * q64.grad.abs() + 1e-5).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES[:4])
+def test_sdpa_half_gradients_within_3x_torch(dtype, shape):
+    """libmha's 16-bit backward: every gradient within 3x torch's own
+    error in that dtype (DESIGN.md's bound for gradients), against
+    float64 on the rounded inputs."""
+    B, H, Hkv, Lq, Lk, d, causal = shape
+    q, k, v = _inputs(B, H, Hkv, Lq, Lk, d, dtype, 21)
+    gqa = Hkv != H
+    g = torch.rand(B, H, Lq, d, generator=torch.Generator().manual_seed(2))
+    g = (g - 0.5).to(dtype)
+    grads = {}
+    for name, fn, cast in (("mha", MF.scaled_dot_product_attention, dtype),
+                           ("torch", F.scaled_dot_product_attention, dtype),
+                           ("ref", F.scaled_dot_product_attention,
+                            torch.float64)):
+        x = [t.detach().to(cast).clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*x, is_causal=causal, enable_gqa=gqa)
+        out.backward(g.to(cast))
+        grads[name] = [t.grad for t in x]
+        assert all(t.grad.dtype == cast for t in x)
+    for i, name in enumerate("qkv"):
+        ref = grads["ref"][i]
+        err = (grads["mha"][i].double() - ref).abs().max().item()
+        terr = (grads["torch"][i].double() - ref).abs().max().item()
+        assert terr > 0
+        assert err <= 3 * terr, (name, err, terr, mha.bf16_kernel())
 
 
 def test_bf16_kernel_named():

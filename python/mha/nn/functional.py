@@ -3,11 +3,11 @@ libmha (mha_attention forward, mha_attention_backward for autograd).
 
 Where it differs from torch:
   - float32, bfloat16 and float16 CPU tensors (anything else: TypeError /
-    ValueError).  bf16 / f16 q, k, v with no mask, dropout or modifier
-    and nothing to differentiate run libmha's 16-bit attention (AMX tiles
-    for bf16 where the CPU has them, docs/semantics.md "bf16 and f16");
-    any other bf16 / f16 call computes in float32 and casts the result
-    back (autograd flows through the casts);
+    ValueError).  bf16 / f16 q, k, v with no mask, dropout or modifier run
+    libmha's 16-bit attention and its backward (AMX tiles for bf16 where
+    the CPU has them, docs/semantics.md "bf16 and f16"); any other bf16 /
+    f16 call computes in float32 and casts the result back (autograd
+    flows through the casts);
   - a query row with no key left to attend to gives zeros, not NaN, and
     zero gradients;
   - dropout comes from libmha's counter-based hash keyed by a seed drawn
@@ -155,7 +155,7 @@ def _sdpa_half(query, key, value, attn_mask, dropout_p, is_causal, scale,
                             "same dtype" % (dt, name, t.dtype))
     grad = torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad)
-    if attn_mask is not None or dropout_p or extra or grad:
+    if attn_mask is not None or dropout_p or extra:
         out = scaled_dot_product_attention(
             query.float(), key.float(), value.float(), attn_mask, dropout_p,
             is_causal, scale, enable_gqa, **extra)
@@ -181,15 +181,46 @@ def _sdpa_half(query, key, value, attn_mask, dropout_p, is_causal, scale,
         raise ValueError("key/value have %d heads, query %d: pass "
                          "enable_gqa=True for grouped-query attention"
                          % (Hkv, H))
-    if not 0 in q.shape and not 0 in k.shape:
-        out = torch.empty((B, H, Lq, d), dtype=dt)
-        _core.attention_half(_bits(q.contiguous()), _bits(k.contiguous()),
-                             _bits(v.contiguous()), _bits(out), _HALF[dt],
-                             2 if is_causal else 0,
-                             None if scale is None else float(scale), 0)
-    else:   # (libmha refuses empty shapes; torch returns an empty result)
-        out = torch.empty((B, H, Lq, d), dtype=dt)
+    kw = (_HALF[dt], 2 if is_causal else 0,
+          None if scale is None else float(scale), 0)
+    if 0 in q.shape or 0 in k.shape:
+        # (libmha refuses empty shapes; torch returns an empty result)
+        out = torch.zeros((B, H, Lq, d), dtype=dt)
+    elif grad:
+        out = _SDPAHalf.apply(q, k, v, kw)
+    else:
+        out = _half_forward(q, k, v, kw)
     return out[0] if unbatched else out
+
+
+def _half_forward(q, k, v, kw):
+    out = torch.empty(q.shape, dtype=q.dtype)
+    _core.attention_half(_bits(q.contiguous()), _bits(k.contiguous()),
+                         _bits(v.contiguous()), _bits(out), *kw)
+    return out
+
+
+class _SDPAHalf(torch.autograd.Function):
+    """bf16 / f16 attention with libmha's 16-bit backward
+    (mha_attention_backward16), gradients in the inputs' dtype."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kw):
+        ctx.kw = kw
+        ctx.save_for_backward(q, k, v)
+        return _half_forward(q, k, v, kw)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v = ctx.saved_tensors
+        gq = torch.empty(q.shape, dtype=q.dtype)
+        gk = torch.empty(k.shape, dtype=k.dtype)
+        gv = torch.empty(v.shape, dtype=v.dtype)
+        go = grad_out.to(q.dtype).contiguous()
+        _core.attention_half(_bits(q.contiguous()), _bits(k.contiguous()),
+                             _bits(v.contiguous()), None, *ctx.kw,
+                             _bits(go), _bits(gq), _bits(gk), _bits(gv))
+        return gq, gk, gv, None
 
 
 def _view(t):
