@@ -176,10 +176,17 @@ def time_calls(fn, warmup, repeat):
     return statistics.median(ms), min(ms)
 
 
+def torch_dtype(args):
+    import torch
+    return {"f32": torch.float32, "bf16": torch.bfloat16,
+            "f16": torch.float16}[args.dtype]
+
+
 def torch_attention(args, b, l, h, dh, causal, repeat):
     import torch
     torch.manual_seed(0)
-    q, k, v = (torch.rand(b, h, l, dh) * 2 - 1 for _ in range(3))
+    q, k, v = ((torch.rand(b, h, l, dh) * 2 - 1).to(torch_dtype(args))
+               for _ in range(3))
     scale = 1.0 / math.sqrt(dh)
     mask = torch.ones(l, l, dtype=torch.bool).triu(1) if causal else None
 
@@ -201,9 +208,9 @@ def torch_attention(args, b, l, h, dh, causal, repeat):
 def torch_attention_backward(args, b, l, h, dh, causal, repeat):
     import torch
     torch.manual_seed(0)
-    q, k, v = ((torch.rand(b, h, l, dh) * 2 - 1).requires_grad_()
-               for _ in range(3))
-    g = torch.rand(b, h, l, dh) * 2 - 1
+    q, k, v = ((torch.rand(b, h, l, dh) * 2 - 1).to(torch_dtype(args))
+               .requires_grad_() for _ in range(3))
+    g = (torch.rand(b, h, l, dh) * 2 - 1).to(torch_dtype(args))
     scale = 1.0 / math.sqrt(dh)
     mask = torch.ones(l, l, dtype=torch.bool).triu(1) if causal else None
     sdpa = getattr(torch.nn.functional, "scaled_dot_product_attention",
@@ -311,6 +318,11 @@ def main():
                     help="skip the whole-module comparisons")
     ap.add_argument("--no-causal", action="store_true",
                     help="skip the causal variants")
+    ap.add_argument("--dtype", choices=("f32", "bf16", "f16"), default="f32",
+                    help="q, k, v (and gradients) of the attention-only "
+                         "comparisons in this type on both sides (mha "
+                         "bench --dtype); bf16 / f16 compare the attention "
+                         "alone (no module or training step)")
     ap.add_argument("--quick", action="store_true",
                     help="small shapes only")
     ap.add_argument("--timeout", type=float, default=300.0,
@@ -391,13 +403,16 @@ def main():
     def training(b, l, e, h, causal, rep):
         return torch_training(args, b, l, e, h, causal, rep)[0], None
 
+    if args.dtype != "f32":
+        mod_shapes, train_shapes = [], []
+    dt = ["--dtype", args.dtype]
     attn_res = {(b, l, h, e // h, c): r for (b, l, e, h, c), r in measure(
         [(b, l, h * dh, h) for b, l, h, dh in attn_shapes],
-        ["--attention-only"], attention).items()}
+        ["--attention-only", *dt], attention).items()}
     attn_bwd_res = {(b, l, h, e // h, c): r for (b, l, e, h, c), r in
                     measure([(b, l, h * dh, h)
                              for b, l, h, dh in attn_bwd_shapes],
-                            ["--attention-only", "--backward"],
+                            ["--attention-only", "--backward", *dt],
                             attention_backward).items()}
     mod_res = measure(mod_shapes, [], module)
     train_res = measure(train_shapes, ["--backward"], training)
@@ -408,7 +423,7 @@ def main():
         peak = (f"; FMA peak x {args.threads} = {lo:.1f} GFLOP/s"
                 if hi - lo < 0.05 else
                 f"; FMA peak x {args.threads} = {lo:.1f} to {hi:.1f} GFLOP/s")
-    print(f"torch {torch.__version__}, mha {args.mha}, kernel tier "
+    print(f"dtype {args.dtype}; torch {torch.__version__}, mha {args.mha}, kernel tier "
           f"{'/'.join(sorted(tiers)) or '?'}, {args.threads} thread(s) each; "
           f"median of {args.repeat} runs (L >= 512: {args.repeat_big}) after "
           f"{args.warmup} warm-up{peak}")
@@ -457,8 +472,10 @@ def main():
     print("\ntorch/mha > 1 means mha is faster.")
 
     # The targets of the "Ahead of today's PyTorch" issue (against PyTorch
-    # 2.13), where this run measured them.
+    # 2.13), where this run measured them: float32 ones only.
     checks = []
+    if args.dtype != "f32":
+        return
 
     def mark(ok):
         return "met" if ok else "NOT met"

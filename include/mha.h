@@ -706,7 +706,11 @@ MHA_API mha_status mha_attention_backward(const mha_attention_args *args,
  * statistics), then the flash backward's two sweeps, P and scale dS
  * rounded to bf16 before their products (as the forward rounds P), every
  * sum float32; anything else widens to float32 and runs
- * mha_attention_backward.  No sinks, dropout or weights.
+ * mha_attention_backward.  No sinks, dropout or weights.  With args.out16
+ * and args.lse both set (what mha_attention wrote for these arguments)
+ * the AMX path takes them instead of running the forward again, as
+ * FlashAttention's backward takes the forward's output and lse; they are
+ * only read.
  */
 typedef struct mha_attention_grads16 {
     const uint16_t *grad_out;   /* like out                               */

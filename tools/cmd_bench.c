@@ -49,10 +49,13 @@ static const char BENCH_HELP[] =
     "                        projections (mha_attention allocates its\n"
     "                        workspace on each call: row stats, K and V\n"
     "                        packed by tile, per-thread tiles)\n"
-    "  --dtype f32|bf16|f16  with --attention-only (forward): q, k, v and\n"
-    "                        out in that type (rounded once, untimed); bf16\n"
-    "                        runs on AMX tiles where the CPU has them\n"
-    "                        (mha_bf16_kernel), otherwise widened\n"
+    "  --dtype f32|bf16|f16  with --attention-only: q, k, v and out (and\n"
+    "                        with --backward dL/d out and the gradients:\n"
+    "                        mha_attention then mha_attention_backward16,\n"
+    "                        which reuses the forward's out and lse) in that\n"
+    "                        type (rounded once, untimed); bf16 runs on AMX\n"
+    "                        tiles where the CPU has them (mha_bf16_kernel),\n"
+    "                        otherwise widened\n"
     "  --backward            time a training step's work: each timed call is\n"
     "                        mha_plan_forward then mha_plan_backward, with\n"
     "                        a random dL/d output and every gradient asked\n"
@@ -328,10 +331,10 @@ int cmd_bench(int argc, char **argv)
     if ((int)dtype < 0)
         return tool_fail("bench", "--dtype must be f32, bf16 or f16, got "
                          "'%s'", dtype_s);
-    if (dtype != MHA_DTYPE_F32 && (!attn_only || backward || weights))
-        return tool_fail("bench", "--dtype %s times mha_attention's forward "
-                         "alone: with --attention-only, without --backward "
-                         "or --need-weights", dtype_s);
+    if (dtype != MHA_DTYPE_F32 && (!attn_only || weights))
+        return tool_fail("bench", "--dtype %s times mha_attention alone: "
+                         "with --attention-only, without --need-weights",
+                         dtype_s);
     if (!cross)
         Lk = Lq;
 #undef OPT
@@ -460,10 +463,17 @@ int cmd_bench(int argc, char **argv)
     for (int64_t h = 0; sink_logits && h < H; h++)
         sink_logits[h] = 0.5f;
     aa.sinks = sink_logits;
-    /* 16-bit copies of q, k, v, rounded once before the timing */
+    /* 16-bit copies of q, k, v, rounded once before the timing (and for
+     * --backward dL/d out, the gradients and the forward's lse) */
     uint16_t *h16 = NULL;
+    float *lse16 = NULL;
+    mha_attention_grads16 g16 = {0};
     if (dtype != MHA_DTYPE_F32) {
-        h16 = malloc((2 * nq + 2 * nkv) * sizeof *h16);
+        h16 = malloc((2 * nq + 2 * nkv + (backward ? 2 * nq + 2 * nkv : 0)) *
+                     sizeof *h16);
+        lse16 = malloc((size_t)(B * H * Lq) * sizeof *lse16);
+        if (!lse16)
+            rc = tool_fail("bench", "cannot allocate the row statistics");
         if (!h16)
             rc = tool_fail("bench", "cannot allocate the 16-bit inputs");
         for (size_t i = 0; h16 && i < nq + 2 * nkv; i++) {
@@ -479,6 +489,17 @@ int cmd_bench(int argc, char **argv)
         aa.k16 = h16 + nq;
         aa.v16 = h16 + nq + nkv;
         aa.out16 = h16 + nq + 2 * nkv;
+        if (h16 && backward) {
+            uint16_t *gb = h16 + 2 * nq + 2 * nkv;
+            for (size_t i = 0; i < nq; i++)
+                gb[i] = dtype == MHA_DTYPE_BF16 ? mha_bf16_from_float(g[i])
+                                                : mha_f16_from_float(g[i]);
+            g16 = (mha_attention_grads16){.grad_out = gb, .grad_q = gb + nq,
+                                          .grad_k = gb + 2 * nq,
+                                          .grad_v = gb + 2 * nq + nkv};
+            aa.lse = lse16;   /* the forward's, which the backward reuses */
+            memset(g + nq, 0, (ng - nq) * sizeof *g);   /* (unused here) */
+        }
     }
 
     mha_attention_grads ag = {0};
@@ -493,7 +514,7 @@ int cmd_bench(int argc, char **argv)
     mha_attention_plan *aplan = NULL;
     if (!rc && !attn_only && mha_plan_create(m, &a, &plan) != MHA_OK)
         rc = tool_fail("bench", "%s", mha_last_error());
-    if (!rc && attn_only && backward &&
+    if (!rc && attn_only && backward && dtype == MHA_DTYPE_F32 &&
         mha_attention_plan_create(&aa, &aplan) != MHA_OK)
         rc = tool_fail("bench", "%s", mha_last_error());
 
@@ -512,8 +533,9 @@ int cmd_bench(int argc, char **argv)
                                     : mha_plan_forward(plan, &a);
         const double tf = bench_now_s();
         if (st == MHA_OK && backward)
-            st = aplan ? mha_attention_plan_backward(aplan, &aa, &ag)
-                       : mha_plan_backward(plan, &a, &b);
+            st = aplan       ? mha_attention_plan_backward(aplan, &aa, &ag)
+                 : h16       ? mha_attention_backward16(&aa, &g16)
+                             : mha_plan_backward(plan, &a, &b);
         const double t1 = bench_now_s();
         if (st != MHA_OK)
             rc = tool_fail("bench", "%s", mha_last_error());
@@ -598,9 +620,14 @@ int cmd_bench(int argc, char **argv)
                    threads == 1 ? "" : "s",
                    threads_default ? " (default: the online CPUs)" : "");
             if (attn_only && backward)
-                printf("  timed   mha_attention_plan_run + "
-                       "mha_attention_plan_backward on projected q, k, v "
-                       "(attention only, planned once)\n");
+                printf(h16 ? "  timed   mha_attention + "
+                             "mha_attention_backward16 on projected %s q, "
+                             "k, v (attention only; the backward reuses "
+                             "the forward's out and lse)\n"
+                           : "  timed   mha_attention_plan_run + "
+                             "mha_attention_plan_backward on projected%s "
+                             "q, k, v (attention only, planned once)\n",
+                       h16 ? dtype_s : "");
             else if (attn_only)
                 printf("  timed   mha_attention on projected q, k, v "
                        "(attention only)\n");
@@ -653,6 +680,7 @@ int cmd_bench(int argc, char **argv)
     free(q);
     free(sink_logits);
     free(h16);
+    free(lse16);
     mha_free(m);
     tool_mods_free(&mods);
     return rc;

@@ -957,18 +957,22 @@ static mha_status attention_half_backward(const mha_attention_args *a,
     const span outs[3] = {{"grad_q", g->grad_q, (s.n_q + 1) / 2},
                           {"grad_k", g->grad_k, (s.n_kv + 1) / 2},
                           {"grad_v", g->grad_v, (s.n_kv + 1) / 2}};
-    const span ins[4] = {{"q16", a->q16, (s.n_q + 1) / 2},
+    const int given = a->out16 && a->lse;   /* the forward's, to reuse */
+    const span ins[6] = {{"q16", a->q16, (s.n_q + 1) / 2},
                          {"k16", a->k16, (s.n_kv + 1) / 2},
                          {"v16", a->v16, (s.n_kv + 1) / 2},
-                         {"grad_out", g->grad_out, (s.n_q + 1) / 2}};
-    MHA_CHECK(check_disjoint(outs, 3, ins, 4));
+                         {"grad_out", g->grad_out, (s.n_q + 1) / 2},
+                         {"out16", given ? a->out16 : NULL, (s.n_q + 1) / 2},
+                         {"lse", given ? a->lse : NULL, s.B * s.H * s.Lq}};
+    MHA_CHECK(check_disjoint(outs, 3, ins, 6));
     if (!amx_takes(a, &s) || s.Lq > INT32_MAX - 64 || s.Lk > INT32_MAX - 64)
         return backward_widened(a, g, &s);
-    /* the forward, for out and the row statistics */
-    uint16_t *out = malloc((size_t)s.n_q * 2);
-    float *lse = mha_alloc_floats(s.B * s.H * s.Lq, "the forward's lse");
+    /* the forward's out and row statistics: given (both), or computed */
+    uint16_t *out = given ? a->out16 : malloc((size_t)s.n_q * 2);
+    float *lse = given ? a->lse
+                       : mha_alloc_floats(s.B * s.H * s.Lq, "the forward's lse");
     mha_status st = out && lse ? MHA_OK : MHA_ERR_OUT_OF_MEMORY;
-    if (st == MHA_OK) {
+    if (st == MHA_OK && !given) {
         f.out16 = out;
         f.lse = lse;
         st = attention_half(&f);
@@ -987,8 +991,10 @@ static mha_status attention_half_backward(const mha_attention_args *a,
             st = mha_attn_amx_backward(&eng, &p);
         }
     }
-    free(out);
-    free(lse);
+    if (!given) {
+        free(out);
+        free(lse);
+    }
     return st;
 }
 
