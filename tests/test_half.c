@@ -261,6 +261,25 @@ static void run_backward(const hcase *c, uint64_t seed)
         assert_memory_equal(g[0][1], g[t][1], nk * 2);
         assert_memory_equal(g[0][2], g[t][2], nk * 2);
     }
+    {   /* the forward's out16 and lse given: the same gradients, bitwise */
+        uint16_t *o = malloc(nq * 2), *gg[3] = {malloc(nq * 2), malloc(nk * 2),
+                                                malloc(nk * 2)};
+        float *lse = malloc(c->B * c->H * c->Lq * sizeof *lse);
+        mha_attention_args a = {0};
+        a.batch = c->B, a.num_heads = c->H, a.num_kv_heads = c->Hkv;
+        a.head_dim = c->dh, a.q_len = c->Lq, a.kv_len = c->Lk;
+        a.dtype = c->dtype, a.q16 = q, a.k16 = k, a.v16 = v, a.out16 = o;
+        a.causal = c->causal, a.key_lengths = kl, a.layout = c->layout;
+        a.scale = c->scale, a.lse = lse;
+        assert_int_equal(mha_attention(&a), MHA_OK);
+        const mha_attention_grads16 gr = {.grad_out = go, .grad_q = gg[0],
+                                          .grad_k = gg[1], .grad_v = gg[2]};
+        assert_int_equal(mha_attention_backward16(&a, &gr), MHA_OK);
+        assert_memory_equal(g[0][0], gg[0], nq * 2);
+        assert_memory_equal(g[0][1], gg[1], nk * 2);
+        assert_memory_equal(g[0][2], gg[2], nk * 2);
+        free(o), free(lse), free(gg[0]), free(gg[1]), free(gg[2]);
+    }
 
     const double scale = c->scale ? c->scale : 1.0 / sqrt((double)c->dh);
     const int64_t group = c->H / c->Hkv, L = c->Lq, M = c->Lk, D = c->dh;
