@@ -11,6 +11,8 @@
  */
 #include "attention.h"
 
+#include <string.h>
+
 #include <float.h>
 #include <math.h>
 
@@ -227,16 +229,40 @@ void mha_attn_backward(const mha_engine *e, const mha_attn *problem,
     }
 }
 
+/* The largest finite |x|, on the bits: for finite numbers |x| orders as
+ * its bits without the sign, and Inf and NaN are the patterns whose
+ * exponent is all ones (a plain integer max, which vectorises: signed
+ * integers, since the library's baseline, SSE2, compares only those). */
 double mha_max_abs_finite(const float *x, int64_t rows, int64_t cols,
                           int64_t ld)
 {
-    float m = 0.0f;
-    for (int64_t r = 0; r < rows; r++)
+    int32_t m = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * ld;
         for (int64_t c = 0; c < cols; c++) {
-            const float a = fabsf(x[r * ld + c]);
-            m = a > m && a <= FLT_MAX ? a : m;   /* (NaN, Inf: skipped) */
+            int32_t u;
+            memcpy(&u, row + c, sizeof u);
+            u &= 0x7FFFFFFF;
+            u = u < 0x7F800000 ? u : 0;   /* (NaN, Inf: skipped) */
+            m = u > m ? u : m;
         }
-    return m;
+    }
+    float f;
+    memcpy(&f, &m, sizeof f);
+    return f;
+}
+
+double mha_max_abs_finite16(const uint16_t *x, int64_t n, int bf16)
+{
+    const int16_t inf = bf16 ? 0x7F80 : 0x7C00;   /* exponent all ones */
+    int16_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int16_t u = (int16_t)(x[i] & 0x7FFF);
+        u = u < inf ? u : 0;
+        m = u > m ? u : m;
+    }
+    return bf16 ? mha_bf16_to_float((uint16_t)m)
+                : mha_f16_to_float((uint16_t)m);
 }
 
 mha_status mha_check_score_range(float scale, int64_t dh, double qmax,

@@ -766,19 +766,6 @@ static mha_status half_shape(const mha_attention_args *a, sdpa_shape *s)
     return mask_plan(&f, s, &mask);   /* key_lengths' values */
 }
 
-/* The largest finite |x| of n 16-bit elements. */
-static double max_abs16(const uint16_t *x, int64_t n, int bf)
-{
-    double m = 0.0;
-    for (int64_t i = 0; i < n; i++) {
-        const double v = fabs(bf ? mha_bf16_to_float(x[i])
-                                 : mha_f16_to_float(x[i]));
-        if (v > m && isfinite(v))
-            m = v;
-    }
-    return m;
-}
-
 /* The problem of a 16-bit call in either layout (element (b, h, i, d) at
  * b bs + h hs + i ld + d). */
 static mha_half_problem half_problem(const mha_attention_args *a,
@@ -924,8 +911,8 @@ static mha_status attention_half(const mha_attention_args *a)
         return attention_widened(a, &s);   /* (it checks the score range) */
     /* scores that could overflow float32 are refused, as in plan_run */
     MHA_CHECK(mha_check_score_range(resolved_scale(a, s.dh), s.dh,
-                                    max_abs16(a->q16, s.n_q, 1),
-                                    max_abs16(a->k16, s.n_kv, 1)));
+                                    mha_max_abs_finite16(a->q16, s.n_q, 1),
+                                    mha_max_abs_finite16(a->k16, s.n_kv, 1)));
     mha_engine eng;
     MHA_CHECK(mha_engine_init(&eng, a->num_threads));
     const mha_half_problem p = half_problem(a, &s);
