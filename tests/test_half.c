@@ -446,6 +446,9 @@ static void test_bf16_shapes(void **state)
         {2, 2, 1, 64, 64, 96, MHA_CAUSAL_BOTTOM_RIGHT, 1, MHA_LAYOUT_HEADS_FIRST, MHA_DTYPE_BF16, -0.3f},
         {1, 2, 2, 70, 40, 64, MHA_CAUSAL_BOTTOM_RIGHT, 0, MHA_LAYOUT_ROWS, MHA_DTYPE_BF16, 0},
         {1, 2, 2, 20, 300, 256, MHA_CAUSAL_NONE, 0, MHA_LAYOUT_ROWS, MHA_DTYPE_BF16, 0},
+        /* several 256-key steps: the pipelined walk, rescaling across them */
+        {1, 2, 1, 600, 600, 64, MHA_CAUSAL_TOP_LEFT, 0, MHA_LAYOUT_ROWS, MHA_DTYPE_BF16, 0},
+        {2, 1, 1, 40, 1000, 128, MHA_CAUSAL_NONE, 1, MHA_LAYOUT_HEADS_FIRST, MHA_DTYPE_BF16, 0.3f},
         /* d_h not a multiple of 32: widened everywhere */
         {2, 2, 2, 17, 23, 48, MHA_CAUSAL_TOP_LEFT, 0, MHA_LAYOUT_ROWS, MHA_DTYPE_BF16, 0},
     };
