@@ -78,30 +78,28 @@ void mha_amx_pack_k(const uint16_t *k, int64_t ld, int64_t Lk, int dh,
 {
     const int nc = dh / 32;
     const int64_t nkb = (Lk + 31) / 32 * 2;
-    for (int64_t kb = 0; kb < nkb; kb++)
+    /* word r of 16 keys: a gather 2 ld bytes apart (ld < 2^30: checked
+     * by the caller through the sizes it accepts) */
+    const __m512i rows = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)ld));
+    for (int64_t kb = 0; kb < nkb; kb++) {
+        const int64_t live = Lk - kb * 16;   /* keys of this block */
+        const __mmask16 in = live >= 16 ? (__mmask16)0xFFFF
+                           : live <= 0  ? (__mmask16)0
+                                        : (__mmask16)((1u << live) - 1);
         for (int c = 0; c < nc; c++) {
             uint32_t *t = dst + (kb * nc + c) * 256;
-            for (int n = 0; n < 16; n++) {
-                const int64_t j = kb * 16 + n;
-                if (j >= Lk) {
-                    for (int r = 0; r < 16; r++)
-                        t[r * 16 + n] = 0;
-                    continue;
-                }
-                uint32_t w[16];
-                memcpy(w, k + j * ld + 32 * c, sizeof w);
-                for (int r = 0; r < 16; r++)
-                    t[r * 16 + n] = w[r];
-            }
+            const uint16_t *base = k + kb * 16 * ld + 32 * c;
+            for (int r = 0; r < 16; r++)
+                _mm512_storeu_si512(
+                    t + r * 16,
+                    _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), in,
+                                                rows, base + 2 * r, 2));
         }
+    }
 }
 
-/*
- * V of one (b, K/V head) into B tiles for O += P V: tile (kb, dc) is keys
- * 32 kb .. 32 kb + 31 against head dims 16 dc .. 16 dc + 15, its row r
- * the pairs (V[2r][n], V[2r+1][n]) of two consecutive keys.  Keys past Lk
- * are zeros.
- */
 void mha_amx_pack_v(const uint16_t *v, int64_t ld, int64_t Lk, int dh,
                     uint32_t *dst)
 {
@@ -111,14 +109,19 @@ void mha_amx_pack_v(const uint16_t *v, int64_t ld, int64_t Lk, int dh,
         for (int dc = 0; dc < ndc; dc++) {
             uint32_t *t = dst + (kb * ndc + dc) * 256;
             for (int r = 0; r < 16; r++) {
+                /* (V[2r][n], V[2r+1][n]): the two rows' 16 elements
+                 * widened to 32 bits, the second shifted up */
                 const int64_t j0 = kb * 32 + 2 * r, j1 = j0 + 1;
-                for (int n = 0; n < 16; n++) {
-                    const uint32_t lo =
-                        j0 < Lk ? v[j0 * ld + 16 * dc + n] : 0;
-                    const uint32_t hi =
-                        j1 < Lk ? v[j1 * ld + 16 * dc + n] : 0;
-                    t[r * 16 + n] = lo | hi << 16;
-                }
+                const __m512i lo = j0 < Lk
+                    ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                          (const __m256i *)(v + j0 * ld + 16 * dc)))
+                    : _mm512_setzero_si512();
+                const __m512i hi = j1 < Lk
+                    ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                          (const __m256i *)(v + j1 * ld + 16 * dc)))
+                    : _mm512_setzero_si512();
+                _mm512_storeu_si512(t + r * 16,
+                                    _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
             }
         }
 }
