@@ -40,7 +40,7 @@ static int64_t row_limit(const mha_half_problem *p, int64_t b, int64_t i)
 mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p)
 {
     const int dh = (int)p->dh;
-    const int64_t words = mha_amx_packed_words(p->Lk, dh);
+    const int64_t words = mha_amx_b_words(p->Lk, dh);   /* K^T or V */
     const int64_t nqb = (p->Lq + 31) / 32, group = p->H / p->Hkv;
     int64_t n_packed, n_items, n_scratch;
     if (!mha_mul_ok(p->B * p->Hkv, 2 * words, &n_packed) ||
@@ -75,10 +75,10 @@ mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p)
         for (int64_t bg = 0; bg < n_kv; bg++) {
             const int64_t b = bg / p->Hkv, g = bg % p->Hkv;
             uint32_t *kp = packed + bg * 2 * words;
-            mha_amx_pack_k(p->k + b * p->bsk + g * p->hsk, p->ldk, p->Lk, dh,
-                           kp);
-            mha_amx_pack_v(p->v + b * p->bsv + g * p->hsv, p->ldv, p->Lk, dh,
-                           kp + words);
+            mha_amx_pack_b(p->k + b * p->bsk + g * p->hsk, 1, p->ldk, dh,
+                           p->Lk, kp);               /* K^T: dims x keys */
+            mha_amx_pack_b(p->v + b * p->bsv + g * p->hsv, p->ldv, 1, p->Lk,
+                           dh, kp + words);          /* V: keys x dims */
         }
 
         /* 2. the query blocks; 64-byte aligned parts of this thread's
@@ -105,7 +105,8 @@ mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p)
             const mha_amx_block w = {
                 .q = p->q + b * p->bsq + h * p->hsq + i0 * p->ldq,
                 .ldq = p->ldq, .mr = mr, .dh = dh, .lim = lim,
-                .kp = kp, .vp = kp + words, .scale = p->scale,
+                .kp = kp, .vp = kp + words,
+                .kt_stride = (p->Lk + 31) / 32 * 2, .scale = p->scale,
                 .out = p->out + b * p->bso + h * p->hso + i0 * p->ldo,
                 .ldo = p->ldo,
                 .lse = p->lse ? p->lse + (b * p->H + h) * p->Lq + i0 : NULL};

@@ -65,67 +65,6 @@ void mha_amx_begin(void)
 
 void mha_amx_end(void) { _tile_release(); }
 
-/* ---- packing ------------------------------------------------------------
- *
- * K of one (b, K/V head): Lk rows of dh bf16, rows ld elements apart, into
- * B tiles for S = Q K^T: tile (kb, c) is keys 16 kb .. 16 kb + 15 against
- * head dims 32 c .. 32 c + 31, its row r the pairs of dims (2r, 2r+1) of
- * the 16 keys: the 16 x 16 transpose of the block's 32-bit words.  Keys
- * past Lk (up to a multiple of 32) are zeros.
- */
-void mha_amx_pack_k(const uint16_t *k, int64_t ld, int64_t Lk, int dh,
-                    uint32_t *dst)
-{
-    const int nc = dh / 32;
-    const int64_t nkb = (Lk + 31) / 32 * 2;
-    /* word r of 16 keys: a gather 2 ld bytes apart (ld < 2^30: checked
-     * by the caller through the sizes it accepts) */
-    const __m512i rows = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32((int)ld));
-    for (int64_t kb = 0; kb < nkb; kb++) {
-        const int64_t live = Lk - kb * 16;   /* keys of this block */
-        const __mmask16 in = live >= 16 ? (__mmask16)0xFFFF
-                           : live <= 0  ? (__mmask16)0
-                                        : (__mmask16)((1u << live) - 1);
-        for (int c = 0; c < nc; c++) {
-            uint32_t *t = dst + (kb * nc + c) * 256;
-            const uint16_t *base = k + kb * 16 * ld + 32 * c;
-            for (int r = 0; r < 16; r++)
-                _mm512_storeu_si512(
-                    t + r * 16,
-                    _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), in,
-                                                rows, base + 2 * r, 2));
-        }
-    }
-}
-
-void mha_amx_pack_v(const uint16_t *v, int64_t ld, int64_t Lk, int dh,
-                    uint32_t *dst)
-{
-    const int ndc = dh / 16;
-    const int64_t nkb = (Lk + 31) / 32;
-    for (int64_t kb = 0; kb < nkb; kb++)
-        for (int dc = 0; dc < ndc; dc++) {
-            uint32_t *t = dst + (kb * ndc + dc) * 256;
-            for (int r = 0; r < 16; r++) {
-                /* (V[2r][n], V[2r+1][n]): the two rows' 16 elements
-                 * widened to 32 bits, the second shifted up */
-                const int64_t j0 = kb * 32 + 2 * r, j1 = j0 + 1;
-                const __m512i lo = j0 < Lk
-                    ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                          (const __m256i *)(v + j0 * ld + 16 * dc)))
-                    : _mm512_setzero_si512();
-                const __m512i hi = j1 < Lk
-                    ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                          (const __m256i *)(v + j1 * ld + 16 * dc)))
-                    : _mm512_setzero_si512();
-                _mm512_storeu_si512(t + r * 16,
-                                    _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-            }
-        }
-}
-
 /* ---- 2^x on 16 lanes, x <= 0 ---------------------------------------------
  * x = n + f, n = round(x), |f| <= 1/2; 2^f by a cubic fitted for the least
  * largest relative error on [-1/2, 1/2] (7.5e-5, measured over 2e5 points
@@ -152,6 +91,122 @@ static inline __mmask16 lanes(int n)   /* the first n of 16 (n may be <0) */
     return n >= 16 ? (__mmask16)0xFFFF
          : n <= 0  ? (__mmask16)0
                    : (__mmask16)((1u << n) - 1);
+}
+
+/* ---- packing --------------------------------------------------------------
+ * Every B operand is one layout (mha_amx_pack_b): the K x N matrix Bm
+ * whose (k, n) element is src[k sk + n sn], as tiles of 32 k x 16 n, tile
+ * (kt, nt) at dst + (kt nnt + nt) 256 words, nnt = 2 ceil(N / 32), its
+ * row r the pairs (Bm[32 kt + 2r][n], Bm[32 kt + 2r + 1][n]).  For K^T in
+ * S = Q K^T, k is the head dim and n the key (sk = 1: a word is two dims
+ * of one key, 16 keys gathered); for V in O += P V, k is the key and n
+ * the dim (sn = 1: two rows of 16 elements widened and interleaved).
+ * Zeros past K and N.
+ */
+void mha_amx_pack_b(const uint16_t *src, int64_t sk, int64_t sn, int64_t K,
+                    int64_t N, uint32_t *dst)
+{
+    const int64_t nkt = (K + 31) / 32, nnt = (N + 31) / 32 * 2;
+    /* gathers index 16 n's by int32 element offsets */
+    const int gather =
+        sk == 1 && K % 2 == 0 && (N + 16) * sn < (INT64_C(1) << 30);
+    const __m512i cols = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
+                          15),
+        _mm512_set1_epi32(gather ? (int)sn : 0));
+    for (int64_t kt = 0; kt < nkt; kt++)
+        for (int64_t nt = 0; nt < nnt; nt++) {
+            uint32_t *t = dst + (kt * nnt + nt) * 256;
+            const int64_t n0 = 16 * nt;
+            const int live = N - n0 >= 16 ? 16 : N - n0 <= 0 ? 0
+                                                             : (int)(N - n0);
+            const __mmask16 in = lanes(live);
+            for (int r = 0; r < 16; r++) {
+                const int64_t k0 = 32 * kt + 2 * r, k1 = k0 + 1;
+                __m512i w;
+                if (k0 >= K || live == 0) {
+                    w = _mm512_setzero_si512();
+                } else if (sn == 1) {   /* two rows of 16, widened */
+                    const __m512i lo = _mm512_cvtepu16_epi32(
+                        _mm256_maskz_loadu_epi16(in, src + k0 * sk + n0));
+                    const __m512i hi =
+                        k1 < K ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
+                                     in, src + k1 * sk + n0))
+                               : _mm512_setzero_si512();
+                    w = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+                } else if (gather) {    /* the word (k0, k1) of 16 n's */
+                    w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(),
+                                                    in, cols,
+                                                    src + n0 * sn + k0, 2);
+                } else {                /* other strides */
+                    uint32_t x[16];
+                    for (int c = 0; c < 16; c++) {
+                        const int64_t n = n0 + c;
+                        const uint32_t lo = n < N ? src[k0 * sk + n * sn] : 0;
+                        const uint32_t hi =
+                            n < N && k1 < K ? src[k1 * sk + n * sn] : 0;
+                        x[c] = lo | hi << 16;
+                    }
+                    w = _mm512_loadu_si512(x);
+                }
+                _mm512_storeu_si512(t + r * 16, w);
+            }
+        }
+}
+
+
+/*
+ * C (32 x N floats, rows ldc apart) = (acc: +=) A (32 x K bf16, rows lda
+ * apart) B, B packed by mha_amx_pack_b with its tile (kt, nt) at
+ * b + (kt * bstride + nt) * 256.  N and K multiples of 32; rows 16-31
+ * only when two.
+ */
+static void gemm32(float *C, int ldc, int N, const uint16_t *A, int lda,
+                   int K, const uint32_t *b, int64_t bstride, int acc,
+                   int two)
+{
+    for (int nt = 0; nt < N / 16; nt += 2) {
+        if (acc) {
+            _tile_loadd(0, C + 16 * nt, ldc * 4);
+            _tile_loadd(1, C + 16 * nt + 16, ldc * 4);
+            if (two) {
+                _tile_loadd(2, C + 16 * ldc + 16 * nt, ldc * 4);
+                _tile_loadd(3, C + 16 * ldc + 16 * nt + 16, ldc * 4);
+            }
+        } else {
+            _tile_zero(0);
+            _tile_zero(1);
+            if (two) {
+                _tile_zero(2);
+                _tile_zero(3);
+            }
+        }
+        for (int kt = 0; kt < K / 32; kt++) {
+            const uint32_t *bt = b + ((int64_t)kt * bstride + nt) * 256;
+            /* the next two B tiles into L1 while these multiply (tile
+             * loads from L2 wait for their lines) */
+            const uint32_t *nx = kt + 1 < K / 32 ? bt + bstride * 256
+                                                 : b + (nt + 2) * 256;
+            for (int x = 0; x < 2048; x += 64)
+                _mm_prefetch((const char *)nx + x, _MM_HINT_T0);
+            _tile_loadd(4, A + 32 * kt, lda * 2);
+            _tile_loadd(6, bt, 64);
+            _tile_loadd(7, bt + 256, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (two) {
+                _tile_loadd(5, A + 16 * lda + 32 * kt, lda * 2);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, C + 16 * nt, ldc * 4);
+        _tile_stored(1, C + 16 * nt + 16, ldc * 4);
+        if (two) {
+            _tile_stored(2, C + 16 * ldc + 16 * nt, ldc * 4);
+            _tile_stored(3, C + 16 * ldc + 16 * nt + 16, ldc * 4);
+        }
+    }
 }
 
 /* ---- one block of query rows ---------------------------------------------
@@ -227,7 +282,7 @@ static int row_has_nan(const float *sr, int live)
 
 void mha_amx_flash_rows(const mha_amx_block *w, mha_amx_scratch *s)
 {
-    const int dh = w->dh, mr = w->mr, nc = dh / 32, ndc = dh / 16;
+    const int dh = w->dh, mr = w->mr, ndc = dh / 16;
     const int two = mr > 16;   /* rows 16-31 (tiles 2, 3 and 5) in use */
     const float c = w->scale * 1.44269504088896341f;
     float *S = s->S, *O = s->O, *m = s->m, *L = s->l;
@@ -255,42 +310,9 @@ void mha_amx_flash_rows(const mha_amx_block *w, mha_amx_scratch *s)
         const int halves = left >= BK ? BK32 : (int)((left + 31) / 32);
         const int ncols = 32 * halves;
 
-        /* S = Q K^T, 32 keys at a time */
-        for (int hf = 0; hf < halves; hf++) {
-            const int64_t kb = (j0 + 32 * hf) / 16;
-            _tile_zero(0);
-            _tile_zero(1);
-            if (two) {
-                _tile_zero(2);
-                _tile_zero(3);
-            }
-            /* the next 32 keys' K tiles into L1 while these multiply */
-            {
-                const char *nx = (const char *)(w->kp + (kb + 2) * nc * 256);
-                for (int b = 0; b < 2 * nc * 1024; b += 64)
-                    _mm_prefetch(nx + b, _MM_HINT_T0);
-            }
-            for (int cc = 0; cc < nc; cc++) {
-                _tile_loadd(4, Q + 32 * cc, dh * 2);
-                if (two)
-                    _tile_loadd(5, Q + 16 * dh + 32 * cc, dh * 2);
-                _tile_loadd(6, w->kp + (kb * nc + cc) * 256, 64);
-                _tile_loadd(7, w->kp + ((kb + 1) * nc + cc) * 256, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                if (two) {
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
-            }
-            float *sb = S + 32 * hf;
-            _tile_stored(0, sb, BK * 4);
-            _tile_stored(1, sb + 16, BK * 4);
-            if (two) {
-                _tile_stored(2, sb + 16 * BK, BK * 4);
-                _tile_stored(3, sb + 16 * BK + 16, BK * 4);
-            }
-        }
+        /* S = Q K^T for the step's keys (K^T packed: tile (dims, keys)) */
+        gemm32(S, BK, ncols, Q, dh, dh, w->kp + j0 / 16 * 256, w->kt_stride,
+               0, two);
 
         /* the online softmax, row by row, in float32 */
         for (int r = 0; r < mr; r++) {
@@ -328,40 +350,11 @@ void mha_amx_flash_rows(const mha_amx_block *w, mha_amx_scratch *s)
             row_weights(sr, pr, live, ncols, c, mn, L + 16 * r);
         }
 
-        /* O += P V, two 16-column chunks of O at a time */
-        const int64_t vb = j0 / 32;
-        for (int dc = 0; dc < ndc; dc += 2) {
-            _tile_loadd(0, O + 16 * dc, dh * 4);
-            _tile_loadd(1, O + 16 * dc + 16, dh * 4);
-            if (two) {
-                _tile_loadd(2, O + 16 * dh + 16 * dc, dh * 4);
-                _tile_loadd(3, O + 16 * dh + 16 * dc + 16, dh * 4);
-            }
-            for (int hf = 0; hf < halves; hf++) {
-                {   /* the next 32 keys' two V tiles into L1 */
-                    const char *nx = (const char *)(w->vp + ((vb + hf + 1) * ndc + dc) * 256);
-                    for (int b = 0; b < 2048; b += 64)
-                        _mm_prefetch(nx + b, _MM_HINT_T0);
-                }
-                _tile_loadd(4, P + 32 * hf, BK * 2);
-                if (two)
-                    _tile_loadd(5, P + 16 * BK + 32 * hf, BK * 2);
-                _tile_loadd(6, w->vp + ((vb + hf) * ndc + dc) * 256, 64);
-                _tile_loadd(7, w->vp + ((vb + hf) * ndc + dc + 1) * 256, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                if (two) {
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
-            }
-            _tile_stored(0, O + 16 * dc, dh * 4);
-            _tile_stored(1, O + 16 * dc + 16, dh * 4);
-            if (two) {
-                _tile_stored(2, O + 16 * dh + 16 * dc, dh * 4);
-                _tile_stored(3, O + 16 * dh + 16 * dc + 16, dh * 4);
-            }
-        }
+        /* O += P V: O itself the accumulator tiles, the V tiles of the
+         * step's keys (tile (key block, 16 columns) at vp + (kb ndc + dc)
+         * 256) */
+        gemm32(O, dh, dh, P, BK, 32 * halves, w->vp + j0 / 32 * ndc * 256,
+               ndc, 1, two);
     }
 
     /* out = O / l in bf16; lse = ln 2 (m + log2 l) */
@@ -399,78 +392,6 @@ void mha_amx_flash_rows(const mha_amx_block *w, mha_amx_scratch *s)
  * bf16 before their products (as the forward rounds P); every sum is
  * float32.
  */
-
-void mha_amx_pack_b(const uint16_t *src, int64_t sk, int64_t sn, int64_t K,
-                    int64_t N, uint32_t *dst)
-{
-    const int64_t nkt = (K + 31) / 32, nnt = (N + 31) / 32 * 2;
-    for (int64_t kt = 0; kt < nkt; kt++)
-        for (int64_t nt = 0; nt < nnt; nt++) {
-            uint32_t *t = dst + (kt * nnt + nt) * 256;
-            for (int r = 0; r < 16; r++) {
-                const int64_t k0 = 32 * kt + 2 * r, k1 = k0 + 1;
-                for (int c = 0; c < 16; c++) {
-                    const int64_t n = 16 * nt + c;
-                    const uint32_t lo =
-                        k0 < K && n < N ? src[k0 * sk + n * sn] : 0;
-                    const uint32_t hi =
-                        k1 < K && n < N ? src[k1 * sk + n * sn] : 0;
-                    t[r * 16 + c] = lo | hi << 16;
-                }
-            }
-        }
-}
-
-/*
- * C (32 x N floats, rows ldc apart) = (acc: +=) A (32 x K bf16, rows lda
- * apart) B, B packed by mha_amx_pack_b with its tile (kt, nt) at
- * b + (kt * bstride + nt) * 256.  N and K multiples of 32; rows 16-31
- * only when two.
- */
-static void gemm32(float *C, int ldc, int N, const uint16_t *A, int lda,
-                   int K, const uint32_t *b, int64_t bstride, int acc,
-                   int two)
-{
-    for (int nt = 0; nt < N / 16; nt += 2) {
-        if (acc) {
-            _tile_loadd(0, C + 16 * nt, ldc * 4);
-            _tile_loadd(1, C + 16 * nt + 16, ldc * 4);
-            if (two) {
-                _tile_loadd(2, C + 16 * ldc + 16 * nt, ldc * 4);
-                _tile_loadd(3, C + 16 * ldc + 16 * nt + 16, ldc * 4);
-            }
-        } else {
-            _tile_zero(0);
-            _tile_zero(1);
-            if (two) {
-                _tile_zero(2);
-                _tile_zero(3);
-            }
-        }
-        for (int kt = 0; kt < K / 32; kt++) {
-            const uint32_t *bt = b + ((int64_t)kt * bstride + nt) * 256;
-            for (int x = 0; x < 2048; x += 64)   /* the next step's */
-                _mm_prefetch((const char *)(bt + bstride * 256) + x,
-                             _MM_HINT_T0);
-            _tile_loadd(4, A + 32 * kt, lda * 2);
-            _tile_loadd(6, bt, 64);
-            _tile_loadd(7, bt + 256, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            if (two) {
-                _tile_loadd(5, A + 16 * lda + 32 * kt, lda * 2);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
-        }
-        _tile_stored(0, C + 16 * nt, ldc * 4);
-        _tile_stored(1, C + 16 * nt + 16, ldc * 4);
-        if (two) {
-            _tile_stored(2, C + 16 * ldc + 16 * nt, ldc * 4);
-            _tile_stored(3, C + 16 * ldc + 16 * nt + 16, ldc * 4);
-        }
-    }
-}
 
 /* Rows of a (rows x dh) bf16 matrix into a zero-padded 32 x dh block. */
 static void stage(uint16_t *dst, const uint16_t *src, int64_t ld, int rows,

@@ -223,15 +223,17 @@ int mha_cpu_has_avx512(void);
 int mha_cpu_has_amx(void);
 
 /* One block of up to 32 query rows of one (b, h), its K/V head packed by
- * mha_amx_pack_k / _v (keys rounded up to 32; dh a multiple of 32).  Row
- * r sees keys 0 .. lim[r] - 1; out and lse get bf16(O / l) and the row's
- * natural log-sum-exp (-inf and zeros for a row that sees nothing). */
+ * mha_amx_pack_b (K^T: K = d_h, N = Lk; V: K = Lk, N = d_h; keys rounded
+ * up to 32 with zeros; dh a multiple of 32).  Row r sees keys 0 ..
+ * lim[r] - 1; out and lse get bf16(O / l) and the row's natural
+ * log-sum-exp (-inf and zeros for a row that sees nothing). */
 typedef struct mha_amx_block {
     const uint16_t *q;     /* row r at q + r * ldq                       */
     int64_t ldq;
     int mr, dh;
     const int64_t *lim;    /* (mr) keys each row sees, from key 0        */
     const uint32_t *kp, *vp;
+    int64_t kt_stride;     /* K^T's tiles per row of tiles: 2 ceil(Lk/32) */
     float scale;
     uint16_t *out;         /* row r at out + r * ldo                     */
     int64_t ldo;
@@ -255,22 +257,13 @@ static inline int64_t mha_amx_scratch_floats(int dh)
     return 32 * MHA_AMX_BK + 32 * (int64_t)dh + 32 + 32 * 16 +
            32 * MHA_AMX_BK / 2 + 32 * (int64_t)dh / 2;
 }
-/* Words (uint32) of one packed K or V of Lk keys. */
-static inline int64_t mha_amx_packed_words(int64_t Lk, int dh)
-{
-    return (Lk + 31) / 32 * 32 * (int64_t)dh / 2;
-}
-void mha_amx_pack_k(const uint16_t *k, int64_t ld, int64_t Lk, int dh,
-                    uint32_t *dst);
-void mha_amx_pack_v(const uint16_t *v, int64_t ld, int64_t Lk, int dh,
-                    uint32_t *dst);
 void mha_amx_begin(void);   /* this thread's tile configuration         */
 void mha_amx_end(void);     /* releases it                              */
 void mha_amx_flash_rows(const mha_amx_block *w, mha_amx_scratch *s);
 
-/* The backward (amx.c).  mha_amx_pack_b: the K x N matrix whose (k, n)
- * element is src[k sk + n sn] as B tiles, tile (kt, nt) at dst + (kt *
- * nnt + nt) * 256 words, nnt = 2 ceil(N / 32); zeros past K and N. */
+/* The B operands' layout (amx.c): the K x N matrix whose (k, n) element
+ * is src[k sk + n sn] as B tiles, tile (kt, nt) at dst + (kt * nnt + nt)
+ * * 256 words, nnt = 2 ceil(N / 32); zeros past K and N. */
 void mha_amx_pack_b(const uint16_t *src, int64_t sk, int64_t sn, int64_t K,
                     int64_t N, uint32_t *dst);
 static inline int64_t mha_amx_b_words(int64_t K, int64_t N)
