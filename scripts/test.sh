@@ -50,8 +50,10 @@ stage "release build and tests"
 # without Open MPI fails at configure rather than skipping them silently.
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMHA_MPI=ON >/dev/null
 cmake --build build -j"$jobs" >/dev/null
+# (python_nn_source, mha.nn's tests on this tree's Python files, needs the
+# package installed in .venv: it runs after the Python stage, below.)
 ctest --test-dir build -j"$jobs" --output-on-failure \
-  --output-junit "$PWD/build/ctest-release.xml"
+  --output-junit "$PWD/build/ctest-release.xml" -E '^python_nn_source$'
 
 # No silent skips: every test that did not run is listed by name, and the
 # only ones allowed are the *_avx512 tier runs on a CPU without AVX-512F
@@ -82,13 +84,25 @@ done
 [ "$bad" = 0 ] || { echo "tests were skipped that must run"; exit 1; }
 
 # The Python package (pip install ./python into .venv, pytest); with
-# --all the same again under ASan + UBSan.
+# --all the same again under ASan + UBSan.  Then CTest's python_nn_source
+# over the installed extension: it must run, not be skipped.
+nn_source() {
+  ctest --test-dir build -R '^python_nn_source$' --output-on-failure \
+    > build/ctest-nn-source.log 2>&1 ||
+    { cat build/ctest-nn-source.log; exit 1; }
+  if grep -q "did not run" build/ctest-nn-source.log; then
+    cat build/ctest-nn-source.log; echo "python_nn_source did not run"; exit 1
+  fi
+  echo "python_nn_source: passed"
+}
 if [ "$all" = 1 ]; then
   stage "Python package (pytest, then under ASan + UBSan)"
   MHA_PY_ASAN=1 bash scripts/test-python.sh
+  nn_source
 else
   stage "Python package (pytest)"
   MHA_PY_ASAN=0 bash scripts/test-python.sh
+  nn_source
   stage
   echo "quick suite passed in $((SECONDS / 60)) min $((SECONDS % 60)) s" \
        "(the whole matrix: bash scripts/test.sh --all)"
@@ -122,7 +136,7 @@ cmake --build build-tsan -j"$jobs" >/dev/null
 # attention tests' ref entries, which run.)
 TSAN_OPTIONS=ignore_noninstrumented_modules=1:halt_on_error=1 OMP_NUM_THREADS=4 \
   ctest --test-dir build-tsan -j"$jobs" --output-on-failure \
-  -R "^test_(threads|thread_knobs|forward|edge|backward|attention_backward|kv_cache)" \
+  -R "^test_(threads|thread_knobs|forward|edge|backward|attention_backward|kv_cache|half)" \
   -E "_gemm_|^test_kv_cache.*_ref$"
 
 stage "clang -Werror build (library, libmha_mpi, tools, tests, examples)"
