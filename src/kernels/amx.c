@@ -11,10 +11,10 @@
  * instruction is 16 x 16 x 32 multiply-adds.  The FlashAttention forward
  * of one block of 32 query rows then reads:
  *
- *   for each block of 64 keys:
- *       S = Q K^T              AMX: Q rows as A tiles (straight from a
- *                              copy of the block), K packed so that each
- *                              B tile is 16 keys x 32 head dims
+ *   for each step of 256 keys:
+ *       S = Q K^T              AMX: Q rows as A tiles (a zero-padded copy
+ *                              of the block), K^T packed as B tiles of 32
+ *                              head dims x 16 keys
  *       m' = max(m, rowmax(S * c));  P = 2^(S * c - m')      (AVX-512,
  *       l  = l 2^(m - m') + rowsum(P)        float32; c = scale * log2 e)
  *       O  = O 2^(m - m')                    (only rows whose max moved)
@@ -22,6 +22,9 @@
  *                              A tiles, V packed as B tiles of 32 keys x
  *                              16 head dims, O stored back
  *   out = bf16(O / l),  lse = ln 2 (m + log2 l)
+ *
+ * Both products, and the backward's seven, are one tile GEMM (gemm32) on
+ * one packed layout (mha_amx_pack_b).
  *
  * Numerics: Q, K and V are the caller's bf16; S, the row statistics, O and
  * every sum are float32 (AMX accumulates in float32); P is rounded to
@@ -153,7 +156,6 @@ void mha_amx_pack_b(const uint16_t *src, int64_t sk, int64_t sn, int64_t K,
             }
         }
 }
-
 
 /*
  * C (32 x N floats, rows ldc apart) = (acc: +=) A (32 x K bf16, rows lda
