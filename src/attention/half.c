@@ -132,8 +132,12 @@ mha_status mha_attn_amx_backward(const mha_engine *e,
     /* per (b, h): qt, dot, qn, don, then lim, lse2, D (Lq64 each);
      * per (b, g): kt, vt, kn */
     const int64_t per_h = 2 * wq + 2 * wqn + 3 * Lq64, per_g = 2 * wk + wkn;
-    const int64_t per_thread = mha_amx_bwd_scratch_floats(dh) + group * 
-                               (int64_t)(sizeof(mha_amx_bwd_head) / 4 + 1) + 16;
+    /* each thread's part: the scratch, then its group's head table, in
+     * whole 64-byte lines (so every thread's part, and the table in it,
+     * is aligned for its members) */
+    const int64_t head_floats =
+        (group * (int64_t)sizeof(mha_amx_bwd_head) / 4 + 15) / 16 * 16;
+    const int64_t per_thread = mha_amx_bwd_scratch_floats(dh) + head_floats;
     int64_t nh, ng, nt;
     if (!mha_mul_ok(p->B * p->H, per_h, &nh) ||
         !mha_mul_ok(p->B * p->Hkv, per_g, &ng) ||
@@ -206,8 +210,8 @@ mha_status mha_attn_amx_backward(const mha_engine *e,
         s.dS = s.P + 32 * 64;
         s.x = s.dS + 32 * 64;
         s.y = s.x + 32 * dh;
-        mha_amx_bwd_head *heads = (mha_amx_bwd_head *)(
-            base + mha_amx_bwd_scratch_floats(dh) + 16);
+        mha_amx_bwd_head *heads =
+            (mha_amx_bwd_head *)(base + mha_amx_bwd_scratch_floats(dh));
         mha_amx_begin();
         /* 2. dK and dV: a block of 32 keys of one (b, K/V head) an item */
 #pragma omp for schedule(dynamic)
