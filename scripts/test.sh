@@ -155,7 +155,7 @@ stage "the libFuzzer targets: build, and a bounded run of each"
 # the cache's operation sequences and the command's option parsing; the
 # differential fuzzer of the tiers (fuzz_tiers: random modules and calls,
 # every tier against the float64 reference, forward and backward) on each
-# tier this CPU has.  The counts take ~10-15 s each on the 2-core VMs.
+# tier this CPU has.  The counts take ~7-23 s each on the 2-core VMs.
 CC=clang cmake -S . -B build-fuzz -DMHA_FUZZ=ON \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build-fuzz -j"$jobs" --target fuzz_npy fuzz_safetensors \
@@ -169,11 +169,11 @@ fuzz_run() {  # fuzz_run TARGET RUNS MAX_LEN [ENV=VALUE...]
     { echo "fuzz_$t $* failed:"; tail -40 "build-fuzz/$log"; exit 1; }
   echo "fuzz_$t $*: $(grep -o 'Done [0-9]* runs.*' "build-fuzz/$log")"
 }
-fuzz_run npy 40000 4096
-fuzz_run safetensors 40000 4096
-fuzz_run module 20000 4096
+fuzz_run npy 1000000 4096
+fuzz_run safetensors 1000000 4096
+fuzz_run module 400000 4096
 fuzz_run cache 20000 4096
-fuzz_run cli 20000 4096
+fuzz_run cli 80000 4096
 tiers="ref scalar"
 grep -qw avx2 /proc/cpuinfo && tiers="$tiers avx2"
 grep -qw avx512f /proc/cpuinfo && tiers="$tiers avx512"
