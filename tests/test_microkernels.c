@@ -1,6 +1,7 @@
 /*
  * test_microkernels.c -- the micro-kernel tables of src/kernels/ (scalar,
- * avx2 and avx512, each where the CPU has it; one CTest entry per tier)
+ * avx2, avx512 and neon, each where the CPU has it; one CTest entry per
+ * tier)
  * against float64 loops computed here: awkward shapes and strides, canaries after every output buffer,
  * bitwise reproducibility across tile splits and alignments, the p == 0
  * contract of pv / pv_exact, exp accuracy over a dense sweep of [-88, 0],
@@ -16,11 +17,17 @@
 
 #include "kernels/kernels.h"
 
-/* The AVX2 and AVX-512 tables exist in x86 builds only (CMakeLists.txt). */
+/* The AVX2 and AVX-512 tables exist in x86 builds only, the NEON table
+ * in aarch64 builds only (CMakeLists.txt). */
 #if defined(__x86_64__) || defined(__i386__)
 #define MHA_TEST_X86 1
 #else
 #define MHA_TEST_X86 0
+#endif
+#if defined(__aarch64__)
+#define MHA_TEST_ARM 1
+#else
+#define MHA_TEST_ARM 0
 #endif
 #include "testutil.h"
 
@@ -39,7 +46,7 @@ static const uint32_t CANARY_BITS = 0x7fc0deadu;   /* a quiet NaN */
 /* The documented bound of each tier's exp (docs/KERNELS.md). */
 static double exp_ulp_bound(const mha_microkernels *k)
 {
-    return strcmp(k->name, "scalar") != 0 ? 2.0 : 1.0;   /* avx2, avx512 */
+    return strcmp(k->name, "scalar") != 0 ? 2.0 : 1.0;   /* the SIMD tiers */
 }
 
 static uint64_t rng_state;
@@ -827,7 +834,7 @@ static void test_scale(void **state)
             const float a = 0.3767f;
             for (int i = 0; i < n; i++)
                 ref[i] = x[off + i] * a;
-            k->scale(x + off, n, a);
+            k->scale(x + off, x + off, n, a);
             check_guard(x, (size_t)n + 1);
             if (off)
                 assert_true(is_canary(x[0]));
@@ -837,6 +844,36 @@ static void test_scale(void **state)
             free(x);
             free(ref);
         }
+}
+
+/* copy_finite: an exact copy whatever it holds, and "finite" exactly when
+ * no element of the n is NaN or +-Inf (the one planted at each position
+ * in turn, the tails of every width included). */
+static void test_copy_finite(void **state)
+{
+    const mha_microkernels *k = *state;
+    static const int ns[] = {1, 7, 8, 9, 16, 17, 31, 33, 64};
+    const float odd[] = {NAN, INFINITY, -INFINITY};
+    rng_seed(43);
+    for (int t = 0; t < COUNT(ns); t++) {
+        const int n = ns[t];
+        float *src = in_buf((size_t)n + 1);
+        float *dst = out_buf((size_t)n);
+        fill(src, (size_t)n, -1e38f, 1e38f);   /* (hi - lo finite) */
+        src[n] = NAN;   /* past the end: never read as part of the n */
+        assert_int_equal(k->copy_finite(dst, src, n), 1);
+        assert_true(same_bits(dst, src, (size_t)n));
+        check_guard(dst, (size_t)n);
+        for (int at = 0; at < n; at++) {
+            const float keep = src[at];
+            src[at] = odd[at % COUNT(odd)];
+            assert_int_equal(k->copy_finite(dst, src, n), 0);
+            assert_true(same_bits(dst, src, (size_t)n));
+            src[at] = keep;
+        }
+        free(src);
+        free(dst);
+    }
 }
 
 /* max: the largest value, NaN ignored, -inf when nothing is larger. */
@@ -1047,6 +1084,9 @@ static void test_names(void **state)
     assert_string_equal(mha_microkernels_avx2.name, "avx2");
     assert_string_equal(mha_microkernels_avx512.name, "avx512");
 #endif
+#if MHA_TEST_ARM
+    assert_string_equal(mha_microkernels_neon.name, "neon");
+#endif
 }
 
 #define KERNEL_TESTS(table)                                                  \
@@ -1064,6 +1104,7 @@ static void test_names(void **state)
     cmocka_unit_test_prestate(test_softcap, (void *)&table),                 \
     cmocka_unit_test_prestate(test_exp_sum_order, (void *)&table),           \
     cmocka_unit_test_prestate(test_scale, (void *)&table),                   \
+    cmocka_unit_test_prestate(test_copy_finite, (void *)&table),             \
     cmocka_unit_test_prestate(test_max, (void *)&table),                     \
     cmocka_unit_test_prestate(test_dot_nonzero, (void *)&table),             \
     cmocka_unit_test_prestate(test_dscore, (void *)&table),                  \
@@ -1091,45 +1132,63 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_avx512_exp_is_avx2s),
     };
 #endif
-    static const char *const all[] = {"scalar", "avx2", "avx512"};
-    const char *const *tiers = argc > 1 ? (const char *const *)argv + 1 : all;
-    const int n = argc > 1 ? argc - 1 : 3;
+#if MHA_TEST_ARM
+    const struct CMUnitTest neon_tests[] = {
+        KERNEL_TESTS(mha_microkernels_neon),
+    };
+#endif
+    /* Each tier: its tests where this build has them, and whether this
+     * CPU runs them. */
+    struct tier {
+        const char *name, *lacks;
+        const struct CMUnitTest *tests;
+        size_t count;
+        int runs;
+    } tiers_known[] = {
+        {"scalar", "", scalar_tests,
+         sizeof scalar_tests / sizeof *scalar_tests, 1},
+#if MHA_TEST_X86
+        {"avx2", "AVX2 or FMA", avx2_tests,
+         sizeof avx2_tests / sizeof *avx2_tests, 0},
+        {"avx512", "AVX-512F", avx512_tests,
+         sizeof avx512_tests / sizeof *avx512_tests, 0},
+        {"neon", "NEON (it is an x86 CPU)", NULL, 0, 0},
+#elif MHA_TEST_ARM
+        {"avx2", "AVX2 (it is an aarch64 CPU)", NULL, 0, 0},
+        {"avx512", "AVX-512F (it is an aarch64 CPU)", NULL, 0, 0},
+        {"neon", "", neon_tests, sizeof neon_tests / sizeof *neon_tests, 1},
+#endif
+    };
+    const int known = (int)(sizeof tiers_known / sizeof *tiers_known);
 #if MHA_TEST_X86
     __builtin_cpu_init();
-    const int avx2 =
+    tiers_known[1].runs =
         __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    const int avx512 = avx2 && __builtin_cpu_supports("avx512f");
-#else   /* (the SIMD tiers are x86's: not built here) */
-    const int avx2 = 0, avx512 = 0;
+    tiers_known[2].runs =
+        tiers_known[1].runs && __builtin_cpu_supports("avx512f");
 #endif
+    static const char *const all[] = {"scalar", "avx2", "avx512", "neon"};
+    const char *const *tiers = argc > 1 ? (const char *const *)argv + 1 : all;
+    const int n = argc > 1 ? argc - 1 : 4;
     int rc = 0, skipped = 0;
     for (int t = 0; t < n; t++) {
-        if (!strcmp(tiers[t], "scalar")) {
-            rc |= cmocka_run_group_tests_name("microkernels_scalar",
-                                              scalar_tests, NULL, NULL);
-        } else if (!strcmp(tiers[t], "avx2")) {
-            if (avx2) {
-#if MHA_TEST_X86
-                rc |= cmocka_run_group_tests_name("microkernels_avx2",
-                                                  avx2_tests, NULL, NULL);
-#endif
-            } else {
-                printf("skipped: the avx2 tier, this CPU lacks AVX2 or FMA\n");
-                skipped++;
-            }
-        } else if (!strcmp(tiers[t], "avx512")) {
-            if (avx512) {
-#if MHA_TEST_X86
-                rc |= cmocka_run_group_tests_name("microkernels_avx512",
-                                                  avx512_tests, NULL, NULL);
-#endif
-            } else {
-                printf("skipped: the avx512 tier, this CPU lacks AVX-512F\n");
-                skipped++;
-            }
-        } else {
-            fprintf(stderr, "usage: %s [scalar|avx2|avx512]...\n", argv[0]);
+        int k = 0;
+        while (k < known && strcmp(tiers[t], tiers_known[k].name))
+            k++;
+        if (k == known) {
+            fprintf(stderr, "usage: %s [scalar|avx2|avx512|neon]...\n",
+                    argv[0]);
             return 2;
+        }
+        char group[64];
+        snprintf(group, sizeof group, "microkernels_%s", tiers_known[k].name);
+        if (tiers_known[k].runs) {
+            rc |= _cmocka_run_group_tests(group, tiers_known[k].tests,
+                                          tiers_known[k].count, NULL, NULL);
+        } else {
+            printf("skipped: the %s tier, this CPU lacks %s\n",
+                   tiers_known[k].name, tiers_known[k].lacks);
+            skipped++;
         }
     }
     if (rc)

@@ -239,12 +239,13 @@ mha_status mha_check_threads(int num_threads);
 mha_status mha_check_weights_mode(mha_weights_mode mode);
 
 /* The largest finite |x| of `rows` rows of `cols` floats, ld apart (0
- * for none): non-finite values are NaN in, NaN out, or masked, and are
- * not the scale's to answer for. */
+ * for none), on up to `threads` threads: non-finite values are NaN in, NaN
+ * out, or masked, and are not the scale's to answer for. */
 double mha_max_abs_finite(const float *x, int64_t rows, int64_t cols,
-                          int64_t ld);
+                          int64_t ld, int threads);
 /* The same for n 16-bit elements (bf16: bfloat16, else f16). */
-double mha_max_abs_finite16(const uint16_t *x, int64_t n, int bf16);
+double mha_max_abs_finite16(const uint16_t *x, int64_t n, int bf16,
+                            int threads);
 /* Refuses a problem whose scaled scores could overflow float32: the bound
  * |scale| * d_h * max|q| * max|k| of every |scale q.k| (each over finite
  * elements) above FLT_MAX.  The kernels would see Inf scores and the

@@ -183,7 +183,7 @@ static void probs_tile(const mha_attn *a, const mha_tile *t, void *ctx)
             continue;
         }
         uk->exp_sum(pr, nc, st[0]);
-        uk->scale(pr, nc, st[1]);
+        uk->scale(pr, pr, nc, st[1]);
         const float *dr = dpc + r * MHA_BC;
         if (!a->dropout) {
             w->delta[r] += uk->dot_nonzero(pr, dr, nc);

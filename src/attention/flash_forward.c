@@ -81,7 +81,7 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
                 if (live[c] && sr[c] == 0.0f)
                     sr[c] = FLT_TRUE_MIN;
         if (alpha != 1.0f) {
-            uk->scale(f->o + r * dh, dh, alpha);
+            uk->scale(f->o + r * dh, f->o + r * dh, dh, alpha);
             f->l[r] *= alpha;
         }
         f->l[r] += sum;
@@ -162,8 +162,7 @@ void mha_flash_finish(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
         st[0] = m[r];
         st[1] = 1.0f / l[r];
         const float inv = a->dropout ? st[1] * keep : st[1];
-        for (int64_t d = 0; d < dh; d++)
-            dst[d] = o[r * dh + d] * inv;
+        a->uk->scale(dst, o + r * dh, (int)dh, inv);
     }
 }
 

@@ -326,7 +326,7 @@ void mha_kv_cache_put(mha_kv_cache *c, int64_t b, const float *k,
             put_column(c, b, g, t, col, k + r * ldk + g * dh,
                        v + r * ldv + g * dh);
             const double ka = mha_max_abs_finite(k + r * ldk + g * dh, 1,
-                                                 dh, dh);
+                                                 dh, dh, 1);
             c->key_amax = ka > c->key_amax ? ka : c->key_amax;
             float *flag = c->finite + (b * c->Hkv + g) * c->tiles + t;
             const float mine = tile_finite(c, b, g, t, col, col + 1);

@@ -432,11 +432,12 @@ static void write_lse(const float *stats, int64_t rows, float *lse)
  * written.  RoPE turns each pair, which may grow an element's |x| by up to
  * sqrt(2) in q and in k: a factor 2 on the bound. */
 static mha_status score_range(const mha_attention_args *a,
-                              const sdpa_shape *s)
+                              const sdpa_shape *s, int threads)
 {
-    const double qmax = mha_max_abs_finite(a->q, 1, s->n_q, 0);
+    const double qmax = mha_max_abs_finite(a->q, 1, s->n_q, 0, threads);
     const double kmax = a->cache ? a->cache->key_amax
-                                 : mha_max_abs_finite(a->k, 1, s->n_kv, 0);
+                                 : mha_max_abs_finite(a->k, 1, s->n_kv, 0,
+                                                      threads);
     const double rope = a->mods.rope.style != MHA_ROPE_NONE ? 2.0 : 1.0;
     return mha_check_score_range(resolved_scale(a, s->dh), s->dh,
                                  qmax * rope, kmax);
@@ -505,7 +506,7 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
         mha_mask_plan mask;
         MHA_CHECK(mask_plan(a, &s, &mask));
         MHA_CHECK(rope_check(p, a, &s));
-        MHA_CHECK(score_range(a, &s));
+        MHA_CHECK(score_range(a, &s, p->eng.threads));
         if (w)
             memset(w, 0, (size_t)s.n_w * sizeof *w);
         mha_attn at = problem(p, a, &mask);
@@ -534,7 +535,7 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
     mha_mask_plan mask;
     MHA_CHECK(mask_plan(a, &s, &mask));
     MHA_CHECK(rope_check(p, a, &s));
-    MHA_CHECK(score_range(a, &s));
+    MHA_CHECK(score_range(a, &s, p->eng.threads));
     const uint64_t print = fingerprint(a, &s);
     if (w)
         memset(a->attn_weights, 0, (size_t)s.n_w * sizeof(float));
@@ -910,11 +911,12 @@ static mha_status attention_half(const mha_attention_args *a)
     if (!amx_takes(a, &s))
         return attention_widened(a, &s);   /* (it checks the score range) */
     /* scores that could overflow float32 are refused, as in plan_run */
-    MHA_CHECK(mha_check_score_range(resolved_scale(a, s.dh), s.dh,
-                                    mha_max_abs_finite16(a->q16, s.n_q, 1),
-                                    mha_max_abs_finite16(a->k16, s.n_kv, 1)));
     mha_engine eng;
     MHA_CHECK(mha_engine_init(&eng, a->num_threads));
+    MHA_CHECK(mha_check_score_range(
+        resolved_scale(a, s.dh), s.dh,
+        mha_max_abs_finite16(a->q16, s.n_q, 1, eng.threads),
+        mha_max_abs_finite16(a->k16, s.n_kv, 1, eng.threads)));
     const mha_half_problem p = half_problem(a, &s);
     return mha_attn_amx(&eng, &p);
 }

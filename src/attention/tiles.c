@@ -45,12 +45,9 @@ flash_scratch mha_flash_scratch_at(float *base, int64_t dh)
 void mha_load_q(const mha_attn *a, int64_t b, int64_t h, int64_t i0, int mr,
                 float *qs)
 {
-    const int64_t dh = a->dh;
-    for (int r = 0; r < mr; r++) {
-        const float *src = mha_q_row(a, b, h, i0 + r);
-        for (int64_t d = 0; d < dh; d++)
-            qs[r * dh + d] = src[d] * a->scale;
-    }
+    const int dh = (int)a->dh;
+    for (int r = 0; r < mr; r++)
+        a->uk->scale(qs + r * dh, mha_q_row(a, b, h, i0 + r), dh, a->scale);
 }
 
 /* The forward's packing of tile t of (b, g), g a K/V head: kt [dh][MHA_BC] transposed,
@@ -71,11 +68,9 @@ void mha_pack_forward_tile(const mha_attn *a, int64_t item)
         for (int64_t d = 0; d < dh; d++)
             kt[d * MHA_BC + c] = kr ? kr[d] : 0.0f;
         if (vr)
-            memcpy(v + c * dh, vr, (size_t)dh * sizeof *v);
+            finite &= a->uk->copy_finite(v + c * dh, vr, (int)dh);
         else
             memset(v + c * dh, 0, (size_t)dh * sizeof *v);
-        for (int64_t d = 0; d < dh; d++)
-            finite &= isfinite(v[c * dh + d]) != 0;
     }
     *mha_packed_flag(&p, b, g, t) = (float)finite;
 }

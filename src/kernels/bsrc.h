@@ -1,13 +1,13 @@
 /*
- * bsrc.h -- how the SIMD tiers' GEMM reads its B operand (avx2.c,
- * avx512.c): float, or a KV cache's compact formats, each vector
+ * bsrc.h -- how the SIMD tiers' GEMM reads its B operand (simd_tier.h):
+ * float, or a KV cache's compact formats, each vector
  * converted to the floats it stands for as it is loaded (kernels.h):
- * f16 by vcvtph2ps (F16C), bf16 by a 16-bit shift, q8 codes widened and
+ * f16 by the ISA's half conversion, bf16 by a 16-bit shift, q8 codes widened and
  * multiplied by their scale, which varies along the columns in a kt tile
  * (Q8K: one per key) and is one per 32 columns of a row in a v tile
  * (Q8V).  The conversion is exact for f16 and bf16 and one rounding of
  * c * s for q8, as the scalar mha_kt_load / mha_v_load do it.  Plain C:
- * each tier's file includes it and adds its own vector loads.
+ * simd_tier.h adds the vector loads (simd.h).
  */
 #ifndef MHA_BSRC_H
 #define MHA_BSRC_H

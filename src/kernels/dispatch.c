@@ -1,8 +1,8 @@
 /*
  * dispatch.c -- which tier runs: chosen once, by the CPU's features (the
- * widest it has: avx512, avx2, scalar), or forced with the environment
- * variable MHA_ISA=ref|scalar|avx2|avx512 (the tests run every tier this
- * way).
+ * widest it has: avx512, avx2 or neon, else scalar), or forced with the
+ * environment variable MHA_ISA=ref|scalar|avx2|avx512|neon (the tests run
+ * every tier this way).
  */
 #define _GNU_SOURCE   /* syscall() */
 #include "kernels.h"
@@ -17,6 +17,9 @@
 #if defined(__x86_64__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
 #endif
 
 /* AVX2, FMA and F16C (the f16 KV cache's conversions): every AVX2 CPU
@@ -44,6 +47,17 @@ int mha_cpu_has_avx512(void)
     /* Also checks (XGETBV) that the OS saves the ZMM and mask state. */
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && cpu_has_avx2_fma();
+#else
+    return 0;
+#endif
+}
+
+/* Advanced SIMD with the half-precision conversions: part of every
+ * ARMv8-A CPU, but asked of the kernel (HWCAP_ASIMD, bit 1). */
+static int cpu_has_neon(void)
+{
+#if defined(__aarch64__) && defined(__linux__)
+    return (getauxval(AT_HWCAP) >> 1 & 1) != 0;
 #else
     return 0;
 #endif
@@ -100,8 +114,12 @@ static int choose(void)
 {
     const char *env = getenv("MHA_ISA");
     const int avx2 = cpu_has_avx2_fma(), avx512 = mha_cpu_has_avx512();
+    const int neon = cpu_has_neon();
     if (!env || !*env)
-        return avx512 ? MHA_ISA_AVX512 : avx2 ? MHA_ISA_AVX2 : MHA_ISA_SCALAR;
+        return avx512 ? MHA_ISA_AVX512
+             : avx2   ? MHA_ISA_AVX2
+             : neon   ? MHA_ISA_NEON
+                      : MHA_ISA_SCALAR;
     if (!strcmp(env, "ref"))
         return MHA_ISA_REF;
     if (!strcmp(env, "scalar"))
@@ -110,6 +128,8 @@ static int choose(void)
         return avx2 ? MHA_ISA_AVX2 : 100 + MHA_ERR_UNSUPPORTED;
     if (!strcmp(env, "avx512"))
         return avx512 ? MHA_ISA_AVX512 : 100 + MHA_ERR_UNSUPPORTED;
+    if (!strcmp(env, "neon"))
+        return neon ? MHA_ISA_NEON : 100 + MHA_ERR_UNSUPPORTED;
     return 100 + MHA_ERR_INVALID_ARGUMENT;
 }
 
@@ -126,16 +146,20 @@ mha_status mha_isa_get(mha_isa *isa, const mha_microkernels **uk)
                              c - 100 == MHA_ERR_UNSUPPORTED
                                  ? "MHA_ISA=%s, but this CPU or OS lacks "
                                    "its instructions"
-                                 : "MHA_ISA=%s: expected ref, scalar, avx2 "
-                                   "or avx512",
+                                 : "MHA_ISA=%s: expected ref, scalar, avx2, "
+                                   "avx512 or neon",
                              env ? env : "");
     }
     *isa = (mha_isa)c;
+    /* (choose() picks only the tiers this build's CPU family has) */
 #if defined(__x86_64__) || defined(__i386__)
     *uk = c == MHA_ISA_AVX512 ? &mha_microkernels_avx512
         : c == MHA_ISA_AVX2   ? &mha_microkernels_avx2
                               : &mha_microkernels_scalar;
-#else   /* (the SIMD tiers are x86's; choose() never picks them here) */
+#elif defined(__aarch64__)
+    *uk = c == MHA_ISA_NEON ? &mha_microkernels_neon
+                            : &mha_microkernels_scalar;
+#else
     *uk = &mha_microkernels_scalar;
 #endif
     return MHA_OK;

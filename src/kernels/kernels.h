@@ -30,7 +30,7 @@
 #include <stdint.h>
 
 typedef struct mha_microkernels {
-    const char *name;   /* "scalar", "avx2", "avx512" */
+    const char *name;   /* "scalar", "avx2", "avx512", "neon" */
 
     /* s[r][c] = sum_d q[r][d] * kt[d][c]  for r < mr, c < nc. */
     void (*qk)(int mr, int nc, int dh, const float *q, const float *kt,
@@ -70,8 +70,12 @@ typedef struct mha_microkernels {
      * m is finite.  The accuracy of the tier's exp is in docs/KERNELS.md. */
     float (*exp_sum)(float *x, int n, float m);
 
-    /* x[c] *= a for c < n. */
-    void (*scale)(float *x, int n, float a);
+    /* dst[c] = src[c] * a for c < n (dst may be src). */
+    void (*scale)(float *dst, const float *src, int n, float a);
+
+    /* dst[c] = src[c] for c < n; returns whether every one is finite
+     * (the packing of a value tile, which tells pv from pv_exact). */
+    int (*copy_finite)(float *dst, const float *src, int n);
 
     /* max_c x[c] over c < n, ignoring NaN (-INFINITY if none is larger);
      * the driver relies on NaN reaching the sum through exp_sum instead. */
@@ -194,20 +198,18 @@ typedef enum mha_isa {
     MHA_ISA_REF = 0,
     MHA_ISA_SCALAR = 1,
     MHA_ISA_AVX2 = 2,
-    MHA_ISA_AVX512 = 3
+    MHA_ISA_AVX512 = 3,
+    MHA_ISA_NEON = 4
 } mha_isa;
 
 extern const mha_microkernels mha_microkernels_scalar;
 extern const mha_microkernels mha_microkernels_avx2;   /* -mavx2 -mfma */
 extern const mha_microkernels mha_microkernels_avx512; /* -mavx512f -mfma */
-/* (The avx512 table uses these two of the avx2 tier's: every CPU it runs
- * on has AVX2, and they are not where its time goes.) */
-double mha_dot_nonzero_avx2(const float *p, const float *d, int n);
-void mha_dscore_avx2(const float *p, const float *d, float delta, float *ds,
-                     int n);
+extern const mha_microkernels mha_microkernels_neon;   /* aarch64 only   */
 
 /* The tier chosen once, at the first call (dispatch.c): the widest the
- * CPU and OS support, or the one MHA_ISA=ref|scalar|avx2|avx512 forces.
+ * CPU and OS support, or the one MHA_ISA=ref|scalar|avx2|avx512|neon
+ * forces.
  * Fails, naming MHA_ISA, for an unknown tier or one the CPU lacks. */
 mha_status mha_isa_get(mha_isa *isa, const mha_microkernels **uk);
 

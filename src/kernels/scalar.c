@@ -109,10 +109,20 @@ static float exp_sum_scalar(float *x, int n, float m)
     return sum;
 }
 
-static void scale_scalar(float *x, int n, float a)
+static void scale_scalar(float *dst, const float *src, int n, float a)
 {
     for (int c = 0; c < n; c++)
-        x[c] *= a;
+        dst[c] = src[c] * a;
+}
+
+static int copy_finite_scalar(float *dst, const float *src, int n)
+{
+    int finite = 1;
+    for (int c = 0; c < n; c++) {
+        dst[c] = src[c];
+        finite &= isfinite(src[c]) != 0;
+    }
+    return finite;
 }
 
 /* Four interleaved partial sums, added in a fixed order at the end. */
@@ -201,5 +211,5 @@ static void pv_kv_scalar(mha_kv_dtype dtype, int exact, int mr, int nc,
 const mha_microkernels mha_microkernels_scalar = {
     "scalar",           qk_scalar,      pv_scalar,    pv_exact_scalar,
     pv_add_scalar,      pv_add_exact_scalar, pvt_scalar, pvt_exact_scalar,
-    exp_sum_scalar,     scale_scalar,   max_scalar,     softcap_scalar,
+    exp_sum_scalar,     scale_scalar,   copy_finite_scalar, max_scalar,     softcap_scalar,
     qk_kv_scalar,       pv_kv_scalar,   dot_nonzero_scalar, dscore_scalar};

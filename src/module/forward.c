@@ -542,11 +542,11 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
         rope_qk(plan, a, qp, ldq, kp, ldk);
     /* Scores that could overflow float32 are refused here, before the
      * cache or an output is written (the projections are the plan's). */
-    double kmax = mha_max_abs_finite(kp, rows_k, Dkv, ldk);
+    double kmax = mha_max_abs_finite(kp, rows_k, Dkv, ldk, nt);
     if (a->cache && a->cache->key_amax > kmax)
         kmax = a->cache->key_amax;
     MHA_CHECK(mha_check_score_range(c->scale, s.dh,
-                                    mha_max_abs_finite(qp, rows_q, D, ldq),
+                                    mha_max_abs_finite(qp, rows_q, D, ldq, nt),
                                     kmax));
     for (int64_t b = 0; a->cache && b < s.B; b++)   /* what f16 can hold */
         MHA_CHECK(mha_kv_cache_check_values(a->cache, b,

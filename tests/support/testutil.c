@@ -141,8 +141,14 @@ int tu_tier_unavailable(void)
 #else
     const int avx2 = 0, avx512 = 0;
 #endif
+#if defined(__aarch64__)   /* (every aarch64 Linux CPU has Advanced SIMD) */
+    const int neon = 1;
+#else
+    const int neon = 0;
+#endif
     if ((!strcmp(want, "avx2") && !avx2) ||
-        (!strcmp(want, "avx512") && !avx512)) {
+        (!strcmp(want, "avx512") && !avx512) ||
+        (!strcmp(want, "neon") && !neon)) {
         printf("skipped: MHA_ISA=%s, which this CPU lacks\n", want);
         return 1;
     }

@@ -49,8 +49,9 @@ void tu_test_tier(void **state);
 enum { TU_SKIP = 77 };
 
 /* Nonzero when MHA_ISA asks for a tier this CPU cannot run (avx2 without
- * AVX2 + FMA, avx512 without AVX-512F): the test's main then prints why and
- * returns TU_SKIP, so the per-tier CTest runs skip on older machines. */
+ * AVX2 + FMA, avx512 without AVX-512F, neon off aarch64): the test's main
+ * then prints why and returns TU_SKIP, so the per-tier CTest runs skip on
+ * older machines and on the other CPU family. */
 int tu_tier_unavailable(void);
 
 /* tu_tier_unavailable, and MHA_GEMM=onednn in a build without oneDNN (a

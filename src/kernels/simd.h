@@ -1,0 +1,253 @@
+/*
+ * simd.h -- the small vector layer the SIMD tiers are written over.  A
+ * tier's file (avx2.c, avx512.c, neon.c) defines one of MHA_SIMD_AVX2,
+ * MHA_SIMD_AVX512 or MHA_SIMD_NEON and includes simd_tier.h, which holds
+ * every micro-kernel once, in terms of these names:
+ *
+ *   vf      VL floats                vd     float64 lanes (VL / 2)
+ *   vi      VL int32 lanes           vm     a lane mask (a compare's result)
+ *   vtail   the first n lanes of a vector (0 < n <= VL), for tails
+ *
+ * Every operation here is one IEEE operation per lane (fma rounds once),
+ * so a kernel's lane gives the same bits in every tier; what differs from
+ * tier to tier is only the width, and with it the order of horizontal sums
+ * (vf_hsum: the upper half added onto the lower, halving to one lane).
+ */
+#ifndef MHA_SIMD_H
+#define MHA_SIMD_H
+
+#include <stdint.h>
+#include <string.h>
+
+#define MK_INLINE static inline __attribute__((always_inline))
+
+#if defined(MHA_SIMD_AVX512)
+/* ---- AVX-512F (16 lanes, 32 registers, mask registers) ------------------ */
+#include <immintrin.h>
+typedef __m512 vf;
+typedef __m512i vi;
+typedef __m512d vd;
+typedef __mmask16 vm;
+typedef __mmask16 vtail;
+enum { VL = 16, VREGS = 32 };
+#define vf_zero() _mm512_setzero_ps()
+#define vf_set1(x) _mm512_set1_ps(x)
+#define vf_load(p) _mm512_loadu_ps(p)
+#define vf_store(p, v) _mm512_storeu_ps(p, v)
+#define vt_make(n) ((__mmask16)((1u << (n)) - 1u))
+#define vf_load_t(p, t) _mm512_maskz_loadu_ps(t, p)
+#define vf_store_t(p, v, t) _mm512_mask_storeu_ps(p, t, v)
+#define vf_keep_t(v, t) _mm512_maskz_mov_ps(t, v)   /* lanes >= n: 0 */
+#define vf_add _mm512_add_ps
+#define vf_sub _mm512_sub_ps
+#define vf_mul _mm512_mul_ps
+#define vf_div _mm512_div_ps
+#define vf_fma _mm512_fmadd_ps            /* a b + c */
+#define vf_fnma _mm512_fnmadd_ps          /* c - a b */
+#define vf_fma_where(m, a, b, c) _mm512_mask3_fmadd_ps(a, b, c, m)
+#define vf_max_ign _mm512_max_ps          /* x NaN: m (vmaxps: the 2nd)   */
+#define vf_clamp(x, lo, hi) _mm512_max_ps(lo, _mm512_min_ps(hi, x))
+#define vf_abs _mm512_abs_ps
+#define vf_cmp_lt(a, b) _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ)
+#define vf_cmp_le(a, b) _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ)
+#define vf_cmp_eq(a, b) _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ)
+#define vf_cmp_nz(a) _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_UQ)
+#define vf_select(m, a, b) _mm512_mask_blend_ps(m, b, a)
+#define vm_all(m) ((m) == 0xFFFF)
+#define vf_as_vi _mm512_castps_si512
+#define vi_as_vf _mm512_castsi512_ps
+#define vi_set1 _mm512_set1_epi32
+#define vi_add _mm512_add_epi32
+#define vi_sub _mm512_sub_epi32
+#define vi_sll(v, n) _mm512_slli_epi32(v, n)
+#define vi_sra(v, n) _mm512_srai_epi32(v, n)
+#define vf_or_sign(t, x)                                                    \
+    _mm512_castsi512_ps(_mm512_or_si512(                                    \
+        _mm512_castps_si512(t),                                             \
+        _mm512_and_si512(_mm512_castps_si512(x),                            \
+                         _mm512_set1_epi32((int)0x80000000u))))
+#define vf_load_f16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define vf_load_bf16(p)                                                     \
+    _mm512_castsi512_ps(_mm512_slli_epi32(                                  \
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define vf_load_i8(p)                                                       \
+    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                                \
+        _mm_loadu_si128((const __m128i *)(p))))
+MK_INLINE float vf_hsum(vf v)   /* lanes i + 8 onto i, then 4, 2, 1 */
+{
+    v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xEE));
+    v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x01));
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, 0x0E));
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, 0x01));
+    return _mm512_cvtss_f32(v);
+}
+#define vf_hmax _mm512_reduce_max_ps
+#define vd_zero() _mm512_setzero_pd()
+#define vd_add _mm512_add_pd
+#define vd_mul _mm512_mul_pd
+#define vd_store _mm512_storeu_pd
+#define vd_lo(v) _mm512_cvtps_pd(_mm512_castps512_ps256(v))
+#define vd_hi(v)                                                            \
+    _mm512_cvtps_pd(_mm256_castpd_ps(                                       \
+        _mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))
+
+#elif defined(MHA_SIMD_AVX2)
+/* ---- AVX2 + FMA + F16C (8 lanes, 16 registers; masks are vectors) ------- */
+#include <immintrin.h>
+typedef __m256 vf;
+typedef __m256i vi;
+typedef __m256d vd;
+typedef __m256 vm;
+typedef __m256i vtail;
+enum { VL = 8, VREGS = 16 };
+#define vf_zero() _mm256_setzero_ps()
+#define vf_set1(x) _mm256_set1_ps(x)
+#define vf_load(p) _mm256_loadu_ps(p)
+#define vf_store(p, v) _mm256_storeu_ps(p, v)
+#define vt_make(n)                                                          \
+    _mm256_cmpgt_epi32(_mm256_set1_epi32(n),                                \
+                       _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
+#define vf_load_t(p, t) _mm256_maskload_ps(p, t)
+#define vf_store_t(p, v, t) _mm256_maskstore_ps(p, t, v)
+#define vf_keep_t(v, t) _mm256_and_ps(v, _mm256_castsi256_ps(t))
+#define vf_add _mm256_add_ps
+#define vf_sub _mm256_sub_ps
+#define vf_mul _mm256_mul_ps
+#define vf_div _mm256_div_ps
+#define vf_fma _mm256_fmadd_ps
+#define vf_fnma _mm256_fnmadd_ps
+#define vf_fma_where(m, a, b, c) _mm256_blendv_ps(c, _mm256_fmadd_ps(a, b, c), m)
+#define vf_max_ign _mm256_max_ps
+#define vf_clamp(x, lo, hi) _mm256_max_ps(lo, _mm256_min_ps(hi, x))
+#define vf_abs(x) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)
+#define vf_cmp_lt(a, b) _mm256_cmp_ps(a, b, _CMP_LT_OQ)
+#define vf_cmp_le(a, b) _mm256_cmp_ps(a, b, _CMP_LE_OQ)
+#define vf_cmp_eq(a, b) _mm256_cmp_ps(a, b, _CMP_EQ_OQ)
+#define vf_cmp_nz(a) _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_NEQ_UQ)
+#define vf_select(m, a, b) _mm256_blendv_ps(b, a, m)
+#define vm_all(m) (_mm256_movemask_ps(m) == 0xFF)
+#define vf_as_vi _mm256_castps_si256
+#define vi_as_vf _mm256_castsi256_ps
+#define vi_set1 _mm256_set1_epi32
+#define vi_add _mm256_add_epi32
+#define vi_sub _mm256_sub_epi32
+#define vi_sll(v, n) _mm256_slli_epi32(v, n)
+#define vi_sra(v, n) _mm256_srai_epi32(v, n)
+#define vf_or_sign(t, x)                                                    \
+    _mm256_or_ps(t, _mm256_and_ps(_mm256_set1_ps(-0.0f), x))
+#define vf_load_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define vf_load_bf16(p)                                                     \
+    _mm256_castsi256_ps(_mm256_slli_epi32(                                  \
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define vf_load_i8(p)                                                       \
+    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(                                \
+        _mm_loadl_epi64((const __m128i *)(p))))
+MK_INLINE float vf_hsum(vf v)   /* lanes i + 4 onto i, then 2, 1 */
+{
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v),
+                          _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+MK_INLINE float vf_hmax(vf v)   /* (no NaN lanes: the callers' max) */
+{
+    __m128 a = _mm_max_ps(_mm256_castps256_ps128(v),
+                          _mm256_extractf128_ps(v, 1));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_max_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+#define vd_zero() _mm256_setzero_pd()
+#define vd_add _mm256_add_pd
+#define vd_mul _mm256_mul_pd
+#define vd_store _mm256_storeu_pd
+#define vd_lo(v) _mm256_cvtps_pd(_mm256_castps256_ps128(v))
+#define vd_hi(v) _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1))
+
+#elif defined(MHA_SIMD_NEON)
+/* ---- aarch64 Advanced SIMD (4 lanes, 32 registers; masks are vectors) --- */
+#include <arm_neon.h>
+typedef float32x4_t vf;
+typedef int32x4_t vi;
+typedef float64x2_t vd;
+typedef uint32x4_t vm;
+typedef int vtail;                       /* NEON has no masked loads    */
+enum { VL = 4, VREGS = 32 };
+#define vf_zero() vdupq_n_f32(0.0f)
+#define vf_set1(x) vdupq_n_f32(x)
+#define vf_load(p) vld1q_f32(p)
+#define vf_store(p, v) vst1q_f32(p, v)
+#define vt_make(n) (n)
+MK_INLINE vf vf_load_t(const float *p, int n)   /* lanes >= n: 0, unread */
+{
+    float b[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    memcpy(b, p, (size_t)n * sizeof *p);
+    return vld1q_f32(b);
+}
+MK_INLINE void vf_store_t(float *p, vf v, int n)
+{
+    float b[4];
+    vst1q_f32(b, v);
+    memcpy(p, b, (size_t)n * sizeof *p);
+}
+MK_INLINE vf vf_keep_t(vf v, int n)
+{
+    const uint32_t idx[4] = {0, 1, 2, 3};
+    return vbslq_f32(vcltq_u32(vld1q_u32(idx), vdupq_n_u32((uint32_t)n)), v,
+                     vdupq_n_f32(0.0f));
+}
+#define vf_add vaddq_f32
+#define vf_sub vsubq_f32
+#define vf_mul vmulq_f32
+#define vf_div vdivq_f32
+#define vf_fma(a, b, c) vfmaq_f32(c, a, b)
+#define vf_fnma(a, b, c) vfmsq_f32(c, a, b)
+#define vf_fma_where(m, a, b, c) vbslq_f32(m, vfmaq_f32(c, a, b), c)
+#define vf_max_ign vmaxnmq_f32           /* FMAXNM: the number, not NaN   */
+#define vf_clamp(x, lo, hi) vmaxq_f32(lo, vminq_f32(hi, x))   /* NaN stays */
+#define vf_abs vabsq_f32
+#define vf_cmp_lt vcltq_f32
+#define vf_cmp_le vcleq_f32
+#define vf_cmp_eq vceqq_f32
+#define vf_cmp_nz(a) vmvnq_u32(vceqq_f32(a, vdupq_n_f32(0.0f)))
+#define vf_select vbslq_f32
+#define vm_all(m) (vminvq_u32(m) == 0xFFFFFFFFu)
+#define vf_as_vi vreinterpretq_s32_f32
+#define vi_as_vf vreinterpretq_f32_s32
+#define vi_set1 vdupq_n_s32
+#define vi_add vaddq_s32
+#define vi_sub vsubq_s32
+#define vi_sll(v, n) vshlq_n_s32(v, n)
+#define vi_sra(v, n) vshrq_n_s32(v, n)
+#define vf_or_sign(t, x)                                                    \
+    vreinterpretq_f32_u32(vorrq_u32(                                        \
+        vreinterpretq_u32_f32(t),                                           \
+        vandq_u32(vreinterpretq_u32_f32(x), vdupq_n_u32(0x80000000u))))
+#define vf_load_f16(p) vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)))
+#define vf_load_bf16(p) vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16))
+MK_INLINE vf vf_load_i8(const int8_t *p)   /* exactly 4 bytes read */
+{
+    int32_t w;
+    memcpy(&w, p, 4);
+    const int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(w)));
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
+}
+MK_INLINE float vf_hsum(vf v)   /* lanes i + 2 onto i, then 1 */
+{
+    const float32x2_t a = vadd_f32(vget_low_f32(v), vget_high_f32(v));
+    return vget_lane_f32(a, 0) + vget_lane_f32(a, 1);
+}
+#define vf_hmax vmaxvq_f32
+#define vd_zero() vdupq_n_f64(0.0)
+#define vd_add vaddq_f64
+#define vd_mul vmulq_f64
+#define vd_store vst1q_f64
+#define vd_lo(v) vcvt_f64_f32(vget_low_f32(v))
+#define vd_hi(v) vcvt_high_f64_f32(v)
+
+#else
+#error "simd.h: define MHA_SIMD_AVX512, MHA_SIMD_AVX2 or MHA_SIMD_NEON"
+#endif
+
+#endif /* MHA_SIMD_H */

@@ -1,0 +1,537 @@
+/*
+ * simd_tier.h -- the micro-kernels of kernels.h, written once over the
+ * vector layer (simd.h) and instantiated by each SIMD tier's file, which
+ * defines its ISA and these parameters first:
+ *
+ *   TIER_NAME         the table's name ("avx2", ...), TIER_TABLE its symbol
+ *   TIER_RMAX         rows of a register block (TIER_RMAX_EXACT for the
+ *                     _exact forms, whose zero test may need registers)
+ *   TIER_W1, TIER_W2  vectors of columns in a block of one / two rows
+ *                     (decoding: many independent chains hide the FMA's
+ *                     latency where a row has few)
+ *   TIER_WM           vectors of columns of every other block
+ *   TIER_WIDE_EXACT   whether the _exact forms take the wide blocks too
+ *   TIER_SLABS        whether a lone panel walks K in slabs (below)
+ *
+ * Determinism: every output element of a product is one chain of fused
+ * multiply-adds in ascending order of the reduction index, whatever block
+ * of the tiling it lands in (wide block, narrow block, masked tail),
+ * whatever mr or the tile's alignment: splitting a tile gives the same
+ * bits, and so does the choice of parameters.  exp is lane-independent
+ * and the same lane for lane in every tier; a sum of lanes (exp_sum,
+ * dot_nonzero) has a fixed order for a given n, which differs between
+ * widths.  docs/KERNELS.md.
+ */
+#include "bsrc.h"
+#include "kernels.h"
+#include "simd.h"
+
+#include <float.h>
+#include <math.h>
+
+/* ---- the common GEMM-like tile -------------------------------------------
+ *
+ *   C[r][j] (=|+=) sum_k A[r*lda + k*ska] * B[k*ldb + j],  r < R
+ *
+ * qk: A = q (lda dh), B = kt (ldb ldkt), K = dh, C = s, set.
+ * pv: A = p (ldp),    B = v  (ldb dh),   K = nc, C = o, accumulate.
+ * Each C element is acc = fma(A[r][k], B[k][j], acc) for k = 0, 1, ...,
+ * starting from C (FROM_C) or from 0; with ADD the finished sum is then
+ * added to C (pv_add, pvt).  EXACT skips the terms whose A is zero.
+ */
+enum { FROM_C = 1, EXACT = 2, ADD = 4 };   /* (B's storage: bsrc.h) */
+enum { MODE_SET = 0, MODE_ACC = FROM_C, MODE_ACC_EXACT = FROM_C | EXACT,
+       MODE_ADD = ADD, MODE_ADD_EXACT = ADD | EXACT };
+
+/* B[k][j ..] as VL floats; `masked`: only its first n lanes are read
+ * (the others 0), the tail of the columns. */
+MK_INLINE vf ldb(const int T, const bsrc *b, int k, int j, const int masked,
+                 vtail t, int n)
+{
+    const size_t at = (size_t)k * b->ld + j;
+    if (T == B_F32)
+        return masked ? vf_load_t((const float *)b->x + at, t)
+                      : vf_load((const float *)b->x + at);
+    if (masked) {
+        float buf[VL] = {0};
+        for (int i = 0; i < n; i++)
+            buf[i] = bsrc_elem(T, b, k, j + i);
+        return vf_load(buf);
+    }
+    /* (Only 16-bit elements are read as such: a q8 row is bytes, and read
+     * as 16-bit it ran past the end of a cache's last tile.) */
+    if (T == B_F16)
+        return vf_load_f16((const uint16_t *)b->x + at);
+    if (T == B_BF16)
+        return vf_load_bf16((const uint16_t *)b->x + at);
+    const vf c = vf_load_i8((const int8_t *)b->x + at);
+    if (T == B_Q8K)   /* a scale per key: per column */
+        return vf_mul(c, vf_load(b->s + (size_t)(k / MHA_Q8_BLOCK) * b->ld + j));
+    /* one scale per MHA_Q8_BLOCK columns of the row: VL divides it */
+    return vf_mul(c, vf_set1(b->s[(size_t)k * b->blocks + j / MHA_Q8_BLOCK]));
+}
+
+/* R rows (1 .. 6) x W vectors (1 .. 8) of C from column j, over k0 <= k
+ * < k1; masked only with W == 1 (n columns, the tail). */
+MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
+                    const int T, int k0, int k1, const float *A, int lda,
+                    int ska, const bsrc *B, int j, float *C, int ldc,
+                    vtail t, int n)
+{
+    vf acc[6][8];
+    for (int r = 0; r < R; r++)
+        for (int w = 0; w < W; w++) {
+            const float *c = C + (size_t)r * ldc + VL * w;
+            acc[r][w] = !(mode & FROM_C) ? vf_zero()
+                        : masked         ? vf_load_t(c, t)
+                                         : vf_load(c);
+        }
+
+    /* Register budget: R*W accumulators.  With room for all W vectors of
+     * B besides them, B's row is loaded first and each row's broadcast is
+     * used at once; otherwise (one or two rows against wide blocks on a
+     * 16-register ISA) the R broadcasts are held and B is loaded one vector
+     * at a time.  Loading both at once made GCC spill to the stack, an
+     * extra load for every FMA.  Either way each accumulator sees the
+     * same FMAs in the same order of k: the same bits. */
+    const int b_first = R * W + W + 2 <= VREGS;
+    for (int k = k0; k < k1; k++) {
+        if (b_first) {
+            vf b[8];
+            for (int w = 0; w < W; w++)
+                b[w] = ldb(T, B, k, j + VL * w, masked, t, n);
+            for (int r = 0; r < R; r++) {
+                const vf a = vf_set1(A[(size_t)r * lda + (size_t)k * ska]);
+                if (mode & EXACT) {
+                    /* where a is zero acc stays as it was, so NaN / Inf in
+                     * b never reaches the row: the bits of skipping it */
+                    const vm nz = vf_cmp_nz(a);
+                    for (int w = 0; w < W; w++)
+                        acc[r][w] = vf_fma_where(nz, a, b[w], acc[r][w]);
+                } else {
+                    for (int w = 0; w < W; w++)
+                        acc[r][w] = vf_fma(a, b[w], acc[r][w]);
+                }
+            }
+            continue;
+        }
+        vf a[6];
+        vm nz[6];
+        for (int r = 0; r < R; r++) {
+            a[r] = vf_set1(A[(size_t)r * lda + (size_t)k * ska]);
+            if (mode & EXACT)
+                nz[r] = vf_cmp_nz(a[r]);
+        }
+        for (int w = 0; w < W; w++) {
+            const vf b = ldb(T, B, k, j + VL * w, masked, t, n);
+            for (int r = 0; r < R; r++)
+                acc[r][w] = mode & EXACT
+                                ? vf_fma_where(nz[r], a[r], b, acc[r][w])
+                                : vf_fma(a[r], b, acc[r][w]);
+        }
+    }
+
+    for (int r = 0; r < R; r++)
+        for (int w = 0; w < W; w++) {
+            float *c = C + (size_t)r * ldc + VL * w;
+            if (masked)
+                vf_store_t(c,
+                           mode & ADD ? vf_add(vf_load_t(c, t), acc[r][w])
+                                      : acc[r][w],
+                           t);
+            else
+                vf_store(c, mode & ADD ? vf_add(vf_load(c), acc[r][w])
+                                       : acc[r][w]);
+        }
+}
+
+/* R rows against all N columns over k0 <= k < k1: the wide blocks of one
+ * or two rows, then blocks of TIER_WM vectors, of fewer, a masked tail. */
+MK_INLINE void cols(const int R, const int mode, const int T, int N, int k0,
+                    int k1, const float *A, int lda, int ska, const bsrc *B,
+                    float *C, int ldc)
+{
+    const vtail full = vt_make(VL);
+    const int wide = !(mode & EXACT) || TIER_WIDE_EXACT;
+    int j = 0;
+#define TILE(W, masked, t, n)                                               \
+    tile(R, W, masked, mode, T, k0, k1, A, lda, ska, B, j, C + j, ldc, t, n)
+    if (R == 1 && wide)
+        for (; j + TIER_W1 * VL <= N; j += TIER_W1 * VL)
+            TILE(TIER_W1, 0, full, VL);
+    if (R <= 2 && wide)
+        for (; j + TIER_W2 * VL <= N; j += TIER_W2 * VL)
+            TILE(TIER_W2, 0, full, VL);
+    for (; j + TIER_WM * VL <= N; j += TIER_WM * VL)
+        TILE(TIER_WM, 0, full, VL);
+    if (TIER_WM > 2 && j + 2 * VL <= N) {
+        TILE(2, 0, full, VL);
+        j += 2 * VL;
+    }
+    if (TIER_WM > 1 && j + VL <= N) {
+        TILE(1, 0, full, VL);
+        j += VL;
+    }
+    if (j < N)
+        TILE(1, 1, vt_make(N - j), N - j);
+#undef TILE
+}
+
+/* Rows of B per slab when a panel walks K in slabs (below). */
+enum { KSLAB = 8 };
+
+/*
+ * R rows against all N columns.  Each block of columns walks all of K, so
+ * B is read in strips down its columns: fine when B is in cache (many
+ * row blocks reuse it), but a decoding step reads each B (a KV cache's
+ * tile) once, from memory, where strips far apart defeat the hardware's
+ * streaming.  With TIER_SLABS, a panel of 1 to RMAX rows that is the only
+ * one (`slabs`: a decoding step's row, or a grouped-query decode's
+ * stacked heads) walks K in slabs of KSLAB rows instead, every block of
+ * columns through one slab (a few KB, contiguous, read from memory once
+ * and then from L1) before the next, the partial sums kept in C between
+ * slabs.  An element's chain is the same chain, stored and reloaded
+ * exactly: the same bits.  (SET and ACC only: ADD must form the whole sum
+ * before adding it to C.  One row against at most 64 columns is one block
+ * of columns, a key tile's rows read whole: slabs would only cost it the
+ * reloads.  docs/BENCHMARKS.md has the measurements.)
+ */
+MK_INLINE void panel(const int R, const int mode, const int T, int slabs,
+                     int N, int K, const float *A, int lda, int ska,
+                     const bsrc *B, float *C, int ldc)
+{
+    if (!TIER_SLABS || !slabs || (R == 1 && N <= 64) || (mode & ADD) ||
+        K <= KSLAB) {
+        cols(R, mode, T, N, 0, K, A, lda, ska, B, C, ldc);
+        return;
+    }
+    const size_t row = (size_t)B->ld * (T == B_F32 ? 4 : T <= B_BF16 ? 2 : 1);
+    const char *base = (const char *)B->x;
+    /* The next slab is prefetched, in address order, while this one is
+     * worked on; but not one row's 16-bit value slab (the value side is
+     * the accumulating one, FROM_C): worked on in about as long as memory
+     * takes to deliver it, and the burst of prefetches in front of it held
+     * up its own loads (1.14-1.19x slower on a Zen 1). */
+    const int prefetch =
+        !(R == 1 && (mode & FROM_C) && (T == B_F16 || T == B_BF16));
+    for (int k0 = 0; k0 < K; k0 += KSLAB) {
+        if (prefetch)
+            for (size_t at = (size_t)(k0 + KSLAB) * row;
+                 at < (size_t)(k0 + 2 * KSLAB) * row; at += 64)
+                __builtin_prefetch(base + at, 0, 3);
+        cols(R, k0 ? mode | FROM_C : mode, T, N, k0,
+             k0 + KSLAB < K ? k0 + KSLAB : K, A, lda, ska, B, C, ldc);
+    }
+}
+
+/* All M rows: blocks of RMAX rows, then one block of the remainder; a
+ * single block (M <= RMAX: decoding) may walk K in slabs. */
+MK_INLINE void gemm(const int RMAX, const int mode, const int T, int M, int N,
+                    int K, const float *A, int lda, int ska, const bsrc *B,
+                    float *C, int ldc)
+{
+    const int slabs = M <= RMAX;
+    int i = 0;
+    for (; i + RMAX <= M; i += RMAX)
+        panel(RMAX, mode, T, slabs, N, K, A + (size_t)i * lda, lda, ska, B,
+              C + (size_t)i * ldc, ldc);
+    const float *Ai = A + (size_t)i * lda;
+    float *Ci = C + (size_t)i * ldc;
+    switch (M - i) {
+    case 5: if (RMAX > 5) panel(5, mode, T, slabs, N, K, Ai, lda, ska, B, Ci, ldc); break;
+    case 4: if (RMAX > 4) panel(4, mode, T, slabs, N, K, Ai, lda, ska, B, Ci, ldc); break;
+    case 3: panel(3, mode, T, slabs, N, K, Ai, lda, ska, B, Ci, ldc); break;
+    case 2: panel(2, mode, T, slabs, N, K, Ai, lda, ska, B, Ci, ldc); break;
+    case 1: panel(1, mode, T, slabs, N, K, Ai, lda, ska, B, Ci, ldc); break;
+    default: break;
+    }
+}
+
+/* The rows of a block for a mode. */
+#define RMAX_OF(mode) ((mode) & EXACT ? TIER_RMAX_EXACT : TIER_RMAX)
+
+/* A float B of ld columns. */
+MK_INLINE bsrc f32(const float *x, int ld)
+{
+    const bsrc b = {x, NULL, ld, 0};
+    return b;
+}
+
+/* The products over float tiles (kernels.h).  pvt reads p down its
+ * columns (A's row stride 1, k stride ldp). */
+#define PRODUCT(name, mode, M, N, K, A, lda, ska, Bx, ldb_)                 \
+    static void name(int mr, int nc, int dh, const float *a_, int lda_,     \
+                     const float *b_, float *c_, int ldc_)                  \
+    {                                                                       \
+        const bsrc B = f32(Bx, ldb_);                                       \
+        gemm(RMAX_OF(mode), mode, B_F32, M, N, K, A, lda, ska, &B, c_,      \
+             ldc_);                                                         \
+    }
+static void qk_k(int mr, int nc, int dh, const float *q, const float *kt,
+                 int ldkt, float *s, int lds)
+{
+    const bsrc B = f32(kt, ldkt);
+    gemm(TIER_RMAX, MODE_SET, B_F32, mr, nc, dh, q, dh, 1, &B, s, lds);
+}
+PRODUCT(pv_k, MODE_ACC, mr, dh, nc, a_, lda_, 1, b_, dh)
+PRODUCT(pv_exact_k, MODE_ACC_EXACT, mr, dh, nc, a_, lda_, 1, b_, dh)
+PRODUCT(pv_add_k, MODE_ADD, mr, dh, nc, a_, lda_, 1, b_, dh)
+PRODUCT(pv_add_exact_k, MODE_ADD_EXACT, mr, dh, nc, a_, lda_, 1, b_, dh)
+PRODUCT(pvt_k, MODE_ADD, nc, dh, mr, a_, 1, lda_, b_, dh)
+PRODUCT(pvt_exact_k, MODE_ADD_EXACT, nc, dh, mr, a_, 1, lda_, b_, dh)
+#undef PRODUCT
+
+/* qk and pv on a KV cache's tiles (kernels.h): the same blocking, B
+ * converted as it is loaded. */
+static void qk_kv_k(mha_kv_dtype dtype, int mr, int nc, int dh,
+                    const float *q, const void *kt, int cols, float *s,
+                    int lds)
+{
+    const bsrc B = {kt, mha_q8_scales(kt, cols, dh), cols, 0};
+#define QK_KV(T) gemm(TIER_RMAX, MODE_SET, T, mr, nc, dh, q, dh, 1, &B, s, lds)
+    switch (dtype) {
+    case MHA_KV_F16: QK_KV(B_F16); break;
+    case MHA_KV_BF16: QK_KV(B_BF16); break;
+    case MHA_KV_Q8: QK_KV(B_Q8K); break;
+    default: qk_k(mr, nc, dh, q, kt, cols, s, lds);
+    }
+#undef QK_KV
+}
+
+static void pv_kv_k(mha_kv_dtype dtype, int exact, int mr, int nc, int dh,
+                    const float *p, int ldp, const void *v, int cols,
+                    float *o, int ldo)
+{
+    const bsrc B = {v, mha_q8_scales(v, cols, dh), dh,
+                    (int)mha_q8_blocks(dh)};
+#define PV_KV(T)                                                            \
+    (exact ? gemm(TIER_RMAX_EXACT, MODE_ACC_EXACT, T, mr, dh, nc, p, ldp, 1,\
+                  &B, o, ldo)                                               \
+           : gemm(TIER_RMAX, MODE_ACC, T, mr, dh, nc, p, ldp, 1, &B, o, ldo))
+    switch (dtype) {
+    case MHA_KV_F16: PV_KV(B_F16); break;
+    case MHA_KV_BF16: PV_KV(B_BF16); break;
+    case MHA_KV_Q8: PV_KV(B_Q8V); break;
+    default: PV_KV(B_F32);
+    }
+#undef PV_KV
+}
+
+/* ---- exp ------------------------------------------------------------------
+ *
+ * exp(x) = 2^n * e^f,  n = round(x / ln2),  f = x - n*ln2 in [-ln2/2, ln2/2]
+ * n by the "magic" addition t = fma(x, log2 e, 1.5 * 2^23): floats in
+ * [2^23, 2^24) are the integers, so the one rounding of the fma rounds
+ * x log2 e to the nearest integer n, and t's low bits hold n itself;
+ * n = t - 1.5 * 2^23 exactly.  f by Cody-Waite with FMA: ln2 = L_HI +
+ * L_LO, L_HI the float nearest ln2; fma(n, -L_HI, x) is exact
+ * (|n| <= 160), then fma(n, -L_LO, .) rounds once.  e^f = 1 + f + f^2 *
+ * P(f), P of degree 5 (Cephes expf minimax coefficients), evaluated by
+ * Horner with FMA; then (f + f^2 P) + 1, in [0.70, 1.42].
+ *
+ * 2^n: for |x| <= 86 (every lane: the usual case, a softmax's scores
+ * minus their max), |n| <= 125 and y 2^n is a normal float, formed
+ * exactly by adding n to y's exponent bits (t shifted left by 23 is n
+ * << 23).  Otherwise (-inf, the flush, overflow, NaN in some lane) the
+ * general path: x is clamped to [ln FLT_MIN, 89] first (keeps n in
+ * [-126, 129]; NaN passes through the clamp), 2^n is two exact float
+ * factors 2^(n>>1) * 2^(n - (n>>1)), so n = 128, 129 overflow correctly
+ * to +inf, and results for x < ln FLT_MIN = -87.3365... (exact results
+ * below FLT_MIN) are flushed to +0: no denormal is produced (nor a
+ * microcode assist taken).  Both paths form the same n, f and y, and
+ * both scalings are exact, so a lane's result does not depend on its
+ * neighbours, nor on the tier.  -inf -> 0, NaN -> NaN, 0 -> exactly 1.
+ */
+MK_INLINE vf exp_poly(vf x, vf *t)
+{
+    const vf magic = vf_set1(0x1.8p23f);
+    *t = vf_fma(x, vf_set1(1.44269504088896341f), magic);
+    const vf n = vf_sub(*t, magic);
+    vf f = vf_fnma(n, vf_set1(0.693147182464599609375f), x);
+    f = vf_fnma(n, vf_set1(-1.904654299957768e-09f), f);
+
+    vf P = vf_set1(1.9875691500e-4f);
+    P = vf_fma(P, f, vf_set1(1.3981999507e-3f));
+    P = vf_fma(P, f, vf_set1(8.3334519073e-3f));
+    P = vf_fma(P, f, vf_set1(4.1665795894e-2f));
+    P = vf_fma(P, f, vf_set1(1.6666665459e-1f));
+    P = vf_fma(P, f, vf_set1(5.0000001201e-1f));
+    return vf_add(vf_fma(P, vf_mul(f, f), f), vf_set1(1.0f));
+}
+
+/* The general path (a rare branch, inlined: a call cost exp_sum a stack
+ * frame and the spills around it). */
+MK_INLINE vf exp_general(vf x)
+{
+    /* The smallest float whose exp is >= FLT_MIN: -0x1.5d589ep+6 =
+     * -87.33654022 (ln FLT_MIN = -87.33654475 lies between it and the next
+     * float down, whose exp is already denormal). */
+    const vf flush = vf_set1(-0x1.5d589ep+6f);
+    const vf xc = vf_clamp(x, flush, vf_set1(89.0f));   /* NaN stays NaN */
+    const vm below = vf_cmp_lt(x, flush);
+    vf t;
+    const vf y = exp_poly(xc, &t);
+
+    /* n is an integer in [-126, 129] (garbage for NaN: y is NaN then). */
+    const vi ni = vi_sub(vf_as_vi(t), vi_set1(0x4B400000));
+    const vi n1 = vi_sra(ni, 1);
+    const vi n2 = vi_sub(ni, n1);
+    const vf s1 = vi_as_vf(vi_sll(vi_add(n1, vi_set1(127)), 23));
+    const vf s2 = vi_as_vf(vi_sll(vi_add(n2, vi_set1(127)), 23));
+    return vf_select(below, vf_zero(), vf_mul(vf_mul(y, s1), s2));
+}
+
+MK_INLINE vf vexp(vf x)
+{
+    if (__builtin_expect(!vm_all(vf_cmp_le(vf_abs(x), vf_set1(86.0f))), 0))
+        return exp_general(x);   /* (NaN compares false: here) */
+    vf t;
+    const vf y = exp_poly(x, &t);
+    return vi_as_vf(vi_add(vf_as_vi(y), vi_sll(vf_as_vi(t), 23)));
+}
+
+/* ---- tanh -----------------------------------------------------------------
+ *
+ * tanh|x| = (1 - e) / (1 + e), e = exp(-2|x|), for |x| >= 0.25; below, the
+ * Taylor series x (1 + x^2 P(x^2)) to x^11, whose first omitted term is
+ * < 1.3e-11 |x| there (the quotient would lose bits to 1 - e).  The sign
+ * of x is put back last.  +-Inf -> +-1, NaN -> NaN.
+ */
+MK_INLINE vf vtanh(vf x)
+{
+    const vf a = vf_abs(x), one = vf_set1(1.0f);
+    const vf e = vexp(vf_mul(a, vf_set1(-2.0f)));
+    const vf big = vf_div(vf_sub(one, e), vf_add(one, e));
+    const vf a2 = vf_mul(a, a);
+    vf P = vf_set1(-1382.0f / 155925.0f);
+    P = vf_fma(P, a2, vf_set1(62.0f / 2835.0f));
+    P = vf_fma(P, a2, vf_set1(-17.0f / 315.0f));
+    P = vf_fma(P, a2, vf_set1(2.0f / 15.0f));
+    P = vf_fma(P, a2, vf_set1(-1.0f / 3.0f));
+    const vf small = vf_fma(vf_mul(P, a2), a, a);
+    return vf_or_sign(vf_select(vf_cmp_lt(a, vf_set1(0.25f)), small, big), x);
+}
+
+static void softcap_k(float *x, int n, float c, float *dcap)
+{
+    const vf cv = vf_set1(c), inv = vf_set1(1.0f / c), one = vf_set1(1.0f);
+    for (int k = 0; k < n; k += VL) {
+        const int w = n - k < VL ? n - k : VL;
+        const vtail t = vt_make(w);
+        const vf th = vtanh(vf_mul(vf_load_t(x + k, t), inv));
+        vf_store_t(x + k, vf_mul(cv, th), t);
+        if (dcap)
+            vf_store_t(dcap + k, vf_fnma(th, th, one), t);
+    }
+}
+
+/* VL lanes of sums, the tail's lanes added as zeros where n ends, then
+ * vf_hsum: an order fixed by n. */
+static float exp_sum_k(float *x, int n, float m)
+{
+    const vf mv = vf_set1(m);
+    vf acc = vf_zero();
+    int c = 0;
+    for (; c + VL <= n; c += VL) {
+        const vf e = vexp(vf_sub(vf_load(x + c), mv));
+        vf_store(x + c, e);
+        acc = vf_add(acc, e);
+    }
+    if (c < n) {   /* the tail's lanes only: no read or write past n */
+        const vtail t = vt_make(n - c);
+        const vf e = vexp(vf_sub(vf_load_t(x + c, t), mv));
+        vf_store_t(x + c, e, t);
+        acc = vf_add(acc, vf_keep_t(e, t));
+    }
+    return vf_hsum(acc);
+}
+
+static void scale_k(float *dst, const float *src, int n, float a)
+{
+    const vf av = vf_set1(a);
+    int c = 0;
+    for (; c + 2 * VL <= n; c += 2 * VL) {
+        vf_store(dst + c, vf_mul(vf_load(src + c), av));
+        vf_store(dst + c + VL, vf_mul(vf_load(src + c + VL), av));
+    }
+    for (; c < n; c += VL) {
+        const vtail t = vt_make(n - c < VL ? n - c : VL);
+        vf_store_t(dst + c, vf_mul(vf_load_t(src + c, t), av), t);
+    }
+}
+
+/* Finite: |x| <= FLT_MAX (NaN compares false), lane by lane. */
+static int copy_finite_k(float *dst, const float *src, int n)
+{
+    const vf big = vf_set1(FLT_MAX);
+    int finite = 1;
+    for (int c = 0; c < n; c += VL) {
+        const vtail t = vt_make(n - c < VL ? n - c : VL);
+        const vf x = vf_load_t(src + c, t);   /* (lanes past n: 0, finite) */
+        vf_store_t(dst + c, x, t);
+        finite &= vm_all(vf_cmp_le(vf_abs(x), big));
+    }
+    return finite;
+}
+
+/* vf_max_ign(x, m) keeps m where x is NaN: NaN is ignored, as the
+ * contract asks; so does the tail's comparison.  A max is exact, so the
+ * order of the lanes is free. */
+static float max_k(const float *x, int n)
+{
+    vf m = vf_set1(-INFINITY);
+    int c = 0;
+    for (; c + VL <= n; c += VL)
+        m = vf_max_ign(vf_load(x + c), m);
+    float r = vf_hmax(m);
+    for (; c < n; c++)
+        if (x[c] > r)
+            r = x[c];
+    return r;
+}
+
+/* VL products at a time, converted to float64 half by half (each exact
+ * there: 24 x 24 bits), summed in two vectors; their lanes added by
+ * halving, then the tail in order.  A lane whose p is zero adds p * 0
+ * (its d zeroed first), never p * d. */
+static double dot_nonzero_k(const float *p, const float *d, int n)
+{
+    vd s0 = vd_zero(), s1 = vd_zero();
+    int c = 0;
+    for (; c + VL <= n; c += VL) {
+        const vf pv = vf_load(p + c);
+        const vf dv = vf_select(vf_cmp_nz(pv), vf_load(d + c), vf_zero());
+        s0 = vd_add(s0, vd_mul(vd_lo(pv), vd_lo(dv)));
+        s1 = vd_add(s1, vd_mul(vd_hi(pv), vd_hi(dv)));
+    }
+    double l[VL / 2];
+    vd_store(l, vd_add(s0, s1));
+    for (int w = VL / 4; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++)
+            l[i] += l[i + w];
+    double s = l[0];
+    for (; c < n; c++)
+        if (p[c] != 0.0f)
+            s += (double)p[c] * d[c];
+    return s;
+}
+
+static void dscore_k(const float *p, const float *d, float delta, float *ds,
+                     int n)
+{
+    const vf dl = vf_set1(delta);
+    int c = 0;
+    for (; c + VL <= n; c += VL) {
+        const vf pv = vf_load(p + c);
+        const vf v = vf_mul(pv, vf_sub(vf_load(d + c), dl));
+        vf_store(ds + c, vf_select(vf_cmp_eq(pv, vf_zero()), vf_zero(), v));
+    }
+    for (; c < n; c++)
+        ds[c] = p[c] == 0.0f ? 0.0f : p[c] * (d[c] - delta);
+}
+
+const mha_microkernels TIER_TABLE = {
+    TIER_NAME,   qk_k,      pv_k,       pv_exact_k,    pv_add_k,
+    pv_add_exact_k,         pvt_k,      pvt_exact_k,   exp_sum_k,
+    scale_k,     copy_finite_k,         max_k,         softcap_k,
+    qk_kv_k,     pv_kv_k,   dot_nonzero_k,             dscore_k};
