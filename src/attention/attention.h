@@ -144,6 +144,8 @@ static inline int mha_mask_has_explicit(const mha_mask_plan *p)
 
 /* Query rows per block and keys per tile of the flash tiers. */
 enum { MHA_BR = 64, MHA_BC = 64 };
+_Static_assert((int)MHA_BR <= (int)MHA_UK_ROWS,
+               "a block's rows fit one softmax_rows call");
 
 /*
  * One attention problem.  H query heads share Hkv key/value heads (Hkv

@@ -46,12 +46,21 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
                 f->s[r * MHA_BC + c] = -INFINITY;
     }
     mha_mask_tile(a, t, f->s);
+    /* Where the value tile holds NaN or Inf (pv_exact below: a zero
+     * weight reads no value), the live keys are remembered, so that a
+     * weight that exp underflows to 0 is told from a masked one. */
+    unsigned char live[MHA_BR * MHA_BC];
+    if (!src.finite)
+        for (int i = 0; i < mr * MHA_BC; i++)
+            live[i] = f->s[i] != -INFINITY;   /* NaN: live */
+    /* m, l and the weights p = exp(s - m) of every row that has a live
+     * score; alpha = exp(m_old - m_new), exactly 1 when the max held
+     * (most tiles of a long row), -1 for a row with nothing live yet. */
+    float alpha[MHA_BR];
+    uk->softmax_rows(mr, nc, f->s, MHA_BC, f->m, f->l, alpha);
     for (int r = 0; r < mr; r++) {
         float *sr = f->s + r * MHA_BC;
-        /* NaN never wins the comparison but reaches the sum: it propagates */
-        const float mt = uk->max(sr, nc);
-        const float mn = mt > f->m[r] ? mt : f->m[r];
-        if (mn == -INFINITY) {            /* nothing live in this row yet */
+        if (alpha[r] == -1.0f) {          /* nothing live in this row yet */
             /* ... unless its scores are NaN (a NaN or Inf in the query or
              * in an attended key): NaN from here on, never "no key". */
             for (int c = 0; c < nc; c++)
@@ -60,32 +69,17 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
             memset(sr, 0, (size_t)nc * sizeof *sr);
             continue;
         }
-        /* Where the value tile holds NaN or Inf (pv_exact below: a zero
-         * weight reads no value), the live keys are remembered, so that a
-         * weight that exp underflowed to 0 is told from a masked one. */
-        unsigned char live[MHA_BC];
-        if (!src.finite)
-            for (int c = 0; c < nc; c++)
-                live[c] = sr[c] != -INFINITY;   /* NaN: live */
-        /* 0 on the first tile; exactly 1 (expf(0)) when the max held,
-         * which most tiles of a long row see: no call then. */
-        const float alpha = mn == f->m[r] ? 1.0f : expf(f->m[r] - mn);
-        const float sum = uk->exp_sum(sr, nc, mn);
         /* An underflowed live weight becomes the least subnormal float,
          * which adds nothing visible to a finite value's share but reads
          * the value: NaN or Inf there reaches the row, as in the
          * reference tier (float64 weight ~1e-40) and in exact arithmetic.
-         * Not in l: the sum stays the one exp_sum formed. */
+         * Not in l: the sum stays the one softmax_rows formed. */
         if (!src.finite)
             for (int c = 0; c < nc; c++)
-                if (live[c] && sr[c] == 0.0f)
+                if (live[r * MHA_BC + c] && sr[c] == 0.0f)
                     sr[c] = FLT_TRUE_MIN;
-        if (alpha != 1.0f) {
-            uk->scale(f->o + r * dh, f->o + r * dh, dh, alpha);
-            f->l[r] *= alpha;
-        }
-        f->l[r] += sum;
-        f->m[r] = mn;
+        if (alpha[r] != 1.0f)
+            uk->scale(f->o + r * dh, f->o + r * dh, dh, alpha[r]);
         if (a->dropout)
             for (int c = 0; c < nc; c++)
                 if (!mha_dropout_keep(a->seed, a->p_drop, t->b, t->h,

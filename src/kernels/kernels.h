@@ -29,6 +29,10 @@
 
 #include <stdint.h>
 
+/* The most rows one softmax_rows call takes: a flash block's (attention.h,
+ * MHA_BR). */
+enum { MHA_UK_ROWS = 64 };
+
 typedef struct mha_microkernels {
     const char *name;   /* "scalar", "avx2", "avx512", "neon" */
 
@@ -80,6 +84,17 @@ typedef struct mha_microkernels {
     /* max_c x[c] over c < n, ignoring NaN (-INFINITY if none is larger);
      * the driver relies on NaN reaching the sum through exp_sum instead. */
     float (*max)(const float *x, int n);
+
+    /* The online softmax's step on the mr rows of a score tile, row r at
+     * s + r lds, with its running max m[r] and sum l[r] (flash_forward.c):
+     * mn = the larger of m[r] and max (above) of the row; a row whose mn
+     * is -INFINITY (no live score yet) is left as it is, m and l too, and
+     * gets alpha[r] = -1; otherwise alpha[r] = 1 if mn == m[r], else
+     * exp(m[r] - mn) (the tier's exp), the row becomes exp(s - mn)
+     * (exp_sum), l[r] = l[r] alpha[r] + the row's sum (two roundings),
+     * m[r] = mn.  mr <= MHA_UK_ROWS. */
+    void (*softmax_rows)(int mr, int nc, float *s, int lds, float *m,
+                         float *l, float *alpha);
 
     /* The softcap (Gemma 2): x[k] = c tanh(x[k] * (1/c)) for k < n, 1/c
      * rounded to float, c > 0; and, when dcap is not NULL, dcap[k] =

@@ -147,6 +147,27 @@ static void dscore_scalar(const float *p, const float *d, float delta,
         ds[c] = p[c] == 0.0f ? 0.0f : p[c] * (d[c] - delta);
 }
 
+static float max_scalar(const float *x, int n);
+
+static void softmax_rows_scalar(int mr, int nc, float *s, int lds, float *m,
+                                float *l, float *alpha)
+{
+    for (int r = 0; r < mr; r++) {
+        float *x = s + (size_t)r * lds;
+        const float mt = max_scalar(x, nc);
+        const float mn = mt > m[r] ? mt : m[r];
+        if (mn == -INFINITY) {
+            alpha[r] = -1.0f;
+            continue;
+        }
+        alpha[r] = mn == m[r] ? 1.0f : expf(m[r] - mn);
+        const float sum = exp_sum_scalar(x, nc, mn);
+        l[r] = l[r] * alpha[r];
+        l[r] = l[r] + sum;
+        m[r] = mn;
+    }
+}
+
 static float max_scalar(const float *x, int n)
 {
     float m = -INFINITY;
@@ -211,5 +232,5 @@ static void pv_kv_scalar(mha_kv_dtype dtype, int exact, int mr, int nc,
 const mha_microkernels mha_microkernels_scalar = {
     "scalar",           qk_scalar,      pv_scalar,    pv_exact_scalar,
     pv_add_scalar,      pv_add_exact_scalar, pvt_scalar, pvt_exact_scalar,
-    exp_sum_scalar,     scale_scalar,   copy_finite_scalar, max_scalar,     softcap_scalar,
+    exp_sum_scalar,     scale_scalar,   copy_finite_scalar, max_scalar, softmax_rows_scalar,     softcap_scalar,
     qk_kv_scalar,       pv_kv_scalar,   dot_nonzero_scalar, dscore_scalar};

@@ -490,6 +490,33 @@ static float max_k(const float *x, int n)
     return r;
 }
 
+/* The online softmax's step (kernels.h): each row's new max; the rows'
+ * alphas, exp(m - mn) on vectors of rows (exp(0) is exactly 1, exp(-inf)
+ * 0); then each row's exponentials and sum, max_k and exp_sum_k inlined. */
+static void softmax_rows_k(int mr, int nc, float *s, int lds, float *m,
+                           float *l, float *alpha)
+{
+    float mn[MHA_UK_ROWS], d[MHA_UK_ROWS];
+    for (int r = 0; r < mr; r++) {
+        const float mt = max_k(s + (size_t)r * lds, nc);
+        mn[r] = mt > m[r] ? mt : m[r];
+        d[r] = mn[r] == m[r] ? 0.0f : m[r] - mn[r];
+    }
+    for (int r = 0; r < mr; r += VL) {
+        const vtail t = vt_make(mr - r < VL ? mr - r : VL);
+        vf_store_t(alpha + r, vexp(vf_load_t(d + r, t)), t);
+    }
+    for (int r = 0; r < mr; r++) {
+        if (mn[r] == -INFINITY) {   /* no live score yet: the driver's */
+            alpha[r] = -1.0f;
+            continue;
+        }
+        l[r] = l[r] * alpha[r];
+        l[r] = l[r] + exp_sum_k(s + (size_t)r * lds, nc, mn[r]);
+        m[r] = mn[r];
+    }
+}
+
 /* VL products at a time, converted to float64 half by half (each exact
  * there: 24 x 24 bits), summed in two vectors; their lanes added by
  * halving, then the tail in order.  A lane whose p is zero adds p * 0
@@ -533,5 +560,6 @@ static void dscore_k(const float *p, const float *d, float delta, float *ds,
 const mha_microkernels TIER_TABLE = {
     TIER_NAME,   qk_k,      pv_k,       pv_exact_k,    pv_add_k,
     pv_add_exact_k,         pvt_k,      pvt_exact_k,   exp_sum_k,
-    scale_k,     copy_finite_k,         max_k,         softcap_k,
+    scale_k,     copy_finite_k,         max_k,         softmax_rows_k,
+    softcap_k,
     qk_kv_k,     pv_kv_k,   dot_nonzero_k,             dscore_k};
