@@ -86,6 +86,40 @@ def main():
                         for r in block.strip().splitlines()])
         np.testing.assert_allclose(val, exp[h]["softmax"], atol=5.1e-5)
         checked += 1
+    # The causal step: head 0 under a causal mask (query i sees keys <= i).
+    q, k, v = (X @ np.array(w, dtype=np.float64) for w in W[0])
+    s = np.where(np.tril(np.ones((3, 3), bool)), q @ k.T / np.sqrt(2.0),
+                 -np.inf)
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(got["head 0 softmax weights, causal:"], p,
+                               atol=5.1e-5)
+    assert not np.allclose(p, exp[0]["softmax"], atol=1e-3), \
+        "the causal weights must differ from the plain ones"
+    causal_out = got["output, causal:"]
+    np.testing.assert_allclose(causal_out[:, :2], p @ v, atol=5.1e-5)
+    checked += 2
+    # The tiles step: keys {1, 2} and {3} of head 0, each tile's (max, sum)
+    # printed and merged into the same output as the whole softmax.
+    sc = q @ k.T / np.sqrt(2.0)
+    tiles = re.findall(r"row (\d): A \(m\s+(\S+), l (\S+)\)\s+"
+                       r"B \(m\s+(\S+), l (\S+)\)", run.stdout)
+    assert len(tiles) == 3, "the two tiles' (m, l) of each row"
+    for row, ma, la, mb, lb in tiles:
+        i = int(row) - 1
+        for part, m_txt, l_txt in ((sc[i, :2], ma, la), (sc[i, 2:], mb, lb)):
+            assert abs(float(m_txt) - part.max()) <= 5.1e-5, (row, m_txt)
+            assert abs(float(l_txt) - np.exp(part - part.max()).sum()) \
+                <= 5.1e-5, (row, l_txt)
+    np.testing.assert_allclose(got["head 0 output from the two tiles:"],
+                               exp[0]["out"], atol=5.1e-5)
+    checked += 2
+    assert "Row 3 of Q1 is zero" in run.stdout, "the zero query's note"
+    assert np.all(exp[1]["Q"][2] == 0) and \
+        np.allclose(exp[1]["softmax"][2], 1 / 3), "the note's claim"
+    assert "differ by chance" in run.stdout and \
+        "Different heads put their weight" not in run.stdout, \
+        "part 2 must not read chance as specialisation"
     assert "do not follow" in run.stdout, "the note on the seed's slips"
     assert "-- Head 0 --" in run.stdout and "-- Head 2 --" not in run.stdout
     assert "head 3" in run.stdout and "head 4" not in run.stdout, \

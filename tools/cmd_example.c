@@ -1,6 +1,8 @@
 /*
  * cmd_example.c -- `mha example`: the seeds' worked example, computed by
- * libmha with its true values, then a larger self-attention demo.
+ * libmha with its true values and explained (the scale, a zero query, a
+ * causal mask, two tiles of keys merged as flash attention merges them),
+ * then a larger self-attention at random initialisation.
  */
 #include "commands.h"
 #include "fail.h"
@@ -70,6 +72,66 @@ static int report_slips(const char *what, const float *seed,
     return n;
 }
 
+/* The online softmax of flash attention, on head 0: keys 1-2 form one
+ * tile and key 3 another; each tile gives per row its max m, its sum
+ * l = sum exp(s - m) and o = sum exp(s - m) v, and the two merge by
+ * rescaling both to the larger max.  The result equals the softmax over
+ * all three keys. */
+static void tiles_step(float proj[3][3 * 4], const float *out, float scale)
+{
+    enum { E = 4, L = 3, DH = 2 };
+    const int first[2] = {0, 2}, last[2] = {2, 3};
+    double m[2][L], l[2][L], o[2][L][DH], merged[L][DH];
+    for (int t = 0; t < 2; t++)
+        for (int i = 0; i < L; i++) {
+            double s[L], mx = -INFINITY;
+            for (int j = first[t]; j < last[t]; j++) {
+                s[j] = 0.0;
+                for (int d = 0; d < DH; d++)
+                    s[j] += (double)proj[0][i * E + d] * proj[1][j * E + d];
+                s[j] *= scale;
+                mx = s[j] > mx ? s[j] : mx;
+            }
+            m[t][i] = mx;
+            l[t][i] = 0.0;
+            o[t][i][0] = o[t][i][1] = 0.0;
+            for (int j = first[t]; j < last[t]; j++) {
+                const double e = exp(s[j] - mx);
+                l[t][i] += e;
+                for (int d = 0; d < DH; d++)
+                    o[t][i][d] += e * proj[2][j * E + d];
+            }
+        }
+    double worst = 0.0;
+    for (int i = 0; i < L; i++) {
+        const double mx = m[0][i] > m[1][i] ? m[0][i] : m[1][i];
+        const double a0 = exp(m[0][i] - mx), a1 = exp(m[1][i] - mx);
+        const double sum = l[0][i] * a0 + l[1][i] * a1;
+        for (int d = 0; d < DH; d++) {
+            merged[i][d] = (o[0][i][d] * a0 + o[1][i][d] * a1) / sum;
+            const double diff = fabs(merged[i][d] - out[i * E + d]);
+            worst = diff > worst ? diff : worst;
+        }
+    }
+    printf("\n-- Two tiles of keys, merged (head 0): how flash attention "
+           "avoids the L x L matrix --\n");
+    printf("  Tile A = keys 1-2, tile B = key 3.  Per tile and row: m = the "
+           "largest score,\n  l = sum exp(s - m), o = sum exp(s - m) V.  "
+           "Merged: M = max(m_A, m_B),\n  output = (o_A e^(m_A-M) + o_B "
+           "e^(m_B-M)) / (l_A e^(m_A-M) + l_B e^(m_B-M)).\n");
+    for (int i = 0; i < L; i++)
+        printf("    row %d: A (m %7.4f, l %6.4f)  B (m %7.4f, l %6.4f)\n",
+               i + 1, m[0][i], l[0][i], m[1][i], l[1][i]);
+    float mf[L * DH];
+    for (int i = 0; i < L; i++)
+        for (int d = 0; d < DH; d++)
+            mf[i * DH + d] = (float)merged[i][d];
+    print_matrix("head 0 output from the two tiles:", mf, L, DH, DH);
+    printf("  largest difference from head 0's output above: %.1e (float "
+           "rounding):\n  the same softmax, never holding a whole row of "
+           "scores (docs/LEARN.md, step 5).\n", worst);
+}
+
 static int worked_example(void)
 {
     const int E = 4, H = 2, dh = 2, L = 3;
@@ -108,6 +170,14 @@ static int worked_example(void)
     st = mha_forward(m, &a);
     for (int p = 0; st == MHA_OK && p < 3; p++)
         st = mha_project(m, (mha_projection)p, &X[0][0], L, proj[p]);
+    /* The same module under a causal mask: query i sees keys 1..i. */
+    float causal_out[3 * 4], causal_w[2 * 3 * 3];
+    if (st == MHA_OK) {
+        a.causal = MHA_CAUSAL_TOP_LEFT;
+        a.attn_weights = causal_w;
+        a.out = causal_out;
+        st = mha_forward(m, &a);
+    }
     mha_config resolved;
     mha_get_config(m, &resolved);
     mha_free(m);
@@ -143,8 +213,24 @@ static int worked_example(void)
                     s += proj[0][i * E + h * dh + d] * proj[1][j * E + h * dh + d];
                 scores[i * L + j] = s * resolved.scale;
             }
+        if (h == 0)
+            printf("  Why / sqrt(2): d_k = 2 here.  If q and k have entries "
+                   "of variance 1,\n  q . k sums d_k such products and has "
+                   "variance d_k; dividing by sqrt(d_k)\n  brings it back "
+                   "to 1, so that at d_k = 64 the softmax is not nearly\n"
+                   "  one-hot (docs/LEARN.md, step 2).\n");
         snprintf(buf, sizeof buf, "scaled scores Q%d K%d^T / sqrt(2):", h, h);
         print_matrix(buf, scores, L, L, L);
+        for (int i = 0; i < L; i++) {
+            int zero = 1;
+            for (int d = 0; d < dh; d++)
+                zero &= proj[0][i * E + h * dh + d] == 0.0f;
+            if (zero)
+                printf("  Row %d of Q%d is zero (X's row %d has nothing in "
+                       "the columns W%d_Q reads),\n  so its scores are all "
+                       "0 and its softmax row is uniform: 1/%d each.\n",
+                       i + 1, h, i + 1, h, L);
+        }
         const float *w = weights + h * L * L;
         print_matrix("softmax weights (each row sums to 1):", w, L, L, L);
         snprintf(buf, sizeof buf, "head %d output = weights V%d:", h, h);
@@ -169,6 +255,14 @@ static int worked_example(void)
     }
     printf("\n-- Concat(head 0, head 1) (3 x 4) = output, since W^O = I --\n");
     print_matrix("", out, L, E, E);
+
+    printf("\n-- A causal mask: query i may see keys 1..i only --\n"
+           "  (a model that predicts the next token must not read it)\n");
+    print_matrix("head 0 softmax weights, causal:", causal_w, L, L, L);
+    print_matrix("output, causal:", causal_out, L, E, E);
+    printf("  Row 1 sees only key 1 (weight 1); row 3 sees every key, so "
+           "its row is\n  the same as without the mask.\n");
+    tiles_step(proj, out, resolved.scale);
     printf("\nNote: %d entries of the seed's worked example do not follow "
            "from its own X and W\n(listed above under each head); the values "
            "printed here are computed.\n", slips);
@@ -277,9 +371,14 @@ static int random_demo(void)
         }
         printf("\n");
     }
-    printf("Different heads put their weight on different keys: the same "
-           "input, four\ndistinct attention patterns, each from its own slice "
-           "of W_q and W_k.\n");
+    printf("These heads differ by chance: the weights are random (Xavier "
+           "init), so each\nhead's slice of W_q and W_k compares tokens on "
+           "a different random view, and\nevery head's rows stay broad "
+           "(entropies not far below the uniform %.3f).\nNothing here has "
+           "learned a role.  Heads that specialise by training\n"
+           "(previous-token and induction heads): the README's \"Heads "
+           "that specialise\",\nbash scripts/induction_demo.sh out.\n",
+           log(16.0));
     return 0;
 }
 
@@ -291,8 +390,9 @@ int cmd_example(int argc, char **argv)
                "libmha: for each\nhead Q, K, V, the scaled scores, the "
                "softmax weights, the head output and a\nheatmap; then the "
                "concatenation, and where the seed's own table slipped.\n"
-               "Then a larger random self-attention (B=2, L=16, E=64, H=4) "
-               "whose heads\nattend differently.\n");
+               "Then a causal mask, the same output from two tiles of keys "
+               "(the online\nsoftmax), and a larger random self-attention "
+               "(B=2, L=16, E=64, H=4).\n");
         return 0;
     }
     if (argc > 1)
