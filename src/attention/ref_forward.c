@@ -3,6 +3,28 @@
  * score row materialised, every sum in float64.  Slow, obviously right,
  * never deleted: the oracle the flash tiers are tested against, and the
  * tier MHA_ISA=ref forces.
+ *
+ * To learn the algorithm, read tests/support/ref_impl.h (the module from
+ * its definition, nothing else) or docs/LEARN.md (NumPy, step by step)
+ * first: mha_ref_row below serves every feature at once.  Its map, per
+ * head h of row i of batch b:
+ *
+ *   g = mha_kv_head          GQA: the KV head query head h reads
+ *   mha_mask_row -> bias     every mask, key length, causal alignment and
+ *                            window as 0 or -inf per key (live: any key)
+ *   mx = sink                a sink starts the max (and the sum) with a
+ *                            logit of no value
+ *   key_dot, mha_ref_modify  the score s_j = q . k_j * scale, softcapped,
+ *                            minus ALiBi, plus the mask's bias; keys are
+ *                            read in the cache's dtype (mha_key_elem)
+ *   sum of exp(s - mx)       the softmax's denominator, sink included
+ *   mha_dropout_keep, keep   dropout: a dropped key adds nothing, a kept
+ *                            one is scaled by 1 / (1 - p)
+ *   add_value, w             the context and the attention weights (per
+ *                            head, or averaged over heads)
+ *   st = (mx, 1 / sum)       the row statistics the backward reuses; a
+ *                            row with no key gets (-inf, 0) and a zero
+ *                            context, a NaN score a NaN row
  */
 #include "attention.h"
 
