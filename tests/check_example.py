@@ -99,7 +99,7 @@ def main():
     causal_out = got["output, causal:"]
     np.testing.assert_allclose(causal_out[:, :2], p @ v, atol=5.1e-5)
     checked += 2
-    # The tiles step: keys {1, 2} and {3} of head 0, each tile's (max, sum)
+    # The tiles step: keys {1} and {2, 3} of head 0, each tile's (max, sum)
     # printed and merged into the same output as the whole softmax.
     sc = q @ k.T / np.sqrt(2.0)
     tiles = re.findall(r"row (\d): A \(m\s+(\S+), l (\S+)\)\s+"
@@ -107,7 +107,7 @@ def main():
     assert len(tiles) == 3, "the two tiles' (m, l) of each row"
     for row, ma, la, mb, lb in tiles:
         i = int(row) - 1
-        for part, m_txt, l_txt in ((sc[i, :2], ma, la), (sc[i, 2:], mb, lb)):
+        for part, m_txt, l_txt in ((sc[i, :1], ma, la), (sc[i, 1:], mb, lb)):
             assert abs(float(m_txt) - part.max()) <= 5.1e-5, (row, m_txt)
             assert abs(float(l_txt) - np.exp(part - part.max()).sum()) \
                 <= 5.1e-5, (row, l_txt)

@@ -72,15 +72,15 @@ static int report_slips(const char *what, const float *seed,
     return n;
 }
 
-/* The online softmax of flash attention, on head 0: keys 1-2 form one
- * tile and key 3 another; each tile gives per row its max m, its sum
+/* The online softmax of flash attention, on head 0: key 1 forms one
+ * tile and keys 2-3 another; each tile gives per row its max m, its sum
  * l = sum exp(s - m) and o = sum exp(s - m) v, and the two merge by
  * rescaling both to the larger max.  The result equals the softmax over
  * all three keys. */
 static void tiles_step(float proj[3][3 * 4], const float *out, float scale)
 {
     enum { E = 4, L = 3, DH = 2 };
-    const int first[2] = {0, 2}, last[2] = {2, 3};
+    const int first[2] = {0, 1}, last[2] = {1, 3};
     double m[2][L], l[2][L], o[2][L][DH], merged[L][DH];
     for (int t = 0; t < 2; t++)
         for (int i = 0; i < L; i++) {
@@ -115,7 +115,7 @@ static void tiles_step(float proj[3][3 * 4], const float *out, float scale)
     }
     printf("\n-- Two tiles of keys, merged (head 0): how flash attention "
            "avoids the L x L matrix --\n");
-    printf("  Tile A = keys 1-2, tile B = key 3.  Per tile and row: m = the "
+    printf("  Tile A = key 1, tile B = keys 2-3.  Per tile and row: m = the "
            "largest score,\n  l = sum exp(s - m), o = sum exp(s - m) V.  "
            "Merged: M = max(m_A, m_B),\n  output = (o_A e^(m_A-M) + o_B "
            "e^(m_B-M)) / (l_A e^(m_A-M) + l_B e^(m_B-M)).\n");
