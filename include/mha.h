@@ -654,8 +654,11 @@ typedef struct mha_attention_args {
     uint16_t *out16;
 } mha_attention_args;
 MHA_API mha_status mha_attention(const mha_attention_args *args);
-/* "amx" where mha_attention runs bf16 on AMX tiles, else "float32" (the
- * inputs widened).  MHA_AMX=0 in the environment forces "float32". */
+/* Which kernels mha_attention's bf16 calls run on: "amx" (AMX tiles),
+ * "avx512bf16" (AVX512-BF16 dot products, the same code without tiles) or
+ * "float32" (the inputs widened).  MHA_BF16=amx|avx512bf16|float32 in the
+ * environment caps the choice; NULL, with the error set, for another
+ * value (every bf16 call is then refused). */
 MHA_API const char *mha_bf16_kernel(void);
 
 /*
@@ -701,8 +704,8 @@ MHA_API mha_status mha_attention_backward(const mha_attention_args *args,
  * The backward of mha_attention on 16-bit data (args.dtype BF16 or F16,
  * args.q16, k16, v16): dL/d out in, dq, dk, dv out, each of the type and
  * the shape and layout (both layouts) of q, k and v.  Plain, causal and
- * key_lengths attention with d_h a multiple of 32 runs on AMX tiles where
- * mha_bf16_kernel() is "amx": the forward again (for out and the row
+ * key_lengths attention with d_h a multiple of 32 runs on AMX tiles or
+ * AVX512-BF16 where mha_bf16_kernel() says so: the forward again (for out and the row
  * statistics), then the flash backward's two sweeps, P and scale dS
  * rounded to bf16 before their products (as the forward rounds P), every
  * sum float32; anything else widens to float32 and runs

@@ -57,7 +57,8 @@ ctest --test-dir build -j"$jobs" --output-on-failure \
 
 # No silent skips: every test that did not run is listed by name, and the
 # only ones allowed are the *_avx512 tier runs on a CPU without AVX-512F,
-# the *_amx ones on a CPU without AMX-BF16, and the *_neon ones on x86
+# the *_amx ones on a CPU without AMX-BF16, the *_avx512bf16 ones on a CPU
+# without AVX512-BF16, and the *_neon ones on x86
 # (they run in the aarch64 stage, under qemu).
 skipped=$(/usr/bin/python3 - "$PWD/build/ctest-release.xml" <<'PY'
 import sys
@@ -67,15 +68,18 @@ for t in ET.parse(sys.argv[1]).getroot().iter("testcase"):
         print(t.get("name"))
 PY
 )
-have_avx512=0 have_amx=0
+have_avx512=0 have_amx=0 have_bf16=0
 grep -qw avx512f /proc/cpuinfo && have_avx512=1
 grep -qw amx_bf16 /proc/cpuinfo && have_amx=1
+grep -qw avx512_bf16 /proc/cpuinfo && have_bf16=1
 bad=0
 for t in $skipped; do
   if [[ $t == *_avx512 && $have_avx512 == 0 ]]; then
     echo "skipped: $t (this CPU has no AVX-512F)"
   elif [[ $t == *_amx && $have_amx == 0 ]]; then
     echo "skipped: $t (this CPU has no AMX-BF16)"
+  elif [[ $t == *_avx512bf16 && $have_bf16 == 0 ]]; then
+    echo "skipped: $t (this CPU has no AVX512-BF16)"
   elif [[ $t == *_neon ]]; then
     echo "skipped: $t (an x86 CPU; the aarch64 stage runs it)"
   else

@@ -3,9 +3,13 @@
  * float64 reference on the rounded inputs (written here: softmax(q k^T
  * scale) v per head, causal and key lengths by index, grouped heads).
  *
- * Run twice by CTest: test_half_amx (the AMX kernel, where the CPU has
- * it; exit 77, skipped by name, elsewhere) and test_half_widened
- * (MHA_AMX=0: the inputs widened to float32, the float32 kernels).
+ * Run by CTest once per bf16 kernel: test_half_amx (AMX tiles, where the
+ * CPU has them; exit 77, skipped by name, elsewhere), test_half_avx512bf16
+ * (MHA_BF16=avx512bf16: vdpbf16ps on the same layouts and code, where the
+ * CPU has AVX512-BF16) and test_half_widened (MHA_BF16=float32: the inputs
+ * widened to float32, the float32 kernels); test_half_bad_env checks that
+ * a wrong MHA_BF16 is refused.  "AMX" below is either bf16 kernel: the
+ * same numerics (P rounded to bf16, the same cubic 2^x).
  *
  * The bound, per output element (b, h, i, d), with w_j the reference's
  * weights and A = sum_j w_j |v_jd|:
@@ -36,7 +40,7 @@
 #include "testutil.h"
 #include "core/half.h"
 
-static int amx_run;   /* test_half_amx: the AMX kernel must be the one */
+static int kernel_run;   /* a bf16 kernel runs (AMX or AVX512-BF16) */
 
 typedef struct hcase {
     int64_t B, H, Hkv, Lq, Lk, dh;
@@ -114,7 +118,7 @@ static void run_case(const hcase *c, uint64_t seed)
     }
 
     /* the float64 reference on the rounded inputs */
-    const int amx = amx_run && c->dtype == MHA_DTYPE_BF16 && c->dh % 32 == 0;
+    const int amx = kernel_run && c->dtype == MHA_DTYPE_BF16 && c->dh % 32 == 0;
     const double scale = c->scale ? c->scale : 1.0 / sqrt((double)c->dh);
     const double ulp_out = c->dtype == MHA_DTYPE_BF16 ? 0x1p-8 : 0x1p-11;
     double *s = malloc(c->Lk * sizeof *s), worst = 0.0, worst_lse = 0.0;
@@ -575,24 +579,45 @@ static void test_misuse(void **state)
 static void test_kernel_named(void **state)
 {
     (void)state;
-    const char *k = mha_bf16_kernel(), *env = getenv("MHA_AMX");
+    const char *k = mha_bf16_kernel(), *want = getenv("MHA_TEST_BF16");
     assert_non_null(k);
     print_message("bf16 kernel: %s\n", k);
-    if (env && !strcmp(env, "0"))
-        assert_string_equal(k, "float32");
-    if (getenv("MHA_TEST_AMX"))
-        assert_string_equal(k, "amx");
+    if (want)
+        assert_string_equal(k, want);
+}
+
+/* MHA_BF16 naming no kernel: every bf16 call refused, naming it. */
+static int bad_env_refused(void)
+{
+    uint16_t q[64] = {0}, k[64] = {0}, v[64] = {0}, o[64];
+    mha_attention_args a = {0};
+    a.batch = 1, a.num_heads = 1, a.head_dim = 32, a.q_len = 2;
+    a.dtype = MHA_DTYPE_BF16;
+    a.q16 = q, a.k16 = k, a.v16 = v, a.out16 = o;
+    const mha_status st = mha_attention(&a);
+    const int ok = mha_bf16_kernel() == NULL &&
+                   st == MHA_ERR_INVALID_ARGUMENT &&
+                   strstr(mha_last_error(), "MHA_BF16") != NULL;
+    printf("MHA_BF16=%s: %s (%s)\n", getenv("MHA_BF16"),
+           ok ? "refused" : "NOT refused", mha_last_error());
+    return ok ? 0 : 1;
 }
 
 int main(void)
 {
-    /* CTest's test_half_amx sets MHA_TEST_AMX=1: the AMX kernel or a
-     * skip (exit 77, by name); test_half_widened sets MHA_AMX=0; run
-     * alone (valgrind's stage) the binary takes whichever kernel is. */
+    /* CTest's entries set MHA_TEST_BF16 to the kernel they test (amx,
+     * avx512bf16 or float32, each capped with MHA_BF16): that kernel or
+     * a skip (exit 77, by name) when this CPU lacks it; "bad": a wrong
+     * MHA_BF16 refused.  Run alone (valgrind's stage) the binary takes
+     * whichever kernel is. */
+    const char *want = getenv("MHA_TEST_BF16");
+    if (want && !strcmp(want, "bad"))
+        return bad_env_refused();
     const char *k = mha_bf16_kernel();
-    amx_run = k && !strcmp(k, "amx");
-    if (getenv("MHA_TEST_AMX") && !amx_run) {
-        printf("skipped: this CPU or OS has no AMX-BF16 (test_half_amx)\n");
+    kernel_run = k && strcmp(k, "float32") != 0;
+    if (want && (!k || strcmp(k, want))) {
+        printf("skipped: this CPU or OS has no %s (test_half_%s)\n",
+               !strcmp(want, "amx") ? "AMX-BF16" : "AVX512-BF16", want);
         return 77;
     }
     const struct CMUnitTest tests[] = {

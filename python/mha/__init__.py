@@ -797,8 +797,9 @@ def attention_backward(grad_out, q, k, v, *, num_heads, num_kv_heads=None,
 # ---- small functions -------------------------------------------------------------
 
 def bf16_kernel():
-    """'amx' where bf16 attention runs on AMX tiles (mha_bf16_kernel),
-    else 'float32' (bf16 and f16 inputs widened in C)."""
+    """Which kernels bf16 attention runs on (mha_bf16_kernel): 'amx' (AMX
+    tiles), 'avx512bf16' (AVX512-BF16 dot products) or 'float32' (bf16 and
+    f16 inputs widened in C); MHA_BF16 in the environment caps it."""
     return _core.bf16_kernel()
 
 

@@ -732,7 +732,7 @@ int64_t mha_ref_bwd_scratch_floats(int64_t dh, int64_t Lt);
 void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
                       int64_t kvh, float *scratch);
 
-/* ---- bf16 attention on AMX tiles (half.c) --------------------------------
+/* ---- bf16 attention on AMX tiles or AVX512-BF16 (half.c) -----------------
  * q, k, v and out of 16-bit elements; element (b, h, i, d) of q at
  * q[b bsq + h hsq + i ldq + d] (so both of mha_attention's layouts);
  * causal and key_lengths as mha_attention takes them; lse (B, H, Lq) or
@@ -748,6 +748,7 @@ typedef struct mha_half_problem {
     mha_causal causal;
     const int64_t *key_lengths;
     float *lse;
+    int tiles;                     /* AMX tiles, else AVX512-BF16 (amx.c)  */
 } mha_half_problem;
 mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p);
 /* The backward of that forward: out and lse (given, the forward's) and

@@ -1,7 +1,8 @@
 /*
- * half.c -- attention on bf16 heads with AMX tiles (kernels/amx.c): the
- * driver.  mha_attention (sdpa.c) comes here for bf16 q, k, v and out when
- * the CPU has AMX and the call is plain or causal attention (key lengths
+ * half.c -- attention on bf16 heads with AMX tiles or AVX512-BF16 dot
+ * products (kernels/amx.c, p->tiles says which): the driver.
+ * mha_attention (sdpa.c) comes here for bf16 q, k, v and out when the CPU
+ * has either and the call is plain or causal attention (key lengths
  * allowed); every other half-precision call is widened there instead.
  *
  *   1. K and V of each (b, K/V head) packed once into AMX's tile layouts
@@ -92,7 +93,7 @@ mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p)
         s.P = (uint16_t *)(s.l + 32 * 16);
         s.Q = s.P + 32 * MHA_AMX_BK;
         int64_t lim[32];
-        mha_amx_begin();
+        mha_amx_begin(p->tiles);
 #pragma omp for schedule(dynamic)
         for (int64_t it = 0; it < n_items; it++) {
             const int64_t bh = it / nqb, qb = nqb - 1 - it % nqb;
@@ -212,7 +213,7 @@ mha_status mha_attn_amx_backward(const mha_engine *e,
         s.y = s.x + 32 * dh;
         mha_amx_bwd_head *heads =
             (mha_amx_bwd_head *)(base + mha_amx_bwd_scratch_floats(dh));
-        mha_amx_begin();
+        mha_amx_begin(p->tiles);
         /* 2. dK and dV: a block of 32 keys of one (b, K/V head) an item */
 #pragma omp for schedule(dynamic)
         for (int64_t it = 0; it < p->B * p->Hkv * nkb; it++) {
@@ -274,7 +275,7 @@ mha_status mha_attn_amx_backward(const mha_engine *e,
     return MHA_OK;
 }
 
-#else   /* no AMX off x86: mha_cpu_has_amx() never says yes */
+#else   /* no AMX off x86: mha_bf16_tier() never says so */
 
 mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p)
 {

@@ -719,22 +719,42 @@ const char *mha_bf16_kernel(void)
     const mha_microkernels *uk;
     if (mha_isa_get(&isa, &uk) != MHA_OK)
         return NULL;
-    return isa == MHA_ISA_AVX512 && mha_cpu_has_amx() ? "amx" : "float32";
+    const int tier = mha_bf16_tier();
+    if (tier < 0) {
+        mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                      "MHA_BF16=%s: expected amx, avx512bf16 or float32",
+                      getenv("MHA_BF16"));
+        return NULL;
+    }
+    /* (MHA_ISA forcing a narrower tier widens bf16 too) */
+    return isa != MHA_ISA_AVX512   ? "float32"
+         : tier == MHA_BF16_AMX    ? "amx"
+         : tier == MHA_BF16_AVX512 ? "avx512bf16"
+                                   : "float32";
 }
 
-/* Whether the AMX kernel takes call a (shape s): bf16, plain or causal
- * with key lengths, no other mask, modifier, weights or dropout. */
-static int amx_takes(const mha_attention_args *a, const sdpa_shape *s)
+/* Which bf16 kernel takes call a (shape s): MHA_BF16_AMX or _AVX512 for
+ * bf16, plain or causal with key lengths, no other mask, modifier,
+ * weights or dropout, d_h a multiple of 32; MHA_BF16_FLOAT32 (widen) for
+ * anything else; -1, the error set, for a bad MHA_BF16. */
+static int bf16_takes(const mha_attention_args *a, const sdpa_shape *s)
 {
     const char *k = mha_bf16_kernel();
-    return k && !strcmp(k, "amx") && a->dtype == MHA_DTYPE_BF16 &&
+    if (!k)
+        return -1;
+    const int tier = !strcmp(k, "amx")          ? MHA_BF16_AMX
+                   : !strcmp(k, "avx512bf16")   ? MHA_BF16_AVX512
+                                                : MHA_BF16_FLOAT32;
+    return tier != MHA_BF16_FLOAT32 && a->dtype == MHA_DTYPE_BF16 &&
            s->dh % 32 == 0 && a->attn_mask.kind == MHA_MASK_NONE &&
            a->key_padding_mask.kind == MHA_MASK_NONE &&
            a->need_weights == MHA_WEIGHTS_NONE &&
            !(a->training && a->dropout > 0.0f) && !a->sinks &&
            !a->mods.softcap && !a->mods.alibi && !a->mods.window &&
            a->mods.rope.style == MHA_ROPE_NONE &&
-           !(a->given & MHA_GIVEN_Q_OFFSET);
+           !(a->given & MHA_GIVEN_Q_OFFSET)
+               ? tier
+               : MHA_BF16_FLOAT32;
 }
 
 /* The checks of a 16-bit call: its dtype and pointers, then every shape
@@ -908,7 +928,10 @@ static mha_status attention_half(const mha_attention_args *a)
                          {"k16", a->k16, (s.n_kv + 1) / 2},
                          {"v16", a->v16, (s.n_kv + 1) / 2}};
     MHA_CHECK(check_disjoint(outs, 3, ins, 3));
-    if (!amx_takes(a, &s))
+    const int tier = bf16_takes(a, &s);
+    if (tier < 0)
+        return MHA_ERR_INVALID_ARGUMENT;   /* (the message is set) */
+    if (tier == MHA_BF16_FLOAT32)
         return attention_widened(a, &s);   /* (it checks the score range) */
     /* scores that could overflow float32 are refused, as in plan_run */
     mha_engine eng;
@@ -917,7 +940,8 @@ static mha_status attention_half(const mha_attention_args *a)
         resolved_scale(a, s.dh), s.dh,
         mha_max_abs_finite16(a->q16, s.n_q, 1, eng.threads),
         mha_max_abs_finite16(a->k16, s.n_kv, 1, eng.threads)));
-    const mha_half_problem p = half_problem(a, &s);
+    mha_half_problem p = half_problem(a, &s);
+    p.tiles = tier == MHA_BF16_AMX;
     return mha_attn_amx(&eng, &p);
 }
 
@@ -954,7 +978,11 @@ static mha_status attention_half_backward(const mha_attention_args *a,
                          {"out16", given ? a->out16 : NULL, (s.n_q + 1) / 2},
                          {"lse", given ? a->lse : NULL, s.B * s.H * s.Lq}};
     MHA_CHECK(check_disjoint(outs, 3, ins, 6));
-    if (!amx_takes(a, &s) || s.Lq > INT32_MAX - 64 || s.Lk > INT32_MAX - 64)
+    const int tier = bf16_takes(a, &s);
+    if (tier < 0)
+        return MHA_ERR_INVALID_ARGUMENT;   /* (the message is set) */
+    if (tier == MHA_BF16_FLOAT32 || s.Lq > INT32_MAX - 64 ||
+        s.Lk > INT32_MAX - 64)
         return backward_widened(a, g, &s);
     /* the forward's out and row statistics: given (both), or computed */
     uint16_t *out = given ? a->out16 : malloc((size_t)s.n_q * 2);
@@ -971,6 +999,7 @@ static mha_status attention_half_backward(const mha_attention_args *a,
         st = mha_engine_init(&eng, a->num_threads);
         if (st == MHA_OK) {
             mha_half_problem p = half_problem(a, &s);
+            p.tiles = tier == MHA_BF16_AMX;
             p.out = out;
             p.lse = lse;
             p.dout = g->grad_out;

@@ -1,9 +1,11 @@
 /*
  * amx.c -- bfloat16 attention on Intel AMX tiles (Sapphire Rapids and
- * later).  This file, and only this file, is compiled with -mamx-tile
+ * later), or with the same code on AVX512-BF16's vdpbf16ps where the CPU
+ * has no tiles (Cooper Lake, Zen 4, Zen 5): only the tile GEMM (gemm32)
+ * differs.  This file, and only this file, is compiled with -mamx-tile
  * -mamx-bf16 -mavx512bf16 (and AVX-512 F/BW/DQ/VL); it is called only when
- * mha_cpu_has_amx() said yes (CPUID, XCR0, and Linux's permission for the
- * tile data, asked once with arch_prctl).
+ * mha_bf16_tier() said so (CPUID, XCR0, and for the tiles Linux's
+ * permission for the tile data, asked once with arch_prctl).
  *
  * AMX multiplies whole tiles: C (16 x 16 float32) += A (16 rows x 32
  * bf16) . B (32 x 16 bf16), where B is stored "VNNI": its row r holds the
@@ -51,8 +53,15 @@ typedef struct __attribute__((packed, aligned(64))) tilecfg {
     uint8_t rows[16];
 } tilecfg;
 
-void mha_amx_begin(void)
+/* This thread's choice (mha_amx_begin): the tiles, or vdpbf16ps on the
+ * same layouts.  Per thread, as the tile configuration itself is. */
+static _Thread_local int use_tiles;
+
+void mha_amx_begin(int tiles)
 {
+    use_tiles = tiles;
+    if (!tiles)
+        return;
     tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
@@ -66,7 +75,11 @@ void mha_amx_begin(void)
     _tile_loadconfig(&cfg);
 }
 
-void mha_amx_end(void) { _tile_release(); }
+void mha_amx_end(void)
+{
+    if (use_tiles)
+        _tile_release();
+}
 
 /* ---- 2^x on 16 lanes, x <= 0 ---------------------------------------------
  * x = n + f, n = round(x), |f| <= 1/2; 2^f by a cubic fitted for the least
@@ -163,9 +176,9 @@ void mha_amx_pack_b(const uint16_t *src, int64_t sk, int64_t sn, int64_t K,
  * b + (kt * bstride + nt) * 256.  N and K multiples of 32; rows 16-31
  * only when two.
  */
-static void gemm32(float *C, int ldc, int N, const uint16_t *A, int lda,
-                   int K, const uint32_t *b, int64_t bstride, int acc,
-                   int two)
+static void gemm32_tiles(float *C, int ldc, int N, const uint16_t *A,
+                         int lda, int K, const uint32_t *b, int64_t bstride,
+                         int acc, int two)
 {
     for (int nt = 0; nt < N / 16; nt += 2) {
         if (acc) {
@@ -209,6 +222,61 @@ static void gemm32(float *C, int ldc, int N, const uint16_t *A, int lda,
             _tile_stored(3, C + 16 * ldc + 16 * nt + 16, ldc * 4);
         }
     }
+}
+
+/*
+ * The same product with AVX512-BF16 (Cooper Lake, Zen 4 and later: no
+ * tiles): a B tile's row is one zmm of 16 bf16 pairs, so vdpbf16ps takes
+ * the packed layout as it is, with A's pair (A[r][2k], A[r][2k+1])
+ * broadcast as one 32-bit word: C[r][n] += A[r][2k] B[2k][n] + A[r][2k+1]
+ * B[2k+1][n], for blocks of 8 rows x 32 columns (16 accumulators, 2 B
+ * vectors, a broadcast), k ascending: a fixed order, its own bits.
+ */
+static void gemm32_dp(float *C, int ldc, int N, const uint16_t *A, int lda,
+                      int K, const uint32_t *b, int64_t bstride, int acc,
+                      int two)
+{
+    enum { R = 8 };
+    for (int nt = 0; nt < N / 16; nt += 2)
+        for (int r0 = 0; r0 < (two ? 32 : 16); r0 += R) {
+            __m512 c[R][2];
+            for (int r = 0; r < R; r++)
+                for (int w = 0; w < 2; w++)
+                    c[r][w] = acc ? _mm512_loadu_ps(C + (r0 + r) * ldc +
+                                                    16 * (nt + w))
+                                  : _mm512_setzero_ps();
+            for (int kt = 0; kt < K / 32; kt++) {
+                const uint32_t *b0 = b + ((int64_t)kt * bstride + nt) * 256;
+                for (int kk = 0; kk < 16; kk++) {
+                    const __m512bh v0 =
+                        (__m512bh)_mm512_loadu_si512(b0 + 16 * kk);
+                    const __m512bh v1 =
+                        (__m512bh)_mm512_loadu_si512(b0 + 256 + 16 * kk);
+                    for (int r = 0; r < R; r++) {
+                        int32_t w;
+                        memcpy(&w, A + (r0 + r) * lda + 32 * kt + 2 * kk, 4);
+                        const __m512bh a = (__m512bh)_mm512_set1_epi32(w);
+                        c[r][0] = _mm512_dpbf16_ps(c[r][0], a, v0);
+                        c[r][1] = _mm512_dpbf16_ps(c[r][1], a, v1);
+                    }
+                }
+            }
+            for (int r = 0; r < R; r++)
+                for (int w = 0; w < 2; w++)
+                    _mm512_storeu_ps(C + (r0 + r) * ldc + 16 * (nt + w),
+                                     c[r][w]);
+        }
+}
+
+/* The tiles or the dot products, as this thread was configured. */
+static void gemm32(float *C, int ldc, int N, const uint16_t *A, int lda,
+                   int K, const uint32_t *b, int64_t bstride, int acc,
+                   int two)
+{
+    if (use_tiles)
+        gemm32_tiles(C, ldc, N, A, lda, K, b, bstride, acc, two);
+    else
+        gemm32_dp(C, ldc, N, A, lda, K, b, bstride, acc, two);
 }
 
 /* ---- one block of query rows ---------------------------------------------

@@ -64,24 +64,27 @@ static int cpu_has_neon(void)
 }
 
 #if defined(__x86_64__) && defined(__linux__)
-/* CPUID leaf 7's bits, XCR0's tile bits, then Linux's permission for the
- * tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): without
- * it the first tile instruction would fault. */
-static int amx_usable(void)
+/* The bf16 kernels' instructions: AVX512-BF16 (CPUID leaf 7 subleaf 1)
+ * with AVX-512 F/BW/DQ/VL (leaf 7) for the dot products; AMX-BF16 and
+ * AMX-TILE (leaf 7), the tile state saved by the OS (XCR0) and Linux's
+ * permission for the tile data (arch_prctl ARCH_REQ_XCOMP_PERM,
+ * XFEATURE_XTILEDATA: without it the first tile instruction would fault)
+ * for the tiles. */
+static int bf16_dp_usable(void)
 {
-    const char *env = getenv("MHA_AMX");
-    if (env && !strcmp(env, "0"))
-        return 0;
-    if (!mha_cpu_has_avx512())
-        return 0;
     unsigned a, b, c, d, a1, b1, c1, d1;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) ||
+    if (!mha_cpu_has_avx512() || !__get_cpuid_count(7, 0, &a, &b, &c, &d) ||
         !__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1))
         return 0;
-    const int amx = (d >> 22 & 1) && (d >> 24 & 1);       /* BF16, TILE */
     const int bw_dq_vl = (b >> 30 & 1) && (b >> 17 & 1) && (b >> 31 & 1);
-    const int bf16 = a1 >> 5 & 1;                           /* AVX512_BF16 */
-    if (!amx || !bw_dq_vl || !bf16)
+    return bw_dq_vl && (a1 >> 5 & 1);                      /* AVX512_BF16 */
+}
+
+static int amx_usable(void)
+{
+    unsigned a, b, c, d;
+    if (!bf16_dp_usable() || !__get_cpuid_count(7, 0, &a, &b, &c, &d) ||
+        !((d >> 22 & 1) && (d >> 24 & 1)))                /* BF16, TILE */
         return 0;
     unsigned lo, hi;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
@@ -90,20 +93,44 @@ static int amx_usable(void)
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
                    18 /* XFEATURE_XTILEDATA */) == 0;
 }
+
+/* The best the CPU has, at most the one MHA_BF16 names; -1 for a name
+ * that is none of them. */
+static int bf16_choose(void)
+{
+    const char *env = getenv("MHA_BF16");
+    int cap = MHA_BF16_AMX;
+    if (env && *env)
+        cap = !strcmp(env, "amx")          ? MHA_BF16_AMX
+            : !strcmp(env, "avx512bf16")   ? MHA_BF16_AVX512
+            : !strcmp(env, "float32")      ? MHA_BF16_FLOAT32
+                                           : -1;
+    if (cap < 0)
+        return -1;
+    if (cap >= MHA_BF16_AMX && amx_usable())
+        return MHA_BF16_AMX;
+    if (cap >= MHA_BF16_AVX512 && bf16_dp_usable())
+        return MHA_BF16_AVX512;
+    return MHA_BF16_FLOAT32;
+}
 #endif
 
-int mha_cpu_has_amx(void)
+int mha_bf16_tier(void)
 {
 #if defined(__x86_64__) && defined(__linux__)
-    static atomic_int known = -1;   /* asked once per process */
+    static atomic_int known = -2;   /* chosen once per process */
     int k = atomic_load(&known);
-    if (k < 0) {
-        k = amx_usable();
+    if (k == -2) {
+        k = bf16_choose();
         atomic_store(&known, k);
     }
     return k;
 #else
-    return 0;
+    const char *env = getenv("MHA_BF16");
+    return !env || !*env || !strcmp(env, "amx") ||
+                   !strcmp(env, "avx512bf16") || !strcmp(env, "float32")
+               ? MHA_BF16_FLOAT32
+               : -1;
 #endif
 }
 

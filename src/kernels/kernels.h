@@ -232,12 +232,16 @@ mha_status mha_isa_get(mha_isa *isa, const mha_microkernels **uk);
  * tier, and where the oneDNN GEMM backend is the default (gemm.c). */
 int mha_cpu_has_avx512(void);
 
-/* ---- bf16 attention on AMX tiles (amx.c; x86 only) ----------------------
- * mha_cpu_has_amx: the CPU has AMX-TILE, AMX-BF16, AVX512-BF16 and
- * AVX512-BW/DQ/VL, the OS saves the tile state, and Linux granted this
- * process the tile data (arch_prctl, asked once); MHA_AMX=0 in the
- * environment says no, so the tests can take the widening path too. */
-int mha_cpu_has_amx(void);
+/* ---- bf16 attention on AMX tiles or AVX512-BF16 (amx.c; x86 only) -------
+ * mha_bf16_tier: which kernels bf16 attention runs on, chosen once per
+ * process: AMX (AMX-TILE and AMX-BF16, the OS saving the tile state, and
+ * Linux granting this process the tile data), else AVX512 (AVX512-BF16's
+ * vdpbf16ps, with AVX-512 F/BW/DQ/VL), else FLOAT32 (the inputs widened,
+ * the float32 kernels).  MHA_BF16=amx|avx512bf16|float32 in the
+ * environment caps it (the tests take every path that way); -1 when
+ * MHA_BF16 names none of them. */
+enum { MHA_BF16_FLOAT32 = 0, MHA_BF16_AVX512 = 1, MHA_BF16_AMX = 2 };
+int mha_bf16_tier(void);
 
 /* One block of up to 32 query rows of one (b, h), its K/V head packed by
  * mha_amx_pack_b (K^T: K = d_h, N = Lk; V: K = Lk, N = d_h; keys rounded
@@ -274,8 +278,12 @@ static inline int64_t mha_amx_scratch_floats(int dh)
     return 32 * MHA_AMX_BK + 32 * (int64_t)dh + 32 + 32 * 16 +
            32 * MHA_AMX_BK / 2 + 32 * (int64_t)dh / 2;
 }
-void mha_amx_begin(void);   /* this thread's tile configuration         */
-void mha_amx_end(void);     /* releases it                              */
+/* This thread's configuration for the kernels below: AMX tiles (tiles =
+ * 1: the tile configuration loaded) or AVX512-BF16 dot products (0) on
+ * the same packed layouts; the choice is the thread's, like the tile
+ * state itself.  mha_amx_end releases it. */
+void mha_amx_begin(int tiles);
+void mha_amx_end(void);
 void mha_amx_flash_rows(const mha_amx_block *w, mha_amx_scratch *s);
 
 /* The B operands' layout (amx.c): the K x N matrix whose (k, n) element
