@@ -10,6 +10,7 @@
  * numbers of keys.
  */
 #define _DEFAULT_SOURCE   /* madvise, MADV_HUGEPAGE (Linux) */
+#include "core/half.h"
 #include "bench.h"
 #include "fail.h"
 #include "mha.h"
@@ -19,6 +20,9 @@
 #endif
 
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -145,6 +149,233 @@ static double read_gbps(int threads, int64_t *bytes)
     return best * 1e-9;
 }
 
+/* ---- the arithmetic probe ------------------------------------------------
+ *
+ * What a step's arithmetic costs per cached element with memory out of
+ * the way: ARITH_N elements of the cache's type (8-16 KiB: in L1), each
+ * converted to float as the kernels convert it (f16 vcvtph2ps, bf16 a
+ * 16-bit shift, q8 widened and times its block's scale) and multiplied-
+ * and-added into `rows` accumulators (a grouped-query step's stacked
+ * query rows share each converted vector), 8 / rows independent chains of
+ * them: 8 FMA chains in flight, enough for two pipes' latency.  The same
+ * work as the step's two products per element of K and of V; the
+ * softmax is left out (at d_h 128 about 20 vector operations per 16 keys
+ * and row against 256 multiply-adds).  The widest ISA of the kernel tier
+ * in use, on the step's threads at once, each on its own buffer.
+ */
+enum { ARITH_N = 8192 };
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_ARITH_SIMD 1
+
+#define T512 __attribute__((target("avx512f,avx2,fma,f16c"))) static inline
+#define T256 __attribute__((target("avx2,fma,f16c"))) static inline
+#define ALWAYS __attribute__((always_inline))
+
+T512 ALWAYS __m512 cvt512(const int T, const void *x, const float *s, int e)
+{
+    switch (T) {
+    case MHA_KV_F16:
+        return _mm512_cvtph_ps(_mm256_loadu_si256(
+            (const __m256i *)((const uint16_t *)x + e)));
+    case MHA_KV_BF16:
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                (const __m256i *)((const uint16_t *)x + e))),
+            16));
+    case MHA_KV_Q8:
+        return _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)((const int8_t *)x + e)))),
+            _mm512_set1_ps(s[e / 32]));
+    default: return _mm512_loadu_ps((const float *)x + e);
+    }
+}
+
+T256 ALWAYS __m256 cvt256(const int T, const void *x, const float *s, int e)
+{
+    switch (T) {
+    case MHA_KV_F16:
+        return _mm256_cvtph_ps(
+            _mm_loadu_si128((const __m128i *)((const uint16_t *)x + e)));
+    case MHA_KV_BF16:
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(
+                _mm_loadu_si128((const __m128i *)((const uint16_t *)x + e))),
+            16));
+    case MHA_KV_Q8:
+        return _mm256_mul_ps(
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                _mm_loadl_epi64((const __m128i *)((const int8_t *)x + e)))),
+            _mm256_set1_ps(s[e / 32]));
+    default: return _mm256_loadu_ps((const float *)x + e);
+    }
+}
+
+/* `iters` passes over the ARITH_N elements; R rows, 8 / R chains. */
+#define ARITH_PASSES(vec, VL, zero, set1, fma, add, cvt, store)             \
+    const int CH = 8 / R;   /* (constants once inlined: registers) */     \
+    vec acc[8][8];                                                          \
+    for (int c = 0; c < CH; c++)                                            \
+        for (int r = 0; r < R; r++)                                         \
+            acc[c][r] = zero();                                             \
+    const vec q = set1(1e-3f);                                              \
+    for (long it = 0; it < iters; it++)                                     \
+        for (int e = 0; e < ARITH_N; e += CH * (VL))                        \
+            for (int c = 0; c < CH; c++) {                                  \
+                const vec x = cvt(T, buf, s, e + c * (VL));                 \
+                for (int r = 0; r < R; r++)                                 \
+                    acc[c][r] = fma(q, x, acc[c][r]);                       \
+            }                                                               \
+    vec t = zero();                                                         \
+    for (int c = 0; c < CH; c++)                                            \
+        for (int r = 0; r < R; r++)                                         \
+            t = add(t, acc[c][r]);                                          \
+    float lanes[VL];                                                        \
+    store(lanes, t);                                                        \
+    return lanes[0];
+
+T512 ALWAYS float arith512_r(const int T, const int R, const void *buf,
+                             const float *s, long iters)
+{
+    ARITH_PASSES(__m512, 16, _mm512_setzero_ps, _mm512_set1_ps,
+                 _mm512_fmadd_ps, _mm512_add_ps, cvt512, _mm512_storeu_ps)
+}
+
+T256 ALWAYS float arith256_r(const int T, const int R, const void *buf,
+                             const float *s, long iters)
+{
+    ARITH_PASSES(__m256, 8, _mm256_setzero_ps, _mm256_set1_ps,
+                 _mm256_fmadd_ps, _mm256_add_ps, cvt256, _mm256_storeu_ps)
+}
+
+/* Each (type, rows) its own loop, the rows' count a constant in it. */
+#define ARITH_DISPATCH(fn)                                                  \
+    switch (t * 16 + rows) {                                                \
+    case MHA_KV_F16 * 16 + 1: return fn(MHA_KV_F16, 1, buf, s, iters);     \
+    case MHA_KV_F16 * 16 + 2: return fn(MHA_KV_F16, 2, buf, s, iters);     \
+    case MHA_KV_F16 * 16 + 4: return fn(MHA_KV_F16, 4, buf, s, iters);     \
+    case MHA_KV_F16 * 16 + 8: return fn(MHA_KV_F16, 8, buf, s, iters);     \
+    case MHA_KV_BF16 * 16 + 1: return fn(MHA_KV_BF16, 1, buf, s, iters);   \
+    case MHA_KV_BF16 * 16 + 2: return fn(MHA_KV_BF16, 2, buf, s, iters);   \
+    case MHA_KV_BF16 * 16 + 4: return fn(MHA_KV_BF16, 4, buf, s, iters);   \
+    case MHA_KV_BF16 * 16 + 8: return fn(MHA_KV_BF16, 8, buf, s, iters);   \
+    case MHA_KV_Q8 * 16 + 1: return fn(MHA_KV_Q8, 1, buf, s, iters);       \
+    case MHA_KV_Q8 * 16 + 2: return fn(MHA_KV_Q8, 2, buf, s, iters);       \
+    case MHA_KV_Q8 * 16 + 4: return fn(MHA_KV_Q8, 4, buf, s, iters);       \
+    case MHA_KV_Q8 * 16 + 8: return fn(MHA_KV_Q8, 8, buf, s, iters);       \
+    case MHA_KV_F32 * 16 + 1: return fn(MHA_KV_F32, 1, buf, s, iters);     \
+    case MHA_KV_F32 * 16 + 2: return fn(MHA_KV_F32, 2, buf, s, iters);     \
+    case MHA_KV_F32 * 16 + 4: return fn(MHA_KV_F32, 4, buf, s, iters);     \
+    default: return fn(MHA_KV_F32, 8, buf, s, iters);                      \
+    }
+
+__attribute__((target("avx512f,avx2,fma,f16c"))) static float
+arith512(int t, int rows, const void *buf, const float *s, long iters)
+{
+    ARITH_DISPATCH(arith512_r)
+}
+
+__attribute__((target("avx2,fma,f16c"))) static float
+arith256(int t, int rows, const void *buf, const float *s, long iters)
+{
+    ARITH_DISPATCH(arith256_r)
+}
+#endif
+
+/* Portable C: one row's element at a time (the compiler may vectorise). */
+static float arith_plain(int t, int rows, const void *buf, const float *s,
+                         long iters)
+{
+    float acc[8] = {0};
+    for (long it = 0; it < iters; it++)
+        for (int e = 0; e < ARITH_N; e++) {
+            const float x =
+                t == MHA_KV_F16  ? mha_f16_to_float(((const uint16_t *)buf)[e])
+              : t == MHA_KV_BF16 ? mha_bf16_to_float(((const uint16_t *)buf)[e])
+              : t == MHA_KV_Q8   ? (float)((const int8_t *)buf)[e] * s[e / 32]
+                                 : ((const float *)buf)[e];
+            for (int r = 0; r < rows; r++)
+                acc[r] += 1e-3f * x;
+        }
+    return acc[0];
+}
+
+/*
+ * Cached elements per second (1e9) that `threads` threads convert and
+ * multiply-add into `rows` accumulators (1, 2, 4 or 8), each on its own
+ * buffer, the best of ~0.1 s of timed rounds; *kind names the loop.
+ */
+static double arith_gelems(mha_kv_dtype t, int rows, int threads,
+                           const char **kind)
+{
+    float (*probe)(int, int, const void *, const float *, long) = arith_plain;
+    *kind = "portable C";
+#ifdef HAVE_ARITH_SIMD
+    __builtin_cpu_init();
+    const char *tier = mha_kernel_tier();
+    if (tier && !strcmp(tier, "avx512")) {
+        probe = arith512;
+        *kind = "AVX-512";
+    } else if (tier && !strcmp(tier, "avx2")) {
+        probe = arith256;
+        *kind = "AVX2+FMA";
+    }
+#endif
+    /* each thread's buffer: every element 1.0 (f16 0x3C00, bf16 0x3F80,
+     * q8 code 1 with scale 1) */
+    const size_t bytes = (size_t)ARITH_N * 4 + ARITH_N / 32 * sizeof(float);
+    char *all = malloc((size_t)threads * bytes);
+    if (!all)
+        return 0.0;
+    for (int k = 0; k < threads; k++) {
+        void *buf = all + (size_t)k * bytes;
+        float *s = (float *)((char *)buf + (size_t)ARITH_N * 4);
+        for (int e = 0; e < ARITH_N; e++) {
+            if (t == MHA_KV_F16 || t == MHA_KV_BF16)
+                ((uint16_t *)buf)[e] = t == MHA_KV_F16 ? 0x3C00 : 0x3F80;
+            else if (t == MHA_KV_Q8)
+                ((int8_t *)buf)[e] = 1;
+            else
+                ((float *)buf)[e] = 1.0f;
+        }
+        for (int b = 0; b < ARITH_N / 32; b++)
+            s[b] = 1.0f;
+    }
+    double best = 0.0, t0 = 0.0;
+    long iters = 16;   /* shared: the master doubles it, between barriers */
+    float total = 0.0f;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+    {
+        int k = 0;
+#ifdef _OPENMP
+        k = omp_get_thread_num();
+#endif
+        const void *buf = all + (size_t)k * bytes;
+        const float *s = (const float *)((const char *)buf + (size_t)ARITH_N * 4);
+        for (int round = 0; round < 12; round++) {
+#pragma omp barrier
+#pragma omp master
+            t0 = bench_now_s();
+#pragma omp barrier
+            total += probe(t, rows, buf, s, iters);
+#pragma omp barrier
+#pragma omp master
+            {
+                const double dt = bench_now_s() - t0;
+                const double rate = (double)threads * iters * ARITH_N / dt;
+                if (dt > 0 && rate > best)
+                    best = rate;
+                if (dt < 0.01 && iters < (1L << 30))
+                    iters *= 2;
+            }
+        }
+    }
+    free(all);
+    return total == total ? best * 1e-9 : 0.0;   /* (a use of the sums) */
+}
+
 /* ---- mha bench --decode ------------------------------------------------- */
 
 /* Bytes of one key's (or value's) d_h elements as the cache stores
@@ -196,6 +427,12 @@ typedef struct decode_result {
     double read_gbps;
     int64_t read_bytes;
     double median_ms, min_ms, kv_bytes, kv_gbps, read_percent, weight_bytes;
+    /* the roofline: the arithmetic probe's rate, the step's time at the
+     * read probe's bandwidth and at that rate, the larger of the two, and
+     * the share of it the step reaches */
+    const char *arith_kind;
+    int arith_rows;
+    double arith_gelems, memory_ms, arith_ms, roofline_ms, roofline_percent;
 } decode_result;
 
 static int parse_decode(const tool_opt *o, int n, decode_bench *d)
@@ -434,6 +671,15 @@ static void summarise(const decode_bench *d, decode_state *s,
                     kv_row_bytes(d->dtype, d->dh);
     res->kv_gbps = res->kv_bytes / (res->median_ms * 1e-3) * 1e-9;
     res->read_percent = 100.0 * res->kv_gbps / res->read_gbps;
+    /* K and V: kv_keys * Hkv * d_h elements each, every one converted
+     * once and multiplied into each of the group's stacked rows */
+    const double elems = (double)d->kv_keys * (double)d->Hkv *
+                         (double)d->dh * 2.0;
+    res->memory_ms = res->kv_bytes / (res->read_gbps * 1e9) * 1e3;
+    res->arith_ms = elems / (res->arith_gelems * 1e9) * 1e3;
+    res->roofline_ms = res->memory_ms > res->arith_ms ? res->memory_ms
+                                                      : res->arith_ms;
+    res->roofline_percent = 100.0 * res->roofline_ms / res->median_ms;
     /* The module's projections read every parameter once per step. */
     res->weight_bytes = s->m ? (double)mha_param_numel(s->m) * sizeof(float)
                              : 0.0;
@@ -458,6 +704,10 @@ static void print_json(const decode_bench *d, const decode_result *r)
            "\"kv_bytes\": %.0f, \"kv_gbps\": %.6g, "
            "\"read_gbps\": %.6g, \"read_percent\": %.6g, "
            "\"read_bytes\": %lld, \"weight_bytes\": %.0f, "
+           "\"arith_kind\": \"%s\", \"arith_rows\": %d, "
+           "\"arith_gelems\": %.6g, \"memory_ms\": %.6g, "
+           "\"arith_ms\": %.6g, \"roofline_ms\": %.6g, "
+           "\"roofline_percent\": %.6g, "
            "\"library\": \"%s\"}\n",
            json_bool(d->attn_only), json_bool(d->ragged), (long long)d->B,
            (long long)d->Lq, (long long)d->Lk, (long long)d->kv_keys,
@@ -467,7 +717,9 @@ static void print_json(const decode_bench *d, const decode_result *r)
            r->blas_threads, r->tier, mha_gemm_backend(), (long long)d->repeat,
            (long long)d->warmup, r->median_ms, r->min_ms, r->kv_bytes,
            r->kv_gbps, r->read_gbps, r->read_percent,
-           (long long)r->read_bytes, r->weight_bytes, mha_version_string());
+           (long long)r->read_bytes, r->weight_bytes, r->arith_kind,
+           r->arith_rows, r->arith_gelems, r->memory_ms, r->arith_ms,
+           r->roofline_ms, r->roofline_percent, mha_version_string());
 }
 
 static void print_text(const decode_bench *d, const decode_result *r)
@@ -511,6 +763,14 @@ static void print_text(const decode_bench *d, const decode_result *r)
            "best of %d): the step reaches %.1f%%\n", r->read_gbps,
            (long long)(r->read_bytes >> 20), (long long)d->threads, s,
            READ_PASSES, r->read_percent);
+    printf("  arith   %.2f G cached elements/s converted and multiplied into "
+           "%d row%s (%s, %lld thread%s,\n          in L1): the step's K and "
+           "V in %.3f ms\n",
+           r->arith_gelems, r->arith_rows, r->arith_rows == 1 ? "" : "s",
+           r->arith_kind, (long long)d->threads, s, r->arith_ms);
+    printf("  roofline max(memory %.3f ms, arithmetic %.3f ms) = %.3f ms: "
+           "the step reaches %.1f%%\n", r->memory_ms, r->arith_ms,
+           r->roofline_ms, r->roofline_percent);
 }
 
 int bench_decode(int argc, char **argv, const tool_opt *o, int n)
@@ -534,6 +794,17 @@ int bench_decode(int argc, char **argv, const tool_opt *o, int n)
             rc = tool_fail("bench", "the read-bandwidth probe failed (out of "
                            "memory for %lld MiB?)",
                            (long long)(res.read_bytes >> 20));
+    }
+    if (!rc) {
+        /* the group's stacked rows per converted element: (H / Hkv) Lq,
+         * as a power of two up to 8 (the probe's loops) */
+        const int64_t g = d.H / d.Hkv * d.Lq;
+        res.arith_rows = g >= 8 ? 8 : g >= 4 ? 4 : g >= 2 ? 2 : 1;
+        res.arith_gelems = arith_gelems(d.dtype, res.arith_rows,
+                                        (int)d.threads, &res.arith_kind);
+        if (!(res.arith_gelems > 0.0))
+            rc = tool_fail("bench", "the arithmetic probe failed (out of "
+                           "memory?)");
     }
     if (!rc)
         rc = time_steps(&d, &s);
