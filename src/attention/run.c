@@ -257,6 +257,7 @@ double mha_max_abs_finite(const float *x, int64_t rows, int64_t cols,
     const int64_t n = flat ? rows * cols : rows;
     const int64_t pieces = flat ? (n + PIECE - 1) / PIECE : rows;
     int32_t m = 0;
+    (void)threads;   /* (a build without OpenMP ignores the pragma) */
 #pragma omp parallel for num_threads(threads) reduction(max : m) \
     schedule(static) if (threads > 1 && rows * cols >= 4 * PIECE)
     for (int64_t i = 0; i < pieces; i++) {
@@ -277,6 +278,7 @@ double mha_max_abs_finite16(const uint16_t *x, int64_t n, int bf16,
     enum { PIECE = 1 << 17 };
     const int16_t inf = bf16 ? 0x7F80 : 0x7C00;   /* exponent all ones */
     int16_t m = 0;
+    (void)threads;   /* (a build without OpenMP ignores the pragma) */
 #pragma omp parallel for num_threads(threads) reduction(max : m) \
     schedule(static) if (threads > 1 && n >= 4 * PIECE)
     for (int64_t i = 0; i < (n + PIECE - 1) / PIECE; i++) {
