@@ -192,7 +192,9 @@ enum { KSLAB = 8 };
  * and then from L1) before the next, the partial sums kept in C between
  * slabs.  An element's chain is the same chain, stored and reloaded
  * exactly: the same bits.  (SET and ACC only: ADD must form the whole sum
- * before adding it to C.  One row against at most 64 columns is one block
+ * before adding it to C; the _exact forms, for the rare tile holding NaN
+ * or Inf, are left out, which keeps the instantiations, and the compile
+ * time of the sanitizer builds, down.  One row against at most 64 columns is one block
  * of columns, a key tile's rows read whole: slabs would only cost it the
  * reloads.  docs/BENCHMARKS.md has the measurements.)
  */
@@ -201,7 +203,7 @@ MK_INLINE void panel(const int R, const int mode, const int T, int slabs,
                      const bsrc *B, float *C, int ldc)
 {
     if (!TIER_SLABS || !slabs || (R == 1 && N <= 64) || (mode & ADD) ||
-        K <= KSLAB) {
+        (mode & EXACT) || K <= KSLAB) {
         cols(R, mode, T, N, 0, K, A, lda, ska, B, C, ldc);
         return;
     }
