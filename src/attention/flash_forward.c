@@ -51,8 +51,9 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
      * weight that exp underflows to 0 is told from a masked one. */
     unsigned char live[MHA_BR * MHA_BC];
     if (!src.finite)
-        for (int i = 0; i < mr * MHA_BC; i++)
-            live[i] = f->s[i] != -INFINITY;   /* NaN: live */
+        for (int r = 0; r < mr; r++)
+            for (int c = 0; c < nc; c++)   /* NaN: live */
+                live[r * MHA_BC + c] = f->s[r * MHA_BC + c] != -INFINITY;
     /* m, l and the weights p = exp(s - m) of every row that has a live
      * score; alpha = exp(m_old - m_new), exactly 1 when the max held
      * (most tiles of a long row), -1 for a row with nothing live yet. */
