@@ -240,20 +240,6 @@ mha_status mha_check_threads(int num_threads);
 /* need_weights is one of the three modes. */
 mha_status mha_check_weights_mode(mha_weights_mode mode);
 
-/* The largest finite |x| of `rows` rows of `cols` floats, ld apart (0
- * for none), on up to `threads` threads: non-finite values are NaN in, NaN
- * out, or masked, and are not the scale's to answer for. */
-double mha_max_abs_finite(const float *x, int64_t rows, int64_t cols,
-                          int64_t ld, int threads);
-/* The same for n 16-bit elements (bf16: bfloat16, else f16). */
-double mha_max_abs_finite16(const uint16_t *x, int64_t n, int bf16,
-                            int threads);
-/* Refuses a problem whose scaled scores could overflow float32: the bound
- * |scale| * d_h * max|q| * max|k| of every |scale q.k| (each over finite
- * elements) above FLT_MAX.  The kernels would see Inf scores and the
- * softmax NaN where the float64 result is finite. */
-mha_status mha_check_score_range(float scale, int64_t dh, double qmax,
-                                 double kmax);
 
 /*
  * The forward's workspace, in floats from one base: the row stats,
@@ -605,11 +591,6 @@ void mha_for_each_tile_stacked(const mha_attn *a, int64_t b, int64_t g,
  * 1 - tanh^2 (with a softcap; the backward's). */
 void mha_score_tile(const mha_attn *a, const mha_tile *t, float *s,
                     float *dcap, int ldd);
-static inline void mha_mask_tile(const mha_attn *a, const mha_tile *t,
-                                 float *s)
-{
-    mha_score_tile(a, t, s, NULL, 0);
-}
 
 /*
  * A tile masked by index (causal, key lengths) on the diagonal has keys

@@ -45,7 +45,7 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
             for (int c = w; c < nc; c++)
                 f->s[r * MHA_BC + c] = -INFINITY;
     }
-    mha_mask_tile(a, t, f->s);
+    mha_score_tile(a, t, f->s, NULL, 0);
     /* Where the value tile holds NaN or Inf (pv_exact below: a zero
      * weight reads no value), the live keys are remembered, so that a
      * weight that exp underflows to 0 is told from a masked one. */

@@ -18,7 +18,7 @@ static void weights_tile(const mha_attn *a, const mha_tile *t, void *ctx)
     const int nc = t->nc;
     uk->qk_kv(src.dtype, t->mr, nc, (int)a->dh, f->qs, src.kt, MHA_BC, f->s,
               MHA_BC);
-    mha_mask_tile(a, t, f->s);
+    mha_score_tile(a, t, f->s, NULL, 0);
     const float keep = (float)mha_keep_scale(a);
     const float inv_h = 1.0f / (float)a->H;
     for (int r = 0; r < t->mr; r++) {

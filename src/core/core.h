@@ -51,4 +51,20 @@ double mha_u01(uint64_t bits);
  * changed element of a large one.  NULL hashes as empty. */
 uint64_t mha_fingerprint(uint64_t h, const void *p, size_t bytes);
 
+/* ---- input scans (scan.c) --------------------------------------------- */
+/* The largest finite |x| of `rows` rows of `cols` floats, ld apart (0
+ * for none), on up to `threads` threads: non-finite values are NaN in, NaN
+ * out, or masked, and are not the scale's to answer for. */
+double mha_max_abs_finite(const float *x, int64_t rows, int64_t cols,
+                          int64_t ld, int threads);
+/* The same for n 16-bit elements (bf16: bfloat16, else f16). */
+double mha_max_abs_finite16(const uint16_t *x, int64_t n, int bf16,
+                            int threads);
+/* Refuses a problem whose scaled scores could overflow float32: the bound
+ * |scale| * d_h * max|q| * max|k| of every |scale q.k| (each over finite
+ * elements) above FLT_MAX.  The kernels would see Inf scores and the
+ * softmax NaN where the float64 result is finite. */
+mha_status mha_check_score_range(float scale, int64_t dh, double qmax,
+                                 double kmax);
+
 #endif /* MHA_CORE_H */

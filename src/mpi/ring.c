@@ -10,7 +10,8 @@
  *             (r - s) mod P; the next block's receive and this block's
  *             send are posted first, then each (query piece, key piece)
  *             pair of the step runs mha_attention with its lse and is
- *             merged into a float64 (out, lse) accumulator, in step order
+ *             merged into the running (out, lse) by mha_attention_merge
+ *             (float64 inside, rounded once per merge), in step order
  *   backward  the same walk with mha_attention_backward_part; each block's
  *             dK/dV accumulator follows its block one step behind and
  *             comes home at the end
@@ -119,34 +120,11 @@ static int pair_visibility(const ring *r, int qpi, const mha_shard *ks,
                       ks->offset[kp], ks->length[kp]);
 }
 
-/* Rows [r0, r0 + n) of batch row b's accumulator -- the caller's out
- * (B, nloc, E), float32, and the running lse al (B, H, nloc), float64 --
- * merged with a part (po (n, E), pl (H, n)): lse = log(e^acc + e^part),
- * out the two weighted, computed in float64 and rounded once per merge. */
-static void merge_into(const ring *r, int64_t nloc, int64_t b, int64_t r0,
-                       int64_t n, float *ao, double *al, const float *po,
-                       const float *pl)
+/* The running lse of query piece qpi of batch row b: (H, qn) floats, each
+ * piece's rows together, as mha_attention_merge reads an lse. */
+static float *piece_lse(const ring *r, float *al, int64_t b, int qpi)
 {
-    for (int64_t h = 0; h < r->H; h++)
-        for (int64_t i = 0; i < n; i++) {
-            const int64_t x = (b * r->H + h) * nloc + r0 + i;
-            float *o = ao + (b * nloc + r0 + i) * r->E + h * r->dh;
-            const float *p = po + i * r->E + h * r->dh;
-            const double lp = pl[h * n + i], la = al[x];
-            if (lp == -INFINITY)
-                continue;
-            if (la == -INFINITY) {
-                memcpy(o, p, (size_t)r->dh * sizeof *o);
-                al[x] = lp;
-                continue;
-            }
-            const double m = la > lp ? la : lp;
-            const double wa = exp(la - m), wp = exp(lp - m);
-            const double s = wa + wp, ca = wa / s, cp = wp / s;
-            for (int64_t d = 0; d < r->dh; d++)
-                o[d] = (float)(o[d] * ca + p[d] * cp);
-            al[x] = m + log(s);
-        }
+    return al + (b * r->me.len + (qpi ? r->me.length[0] : 0)) * r->H;
 }
 
 /* Packs this rank's K and V into a block buffer. */
@@ -167,8 +145,7 @@ mha_status mha_ring_attention(const mha_ring_args *a)
 {
     ring r;
     mha_status st = mha_mpi_ring_open(a, NULL, 0, &r);
-    float *kv[2] = {NULL, NULL}, *po = NULL, *pl = NULL;
-    double *al = NULL;
+    float *kv[2] = {NULL, NULL}, *po = NULL, *pl = NULL, *al = NULL;
     MPI_Request req[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
     if (st != MHA_OK)
         goto done;
@@ -182,13 +159,13 @@ mha_status mha_ring_attention(const mha_ring_args *a)
     const int64_t maxpiece = r.me.length[0] > r.me.length[1]
                                  ? r.me.length[0] : r.me.length[1];
     /* The workspace: the two K/V blocks (the one computed on, the one
-     * arriving), one part's (out, lse) and the running lse in float64;
+     * arriving), one part's (out, lse) and the running lse (piece_lse);
      * the running out is the caller's out itself. */
     kv[0] = mha_mpi_alloc_bytes(&r, block_floats(&r, maxlen) * 4);
     kv[1] = mha_mpi_alloc_bytes(&r, block_floats(&r, maxlen) * 4);
     po = mha_mpi_alloc_bytes(&r, maxpiece * r.E * 4);
     pl = mha_mpi_alloc_bytes(&r, r.H * maxpiece * 4);
-    al = mha_mpi_alloc_bytes(&r, r.B * r.H * nloc * 8);
+    al = mha_mpi_alloc_bytes(&r, r.B * r.H * nloc * 4);
     /* No rank starts a ring that another cannot finish. */
     st = !kv[0] || !kv[1] || !po || !pl || !al
              ? mha_mpi_fail(MHA_ERR_OUT_OF_MEMORY,
@@ -240,8 +217,14 @@ mha_status mha_ring_attention(const mha_ring_args *a)
                     pa.out = po;
                     pa.lse = pl;
                     st = mha_attention(&pa);
-                    if (st == MHA_OK)
-                        merge_into(&r, nloc, b, r0, qn, a->out, al, po, pl);
+                    if (st == MHA_OK) {
+                        float *ao = a->out + (b * nloc + r0) * r.E;
+                        float *lp = piece_lse(&r, al, b, qpi);
+                        const mha_attention_part part[2] = {{ao, lp},
+                                                            {po, pl}};
+                        st = mha_attention_merge(part, 2, 1, r.H, r.dh, qn,
+                                                 ao, lp);
+                    }
                     /* Let the transfers progress between blocks. */
                     int flag;
                     MPI_Testall(2, req, &flag, MPI_STATUSES_IGNORE);
@@ -255,8 +238,15 @@ mha_status mha_ring_attention(const mha_ring_args *a)
     if (st != MHA_OK)
         goto done;
     if (a->lse)
-        for (int64_t x = 0; x < r.B * r.H * nloc; x++)
-            a->lse[x] = (float)al[x];
+        for (int64_t b = 0; b < r.B; b++)
+            for (int qpi = 0; qpi < r.me.n_pieces; qpi++) {
+                const int64_t qn = r.me.length[qpi];
+                const int64_t r0 = qpi ? r.me.length[0] : 0;
+                const float *lp = piece_lse(&r, al, b, qpi);
+                for (int64_t h = 0; h < r.H; h++)
+                    memcpy(a->lse + (b * r.H + h) * nloc + r0, lp + h * qn,
+                           (size_t)qn * sizeof *lp);
+            }
 
 done:
     mha_mpi_free_requests(req, 2);
