@@ -117,7 +117,7 @@ static void test_against_reference(void **state)
             a.attn_mask = (mha_mask){MHA_MASK_ADDITIVE, add, 2, {c->Lq, Lk}};
         a.key_lengths = c->lengths ? lens : NULL;
         a.need_weights = c->weights;
-        a.attn_weights = w;
+        a.attn_weights = c->weights ? w : NULL;
         a.dropout = c->dropout;
         a.training = c->dropout > 0;
         a.dropout_seed = 9;
@@ -275,12 +275,14 @@ static void test_heads_first(void **state)
         a.sinks = c->sinks ? sinks : NULL;
         a.num_threads = c->threads;
         mha_attention_args r = a;
-        r.q = q; r.k = k; r.v = v; r.out = out; r.attn_weights = w; r.lse = lse;
+        r.q = q; r.k = k; r.v = v; r.out = out; r.lse = lse;
+        r.attn_weights = c->weights ? w : NULL;
         if (mha_attention(&r) != MHA_OK)
             fail_msg("case %zu, rows: %s", t, mha_last_error());
         mha_attention_args h = a;
         h.layout = MHA_LAYOUT_HEADS_FIRST;
-        h.q = qh; h.k = kh; h.v = vh; h.out = outh; h.attn_weights = wh;
+        h.q = qh; h.k = kh; h.v = vh; h.out = outh;
+        h.attn_weights = c->weights ? wh : NULL;
         h.lse = lseh;
         if (mha_attention(&h) != MHA_OK)
             fail_msg("case %zu, heads first: %s", t, mha_last_error());
@@ -318,7 +320,7 @@ static void test_heads_first(void **state)
     a.mods.rope.style = MHA_ROPE_NEOX;
     assert_int_equal(mha_attention(&a), MHA_ERR_INVALID_ARGUMENT);
     assert_non_null(strstr(mha_last_error(), "RoPE"));
-    a.mods.rope.style = MHA_ROPE_NONE;
+    a.mods.rope = (mha_rope){MHA_ROPE_NONE, 0, 0.0f, 0.0f};
     mha_kv_cache_config cc = {0};
     cc.batch = 2;
     cc.num_kv_heads = 2;
@@ -360,6 +362,12 @@ static void test_errors(void **state)
     b = a;
     b.need_weights = MHA_WEIGHTS_AVERAGE;
     assert_int_equal(mha_attention(&b), MHA_ERR_NULL_POINTER);
+    /* a weights buffer that would not be written is refused */
+    b = a;
+    float wbuf[2 * 3 * 3];
+    b.attn_weights = wbuf;
+    assert_int_equal(mha_attention(&b), MHA_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(mha_last_error(), "need_weights is MHA_WEIGHTS_NONE"));
     b = a;
     uint8_t mask[3 * 4] = {0};
     b.attn_mask = (mha_mask){MHA_MASK_ALLOW, mask, 2, {3, 4}};

@@ -949,8 +949,8 @@ static void test_query_slices(void **state)
         cfg.mods.softcap = 2.5f;
         cfg.mods.alibi = 1;
         cfg.mods.window = win;
-        cfg.mods.window_left = 40;
-        cfg.mods.window_right = 3;
+        cfg.mods.window_left = win ? 40 : 0;
+        cfg.mods.window_right = win ? 3 : 0;
         cfg.mods.rope.style = MHA_ROPE_NEOX;
         cfg.sinks = 1;
         cfg.dropout = 0.25f;
@@ -1071,11 +1071,13 @@ static void test_bad_settings(void **state)
     p.a.mods.window_right = -7;
     assert_fails(mha_attention(&p.a), MHA_ERR_INVALID_ARGUMENT, "-7");
     p.a.mods.window = 0;
+    p.a.mods.window_left = p.a.mods.window_right = 0;
     p.a.mods.alibi = 1;
     p.slopes[1] = NAN;
     p.a.mods.alibi_slopes = p.slopes;
     assert_fails(mha_attention(&p.a), MHA_ERR_NON_FINITE, "alibi_slopes[1]");
     p.a.mods.alibi = 0;
+    p.a.mods.alibi_slopes = NULL;
     p.sinks[0] = -INFINITY;
     p.a.sinks = p.sinks;
     assert_fails(mha_attention(&p.a), MHA_ERR_NON_FINITE, "sinks[0]");
@@ -1099,13 +1101,22 @@ static void test_bad_settings(void **state)
     c.mods.window = 1;
     c.mods.window_left = -5;
     assert_fails(mha_create(&c, &m), MHA_ERR_INVALID_ARGUMENT, "window");
+    /* bounds with no window, slopes with no ALiBi: fields nothing reads */
     c.mods.window = 0;
+    assert_fails(mha_create(&c, &m), MHA_ERR_INVALID_ARGUMENT,
+                 "window is 0");
+    c.mods.window_left = 0;
+    const float finite[2] = {0.5f, 0.25f};
+    c.mods.alibi_slopes = finite;
+    assert_fails(mha_create(&c, &m), MHA_ERR_INVALID_ARGUMENT,
+                 "alibi is 0");
     c.mods.alibi = 1;
     const float slopes[2] = {0.5f, INFINITY};
     c.mods.alibi_slopes = slopes;
     assert_fails(mha_create(&c, &m), MHA_ERR_NON_FINITE, "alibi_slopes[1]");
     /* a module's sinks are a parameter: set finite only */
     c.mods.alibi = 0;
+    c.mods.alibi_slopes = NULL;
     c.sinks = 1;
     assert_int_equal(mha_create(&c, &m), MHA_OK);
     const float bad[2] = {0.0f, NAN};

@@ -265,6 +265,7 @@ static void test_q_offset_near_int64_limits(void **state)
     /* ALiBi with the queries before the keys (distances of ~100, exact in
      * float32 as in float64). */
     p.a.mods.window = 0;
+    p.a.mods.window_left = p.a.mods.window_right = 0;
     p.a.q_offset = -100;
     p.a.mods.alibi = 1;
     aprob_check(&p);

@@ -510,7 +510,7 @@ static void test_module_forward(void **state)
         /* RoPE is not a no-op here: the module without it differs. */
         mha_config c;
         mha_get_config(p.m, &c);
-        c.mods.rope.style = MHA_ROPE_NONE;
+        c.mods.rope = (mha_rope){MHA_ROPE_NONE, 0, 0.0f, 0.0f};
         mha_module *plain = tu_module(&c, 100 + k);
         assert_non_null(plain);
         float *o2 = fmalloc(p.n_q);
@@ -674,7 +674,7 @@ static void test_backward_checker_is_sensitive(void **state)
     /* the gradient of the module without RoPE, same parameters */
     mha_config c;
     mha_get_config(p.m, &c);
-    c.mods.rope.style = MHA_ROPE_NONE;
+    c.mods.rope = (mha_rope){MHA_ROPE_NONE, 0, 0.0f, 0.0f};
     mha_module *plain = tu_module(&c, 77);
     mha_backward_args b = {0};
     b.grad_out = p.G;
@@ -812,7 +812,7 @@ static void test_attention_vs_prerotated(void **state)
         a2.q = q0;
         a2.k = k0;
         a2.out = o2;
-        a2.mods.rope.style = MHA_ROPE_NONE;
+        a2.mods.rope = (mha_rope){MHA_ROPE_NONE, 0, 0.0f, 0.0f};
         a2.q_positions = a2.k_positions = NULL;
         assert_int_equal(mha_attention(&a2), MHA_OK);
         if (memcmp(o2, p.out, (size_t)p.n_q * sizeof *o2) != 0)
@@ -956,12 +956,24 @@ static void test_attention_errors(void **state)
     p.qp[5] = 0;
     /* a plan made without RoPE refuses a run with it */
     mha_attention_args none = p.a;
-    none.mods.rope.style = MHA_ROPE_NONE;
+    none.mods.rope = (mha_rope){MHA_ROPE_NONE, 0, 0.0f, 0.0f};
     mha_attention_plan *plan = NULL;
     assert_int_equal(mha_attention_plan_create(&none, &plan), MHA_OK);
     assert_fails(mha_attention_plan_run(plan, &p.a),
                  MHA_ERR_INVALID_ARGUMENT, "made without RoPE");
     mha_attention_plan_free(plan);
+    /* a field that no rotation reads is refused, not ignored */
+    none.mods.rope.theta = -5.0f;
+    assert_fails(mha_attention(&none), MHA_ERR_INVALID_ARGUMENT,
+                 "rope.style is MHA_ROPE_NONE but rope.theta is set");
+    mha_config c = {0};
+    c.embed_dim = 8;
+    c.num_heads = 2;
+    c.mods.rope.dims = 2;
+    mha_module *m = NULL;
+    assert_fails(mha_create(&c, &m), MHA_ERR_INVALID_ARGUMENT,
+                 "rope.dims is set");
+    assert_null(m);
     attn_free(&p);
 }
 
@@ -1067,7 +1079,7 @@ static void test_attention_cache(void **state)
         assert_int_equal(mha_rope_apply(&c.rope, 6, 4, 8, NULL, 0,
                                         p.q + b * 6 * 32, 32), MHA_OK);
     mha_attention_args pre = a;
-    pre.mods.rope.style = MHA_ROPE_NONE;
+    pre.mods.rope = (mha_rope){MHA_ROPE_NONE, 0, 0.0f, 0.0f};
     pre.out = o3;
     assert_int_equal(mha_attention(&pre), MHA_OK);
     assert_memory_equal(o3, o, (size_t)p.n_q * sizeof *o);

@@ -96,7 +96,7 @@ static run forward(const mha_module *m, const shape *s, const float *q,
              malloc((size_t)(n_w ? n_w : 1) * sizeof(float))};
     mha_forward_args a = problem(s, q, kv, pad, lens);
     a.need_weights = s->weights;
-    a.attn_weights = r.w;
+    a.attn_weights = s->weights ? r.w : NULL;
     a.num_threads = threads;
     a.out = r.out;
     if (mha_forward(m, &a) != MHA_OK)

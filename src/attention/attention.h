@@ -239,6 +239,10 @@ mha_status mha_engine_init(mha_engine *e, int num_threads);
 mha_status mha_check_threads(int num_threads);
 /* need_weights is one of the three modes. */
 mha_status mha_check_weights_mode(mha_weights_mode mode);
+/* attn_weights is given iff need_weights asks for weights (a buffer the
+ * call would not write is refused, not ignored). */
+mha_status mha_check_mode_fields(mha_weights_mode need,
+                                 const float *attn_weights);
 
 
 /*

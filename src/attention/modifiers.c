@@ -16,6 +16,14 @@ mha_status mha_modifiers_check(const mha_modifiers *m, int64_t H,
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "%s: softcap must be finite and > 0 (0: none), "
                              "got %g", who, (double)m->softcap);
+    if (!m->window && (m->window_left || m->window_right))
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "%s: window_left / window_right are set but "
+                             "window is 0: set window to apply them", who);
+    if (!m->alibi && m->alibi_slopes)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "%s: alibi_slopes is set but alibi is 0: set "
+                             "alibi to apply them", who);
     if (m->window && (m->window_left < -1 || m->window_right < -1))
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "%s: window bounds must be >= -1 (-1: no "

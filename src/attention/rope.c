@@ -32,6 +32,14 @@ mha_status mha_rope_resolve(const mha_rope *in, int64_t head_dim,
         return mha_set_error(MHA_ERR_NULL_POINTER, "rope: %s is NULL",
                              !in ? "the settings" : "the output");
     mha_rope r = *in;
+    if (r.style == MHA_ROPE_NONE && (r.dims || r.theta != 0.0f ||
+                                     r.scale != 0.0f))
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "rope.style is MHA_ROPE_NONE but rope.%s is "
+                             "set: no rotation reads it; choose a style or "
+                             "leave the rope zero",
+                             r.dims ? "dims" : r.theta != 0.0f ? "theta"
+                                                               : "scale");
     if (r.style == MHA_ROPE_NONE) {
         const mha_rope none = {MHA_ROPE_NONE, 0, 0.0f, 0.0f};
         *out = none;

@@ -54,6 +54,20 @@ mha_status mha_check_weights_mode(mha_weights_mode mode)
     return MHA_OK;
 }
 
+mha_status mha_check_mode_fields(mha_weights_mode need,
+                                 const float *attn_weights)
+{
+    if (need != MHA_WEIGHTS_NONE && !attn_weights)
+        return mha_set_error(MHA_ERR_NULL_POINTER,
+                             "need_weights is set but attn_weights is NULL");
+    if (need == MHA_WEIGHTS_NONE && attn_weights)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "attn_weights is set but need_weights is "
+                             "MHA_WEIGHTS_NONE: nothing would be written "
+                             "there; say AVERAGE or PER_HEAD, or pass NULL");
+    return MHA_OK;
+}
+
 /* n rounded up to a whole number of 64-byte lines of floats. */
 static int64_t lines(int64_t n) { return (n + 15) & ~(int64_t)15; }
 

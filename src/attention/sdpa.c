@@ -232,34 +232,19 @@ static mha_status check_disjoint(const span *out, int n_out, const span *in,
 
 static uint64_t fingerprint(const mha_attention_args *a, const sdpa_shape *s)
 {
-    const size_t f = sizeof(float);
-    uint64_t h = mha_fingerprint(0, a->q, (size_t)s->n_q * f);
-    h = mha_fingerprint(h, a->k, (size_t)s->n_kv * f);
-    h = mha_fingerprint(h, a->v, (size_t)s->n_kv * f);
-    const mha_mask *masks[2] = {&a->attn_mask, &a->key_padding_mask};
-    for (int k = 0; k < 2; k++) {
-        const mha_mask *mk = masks[k];
-        if (mk->kind == MHA_MASK_NONE)
-            continue;
-        size_t n = mk->kind == MHA_MASK_ADDITIVE ? f : 1;
-        for (int d = 0; d < mk->ndim; d++)
-            n *= (size_t)mk->shape[d];
-        h = mha_fingerprint(h, mk->data, n);
-    }
-    if (a->key_lengths)
-        h = mha_fingerprint(h, a->key_lengths, (size_t)s->B * sizeof(int64_t));
-    if (a->sinks)
-        h = mha_fingerprint(h, a->sinks, (size_t)s->H * f);
-    if (a->mods.alibi && a->mods.alibi_slopes)
-        h = mha_fingerprint(h, a->mods.alibi_slopes, (size_t)s->H * f);
-    if (a->mods.rope.style != MHA_ROPE_NONE) {
-        const size_t i8 = sizeof(int64_t);
-        if (a->q_positions)
-            h = mha_fingerprint(h, a->q_positions, (size_t)(s->B * s->Lq) * i8);
-        if (a->k_positions)
-            h = mha_fingerprint(h, a->k_positions, (size_t)(s->B * s->Lk) * i8);
-    }
-    return h;
+    const size_t f = sizeof(float), i8 = sizeof(int64_t);
+    const int rope = a->mods.rope.style != MHA_ROPE_NONE;
+    const mha_print_buf bufs[] = {
+        {a->q, (size_t)s->n_q * f},
+        {a->k, (size_t)s->n_kv * f},
+        {a->v, (size_t)s->n_kv * f},
+        {a->sinks, (size_t)s->H * f},
+        {a->mods.alibi ? a->mods.alibi_slopes : NULL, (size_t)s->H * f},
+        {rope ? a->q_positions : NULL, (size_t)(s->B * s->Lq) * i8},
+        {rope ? a->k_positions : NULL, (size_t)(s->B * s->Lk) * i8}};
+    return mha_inputs_fingerprint(bufs, (int)(sizeof bufs / sizeof *bufs),
+                                  &a->attn_mask, &a->key_padding_mask,
+                                  a->key_lengths, s->B);
 }
 
 mha_status mha_attention_plan_create(const mha_attention_args *a,
@@ -490,10 +475,7 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
                                  "longest sequence in the KV cache (0 = "
                                  "that length)", (long long)a->kv_len,
                                  (long long)s.Lk);
-        if (a->need_weights != MHA_WEIGHTS_NONE && !a->attn_weights)
-            return mha_set_error(MHA_ERR_NULL_POINTER,
-                                 "need_weights is set but attn_weights is "
-                                 "NULL");
+        MHA_CHECK(mha_check_mode_fields(a->need_weights, a->attn_weights));
         s.n_w = s.B * s.Lq * s.Lk *
                 (a->need_weights == MHA_WEIGHTS_PER_HEAD ? s.H : 1);
         float *w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights
@@ -522,9 +504,7 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
     if (!a->q || !a->k || !a->v || !a->out)
         return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
                              !a->q ? "q" : !a->k ? "k" : !a->v ? "v" : "out");
-    if (a->need_weights != MHA_WEIGHTS_NONE && !a->attn_weights)
-        return mha_set_error(MHA_ERR_NULL_POINTER,
-                             "need_weights is set but attn_weights is NULL");
+    MHA_CHECK(mha_check_mode_fields(a->need_weights, a->attn_weights));
     const float *w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights
                                                          : NULL;
     const span outs[3] = {{"out", a->out, s.n_q}, {"attn_weights", w, s.n_w},

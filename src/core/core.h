@@ -67,4 +67,17 @@ double mha_max_abs_finite16(const uint16_t *x, int64_t n, int bf16,
 mha_status mha_check_score_range(float scale, int64_t dh, double qmax,
                                  double kmax);
 
+/* The fingerprint of a call's inputs, what a plan's backward checks its
+ * run against (the one used by mha_plan_backward and
+ * mha_attention_plan_backward): each buffer of `bufs` (NULL data: absent)
+ * in order, then the masks' contents and the B key lengths. */
+typedef struct mha_print_buf {
+    const void *data;
+    size_t bytes;
+} mha_print_buf;
+uint64_t mha_inputs_fingerprint(const mha_print_buf *bufs, int n,
+                                const mha_mask *attn_mask,
+                                const mha_mask *key_padding_mask,
+                                const int64_t *key_lengths, int64_t B);
+
 #endif /* MHA_CORE_H */

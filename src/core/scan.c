@@ -1,6 +1,7 @@
 /*
  * scan.c -- scans of an input before the work starts: the largest finite
- * |x| (the scale's overflow check reads it) and that check itself.
+ * |x| (the scale's overflow check reads it) and that check itself, and
+ * the fingerprint of a call's inputs.
  */
 #include "core.h"
 #include "half.h"
@@ -86,4 +87,28 @@ mha_status mha_check_score_range(float scale, int64_t dh, double qmax,
                              "smaller inputs)", (double)scale, qmax, kmax,
                              (long long)dh, bound, (double)FLT_MAX);
     return MHA_OK;
+}
+
+uint64_t mha_inputs_fingerprint(const mha_print_buf *bufs, int n,
+                                const mha_mask *attn_mask,
+                                const mha_mask *key_padding_mask,
+                                const int64_t *key_lengths, int64_t B)
+{
+    uint64_t h = 0;
+    for (int i = 0; i < n; i++)
+        if (bufs[i].data)
+            h = mha_fingerprint(h, bufs[i].data, bufs[i].bytes);
+    const mha_mask *masks[2] = {attn_mask, key_padding_mask};
+    for (int k = 0; k < 2; k++) {
+        const mha_mask *mk = masks[k];
+        if (mk->kind == MHA_MASK_NONE)
+            continue;
+        size_t bytes = mk->kind == MHA_MASK_ADDITIVE ? sizeof(float) : 1;
+        for (int d = 0; d < mk->ndim; d++)
+            bytes *= (size_t)mk->shape[d];
+        h = mha_fingerprint(h, mk->data, bytes);
+    }
+    if (key_lengths)
+        h = mha_fingerprint(h, key_lengths, (size_t)B * sizeof(int64_t));
+    return h;
 }

@@ -304,29 +304,16 @@ uint64_t mha_fwd_fingerprint(const mha_module *m, const fwd_shape *s,
     const mha_config *c = &m->cfg;
     const size_t f = sizeof(float);
     const int64_t rows_k = s->B * s->Lk;
-    uint64_t h = mha_fingerprint(0, a->query, (size_t)s->n_q * f);
-    if (a->key)
-        h = mha_fingerprint(h, a->key, (size_t)(rows_k * c->kdim) * f);
-    if (a->value)
-        h = mha_fingerprint(h, a->value, (size_t)(rows_k * c->vdim) * f);
-    const mha_mask *masks[2] = {&a->attn_mask, &a->key_padding_mask};
-    for (int k = 0; k < 2; k++) {
-        const mha_mask *mk = masks[k];
-        if (mk->kind == MHA_MASK_NONE)
-            continue;
-        size_t n = mk->kind == MHA_MASK_ADDITIVE ? f : 1;
-        for (int d = 0; d < mk->ndim; d++)
-            n *= (size_t)mk->shape[d];
-        h = mha_fingerprint(h, mk->data, n);
-    }
-    if (a->key_lengths)
-        h = mha_fingerprint(h, a->key_lengths, (size_t)s->B * sizeof(int64_t));
-    if (a->head_mask)
-        h = mha_fingerprint(h, a->head_mask, (size_t)s->H * f);
-    if (a->positions && c->mods.rope.style != MHA_ROPE_NONE)
-        h = mha_fingerprint(h, a->positions,
-                            (size_t)(s->B * s->Lq) * sizeof(int64_t));
-    return h;
+    const mha_print_buf bufs[] = {
+        {a->query, (size_t)s->n_q * f},
+        {a->key, (size_t)(rows_k * c->kdim) * f},
+        {a->value, (size_t)(rows_k * c->vdim) * f},
+        {a->head_mask, (size_t)s->H * f},
+        {c->mods.rope.style != MHA_ROPE_NONE ? a->positions : NULL,
+         (size_t)(s->B * s->Lq) * sizeof(int64_t)}};
+    return mha_inputs_fingerprint(bufs, (int)(sizeof bufs / sizeof *bufs),
+                                  &a->attn_mask, &a->key_padding_mask,
+                                  a->key_lengths, s->B);
 }
 
 /*
@@ -468,9 +455,7 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
                                  (long long)b, (long long)a->cache->len[b],
                                  (long long)a->cache->capacity,
                                  (long long)s.Lq);
-    if (a->need_weights != MHA_WEIGHTS_NONE && !a->attn_weights)
-        return mha_set_error(MHA_ERR_NULL_POINTER,
-                             "need_weights is set but attn_weights is NULL");
+    MHA_CHECK(mha_check_mode_fields(a->need_weights, a->attn_weights));
     mha_mask_plan mask;
     int64_t n_w = s.n_w;
     if (a->cache) {

@@ -225,7 +225,8 @@ static void ring_args_of(const mha_module *m, const mha_ring_forward_args *a,
     r->causal = a->causal;
     r->key_lengths = a->key_lengths;
     r->mods = p->c.mods;
-    r->mods.rope.style = MHA_ROPE_NONE;   /* applied before the ring */
+    const mha_rope none = {MHA_ROPE_NONE, 0, 0.0f, 0.0f};
+    r->mods.rope = none;   /* applied before the ring */
     r->num_threads = a->num_threads;
     r->out = p->ctx;
 }
