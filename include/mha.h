@@ -55,29 +55,43 @@ extern "C" {
  *                 where they are declared.  These may change in any minor
  *                 version.
  *
- * The ABI rule.  Argument structs are passed by pointer and grow in every
- * minor version, so a binary built against one minor version must never
- * run against another: the shared library's soname carries MAJOR.MINOR
- * (libmha.so.0.5), and the dynamic loader refuses a binary whose minor
- * version is not installed rather than let the library read past the end
- * of its structs.  Within a minor version (patch releases) no struct
- * changes.  A program loading libmha by other means checks
- * mha_version_number() / MHA_VERSION_NUMBER / 100 itself (MHA_ABI_OK).
+ * The ABI rule (libmha's ABI version, MHA_ABI_VERSION, is the soname's
+ * number: libmha.so.1).  Every call that takes or fills a struct of this
+ * header or mha_io.h is an inline wrapper that passes the struct's size
+ * as the program was compiled (sizeof) to an exported NAME_sized call,
+ * as Linux's openat2 and clone3 take theirs.  Structs only grow, at their
+ * end, and zero is every field's default, so:
+ *   - a program built against an older mha.h passes a smaller struct: the
+ *     library reads what it passed and takes the fields after it as zero;
+ *   - a program built against a newer mha.h passes a larger one: it runs
+ *     when the fields this library does not know are zero, and is refused
+ *     (MHA_ERR_INVALID_ARGUMENT, naming the struct and the byte) when one
+ *     is set, never silently ignored;
+ *   - a struct the library fills (mha_get_config, mha_param_info_*) is
+ *     filled up to the caller's size.
+ * Frozen, never to grow: structs embedded in others or passed in arrays
+ * (mha_rope, mha_modifiers, mha_mask, mha_attention_part, mha_tensor_view)
+ * and handles the library owns.  The soname changes only on a real break
+ * (a call removed or a meaning changed).  A program loading libmha by
+ * other means checks MHA_ABI_OK().  libmha_mpi (mha_mpi.h) is not under
+ * this rule yet: its soname carries MAJOR.MINOR.
  */
 #define MHA_VERSION_MAJOR 0
-#define MHA_VERSION_MINOR 5
+#define MHA_VERSION_MINOR 6
 #define MHA_VERSION_PATCH 0
 #define MHA_VERSION_NUMBER \
     (MHA_VERSION_MAJOR * 10000 + MHA_VERSION_MINOR * 100 + MHA_VERSION_PATCH)
+#define MHA_ABI_VERSION 1
 
-/* The version of the library actually linked, e.g. "0.1.0". */
+/* The version of the library actually linked, e.g. "0.6.0". */
 MHA_API const char *mha_version_string(void);
 /* MHA_VERSION_NUMBER of the library actually linked. */
 MHA_API int mha_version_number(void);
-/* Nonzero when the linked library has the struct layouts of this header:
- * the same major and minor version (the soname makes this so for programs
- * linked the usual way). */
-#define MHA_ABI_OK() (mha_version_number() / 100 == MHA_VERSION_NUMBER / 100)
+/* MHA_ABI_VERSION of the library actually linked. */
+MHA_API int mha_abi_version(void);
+/* Nonzero when the linked library keeps this header's ABI (the soname
+ * makes this so for programs linked the usual way). */
+#define MHA_ABI_OK() (mha_abi_version() == MHA_ABI_VERSION)
 
 #if defined(__GNUC__) || defined(__clang__)
 #define MHA_DEPRECATED(msg) __attribute__((deprecated(msg)))
@@ -274,13 +288,24 @@ typedef struct mha_module mha_module;
  * matrix, as PyTorch does), zero biases, Xavier-normal bias_k / bias_v.
  * On failure *out is set to NULL.
  */
-MHA_API mha_status mha_create(const mha_config *config, mha_module **out);
+MHA_API mha_status mha_create_sized(const mha_config *config,
+                                    size_t config_size, mha_module **out);
+static inline mha_status mha_create(const mha_config *config, mha_module **out)
+{
+    return mha_create_sized(config, sizeof *config, out);
+}
 
 /* Frees the module.  NULL is accepted and ignored. */
 MHA_API void mha_free(mha_module *module);
 
 /* The resolved configuration (defaults filled in: kdim, vdim, scale). */
-MHA_API mha_status mha_get_config(const mha_module *module, mha_config *out);
+MHA_API mha_status mha_get_config_sized(const mha_module *module,
+                                        mha_config *out, size_t out_size);
+static inline mha_status mha_get_config(const mha_module *module,
+                                        mha_config *out)
+{
+    return mha_get_config_sized(module, out, sizeof *out);
+}
 
 /* Re-initialises every parameter from `seed`, exactly as mha_create does. */
 MHA_API mha_status mha_reset_parameters(mha_module *module, uint64_t seed);
@@ -319,12 +344,25 @@ MHA_API int mha_param_count(const mha_module *module);
  * of the gradient buffer of mha_backward.  -1 for a NULL module. */
 MHA_API int64_t mha_param_numel(const mha_module *module);
 /* Describes parameter `index`, 0 <= index < mha_param_count(). */
-MHA_API mha_status mha_param_info_at(const mha_module *module, int index,
-                                     mha_param_info *out);
+MHA_API mha_status mha_param_info_at_sized(const mha_module *module, int index,
+                                           mha_param_info *out,
+                                           size_t out_size);
+static inline mha_status mha_param_info_at(const mha_module *module, int index,
+                                           mha_param_info *out)
+{
+    return mha_param_info_at_sized(module, index, out, sizeof *out);
+}
 /* Describes the parameter called `name`; MHA_ERR_NOT_FOUND if none. */
-MHA_API mha_status mha_param_info_by_name(const mha_module *module,
-                                          const char *name,
-                                          mha_param_info *out);
+MHA_API mha_status mha_param_info_by_name_sized(const mha_module *module,
+                                                const char *name,
+                                                mha_param_info *out,
+                                                size_t out_size);
+static inline mha_status mha_param_info_by_name(const mha_module *module,
+                                                const char *name,
+                                                mha_param_info *out)
+{
+    return mha_param_info_by_name_sized(module, name, out, sizeof *out);
+}
 /* Copies parameter `name` (numel floats) into dst.  `numel` must be exact. */
 MHA_API mha_status mha_param_get(const mha_module *module, const char *name,
                                  float *dst, int64_t numel);
@@ -534,8 +572,14 @@ typedef struct mha_forward_args {
  * the attention weights.  Returns -1 for a NULL module or kv_len < 0. */
 MHA_API int64_t mha_total_keys(const mha_module *module, int64_t kv_len);
 
-MHA_API mha_status mha_forward(const mha_module *module,
-                               const mha_forward_args *args);
+MHA_API mha_status mha_forward_sized(const mha_module *module,
+                                     const mha_forward_args *args,
+                                     size_t args_size);
+static inline mha_status mha_forward(const mha_module *module,
+                                     const mha_forward_args *args)
+{
+    return mha_forward_sized(module, args, sizeof *args);
+}
 
 /* Element types: of mha_attention's q, k, v and out (F32, F16, BF16),
  * and of tensors in files (mha_io.h: all of them). */
@@ -653,7 +697,12 @@ typedef struct mha_attention_args {
     const uint16_t *q16, *k16, *v16;
     uint16_t *out16;
 } mha_attention_args;
-MHA_API mha_status mha_attention(const mha_attention_args *args);
+MHA_API mha_status mha_attention_sized(const mha_attention_args *args,
+                                       size_t args_size);
+static inline mha_status mha_attention(const mha_attention_args *args)
+{
+    return mha_attention_sized(args, sizeof *args);
+}
 /* Which kernels mha_attention's bf16 calls run on: "amx" (AMX tiles),
  * "avx512bf16" (AVX512-BF16 dot products, the same code without tiles) or
  * "float32" (the inputs widened).  MHA_BF16=amx|avx512bf16|float32 in the
@@ -689,16 +738,45 @@ typedef struct mha_attention_grads {
     float *grad_sinks;      /* (H) or NULL: dL/d sinks, overwritten
                                (with sinks in the arguments)     */
 } mha_attention_grads;
-MHA_API mha_status mha_attention_plan_create(const mha_attention_args *shape,
-                                             mha_attention_plan **out);
-MHA_API mha_status mha_attention_plan_run(mha_attention_plan *plan,
-                                          const mha_attention_args *args);
-MHA_API mha_status mha_attention_plan_backward(
-    mha_attention_plan *plan, const mha_attention_args *args,
-    const mha_attention_grads *grads);
+MHA_API mha_status mha_attention_plan_create_sized(const mha_attention_args *shape,
+                                                   size_t shape_size,
+                                                   mha_attention_plan **out);
+static inline mha_status mha_attention_plan_create(const mha_attention_args *shape,
+                                                   mha_attention_plan **out)
+{
+    return mha_attention_plan_create_sized(shape, sizeof *shape, out);
+}
+MHA_API mha_status mha_attention_plan_run_sized(mha_attention_plan *plan,
+                                                const mha_attention_args *args,
+                                                size_t args_size);
+static inline mha_status mha_attention_plan_run(mha_attention_plan *plan,
+                                                const mha_attention_args *args)
+{
+    return mha_attention_plan_run_sized(plan, args, sizeof *args);
+}
+MHA_API mha_status mha_attention_plan_backward_sized(mha_attention_plan *plan,
+                                                     const mha_attention_args *args,
+                                                     size_t args_size,
+                                                     const mha_attention_grads *grads,
+                                                     size_t grads_size);
+static inline mha_status mha_attention_plan_backward(mha_attention_plan *plan,
+                                                     const mha_attention_args *args,
+                                                     const mha_attention_grads *grads)
+{
+    return mha_attention_plan_backward_sized(plan, args, sizeof *args, grads,
+                                             sizeof *grads);
+}
 MHA_API void mha_attention_plan_free(mha_attention_plan *plan);
-MHA_API mha_status mha_attention_backward(const mha_attention_args *args,
-                                          const mha_attention_grads *grads);
+MHA_API mha_status mha_attention_backward_sized(const mha_attention_args *args,
+                                                size_t args_size,
+                                                const mha_attention_grads *grads,
+                                                size_t grads_size);
+static inline mha_status mha_attention_backward(const mha_attention_args *args,
+                                                const mha_attention_grads *grads)
+{
+    return mha_attention_backward_sized(args, sizeof *args, grads,
+                                        sizeof *grads);
+}
 
 /*
  * The backward of mha_attention on 16-bit data (args.dtype BF16 or F16,
@@ -720,8 +798,16 @@ typedef struct mha_attention_grads16 {
     uint16_t *grad_q;           /* like q                                 */
     uint16_t *grad_k, *grad_v;  /* like k and v, summed over each group   */
 } mha_attention_grads16;
-MHA_API mha_status mha_attention_backward16(const mha_attention_args *args,
-                                            const mha_attention_grads16 *grads);
+MHA_API mha_status mha_attention_backward16_sized(const mha_attention_args *args,
+                                                  size_t args_size,
+                                                  const mha_attention_grads16 *grads,
+                                                  size_t grads_size);
+static inline mha_status mha_attention_backward16(const mha_attention_args *args,
+                                                  const mha_attention_grads16 *grads)
+{
+    return mha_attention_backward16_sized(args, sizeof *args, grads,
+                                          sizeof *grads);
+}
 
 /*
  * The backward of one part of a split-key problem (the keys cut into parts
@@ -742,10 +828,20 @@ MHA_API mha_status mha_attention_backward16(const mha_attention_args *args,
  * the backward's two sweeps alone.  Bitwise the same for every
  * num_threads.
  */
-MHA_API mha_status mha_attention_backward_part(const mha_attention_args *args,
-                                               const float *lse,
-                                               const float *out,
-                                               const mha_attention_grads *grads);
+MHA_API mha_status mha_attention_backward_part_sized(const mha_attention_args *args,
+                                                     size_t args_size,
+                                                     const float *lse,
+                                                     const float *out,
+                                                     const mha_attention_grads *grads,
+                                                     size_t grads_size);
+static inline mha_status mha_attention_backward_part(const mha_attention_args *args,
+                                                     const float *lse,
+                                                     const float *out,
+                                                     const mha_attention_grads *grads)
+{
+    return mha_attention_backward_part_sized(args, sizeof *args, lse, out,
+                                             grads, sizeof *grads);
+}
 
 /*
  * The merge of partial attention results: when the keys of a problem are
@@ -785,11 +881,23 @@ MHA_API mha_status mha_attention_merge(const mha_attention_part *parts,
  * a time.  mha_forward is create + forward + free.
  */
 typedef struct mha_plan mha_plan;
-MHA_API mha_status mha_plan_create(const mha_module *module,
-                                   const mha_forward_args *shape,
-                                   mha_plan **out);
-MHA_API mha_status mha_plan_forward(mha_plan *plan,
-                                    const mha_forward_args *args);
+MHA_API mha_status mha_plan_create_sized(const mha_module *module,
+                                         const mha_forward_args *shape,
+                                         size_t shape_size, mha_plan **out);
+static inline mha_status mha_plan_create(const mha_module *module,
+                                         const mha_forward_args *shape,
+                                         mha_plan **out)
+{
+    return mha_plan_create_sized(module, shape, sizeof *shape, out);
+}
+MHA_API mha_status mha_plan_forward_sized(mha_plan *plan,
+                                          const mha_forward_args *args,
+                                          size_t args_size);
+static inline mha_status mha_plan_forward(mha_plan *plan,
+                                          const mha_forward_args *args)
+{
+    return mha_plan_forward_sized(plan, args, sizeof *args);
+}
 MHA_API void mha_plan_free(mha_plan *plan);
 
 /*
@@ -838,9 +946,17 @@ typedef struct mha_backward_args {
  * attn_weights are not written; fwd->out may be NULL).  It allocates its
  * workspace; a training loop uses a plan instead.
  */
-MHA_API mha_status mha_backward(const mha_module *module,
-                                const mha_forward_args *fwd,
-                                const mha_backward_args *bwd);
+MHA_API mha_status mha_backward_sized(const mha_module *module,
+                                      const mha_forward_args *fwd,
+                                      size_t fwd_size,
+                                      const mha_backward_args *bwd,
+                                      size_t bwd_size);
+static inline mha_status mha_backward(const mha_module *module,
+                                      const mha_forward_args *fwd,
+                                      const mha_backward_args *bwd)
+{
+    return mha_backward_sized(module, fwd, sizeof *fwd, bwd, sizeof *bwd);
+}
 
 /*
  * The backward of the last mha_plan_forward of this plan, which must have
@@ -851,9 +967,17 @@ MHA_API mha_status mha_backward(const mha_module *module,
  * the backward's own work is done.  The first call allocates the backward
  * workspace, later calls allocate nothing.
  */
-MHA_API mha_status mha_plan_backward(mha_plan *plan,
-                                     const mha_forward_args *fwd,
-                                     const mha_backward_args *bwd);
+MHA_API mha_status mha_plan_backward_sized(mha_plan *plan,
+                                           const mha_forward_args *fwd,
+                                           size_t fwd_size,
+                                           const mha_backward_args *bwd,
+                                           size_t bwd_size);
+static inline mha_status mha_plan_backward(mha_plan *plan,
+                                           const mha_forward_args *fwd,
+                                           const mha_backward_args *bwd)
+{
+    return mha_plan_backward_sized(plan, fwd, sizeof *fwd, bwd, sizeof *bwd);
+}
 
 /* ------------------------------------------------------------------------ */
 /* Inference: the KV cache                                                  */
@@ -915,8 +1039,14 @@ typedef struct mha_kv_cache_config {
                               window cache (above)                      */
 } mha_kv_cache_config;
 
-MHA_API mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
-                                       mha_kv_cache **out);
+MHA_API mha_status mha_kv_cache_create_sized(const mha_kv_cache_config *config,
+                                             size_t config_size,
+                                             mha_kv_cache **out);
+static inline mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
+                                             mha_kv_cache **out)
+{
+    return mha_kv_cache_create_sized(config, sizeof *config, out);
+}
 /* A cache shaped for `module` (its H_kv and d_h), f32, no window.  For
  * another dtype or a window, mha_kv_cache_create with the module's
  * num_kv_heads and head_dim (mha_get_config).  Refused for a module

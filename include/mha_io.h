@@ -107,10 +107,18 @@ MHA_API mha_status mha_safetensors_save(const char *path,
  * Every missing tensor, unexpected tensor, wrong shape and malformed
  * metadata value is named.
  */
-MHA_API mha_status mha_module_from_file(const mha_tensor_file *file,
-                                        int64_t num_heads,
-                                        const mha_config *base,
-                                        mha_module **out);
+MHA_API mha_status mha_module_from_file_sized(const mha_tensor_file *file,
+                                              int64_t num_heads,
+                                              const mha_config *base,
+                                              size_t base_size,
+                                              mha_module **out);
+static inline mha_status mha_module_from_file(const mha_tensor_file *file,
+                                              int64_t num_heads,
+                                              const mha_config *base,
+                                              mha_module **out)
+{
+    return mha_module_from_file_sized(file, num_heads, base, sizeof *base, out);
+}
 MHA_API mha_status mha_module_load(const char *path, int64_t num_heads,
                                    mha_module **out);
 /* Saves every parameter under its PyTorch name, float32, with the config

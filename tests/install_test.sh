@@ -120,13 +120,12 @@ if [ -x "$prefix/bin/mha" ]; then
   fi
 fi
 
-step "ABI: the soname carries MAJOR.MINOR, and another minor is refused"
-# mha.h's ABI rule: argument structs grow with every minor version, so a
-# binary needs exactly the minor version it was built against.
+step "ABI: the soname is the ABI version, and another is refused"
+# mha.h's ABI rule: structs are passed with their size, so a binary needs
+# the ABI version it was built against, whatever the minor version.
 hdr="$prefix/include/mha.h"
-major=$(sed -n 's/^#define MHA_VERSION_MAJOR \([0-9]*\)$/\1/p' "$hdr")
-minor=$(sed -n 's/^#define MHA_VERSION_MINOR \([0-9]*\)$/\1/p' "$hdr")
-soname="libmha.so.$major.$minor"
+abiv=$(sed -n 's/^#define MHA_ABI_VERSION \([0-9]*\)$/\1/p' "$hdr")
+soname="libmha.so.$abiv"
 test -e "$libdir/$soname" || { echo "no $soname in $libdir" >&2; exit 1; }
 if command -v readelf >/dev/null; then
   readelf -d "$libdir/libmha.so" | grep -q "Library soname: \[$soname\]" ||
@@ -135,14 +134,14 @@ if command -v readelf >/dev/null; then
   readelf -d "$tmp/ex_pc_shared" | grep -q "Shared library: \[$soname\]" ||
     { echo "the example does not NEED $soname" >&2; exit 1; }
 fi
-# A library of the next minor version only: the loader refuses to start
-# the program (it never runs against struct layouts it was not built for).
+# A library of the next ABI version only: the loader refuses to start the
+# program (it never runs against a library that broke its ABI).
 abi="$tmp/abi"
 mkdir -p "$abi"
-cp "$libdir/$soname" "$abi/libmha.so.$major.$((minor + 1))"
+cp "$libdir/$soname" "$abi/libmha.so.$((abiv + 1))"
 if LD_LIBRARY_PATH="$abi" env -u LD_RUN_PATH "$tmp/ex_pc_shared" \
      >"$tmp/abi.out" 2>&1; then
-  echo "the example ran against libmha.so.$major.$((minor + 1))" >&2; exit 1
+  echo "the example ran against libmha.so.$((abiv + 1))" >&2; exit 1
 fi
 grep -q "$soname" "$tmp/abi.out" ||
   { echo "the loader's refusal does not name $soname:" >&2

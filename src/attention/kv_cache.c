@@ -62,8 +62,8 @@ static void advise_huge_pages(void *data, int64_t bytes)
 #endif
 }
 
-mha_status mha_kv_cache_create(const mha_kv_cache_config *cfg,
-                               mha_kv_cache **out)
+static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
+                                           mha_kv_cache **out)
 {
     if (!out)
         return mha_set_error(MHA_ERR_NULL_POINTER, "output cache is NULL");
@@ -152,6 +152,15 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *cfg,
     c->extra = extra_tiles;
     *out = c;
     return MHA_OK;
+}
+
+mha_status mha_kv_cache_create_sized(const mha_kv_cache_config *config,
+                                     size_t config_size, mha_kv_cache **out)
+{
+    mha_kv_cache_config config_;
+    MHA_CHECK(mha_struct_in(&config_, sizeof config_, config, config_size,
+                            "mha_kv_cache_config"));
+    return mha_kv_cache_create_impl(config ? &config_ : NULL, out);
 }
 
 void mha_kv_cache_free(mha_kv_cache *c)

@@ -247,8 +247,8 @@ static uint64_t fingerprint(const mha_attention_args *a, const sdpa_shape *s)
                                   a->key_lengths, s->B);
 }
 
-mha_status mha_attention_plan_create(const mha_attention_args *a,
-                                     mha_attention_plan **out)
+static mha_status mha_attention_plan_create_impl(const mha_attention_args *a,
+                                                 mha_attention_plan **out)
 {
     if (!out)
         return mha_set_error(MHA_ERR_NULL_POINTER, "output plan is NULL");
@@ -285,6 +285,16 @@ mha_status mha_attention_plan_create(const mha_attention_args *a,
     p->cache_capacity = a->cache ? a->cache->capacity : 0;
     *out = p;
     return MHA_OK;
+}
+
+mha_status mha_attention_plan_create_sized(const mha_attention_args *shape,
+                                           size_t shape_size,
+                                           mha_attention_plan **out)
+{
+    mha_attention_args shape_;
+    MHA_CHECK(mha_struct_in(&shape_, sizeof shape_, shape, shape_size,
+                            "mha_attention_args"));
+    return mha_attention_plan_create_impl(shape ? &shape_ : NULL, out);
 }
 
 void mha_attention_plan_free(mha_attention_plan *p)
@@ -532,10 +542,20 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
     return MHA_OK;
 }
 
-mha_status mha_attention_plan_run(mha_attention_plan *p,
-                                  const mha_attention_args *a)
+static mha_status mha_attention_plan_run_impl(mha_attention_plan *p,
+                                              const mha_attention_args *a)
 {
     return plan_run(p, a, 0);
+}
+
+mha_status mha_attention_plan_run_sized(mha_attention_plan *plan,
+                                        const mha_attention_args *args,
+                                        size_t args_size)
+{
+    mha_attention_args args_;
+    MHA_CHECK(mha_struct_in(&args_, sizeof args_, args, args_size,
+                            "mha_attention_args"));
+    return mha_attention_plan_run_impl(plan, args ? &args_ : NULL);
 }
 
 static int same_mask(const mha_mask *x, const mha_mask *y)
@@ -684,11 +704,27 @@ static mha_status plan_backward(mha_attention_plan *p,
     return MHA_OK;
 }
 
-mha_status mha_attention_plan_backward(mha_attention_plan *p,
-                                       const mha_attention_args *a,
-                                       const mha_attention_grads *g)
+static mha_status mha_attention_plan_backward_impl(mha_attention_plan *p,
+                                                   const mha_attention_args *a,
+                                                   const mha_attention_grads *g)
 {
     return plan_backward(p, a, g, NULL, NULL);
+}
+
+mha_status mha_attention_plan_backward_sized(mha_attention_plan *plan,
+                                             const mha_attention_args *args,
+                                             size_t args_size,
+                                             const mha_attention_grads *grads,
+                                             size_t grads_size)
+{
+    mha_attention_args args_;
+    MHA_CHECK(mha_struct_in(&args_, sizeof args_, args, args_size,
+                            "mha_attention_args"));
+    mha_attention_grads grads_;
+    MHA_CHECK(mha_struct_in(&grads_, sizeof grads_, grads, grads_size,
+                            "mha_attention_grads"));
+    return mha_attention_plan_backward_impl(plan, args ? &args_ : NULL,
+                                            grads ? &grads_ : NULL);
 }
 
 /* ---- bf16 and f16 q, k, v, out ------------------------------------------ */
@@ -996,8 +1032,8 @@ static mha_status attention_half_backward(const mha_attention_args *a,
     return st;
 }
 
-mha_status mha_attention_backward16(const mha_attention_args *a,
-                                    const mha_attention_grads16 *g)
+static mha_status mha_attention_backward16_impl(const mha_attention_args *a,
+                                                const mha_attention_grads16 *g)
 {
     if (!a)
         return mha_set_error(MHA_ERR_NULL_POINTER, "attention args are NULL");
@@ -1010,7 +1046,22 @@ mha_status mha_attention_backward16(const mha_attention_args *a,
     return attention_half_backward(a, g);
 }
 
-mha_status mha_attention(const mha_attention_args *a)
+mha_status mha_attention_backward16_sized(const mha_attention_args *args,
+                                          size_t args_size,
+                                          const mha_attention_grads16 *grads,
+                                          size_t grads_size)
+{
+    mha_attention_args args_;
+    MHA_CHECK(mha_struct_in(&args_, sizeof args_, args, args_size,
+                            "mha_attention_args"));
+    mha_attention_grads16 grads_;
+    MHA_CHECK(mha_struct_in(&grads_, sizeof grads_, grads, grads_size,
+                            "mha_attention_grads16"));
+    return mha_attention_backward16_impl(args ? &args_ : NULL,
+                                         grads ? &grads_ : NULL);
+}
+
+static mha_status mha_attention_impl(const mha_attention_args *a)
 {
     if (a && a->dtype != MHA_DTYPE_F32)
         return attention_half(a);
@@ -1021,8 +1072,17 @@ mha_status mha_attention(const mha_attention_args *a)
     return st;
 }
 
-mha_status mha_attention_backward(const mha_attention_args *a,
-                                  const mha_attention_grads *g)
+mha_status mha_attention_sized(const mha_attention_args *args,
+                               size_t args_size)
+{
+    mha_attention_args args_;
+    MHA_CHECK(mha_struct_in(&args_, sizeof args_, args, args_size,
+                            "mha_attention_args"));
+    return mha_attention_impl(args ? &args_ : NULL);
+}
+
+static mha_status mha_attention_backward_impl(const mha_attention_args *a,
+                                              const mha_attention_grads *g)
 {
     if (!a)
         return mha_set_error(MHA_ERR_NULL_POINTER, "attention args are NULL");
@@ -1050,6 +1110,21 @@ mha_status mha_attention_backward(const mha_attention_args *a,
     return st;
 }
 
+mha_status mha_attention_backward_sized(const mha_attention_args *args,
+                                        size_t args_size,
+                                        const mha_attention_grads *grads,
+                                        size_t grads_size)
+{
+    mha_attention_args args_;
+    MHA_CHECK(mha_struct_in(&args_, sizeof args_, args, args_size,
+                            "mha_attention_args"));
+    mha_attention_grads grads_;
+    MHA_CHECK(mha_struct_in(&grads_, sizeof grads_, grads, grads_size,
+                            "mha_attention_grads"));
+    return mha_attention_backward_impl(args ? &args_ : NULL,
+                                       grads ? &grads_ : NULL);
+}
+
 /*
  * One part of a split-key problem: the plan runs with pack_only (K and V
  * packed as a forward packs them, RoPE applied; no attention computed),
@@ -1057,9 +1132,9 @@ mha_status mha_attention_backward(const mha_attention_args *a,
  * global probability, and delta = dO . out (the merged output) is the
  * whole row's, in float64 in the order of d.
  */
-mha_status mha_attention_backward_part(const mha_attention_args *a,
-                                       const float *lse, const float *out,
-                                       const mha_attention_grads *g)
+static mha_status mha_attention_backward_part_impl(const mha_attention_args *a,
+                                                   const float *lse, const float *out,
+                                                   const mha_attention_grads *g)
 {
     if (!a)
         return mha_set_error(MHA_ERR_NULL_POINTER, "attention args are NULL");
@@ -1132,6 +1207,23 @@ mha_status mha_attention_backward_part(const mha_attention_args *a,
     free(f.out);
     mha_attention_plan_free(p);
     return st;
+}
+
+mha_status mha_attention_backward_part_sized(const mha_attention_args *args,
+                                             size_t args_size,
+                                             const float *lse,
+                                             const float *out,
+                                             const mha_attention_grads *grads,
+                                             size_t grads_size)
+{
+    mha_attention_args args_;
+    MHA_CHECK(mha_struct_in(&args_, sizeof args_, args, args_size,
+                            "mha_attention_args"));
+    mha_attention_grads grads_;
+    MHA_CHECK(mha_struct_in(&grads_, sizeof grads_, grads, grads_size,
+                            "mha_attention_grads"));
+    return mha_attention_backward_part_impl(args ? &args_ : NULL, lse, out,
+                                            grads ? &grads_ : NULL);
 }
 
 /* ---- merging partial results ---------------------------------------------- */

@@ -39,6 +39,20 @@ int mha_mul_ok(int64_t a, int64_t b, int64_t *out);
 /* Allocates n floats, n*4 checked against SIZE_MAX; NULL + error on failure. */
 float *mha_alloc_floats(int64_t n, const char *what);
 
+/* ---- the ABI rule's structs (checked.c) ---------------------------------
+ * A caller's struct of `size` bytes (sizeof as its program was compiled)
+ * copied into the library's `copy` of copy_size bytes: a smaller one (an
+ * older mha.h) is zero-extended, its missing fields their defaults; a
+ * larger one (a newer mha.h) must be zero past copy_size, or the call is
+ * refused naming the struct.  NULL user: copy zeroed, MHA_OK (the call
+ * reports the NULL itself). */
+mha_status mha_struct_in(void *copy, size_t copy_size, const void *user,
+                         size_t size, const char *type);
+/* An output struct of `size` bytes: nonzero (the library writes the first
+ * min(size, its own) bytes). */
+mha_status mha_struct_out_size(const void *user, size_t size,
+                               const char *type);
+
 /* ---- counter-based random numbers (rng.c) ------------------------------ */
 uint64_t mha_mix64(uint64_t x);
 /* A uniform double in [0, 1) from the 53 high bits of a 64-bit hash. */

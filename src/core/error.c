@@ -64,3 +64,5 @@ const char *mha_version_string(void)
 }
 
 int mha_version_number(void) { return MHA_VERSION_NUMBER; }
+
+int mha_abi_version(void) { return MHA_ABI_VERSION; }

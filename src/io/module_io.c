@@ -300,8 +300,8 @@ static mha_status check_metadata_agrees(const mha_tensor_file *f,
     return MHA_OK;
 }
 
-mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
-                                const mha_config *base, mha_module **out)
+static mha_status mha_module_from_file_impl(const mha_tensor_file *f, int64_t num_heads,
+                                            const mha_config *base, mha_module **out)
 {
     if (!out)
         return mha_set_error(MHA_ERR_NULL_POINTER, "output handle is NULL");
@@ -542,6 +542,18 @@ mha_status mha_module_from_file(const mha_tensor_file *f, int64_t num_heads,
     }
     *out = m;
     return MHA_OK;
+}
+
+mha_status mha_module_from_file_sized(const mha_tensor_file *file,
+                                      int64_t num_heads,
+                                      const mha_config *base, size_t base_size,
+                                      mha_module **out)
+{
+    mha_config base_;
+    MHA_CHECK(mha_struct_in(&base_, sizeof base_, base, base_size,
+                            "mha_config"));
+    return mha_module_from_file_impl(file, num_heads, base ? &base_ : NULL,
+                                     out);
 }
 
 mha_status mha_module_load(const char *path, int64_t num_heads,

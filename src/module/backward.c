@@ -198,8 +198,8 @@ static void scale_heads(const fwd_shape *s, const float *head_mask,
         }
 }
 
-mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
-                             const mha_backward_args *g)
+static mha_status mha_plan_backward_impl(mha_plan *plan, const mha_forward_args *a,
+                                         const mha_backward_args *g)
 {
     if (!plan)
         return mha_set_error(MHA_ERR_NULL_POINTER, "plan is NULL");
@@ -339,8 +339,22 @@ mha_status mha_plan_backward(mha_plan *plan, const mha_forward_args *a,
     return MHA_OK;
 }
 
-mha_status mha_backward(const mha_module *m, const mha_forward_args *fwd,
-                        const mha_backward_args *bwd)
+mha_status mha_plan_backward_sized(mha_plan *plan, const mha_forward_args *fwd,
+                                   size_t fwd_size,
+                                   const mha_backward_args *bwd,
+                                   size_t bwd_size)
+{
+    mha_forward_args fwd_;
+    MHA_CHECK(mha_struct_in(&fwd_, sizeof fwd_, fwd, fwd_size,
+                            "mha_forward_args"));
+    mha_backward_args bwd_;
+    MHA_CHECK(mha_struct_in(&bwd_, sizeof bwd_, bwd, bwd_size,
+                            "mha_backward_args"));
+    return mha_plan_backward_impl(plan, fwd ? &fwd_ : NULL, bwd ? &bwd_ : NULL);
+}
+
+static mha_status mha_backward_impl(const mha_module *m, const mha_forward_args *fwd,
+                                    const mha_backward_args *bwd)
 {
     if (!m)
         return mha_set_error(MHA_ERR_NULL_POINTER, "module is NULL");
@@ -369,4 +383,17 @@ mha_status mha_backward(const mha_module *m, const mha_forward_args *fwd,
     free(f.out);
     mha_plan_free(plan);
     return st;
+}
+
+mha_status mha_backward_sized(const mha_module *module,
+                              const mha_forward_args *fwd, size_t fwd_size,
+                              const mha_backward_args *bwd, size_t bwd_size)
+{
+    mha_forward_args fwd_;
+    MHA_CHECK(mha_struct_in(&fwd_, sizeof fwd_, fwd, fwd_size,
+                            "mha_forward_args"));
+    mha_backward_args bwd_;
+    MHA_CHECK(mha_struct_in(&bwd_, sizeof bwd_, bwd, bwd_size,
+                            "mha_backward_args"));
+    return mha_backward_impl(module, fwd ? &fwd_ : NULL, bwd ? &bwd_ : NULL);
 }

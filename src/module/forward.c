@@ -209,8 +209,8 @@ mha_status mha_fwd_check_shapes(const mha_module *m,
 }
 
 
-mha_status mha_plan_create(const mha_module *m, const mha_forward_args *a,
-                           mha_plan **out)
+static mha_status mha_plan_create_impl(const mha_module *m, const mha_forward_args *a,
+                                       mha_plan **out)
 {
     if (!out)
         return mha_set_error(MHA_ERR_NULL_POINTER, "output plan is NULL");
@@ -255,6 +255,16 @@ mha_status mha_plan_create(const mha_module *m, const mha_forward_args *a,
     p->cache_capacity = a->cache ? a->cache->capacity : 0;
     *out = p;
     return MHA_OK;
+}
+
+mha_status mha_plan_create_sized(const mha_module *module,
+                                 const mha_forward_args *shape,
+                                 size_t shape_size, mha_plan **out)
+{
+    mha_forward_args shape_;
+    MHA_CHECK(mha_struct_in(&shape_, sizeof shape_, shape, shape_size,
+                            "mha_forward_args"));
+    return mha_plan_create_impl(module, shape ? &shape_ : NULL, out);
 }
 
 void mha_plan_free(mha_plan *p)
@@ -418,7 +428,7 @@ static mha_status check_weights_apart(const mha_forward_args *a,
     return MHA_OK;
 }
 
-mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
+static mha_status mha_plan_forward_impl(mha_plan *plan, const mha_forward_args *a)
 {
     if (!plan)
         return mha_set_error(MHA_ERR_NULL_POINTER, "plan is NULL");
@@ -563,11 +573,29 @@ mha_status mha_plan_forward(mha_plan *plan, const mha_forward_args *a)
     return MHA_OK;
 }
 
-mha_status mha_forward(const mha_module *m, const mha_forward_args *a)
+mha_status mha_plan_forward_sized(mha_plan *plan, const mha_forward_args *args,
+                                  size_t args_size)
+{
+    mha_forward_args args_;
+    MHA_CHECK(mha_struct_in(&args_, sizeof args_, args, args_size,
+                            "mha_forward_args"));
+    return mha_plan_forward_impl(plan, args ? &args_ : NULL);
+}
+
+static mha_status mha_forward_impl(const mha_module *m, const mha_forward_args *a)
 {
     mha_plan *plan;
     MHA_CHECK(mha_plan_create(m, a, &plan));
     mha_status st = mha_plan_forward(plan, a);
     mha_plan_free(plan);
     return st;
+}
+
+mha_status mha_forward_sized(const mha_module *module,
+                             const mha_forward_args *args, size_t args_size)
+{
+    mha_forward_args args_;
+    MHA_CHECK(mha_struct_in(&args_, sizeof args_, args, args_size,
+                            "mha_forward_args"));
+    return mha_forward_impl(module, args ? &args_ : NULL);
 }

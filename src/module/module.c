@@ -251,7 +251,7 @@ mha_status mha_reset_parameters(mha_module *m, uint64_t seed)
 
 /* ---- lifecycle ---------------------------------------------------------- */
 
-mha_status mha_create(const mha_config *config, mha_module **out)
+static mha_status mha_create_impl(const mha_config *config, mha_module **out)
 {
     if (!out)
         return mha_set_error(MHA_ERR_NULL_POINTER, "output handle is NULL");
@@ -299,6 +299,15 @@ mha_status mha_create(const mha_config *config, mha_module **out)
     return MHA_OK;
 }
 
+mha_status mha_create_sized(const mha_config *config, size_t config_size,
+                            mha_module **out)
+{
+    mha_config config_;
+    MHA_CHECK(mha_struct_in(&config_, sizeof config_, config, config_size,
+                            "mha_config"));
+    return mha_create_impl(config ? &config_ : NULL, out);
+}
+
 void mha_free(mha_module *m)
 {
     if (!m)
@@ -308,13 +317,24 @@ void mha_free(mha_module *m)
     free(m);
 }
 
-mha_status mha_get_config(const mha_module *m, mha_config *out)
+static mha_status mha_get_config_impl(const mha_module *m, mha_config *out)
 {
     if (!m || !out)
         return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
                              m ? "output config" : "module");
     *out = m->cfg;
     return MHA_OK;
+}
+
+mha_status mha_get_config_sized(const mha_module *module, mha_config *out,
+                                size_t out_size)
+{
+    mha_config out_ = {0};
+    MHA_CHECK(mha_struct_out_size(out, out_size, "mha_config"));
+    const mha_status st = mha_get_config_impl(module, out ? &out_ : NULL);
+    if (st == MHA_OK)
+        memcpy(out, &out_, out_size < sizeof out_ ? out_size : sizeof out_);
+    return st;
 }
 
 int64_t mha_total_keys(const mha_module *m, int64_t kv_len)
@@ -336,8 +356,8 @@ int64_t mha_param_numel(const mha_module *m)
     return m ? m->params_numel : -1;
 }
 
-mha_status mha_param_info_at(const mha_module *m, int index,
-                             mha_param_info *out)
+static mha_status mha_param_info_at_impl(const mha_module *m, int index,
+                                         mha_param_info *out)
 {
     if (!m || !out)
         return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
@@ -348,6 +368,18 @@ mha_status mha_param_info_at(const mha_module *m, int index,
                              m->nparams);
     *out = m->param[index].info;
     return MHA_OK;
+}
+
+mha_status mha_param_info_at_sized(const mha_module *module, int index,
+                                   mha_param_info *out, size_t out_size)
+{
+    mha_param_info out_ = {0};
+    MHA_CHECK(mha_struct_out_size(out, out_size, "mha_param_info"));
+    const mha_status st = mha_param_info_at_impl(module, index,
+                                                 out ? &out_ : NULL);
+    if (st == MHA_OK)
+        memcpy(out, &out_, out_size < sizeof out_ ? out_size : sizeof out_);
+    return st;
 }
 
 /* Finds `name` and, when `counted`, checks the caller's element count and
@@ -375,8 +407,8 @@ static mha_status lookup(const mha_module *m, const char *name, int counted,
     return MHA_OK;
 }
 
-mha_status mha_param_info_by_name(const mha_module *m, const char *name,
-                                  mha_param_info *out)
+static mha_status mha_param_info_by_name_impl(const mha_module *m, const char *name,
+                                              mha_param_info *out)
 {
     const mha_param *p = NULL;
     MHA_CHECK(lookup(m, name, 0, 0, NULL, &p));
@@ -384,6 +416,19 @@ mha_status mha_param_info_by_name(const mha_module *m, const char *name,
         return mha_set_error(MHA_ERR_NULL_POINTER, "output info is NULL");
     *out = p->info;
     return MHA_OK;
+}
+
+mha_status mha_param_info_by_name_sized(const mha_module *module,
+                                        const char *name, mha_param_info *out,
+                                        size_t out_size)
+{
+    mha_param_info out_ = {0};
+    MHA_CHECK(mha_struct_out_size(out, out_size, "mha_param_info"));
+    const mha_status st = mha_param_info_by_name_impl(module, name,
+                                                      out ? &out_ : NULL);
+    if (st == MHA_OK)
+        memcpy(out, &out_, out_size < sizeof out_ ? out_size : sizeof out_);
+    return st;
 }
 
 mha_status mha_param_get(const mha_module *m, const char *name, float *dst,
