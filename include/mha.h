@@ -1084,6 +1084,114 @@ MHA_API mha_status mha_kv_cache_read(const mha_kv_cache *cache, int64_t seq,
                                      int64_t start, int64_t n, float *k,
                                      float *v);
 
+/*
+ * Decoding: the entry points of the KV-cache mode.  Each new token of a
+ * sequence attends to that sequence's cached keys and to the new ones up
+ * to itself (causal, bottom-right per sequence: there is no other choice,
+ * so no causal field); the K/V heads are the cache's, and the batch
+ * must be (a mismatch is refused: the buffers are sized by it).  The
+ * struct holds only what this mode reads (no key, value, dropout or
+ * slices): mha_forward / mha_attention with .cache set do the same work
+ * and stay for one minor version.  Masks, key_lengths and weights are for
+ * Lk = the longest sequence after the step (docs/semantics.md).
+ *
+ * Module: mha_decode projects the q_len new tokens of every sequence,
+ * appends their K/V to the cache, and writes out (B, q_len, E).
+ */
+typedef struct mha_decode_args {
+    int64_t batch;              /* B: the cache's sequences, said again
+                                   (the buffers below are sized by it)   */
+    int64_t q_len;              /* new tokens per sequence, >= 1         */
+    const float *query;         /* (B, q_len, E)                         */
+    float *out;                 /* (B, q_len, E); may alias query        */
+    mha_kv_cache *cache;        /* required                              */
+    mha_mask attn_mask;         /* (q_len, Lk), (B, ..) or (B, H, ..)    */
+    mha_mask key_padding_mask;  /* (Lk) or (B, Lk)                       */
+    const int64_t *key_lengths; /* (B) or NULL                           */
+    mha_weights_mode need_weights;
+    float *attn_weights;        /* given iff need_weights is not NONE    */
+    const int64_t *positions;   /* (B, q_len) RoPE positions of the new
+                                   tokens (left-padded prompts), or NULL:
+                                   the sequence's length + i            */
+    const float *head_mask;     /* experimental, as in mha_forward_args  */
+    int num_threads;            /* 0 -> the OpenMP default               */
+} mha_decode_args;
+MHA_API mha_status mha_decode_sized(const mha_module *module,
+                                    const mha_decode_args *args,
+                                    size_t args_size);
+static inline mha_status mha_decode(const mha_module *module,
+                                    const mha_decode_args *args)
+{
+    return mha_decode_sized(module, args, sizeof *args);
+}
+/* Planned: the plan sized once for caches of at most shape->cache's
+ * capacity and this q_len; each mha_plan_decode allocates nothing. */
+MHA_API mha_status mha_plan_create_decode_sized(const mha_module *module,
+                                                const mha_decode_args *shape,
+                                                size_t shape_size,
+                                                mha_plan **out);
+static inline mha_status mha_plan_create_decode(const mha_module *module,
+                                                const mha_decode_args *shape,
+                                                mha_plan **out)
+{
+    return mha_plan_create_decode_sized(module, shape, sizeof *shape, out);
+}
+MHA_API mha_status mha_plan_decode_sized(mha_plan *plan,
+                                         const mha_decode_args *args,
+                                         size_t args_size);
+static inline mha_status mha_plan_decode(mha_plan *plan,
+                                         const mha_decode_args *args)
+{
+    return mha_plan_decode_sized(plan, args, sizeof *args);
+}
+
+/* Heads: the q_len queries of every sequence (already projected and, for
+ * RoPE, rotated here at q_positions) attend to its keys in the cache,
+ * which the caller appended first (mha_kv_cache_append). */
+typedef struct mha_attention_decode_args {
+    int64_t batch;              /* B: the cache's sequences, said again  */
+    int64_t num_heads, head_dim, q_len;
+    const float *q;             /* (B, q_len, H*d_h)                     */
+    float *out;                 /* (B, q_len, H*d_h)                     */
+    mha_kv_cache *cache;        /* required; H_kv is its                 */
+    float scale;                /* 0 -> 1/sqrt(d_h) unless MHA_GIVEN_SCALE */
+    unsigned given;
+    mha_mask attn_mask;
+    mha_mask key_padding_mask;
+    const int64_t *key_lengths;
+    mha_weights_mode need_weights;
+    float *attn_weights;
+    float *lse;                 /* (B, H, q_len) or NULL                 */
+    mha_modifiers mods;         /* RoPE rotates q only: the cache holds
+                                   rotated keys                         */
+    const float *sinks;         /* (H) or NULL                           */
+    const int64_t *q_positions; /* (B, q_len) or NULL                    */
+    int num_threads;
+} mha_attention_decode_args;
+MHA_API mha_status mha_attention_decode_sized(
+    const mha_attention_decode_args *args, size_t args_size);
+static inline mha_status mha_attention_decode(
+    const mha_attention_decode_args *args)
+{
+    return mha_attention_decode_sized(args, sizeof *args);
+}
+MHA_API mha_status mha_attention_plan_create_decode_sized(
+    const mha_attention_decode_args *shape, size_t shape_size,
+    mha_attention_plan **out);
+static inline mha_status mha_attention_plan_create_decode(
+    const mha_attention_decode_args *shape, mha_attention_plan **out)
+{
+    return mha_attention_plan_create_decode_sized(shape, sizeof *shape, out);
+}
+MHA_API mha_status mha_attention_plan_decode_sized(
+    mha_attention_plan *plan, const mha_attention_decode_args *args,
+    size_t args_size);
+static inline mha_status mha_attention_plan_decode(
+    mha_attention_plan *plan, const mha_attention_decode_args *args)
+{
+    return mha_attention_plan_decode_sized(plan, args, sizeof *args);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Experimental: declared only with MHA_EXPERIMENTAL defined (see the top). */
 /* ------------------------------------------------------------------------ */

@@ -1000,7 +1000,7 @@ expect 0 "^  memory  [0-9.]+ GB/s streaming read \([0-9]+ MiB, 1 thread, best of
 # --attention-only: mha_attention on the cache, no module, no weights read.
 jcheck "bench --decode --attention-only --json" "$jdec_attn and j['ragged'] is False and (j['batch'], j['seq'], j['kv_seq'], j['kv_heads'], j['head_dim']) == (2, 1, 100, 2, 8) and j['kv_keys'] == 200 and j['kv_bytes'] == 2 * 100 * 2 * 8 * 2 * 4" \
   -- "$mha" bench "${dec[@]}" --batch 2 --attention-only --threads 1 --json
-expect 0 "^  timed   mha_attention_plan_run: 1 new token per sequence on 100 cached$" -- "$mha" bench "${dec[@]}" --attention-only --threads 1
+expect 0 "^  timed   mha_attention_plan_decode: 1 new token per sequence on 100 cached$" -- "$mha" bench "${dec[@]}" --attention-only --threads 1
 # --ragged: sequence b of B holds round(Lk*(b+1)/B) keys, halves up.  The
 # sums, written here as floor((2*Lk*(b+1) + B) / (2B)): B = 3, Lk = 100:
 # 33 + 67 + 100 = 200; B = 8: 13 + 25 + 38 + 50 + 63 + 75 + 88 + 100 = 452.

@@ -5,7 +5,7 @@
 # examples/readme_example.c against the installed copy only, as a user would:
 #   1. cc + pkg-config (shared library, run with LD_LIBRARY_PATH);
 #   2. cc + pkg-config --static (libmha.a, its BLAS and libm from mha.pc);
-#   3. a CMake project with find_package(mha 0.5 REQUIRED), linking
+#   3. a CMake project with find_package(mha 0.6 REQUIRED), linking
 #      mha::mha (shared) and mha::mha_static (static), both run.
 # Every program must build without warnings and exit 0.
 set -euo pipefail
@@ -169,7 +169,7 @@ if command -v ldd >/dev/null; then
       exit 1; }
 fi
 
-step "CMake find_package(mha 0.5 REQUIRED)"
+step "CMake find_package(mha 0.6 REQUIRED)"
 proj="$tmp/consumer"
 mkdir -p "$proj"
 cp "$example" "$proj/readme_example.c"
@@ -177,14 +177,14 @@ cat >"$proj/CMakeLists.txt" <<'EOF'
 cmake_minimum_required(VERSION 3.16)
 project(mha_consumer LANGUAGES C)
 set(CMAKE_C_STANDARD 11)
-find_package(mha 0.5 REQUIRED)
+find_package(mha 0.6 REQUIRED)
 get_filename_component(found "${mha_DIR}" REALPATH)
 get_filename_component(want "${EXPECTED_PREFIX}" REALPATH)
 string(FIND "${found}/" "${want}/" at)
 if(NOT at EQUAL 0)
   message(FATAL_ERROR "found mha in ${mha_DIR}, not under ${EXPECTED_PREFIX}")
 endif()
-if(NOT mha_VERSION VERSION_GREATER_EQUAL 0.5)
+if(NOT mha_VERSION VERSION_GREATER_EQUAL 0.6)
   message(FATAL_ERROR "mha_VERSION is '${mha_VERSION}'")
 endif()
 foreach(t mha::mha mha::mha_static)

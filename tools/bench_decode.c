@@ -4,9 +4,9 @@
  * machine's read bandwidth it reaches, since reading the cache is what
  * bounds a step at large Lk.  The read bandwidth is measured by a probe
  * of its own, in the same run, on the same threads.  The step is the
- * module's (projections and attention, mha_plan_forward) or, with
+ * module's (projections and attention, mha_plan_decode) or, with
  * --attention-only, the attention alone on the cache
- * (mha_attention_plan_run); with --ragged the sequences hold different
+ * (mha_attention_plan_decode); with --ragged the sequences hold different
  * numbers of keys.
  */
 #define _DEFAULT_SOURCE   /* madvise, MADV_HUGEPAGE (Linux) */
@@ -416,8 +416,8 @@ typedef struct decode_state {
     float *kv_new;               /* attention only: the step's keys, then
                                     values, each (B, Lq, H_kv d_h)        */
     double *ms;                  /* (repeat) timings                      */
-    mha_forward_args a;
-    mha_attention_args aa;
+    mha_decode_args a;
+    mha_attention_decode_args aa;
 } decode_state;
 
 /* What it measured. */
@@ -548,28 +548,25 @@ static int create_cache(const decode_bench *d, decode_state *s)
  * attention only mha_attention on the cache (q already projected). */
 static int plan_step(const decode_bench *d, decode_state *s)
 {
-    mha_forward_args *a = &s->a;
+    mha_decode_args *a = &s->a;
     a->batch = d->B;
     a->q_len = d->Lq;
     a->query = s->q;
     a->out = s->out;
     a->cache = s->kv;
-    a->causal = MHA_CAUSAL_BOTTOM_RIGHT;
     a->num_threads = (int)d->threads;
-    mha_attention_args *aa = &s->aa;
+    mha_attention_decode_args *aa = &s->aa;
     aa->batch = d->B;
     aa->num_heads = d->H;
-    aa->num_kv_heads = d->Hkv;
     aa->head_dim = d->dh;
     aa->q_len = d->Lq;
     aa->q = s->q;
     aa->out = s->out;
     aa->cache = s->kv;
-    aa->causal = MHA_CAUSAL_BOTTOM_RIGHT;
     aa->num_threads = (int)d->threads;
-    const mha_status st = d->attn_only
-                              ? mha_attention_plan_create(aa, &s->aplan)
-                              : mha_plan_create(s->m, a, &s->plan);
+    const mha_status st =
+        d->attn_only ? mha_attention_plan_create_decode(aa, &s->aplan)
+                     : mha_plan_create_decode(s->m, a, &s->plan);
     return st == MHA_OK ? 0 : tool_fail("bench", "%s", mha_last_error());
 }
 
@@ -643,8 +640,8 @@ static int time_steps(const decode_bench *d, decode_state *s)
         mha_status st = d->attn_only ? append_new_tokens(d, s) : MHA_OK;
         const double t0 = bench_now_s();
         if (st == MHA_OK)
-            st = d->attn_only ? mha_attention_plan_run(s->aplan, &s->aa)
-                              : mha_plan_forward(s->plan, &s->a);
+            st = d->attn_only ? mha_attention_plan_decode(s->aplan, &s->aa)
+                              : mha_plan_decode(s->plan, &s->a);
         const double t1 = bench_now_s();
         for (int64_t b = 0; st == MHA_OK && b < d->B; b++)
             st = mha_kv_cache_truncate(s->kv, b, d->len[b]);
@@ -732,7 +729,7 @@ static void print_text(const decode_bench *d, const decode_result *r)
            (long long)d->dh, kv_dtype_name(d->dtype), (long long)d->threads,
            s, d->threads_default ? " (default: the online CPUs)" : "");
     printf("  timed   %s: %lld new token%s per sequence on %s%lld cached\n",
-           d->attn_only ? "mha_attention_plan_run" : "mha_plan_forward",
+           d->attn_only ? "mha_attention_plan_decode" : "mha_plan_decode",
            (long long)d->Lq, d->Lq == 1 ? "" : "s", d->ragged ? "up to " : "",
            (long long)d->Lk);
     if (d->attn_only)

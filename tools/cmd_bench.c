@@ -99,7 +99,7 @@ static const char BENCH_HELP[] =
     "--decode times one decoding step: a module of E, H and Hkv K/V heads\n"
     "(grouped-query when Hkv < H; default Hkv = H), a KV cache of\n"
     "Lk + Lq tokens per sequence filled (untimed) with Lk random keys and\n"
-    "values, then W + R calls of mha_plan_forward on Lq new tokens of each\n"
+    "values, then W + R calls of mha_plan_decode on Lq new tokens of each\n"
     "of B sequences (default B = 1, Lq = 1), each followed (untimed) by\n"
     "mha_kv_cache_truncate back to the keys it held, so every step finds\n"
     "the same cache: Lk keys in each sequence unless --ragged.\n"

@@ -27,7 +27,7 @@ static const char DECODE_HELP[] =
     "generating text does: the first P tokens of every sequence in one\n"
     "forward (the prefill), then C tokens per forward, each new token\n"
     "attending to the keys cached so far and to the new ones up to itself\n"
-    "(a cache of L tokens per sequence, mha_plan_forward with args.cache).\n"
+    "(a cache of L tokens per sequence, mha_plan_decode).\n"
     "The outputs, concatenated, equal `mha forward --causal` on X up to\n"
     "float rounding (with --window W, `mha forward --attn-mask` of the\n"
     "causal band of width W).\n"
@@ -71,12 +71,13 @@ typedef struct decode_plans {
 
 /* The plan for `shape` (its q_len), made on first use. */
 static mha_plan *plan_for(decode_plans *p, const mha_module *m,
-                          const mha_forward_args *shape)
+                          const mha_decode_args *shape)
 {
     for (int k = 0; k < p->n; k++)
         if (p->q_len[k] == shape->q_len)
             return p->plan[k];
-    if (p->n == 3 || mha_plan_create(m, shape, &p->plan[p->n]) != MHA_OK)
+    if (p->n == 3 ||
+        mha_plan_create_decode(m, shape, &p->plan[p->n]) != MHA_OK)
         return NULL;
     p->q_len[p->n] = shape->q_len;
     return p->plan[p->n++];
@@ -101,7 +102,7 @@ static int decode_all(const run_setup *r, mha_kv_cache *kv, int64_t P,
                         : 0;
     for (int64_t t = 0; !rc && t < L;) {
         const int64_t n = t == 0 ? P : C < L - t ? C : L - t;
-        mha_forward_args a = {0};
+        mha_decode_args a = {0};
         a.batch = B;
         a.q_len = n;
         a.query = xc;
@@ -112,7 +113,7 @@ static int decode_all(const run_setup *r, mha_kv_cache *kv, int64_t P,
         for (int64_t b = 0; b < B; b++)
             memcpy(xc + b * n * E, x + (b * L + t) * E,
                    (size_t)(n * E) * sizeof *xc);
-        if (!plan || mha_plan_forward(plan, &a) != MHA_OK) {
+        if (!plan || mha_plan_decode(plan, &a) != MHA_OK) {
             rc = tool_fail("decode", "tokens %lld..%lld: %s", (long long)t,
                            (long long)(t + n - 1), mha_last_error());
             break;

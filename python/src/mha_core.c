@@ -745,6 +745,21 @@ static PyObject *module_run(ModuleObject *self, PyObject *args, PyObject *kw)
         goto fail;
     }
     (void)kv_in;
+    if (co && !backward && (pk || pv || training ||
+                            causal == MHA_CAUSAL_TOP_LEFT || Lk)) {
+        bufs_release(&b);
+        return raise_status(mha_error_set(
+            MHA_ERR_INVALID_ARGUMENT,
+            pk || pv ? "with a KV cache, key and value must be unset: the "
+                       "keys are the cache's and the new tokens'"
+            : training ? "with a KV cache, training must be unset: a "
+                         "decoding step has no backward"
+            : Lk ? "with a KV cache, kv_len must be unset: the cache's "
+                   "lengths give it"
+                 : "with a KV cache, causal masking is bottom-right "
+                   "(each new token sees its sequence's past): top-left is "
+                   "refused"));
+    }
     a.batch = B;
     a.q_len = Lq;
     a.kv_len = Lk;
@@ -815,6 +830,23 @@ fail:
 static mha_status forward_kept(ModuleObject *self, mha_forward_args *a,
                                CacheObject *co)
 {
+    /* With a cache the call is a decode step: its own entry points, with
+     * what that mode reads (the caller refused key, value and training). */
+    mha_decode_args d;
+    memset(&d, 0, sizeof d);
+    d.batch = a->batch;
+    d.q_len = a->q_len;
+    d.query = a->query;
+    d.out = a->out;
+    d.cache = a->cache;
+    d.attn_mask = a->attn_mask;
+    d.key_padding_mask = a->key_padding_mask;
+    d.key_lengths = a->key_lengths;
+    d.need_weights = a->need_weights;
+    d.attn_weights = a->attn_weights;
+    d.positions = a->positions;
+    d.head_mask = a->head_mask;
+    d.num_threads = a->num_threads;
     mha_plan *plan = NULL;
     if (!self->plan_busy) {
         int64_t key[5] = {a->batch, a->q_len, a->kv_len, a->num_threads,
@@ -822,10 +854,11 @@ static mha_status forward_kept(ModuleObject *self, mha_forward_args *a,
         if (!self->plan || memcmp(key, self->plan_key, sizeof key)) {
             mha_plan_free(self->plan);
             self->plan = NULL;
-            if (mha_plan_create(self->m, a, &self->plan) == MHA_OK)
+            if ((co ? mha_plan_create_decode(self->m, &d, &self->plan)
+                    : mha_plan_create(self->m, a, &self->plan)) == MHA_OK)
                 memcpy(self->plan_key, key, sizeof key);
             else
-                self->plan = NULL;  /* mha_forward reports the error */
+                self->plan = NULL;  /* the unplanned call reports it */
         }
         plan = self->plan;
     }
@@ -836,7 +869,10 @@ static mha_status forward_kept(ModuleObject *self, mha_forward_args *a,
     if (plan)
         self->plan_busy = 1;
     Py_BEGIN_ALLOW_THREADS
-    st = plan ? mha_plan_forward(plan, a) : mha_forward(self->m, a);
+    if (co)
+        st = plan ? mha_plan_decode(plan, &d) : mha_decode(self->m, &d);
+    else
+        st = plan ? mha_plan_forward(plan, a) : mha_forward(self->m, a);
     Py_END_ALLOW_THREADS
     if (plan)
         self->plan_busy = 0;
@@ -1494,6 +1530,33 @@ static void gather(float *dst, const strided4 *x)
  * its heap after the first call instead of a fresh mmap, page faults and
  * all, each time).  Sets a->q, k, v and *grad_out.  Returns MHA_OK or
  * MHA_ERR_OUT_OF_MEMORY (with a message). */
+/* The decode step that attention arguments with a cache stand for. */
+static mha_status attention_decode(const mha_attention_args *a)
+{
+    mha_attention_decode_args d;
+    memset(&d, 0, sizeof d);
+    d.batch = a->batch;
+    d.num_heads = a->num_heads;
+    d.head_dim = a->head_dim;
+    d.q_len = a->q_len;
+    d.q = a->q;
+    d.out = a->out;
+    d.cache = a->cache;
+    d.scale = a->scale;
+    d.given = a->given;
+    d.attn_mask = a->attn_mask;
+    d.key_padding_mask = a->key_padding_mask;
+    d.key_lengths = a->key_lengths;
+    d.need_weights = a->need_weights;
+    d.attn_weights = a->attn_weights;
+    d.lse = a->lse;
+    d.mods = a->mods;
+    d.sinks = a->sinks;
+    d.q_positions = a->q_positions;
+    d.num_threads = a->num_threads;
+    return mha_attention_decode(&d);
+}
+
 static mha_status heads_first_inputs(mha_attention_args *a,
                                      const strided4 x[4], int nx,
                                      const float **grad_out,
@@ -1654,6 +1717,22 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
         a.attn_weights = NULL;
         a.lse = NULL;
     }
+    if (co && !backward && (pk || pv || training || heads_first ||
+                            pkp || causal == MHA_CAUSAL_TOP_LEFT)) {
+        bufs_release(&b);
+        return raise_status(mha_error_set(
+            MHA_ERR_INVALID_ARGUMENT,
+            pk || pv ? "with a KV cache, k and v must be unset: the keys "
+                       "are the cache's"
+            : training ? "with a KV cache, training must be unset: a "
+                         "decoding step has no backward"
+            : heads_first ? "with a KV cache, the layout is rows: a cache "
+                            "is not read heads first"
+            : pkp ? "with a KV cache, k_positions must be unset: the cache "
+                    "holds keys rotated already"
+                  : "with a KV cache, causal masking is bottom-right: "
+                    "top-left is refused"));
+    }
     mha_status st = MHA_OK;
     float *scratch[4] = {NULL, NULL, NULL, NULL};
     if (co)
@@ -1662,7 +1741,9 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
     if (heads_first)
         st = heads_first_inputs(&a, x4, backward ? 4 : 3, &g.grad_out,
                                 scratch);
-    if (st == MHA_OK)
+    if (st == MHA_OK && co && !backward)
+        st = attention_decode(&a);
+    else if (st == MHA_OK)
         st = backward ? mha_attention_backward(&a, &g) : mha_attention(&a);
     for (int i = 0; i < 4; i++)
         free(scratch[i]);

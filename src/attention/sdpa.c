@@ -1312,3 +1312,79 @@ mha_status mha_attention_merge(const mha_attention_part *parts, int n_parts,
             }
     return MHA_OK;
 }
+
+/* ---- the decoding entry points ------------------------------------------- */
+
+/* The attention a decode step is: the cache's K/V heads, bottom-right
+ * causal, no keys of its own, no training (the batch is checked against
+ * the cache's). */
+static mha_status decode_as_attention(const mha_attention_decode_args *d,
+                                      mha_attention_args *a)
+{
+    if (!d)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "args is NULL");
+    if (!d->cache)
+        return mha_set_error(MHA_ERR_NULL_POINTER,
+                             "cache is NULL: decoding reads a KV cache "
+                             "(mha_attention runs without one)");
+    memset(a, 0, sizeof *a);
+    a->batch = d->batch;
+    a->num_heads = d->num_heads;
+    a->num_kv_heads = d->cache->Hkv;
+    a->head_dim = d->head_dim;
+    a->q_len = d->q_len;
+    a->q = d->q;
+    a->out = d->out;
+    a->cache = d->cache;
+    a->scale = d->scale;
+    a->given = d->given;
+    a->attn_mask = d->attn_mask;
+    a->key_padding_mask = d->key_padding_mask;
+    a->key_lengths = d->key_lengths;
+    a->causal = MHA_CAUSAL_BOTTOM_RIGHT;
+    a->need_weights = d->need_weights;
+    a->attn_weights = d->attn_weights;
+    a->lse = d->lse;
+    a->mods = d->mods;
+    a->sinks = d->sinks;
+    a->q_positions = d->q_positions;
+    a->num_threads = d->num_threads;
+    return MHA_OK;
+}
+
+mha_status mha_attention_decode_sized(const mha_attention_decode_args *args,
+                                      size_t args_size)
+{
+    mha_attention_decode_args d;
+    mha_attention_args a;
+    MHA_CHECK(mha_struct_in(&d, sizeof d, args, args_size,
+                            "mha_attention_decode_args"));
+    MHA_CHECK(decode_as_attention(args ? &d : NULL, &a));
+    return mha_attention(&a);
+}
+
+mha_status mha_attention_plan_create_decode_sized(
+    const mha_attention_decode_args *shape, size_t shape_size,
+    mha_attention_plan **out)
+{
+    mha_attention_decode_args d;
+    mha_attention_args a;
+    if (out)
+        *out = NULL;
+    MHA_CHECK(mha_struct_in(&d, sizeof d, shape, shape_size,
+                            "mha_attention_decode_args"));
+    MHA_CHECK(decode_as_attention(shape ? &d : NULL, &a));
+    return mha_attention_plan_create(&a, out);
+}
+
+mha_status mha_attention_plan_decode_sized(
+    mha_attention_plan *plan, const mha_attention_decode_args *args,
+    size_t args_size)
+{
+    mha_attention_decode_args d;
+    mha_attention_args a;
+    MHA_CHECK(mha_struct_in(&d, sizeof d, args, args_size,
+                            "mha_attention_decode_args"));
+    MHA_CHECK(decode_as_attention(args ? &d : NULL, &a));
+    return mha_attention_plan_run(plan, &a);
+}

@@ -599,3 +599,70 @@ mha_status mha_forward_sized(const mha_module *module,
                             "mha_forward_args"));
     return mha_forward_impl(module, args ? &args_ : NULL);
 }
+
+/* ---- the decoding entry points ------------------------------------------- */
+
+/* The forward a decode step is: bottom-right causal, nothing of the
+ * other modes (mha_forward checks the batch against the cache). */
+static mha_status decode_as_forward(const mha_decode_args *d,
+                                    mha_forward_args *a)
+{
+    if (!d)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "args is NULL");
+    if (!d->cache)
+        return mha_set_error(MHA_ERR_NULL_POINTER,
+                             "cache is NULL: decoding reads and appends to a "
+                             "KV cache (mha_forward runs without one)");
+    memset(a, 0, sizeof *a);
+    a->batch = d->batch;
+    a->q_len = d->q_len;
+    a->query = d->query;
+    a->out = d->out;
+    a->cache = d->cache;
+    a->attn_mask = d->attn_mask;
+    a->key_padding_mask = d->key_padding_mask;
+    a->key_lengths = d->key_lengths;
+    a->causal = MHA_CAUSAL_BOTTOM_RIGHT;
+    a->need_weights = d->need_weights;
+    a->attn_weights = d->attn_weights;
+    a->positions = d->positions;
+    a->head_mask = d->head_mask;
+    a->num_threads = d->num_threads;
+    return MHA_OK;
+}
+
+mha_status mha_decode_sized(const mha_module *module,
+                            const mha_decode_args *args, size_t args_size)
+{
+    mha_decode_args d;
+    mha_forward_args a;
+    MHA_CHECK(mha_struct_in(&d, sizeof d, args, args_size,
+                            "mha_decode_args"));
+    MHA_CHECK(decode_as_forward(args ? &d : NULL, &a));
+    return mha_forward(module, &a);
+}
+
+mha_status mha_plan_create_decode_sized(const mha_module *module,
+                                        const mha_decode_args *shape,
+                                        size_t shape_size, mha_plan **out)
+{
+    mha_decode_args d;
+    mha_forward_args a;
+    if (out)
+        *out = NULL;
+    MHA_CHECK(mha_struct_in(&d, sizeof d, shape, shape_size,
+                            "mha_decode_args"));
+    MHA_CHECK(decode_as_forward(shape ? &d : NULL, &a));
+    return mha_plan_create(module, &a, out);
+}
+
+mha_status mha_plan_decode_sized(mha_plan *plan, const mha_decode_args *args,
+                                 size_t args_size)
+{
+    mha_decode_args d;
+    mha_forward_args a;
+    MHA_CHECK(mha_struct_in(&d, sizeof d, args, args_size,
+                            "mha_decode_args"));
+    MHA_CHECK(decode_as_forward(args ? &d : NULL, &a));
+    return mha_plan_forward(plan, &a);
+}
