@@ -46,26 +46,26 @@ int main(void)
         seq[i] = sinf(0.37f * (float)i);   /* any prompt */
 
     /* Prefill: the prompt's keys and values go into the cache. */
-    mha_forward_args a = {0};
+    mha_decode_args a = {0};
     a.batch = 1;
     a.q_len = PROMPT;
     a.query = seq;
     a.cache = cache;
     a.out = out;
-    if (mha_forward(m, &a) != MHA_OK)
+    if (mha_decode(m, &a) != MHA_OK)
         return fail("prefill");
 
     /* Generation: one token per step, through a plan made once. */
     a.q_len = 1;
     mha_plan *step = NULL;
-    if (mha_plan_create(m, &a, &step) != MHA_OK)
-        return fail("mha_plan_create");
+    if (mha_plan_create_decode(m, &a, &step) != MHA_OK)
+        return fail("mha_plan_create_decode");
     double worst = 0.0;
     for (int t = PROMPT; t < L; t++) {
         memcpy(seq + t * E, out + (t - 1) * E, sizeof(float) * E);
         a.query = seq + t * E;           /* the new token */
         a.out = out + t * E;
-        if (mha_plan_forward(step, &a) != MHA_OK)
+        if (mha_plan_decode(step, &a) != MHA_OK)
             return fail("decode step");
 
         /* The same token by recomputing everything, causally. */
