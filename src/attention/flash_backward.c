@@ -42,9 +42,9 @@
  * whatever its height, while its cache of P and dP~ costs the same per
  * row: at Lk = 4096, 64-row blocks stream 64 KiB of K and V and 64 KiB
  * of dk, dv per row, 128-row blocks half that (the cache: 64 KiB a row
- * either way).  Measured (docs/BENCHMARKS.md), taller blocks gained
- * 4-16% at Lk = 4096 and 9% at 8192, and lost 8% at 2048, where the
- * streams still sit in L2 and L3.  The height depends on the shape
+ * either way).  Taller blocks pay from Lk = 4096 on and lose below, where
+ * the streams still sit in L2 and L3 (docs/BENCHMARKS.md, "The
+ * attention's backward").  The height depends on the shape
  * alone, so the results stay bitwise the same for every thread count.
  */
 enum { BRB = 2 * MHA_BR, TALL_FROM_LK = 4096 };

@@ -28,8 +28,8 @@ static int32_t max_abs_bits(const float *x, int64_t n)
 }
 
 /* Pieces of 2^16 floats (or rows), shared among the threads: a max is
- * exact, so the order of the pieces is free.  (Single-threaded, this scan
- * of q and k was ~4% of a float32 forward at B8 L512.) */
+ * exact, so the order of the pieces is free (a scan of q and k on one
+ * thread was a visible share of a forward: docs/BENCHMARKS.md). */
 double mha_max_abs_finite(const float *x, int64_t rows, int64_t cols,
                           int64_t ld, int threads)
 {

@@ -213,7 +213,7 @@ MK_INLINE void panel(const int R, const int mode, const int T, int slabs,
      * worked on; but not one row's 16-bit value slab (the value side is
      * the accumulating one, FROM_C): worked on in about as long as memory
      * takes to deliver it, and the burst of prefetches in front of it held
-     * up its own loads (1.14-1.19x slower on a Zen 1). */
+     * up its own loads (slower: docs/BENCHMARKS.md). */
     const int prefetch =
         !(R == 1 && (mode & FROM_C) && (T == B_F16 || T == B_BF16));
     for (int k0 = 0; k0 < K; k0 += KSLAB) {
