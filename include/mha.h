@@ -525,7 +525,9 @@ typedef struct mha_forward_args {
 
     float *out;           /* (B, Lq, E); may alias query                   */
 
-    mha_kv_cache *cache;  /* NULL, or incremental self-attention (below):
+    mha_kv_cache *cache;  /* NULL, or incremental self-attention (below;
+                             mha_decode is this mode's own entry, and
+                             this field stays for one minor version):
                              the Lq new tokens of every sequence are
                              projected, their keys and values appended to
                              the cache, and each new token attends to its
@@ -640,7 +642,9 @@ typedef struct mha_attention_args {
                              -INFINITY for a row with no key), what
                              mha_attention_merge needs.  Must not overlap
                              another input or output.                    */
-    mha_kv_cache *cache;  /* NULL, or decoding on heads: the Lq queries
+    mha_kv_cache *cache;  /* NULL, or decoding on heads (the mode's own
+                             entry is mha_attention_decode; this field
+                             stays for one minor version): the Lq queries
                              of every sequence attend to its keys in the
                              cache (the caller appended the new tokens'
                              K/V first, mha_kv_cache_append), causally
