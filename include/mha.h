@@ -742,11 +742,11 @@ typedef struct mha_attention_grads {
     float *grad_sinks;      /* (H) or NULL: dL/d sinks, overwritten
                                (with sinks in the arguments)     */
 } mha_attention_grads;
-MHA_API mha_status mha_attention_plan_create_sized(const mha_attention_args *shape,
-                                                   size_t shape_size,
-                                                   mha_attention_plan **out);
-static inline mha_status mha_attention_plan_create(const mha_attention_args *shape,
-                                                   mha_attention_plan **out)
+MHA_API mha_status mha_attention_plan_create_sized(
+    const mha_attention_args *shape, size_t shape_size,
+    mha_attention_plan **out);
+static inline mha_status mha_attention_plan_create(
+    const mha_attention_args *shape, mha_attention_plan **out)
 {
     return mha_attention_plan_create_sized(shape, sizeof *shape, out);
 }
@@ -758,25 +758,22 @@ static inline mha_status mha_attention_plan_run(mha_attention_plan *plan,
 {
     return mha_attention_plan_run_sized(plan, args, sizeof *args);
 }
-MHA_API mha_status mha_attention_plan_backward_sized(mha_attention_plan *plan,
-                                                     const mha_attention_args *args,
-                                                     size_t args_size,
-                                                     const mha_attention_grads *grads,
-                                                     size_t grads_size);
-static inline mha_status mha_attention_plan_backward(mha_attention_plan *plan,
-                                                     const mha_attention_args *args,
-                                                     const mha_attention_grads *grads)
+MHA_API mha_status mha_attention_plan_backward_sized(
+    mha_attention_plan *plan, const mha_attention_args *args, size_t args_size,
+    const mha_attention_grads *grads, size_t grads_size);
+static inline mha_status mha_attention_plan_backward(
+    mha_attention_plan *plan, const mha_attention_args *args,
+    const mha_attention_grads *grads)
 {
     return mha_attention_plan_backward_sized(plan, args, sizeof *args, grads,
                                              sizeof *grads);
 }
 MHA_API void mha_attention_plan_free(mha_attention_plan *plan);
-MHA_API mha_status mha_attention_backward_sized(const mha_attention_args *args,
-                                                size_t args_size,
-                                                const mha_attention_grads *grads,
-                                                size_t grads_size);
-static inline mha_status mha_attention_backward(const mha_attention_args *args,
-                                                const mha_attention_grads *grads)
+MHA_API mha_status mha_attention_backward_sized(
+    const mha_attention_args *args, size_t args_size,
+    const mha_attention_grads *grads, size_t grads_size);
+static inline mha_status mha_attention_backward(
+    const mha_attention_args *args, const mha_attention_grads *grads)
 {
     return mha_attention_backward_sized(args, sizeof *args, grads,
                                         sizeof *grads);
@@ -802,12 +799,11 @@ typedef struct mha_attention_grads16 {
     uint16_t *grad_q;           /* like q                                 */
     uint16_t *grad_k, *grad_v;  /* like k and v, summed over each group   */
 } mha_attention_grads16;
-MHA_API mha_status mha_attention_backward16_sized(const mha_attention_args *args,
-                                                  size_t args_size,
-                                                  const mha_attention_grads16 *grads,
-                                                  size_t grads_size);
-static inline mha_status mha_attention_backward16(const mha_attention_args *args,
-                                                  const mha_attention_grads16 *grads)
+MHA_API mha_status mha_attention_backward16_sized(
+    const mha_attention_args *args, size_t args_size,
+    const mha_attention_grads16 *grads, size_t grads_size);
+static inline mha_status mha_attention_backward16(
+    const mha_attention_args *args, const mha_attention_grads16 *grads)
 {
     return mha_attention_backward16_sized(args, sizeof *args, grads,
                                           sizeof *grads);
@@ -832,16 +828,12 @@ static inline mha_status mha_attention_backward16(const mha_attention_args *args
  * the backward's two sweeps alone.  Bitwise the same for every
  * num_threads.
  */
-MHA_API mha_status mha_attention_backward_part_sized(const mha_attention_args *args,
-                                                     size_t args_size,
-                                                     const float *lse,
-                                                     const float *out,
-                                                     const mha_attention_grads *grads,
-                                                     size_t grads_size);
-static inline mha_status mha_attention_backward_part(const mha_attention_args *args,
-                                                     const float *lse,
-                                                     const float *out,
-                                                     const mha_attention_grads *grads)
+MHA_API mha_status mha_attention_backward_part_sized(
+    const mha_attention_args *args, size_t args_size, const float *lse,
+    const float *out, const mha_attention_grads *grads, size_t grads_size);
+static inline mha_status mha_attention_backward_part(
+    const mha_attention_args *args, const float *lse, const float *out,
+    const mha_attention_grads *grads)
 {
     return mha_attention_backward_part_sized(args, sizeof *args, lse, out,
                                              grads, sizeof *grads);

@@ -117,7 +117,8 @@ static inline mha_status mha_module_from_file(const mha_tensor_file *file,
                                               const mha_config *base,
                                               mha_module **out)
 {
-    return mha_module_from_file_sized(file, num_heads, base, sizeof *base, out);
+    return mha_module_from_file_sized(file, num_heads, base, sizeof *base,
+                                      out);
 }
 MHA_API mha_status mha_module_load(const char *path, int64_t num_heads,
                                    mha_module **out);

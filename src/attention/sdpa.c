@@ -704,9 +704,9 @@ static mha_status plan_backward(mha_attention_plan *p,
     return MHA_OK;
 }
 
-static mha_status mha_attention_plan_backward_impl(mha_attention_plan *p,
-                                                   const mha_attention_args *a,
-                                                   const mha_attention_grads *g)
+static mha_status mha_attention_plan_backward_impl(
+    mha_attention_plan *p, const mha_attention_args *a,
+    const mha_attention_grads *g)
 {
     return plan_backward(p, a, g, NULL, NULL);
 }
@@ -1132,9 +1132,9 @@ mha_status mha_attention_backward_sized(const mha_attention_args *args,
  * global probability, and delta = dO . out (the merged output) is the
  * whole row's, in float64 in the order of d.
  */
-static mha_status mha_attention_backward_part_impl(const mha_attention_args *a,
-                                                   const float *lse, const float *out,
-                                                   const mha_attention_grads *g)
+static mha_status mha_attention_backward_part_impl(
+    const mha_attention_args *a, const float *lse, const float *out,
+    const mha_attention_grads *g)
 {
     if (!a)
         return mha_set_error(MHA_ERR_NULL_POINTER, "attention args are NULL");
@@ -1313,7 +1313,7 @@ mha_status mha_attention_merge(const mha_attention_part *parts, int n_parts,
     return MHA_OK;
 }
 
-/* ---- the decoding entry points ------------------------------------------- */
+/* ---- the decoding entry points ------------------------------------------ */
 
 /* The attention a decode step is: the cache's K/V heads, bottom-right
  * causal, no keys of its own, no training (the batch is checked against

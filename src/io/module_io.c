@@ -300,8 +300,10 @@ static mha_status check_metadata_agrees(const mha_tensor_file *f,
     return MHA_OK;
 }
 
-static mha_status mha_module_from_file_impl(const mha_tensor_file *f, int64_t num_heads,
-                                            const mha_config *base, mha_module **out)
+static mha_status mha_module_from_file_impl(const mha_tensor_file *f,
+                                            int64_t num_heads,
+                                            const mha_config *base,
+                                            mha_module **out)
 {
     if (!out)
         return mha_set_error(MHA_ERR_NULL_POINTER, "output handle is NULL");

@@ -198,7 +198,8 @@ static void scale_heads(const fwd_shape *s, const float *head_mask,
         }
 }
 
-static mha_status mha_plan_backward_impl(mha_plan *plan, const mha_forward_args *a,
+static mha_status mha_plan_backward_impl(mha_plan *plan,
+                                         const mha_forward_args *a,
                                          const mha_backward_args *g)
 {
     if (!plan)
@@ -350,10 +351,12 @@ mha_status mha_plan_backward_sized(mha_plan *plan, const mha_forward_args *fwd,
     mha_backward_args bwd_;
     MHA_CHECK(mha_struct_in(&bwd_, sizeof bwd_, bwd, bwd_size,
                             "mha_backward_args"));
-    return mha_plan_backward_impl(plan, fwd ? &fwd_ : NULL, bwd ? &bwd_ : NULL);
+    return mha_plan_backward_impl(plan, fwd ? &fwd_ : NULL,
+                                  bwd ? &bwd_ : NULL);
 }
 
-static mha_status mha_backward_impl(const mha_module *m, const mha_forward_args *fwd,
+static mha_status mha_backward_impl(const mha_module *m,
+                                    const mha_forward_args *fwd,
                                     const mha_backward_args *bwd)
 {
     if (!m)

@@ -209,7 +209,8 @@ mha_status mha_fwd_check_shapes(const mha_module *m,
 }
 
 
-static mha_status mha_plan_create_impl(const mha_module *m, const mha_forward_args *a,
+static mha_status mha_plan_create_impl(const mha_module *m,
+                                       const mha_forward_args *a,
                                        mha_plan **out)
 {
     if (!out)
@@ -428,7 +429,8 @@ static mha_status check_weights_apart(const mha_forward_args *a,
     return MHA_OK;
 }
 
-static mha_status mha_plan_forward_impl(mha_plan *plan, const mha_forward_args *a)
+static mha_status mha_plan_forward_impl(mha_plan *plan,
+                                        const mha_forward_args *a)
 {
     if (!plan)
         return mha_set_error(MHA_ERR_NULL_POINTER, "plan is NULL");
@@ -582,7 +584,8 @@ mha_status mha_plan_forward_sized(mha_plan *plan, const mha_forward_args *args,
     return mha_plan_forward_impl(plan, args ? &args_ : NULL);
 }
 
-static mha_status mha_forward_impl(const mha_module *m, const mha_forward_args *a)
+static mha_status mha_forward_impl(const mha_module *m,
+                                   const mha_forward_args *a)
 {
     mha_plan *plan;
     MHA_CHECK(mha_plan_create(m, a, &plan));
@@ -600,7 +603,7 @@ mha_status mha_forward_sized(const mha_module *module,
     return mha_forward_impl(module, args ? &args_ : NULL);
 }
 
-/* ---- the decoding entry points ------------------------------------------- */
+/* ---- the decoding entry points ------------------------------------------ */
 
 /* The forward a decode step is: bottom-right causal, nothing of the
  * other modes (mha_forward checks the batch against the cache). */

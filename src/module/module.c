@@ -407,7 +407,8 @@ static mha_status lookup(const mha_module *m, const char *name, int counted,
     return MHA_OK;
 }
 
-static mha_status mha_param_info_by_name_impl(const mha_module *m, const char *name,
+static mha_status mha_param_info_by_name_impl(const mha_module *m,
+                                              const char *name,
                                               mha_param_info *out)
 {
     const mha_param *p = NULL;
