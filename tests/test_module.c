@@ -1267,6 +1267,11 @@ static void test_forward_null_and_sizes(void **state)
     expect_fwd_fail(f->m, &a, MHA_ERR_NULL_POINTER, "attn_weights");
     a.need_weights = MHA_WEIGHTS_PER_HEAD;
     expect_fwd_fail(f->m, &a, MHA_ERR_NULL_POINTER, "attn_weights");
+    /* A weights buffer with no weights asked for: refused, not ignored. */
+    a.need_weights = MHA_WEIGHTS_NONE;
+    a.attn_weights = f->weights;
+    expect_fwd_fail(f->m, &a, MHA_ERR_INVALID_ARGUMENT,
+                    "need_weights is MHA_WEIGHTS_NONE");
 }
 
 static void test_forward_bad_enums(void **state)
