@@ -157,9 +157,7 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
 mha_status mha_kv_cache_create_sized(const mha_kv_cache_config *config,
                                      size_t config_size, mha_kv_cache **out)
 {
-    mha_kv_cache_config config_;
-    MHA_CHECK(mha_struct_in(&config_, sizeof config_, config, config_size,
-                            "mha_kv_cache_config"));
+    MHA_STRUCT_IN(mha_kv_cache_config, config);
     return mha_kv_cache_create_impl(config ? &config_ : NULL, out);
 }
 

@@ -11,11 +11,6 @@
  */
 #include "attention.h"
 
-#include <string.h>
-
-#include <float.h>
-#include <math.h>
-
 #ifdef _OPENMP
 #include <omp.h>
 #endif

@@ -291,9 +291,7 @@ mha_status mha_attention_plan_create_sized(const mha_attention_args *shape,
                                            size_t shape_size,
                                            mha_attention_plan **out)
 {
-    mha_attention_args shape_;
-    MHA_CHECK(mha_struct_in(&shape_, sizeof shape_, shape, shape_size,
-                            "mha_attention_args"));
+    MHA_STRUCT_IN(mha_attention_args, shape);
     return mha_attention_plan_create_impl(shape ? &shape_ : NULL, out);
 }
 
@@ -552,9 +550,7 @@ mha_status mha_attention_plan_run_sized(mha_attention_plan *plan,
                                         const mha_attention_args *args,
                                         size_t args_size)
 {
-    mha_attention_args args_;
-    MHA_CHECK(mha_struct_in(&args_, sizeof args_, args, args_size,
-                            "mha_attention_args"));
+    MHA_STRUCT_IN(mha_attention_args, args);
     return mha_attention_plan_run_impl(plan, args ? &args_ : NULL);
 }
 
@@ -717,12 +713,8 @@ mha_status mha_attention_plan_backward_sized(mha_attention_plan *plan,
                                              const mha_attention_grads *grads,
                                              size_t grads_size)
 {
-    mha_attention_args args_;
-    MHA_CHECK(mha_struct_in(&args_, sizeof args_, args, args_size,
-                            "mha_attention_args"));
-    mha_attention_grads grads_;
-    MHA_CHECK(mha_struct_in(&grads_, sizeof grads_, grads, grads_size,
-                            "mha_attention_grads"));
+    MHA_STRUCT_IN(mha_attention_args, args);
+    MHA_STRUCT_IN(mha_attention_grads, grads);
     return mha_attention_plan_backward_impl(plan, args ? &args_ : NULL,
                                             grads ? &grads_ : NULL);
 }
@@ -1051,12 +1043,8 @@ mha_status mha_attention_backward16_sized(const mha_attention_args *args,
                                           const mha_attention_grads16 *grads,
                                           size_t grads_size)
 {
-    mha_attention_args args_;
-    MHA_CHECK(mha_struct_in(&args_, sizeof args_, args, args_size,
-                            "mha_attention_args"));
-    mha_attention_grads16 grads_;
-    MHA_CHECK(mha_struct_in(&grads_, sizeof grads_, grads, grads_size,
-                            "mha_attention_grads16"));
+    MHA_STRUCT_IN(mha_attention_args, args);
+    MHA_STRUCT_IN(mha_attention_grads16, grads);
     return mha_attention_backward16_impl(args ? &args_ : NULL,
                                          grads ? &grads_ : NULL);
 }
@@ -1075,9 +1063,7 @@ static mha_status mha_attention_impl(const mha_attention_args *a)
 mha_status mha_attention_sized(const mha_attention_args *args,
                                size_t args_size)
 {
-    mha_attention_args args_;
-    MHA_CHECK(mha_struct_in(&args_, sizeof args_, args, args_size,
-                            "mha_attention_args"));
+    MHA_STRUCT_IN(mha_attention_args, args);
     return mha_attention_impl(args ? &args_ : NULL);
 }
 
@@ -1115,12 +1101,8 @@ mha_status mha_attention_backward_sized(const mha_attention_args *args,
                                         const mha_attention_grads *grads,
                                         size_t grads_size)
 {
-    mha_attention_args args_;
-    MHA_CHECK(mha_struct_in(&args_, sizeof args_, args, args_size,
-                            "mha_attention_args"));
-    mha_attention_grads grads_;
-    MHA_CHECK(mha_struct_in(&grads_, sizeof grads_, grads, grads_size,
-                            "mha_attention_grads"));
+    MHA_STRUCT_IN(mha_attention_args, args);
+    MHA_STRUCT_IN(mha_attention_grads, grads);
     return mha_attention_backward_impl(args ? &args_ : NULL,
                                        grads ? &grads_ : NULL);
 }
@@ -1216,12 +1198,8 @@ mha_status mha_attention_backward_part_sized(const mha_attention_args *args,
                                              const mha_attention_grads *grads,
                                              size_t grads_size)
 {
-    mha_attention_args args_;
-    MHA_CHECK(mha_struct_in(&args_, sizeof args_, args, args_size,
-                            "mha_attention_args"));
-    mha_attention_grads grads_;
-    MHA_CHECK(mha_struct_in(&grads_, sizeof grads_, grads, grads_size,
-                            "mha_attention_grads"));
+    MHA_STRUCT_IN(mha_attention_args, args);
+    MHA_STRUCT_IN(mha_attention_grads, grads);
     return mha_attention_backward_part_impl(args ? &args_ : NULL, lse, out,
                                             grads ? &grads_ : NULL);
 }
@@ -1315,13 +1293,17 @@ mha_status mha_attention_merge(const mha_attention_part *parts, int n_parts,
 
 /* ---- the decoding entry points ------------------------------------------ */
 
-/* The attention a decode step is: the cache's K/V heads, bottom-right
- * causal, no keys of its own, no training (the batch is checked against
- * the cache's). */
-static mha_status decode_as_attention(const mha_attention_decode_args *d,
+/* The attention a decode step is: the caller's mha_attention_decode_args
+ * (of `size` bytes, the ABI rule's copy) as attention arguments on the
+ * cache's K/V heads, bottom-right causal, no keys of its own, no training
+ * (the batch is checked against the cache's). */
+static mha_status decode_as_attention(const mha_attention_decode_args *args,
+                                      size_t args_size,
                                       mha_attention_args *a)
 {
-    if (!d)
+    MHA_STRUCT_IN(mha_attention_decode_args, args);
+    const mha_attention_decode_args *d = &args_;
+    if (!args)
         return mha_set_error(MHA_ERR_NULL_POINTER, "args is NULL");
     if (!d->cache)
         return mha_set_error(MHA_ERR_NULL_POINTER,
@@ -1355,36 +1337,27 @@ static mha_status decode_as_attention(const mha_attention_decode_args *d,
 mha_status mha_attention_decode_sized(const mha_attention_decode_args *args,
                                       size_t args_size)
 {
-    mha_attention_decode_args d;
     mha_attention_args a;
-    MHA_CHECK(mha_struct_in(&d, sizeof d, args, args_size,
-                            "mha_attention_decode_args"));
-    MHA_CHECK(decode_as_attention(args ? &d : NULL, &a));
-    return mha_attention(&a);
+    MHA_CHECK(decode_as_attention(args, args_size, &a));
+    return mha_attention_impl(&a);
 }
 
 mha_status mha_attention_plan_create_decode_sized(
     const mha_attention_decode_args *shape, size_t shape_size,
     mha_attention_plan **out)
 {
-    mha_attention_decode_args d;
     mha_attention_args a;
     if (out)
         *out = NULL;
-    MHA_CHECK(mha_struct_in(&d, sizeof d, shape, shape_size,
-                            "mha_attention_decode_args"));
-    MHA_CHECK(decode_as_attention(shape ? &d : NULL, &a));
-    return mha_attention_plan_create(&a, out);
+    MHA_CHECK(decode_as_attention(shape, shape_size, &a));
+    return mha_attention_plan_create_impl(&a, out);
 }
 
 mha_status mha_attention_plan_decode_sized(
     mha_attention_plan *plan, const mha_attention_decode_args *args,
     size_t args_size)
 {
-    mha_attention_decode_args d;
     mha_attention_args a;
-    MHA_CHECK(mha_struct_in(&d, sizeof d, args, args_size,
-                            "mha_attention_decode_args"));
-    MHA_CHECK(decode_as_attention(args ? &d : NULL, &a));
-    return mha_attention_plan_run(plan, &a);
+    MHA_CHECK(decode_as_attention(args, args_size, &a));
+    return mha_attention_plan_run_impl(plan, &a);
 }

@@ -48,6 +48,12 @@ float *mha_alloc_floats(int64_t n, const char *what);
  * reports the NULL itself). */
 mha_status mha_struct_in(void *copy, size_t copy_size, const void *user,
                          size_t size, const char *type);
+/* In a NAME_sized call: `type name_`, the library's copy of the caller's
+ * `name` (of name_size bytes), or the call returns the refusal. */
+#define MHA_STRUCT_IN(type, name)                                        \
+    type name##_;                                                        \
+    MHA_CHECK(mha_struct_in(&name##_, sizeof name##_, name, name##_size, \
+                            #type))
 /* An output struct of `size` bytes: nonzero (the library writes the first
  * min(size, its own) bytes). */
 mha_status mha_struct_out_size(const void *user, size_t size,

@@ -551,9 +551,7 @@ mha_status mha_module_from_file_sized(const mha_tensor_file *file,
                                       const mha_config *base, size_t base_size,
                                       mha_module **out)
 {
-    mha_config base_;
-    MHA_CHECK(mha_struct_in(&base_, sizeof base_, base, base_size,
-                            "mha_config"));
+    MHA_STRUCT_IN(mha_config, base);
     return mha_module_from_file_impl(file, num_heads, base ? &base_ : NULL,
                                      out);
 }

@@ -345,12 +345,8 @@ mha_status mha_plan_backward_sized(mha_plan *plan, const mha_forward_args *fwd,
                                    const mha_backward_args *bwd,
                                    size_t bwd_size)
 {
-    mha_forward_args fwd_;
-    MHA_CHECK(mha_struct_in(&fwd_, sizeof fwd_, fwd, fwd_size,
-                            "mha_forward_args"));
-    mha_backward_args bwd_;
-    MHA_CHECK(mha_struct_in(&bwd_, sizeof bwd_, bwd, bwd_size,
-                            "mha_backward_args"));
+    MHA_STRUCT_IN(mha_forward_args, fwd);
+    MHA_STRUCT_IN(mha_backward_args, bwd);
     return mha_plan_backward_impl(plan, fwd ? &fwd_ : NULL,
                                   bwd ? &bwd_ : NULL);
 }
@@ -392,11 +388,7 @@ mha_status mha_backward_sized(const mha_module *module,
                               const mha_forward_args *fwd, size_t fwd_size,
                               const mha_backward_args *bwd, size_t bwd_size)
 {
-    mha_forward_args fwd_;
-    MHA_CHECK(mha_struct_in(&fwd_, sizeof fwd_, fwd, fwd_size,
-                            "mha_forward_args"));
-    mha_backward_args bwd_;
-    MHA_CHECK(mha_struct_in(&bwd_, sizeof bwd_, bwd, bwd_size,
-                            "mha_backward_args"));
+    MHA_STRUCT_IN(mha_forward_args, fwd);
+    MHA_STRUCT_IN(mha_backward_args, bwd);
     return mha_backward_impl(module, fwd ? &fwd_ : NULL, bwd ? &bwd_ : NULL);
 }

@@ -262,9 +262,7 @@ mha_status mha_plan_create_sized(const mha_module *module,
                                  const mha_forward_args *shape,
                                  size_t shape_size, mha_plan **out)
 {
-    mha_forward_args shape_;
-    MHA_CHECK(mha_struct_in(&shape_, sizeof shape_, shape, shape_size,
-                            "mha_forward_args"));
+    MHA_STRUCT_IN(mha_forward_args, shape);
     return mha_plan_create_impl(module, shape ? &shape_ : NULL, out);
 }
 
@@ -578,9 +576,7 @@ static mha_status mha_plan_forward_impl(mha_plan *plan,
 mha_status mha_plan_forward_sized(mha_plan *plan, const mha_forward_args *args,
                                   size_t args_size)
 {
-    mha_forward_args args_;
-    MHA_CHECK(mha_struct_in(&args_, sizeof args_, args, args_size,
-                            "mha_forward_args"));
+    MHA_STRUCT_IN(mha_forward_args, args);
     return mha_plan_forward_impl(plan, args ? &args_ : NULL);
 }
 
@@ -597,20 +593,22 @@ static mha_status mha_forward_impl(const mha_module *m,
 mha_status mha_forward_sized(const mha_module *module,
                              const mha_forward_args *args, size_t args_size)
 {
-    mha_forward_args args_;
-    MHA_CHECK(mha_struct_in(&args_, sizeof args_, args, args_size,
-                            "mha_forward_args"));
+    MHA_STRUCT_IN(mha_forward_args, args);
     return mha_forward_impl(module, args ? &args_ : NULL);
 }
 
 /* ---- the decoding entry points ------------------------------------------ */
 
-/* The forward a decode step is: bottom-right causal, nothing of the
- * other modes (mha_forward checks the batch against the cache). */
-static mha_status decode_as_forward(const mha_decode_args *d,
-                                    mha_forward_args *a)
+/* The forward a decode step is: the caller's mha_decode_args (of `size`
+ * bytes, the ABI rule's copy) as bottom-right causal forward arguments,
+ * nothing of the other modes (mha_forward checks the batch against the
+ * cache). */
+static mha_status decode_as_forward(const mha_decode_args *args,
+                                    size_t args_size, mha_forward_args *a)
 {
-    if (!d)
+    MHA_STRUCT_IN(mha_decode_args, args);
+    const mha_decode_args *d = &args_;
+    if (!args)
         return mha_set_error(MHA_ERR_NULL_POINTER, "args is NULL");
     if (!d->cache)
         return mha_set_error(MHA_ERR_NULL_POINTER,
@@ -637,35 +635,26 @@ static mha_status decode_as_forward(const mha_decode_args *d,
 mha_status mha_decode_sized(const mha_module *module,
                             const mha_decode_args *args, size_t args_size)
 {
-    mha_decode_args d;
     mha_forward_args a;
-    MHA_CHECK(mha_struct_in(&d, sizeof d, args, args_size,
-                            "mha_decode_args"));
-    MHA_CHECK(decode_as_forward(args ? &d : NULL, &a));
-    return mha_forward(module, &a);
+    MHA_CHECK(decode_as_forward(args, args_size, &a));
+    return mha_forward_impl(module, &a);
 }
 
 mha_status mha_plan_create_decode_sized(const mha_module *module,
                                         const mha_decode_args *shape,
                                         size_t shape_size, mha_plan **out)
 {
-    mha_decode_args d;
     mha_forward_args a;
     if (out)
         *out = NULL;
-    MHA_CHECK(mha_struct_in(&d, sizeof d, shape, shape_size,
-                            "mha_decode_args"));
-    MHA_CHECK(decode_as_forward(shape ? &d : NULL, &a));
-    return mha_plan_create(module, &a, out);
+    MHA_CHECK(decode_as_forward(shape, shape_size, &a));
+    return mha_plan_create_impl(module, &a, out);
 }
 
 mha_status mha_plan_decode_sized(mha_plan *plan, const mha_decode_args *args,
                                  size_t args_size)
 {
-    mha_decode_args d;
     mha_forward_args a;
-    MHA_CHECK(mha_struct_in(&d, sizeof d, args, args_size,
-                            "mha_decode_args"));
-    MHA_CHECK(decode_as_forward(args ? &d : NULL, &a));
-    return mha_plan_forward(plan, &a);
+    MHA_CHECK(decode_as_forward(args, args_size, &a));
+    return mha_plan_forward_impl(plan, &a);
 }

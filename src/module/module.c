@@ -302,9 +302,7 @@ static mha_status mha_create_impl(const mha_config *config, mha_module **out)
 mha_status mha_create_sized(const mha_config *config, size_t config_size,
                             mha_module **out)
 {
-    mha_config config_;
-    MHA_CHECK(mha_struct_in(&config_, sizeof config_, config, config_size,
-                            "mha_config"));
+    MHA_STRUCT_IN(mha_config, config);
     return mha_create_impl(config ? &config_ : NULL, out);
 }
 
