@@ -1,5 +1,6 @@
 """mha: multi-head attention on libmha, from NumPy (this module) and from
-PyTorch (``mha.nn``, ``mha.nn.functional``).
+PyTorch (``mha.nn``, ``mha.nn.functional``: imported on first use, so that
+``import mha`` alone does not import torch).
 
 The NumPy level follows the C API (include/mha.h) closely:
 
@@ -39,6 +40,20 @@ from ._errors import (BY_STATUS, ConfigError, FormatError,  # noqa: F401
                       UnsupportedError, CommError)
 
 _core._set_errors(BY_STATUS)
+
+
+def __getattr__(name):
+    """``mha.nn`` (and so ``mha.nn.functional``) on first use (PEP 562):
+    the drop-ins import torch, which ``import mha`` alone must not."""
+    if name == "nn":
+        import importlib
+        return importlib.import_module(".nn", __name__)
+    raise AttributeError("module 'mha' has no attribute %r" % name)
+
+
+def __dir__():
+    return sorted(set(globals()) | {"nn"})
+
 
 __version__ = _core.version()
 __all__ = ["Module", "KVCache", "attention", "attention_backward", "allow",

@@ -22,7 +22,8 @@ Where it differs from torch:
   - the parameters are views of the libmha module's memory from the first
     call on (no copies per call; see docs/semantics.md, "The Python
     package").
-Importing this module imports torch; ``import mha`` alone does not.
+Importing this module imports torch; ``import mha`` alone does not (the
+attribute ``mha.nn`` imports it on first use).
 """
 import math
 
