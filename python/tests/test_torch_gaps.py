@@ -55,3 +55,52 @@ def test_import_mha_alone_does_not_import_torch(tmp_path):
     lines = out.splitlines()
     assert lines[0] == "[]"
     assert "no_such_name" in lines[1]
+
+
+# ---- helpers: one module, torch's twin in float32 and float64 -----------------
+
+def twins(E=8, H=2, seed=0, **kw):
+    """(ours, torch float32, torch float64) holding the same weights, the
+    biases made nonzero so that bias-only outputs are visible."""
+    torch.manual_seed(seed)
+    t32 = nn.MultiheadAttention(E, H, **kw)
+    with torch.no_grad():
+        for name, p in t32.named_parameters():
+            if "bias" in name:
+                p.normal_(0.0, 0.5)
+    ours = mnn.MultiheadAttention(E, H, **kw)
+    ours.load_state_dict(t32.state_dict())
+    t64 = nn.MultiheadAttention(E, H, dtype=torch.float64, **kw)
+    t64.load_state_dict(t32.state_dict())
+    return ours, t32, t64
+
+
+def leaf(x, dtype=None):
+    return x.detach().to(dtype or x.dtype).requires_grad_(True)
+
+
+# ---- 2: double backward refused, first order as torch's ------------------------
+
+def test_double_backward_raises_and_first_order_matches_torch():
+    ours, t32, t64 = twins(batch_first=True)
+    x = torch.randn(2, 5, 8)
+    results = []
+    for m, dtype in ((ours, torch.float32), (t32, torch.float32),
+                     (t64, torch.float64)):
+        xi = leaf(x, dtype)
+        out, _ = m(xi, xi, xi, need_weights=False)
+        # a gradient penalty: d/dx of a loss that also holds x**3, so that
+        # the first gradient has a graph of its own besides ours
+        loss = (out * out).sum() + (xi ** 3).sum()
+        gx, gw = torch.autograd.grad(loss, (xi, m.in_proj_weight),
+                                     create_graph=True)
+        results.append((gx, gw))
+        if m is ours:
+            # the second-order term through libmha's backward does not
+            # exist: refused, not dropped (torch 2.13's own module raises
+            # too, its CPU attention kernel having no double backward)
+            with pytest.raises(RuntimeError, match="differentiate twice"):
+                (gx.pow(2).sum() + gw.pow(2).sum()).backward()
+    (ogx, ogw), (tgx, tgw), (rgx, rgw) = results
+    check_close(ogx, tgx, rgx, 3, "d loss / d x", backward=True)
+    check_close(ogw, tgw, rgw, 3, "d loss / d in_proj_weight", backward=True)

@@ -17,6 +17,8 @@ Where it differs from torch:
   - is_causal without an attn_mask applies the causal mask (torch
     requires the mask as well); with one, the mask is used as given;
   - masks are constants: a float attn_mask gets no gradient;
+  - gradients are first order: a second backward through one
+    (create_graph=True, then backward again) raises RuntimeError;
   - parameters must be finite (NaN or Inf raises mha.NonFiniteError,
     except written through .data, which gives NaN as torch would);
   - the parameters are views of the libmha module's memory from the first
@@ -30,6 +32,7 @@ import math
 import numpy as np
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 import mha as _mha
 from mha import _core
@@ -101,7 +104,11 @@ class _MHAFunction(torch.autograd.Function):
         return torch.from_numpy(out), wt
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out, grad_w):
+        # libmha's backward runs outside autograd and has no derivative of
+        # its own: a second backward through it raises (once_differentiable)
+        # instead of dropping that term silently
         q, k, v, *params = ctx.saved_tensors
         nones = [None] * (2 + 3 + len(params))
         if grad_out is None:
