@@ -24,6 +24,7 @@ Where it differs from torch:
 """
 import numpy as np
 import torch
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 import mha as _mha
 from mha import _core
@@ -52,6 +53,22 @@ def _check(t, name, ndim=(3, 4)):
 def _np(t):
     """A NumPy view of a CPU tensor (contiguous first: a copy if needed)."""
     return t.detach().contiguous().numpy()
+
+
+def once_differentiable(backward):
+    """A backward with no derivative of its own: libmha computes the
+    gradients, so a second derivative (create_graph=True: gradient
+    penalties, Hessian products) raises here, by name, rather than
+    silently dropping the second-order term."""
+    def first_order(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "mha's attention is differentiable once: its backward is "
+                "libmha's, with no derivative of its own, so "
+                "create_graph=True (a second derivative) is not supported; "
+                "use torch's attention for double backward")
+        return backward(ctx, *grads)
+    return first_order
 
 
 def _seed():
@@ -140,7 +157,7 @@ def _bits(t):
     return t.view(torch.int16).numpy()
 
 
-def _sdpa_half(query, key, value, attn_mask, dropout_p, is_causal, scale,
+def _sdpa_half(query, key, value, attn_mask, dropout_p, causal, scale,
                enable_gqa, extra):
     """scaled_dot_product_attention on bf16 / f16 tensors: libmha's
     16-bit attention for the plain and causal inference call, float32
@@ -156,9 +173,8 @@ def _sdpa_half(query, key, value, attn_mask, dropout_p, is_causal, scale,
     grad = torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad)
     if attn_mask is not None or dropout_p or extra:
-        out = scaled_dot_product_attention(
-            query.float(), key.float(), value.float(), attn_mask, dropout_p,
-            is_causal, scale, enable_gqa, **extra)
+        out = _sdpa(query.float(), key.float(), value.float(), attn_mask,
+                    dropout_p, causal, scale, enable_gqa, **extra)
         return out.to(dt)
     for t, name in ((query, "query"), (key, "key"), (value, "value")):
         if t.device.type != "cpu":
@@ -181,11 +197,9 @@ def _sdpa_half(query, key, value, attn_mask, dropout_p, is_causal, scale,
         raise ValueError("key/value have %d heads, query %d: pass "
                          "enable_gqa=True for grouped-query attention"
                          % (Hkv, H))
-    kw = (_HALF[dt], 2 if is_causal else 0,
-          None if scale is None else float(scale), 0)
+    kw = (_HALF[dt], causal, None if scale is None else float(scale), 0)
     if 0 in q.shape or 0 in k.shape:
-        # (libmha refuses empty shapes; torch returns an empty result)
-        out = torch.zeros((B, H, Lq, d), dtype=dt)
+        out = _Empty.apply((B, H, Lq, d), q, k, v)
     elif grad:
         out = _SDPAHalf.apply(q, k, v, kw)
     else:
@@ -211,6 +225,7 @@ class _SDPAHalf(torch.autograd.Function):
         return _half_forward(q, k, v, kw)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         q, k, v = ctx.saved_tensors
         gq = torch.empty(q.shape, dtype=q.dtype)
@@ -229,7 +244,7 @@ def _view(t):
     return t.detach().numpy() if t.requires_grad else t.numpy()
 
 
-def _sdpa_plain(q, k, v, is_causal, scale, gqa):
+def _sdpa_plain(q, k, v, causal, scale, gqa):
     """The short way for the common inference call (no grad, no mask,
     dropout or modifier; batched float32 CPU tensors of consistent
     shapes): one positional C call, the same computation.  Contiguous
@@ -251,15 +266,15 @@ def _sdpa_plain(q, k, v, is_causal, scale, gqa):
     if q.is_contiguous() and k.is_contiguous() and v.is_contiguous():
         out = np.empty((B, H, Lq, d), np.float32)
         _core.attention_plain(_view(q), _view(k), _view(v), out, 2, 0, 0,
-                              2 if is_causal else 0,
+                              causal,
                               None if scale is None else float(scale), 0)
         return torch.from_numpy(out)
     if q.numel() >= _TORCH_COPY_FROM:
         return None
     out = np.empty((B, Lq, H, d), np.float32)
     _core.attention_plain(_view(q), _view(k), _view(v), out, True, 0, 0,
-                          2 if is_causal else 0,
-                          None if scale is None else float(scale), 0)
+                          causal, None if scale is None else float(scale),
+                          0)
     return torch.from_numpy(out).transpose(1, 2)
 
 
@@ -271,6 +286,7 @@ class _SDPA(torch.autograd.Function):
         return _sdpa_forward(q, k, v, sinks, kw)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, sinks = ctx.saved_tensors
         if grad_out is None:
@@ -289,21 +305,88 @@ class _SDPA(torch.autograd.Function):
                 None)
 
 
+class _Empty(torch.autograd.Function):
+    """The result of an empty problem (B, Lq or Lk zero): zeros of the
+    output's shape, as torch gives (with no key a row's context is zero,
+    libmha's rule), and zero gradients for the inputs."""
+
+    @staticmethod
+    def forward(ctx, shape, *inputs):
+        ctx.inputs = [(t.shape, t.dtype) for t in inputs]
+        return inputs[0].new_zeros(shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        return (None,) + tuple(torch.zeros(s, dtype=d) for s, d in ctx.inputs)
+
+
+def _causal_of(attn_mask, is_causal, Lq, Lk):
+    """(attn_mask, libmha's causal kind) from torch's arguments: is_causal
+    is top-left (torch's), a CausalBias (torch.nn.attention.bias'
+    causal_upper_left / causal_lower_right) is its variant."""
+    if not isinstance(attn_mask, CausalBias):
+        return attn_mask, 2 if is_causal else 0
+    if is_causal:
+        raise ValueError("is_causal and a CausalBias attn_mask are mutually "
+                         "exclusive (as in torch)")
+    if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (Lq, Lk):
+        raise ValueError("the CausalBias is for (Lq, Lk) = (%d, %d), the "
+                         "inputs are (%d, %d)"
+                         % (attn_mask.seq_len_q, attn_mask.seq_len_kv, Lq, Lk))
+    return None, 2 if attn_mask.variant == CausalVariant.UPPER_LEFT else 1
+
+
+def _key_lengths(x, B, Lk):
+    """key_lengths (B,) ints in [0, Lk] as an int64 array, or None."""
+    if x is None:
+        return None
+    t = torch.as_tensor(x)
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() != 1 \
+            or t.shape[0] != B:
+        raise ValueError("key_lengths must be (B,) = (%d,) integers, got %s "
+                         "%s" % (B, t.dtype, tuple(t.shape)))
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) > Lk):
+        raise ValueError("key_lengths must lie in [0, Lk = %d], got %s"
+                         % (Lk, t.tolist()))
+    return _np(t.to(torch.int64))
+
+
+def _key_mask(m, B, Lk):
+    """key_mask (B, Lk) bool, True = the key takes part, as an array."""
+    if m is None:
+        return None, 0
+    if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or \
+            tuple(m.shape) != (B, Lk):
+        raise ValueError("key_mask must be a (B, Lk) = (%d, %d) bool tensor "
+                         "(True: the key takes part), got %s" % (
+                             B, Lk, tuple(m.shape) if isinstance(
+                                 m, torch.Tensor) else type(m).__name__))
+    return _np(m), _mha.MASK_ALLOW
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None,
                                  dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False, *, window=None,
-                                 alibi=False, softcap=None, sinks=None,
-                                 rope=None, q_positions=None,
-                                 k_positions=None):
+                                 enable_gqa=False, *, key_lengths=None,
+                                 key_mask=None, window=None, alibi=False,
+                                 softcap=None, sinks=None, rope=None,
+                                 q_positions=None, k_positions=None):
     """torch.nn.functional.scaled_dot_product_attention on libmha.
 
-    query (B, H, Lq, d), key and value (B, H_kv, Lk, d) float32 CPU
-    tensors (or unbatched (H, L, d)).  attn_mask broadcastable to (B, H,
-    Lq, Lk): bool True = may attend, or float added to the scores.
+    query (B, H, Lq, d), key and value (B, H_kv, Lk, d) float32, bfloat16
+    or float16 CPU tensors (or unbatched (H, L, d)).  attn_mask
+    broadcastable to (B, H, Lq, Lk): bool True = may attend, or float
+    added to the scores; or torch's CausalBias (causal_upper_left /
+    causal_lower_right, computed from indices, no mask memory).
     is_causal: query i sees keys j <= i (top-left, torch's), not with
     attn_mask.  scale None: 1/sqrt(d).  enable_gqa: H_kv may divide H
     (query head h reads K/V head h // (H / H_kv)).  dropout_p > 0 drops
     (see the module docstring: libmha's own generator).
+
+    Keyword-only, padding without a dense mask:
+        key_lengths=(B,) ints  sequence b's keys are its first
+                               key_lengths[b] (right padding)
+        key_mask=(B, Lk) bool  True: the key takes part (any padding)
 
     Keyword-only, libmha's score modifiers (docs/semantics.md), aligned
     bottom-right (query i at position i + Lk - Lq):
@@ -321,26 +404,45 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None,
     Returns (B, H, Lq, d): under no_grad with q, k and v alone and all
     three contiguous, a contiguous tensor (libmha read them in place,
     MHA_LAYOUT_HEADS_FIRST); otherwise a transposed view of libmha's (B,
-    Lq, H, d) output.
+    Lq, H, d) output.  Empty inputs (B, Lq or Lk zero) give zeros.
+    Differentiable once (a second derivative raises).
     Differences from torch: see this module's docstring.
     """
+    if isinstance(attn_mask, CausalBias) or is_causal:
+        shapes = [getattr(t, "shape", ()) for t in (query, key)]
+        if any(len(s) not in (3, 4) for s in shapes):
+            raise ValueError("query and key must have 3 or 4 dimensions, "
+                             "got shapes %s" % (shapes,))
+        attn_mask, causal = _causal_of(attn_mask, is_causal, shapes[0][-2],
+                                       shapes[1][-2])
+    else:
+        causal = 0
+    extra = {n: x for n, x in (("key_lengths", key_lengths),
+                               ("key_mask", key_mask), ("window", window),
+                               ("softcap", softcap), ("sinks", sinks),
+                               ("rope", rope), ("q_positions", q_positions),
+                               ("k_positions", k_positions))
+             if x is not None}
+    if alibi is not False:
+        extra["alibi"] = alibi
     if isinstance(query, _T) and query.dtype in _HALF:
-        extra = {n: v for n, v in (("window", window), ("softcap", softcap),
-                                   ("sinks", sinks), ("rope", rope),
-                                   ("q_positions", q_positions),
-                                   ("k_positions", k_positions))
-                 if v is not None}
-        if alibi is not False:
-            extra["alibi"] = alibi
-        return _sdpa_half(query, key, value, attn_mask, dropout_p, is_causal,
+        return _sdpa_half(query, key, value, attn_mask, dropout_p, causal,
                           scale, enable_gqa, extra)
-    if attn_mask is None and not dropout_p and window is None and \
-            alibi is False and softcap is None and sinks is None and \
-            rope is None and q_positions is None and k_positions is None \
-            and not torch.is_grad_enabled():
-        out = _sdpa_plain(query, key, value, is_causal, scale, enable_gqa)
+    if attn_mask is None and not dropout_p and not extra and \
+            not torch.is_grad_enabled():
+        out = _sdpa_plain(query, key, value, causal, scale, enable_gqa)
         if out is not None:
             return out
+    return _sdpa(query, key, value, attn_mask, dropout_p, causal, scale,
+                 enable_gqa, **extra)
+
+
+def _sdpa(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa,
+          key_lengths=None, key_mask=None, window=None, alibi=False,
+          softcap=None, sinks=None, rope=None, q_positions=None,
+          k_positions=None):
+    """The float32 call, every option: checks, then libmha's forward (an
+    autograd node when something requires grad)."""
     _check(query, "query")
     _check(key, "key")
     _check(value, "value")
@@ -369,15 +471,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None,
             raise ValueError("key/value have %d heads, query %d: pass "
                              "enable_gqa=True for grouped-query attention"
                              % (Hkv, H))
-        if H % Hkv:
+        if Hkv == 0 or H % Hkv:
             raise ValueError("the number of query heads %d must be a "
                              "multiple of key/value heads %d" % (H, Hkv))
-    if is_causal and attn_mask is not None:
+    if causal and attn_mask is not None:
         raise ValueError("is_causal and attn_mask are mutually exclusive "
                          "(as in torch)")
     if not 0.0 <= float(dropout_p) <= 1.0:
         raise ValueError("dropout_p must be in [0, 1], got %r" % dropout_p)
     am, amk = _sdpa_mask(attn_mask, B, H, Lq, Lk)
+    kl = _key_lengths(key_lengths, B, Lk)
+    km, kmk = _key_mask(key_mask, B, Lk)
     if sinks is not None:
         _check(sinks, "sinks", ndim=(1,))
         if sinks.shape[0] != H:
@@ -385,10 +489,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None,
                              % (H, tuple(sinks.shape)))
     if isinstance(alibi, torch.Tensor):
         alibi = _np(alibi.to(torch.float32))
+    if 0 in (B, H, Lq, d, Lk):
+        ins = (query, key, value) + (() if sinks is None else (sinks,))
+        out = _Empty.apply((B, H, Lq, d), *ins)
+        return out[0] if unbatched else out
     p = float(dropout_p)
     kw = dict(batch=B, num_heads=H, head_dim=d, q_len=Lq, kv_len=Lk,
               num_kv_heads=Hkv, scale=None if scale is None else float(scale),
-              attn_mask=am, attn_mask_kind=amk, causal=2 if is_causal else 0,
+              attn_mask=am, attn_mask_kind=amk, key_padding_mask=km,
+              key_padding_mask_kind=kmk, key_lengths=kl, causal=causal,
               dropout=p, training=p > 0, dropout_seed=_seed() if p > 0 else 0,
               modifiers=_mha._modifiers(H, rope, alibi, window, softcap),
               q_positions=_mha._int64(q_positions, "q_positions"),
