@@ -104,3 +104,68 @@ def test_double_backward_raises_and_first_order_matches_torch():
     (ogx, ogw), (tgx, tgw), (rgx, rgw) = results
     check_close(ogx, tgx, rgx, 3, "d loss / d x", backward=True)
     check_close(ogw, tgw, rgw, 3, "d loss / d in_proj_weight", backward=True)
+
+
+# ---- 5: the thread count read at every call; kdim / vdim of 0 refused ---------
+
+class RecordingCore:
+    """Stands in for a module's libmha handle and records the num_threads
+    of every call that computes (run: forward or backward; forward_fast:
+    the short way, its 6th argument)."""
+
+    def __init__(self, core):
+        self._core = core
+        self.threads = []
+
+    def run(self, **kw):
+        self.threads.append(kw.get("num_threads", 0))
+        return self._core.run(**kw)
+
+    def forward_fast(self, *args):
+        self.threads.append(args[5])
+        return self._core.forward_fast(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._core, name)
+
+
+def test_thread_count_follows_torch_set_num_threads():
+    ours, _, _ = twins(batch_first=True)
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        ours(x, x, x)                       # the libmha module is made
+    rec = ours._core = RecordingCore(ours._core)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 1):
+            torch.set_num_threads(n)
+            with torch.no_grad():
+                fast, _ = ours(x, x, x, need_weights=False)   # short way
+                full, w = ours(x, x, x)                     # full way
+            xg = leaf(x)
+            out, _ = ours(xg, xg, xg, need_weights=False)   # autograd
+            out.backward(torch.ones_like(out))
+            results.append((fast, full, w, out.detach(), xg.grad,
+                            ours.in_proj_weight.grad.clone()))
+            ours.zero_grad()
+    finally:
+        torch.set_num_threads(before)
+    # four calls per count (short, full, autograd forward, backward), each
+    # given torch's count of that moment, the second 1 after a 2 included
+    assert rec.threads == [1] * 4 + [2] * 4 + [1] * 4
+    for r in results[1:]:                   # the same bits for every count
+        for a, b in zip(results[0], r):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("which", ["kdim", "vdim"])
+@pytest.mark.parametrize("value", [0, -3])
+def test_kdim_vdim_below_one_refused(which, value):
+    with pytest.raises(ValueError, match=which):
+        mnn.MultiheadAttention(8, 2, **{which: value})
+
+
+def test_kdim_not_an_integer_refused():
+    with pytest.raises(TypeError, match="kdim"):
+        mnn.MultiheadAttention(8, 2, kdim=2.5)

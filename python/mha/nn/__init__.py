@@ -28,6 +28,7 @@ Importing this module imports torch; ``import mha`` alone does not (the
 attribute ``mha.nn`` imports it on first use).
 """
 import math
+import operator
 
 import numpy as np
 import torch
@@ -127,7 +128,8 @@ class _MHAFunction(torch.autograd.Function):
         core.run(query=_np(q), key=None if k is None else _np(k),
                  value=None if v is None else _np(v), out=None,
                  grad_out=_np(grad_out.to(torch.float32)), grad_query=gq,
-                 grad_key=gk, grad_value=gv, grad_params=gp, **ctx.kw)
+                 grad_key=gk, grad_value=gv, grad_params=gp,
+                 **dict(ctx.kw, num_threads=torch.get_num_threads()))
         res = [None, None,
                None if gq is None else torch.from_numpy(gq),
                None if gk is None else torch.from_numpy(gk),
@@ -167,6 +169,19 @@ class MultiheadAttention(nn.Module):
         if dtype is not None and dtype != torch.float32:
             raise TypeError("mha.nn.MultiheadAttention is float32 only, got "
                             "dtype=%s" % (dtype,))
+        # (torch takes kdim=0, a key projected from nothing; libmha's kdim 0
+        # means "embed_dim", so a width below 1 is refused here)
+        for name, width in (("kdim", kdim), ("vdim", vdim)):
+            if width is None:
+                continue
+            try:
+                width = operator.index(width)
+            except TypeError:
+                raise TypeError("%s must be an integer or None, got %r"
+                                % (name, width)) from None
+            if width < 1:
+                raise ValueError("%s must be >= 1 (or None: embed_dim), got "
+                                 "%d" % (name, width))
         super().__init__()
         fk = {"device": "cpu", "dtype": torch.float32}
         self.embed_dim = embed_dim
@@ -344,7 +359,7 @@ class MultiheadAttention(nn.Module):
             return None
         out = np.empty_like(q)
         if core.forward_fast(q, k, v, out, 2 if is_causal else 0,
-                             0) is not True:
+                             torch.get_num_threads()) is not True:
             return None
         out = torch.from_numpy(out)
         return out if self.batch_first else out.transpose(0, 1)
@@ -422,6 +437,9 @@ class MultiheadAttention(nn.Module):
                                  "%s" % (want, kpm.shape))
         causal = 2 if is_causal and am is None else 0
         training = self.training and self.dropout > 0
+        # libmha's threads are torch's intra-op count, read at every call:
+        # the kept plan is per (shape, thread count), so a later
+        # torch.set_num_threads takes effect at the next call
         kw = dict(batch=B, q_len=Lq, kv_len=Lk, attn_mask=am,
                   attn_mask_kind=amk, key_padding_mask=kpm,
                   key_padding_mask_kind=kpmk, causal=causal,
@@ -429,7 +447,8 @@ class MultiheadAttention(nn.Module):
                                 1 if average_attn_weights else 2),
                   training=training,
                   dropout_seed=(int(torch.randint(0, 2 ** 62, (1,)).item())
-                                if training else 0))
+                                if training else 0),
+                  num_threads=torch.get_num_threads())
         if self_attn:
             ins = (q, None, None)
         elif same_kv:
