@@ -169,3 +169,182 @@ def test_kdim_vdim_below_one_refused(which, value):
 def test_kdim_not_an_integer_refused():
     with pytest.raises(TypeError, match="kdim"):
         mnn.MultiheadAttention(8, 2, kdim=2.5)
+
+
+# ---- 1: inside torch's TransformerEncoderLayer and TransformerEncoder ----------
+
+E_T, H_T, L_T = 16, 4, 7
+LENGTHS = (7, 5, 3)          # right padding, as torch's nested path wants
+
+
+def count_calls(attn):
+    """Counts the calls of attn.forward (an instance attribute: a forward
+    hook would itself turn torch's fast path off)."""
+    attn.calls = 0
+    forward = attn.forward
+
+    def counted(*args, **kw):
+        attn.calls += 1
+        return forward(*args, **kw)
+    attn.forward = counted
+    return attn
+
+
+def ours_in(layer):
+    """layer's self_attn replaced by mha.nn's with the same weights."""
+    t = layer.self_attn
+    m = mnn.MultiheadAttention(E_T, H_T, dropout=0.0, batch_first=True)
+    m.load_state_dict(t.state_dict())
+    layer.self_attn = count_calls(m)
+    return m
+
+
+def torch_layer(seed):
+    torch.manual_seed(seed)
+    layer = nn.TransformerEncoderLayer(E_T, H_T, dim_feedforward=32,
+                                       dropout=0.0, batch_first=True)
+    with torch.no_grad():
+        layer.self_attn.in_proj_bias.normal_(0.0, 0.5)
+        layer.self_attn.out_proj.bias.normal_(0.0, 0.5)
+    return layer
+
+
+def stack(kind, seed=3):
+    """(ours, torch float32, torch float64, our attention modules).
+    kind 'layer': one TransformerEncoderLayer; 'encoder_after': a
+    TransformerEncoder of torch's layers whose self_attn are replaced
+    afterwards (it decided on its nested-tensor path in __init__, with
+    torch's module); 'encoder_before': one built from a layer that holds
+    ours already."""
+    import copy
+    import warnings
+    t32 = torch_layer(seed)
+    if kind == "layer":
+        ours = copy.deepcopy(t32)
+        attns = [ours_in(ours)]
+    elif kind == "encoder_after":
+        t32 = nn.TransformerEncoder(t32, 2)
+        ours = copy.deepcopy(t32)
+        attns = [ours_in(layer) for layer in ours.layers]
+    else:
+        t32 = nn.TransformerEncoder(t32, 2)
+        ours = copy.deepcopy(t32)
+        proto = copy.deepcopy(t32.layers[0])
+        ours_in(proto)
+        with warnings.catch_warnings():   # "enable_nested_tensor is True,
+            warnings.simplefilter("ignore")  # but ... was not True"
+            ours = nn.TransformerEncoder(proto, 2)
+        attns = [layer.self_attn for layer in ours.layers]
+        for a in attns:
+            count_calls(a)
+        ours.load_state_dict(t32.state_dict())
+    t64 = copy.deepcopy(t32).double()
+    return ours, t32, t64, attns
+
+
+def masks(which):
+    pad = torch.arange(L_T)[None, :] >= torch.tensor(LENGTHS)[:, None]
+    causal = torch.ones(L_T, L_T, dtype=torch.bool).triu(1)  # True: blocked
+    return dict(src_key_padding_mask=pad if "pad" in which else None,
+                mask=causal if "causal" in which else None,
+                is_causal="causal" in which), ~pad
+
+
+def call(model, x, m):
+    if isinstance(model, nn.TransformerEncoderLayer):
+        return model(x, src_mask=m["mask"],
+                     src_key_padding_mask=m["src_key_padding_mask"],
+                     is_causal=m["is_causal"])
+    return model(x, **m)
+
+
+NESTED_WARNING = "ignore:The PyTorch API of nested tensors"   # torch's own
+
+
+@pytest.mark.filterwarnings(NESTED_WARNING)
+@pytest.mark.parametrize("kind", ["layer", "encoder_after", "encoder_before"])
+@pytest.mark.parametrize("which", ["pad", "causal", "pad+causal"])
+def test_transformer_encoder_eval_no_grad(kind, which):
+    """torch's fast path (eval + no_grad) declines, and libmha computes the
+    attention: the output within 2x torch float32's own error of torch
+    float64 (conftest's rule), on the rows of real tokens (torch leaves
+    the padded rows' output unspecified: its nested path writes 0 there,
+    its dense path computes them)."""
+    ours, t32, t64, attns = stack(kind)
+    x = torch.randn(len(LENGTHS), L_T, E_T)
+    m, real = masks(which)
+    outs = []
+    for model, dtype in ((ours, torch.float32), (t32, torch.float32),
+                         (t64, torch.float64)):
+        model.eval()
+        mi = {k: v.to(dtype) if isinstance(v, torch.Tensor) and
+              v.is_floating_point() else v for k, v in m.items()}
+        with torch.no_grad():
+            outs.append(call(model, x.to(dtype), mi)[real])
+    assert [a.calls for a in attns] == [1] * len(attns)
+    check_close(*outs, 2, "%s, %s: output" % (kind, which))
+
+
+@pytest.mark.parametrize("kind", ["layer", "encoder_after"])
+@pytest.mark.parametrize("which", ["pad", "pad+causal"])
+def test_transformer_encoder_train_with_grad(kind, which):
+    """Training mode with autograd (dropout 0): the output within 2x and
+    the gradients of the input and of every parameter within 3x torch
+    float32's error of torch float64 (conftest's rules), the loss taken
+    on the rows of real tokens."""
+    ours, t32, t64, attns = stack(kind)
+    x = torch.randn(len(LENGTHS), L_T, E_T)
+    g = torch.randn(len(LENGTHS), L_T, E_T)
+    m, real = masks(which)
+    res = []
+    for model, dtype in ((ours, torch.float32), (t32, torch.float32),
+                         (t64, torch.float64)):
+        model.train()
+        mi = {k: v.to(dtype) if isinstance(v, torch.Tensor) and
+              v.is_floating_point() else v for k, v in m.items()}
+        xi = leaf(x, dtype)
+        out = call(model, xi, mi)
+        (out * g.to(dtype) * real[..., None]).sum().backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        res.append((out[real], xi.grad, grads))
+    assert [a.calls for a in attns] == [1] * len(attns)
+    (o, gx, gp), (o32, gx32, gp32), (o64, gx64, gp64) = res
+    check_close(o, o32, o64, 2, "output")
+    check_close(gx, gx32, gx64, 3, "d/d src", backward=True)
+    assert gp.keys() == gp64.keys()
+    for n in gp:
+        check_close(gp[n], gp32[n], gp64[n], 3, "d/d " + n, backward=True)
+
+
+@pytest.mark.filterwarnings(NESTED_WARNING)
+def test_nested_input_as_torch_module():
+    """Nested tensors (what TransformerEncoder's nested path gives its
+    layers) straight into the module, against torch's module on the same
+    nested tensors: each sequence's output within 2x torch float32's error
+    of torch float64."""
+    ours, t32, t64 = twins(E_T, H_T, batch_first=True)
+    seqs = [torch.randn(n, E_T) for n in LENGTHS]
+    outs = []
+    for m, dtype in ((ours, torch.float32), (t32, torch.float32),
+                     (t64, torch.float64)):
+        m.eval()
+        x = torch.nested.nested_tensor([t.to(dtype) for t in seqs])
+        with torch.no_grad():
+            out, _ = m(x, x, x, need_weights=False)
+        assert out.is_nested
+        assert [t.shape for t in out.unbind()] == [t.shape for t in seqs]
+        outs.append(torch.cat(out.unbind()))
+    check_close(*outs, 2, "nested output")
+
+
+@pytest.mark.filterwarnings(NESTED_WARNING)
+def test_nested_input_refused_where_torch_refuses_it():
+    ours, _, _ = twins(E_T, H_T, batch_first=True)
+    x = torch.nested.nested_tensor([torch.randn(n, E_T) for n in LENGTHS])
+    with pytest.raises(ValueError, match="autograd"):
+        ours(x, x, x)                       # the parameters require grad
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="attn_mask"):
+            ours(x, x, x, attn_mask=torch.zeros(L_T, L_T, dtype=torch.bool))
+        with pytest.raises(ValueError, match="all nested"):
+            ours(x, torch.randn(3, L_T, E_T), torch.randn(3, L_T, E_T))

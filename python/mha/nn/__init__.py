@@ -17,6 +17,10 @@ Where it differs from torch:
   - is_causal without an attn_mask applies the causal mask (torch
     requires the mask as well); with one, the mask is used as given;
   - masks are constants: a float attn_mask gets no gradient;
+  - _qkv_same_embed_dim is False, so that torch's TransformerEncoderLayer
+    and TransformerEncoder call this module rather than their fused
+    kernels (see the class); nested tensors are taken where torch's
+    module takes them;
   - gradients are first order: a second backward through one
     (create_graph=True, then backward again) raises RuntimeError;
   - parameters must be finite (NaN or Inf raises mha.NonFiniteError,
@@ -156,6 +160,17 @@ class MultiheadAttention(nn.Module):
 
     __constants__ = ["batch_first"]
 
+    # torch's TransformerEncoderLayer.forward in eval mode without grad
+    # (and TransformerEncoder.__init__, choosing its nested-tensor path)
+    # take their fast path when self_attn._qkv_same_embed_dim is True: they
+    # read in_proj_weight themselves into torch's fused kernel (after
+    # self_attn.merge_masks, which this module has not), never calling
+    # self_attn.  In torch this private flag says "the fused projection
+    # layout a fused kernel may read"; False here makes both decline, so
+    # that libmha computes the attention.  Whether this module's
+    # projections are fused is `in_proj_weight is not None`.
+    _qkv_same_embed_dim = False
+
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True,
                  add_bias_kv=False, add_zero_attn=False, kdim=None,
                  vdim=None, batch_first=False, device=None, dtype=None):
@@ -187,15 +202,14 @@ class MultiheadAttention(nn.Module):
         self.embed_dim = embed_dim
         self.kdim = kdim if kdim is not None else embed_dim
         self.vdim = vdim if vdim is not None else embed_dim
-        self._qkv_same_embed_dim = (self.kdim == embed_dim and
-                                    self.vdim == embed_dim)
+        fused = self.kdim == embed_dim and self.vdim == embed_dim
         self.num_heads = num_heads
         self.dropout = dropout
         self.batch_first = batch_first
         self.head_dim = embed_dim // num_heads
         if self.head_dim * num_heads != embed_dim:
             raise ValueError("embed_dim must be divisible by num_heads")
-        if not self._qkv_same_embed_dim:
+        if not fused:
             self.q_proj_weight = nn.Parameter(
                 torch.empty((embed_dim, embed_dim), **fk))
             self.k_proj_weight = nn.Parameter(
@@ -225,7 +239,7 @@ class MultiheadAttention(nn.Module):
         self._reset_parameters()
 
     def _reset_parameters(self):
-        if self._qkv_same_embed_dim:
+        if self.in_proj_weight is not None:
             nn.init.xavier_uniform_(self.in_proj_weight)
         else:
             nn.init.xavier_uniform_(self.q_proj_weight)
@@ -322,6 +336,9 @@ class MultiheadAttention(nn.Module):
         return state
 
     def __setstate__(self, state):
+        # (a module pickled before _qkv_same_embed_dim was the class's
+        # constant False holds its own True: dropped, see the class)
+        state.pop("_qkv_same_embed_dim", None)
         self.__dict__.update(state)
 
     def extra_repr(self):
@@ -364,6 +381,46 @@ class MultiheadAttention(nn.Module):
         out = torch.from_numpy(out)
         return out if self.batch_first else out.transpose(0, 1)
 
+    def _forward_nested(self, query, key, value, key_padding_mask,
+                        need_weights, attn_mask, average_attn_weights,
+                        is_causal):
+        """forward on nested tensors (batch first, one sequence each), as
+        torch's TransformerEncoder gives its layers in eval mode with a
+        src_key_padding_mask when it was built around torch's module (its
+        use_nested_tensor is decided in its __init__): the sequences padded
+        into one batch, the padding blocked as keys, the output nested
+        again; the weights are the padded batch's, as torch's.  Like
+        torch's module, only where nothing needs a gradient and with no
+        other mask."""
+        if not (query.is_nested and key.is_nested and value.is_nested):
+            raise ValueError("query, key and value must be all nested "
+                             "tensors or none of them")
+        if not self.batch_first:
+            raise ValueError("nested tensors need batch_first=True (a "
+                             "nested tensor is a batch of sequences)")
+        if attn_mask is not None or key_padding_mask is not None:
+            raise ValueError("nested tensors take no attn_mask or "
+                             "key_padding_mask: the nesting is the padding")
+        if torch.is_grad_enabled() and (
+                any(t.requires_grad for t in (query, key, value)) or
+                any(p.requires_grad for p in self.parameters())):
+            raise ValueError("nested tensors are taken without autograd "
+                             "only (under torch.no_grad(), as torch's "
+                             "module takes them)")
+        k_len = [t.shape[0] for t in key.unbind()]
+        if [t.shape[0] for t in value.unbind()] != k_len:
+            raise ValueError("the key's and the value's sequences must have "
+                             "the same lengths")
+        q = query.to_padded_tensor(0.0)
+        k = q if key is query else key.to_padded_tensor(0.0)
+        v = k if value is key else value.to_padded_tensor(0.0)
+        pad = torch.arange(k.shape[1]) >= torch.tensor(k_len)[:, None]
+        out, w = MultiheadAttention.forward(
+            self, q, k, v, key_padding_mask=pad, need_weights=need_weights,
+            average_attn_weights=average_attn_weights, is_causal=is_causal)
+        return torch.nested.as_nested_tensor(
+            [o[:t.shape[0]] for o, t in zip(out, query.unbind())]), w
+
     def forward(self, query, key, value, key_padding_mask=None,
                 need_weights=True, attn_mask=None, average_attn_weights=True,
                 is_causal=False):
@@ -381,6 +438,10 @@ class MultiheadAttention(nn.Module):
                 return out, None
         for t, n in ((query, "query"), (key, "key"), (value, "value")):
             _check_tensor(t, n)
+        if query.is_nested or key.is_nested or value.is_nested:
+            return self._forward_nested(query, key, value, key_padding_mask,
+                                        need_weights, attn_mask,
+                                        average_attn_weights, is_causal)
         batched = query.dim() == 3
         if query.dim() not in (2, 3) or key.dim() != query.dim() or \
                 value.dim() != query.dim():
