@@ -337,6 +337,114 @@ static void test_heads_first(void **state)
         assert_true(out[i] == 0.0f);
 }
 
+/* A key padding mask (one bias row per batch and tile, MHA_TILE_KEYS)
+ * gives the bits of the same mask written out as an attn_mask (B, Lq, Lk)
+ * (a bias row per query, MHA_TILE_EXPLICIT): forward, lse, weights and
+ * the backward's three gradients, each mask kind, causal or not, GQA,
+ * padding that covers whole tiles, 1 and 2 threads. */
+static void test_key_mask_as_attn_mask(void **state)
+{
+    (void)state;
+    typedef struct {
+        int64_t B, H, Hkv, dh, Lq, Lk;
+        mha_causal causal;
+        mha_mask_kind kind;
+        int threads;
+    } kcase;
+    static const kcase KC[] = {
+        {2, 4, 2, 16, 40, 300, 0, MHA_MASK_ALLOW, 2},
+        {3, 2, 2, 8, 130, 130, MHA_CAUSAL_TOP_LEFT, MHA_MASK_BLOCK, 1},
+        {2, 3, 1, 32, 7, 200, MHA_CAUSAL_BOTTOM_RIGHT, MHA_MASK_ADDITIVE, 2},
+    };
+    for (size_t t = 0; t < sizeof KC / sizeof *KC; t++) {
+        const kcase *c = &KC[t];
+        const int64_t E = c->H * c->dh, Ekv = c->Hkv * c->dh;
+        const int64_t nq = c->B * c->Lq * E, nk = c->B * c->Lk * Ekv;
+        const int64_t nw = c->B * c->H * c->Lq * c->Lk;
+        const int64_t nl = c->B * c->H * c->Lq, nm = c->B * c->Lq * c->Lk;
+        const int add = c->kind == MHA_MASK_ADDITIVE;
+        float *q = malloc((size_t)nq * 4), *k = malloc((size_t)nk * 4);
+        float *v = malloc((size_t)nk * 4), *go = malloc((size_t)nq * 4);
+        float *buf[2][6];
+        uint8_t *pad8 = malloc((size_t)(c->B * c->Lk)), *full8 = malloc((size_t)nm);
+        float *padf = malloc((size_t)(c->B * c->Lk) * 4), *fullf = malloc((size_t)nm * 4);
+        tu_fill(q, nq, 90 + t, -2, 2);
+        tu_fill(k, nk, 91 + t, -2, 2);
+        tu_fill(v, nk, 92 + t, -2, 2);
+        tu_fill(go, nq, 93 + t, -1, 1);
+        tu_fill(padf, c->B * c->Lk, 94 + t, -2, 2);
+        /* batch b pads keys 64..191 (two whole tiles) and every 7th key,
+         * and in its last batch every key but the first */
+        for (int64_t b = 0; b < c->B; b++)
+            for (int64_t j = 0; j < c->Lk; j++) {
+                const int64_t at = b * c->Lk + j;
+                const int off = (j >= 64 && j < 192) || j % 7 == 3 ||
+                                (b == c->B - 1 && j > 0);
+                pad8[at] = (uint8_t)(c->kind == MHA_MASK_BLOCK ? off : !off);
+                if (off)
+                    padf[at] = -INFINITY;
+            }
+        for (int64_t b = 0; b < c->B; b++)
+            for (int64_t i = 0; i < c->Lq; i++) {
+                const int64_t row = (b * c->Lq + i) * c->Lk;
+                memcpy(full8 + row, pad8 + b * c->Lk, (size_t)c->Lk);
+                memcpy(fullf + row, padf + b * c->Lk, (size_t)c->Lk * 4);
+            }
+        for (int pass = 0; pass < 2; pass++) {
+            const int64_t n[6] = {nq, nl, nw, nq, nk, nk};
+            for (int i = 0; i < 6; i++)
+                buf[pass][i] = calloc((size_t)n[i], 4);
+            mha_attention_args a = {0};
+            a.batch = c->B;
+            a.num_heads = c->H;
+            a.num_kv_heads = c->Hkv;
+            a.head_dim = c->dh;
+            a.q_len = c->Lq;
+            a.kv_len = c->Lk;
+            a.q = q; a.k = k; a.v = v;
+            a.causal = c->causal;
+            a.num_threads = c->threads;
+            if (pass == 0)
+                a.key_padding_mask = (mha_mask){c->kind,
+                    add ? (const void *)padf : pad8, 2, {c->B, c->Lk}};
+            else
+                a.attn_mask = (mha_mask){c->kind,
+                    add ? (const void *)fullf : full8, 3,
+                    {c->B, c->Lq, c->Lk}};
+            a.out = buf[pass][0];
+            a.lse = buf[pass][1];
+            a.need_weights = MHA_WEIGHTS_PER_HEAD;
+            a.attn_weights = buf[pass][2];
+            if (mha_attention(&a) != MHA_OK)
+                fail_msg("case %zu pass %d: %s", t, pass, mha_last_error());
+            a.need_weights = MHA_WEIGHTS_NONE;
+            a.attn_weights = NULL;
+            a.lse = NULL;
+            const mha_attention_grads g = {go, buf[pass][3], buf[pass][4],
+                                           buf[pass][5], NULL};
+            if (mha_attention_backward(&a, &g) != MHA_OK)
+                fail_msg("case %zu pass %d backward: %s", t, pass,
+                         mha_last_error());
+        }
+        static const char *what[6] = {"out", "lse", "weights", "dq", "dk",
+                                      "dv"};
+        const int64_t n[6] = {nq, nl, nw, nq, nk, nk};
+        for (int i = 0; i < 6; i++)
+            if (memcmp(buf[0][i], buf[1][i], (size_t)n[i] * 4))
+                fail_msg("case %zu: %s differs between the key padding "
+                         "mask and the same attn_mask", t, what[i]);
+        /* the mask mattered: batch 0's last row weighs its padded key 3
+         * zero and key 2 not */
+        const float *wl = buf[0][2] + (c->Lq - 1) * c->Lk;
+        assert_true(wl[3] == 0.0f && wl[2] > 0.0f);
+        for (int p = 0; p < 2; p++)
+            for (int i = 0; i < 6; i++)
+                free(buf[p][i]);
+        free(q); free(k); free(v); free(go); free(pad8); free(full8);
+        free(padf); free(fullf);
+    }
+}
+
 static void test_errors(void **state)
 {
     (void)state;
@@ -387,6 +495,7 @@ int main(void)
         cmocka_unit_test(test_against_reference),
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_heads_first),
+        cmocka_unit_test(test_key_mask_as_attn_mask),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

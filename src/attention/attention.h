@@ -90,6 +90,12 @@ int64_t mha_mask_row(const mha_mask_plan *plan, int64_t b, int64_t h,
 int64_t mha_mask_cols(const mha_mask_plan *plan, int64_t b, int64_t h,
                       int64_t i, int64_t j0, int64_t n, float *row);
 
+/* The key padding mask alone on columns j0 .. j0+n-1 of batch b (the same
+ * for every head and row): 0 or -INFINITY, or the additive values
+ * saturated to +-FLT_MAX.  Returns the number of keys not excluded. */
+int64_t mha_mask_key_cols(const mha_mask_plan *plan, int64_t b, int64_t j0,
+                          int64_t n, float *row);
+
 /* Adds the window modifier (left, right >= -1) to a plan.  A bound of
  * 2^62 or more is no bound (-1): no key is that far from a query (see
  * MHA_MAX_POSITION_SHIFT), and qpos +- it would overflow. */
@@ -135,6 +141,13 @@ int64_t mha_mask_window(const mha_mask_plan *plan, int64_t b, int64_t i,
 static inline int mha_mask_has_explicit(const mha_mask_plan *p)
 {
     return p->attn.kind != MHA_MASK_NONE || p->pad.kind != MHA_MASK_NONE;
+}
+
+/* Whether the only explicit mask is the key padding mask: one bias row
+ * per batch and tile then serves every row (MHA_TILE_KEYS). */
+static inline int mha_mask_keys_only(const mha_mask_plan *p)
+{
+    return p->attn.kind == MHA_MASK_NONE && p->pad.kind != MHA_MASK_NONE;
 }
 
 
@@ -515,10 +528,12 @@ static inline int mha_tile_keys(const mha_attn *a, int64_t t)
 
 /* How a tile's scores are masked: not at all, by index only (causal,
  * key_lengths: each row's keys past its limit), by an explicit mask (the
- * tile's bias rows), or by position (a sliding-window cache: each key's
- * position, from its slot, outside the row's window). */
+ * tile's bias rows), by position (a sliding-window cache: each key's
+ * position, from its slot, outside the row's window), or by the key
+ * padding mask alone (one bias row shared by the tile's rows, then each
+ * row's index bounds). */
 enum { MHA_TILE_OPEN = 0, MHA_TILE_BY_INDEX = 1, MHA_TILE_EXPLICIT = 2,
-       MHA_TILE_WINDOW = 3 };
+       MHA_TILE_WINDOW = 3, MHA_TILE_KEYS = 4 };
 
 /*
  * One tile of work: query rows i0 .. i0+mr-1 of head h of batch b against

@@ -298,6 +298,28 @@ int64_t mha_mask_cols(const mha_mask_plan *p, int64_t b, int64_t h, int64_t i,
     return live;
 }
 
+int64_t mha_mask_key_cols(const mha_mask_plan *p, int64_t b, int64_t j0,
+                          int64_t n, float *row)
+{
+    const int64_t off = b * p->pad_stride_b + j0;
+    int64_t live = 0;
+    /* apply()'s cases for an accumulator of 0, one loop per kind (an
+     * additive value is finite or -inf, checked by plan_pad: 0 + x = x) */
+    if (p->pad.kind == MHA_MASK_ADDITIVE) {
+        const float *x = (const float *)p->pad.data + off;
+        for (int64_t c = 0; c < n; c++)
+            row[c] = x[c];
+    } else {
+        const uint8_t *m = (const uint8_t *)p->pad.data + off;
+        const uint8_t keep = p->pad.kind == MHA_MASK_ALLOW;
+        for (int64_t c = 0; c < n; c++)
+            row[c] = (m[c] != 0) == keep ? 0.0f : -INFINITY;
+    }
+    for (int64_t c = 0; c < n; c++)
+        live += row[c] != -INFINITY;
+    return live;
+}
+
 int64_t mha_mask_row(const mha_mask_plan *p, int64_t b, int64_t h, int64_t i,
                      float *row)
 {

@@ -243,6 +243,9 @@ void mha_score_tile(const mha_attn *a, const mha_tile *t, float *s,
             for (int c = 0; c < t->nc; c++)
                 sr[c] = masked(sr[c], br[c]);
         } else {
+            if (t->how == MHA_TILE_KEYS)   /* the shared key row first */
+                for (int c = 0; c < t->nc; c++)
+                    sr[c] = masked(sr[c], t->bias[c]);
             /* Keys before the row's first (the window) and after its
              * last (causal, key lengths, the window) are excluded. */
             const int64_t i = mha_tile_row(t, r);
@@ -364,16 +367,21 @@ static void walk(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
     if (start < k0)
         start = k0;   /* (k0: a multiple of MHA_BC) */
     const int explicit_mask = mha_mask_has_explicit(mk);
+    const int keys_only = mha_mask_keys_only(mk) && bias;
     mha_tile t = {.b = b, .h = h, .g = mha_kv_head(a, h), .i0 = i0,
                   .mr = mr, .bias = bias, .stack = stack};
     for (int64_t j0 = start; j0 < end; j0 += MHA_BC) {
         t.j0 = j0;
         t.nc = (int)(end - j0 < MHA_BC ? end - j0 : MHA_BC);
         t.index = j0 / MHA_BC;
-        t.how = explicit_mask ? MHA_TILE_EXPLICIT
+        t.how = keys_only ? MHA_TILE_KEYS
+              : explicit_mask ? MHA_TILE_EXPLICIT
               : j0 + t.nc - 1 > first_last || j0 < last_first
                   ? MHA_TILE_BY_INDEX
                   : MHA_TILE_OPEN;
+        if (t.how == MHA_TILE_KEYS &&
+            mha_mask_key_cols(mk, b, j0, t.nc, bias) == 0)
+            continue;   /* every key of the tile is padding */
         if (t.how == MHA_TILE_EXPLICIT) {
             int64_t live = 0;
             for (int r = 0; r < mr; r++)
