@@ -20,7 +20,9 @@ int64); any other dtype raises TypeError rather than being converted
 silently.  C-contiguous arrays are read in place, never copied; a
 non-contiguous array is copied once (numpy.ascontiguousarray).  Outputs
 are new float32 arrays.  Unbatched inputs (L, E) are batch 1 and give
-unbatched outputs.
+unbatched outputs.  Empty problems are taken as torch takes them: batch 0
+or a query of 0 rows gives empty outputs (and zero gradients for the
+rest), a key of 0 rows leaves every query row with no key.
 
 Errors.  Every libmha failure raises a subclass of ``MhaError`` (also a
 ValueError, OSError, ... as fits) with libmha's own message; wrong types
@@ -224,6 +226,132 @@ def _batched(x, name, ndim=3):
         raise ValueError("%s must have %d dimensions (or %d unbatched), got "
                          "shape %s" % (name, ndim, ndim - 1, x.shape))
     return x, False
+
+
+# ---- empty problems ----------------------------------------------------------
+#
+# libmha takes batch >= 1 and q_len >= 1, and its kv_len 0 means "as many
+# keys as queries" (self-attention), never "no key".  So the empty
+# problems are answered here, before the C layer:
+#   - batch 0 or q_len 0: no output row, nothing to compute: the outputs
+#     are empty, and the gradients of the key, value, parameters, head mask
+#     and sinks are zero (no output depends on them), as torch's are;
+#   - a key of 0 rows: every query row has no key, libmha's "row with no
+#     key" (a zero context: the module's output is out_proj.bias), so the
+#     call runs with one zero key row that key_lengths 0 blocks; bias_k and
+#     the zero key of add_bias_kv / add_zero_attn, never masked, are
+#     attended as with any key.  That row's weight column and gradients
+#     are dropped.
+# Their arguments are checked here as the C layer would check them.
+
+def _check_empty_args(B, H, Lq, Lk, attn_mask=None, key_padding_mask=None,
+                      key_lengths=None, cache=None, counts=(), **_):
+    """The checks of an empty problem's arguments: the masks' shapes, the
+    key lengths' values, and counts = ((name, array, elements), ...)."""
+    am = attn_mask
+    if am is not None and (
+            not 2 <= am.ndim <= 4 or am.shape[-2:] != (Lq, Lk) or
+            (am.ndim >= 3 and am.shape[0] not in (1, B)) or
+            (am.ndim == 4 and am.shape[1] not in (1, H))):
+        raise ValueError("attn_mask has shape %s, expected (Lq, Lk) = (%d, "
+                         "%d), (B, Lq, Lk) or (B, H, Lq, Lk) with B = %d "
+                         "(or 1) and H = %d (or 1)"
+                         % (am.shape, Lq, Lk, B, H))
+    kpm = key_padding_mask
+    if kpm is not None and (
+            not 1 <= kpm.ndim <= 2 or kpm.shape[-1] != Lk or
+            (kpm.ndim == 2 and kpm.shape[0] not in (1, B))):
+        raise ValueError("key_padding_mask has shape %s, expected (Lk) = "
+                         "(%d,) or (B, Lk) with B = %d (or 1)"
+                         % (kpm.shape, Lk, B))
+    if key_lengths is not None:
+        if key_lengths.size != B:
+            raise ValueError("key_lengths has %d elements, expected batch %d"
+                             % (key_lengths.size, B))
+        if np.any((key_lengths < 0) | (key_lengths > Lk)):
+            raise ValueError("key_lengths must be within 0 .. %d (the key's "
+                             "rows), got %s" % (Lk, key_lengths.tolist()))
+    if cache is not None and cache.config()["batch"] != B:
+        raise ValueError("the cache holds %d sequences, the query %d"
+                         % (cache.config()["batch"], B))
+    for name, x, n in counts:
+        if x is not None and x.size != n:
+            raise ValueError("%s has %d elements, expected %d"
+                             % (name, x.size, n))
+
+
+def _one_blocked_key(a, names):
+    """A copy of the arguments ``a`` with a key of 0 rows replaced by one
+    zero row that key_lengths 0 blocks (names: the key, value and key
+    positions entries of ``a``), the masks over no key dropped."""
+    b = dict(a, kv_len=1, attn_mask=None, attn_mask_kind=0,
+             key_padding_mask=None, key_padding_mask_kind=0,
+             key_lengths=np.zeros(a["batch"], np.int64))
+    for name in names:
+        x = a.get(name)
+        if x is not None:
+            b[name] = np.zeros((a["batch"], 1) + x.shape[2:], x.dtype)
+    return b
+
+
+def _run_empty(run, a, key, value, grads, zero_grads):
+    """run(**a) for an empty problem (see above): ``key`` and ``value`` name
+    a's key and value entries, ``grads`` their gradient buffers,
+    ``zero_grads`` the other gradients that an empty batch zeroes."""
+    if not (a["batch"] and a["q_len"]):
+        for name in grads + zero_grads:
+            if a.get(name) is not None and not (
+                    name in zero_grads and a.get("accumulate")):
+                a[name][...] = 0
+        return
+    b = _one_blocked_key(a, (key, value, "k_positions"))
+    w = a.get("attn_weights")
+    if w is not None:
+        b["attn_weights"] = np.empty(w.shape[:-1] + (w.shape[-1] + 1,),
+                                     np.float32)
+    for name, of in zip(grads, (key, value)):
+        if a.get(name) is not None:
+            b[name] = np.empty_like(b[of])  # the blocked row's, dropped
+    run(**b)
+    if w is not None:
+        w[...] = b["attn_weights"][..., 1:]
+
+
+def _run_module(m, **a):
+    """m.run(**a) (a module's forward, or its backward with grad_out), the
+    empty problems answered as above."""
+    key = a.get("key")
+    if a["batch"] and a["q_len"] and (key is None or key.shape[1]):
+        return m.run(**a)
+    c = m.config()
+    B, Lq = a["batch"], a["q_len"]
+    cache = a.get("cache")
+    Lk = (key.shape[1] if key is not None else
+          Lq if cache is None else
+          max(cache.length(s) for s in range(cache.config()["batch"])) + Lq)
+    _check_empty_args(B, c["num_heads"], Lq, Lk, counts=(
+        ("head_mask", a.get("head_mask"), c["num_heads"]),
+        ("positions", a.get("positions"), B * Lq)), **a)
+    _run_empty(m.run, a, "key", "value", ("grad_key", "grad_value"),
+               ("grad_params", "grad_head_mask"))
+
+
+def _run_attention(**a):
+    """_core.attention(**a) (mha_attention, or its backward with
+    grad_out), the empty problems answered as above."""
+    k = a.get("k")
+    if a["batch"] and a["q_len"] and (k is None or k.shape[1]):
+        return _core.attention(**a)
+    B, H, Lq = a["batch"], a["num_heads"], a["q_len"]
+    cache = a.get("cache")
+    Lk = (k.shape[1] if cache is None else
+          max(cache.length(s) for s in range(cache.config()["batch"])))
+    _check_empty_args(B, H, Lq, Lk, counts=(
+        ("sinks", a.get("sinks"), H),
+        ("q_positions", a.get("q_positions"), B * Lq),
+        ("k_positions", a.get("k_positions"), B * Lk)), **a)
+    _run_empty(_core.attention, a, "k", "v", ("grad_k", "grad_v"),
+               ("grad_sinks",))
 
 
 # ---- the module --------------------------------------------------------------
@@ -491,13 +619,13 @@ class Module:
         if a["need_weights"]:
             if cache is not None:
                 lk = max(cache.length(s) for s in range(cache.batch)) + Lq
-            else:
-                lk = a["kv_len"] or Lq
+            else:                           # key None: self-attention
+                lk = Lq if a["key"] is None else a["kv_len"]
             lkt = self._m.total_keys(lk)
             shape = ((B, Lq, lkt) if a["need_weights"] == 1
                      else (B, c["num_heads"], Lq, lkt))
             w = np.empty(shape, np.float32)
-        self._m.run(out=out, attn_weights=w, **a)
+        _run_module(self._m, out=out, attn_weights=w, **a)
         if unbatched:
             out = out[0]
             w = None if w is None else w[0]
@@ -544,9 +672,10 @@ class Module:
               if "params" in wrt else None)
         ghm = (np.empty(c["num_heads"], np.float32)
                if "head_mask" in wrt else None)
-        self._m.run(out=None, grad_out=go, grad_query=g.get("query"),
-                    grad_key=g.get("key"), grad_value=g.get("value"),
-                    grad_params=gp, grad_head_mask=ghm, **a)
+        _run_module(self._m, out=None, grad_out=go,
+                    grad_query=g.get("query"), grad_key=g.get("key"),
+                    grad_value=g.get("value"), grad_params=gp,
+                    grad_head_mask=ghm, **a)
         if unbatched:
             g = {k: v[0] for k, v in g.items()}
         if gp is not None:
@@ -760,13 +889,12 @@ def attention(q, k=None, v=None, *, num_heads, num_kv_heads=None, scale=None,
     out = np.empty_like(a["q"])
     w = lse = None
     if a["need_weights"]:
-        lk = (max(cache.lengths) if cache is not None
-              else a["kv_len"] or Lq)
+        lk = max(cache.lengths) if cache is not None else a["kv_len"]
         w = np.empty((B, Lq, lk) if a["need_weights"] == 1
                      else (B, H, Lq, lk), np.float32)
     if return_lse:
         lse = np.empty((B, H, Lq), np.float32)
-    _core.attention(out=out, attn_weights=w, lse=lse, **a)
+    _run_attention(out=out, attn_weights=w, lse=lse, **a)
     if unbatched:
         out = out[0]
         w = None if w is None else w[0]
@@ -802,8 +930,8 @@ def attention_backward(grad_out, q, k, v, *, num_heads, num_kv_heads=None,
     gv = np.empty_like(a["v"])
     gs = (np.empty(a["num_heads"], np.float32) if a["sinks"] is not None
           else None)
-    _core.attention(out=None, grad_out=go, grad_q=gq, grad_k=gk, grad_v=gv,
-                    grad_sinks=gs, **a)
+    _run_attention(out=None, grad_out=go, grad_q=gq, grad_k=gk, grad_v=gv,
+                   grad_sinks=gs, **a)
     if unbatched:
         gq, gk, gv = gq[0], gk[0], gv[0]
     return (gq, gk, gv) + ((gs,) if gs is not None else ())

@@ -348,3 +348,185 @@ def test_nested_input_refused_where_torch_refuses_it():
             ours(x, x, x, attn_mask=torch.zeros(L_T, L_T, dtype=torch.bool))
         with pytest.raises(ValueError, match="all nested"):
             ours(x, torch.randn(3, L_T, E_T), torch.randn(3, L_T, E_T))
+
+
+# ---- 3: empty batches and sequences ---------------------------------------------
+
+EMPTY = [(0, 4, 5), (2, 0, 5), (2, 4, 0), (0, 0, 0)]     # (B, L, S)
+CONFIGS = {"plain": {}, "bias_kv+zero_attn": dict(add_bias_kv=True,
+                                                   add_zero_attn=True),
+           "kdim_vdim": dict(kdim=5, vdim=3)}
+F32, F64 = torch.float32, torch.float64
+
+
+def compare(ours, t32, t64, what):
+    """Each output or gradient of ours against torch's: the same shape
+    and None-ness, values within conftest's bounds (2x torch float32's
+    error for outputs, 3x for gradients; empty and exactly-zero tensors
+    have bound 0, so they must be exact)."""
+    for name, a, b, c in zip(what, ours, t32, t64):
+        if c is None:
+            assert a is None and b is None, name
+            continue
+        grad = name.startswith("d")
+        check_close(a, b, c, 3 if grad else 2, name, backward=grad)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("shape", EMPTY, ids=["B0", "L0", "S0", "all0"])
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+def test_nn_empty_batch_and_lengths_as_torch(cfg, shape, batch_first):
+    """Batch 0, query length 0, key length 0: outputs, weights (averaged
+    and per head) and every gradient as torch 2.13's (whose key length 0
+    gives out_proj.bias, libmha's rule for a row with no key: no NaN),
+    with and without (empty) masks, autograd and the no-grad short way."""
+    ours, t32, t64 = twins(batch_first=batch_first, **CONFIGS[cfg])
+    B, L, S = shape
+    kd, vd = ours.kdim, ours.vdim
+
+    def t(n, w):
+        return torch.randn((B, n, w) if batch_first else (n, B, w))
+    q, k, v, g = t(L, 8), t(S, kd), t(S, vd), t(L, 8)
+    masks = dict(key_padding_mask=torch.zeros(B, S, dtype=torch.bool),
+                 attn_mask=torch.zeros(L, S, dtype=torch.bool))
+    for mk in ({}, masks):
+        for avg in (True, False):
+            res = []
+            for m, dt in ((ours, F32), (t32, F32), (t64, F64)):
+                m.zero_grad(set_to_none=True)
+                qi, ki, vi = leaf(q, dt), leaf(k, dt), leaf(v, dt)
+                out, w = m(qi, ki, vi, average_attn_weights=avg, **mk)
+                (out * g.to(dt)).sum().backward()
+                res.append([out, w, qi.grad, ki.grad, vi.grad] +
+                           [p.grad for _, p in m.named_parameters()])
+            names = ["out", "weights", "dquery", "dkey", "dvalue"] + \
+                ["d" + n for n, _ in t64.named_parameters()]
+            compare(*res, names)
+    res = []
+    for m, dt in ((ours, F32), (t32, F32), (t64, F64)):
+        m.eval()
+        with torch.no_grad():
+            res.append(m(q.to(dt), k.to(dt), v.to(dt), need_weights=False))
+    compare(*res, ["out (no grad)", "weights (none)"])
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (2, 0), (0, 0)])
+def test_nn_empty_self_attention_and_unbatched(shape):
+    ours, t32, t64 = twins(batch_first=True)
+    B, L = shape
+    x, g = torch.randn(B, L, 8), torch.randn(B, L, 8)
+    res = []
+    for m, dt in ((ours, F32), (t32, F32), (t64, F64)):
+        xi = leaf(x, dt)
+        out, w = m(xi, xi, xi)
+        (out * g.to(dt)).sum().backward()
+        res.append([out, w, xi.grad, m.in_proj_weight.grad])
+        if B:                                   # unbatched: (L, E)
+            x1 = leaf(x[0], dt)
+            o1, w1 = m(x1, x1, x1)
+            k0 = torch.zeros(0, 8, dtype=dt)
+            o2, w2 = m(x1, k0, k0)              # no key: (L, E) of bias
+            res[-1] += [o1, w1, o2, w2]
+    compare(*res, ["out", "weights", "dx", "din_proj_weight", "out 2-D",
+                   "weights 2-D", "out 2-D, S=0", "weights 2-D, S=0"])
+
+
+def numpy_twin(cfg):
+    """mha.Module holding the weights of twins(batch_first=True, **cfg)."""
+    _, t32, t64 = twins(batch_first=True, **CONFIGS[cfg])
+    c = CONFIGS[cfg]
+    m = mha.Module(8, 2, kdim=c.get("kdim"), vdim=c.get("vdim"),
+                   add_bias_kv=c.get("add_bias_kv", False),
+                   add_zero_attn=c.get("add_zero_attn", False))
+    m.load_state_dict({n: p.numpy() for n, p in t32.state_dict().items()})
+    return m, t32, t64
+
+
+@pytest.mark.parametrize("shape", EMPTY, ids=["B0", "L0", "S0", "all0"])
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+def test_numpy_module_empty_as_torch(cfg, shape):
+    """mha.Module.forward / backward with batch 0, query length 0 and a key
+    of 0 rows (libmha's kv_len 0 means "as many as the queries": the key's
+    real length must be what counts), against torch's module."""
+    m, t32, t64 = numpy_twin(cfg)
+    B, L, S = shape
+    r = np.random.default_rng(1)
+
+    def a(*s):
+        return r.standard_normal(s).astype(np.float32)
+    q, k, v, g = a(B, L, 8), a(B, S, m.kdim), a(B, S, m.vdim), a(B, L, 8)
+    for weights in ("average", "per_head"):
+        out, w = m.forward(q, k, v, need_weights=weights)
+        grads = m.backward(g, q, k, v)
+        res = [[out, w, grads["query"], grads["key"], grads["value"]] +
+               [grads["params"][n] for n in m.parameter_names()]]
+        for t, dt in ((t32, F32), (t64, F64)):
+            t.zero_grad(set_to_none=True)
+            qi, ki, vi = (leaf(torch.from_numpy(x), dt) for x in (q, k, v))
+            o, wt = t(qi, ki, vi, average_attn_weights=weights == "average")
+            (o * torch.from_numpy(g).to(dt)).sum().backward()
+            params = dict(t.named_parameters())
+            res.append([o, wt, qi.grad, ki.grad, vi.grad] +
+                       [params[n].grad for n in m.parameter_names()])
+        compare(*res, ["out", "weights", "dquery", "dkey", "dvalue"] +
+                ["d" + n for n in m.parameter_names()])
+
+
+@pytest.mark.parametrize("shape", EMPTY, ids=["B0", "L0", "S0", "all0"])
+def test_numpy_attention_empty_as_sdpa(shape):
+    """mha.attention / attention_backward with batch 0, query length 0 and
+    key length 0, against torch's scaled_dot_product_attention (which
+    gives zeros for a key of 0 rows); the lse of a row with no key is
+    -inf (log of an empty sum), per head weights of 0 columns."""
+    B, L, S = shape
+    H, dh = 2, 4
+    r = np.random.default_rng(2)
+
+    def a(*s):
+        return r.standard_normal(s).astype(np.float32)
+    q, k, v, g = a(B, L, H * dh), a(B, S, H * dh), a(B, S, H * dh), \
+        a(B, L, H * dh)
+    out, w, lse = mha.attention(q, k, v, num_heads=H,
+                                need_weights="per_head", return_lse=True)
+    gq, gk, gv = mha.attention_backward(g, q, k, v, num_heads=H)
+    res = [[out, w, gq, gk, gv]]
+
+    def heads(x, dt):                       # (B, L, H*dh) -> (B, H, L, dh)
+        t = torch.from_numpy(x).to(dt)
+        return t.reshape(t.shape[0], t.shape[1], H, dh).transpose(1, 2)
+
+    def rows(t):                            # back to (B, L, H*dh)
+        return t.transpose(1, 2).reshape(t.shape[0], t.shape[2], H * dh)
+    for dt in (F32, F64):
+        qi, ki, vi = (leaf(heads(x, dt)) for x in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi)
+        (rows(o) * torch.from_numpy(g).to(dt)).sum().backward()
+        p = torch.softmax(qi @ ki.transpose(-1, -2) / dh ** 0.5, -1)
+        res.append([rows(o), p, rows(qi.grad), rows(ki.grad),
+                    rows(vi.grad)])
+    compare(*res, ["out", "weights", "dq", "dk", "dv"])
+    assert lse.shape == (B, H, L)
+    if S == 0:
+        assert np.all(lse == -np.inf)
+
+
+def test_empty_problems_still_check_their_arguments():
+    m, _, _ = numpy_twin("plain")
+    q0, k0 = np.zeros((0, 4, 8), np.float32), np.zeros((0, 5, 8), np.float32)
+    with pytest.raises(ValueError, match="attn_mask"):
+        m.forward(q0, k0, k0, attn_mask=mha.block(np.zeros((4, 6), bool)))
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        m.forward(q0, k0, k0,
+                  key_padding_mask=mha.block(np.zeros((3, 5), bool)))
+    q, ke = np.ones((2, 4, 8), np.float32), np.zeros((2, 0, 8), np.float32)
+    with pytest.raises(ValueError, match="key_lengths"):
+        m.forward(q, ke, ke, key_lengths=[1, 0])
+    with pytest.raises(ValueError, match="attn_mask"):
+        mha.attention(q, ke, ke, num_heads=2,
+                      attn_mask=mha.block(np.zeros((4, 1), bool)))
+    # what an empty key's masks may say: nothing (no column to block)
+    out = m.forward(q, ke, ke, attn_mask=mha.block(np.zeros((4, 0), bool)),
+                    key_padding_mask=mha.block(np.zeros((2, 0), bool)),
+                    key_lengths=[0, 0])
+    assert np.array_equal(out, np.broadcast_to(m["out_proj.bias"],
+                                               out.shape))

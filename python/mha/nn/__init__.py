@@ -80,12 +80,12 @@ def _run_forward(owner, kw, q, k, v, params):
     out = np.empty((B, Lq, owner.embed_dim), np.float32)
     w = None
     if kw["need_weights"]:
-        lkt = core.total_keys(kw["kv_len"] or Lq)
+        lkt = core.total_keys(kw["kv_len"])
         w = np.empty((B, Lq, lkt) if kw["need_weights"] == 1
                      else (B, owner.num_heads, Lq, lkt), np.float32)
-    core.run(query=_np(q), key=None if k is None else _np(k),
-             value=None if v is None else _np(v), out=out,
-             attn_weights=w, **kw)
+    _mha._run_module(core, query=_np(q), key=None if k is None else _np(k),
+                     value=None if v is None else _np(v), out=out,
+                     attn_weights=w, **kw)
     return out, w
 
 
@@ -129,11 +129,12 @@ class _MHAFunction(torch.autograd.Function):
             else None
         gp = (np.empty(core.param_numel(), np.float32)
               if any(need[5:]) else None)
-        core.run(query=_np(q), key=None if k is None else _np(k),
-                 value=None if v is None else _np(v), out=None,
-                 grad_out=_np(grad_out.to(torch.float32)), grad_query=gq,
-                 grad_key=gk, grad_value=gv, grad_params=gp,
-                 **dict(ctx.kw, num_threads=torch.get_num_threads()))
+        _mha._run_module(
+            core, query=_np(q), key=None if k is None else _np(k),
+            value=None if v is None else _np(v), out=None,
+            grad_out=_np(grad_out.to(torch.float32)), grad_query=gq,
+            grad_key=gk, grad_value=gv, grad_params=gp,
+            **dict(ctx.kw, num_threads=torch.get_num_threads()))
         res = [None, None,
                None if gq is None else torch.from_numpy(gq),
                None if gk is None else torch.from_numpy(gk),
