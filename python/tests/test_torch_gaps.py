@@ -3,8 +3,10 @@ mha.nn reachable from ``import mha`` (and torch not imported by it),
 mha.nn.MultiheadAttention inside torch's TransformerEncoder(Layer), double
 backward refused, empty batches and sequences, the thread count followed
 per call, kdim / vdim of 0 refused."""
+import copy
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -25,7 +27,7 @@ def run_python(code, tmp_path):
     return r.stdout
 
 
-# ---- 6: mha.nn after a plain `import mha`, torch imported only then ----------
+# ---- 6: mha.nn after a plain `import mha`, torch imported only then ---------
 
 def test_mha_nn_is_an_attribute_after_import_mha(tmp_path):
     out = run_python(
@@ -46,8 +48,8 @@ def test_import_mha_alone_does_not_import_torch(tmp_path):
     out = run_python(
         "import sys, mha\n"
         "mha.Module(8, 2)\n"
-        "print(sorted(n for n in sys.modules\n"
-        "             if n == 'torch' or n.startswith(('torch.', 'mha.nn'))))\n"
+        "print(sorted(n for n in sys.modules if n == 'torch' or\n"
+        "             n.startswith(('torch.', 'mha.nn'))))\n"
         "try:\n"
         "    mha.no_such_name\n"
         "except AttributeError as e:\n"
@@ -57,7 +59,7 @@ def test_import_mha_alone_does_not_import_torch(tmp_path):
     assert "no_such_name" in lines[1]
 
 
-# ---- helpers: one module, torch's twin in float32 and float64 -----------------
+# ---- helpers: one module, torch's twin in float32 and float64 ---------------
 
 def twins(E=8, H=2, seed=0, **kw):
     """(ours, torch float32, torch float64) holding the same weights, the
@@ -79,7 +81,7 @@ def leaf(x, dtype=None):
     return x.detach().to(dtype or x.dtype).requires_grad_(True)
 
 
-# ---- 2: double backward refused, first order as torch's ------------------------
+# ---- 2: double backward refused, first order as torch's ---------------------
 
 def test_double_backward_raises_and_first_order_matches_torch():
     ours, t32, t64 = twins(batch_first=True)
@@ -106,7 +108,7 @@ def test_double_backward_raises_and_first_order_matches_torch():
     check_close(ogw, tgw, rgw, 3, "d loss / d in_proj_weight", backward=True)
 
 
-# ---- 5: the thread count read at every call; kdim / vdim of 0 refused ---------
+# ---- 5: the thread count read at every call; kdim / vdim of 0 refused -------
 
 class RecordingCore:
     """Stands in for a module's libmha handle and records the num_threads
@@ -171,7 +173,7 @@ def test_kdim_not_an_integer_refused():
         mnn.MultiheadAttention(8, 2, kdim=2.5)
 
 
-# ---- 1: inside torch's TransformerEncoderLayer and TransformerEncoder ----------
+# ---- 1: inside torch's TransformerEncoderLayer and TransformerEncoder -------
 
 E_T, H_T, L_T = 16, 4, 7
 LENGTHS = (7, 5, 3)          # right padding, as torch's nested path wants
@@ -216,8 +218,6 @@ def stack(kind, seed=3):
     afterwards (it decided on its nested-tensor path in __init__, with
     torch's module); 'encoder_before': one built from a layer that holds
     ours already."""
-    import copy
-    import warnings
     t32 = torch_layer(seed)
     if kind == "layer":
         ours = copy.deepcopy(t32)
@@ -350,7 +350,7 @@ def test_nested_input_refused_where_torch_refuses_it():
             ours(x, torch.randn(3, L_T, E_T), torch.randn(3, L_T, E_T))
 
 
-# ---- 3: empty batches and sequences ---------------------------------------------
+# ---- 3: empty batches and sequences -----------------------------------------
 
 EMPTY = [(0, 4, 5), (2, 0, 5), (2, 4, 0), (0, 0, 0)]     # (B, L, S)
 CONFIGS = {"plain": {}, "bias_kv+zero_attn": dict(add_bias_kv=True,

@@ -337,8 +337,8 @@ class MultiheadAttention(nn.Module):
         return state
 
     def __setstate__(self, state):
-        # (a module pickled before _qkv_same_embed_dim was the class's
-        # constant False holds its own True: dropped, see the class)
+        # an instance's own _qkv_same_embed_dim (pickled by an earlier
+        # mha.nn) would hide the class's False (see the class): dropped
         state.pop("_qkv_same_embed_dim", None)
         self.__dict__.update(state)
 
