@@ -1584,6 +1584,23 @@ static mha_status heads_first_inputs(mha_attention_args *a,
     return MHA_OK;
 }
 
+/* An attention plan kept by Python between a forward and its backward
+ * (the drop-in's autograd): the capsule's pointer, and whether a call is
+ * using it now. */
+typedef struct {
+    mha_attention_plan *plan;
+    int busy;
+} kept_plan;
+
+static void kept_plan_free(PyObject *capsule)
+{
+    kept_plan *k = PyCapsule_GetPointer(capsule, "mha.attention_plan");
+    if (k) {
+        mha_attention_plan_free(k->plan);
+        free(k);
+    }
+}
+
 static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
 {
     (void)self;
@@ -1594,28 +1611,45 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
         "need_weights", "attn_weights", "dropout", "training",
         "dropout_seed", "num_threads", "lse", "cache", "modifiers", "sinks",
         "q_positions", "k_positions", "grad_out", "grad_q", "grad_k",
-        "grad_v", "grad_sinks", "heads_first", NULL};
+        "grad_v", "grad_sinks", "heads_first", "plan", NULL};
     PyObject *q, *k = Py_None, *v = Py_None, *out = Py_None;
     PyObject *scale = Py_None, *am = Py_None, *kpm = Py_None, *kl = Py_None;
     PyObject *w = Py_None, *lse = Py_None, *cache = Py_None, *mods = Py_None;
     PyObject *sinks = Py_None, *qp = Py_None, *kp = Py_None;
     PyObject *go = Py_None, *gq = Py_None, *gk = Py_None, *gv = Py_None;
-    PyObject *gs = Py_None;
+    PyObject *gs = Py_None, *plan = Py_None;
     long long B, H, dh, Lq, Lk = 0, Hkv = 0;
     int amk = 0, kpmk = 0, causal = 0, nw = 0, training = 0, threads = 0;
     int heads_first = 0;
     float dropout = 0;
     unsigned long long seed = 0;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kw, "OOOOLLLL|LLOOiOiOiiOfpKiOOOOOOOOOOOp", kws, &q, &k, &v,
-            &out, &B, &H, &dh, &Lq, &Lk, &Hkv, &scale, &am, &amk, &kpm,
+            args, kw, "OOOOLLLL|LLOOiOiOiiOfpKiOOOOOOOOOOOpO", kws, &q, &k,
+            &v, &out, &B, &H, &dh, &Lq, &Lk, &Hkv, &scale, &am, &amk, &kpm,
             &kpmk, &kl, &causal, &nw, &w, &dropout, &training, &seed,
             &threads, &lse, &cache, &mods, &sinks, &qp, &kp, &go, &gq, &gk,
-            &gv, &gs, &heads_first))
+            &gv, &gs, &heads_first, &plan))
         return NULL;
     if (heads_first && cache != Py_None)
         return PyErr_Format(PyExc_ValueError,
                             "heads_first: not with a KV cache");
+    /* plan: None (unplanned), True (a forward makes one and returns it) or
+     * such a capsule (a forward runs on it, a backward differentiates its
+     * last run): rows layout, no cache */
+    kept_plan *kp_ = NULL;
+    if (plan != Py_None) {
+        if (heads_first || cache != Py_None)
+            return PyErr_Format(PyExc_ValueError, "plan: rows layout and no "
+                                "KV cache only");
+        if (plan != Py_True) {
+            kp_ = PyCapsule_GetPointer(plan, "mha.attention_plan");
+            if (!kp_)
+                return NULL;
+            if (kp_->busy)
+                return PyErr_Format(PyExc_RuntimeError, "the attention plan "
+                                    "is in use by another thread");
+        }
+    }
     if (B < 1 || H < 1 || dh < 1 || Lq < 1 || Lk < 0 || Hkv < 0)
         return PyErr_Format(PyExc_ValueError,
                             "batch, num_heads, head_dim and q_len must be "
@@ -1735,24 +1769,59 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
     }
     mha_status st = MHA_OK;
     float *scratch[4] = {NULL, NULL, NULL, NULL};
+    mha_attention_plan *made = NULL;
     if (co)
         co->busy = 1;
+    if (kp_)
+        kp_->busy = 1;
     Py_BEGIN_ALLOW_THREADS
     if (heads_first)
         st = heads_first_inputs(&a, x4, backward ? 4 : 3, &g.grad_out,
                                 scratch);
     if (st == MHA_OK && co && !backward)
         st = attention_decode(&a);
+    else if (st == MHA_OK && plan != Py_None && backward)
+        st = kp_ ? mha_attention_plan_backward(kp_->plan, &a, &g)
+                 : mha_error_set(MHA_ERR_INVALID_ARGUMENT, "a backward "
+                                 "takes the plan its forward returned");
+    else if (st == MHA_OK && plan != Py_None)
+        st = kp_ ? mha_attention_plan_run(kp_->plan, &a)
+                 : mha_attention_plan_create(&a, &made);
     else if (st == MHA_OK)
         st = backward ? mha_attention_backward(&a, &g) : mha_attention(&a);
+    if (st == MHA_OK && made) {
+        st = mha_attention_plan_run(made, &a);
+        if (st != MHA_OK) {
+            mha_attention_plan_free(made);
+            made = NULL;
+        }
+    }
     for (int i = 0; i < 4; i++)
         free(scratch[i]);
     Py_END_ALLOW_THREADS
     if (co)
         co->busy = 0;
+    if (kp_)
+        kp_->busy = 0;
     bufs_release(&b);
     if (st != MHA_OK)
         return raise_status(st);
+    if (made) {
+        kept_plan *k = malloc(sizeof *k);
+        PyObject *cap = k ? PyCapsule_New(k, "mha.attention_plan",
+                                          kept_plan_free) : NULL;
+        if (!cap) {
+            free(k);
+            mha_attention_plan_free(made);
+            return k ? NULL : PyErr_NoMemory();
+        }
+        *k = (kept_plan){made, 0};
+        return cap;
+    }
+    if (kp_ && !backward) {
+        Py_INCREF(plan);
+        return plan;
+    }
     Py_RETURN_NONE;
 fail:
     bufs_release(&b);

@@ -22,6 +22,8 @@ Where it differs from torch:
     layer (one pass each, the GIL released); the output (and the
     gradients) are transposed views of (B, L, H, d) tensors.
 """
+import collections
+
 import numpy as np
 import torch
 from torch.nn.attention.bias import CausalBias, CausalVariant
@@ -278,17 +280,53 @@ def _sdpa_plain(q, k, v, causal, scale, gqa):
     return torch.from_numpy(out).transpose(1, 2)
 
 
+def _rows(t):
+    """A (B, H, L, d) tensor in libmha's rows layout, (B, L, H, d)
+    C-contiguous, as a NumPy array: a view when it is a transposed view of
+    such a tensor (how models make q, k and v), torch's copy otherwise."""
+    r = t.detach().transpose(1, 2)
+    return (r if r.is_contiguous() else r.contiguous()).numpy()
+
+
+# Idle attention plans by shape (B, H, H_kv, Lq, Lk, d_h, threads): a
+# forward that autograd will differentiate runs on one (made on first
+# use), its backward differentiates that run (no second forward, nothing
+# allocated), then gives it back.  The few most recent shapes are kept.
+_PLANS = collections.OrderedDict()
+_PLANS_KEPT = 4
+
+
+def _plan_of(key):
+    return _PLANS.pop(key, True)
+
+
+def _give_back(key, plan):
+    _PLANS[key] = plan
+    while len(_PLANS) > _PLANS_KEPT:
+        _PLANS.popitem(last=False)
+
+
 class _SDPA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, kw):
         ctx.kw = kw
         ctx.save_for_backward(q, k, v, sinks)
-        return _sdpa_forward(q, k, v, sinks, kw)
+        # the backward must see the very buffers of this run (the plan
+        # checks them): libmha's layout, kept here
+        ctx.arrays = (_rows(q), _rows(k), _rows(v),
+                      None if sinks is None else _np(sinks))
+        ctx.key = (tuple(q.shape) + tuple(k.shape[1:3]) +
+                   (kw["num_threads"],))
+        out, res = _empty(*q.shape)
+        qa, ka, va, sa = ctx.arrays
+        ctx.plan = _core.attention(q=qa, k=ka, v=va, out=out, sinks=sa,
+                                   plan=_plan_of(ctx.key), **kw)
+        return res
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, sinks = ctx.saved_tensors
+        q, k, v, sinks = ctx.saved_tensors   # (torch's in-place checks)
         if grad_out is None:
             return None, None, None, None, None
         gq, tq = _empty(*q.shape)
@@ -296,11 +334,13 @@ class _SDPA(torch.autograd.Function):
         gv, tv = _empty(*v.shape)
         gs = (np.empty(sinks.shape, np.float32) if sinks is not None
               else None)
-        _core.attention(q=_any(q), k=_any(k), v=_any(v), out=None,
-                        sinks=None if sinks is None else _np(sinks),
-                        grad_out=_any(grad_out.to(torch.float32)),
+        qa, ka, va, sa = ctx.arrays
+        _core.attention(q=qa, k=ka, v=va, out=None, sinks=sa,
+                        grad_out=_rows(grad_out.to(torch.float32)),
                         grad_q=gq, grad_k=gk, grad_v=gv, grad_sinks=gs,
-                        heads_first=True, **ctx.kw)
+                        plan=ctx.plan, **ctx.kw)
+        _give_back(ctx.key, ctx.plan)
+        ctx.plan = ctx.arrays = None
         return (tq, tk, tv, None if gs is None else torch.from_numpy(gs),
                 None)
 
@@ -499,6 +539,7 @@ def _sdpa(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa,
               attn_mask=am, attn_mask_kind=amk, key_padding_mask=km,
               key_padding_mask_kind=kmk, key_lengths=kl, causal=causal,
               dropout=p, training=p > 0, dropout_seed=_seed() if p > 0 else 0,
+              num_threads=torch.get_num_threads(),
               modifiers=_mha._modifiers(H, rope, alibi, window, softcap),
               q_positions=_mha._int64(q_positions, "q_positions"),
               k_positions=_mha._int64(k_positions, "k_positions"))
