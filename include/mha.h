@@ -681,9 +681,10 @@ typedef struct mha_attention_args {
     mha_layout layout;    /* MHA_LAYOUT_ROWS (0, above) or
                              MHA_LAYOUT_HEADS_FIRST: q and out (B, H, Lq,
                              d_h), k and v (B, H_kv, Lk, d_h), PyTorch
-                             SDPA's layout, read and written in place.
-                             Forward only (the backward refuses it), not
-                             with a cache or RoPE.                       */
+                             SDPA's layout, read and written in place;
+                             the backward reads dL/d out and writes dq,
+                             dk, dv in it too.  Not with a cache or
+                             RoPE.                                       */
     mha_dtype dtype;      /* of q, k, v and out.  MHA_DTYPE_F32 (0): the
                              float pointers above.  BF16 or F16: q16, k16,
                              v16 and out16 instead (each element the

@@ -1440,7 +1440,9 @@ static PyTypeObject CacheType = {
  * (out, grad_q, grad_k, grad_v) C-contiguous (B, L, H, d_h), libmha's own
  * layout, which the caller views as (B, H, L, d_h) by a transpose.  An
  * input already in libmha's layout is read in place; any other is
- * gathered into it once, with the GIL released.
+ * gathered into it once, with the GIL released.  heads_first = 2: every
+ * one of them C-contiguous (B, H, L, d_h), read and written in place
+ * (MHA_LAYOUT_HEADS_FIRST), backward and plans included.
  */
 typedef struct strided4 {
     const char *base;
@@ -1624,7 +1626,7 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
     float dropout = 0;
     unsigned long long seed = 0;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kw, "OOOOLLLL|LLOOiOiOiiOfpKiOOOOOOOOOOOpO", kws, &q, &k,
+            args, kw, "OOOOLLLL|LLOOiOiOiiOfpKiOOOOOOOOOOOiO", kws, &q, &k,
             &v, &out, &B, &H, &dh, &Lq, &Lk, &Hkv, &scale, &am, &amk, &kpm,
             &kpmk, &kl, &causal, &nw, &w, &dropout, &training, &seed,
             &threads, &lse, &cache, &mods, &sinks, &qp, &kp, &go, &gq, &gk,
@@ -1633,14 +1635,18 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
     if (heads_first && cache != Py_None)
         return PyErr_Format(PyExc_ValueError,
                             "heads_first: not with a KV cache");
+    if (heads_first < 0 || heads_first > 2)
+        return PyErr_Format(PyExc_ValueError, "heads_first must be 0, 1 or "
+                            "2, got %d", heads_first);
+    const int gather = heads_first == 1;   /* strided4 inputs */
     /* plan: None (unplanned), True (a forward makes one and returns it) or
      * such a capsule (a forward runs on it, a backward differentiates its
      * last run): rows layout, no cache */
     kept_plan *kp_ = NULL;
     if (plan != Py_None) {
-        if (heads_first || cache != Py_None)
-            return PyErr_Format(PyExc_ValueError, "plan: rows layout and no "
-                                "KV cache only");
+        if (gather || cache != Py_None)
+            return PyErr_Format(PyExc_ValueError, "plan: C-contiguous "
+                                "buffers and no KV cache only");
         if (plan != Py_True) {
             kp_ = PyCapsule_GetPointer(plan, "mha.attention_plan");
             if (!kp_)
@@ -1680,7 +1686,7 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
     void *pq = NULL, *pk = NULL, *pv = NULL;
     void *pout, *pw, *pkl, *plse, *psinks, *pqp, *pkp;
     strided4 x4[4];   /* heads_first: q, k, v, grad_out */
-    if ((heads_first
+    if ((gather
              ? get_buf4(&b, q, "q", B, H, Lq, dh, &x4[0]) ||
                    get_buf4(&b, k, "k", B, Hkv, lk, dh, &x4[1]) ||
                    get_buf4(&b, v, "v", B, Hkv, lk, dh, &x4[2])
@@ -1728,12 +1734,14 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
     a.sinks = psinks;
     a.q_positions = pqp;
     a.k_positions = pkp;
+    if (heads_first == 2)
+        a.layout = MHA_LAYOUT_HEADS_FIRST;
 
     mha_attention_grads g;
     memset(&g, 0, sizeof g);
     if (backward) {
         void *pgo = NULL, *pgq, *pgk, *pgv, *pgs;
-        if ((heads_first
+        if ((gather
                  ? get_buf4(&b, go, "grad_out", B, H, Lq, dh, &x4[3])
                  : get_buf(&b, go, "grad_out", T_F32, 0, qn, 1, &pgo,
                            NULL)) ||
@@ -1775,7 +1783,7 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
     if (kp_)
         kp_->busy = 1;
     Py_BEGIN_ALLOW_THREADS
-    if (heads_first)
+    if (gather)
         st = heads_first_inputs(&a, x4, backward ? 4 : 3, &g.grad_out,
                                 scratch);
     if (st == MHA_OK && co && !backward)

@@ -339,9 +339,12 @@ def test_no_grad_short_way_is_the_same_call(seed):
                 sdpa(q, k, v)
 
 
-def test_backward_on_the_forwards_plan():
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_backward_on_the_forwards_plan(layout):
     """Autograd differentiates the forward's own run (a plan kept from the
-    forward, no second forward): the gradients are the bits of the NumPy
+    forward, no second forward), on torch's contiguous (B, H, L, d) tensors
+    in place (libmha's heads-first layout) or on transposed views of (B, L,
+    H, d) ones (its rows layout): the gradients are the bits of the NumPy
     level's mha.attention_backward (create, run, backward), with two graphs
     of one shape alive at once, a plan reused by a later step, sinks and a
     key mask; q changed in place before the backward is refused by torch's
@@ -349,35 +352,44 @@ def test_backward_on_the_forwards_plan():
     B, H, Hkv, L, S, d = 2, 4, 2, 5, 9, 8
     g = torch.Generator().manual_seed(4)
 
-    def inputs():
-        q = torch.randn(B, H, L, d, generator=g, requires_grad=True)
-        k = torch.randn(B, Hkv, S, d, generator=g, requires_grad=True)
-        v = torch.randn(B, Hkv, S, d, generator=g, requires_grad=True)
-        s = torch.randn(H, generator=g, requires_grad=True)
-        return q, k, v, s
-    keys = torch.arange(S)[None, :] < torch.tensor([[9], [6]])
+    def leaf(h, n):
+        """(leaf, the (B, h, n, d) tensor made from it)"""
+        if layout == "contiguous":
+            t = torch.randn(B, h, n, d, generator=g, requires_grad=True)
+            return t, t
+        t = torch.randn(B, n, h, d, generator=g, requires_grad=True)
+        return t, t.transpose(1, 2)
 
     def rows(t):
         return t.detach().transpose(1, 2).reshape(t.shape[0], t.shape[2], -1)
+
+    def inputs():
+        (lq, q), (lk, k), (lv, v) = leaf(H, L), leaf(Hkv, S), leaf(Hkv, S)
+        s = torch.randn(H, generator=g, requires_grad=True)
+        return (lq, lk, lv, s), (q, k, v, s)
+    keys = torch.arange(S)[None, :] < torch.tensor([[9], [6]])
     for step in range(2):   # the second step reuses the first's plans
         a, b = inputs(), inputs()
         outs = [sdpa(x[0], x[1], x[2], enable_gqa=True, sinks=x[3],
-                     key_mask=keys) for x in (a, b)]
+                     key_mask=keys) for _, x in (a, b)]
         gos = [torch.randn(o.shape, generator=g) for o in outs]
-        for x, o, go in ((b, outs[1], gos[1]), (a, outs[0], gos[0])):
+        for (leaves, x), o, go in ((b, outs[1], gos[1]), (a, outs[0], gos[0])):
             o.backward(go)
             want = mha.attention_backward(
                 rows(go).numpy(), rows(x[0]).numpy(), rows(x[1]).numpy(),
                 rows(x[2]).numpy(), num_heads=H, num_kv_heads=Hkv,
                 sinks=x[3].detach().numpy(),
                 key_padding_mask=mha.allow(keys.numpy()))
-            for t, w in zip(x, want):
-                got = t.grad.transpose(1, 2).reshape(w.shape) \
-                    if t.dim() == 4 else t.grad
+            for t, lf, w in zip(x, leaves, want):
+                if t.dim() == 4:
+                    got = lf.grad if lf is not t else t.grad.transpose(1, 2)
+                    got = got.reshape(w.shape)
+                else:
+                    got = t.grad
                 np.testing.assert_array_equal(got.numpy(), w)
-    q, k, v, s = inputs()
+    (lq, _, _, _), (q, k, v, s) = inputs()
     out = sdpa(q, k, v, enable_gqa=True)
     with torch.no_grad():
-        q.add_(1.0)
+        lq.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace"):
         out.sum().backward()

@@ -301,6 +301,9 @@ typedef struct mha_attn_grad {
     int64_t lddc;
     float *dq, *dk, *dv;
     int64_t lddq, lddk, lddv;
+    /* head and batch strides as mha_attn's (0: the rows layout's): the
+     * layout of dctx and dq is q's, of dk and dv k's */
+    int64_t hsdc, hsdq, hsdk, hsdv, bsdc, bsdq, bsdk, bsdv;
     float *dbias_k, *dbias_v;
     float *dsinks;   /* [B][H], or NULL: dL/d sinks[h] of each (b, h),
                         summed over b by the caller (with sinks)       */

@@ -308,7 +308,8 @@ static void load_block(const mha_attn *a, const mha_attn_grad *g, int64_t b,
     const int64_t dh = a->dh;
     int fin = 1;
     for (int r = 0; r < mr; r++) {
-        const float *src = g->dctx + (b * a->Lq + i0 + r) * g->lddc + h * dh;
+        const float *src = g->dctx + mha_row_at(a, a->Lq, g->lddc, g->hsdc,
+                                                g->bsdc, b, h, i0 + r);
         for (int64_t d = 0; d < dh; d++) {
             w->dout[r * dh + d] = src[d];
             fin &= isfinite(src[d]) != 0;
@@ -331,10 +332,12 @@ static void store_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
     const int64_t dh = a->dh;
     const size_t row = (size_t)dh * sizeof(float);
     for (int64_t j = 0; j < a->Lk; j++) {
-        memcpy(g->dk + (b * a->Lk + j) * g->lddk + kvh * dh, dkc + j * dh,
-               row);
-        memcpy(g->dv + (b * a->Lk + j) * g->lddv + kvh * dh, dvc + j * dh,
-               row);
+        memcpy(g->dk + mha_row_at(a, a->Lk, g->lddk, g->hsdk, g->bsdk, b,
+                                  kvh, j),
+               dkc + j * dh, row);
+        memcpy(g->dv + mha_row_at(a, a->Lk, g->lddv, g->hsdv, g->bsdv, b,
+                                  kvh, j),
+               dvc + j * dh, row);
     }
 }
 
@@ -376,7 +379,8 @@ static void bwd_head(const mha_attn *a, const mha_attn_grad *g, int64_t b,
         mha_for_each_tile(a, b, h, i0, mr, 0, a->Lk, 1, w->bias, grads_tile,
                           w);
         for (int r = 0; r < mr; r++) {
-            float *dst = g->dq + (b * a->Lq + i0 + r) * g->lddq + h * dh;
+            float *dst = g->dq + mha_row_at(a, a->Lq, g->lddq, g->hsdq,
+                                            g->bsdq, b, h, i0 + r);
             for (int64_t d = 0; d < dh; d++)
                 dst[d] = w->o[r * dh + d] * a->scale;
         }

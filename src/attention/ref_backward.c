@@ -33,8 +33,10 @@ void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
     for (int64_t h = kvh * group; h < (kvh + 1) * group; h++)
     for (int64_t i = 0; i < a->Lq; i++) {
         const float *q = mha_q_row(a, b, h, i);
-        const float *dO = g->dctx + (b * a->Lq + i) * g->lddc + h * dh;
-        float *dqd = g->dq + (b * a->Lq + i) * g->lddq + h * dh;
+        const float *dO = g->dctx + mha_row_at(a, a->Lq, g->lddc, g->hsdc,
+                                               g->bsdc, b, h, i);
+        float *dqd = g->dq + mha_row_at(a, a->Lq, g->lddq, g->hsdq, g->bsdq,
+                                        b, h, i);
         int64_t live = mha_mask_row(a->mask, b, h, i, bias);
         memset(dq, 0, (size_t)dh * sizeof *dq);
         const double sink = a->sinks ? a->sinks[h] : -INFINITY;
@@ -110,10 +112,10 @@ void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
     }
     for (int64_t j = 0; j < Lk; j++)
         for (int64_t d = 0; d < dh; d++) {
-            g->dk[(b * Lk + j) * g->lddk + kvh * dh + d] =
-                (float)dk[j * dh + d];
-            g->dv[(b * Lk + j) * g->lddv + kvh * dh + d] =
-                (float)dv[j * dh + d];
+            g->dk[mha_row_at(a, Lk, g->lddk, g->hsdk, g->bsdk, b, kvh, j) +
+                  d] = (float)dk[j * dh + d];
+            g->dv[mha_row_at(a, Lk, g->lddv, g->hsdv, g->bsdv, b, kvh, j) +
+                  d] = (float)dv[j * dh + d];
         }
     if (a->bias_k && g->dbias_k)
         for (int64_t d = 0; d < dh; d++) {

@@ -607,19 +607,15 @@ static mha_status check_saved(const mha_attention_plan *p,
     return MHA_OK;
 }
 
-/* The backward reads and writes the rows layout only. */
-static mha_status backward_layout(const mha_attention_args *a)
+/* The backward differentiates attention on given k and v (either
+ * layout), never on a KV cache. */
+static mha_status no_cache_backward(const mha_attention_args *a)
 {
     if (a->cache)
         return mha_set_error(MHA_ERR_UNSUPPORTED,
                              "attention on a KV cache has no backward "
                              "(decoding is inference): give k and v, not a "
                              "cache, to differentiate");
-    if (a->layout != MHA_LAYOUT_ROWS)
-        return mha_set_error(MHA_ERR_UNSUPPORTED,
-                             "the backward takes q, k, v and their gradients "
-                             "in rows (MHA_LAYOUT_ROWS), got layout %d",
-                             (int)a->layout);
     return MHA_OK;
 }
 
@@ -643,7 +639,7 @@ static mha_status plan_backward(mha_attention_plan *p,
                              !g->grad_out ? "grad_out"
                              : !g->grad_q ? "grad_q"
                              : !g->grad_k ? "grad_k" : "grad_v");
-    MHA_CHECK(backward_layout(a));
+    MHA_CHECK(no_cache_backward(a));
     MHA_CHECK(check_saved(p, a));
     if (g->grad_sinks && !a->sinks)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
@@ -680,10 +676,13 @@ static mha_status plan_backward(mha_attention_plan *p,
         at.q = p->rot;
         at.k = p->rot + s->n_q;
     }
+    /* each gradient in the layout of its input (dL/d out: out's) */
     const mha_attn_grad ag = {
-        .dctx = g->grad_out, .lddc = s->E, .dq = g->grad_q, .dk = g->grad_k,
-        .dv = g->grad_v, .lddq = s->E, .lddk = s->Ekv, .lddv = s->Ekv,
-        .dsinks = a->sinks ? p->dsinks : NULL,
+        .dctx = g->grad_out, .lddc = at.ldc, .dq = g->grad_q,
+        .dk = g->grad_k, .dv = g->grad_v, .lddq = at.ldq, .lddk = at.ldk,
+        .lddv = at.ldv, .hsdc = at.hsc, .hsdq = at.hsq, .hsdk = at.hsk,
+        .hsdv = at.hsv, .bsdc = at.bsc, .bsdq = at.bsq, .bsdk = at.bsk,
+        .bsdv = at.bsv, .dsinks = a->sinks ? p->dsinks : NULL,
         .packed = p->bws + p->blay.packed, .row_lse = row_lse,
         .row_delta = row_delta};
     mha_attn_backward(&p->eng, &at, &ag, p->bws + p->blay.scratch,
@@ -968,7 +967,7 @@ static mha_status attention_half_backward(const mha_attention_args *a,
                              "data as float32 (mha_attention_backward)",
                              a->sinks ? "sinks" : "dropout");
     if (a->cache)
-        return backward_layout(a);
+        return no_cache_backward(a);
     mha_attention_args f = *a;
     f.need_weights = MHA_WEIGHTS_NONE;
     f.attn_weights = NULL;
@@ -1078,7 +1077,7 @@ static mha_status mha_attention_backward_impl(const mha_attention_args *a,
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "args.dtype is %d: the backward of 16-bit data "
                              "is mha_attention_backward16", (int)a->dtype);
-    MHA_CHECK(backward_layout(a));
+    MHA_CHECK(no_cache_backward(a));
     mha_attention_args f = *a;
     f.need_weights = MHA_WEIGHTS_NONE;
     f.attn_weights = NULL;
@@ -1129,7 +1128,12 @@ static mha_status mha_attention_backward_part_impl(
                                   : "out (the output merged over all parts)");
     if (!g->grad_out)
         return mha_set_error(MHA_ERR_NULL_POINTER, "grad_out is NULL");
-    MHA_CHECK(backward_layout(a));
+    MHA_CHECK(no_cache_backward(a));
+    if (a->layout != MHA_LAYOUT_ROWS)
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "a part's backward takes q, k, v, out and the "
+                             "gradients in rows (MHA_LAYOUT_ROWS), got "
+                             "layout %d", (int)a->layout);
     if (a->sinks || g->grad_sinks)
         return mha_set_error(MHA_ERR_UNSUPPORTED,
                              "a part's backward takes no sinks (a sink "

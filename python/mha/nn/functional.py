@@ -139,6 +139,15 @@ def _empty(B, H, L, d):
     return a, torch.from_numpy(a).transpose(1, 2)
 
 
+def _empty_as(shape, heads_first):
+    """A (B, H, L, d) output as (array, tensor): with heads_first both
+    contiguous (B, H, L, d), else libmha's rows layout and its view."""
+    if heads_first:
+        a = np.empty(shape, np.float32)
+        return a, torch.from_numpy(a)
+    return _empty(*shape)
+
+
 def _sdpa_forward(q, k, v, sinks, kw):
     """libmha's forward on (B, H, L, d) tensors: the output tensor."""
     out, res = _empty(*q.shape)
@@ -308,19 +317,28 @@ def _give_back(key, plan):
 
 class _SDPA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, kw):
+    def forward(ctx, q, k, v, sinks, kw, in_place):
         ctx.kw = kw
         ctx.save_for_backward(q, k, v, sinks)
-        # the backward must see the very buffers of this run (the plan
-        # checks them): libmha's layout, kept here
-        ctx.arrays = (_rows(q), _rows(k), _rows(v),
+        # Contiguous (B, H, L, d) tensors, torch's own, are read and written
+        # where they are (libmha's heads-first layout, the gradients too;
+        # not with RoPE);
+        # any others in libmha's rows layout, (B, L, H, d), where they are
+        # transposed views of it (how models make q, k and v), else copied.
+        # The backward must see the very buffers of this run (the plan
+        # checks them): they are kept here.
+        ctx.hf = 2 if (in_place and q.is_contiguous() and
+                       k.is_contiguous() and v.is_contiguous()) else 0
+        arr = (lambda t: t.detach().numpy()) if ctx.hf else _rows
+        ctx.arrays = (arr(q), arr(k), arr(v),
                       None if sinks is None else _np(sinks))
         ctx.key = (tuple(q.shape) + tuple(k.shape[1:3]) +
-                   (kw["num_threads"],))
-        out, res = _empty(*q.shape)
+                   (kw["num_threads"], ctx.hf))
+        out, res = _empty_as(q.shape, ctx.hf)
         qa, ka, va, sa = ctx.arrays
         ctx.plan = _core.attention(q=qa, k=ka, v=va, out=out, sinks=sa,
-                                   plan=_plan_of(ctx.key), **kw)
+                                   plan=_plan_of(ctx.key),
+                                   heads_first=ctx.hf, **kw)
         return res
 
     @staticmethod
@@ -328,21 +346,23 @@ class _SDPA(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, sinks = ctx.saved_tensors   # (torch's in-place checks)
         if grad_out is None:
-            return None, None, None, None, None
-        gq, tq = _empty(*q.shape)
-        gk, tk = _empty(*k.shape)
-        gv, tv = _empty(*v.shape)
+            return None, None, None, None, None, None
+        hf = ctx.hf
+        gq, tq = _empty_as(q.shape, hf)
+        gk, tk = _empty_as(k.shape, hf)
+        gv, tv = _empty_as(v.shape, hf)
         gs = (np.empty(sinks.shape, np.float32) if sinks is not None
               else None)
+        go = grad_out.to(torch.float32)
         qa, ka, va, sa = ctx.arrays
         _core.attention(q=qa, k=ka, v=va, out=None, sinks=sa,
-                        grad_out=_rows(grad_out.to(torch.float32)),
+                        grad_out=go.contiguous().numpy() if hf else _rows(go),
                         grad_q=gq, grad_k=gk, grad_v=gv, grad_sinks=gs,
-                        plan=ctx.plan, **ctx.kw)
+                        plan=ctx.plan, heads_first=hf, **ctx.kw)
         _give_back(ctx.key, ctx.plan)
         ctx.plan = ctx.arrays = None
         return (tq, tk, tv, None if gs is None else torch.from_numpy(gs),
-                None)
+                None, None)
 
 
 class _Empty(torch.autograd.Function):
@@ -546,7 +566,8 @@ def _sdpa(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa,
     if torch.is_grad_enabled() and (
             query.requires_grad or key.requires_grad or value.requires_grad
             or (sinks is not None and sinks.requires_grad)):
-        out = _SDPA.apply(query, key, value, sinks, kw)
+        # (RoPE rotates copies in the rows layout: no heads-first there)
+        out = _SDPA.apply(query, key, value, sinks, kw, rope is None)
     else:
         # nothing to differentiate: no autograd node, the same call
         out = _sdpa_forward(query, key, value, sinks, kw)
