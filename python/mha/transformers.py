@@ -129,13 +129,15 @@ def _overlay_width(fn, qualname):
 
 
 def _pattern(fn):
-    """(causal, window) for transformers' own mask functions: causal,
+    """(causal, window, code) for transformers' own mask functions: causal,
     bidirectional, and their sliding-window forms; None for anything else
-    (the caller then builds the dense mask)."""
+    (the caller then builds the dense mask).  code: None for the two
+    functions themselves (known by identity), else the overlay's code,
+    which _agrees checks once."""
     if fn is _mu.causal_mask_function:
-        return True, None
+        return True, None, None
     if fn is _mu.bidirectional_mask_function:
-        return False, None
+        return False, None, None
     parts = _and_parts(fn)
     if parts is None or len(parts) != 2:
         return None
@@ -144,13 +146,17 @@ def _pattern(fn):
         w = _overlay_width(overlay, "sliding_window_overlay.<locals>."
                                     "inner_mask")
         # kv > q - w: the w positions up to the query, itself included
-        return None if w is None else (True, (w - 1, 0))
+        return None if w is None else (True, (w - 1, 0), overlay.__code__)
     if base is _mu.bidirectional_mask_function:
         w = _overlay_width(overlay, "sliding_window_bidirectional_overlay."
                                     "<locals>.inner_mask")
         # |q - kv| <= w
-        return None if w is None else (False, (w, w))
+        return None if w is None else (False, (w, w), overlay.__code__)
     return None
+
+
+# overlay code _agrees found to be what _pattern says (once per code)
+_VERIFIED = set()
 
 
 def _agrees(fn, causal, window, q_length, kv_length, q_offset, kv_offset):
@@ -198,11 +204,14 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     q_offset, kv_offset = int(q_offset), int(kv_offset)
     pat = _pattern(mask_function)
     if pat is not None:
-        causal, window = pat
+        causal, window, code = pat
         aligned = q_offset + q_length == kv_offset + kv_length
-        if (aligned or not (causal or window)) and _agrees(
-                mask_function, causal, window, q_length, kv_length, q_offset,
-                kv_offset):
+        if (aligned or not (causal or window)) and (
+                code is None or code in _VERIFIED or _agrees(
+                    mask_function, causal, window, q_length, kv_length,
+                    q_offset, kv_offset)):
+            if code is not None:
+                _VERIFIED.add(code)
             lengths, keys = _padding(attention_mask, kv_length, kv_offset)
             return Mask((batch_size, 1, q_length, kv_length), causal, window,
                         lengths, keys)

@@ -239,12 +239,14 @@ def test_packed_sequences_fall_back_to_the_dense_mask(dense_calls):
 
 def test_mask_pattern_recognition():
     mu = transformers.masking_utils
-    assert MT._pattern(mu.causal_mask_function) == (True, None)
-    assert MT._pattern(mu.bidirectional_mask_function) == (False, None)
-    assert MT._pattern(mu.sliding_window_causal_mask_function(5)) == \
+    assert MT._pattern(mu.causal_mask_function) == (True, None, None)
+    assert MT._pattern(mu.bidirectional_mask_function) == \
+        (False, None, None)
+    assert MT._pattern(mu.sliding_window_causal_mask_function(5))[:2] == \
         (True, (4, 0))
     assert MT._pattern(
-        mu.sliding_window_bidirectional_mask_function(3)) == (False, (3, 3))
+        mu.sliding_window_bidirectional_mask_function(3))[:2] == \
+        (False, (3, 3))
     # a function of the user's own, or chunked attention: not recognised
     assert MT._pattern(lambda b, h, q, kv: kv <= q) is None
     chunked = mu.chunked_causal_mask_function(4, torch.zeros(1, dtype=int))

@@ -236,16 +236,25 @@ void mha_score_tile(const mha_attn *a, const mha_tile *t, float *s,
         mask_window(a, t, s);
         return;
     }
+    /* Boolean masks alone give bias 0 or -inf: a select, which
+     * vectorises (s + 0 = s, up to the sign of a zero score, which no
+     * result can show) */
+    const mha_mask_plan *mk = a->mask;
+    const int select = mk->attn.kind != MHA_MASK_ADDITIVE &&
+                       mk->pad.kind != MHA_MASK_ADDITIVE;
     for (int r = 0; r < t->mr; r++) {
         float *sr = s + r * MHA_BC;
-        if (t->how == MHA_TILE_EXPLICIT) {
-            const float *br = t->bias + r * MHA_BC;
-            for (int c = 0; c < t->nc; c++)
-                sr[c] = masked(sr[c], br[c]);
-        } else {
-            if (t->how == MHA_TILE_KEYS)   /* the shared key row first */
+        const float *br = t->how == MHA_TILE_EXPLICIT ? t->bias + r * MHA_BC
+                        : t->bias;   /* KEYS: the shared key row */
+        if (t->how == MHA_TILE_EXPLICIT || t->how == MHA_TILE_KEYS) {
+            if (select)
                 for (int c = 0; c < t->nc; c++)
-                    sr[c] = masked(sr[c], t->bias[c]);
+                    sr[c] = br[c] == 0.0f ? sr[c] : -INFINITY;
+            else
+                for (int c = 0; c < t->nc; c++)
+                    sr[c] = masked(sr[c], br[c]);
+        }
+        if (t->how != MHA_TILE_EXPLICIT) {
             /* Keys before the row's first (the window) and after its
              * last (causal, key lengths, the window) are excluded. */
             const int64_t i = mha_tile_row(t, r);

@@ -148,11 +148,21 @@ def _empty_as(shape, heads_first):
     return _empty(*shape)
 
 
-def _sdpa_forward(q, k, v, sinks, kw):
-    """libmha's forward on (B, H, L, d) tensors: the output tensor."""
+def _sdpa_forward(q, k, v, sinks, kw, in_place):
+    """libmha's forward on (B, H, L, d) tensors: the output tensor.
+    Contiguous q, k and v (torch's own layout: a KV cache's keys, rotated
+    queries) are read in place, heads first, and so is the output written
+    (in_place: not with RoPE, which rotates copies in the rows layout);
+    others go through heads_first gathering (_any)."""
+    sa = None if sinks is None else _np(sinks)
+    if in_place and q.is_contiguous() and k.is_contiguous() and \
+            v.is_contiguous():
+        out, res = _empty_as(q.shape, True)
+        _core.attention(q=_view(q), k=_view(k), v=_view(v), out=out,
+                        sinks=sa, heads_first=2, **kw)
+        return res
     out, res = _empty(*q.shape)
-    _core.attention(q=_any(q), k=_any(k), v=_any(v), out=out,
-                    sinks=None if sinks is None else _np(sinks),
+    _core.attention(q=_any(q), k=_any(k), v=_any(v), out=out, sinks=sa,
                     heads_first=True, **kw)
     return res
 
@@ -570,5 +580,5 @@ def _sdpa(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa,
         out = _SDPA.apply(query, key, value, sinks, kw, rope is None)
     else:
         # nothing to differentiate: no autograd node, the same call
-        out = _sdpa_forward(query, key, value, sinks, kw)
+        out = _sdpa_forward(query, key, value, sinks, kw, rope is None)
     return out[0] if unbatched else out
