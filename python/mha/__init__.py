@@ -32,7 +32,13 @@ Semantics are libmha's (docs/semantics.md): a query row with no key to
 attend to gives a zero context (its output is out_proj.bias), never NaN;
 dropout comes from a counter-based hash keyed by (seed, b, h, i, j).
 """
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
 import numpy as np
+import numpy.typing as npt
 
 from . import _core
 from ._errors import (BY_STATUS, ConfigError, FormatError,  # noqa: F401
@@ -70,6 +76,17 @@ _WEIGHTS = {None: 0, False: 0, "none": 0, True: 1, "average": 1,
 _ROPE = {None: 0, "none": 0, "neox": 1, "gptj": 2}
 _KV_DTYPE = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3}
 _PROJ = {"query": 0, "key": 1, "value": 2, "out": 3}
+
+
+# Type hints (annotations only, never evaluated at run time): what the
+# public calls take.  A mask is an additive float32 array or a typed bool
+# one (allow / block); rope, alibi and window as Module's docstring says.
+_MaskArg = Union[npt.ArrayLike, "_Mask", None]
+_Causal = Optional[str]
+_Rope = Union[str, Dict[str, Any], None]
+_Alibi = Union[bool, npt.ArrayLike, None]
+_Window = Optional[Tuple[int, int]]
+_Path = Union[str, "os.PathLike[str]"]
 
 
 # ---- arrays ------------------------------------------------------------------
@@ -117,19 +134,19 @@ class _Mask:
             self.data.shape)
 
 
-def allow(mask):
+def allow(mask: npt.ArrayLike) -> _Mask:
     """A bool mask whose True means "may attend" (MHA_MASK_ALLOW; the
     polarity of torch's scaled_dot_product_attention)."""
     return _Mask(MASK_ALLOW, _array(mask, "allow mask", np.bool_))
 
 
-def block(mask):
+def block(mask: npt.ArrayLike) -> _Mask:
     """A bool mask whose True means "blocked" (MHA_MASK_BLOCK; the polarity
     of torch.nn.MultiheadAttention's attn_mask and key_padding_mask)."""
     return _Mask(MASK_BLOCK, _array(mask, "block mask", np.bool_))
 
 
-def additive(mask):
+def additive(mask: npt.ArrayLike) -> _Mask:
     """A float32 mask added to the scaled scores; -inf blocks
     (MHA_MASK_ADDITIVE).  NaN and +inf are refused."""
     return _Mask(MASK_ADDITIVE, _array(mask, "additive mask"))
@@ -373,11 +390,16 @@ class Module:
     zero biases).
     """
 
-    def __init__(self, embed_dim, num_heads, *, kdim=None, vdim=None,
-                 bias=True, add_bias_kv=False, add_zero_attn=False,
-                 dropout=0.0, scale=None, seed=0, num_kv_heads=None,
-                 head_dim=None, sinks=False, rope=None, alibi=False,
-                 window=None, softcap=None, _handle=None):
+    def __init__(self, embed_dim: int, num_heads: int, *,
+                 kdim: Optional[int] = None, vdim: Optional[int] = None,
+                 bias: bool = True, add_bias_kv: bool = False,
+                 add_zero_attn: bool = False, dropout: float = 0.0,
+                 scale: Optional[float] = None, seed: int = 0,
+                 num_kv_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None, sinks: bool = False,
+                 rope: _Rope = None, alibi: _Alibi = False,
+                 window: _Window = None, softcap: Optional[float] = None,
+                 _handle: Optional[_core.Module] = None) -> None:
         if _handle is None:
             mods = _modifiers(int(num_heads), rope, alibi, window, softcap)
             _handle = _core.module_create(
@@ -395,8 +417,11 @@ class Module:
 
     # -- files --
     @classmethod
-    def load(cls, path, num_heads=None, *, add_zero_attn=False, dropout=None,
-             scale=None, rope=None, alibi=False, window=None, softcap=None):
+    def load(cls, path: _Path, num_heads: Optional[int] = None, *,
+             add_zero_attn: bool = False, dropout: Optional[float] = None,
+             scale: Optional[float] = None, rope: _Rope = None,
+             alibi: _Alibi = False, window: _Window = None,
+             softcap: Optional[float] = None) -> Module:
         """A module from a safetensors state_dict (mha_module_from_file):
         torch's nn.MultiheadAttention's, or one Module.save wrote.  The
         head count comes from ``num_heads`` or the file's __metadata__;
@@ -408,14 +433,14 @@ class Module:
             dropout=None if dropout is None else float(dropout),
             scale=None if scale is None else float(scale), modifiers=mods))
 
-    def save(self, path):
+    def save(self, path: _Path) -> None:
         """Saves the parameters as safetensors with the config in
         __metadata__ (mha_module_save); atomic."""
         self._m.save(str(path))
 
     # -- configuration --
     @property
-    def config(self):
+    def config(self) -> Dict[str, Any]:
         """The resolved mha_config as a dict."""
         return dict(self._cfg)
 
@@ -452,13 +477,13 @@ class Module:
                                      self.state_dict()))
 
     # -- parameters, by PyTorch's names and in state_dict order --
-    def parameter_names(self):
+    def parameter_names(self) -> List[str]:
         return [p[0] for p in self._params]
 
-    def parameter_shapes(self):
+    def parameter_shapes(self) -> Dict[str, Tuple[int, ...]]:
         return {p[0]: p[1] for p in self._params}
 
-    def __getitem__(self, name):
+    def __getitem__(self, name: str) -> np.ndarray:
         """A copy of parameter ``name`` (mha_param_get)."""
         for n, shape, _, _ in self._params:
             if n == name:
@@ -468,7 +493,7 @@ class Module:
         raise NotFoundError("no parameter named %r; this module has %s"
                             % (name, self.parameter_names()), 7)
 
-    def __setitem__(self, name, value):
+    def __setitem__(self, name: str, value: npt.ArrayLike) -> None:
         """Sets parameter ``name`` (mha_param_set): float32 of its exact
         shape, every value finite, else an exception and no change."""
         shape = self.parameter_shapes().get(name)
@@ -481,11 +506,12 @@ class Module:
                              % (name, tuple(shape), a.shape))
         self._m.param_set(name, a)
 
-    def state_dict(self):
+    def state_dict(self) -> Dict[str, np.ndarray]:
         """{name: float32 array} in PyTorch's state_dict order."""
         return {n: self[n] for n in self.parameter_names()}
 
-    def load_state_dict(self, state, strict=True):
+    def load_state_dict(self, state: Dict[str, npt.ArrayLike],
+                        strict: bool = True) -> None:
         """Sets every parameter from ``state``; strict: the names must be
         exactly this module's."""
         names = self.parameter_names()
@@ -499,10 +525,10 @@ class Module:
             if n in state:
                 self[n] = state[n]
 
-    def reset_parameters(self, seed=0):
+    def reset_parameters(self, seed: int = 0) -> None:
         self._m.reset_parameters(int(seed))
 
-    def prune_heads(self, keep):
+    def prune_heads(self, keep: Sequence[int]) -> Module:
         """A new Module of the heads ``keep`` (distinct head indices, in
         the order given), mha_prune_heads: the rows of the q/k/v
         projections and the columns of out_proj.weight those heads own.
@@ -511,7 +537,7 @@ class Module:
         return Module(0, 0, _handle=self._m.prune_heads(
             [int(h) for h in keep]))
 
-    def project(self, which, x):
+    def project(self, which: str, x: npt.ArrayLike) -> np.ndarray:
         """One projection (mha_project): which = 'query' | 'key' | 'value'
         (x (rows, E|kdim|vdim) -> (rows, D or H_kv*d_h)) or 'out' (x (rows,
         D) -> (rows, E))."""
@@ -575,10 +601,20 @@ class Module:
                     num_threads=int(num_threads))
         return args, unbatched
 
-    def forward(self, query, key=None, value=None, *, attn_mask=None,
-                key_padding_mask=None, key_lengths=None, causal=None,
-                need_weights=False, training=False, dropout_seed=0,
-                head_mask=None, cache=None, positions=None, num_threads=0):
+    def forward(self, query: npt.ArrayLike,
+                key: Optional[npt.ArrayLike] = None,
+                value: Optional[npt.ArrayLike] = None, *,
+                attn_mask: _MaskArg = None,
+                key_padding_mask: _MaskArg = None,
+                key_lengths: Optional[npt.ArrayLike] = None,
+                causal: _Causal = None,
+                need_weights: Union[bool, str, None] = False,
+                training: bool = False, dropout_seed: int = 0,
+                head_mask: Optional[npt.ArrayLike] = None,
+                cache: Optional[KVCache] = None,
+                positions: Optional[npt.ArrayLike] = None,
+                num_threads: int = 0
+                ) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
         """The forward pass (mha_forward).
 
         query (B, Lq, E), key (B, Lk, kdim), value (B, Lk, vdim); key None:
@@ -633,11 +669,19 @@ class Module:
 
     __call__ = forward
 
-    def backward(self, grad_out, query, key=None, value=None, *,
-                 attn_mask=None, key_padding_mask=None, key_lengths=None,
-                 causal=None, training=False, dropout_seed=0, head_mask=None,
-                 positions=None, num_threads=0,
-                 wrt=("query", "key", "value", "params")):
+    def backward(self, grad_out: npt.ArrayLike, query: npt.ArrayLike,
+                 key: Optional[npt.ArrayLike] = None,
+                 value: Optional[npt.ArrayLike] = None, *,
+                 attn_mask: _MaskArg = None,
+                 key_padding_mask: _MaskArg = None,
+                 key_lengths: Optional[npt.ArrayLike] = None,
+                 causal: _Causal = None, training: bool = False,
+                 dropout_seed: int = 0,
+                 head_mask: Optional[npt.ArrayLike] = None,
+                 positions: Optional[npt.ArrayLike] = None,
+                 num_threads: int = 0,
+                 wrt: Sequence[str] = ("query", "key", "value", "params")
+                 ) -> Dict[str, Any]:
         """The gradients of ``sum(forward(...) * grad_out)`` (mha_backward):
         the same arguments as forward, then a dict with the entries named
         in ``wrt``: 'query', 'key', 'value' (arrays shaped like the inputs;
@@ -701,8 +745,8 @@ class KVCache:
     >= 1: a sliding-window ring of ``capacity`` >= W slots.  Give it to
     Module.forward(cache=...) or attention(cache=...)."""
 
-    def __init__(self, batch, num_kv_heads, head_dim, capacity, dtype="f32",
-                 window=0):
+    def __init__(self, batch: int, num_kv_heads: int, head_dim: int,
+                 capacity: int, dtype: str = "f32", window: int = 0) -> None:
         self._c = _core.kv_cache_create(
             batch=int(batch), num_kv_heads=int(num_kv_heads),
             head_dim=int(head_dim), capacity=int(capacity),
@@ -716,21 +760,22 @@ class KVCache:
         self.dtype = dtype
 
     @classmethod
-    def for_module(cls, module, batch, capacity, dtype="f32", window=0):
+    def for_module(cls, module: Module, batch: int, capacity: int,
+                   dtype: str = "f32", window: int = 0) -> KVCache:
         """A cache shaped for ``module`` (its H_kv and d_h)."""
         return cls(batch, module.num_kv_heads, module.head_dim, capacity,
                    dtype, window)
 
-    def length(self, seq):
+    def length(self, seq: int) -> int:
         """Tokens held by sequence ``seq`` (counting every one appended
         since the last reset, with a window)."""
         return self._c.length(int(seq))
 
     @property
-    def lengths(self):
+    def lengths(self) -> List[int]:
         return [self._c.length(s) for s in range(self.batch)]
 
-    def append(self, seq, k, v):
+    def append(self, seq: int, k: npt.ArrayLike, v: npt.ArrayLike) -> None:
         """Appends n tokens to sequence ``seq``: k and v (n, H_kv*d_h)
         float32, projected (and rotated)."""
         row = self.num_kv_heads * self.head_dim
@@ -741,15 +786,16 @@ class KVCache:
                              "and %s" % (row, k.shape, v.shape))
         self._c.append(int(seq), k, v, k.shape[0])
 
-    def truncate(self, seq, length):
+    def truncate(self, seq: int, length: int) -> None:
         """Keeps the first ``length`` tokens of sequence ``seq``."""
         self._c.truncate(int(seq), int(length))
 
-    def reset(self, seq=None):
+    def reset(self, seq: Optional[int] = None) -> None:
         """Empties sequence ``seq`` (None: every sequence)."""
         self._c.reset(-1 if seq is None else int(seq))
 
-    def read(self, seq, start=0, n=None):
+    def read(self, seq: int, start: int = 0, n: Optional[int] = None
+             ) -> Tuple[np.ndarray, np.ndarray]:
         """(k, v), each (n, H_kv*d_h): tokens start .. start+n-1 of ``seq``
         as the attention reads them (n None: up to the length)."""
         length = self.length(seq)
@@ -851,12 +897,23 @@ def _attention_plain(q, k, v, num_heads, num_kv_heads, scale, num_threads):
     return out
 
 
-def attention(q, k=None, v=None, *, num_heads, num_kv_heads=None, scale=None,
-              attn_mask=None, key_padding_mask=None, key_lengths=None,
-              causal=None, need_weights=False, dropout=0.0, training=False,
-              dropout_seed=0, num_threads=0, return_lse=False, cache=None,
-              rope=None, alibi=False, window=None, softcap=None, sinks=None,
-              q_positions=None, k_positions=None):
+def attention(q: npt.ArrayLike, k: Optional[npt.ArrayLike] = None,
+              v: Optional[npt.ArrayLike] = None, *, num_heads: int,
+              num_kv_heads: Optional[int] = None,
+              scale: Optional[float] = None, attn_mask: _MaskArg = None,
+              key_padding_mask: _MaskArg = None,
+              key_lengths: Optional[npt.ArrayLike] = None,
+              causal: _Causal = None,
+              need_weights: Union[bool, str, None] = False,
+              dropout: float = 0.0, training: bool = False,
+              dropout_seed: int = 0, num_threads: int = 0,
+              return_lse: bool = False, cache: Optional[KVCache] = None,
+              rope: _Rope = None, alibi: _Alibi = False,
+              window: _Window = None, softcap: Optional[float] = None,
+              sinks: Optional[npt.ArrayLike] = None,
+              q_positions: Optional[npt.ArrayLike] = None,
+              k_positions: Optional[npt.ArrayLike] = None
+              ) -> Union[np.ndarray, Tuple[np.ndarray, ...]]:
     """Attention on projected heads (mha_attention):
 
         out[b, i, h*d_h ..] = softmax(q_h k_g^T * scale + mask) v_g,
@@ -904,12 +961,22 @@ def attention(q, k=None, v=None, *, num_heads, num_kv_heads=None, scale=None,
     return res if len(res) > 1 else out
 
 
-def attention_backward(grad_out, q, k, v, *, num_heads, num_kv_heads=None,
-                       scale=None, attn_mask=None, key_padding_mask=None,
-                       key_lengths=None, causal=None, dropout=0.0,
-                       training=False, dropout_seed=0, num_threads=0,
-                       rope=None, alibi=False, window=None, softcap=None,
-                       sinks=None, q_positions=None, k_positions=None):
+def attention_backward(grad_out: npt.ArrayLike, q: npt.ArrayLike,
+                       k: npt.ArrayLike, v: npt.ArrayLike, *,
+                       num_heads: int, num_kv_heads: Optional[int] = None,
+                       scale: Optional[float] = None,
+                       attn_mask: _MaskArg = None,
+                       key_padding_mask: _MaskArg = None,
+                       key_lengths: Optional[npt.ArrayLike] = None,
+                       causal: _Causal = None, dropout: float = 0.0,
+                       training: bool = False, dropout_seed: int = 0,
+                       num_threads: int = 0, rope: _Rope = None,
+                       alibi: _Alibi = False, window: _Window = None,
+                       softcap: Optional[float] = None,
+                       sinks: Optional[npt.ArrayLike] = None,
+                       q_positions: Optional[npt.ArrayLike] = None,
+                       k_positions: Optional[npt.ArrayLike] = None
+                       ) -> Tuple[np.ndarray, ...]:
     """The gradients of ``sum(attention(...) * grad_out)`` with respect to
     q, k and v (mha_attention_backward), the same arguments as attention.
     Returns (grad_q, grad_k, grad_v), and grad_sinks (H) last when sinks
@@ -939,21 +1006,23 @@ def attention_backward(grad_out, q, k, v, *, num_heads, num_kv_heads=None,
 
 # ---- small functions -------------------------------------------------------------
 
-def bf16_kernel():
+def bf16_kernel() -> str:
     """Which kernels bf16 attention runs on (mha_bf16_kernel): 'amx' (AMX
     tiles), 'avx512bf16' (AVX512-BF16 dot products) or 'float32' (bf16 and
     f16 inputs widened in C); MHA_BF16 in the environment caps it."""
     return _core.bf16_kernel()
 
 
-def alibi_slopes(num_heads):
+def alibi_slopes(num_heads: int) -> np.ndarray:
     """The default ALiBi slopes of H heads (mha_alibi_slopes)."""
     out = np.empty(int(num_heads), np.float32)
     _core.alibi_slopes(int(num_heads), out)
     return out
 
 
-def rope_apply(x, num_heads, rope="neox", positions=None, pos0=0):
+def rope_apply(x: npt.ArrayLike, num_heads: int, rope: _Rope = "neox",
+               positions: Optional[npt.ArrayLike] = None,
+               pos0: int = 0) -> np.ndarray:
     """Returns x (rows, H*d_h) float32 with RoPE applied (mha_rope_apply):
     row r at positions[r] (None: pos0 + r)."""
     x = _array(x, "x").copy()
@@ -967,18 +1036,19 @@ def rope_apply(x, num_heads, rope="neox", positions=None, pos0=0):
     return x
 
 
-def kernel_tier():
+def kernel_tier() -> Optional[str]:
     """The attention kernels in use: 'avx512', 'avx2', 'scalar' or 'ref'."""
     return _core.kernel_tier()
 
 
-def gemm_backend():
+def gemm_backend() -> Optional[str]:
     """The projections' GEMM backend: 'onednn' or 'cblas' (MHA_GEMM forces
     one); None if MHA_GEMM names one this build lacks."""
     return _core.gemm_backend()
 
 
-def dropout_keep(seed, p, b, h, i, j):
+def dropout_keep(seed: int, p: float, b: int, h: int, i: int,
+                 j: int) -> bool:
     """Whether the dropout hash keeps probability (b, h, i, j)."""
     return _core.dropout_keep(int(seed), float(p), int(b), int(h), int(i),
                               int(j))

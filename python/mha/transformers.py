@@ -41,6 +41,10 @@ left-padding position) gives zeros rather than NaN or a uniform average
 transformers is an optional dependency: ``import mha`` never imports it,
 this module does.
 """
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
 import torch
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
@@ -69,8 +73,10 @@ class Mask(torch.Tensor):
     """
 
     @staticmethod
-    def __new__(cls, shape, causal, window=None, key_lengths=None,
-                key_mask=None):
+    def __new__(cls, shape: Tuple[int, ...], causal: bool,
+                window: Optional[Tuple[int, int]] = None,
+                key_lengths: Optional[torch.Tensor] = None,
+                key_mask: Optional[torch.Tensor] = None) -> Mask:
         t = torch.Tensor._make_subclass(
             cls, torch.zeros((), dtype=torch.bool).expand(shape))
         t.causal = causal
@@ -193,11 +199,12 @@ def _padding(attention_mask, kv_length, kv_offset):
     return None, pad.contiguous()
 
 
-def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
-         mask_function=_mu.causal_mask_function, attention_mask=None,
-         local_size=None, allow_is_causal_skip=True,
-         allow_is_bidirectional_skip=False, use_vmap=False, device="cpu",
-         **kwargs):
+def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
+         kv_offset: int = 0, mask_function: Any = _mu.causal_mask_function,
+         attention_mask: Optional[torch.Tensor] = None,
+         local_size: Optional[int] = None, allow_is_causal_skip: bool = True,
+         allow_is_bidirectional_skip: bool = False, use_vmap: bool = False,
+         device: Any = "cpu", **kwargs: Any) -> Optional[torch.Tensor]:
     """transformers' mask hook: a Mask where the mask is one of
     transformers' own patterns on keys that end at the last query, else
     transformers' own dense boolean mask (sdpa_mask)."""
@@ -224,9 +231,14 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
         use_vmap=use_vmap, device=device, **kwargs)
 
 
-def attention(module, query, key, value, attention_mask, dropout=0.0,
-              scaling=None, is_causal=None, softcap=None, s_aux=None,
-              **kwargs):
+def attention(module: torch.nn.Module, query: torch.Tensor,
+              key: torch.Tensor, value: torch.Tensor,
+              attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+              scaling: Optional[float] = None,
+              is_causal: Optional[bool] = None,
+              softcap: Optional[float] = None,
+              s_aux: Optional[torch.Tensor] = None,
+              **kwargs: Any) -> Tuple[torch.Tensor, None]:
     """transformers' attention hook: query (B, H, Lq, d), key and value
     (B, H_kv, Lk, d); returns ((B, Lq, H, d), None) as its sdpa does."""
     Lq, Lk = query.shape[2], key.shape[2]
@@ -255,7 +267,7 @@ def attention(module, query, key, value, attention_mask, dropout=0.0,
     return out.transpose(1, 2).contiguous(), None
 
 
-def register(name="mha"):
+def register(name: str = "mha") -> str:
     """Register libmha under `name` with transformers' AttentionInterface
     and AttentionMaskInterface: from then on attn_implementation=name (in
     from_pretrained, from_config or set_attn_implementation) runs it."""

@@ -31,8 +31,11 @@ Where it differs from torch:
 Importing this module imports torch; ``import mha`` alone does not (the
 attribute ``mha.nn`` imports it on first use).
 """
+from __future__ import annotations
+
 import math
 import operator
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -172,9 +175,12 @@ class MultiheadAttention(nn.Module):
     # projections are fused is `in_proj_weight is not None`.
     _qkv_same_embed_dim = False
 
-    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True,
-                 add_bias_kv=False, add_zero_attn=False, kdim=None,
-                 vdim=None, batch_first=False, device=None, dtype=None):
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0,
+                 bias: bool = True, add_bias_kv: bool = False,
+                 add_zero_attn: bool = False, kdim: Optional[int] = None,
+                 vdim: Optional[int] = None, batch_first: bool = False,
+                 device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError("embed_dim and num_heads must be greater than "
                              "0, got embed_dim=%s and num_heads=%s instead"
@@ -342,7 +348,7 @@ class MultiheadAttention(nn.Module):
         state.pop("_qkv_same_embed_dim", None)
         self.__dict__.update(state)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return "embed_dim=%d, num_heads=%d, dropout=%s, batch_first=%s" % (
             self.embed_dim, self.num_heads, self.dropout, self.batch_first)
 
@@ -422,9 +428,13 @@ class MultiheadAttention(nn.Module):
         return torch.nested.as_nested_tensor(
             [o[:t.shape[0]] for o, t in zip(out, query.unbind())]), w
 
-    def forward(self, query, key, value, key_padding_mask=None,
-                need_weights=True, attn_mask=None, average_attn_weights=True,
-                is_causal=False):
+    def forward(self, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor,
+                key_padding_mask: Optional[torch.Tensor] = None,
+                need_weights: bool = True,
+                attn_mask: Optional[torch.Tensor] = None,
+                average_attn_weights: bool = True, is_causal: bool = False
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """torch.nn.MultiheadAttention.forward: query (L, N, E) (or (N, L,
         E) with batch_first, or unbatched (L, E)), key (S, N, kdim), value
         (S, N, vdim); key_padding_mask (N, S) (bool True = padding, or
