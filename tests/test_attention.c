@@ -463,6 +463,92 @@ static void test_key_mask_as_attn_mask(void **state)
     }
 }
 
+/* A decoding step (one query row per K/V head) reads K and V where they
+ * lie instead of packing them (MHA_IN_PLACE_ROWS): its rows are the bits
+ * of the same rows inside a longer call, which packs (output, lse,
+ * weights; and a call of two rows, which packs too), with bottom-right
+ * causal, a key mask over an infinite value (the tile's finite flag) and
+ * 1 and 2 threads. */
+static void test_in_place_decode(void **state)
+{
+    (void)state;
+    const int64_t B = 2, H = 3, Hkv = 3, dh = 24, Lq = 20, Lk = 150;
+    const int64_t E = H * dh, Ekv = Hkv * dh;
+    const int64_t nq = B * Lq * E, nk = B * Lk * Ekv;
+    float *q = malloc((size_t)nq * 4), *k = malloc((size_t)nk * 4);
+    float *v = malloc((size_t)nk * 4), *out = malloc((size_t)nq * 4);
+    float *lse = malloc((size_t)(B * H * Lq) * 4);
+    float *w = malloc((size_t)(B * H * Lq * Lk) * 4);
+    uint8_t *keep = malloc((size_t)(B * Lk));
+    tu_fill(q, nq, 201, -2, 2);
+    tu_fill(k, nk, 202, -2, 2);
+    tu_fill(v, nk, 203, -2, 2);
+    for (int64_t j = 0; j < B * Lk; j++)
+        keep[j] = j % 11 != 5;
+    for (int64_t d = 0; d < dh; d++)
+        v[5 * Ekv + d] = INFINITY;   /* key 5 of batch 0: masked out */
+    for (int masked = 0; masked < 2; masked++)
+        for (int threads = 1; threads <= 2; threads++) {
+            mha_attention_args a = {0};
+            a.batch = B;
+            a.num_heads = H;
+            a.num_kv_heads = Hkv;
+            a.head_dim = dh;
+            a.q_len = Lq;
+            a.kv_len = Lk;
+            a.q = q; a.k = k; a.v = v;
+            a.out = out;
+            a.lse = lse;
+            a.need_weights = MHA_WEIGHTS_PER_HEAD;
+            a.attn_weights = w;
+            a.causal = MHA_CAUSAL_BOTTOM_RIGHT;
+            a.num_threads = threads;
+            if (masked)
+                a.key_padding_mask =
+                    (mha_mask){MHA_MASK_ALLOW, keep, 2, {B, Lk}};
+            if (mha_attention(&a) != MHA_OK)
+                fail_msg("long call: %s", mha_last_error());
+            for (int64_t n = 1; n <= 2; n++) {   /* the last n rows */
+                const int64_t i0 = Lq - n;
+                float *q1 = malloc((size_t)(B * n * E) * 4);
+                float *o1 = malloc((size_t)(B * n * E) * 4);
+                float *l1 = malloc((size_t)(B * H * n) * 4);
+                float *w1 = malloc((size_t)(B * H * n * Lk) * 4);
+                for (int64_t b = 0; b < B; b++)
+                    memcpy(q1 + b * n * E, q + (b * Lq + i0) * E,
+                           (size_t)(n * E) * 4);
+                mha_attention_args d = a;
+                d.q_len = n;
+                d.q = q1;
+                d.out = o1;
+                d.lse = l1;
+                d.attn_weights = w1;
+                if (mha_attention(&d) != MHA_OK)
+                    fail_msg("decode call: %s", mha_last_error());
+                for (int64_t b = 0; b < B; b++) {
+                    if (memcmp(o1 + b * n * E, out + (b * Lq + i0) * E,
+                               (size_t)(n * E) * 4))
+                        fail_msg("masked %d threads %d rows %lld: output "
+                                 "differs", masked, threads, (long long)n);
+                    for (int64_t h = 0; h < H; h++) {
+                        const int64_t bh = b * H + h;
+                        if (memcmp(l1 + bh * n, lse + bh * Lq + i0,
+                                   (size_t)n * 4) ||
+                            memcmp(w1 + bh * n * Lk,
+                                   w + (bh * Lq + i0) * Lk,
+                                   (size_t)(n * Lk) * 4))
+                            fail_msg("masked %d rows %lld: lse or weights "
+                                     "differ", masked, (long long)n);
+                    }
+                }
+                /* the infinite value reached the output unless masked */
+                assert_true(masked ? isfinite(o1[0]) : !isfinite(o1[0]));
+                free(q1); free(o1); free(l1); free(w1);
+            }
+        }
+    free(q); free(k); free(v); free(out); free(lse); free(w); free(keep);
+}
+
 static void test_errors(void **state)
 {
     (void)state;
@@ -514,6 +600,7 @@ int main(void)
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_heads_first),
         cmocka_unit_test(test_key_mask_as_attn_mask),
+        cmocka_unit_test(test_in_place_decode),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

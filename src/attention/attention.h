@@ -214,6 +214,10 @@ typedef struct mha_attn {
     int prepacked;          /* K and V are held already (a KV cache): the
                                run writes only the extra keys' tile, and
                                k, v are unused */
+    int in_place;           /* the flash tiers read the real keys and
+                               values where they lie (mha_attn_run sets
+                               it for decoding steps on given K and V):
+                               no packed tiles, only their finite flags */
     int pack_only;          /* only pack K and V for a backward (the
                                flash tiers; nothing for ref): no ctx, no
                                stats (mha_attention_backward_part sets
@@ -569,12 +573,56 @@ typedef struct mha_tile {
 /* Where a tile's keys and values are read: the packed f32 planes, or for
  * the real keys of a problem on a KV cache, the cache in its dtype (the
  * kernels' qk_kv and pv_kv read both). */
+/* Query rows per K/V head up to which mha_attn_run reads given keys and
+ * values in place (mha_attn.in_place) rather than packing them: a
+ * decoding step, where each key meets one row, so packing it (a
+ * transposed copy) costs more than the products.  The keys' columns are
+ * gathered then, which at 4 rows was slower than packing on a Sapphire
+ * Rapids (docs/BENCHMARKS.md).  The backward, which reads the forward's
+ * packed tiles, then packs them itself first. */
+#define MHA_IN_PLACE_ROWS 1
+static inline int mha_attn_reads_in_place(const mha_attn *a)
+{
+    return !a->prepacked && !a->pack_only &&
+           a->Lq * (a->H / a->Hkv) <= MHA_IN_PLACE_ROWS;
+}
+
 typedef struct mha_tile_src {
-    const void *kt, *v;     /* [dh][MHA_BC] and [MHA_BC][dh]            */
+    const void *kt, *v;     /* [dh][MHA_BC] and [MHA_BC][dh], or with
+                               rows: the tile's first key and value rows,
+                               ldk and ldv floats apart                 */
     mha_kv_dtype dtype;
     int finite;             /* every value finite: the fast pv is exact */
+    int rows;               /* read in place (mha_attn.in_place)        */
+    int ldk, ldv;
 } mha_tile_src;
 mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t);
+
+/* s = q k^T for mr query rows against the tile's first nc keys, and o +=
+ * p v over them: the micro-kernel for where the tile is read from (the
+ * same bits from each). */
+static inline void mha_tile_qk(const mha_attn *a, const mha_tile_src *src,
+                               int mr, int nc, const float *q, float *s,
+                               int lds)
+{
+    if (src->rows)
+        a->uk->qk_rows(mr, nc, (int)a->dh, q, (const float *)src->kt,
+                       src->ldk, s, lds);
+    else
+        a->uk->qk_kv(src->dtype, mr, nc, (int)a->dh, q, src->kt, MHA_BC, s,
+                     lds);
+}
+static inline void mha_tile_pv(const mha_attn *a, const mha_tile_src *src,
+                               int mr, int nc, const float *p, int ldp,
+                               float *o, int ldo)
+{
+    if (src->rows)
+        a->uk->pv_rows(!src->finite, mr, nc, (int)a->dh, p, ldp,
+                       (const float *)src->v, src->ldv, o, ldo);
+    else
+        a->uk->pv_kv(src->dtype, !src->finite, mr, nc, (int)a->dh, p, ldp,
+                     src->v, MHA_BC, o, ldo);
+}
 
 /* Key j's element d and value j's element d of K/V head g of batch b, read
  * where the problem keeps them (the caller's rows, the packed tiles or a

@@ -39,8 +39,8 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
         n = mha_panel_rows(mr, r0);
         const int w = cols[p] = mha_tile_panel_cols(a, t, r0, n);
         if (w > 0)
-            uk->qk_kv(src.dtype, n, w, dh, f->qs + r0 * dh, src.kt, MHA_BC,
-                      f->s + r0 * MHA_BC, MHA_BC);
+            mha_tile_qk(a, &src, n, w, f->qs + r0 * dh, f->s + r0 * MHA_BC,
+                        MHA_BC);
         for (int r = r0; r < r0 + n; r++)
             for (int c = w; c < nc; c++)
                 f->s[r * MHA_BC + c] = -INFINITY;
@@ -92,9 +92,8 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
     for (int r0 = 0, n, p = 0; r0 < mr; r0 += n, p++) {
         n = mha_panel_rows(mr, r0);
         if (cols[p] > 0)
-            uk->pv_kv(src.dtype, !src.finite, n, cols[p], dh,
-                      f->s + r0 * MHA_BC, MHA_BC, src.v, MHA_BC,
-                      f->o + r0 * dh, dh);
+            mha_tile_pv(a, &src, n, cols[p], f->s + r0 * MHA_BC, MHA_BC,
+                        f->o + r0 * dh, dh);
     }
 }
 

@@ -122,6 +122,7 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
 {
     mha_attn run = *problem;
     run.uk = e->uk;
+    run.in_place = mha_attn_reads_in_place(&run);   /* (the same bits) */
     const mha_attn *a = &run;
     const int threads = threads_for(e, a);
     (void)threads;   /* (a build without OpenMP ignores the pragma) */
@@ -223,6 +224,13 @@ void mha_attn_backward(const mha_engine *e, const mha_attn *problem,
 #endif
         float *mine = scratch + tid * per_thread;
         if (e->isa != MHA_ISA_REF) {
+            /* the forward's tiles, which it read in place (the same
+             * predicate on the same problem), then the backward's */
+            if (mha_attn_reads_in_place(a)) {
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < items * tiles; t++)
+                    mha_pack_forward_tile(a, t);
+            }
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < items * tiles; t++)
                 mha_pack_backward_tile(a, g, t);

@@ -62,6 +62,18 @@ void mha_pack_forward_tile(const mha_attn *a, int64_t item)
     const int nc = mha_tile_keys(a, t);
     float *kt = mha_packed_a(&p, b, g, t), *v = mha_packed_b(&p, b, g, t);
     int finite = 1;
+    if (a->in_place && t != p.tiles - 1) {
+        /* read in place: only the flag the packed tile would carry */
+        float buf[MHA_BC];
+        for (int c = 0; c < nc; c++) {
+            const float *vr = mha_value_row(a, b, g, j0 + c);
+            for (int64_t d0 = 0; d0 < dh; d0 += MHA_BC)
+                finite &= a->uk->copy_finite(
+                    buf, vr + d0, (int)(dh - d0 < MHA_BC ? dh - d0 : MHA_BC));
+        }
+        *mha_packed_flag(&p, b, g, t) = (float)finite;
+        return;
+    }
     for (int c = 0; c < nc; c++) {
         const float *kr = mha_key_row(a, b, g, j0 + c);
         const float *vr = mha_value_row(a, b, g, j0 + c);
@@ -77,7 +89,18 @@ void mha_pack_forward_tile(const mha_attn *a, int64_t item)
 
 mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t)
 {
-    mha_tile_src src;
+    mha_tile_src src = {0};
+    if (a->in_place && !t->extra) {
+        const mha_packed p = mha_packed_at(a->packed, a);
+        src.kt = mha_key_row(a, t->b, t->g, t->j0);
+        src.v = mha_value_row(a, t->b, t->g, t->j0);
+        src.ldk = (int)a->ldk;
+        src.ldv = (int)a->ldv;
+        src.rows = 1;
+        src.dtype = MHA_KV_F32;
+        src.finite = *mha_packed_flag(&p, t->b, t->g, t->index) != 0.0f;
+        return src;
+    }
     if (a->kv && !t->extra) {
         const mha_kv_cache *c = a->kv;
         src.kt = mha_kv_cache_k_tile(c, t->b, t->g, t->index);

@@ -16,8 +16,7 @@ static void weights_tile(const mha_attn *a, const mha_tile *t, void *ctx)
     const mha_tile_src src = mha_tile_source(a, t);
     const int64_t b = t->b, h = t->h, j0 = t->j0;
     const int nc = t->nc;
-    uk->qk_kv(src.dtype, t->mr, nc, (int)a->dh, f->qs, src.kt, MHA_BC, f->s,
-              MHA_BC);
+    mha_tile_qk(a, &src, t->mr, nc, f->qs, f->s, MHA_BC);
     mha_score_tile(a, t, f->s, NULL, 0);
     const float keep = (float)mha_keep_scale(a);
     const float inv_h = 1.0f / (float)a->H;

@@ -125,6 +125,15 @@ typedef struct mha_microkernels {
      * the same bits in every tier.  ds may be d. */
     void (*dscore)(const float *p, const float *d, float delta, float *ds,
                    int n);
+
+    /* qk and pv (pv_exact when exact) on keys and values where they lie,
+     * rows ldk / ldv floats apart (a decoding step on given K and V,
+     * which packing would cost more than it saves): bitwise qk on the
+     * packed kt tile of those keys, and pv on the packed v tile. */
+    void (*qk_rows)(int mr, int nc, int dh, const float *q, const float *k,
+                    int ldk, float *s, int lds);
+    void (*pv_rows)(int exact, int mr, int nc, int dh, const float *p,
+                    int ldp, const float *v, int ldv, float *o, int ldo);
 } mha_microkernels;
 
 /*

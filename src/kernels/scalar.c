@@ -229,8 +229,42 @@ static void pv_kv_scalar(mha_kv_dtype dtype, int exact, int mr, int nc,
         }
 }
 
+/* qk and pv on keys and values where they lie: the loops of qk_scalar and
+ * pv_scalar, rows ldk / ldv apart. */
+static void qk_rows_scalar(int mr, int nc, int dh, const float *q,
+                           const float *k, int ldk, float *s, int lds)
+{
+    for (int r = 0; r < mr; r++) {
+        float *sr = s + r * lds;
+        for (int c = 0; c < nc; c++)
+            sr[c] = 0.0f;
+        for (int d = 0; d < dh; d++) {
+            const float qd = q[r * dh + d];
+            for (int c = 0; c < nc; c++)
+                sr[c] += qd * k[(size_t)c * ldk + d];
+        }
+    }
+}
+
+static void pv_rows_scalar(int exact, int mr, int nc, int dh, const float *p,
+                           int ldp, const float *v, int ldv, float *o,
+                           int ldo)
+{
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nc; c++) {
+            const float pc = p[r * ldp + c];
+            if (exact && pc == 0.0f)
+                continue;
+            const float *vc = v + (size_t)c * ldv;
+            float *orow = o + r * ldo;
+            for (int d = 0; d < dh; d++)
+                orow[d] += pc * vc[d];
+        }
+}
+
 const mha_microkernels mha_microkernels_scalar = {
     "scalar",           qk_scalar,      pv_scalar,    pv_exact_scalar,
     pv_add_scalar,      pv_add_exact_scalar, pvt_scalar, pvt_exact_scalar,
     exp_sum_scalar,     scale_scalar,   copy_finite_scalar, max_scalar, softmax_rows_scalar,     softcap_scalar,
-    qk_kv_scalar,       pv_kv_scalar,   dot_nonzero_scalar, dscore_scalar};
+    qk_kv_scalar,       pv_kv_scalar,   dot_nonzero_scalar, dscore_scalar,
+    qk_rows_scalar,     pv_rows_scalar};

@@ -52,6 +52,8 @@ MK_INLINE vf ldb(const int T, const bsrc *b, int k, int j, const int masked,
     if (T == B_F32)
         return masked ? vf_load_t((const float *)b->x + at, t)
                       : vf_load((const float *)b->x + at);
+    if (T == B_F32T && !masked)
+        return vf_gather((const float *)b->x + (size_t)j * b->ld + k, b->ld);
     if (masked) {
         float buf[VL] = {0};
         for (int i = 0; i < n; i++)
@@ -203,7 +205,7 @@ MK_INLINE void panel(const int R, const int mode, const int T, int slabs,
                      const bsrc *B, float *C, int ldc)
 {
     if (!TIER_SLABS || !slabs || (R == 1 && N <= 64) || (mode & ADD) ||
-        (mode & EXACT) || K <= KSLAB) {
+        (mode & EXACT) || K <= KSLAB || T == B_F32T) {
         cols(R, mode, T, N, 0, K, A, lda, ska, B, C, ldc);
         return;
     }
@@ -282,6 +284,26 @@ PRODUCT(pv_add_exact_k, MODE_ADD_EXACT, mr, dh, nc, a_, lda_, 1, b_, dh)
 PRODUCT(pvt_k, MODE_ADD, nc, dh, mr, a_, 1, lda_, b_, dh)
 PRODUCT(pvt_exact_k, MODE_ADD_EXACT, nc, dh, mr, a_, 1, lda_, b_, dh)
 #undef PRODUCT
+
+/* qk and pv on keys and values read where they are (kernels.h): the
+ * keys' columns gathered, the same chains as on a packed tile. */
+static void qk_rows_k(int mr, int nc, int dh, const float *q, const float *k,
+                      int ldk, float *s, int lds)
+{
+    const bsrc B = {k, NULL, ldk, 0};
+    gemm(TIER_RMAX, MODE_SET, B_F32T, mr, nc, dh, q, dh, 1, &B, s, lds);
+}
+
+static void pv_rows_k(int exact, int mr, int nc, int dh, const float *p,
+                      int ldp, const float *v, int ldv, float *o, int ldo)
+{
+    const bsrc B = f32(v, ldv);
+    if (exact)
+        gemm(TIER_RMAX_EXACT, MODE_ACC_EXACT, B_F32, mr, dh, nc, p, ldp, 1,
+             &B, o, ldo);
+    else
+        gemm(TIER_RMAX, MODE_ACC, B_F32, mr, dh, nc, p, ldp, 1, &B, o, ldo);
+}
 
 /* qk and pv on a KV cache's tiles (kernels.h): the same blocking, B
  * converted as it is loaded. */
@@ -564,4 +586,5 @@ const mha_microkernels TIER_TABLE = {
     pv_add_exact_k,         pvt_k,      pvt_exact_k,   exp_sum_k,
     scale_k,     copy_finite_k,         max_k,         softmax_rows_k,
     softcap_k,
-    qk_kv_k,     pv_kv_k,   dot_nonzero_k,             dscore_k};
+    qk_kv_k,     pv_kv_k,   dot_nonzero_k,             dscore_k,
+    qk_rows_k,   pv_rows_k};
