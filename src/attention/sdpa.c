@@ -37,6 +37,8 @@ struct mha_attention_plan {
     int has_saved;        /* the last run, kept for the backward           */
     mha_attention_args saved;
     uint64_t saved_print;
+    int one_shot;         /* made by mha_attention for one run, which no
+                             backward can follow: no fingerprint taken   */
 };
 
 static float resolved_scale(const mha_attention_args *a, int64_t dh)
@@ -524,7 +526,7 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
     MHA_CHECK(mask_plan(a, &s, &mask));
     MHA_CHECK(rope_check(p, a, &s));
     MHA_CHECK(score_range(a, &s, p->eng.threads));
-    const uint64_t print = fingerprint(a, &s);
+    const uint64_t print = p->one_shot ? 0 : fingerprint(a, &s);
     if (w)
         memset(a->attn_weights, 0, (size_t)s.n_w * sizeof(float));
     mha_attn at = problem(p, a, &mask);
@@ -1054,6 +1056,7 @@ static mha_status mha_attention_impl(const mha_attention_args *a)
         return attention_half(a);
     mha_attention_plan *p;
     MHA_CHECK(mha_attention_plan_create(a, &p));
+    p->one_shot = 1;
     const mha_status st = mha_attention_plan_run(p, a);
     mha_attention_plan_free(p);
     return st;
