@@ -90,7 +90,7 @@ done
 [ -n "$skipped" ] || echo "skipped: none"
 [ "$bad" = 0 ] || { echo "tests were skipped that must run"; exit 1; }
 
-# The Python package (pip install ./python into .venv, pytest); with
+# The Python package (pip install . into .venv, pytest); with
 # --all the same again under ASan + UBSan.  Then CTest's python_nn_source
 # over the installed extension: it must run, not be skipped.
 nn_source() {

@@ -23,6 +23,7 @@ Where it differs from torch:
     gradients) are transposed views of (B, L, H, d) tensors.
 """
 import collections
+from typing import Any, Optional, Tuple
 
 import numpy as np
 import torch
@@ -57,7 +58,7 @@ def _np(t):
     return t.detach().contiguous().numpy()
 
 
-def once_differentiable(backward):
+def _first_order(backward):
     """A backward with no derivative of its own: libmha computes the
     gradients, so a second derivative (create_graph=True: gradient
     penalties, Hessian products) raises here, by name, rather than
@@ -246,7 +247,7 @@ class _SDPAHalf(torch.autograd.Function):
         return _half_forward(q, k, v, kw)
 
     @staticmethod
-    @once_differentiable
+    @_first_order
     def backward(ctx, grad_out):
         q, k, v = ctx.saved_tensors
         gq = torch.empty(q.shape, dtype=q.dtype)
@@ -352,7 +353,7 @@ class _SDPA(torch.autograd.Function):
         return res
 
     @staticmethod
-    @once_differentiable
+    @_first_order
     def backward(ctx, grad_out):
         q, k, v, sinks = ctx.saved_tensors   # (torch's in-place checks)
         if grad_out is None:
@@ -386,7 +387,7 @@ class _Empty(torch.autograd.Function):
         return inputs[0].new_zeros(shape)
 
     @staticmethod
-    @once_differentiable
+    @_first_order
     def backward(ctx, grad_out):
         return (None,) + tuple(torch.zeros(s, dtype=d) for s, d in ctx.inputs)
 
@@ -435,12 +436,16 @@ def _key_mask(m, B, Lk):
     return _np(m), _mha.MASK_ALLOW
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None,
-                                 dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False, *, key_lengths=None,
-                                 key_mask=None, window=None, alibi=False,
-                                 softcap=None, sinks=None, rope=None,
-                                 q_positions=None, k_positions=None):
+def scaled_dot_product_attention(
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+        is_causal: bool = False, scale: Optional[float] = None,
+        enable_gqa: bool = False, *, key_lengths: Any = None,
+        key_mask: Optional[torch.Tensor] = None,
+        window: Optional[Tuple[int, int]] = None, alibi: Any = False,
+        softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+        rope: Any = None, q_positions: Any = None,
+        k_positions: Any = None) -> torch.Tensor:
     """torch.nn.functional.scaled_dot_product_attention on libmha.
 
     query (B, H, Lq, d), key and value (B, H_kv, Lk, d) float32, bfloat16
