@@ -50,10 +50,12 @@ stage "release build and tests"
 # without Open MPI fails at configure rather than skipping them silently.
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMHA_MPI=ON >/dev/null
 cmake --build build -j"$jobs" >/dev/null
-# (python_nn_source, mha.nn's tests on this tree's Python files, needs the
-# package installed in .venv: it runs after the Python stage, below.)
+# (python_nn_source and python_transformers_source, the Python tests on
+# this tree's Python files, need the package installed in .venv: they run
+# after the Python stage, below.)
 ctest --test-dir build -j"$jobs" --output-on-failure \
-  --output-junit "$PWD/build/ctest-release.xml" -E '^python_nn_source$'
+  --output-junit "$PWD/build/ctest-release.xml" \
+  -E '^python_(nn|transformers)_source$'
 
 # No silent skips: every test that did not run is listed by name, and the
 # only ones allowed are the *_avx512 tier runs on a CPU without AVX-512F,
@@ -92,15 +94,16 @@ done
 
 # The Python package (pip install . into .venv, pytest); with
 # --all the same again under ASan + UBSan.  Then CTest's python_nn_source
-# over the installed extension: it must run, not be skipped.
+# and python_transformers_source over the installed extension: they must
+# run, not be skipped.
 nn_source() {
-  ctest --test-dir build -R '^python_nn_source$' --output-on-failure \
-    > build/ctest-nn-source.log 2>&1 ||
+  ctest --test-dir build -R '^python_(nn|transformers)_source$' \
+    --output-on-failure > build/ctest-nn-source.log 2>&1 ||
     { cat build/ctest-nn-source.log; exit 1; }
   if grep -q "did not run" build/ctest-nn-source.log; then
-    cat build/ctest-nn-source.log; echo "python_nn_source did not run"; exit 1
+    cat build/ctest-nn-source.log; echo "a *_source test did not run"; exit 1
   fi
-  echo "python_nn_source: passed"
+  echo "python_nn_source, python_transformers_source: passed"
 }
 if [ "$all" = 1 ]; then
   stage "Python package (pytest, then under ASan + UBSan)"
