@@ -87,6 +87,12 @@ def main(argv):
                 dst = os.path.join(scratch, rel)
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
                 shutil.copy2(os.path.join(ROOT, rel), dst)
+        # The Python tests on the tree's files (tests/pytest_source.sh)
+        # run over the extension installed in the repository's .venv;
+        # without it they skip, and a Python mutation would "survive".
+        venv = os.path.join(ROOT, ".venv")
+        if os.path.isdir(venv):
+            os.symlink(venv, os.path.join(scratch, ".venv"))
         build = os.path.join(scratch, "build")
         log = os.path.join(scratch, "log.txt")
         print(f"scratch copy in {scratch}; configuring and building")
