@@ -91,8 +91,9 @@ int64_t mha_mask_cols(const mha_mask_plan *plan, int64_t b, int64_t h,
                       int64_t i, int64_t j0, int64_t n, float *row);
 
 /* The key padding mask alone on columns j0 .. j0+n-1 of batch b (the same
- * for every head and row): 0 or -INFINITY, or the additive values
- * saturated to +-FLT_MAX.  Returns the number of keys not excluded. */
+ * for every head and row): 0 or -INFINITY, or the additive values as they
+ * are (finite or -inf, checked by the plan).  Returns the number of keys
+ * not excluded. */
 int64_t mha_mask_key_cols(const mha_mask_plan *plan, int64_t b, int64_t j0,
                           int64_t n, float *row);
 
@@ -583,8 +584,11 @@ typedef struct mha_tile {
 #define MHA_IN_PLACE_ROWS 1
 static inline int mha_attn_reads_in_place(const mha_attn *a)
 {
+    /* (row strides below 2^24: the kernels take them as int, and a
+     * gather's lane offsets, up to 15 strides, stay in int32) */
     return !a->prepacked && !a->pack_only &&
-           a->Lq * (a->H / a->Hkv) <= MHA_IN_PLACE_ROWS;
+           a->Lq * (a->H / a->Hkv) <= MHA_IN_PLACE_ROWS &&
+           a->ldk < (INT64_C(1) << 24) && a->ldv < (INT64_C(1) << 24);
 }
 
 typedef struct mha_tile_src {

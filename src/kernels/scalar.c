@@ -7,49 +7,58 @@
 
 #include <math.h>
 
-static void qk_scalar(int mr, int nc, int dh, const float *q, const float *kt,
-                      int ldkt, float *s, int lds)
+/* s[r][c] = sum_d q[r][d] * k(d, c), k(d, c) = k[d sd + c sc]: the
+ * packed kt tile (sd = ldkt, sc = 1) or keys where they lie (sd = 1,
+ * sc = ldk).  d outermost, each sum from 0 in ascending d. */
+static void qk_strided(int mr, int nc, int dh, const float *q,
+                       const float *k, size_t sd, size_t sc, float *s,
+                       int lds)
 {
     for (int r = 0; r < mr; r++) {
         float *sr = s + r * lds;
         for (int c = 0; c < nc; c++)
             sr[c] = 0.0f;
-        /* d outermost: a row of kt is contiguous over the keys. */
         for (int d = 0; d < dh; d++) {
             const float qd = q[r * dh + d];
-            const float *kd = kt + d * ldkt;
             for (int c = 0; c < nc; c++)
-                sr[c] += qd * kd[c];
+                sr[c] += qd * k[d * sd + c * sc];
         }
     }
+}
+
+static void qk_scalar(int mr, int nc, int dh, const float *q, const float *kt,
+                      int ldkt, float *s, int lds)
+{
+    qk_strided(mr, nc, dh, q, kt, (size_t)ldkt, 1, s, lds);
+}
+
+/* o[r][d] += p[r][c] v[c][d], value rows ldv apart; with exact, a weight
+ * p[r][c] == 0 adds nothing (NaN or Inf in v[c] stays out). */
+static void pv_strided(int exact, int mr, int nc, int dh, const float *p,
+                       int ldp, const float *v, size_t ldv, float *o, int ldo)
+{
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nc; c++) {
+            const float pc = p[r * ldp + c];
+            if (exact && pc == 0.0f)
+                continue;
+            const float *vc = v + c * ldv;
+            float *orow = o + r * ldo;
+            for (int d = 0; d < dh; d++)
+                orow[d] += pc * vc[d];
+        }
 }
 
 static void pv_scalar(int mr, int nc, int dh, const float *p, int ldp,
                       const float *v, float *o, int ldo)
 {
-    for (int r = 0; r < mr; r++)
-        for (int c = 0; c < nc; c++) {
-            const float pc = p[r * ldp + c];
-            const float *vc = v + c * dh;
-            float *orow = o + r * ldo;
-            for (int d = 0; d < dh; d++)
-                orow[d] += pc * vc[d];
-        }
+    pv_strided(0, mr, nc, dh, p, ldp, v, (size_t)dh, o, ldo);
 }
 
 static void pv_exact_scalar(int mr, int nc, int dh, const float *p, int ldp,
                             const float *v, float *o, int ldo)
 {
-    for (int r = 0; r < mr; r++)
-        for (int c = 0; c < nc; c++) {
-            const float pc = p[r * ldp + c];
-            if (pc == 0.0f)
-                continue;
-            const float *vc = v + c * dh;
-            float *orow = o + r * ldo;
-            for (int d = 0; d < dh; d++)
-                orow[d] += pc * vc[d];
-        }
+    pv_strided(1, mr, nc, dh, p, ldp, v, (size_t)dh, o, ldo);
 }
 
 /*
@@ -229,37 +238,18 @@ static void pv_kv_scalar(mha_kv_dtype dtype, int exact, int mr, int nc,
         }
 }
 
-/* qk and pv on keys and values where they lie: the loops of qk_scalar and
- * pv_scalar, rows ldk / ldv apart. */
+/* qk and pv on keys and values where they lie, rows ldk / ldv apart. */
 static void qk_rows_scalar(int mr, int nc, int dh, const float *q,
                            const float *k, int ldk, float *s, int lds)
 {
-    for (int r = 0; r < mr; r++) {
-        float *sr = s + r * lds;
-        for (int c = 0; c < nc; c++)
-            sr[c] = 0.0f;
-        for (int d = 0; d < dh; d++) {
-            const float qd = q[r * dh + d];
-            for (int c = 0; c < nc; c++)
-                sr[c] += qd * k[(size_t)c * ldk + d];
-        }
-    }
+    qk_strided(mr, nc, dh, q, k, 1, (size_t)ldk, s, lds);
 }
 
 static void pv_rows_scalar(int exact, int mr, int nc, int dh, const float *p,
                            int ldp, const float *v, int ldv, float *o,
                            int ldo)
 {
-    for (int r = 0; r < mr; r++)
-        for (int c = 0; c < nc; c++) {
-            const float pc = p[r * ldp + c];
-            if (exact && pc == 0.0f)
-                continue;
-            const float *vc = v + (size_t)c * ldv;
-            float *orow = o + r * ldo;
-            for (int d = 0; d < dh; d++)
-                orow[d] += pc * vc[d];
-        }
+    pv_strided(exact, mr, nc, dh, p, ldp, v, (size_t)ldv, o, ldo);
 }
 
 const mha_microkernels mha_microkernels_scalar = {
