@@ -465,6 +465,19 @@ typedef enum mha_weights_mode {
 /* A KV cache (below, "Inference"); declared here for mha_forward_args. */
 typedef struct mha_kv_cache mha_kv_cache;
 
+/* Element types: of mha_forward's and mha_attention's data (F32, F16,
+ * BF16),
+ * and of tensors in files (mha_io.h: all of them). */
+typedef enum mha_dtype {
+    MHA_DTYPE_F32 = 0,
+    MHA_DTYPE_F64 = 1,
+    MHA_DTYPE_F16 = 2,    /* IEEE binary16 bits in a uint16_t             */
+    MHA_DTYPE_BF16 = 3,   /* bfloat16 bits in a uint16_t                  */
+    MHA_DTYPE_BOOL = 4,
+    MHA_DTYPE_I32 = 5,
+    MHA_DTYPE_I64 = 6
+} mha_dtype;
+
 /*
  * One forward pass.  Zero-initialise, then fill what you use.
  *
@@ -568,6 +581,23 @@ typedef struct mha_forward_args {
      * >= 1; no cache; a sliced forward has no backward.                 */
     int64_t q_start;
     int64_t q_total;
+
+    /* 16-bit data.  dtype F32 (0): query, key, value and out above.  BF16
+     * or F16: query16, key16, value16 and out16 instead (the same shapes,
+     * each element its 2-byte pattern; NULL key16 -> query16, NULL
+     * value16 -> key16; out16 may alias query16), and the float pointers
+     * NULL.  The module's parameters are used rounded to that type (as
+     * PyTorch's module.to(dtype) rounds them); each projection sums in
+     * float32 and rounds its output (q, k, v, the heads' context, out) to
+     * the type; the attention is mha_attention's on 16-bit heads.  bf16
+     * runs on AMX tiles or AVX512-BF16 where mha_bf16_kernel() says so,
+     * f16 and other CPUs widen blocks of rows to float32 (docs/
+     * semantics.md, "16-bit modules").  Not yet with a cache, weights,
+     * training, head_mask, RoPE, add_bias_kv, add_zero_attn, positions or
+     * a slice of the query rows (each refused by name); no backward.    */
+    mha_dtype dtype;
+    const uint16_t *query16, *key16, *value16;
+    uint16_t *out16;
 } mha_forward_args;
 
 /* Lk + (add_bias_kv ? 1 : 0) + (add_zero_attn ? 1 : 0): the key axis of
@@ -583,17 +613,6 @@ static inline mha_status mha_forward(const mha_module *module,
     return mha_forward_sized(module, args, sizeof *args);
 }
 
-/* Element types: of mha_attention's q, k, v and out (F32, F16, BF16),
- * and of tensors in files (mha_io.h: all of them). */
-typedef enum mha_dtype {
-    MHA_DTYPE_F32 = 0,
-    MHA_DTYPE_F64 = 1,
-    MHA_DTYPE_F16 = 2,    /* IEEE binary16 bits in a uint16_t             */
-    MHA_DTYPE_BF16 = 3,   /* bfloat16 bits in a uint16_t                  */
-    MHA_DTYPE_BOOL = 4,
-    MHA_DTYPE_I32 = 5,
-    MHA_DTYPE_I64 = 6
-} mha_dtype;
 
 /* How mha_attention's q, k, v and out are laid out in memory. */
 typedef enum mha_layout {

@@ -53,7 +53,9 @@ static const char BENCH_HELP[] =
     "                        with --backward dL/d out and the gradients:\n"
     "                        mha_attention then mha_attention_backward16,\n"
     "                        which reuses the forward's out and lse) in that\n"
-    "                        type (rounded once, untimed); bf16 runs on AMX\n"
+    "                        type (rounded once, untimed); without it the\n"
+    "                        module's forward on 16-bit query, key and out\n"
+    "                        (no --backward yet); bf16 runs on AMX\n"
     "                        tiles or AVX512-BF16 where the CPU has them\n"
     "                        (mha_bf16_kernel; MHA_BF16 caps it), otherwise\n"
     "                        widened\n"
@@ -341,10 +343,11 @@ int cmd_bench(int argc, char **argv)
     if ((int)dtype < 0)
         return tool_fail("bench", "--dtype must be f32, bf16 or f16, got "
                          "'%s'", dtype_s);
-    if (dtype != MHA_DTYPE_F32 && (!attn_only || weights))
-        return tool_fail("bench", "--dtype %s times mha_attention alone: "
-                         "with --attention-only, without --need-weights",
-                         dtype_s);
+    if (dtype != MHA_DTYPE_F32 && (weights || (backward && !attn_only)))
+        return tool_fail("bench", "--dtype %s times mha_attention (and its "
+                         "backward with --attention-only) or the module's "
+                         "forward: not with --need-weights, nor --backward "
+                         "without --attention-only", dtype_s);
     if (!cross)
         Lk = Lq;
 #undef OPT
@@ -487,8 +490,9 @@ int cmd_bench(int argc, char **argv)
         if (!h16)
             rc = tool_fail("bench", "cannot allocate the 16-bit inputs");
         for (size_t i = 0; h16 && i < nq + 2 * nkv; i++) {
-            const float x = i < nq ? q[i] : i < nq + nkv ? kv[i - nq]
-                                                         : vv[i - nq - nkv];
+            const float x = i < nq         ? q[i]
+                          : i < nq + nkv   ? (kv ? kv[i - nq] : 0.0f)
+                                           : (vv ? vv[i - nq - nkv] : 0.0f);
             h16[i] = dtype == MHA_DTYPE_BF16 ? mha_bf16_from_float(x)
                                               : mha_f16_from_float(x);
         }
@@ -499,6 +503,12 @@ int cmd_bench(int argc, char **argv)
         aa.k16 = h16 + nq;
         aa.v16 = h16 + nq + nkv;
         aa.out16 = h16 + nq + 2 * nkv;
+        a.dtype = dtype;   /* the module's forward: query (and key) 16-bit */
+        a.query = a.key = NULL;
+        a.out = NULL;
+        a.query16 = h16;
+        a.key16 = cross ? h16 + nq : NULL;
+        a.out16 = h16 + nq + 2 * nkv;
         if (h16 && backward) {
             uint16_t *gb = h16 + 2 * nq + 2 * nkv;
             for (size_t i = 0; i < nq; i++)

@@ -279,6 +279,12 @@ static void gemm32(float *C, int ldc, int N, const uint16_t *A, int lda,
         gemm32_dp(C, ldc, N, A, lda, K, b, bstride, acc, two);
 }
 
+void mha_amx_gemm32(float *C, int ldc, int N, const uint16_t *A, int lda,
+                    int K, const uint32_t *b, int64_t bstride, int two)
+{
+    gemm32(C, ldc, N, A, lda, K, b, bstride, 0, two);
+}
+
 /* ---- one block of query rows ---------------------------------------------
  * The tiles: 0-3 accumulate (S: rows 0-15 / 16-31 x keys 0-15 / 16-31;
  * O: rows 0-15 / 16-31 x two 16-column chunks), 4-5 the A operands

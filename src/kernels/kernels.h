@@ -305,6 +305,26 @@ static inline int64_t mha_amx_b_words(int64_t K, int64_t N)
     return (K + 31) / 32 * ((N + 31) / 32) * 512;
 }
 
+/* C (32 x N floats, rows ldc apart; rows 16-31 only when two) = A (32 x
+ * K bf16, rows lda apart) B, B packed as above with its tile (kt, nt) at
+ * b + (kt bstride + nt) 256; N and K multiples of 32.  The one tile GEMM
+ * of every product above, for the bf16 linear layer (module/linear.c). */
+void mha_amx_gemm32(float *C, int ldc, int N, const uint16_t *A, int lda,
+                    int K, const uint32_t *b, int64_t bstride, int two);
+
+/* ---- the bf16 linear layer's pieces (amx_linear.c) ----------------------
+ * W (n_out x n_in float32, row-major, PyTorch's [out, in]) rounded to
+ * bf16 and packed as the B operand of y = x W^T (K = n_in, N = n_out,
+ * the layout of mha_amx_pack_b, mha_amx_b_words(n_in, n_out) words):
+ * its 16-column tiles nt0 .. nt1 - 1 of every row of tiles, so that
+ * threads can pack column ranges of one W side by side. */
+void mha_amx_pack_wt(const float *w, int64_t n_in, int64_t n_out,
+                     int64_t nt0, int64_t nt1, uint32_t *dst);
+/* y (rows x cols bf16, rows ldy apart) = C (rows ldc apart) + bias (cols
+ * floats, or NULL), rounded to nearest even. */
+void mha_amx_round_rows(const float *C, int ldc, int rows, int cols,
+                        const float *bias, uint16_t *y, int64_t ldy);
+
 /* One query head as the key blocks of sweep 1 read it: Q^T and dO^T
  * (K = d_h, N = Lq) and Q and dO (K = Lq, N = d_h) packed, and per query
  * (padded with zeros to a multiple of 64): lim, the keys it sees, from 0;

@@ -38,7 +38,7 @@ static mha_status check_cache_args(const mha_module *m,
                                    const mha_forward_args *a)
 {
     const mha_kv_cache *kv = a->cache;
-    const char *bad = a->key ? "key" : a->value ? "value"
+    const char *bad = mha_fwd_key(a) ? "key" : mha_fwd_value(a) ? "value"
                     : a->training ? "training" : NULL;
     if (bad)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
@@ -113,7 +113,7 @@ static mha_status check_slice(const mha_forward_args *a)
                              "a slice of the query rows (q_total) is not "
                              "taken with a KV cache: its queries sit at "
                              "each sequence's end");
-    if (!a->key || a->kv_len < 1)
+    if (!mha_fwd_key(a) || a->kv_len < 1)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "a slice of the query rows (q_total) needs the "
                              "key given, with kv_len >= 1: the slice's rows "
@@ -125,6 +125,11 @@ mha_status mha_fwd_check_shapes(const mha_module *m,
                                 const mha_forward_args *a, fwd_shape *p)
 {
     const mha_config *c = &m->cfg;
+    if (a->dtype != MHA_DTYPE_F32 && a->dtype != MHA_DTYPE_BF16 &&
+        a->dtype != MHA_DTYPE_F16)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "dtype must be MHA_DTYPE_F32 (0), _F16 (2) or "
+                             "_BF16 (3), got %d", (int)a->dtype);
     if (a->batch < 1)
         return mha_set_error(MHA_ERR_SHAPE,
                              "batch must be >= 1 (unbatched input is batch "
@@ -139,7 +144,8 @@ mha_status mha_fwd_check_shapes(const mha_module *m,
     /* kv_len 0 means Lq for self-attention only: a separate key tensor's
      * length is the caller's to say (a key of Lk rows read as Lq rows
      * would be a plausible wrong answer, or a read past its end). */
-    if (a->key && a->key != a->query && a->kv_len == 0 && !a->cache)
+    const void *key = mha_fwd_key(a), *value = mha_fwd_value(a);
+    if (key && key != mha_fwd_query(a) && a->kv_len == 0 && !a->cache)
         return mha_set_error(MHA_ERR_SHAPE,
                              "key is given (and is not the query) but "
                              "kv_len is 0: set kv_len to the key's length "
@@ -161,17 +167,17 @@ mha_status mha_fwd_check_shapes(const mha_module *m,
     if (a->cache)
         MHA_CHECK(check_cache_args(m, a));
 
-    if (!a->key && c->kdim != c->embed_dim)
+    if (!key && c->kdim != c->embed_dim)
         return mha_set_error(MHA_ERR_SHAPE,
                              "key is NULL, so the query (width E=%lld) is the "
                              "key, but kdim is %lld", (long long)c->embed_dim,
                              (long long)c->kdim);
-    if (!a->key && p->Lk != p->Lq)
+    if (!key && p->Lk != p->Lq)
         return mha_set_error(MHA_ERR_SHAPE,
                              "key is NULL (self-attention), but kv_len %lld "
                              "differs from q_len %lld", (long long)p->Lk,
                              (long long)p->Lq);
-    if (!a->value && c->vdim != c->kdim)
+    if (!value && c->vdim != c->kdim)
         return mha_set_error(MHA_ERR_SHAPE,
                              "value is NULL, so the key (width kdim=%lld) is "
                              "the value, but vdim is %lld",
@@ -243,8 +249,12 @@ static mha_status mha_plan_create_impl(const mha_module *m,
     mha_plan *p = calloc(1, sizeof *p);
     if (!p)
         return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate a plan");
-    p->ws = mha_alloc_floats(n_proj + s.n_qd + lay.total, "forward workspace");
-    if (!p->ws) {
+    p->dtype = a->dtype;   /* 16-bit: forward16.c's workspace, per call */
+    p->ws = a->dtype != MHA_DTYPE_F32
+                ? NULL
+                : mha_alloc_floats(n_proj + s.n_qd + lay.total,
+                                   "forward workspace");
+    if (!p->ws && a->dtype == MHA_DTYPE_F32) {
         free(p);
         return MHA_ERR_OUT_OF_MEMORY;
     }
@@ -271,6 +281,7 @@ void mha_plan_free(mha_plan *p)
     if (!p)
         return;
     free(p->ws);
+    free(p->ws16);
     free(p->bws);
     free(p);
 }
@@ -447,6 +458,18 @@ static mha_status mha_plan_forward_impl(mha_plan *plan,
                              (long long)s.B, (long long)s.Lq, (long long)s.Lk,
                              (long long)ps->B, (long long)ps->Lq,
                              (long long)ps->Lk);
+    if (a->dtype != plan->dtype)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "this plan was made for dtype %d, the call has "
+                             "dtype %d", (int)plan->dtype, (int)a->dtype);
+    if (a->dtype != MHA_DTYPE_F32)
+        return mha_forward16(plan, a);
+    if (a->query16 || a->key16 || a->value16 || a->out16)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "dtype F32 takes its data in query, key, value "
+                             "and out; %s must be NULL",
+                             a->query16 ? "query16" : a->key16 ? "key16"
+                             : a->value16 ? "value16" : "out16");
     if (!a->query)
         return mha_set_error(MHA_ERR_NULL_POINTER, "query is NULL");
     if (!a->out)

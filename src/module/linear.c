@@ -29,6 +29,8 @@
  * without packing it: a choice made by the shape, like the grid.
  */
 #include "module.h"
+#include "core/half.h"
+#include "kernels/kernels.h"
 
 #include <limits.h>
 #include <string.h>
@@ -249,5 +251,160 @@ void mha_linear_grad_params_blocks(const float *dy, int64_t rows,
                          min_int(DB_COLS, n_out - o0));
             }
         }
+    }
+}
+
+/* ---- 16-bit data: y = x W^T + b with x and y bf16 or f16 -----------------
+ *
+ * The weights are the module's float32 parameters rounded to the data's
+ * type (as PyTorch's module.to(torch.bfloat16) rounds them), prepared
+ * once per call by mha_linear16_prepare:
+ *
+ *   kernel tiers (bf16 data, mha_bf16_tier AMX or AVX512): W packed as
+ *     AMX's B operand (kernels/amx_linear.c); each block of 32 rows x
+ *     LIN16_COLS columns is one tile GEMM (amx.c, tiles or vdpbf16ps),
+ *     float32 sums over all of n_in in one fixed order, then + b and
+ *     rounded to bf16.
+ *   widened (f16 data, or a CPU without AVX512-BF16): W rounded to the
+ *     dtype and held as float32; each block's rows of x widened to
+ *     float32 and multiplied by the backend's SGEMM on one thread.
+ *
+ * Blocks run column block by column block (threads then share one panel
+ * of W in the cache), each output element summed by one thread: the bits
+ * do not depend on the thread count.
+ */
+enum { LIN16_ROWS = 32, LIN16_COLS = 256 };
+
+static int64_t round32(int64_t n) { return (n + 31) / 32 * 32; }
+
+int64_t mha_linear16_weight_floats(int kernel, int64_t n_out, int64_t n_in)
+{
+    return kernel ? mha_amx_b_words(n_in, n_out) : n_out * n_in;
+}
+
+int64_t mha_linear16_scratch_floats(int kernel, int64_t n_in)
+{
+    /* the block's float32 sums, then its rows of x: zero-padded bf16
+     * (kernel) or widened to float32 */
+    return LIN16_ROWS * LIN16_COLS +
+           (kernel ? LIN16_ROWS * round32(n_in) / 2 : LIN16_ROWS * n_in) + 16;
+}
+
+static float round_to(float x, int bf)
+{
+    return bf ? mha_bf16_to_float(mha_bf16_from_float(x))
+              : mha_f16_to_float(mha_f16_from_float(x));
+}
+
+void mha_linear16_prepare(const float *w, int64_t n_out, int64_t n_in,
+                          int kernel, int bf, float *dst,
+                          OMP_ONLY int threads)
+{
+#if defined(__x86_64__)
+    if (kernel) {   /* pairs of 16-column tiles, one item each */
+        const int64_t pairs = (n_out + 31) / 32;
+#pragma omp parallel for num_threads(team(threads, pairs)) schedule(static)
+        for (int64_t t = 0; t < pairs; t++)
+            mha_amx_pack_wt(w, n_in, n_out, 2 * t, 2 * t + 2,
+                            (uint32_t *)dst);
+        return;
+    }
+#endif
+    (void)kernel;
+    const int64_t n = n_out * n_in;
+#pragma omp parallel for num_threads(team(threads, n / 4096 + 1)) \
+    schedule(static)
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = round_to(w[i], bf);
+}
+
+/* One block's rows r0 .. r0 + r - 1, columns c0 .. c0 + n - 1, in C
+ * (LIN16_COLS floats a row) before the bias. */
+static void block16(const uint16_t *x, int64_t n_in, int64_t ldx, int bf,
+                    int kernel, const float *wt, int64_t n_out, int64_t r0,
+                    int r, int64_t c0, int n, float *C, void *xs)
+{
+    const uint16_t *xb = x + r0 * ldx;
+#if defined(__x86_64__)
+    if (kernel) {
+        const int64_t k32 = round32(n_in);
+        const uint16_t *a = xb;
+        int64_t lda = ldx;
+        if (r < LIN16_ROWS || k32 != n_in) {   /* a zero-padded copy */
+            uint16_t *s = xs;
+            for (int i = 0; i < LIN16_ROWS; i++) {
+                const int64_t live = i < r ? n_in : 0;
+                memcpy(s + i * k32, xb + i * ldx, (size_t)live * 2);
+                memset(s + i * k32 + live, 0, (size_t)(k32 - live) * 2);
+            }
+            a = s;
+            lda = k32;
+        }
+        const int64_t nnt = (n_out + 31) / 32 * 2;
+        mha_amx_gemm32(C, LIN16_COLS, (int)round32(n), a, (int)lda, (int)k32,
+                       (const uint32_t *)wt + c0 / 16 * 256, nnt, r > 16);
+        return;
+    }
+#endif
+    (void)kernel;
+    (void)n_out;
+    float *s = xs;
+    for (int i = 0; i < r; i++)
+        for (int64_t k = 0; k < n_in; k++)
+            s[i * n_in + k] = bf ? mha_bf16_to_float(xb[i * ldx + k])
+                                 : mha_f16_to_float(xb[i * ldx + k]);
+    mha_sgemm(0, 1, r, n, (int)n_in, 1.0f, s, (int)n_in, wt + c0 * n_in,
+              (int)n_in, 0.0f, C, LIN16_COLS);
+}
+
+void mha_linear16(const uint16_t *x, int64_t rows, int64_t n_in, int64_t ldx,
+                  int bf, int kernel, const float *wt, int64_t n_out,
+                  const float *b, uint16_t *y, int64_t ldy, float *scratch,
+                  OMP_ONLY int threads)
+{
+    const int64_t rb = nblocks(rows, LIN16_ROWS);
+    const int64_t items = rb * nblocks(n_out, LIN16_COLS);
+    const int64_t per_thread = mha_linear16_scratch_floats(kernel, n_in);
+    mha_gemm_serial();
+#pragma omp parallel num_threads(team(threads, items))
+    {
+        omp_one_thread();
+#ifdef _OPENMP
+        const int t = omp_get_thread_num();
+#else
+        const int t = 0;
+#endif
+        float *C = scratch + t * per_thread;
+        void *xs = C + LIN16_ROWS * LIN16_COLS;
+#if defined(__x86_64__)
+        if (kernel)
+            mha_amx_begin(mha_bf16_tier() == MHA_BF16_AMX);
+#endif
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t r0 = it % rb * LIN16_ROWS;
+            const int64_t c0 = it / rb * LIN16_COLS;
+            const int r = min_int(LIN16_ROWS, rows - r0);
+            const int n = min_int(LIN16_COLS, n_out - c0);
+            block16(x, n_in, ldx, bf, kernel, wt, n_out, r0, r, c0, n, C, xs);
+            const float *bias = b ? b + c0 : NULL;
+            uint16_t *yb = y + r0 * ldy + c0;
+#if defined(__x86_64__)
+            if (kernel) {
+                mha_amx_round_rows(C, LIN16_COLS, r, n, bias, yb, ldy);
+                continue;
+            }
+#endif
+            for (int i = 0; i < r; i++)
+                for (int c = 0; c < n; c++) {
+                    const float v = C[i * LIN16_COLS + c] + (bias ? bias[c] : 0);
+                    yb[i * ldy + c] = bf ? mha_bf16_from_float(v)
+                                         : mha_f16_from_float(v);
+                }
+        }
+#if defined(__x86_64__)
+        if (kernel)
+            mha_amx_end();
+#endif
     }
 }

@@ -115,6 +115,23 @@ void mha_linear_grad_params_blocks(const float *dy, int64_t rows,
                                    float beta, float *dw, float *db,
                                    int threads);
 
+/* The linear layer on 16-bit data (bf = 1: bf16, 0: f16), y = x w^T + b,
+ * x and y 16-bit, w and b the module's float32 rounded to the dtype:
+ * kernel = 1 on the bf16 kernels (bf16 only, mha_bf16_tier() AMX or
+ * AVX512), 0 widened to float32 around the SGEMM backend.
+ * mha_linear16_prepare writes w, rounded, as the kernels read it into
+ * mha_linear16_weight_floats(kernel, n_out, n_in) floats of wt; b is
+ * given rounded already (or NULL).  scratch: each of the threads' share,
+ * mha_linear16_scratch_floats(kernel, n_in) floats, 64-byte aligned. */
+int64_t mha_linear16_weight_floats(int kernel, int64_t n_out, int64_t n_in);
+int64_t mha_linear16_scratch_floats(int kernel, int64_t n_in);
+void mha_linear16_prepare(const float *w, int64_t n_out, int64_t n_in,
+                          int kernel, int bf, float *wt, int threads);
+void mha_linear16(const uint16_t *x, int64_t rows, int64_t n_in, int64_t ldx,
+                  int bf, int kernel, const float *wt, int64_t n_out,
+                  const float *b, uint16_t *y, int64_t ldy, float *scratch,
+                  int threads);
+
 /* ---- plans (forward.c, backward.c) -------------------------------------- */
 
 /* Shapes of a forward call, checked and derived once. */
@@ -130,6 +147,24 @@ typedef struct fwd_shape {
  * kdim or vdim differ from E (mha_kv_cache_for_module, a cached forward). */
 mha_status mha_module_check_self_attention(const mha_module *m);
 
+/* A forward's query, key and value, whatever their dtype (NULL when
+ * not given). */
+static inline const void *mha_fwd_query(const mha_forward_args *a)
+{
+    return a->dtype == MHA_DTYPE_F32 ? (const void *)a->query
+                                     : (const void *)a->query16;
+}
+static inline const void *mha_fwd_key(const mha_forward_args *a)
+{
+    return a->dtype == MHA_DTYPE_F32 ? (const void *)a->key
+                                     : (const void *)a->key16;
+}
+static inline const void *mha_fwd_value(const mha_forward_args *a)
+{
+    return a->dtype == MHA_DTYPE_F32 ? (const void *)a->value
+                                     : (const void *)a->value16;
+}
+
 /* Checks everything about `a` but its data pointers. */
 mha_status mha_fwd_check_shapes(const mha_module *m,
                                 const mha_forward_args *a, fwd_shape *p);
@@ -137,6 +172,7 @@ mha_status mha_fwd_check_shapes(const mha_module *m,
 struct mha_plan {
     const mha_module *m;
     fwd_shape shape;
+    mha_dtype dtype;         /* of the data: F32, or 16-bit (forward16.c) */
     mha_engine eng;          /* tier and threads, chosen at create       */
     mha_attn_layout lay;     /* the attention's part of ws               */
     int64_t cache_capacity;  /* > 0: a plan for forwards with a KV cache
@@ -153,6 +189,10 @@ struct mha_plan {
     float *q, *k, *v;
     int64_t ldq, ldk, ldv;
     int fuse_qkv, fuse_kv;
+
+    /* A 16-bit forward's workspace (forward16.c), n_ws16 floats. */
+    float *ws16;
+    int64_t n_ws16;
 
     /* The backward's own workspace, allocated by its first call. */
     float *bws;
@@ -175,6 +215,10 @@ static inline const float *mha_head_mask_in_use(const float *head_mask,
                 return head_mask;
     return NULL;
 }
+
+/* The forward on 16-bit data (forward16.c): `a` checked by
+ * mha_fwd_check_shapes and matching the plan's shape. */
+mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a);
 
 /* The attention problem of a forward with arguments `a` on this plan. */
 void mha_plan_attn(const mha_plan *plan, const mha_forward_args *a,

@@ -1,0 +1,273 @@
+/*
+ * test_module16.c -- mha_forward on bf16 and f16 data (forward16.c)
+ * against the float64 reference forward (tests/support/ref.c) on the
+ * rounded inputs and parameters: the module's parameters are rounded to
+ * the type first (so "rounded parameters" are the parameters), the
+ * inputs drawn and rounded, and ref_forward_f64 runs on their float
+ * values with no rounding inside.
+ *
+ * The bound, normwise (max |out - ref| <= tol max |ref|): the 16-bit
+ * forward rounds five times on the way, each by at most the unit
+ * roundoff u (2^-8 bf16, 2^-11 f16) of what it rounds: q and k (their
+ * scores then move by 2u of sum |q k| scale, at most the row's score
+ * range, which a softmax of O(1) scores passes on as about that much
+ * relative change of the weights), v, the weights (P rounded to bf16
+ * before P V on the bf16 kernels), the heads' context and the output.
+ * Every case here has O(1) scores, so tol = 8u: the five roundings, the
+ * scores' factor 2, float32's sums (2^-24 n, far below u), and room for
+ * their products; a wrong block, a missed bias, a masked key leaking or
+ * an unrounded weight is caught at 10-1000 u (the mutation rows in
+ * tests/mutations.tsv).
+ *
+ * Run by CTest once per bf16 kernel like test_half: test_module16_amx,
+ * _avx512bf16 (skipped by name where the CPU lacks it) and _widened
+ * (MHA_BF16=float32).  Threads 1, 2 and 3 give the same bits.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "testutil.h"
+#include "ref.h"
+#include "assert_error.h"
+#include "core/half.h"
+
+typedef struct mcase {
+    const char *name;
+    int64_t E, H, Hkv, kdim, vdim;   /* kdim, vdim 0: E */
+    int64_t B, Lq, Lk;               /* Lk 0: self-attention */
+    mha_causal causal;
+    int key_padding;                 /* a (B, Lk) bool mask (block) */
+    float softcap;
+    int window;                      /* (window, 0) around the diagonal */
+    int bias;                        /* biases on */
+} mcase;
+
+static uint16_t to16(mha_dtype t, float x)
+{
+    return t == MHA_DTYPE_BF16 ? mha_bf16_from_float(x) : mha_f16_from_float(x);
+}
+static float from16(mha_dtype t, uint16_t x)
+{
+    return t == MHA_DTYPE_BF16 ? mha_bf16_to_float(x) : mha_f16_to_float(x);
+}
+
+/* Every parameter of m replaced by its value rounded to t. */
+static void round_params(mha_module *m, mha_dtype t)
+{
+    for (int i = 0; i < mha_param_count(m); i++) {
+        mha_param_info info;
+        assert_int_equal(mha_param_info_at(m, i, &info), MHA_OK);
+        float *p = malloc((size_t)info.numel * sizeof *p);
+        assert_int_equal(mha_param_get(m, info.name, p, info.numel), MHA_OK);
+        for (int64_t k = 0; k < info.numel; k++)
+            p[k] = from16(t, to16(t, p[k]));
+        assert_int_equal(mha_param_set(m, info.name, p, info.numel), MHA_OK);
+        free(p);
+    }
+}
+
+/* Random inputs (n) rounded to t: their 16-bit patterns and float values. */
+static void draw(mha_dtype t, int64_t n, uint64_t seed, uint16_t *x16,
+                 float *x)
+{
+    tu_fill(x, n, seed, -1.0f, 1.0f);
+    for (int64_t i = 0; i < n; i++) {
+        x16[i] = to16(t, x[i]);
+        x[i] = from16(t, x16[i]);
+    }
+}
+
+static void run_case(const mcase *c, mha_dtype t)
+{
+    mha_config cfg = {0};
+    cfg.embed_dim = c->E;
+    cfg.num_heads = c->H;
+    cfg.num_kv_heads = c->Hkv;
+    cfg.kdim = c->kdim;
+    cfg.vdim = c->vdim;
+    cfg.no_bias = !c->bias;
+    cfg.mods.softcap = c->softcap;
+    cfg.mods.window = c->window > 0;
+    cfg.mods.window_left = c->window;
+    mha_module *m = tu_module(&cfg, 7);
+    assert_non_null(m);
+    round_params(m, t);
+    const int self = c->Lk == 0;
+    const int64_t Lk = self ? c->Lq : c->Lk;
+    const int64_t kd = c->kdim ? c->kdim : c->E, vd = c->vdim ? c->vdim : c->E;
+    const int64_t nq = c->B * c->Lq * c->E, nk = c->B * Lk * kd,
+                  nv = c->B * Lk * vd;
+    uint16_t *q16 = malloc(nq * 2), *k16 = malloc(nk * 2), *v16 = malloc(nv * 2);
+    float *q = malloc(nq * 4), *k = malloc(nk * 4), *v = malloc(nv * 4);
+    draw(t, nq, 11, q16, q);
+    draw(t, nk, 12, k16, k);
+    draw(t, nv, 13, v16, v);
+    uint8_t *pad = NULL;
+    mha_forward_args a = {0};
+    a.batch = c->B, a.q_len = c->Lq, a.kv_len = self ? 0 : Lk;
+    a.causal = c->causal;
+    if (c->key_padding) {   /* every batch keeps its first key */
+        pad = malloc((size_t)(c->B * Lk));
+        for (int64_t i = 0; i < c->B * Lk; i++)
+            pad[i] = i % Lk != 0 && (i * 7919) % 5 == 0;
+        a.key_padding_mask.kind = MHA_MASK_BLOCK;
+        a.key_padding_mask.data = pad;
+        a.key_padding_mask.ndim = 2;
+        a.key_padding_mask.shape[0] = c->B;
+        a.key_padding_mask.shape[1] = Lk;
+    }
+
+    /* the reference, on the rounded values */
+    double *ref = malloc(nq * sizeof *ref);
+    a.query = q;
+    a.key = self ? NULL : k;
+    a.value = self ? NULL : v;
+    assert_int_equal(ref_forward_f64(m, &a, ref, NULL), 0);
+    a.query = a.key = a.value = NULL;
+
+    a.dtype = t;
+    a.query16 = q16;
+    a.key16 = self ? NULL : k16;
+    a.value16 = self ? NULL : v16;
+    uint16_t *out[3];
+    for (int th = 1; th <= 3; th++) {
+        out[th - 1] = malloc(nq * 2);
+        a.out16 = out[th - 1];
+        a.num_threads = th;
+        const mha_status st = mha_forward(m, &a);
+        if (st != MHA_OK)
+            fail_msg("%s: %s", c->name, mha_last_error());
+    }
+    double err = 0, top = ref_max_abs(ref, nq);
+    for (int64_t i = 0; i < nq; i++) {
+        const double d = fabs(from16(t, out[0][i]) - ref[i]);
+        err = d > err || d != d ? d : err;
+    }
+    const double u = t == MHA_DTYPE_BF16 ? 0x1p-8 : 0x1p-11;
+    print_message("%-28s %s: max err %.3g of max |ref| %.3g = %.2f u\n",
+                  c->name, t == MHA_DTYPE_BF16 ? "bf16" : "f16 ", err, top,
+                  err / top / u);
+    if (!(err <= 8 * u * top))
+        fail_msg("%s: error %.3g over the bound 8u max|ref| = %.3g", c->name,
+                 err, 8 * u * top);
+    for (int th = 1; th < 3; th++)
+        if (memcmp(out[0], out[th], nq * 2))
+            fail_msg("%s: %d threads differ from 1 thread", c->name, th + 1);
+    for (int th = 0; th < 3; th++)
+        free(out[th]);
+    free(ref);
+    free(pad);
+    free(q16), free(k16), free(v16), free(q), free(k), free(v);
+    mha_free(m);
+}
+
+static const mcase cases[] = {
+    /* name                    E    H Hkv kd  vd  B  Lq   Lk  causal */
+    {"self, causal, row tail", 64, 2, 0, 0, 0, 2, 37, 0,
+     MHA_CAUSAL_TOP_LEFT, 0, 0, 0, 1},
+    {"self, no bias", 64, 2, 0, 0, 0, 1, 40, 0, MHA_CAUSAL_NONE, 0, 0, 0, 0},
+    {"cross, kdim 48 vdim 80, pad", 64, 2, 0, 48, 80, 2, 20, 45,
+     MHA_CAUSAL_NONE, 1, 0, 0, 1},
+    {"GQA 4:2, causal", 128, 4, 2, 0, 0, 1, 70, 0, MHA_CAUSAL_TOP_LEFT, 0, 0,
+     0, 1},
+    {"E 40 (d_h 20), softcap", 40, 2, 0, 0, 0, 2, 33, 0, MHA_CAUSAL_NONE, 0,
+     30.0f, 0, 1},
+    {"window 16, E 96 d_h 32", 96, 3, 0, 0, 0, 1, 65, 0,
+     MHA_CAUSAL_BOTTOM_RIGHT, 0, 0, 16, 1},
+    {"E 320 (two column blocks)", 320, 5, 0, 0, 0, 1, 300, 0,
+     MHA_CAUSAL_NONE, 0, 0, 0, 1},
+};
+
+static void test_bf16(void **state)
+{
+    (void)state;
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
+        run_case(&cases[i], MHA_DTYPE_BF16);
+}
+
+static void test_f16(void **state)
+{
+    (void)state;
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
+        run_case(&cases[i], MHA_DTYPE_F16);
+}
+
+/* What a 16-bit forward refuses, by name, writing nothing. */
+static void test_refused(void **state)
+{
+    (void)state;
+    mha_config cfg = {0};
+    cfg.embed_dim = 64;
+    cfg.num_heads = 2;
+    mha_module *m = tu_module(&cfg, 3);
+    uint16_t x[2 * 64] = {0}, o[2 * 64];
+    float xf[2 * 64] = {0}, w[2 * 2 * 2];
+    memset(o, 0x5a, sizeof o);
+    mha_forward_args a = {0};
+    a.batch = 1, a.q_len = 2, a.dtype = MHA_DTYPE_BF16;
+    a.query16 = x, a.out16 = o;
+    assert_int_equal(mha_forward(m, &a), MHA_OK);
+
+    mha_forward_args b = a;
+    b.dtype = (mha_dtype)9;
+    assert_fails(mha_forward(m, &b), MHA_ERR_INVALID_ARGUMENT, "dtype");
+    b = a, b.query = xf;
+    assert_fails(mha_forward(m, &b), MHA_ERR_INVALID_ARGUMENT,
+                 "query must be NULL");
+    b = a, b.out16 = NULL;
+    assert_fails(mha_forward(m, &b), MHA_ERR_NULL_POINTER, "out16");
+    b = a, b.query16 = NULL;
+    assert_fails(mha_forward(m, &b), MHA_ERR_NULL_POINTER, "query16");
+    b = a, b.need_weights = MHA_WEIGHTS_PER_HEAD, b.attn_weights = w;
+    assert_fails(mha_forward(m, &b), MHA_ERR_UNSUPPORTED, "weights");
+    b = a, b.training = 1;
+    assert_fails(mha_forward(m, &b), MHA_ERR_UNSUPPORTED, "training");
+    const float hm[2] = {1, 0};
+    b = a, b.head_mask = hm;
+    assert_fails(mha_forward(m, &b), MHA_ERR_UNSUPPORTED, "head_mask");
+    b = a, b.key16 = x, b.kv_len = 0;   /* a key of its own needs kv_len */
+    assert_int_equal(mha_forward(m, &b), MHA_OK);   /* (key16 == query16) */
+    /* float32 data with 16-bit pointers set */
+    b = a, b.dtype = MHA_DTYPE_F32, b.query = xf, b.out = xf;
+    assert_fails(mha_forward(m, &b), MHA_ERR_INVALID_ARGUMENT,
+                 "query16 must be NULL");
+    /* a plan keeps its dtype */
+    mha_plan *p;
+    assert_int_equal(mha_plan_create(m, &a, &p), MHA_OK);
+    assert_int_equal(mha_plan_forward(p, &a), MHA_OK);
+    b = a, b.dtype = MHA_DTYPE_F16;
+    assert_fails(mha_plan_forward(p, &b), MHA_ERR_INVALID_ARGUMENT,
+                 "made for dtype 3");
+    mha_plan_free(p);
+    mha_free(m);
+
+    cfg.add_bias_kv = 1;
+    m = tu_module(&cfg, 3);
+    assert_fails(mha_forward(m, &a), MHA_ERR_UNSUPPORTED, "add_bias_kv");
+    mha_free(m);
+}
+
+int main(void)
+{
+    const char *want = getenv("MHA_TEST_BF16");
+    const char *k = mha_bf16_kernel();
+    if (want && (!k || strcmp(k, want))) {
+        printf("skipped: this CPU or OS has no %s (test_module16_%s)\n",
+               !strcmp(want, "amx") ? "AMX-BF16" : "AVX512-BF16", want);
+        return 77;
+    }
+    print_message("bf16 kernel: %s\n", k ? k : "(none)");
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_bf16),
+        cmocka_unit_test(test_f16),
+        cmocka_unit_test(test_refused),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
