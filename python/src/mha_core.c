@@ -234,7 +234,7 @@ typedef struct {
      * times it; used by one call at a time (others fall back to
      * mha_forward), replaced when the shape changes. */
     mha_plan *plan;
-    int64_t plan_key[5];  /* B, Lq, Lk, num_threads, cache capacity */
+    int64_t plan_key[6];  /* B, Lq, Lk, num_threads, cache capacity, dtype */
     int plan_busy;
     /* mha.nn's torch parameters (module_watch), checked by forward_fast:
      * a weak reference to the nn module, the (sub, name) paths, and per
@@ -681,7 +681,7 @@ static PyObject *module_run(ModuleObject *self, PyObject *args, PyObject *kw)
         "attn_weights", "num_threads", "training", "dropout_seed",
         "head_mask", "cache", "positions", "grad_out", "grad_query",
         "grad_key", "grad_value", "grad_params", "accumulate",
-        "grad_head_mask", NULL};
+        "grad_head_mask", "dtype", NULL};
     PyObject *q = Py_None, *k = Py_None, *v = Py_None, *out = Py_None;
     PyObject *am = Py_None, *kpm = Py_None, *kl = Py_None, *w = Py_None;
     PyObject *hm = Py_None, *cache = Py_None, *pos = Py_None;
@@ -689,14 +689,20 @@ static PyObject *module_run(ModuleObject *self, PyObject *args, PyObject *kw)
     PyObject *gp = Py_None, *ghm = Py_None;
     long long B = 0, Lq = 0, Lk = 0;
     int amk = 0, kpmk = 0, causal = 0, nw = 0, threads = 0, training = 0;
-    int accumulate = 0;
+    int accumulate = 0, dtype = MHA_DTYPE_F32;
     unsigned long long seed = 0;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kw, "OOOOLL|LOiOiOiiOipKOOOOOOOOpO", kws, &q, &k, &v, &out,
+            args, kw, "OOOOLL|LOiOiOiiOipKOOOOOOOOpOi", kws, &q, &k, &v, &out,
             &B, &Lq, &Lk, &am, &amk, &kpm, &kpmk, &kl, &causal, &nw, &w,
             &threads, &training, &seed, &hm, &cache, &pos, &go, &gq, &gk, &gv,
-            &gp, &accumulate, &ghm))
+            &gp, &accumulate, &ghm, &dtype))
         return NULL;
+    /* dtype BF16 / F16: query, key, value and out hold 16-bit patterns
+     * (the library refuses what a 16-bit forward does not take) */
+    if (dtype != MHA_DTYPE_F32 && go != Py_None)
+        return PyErr_Format(PyExc_ValueError,
+                            "a 16-bit module forward has no backward yet");
+    const int td = dtype == MHA_DTYPE_F32 ? T_F32 : T_U16;
     const mha_config *c = &self->cfg;
     if (B < 1 || Lq < 1 || Lk < 0)
         return PyErr_Format(PyExc_ValueError,
@@ -726,11 +732,11 @@ static PyObject *module_run(ModuleObject *self, PyObject *args, PyObject *kw)
     bufset b = {.n = 0};
     void *pq, *pk, *pv, *pout, *pw, *pkl, *phm, *ppos;
     void *pgo, *pgq, *pgk, *pgv, *pgp, *pghm;
-    if (get_buf(&b, q, "query", T_F32, 0, mul3(B, Lq, E), 1, &pq, NULL) ||
-        get_buf(&b, k, "key", T_F32, 0, mul3(B, lk, c->kdim), 0, &pk, NULL) ||
-        get_buf(&b, v, "value", T_F32, 0,
+    if (get_buf(&b, q, "query", td, 0, mul3(B, Lq, E), 1, &pq, NULL) ||
+        get_buf(&b, k, "key", td, 0, mul3(B, lk, c->kdim), 0, &pk, NULL) ||
+        get_buf(&b, v, "value", td, 0,
                 mul3(B, lk, pk ? c->vdim : c->kdim), 0, &pv, NULL) ||
-        get_buf(&b, out, "out", T_F32, 1, mul3(B, Lq, E), !backward, &pout,
+        get_buf(&b, out, "out", td, 1, mul3(B, Lq, E), !backward, &pout,
                 NULL) ||
         get_buf(&b, w, "attn_weights", T_F32, 1, wn, nw != 0 && !backward,
                 &pw, NULL) ||
@@ -777,6 +783,14 @@ static PyObject *module_run(ModuleObject *self, PyObject *args, PyObject *kw)
     a.out = pout;
     a.cache = co ? co->c : NULL;
     a.positions = ppos;
+    if (dtype != MHA_DTYPE_F32) {
+        a.dtype = (mha_dtype)dtype;
+        a.query16 = pq;
+        a.key16 = pk;
+        a.value16 = pv;
+        a.out16 = pout;
+        a.query = a.key = a.value = a.out = NULL;
+    }
 
     mha_backward_args ba;
     memset(&ba, 0, sizeof ba);
@@ -849,8 +863,8 @@ static mha_status forward_kept(ModuleObject *self, mha_forward_args *a,
     d.num_threads = a->num_threads;
     mha_plan *plan = NULL;
     if (!self->plan_busy) {
-        int64_t key[5] = {a->batch, a->q_len, a->kv_len, a->num_threads,
-                          co ? co->cfg.capacity : 0};
+        int64_t key[6] = {a->batch, a->q_len, a->kv_len, a->num_threads,
+                          co ? co->cfg.capacity : 0, a->dtype};
         if (!self->plan || memcmp(key, self->plan_key, sizeof key)) {
             mha_plan_free(self->plan);
             self->plan = NULL;

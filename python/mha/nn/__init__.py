@@ -68,10 +68,35 @@ def _torch_mask(m, name, kind_bool):
                     "got %s" % (name, m.dtype))
 
 
+# The 16-bit dtypes a module may be moved to (module.to(dtype)), as
+# libmha's dtype codes (MHA_DTYPE_BF16, MHA_DTYPE_F16).
+_HALF = {torch.bfloat16: 3, torch.float16: 2}
+
+
 def _check_param(name, p):
-    if p.dtype != torch.float32 or p.device.type != "cpu":
-        raise TypeError("parameter %s must be a float32 CPU tensor, got %s "
-                        "on %s" % (name, p.dtype, p.device))
+    if (p.dtype != torch.float32 and p.dtype not in _HALF) or \
+            p.device.type != "cpu":
+        raise TypeError("parameter %s must be a float32, bfloat16 or "
+                        "float16 CPU tensor, got %s on %s"
+                        % (name, p.dtype, p.device))
+
+
+def _half_dtype(params):
+    """The parameters' dtype when the module was moved to bfloat16 or
+    float16 (every parameter in it), None for float32; a mix raises."""
+    dts = {p.dtype for p in params}
+    if not dts or dts == {torch.float32}:
+        return None
+    if len(dts) == 1 and next(iter(dts)) in _HALF:
+        return next(iter(dts))
+    raise TypeError("the module's parameters mix dtypes (%s): move it to "
+                    "one with module.to(dtype)"
+                    % ", ".join(sorted(str(d) for d in dts)))
+
+
+def _bits(t):
+    """A 16-bit tensor's elements as an int16 NumPy array (their bits)."""
+    return t.contiguous().view(torch.int16).numpy()
 
 
 def _run_forward(owner, kw, q, k, v, params):
@@ -304,6 +329,9 @@ class MultiheadAttention(nn.Module):
         with torch.inference_mode(False):
             for (name, shape, numel, off), p in zip(core.params(), params):
                 _check_param(name, p)
+                if p.dtype in _HALF:   # copied in by _sync_half, widened
+                    ptrs.append(-1)
+                    continue
                 core.param_set(name, _np(p))       # refuses NaN / Inf
                 p.data = torch.from_numpy(
                     buf[off:off + numel].reshape(shape))
@@ -336,9 +364,61 @@ class MultiheadAttention(nn.Module):
             self._stamp = stamp
             self._watch(core)
 
+    def _sync_half(self, core, params):
+        """Before a 16-bit call: the parameters (bf16 or f16) widened into
+        the libmha module's float32 memory, exactly, when any of them is
+        another tensor or changed in place since the last copy; libmha
+        rounds them back to the dtype (the same values)."""
+        stamp = tuple((p.data_ptr(), p._version, p.dtype) for p in params)
+        if stamp != getattr(self, "_half_stamp", None):
+            for (name, *_), p in zip(core.params(), params):
+                core.param_set(name, _np(p.detach().to(torch.float32)))
+            self._half_stamp = stamp
+            # no float32 view is linked now: a float32 call copies in
+            self._ptrs = [-1] * len(params)
+            self._stamp = tuple(p._version for p in params)
+            self._watch(core)
+
+    def _forward_half(self, dt, kw, ins, params):
+        """forward on a module moved to bfloat16 or float16: libmha's
+        16-bit forward (forward16.c: projections and attention on 16-bit
+        data, float32 sums) on the bits of the inputs, the output in the
+        same dtype.  Inference only so far: no weights, no gradient, no
+        dropout."""
+        for t, n in zip(ins, ("query", "key", "value")):
+            if t is not None and t.dtype != dt:
+                raise TypeError("%s is %s but the module's parameters are "
+                                "%s" % (n, t.dtype, dt))
+        if kw["need_weights"]:
+            raise NotImplementedError(
+                "a %s mha.nn.MultiheadAttention returns no attention weights "
+                "yet: call it with need_weights=False (or in float32)" % dt)
+        if kw["training"]:
+            raise NotImplementedError(
+                "a %s mha.nn.MultiheadAttention has no dropout yet: eval() "
+                "or dropout=0 (or float32)" % dt)
+        if torch.is_grad_enabled() and (
+                any(t is not None and t.requires_grad for t in ins) or
+                any(p.requires_grad for p in params)):
+            raise NotImplementedError(
+                "a %s mha.nn.MultiheadAttention has no backward yet: run it "
+                "under torch.no_grad() / torch.inference_mode(), or train "
+                "in float32" % dt)
+        core = self._core_module()
+        self._sync_half(core, params)
+        q, k, v = ins
+        out = torch.empty(kw["batch"], kw["q_len"], self.embed_dim, dtype=dt)
+        _mha._run_module(core, query=_bits(q),
+                         key=None if k is None else _bits(k),
+                         value=None if v is None else _bits(v),
+                         out=out.view(torch.int16).numpy(),
+                         attn_weights=None, dtype=_HALF[dt], **kw)
+        return out
+
     def __getstate__(self):
         state = self.__dict__.copy()
-        for k in ("_core", "_core_key", "_paths", "_ptrs", "_stamp"):
+        for k in ("_core", "_core_key", "_paths", "_ptrs", "_stamp",
+                  "_half_stamp"):
             state[k] = None
         return state
 
@@ -447,8 +527,14 @@ class MultiheadAttention(nn.Module):
             out = self._forward_no_grad(query, key, value, is_causal)
             if out is not None:
                 return out, None
+        half = _half_dtype(list(self.parameters()))
         for t, n in ((query, "query"), (key, "key"), (value, "value")):
-            _check_tensor(t, n)
+            if half is None or not isinstance(t, torch.Tensor):
+                _check_tensor(t, n)
+            elif t.device.type != "cpu" or t.dtype != half:
+                raise TypeError("%s must be a %s CPU tensor (the module's "
+                                "dtype), got %s on %s"
+                                % (n, half, t.dtype, t.device))
         if query.is_nested or key.is_nested or value.is_nested:
             return self._forward_nested(query, key, value, key_padding_mask,
                                         need_weights, attn_mask,
@@ -528,7 +614,10 @@ class MultiheadAttention(nn.Module):
         else:
             ins = (q, k, v)
         params = self._param_list()
-        if torch.is_grad_enabled() and (
+        half = _half_dtype(params)
+        if half is not None:
+            out, w = self._forward_half(half, kw, ins, params), None
+        elif torch.is_grad_enabled() and (
                 any(t is not None and t.requires_grad for t in ins) or
                 any(p.requires_grad for p in params)):
             out, w = _MHAFunction.apply(self, kw, *ins, *params)
