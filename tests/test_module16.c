@@ -199,6 +199,37 @@ static void test_f16(void **state)
         run_case(&cases[i], MHA_DTYPE_F16);
 }
 
+/* float32 parameters that are not 16-bit values are rounded to the type
+ * at the call: the same bits as the module with its parameters rounded
+ * beforehand (every kernel; test_module16_* run each). */
+static void test_params_rounded(void **state)
+{
+    (void)state;
+    const mha_dtype types[2] = {MHA_DTYPE_BF16, MHA_DTYPE_F16};
+    for (int ti = 0; ti < 2; ti++) {
+        const mha_dtype t = types[ti];
+        mha_config cfg = {0};
+        cfg.embed_dim = 64;
+        cfg.num_heads = 2;
+        mha_module *m = tu_module(&cfg, 21);
+        const int64_t n = 3 * 19 * 64;
+        uint16_t *x16 = malloc(n * 2), *o1 = malloc(n * 2),
+                 *o2 = malloc(n * 2);
+        float *x = malloc(n * 4);
+        draw(t, n, 5, x16, x);
+        mha_forward_args a = {0};
+        a.batch = 3, a.q_len = 19, a.dtype = t;
+        a.query16 = x16, a.out16 = o1;
+        assert_int_equal(mha_forward(m, &a), MHA_OK);
+        round_params(m, t);
+        a.out16 = o2;
+        assert_int_equal(mha_forward(m, &a), MHA_OK);
+        assert_memory_equal(o1, o2, n * 2);
+        free(x16), free(o1), free(o2), free(x);
+        mha_free(m);
+    }
+}
+
 /* What a 16-bit forward refuses, by name, writing nothing. */
 static void test_refused(void **state)
 {
@@ -267,6 +298,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_bf16),
         cmocka_unit_test(test_f16),
+        cmocka_unit_test(test_params_rounded),
         cmocka_unit_test(test_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
