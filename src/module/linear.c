@@ -286,8 +286,10 @@ int64_t mha_linear16_scratch_floats(int kernel, int64_t n_in)
 {
     /* the block's float32 sums, then its rows of x: zero-padded bf16
      * (kernel) or widened to float32 */
+    /* (whole 64-byte lines: each thread's part starts aligned) */
     return LIN16_ROWS * LIN16_COLS +
-           (kernel ? LIN16_ROWS * round32(n_in) / 2 : LIN16_ROWS * n_in) + 16;
+           (kernel ? LIN16_ROWS * round32(n_in) / 2
+                   : (LIN16_ROWS * n_in + 15) / 16 * 16);
 }
 
 static float round_to(float x, int bf)
