@@ -283,6 +283,42 @@ static void test_refused(void **state)
     m = tu_module(&cfg, 3);
     assert_fails(mha_forward(m, &a), MHA_ERR_UNSUPPORTED, "add_bias_kv");
     mha_free(m);
+
+    /* f16's range: a parameter past it, a projection past it (the query
+     * all 300s, the query weights all 4: sums of 64 x 1200), refused with
+     * out16 untouched; bf16 takes both. */
+    cfg.add_bias_kv = 0;
+    m = tu_module(&cfg, 3);
+    const int64_t nw = 3 * 64 * 64;
+    float *pw = malloc(nw * sizeof *pw);
+    assert_int_equal(mha_param_get(m, "in_proj_weight", pw, nw), MHA_OK);
+    const float keep = pw[5];
+    pw[5] = 70000.0f;
+    assert_int_equal(mha_param_set(m, "in_proj_weight", pw, nw), MHA_OK);
+    b = a, b.dtype = MHA_DTYPE_F16;
+    memset(o, 0x5a, sizeof o);
+    uint16_t before[2 * 64];
+    memcpy(before, o, sizeof o);
+    assert_fails(mha_forward(m, &b), MHA_ERR_NON_FINITE, "parameter");
+    assert_memory_equal(o, before, sizeof o);
+    assert_int_equal(mha_forward(m, &a), MHA_OK);   /* bf16 */
+    pw[5] = keep;
+    for (int64_t i = 0; i < 64 * 64; i++)   /* W_q */
+        pw[i] = 4.0f;
+    assert_int_equal(mha_param_set(m, "in_proj_weight", pw, nw), MHA_OK);
+    uint16_t big[2 * 64];
+    for (int i = 0; i < 2 * 64; i++)
+        big[i] = mha_f16_from_float(300.0f);
+    b.query16 = big;
+    memset(o, 0x5a, sizeof o);
+    assert_fails(mha_forward(m, &b), MHA_ERR_NON_FINITE, "query projection");
+    assert_memory_equal(o, before, sizeof o);
+    for (int i = 0; i < 2 * 64; i++)
+        big[i] = mha_bf16_from_float(300.0f);
+    b.dtype = MHA_DTYPE_BF16;
+    assert_int_equal(mha_forward(m, &b), MHA_OK);
+    free(pw);
+    mha_free(m);
 }
 
 int main(void)

@@ -86,4 +86,12 @@ static inline float mha_bf16_to_float(uint16_t h)
     return mha_bits_float((uint32_t)h << 16);
 }
 
+/* x rounded to the nearest bf16 (bf = 1) or f16 (bf = 0) value, as a
+ * float: what a parameter of a module moved to that type holds. */
+static inline float mha_half_round(float x, int bf)
+{
+    return bf ? mha_bf16_to_float(mha_bf16_from_float(x))
+              : mha_f16_to_float(mha_f16_from_float(x));
+}
+
 #endif /* MHA_HALF_H */

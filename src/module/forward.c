@@ -249,7 +249,7 @@ static mha_status mha_plan_create_impl(const mha_module *m,
     mha_plan *p = calloc(1, sizeof *p);
     if (!p)
         return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate a plan");
-    p->dtype = a->dtype;   /* 16-bit: forward16.c's workspace, per call */
+    p->dtype = a->dtype;   /* 16-bit: forward16.c's own workspace */
     p->ws = a->dtype != MHA_DTYPE_F32
                 ? NULL
                 : mha_alloc_floats(n_proj + s.n_qd + lay.total,

@@ -23,6 +23,7 @@
 #include "core/half.h"
 #include "kernels/kernels.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -65,8 +66,7 @@ static float *round_bias(const float *b, int64_t n, int bf, float *dst)
     if (!b)
         return NULL;
     for (int64_t i = 0; i < n; i++)
-        dst[i] = bf ? mha_bf16_to_float(mha_bf16_from_float(b[i]))
-                    : mha_f16_to_float(mha_f16_from_float(b[i]));
+        dst[i] = mha_half_round(b[i], bf);
     return dst;
 }
 
@@ -77,10 +77,6 @@ mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a)
     const mha_module *m = plan->m;
     const mha_config *c = &m->cfg;
     const fwd_shape *s = &plan->shape;
-    if (a->dtype != MHA_DTYPE_BF16 && a->dtype != MHA_DTYPE_F16)
-        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "dtype must be MHA_DTYPE_F32 (0), _F16 (2) or "
-                             "_BF16 (3), got %d", (int)a->dtype);
     MHA_CHECK(check_fields16(m, a));
     const int bf = a->dtype == MHA_DTYPE_BF16;
     const char *kname = mha_bf16_kernel();
@@ -88,6 +84,16 @@ mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a)
         return MHA_ERR_INVALID_ARGUMENT;   /* a bad MHA_BF16 (message set) */
     const int kernel = bf && strcmp(kname, "float32") != 0;
     const int nt = plan->eng.threads;
+    /* Parameters are finite (mha_param_set); one past the type's range
+     * would round to inf.  Rounding is monotonic: the largest decides. */
+    const double wmax =
+        mha_max_abs_finite(m->params, 1, m->params_numel, 0, nt);
+    if (isinf(mha_half_round((float)wmax, bf)))
+        return mha_set_error(MHA_ERR_NON_FINITE,
+                             "a parameter of the module (|w| = %g) is past "
+                             "%s's largest finite value: run the module in "
+                             "%s", wmax, bf ? "bf16" : "f16",
+                             bf ? "float32" : "bf16 or float32");
     const uint16_t *query = a->query16;
     const uint16_t *key = a->key16 ? a->key16 : query;
     const uint16_t *value = a->value16 ? a->value16 : key;
@@ -145,12 +151,23 @@ mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a)
     const float *bo =
         round_bias(m->b_o, E, bf, bias + up16(D) + 2 * up16(Dkv));
 
-    mha_linear16(query, rows_q, E, E, bf, kernel, wq, D, bq, q16, D, scratch,
-                 nt);
-    mha_linear16(key, rows_k, c->kdim, c->kdim, bf, kernel, wk, Dkv, bk, k16,
-                 Dkv, scratch, nt);
-    mha_linear16(value, rows_k, c->vdim, c->vdim, bf, kernel, wv, Dkv, bv,
-                 v16, Dkv, scratch, nt);
+    /* A q, k or v past the type's range would turn every score it meets
+     * into inf or NaN: refused, before out16 is written. */
+    const int64_t over[3] = {
+        mha_linear16(query, rows_q, E, E, bf, kernel, wq, D, bq, q16, D,
+                     scratch, nt),
+        mha_linear16(key, rows_k, c->kdim, c->kdim, bf, kernel, wk, Dkv, bk,
+                     k16, Dkv, scratch, nt),
+        mha_linear16(value, rows_k, c->vdim, c->vdim, bf, kernel, wv, Dkv, bv,
+                     v16, Dkv, scratch, nt)};
+    for (int i = 0; i < 3; i++)
+        if (over[i])
+            return mha_set_error(MHA_ERR_NON_FINITE,
+                                 "%lld values of the %s projection pass %s's "
+                                 "largest finite value: run the module in "
+                                 "bf16 or float32", (long long)over[i],
+                                 i == 0 ? "query" : i == 1 ? "key" : "value",
+                                 bf ? "bf16" : "f16");
 
     mha_attention_args at = {
         .batch = s->B, .num_heads = s->H, .head_dim = s->dh, .q_len = s->Lq,
@@ -164,6 +181,7 @@ mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a)
     memset(&at.mods.rope, 0, sizeof at.mods.rope);   /* (refused above) */
     at.mods.alibi_slopes = c->mods.alibi ? m->slopes : NULL;
     MHA_CHECK(mha_attention(&at));
+    /* (an output past the range is +-inf, as PyTorch's f16 module gives) */
     mha_linear16(ctx16, rows_q, D, D, bf, kernel, wo, E, bo, a->out16, E,
                  scratch, nt);
     return MHA_OK;

@@ -33,6 +33,7 @@
 #include "kernels/kernels.h"
 
 #include <limits.h>
+#include <math.h>
 #include <string.h>
 
 #ifdef _OPENMP
@@ -292,12 +293,6 @@ int64_t mha_linear16_scratch_floats(int kernel, int64_t n_in)
                    : (LIN16_ROWS * n_in + 15) / 16 * 16);
 }
 
-static float round_to(float x, int bf)
-{
-    return bf ? mha_bf16_to_float(mha_bf16_from_float(x))
-              : mha_f16_to_float(mha_f16_from_float(x));
-}
-
 void mha_linear16_prepare(const float *w, int64_t n_out, int64_t n_in,
                           int kernel, int bf, float *dst,
                           OMP_ONLY int threads)
@@ -317,7 +312,7 @@ void mha_linear16_prepare(const float *w, int64_t n_out, int64_t n_in,
 #pragma omp parallel for num_threads(team(threads, n / 4096 + 1)) \
     schedule(static)
     for (int64_t i = 0; i < n; i++)
-        dst[i] = round_to(w[i], bf);
+        dst[i] = mha_half_round(w[i], bf);
 }
 
 /* One block's rows r0 .. r0 + r - 1, columns c0 .. c0 + n - 1, in C
@@ -359,11 +354,12 @@ static void block16(const uint16_t *x, int64_t n_in, int64_t ldx, int bf,
               (int)n_in, 0.0f, C, LIN16_COLS);
 }
 
-void mha_linear16(const uint16_t *x, int64_t rows, int64_t n_in, int64_t ldx,
-                  int bf, int kernel, const float *wt, int64_t n_out,
-                  const float *b, uint16_t *y, int64_t ldy, float *scratch,
-                  OMP_ONLY int threads)
+int64_t mha_linear16(const uint16_t *x, int64_t rows, int64_t n_in,
+                     int64_t ldx, int bf, int kernel, const float *wt,
+                     int64_t n_out, const float *b, uint16_t *y, int64_t ldy,
+                     float *scratch, OMP_ONLY int threads)
 {
+    int64_t overflowed = 0;   /* finite sums rounded to +-inf */
     const int64_t rb = nblocks(rows, LIN16_ROWS);
     const int64_t items = rb * nblocks(n_out, LIN16_COLS);
     const int64_t per_thread = mha_linear16_scratch_floats(kernel, n_in);
@@ -382,7 +378,7 @@ void mha_linear16(const uint16_t *x, int64_t rows, int64_t n_in, int64_t ldx,
         if (kernel)
             mha_amx_begin(mha_bf16_tier() == MHA_BF16_AMX);
 #endif
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) reduction(+ : overflowed)
         for (int64_t it = 0; it < items; it++) {
             const int64_t r0 = it % rb * LIN16_ROWS;
             const int64_t c0 = it / rb * LIN16_COLS;
@@ -400,8 +396,12 @@ void mha_linear16(const uint16_t *x, int64_t rows, int64_t n_in, int64_t ldx,
             for (int i = 0; i < r; i++)
                 for (int c = 0; c < n; c++) {
                     const float v = C[i * LIN16_COLS + c] + (bias ? bias[c] : 0);
-                    yb[i * ldy + c] = bf ? mha_bf16_from_float(v)
-                                         : mha_f16_from_float(v);
+                    const uint16_t h = bf ? mha_bf16_from_float(v)
+                                          : mha_f16_from_float(v);
+                    yb[i * ldy + c] = h;
+                    overflowed += isfinite(v) &&
+                                  isinf(bf ? mha_bf16_to_float(h)
+                                           : mha_f16_to_float(h));
                 }
         }
 #if defined(__x86_64__)
@@ -409,4 +409,5 @@ void mha_linear16(const uint16_t *x, int64_t rows, int64_t n_in, int64_t ldx,
             mha_amx_end();
 #endif
     }
+    return overflowed;
 }

@@ -122,15 +122,18 @@ void mha_linear_grad_params_blocks(const float *dy, int64_t rows,
  * mha_linear16_prepare writes w, rounded, as the kernels read it into
  * mha_linear16_weight_floats(kernel, n_out, n_in) floats of wt; b is
  * given rounded already (or NULL).  scratch: each of the threads' share,
- * mha_linear16_scratch_floats(kernel, n_in) floats, 64-byte aligned. */
+ * mha_linear16_scratch_floats(kernel, n_in) floats, 64-byte aligned.
+ * mha_linear16 returns how many outputs of the widened path rounded a
+ * finite sum to +-inf (past f16's 65504; bf16 holds float32's range,
+ * and its kernels do not count). */
 int64_t mha_linear16_weight_floats(int kernel, int64_t n_out, int64_t n_in);
 int64_t mha_linear16_scratch_floats(int kernel, int64_t n_in);
 void mha_linear16_prepare(const float *w, int64_t n_out, int64_t n_in,
                           int kernel, int bf, float *wt, int threads);
-void mha_linear16(const uint16_t *x, int64_t rows, int64_t n_in, int64_t ldx,
-                  int bf, int kernel, const float *wt, int64_t n_out,
-                  const float *b, uint16_t *y, int64_t ldy, float *scratch,
-                  int threads);
+int64_t mha_linear16(const uint16_t *x, int64_t rows, int64_t n_in,
+                     int64_t ldx, int bf, int kernel, const float *wt,
+                     int64_t n_out, const float *b, uint16_t *y, int64_t ldy,
+                     float *scratch, int threads);
 
 /* ---- plans (forward.c, backward.c) -------------------------------------- */
 
