@@ -955,6 +955,15 @@ typedef struct mha_backward_args {
     float *grad_params;     /* mha_param_numel(module) floats, or NULL    */
     int accumulate;         /* nonzero: grad_params += instead of =       */
     float *grad_head_mask;  /* (H) or NULL; follows accumulate            */
+
+    /* The forward's dtype BF16 or F16 (mha_forward_args.dtype): the data's
+     * gradients are 2-byte patterns of that type, in these four fields
+     * (grad_out16 required; grad_out, grad_query, grad_key and grad_value
+     * NULL), with the same shapes and rules as above.  grad_params stays
+     * float32 (the module's parameters are float32): each element's float32
+     * sum, unrounded.  docs/semantics.md, "16-bit modules". */
+    const uint16_t *grad_out16;
+    uint16_t *grad_query16, *grad_key16, *grad_value16;
 } mha_backward_args;
 
 /*

@@ -586,7 +586,7 @@ static void test_fully_masked_rows(void **state)
                         empty[b][i] = 1;
                 break;
             }
-            mha_backward_args bw = {G, gq, gk, gv, gp, 0, NULL};
+            mha_backward_args bw = {.grad_out = G, .grad_query = gq, .grad_key = gk, .grad_value = gv, .grad_params = gp, .accumulate = 0, .grad_head_mask = NULL};
             if (mha_backward(m, &a, &bw) != MHA_OK)
                 fail_msg("case %d: %s", how, mha_last_error());
             assert_true(all_finite(gq, B * LQ * E));
@@ -886,10 +886,8 @@ static void test_threads_and_plans(void **state)
         /* one thread, one-shot: the reference bits */
         big_grads r = {fmalloc(n_q), fmalloc(n_k), fmalloc(n_v), fmalloc(np)};
         big_grads g = {fmalloc(n_q), fmalloc(n_k), fmalloc(n_v), fmalloc(np)};
-        mha_backward_args rb = {G, r.q, s->cross ? r.k : NULL,
-                                s->cross ? r.v : NULL, r.p, 0, NULL};
-        mha_backward_args gb = {G, g.q, s->cross ? g.k : NULL,
-                                s->cross ? g.v : NULL, g.p, 0, NULL};
+        mha_backward_args rb = {.grad_out = G, .grad_query = r.q, .grad_key = s->cross ? r.k : NULL, .grad_value = s->cross ? r.v : NULL, .grad_params = r.p, .accumulate = 0, .grad_head_mask = NULL};
+        mha_backward_args gb = {.grad_out = G, .grad_query = g.q, .grad_key = s->cross ? g.k : NULL, .grad_value = s->cross ? g.v : NULL, .grad_params = g.p, .accumulate = 0, .grad_head_mask = NULL};
         a.num_threads = 1;
         assert_int_equal(mha_backward(m, &a, &rb), MHA_OK);
         assert_true(all_finite(r.q, n_q));
@@ -964,7 +962,7 @@ static void test_errors(void **state)
     a.q_len = L;
     a.query = x;
     a.out = out;
-    mha_backward_args bw = {G, gq, NULL, NULL, gp, 0, NULL};
+    mha_backward_args bw = {.grad_out = G, .grad_query = gq, .grad_key = NULL, .grad_value = NULL, .grad_params = gp, .accumulate = 0, .grad_head_mask = NULL};
     assert_int_equal(mha_backward(m, &a, &bw), MHA_OK);
 
     /* NULL arguments */

@@ -199,6 +199,187 @@ static void test_f16(void **state)
         run_case(&cases[i], MHA_DTYPE_F16);
 }
 
+/* ---- the backward ------------------------------------------------------
+ * Against the float32 backward (mha_backward on float32 data) on the
+ * same rounded inputs, parameters and grad_out: test_backward holds that
+ * one to float64 central differences at ~1e-6 of the gradients' size, far
+ * below the bound here.  Normwise per tensor (each input gradient, each
+ * parameter's gradient): max |g - ref| <= 16u max |ref|.  The 16-bit
+ * backward rounds dctx, dq, dk, dv and the input gradients (u each), P and
+ * scale dS in the attention's backward (u each, on the bf16 kernels), on
+ * top of the forward's five roundings, which move what the backward reads
+ * (q, k, v, ctx) by u each; the softmax's P (dP - D) loses up to about a
+ * factor 2 in cancellation.  A wrong block, a missed part of a summed
+ * input gradient, a transposed operand or an unscaled bias gradient is
+ * off by 10-1000 u.  1, 2 and 3 threads give the same bits; accumulate
+ * adds exactly (2g).
+ */
+static double norm_err(const float *g, const float *ref, int64_t n)
+{
+    double err = 0, top = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const double d = fabs((double)g[i] - ref[i]);
+        err = d > err || d != d ? d : err;
+        top = fabs(ref[i]) > top ? fabs(ref[i]) : top;
+    }
+    return top > 0 ? err / top : err;
+}
+
+static void widen_all(mha_dtype t, const uint16_t *x, int64_t n, float *y)
+{
+    for (int64_t i = 0; i < n; i++)
+        y[i] = from16(t, x[i]);
+}
+
+static void run_backward_case(const mcase *c, mha_dtype t)
+{
+    mha_config cfg = {0};
+    cfg.embed_dim = c->E;
+    cfg.num_heads = c->H;
+    cfg.num_kv_heads = c->Hkv;
+    cfg.kdim = c->kdim;
+    cfg.vdim = c->vdim;
+    cfg.no_bias = !c->bias;
+    cfg.mods.softcap = c->softcap;
+    cfg.mods.window = c->window > 0;
+    cfg.mods.window_left = c->window;
+    mha_module *m = tu_module(&cfg, 7);
+    assert_non_null(m);
+    round_params(m, t);
+    const int self = c->Lk == 0;
+    const int64_t Lk = self ? c->Lq : c->Lk;
+    const int64_t kd = c->kdim ? c->kdim : c->E, vd = c->vdim ? c->vdim : c->E;
+    const int64_t nq = c->B * c->Lq * c->E, nk = c->B * Lk * kd,
+                  nv = c->B * Lk * vd, np = mha_param_numel(m);
+    uint16_t *q16 = malloc(nq * 2), *k16 = malloc(nk * 2),
+             *v16 = malloc(nv * 2), *g16 = malloc(nq * 2);
+    float *q = malloc(nq * 4), *k = malloc(nk * 4), *v = malloc(nv * 4),
+          *G = malloc(nq * 4);
+    draw(t, nq, 11, q16, q);
+    draw(t, nk, 12, k16, k);
+    draw(t, nv, 13, v16, v);
+    draw(t, nq, 14, g16, G);
+    uint8_t *pad = NULL;
+    mha_forward_args a = {0};
+    a.batch = c->B, a.q_len = c->Lq, a.kv_len = self ? 0 : Lk;
+    a.causal = c->causal;
+    if (c->key_padding) {
+        pad = malloc((size_t)(c->B * Lk));
+        for (int64_t i = 0; i < c->B * Lk; i++)
+            pad[i] = i % Lk != 0 && (i * 7919) % 5 == 0;
+        a.key_padding_mask.kind = MHA_MASK_BLOCK;
+        a.key_padding_mask.data = pad;
+        a.key_padding_mask.ndim = 2;
+        a.key_padding_mask.shape[0] = c->B;
+        a.key_padding_mask.shape[1] = Lk;
+    }
+
+    /* the float32 reference */
+    float *rq = malloc(nq * 4), *rk = malloc(nk * 4), *rv = malloc(nv * 4),
+          *rp = malloc(np * 4);
+    a.query = q;
+    a.key = self ? NULL : k;
+    a.value = self ? NULL : v;
+    mha_backward_args rb = {.grad_out = G, .grad_query = rq,
+                            .grad_key = self ? NULL : rk,
+                            .grad_value = self ? NULL : rv, .grad_params = rp};
+    if (mha_backward(m, &a, &rb) != MHA_OK)
+        fail_msg("%s float32: %s", c->name, mha_last_error());
+    a.query = a.key = a.value = NULL;
+
+    a.dtype = t;
+    a.query16 = q16;
+    a.key16 = self ? NULL : k16;
+    a.value16 = self ? NULL : v16;
+    uint16_t *gq[3], *gk[3], *gv[3];
+    float *gp[3];
+    for (int th = 0; th < 3; th++) {
+        gq[th] = malloc(nq * 2), gk[th] = malloc(nk * 2);
+        gv[th] = malloc(nv * 2), gp[th] = malloc(np * 4);
+        mha_backward_args b = {.grad_out16 = g16, .grad_query16 = gq[th],
+                               .grad_key16 = self ? NULL : gk[th],
+                               .grad_value16 = self ? NULL : gv[th],
+                               .grad_params = gp[th]};
+        a.num_threads = th + 1;
+        if (mha_backward(m, &a, &b) != MHA_OK)
+            fail_msg("%s: %s", c->name, mha_last_error());
+    }
+    const double u = t == MHA_DTYPE_BF16 ? 0x1p-8 : 0x1p-11;
+    float *w = malloc((nq > nk ? (nq > nv ? nq : nv) : (nk > nv ? nk : nv)) * 4);
+    double worst = 0;
+    struct { const char *name; const uint16_t *g; const float *ref; int64_t n; }
+        ins[3] = {{"query", gq[0], rq, nq}, {"key", gk[0], rk, nk},
+                  {"value", gv[0], rv, nv}};
+    for (int i = 0; i < (self ? 1 : 3); i++) {
+        widen_all(t, ins[i].g, ins[i].n, w);
+        const double e = norm_err(w, ins[i].ref, ins[i].n) / u;
+        worst = e > worst ? e : worst;
+        if (!(e <= 16))
+            fail_msg("%s: grad %s off by %.2f u of its largest element (bound "
+                     "16u)", c->name, ins[i].name, e);
+    }
+    for (int i = 0; i < mha_param_count(m); i++) {
+        mha_param_info info;
+        assert_int_equal(mha_param_info_at(m, i, &info), MHA_OK);
+        const double e = norm_err(gp[0] + info.offset, rp + info.offset,
+                                  info.numel) / u;
+        worst = e > worst ? e : worst;
+        if (!(e <= 16))
+            fail_msg("%s: grad %s off by %.2f u of its largest element (bound "
+                     "16u)", c->name, info.name, e);
+    }
+    print_message("%-28s %s backward: worst gradient %.2f u\n", c->name,
+                  t == MHA_DTYPE_BF16 ? "bf16" : "f16 ", worst);
+    for (int th = 1; th < 3; th++)
+        if (memcmp(gq[0], gq[th], nq * 2) || memcmp(gp[0], gp[th], np * 4) ||
+            (!self && (memcmp(gk[0], gk[th], nk * 2) ||
+                       memcmp(gv[0], gv[th], nv * 2))))
+            fail_msg("%s: %d threads' gradients differ from 1 thread's",
+                     c->name, th + 1);
+
+    /* a plan: the same bits, and accumulate adds exactly */
+    mha_plan *p;
+    a.num_threads = 2;
+    a.out16 = malloc(nq * 2);
+    assert_int_equal(mha_plan_create(m, &a, &p), MHA_OK);
+    assert_int_equal(mha_plan_forward(p, &a), MHA_OK);
+    mha_backward_args b = {.grad_out16 = g16, .grad_query16 = gq[1],
+                           .grad_key16 = self ? NULL : gk[1],
+                           .grad_value16 = self ? NULL : gv[1],
+                           .grad_params = gp[1]};
+    assert_int_equal(mha_plan_backward(p, &a, &b), MHA_OK);
+    assert_memory_equal(gq[0], gq[1], nq * 2);
+    assert_memory_equal(gp[0], gp[1], np * 4);
+    b.accumulate = 1;
+    assert_int_equal(mha_plan_backward(p, &a, &b), MHA_OK);
+    for (int64_t i = 0; i < np; i++)
+        if (gp[1][i] != 2 * gp[0][i])
+            fail_msg("%s: accumulated grad_params[%lld] = %g, not 2 x %g",
+                     c->name, (long long)i, gp[1][i], gp[0][i]);
+    mha_plan_free(p);
+    free((void *)a.out16);
+    for (int th = 0; th < 3; th++)
+        free(gq[th]), free(gk[th]), free(gv[th]), free(gp[th]);
+    free(w), free(rq), free(rk), free(rv), free(rp), free(pad);
+    free(q16), free(k16), free(v16), free(g16), free(q), free(k), free(v),
+        free(G);
+    mha_free(m);
+}
+
+static void test_backward_bf16(void **state)
+{
+    (void)state;
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
+        run_backward_case(&cases[i], MHA_DTYPE_BF16);
+}
+
+static void test_backward_f16(void **state)
+{
+    (void)state;
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
+        run_backward_case(&cases[i], MHA_DTYPE_F16);
+}
+
 /* float32 parameters that are not 16-bit values are rounded to the type
  * at the call: the same bits as the module with its parameters rounded
  * beforehand (every kernel; test_module16_* run each). */
@@ -334,6 +515,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_bf16),
         cmocka_unit_test(test_f16),
+        cmocka_unit_test(test_backward_bf16),
+        cmocka_unit_test(test_backward_f16),
         cmocka_unit_test(test_params_rounded),
         cmocka_unit_test(test_refused),
     };

@@ -121,8 +121,7 @@ static grads backward(const mha_module *m, const shape *s, const float *q,
     mha_forward_args a = problem(s, q, kv, pad, lens);
     a.num_threads = threads;
     /* cross: key and value are one buffer, two inputs (mha.h) */
-    mha_backward_args bw = {G, g.q, s->cross ? g.k : NULL,
-                            s->cross ? g.v : NULL, g.p, 0, NULL};
+    mha_backward_args bw = {.grad_out = G, .grad_query = g.q, .grad_key = s->cross ? g.k : NULL, .grad_value = s->cross ? g.v : NULL, .grad_params = g.p, .accumulate = 0, .grad_head_mask = NULL};
     if (mha_backward(m, &a, &bw) != MHA_OK)
         fail_msg("%s, backward on %d threads: %s", s->name, threads,
                  mha_last_error());

@@ -122,7 +122,14 @@ static inline __mmask16 lanes(int n)   /* the first n of 16 (n may be <0) */
 void mha_amx_pack_b(const uint16_t *src, int64_t sk, int64_t sn, int64_t K,
                     int64_t N, uint32_t *dst)
 {
-    const int64_t nkt = (K + 31) / 32, nnt = (N + 31) / 32 * 2;
+    mha_amx_pack_b_rows(src, sk, sn, K, N, 0, (K + 31) / 32, dst);
+}
+
+void mha_amx_pack_b_rows(const uint16_t *src, int64_t sk, int64_t sn,
+                         int64_t K, int64_t N, int64_t kt0, int64_t kt1,
+                         uint32_t *dst)
+{
+    const int64_t nnt = (N + 31) / 32 * 2;
     /* gathers index 16 n's by int32 element offsets */
     const int gather =
         sk == 1 && K % 2 == 0 && (N + 16) * sn < (INT64_C(1) << 30);
@@ -130,7 +137,7 @@ void mha_amx_pack_b(const uint16_t *src, int64_t sk, int64_t sn, int64_t K,
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
                           15),
         _mm512_set1_epi32(gather ? (int)sn : 0));
-    for (int64_t kt = 0; kt < nkt; kt++)
+    for (int64_t kt = kt0; kt < kt1; kt++)
         for (int64_t nt = 0; nt < nnt; nt++) {
             uint32_t *t = dst + (kt * nnt + nt) * 256;
             const int64_t n0 = 16 * nt;
@@ -280,9 +287,10 @@ static void gemm32(float *C, int ldc, int N, const uint16_t *A, int lda,
 }
 
 void mha_amx_gemm32(float *C, int ldc, int N, const uint16_t *A, int lda,
-                    int K, const uint32_t *b, int64_t bstride, int two)
+                    int K, const uint32_t *b, int64_t bstride, int acc,
+                    int two)
 {
-    gemm32(C, ldc, N, A, lda, K, b, bstride, 0, two);
+    gemm32(C, ldc, N, A, lda, K, b, bstride, acc, two);
 }
 
 /* ---- one block of query rows ---------------------------------------------

@@ -300,17 +300,24 @@ void mha_amx_flash_rows(const mha_amx_block *w, mha_amx_scratch *s);
  * * 256 words, nnt = 2 ceil(N / 32); zeros past K and N. */
 void mha_amx_pack_b(const uint16_t *src, int64_t sk, int64_t sn, int64_t K,
                     int64_t N, uint32_t *dst);
+/* Its rows of tiles kt0 .. kt1 - 1 only (k = 32 kt0 .. 32 kt1 - 1), so
+ * that threads can pack row ranges of one matrix side by side. */
+void mha_amx_pack_b_rows(const uint16_t *src, int64_t sk, int64_t sn,
+                         int64_t K, int64_t N, int64_t kt0, int64_t kt1,
+                         uint32_t *dst);
 static inline int64_t mha_amx_b_words(int64_t K, int64_t N)
 {
     return (K + 31) / 32 * ((N + 31) / 32) * 512;
 }
 
-/* C (32 x N floats, rows ldc apart; rows 16-31 only when two) = A (32 x
- * K bf16, rows lda apart) B, B packed as above with its tile (kt, nt) at
- * b + (kt bstride + nt) 256; N and K multiples of 32.  The one tile GEMM
- * of every product above, for the bf16 linear layer (module/linear.c). */
+/* C (32 x N floats, rows ldc apart; rows 16-31 only when two) = (acc:
+ * C +) A (32 x K bf16, rows lda apart) B, B packed as above with its tile
+ * (kt, nt) at b + (kt bstride + nt) 256; N and K multiples of 32.  The
+ * one tile GEMM of every product above, for the bf16 linear layer
+ * (module/linear.c). */
 void mha_amx_gemm32(float *C, int ldc, int N, const uint16_t *A, int lda,
-                    int K, const uint32_t *b, int64_t bstride, int two);
+                    int K, const uint32_t *b, int64_t bstride, int acc,
+                    int two);
 
 /* ---- the bf16 linear layer's pieces (amx_linear.c) ----------------------
  * W (n_out x n_in float32, row-major, PyTorch's [out, in]) rounded to
@@ -320,6 +327,18 @@ void mha_amx_gemm32(float *C, int ldc, int N, const uint16_t *A, int lda,
  * threads can pack column ranges of one W side by side. */
 void mha_amx_pack_wt(const float *w, int64_t n_in, int64_t n_out,
                      int64_t nt0, int64_t nt1, uint32_t *dst);
+/* W itself (not transposed) rounded and packed as the B operand of the
+ * input gradient dx = dy W (K = n_out, N = n_in, mha_amx_b_words(n_out,
+ * n_in) words): its 16-column tiles nt0 .. nt1 - 1 (columns of W). */
+void mha_amx_pack_w(const float *w, int64_t n_in, int64_t n_out,
+                    int64_t nt0, int64_t nt1, uint32_t *dst);
+/* dst (round32(N) rows, ldd apart) = the K x N bf16 matrix src (rows ld
+ * apart) transposed, its columns k of the 32-row blocks kt0 .. kt1 - 1:
+ * dst[n][k] = src[k][n], zeros for k >= K and n >= N.  The A operand
+ * dy^T of the weight gradient dW = dy^T x. */
+void mha_amx_transpose(const uint16_t *src, int64_t ld, int64_t K,
+                       int64_t N, int64_t kt0, int64_t kt1, uint16_t *dst,
+                       int64_t ldd);
 /* y (rows x cols bf16, rows ldy apart) = C (rows ldc apart) + bias (cols
  * floats, or NULL), rounded to nearest even. */
 void mha_amx_round_rows(const float *C, int ldc, int rows, int cols,

@@ -25,7 +25,7 @@
 #include <string.h>
 
 /* Whether [a, a + na) and [b, b + nb) (floats) share memory. */
-static int overlaps(const float *a, int64_t na, const float *b, int64_t nb)
+static int overlaps(const void *a, int64_t na, const void *b, int64_t nb)
 {
     if (!a || !b)
         return 0;
@@ -53,7 +53,14 @@ static mha_status check_saved(const mha_plan *p, const mha_forward_args *a)
                              "mha_plan_forward on this plan first (a failed "
                              "forward leaves nothing either)");
     const mha_forward_args *s = &p->saved;
-    if (a->query != s->query || a->key != s->key || a->value != s->value ||
+    if (a->dtype != s->dtype)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "the forward's dtype %d differs from the plan's "
+                             "last forward's (%d)", (int)a->dtype,
+                             (int)s->dtype);
+    if (mha_fwd_query(a) != mha_fwd_query(s) ||
+        mha_fwd_key(a) != mha_fwd_key(s) ||
+        mha_fwd_value(a) != mha_fwd_value(s) ||
         a->batch != s->batch || a->q_len != s->q_len ||
         a->kv_len != s->kv_len || !same_mask(&a->attn_mask, &s->attn_mask) ||
         !same_mask(&a->key_padding_mask, &s->key_padding_mask) ||
@@ -69,9 +76,15 @@ static mha_status check_saved(const mha_plan *p, const mha_forward_args *a)
     const mha_config *c = &p->m->cfg;
     const fwd_shape *sh = &p->shape;
     const int64_t rows_k = sh->B * sh->Lk;
-    if (overlaps(s->out, sh->n_q, s->query, sh->n_q) ||
-        overlaps(s->out, sh->n_q, s->key, rows_k * c->kdim) ||
-        overlaps(s->out, sh->n_q, s->value, rows_k * c->vdim))
+    /* (in floats: 16-bit data counts half) */
+    const int h = s->dtype != MHA_DTYPE_F32;
+    const void *out = h ? (const void *)s->out16 : (const void *)s->out;
+    const int64_t nq = h ? (sh->n_q + 1) / 2 : sh->n_q;
+    if (overlaps(out, nq, mha_fwd_query(s), nq) ||
+        overlaps(out, nq, mha_fwd_key(s),
+                 h ? (rows_k * c->kdim + 1) / 2 : rows_k * c->kdim) ||
+        overlaps(out, nq, mha_fwd_value(s),
+                 h ? (rows_k * c->vdim + 1) / 2 : rows_k * c->vdim))
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "the forward's out overwrote its query, key or "
                              "value, which the backward needs: give the "
@@ -91,6 +104,39 @@ static mha_status check_saved(const mha_plan *p, const mha_forward_args *a)
 static mha_status check_grads(const mha_forward_args *a,
                               const mha_backward_args *g)
 {
+    if (a->dtype != MHA_DTYPE_F32) {
+        const char *f = g->grad_out ? "grad_out" : g->grad_query ? "grad_query"
+                      : g->grad_key ? "grad_key"
+                      : g->grad_value ? "grad_value" : NULL;
+        if (f)
+            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                 "a 16-bit forward's gradients are in "
+                                 "grad_out16, grad_query16, grad_key16 and "
+                                 "grad_value16; %s must be NULL", f);
+        if (!g->grad_out16)
+            return mha_set_error(MHA_ERR_NULL_POINTER, "grad_out16 is NULL");
+        if (g->grad_head_mask)
+            return mha_set_error(MHA_ERR_UNSUPPORTED,
+                                 "a 16-bit backward has no head mask "
+                                 "gradient: run the module in float32");
+        if (!a->key16 && (g->grad_key16 || g->grad_value16))
+            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                 "key16 is NULL (the query is also key and "
+                                 "value), so its whole gradient goes to "
+                                 "grad_query16: grad_key16 and grad_value16 "
+                                 "must be NULL");
+        if (a->key16 && !a->value16 && g->grad_value16)
+            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                 "value16 is NULL (the key is also the "
+                                 "value), so its whole gradient goes to "
+                                 "grad_key16: grad_value16 must be NULL");
+        return MHA_OK;
+    }
+    if (g->grad_out16 || g->grad_query16 || g->grad_key16 || g->grad_value16)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "a float32 forward's gradients are in grad_out, "
+                             "grad_query, grad_key and grad_value; the "
+                             "16-bit fields must be NULL");
     if (!g->grad_out)
         return mha_set_error(MHA_ERR_NULL_POINTER, "grad_out is NULL");
     if (!a->key && (g->grad_key || g->grad_value))
@@ -210,6 +256,8 @@ static mha_status mha_plan_backward_impl(mha_plan *plan,
         return mha_set_error(MHA_ERR_NULL_POINTER, "backward args are NULL");
     MHA_CHECK(check_grads(a, g));
     MHA_CHECK(check_saved(plan, a));
+    if (plan->dtype != MHA_DTYPE_F32)
+        return mha_backward16(plan, a, g);
     MHA_CHECK(ensure_workspace(plan));
     const mha_module *m = plan->m;
     const mha_config *c = &m->cfg;
@@ -371,15 +419,21 @@ static mha_status mha_backward_impl(const mha_module *m,
     f.need_weights = MHA_WEIGHTS_NONE;
     f.attn_weights = NULL;
     f.out = NULL;
+    f.out16 = NULL;
     mha_plan *plan;
     MHA_CHECK(mha_plan_create(m, &f, &plan));
-    f.out = mha_alloc_floats(plan->shape.n_q, "forward output");
-    mha_status st = f.out ? MHA_OK : MHA_ERR_OUT_OF_MEMORY;
+    /* (a 16-bit output takes half of these floats) */
+    float *out = mha_alloc_floats(plan->shape.n_q, "forward output");
+    mha_status st = out ? MHA_OK : MHA_ERR_OUT_OF_MEMORY;
+    if (f.dtype == MHA_DTYPE_F32)
+        f.out = out;
+    else
+        f.out16 = (uint16_t *)out;
     if (st == MHA_OK)
         st = mha_plan_forward(plan, &f);
     if (st == MHA_OK)
         st = mha_plan_backward(plan, &f, bwd);
-    free(f.out);
+    free(out);
     mha_plan_free(plan);
     return st;
 }

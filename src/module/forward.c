@@ -282,6 +282,7 @@ void mha_plan_free(mha_plan *p)
         return;
     free(p->ws);
     free(p->ws16);
+    free(p->bws16);
     free(p->bws);
     free(p);
 }
@@ -323,11 +324,12 @@ uint64_t mha_fwd_fingerprint(const mha_module *m, const fwd_shape *s,
 {
     const mha_config *c = &m->cfg;
     const size_t f = sizeof(float);
+    const size_t e = a->dtype == MHA_DTYPE_F32 ? f : 2;   /* the data's */
     const int64_t rows_k = s->B * s->Lk;
     const mha_print_buf bufs[] = {
-        {a->query, (size_t)s->n_q * f},
-        {a->key, (size_t)(rows_k * c->kdim) * f},
-        {a->value, (size_t)(rows_k * c->vdim) * f},
+        {mha_fwd_query(a), (size_t)s->n_q * e},
+        {mha_fwd_key(a), (size_t)(rows_k * c->kdim) * e},
+        {mha_fwd_value(a), (size_t)(rows_k * c->vdim) * e},
         {a->head_mask, (size_t)s->H * f},
         {c->mods.rope.style != MHA_ROPE_NONE ? a->positions : NULL,
          (size_t)(s->B * s->Lq) * sizeof(int64_t)}};

@@ -101,7 +101,8 @@ mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a)
     const int64_t rows_q = s->B * s->Lq, rows_k = s->B * s->Lk;
 
     /* The workspace, in 64-byte lines: the four weights as the kernels
-     * read them, the biases, q, k, v and ctx (16-bit), the threads'
+     * read them, the biases, q, k, v and ctx (16-bit), the rows' lse
+     * (kept with q, k, v and ctx for the backward), the threads'
      * scratch.  Sizes are below 2^60 (mha_fwd_check_shapes). */
     const int64_t nw[4] = {
         up16(mha_linear16_weight_floats(kernel, D, E)),
@@ -114,7 +115,9 @@ mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a)
     const int64_t per_thread = up16(mha_linear16_scratch_floats(kernel, widest));
     const int64_t n_b = up16(D) + 2 * up16(Dkv) + up16(E);
     const int64_t n_q = up16((s->n_qd + 1) / 2), n_kv = up16((s->n_kvd + 1) / 2);
-    int64_t total = nw[0] + nw[1] + nw[2] + nw[3] + n_b + 2 * n_q + 2 * n_kv,
+    const int64_t n_lse = up16(s->B * s->H * s->Lq);
+    int64_t total =
+        nw[0] + nw[1] + nw[2] + nw[3] + n_b + 2 * n_q + 2 * n_kv + n_lse,
             n_scratch;
     if (!mha_mul_ok(per_thread, nt, &n_scratch) ||
         total > INT64_MAX / 8 - n_scratch)
@@ -139,7 +142,8 @@ mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a)
     uint16_t *ctx16 = (uint16_t *)(bias + n_b + n_q);
     uint16_t *k16 = (uint16_t *)(bias + n_b + 2 * n_q);
     uint16_t *v16 = (uint16_t *)(bias + n_b + 2 * n_q + n_kv);
-    float *scratch = bias + n_b + 2 * n_q + 2 * n_kv;
+    float *lse = bias + n_b + 2 * n_q + 2 * n_kv;
+    float *scratch = lse + n_lse;
 
     mha_linear16_prepare(m->w_q, D, E, kernel, bf, wq, nt);
     mha_linear16_prepare(m->w_k, Dkv, c->kdim, kernel, bf, wk, nt);
@@ -176,13 +180,21 @@ mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a)
         .key_padding_mask = a->key_padding_mask,
         .key_lengths = a->key_lengths, .causal = a->causal,
         .num_threads = nt, .sinks = m->sinks, .dtype = a->dtype,
-        .q16 = q16, .k16 = k16, .v16 = v16, .out16 = ctx16};
+        .q16 = q16, .k16 = k16, .v16 = v16, .out16 = ctx16, .lse = lse};
     at.mods = c->mods;
     memset(&at.mods.rope, 0, sizeof at.mods.rope);   /* (refused above) */
     at.mods.alibi_slopes = c->mods.alibi ? m->slopes : NULL;
     MHA_CHECK(mha_attention(&at));
+    /* Taken before out16 (which may alias the query) is written. */
+    const uint64_t print = mha_fwd_fingerprint(m, s, a);
     /* (an output past the range is +-inf, as PyTorch's f16 module gives) */
     mha_linear16(ctx16, rows_q, D, D, bf, kernel, wo, E, bo, a->out16, E,
                  scratch, nt);
+    /* What the backward needs is now in the workspace. */
+    plan->q16 = q16, plan->k16 = k16, plan->v16 = v16, plan->ctx16 = ctx16;
+    plan->lse16 = lse;
+    plan->saved = *a;
+    plan->saved_print = print;
+    plan->has_saved = 1;
     return MHA_OK;
 }

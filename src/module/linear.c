@@ -315,13 +315,41 @@ void mha_linear16_prepare(const float *w, int64_t n_out, int64_t n_in,
         dst[i] = mha_half_round(w[i], bf);
 }
 
-/* One block's rows r0 .. r0 + r - 1, columns c0 .. c0 + n - 1, in C
- * (LIN16_COLS floats a row) before the bias. */
-static void block16(const uint16_t *x, int64_t n_in, int64_t ldx, int bf,
-                    int kernel, const float *wt, int64_t n_out, int64_t r0,
-                    int r, int64_t c0, int n, float *C, void *xs)
+void mha_linear16_prepare_t(const float *w, int64_t n_out, int64_t n_in,
+                            int kernel, int bf, float *dst,
+                            OMP_ONLY int threads)
 {
-    const uint16_t *xb = x + r0 * ldx;
+#if defined(__x86_64__)
+    if (kernel) {   /* W's columns in pairs of 16-column tiles */
+        const int64_t pairs = (n_in + 31) / 32;
+#pragma omp parallel for num_threads(team(threads, pairs)) schedule(static)
+        for (int64_t t = 0; t < pairs; t++)
+            mha_amx_pack_w(w, n_in, n_out, 2 * t, 2 * t + 2,
+                           (uint32_t *)dst);
+        return;
+    }
+#endif
+    (void)kernel;   /* W^T (n_in x n_out), rounded */
+#pragma omp parallel for num_threads(team(threads, n_in / 64 + 1)) \
+    schedule(static)
+    for (int64_t i = 0; i < n_in; i++)
+        for (int64_t o = 0; o < n_out; o++)
+            dst[i * n_out + o] = mha_half_round(w[o * n_in + i], bf);
+}
+
+static float widen(uint16_t h, int bf)
+{
+    return bf ? mha_bf16_to_float(h) : mha_f16_to_float(h);
+}
+
+/* One block's rows r0 .. r0 + r - 1, columns c0 .. c0 + n - 1 of one
+ * part's product, into C (LIN16_COLS floats a row), or added to C (acc). */
+static void block16(const mha_lin16_part *p, int bf, int kernel,
+                    int64_t n_out, int64_t r0, int r, int64_t c0, int n,
+                    int acc, float *C, void *xs)
+{
+    const int64_t n_in = p->n_in, ldx = p->ldx;
+    const uint16_t *xb = p->x + r0 * ldx;
 #if defined(__x86_64__)
     if (kernel) {
         const int64_t k32 = round32(n_in);
@@ -339,7 +367,8 @@ static void block16(const uint16_t *x, int64_t n_in, int64_t ldx, int bf,
         }
         const int64_t nnt = (n_out + 31) / 32 * 2;
         mha_amx_gemm32(C, LIN16_COLS, (int)round32(n), a, (int)lda, (int)k32,
-                       (const uint32_t *)wt + c0 / 16 * 256, nnt, r > 16);
+                       (const uint32_t *)p->wt + c0 / 16 * 256, nnt, acc,
+                       r > 16);
         return;
     }
 #endif
@@ -348,21 +377,33 @@ static void block16(const uint16_t *x, int64_t n_in, int64_t ldx, int bf,
     float *s = xs;
     for (int i = 0; i < r; i++)
         for (int64_t k = 0; k < n_in; k++)
-            s[i * n_in + k] = bf ? mha_bf16_to_float(xb[i * ldx + k])
-                                 : mha_f16_to_float(xb[i * ldx + k]);
-    mha_sgemm(0, 1, r, n, (int)n_in, 1.0f, s, (int)n_in, wt + c0 * n_in,
-              (int)n_in, 0.0f, C, LIN16_COLS);
+            s[i * n_in + k] = widen(xb[i * ldx + k], bf);
+    mha_sgemm(0, 1, r, n, (int)n_in, 1.0f, s, (int)n_in, p->wt + c0 * n_in,
+              (int)n_in, acc ? 1.0f : 0.0f, C, LIN16_COLS);
 }
 
 int64_t mha_linear16(const uint16_t *x, int64_t rows, int64_t n_in,
                      int64_t ldx, int bf, int kernel, const float *wt,
                      int64_t n_out, const float *b, uint16_t *y, int64_t ldy,
-                     float *scratch, OMP_ONLY int threads)
+                     float *scratch, int threads)
+{
+    const mha_lin16_part p = {x, n_in, ldx, wt};
+    return mha_linear16_sum(&p, 1, rows, bf, kernel, n_out, b, y, ldy,
+                            scratch, threads);
+}
+
+int64_t mha_linear16_sum(const mha_lin16_part *parts, int nparts,
+                         int64_t rows, int bf, int kernel, int64_t n_out,
+                         const float *b, uint16_t *y, int64_t ldy,
+                         float *scratch, OMP_ONLY int threads)
 {
     int64_t overflowed = 0;   /* finite sums rounded to +-inf */
     const int64_t rb = nblocks(rows, LIN16_ROWS);
     const int64_t items = rb * nblocks(n_out, LIN16_COLS);
-    const int64_t per_thread = mha_linear16_scratch_floats(kernel, n_in);
+    int64_t widest = 0;
+    for (int i = 0; i < nparts; i++)
+        widest = parts[i].n_in > widest ? parts[i].n_in : widest;
+    const int64_t per_thread = mha_linear16_scratch_floats(kernel, widest);
     mha_gemm_serial();
 #pragma omp parallel num_threads(team(threads, items))
     {
@@ -384,7 +425,9 @@ int64_t mha_linear16(const uint16_t *x, int64_t rows, int64_t n_in,
             const int64_t c0 = it / rb * LIN16_COLS;
             const int r = min_int(LIN16_ROWS, rows - r0);
             const int n = min_int(LIN16_COLS, n_out - c0);
-            block16(x, n_in, ldx, bf, kernel, wt, n_out, r0, r, c0, n, C, xs);
+            for (int i = 0; i < nparts; i++)   /* the parts in order */
+                block16(&parts[i], bf, kernel, n_out, r0, r, c0, n, i > 0, C,
+                        xs);
             const float *bias = b ? b + c0 : NULL;
             uint16_t *yb = y + r0 * ldy + c0;
 #if defined(__x86_64__)
@@ -399,9 +442,7 @@ int64_t mha_linear16(const uint16_t *x, int64_t rows, int64_t n_in,
                     const uint16_t h = bf ? mha_bf16_from_float(v)
                                           : mha_f16_from_float(v);
                     yb[i * ldy + c] = h;
-                    overflowed += isfinite(v) &&
-                                  isinf(bf ? mha_bf16_to_float(h)
-                                           : mha_f16_to_float(h));
+                    overflowed += isfinite(v) && isinf(widen(h, bf));
                 }
         }
 #if defined(__x86_64__)
@@ -410,4 +451,163 @@ int64_t mha_linear16(const uint16_t *x, int64_t rows, int64_t n_in,
 #endif
     }
     return overflowed;
+}
+
+/* ---- 16-bit data: the weight gradient dW = dy^T x and db ----------------
+ *
+ * dW (n_out x n_in, float32) sums over every row of dy and x, in one
+ * fixed order per element:
+ *
+ *   kernel tiers: dy^T staged as bf16 rows (mha_amx_transpose, the A
+ *     operand) and x packed as the B operand (K = the rows); each block
+ *     of 32 rows x LIN16_COLS columns of dW is one tile GEMM over the
+ *     rows in chunks of GRAD16_K (C carried from chunk to chunk).
+ *   widened: tiles of GRAD_TILE x GRAD_TILE of dW, the rows in chunks of
+ *     GRAD_TILE widened to float32 and multiplied by the backend's SGEMM
+ *     (beta 1 after the first chunk) into a tile of sums.
+ *
+ * The whole sum is formed before it meets dW, so accumulate adds it once.
+ *
+ * db is the float32 path's: float64 column sums, rows in order.
+ */
+enum { GRAD16_K = 1 << 16 };
+
+int64_t mha_linear16_grad_floats(int kernel, int64_t rows, int64_t n_out,
+                                 int64_t n_in, int threads)
+{
+#ifdef _OPENMP
+    if (threads < 1)
+        threads = omp_get_max_threads();
+#endif
+    if (threads < 1)
+        threads = 1;
+    if (kernel)   /* dy^T, x packed, each thread's C */
+        return (round32(n_out) * round32(rows) / 2 + 15) / 16 * 16 +
+               mha_amx_b_words(rows, n_in) +
+               (int64_t)threads * LIN16_ROWS * LIN16_COLS;
+    return (int64_t)threads * 3 * GRAD_TILE * GRAD_TILE;
+}
+
+/* Rows [r0, r0 + r) and columns [c0, c0 + n) of a 16-bit matrix, widened
+ * into s (n floats a row). */
+static void widen_block(const uint16_t *x, int64_t ld, int64_t r0, int r,
+                        int64_t c0, int n, int bf, float *s)
+{
+    for (int i = 0; i < r; i++)
+        for (int c = 0; c < n; c++)
+            s[i * n + c] = widen(x[(r0 + i) * ld + c0 + c], bf);
+}
+
+static void db16_block(const uint16_t *dy, int64_t rows, int64_t lddy,
+                       int bf, float beta, float *db, int64_t o0, int n)
+{
+    double acc[DB_COLS];
+    for (int o = 0; o < n; o++)
+        acc[o] = beta == 0.0f ? 0.0 : (double)db[o0 + o];
+    for (int64_t i = 0; i < rows; i++)
+        for (int o = 0; o < n; o++)
+            acc[o] += widen(dy[i * lddy + o0 + o], bf);
+    for (int o = 0; o < n; o++)
+        db[o0 + o] = (float)acc[o];
+}
+
+void mha_linear16_grad_params(const uint16_t *dy, int64_t rows,
+                              int64_t n_out, int64_t lddy, const uint16_t *x,
+                              int64_t n_in, int64_t ldx, int bf, int kernel,
+                              float beta, float *dw, float *db,
+                              float *scratch, OMP_ONLY int threads)
+{
+    const int64_t rows32 = round32(rows);
+    const int64_t ob = kernel ? nblocks(n_out, LIN16_ROWS)
+                              : nblocks(n_out, GRAD_TILE);
+    const int64_t cb = kernel ? nblocks(n_in, LIN16_COLS)
+                              : nblocks(n_in, GRAD_TILE);
+    const int64_t tiles = ob * cb;
+    const int64_t items = tiles + (db ? nblocks(n_out, DB_COLS) : 0);
+    uint16_t *dyt = (uint16_t *)scratch;
+    uint32_t *xp = (uint32_t *)scratch +
+                   (round32(n_out) * rows32 / 2 + 15) / 16 * 16;
+    float *per = kernel ? (float *)(xp + mha_amx_b_words(rows, n_in))
+                        : scratch;
+    const int64_t per_thread =
+        kernel ? LIN16_ROWS * LIN16_COLS : 3 * GRAD_TILE * GRAD_TILE;
+#if defined(__x86_64__)
+    if (kernel) {   /* the operands, by chunks of 256 rows */
+        const int64_t nkt = rows32 / 32, step = 8;
+        const int64_t chunks = nblocks(nkt, step);
+#pragma omp parallel for num_threads(team(threads, chunks)) \
+    schedule(dynamic, 1)
+        for (int64_t t = 0; t < chunks; t++) {
+            const int64_t kt1 = (t + 1) * step < nkt ? (t + 1) * step : nkt;
+            mha_amx_transpose(dy, lddy, rows, n_out, t * step, kt1, dyt,
+                              rows32);
+            mha_amx_pack_b_rows(x, ldx, 1, rows, n_in, t * step, kt1, xp);
+        }
+    }
+#endif
+    (void)dyt;
+    (void)xp;
+    mha_gemm_serial();
+#pragma omp parallel num_threads(team(threads, items))
+    {
+        omp_one_thread();
+#ifdef _OPENMP
+        const int th = omp_get_thread_num();
+#else
+        const int th = 0;
+#endif
+        float *C = per + th * per_thread;
+#if defined(__x86_64__)
+        if (kernel)
+            mha_amx_begin(mha_bf16_tier() == MHA_BF16_AMX);
+#endif
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (it >= tiles) {
+                const int64_t o0 = (it - tiles) * DB_COLS;
+                db16_block(dy, rows, lddy, bf, beta, db, o0,
+                           min_int(DB_COLS, n_out - o0));
+                continue;
+            }
+            const int64_t o0 = it % ob * (kernel ? LIN16_ROWS : GRAD_TILE);
+            const int64_t c0 = it / ob * (kernel ? LIN16_COLS : GRAD_TILE);
+            float *d = dw + o0 * n_in + c0;
+#if defined(__x86_64__)
+            if (kernel) {
+                const int m = min_int(LIN16_ROWS, n_out - o0);
+                const int n = min_int(LIN16_COLS, n_in - c0);
+                const int64_t nnt = (n_in + 31) / 32 * 2;
+                for (int64_t k0 = 0; k0 < rows32; k0 += GRAD16_K)
+                    mha_amx_gemm32(
+                        C, LIN16_COLS, (int)round32(n), dyt + o0 * rows32 + k0,
+                        (int)rows32, min_int(GRAD16_K, rows32 - k0),
+                        xp + (k0 / 32 * nnt + c0 / 16) * 256, nnt, k0 > 0,
+                        m > 16);
+                for (int i = 0; i < m; i++)
+                    for (int c = 0; c < n; c++)
+                        d[i * n_in + c] = (beta == 0.0f ? 0.0f : d[i * n_in + c]) +
+                                          C[i * LIN16_COLS + c];
+                continue;
+            }
+#endif
+            const int m = min_int(GRAD_TILE, n_out - o0);
+            const int n = min_int(GRAD_TILE, n_in - c0);
+            float *sy = C + GRAD_TILE * GRAD_TILE, *sx = sy + GRAD_TILE * GRAD_TILE;
+            for (int64_t r0 = 0; r0 < rows; r0 += GRAD_TILE) {
+                const int r = min_int(GRAD_TILE, rows - r0);
+                widen_block(dy, lddy, r0, r, o0, m, bf, sy);
+                widen_block(x, ldx, r0, r, c0, n, bf, sx);
+                mha_sgemm(1, 0, m, n, r, 1.0f, sy, m, sx, n, r0 ? 1.0f : 0.0f,
+                          C, n);
+            }
+            for (int i = 0; i < m; i++)   /* the whole sum, then added */
+                for (int c = 0; c < n; c++)
+                    d[i * n_in + c] = (beta == 0.0f ? 0.0f : d[i * n_in + c]) +
+                                      C[i * n + c];
+        }
+#if defined(__x86_64__)
+        if (kernel)
+            mha_amx_end();
+#endif
+    }
 }

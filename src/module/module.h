@@ -135,6 +135,41 @@ int64_t mha_linear16(const uint16_t *x, int64_t rows, int64_t n_in,
                      int64_t n_out, const float *b, uint16_t *y, int64_t ldy,
                      float *scratch, int threads);
 
+/* Sums of several products rounded once, y = x_0 w_0^T + x_1 w_1^T + ...
+ * + b (the parts in order, each block's float32 sums carried from part to
+ * part): the input gradient of a tensor that served as several inputs.
+ * scratch: mha_linear16_scratch_floats of the widest n_in, per thread. */
+typedef struct mha_lin16_part {
+    const uint16_t *x;       /* (rows, n_in), rows ldx apart              */
+    int64_t n_in, ldx;
+    const float *wt;         /* as mha_linear16_prepare(_t) wrote it      */
+} mha_lin16_part;
+int64_t mha_linear16_sum(const mha_lin16_part *parts, int nparts,
+                         int64_t rows, int bf, int kernel, int64_t n_out,
+                         const float *b, uint16_t *y, int64_t ldy,
+                         float *scratch, int threads);
+
+/* The weight of the input gradient dx = dy w, w (n_out, n_in): prepared
+ * as mha_linear16_prepare prepares the weight of a layer from n_out
+ * inputs to n_in outputs (mha_linear16_weight_floats(kernel, n_in,
+ * n_out) floats), for mha_linear16(dy, rows, n_out, ..., n_in, ...). */
+void mha_linear16_prepare_t(const float *w, int64_t n_out, int64_t n_in,
+                            int kernel, int bf, float *wt, int threads);
+
+/* The weight gradient on 16-bit data, float32 results:
+ *   dw (n_out, n_in) = dy^T x (+ dw when beta = 1),
+ *   db (n_out) = column sums of dy, float64 in row order (db may be NULL),
+ * dy (rows, n_out) rows lddy apart, x (rows, n_in) rows ldx apart.
+ * scratch: mha_linear16_grad_floats(kernel, rows, n_out, n_in, threads)
+ * floats, 64-byte aligned. */
+int64_t mha_linear16_grad_floats(int kernel, int64_t rows, int64_t n_out,
+                                 int64_t n_in, int threads);
+void mha_linear16_grad_params(const uint16_t *dy, int64_t rows,
+                              int64_t n_out, int64_t lddy, const uint16_t *x,
+                              int64_t n_in, int64_t ldx, int bf, int kernel,
+                              float beta, float *dw, float *db,
+                              float *scratch, int threads);
+
 /* ---- plans (forward.c, backward.c) -------------------------------------- */
 
 /* Shapes of a forward call, checked and derived once. */
@@ -193,9 +228,15 @@ struct mha_plan {
     int64_t ldq, ldk, ldv;
     int fuse_qkv, fuse_kv;
 
-    /* A 16-bit forward's workspace (forward16.c), n_ws16 floats. */
+    /* A 16-bit forward's workspace (forward16.c), n_ws16 floats: what
+     * the backward reads of the last forward is in it (q16, k16, v16,
+     * ctx16, lse at these pointers); and the 16-bit backward's own. */
     float *ws16;
     int64_t n_ws16;
+    uint16_t *q16, *k16, *v16, *ctx16;
+    float *lse16;
+    float *bws16;
+    int64_t n_bws16;
 
     /* The backward's own workspace, allocated by its first call. */
     float *bws;
@@ -222,6 +263,11 @@ static inline const float *mha_head_mask_in_use(const float *head_mask,
 /* The forward on 16-bit data (forward16.c): `a` checked by
  * mha_fwd_check_shapes and matching the plan's shape. */
 mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a);
+
+/* Its backward (backward16.c): `a` the plan's last forward (checked by
+ * backward.c), g's 16-bit fields. */
+mha_status mha_backward16(mha_plan *plan, const mha_forward_args *a,
+                          const mha_backward_args *g);
 
 /* The attention problem of a forward with arguments `a` on this plan. */
 void mha_plan_attn(const mha_plan *plan, const mha_forward_args *a,

@@ -1,0 +1,171 @@
+/*
+ * backward16.c -- the gradients of forward16.c's pass on bf16 or f16
+ * data, in reverse order, every tensor between the steps 16-bit (where
+ * PyTorch's autograd of a module moved to bfloat16 rounds them):
+ *
+ *   dctx16 = dout16 W_o                     dW_o = dout^T ctx16, db_o
+ *   dq16, dk16, dv16: the attention's backward (mha_attention_backward16,
+ *            from the forward's ctx16 and lse, kept in the plan)
+ *   dx_q16 = dq16 W_q                       dW_q = dq^T x_q16,   db_q
+ *   (k, v likewise; a tensor that served as several inputs receives
+ *   dq W_q + dk W_k + dv W_v, summed in float32 and rounded once)
+ *
+ * The weight gradients are float32 sums (the module's parameters are
+ * float32), never rounded to the type.  The weights are the parameters
+ * rounded to the type, as the forward used them, packed for dx = dy W.
+ */
+#include "module.h"
+#include "kernels/kernels.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static int64_t up16(int64_t n) { return (n + 15) / 16 * 16; }
+
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* Parameter p's gradient in grad_params (the same offsets as params). */
+static float *grad_at(const mha_module *m, float *gp, const float *p)
+{
+    return gp && p ? gp + (p - m->params) : NULL;
+}
+
+mha_status mha_backward16(mha_plan *plan, const mha_forward_args *a,
+                          const mha_backward_args *g)
+{
+    const mha_module *m = plan->m;
+    const mha_config *c = &m->cfg;
+    const fwd_shape *s = &plan->shape;
+    if (m->sinks)
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "a 16-bit backward has no gradient of the "
+                             "sinks yet: train the module in float32");
+    const int bf = a->dtype == MHA_DTYPE_BF16;
+    const char *kname = mha_bf16_kernel();
+    if (!kname)
+        return MHA_ERR_INVALID_ARGUMENT;   /* a bad MHA_BF16 (message set) */
+    const int kernel = bf && strcmp(kname, "float32") != 0;
+    const int nt = plan->eng.threads;
+    const int64_t E = s->E, D = s->D, Dkv = s->Dkv;
+    const int64_t kd = c->kdim, vd = c->vdim;
+    const int64_t rows_q = s->B * s->Lq, rows_k = s->B * s->Lk;
+    const uint16_t *query = a->query16;
+    const uint16_t *key = a->key16 ? a->key16 : query;
+    const uint16_t *value = a->value16 ? a->value16 : key;
+    uint16_t *tq = g->grad_query16;
+    uint16_t *tk = a->key16 ? g->grad_key16 : tq;
+    uint16_t *tv = a->value16 ? g->grad_value16 : tk;
+    float *gp = g->grad_params;
+
+    /* The workspace, in 64-byte lines: the four weights of dx = dy W,
+     * dctx, dq, dk, dv (16-bit), the linear layer's per-thread scratch,
+     * the weight gradients' scratch.  Sizes are below 2^60 (shapes
+     * checked by the forward). */
+    const int64_t nw[4] = {
+        up16(mha_linear16_weight_floats(kernel, D, E)),     /* W_o: E -> D */
+        up16(mha_linear16_weight_floats(kernel, E, D)),     /* W_q: D -> E */
+        up16(mha_linear16_weight_floats(kernel, kd, Dkv)),  /* W_k */
+        up16(mha_linear16_weight_floats(kernel, vd, Dkv))}; /* W_v */
+    const int64_t n_q = up16((s->n_qd + 1) / 2), n_kv = up16((s->n_kvd + 1) / 2);
+    const int64_t widest = max64(max64(E, D), Dkv);
+    const int64_t n_lin = up16(mha_linear16_scratch_floats(kernel, widest)) * nt;
+    int64_t n_grad = 0;
+    if (gp) {
+        n_grad = mha_linear16_grad_floats(kernel, rows_q, E, D, nt);
+        n_grad = max64(n_grad, mha_linear16_grad_floats(kernel, rows_q, D, E, nt));
+        n_grad = max64(n_grad, mha_linear16_grad_floats(kernel, rows_k, Dkv, kd, nt));
+        n_grad = max64(n_grad, mha_linear16_grad_floats(kernel, rows_k, Dkv, vd, nt));
+        n_grad = up16(n_grad);
+    }
+    const int64_t total = nw[0] + nw[1] + nw[2] + nw[3] + 2 * n_q + 2 * n_kv +
+                          n_lin + n_grad;
+    if (plan->n_bws16 < total) {
+        free(plan->bws16);
+        plan->n_bws16 = 0;
+        plan->bws16 = aligned_alloc(64, (size_t)total * sizeof(float));
+        if (!plan->bws16)
+            return mha_set_error(MHA_ERR_OUT_OF_MEMORY,
+                                 "cannot allocate the 16-bit backward's "
+                                 "workspace (%lld bytes)",
+                                 (long long)total * 4);
+        plan->n_bws16 = total;
+    }
+    float *wo = plan->bws16, *wq = wo + nw[0], *wk = wq + nw[1],
+          *wv = wk + nw[2];
+    uint16_t *dctx = (uint16_t *)(wv + nw[3]);
+    uint16_t *dq = (uint16_t *)(wv + nw[3] + n_q);
+    uint16_t *dk = (uint16_t *)(wv + nw[3] + 2 * n_q);
+    uint16_t *dv = (uint16_t *)(wv + nw[3] + 2 * n_q + n_kv);
+    float *lin = wv + nw[3] + 2 * n_q + 2 * n_kv;
+    float *gs = lin + n_lin;
+    const float beta = g->accumulate ? 1.0f : 0.0f;
+
+    /* The output projection. */
+    mha_linear16_prepare_t(m->w_o, E, D, kernel, bf, wo, nt);
+    mha_linear16(g->grad_out16, rows_q, E, E, bf, kernel, wo, D, NULL, dctx,
+                 D, lin, nt);
+    if (gp)
+        mha_linear16_grad_params(g->grad_out16, rows_q, E, E, plan->ctx16, D,
+                                 D, bf, kernel, beta,
+                                 grad_at(m, gp, m->w_o),
+                                 grad_at(m, gp, m->b_o), gs, nt);
+
+    /* The attention, from the forward's output and row statistics. */
+    mha_attention_args at = {
+        .batch = s->B, .num_heads = s->H, .head_dim = s->dh, .q_len = s->Lq,
+        .kv_len = s->Lk, .num_kv_heads = s->Hkv, .scale = c->scale,
+        .given = MHA_GIVEN_SCALE, .attn_mask = a->attn_mask,
+        .key_padding_mask = a->key_padding_mask,
+        .key_lengths = a->key_lengths, .causal = a->causal,
+        .num_threads = nt, .dtype = a->dtype, .q16 = plan->q16,
+        .k16 = plan->k16, .v16 = plan->v16, .out16 = plan->ctx16,
+        .lse = plan->lse16};
+    at.mods = c->mods;
+    memset(&at.mods.rope, 0, sizeof at.mods.rope);   /* (refused) */
+    at.mods.alibi_slopes = c->mods.alibi ? m->slopes : NULL;
+    const mha_attention_grads16 ag = {.grad_out = dctx, .grad_q = dq,
+                                      .grad_k = dk, .grad_v = dv};
+    MHA_CHECK(mha_attention_backward16(&at, &ag));
+
+    /* The input projections' parameters. */
+    if (gp) {
+        mha_linear16_grad_params(dq, rows_q, D, D, query, E, E, bf, kernel,
+                                 beta, grad_at(m, gp, m->w_q),
+                                 grad_at(m, gp, m->b_q), gs, nt);
+        mha_linear16_grad_params(dk, rows_k, Dkv, Dkv, key, kd, kd, bf,
+                                 kernel, beta, grad_at(m, gp, m->w_k),
+                                 grad_at(m, gp, m->b_k), gs, nt);
+        mha_linear16_grad_params(dv, rows_k, Dkv, Dkv, value, vd, vd, bf,
+                                 kernel, beta, grad_at(m, gp, m->w_v),
+                                 grad_at(m, gp, m->b_v), gs, nt);
+    }
+
+    /* The inputs: each target receives its parts' sum, q, k, v in order. */
+    if (tq)
+        mha_linear16_prepare_t(m->w_q, D, E, kernel, bf, wq, nt);
+    if (tk)
+        mha_linear16_prepare_t(m->w_k, Dkv, kd, kernel, bf, wk, nt);
+    if (tv)
+        mha_linear16_prepare_t(m->w_v, Dkv, vd, kernel, bf, wv, nt);
+    const mha_lin16_part part[3] = {{dq, D, D, wq}, {dk, Dkv, Dkv, wk},
+                                    {dv, Dkv, Dkv, wv}};
+    uint16_t *target[3] = {tq, tk, tv};
+    const int64_t rows[3] = {rows_q, rows_k, rows_k}, width[3] = {E, kd, vd};
+    for (int i = 0; i < 3; i++) {
+        if (!target[i])
+            continue;
+        int first = 1;   /* the first part into this target */
+        for (int j = 0; j < i; j++)
+            first &= target[j] != target[i];
+        if (!first)
+            continue;
+        mha_lin16_part mine[3];
+        int n = 0;
+        for (int j = i; j < 3; j++)
+            if (target[j] == target[i])
+                mine[n++] = part[j];
+        mha_linear16_sum(mine, n, rows[i], bf, kernel, width[i], NULL,
+                         target[i], width[i], lin, nt);
+    }
+    return MHA_OK;
+}
