@@ -248,9 +248,10 @@ def torch_module(args, b, l, e, h, causal, repeat):
 def torch_training(args, b, l, e, h, causal, repeat):
     import torch
     torch.manual_seed(0)
-    m = torch.nn.MultiheadAttention(e, h, batch_first=True).train()
-    x = (torch.rand(b, l, e) * 2 - 1).requires_grad_()
-    g = torch.rand(b, l, e) * 2 - 1
+    dt = torch_dtype(args)   # the module moved to the dtype, as users do
+    m = torch.nn.MultiheadAttention(e, h, batch_first=True).train().to(dt)
+    x = (torch.rand(b, l, e) * 2 - 1).to(dt).requires_grad_()
+    g = (torch.rand(b, l, e) * 2 - 1).to(dt)
     mask = torch.ones(l, l, dtype=torch.bool).triu(1) if causal else None
 
     def step():
@@ -320,10 +321,11 @@ def main():
     ap.add_argument("--no-causal", action="store_true",
                     help="skip the causal variants")
     ap.add_argument("--dtype", choices=("f32", "bf16", "f16"), default="f32",
-                    help="q, k, v (and gradients) of the attention-only "
-                         "comparisons in this type on both sides (mha "
-                         "bench --dtype); bf16 / f16 compare the attention "
-                         "alone (no module or training step)")
+                    help="the data (and its gradients) in this type on "
+                         "both sides (mha bench --dtype): q, k, v of the "
+                         "attention, and the module's input and output, "
+                         "torch's module moved to the type (.to(dtype)), "
+                         "libmha's parameters float32 rounded at the call")
     ap.add_argument("--quick", action="store_true",
                     help="small shapes only")
     ap.add_argument("--timeout", type=float, default=300.0,
@@ -404,8 +406,6 @@ def main():
     def training(b, l, e, h, causal, rep):
         return torch_training(args, b, l, e, h, causal, rep)[0], None
 
-    if args.dtype != "f32":   # (no 16-bit module backward yet)
-        train_shapes = []
     dt = ["--dtype", args.dtype]
     attn_res = {(b, l, h, e // h, c): r for (b, l, e, h, c), r in measure(
         [(b, l, h * dh, h) for b, l, h, dh in attn_shapes],
@@ -416,7 +416,7 @@ def main():
                             ["--attention-only", "--backward", *dt],
                             attention_backward).items()}
     mod_res = measure(mod_shapes, dt, module)
-    train_res = measure(train_shapes, ["--backward"], training)
+    train_res = measure(train_shapes, ["--backward", *dt], training)
 
     peak = ""
     if peaks:   # each mha bench run measures its own

@@ -55,7 +55,9 @@ static const char BENCH_HELP[] =
     "                        which reuses the forward's out and lse) in that\n"
     "                        type (rounded once, untimed); without it the\n"
     "                        module's forward on 16-bit query, key and out\n"
-    "                        (no --backward yet); bf16 runs on AMX\n"
+    "                        (with --backward mha_plan_backward too: 16-bit\n"
+    "                        gradients of the data, float32 of the\n"
+    "                        parameters); bf16 runs on AMX\n"
     "                        tiles or AVX512-BF16 where the CPU has them\n"
     "                        (mha_bf16_kernel; MHA_BF16 caps it), otherwise\n"
     "                        widened\n"
@@ -343,11 +345,10 @@ int cmd_bench(int argc, char **argv)
     if ((int)dtype < 0)
         return tool_fail("bench", "--dtype must be f32, bf16 or f16, got "
                          "'%s'", dtype_s);
-    if (dtype != MHA_DTYPE_F32 && (weights || (backward && !attn_only)))
-        return tool_fail("bench", "--dtype %s times mha_attention (and its "
-                         "backward with --attention-only) or the module's "
-                         "forward: not with --need-weights, nor --backward "
-                         "without --attention-only", dtype_s);
+    if (dtype != MHA_DTYPE_F32 && weights)
+        return tool_fail("bench", "--dtype %s times mha_attention or the "
+                         "module (and their backward): not with "
+                         "--need-weights", dtype_s);
     if (!cross)
         Lk = Lq;
 #undef OPT
@@ -519,6 +520,11 @@ int cmd_bench(int argc, char **argv)
                                           .grad_v = gb + 2 * nq + nkv};
             aa.lse = lse16;   /* the forward's, which the backward reuses */
             memset(g + nq, 0, (ng - nq) * sizeof *g);   /* (unused here) */
+            if (!attn_only)   /* the module's: 16-bit data, float32 params */
+                b = (mha_backward_args){
+                    .grad_out16 = gb, .grad_query16 = gb + nq,
+                    .grad_key16 = cross ? gb + 2 * nq : NULL,
+                    .grad_params = g + ng - np};
         }
     }
 
@@ -554,7 +560,7 @@ int cmd_bench(int argc, char **argv)
         const double tf = bench_now_s();
         if (st == MHA_OK && backward)
             st = aplan       ? mha_attention_plan_backward(aplan, &aa, &ag)
-                 : h16       ? mha_attention_backward16(&aa, &g16)
+                 : h16 && attn_only ? mha_attention_backward16(&aa, &g16)
                              : mha_plan_backward(plan, &a, &b);
         const double t1 = bench_now_s();
         if (st != MHA_OK)

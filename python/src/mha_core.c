@@ -697,11 +697,10 @@ static PyObject *module_run(ModuleObject *self, PyObject *args, PyObject *kw)
             &threads, &training, &seed, &hm, &cache, &pos, &go, &gq, &gk, &gv,
             &gp, &accumulate, &ghm, &dtype))
         return NULL;
-    /* dtype BF16 / F16: query, key, value and out hold 16-bit patterns
-     * (the library refuses what a 16-bit forward does not take) */
-    if (dtype != MHA_DTYPE_F32 && go != Py_None)
-        return PyErr_Format(PyExc_ValueError,
-                            "a 16-bit module forward has no backward yet");
+    /* dtype BF16 / F16: query, key, value and out hold 16-bit patterns,
+     * and so do grad_out, grad_query, grad_key and grad_value (grad_params
+     * stays float32); the library refuses what a 16-bit call does not
+     * take */
     const int td = dtype == MHA_DTYPE_F32 ? T_F32 : T_U16;
     const mha_config *c = &self->cfg;
     if (B < 1 || Lq < 1 || Lk < 0)
@@ -795,13 +794,13 @@ static PyObject *module_run(ModuleObject *self, PyObject *args, PyObject *kw)
     mha_backward_args ba;
     memset(&ba, 0, sizeof ba);
     if (backward) {
-        if (get_buf(&b, go, "grad_out", T_F32, 0, mul3(B, Lq, E), 1, &pgo,
+        if (get_buf(&b, go, "grad_out", td, 0, mul3(B, Lq, E), 1, &pgo,
                     NULL) ||
-            get_buf(&b, gq, "grad_query", T_F32, 1, mul3(B, Lq, E), 0, &pgq,
+            get_buf(&b, gq, "grad_query", td, 1, mul3(B, Lq, E), 0, &pgq,
                     NULL) ||
-            get_buf(&b, gk, "grad_key", T_F32, 1, mul3(B, lk, c->kdim), 0,
+            get_buf(&b, gk, "grad_key", td, 1, mul3(B, lk, c->kdim), 0,
                     &pgk, NULL) ||
-            get_buf(&b, gv, "grad_value", T_F32, 1, mul3(B, lk, c->vdim), 0,
+            get_buf(&b, gv, "grad_value", td, 1, mul3(B, lk, c->vdim), 0,
                     &pgv, NULL) ||
             get_buf(&b, gp, "grad_params", T_F32, 1,
                     mha_param_numel(self->m), 0, &pgp, NULL) ||
@@ -814,6 +813,13 @@ static PyObject *module_run(ModuleObject *self, PyObject *args, PyObject *kw)
         ba.grad_params = pgp;
         ba.accumulate = accumulate;
         ba.grad_head_mask = pghm;
+        if (dtype != MHA_DTYPE_F32) {
+            ba.grad_out16 = pgo;
+            ba.grad_query16 = pgq;
+            ba.grad_key16 = pgk;
+            ba.grad_value16 = pgv;
+            ba.grad_out = ba.grad_query = ba.grad_key = ba.grad_value = NULL;
+        }
         a.need_weights = MHA_WEIGHTS_NONE;
         a.attn_weights = NULL;
     }

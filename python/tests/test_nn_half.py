@@ -1,10 +1,10 @@
 """mha.nn.MultiheadAttention moved to bfloat16 or float16 (module.to(dtype)),
-as torch's own module is: libmha's 16-bit forward (forward16.c) against
-float64 on the rounded inputs and parameters (torch's module in float64
-with the 16-bit module's values), within 2x the error torch 2.13's module
-makes in that dtype on the same inputs (docs/TESTING.md's rule for every
-half-precision path).  Inference only so far: weights, gradients and
-dropout are refused by name."""
+as torch's own module is: libmha's 16-bit forward (forward16.c) and
+backward (backward16.c) against float64 on the rounded inputs and
+parameters (torch's module in float64 with the 16-bit module's values),
+within 2x the error torch 2.13's module makes in that dtype on the same
+inputs (docs/TESTING.md's rule for every half-precision path).  Attention
+weights and dropout are refused by name."""
 import pytest
 import torch
 
@@ -80,6 +80,90 @@ def test_module_half_within_twice_torch(dtype, case):
     assert err <= 2 * torch_err, (err, torch_err)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CASES)
+def test_module_half_gradients_within_twice_torch(dtype, case):
+    """dL/d query, key, value and every parameter of L = sum(out * G):
+    ours and torch's 16-bit module against float64, each tensor's largest
+    error within 2x torch's (ours: float32 sums rounded at torch's points,
+    the parameters' gradients rounded to the dtype once)."""
+    E, H, kdim, vdim, B, Lq, Lk, kind = case
+    t, m, ref = _pair(E, H, kdim, vdim, dtype, 5)
+    for mod in (t, m, ref):
+        mod.train()   # (dropout 0: nothing changes but the mode)
+    g = torch.Generator().manual_seed(7)
+    q = (torch.rand(B, Lq, E, generator=g) * 2 - 1).to(dtype)
+    k = v = None
+    if Lk:
+        k = (torch.rand(B, Lk, kdim, generator=g) * 2 - 1).to(dtype)
+        v = (torch.rand(B, Lk, vdim, generator=g) * 2 - 1).to(dtype)
+    G = (torch.rand(B, Lq, E, generator=g) * 2 - 1).to(dtype)
+    am, kpm = _masks(kind, B, Lq, Lk or Lq, g)
+
+    def grads(mod, dt, mask_dt):
+        xs = [x.to(dt).requires_grad_() if x is not None else None
+              for x in (q, k, v)]
+        qq, kk, vv = xs
+        if kk is None:
+            kk = vv = qq
+        mask = None if am is None else (
+            am if am.dtype == torch.bool else am.to(mask_dt))
+        out = mod(qq, kk, vv, need_weights=False, attn_mask=mask,
+                  key_padding_mask=kpm)[0]
+        (out.double() * G.double()).sum().backward()
+        got = [x.grad for x in xs if x is not None]
+        got += [p.grad for p in mod.parameters()]
+        mod.zero_grad(set_to_none=True)
+        return got
+
+    want = grads(ref, torch.float64, torch.float64)
+    theirs = grads(t, dtype, dtype)
+    ours = grads(m, dtype, torch.float32)
+    names = ["query", "key", "value"][:1 if not Lk else 3]
+    names += [n for n, _ in m.named_parameters()]
+    assert len(ours) == len(want) == len(theirs) == len(names)
+    for n, o, th, w in zip(names, ours, theirs, want):
+        assert o.dtype == dtype and o.shape == w.shape, n
+        err = (o.double() - w).abs().max().item()
+        torch_err = (th.double() - w).abs().max().item()
+        assert torch_err > 0, n
+        assert err <= 2 * torch_err, (n, err, torch_err)
+
+
+def test_module_half_training_step_threads_and_double_backward():
+    """A bf16 training step: the same gradient bits for 1, 2 and 3
+    threads, an optimizer step that the next forward computes with, and a
+    second derivative refused by name."""
+    _, m, _ = _pair(128, 4, None, None, torch.bfloat16, 3)
+    m.train()
+    x = torch.rand(2, 30, 128).to(torch.bfloat16)
+    n = torch.get_num_threads()
+    got = []
+    try:
+        for th in (1, 2, 3):
+            torch.set_num_threads(th)
+            xx = x.clone().requires_grad_()
+            m(xx, xx, xx, need_weights=False)[0].float().sum().backward()
+            got.append([xx.grad] + [p.grad for p in m.parameters()])
+            m.zero_grad(set_to_none=True)
+    finally:
+        torch.set_num_threads(n)
+    for other in got[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got[0], other))
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    before = m(x, x, x, need_weights=False)[0].detach()
+    m(x, x, x, need_weights=False)[0].float().sum().backward()
+    opt.step()
+    with torch.no_grad():
+        after = m(x, x, x, need_weights=False)[0]
+    assert not torch.equal(before, after)
+    xx = x.clone().requires_grad_()
+    out = m(xx, xx, xx, need_weights=False)[0]
+    (gx,) = torch.autograd.grad(out.float().sum(), xx, create_graph=True)
+    with pytest.raises(RuntimeError):
+        gx.float().sum().backward()
+
+
 def test_module_half_threads_layouts_and_updates():
     t, m, _ = _pair(256, 4, None, None, torch.bfloat16, 9)
     x = torch.rand(2, 40, 256).to(torch.bfloat16)
@@ -123,8 +207,6 @@ def test_module_half_refusals():
         with pytest.raises(NotImplementedError, match="dropout"):
             m(x, x, x, need_weights=False)
         m.eval()
-    with pytest.raises(NotImplementedError, match="backward"):
-        m(x, x, x, need_weights=False)   # parameters require grad
     # a module moved back to float32 computes in float32 again
     m.dropout = 0.0
     m32 = m.float()

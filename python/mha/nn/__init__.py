@@ -8,7 +8,10 @@ so state_dict() / load_state_dict() are torch's; autograd runs libmha's
 backward (mha_backward) through a torch.autograd.Function.
 
 Where it differs from torch:
-  - float32 CPU tensors only (anything else: TypeError / ValueError);
+  - float32 CPU tensors, or a module moved to bfloat16 / float16
+    (module.to(dtype)) with inputs of that dtype: libmha's 16-bit forward
+    and backward, no attention weights and no dropout in 16 bits (they
+    raise NotImplementedError); anything else: TypeError / ValueError;
   - a query row with no key left to attend to gives out_proj.bias (zero
     context), not NaN, and zero gradients;
   - dropout (training mode) comes from libmha's counter-based hash keyed
@@ -170,6 +173,69 @@ class _MHAFunction(torch.autograd.Function):
         for (name, shape, numel, off), p in zip(core.params(), params):
             res.append(None if gp is None else
                        torch.from_numpy(gp[off:off + numel].reshape(shape)))
+        return tuple(res)
+
+
+def _run_half(owner, dt, kw, q, k, v, params):
+    """libmha's 16-bit forward on the bits of the (batch-first) inputs: the
+    output tensor, of dtype dt."""
+    core = owner._core_module()
+    owner._sync_half(core, params)
+    out = torch.empty(kw["batch"], kw["q_len"], owner.embed_dim, dtype=dt)
+    _mha._run_module(core, query=_bits(q),
+                     key=None if k is None else _bits(k),
+                     value=None if v is None else _bits(v),
+                     out=out.view(torch.int16).numpy(), attn_weights=None,
+                     dtype=_HALF[dt], **kw)
+    return out
+
+
+class _MHAHalfFunction(torch.autograd.Function):
+    """A module moved to bfloat16 or float16: inputs query, key, value
+    (batch first, dtype dt), then every parameter (dt) in libmha's order,
+    widened into the libmha module (_sync_half) before each call.  The
+    backward (mha_backward on 16-bit data) returns 16-bit gradients of the
+    inputs, and the parameters' float32 sums rounded to dt once, here."""
+
+    @staticmethod
+    def forward(ctx, owner, dt, kw, q, k, v, *params):
+        ctx.owner, ctx.dt, ctx.kw = owner, dt, kw
+        ctx.save_for_backward(q, k, v, *params)
+        return _run_half(owner, dt, kw, q, k, v, params)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, *params = ctx.saved_tensors
+        nones = [None] * (3 + 3 + len(params))
+        if grad_out is None:
+            return tuple(nones)
+        owner, dt = ctx.owner, ctx.dt
+        core = owner._core_module()
+        owner._sync_half(core, params)
+        need = ctx.needs_input_grad
+        gq = torch.empty(q.shape, dtype=dt) if need[3] else None
+        gk = (torch.empty(k.shape, dtype=dt)
+              if k is not None and need[4] else None)
+        gv = (torch.empty(v.shape, dtype=dt)
+              if v is not None and need[5] else None)
+        gp = (np.empty(core.param_numel(), np.float32)
+              if any(need[6:]) else None)
+
+        def bits(t):
+            return None if t is None else t.view(torch.int16).numpy()
+
+        _mha._run_module(
+            core, query=_bits(q), key=None if k is None else _bits(k),
+            value=None if v is None else _bits(v), out=None,
+            grad_out=_bits(grad_out.to(dt)), grad_query=bits(gq),
+            grad_key=bits(gk), grad_value=bits(gv), grad_params=gp,
+            dtype=_HALF[dt],
+            **dict(ctx.kw, num_threads=torch.get_num_threads()))
+        res = [None, None, None, gq, gk, gv]
+        for (name, shape, numel, off), p in zip(core.params(), params):
+            res.append(None if gp is None else torch.from_numpy(
+                gp[off:off + numel].reshape(shape)).to(p.dtype))
         return tuple(res)
 
 
@@ -383,8 +449,8 @@ class MultiheadAttention(nn.Module):
         """forward on a module moved to bfloat16 or float16: libmha's
         16-bit forward (forward16.c: projections and attention on 16-bit
         data, float32 sums) on the bits of the inputs, the output in the
-        same dtype.  Inference only so far: no weights, no gradient, no
-        dropout."""
+        same dtype; with autograd, its backward (backward16.c).  No
+        weights and no dropout yet."""
         for t, n in zip(ins, ("query", "key", "value")):
             if t is not None and t.dtype != dt:
                 raise TypeError("%s is %s but the module's parameters are "
@@ -400,20 +466,8 @@ class MultiheadAttention(nn.Module):
         if torch.is_grad_enabled() and (
                 any(t is not None and t.requires_grad for t in ins) or
                 any(p.requires_grad for p in params)):
-            raise NotImplementedError(
-                "a %s mha.nn.MultiheadAttention has no backward yet: run it "
-                "under torch.no_grad() / torch.inference_mode(), or train "
-                "in float32" % dt)
-        core = self._core_module()
-        self._sync_half(core, params)
-        q, k, v = ins
-        out = torch.empty(kw["batch"], kw["q_len"], self.embed_dim, dtype=dt)
-        _mha._run_module(core, query=_bits(q),
-                         key=None if k is None else _bits(k),
-                         value=None if v is None else _bits(v),
-                         out=out.view(torch.int16).numpy(),
-                         attn_weights=None, dtype=_HALF[dt], **kw)
-        return out
+            return _MHAHalfFunction.apply(self, dt, kw, *ins, *params)
+        return _run_half(self, dt, kw, *ins, params)
 
     def __getstate__(self):
         state = self.__dict__.copy()
