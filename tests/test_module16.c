@@ -366,11 +366,18 @@ static void run_backward_case(const mcase *c, mha_dtype t)
     mha_free(m);
 }
 
+/* The weight gradients sum over the rows in chunks of 4096 (linear.c's
+ * GRAD16_K): 4200 rows take two. */
+static const mcase long_case = {"4200 rows (two row chunks)", 64, 2, 0, 0,
+                                 0, 2, 2100, 0, MHA_CAUSAL_TOP_LEFT, 0, 0,
+                                 0, 1};
+
 static void test_backward_bf16(void **state)
 {
     (void)state;
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
         run_backward_case(&cases[i], MHA_DTYPE_BF16);
+    run_backward_case(&long_case, MHA_DTYPE_BF16);
 }
 
 static void test_backward_f16(void **state)
@@ -381,8 +388,9 @@ static void test_backward_f16(void **state)
 }
 
 /* float32 parameters that are not 16-bit values are rounded to the type
- * at the call: the same bits as the module with its parameters rounded
- * beforehand (every kernel; test_module16_* run each). */
+ * at the call: the same bits, forward and backward, as the module with
+ * its parameters rounded beforehand (every kernel; test_module16_* run
+ * each). */
 static void test_params_rounded(void **state)
 {
     (void)state;
@@ -402,10 +410,22 @@ static void test_params_rounded(void **state)
         a.batch = 3, a.q_len = 19, a.dtype = t;
         a.query16 = x16, a.out16 = o1;
         assert_int_equal(mha_forward(m, &a), MHA_OK);
+        /* and the backward's gradients (dL/d out = the input) */
+        uint16_t *g1 = malloc(n * 2), *g2 = malloc(n * 2);
+        const int64_t np = mha_param_numel(m);
+        float *p1 = malloc(np * 4), *p2 = malloc(np * 4);
+        mha_backward_args b = {.grad_out16 = x16, .grad_query16 = g1,
+                               .grad_params = p1};
+        assert_int_equal(mha_backward(m, &a, &b), MHA_OK);
         round_params(m, t);
         a.out16 = o2;
         assert_int_equal(mha_forward(m, &a), MHA_OK);
         assert_memory_equal(o1, o2, n * 2);
+        b.grad_query16 = g2, b.grad_params = p2;
+        assert_int_equal(mha_backward(m, &a, &b), MHA_OK);
+        assert_memory_equal(g1, g2, n * 2);
+        assert_memory_equal(p1, p2, np * 4);
+        free(g1), free(g2), free(p1), free(p2);
         free(x16), free(o1), free(o2), free(x);
         mha_free(m);
     }
@@ -458,7 +478,49 @@ static void test_refused(void **state)
     assert_fails(mha_plan_forward(p, &b), MHA_ERR_INVALID_ARGUMENT,
                  "made for dtype 3");
     mha_plan_free(p);
+
+    /* the backward's 16-bit fields */
+    uint16_t gq[2 * 64];
+    float gf[2 * 64];
+    mha_backward_args g = {.grad_out16 = x, .grad_query16 = gq};
+    assert_int_equal(mha_backward(m, &a, &g), MHA_OK);
+    g.grad_out = gf;
+    assert_fails(mha_backward(m, &a, &g), MHA_ERR_INVALID_ARGUMENT,
+                 "grad_out must be NULL");
+    g.grad_out = NULL, g.grad_out16 = NULL;
+    assert_fails(mha_backward(m, &a, &g), MHA_ERR_NULL_POINTER, "grad_out16");
+    g.grad_out16 = x, g.grad_key16 = gq;   /* self-attention: no key */
+    assert_fails(mha_backward(m, &a, &g), MHA_ERR_INVALID_ARGUMENT,
+                 "grad_key16 and grad_value16 must be NULL");
+    g.grad_key16 = NULL;
+    float ghm[2];
+    g.grad_head_mask = ghm;
+    assert_fails(mha_backward(m, &a, &g), MHA_ERR_UNSUPPORTED, "head mask");
+    b = a, b.dtype = MHA_DTYPE_F32, b.query16 = NULL, b.out16 = NULL;
+    b.query = xf, b.out = NULL;
+    mha_backward_args gb = {.grad_out = gf, .grad_out16 = x};
+    assert_fails(mha_backward(m, &b, &gb), MHA_ERR_INVALID_ARGUMENT,
+                 "16-bit fields must be NULL");
+    /* a plan's backward is of its last forward's data */
+    assert_int_equal(mha_plan_create(m, &a, &p), MHA_OK);
+    g.grad_head_mask = NULL;
+    assert_fails(mha_plan_backward(p, &a, &g), MHA_ERR_INVALID_ARGUMENT,
+                 "no forward");
+    assert_int_equal(mha_plan_forward(p, &a), MHA_OK);
+    x[0] ^= 0x40;   /* the input changed since the forward */
+    assert_fails(mha_plan_backward(p, &a, &g), MHA_ERR_INVALID_ARGUMENT,
+                 "changed");
+    x[0] ^= 0x40;
+    assert_int_equal(mha_plan_backward(p, &a, &g), MHA_OK);
+    mha_plan_free(p);
     mha_free(m);
+
+    cfg.sinks = 1;   /* the attention's 16-bit backward has no sinks */
+    m = tu_module(&cfg, 3);
+    assert_int_equal(mha_forward(m, &a), MHA_OK);
+    assert_fails(mha_backward(m, &a, &g), MHA_ERR_UNSUPPORTED, "sinks");
+    mha_free(m);
+    cfg.sinks = 0;
 
     cfg.add_bias_kv = 1;
     m = tu_module(&cfg, 3);

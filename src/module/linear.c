@@ -470,7 +470,7 @@ int64_t mha_linear16_sum(const mha_lin16_part *parts, int nparts,
  *
  * db is the float32 path's: float64 column sums, rows in order.
  */
-enum { GRAD16_K = 1 << 16 };
+enum { GRAD16_K = 4096 };   /* rows per chunk: 32 rows of dy^T stay in L2 */
 
 int64_t mha_linear16_grad_floats(int kernel, int64_t rows, int64_t n_out,
                                  int64_t n_in, int threads)
