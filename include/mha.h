@@ -1192,6 +1192,13 @@ typedef struct mha_attention_decode_args {
     const float *sinks;         /* (H) or NULL                           */
     const int64_t *q_positions; /* (B, q_len) or NULL                    */
     int num_threads;
+    /* dtype BF16 or F16: q and out are 16-bit, in q16 and out16 (q and out
+     * NULL), against a cache of any storage type; the queries are widened
+     * and the context rounded, the keys and values read where they are.
+     * Plans take float32 only. */
+    mha_dtype dtype;
+    const uint16_t *q16;
+    uint16_t *out16;
 } mha_attention_decode_args;
 MHA_API mha_status mha_attention_decode_sized(
     const mha_attention_decode_args *args, size_t args_size);

@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include "assert_error.h"
+#include "core/half.h"
 #include "ref.h"
 #include "testutil.h"
 
@@ -504,6 +505,94 @@ static void test_attention_bitwise(void **state)
     }
 }
 
+/* bf16 and f16 queries (mha_attention_decode's dtype, q16, out16) against
+ * every cache dtype: the keys and values read where they are, the
+ * queries widened and the context rounded, so the output is bitwise the
+ * float32 decode on the widened queries, rounded to nearest even (that
+ * decode is held to float64 above), and the lse is its lse; on 1 and 2
+ * threads.  Then the misuse of the 16-bit fields. */
+static void test_half_queries(void **state)
+{
+    (void)state;
+    const mha_kv_dtype dtypes[] = {MHA_KV_F32, MHA_KV_F16, MHA_KV_BF16,
+                                   MHA_KV_Q8};
+    const mha_dtype qt[] = {MHA_DTYPE_BF16, MHA_DTYPE_F16};
+    problem p;
+    problem_init(&p, 2, 1300, 70, 321, 2.0f);
+    const int64_t nq = p.B * LQ * H * DH;
+    uint16_t *q16 = malloc((size_t)nq * 2), *o16 = malloc((size_t)nq * 2);
+    float *qf = malloc((size_t)nq * 4), *want = malloc((size_t)nq * 4);
+    float lse_want[2 * H * LQ], lse_got[2 * H * LQ];
+    for (size_t t = 0; t < 2; t++) {
+        const int bf = qt[t] == MHA_DTYPE_BF16;
+        for (int64_t i = 0; i < nq; i++) {
+            q16[i] = bf ? mha_bf16_from_float(p.q[i])
+                        : mha_f16_from_float(p.q[i]);
+            qf[i] = bf ? mha_bf16_to_float(q16[i]) : mha_f16_to_float(q16[i]);
+        }
+        for (size_t d = 0; d < 4; d++) {
+            mha_kv_cache *kv = cache_of(&p, dtypes[d], p.k, p.v);
+            problem pf = p;
+            pf.q = qf;
+            attend(&pf, kv, 1, want, lse_want);
+            for (int threads = 1; threads <= 2; threads++) {
+                mha_attention_decode_args a = {0};
+                a.batch = p.B, a.num_heads = H, a.head_dim = DH;
+                a.q_len = LQ, a.cache = kv, a.lse = lse_got;
+                a.num_threads = threads;
+                a.dtype = qt[t], a.q16 = q16, a.out16 = o16;
+                memset(o16, 0xff, (size_t)nq * 2);
+                if (mha_attention_decode(&a) != MHA_OK)
+                    fail_msg("%s queries, cache dtype %d: %s",
+                             bf ? "bf16" : "f16", (int)dtypes[d],
+                             mha_last_error());
+                for (int64_t i = 0; i < nq; i++) {
+                    const uint16_t r = bf ? mha_bf16_from_float(want[i])
+                                          : mha_f16_from_float(want[i]);
+                    if (o16[i] != r)
+                        fail_msg("%s queries, cache dtype %d, %d threads: "
+                                 "out16[%lld] = 0x%04x, the rounded float32 "
+                                 "decode 0x%04x", bf ? "bf16" : "f16",
+                                 (int)dtypes[d], threads, (long long)i,
+                                 o16[i], r);
+                }
+                assert_memory_equal(lse_got, lse_want, sizeof lse_got);
+            }
+            mha_kv_cache_free(kv);
+        }
+    }
+
+    /* misuse */
+    mha_kv_cache *kv = cache_of(&p, MHA_KV_F16, p.k, p.v);
+    mha_attention_decode_args a = {0};
+    a.batch = p.B, a.num_heads = H, a.head_dim = DH, a.q_len = LQ;
+    a.cache = kv, a.dtype = MHA_DTYPE_BF16, a.q16 = q16, a.out16 = o16;
+    assert_int_equal(mha_attention_decode(&a), MHA_OK);
+    mha_attention_decode_args b = a;
+    b.q = qf;
+    assert_fails(mha_attention_decode(&b), MHA_ERR_INVALID_ARGUMENT,
+                 "q must be NULL");
+    b = a, b.out16 = NULL;
+    assert_fails(mha_attention_decode(&b), MHA_ERR_NULL_POINTER, "out16");
+    b = a, b.out16 = q16 + 1;
+    assert_fails(mha_attention_decode(&b), MHA_ERR_INVALID_ARGUMENT,
+                 "overlaps");
+    b = a, b.head_dim = 0;
+    assert_fails(mha_attention_decode(&b), MHA_ERR_SHAPE, "head_dim");
+    b = a, b.dtype = (mha_dtype)7;
+    assert_fails(mha_attention_decode(&b), MHA_ERR_INVALID_ARGUMENT, "dtype");
+    b = a, b.dtype = MHA_DTYPE_F32;   /* 16-bit fields on a float32 call */
+    b.q = qf, b.out = want;
+    assert_fails(mha_attention_decode(&b), MHA_ERR_INVALID_ARGUMENT, "q16");
+    mha_attention_plan *plan = NULL;
+    assert_fails(mha_attention_plan_create_decode(&a, &plan),
+                 MHA_ERR_INVALID_ARGUMENT, "float32");
+    assert_null(plan);
+    mha_kv_cache_free(kv);
+    free(q16), free(o16), free(qf), free(want);
+    problem_free(&p);
+}
+
 /* An Inf value in an f16 cache (given as Inf: a finite value past f16's
  * range is refused): the output rows that weigh it are what f32
  * attention on an Inf gives, bitwise, the others finite; truncating the
@@ -649,6 +738,7 @@ int main(void)
         cmocka_unit_test(test_bf16_rounding),
         cmocka_unit_test(test_q8_rounding),
         cmocka_unit_test(test_attention_bitwise),
+        cmocka_unit_test(test_half_queries),
         cmocka_unit_test(test_non_finite),
         cmocka_unit_test(test_truncation_keeps_flag),
         cmocka_unit_test(test_read_misuse),

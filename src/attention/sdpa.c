@@ -780,10 +780,6 @@ static mha_status half_shape(const mha_attention_args *a, sdpa_shape *s)
                              "out16; %s must be NULL",
                              a->dtype == MHA_DTYPE_BF16 ? "BF16" : "F16",
                              a->q ? "q" : a->k ? "k" : a->v ? "v" : "out");
-    if (a->cache)
-        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "bf16 and f16 queries do not take a KV cache "
-                             "yet: give them as float32");
     if (!a->q16 || !a->k16 || !a->v16)
         return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
                              !a->q16 ? "q16" : !a->k16 ? "k16" : "v16");
@@ -918,8 +914,61 @@ static mha_status attention_widened(const mha_attention_args *a,
     return st;
 }
 
+/*
+ * 16-bit queries against a KV cache (decoding): the cache's keys and
+ * values are read where they are, in its storage type, by the float32
+ * decode kernels; the queries (B x q_len rows, a step's new tokens) are
+ * widened into a float copy and the context rounded into out16.
+ */
+static mha_status decode_half(const mha_attention_args *a)
+{
+    if (a->q || a->k || a->v || a->out || a->k16 || a->v16)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "16-bit queries against a KV cache take q16 "
+                             "and out16 only (the keys are the cache's): "
+                             "%s must be NULL",
+                             a->q ? "q" : a->k ? "k" : a->v ? "v"
+                             : a->out ? "out" : a->k16 ? "k16" : "v16");
+    if (!a->q16 || !a->out16)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
+                             !a->q16 ? "q16" : "out16");
+    int64_t n = 0;
+    if (a->batch < 1 || a->q_len < 1 || a->num_heads < 1 ||
+        a->head_dim < 1 || !mha_mul_ok(a->batch, a->q_len, &n) ||
+        !mha_mul_ok(n, a->num_heads, &n) || !mha_mul_ok(n, a->head_dim, &n) ||
+        n > ((int64_t)1 << 40))
+        return mha_set_error(MHA_ERR_SHAPE,
+                             "batch %lld, q_len %lld, num_heads %lld and "
+                             "head_dim %lld must be >= 1 and their product "
+                             "at most 2^40", (long long)a->batch,
+                             (long long)a->q_len, (long long)a->num_heads,
+                             (long long)a->head_dim);
+    if ((const void *)a->out16 < (const void *)(a->q16 + n) &&
+        (const void *)a->q16 < (const void *)(a->out16 + n) &&
+        a->out16 != a->q16)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "out16 overlaps q16 without being it");
+    const int bf = a->dtype == MHA_DTYPE_BF16;
+    float *buf = mha_alloc_floats(2 * n, "widened queries and context");
+    if (!buf)
+        return MHA_ERR_OUT_OF_MEMORY;
+    widen(a->q16, n, bf, buf);
+    mha_attention_args f = *a;
+    f.dtype = MHA_DTYPE_F32;
+    f.q16 = NULL;
+    f.out16 = NULL;
+    f.q = buf, f.out = buf + n;
+    const mha_status st = mha_attention(&f);
+    if (st == MHA_OK)
+        narrow(buf + n, n, bf, a->out16);
+    free(buf);
+    return st;
+}
+
 static mha_status attention_half(const mha_attention_args *a)
 {
+    if ((a->dtype == MHA_DTYPE_BF16 || a->dtype == MHA_DTYPE_F16) && a->cache)
+        return decode_half(a);
     sdpa_shape s;
     MHA_CHECK(half_shape(a, &s));
     if (!a->out16)
@@ -1338,6 +1387,9 @@ static mha_status decode_as_attention(const mha_attention_decode_args *args,
     a->sinks = d->sinks;
     a->q_positions = d->q_positions;
     a->num_threads = d->num_threads;
+    a->dtype = d->dtype;
+    a->q16 = d->q16;
+    a->out16 = d->out16;
     return MHA_OK;
 }
 
