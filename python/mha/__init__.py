@@ -821,12 +821,28 @@ class KVCache:
 
 # ---- attention on heads --------------------------------------------------------
 
+# 16-bit arrays: NumPy's float16, and bfloat16 arrays of ml_dtypes where
+# the caller uses it (mha does not depend on it), as libmha's dtype codes
+# (MHA_DTYPE_F16, MHA_DTYPE_BF16); their elements reach C as their bits.
+_HALF_NAMES = {"float16": 2, "bfloat16": 3}
+
+
+def _data_dtype(q):
+    """q's dtype if it is float16 or bfloat16 (k, v, out and the gradients
+    then share it), else float32, the default."""
+    dt = getattr(q, "dtype", None)
+    if isinstance(q, np.ndarray) and dt.name in _HALF_NAMES:
+        return dt
+    return np.dtype(np.float32)
+
+
 def _attention_args(q, k, v, num_heads, num_kv_heads, scale, attn_mask,
                     key_padding_mask, key_lengths, causal, need_weights,
                     dropout, training, dropout_seed, num_threads, cache,
                     rope, alibi, window, softcap, sinks, q_positions,
                     k_positions):
-    q, unbatched = _batched(_array(q, "q"), "q")
+    dt = _data_dtype(q)
+    q, unbatched = _batched(_array(q, "q", dt), "q")
     H = int(num_heads)
     if H < 1:
         raise ValueError("num_heads must be >= 1, got %d" % H)
@@ -844,8 +860,8 @@ def _attention_args(q, k, v, num_heads, num_kv_heads, scale, attn_mask,
                              "them to the cache first)")
         Lk = 0
     else:
-        k, _ = _batched(_array(k, "k"), "k")
-        v, _ = _batched(_array(v, "v"), "v")
+        k, _ = _batched(_array(k, "k", dt), "k")
+        v, _ = _batched(_array(v, "v", dt), "v")
         if k.shape != v.shape:
             raise ValueError("k %s and v %s must have the same shape"
                              % (k.shape, v.shape))
@@ -857,7 +873,13 @@ def _attention_args(q, k, v, num_heads, num_kv_heads, scale, attn_mask,
     am, amk = _mask(attn_mask, "attn_mask")
     kpm, kpmk = _mask(key_padding_mask, "key_padding_mask")
     s = _array(sinks, "sinks", required=False)
+    half = _HALF_NAMES.get(dt.name, 0)
+    if half:   # (the bits; the caller views results back as dt)
+        q = q.view(np.uint16)
+        k = None if k is None else k.view(np.uint16)
+        v = None if v is None else v.view(np.uint16)
     return dict(
+        dtype=half,
         q=q, k=k, v=v, batch=B, num_heads=H, head_dim=dh, q_len=Lq,
         kv_len=Lk, num_kv_heads=Hkv,
         scale=None if scale is None else float(scale), attn_mask=am,
@@ -870,7 +892,7 @@ def _attention_args(q, k, v, num_heads, num_kv_heads, scale, attn_mask,
         cache=None if cache is None else cache._c,
         modifiers=_modifiers(H, rope, alibi, window, softcap), sinks=s,
         q_positions=_int64(q_positions, "q_positions"),
-        k_positions=_int64(k_positions, "k_positions")), unbatched
+        k_positions=_int64(k_positions, "k_positions")), unbatched, dt
 
 
 def _attention_plain(q, k, v, num_heads, num_kv_heads, scale, num_threads):
@@ -919,7 +941,9 @@ def attention(q: npt.ArrayLike, k: Optional[npt.ArrayLike] = None,
         out[b, i, h*d_h ..] = softmax(q_h k_g^T * scale + mask) v_g,
         g = h // (H / H_kv)
 
-    q (B, Lq, H*d_h), k and v (B, Lk, H_kv*d_h) float32; d_h = q's last
+    q (B, Lq, H*d_h), k and v (B, Lk, H_kv*d_h) float32, or all float16,
+    or all bfloat16 (ml_dtypes' type): libmha's 16-bit attention, out of
+    the same dtype (the weights and the lse float32); d_h = q's last
     dimension / num_heads.  Masks, causal and need_weights as in
     Module.forward; dropout p applied when training.  Modifiers: rope,
     alibi, window, softcap as in Module; sinks (H) float32 logits.
@@ -937,7 +961,7 @@ def attention(q: npt.ArrayLike, k: Optional[npt.ArrayLike] = None,
                                num_threads)
         if out is not None:
             return out
-    a, unbatched = _attention_args(
+    a, unbatched, dt = _attention_args(
         q, k, v, num_heads, num_kv_heads, scale, attn_mask,
         key_padding_mask, key_lengths, causal, need_weights, dropout,
         training, dropout_seed, num_threads, cache, rope, alibi, window,
@@ -952,6 +976,7 @@ def attention(q: npt.ArrayLike, k: Optional[npt.ArrayLike] = None,
     if return_lse:
         lse = np.empty((B, H, Lq), np.float32)
     _run_attention(out=out, attn_weights=w, lse=lse, **a)
+    out = out.view(dt)
     if unbatched:
         out = out[0]
         w = None if w is None else w[0]
@@ -980,13 +1005,15 @@ def attention_backward(grad_out: npt.ArrayLike, q: npt.ArrayLike,
     """The gradients of ``sum(attention(...) * grad_out)`` with respect to
     q, k and v (mha_attention_backward), the same arguments as attention.
     Returns (grad_q, grad_k, grad_v), and grad_sinks (H) last when sinks
-    are given."""
-    a, unbatched = _attention_args(
+    are given.  16-bit data gives 16-bit gradients (no sinks)."""
+    a, unbatched, dt = _attention_args(
         q, k, v, num_heads, num_kv_heads, scale, attn_mask,
         key_padding_mask, key_lengths, causal, None, dropout, training,
         dropout_seed, num_threads, None, rope, alibi, window, softcap, sinks,
         q_positions, k_positions)
-    go = _array(grad_out, "grad_out")
+    go = _array(grad_out, "grad_out", dt)
+    if a["dtype"]:
+        go = go.view(np.uint16)
     if unbatched:
         go = go.reshape((1,) + go.shape)
     if go.shape != a["q"].shape:
@@ -999,6 +1026,7 @@ def attention_backward(grad_out: npt.ArrayLike, q: npt.ArrayLike,
           else None)
     _run_attention(out=None, grad_out=go, grad_q=gq, grad_k=gk, grad_v=gv,
                    grad_sinks=gs, **a)
+    gq, gk, gv = gq.view(dt), gk.view(dt), gv.view(dt)
     if unbatched:
         gq, gk, gv = gq[0], gk[0], gv[0]
     return (gq, gk, gv) + ((gs,) if gs is not None else ())

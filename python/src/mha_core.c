@@ -1576,6 +1576,9 @@ static mha_status attention_decode(const mha_attention_args *a)
     d.sinks = a->sinks;
     d.q_positions = a->q_positions;
     d.num_threads = a->num_threads;
+    d.dtype = a->dtype;
+    d.q16 = a->q16;
+    d.out16 = a->out16;
     return mha_attention_decode(&d);
 }
 
@@ -1633,7 +1636,7 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
         "need_weights", "attn_weights", "dropout", "training",
         "dropout_seed", "num_threads", "lse", "cache", "modifiers", "sinks",
         "q_positions", "k_positions", "grad_out", "grad_q", "grad_k",
-        "grad_v", "grad_sinks", "heads_first", "plan", NULL};
+        "grad_v", "grad_sinks", "heads_first", "plan", "dtype", NULL};
     PyObject *q, *k = Py_None, *v = Py_None, *out = Py_None;
     PyObject *scale = Py_None, *am = Py_None, *kpm = Py_None, *kl = Py_None;
     PyObject *w = Py_None, *lse = Py_None, *cache = Py_None, *mods = Py_None;
@@ -1642,16 +1645,25 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
     PyObject *gs = Py_None, *plan = Py_None;
     long long B, H, dh, Lq, Lk = 0, Hkv = 0;
     int amk = 0, kpmk = 0, causal = 0, nw = 0, training = 0, threads = 0;
-    int heads_first = 0;
+    int heads_first = 0, dtype = MHA_DTYPE_F32;
     float dropout = 0;
     unsigned long long seed = 0;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kw, "OOOOLLLL|LLOOiOiOiiOfpKiOOOOOOOOOOOiO", kws, &q, &k,
+            args, kw, "OOOOLLLL|LLOOiOiOiiOfpKiOOOOOOOOOOOiOi", kws, &q, &k,
             &v, &out, &B, &H, &dh, &Lq, &Lk, &Hkv, &scale, &am, &amk, &kpm,
             &kpmk, &kl, &causal, &nw, &w, &dropout, &training, &seed,
             &threads, &lse, &cache, &mods, &sinks, &qp, &kp, &go, &gq, &gk,
-            &gv, &gs, &heads_first, &plan))
+            &gv, &gs, &heads_first, &plan, &dtype))
         return NULL;
+    /* dtype BF16 / F16: q, k, v, out (and grad_out, grad_q, grad_k,
+     * grad_v) hold 16-bit elements, in the rows layout or contiguous
+     * heads first, without a plan (the library refuses what else a
+     * 16-bit call does not take) */
+    const int td = dtype == MHA_DTYPE_F32 ? T_F32 : T_U16;
+    if (dtype != MHA_DTYPE_F32 && (heads_first == 1 || plan != Py_None))
+        return PyErr_Format(PyExc_ValueError,
+                            "16-bit data: no strided heads-first views and "
+                            "no plans (give contiguous arrays, no plan)");
     if (heads_first && cache != Py_None)
         return PyErr_Format(PyExc_ValueError,
                             "heads_first: not with a KV cache");
@@ -1710,10 +1722,10 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
              ? get_buf4(&b, q, "q", B, H, Lq, dh, &x4[0]) ||
                    get_buf4(&b, k, "k", B, Hkv, lk, dh, &x4[1]) ||
                    get_buf4(&b, v, "v", B, Hkv, lk, dh, &x4[2])
-             : get_buf(&b, q, "q", T_F32, 0, qn, 1, &pq, NULL) ||
-                   get_buf(&b, k, "k", T_F32, 0, kn, !co, &pk, NULL) ||
-                   get_buf(&b, v, "v", T_F32, 0, kn, !co, &pv, NULL)) ||
-        get_buf(&b, out, "out", T_F32, 1, qn, !backward, &pout, NULL) ||
+             : get_buf(&b, q, "q", td, 0, qn, 1, &pq, NULL) ||
+                   get_buf(&b, k, "k", td, 0, kn, !co, &pk, NULL) ||
+                   get_buf(&b, v, "v", td, 0, kn, !co, &pv, NULL)) ||
+        get_buf(&b, out, "out", td, 1, qn, !backward, &pout, NULL) ||
         get_buf(&b, w, "attn_weights", T_F32, 1, wn, nw != 0 && !backward,
                 &pw, NULL) ||
         get_buf(&b, kl, "key_lengths", T_I64, 0, B, 0, &pkl, NULL) ||
@@ -1756,18 +1768,28 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
     a.k_positions = pkp;
     if (heads_first == 2)
         a.layout = MHA_LAYOUT_HEADS_FIRST;
+    if (dtype != MHA_DTYPE_F32) {
+        a.dtype = (mha_dtype)dtype;
+        a.q16 = pq;
+        a.k16 = pk;
+        a.v16 = pv;
+        a.out16 = pout;
+        a.q = a.k = a.v = a.out = NULL;
+    }
 
     mha_attention_grads g;
     memset(&g, 0, sizeof g);
+    mha_attention_grads16 g16;
+    memset(&g16, 0, sizeof g16);
     if (backward) {
         void *pgo = NULL, *pgq, *pgk, *pgv, *pgs;
         if ((gather
                  ? get_buf4(&b, go, "grad_out", B, H, Lq, dh, &x4[3])
-                 : get_buf(&b, go, "grad_out", T_F32, 0, qn, 1, &pgo,
+                 : get_buf(&b, go, "grad_out", td, 0, qn, 1, &pgo,
                            NULL)) ||
-            get_buf(&b, gq, "grad_q", T_F32, 1, qn, 1, &pgq, NULL) ||
-            get_buf(&b, gk, "grad_k", T_F32, 1, kn, 1, &pgk, NULL) ||
-            get_buf(&b, gv, "grad_v", T_F32, 1, kn, 1, &pgv, NULL) ||
+            get_buf(&b, gq, "grad_q", td, 1, qn, 1, &pgq, NULL) ||
+            get_buf(&b, gk, "grad_k", td, 1, kn, 1, &pgk, NULL) ||
+            get_buf(&b, gv, "grad_v", td, 1, kn, 1, &pgv, NULL) ||
             get_buf(&b, gs, "grad_sinks", T_F32, 1, H, 0, &pgs, NULL))
             goto fail;
         g.grad_out = pgo;
@@ -1775,6 +1797,14 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
         g.grad_k = pgk;
         g.grad_v = pgv;
         g.grad_sinks = pgs;
+        g16 = (mha_attention_grads16){.grad_out = pgo, .grad_q = pgq,
+                                      .grad_k = pgk, .grad_v = pgv};
+        if (dtype != MHA_DTYPE_F32 && pgs) {
+            bufs_release(&b);
+            return raise_status(mha_error_set(
+                MHA_ERR_UNSUPPORTED, "the 16-bit backward takes no sinks: "
+                                     "give the data as float32"));
+        }
         a.need_weights = MHA_WEIGHTS_NONE;
         a.attn_weights = NULL;
         a.lse = NULL;
@@ -1815,6 +1845,8 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
     else if (st == MHA_OK && plan != Py_None)
         st = kp_ ? mha_attention_plan_run(kp_->plan, &a)
                  : mha_attention_plan_create(&a, &made);
+    else if (st == MHA_OK && dtype != MHA_DTYPE_F32 && backward)
+        st = mha_attention_backward16(&a, &g16);
     else if (st == MHA_OK)
         st = backward ? mha_attention_backward(&a, &g) : mha_attention(&a);
     if (st == MHA_OK && made) {
