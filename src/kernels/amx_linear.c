@@ -30,9 +30,10 @@ static inline __mmask16 first(int64_t n)   /* the first n of 16 lanes */
  * (c, r) of the rows is word (r, c) of the tile, read back by gathers
  * from the 1 KB staging block in L1.
  */
-void mha_amx_pack_wt(const float *w, int64_t n_in, int64_t n_out,
-                     int64_t nt0, int64_t nt1, uint32_t *dst)
+float mha_amx_pack_wt(const float *w, int64_t n_in, int64_t n_out,
+                      int64_t nt0, int64_t nt1, uint32_t *dst)
 {
+    __m512 top = _mm512_setzero_ps();   /* the largest |w| read */
     const int64_t nkt = (n_in + 31) / 32, nnt = (n_out + 31) / 32 * 2;
     const __m512i by_row = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
@@ -52,6 +53,8 @@ void mha_amx_pack_wt(const float *w, int64_t n_in, int64_t n_out,
                     const __m512 hi =
                         _mm512_maskz_loadu_ps(first(n_in - k0 - 16), src + 16);
                     word = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+                    top = _mm512_max_ps(top, _mm512_max_ps(_mm512_abs_ps(lo),
+                                                           _mm512_abs_ps(hi)));
                 }
                 _mm512_store_si512(rows + 16 * c, word);
             }
@@ -63,6 +66,7 @@ void mha_amx_pack_wt(const float *w, int64_t n_in, int64_t n_out,
                         _mm512_add_epi32(by_row, _mm512_set1_epi32(r)), rows,
                         4));
         }
+    return _mm512_reduce_max_ps(top);
 }
 
 /*

@@ -324,9 +324,11 @@ void mha_amx_gemm32(float *C, int ldc, int N, const uint16_t *A, int lda,
  * bf16 and packed as the B operand of y = x W^T (K = n_in, N = n_out,
  * the layout of mha_amx_pack_b, mha_amx_b_words(n_in, n_out) words):
  * its 16-column tiles nt0 .. nt1 - 1 of every row of tiles, so that
- * threads can pack column ranges of one W side by side. */
-void mha_amx_pack_wt(const float *w, int64_t n_in, int64_t n_out,
-                     int64_t nt0, int64_t nt1, uint32_t *dst);
+ * threads can pack column ranges of one W side by side.  Returns the
+ * largest |w| it read (parameters are finite): the range check of the
+ * rounding, in the same pass. */
+float mha_amx_pack_wt(const float *w, int64_t n_in, int64_t n_out,
+                      int64_t nt0, int64_t nt1, uint32_t *dst);
 /* W itself (not transposed) rounded and packed as the B operand of the
  * input gradient dx = dy W (K = n_out, N = n_in, mha_amx_b_words(n_out,
  * n_in) words): its 16-column tiles nt0 .. nt1 - 1 (columns of W). */

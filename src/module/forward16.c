@@ -60,13 +60,17 @@ static mha_status check_fields16(const mha_module *m,
     return MHA_OK;
 }
 
-/* The module's bias b (n floats, or NULL) rounded to the type. */
-static float *round_bias(const float *b, int64_t n, int bf, float *dst)
+/* The module's bias b (n floats, or NULL) rounded to the type; *top
+ * grows to its largest |b|. */
+static float *round_bias(const float *b, int64_t n, int bf, float *dst,
+                         float *top)
 {
     if (!b)
         return NULL;
-    for (int64_t i = 0; i < n; i++)
+    for (int64_t i = 0; i < n; i++) {
         dst[i] = mha_half_round(b[i], bf);
+        *top = fabsf(b[i]) > *top ? fabsf(b[i]) : *top;
+    }
     return dst;
 }
 
@@ -84,16 +88,6 @@ mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a)
         return MHA_ERR_INVALID_ARGUMENT;   /* a bad MHA_BF16 (message set) */
     const int kernel = bf && strcmp(kname, "float32") != 0;
     const int nt = plan->eng.threads;
-    /* Parameters are finite (mha_param_set); one past the type's range
-     * would round to inf.  Rounding is monotonic: the largest decides. */
-    const double wmax =
-        mha_max_abs_finite(m->params, 1, m->params_numel, 0, nt);
-    if (isinf(mha_half_round((float)wmax, bf)))
-        return mha_set_error(MHA_ERR_NON_FINITE,
-                             "a parameter of the module (|w| = %g) is past "
-                             "%s's largest finite value: run the module in "
-                             "%s", wmax, bf ? "bf16" : "f16",
-                             bf ? "float32" : "bf16 or float32");
     const uint16_t *query = a->query16;
     const uint16_t *key = a->key16 ? a->key16 : query;
     const uint16_t *value = a->value16 ? a->value16 : key;
@@ -145,15 +139,28 @@ mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a)
     float *lse = bias + n_b + 2 * n_q + 2 * n_kv;
     float *scratch = lse + n_lse;
 
-    mha_linear16_prepare(m->w_q, D, E, kernel, bf, wq, nt);
-    mha_linear16_prepare(m->w_k, Dkv, c->kdim, kernel, bf, wk, nt);
-    mha_linear16_prepare(m->w_v, Dkv, c->vdim, kernel, bf, wv, nt);
-    mha_linear16_prepare(m->w_o, E, D, kernel, bf, wo, nt);
-    const float *bq = round_bias(m->b_q, D, bf, bias);
-    const float *bk = round_bias(m->b_k, Dkv, bf, bias + up16(D));
-    const float *bv = round_bias(m->b_v, Dkv, bf, bias + up16(D) + up16(Dkv));
+    /* The weights and biases rounded (into the workspace only), and the
+     * largest |w| of them on the way: parameters are finite
+     * (mha_param_set), and one past the type's range would round to inf.
+     * Rounding is monotonic: the largest decides. */
+    float wmax = mha_linear16_prepare(m->w_q, D, E, kernel, bf, wq, nt);
+    wmax = fmaxf(wmax,
+                 mha_linear16_prepare(m->w_k, Dkv, c->kdim, kernel, bf, wk, nt));
+    wmax = fmaxf(wmax,
+                 mha_linear16_prepare(m->w_v, Dkv, c->vdim, kernel, bf, wv, nt));
+    wmax = fmaxf(wmax, mha_linear16_prepare(m->w_o, E, D, kernel, bf, wo, nt));
+    const float *bq = round_bias(m->b_q, D, bf, bias, &wmax);
+    const float *bk = round_bias(m->b_k, Dkv, bf, bias + up16(D), &wmax);
+    const float *bv =
+        round_bias(m->b_v, Dkv, bf, bias + up16(D) + up16(Dkv), &wmax);
     const float *bo =
-        round_bias(m->b_o, E, bf, bias + up16(D) + 2 * up16(Dkv));
+        round_bias(m->b_o, E, bf, bias + up16(D) + 2 * up16(Dkv), &wmax);
+    if (isinf(mha_half_round(wmax, bf)))
+        return mha_set_error(MHA_ERR_NON_FINITE,
+                             "a parameter of the module (|w| = %g) is past "
+                             "%s's largest finite value: run the module in "
+                             "%s", (double)wmax, bf ? "bf16" : "f16",
+                             bf ? "float32" : "bf16 or float32");
 
     /* A q, k or v past the type's range would turn every score it meets
      * into inf or NaN: refused, before out16 is written. */

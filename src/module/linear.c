@@ -293,26 +293,33 @@ int64_t mha_linear16_scratch_floats(int kernel, int64_t n_in)
                    : (LIN16_ROWS * n_in + 15) / 16 * 16);
 }
 
-void mha_linear16_prepare(const float *w, int64_t n_out, int64_t n_in,
-                          int kernel, int bf, float *dst,
-                          OMP_ONLY int threads)
+float mha_linear16_prepare(const float *w, int64_t n_out, int64_t n_in,
+                           int kernel, int bf, float *dst,
+                           OMP_ONLY int threads)
 {
+    float top = 0.0f;   /* the largest |w| (w is finite) */
 #if defined(__x86_64__)
     if (kernel) {   /* pairs of 16-column tiles, one item each */
         const int64_t pairs = (n_out + 31) / 32;
-#pragma omp parallel for num_threads(team(threads, pairs)) schedule(static)
-        for (int64_t t = 0; t < pairs; t++)
-            mha_amx_pack_wt(w, n_in, n_out, 2 * t, 2 * t + 2,
-                            (uint32_t *)dst);
-        return;
+#pragma omp parallel for num_threads(team(threads, pairs)) \
+    schedule(static) reduction(max : top)
+        for (int64_t t = 0; t < pairs; t++) {
+            const float x = mha_amx_pack_wt(w, n_in, n_out, 2 * t, 2 * t + 2,
+                                            (uint32_t *)dst);
+            top = x > top ? x : top;
+        }
+        return top;
     }
 #endif
     (void)kernel;
     const int64_t n = n_out * n_in;
 #pragma omp parallel for num_threads(team(threads, n / 4096 + 1)) \
-    schedule(static)
-    for (int64_t i = 0; i < n; i++)
+    schedule(static) reduction(max : top)
+    for (int64_t i = 0; i < n; i++) {
         dst[i] = mha_half_round(w[i], bf);
+        top = fabsf(w[i]) > top ? fabsf(w[i]) : top;
+    }
+    return top;
 }
 
 void mha_linear16_prepare_t(const float *w, int64_t n_out, int64_t n_in,

@@ -120,7 +120,8 @@ void mha_linear_grad_params_blocks(const float *dy, int64_t rows,
  * kernel = 1 on the bf16 kernels (bf16 only, mha_bf16_tier() AMX or
  * AVX512), 0 widened to float32 around the SGEMM backend.
  * mha_linear16_prepare writes w, rounded, as the kernels read it into
- * mha_linear16_weight_floats(kernel, n_out, n_in) floats of wt; b is
+ * mha_linear16_weight_floats(kernel, n_out, n_in) floats of wt and
+ * returns the largest |w| (the range check, in the same pass); b is
  * given rounded already (or NULL).  scratch: each of the threads' share,
  * mha_linear16_scratch_floats(kernel, n_in) floats, 64-byte aligned.
  * mha_linear16 returns how many outputs of the widened path rounded a
@@ -128,8 +129,8 @@ void mha_linear_grad_params_blocks(const float *dy, int64_t rows,
  * and its kernels do not count). */
 int64_t mha_linear16_weight_floats(int kernel, int64_t n_out, int64_t n_in);
 int64_t mha_linear16_scratch_floats(int kernel, int64_t n_in);
-void mha_linear16_prepare(const float *w, int64_t n_out, int64_t n_in,
-                          int kernel, int bf, float *wt, int threads);
+float mha_linear16_prepare(const float *w, int64_t n_out, int64_t n_in,
+                           int kernel, int bf, float *wt, int threads);
 int64_t mha_linear16(const uint16_t *x, int64_t rows, int64_t n_in,
                      int64_t ldx, int bf, int kernel, const float *wt,
                      int64_t n_out, const float *b, uint16_t *y, int64_t ldy,
