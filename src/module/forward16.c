@@ -143,12 +143,11 @@ mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a)
      * largest |w| of them on the way: parameters are finite
      * (mha_param_set), and one past the type's range would round to inf.
      * Rounding is monotonic: the largest decides. */
-    float wmax = mha_linear16_prepare(m->w_q, D, E, kernel, bf, wq, nt);
-    wmax = fmaxf(wmax,
-                 mha_linear16_prepare(m->w_k, Dkv, c->kdim, kernel, bf, wk, nt));
-    wmax = fmaxf(wmax,
-                 mha_linear16_prepare(m->w_v, Dkv, c->vdim, kernel, bf, wv, nt));
-    wmax = fmaxf(wmax, mha_linear16_prepare(m->w_o, E, D, kernel, bf, wo, nt));
+    const mha_lin16_weight ws4[4] = {{m->w_q, D, E, wq},
+                                     {m->w_k, Dkv, c->kdim, wk},
+                                     {m->w_v, Dkv, c->vdim, wv},
+                                     {m->w_o, E, D, wo}};
+    float wmax = mha_linear16_prepare_all(ws4, 4, kernel, bf, nt);
     const float *bq = round_bias(m->b_q, D, bf, bias, &wmax);
     const float *bk = round_bias(m->b_k, Dkv, bf, bias + up16(D), &wmax);
     const float *bv =

@@ -322,6 +322,40 @@ float mha_linear16_prepare(const float *w, int64_t n_out, int64_t n_in,
     return top;
 }
 
+float mha_linear16_prepare_all(const mha_lin16_weight *w, int n, int kernel,
+                               int bf, OMP_ONLY int threads)
+{
+#if defined(__x86_64__)
+    if (kernel) {   /* every weight's pairs of 16-column tiles, one team */
+        int64_t first[9] = {0};
+        for (int i = 0; i < n && i < 8; i++)
+            first[i + 1] = first[i] + (w[i].n_out + 31) / 32;
+        const int64_t items = first[n < 8 ? n : 8];
+        float top = 0.0f;
+#pragma omp parallel for num_threads(team(threads, items)) \
+    schedule(static) reduction(max : top)
+        for (int64_t t = 0; t < items; t++) {
+            int i = 0;
+            while (t >= first[i + 1])
+                i++;
+            const int64_t p = t - first[i];
+            const float x =
+                mha_amx_pack_wt(w[i].w, w[i].n_in, w[i].n_out, 2 * p,
+                                2 * p + 2, (uint32_t *)w[i].dst);
+            top = x > top ? x : top;
+        }
+        return top;
+    }
+#endif
+    float top = 0.0f;
+    for (int i = 0; i < n; i++) {
+        const float x = mha_linear16_prepare(w[i].w, w[i].n_out, w[i].n_in,
+                                             kernel, bf, w[i].dst, threads);
+        top = x > top ? x : top;
+    }
+    return top;
+}
+
 void mha_linear16_prepare_t(const float *w, int64_t n_out, int64_t n_in,
                             int kernel, int bf, float *dst,
                             OMP_ONLY int threads)

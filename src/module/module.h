@@ -150,6 +150,17 @@ int64_t mha_linear16_sum(const mha_lin16_part *parts, int nparts,
                          const float *b, uint16_t *y, int64_t ldy,
                          float *scratch, int threads);
 
+/* mha_linear16_prepare of up to 8 weights in one team of threads (one
+ * parallel region instead of one each: a small call's barriers); returns
+ * the largest |w| of them all. */
+typedef struct mha_lin16_weight {
+    const float *w;
+    int64_t n_out, n_in;
+    float *dst;
+} mha_lin16_weight;
+float mha_linear16_prepare_all(const mha_lin16_weight *w, int n, int kernel,
+                               int bf, int threads);
+
 /* The weight of the input gradient dx = dy w, w (n_out, n_in): prepared
  * as mha_linear16_prepare prepares the weight of a layer from n_out
  * inputs to n_in outputs (mha_linear16_weight_floats(kernel, n_in,
