@@ -134,8 +134,9 @@ MHA_API mha_status mha_module_save(const mha_module *module, const char *path);
 
 /*
  * Reads a .npy file (format versions 1.0, 2.0 and 3.0): dtypes <f4, <f8,
- * |b1, <i4, <i8 (and |u1 as bool), C order; a Fortran-order array is
- * transposed into C order.  Truncated or inconsistent headers are refused.
+ * <f2 (float16, widened exactly: dtype F16), |b1, <i4, <i8 (and |u1 as
+ * bool), C order; a Fortran-order array is transposed into C order.
+ * Truncated or inconsistent headers are refused.
  */
 MHA_API mha_status mha_npy_load(const char *path, mha_tensor **out);
 MHA_API mha_status mha_npy_parse(const void *bytes, size_t size,
@@ -156,7 +157,9 @@ MHA_API mha_status mha_npy_load_rows(const char *path, int nranges,
                                      const int64_t *counts, mha_tensor **out);
 /* Frees a tensor from mha_npy_load / mha_npy_parse.  NULL is ignored. */
 MHA_API void mha_tensor_free(mha_tensor *tensor);
-/* Writes a .npy (version 1.0) file, atomically like mha_safetensors_save. */
+/* Writes a .npy (version 1.0) file, atomically like mha_safetensors_save:
+ * F32, F64, F16 (<f2), BOOL, I32, I64; BF16 is refused (NumPy has no
+ * bfloat16 type: safetensors holds it). */
 MHA_API mha_status mha_npy_save(const char *path, const mha_tensor_view *t);
 
 /*

@@ -609,6 +609,49 @@ expect 1 "read as \(B, L, w\); --seq-first reads \(L, B, w\)" -- \
   "$mha" forward --weights "$W" --query "$s/q7.npy" --out "$s/x.npy"
 absent "--seq-first: no output after a failure" "$s/x.npy" "$s/x.safetensors"
 
+# ---- mha forward --dtype bf16 / f16 ------------------------------------------
+# The module on 16-bit data (docs/semantics.md, "16-bit modules"): a float16
+# .npy query ('<f2') read exactly, out written in the dtype (bf16 to
+# safetensors only).  Against the float32 forward on the same query values:
+# within 16 unit roundoffs of max |out| (the 16-bit path rounds q, k, v,
+# the weights, the heads' context and out, u each; a lost row, a wrong
+# layout or an unrounded-to-wrong-type output is off by far more).
+h="$tmp/half"; mkdir "$h"
+npy "$h/q.npy" "np.random.randn(2, 3, 8).astype(np.float16)"
+"$py" -c "import sys, numpy as np; np.save(sys.argv[2], np.load(sys.argv[1]).astype(np.float32))" "$h/q.npy" "$h/q32.npy" ||
+  bad "could not write q32.npy"
+"$mha" forward --weights "$W" --query "$h/q32.npy" --out "$h/ref.npy" || bad "--dtype: the float32 forward"
+"$mha" forward --weights "$W" --query "$h/q.npy" --out "$h/o16.npy" --dtype f16 && ok || bad "forward --dtype f16"
+shape "$h/o16.npy" 'float16 (2, 3, 8)'
+check "--dtype f16: within 16u of the float32 forward" \
+  "np.abs(a.astype(np.float64) - b).max() <= 16 * 2.0**-11 * np.abs(b).max()" "$h/o16.npy" "$h/ref.npy"
+"$mha" forward --weights "$W" --query "$h/q32.npy" --out "$h/o16b.npy" --dtype f16 && ok || bad "forward --dtype f16 (float32 file)"
+check "--dtype f16: a float32 file holding f16 values gives the same bits" "np.array_equal(a.view(np.uint16), b.view(np.uint16))" \
+  "$h/o16.npy" "$h/o16b.npy"
+"$mha" forward --weights "$W" --query "$h/q32.npy" --out "$h/obf.safetensors" --dtype bf16 && ok || bad "forward --dtype bf16"
+if "$py" -c "
+import json, struct, sys, numpy as np
+raw = open(sys.argv[1], 'rb').read()
+n = struct.unpack('<Q', raw[:8])[0]
+head = json.loads(raw[8:8 + n])
+e = head['out']
+assert e['dtype'] == 'BF16' and e['shape'] == [2, 3, 8], e
+u = np.frombuffer(raw[8 + n + e['data_offsets'][0]:8 + n + e['data_offsets'][1]], '<u2')
+got = (u.astype(np.uint32) << 16).view(np.float32).reshape(2, 3, 8)
+ref = np.load(sys.argv[2]).astype(np.float64)
+assert np.abs(got - ref).max() <= 16 * 2.0**-8 * np.abs(ref).max()" "$h/obf.safetensors" "$h/ref.npy"
+then ok; else bad "--dtype bf16: out.safetensors is not the bf16 out within 16u"; fi
+"$py" -c "import sys, numpy as np; np.save(sys.argv[2], np.load(sys.argv[1]).transpose(1, 0, 2).copy())" "$h/q.npy" "$h/qsf.npy"
+"$mha" forward --weights "$W" --query "$h/qsf.npy" --seq-first --out "$h/osf.npy" --dtype f16 && ok || bad "forward --dtype f16 --seq-first"
+check "--dtype f16 --seq-first: the batch-first output transposed" "np.array_equal(a.view(np.uint16), b.transpose(1, 0, 2).view(np.uint16))" \
+  "$h/osf.npy" "$h/o16.npy"
+fail_fwd "^mha forward: --out: npy save: dtype BF16 has no .npy type .*safetensors" \
+  --weights "$W" --query "$h/q32.npy" --out "$O" --dtype bf16
+fail_fwd "^mha forward: --dtype must be f32, bf16 or f16, got 'f8'" \
+  --weights "$W" --query "$h/q32.npy" --out "$O" --dtype f8
+fail_fwd "^mha forward: a f16 forward does not take attention weights" \
+  --weights "$W" --query "$h/q.npy" --out "$O" --attn-weights "$A" --dtype f16
+
 # ---- mha backward ------------------------------------------------------------
 # stcheck WHAT EXPR FILE...: EXPR is true of t, a, b = FILE1, FILE2, FILE3:
 # a safetensors file as {name: array} (file order), an .npy as an array

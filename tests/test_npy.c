@@ -40,6 +40,7 @@
 
 #include "mha_io.h"
 #include "testutil.h"
+#include "core/half.h"
 
 /* ------------------------------------------------------------------------ */
 /* Helpers                                                                  */
@@ -117,12 +118,14 @@ static size_t data_offset(const unsigned char *b)
 /* Expected values: the formulas of make_npy_fixtures.py                    */
 /* ------------------------------------------------------------------------ */
 
-typedef enum kind { K_F4, K_F8, K_B1, K_U1, K_I4, K_I8 } kind;
+typedef enum kind { K_F4, K_F8, K_F2, K_B1, K_U1, K_I4, K_I8 } kind;
 
 static float want_float(kind k, int64_t i)
 {
     if (k == K_F4)
         return (float)i * 0.5f - 3.0f;
+    if (k == K_F2)
+        return (float)i * 0.25f - 2.0f;   /* exact in float16 */
     return (float)((double)i * 0.1 - 1.0);   /* f8, rounded by libmha */
 }
 
@@ -154,6 +157,7 @@ typedef struct fixture {
 static const fixture fixtures[] = {
     {"f4_2x3.npy", K_F4, MHA_DTYPE_F32, 2, {2, 3}, 1},
     {"f8_3x4.npy", K_F8, MHA_DTYPE_F64, 2, {3, 4}, 1},
+    {"f2_2x5.npy", K_F2, MHA_DTYPE_F16, 2, {2, 5}, 1},
     {"b1_2x3x4.npy", K_B1, MHA_DTYPE_BOOL, 3, {2, 3, 4}, 1},
     {"u1_7.npy", K_U1, MHA_DTYPE_BOOL, 1, {7}, 0},
     {"i4_5.npy", K_I4, MHA_DTYPE_I32, 1, {5}, 1},
@@ -207,7 +211,8 @@ static void test_numpy_fixtures(void **state)
         for (int64_t i = 0; i < n; i++) {
             switch (fx->k) {
             case K_F4:
-            case K_F8: {
+            case K_F8:
+            case K_F2: {
                 const float got = ((const float *)t->data)[i];
                 const float want = want_float(fx->k, i);
                 if (memcmp(&got, &want, sizeof got) != 0)
@@ -270,6 +275,9 @@ static void test_save_matches_numpy(void **state)
             switch (fx->k) {
             case K_F4: ((float *)buf)[i] = want_float(K_F4, i); break;
             case K_F8: ((double *)buf)[i] = want_f8(i); break;
+            case K_F2:   /* written as float16 bit patterns */
+                ((uint16_t *)buf)[i] = mha_f16_from_float(want_float(K_F2, i));
+                break;
             case K_B1:
             case K_U1: ((uint8_t *)buf)[i] = want_bool(fx->k, i); break;
             case K_I4: ((int32_t *)buf)[i] = (int32_t)want_int(K_I4, i); break;
@@ -661,9 +669,9 @@ static const bad_case bad_cases[] = {
     {"complex64", NULL, 0, 1, 0,
      "{'descr': '<c8', 'fortran_order': False, 'shape': (2,), }", 0, 0, 16,
      0, MHA_ERR_UNSUPPORTED, "'<c8'"},
-    {"float16", NULL, 0, 1, 0,
-     "{'descr': '<f2', 'fortran_order': False, 'shape': (2,), }", 0, 0, 4,
-     0, MHA_ERR_UNSUPPORTED, "'<f2'"},
+    {"complex64", NULL, 0, 1, 0,
+     "{'descr': '<c8', 'fortran_order': False, 'shape': (2,), }", 0, 0, 16,
+     0, MHA_ERR_UNSUPPORTED, "'<c8'"},
     {"object array", NULL, 0, 1, 0,
      "{'descr': '|O', 'fortran_order': False, 'shape': (2,), }", 0, 0, 16,
      0, MHA_ERR_UNSUPPORTED, "object"},
@@ -1045,9 +1053,7 @@ static void test_save_errors(void **state)
     rmdir(dir);
 
     tmp_path(path, sizeof path, "bad.npy");
-    v.dtype = MHA_DTYPE_F16;
-    assert_error(mha_npy_save(path, &v), MHA_ERR_UNSUPPORTED, "F16");
-    v.dtype = MHA_DTYPE_BF16;
+    v.dtype = MHA_DTYPE_BF16;   /* (F16 is written: test_save_matches_numpy) */
     assert_error(mha_npy_save(path, &v), MHA_ERR_UNSUPPORTED, "BF16");
     v.dtype = (mha_dtype)42;
     assert_error(mha_npy_save(path, &v), MHA_ERR_INVALID_ARGUMENT, "42");

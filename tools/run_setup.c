@@ -166,17 +166,24 @@ const char *tool_dtype_of(const mha_tensor *t)
 
 int tool_swap01(const char *cmd, float *data, int ndim, int64_t *shape)
 {
+    return tool_swap01_bytes(cmd, data, sizeof *data, ndim, shape);
+}
+
+int tool_swap01_bytes(const char *cmd, void *data, size_t elem, int ndim,
+                      int64_t *shape)
+{
     if (ndim != 3)
         return 0;
     const int64_t A = shape[0], B = shape[1], w = shape[2];
-    const size_t row = (size_t)w * sizeof *data, n = (size_t)(A * B * w);
-    float *copy = malloc(n * sizeof *data + 1);
+    const size_t row = (size_t)w * elem, n = (size_t)(A * B) * row;
+    char *copy = malloc(n + 1), *d = data;
     if (!copy)
         return tool_fail(cmd, "out of memory for --seq-first's transpose");
-    memcpy(copy, data, n * sizeof *data);
+    memcpy(copy, data, n);
     for (int64_t a = 0; a < A; a++)
         for (int64_t b = 0; b < B; b++)
-            memcpy(data + (b * A + a) * w, copy + (a * B + b) * w, row);
+            memcpy(d + (size_t)(b * A + a) * row,
+                   copy + (size_t)(a * B + b) * row, row);
     free(copy);
     shape[0] = B;
     shape[1] = A;

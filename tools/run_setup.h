@@ -142,6 +142,9 @@ void run_free(run_setup *r);
  * memory.
  */
 int tool_swap01(const char *cmd, float *data, int ndim, int64_t *shape);
+/* The same for elements of `elem` bytes (a 16-bit output). */
+int tool_swap01_bytes(const char *cmd, void *data, size_t elem, int ndim,
+                      int64_t *shape);
 
 /* ---- loaded tensors ------------------------------------------------------ */
 

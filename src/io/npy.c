@@ -30,6 +30,7 @@
  */
 #define _POSIX_C_SOURCE 200809L   /* fseeko, fstat */
 #include "io.h"
+#include "core/half.h"
 
 #include <errno.h>
 #include <stdint.h>
@@ -53,7 +54,7 @@
 
 /* What the bytes of one element are, in the file. */
 typedef enum npy_kind {
-    NPY_F4, NPY_F8, NPY_B1, NPY_U1, NPY_I4, NPY_I8
+    NPY_F4, NPY_F8, NPY_F2, NPY_B1, NPY_U1, NPY_I4, NPY_I8
 } npy_kind;
 
 typedef struct npy_header {
@@ -185,8 +186,8 @@ static mha_status parse_descr(npy_lexer *lx, npy_header *h)
     if (order != '<' && order != '>' && order != '=' && order != '|')
         return mha_set_error(MHA_ERR_UNSUPPORTED,
                              "npy: dtype '%s' is not supported (expected "
-                             "'<f4', '<f8', '|b1', '|u1', '<i4' or '<i8')",
-                             d);
+                             "'<f4', '<f8', '<f2', '|b1', '|u1', '<i4' or "
+                             "'<i8')", d);
     const char *code = d + 1;
     static const struct {
         const char *code;
@@ -195,6 +196,7 @@ static mha_status parse_descr(npy_lexer *lx, npy_header *h)
         size_t size;
     } known[] = {
         {"f4", NPY_F4, MHA_DTYPE_F32, 4}, {"f8", NPY_F8, MHA_DTYPE_F64, 8},
+        {"f2", NPY_F2, MHA_DTYPE_F16, 2},
         {"b1", NPY_B1, MHA_DTYPE_BOOL, 1}, {"u1", NPY_U1, MHA_DTYPE_BOOL, 1},
         {"i4", NPY_I4, MHA_DTYPE_I32, 4}, {"i8", NPY_I8, MHA_DTYPE_I64, 8},
     };
@@ -224,7 +226,7 @@ static mha_status parse_descr(npy_lexer *lx, npy_header *h)
                              "supported", d);
     return mha_set_error(MHA_ERR_UNSUPPORTED,
                          "npy: dtype '%s' is not supported (expected '<f4', "
-                         "'<f8', '|b1', '|u1', '<i4' or '<i8')", d);
+                         "'<f8', '<f2', '|b1', '|u1', '<i4' or '<i8')", d);
 }
 
 static mha_status parse_fortran(npy_lexer *lx, npy_header *h)
@@ -395,6 +397,12 @@ static int convert_one(npy_kind kind, const unsigned char *src, int64_t s,
         float v;
         memcpy(&v, src + (size_t)s * 4, 4);
         ((float *)dst)[c] = v;
+        return 1;
+    }
+    case NPY_F2: {   /* IEEE binary16, widened exactly */
+        uint16_t v;
+        memcpy(&v, src + (size_t)s * 2, 2);
+        ((float *)dst)[c] = mha_f16_to_float(v);
         return 1;
     }
     case NPY_F8: {
@@ -878,14 +886,14 @@ mha_status mha_npy_save(const char *path, const mha_tensor_view *t)
     switch (t->dtype) {
     case MHA_DTYPE_F32: descr = "<f4"; break;
     case MHA_DTYPE_F64: descr = "<f8"; break;
+    case MHA_DTYPE_F16: descr = "<f2"; break;   /* uint16 patterns */
     case MHA_DTYPE_BOOL: descr = "|b1"; break;
     case MHA_DTYPE_I32: descr = "<i4"; break;
     case MHA_DTYPE_I64: descr = "<i8"; break;
-    case MHA_DTYPE_F16:
-    case MHA_DTYPE_BF16:
+    case MHA_DTYPE_BF16:   /* NumPy has no bfloat16 of its own */
         return mha_set_error(MHA_ERR_UNSUPPORTED,
-                             "npy save: dtype %s is not supported (F32, F64, "
-                             "BOOL, I32, I64)", mha_dtype_name(t->dtype));
+                             "npy save: dtype BF16 has no .npy type (NumPy "
+                             "has no bfloat16): write it to safetensors");
     default:
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "npy save: unknown dtype %d", (int)t->dtype);
