@@ -212,8 +212,8 @@ export vglogs
 # The longest under memcheck first (minutes each, measured on the 2-core
 # VM), so that none is left running alone at the end; then the rest.
 vg_tests=()
-for t in test_modifiers test_threads test_kv_cache_window test_kv_cache \
-         test_attention_backward test_kv_cache_compose; do
+for t in test_module16 test_modifiers test_threads test_kv_cache_window \
+         test_kv_cache test_attention_backward test_kv_cache_compose; do
   [ -x "build/tests/$t" ] && vg_tests+=("build/tests/$t")
 done
 for t in build/tests/test_*; do

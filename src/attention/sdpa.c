@@ -811,16 +811,64 @@ static mha_half_problem half_problem(const mha_attention_args *a,
         .key_lengths = a->key_lengths, .lse = a->lse};
 }
 
+/* 16-bit <-> float32 element by element, each type in its own loop (so
+ * that the compiler vectorises it), blocks of 64 Ki elements on `threads`
+ * threads: the bits do not depend on how many. */
+enum { CONVERT_BLOCK = 1 << 16 };
+
+static void widen_t(const uint16_t *x, int64_t n, int bf, float *y,
+                    int threads)
+{
+    const int64_t blocks = (n + CONVERT_BLOCK - 1) / CONVERT_BLOCK;
+    (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(static) \
+    if (blocks > 1)
+    for (int64_t c = 0; c < blocks; c++) {
+        const int64_t i0 = c * CONVERT_BLOCK,
+                      i1 = i0 + CONVERT_BLOCK < n ? i0 + CONVERT_BLOCK : n;
+        if (bf)
+            for (int64_t i = i0; i < i1; i++)
+                y[i] = mha_bf16_to_float(x[i]);
+        else
+            for (int64_t i = i0; i < i1; i++)
+                y[i] = mha_f16_to_float(x[i]);
+    }
+}
+
+static void narrow_t(const float *x, int64_t n, int bf, uint16_t *y,
+                     int threads)
+{
+    const int64_t blocks = (n + CONVERT_BLOCK - 1) / CONVERT_BLOCK;
+    (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(static) \
+    if (blocks > 1)
+    for (int64_t c = 0; c < blocks; c++) {
+        const int64_t i0 = c * CONVERT_BLOCK,
+                      i1 = i0 + CONVERT_BLOCK < n ? i0 + CONVERT_BLOCK : n;
+        if (bf)
+            for (int64_t i = i0; i < i1; i++)
+                y[i] = mha_bf16_from_float(x[i]);
+        else
+            for (int64_t i = i0; i < i1; i++)
+                y[i] = mha_f16_from_float(x[i]);
+    }
+}
+
 static void widen(const uint16_t *x, int64_t n, int bf, float *y)
 {
-    for (int64_t i = 0; i < n; i++)
-        y[i] = bf ? mha_bf16_to_float(x[i]) : mha_f16_to_float(x[i]);
+    widen_t(x, n, bf, y, 1);
 }
 
 static void narrow(const float *x, int64_t n, int bf, uint16_t *y)
 {
-    for (int64_t i = 0; i < n; i++)
-        y[i] = bf ? mha_bf16_from_float(x[i]) : mha_f16_from_float(x[i]);
+    narrow_t(x, n, bf, y, 1);
+}
+
+/* The threads of a call's conversions: its num_threads, resolved. */
+static int convert_threads(int num_threads)
+{
+    mha_engine eng;
+    return mha_engine_init(&eng, num_threads) == MHA_OK ? eng.threads : 1;
 }
 
 /* x (B, heads, L, dh) in `layout` <-> float rows (B, L, heads dh): the
@@ -899,9 +947,10 @@ static mha_status attention_widened(const mha_attention_args *a,
     if (!buf)
         return MHA_ERR_OUT_OF_MEMORY;
     float *q = buf, *o = q + s->n_q, *k = o + s->n_q, *v = k + s->n_kv;
-    widen(a->q16, s->n_q, bf, q);
-    widen(a->k16, s->n_kv, bf, k);
-    widen(a->v16, s->n_kv, bf, v);
+    const int nt = convert_threads(a->num_threads);
+    widen_t(a->q16, s->n_q, bf, q, nt);
+    widen_t(a->k16, s->n_kv, bf, k, nt);
+    widen_t(a->v16, s->n_kv, bf, v, nt);
     mha_attention_args f = *a;
     f.dtype = MHA_DTYPE_F32;
     f.q16 = f.k16 = f.v16 = NULL;
@@ -909,7 +958,7 @@ static mha_status attention_widened(const mha_attention_args *a,
     f.q = q, f.k = k, f.v = v, f.out = o;
     const mha_status st = mha_attention(&f);
     if (st == MHA_OK)
-        narrow(o, s->n_q, bf, a->out16);
+        narrow_t(o, s->n_q, bf, a->out16, nt);
     free(buf);
     return st;
 }
