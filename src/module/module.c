@@ -558,3 +558,24 @@ mha_status mha_kv_cache_for_module(const mha_module *m, int64_t batch,
                                    capacity, MHA_KV_F32, 0};
     return mha_kv_cache_create(&c, out);
 }
+
+/* (declared in module.h: the forwards, 32- and 16-bit, and the backward
+ * fingerprint their inputs) */
+uint64_t mha_fwd_fingerprint(const mha_module *m, const fwd_shape *s,
+                             const mha_forward_args *a)
+{
+    const mha_config *c = &m->cfg;
+    const size_t f = sizeof(float);
+    const size_t e = a->dtype == MHA_DTYPE_F32 ? f : 2;   /* the data's */
+    const int64_t rows_k = s->B * s->Lk;
+    const mha_print_buf bufs[] = {
+        {mha_fwd_query(a), (size_t)s->n_q * e},
+        {mha_fwd_key(a), (size_t)(rows_k * c->kdim) * e},
+        {mha_fwd_value(a), (size_t)(rows_k * c->vdim) * e},
+        {a->head_mask, (size_t)s->H * f},
+        {c->mods.rope.style != MHA_ROPE_NONE ? a->positions : NULL,
+         (size_t)(s->B * s->Lq) * sizeof(int64_t)}};
+    return mha_inputs_fingerprint(bufs, (int)(sizeof bufs / sizeof *bufs),
+                                  &a->attn_mask, &a->key_padding_mask,
+                                  a->key_lengths, s->B);
+}
