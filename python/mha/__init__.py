@@ -373,6 +373,21 @@ def _run_attention(**a):
 
 # ---- the module --------------------------------------------------------------
 
+# 16-bit arrays: NumPy's float16, and bfloat16 arrays of ml_dtypes where
+# the caller uses it (mha does not depend on it), as libmha's dtype codes
+# (MHA_DTYPE_F16, MHA_DTYPE_BF16); their elements reach C as their bits.
+_HALF_NAMES = {"float16": 2, "bfloat16": 3}
+
+
+def _data_dtype(q):
+    """q's dtype if it is float16 or bfloat16 (k, v, out and the gradients
+    then share it), else float32, the default."""
+    dt = getattr(q, "dtype", None)
+    if isinstance(q, np.ndarray) and dt.name in _HALF_NAMES:
+        return dt
+    return np.dtype(np.float32)
+
+
 class Module:
     """A libmha module with nn.MultiheadAttention's parameters
     (mha_create).  Keyword arguments are mha_config's fields:
@@ -556,18 +571,19 @@ class Module:
     def _args(self, query, key, value, attn_mask, key_padding_mask,
               key_lengths, causal, need_weights, training, dropout_seed,
               head_mask, cache, positions, num_threads):
-        q, unbatched = _batched(_array(query, "query"), "query")
+        dt = _data_dtype(query)
+        q, unbatched = _batched(_array(query, "query", dt), "query")
         B, Lq = q.shape[0], q.shape[1]
         k = v = None
         Lk = 0
         if key is not None:
-            k, ub = _batched(_array(key, "key"), "key")
+            k, ub = _batched(_array(key, "key", dt), "key")
             if ub != unbatched:
                 raise ValueError("query and key must both be batched or "
                                  "both unbatched")
             Lk = k.shape[1]
             if value is not None:
-                v, _ = _batched(_array(value, "value"), "value")
+                v, _ = _batched(_array(value, "value", dt), "value")
                 if v.shape[:2] != k.shape[:2]:
                     raise ValueError("key %s and value %s must have the same "
                                      "batch and length" % (k.shape, v.shape))
@@ -588,7 +604,13 @@ class Module:
         kpm, kpmk = _mask(key_padding_mask, "key_padding_mask")
         if cache is not None and not isinstance(cache, KVCache):
             raise TypeError("cache must be a mha.KVCache")
-        args = dict(query=q, key=k, value=v, batch=B, q_len=Lq, kv_len=Lk,
+        half = _HALF_NAMES.get(dt.name, 0)
+        if half:   # (the bits; forward and backward view results as dt)
+            q = q.view(np.uint16)
+            k = None if k is None else k.view(np.uint16)
+            v = None if v is None else v.view(np.uint16)
+        args = dict(dtype=half,
+                    query=q, key=k, value=v, batch=B, q_len=Lq, kv_len=Lk,
                     attn_mask=am, attn_mask_kind=amk, key_padding_mask=kpm,
                     key_padding_mask_kind=kpmk,
                     key_lengths=_int64(key_lengths, "key_lengths"),
@@ -630,6 +652,10 @@ class Module:
         positions (B, Lq) int: RoPE positions.
 
         Returns out (B, Lq, E), or (out, weights) with need_weights.
+        float16 inputs (or ml_dtypes' bfloat16, all of one dtype) run the
+        module on 16-bit data (mha_forward's dtype: the parameters rounded
+        to it), out in that dtype; no cache, weights, dropout, head_mask
+        or RoPE there (docs/semantics.md, "16-bit modules").
         """
         if type(query) is np.ndarray and attn_mask is None and \
                 key_padding_mask is None and key_lengths is None and \
@@ -650,7 +676,8 @@ class Module:
                                   head_mask, cache, positions, num_threads)
         c = self._cfg
         B, Lq = a["batch"], a["q_len"]
-        out = np.empty((B, Lq, c["embed_dim"]), np.float32)
+        dt = _data_dtype(query)
+        out = np.empty((B, Lq, c["embed_dim"]), dt)
         w = None
         if a["need_weights"]:
             if cache is not None:
@@ -661,7 +688,8 @@ class Module:
             shape = ((B, Lq, lkt) if a["need_weights"] == 1
                      else (B, c["num_heads"], Lq, lkt))
             w = np.empty(shape, np.float32)
-        _run_module(self._m, out=out, attn_weights=w, **a)
+        _run_module(self._m, out=out.view(np.uint16) if a["dtype"] else out,
+                    attn_weights=w, **a)
         if unbatched:
             out = out[0]
             w = None if w is None else w[0]
@@ -687,14 +715,18 @@ class Module:
         in ``wrt``: 'query', 'key', 'value' (arrays shaped like the inputs;
         with key None the query's gradient sums all three, with value None
         the key's sums two), 'params' ({name: gradient} in state_dict
-        order), 'head_mask' ((H), the head importance)."""
+        order), 'head_mask' ((H), the head importance).  On 16-bit inputs
+        the inputs' gradients are of their dtype, the parameters' float32."""
         a, unbatched = self._args(query, key, value, attn_mask,
                                   key_padding_mask, key_lengths, causal,
                                   None, training, dropout_seed, head_mask,
                                   None, positions, num_threads)
         c = self._cfg
         B, Lq = a["batch"], a["q_len"]
-        go = _array(grad_out, "grad_out")
+        dt = _data_dtype(query)
+        go = _array(grad_out, "grad_out", dt)
+        if a["dtype"]:
+            go = go.view(np.uint16)
         if unbatched:
             go = go.reshape((1,) + go.shape)
         if go.shape != (B, Lq, c["embed_dim"]):
@@ -720,6 +752,7 @@ class Module:
                     grad_query=g.get("query"), grad_key=g.get("key"),
                     grad_value=g.get("value"), grad_params=gp,
                     grad_head_mask=ghm, **a)
+        g = {k: v.view(dt) for k, v in g.items()}
         if unbatched:
             g = {k: v[0] for k, v in g.items()}
         if gp is not None:
@@ -820,21 +853,6 @@ class KVCache:
 
 
 # ---- attention on heads --------------------------------------------------------
-
-# 16-bit arrays: NumPy's float16, and bfloat16 arrays of ml_dtypes where
-# the caller uses it (mha does not depend on it), as libmha's dtype codes
-# (MHA_DTYPE_F16, MHA_DTYPE_BF16); their elements reach C as their bits.
-_HALF_NAMES = {"float16": 2, "bfloat16": 3}
-
-
-def _data_dtype(q):
-    """q's dtype if it is float16 or bfloat16 (k, v, out and the gradients
-    then share it), else float32, the default."""
-    dt = getattr(q, "dtype", None)
-    if isinstance(q, np.ndarray) and dt.name in _HALF_NAMES:
-        return dt
-    return np.dtype(np.float32)
-
 
 def _attention_args(q, k, v, num_heads, num_kv_heads, scale, attn_mask,
                     key_padding_mask, key_lengths, causal, need_weights,

@@ -118,3 +118,47 @@ def test_mixed_dtypes_refused():
     with pytest.raises(mha.MhaError, match="sinks"):
         mha.attention_backward(q, q, q, q, num_heads=2,
                                sinks=np.zeros(2, np.float32))
+
+
+@pytest.mark.parametrize("dt,tdt", DTYPES)
+def test_module_half_within_twice_torch(dt, tdt):
+    """mha.Module on 16-bit arrays (forward and backward) against torch's
+    module in float64 on the rounded values, within 2x the error of
+    torch's own module moved to the dtype."""
+    m = mha.Module(64, 4, seed=2)
+    r = np.random.default_rng(9)
+    state = {}
+    for name, shape in m.parameter_shapes().items():   # 16-bit values
+        state[name] = r.uniform(-0.3, 0.3, shape).astype(dt).astype(np.float32)
+        m[name] = state[name]
+    x = r.uniform(-1, 1, (2, 11, 64)).astype(dt)
+    g = r.uniform(-1, 1, (2, 11, 64)).astype(dt)
+    out = m.forward(x, causal="top_left")
+    grads = m.backward(g, x, causal="top_left")
+    assert out.dtype == dt and grads["query"].dtype == dt
+
+    mask = torch.ones(11, 11, dtype=torch.bool).triu(1)
+
+    def run(dtype):
+        t = torch.nn.MultiheadAttention(64, 4, batch_first=True)
+        t.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+        t = t.to(dtype)
+        xx = _as_torch(x, tdt).to(dtype).requires_grad_()
+        o = t(xx, xx, xx, need_weights=False, attn_mask=mask)[0]
+        o.backward(_as_torch(g, tdt).to(dtype))
+        return [o, xx.grad, t.in_proj_weight.grad, t.out_proj.weight.grad]
+
+    want = run(torch.float64)
+    theirs = run(tdt)
+    ours = [torch.from_numpy(out.astype(np.float64)),
+            torch.from_numpy(grads["query"].astype(np.float64)),
+            torch.from_numpy(grads["params"]["in_proj_weight"].astype(
+                np.float64)),
+            torch.from_numpy(grads["params"]["out_proj.weight"].astype(
+                np.float64))]
+    for name, o, t, w in zip(("out", "dx", "dW_in", "dW_out"), ours, theirs,
+                             want):
+        err = (o - w).abs().max().item()
+        torch_err = (t.double() - w).abs().max().item()
+        assert torch_err > 0, name
+        assert err <= 2 * torch_err, (name, err, torch_err)
