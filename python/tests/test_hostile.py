@@ -91,8 +91,9 @@ def attacks(m, cache, r):
                                alibi=[0.5, np.nan, 0.25, 0.1])),
         ("negative RoPE positions", mha.MhaError, "position",
          lambda: mha.rope_apply(f32(r, 2, 16), 4, positions=[0, -3])),
-        ("float16 query", TypeError, "float",
-         lambda: m.forward(x1.astype(np.float16))),
+        ("float64 query (float16 and bfloat16 are the 16-bit module)",
+         TypeError, "float32",
+         lambda: m.forward(x1.astype(np.float64))),
         ("a torch tensor on the meta device", (TypeError, ValueError,
                                                RuntimeError), "device|meta|CPU|cpu",
          lambda: mha.nn.functional.scaled_dot_product_attention(
