@@ -84,7 +84,21 @@ static void draw(mha_dtype t, int64_t n, uint64_t seed, uint16_t *x16,
     }
 }
 
-static void run_case(const mcase *c, mha_dtype t)
+/* A case's module (its parameters rounded to t), its inputs drawn and
+ * rounded (16-bit patterns and their float values) and the forward's
+ * arguments without data pointers: what every test of a case starts
+ * from. */
+typedef struct mproblem {
+    mha_module *m;
+    int self;                    /* Lk 0: the query is key and value */
+    int64_t nq, nk, nv;          /* elements of query, key, value    */
+    uint16_t *q16, *k16, *v16;
+    float *q, *k, *v;
+    uint8_t *pad;                /* the key padding mask, or NULL    */
+    mha_forward_args a;
+} mproblem;
+
+static void problem_make(const mcase *c, mha_dtype t, mproblem *p)
 {
     mha_config cfg = {0};
     cfg.embed_dim = c->E;
@@ -96,46 +110,77 @@ static void run_case(const mcase *c, mha_dtype t)
     cfg.mods.softcap = c->softcap;
     cfg.mods.window = c->window > 0;
     cfg.mods.window_left = c->window;
-    mha_module *m = tu_module(&cfg, 7);
-    assert_non_null(m);
-    round_params(m, t);
-    const int self = c->Lk == 0;
-    const int64_t Lk = self ? c->Lq : c->Lk;
+    memset(p, 0, sizeof *p);
+    p->m = tu_module(&cfg, 7);
+    assert_non_null(p->m);
+    round_params(p->m, t);
+    p->self = c->Lk == 0;
+    const int64_t Lk = p->self ? c->Lq : c->Lk;
     const int64_t kd = c->kdim ? c->kdim : c->E, vd = c->vdim ? c->vdim : c->E;
-    const int64_t nq = c->B * c->Lq * c->E, nk = c->B * Lk * kd,
-                  nv = c->B * Lk * vd;
-    uint16_t *q16 = malloc(nq * 2), *k16 = malloc(nk * 2), *v16 = malloc(nv * 2);
-    float *q = malloc(nq * 4), *k = malloc(nk * 4), *v = malloc(nv * 4);
-    draw(t, nq, 11, q16, q);
-    draw(t, nk, 12, k16, k);
-    draw(t, nv, 13, v16, v);
-    uint8_t *pad = NULL;
-    mha_forward_args a = {0};
-    a.batch = c->B, a.q_len = c->Lq, a.kv_len = self ? 0 : Lk;
-    a.causal = c->causal;
+    p->nq = c->B * c->Lq * c->E, p->nk = c->B * Lk * kd, p->nv = c->B * Lk * vd;
+    p->q16 = malloc(p->nq * 2), p->k16 = malloc(p->nk * 2);
+    p->v16 = malloc(p->nv * 2);
+    p->q = malloc(p->nq * 4), p->k = malloc(p->nk * 4), p->v = malloc(p->nv * 4);
+    draw(t, p->nq, 11, p->q16, p->q);
+    draw(t, p->nk, 12, p->k16, p->k);
+    draw(t, p->nv, 13, p->v16, p->v);
+    mha_forward_args *a = &p->a;
+    a->batch = c->B, a->q_len = c->Lq, a->kv_len = p->self ? 0 : Lk;
+    a->causal = c->causal;
     if (c->key_padding) {   /* every batch keeps its first key */
-        pad = malloc((size_t)(c->B * Lk));
+        p->pad = malloc((size_t)(c->B * Lk));
         for (int64_t i = 0; i < c->B * Lk; i++)
-            pad[i] = i % Lk != 0 && (i * 7919) % 5 == 0;
-        a.key_padding_mask.kind = MHA_MASK_BLOCK;
-        a.key_padding_mask.data = pad;
-        a.key_padding_mask.ndim = 2;
-        a.key_padding_mask.shape[0] = c->B;
-        a.key_padding_mask.shape[1] = Lk;
+            p->pad[i] = i % Lk != 0 && (i * 7919) % 5 == 0;
+        a->key_padding_mask.kind = MHA_MASK_BLOCK;
+        a->key_padding_mask.data = p->pad;
+        a->key_padding_mask.ndim = 2;
+        a->key_padding_mask.shape[0] = c->B;
+        a->key_padding_mask.shape[1] = Lk;
     }
+}
+
+/* The forward's arguments on float data (the reference's) or on 16-bit
+ * data of type t. */
+static void problem_float(mproblem *p)
+{
+    p->a.dtype = MHA_DTYPE_F32;
+    p->a.query16 = p->a.key16 = p->a.value16 = NULL;
+    p->a.query = p->q;
+    p->a.key = p->self ? NULL : p->k;
+    p->a.value = p->self ? NULL : p->v;
+}
+
+static void problem_half(mproblem *p, mha_dtype t)
+{
+    p->a.query = p->a.key = p->a.value = NULL;
+    p->a.dtype = t;
+    p->a.query16 = p->q16;
+    p->a.key16 = p->self ? NULL : p->k16;
+    p->a.value16 = p->self ? NULL : p->v16;
+}
+
+static void problem_free(mproblem *p)
+{
+    free(p->pad);
+    free(p->q16), free(p->k16), free(p->v16);
+    free(p->q), free(p->k), free(p->v);
+    mha_free(p->m);
+}
+
+static void run_case(const mcase *c, mha_dtype t)
+{
+    mproblem pr;
+    problem_make(c, t, &pr);
+    mha_module *m = pr.m;
+    mha_forward_args a = pr.a;
+    const int64_t nq = pr.nq;
 
     /* the reference, on the rounded values */
     double *ref = malloc(nq * sizeof *ref);
-    a.query = q;
-    a.key = self ? NULL : k;
-    a.value = self ? NULL : v;
-    assert_int_equal(ref_forward_f64(m, &a, ref, NULL), 0);
-    a.query = a.key = a.value = NULL;
-
-    a.dtype = t;
-    a.query16 = q16;
-    a.key16 = self ? NULL : k16;
-    a.value16 = self ? NULL : v16;
+    problem_float(&pr);
+    assert_int_equal(ref_forward_f64(m, &pr.a, ref, NULL), 0);
+    problem_half(&pr, t);
+    a = pr.a;
     uint16_t *out[3];
     for (int th = 1; th <= 3; th++) {
         out[th - 1] = malloc(nq * 2);
@@ -163,9 +208,7 @@ static void run_case(const mcase *c, mha_dtype t)
     for (int th = 0; th < 3; th++)
         free(out[th]);
     free(ref);
-    free(pad);
-    free(q16), free(k16), free(v16), free(q), free(k), free(v);
-    mha_free(m);
+    problem_free(&pr);
 }
 
 static const mcase cases[] = {
@@ -233,64 +276,28 @@ static void widen_all(mha_dtype t, const uint16_t *x, int64_t n, float *y)
 
 static void run_backward_case(const mcase *c, mha_dtype t)
 {
-    mha_config cfg = {0};
-    cfg.embed_dim = c->E;
-    cfg.num_heads = c->H;
-    cfg.num_kv_heads = c->Hkv;
-    cfg.kdim = c->kdim;
-    cfg.vdim = c->vdim;
-    cfg.no_bias = !c->bias;
-    cfg.mods.softcap = c->softcap;
-    cfg.mods.window = c->window > 0;
-    cfg.mods.window_left = c->window;
-    mha_module *m = tu_module(&cfg, 7);
-    assert_non_null(m);
-    round_params(m, t);
-    const int self = c->Lk == 0;
-    const int64_t Lk = self ? c->Lq : c->Lk;
-    const int64_t kd = c->kdim ? c->kdim : c->E, vd = c->vdim ? c->vdim : c->E;
-    const int64_t nq = c->B * c->Lq * c->E, nk = c->B * Lk * kd,
-                  nv = c->B * Lk * vd, np = mha_param_numel(m);
-    uint16_t *q16 = malloc(nq * 2), *k16 = malloc(nk * 2),
-             *v16 = malloc(nv * 2), *g16 = malloc(nq * 2);
-    float *q = malloc(nq * 4), *k = malloc(nk * 4), *v = malloc(nv * 4),
-          *G = malloc(nq * 4);
-    draw(t, nq, 11, q16, q);
-    draw(t, nk, 12, k16, k);
-    draw(t, nv, 13, v16, v);
+    mproblem pr;
+    problem_make(c, t, &pr);
+    mha_module *m = pr.m;
+    const int self = pr.self;
+    const int64_t nq = pr.nq, nk = pr.nk, nv = pr.nv,
+                  np = mha_param_numel(m);
+    uint16_t *g16 = malloc(nq * 2);
+    float *G = malloc(nq * 4);
     draw(t, nq, 14, g16, G);
-    uint8_t *pad = NULL;
-    mha_forward_args a = {0};
-    a.batch = c->B, a.q_len = c->Lq, a.kv_len = self ? 0 : Lk;
-    a.causal = c->causal;
-    if (c->key_padding) {
-        pad = malloc((size_t)(c->B * Lk));
-        for (int64_t i = 0; i < c->B * Lk; i++)
-            pad[i] = i % Lk != 0 && (i * 7919) % 5 == 0;
-        a.key_padding_mask.kind = MHA_MASK_BLOCK;
-        a.key_padding_mask.data = pad;
-        a.key_padding_mask.ndim = 2;
-        a.key_padding_mask.shape[0] = c->B;
-        a.key_padding_mask.shape[1] = Lk;
-    }
 
     /* the float32 reference */
     float *rq = malloc(nq * 4), *rk = malloc(nk * 4), *rv = malloc(nv * 4),
           *rp = malloc(np * 4);
-    a.query = q;
-    a.key = self ? NULL : k;
-    a.value = self ? NULL : v;
+    problem_float(&pr);
+    mha_forward_args a = pr.a;
     mha_backward_args rb = {.grad_out = G, .grad_query = rq,
                             .grad_key = self ? NULL : rk,
                             .grad_value = self ? NULL : rv, .grad_params = rp};
     if (mha_backward(m, &a, &rb) != MHA_OK)
         fail_msg("%s float32: %s", c->name, mha_last_error());
-    a.query = a.key = a.value = NULL;
-
-    a.dtype = t;
-    a.query16 = q16;
-    a.key16 = self ? NULL : k16;
-    a.value16 = self ? NULL : v16;
+    problem_half(&pr, t);
+    a = pr.a;
     uint16_t *gq[3], *gk[3], *gv[3];
     float *gp[3];
     for (int th = 0; th < 3; th++) {
@@ -360,10 +367,9 @@ static void run_backward_case(const mcase *c, mha_dtype t)
     free((void *)a.out16);
     for (int th = 0; th < 3; th++)
         free(gq[th]), free(gk[th]), free(gv[th]), free(gp[th]);
-    free(w), free(rq), free(rk), free(rv), free(rp), free(pad);
-    free(q16), free(k16), free(v16), free(g16), free(q), free(k), free(v),
-        free(G);
-    mha_free(m);
+    free(w), free(rq), free(rk), free(rv), free(rp);
+    free(g16), free(G);
+    problem_free(&pr);
 }
 
 /* The backward's own shapes beside the forward's first six (under

@@ -811,13 +811,14 @@ static mha_half_problem half_problem(const mha_attention_args *a,
         .key_lengths = a->key_lengths, .lse = a->lse};
 }
 
-/* 16-bit <-> float32 element by element, each type in its own loop (so
- * that the compiler vectorises it), blocks of 64 Ki elements on `threads`
- * threads: the bits do not depend on how many. */
+/* 16-bit <-> float32 element by element (to_float: h -> f, else f -> h),
+ * each type and direction in its own loop (so that the compiler
+ * vectorises it), blocks of 64 Ki elements on `threads` threads: the bits
+ * do not depend on how many. */
 enum { CONVERT_BLOCK = 1 << 16 };
 
-static void widen_t(const uint16_t *x, int64_t n, int bf, float *y,
-                    int threads)
+static void convert16(uint16_t *h, float *f, int64_t n, int bf, int to_float,
+                      int threads)
 {
     const int64_t blocks = (n + CONVERT_BLOCK - 1) / CONVERT_BLOCK;
     (void)threads;
@@ -826,32 +827,31 @@ static void widen_t(const uint16_t *x, int64_t n, int bf, float *y,
     for (int64_t c = 0; c < blocks; c++) {
         const int64_t i0 = c * CONVERT_BLOCK,
                       i1 = i0 + CONVERT_BLOCK < n ? i0 + CONVERT_BLOCK : n;
-        if (bf)
+        if (to_float && bf)
             for (int64_t i = i0; i < i1; i++)
-                y[i] = mha_bf16_to_float(x[i]);
+                f[i] = mha_bf16_to_float(h[i]);
+        else if (to_float)
+            for (int64_t i = i0; i < i1; i++)
+                f[i] = mha_f16_to_float(h[i]);
+        else if (bf)
+            for (int64_t i = i0; i < i1; i++)
+                h[i] = mha_bf16_from_float(f[i]);
         else
             for (int64_t i = i0; i < i1; i++)
-                y[i] = mha_f16_to_float(x[i]);
+                h[i] = mha_f16_from_float(f[i]);
     }
+}
+
+static void widen_t(const uint16_t *x, int64_t n, int bf, float *y,
+                    int threads)
+{
+    convert16((uint16_t *)x, y, n, bf, 1, threads);   /* (x only read) */
 }
 
 static void narrow_t(const float *x, int64_t n, int bf, uint16_t *y,
                      int threads)
 {
-    const int64_t blocks = (n + CONVERT_BLOCK - 1) / CONVERT_BLOCK;
-    (void)threads;
-#pragma omp parallel for num_threads(threads) schedule(static) \
-    if (blocks > 1)
-    for (int64_t c = 0; c < blocks; c++) {
-        const int64_t i0 = c * CONVERT_BLOCK,
-                      i1 = i0 + CONVERT_BLOCK < n ? i0 + CONVERT_BLOCK : n;
-        if (bf)
-            for (int64_t i = i0; i < i1; i++)
-                y[i] = mha_bf16_from_float(x[i]);
-        else
-            for (int64_t i = i0; i < i1; i++)
-                y[i] = mha_f16_from_float(x[i]);
-    }
+    convert16(y, (float *)x, n, bf, 0, threads);      /* (x only read) */
 }
 
 static void widen(const uint16_t *x, int64_t n, int bf, float *y)

@@ -18,7 +18,6 @@
 #include "kernels/kernels.h"
 
 #include <stdlib.h>
-#include <string.h>
 
 static int64_t up16(int64_t n) { return (n + 15) / 16 * 16; }
 
@@ -41,10 +40,8 @@ mha_status mha_backward16(mha_plan *plan, const mha_forward_args *a,
                              "a 16-bit backward has no gradient of the "
                              "sinks yet: train the module in float32");
     const int bf = a->dtype == MHA_DTYPE_BF16;
-    const char *kname = mha_bf16_kernel();
-    if (!kname)
-        return MHA_ERR_INVALID_ARGUMENT;   /* a bad MHA_BF16 (message set) */
-    const int kernel = bf && strcmp(kname, "float32") != 0;
+    int kernel;
+    MHA_CHECK(mha_linear16_kernel(a->dtype, &kernel));
     const int nt = plan->eng.threads;
     const int64_t E = s->E, D = s->D, Dkv = s->Dkv;
     const int64_t kd = c->kdim, vd = c->vdim;
@@ -79,17 +76,8 @@ mha_status mha_backward16(mha_plan *plan, const mha_forward_args *a,
     }
     const int64_t total = nw[0] + nw[1] + nw[2] + nw[3] + 2 * n_q + 2 * n_kv +
                           n_lin + n_grad;
-    if (plan->n_bws16 < total) {
-        free(plan->bws16);
-        plan->n_bws16 = 0;
-        plan->bws16 = aligned_alloc(64, (size_t)total * sizeof(float));
-        if (!plan->bws16)
-            return mha_set_error(MHA_ERR_OUT_OF_MEMORY,
-                                 "cannot allocate the 16-bit backward's "
-                                 "workspace (%lld bytes)",
-                                 (long long)total * 4);
-        plan->n_bws16 = total;
-    }
+    MHA_CHECK(mha_plan_buffer(&plan->bws16, &plan->n_bws16, total,
+                              "the 16-bit backward's workspace"));
     float *wo = plan->bws16, *wq = wo + nw[0], *wk = wq + nw[1],
           *wv = wk + nw[2];
     uint16_t *dctx = (uint16_t *)(wv + nw[3]);
@@ -111,18 +99,9 @@ mha_status mha_backward16(mha_plan *plan, const mha_forward_args *a,
                                  grad_at(m, gp, m->b_o), gs, nt);
 
     /* The attention, from the forward's output and row statistics. */
-    mha_attention_args at = {
-        .batch = s->B, .num_heads = s->H, .head_dim = s->dh, .q_len = s->Lq,
-        .kv_len = s->Lk, .num_kv_heads = s->Hkv, .scale = c->scale,
-        .given = MHA_GIVEN_SCALE, .attn_mask = a->attn_mask,
-        .key_padding_mask = a->key_padding_mask,
-        .key_lengths = a->key_lengths, .causal = a->causal,
-        .num_threads = nt, .dtype = a->dtype, .q16 = plan->q16,
-        .k16 = plan->k16, .v16 = plan->v16, .out16 = plan->ctx16,
-        .lse = plan->lse16};
-    at.mods = c->mods;
-    memset(&at.mods.rope, 0, sizeof at.mods.rope);   /* (refused) */
-    at.mods.alibi_slopes = c->mods.alibi ? m->slopes : NULL;
+    mha_attention_args at = mha_attention16_args(plan, a);
+    at.q16 = plan->q16, at.k16 = plan->k16, at.v16 = plan->v16;
+    at.out16 = plan->ctx16, at.lse = plan->lse16;
     const mha_attention_grads16 ag = {.grad_out = dctx, .grad_q = dq,
                                       .grad_k = dk, .grad_v = dv};
     MHA_CHECK(mha_attention_backward16(&at, &ag));

@@ -76,6 +76,34 @@ static float *round_bias(const float *b, int64_t n, int bf, float *dst,
 
 static int64_t up16(int64_t n) { return (n + 15) / 16 * 16; }
 
+mha_status mha_linear16_kernel(mha_dtype dtype, int *kernel)
+{
+    const char *k = mha_bf16_kernel();
+    if (!k)
+        return MHA_ERR_INVALID_ARGUMENT;   /* a bad MHA_BF16 (message set) */
+    *kernel = dtype == MHA_DTYPE_BF16 && strcmp(k, "float32") != 0;
+    return MHA_OK;
+}
+
+mha_attention_args mha_attention16_args(const mha_plan *plan,
+                                        const mha_forward_args *a)
+{
+    const mha_module *m = plan->m;
+    const mha_config *c = &m->cfg;
+    const fwd_shape *s = &plan->shape;
+    mha_attention_args at = {
+        .batch = s->B, .num_heads = s->H, .head_dim = s->dh, .q_len = s->Lq,
+        .kv_len = s->Lk, .num_kv_heads = s->Hkv, .scale = c->scale,
+        .given = MHA_GIVEN_SCALE, .attn_mask = a->attn_mask,
+        .key_padding_mask = a->key_padding_mask,
+        .key_lengths = a->key_lengths, .causal = a->causal,
+        .num_threads = plan->eng.threads, .dtype = a->dtype};
+    at.mods = c->mods;
+    memset(&at.mods.rope, 0, sizeof at.mods.rope);   /* (refused) */
+    at.mods.alibi_slopes = c->mods.alibi ? m->slopes : NULL;
+    return at;
+}
+
 mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a)
 {
     const mha_module *m = plan->m;
@@ -83,10 +111,8 @@ mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a)
     const fwd_shape *s = &plan->shape;
     MHA_CHECK(check_fields16(m, a));
     const int bf = a->dtype == MHA_DTYPE_BF16;
-    const char *kname = mha_bf16_kernel();
-    if (!kname)
-        return MHA_ERR_INVALID_ARGUMENT;   /* a bad MHA_BF16 (message set) */
-    const int kernel = bf && strcmp(kname, "float32") != 0;
+    int kernel;
+    MHA_CHECK(mha_linear16_kernel(a->dtype, &kernel));
     const int nt = plan->eng.threads;
     const uint16_t *query = a->query16;
     const uint16_t *key = a->key16 ? a->key16 : query;
@@ -118,17 +144,8 @@ mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a)
         return mha_set_error(MHA_ERR_OVERFLOW,
                              "the 16-bit forward's workspace overflows");
     total += n_scratch;
-    if (plan->n_ws16 < total) {
-        free(plan->ws16);
-        plan->n_ws16 = 0;
-        plan->ws16 = aligned_alloc(64, (size_t)total * sizeof(float));
-        if (!plan->ws16)
-            return mha_set_error(MHA_ERR_OUT_OF_MEMORY,
-                                 "cannot allocate the 16-bit forward's "
-                                 "workspace (%lld bytes)",
-                                 (long long)total * 4);
-        plan->n_ws16 = total;
-    }
+    MHA_CHECK(mha_plan_buffer(&plan->ws16, &plan->n_ws16, total,
+                              "the 16-bit forward's workspace"));
     float *ws = plan->ws16;
     float *wq = ws, *wk = wq + nw[0], *wv = wk + nw[1], *wo = wv + nw[2];
     float *bias = wo + nw[3];
@@ -179,17 +196,9 @@ mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a)
                                  i == 0 ? "query" : i == 1 ? "key" : "value",
                                  bf ? "bf16" : "f16");
 
-    mha_attention_args at = {
-        .batch = s->B, .num_heads = s->H, .head_dim = s->dh, .q_len = s->Lq,
-        .kv_len = s->Lk, .num_kv_heads = s->Hkv, .scale = c->scale,
-        .given = MHA_GIVEN_SCALE, .attn_mask = a->attn_mask,
-        .key_padding_mask = a->key_padding_mask,
-        .key_lengths = a->key_lengths, .causal = a->causal,
-        .num_threads = nt, .sinks = m->sinks, .dtype = a->dtype,
-        .q16 = q16, .k16 = k16, .v16 = v16, .out16 = ctx16, .lse = lse};
-    at.mods = c->mods;
-    memset(&at.mods.rope, 0, sizeof at.mods.rope);   /* (refused above) */
-    at.mods.alibi_slopes = c->mods.alibi ? m->slopes : NULL;
+    mha_attention_args at = mha_attention16_args(plan, a);
+    at.sinks = m->sinks;
+    at.q16 = q16, at.k16 = k16, at.v16 = v16, at.out16 = ctx16, at.lse = lse;
     MHA_CHECK(mha_attention(&at));
     /* Taken before out16 (which may alias the query) is written. */
     const uint64_t print = mha_fwd_fingerprint(m, s, a);

@@ -278,6 +278,38 @@ enum { LIN16_ROWS = 32, LIN16_COLS = 256 };
 
 static int64_t round32(int64_t n) { return (n + 31) / 32 * 32; }
 
+/* This thread's index in the team (its share of the scratch). */
+static int thread_num(void)
+{
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* A thread's tile configuration around its blocks on the bf16 kernels
+ * (AMX tiles or AVX512-BF16: mha_bf16_tier). */
+static void kernels_begin(int kernel)
+{
+#if defined(__x86_64__)
+    if (kernel)
+        mha_amx_begin(mha_bf16_tier() == MHA_BF16_AMX);
+#else
+    (void)kernel;
+#endif
+}
+
+static void kernels_end(int kernel)
+{
+#if defined(__x86_64__)
+    if (kernel)
+        mha_amx_end();
+#else
+    (void)kernel;
+#endif
+}
+
 int64_t mha_linear16_weight_floats(int kernel, int64_t n_out, int64_t n_in)
 {
     return kernel ? mha_amx_b_words(n_in, n_out) : n_out * n_in;
@@ -449,17 +481,9 @@ int64_t mha_linear16_sum(const mha_lin16_part *parts, int nparts,
 #pragma omp parallel num_threads(team(threads, items))
     {
         omp_one_thread();
-#ifdef _OPENMP
-        const int t = omp_get_thread_num();
-#else
-        const int t = 0;
-#endif
-        float *C = scratch + t * per_thread;
+        float *C = scratch + thread_num() * per_thread;
         void *xs = C + LIN16_ROWS * LIN16_COLS;
-#if defined(__x86_64__)
-        if (kernel)
-            mha_amx_begin(mha_bf16_tier() == MHA_BF16_AMX);
-#endif
+        kernels_begin(kernel);
 #pragma omp for schedule(dynamic, 1) reduction(+ : overflowed)
         for (int64_t it = 0; it < items; it++) {
             const int64_t r0 = it % rb * LIN16_ROWS;
@@ -486,10 +510,7 @@ int64_t mha_linear16_sum(const mha_lin16_part *parts, int nparts,
                     overflowed += isfinite(v) && isinf(widen(h, bf));
                 }
         }
-#if defined(__x86_64__)
-        if (kernel)
-            mha_amx_end();
-#endif
+        kernels_end(kernel);
     }
     return overflowed;
 }
@@ -516,12 +537,7 @@ enum { GRAD16_K = 4096 };   /* rows per chunk: 32 rows of dy^T stay in L2 */
 int64_t mha_linear16_grad_floats(int kernel, int64_t rows, int64_t n_out,
                                  int64_t n_in, int threads)
 {
-#ifdef _OPENMP
-    if (threads < 1)
-        threads = omp_get_max_threads();
-#endif
-    if (threads < 1)
-        threads = 1;
+    threads = team(threads, INT64_MAX);   /* the most a team can hold */
     if (kernel)   /* dy^T, x packed, each thread's C */
         return (round32(n_out) * round32(rows) / 2 + 15) / 16 * 16 +
                mha_amx_b_words(rows, n_in) +
@@ -592,16 +608,8 @@ void mha_linear16_grad_params(const uint16_t *dy, int64_t rows,
 #pragma omp parallel num_threads(team(threads, items))
     {
         omp_one_thread();
-#ifdef _OPENMP
-        const int th = omp_get_thread_num();
-#else
-        const int th = 0;
-#endif
-        float *C = per + th * per_thread;
-#if defined(__x86_64__)
-        if (kernel)
-            mha_amx_begin(mha_bf16_tier() == MHA_BF16_AMX);
-#endif
+        float *C = per + thread_num() * per_thread;
+        kernels_begin(kernel);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             if (it >= tiles) {
@@ -646,9 +654,6 @@ void mha_linear16_grad_params(const uint16_t *dy, int64_t rows,
                     d[i * n_in + c] = (beta == 0.0f ? 0.0f : d[i * n_in + c]) +
                                       C[i * n + c];
         }
-#if defined(__x86_64__)
-        if (kernel)
-            mha_amx_end();
-#endif
+        kernels_end(kernel);
     }
 }

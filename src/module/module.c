@@ -579,3 +579,23 @@ uint64_t mha_fwd_fingerprint(const mha_module *m, const fwd_shape *s,
                                   &a->attn_mask, &a->key_padding_mask,
                                   a->key_lengths, s->B);
 }
+
+mha_status mha_plan_buffer(float **buf, int64_t *have, int64_t floats,
+                           const char *what)
+{
+    if (*have >= floats)
+        return MHA_OK;
+    if (floats > INT64_MAX / (int64_t)sizeof(float) - 64)
+        return mha_set_error(MHA_ERR_OVERFLOW, "%s overflows", what);
+    free(*buf);
+    *have = 0;
+    /* (aligned_alloc wants a multiple of the alignment) */
+    const size_t bytes = ((size_t)floats * sizeof(float) + 63) / 64 * 64;
+    *buf = aligned_alloc(64, bytes);
+    if (!*buf)
+        return mha_set_error(MHA_ERR_OUT_OF_MEMORY,
+                             "cannot allocate %s (%lld bytes)", what,
+                             (long long)bytes);
+    *have = floats;
+    return MHA_OK;
+}

@@ -276,6 +276,22 @@ static inline const float *mha_head_mask_in_use(const float *head_mask,
  * mha_fwd_check_shapes and matching the plan's shape. */
 mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a);
 
+/* Whether the 16-bit linear layer runs on the bf16 kernels (1: bf16
+ * data where mha_bf16_kernel() is "amx" or "avx512bf16") or widened (0);
+ * an error for a bad MHA_BF16. */
+mha_status mha_linear16_kernel(mha_dtype dtype, int *kernel);
+
+/* The attention of a 16-bit forward `a` on this plan: shapes, masks,
+ * modifiers, threads and dtype; the caller sets the data (and sinks). */
+mha_attention_args mha_attention16_args(const mha_plan *plan,
+                                        const mha_forward_args *a);
+
+/* *buf holding at least `floats` floats (64-byte aligned), grown when
+ * *have is less (the old contents dropped); `what` names it in the
+ * error.  A plan's 16-bit workspaces, kept until mha_plan_free. */
+mha_status mha_plan_buffer(float **buf, int64_t *have, int64_t floats,
+                           const char *what);
+
 /* Its backward (backward16.c): `a` the plan's last forward (checked by
  * backward.c), g's 16-bit fields. */
 mha_status mha_backward16(mha_plan *plan, const mha_forward_args *a,
