@@ -501,6 +501,43 @@ static void test_nan(void **state)
     }
 }
 
+/* Scores that could overflow float32 are refused before anything is
+ * written, over every head's rows (the kernel scans them head by head):
+ * here one large q in the last dim of the last row of head 1 and one
+ * large k in head 1.  An Inf is not the scale's to answer for: skipped. */
+static void test_score_range(void **state)
+{
+    (void)state;
+    enum { H = 2, L = 40, D = 64, E = H * D };
+    static uint16_t q[L * E], k[L * E], v[L * E], o[L * E];
+    static float u[L * E];
+    tu_fill(u, L * E, 9, -1.0f, 1.0f);
+    for (int x = 0; x < L * E; x++)
+        q[x] = k[x] = v[x] = mha_bf16_from_float(u[x]);
+    q[(L - 1) * E + D + D - 1] = mha_bf16_from_float(3e19f);
+    k[5 * E + D + 2] = mha_bf16_from_float(-3e19f);   /* 64 * 9e38 */
+    for (int x = 0; x < L * E; x++)
+        o[x] = 0x1234;
+    mha_attention_args a = {0};
+    a.batch = 1, a.num_heads = H, a.head_dim = D, a.q_len = L;
+    a.dtype = MHA_DTYPE_BF16;
+    a.q16 = q, a.k16 = k, a.v16 = v, a.out16 = o;
+    assert_int_equal(mha_attention(&a), MHA_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(mha_last_error(), "scale"));
+    for (int x = 0; x < L * E; x++)
+        assert_int_equal(o[x], 0x1234);   /* untouched */
+    /* a scale of 1/256 keeps the bound (9e38 / 4) finite: it runs */
+    a.given = MHA_GIVEN_SCALE;
+    a.scale = 1.0f / 256;
+    assert_int_equal(mha_attention(&a), MHA_OK);
+    /* the large q as +Inf: skipped by the scan, so the default scale runs
+     * (the row of head 1 that holds it is NaN, the others are not) */
+    a.given = 0;
+    q[(L - 1) * E + D + D - 1] = 0x7F80;
+    assert_int_equal(mha_attention(&a), MHA_OK);
+    assert_false(isnan(mha_bf16_to_float(o[0])));
+}
+
 static void test_misuse(void **state)
 {
     (void)state;
@@ -626,6 +663,7 @@ int main(void)
         cmocka_unit_test(test_f16_shapes),
         cmocka_unit_test(test_bf16_backward),
         cmocka_unit_test(test_nan),
+        cmocka_unit_test(test_score_range),
         cmocka_unit_test(test_misuse),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

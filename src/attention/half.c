@@ -5,11 +5,14 @@
  * has either and the call is plain or causal attention (key lengths
  * allowed); every other half-precision call is widened there instead.
  *
- *   1. K and V of each (b, K/V head) packed once into AMX's tile layouts
- *      (work items (b, g), spread over the threads);
- *   2. each (b, h, block of 32 query rows) one work item, computed by one
- *      thread from start to end (mha_amx_flash_rows), the blocks with the
- *      most keys first when causal (dynamic scheduling balances them).
+ *   1. the largest finite |q| and |k| found (scores that could overflow
+ *      float32 are refused before anything is written);
+ *   2. K and V of each (b, K/V head) packed once into AMX's tile layouts,
+ *      and each (b, h, block of 32 query rows) one work item, computed by
+ *      one thread from start to end (mha_amx_flash_rows): a thread packs
+ *      a pair and runs its blocks at once when the pairs share out
+ *      evenly; else all pairs are packed first and the blocks, those with
+ *      the most keys first when causal, are shared out dynamically.
  *
  * Every item's arithmetic is fixed by its indices alone, so the bits do
  * not depend on the thread count.
@@ -38,13 +41,53 @@ static int64_t row_limit(const mha_half_problem *p, int64_t b, int64_t i)
     return lim < 0 ? 0 : lim;
 }
 
+/* Query block qb of head (b, h), its K/V head packed at kp (K^T, then V
+ * `words` on): one work item, mha_amx_flash_rows on this thread. */
+static void query_block(const mha_half_problem *p, const uint32_t *kp,
+                        int64_t words, int64_t b, int64_t h, int64_t qb,
+                        mha_amx_scratch *s)
+{
+    int64_t lim[32];
+    const int64_t i0 = qb * 32;
+    const int mr = (int)(p->Lq - i0 < 32 ? p->Lq - i0 : 32);
+    for (int r = 0; r < mr; r++)
+        lim[r] = row_limit(p, b, i0 + r);
+    const mha_amx_block w = {
+        .q = p->q + b * p->bsq + h * p->hsq + i0 * p->ldq,
+        .ldq = p->ldq, .mr = mr, .dh = (int)p->dh, .lim = lim,
+        .kp = kp, .vp = kp + words,
+        .kt_stride = (p->Lk + 31) / 32 * 2, .scale = p->scale,
+        .out = p->out + b * p->bso + h * p->hso + i0 * p->ldo,
+        .ldo = p->ldo,
+        .lse = p->lse ? p->lse + (b * p->H + h) * p->Lq + i0 : NULL};
+    mha_amx_flash_rows(&w, s);
+}
+
+/* K (as K^T: dims x keys) and V (keys x dims) of pair (b, g) into kp. */
+static void pack_kv(const mha_half_problem *p, int64_t b, int64_t g,
+                    int64_t words, uint32_t *kp)
+{
+    mha_amx_pack_b(p->k + b * p->bsk + g * p->hsk, 1, p->ldk, p->dh, p->Lk,
+                   kp);
+    mha_amx_pack_b(p->v + b * p->bsv + g * p->hsv, p->ldv, 1, p->Lk, p->dh,
+                   kp + words);
+}
+
 mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p)
 {
     const int dh = (int)p->dh;
     const int64_t words = mha_amx_b_words(p->Lk, dh);   /* K^T or V */
     const int64_t nqb = (p->Lq + 31) / 32, group = p->H / p->Hkv;
+    const int64_t n_kv = p->B * p->Hkv;
+    /* Where packed K/V heads live.  With (b, K/V head) pairs enough to
+     * share out evenly, a thread packs its pair into a buffer of its own
+     * and runs that pair's query blocks at once, the packed head still in
+     * its cache ("local"); else every pair is packed into one shared
+     * buffer first and the query blocks are shared out.  An item's
+     * arithmetic is the same either way. */
+    const int local = n_kv % e->threads == 0 || n_kv >= 8 * e->threads;
     int64_t n_packed, n_items, n_scratch;
-    if (!mha_mul_ok(p->B * p->Hkv, 2 * words, &n_packed) ||
+    if (!mha_mul_ok(local ? e->threads : n_kv, 2 * words, &n_packed) ||
         !mha_mul_ok(p->B * p->H, nqb, &n_items) ||
         !mha_mul_ok(e->threads, mha_amx_scratch_floats(dh) + 64, &n_scratch) ||
         n_packed > INT64_MAX / 8 || n_scratch > INT64_MAX / 8)
@@ -61,8 +104,8 @@ mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p)
                              "(%lld bytes of packed K/V)",
                              (long long)n_packed * 4);
     }
-    const int64_t n_kv = p->B * p->Hkv;
     const int64_t per_thread = mha_amx_scratch_floats(dh) + 64;
+    unsigned qbits = 0, kbits = 0;   /* the largest finite |q|, |k| */
 
 #pragma omp parallel num_threads(e->threads)
     {
@@ -71,16 +114,27 @@ mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p)
 #else
         const int t = 0;
 #endif
-        /* 1. K and V packed per (b, K/V head) */
-#pragma omp for schedule(static)
+        /* 1. the largest finite |q| and |k| per (b, K/V head) and its
+         * query heads; shared: K and V packed there too, rows in cache */
+#pragma omp for schedule(static) reduction(max : qbits, kbits)
         for (int64_t bg = 0; bg < n_kv; bg++) {
             const int64_t b = bg / p->Hkv, g = bg % p->Hkv;
-            uint32_t *kp = packed + bg * 2 * words;
-            mha_amx_pack_b(p->k + b * p->bsk + g * p->hsk, 1, p->ldk, dh,
-                           p->Lk, kp);               /* K^T: dims x keys */
-            mha_amx_pack_b(p->v + b * p->bsv + g * p->hsv, p->ldv, 1, p->Lk,
-                           dh, kp + words);          /* V: keys x dims */
+            const unsigned km = mha_amx_max_abs(
+                p->k + b * p->bsk + g * p->hsk, p->ldk, p->Lk, dh);
+            kbits = km > kbits ? km : kbits;
+            for (int64_t h = g * group; h < (g + 1) * group; h++) {
+                const unsigned qm = mha_amx_max_abs(
+                    p->q + b * p->bsq + h * p->hsq, p->ldq, p->Lq, dh);
+                qbits = qm > qbits ? qm : qbits;
+            }
+            if (!local)
+                pack_kv(p, b, g, words, packed + bg * 2 * words);
         }
+        /* (the loop's barrier: every thread reads the same maxima, and
+         * nothing is written unless they pass) */
+        const int in_range = mha_score_range_ok(
+            p->scale, dh, mha_bf16_to_float((uint16_t)qbits),
+            mha_bf16_to_float((uint16_t)kbits));
 
         /* 2. the query blocks; 64-byte aligned parts of this thread's
          * scratch */
@@ -92,32 +146,34 @@ mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p)
         s.l = s.m + 32;
         s.P = (uint16_t *)(s.l + 32 * 16);
         s.Q = s.P + 32 * MHA_AMX_BK;
-        int64_t lim[32];
         mha_amx_begin(p->tiles);
+        if (local) {   /* a pair at a time, packed into this thread's part */
+            uint32_t *kp = packed + t * 2 * words;
 #pragma omp for schedule(dynamic)
-        for (int64_t it = 0; it < n_items; it++) {
-            const int64_t bh = it / nqb, qb = nqb - 1 - it % nqb;
-            const int64_t b = bh / p->H, h = bh % p->H, g = h / group;
-            const int64_t i0 = qb * 32;
-            const int mr = (int)(p->Lq - i0 < 32 ? p->Lq - i0 : 32);
-            for (int r = 0; r < mr; r++)
-                lim[r] = row_limit(p, b, i0 + r);
-            const uint32_t *kp = packed + (b * p->Hkv + g) * 2 * words;
-            const mha_amx_block w = {
-                .q = p->q + b * p->bsq + h * p->hsq + i0 * p->ldq,
-                .ldq = p->ldq, .mr = mr, .dh = dh, .lim = lim,
-                .kp = kp, .vp = kp + words,
-                .kt_stride = (p->Lk + 31) / 32 * 2, .scale = p->scale,
-                .out = p->out + b * p->bso + h * p->hso + i0 * p->ldo,
-                .ldo = p->ldo,
-                .lse = p->lse ? p->lse + (b * p->H + h) * p->Lq + i0 : NULL};
-            mha_amx_flash_rows(&w, &s);
+            for (int64_t bg = 0; bg < (in_range ? n_kv : 0); bg++) {
+                const int64_t b = bg / p->Hkv, g = bg % p->Hkv;
+                pack_kv(p, b, g, words, kp);
+                for (int64_t h = g * group; h < (g + 1) * group; h++)
+                    for (int64_t qb = nqb - 1; qb >= 0; qb--)
+                        query_block(p, kp, words, b, h, qb, &s);
+            }
+        } else {   /* the blocks with the most keys first when causal */
+#pragma omp for schedule(dynamic)
+            for (int64_t it = 0; it < (in_range ? n_items : 0); it++) {
+                const int64_t bh = it / nqb, qb = nqb - 1 - it % nqb;
+                const int64_t b = bh / p->H, h = bh % p->H;
+                query_block(p, packed + (b * p->Hkv + h / group) * 2 * words,
+                            words, b, h, qb, &s);
+            }
         }
         mha_amx_end();
     }
     free(packed);
     free(scratch);
-    return MHA_OK;
+    /* scores that could overflow float32 are refused (nothing written) */
+    return mha_check_score_range(p->scale, dh,
+                                 mha_bf16_to_float((uint16_t)qbits),
+                                 mha_bf16_to_float((uint16_t)kbits));
 }
 
 /* The backward: q, k, v, out (the forward's, bf16), dout and lse (the

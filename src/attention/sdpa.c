@@ -1040,13 +1040,10 @@ static mha_status attention_half(const mha_attention_args *a)
         return MHA_ERR_INVALID_ARGUMENT;   /* (the message is set) */
     if (tier == MHA_BF16_FLOAT32)
         return attention_widened(a, &s);   /* (it checks the score range) */
-    /* scores that could overflow float32 are refused, as in plan_run */
+    /* (mha_attn_amx refuses scores that could overflow float32, as
+     * plan_run does, before it writes anything) */
     mha_engine eng;
     MHA_CHECK(mha_engine_init(&eng, a->num_threads));
-    MHA_CHECK(mha_check_score_range(
-        resolved_scale(a, s.dh), s.dh,
-        mha_max_abs_finite16(a->q16, s.n_q, 1, eng.threads),
-        mha_max_abs_finite16(a->k16, s.n_kv, 1, eng.threads)));
     mha_half_problem p = half_problem(a, &s);
     p.tiles = tier == MHA_BF16_AMX;
     return mha_attn_amx(&eng, &p);

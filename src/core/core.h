@@ -86,6 +86,8 @@ double mha_max_abs_finite16(const uint16_t *x, int64_t n, int bf16,
  * softmax NaN where the float64 result is finite. */
 mha_status mha_check_score_range(float scale, int64_t dh, double qmax,
                                  double kmax);
+/* The same test without the message (for a team of threads to agree). */
+int mha_score_range_ok(float scale, int64_t dh, double qmax, double kmax);
 
 /* The fingerprint of a call's inputs, what a plan's backward checks its
  * run against (the one used by mha_plan_backward and

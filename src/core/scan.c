@@ -74,11 +74,16 @@ double mha_max_abs_finite16(const uint16_t *x, int64_t n, int bf16,
                 : mha_f16_to_float((uint16_t)m);
 }
 
+int mha_score_range_ok(float scale, int64_t dh, double qmax, double kmax)
+{
+    return fabs((double)scale) * (double)dh * qmax * kmax <= FLT_MAX;
+}
+
 mha_status mha_check_score_range(float scale, int64_t dh, double qmax,
                                  double kmax)
 {
     const double bound = fabs((double)scale) * (double)dh * qmax * kmax;
-    if (bound > FLT_MAX)
+    if (!mha_score_range_ok(scale, dh, qmax, kmax))
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "scale %g with max|q| %g and max|k| %g (d_h "
                              "%lld): the scaled scores may reach %g, past "

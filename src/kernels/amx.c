@@ -125,6 +125,39 @@ void mha_amx_pack_b(const uint16_t *src, int64_t sk, int64_t sn, int64_t K,
     mha_amx_pack_b_rows(src, sk, sn, K, N, 0, (K + 31) / 32, dst);
 }
 
+/* A whole tile of K^T (sk = 1): key n's 16 words (dims 32 kt ..) become
+ * column n, a 16 x 16 transpose of 32-bit words in registers (two
+ * unpack stages within 128-bit lanes, then two of whole lanes), where a
+ * gather would load the 256 words one by one. */
+static void pack_transposed(const uint16_t *src, int64_t sn, uint32_t *t)
+{
+    __m512i r[16], u[16];
+    for (int n = 0; n < 16; n++)
+        r[n] = _mm512_loadu_si512(src + n * sn);
+    for (int n = 0; n < 16; n += 2) {   /* lane L: (n, n+1) words 4L.. */
+        u[n] = _mm512_unpacklo_epi32(r[n], r[n + 1]);
+        u[n + 1] = _mm512_unpackhi_epi32(r[n], r[n + 1]);
+    }
+    /* c[g][j], lane L: word 4L + j of keys 4g .. 4g + 3 */
+    __m512i c[4][4];
+    for (int g = 0; g < 4; g++) {
+        c[g][0] = _mm512_unpacklo_epi64(u[4 * g], u[4 * g + 2]);
+        c[g][1] = _mm512_unpackhi_epi64(u[4 * g], u[4 * g + 2]);
+        c[g][2] = _mm512_unpacklo_epi64(u[4 * g + 1], u[4 * g + 3]);
+        c[g][3] = _mm512_unpackhi_epi64(u[4 * g + 1], u[4 * g + 3]);
+    }
+    for (int j = 0; j < 4; j++) {   /* tile row 4L + j: lane L of each g */
+        const __m512i y0 = _mm512_shuffle_i32x4(c[0][j], c[1][j], 0x44);
+        const __m512i y1 = _mm512_shuffle_i32x4(c[0][j], c[1][j], 0xEE);
+        const __m512i y2 = _mm512_shuffle_i32x4(c[2][j], c[3][j], 0x44);
+        const __m512i y3 = _mm512_shuffle_i32x4(c[2][j], c[3][j], 0xEE);
+        _mm512_storeu_si512(t + (0 + j) * 16, _mm512_shuffle_i32x4(y0, y2, 0x88));
+        _mm512_storeu_si512(t + (4 + j) * 16, _mm512_shuffle_i32x4(y0, y2, 0xDD));
+        _mm512_storeu_si512(t + (8 + j) * 16, _mm512_shuffle_i32x4(y1, y3, 0x88));
+        _mm512_storeu_si512(t + (12 + j) * 16, _mm512_shuffle_i32x4(y1, y3, 0xDD));
+    }
+}
+
 void mha_amx_pack_b_rows(const uint16_t *src, int64_t sk, int64_t sn,
                          int64_t K, int64_t N, int64_t kt0, int64_t kt1,
                          uint32_t *dst)
@@ -144,6 +177,10 @@ void mha_amx_pack_b_rows(const uint16_t *src, int64_t sk, int64_t sn,
             const int live = N - n0 >= 16 ? 16 : N - n0 <= 0 ? 0
                                                              : (int)(N - n0);
             const __mmask16 in = lanes(live);
+            if (sk == 1 && live == 16 && 32 * kt + 32 <= K) {
+                pack_transposed(src + n0 * sn + 32 * kt, sn, t);
+                continue;
+            }
             for (int r = 0; r < 16; r++) {
                 const int64_t k0 = 32 * kt + 2 * r, k1 = k0 + 1;
                 __m512i w;
@@ -175,6 +212,26 @@ void mha_amx_pack_b_rows(const uint16_t *src, int64_t sk, int64_t sn,
                 _mm512_storeu_si512(t + r * 16, w);
             }
         }
+}
+
+uint16_t mha_amx_max_abs(const uint16_t *x, int64_t ld, int64_t rows,
+                         int64_t n)
+{
+    const __m512i mag = _mm512_set1_epi16(0x7FFF);
+    const __m512i inf = _mm512_set1_epi16(0x7F80);   /* exponent all ones */
+    __m512i m = _mm512_setzero_si512();
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < n; j += 32) {
+            const __mmask32 k = n - j >= 32 ? 0xFFFFFFFFu
+                                            : (__mmask32)((1u << (n - j)) - 1);
+            const __m512i v = _mm512_and_si512(
+                mag, _mm512_maskz_loadu_epi16(k, x + r * ld + j));
+            m = _mm512_mask_max_epu16(m, _mm512_cmplt_epu16_mask(v, inf), m,
+                                      v);
+        }
+    const __m512i lo = _mm512_and_si512(m, _mm512_set1_epi32(0xFFFF));
+    const __m512i hi = _mm512_srli_epi32(m, 16);
+    return (uint16_t)_mm512_reduce_max_epu32(_mm512_max_epu32(lo, hi));
 }
 
 /*
