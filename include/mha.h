@@ -1062,7 +1062,27 @@ typedef struct mha_kv_cache_config {
     mha_kv_dtype dtype;    /* MHA_KV_F32 (0), _F16, _BF16 or _Q8       */
     int64_t window;        /* 0: an ordinary cache; W >= 1: a sliding-
                               window cache (above)                      */
+    int64_t page_size;     /* 0: contiguous; P: paged (below), a
+                              multiple of 64, the kernels' key tile     */
+    int64_t num_pages;     /* paged: the pool's pages; 0: batch x
+                              ceil(capacity / P), room for every
+                              sequence at its capacity                 */
 } mha_kv_cache_config;
+
+/*
+ * A paged cache (page_size P): instead of `capacity` tokens reserved for
+ * each sequence, a pool of num_pages pages of P positions (every K/V
+ * head) and a table of pages per sequence, so memory follows the tokens
+ * held.  `batch` is then the number of sequence slots and `capacity` the
+ * most tokens one sequence may hold.  A slot is a sequence while it holds
+ * tokens: append to an empty one to add a sequence, reset it to free its
+ * pages.  mha_kv_cache_fork gives a slot another's tokens by sharing its
+ * pages; a shared page is copied when one of its holders appends into it
+ * (copy on write).  An append that needs more pages than are free is
+ * refused, MHA_ERR_OUT_OF_MEMORY naming the pool, nothing appended.
+ * Attention reads a paged cache exactly as a contiguous one, with the
+ * same bits.  No window yet (refused, MHA_ERR_UNSUPPORTED).
+ */
 
 MHA_API mha_status mha_kv_cache_create_sized(const mha_kv_cache_config *config,
                                              size_t config_size,
@@ -1099,8 +1119,37 @@ MHA_API mha_status mha_kv_cache_append(mha_kv_cache *cache, int64_t seq,
  * the oldest position held. */
 MHA_API mha_status mha_kv_cache_truncate(mha_kv_cache *cache, int64_t seq,
                                          int64_t length);
-/* Empties sequence seq (-1: every sequence). */
+/* Empties sequence seq (-1: every sequence); a paged cache's pages go
+ * back to the pool once no sequence holds them. */
 MHA_API mha_status mha_kv_cache_reset(mha_kv_cache *cache, int64_t seq);
+/* Sequence dst becomes a copy of sequence src (what dst held is dropped
+ * first): its length and every stored token.  A paged cache shares src's
+ * pages (no copy, no new page: parallel sampling, beam search, a common
+ * prompt); a contiguous one copies the tokens.  dst == src is refused. */
+MHA_API mha_status mha_kv_cache_fork(mha_kv_cache *cache, int64_t src,
+                                     int64_t dst);
+/* What a cache holds and takes (mha_kv_cache_usage). */
+typedef struct mha_kv_cache_usage {
+    int64_t tokens;        /* tokens held, summed over the sequences (a
+                              shared token once per sequence)          */
+    int64_t token_bytes;   /* what those tokens' keys and values take at
+                              the cache's dtype, nothing else          */
+    int64_t bytes;         /* the key/value storage held: the pages in
+                              use (a shared page once), or all of a
+                              contiguous cache                         */
+    int64_t bytes_total;   /* the key/value storage allocated          */
+    int64_t page_size;     /* 0 for a contiguous cache, as below       */
+    int64_t pages_used;    /* pages at least one sequence holds        */
+    int64_t pages_free;
+} mha_kv_cache_usage;
+MHA_API mha_status mha_kv_cache_get_usage_sized(const mha_kv_cache *cache,
+                                                mha_kv_cache_usage *out,
+                                                size_t out_size);
+static inline mha_status mha_kv_cache_get_usage(const mha_kv_cache *cache,
+                                                mha_kv_cache_usage *out)
+{
+    return mha_kv_cache_get_usage_sized(cache, out, sizeof *out);
+}
 /* Copies tokens start .. start+n-1 of sequence seq, as the attention reads
  * them (the stored values, converted to float), into k and v (n, H_kv *
  * d_h); either may be NULL.  With a window, positions the ring no longer

@@ -159,7 +159,7 @@ static void round_trip(mha_kv_dtype dtype, const float *x, int64_t n,
                        float *k, float *v)
 {
     const int64_t tokens = n / RT_DH;
-    mha_kv_cache_config kc = {1, 1, RT_DH, tokens, dtype, 0};
+    mha_kv_cache_config kc = {1, 1, RT_DH, tokens, dtype, 0, 0, 0};
     mha_kv_cache *kv = NULL;
     assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
     assert_int_equal(mha_kv_cache_append(kv, 0, x, x, tokens), MHA_OK);
@@ -295,7 +295,7 @@ static void test_q8_rounding(void **state)
                 for (int64_t d = 0; d < dh; d++)
                     row[d] = d == 0 ? 127.0f : (float)(d % 9) - 3.5f;
         }
-        mha_kv_cache_config kc = {1, 1, dh, tokens, MHA_KV_Q8, 0};
+        mha_kv_cache_config kc = {1, 1, dh, tokens, MHA_KV_Q8, 0, 0, 0};
         mha_kv_cache *kv = NULL;
         assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
         assert_int_equal(mha_kv_cache_append(kv, 0, x, x, tokens), MHA_OK);
@@ -367,7 +367,7 @@ static mha_kv_cache *cache_of(const problem *p, mha_kv_dtype dtype,
 {
     mha_kv_cache_config kc = {p->B, p->Hkv, DH,
                               (p->len[0] > p->len[1] ? p->len[0] : p->len[1]),
-                              dtype, 0};
+                              dtype, 0, 0, 0};
     mha_kv_cache *kv = NULL;
     assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
     for (int64_t b = 0; b < p->B; b++)
@@ -696,7 +696,7 @@ static void test_truncation_keeps_flag(void **state)
 static void test_read_misuse(void **state)
 {
     (void)state;
-    mha_kv_cache_config kc = {2, 1, 8, 10, MHA_KV_BF16, 0};
+    mha_kv_cache_config kc = {2, 1, 8, 10, MHA_KV_BF16, 0, 0, 0};
     mha_kv_cache *kv = NULL;
     assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
     float x[4 * 8], y[4 * 8];

@@ -533,7 +533,7 @@ static int prefill(mha_kv_cache *kv, const int64_t *len, int64_t B,
 static int create_cache(const decode_bench *d, decode_state *s)
 {
     const mha_kv_cache_config kc = {d->B, d->Hkv, d->dh, d->Lk + d->Lq,
-                                    d->dtype, 0};
+                                    d->dtype, 0, 0, 0};
     const mha_status st = mha_kv_cache_create(&kc, &s->kv);
     if (st == MHA_OK)
         return 0;

@@ -358,7 +358,45 @@ struct mha_kv_cache {
                                the last reset of every sequence (an upper
                                bound of what the cache holds): what
                                mha_check_score_range reads of the keys  */
+    /* Paged (page > 0, kv_pages.c): the planes are a pool of pages, a
+     * page `page` positions (tpp tiles) of every K/V head; sequence b's
+     * i-th page is table[b][i].  A page held by several sequences (a
+     * fork) is copied before one of them writes it (copy on write).
+     * Page `pages` is the null page, zeros, never written: what a table
+     * holds past a sequence's pages, so a read there is harmless. */
+    int64_t page, tpp;      /* positions and tiles per page; 0 0: contiguous */
+    int64_t pages;          /* the pool's pages (the null page not counted) */
+    int64_t table_len;      /* pages per sequence: ceil(capacity / page)  */
+    int32_t *table;         /* [B][table_len] page ids                    */
+    int32_t *refs;          /* [pages] the table entries holding each page */
+    int32_t *free_pages;    /* [pages] a stack of the free ones ...       */
+    int64_t n_free;         /* ... n_free deep                            */
 };
+
+/* Index of tile t of (b, g) among its plane's tiles (and flags): the
+ * contiguous [B][Hkv][tiles], or through the page table. */
+static inline int64_t mha_kv_tile_index(const mha_kv_cache *c, int64_t b,
+                                        int64_t g, int64_t t)
+{
+    if (!c->page)
+        return (b * c->Hkv + g) * c->tiles + t;
+    const int64_t pg = c->table[b * c->table_len + t / c->tpp];
+    return (pg * c->Hkv + g) * c->tpp + t % c->tpp;
+}
+
+/* ---- the page pool (kv_pages.c) ----
+ * Sequence b's positions len[b] .. len[b] + n - 1 made writable: pages
+ * added where it has none, a page it shares copied; all of them, for
+ * every sequence (b = -1) or one, or none and the pool's shortage named.
+ * MHA_OK without doing anything for a contiguous cache. */
+mha_status mha_kv_pages_reserve(mha_kv_cache *c, int64_t b, int64_t n);
+/* Sequence b keeps its first `keep` pages; the rest go back to the pool
+ * once no sequence holds them. */
+void mha_kv_pages_release(mha_kv_cache *c, int64_t b, int64_t keep);
+/* Whether the tables and counts agree: every page's refs is the number
+ * of table entries naming it, the free stack is exactly the pages no one
+ * holds, and no sequence holds a page past its length.  For tests. */
+int mha_kv_pages_consistent(const mha_kv_cache *c);
 
 /* Refuses n tokens' keys and values (rows ldk, ldv apart, H_kv d_h each)
  * that sequence b of an f16 cache cannot hold: a finite |x| >= 65520,

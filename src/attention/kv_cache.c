@@ -91,17 +91,51 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
                              "least the window's keys)",
                              (long long)cfg->window,
                              (long long)cfg->capacity);
+    const int64_t P = cfg->page_size;
+    if (P < 0 || P % MHA_BC != 0 || P > INT32_MAX)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "cache page_size %lld: expected 0 (contiguous) "
+                             "or a multiple of %d (the kernels' tile of "
+                             "keys) up to %d", (long long)P, MHA_BC,
+                             INT32_MAX / MHA_BC * MHA_BC);
+    if (P && cfg->window)
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "a paged cache (page_size %lld) with a window "
+                             "(%lld) is not supported yet: use a contiguous "
+                             "window cache", (long long)P,
+                             (long long)cfg->window);
+    if (!P && cfg->num_pages)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "cache num_pages %lld without a page_size",
+                             (long long)cfg->num_pages);
+    /* (ceilings without x + d - 1, which overflows near INT64_MAX) */
+    const int64_t table_len =
+        P ? cfg->capacity / P + (cfg->capacity % P != 0) : 0;
+    int64_t pages = cfg->num_pages;
+    if (P && !pages && !mha_mul_ok(cfg->batch, table_len, &pages))
+        pages = INT64_MAX;   /* (refused just below) */
+    if (P && (pages < 1 || pages > INT32_MAX - 1))
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "cache num_pages %lld: expected 1 .. %d (0: "
+                             "batch x ceil(capacity / page_size))",
+                             (long long)pages, INT32_MAX - 1);
     /* d_h bounded so a tile's bytes fit the kernels' int widths (a tile
      * has 64 keys; the other dimensions stay in int64), then every
-     * product checked. */
-    int64_t bg, tiles_all, bytes, extra;
-    /* (capacity / MHA_BC rounded up, without capacity + MHA_BC - 1,
-     * which overflows for a capacity near INT64_MAX) */
-    const int64_t tiles =
-        cfg->capacity / MHA_BC + (cfg->capacity % MHA_BC != 0);
-    if (cfg->head_dim > INT32_MAX / (4 * MHA_BC) ||
-        !mha_mul_ok(cfg->batch, cfg->num_kv_heads, &bg) ||
-        !mha_mul_ok(bg, tiles, &tiles_all) ||
+     * product checked.  Tiles per (b, g) (contiguous) or per sequence
+     * (paged), and the planes' tiles: [B][Hkv][tiles], or one null page
+     * past the pool's. */
+    int64_t bg, tiles, tiles_all, bytes, extra, table_all = 0;
+    int sized = mha_mul_ok(cfg->batch, cfg->num_kv_heads, &bg);
+    if (P) {   /* (pages + 1) * tpp < 2^31 * 2^25: no overflow */
+        sized = sized && mha_mul_ok(table_len, P / MHA_BC, &tiles) &&
+                mha_mul_ok(cfg->batch, table_len, &table_all) &&
+                mha_mul_ok((pages + 1) * (P / MHA_BC), cfg->num_kv_heads,
+                           &tiles_all);
+    } else {
+        tiles = cfg->capacity / MHA_BC + (cfg->capacity % MHA_BC != 0);
+        sized = sized && mha_mul_ok(bg, tiles, &tiles_all);
+    }
+    if (!sized || cfg->head_dim > INT32_MAX / (4 * MHA_BC) ||
         !mha_mul_ok(tiles_all,
                     2 * mha_kv_tile_bytes(cfg->dtype, MHA_BC, cfg->head_dim),
                     &bytes) ||
@@ -122,19 +156,39 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
                               ? calloc((size_t)bytes, 1) : NULL;
     float *finite = calloc((size_t)tiles_all, sizeof *finite);
     float *extra_tiles = mha_alloc_floats(extra, "KV cache's extra keys");
-    if (!c || !len || !start || !data || !finite || !extra_tiles) {
+    int32_t *table = P ? malloc((size_t)table_all * sizeof *table) : NULL;
+    int32_t *refs = P ? calloc((size_t)pages, sizeof *refs) : NULL;
+    int32_t *free_pages = P ? malloc((size_t)pages * sizeof *free_pages)
+                            : NULL;
+    if (!c || !len || !start || !data || !finite || !extra_tiles ||
+        (P && (!table || !refs || !free_pages))) {
         free(c);
         free(len);
         free(start);
         free(data);
         free(finite);
         free(extra_tiles);
+        free(table);
+        free(refs);
+        free(free_pages);
         return mha_set_error(MHA_ERR_OUT_OF_MEMORY,
                              "cannot allocate a %s cache of %lld bytes",
                              dtype_name(cfg->dtype), (long long)bytes);
     }
     for (int64_t t = 0; t < tiles_all; t++)
         finite[t] = 1.0f;
+    for (int64_t i = 0; i < table_all; i++)
+        table[i] = (int32_t)pages;   /* the null page */
+    for (int64_t i = 0; i < pages * (P != 0); i++)
+        free_pages[i] = (int32_t)(pages - 1 - i);   /* page 0 on top */
+    c->page = P;
+    c->tpp = P / MHA_BC;
+    c->pages = P ? pages : 0;
+    c->table_len = table_len;
+    c->table = table;
+    c->refs = refs;
+    c->free_pages = free_pages;
+    c->n_free = c->pages;
     advise_huge_pages(data, bytes);
     c->B = cfg->batch;
     c->Hkv = cfg->num_kv_heads;
@@ -170,6 +224,9 @@ void mha_kv_cache_free(mha_kv_cache *c)
     free(c->k);   /* the one allocation of both planes */
     free(c->finite);
     free(c->extra);
+    free(c->table);
+    free(c->refs);
+    free(c->free_pages);
     free(c);
 }
 
@@ -239,7 +296,7 @@ static const unsigned char *tile_at(const mha_kv_cache *c,
 {
     const int64_t skip =
         c->dtype == MHA_KV_Q8 ? mha_q8_scale_bytes(MHA_BC, c->dh) : 0;
-    return plane + ((b * c->Hkv + g) * c->tiles + t) * c->tile_bytes + skip;
+    return plane + mha_kv_tile_index(c, b, g, t) * c->tile_bytes + skip;
 }
 
 const unsigned char *mha_kv_cache_k_tile(const mha_kv_cache *c, int64_t b,
@@ -335,7 +392,7 @@ void mha_kv_cache_put(mha_kv_cache *c, int64_t b, const float *k,
             const double ka = mha_max_abs_finite(k + r * ldk + g * dh, 1,
                                                  dh, dh, 1);
             c->key_amax = ka > c->key_amax ? ka : c->key_amax;
-            float *flag = c->finite + (b * c->Hkv + g) * c->tiles + t;
+            float *flag = c->finite + mha_kv_tile_index(c, b, g, t);
             const float mine = tile_finite(c, b, g, t, col, col + 1);
             if (!c->window)   /* finite only if every column so far is */
                 *flag = col == 0 ? mine : *flag * mine;
@@ -480,6 +537,7 @@ mha_status mha_kv_cache_append(mha_kv_cache *c, int64_t seq, const float *k,
                              (long long)seq);
     const int64_t Ekv = c->Hkv * c->dh;
     MHA_CHECK(mha_kv_cache_check_values(c, seq, k, Ekv, v, Ekv, n));
+    MHA_CHECK(mha_kv_pages_reserve(c, seq, n));   /* the last check */
     mha_kv_cache_put(c, seq, k, Ekv, v, Ekv, n);
     return MHA_OK;
 }
@@ -516,12 +574,22 @@ mha_status mha_kv_cache_truncate(mha_kv_cache *c, int64_t seq,
         return MHA_OK;
     }
     c->len[seq] = length;
+    /* A paged sequence's pages past its length go back (once no one else
+     * holds them). */
+    if (c->page)
+        mha_kv_pages_release(c, seq, length / c->page +
+                                         (length % c->page != 0));
     /* The tile the sequence now ends in keeps only finite-or-not of its
-     * remaining columns; a whole tile is flagged anew by its next put. */
+     * remaining columns; a whole tile is flagged anew by its next put.  A
+     * page another sequence also holds keeps its flags: they cover that
+     * sequence's columns too, and a 0 only takes the slow path. */
     const int64_t t = length / MHA_BC, cols = length % MHA_BC;
-    if (cols)
+    const int shared =   /* (cols > 0: the page of `length` is kept) */
+        cols && c->page &&
+        c->refs[c->table[seq * c->table_len + length / c->page]] > 1;
+    if (cols && !shared)
         for (int64_t g = 0; g < c->Hkv; g++)
-            c->finite[(seq * c->Hkv + g) * c->tiles + t] =
+            c->finite[mha_kv_tile_index(c, seq, g, t)] =
                 tile_finite(c, seq, g, t, 0, cols);
     return MHA_OK;
 }
@@ -595,13 +663,75 @@ mha_status mha_kv_cache_read(const mha_kv_cache *c, int64_t seq,
 mha_status mha_kv_cache_reset(mha_kv_cache *c, int64_t seq)
 {
     if (c && seq == -1) {
+        for (int64_t b = 0; b < c->B; b++)
+            mha_kv_pages_release(c, b, 0);
         memset(c->len, 0, (size_t)c->B * sizeof *c->len);
         memset(c->start, 0, (size_t)c->B * sizeof *c->start);
         c->key_amax = 0.0;
         return MHA_OK;
     }
     MHA_CHECK(check_seq(c, seq));
+    mha_kv_pages_release(c, seq, 0);
     c->len[seq] = 0;
     c->start[seq] = 0;
+    return MHA_OK;
+}
+
+mha_status mha_kv_cache_fork(mha_kv_cache *c, int64_t src, int64_t dst)
+{
+    MHA_CHECK(check_seq(c, src));
+    MHA_CHECK(check_seq(c, dst));
+    if (src == dst)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "cannot fork sequence %lld onto itself",
+                             (long long)src);
+    if (c->page) {   /* src's pages, shared */
+        mha_kv_pages_release(c, dst, 0);
+        const int64_t held = c->len[src] / c->page +
+                             (c->len[src] % c->page != 0);
+        for (int64_t i = 0; i < held; i++) {
+            const int32_t pg = c->table[src * c->table_len + i];
+            c->table[dst * c->table_len + i] = pg;
+            c->refs[pg]++;
+        }
+    } else {   /* src's tiles (all: a ring holds any of them) and flags */
+        const int64_t n = c->Hkv * c->tiles;
+        memcpy(c->k + dst * n * c->tile_bytes, c->k + src * n * c->tile_bytes,
+               (size_t)(n * c->tile_bytes));
+        memcpy(c->v + dst * n * c->tile_bytes, c->v + src * n * c->tile_bytes,
+               (size_t)(n * c->tile_bytes));
+        memcpy(c->finite + dst * n, c->finite + src * n,
+               (size_t)n * sizeof *c->finite);
+    }
+    c->len[dst] = c->len[src];
+    c->start[dst] = c->start[src];
+    return MHA_OK;
+}
+
+mha_status mha_kv_cache_get_usage_sized(const mha_kv_cache *c,
+                                        mha_kv_cache_usage *out,
+                                        size_t out_size)
+{
+    MHA_CHECK(mha_struct_out_size(out, out_size, "mha_kv_cache_usage"));
+    if (!c || !out)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
+                             c ? "output usage" : "cache");
+    mha_kv_cache_usage u = {0};
+    for (int64_t b = 0; b < c->B; b++)   /* (a ring holds the last ones) */
+        u.tokens += c->window && c->len[b] > c->capacity ? c->capacity
+                                                          : c->len[b];
+    /* a key and a value of H_kv heads per token, a tile's share each */
+    u.token_bytes = u.tokens * 2 * c->Hkv * c->tile_bytes / MHA_BC;
+    const int64_t tile_pair = 2 * c->tile_bytes;   /* K and V */
+    if (c->page) {
+        u.page_size = c->page;
+        u.pages_free = c->n_free;
+        u.pages_used = c->pages - c->n_free;
+        u.bytes = u.pages_used * c->Hkv * c->tpp * tile_pair;
+        u.bytes_total = (c->pages + 1) * c->Hkv * c->tpp * tile_pair;
+    } else {
+        u.bytes = u.bytes_total = c->B * c->Hkv * c->tiles * tile_pair;
+    }
+    memcpy(out, &u, out_size < sizeof u ? out_size : sizeof u);
     return MHA_OK;
 }

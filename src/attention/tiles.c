@@ -106,7 +106,7 @@ mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t)
         src.kt = mha_kv_cache_k_tile(c, t->b, t->g, t->index);
         src.v = mha_kv_cache_v_tile(c, t->b, t->g, t->index);
         src.dtype = c->dtype;
-        src.finite = c->finite[(t->b * c->Hkv + t->g) * c->tiles + t->index] !=
+        src.finite = c->finite[mha_kv_tile_index(c, t->b, t->g, t->index)] !=
                      0.0f;
         return src;
     }

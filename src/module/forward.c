@@ -553,6 +553,8 @@ static mha_status mha_plan_forward_impl(mha_plan *plan,
         MHA_CHECK(mha_kv_cache_check_values(a->cache, b,
                                             kp + b * s.Lq * ldk, ldk,
                                             vp + b * s.Lq * ldv, ldv, s.Lq));
+    if (a->cache)   /* a paged cache's pages: the last check */
+        MHA_CHECK(mha_kv_pages_reserve(a->cache, -1, s.Lq));
     if (a->need_weights != MHA_WEIGHTS_NONE)
         memset(a->attn_weights, 0, (size_t)n_w * sizeof(float));
     plan->q = qp; plan->k = kp; plan->v = vp;

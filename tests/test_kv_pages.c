@@ -1,0 +1,411 @@
+/*
+ * test_kv_pages.c -- the paged KV cache (mha_kv_cache_config.page_size).
+ *
+ * A paged cache must hold and attend exactly what a contiguous cache
+ * given the same operations holds: the same lengths, the same stored
+ * values, the same attention bits.  So every test here runs the two side
+ * by side.
+ *   - random programs: thousands of operations (append, truncate, reset,
+ *     fork, read, a decoding step on 1..3 threads) on small pools, so that
+ *     appends run out of pages; after each, the page tables are checked
+ *     against their counts (mha_kv_pages_consistent: every page's count is
+ *     the entries naming it, the free stack the pages no one holds, no
+ *     page past a sequence's length), the usage against the lengths, and
+ *     a refused append must change nothing;
+ *   - a decoding step against float64 attention over the values read back;
+ *   - the module's forward with a paged cache;
+ *   - memory: ragged sequences take their tokens' bytes, not capacity's;
+ *   - misuse: every bad configuration or call refused by name.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "assert_error.h"
+#include "attention/attention.h"
+#include "testutil.h"
+
+enum { H = 4, HKV = 2, DH = 40, E = H * DH, EKV = HKV * DH, B = 4,
+       CAP = 300 };
+
+static uint64_t rng_state;
+static uint64_t rnd(void)   /* splitmix64: the program's own sequence */
+{
+    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static int64_t below(int64_t n) { return (int64_t)(rnd() % (uint64_t)n); }
+
+static mha_kv_cache *make(mha_kv_dtype dt, int64_t page, int64_t pages)
+{
+    mha_kv_cache_config c = {0};
+    c.batch = B;
+    c.num_kv_heads = HKV;
+    c.head_dim = DH;
+    c.capacity = CAP;
+    c.dtype = dt;
+    c.page_size = page;
+    c.num_pages = pages;
+    mha_kv_cache *kv = NULL;
+    assert_int_equal(mha_kv_cache_create(&c, &kv), MHA_OK);
+    return kv;
+}
+
+/* The paged cache's tables and counts, and both caches' lengths and
+ * usage, agree. */
+static void check_state(const mha_kv_cache *paged, const mha_kv_cache *flat)
+{
+    assert_true(mha_kv_pages_consistent(paged));
+    mha_kv_cache_usage u, f;
+    assert_int_equal(mha_kv_cache_get_usage(paged, &u), MHA_OK);
+    assert_int_equal(mha_kv_cache_get_usage(flat, &f), MHA_OK);
+    int64_t pages_at_most = 0;
+    for (int64_t b = 0; b < B; b++) {
+        assert_int_equal(mha_kv_cache_length(paged, b),
+                         mha_kv_cache_length(flat, b));
+        pages_at_most += (mha_kv_cache_length(paged, b) + u.page_size - 1) /
+                         u.page_size;
+    }
+    assert_int_equal(u.tokens, f.tokens);
+    assert_int_equal(u.token_bytes, f.token_bytes);
+    assert_int_equal(u.pages_used + u.pages_free, paged->pages);
+    assert_true(u.pages_used <= pages_at_most);   /* shared ones once */
+    assert_int_equal(u.bytes, u.pages_used * 2 * HKV * paged->tpp *
+                                   paged->tile_bytes);
+    assert_int_equal(f.page_size, 0);
+    assert_int_equal(f.pages_used, 0);
+}
+
+/* A decoding step (one new query per sequence, its K/V appended before)
+ * on both caches on `threads` threads: the same bits. */
+static void same_step(mha_kv_cache *paged, mha_kv_cache *flat, int threads)
+{
+    static float q[B * E], o1[B * E], o2[B * E], l1[B * H], l2[B * H];
+    for (int64_t i = 0; i < B * E; i++)
+        q[i] = (float)((int64_t)below(2001) - 1000) / 1000.0f;
+    mha_attention_decode_args d = {0};
+    d.batch = B;
+    d.num_heads = H;
+    d.head_dim = DH;
+    d.q_len = 1;
+    d.q = q;
+    d.num_threads = threads;
+    d.cache = paged, d.out = o1, d.lse = l1;
+    assert_int_equal(mha_attention_decode(&d), MHA_OK);
+    d.cache = flat, d.out = o2, d.lse = l2;
+    assert_int_equal(mha_attention_decode(&d), MHA_OK);
+    assert_memory_equal(o1, o2, sizeof o1);
+    assert_memory_equal(l1, l2, sizeof l1);
+}
+
+/* Tokens start .. start + n - 1 of sequence b read back: the same bits. */
+static void same_read(const mha_kv_cache *paged, const mha_kv_cache *flat,
+                      int64_t b)
+{
+    static float k1[CAP * EKV], v1[CAP * EKV], k2[CAP * EKV], v2[CAP * EKV];
+    const int64_t len = mha_kv_cache_length(flat, b);
+    const int64_t start = len ? below(len) : 0;
+    const int64_t n = len - start;
+    assert_int_equal(mha_kv_cache_read(paged, b, start, n, k1, v1), MHA_OK);
+    assert_int_equal(mha_kv_cache_read(flat, b, start, n, k2, v2), MHA_OK);
+    assert_memory_equal(k1, k2, (size_t)(n * EKV) * sizeof *k1);
+    assert_memory_equal(v1, v2, (size_t)(n * EKV) * sizeof *v1);
+}
+
+/* One random program: `ops` operations on a paged cache of `pages`
+ * pages of `page` positions and on a contiguous one. */
+static void program(mha_kv_dtype dt, int64_t page, int64_t pages,
+                    uint64_t seed, int ops)
+{
+    rng_state = seed;
+    mha_kv_cache *paged = make(dt, page, pages), *flat = make(dt, 0, 0);
+    static float k[128 * EKV], v[128 * EKV];
+    static const int64_t sizes[] = {1, 1, 1, 2, 17, 64, 65, 100, 128};
+    int refused = 0, forks = 0, steps = 0;
+    for (int op = 0; op < ops; op++) {
+        const int64_t b = below(B), len = mha_kv_cache_length(flat, b);
+        const int what = (int)below(20);
+        if (what < 9) {   /* append */
+            int64_t n = sizes[below(9)];
+            n = n < CAP - len ? n : CAP - len;
+            tu_fill(k, n * EKV, rnd(), -2, 2);
+            tu_fill(v, n * EKV, rnd(), -2, 2);
+            mha_kv_cache_usage before, after;
+            assert_int_equal(mha_kv_cache_get_usage(paged, &before), MHA_OK);
+            const mha_status st = mha_kv_cache_append(paged, b, k, v, n);
+            if (st == MHA_ERR_OUT_OF_MEMORY) {   /* the pool: nothing moved */
+                assert_non_null(strstr(mha_last_error(), "pool is full"));
+                assert_int_equal(mha_kv_cache_get_usage(paged, &after),
+                                 MHA_OK);
+                assert_memory_equal(&before, &after, sizeof before);
+                refused++;
+            } else {
+                assert_int_equal(st, MHA_OK);
+                assert_int_equal(mha_kv_cache_append(flat, b, k, v, n),
+                                 MHA_OK);
+            }
+        } else if (what < 11) {   /* truncate (the rollback) */
+            const int64_t to = len ? below(len + 1) : 0;
+            assert_int_equal(mha_kv_cache_truncate(paged, b, to), MHA_OK);
+            assert_int_equal(mha_kv_cache_truncate(flat, b, to), MHA_OK);
+        } else if (what < 12) {   /* reset: the sequence leaves */
+            assert_int_equal(mha_kv_cache_reset(paged, b), MHA_OK);
+            assert_int_equal(mha_kv_cache_reset(flat, b), MHA_OK);
+        } else if (what < 15) {   /* fork b into another slot */
+            const int64_t to = (b + 1 + below(B - 1)) % B;
+            assert_int_equal(mha_kv_cache_fork(paged, b, to), MHA_OK);
+            assert_int_equal(mha_kv_cache_fork(flat, b, to), MHA_OK);
+            forks++;
+        } else if (what < 17) {
+            same_read(paged, flat, b);
+        } else {
+            same_step(paged, flat, 1 + (int)below(3));
+            steps++;
+        }
+        check_state(paged, flat);
+    }
+    for (int64_t b = 0; b < B; b++)
+        same_read(paged, flat, b);
+    /* every page back once no one holds it */
+    assert_int_equal(mha_kv_cache_reset(paged, -1), MHA_OK);
+    mha_kv_cache_usage u;
+    assert_int_equal(mha_kv_cache_get_usage(paged, &u), MHA_OK);
+    assert_int_equal(u.pages_free, paged->pages);
+    assert_int_equal(u.tokens, 0);
+    assert_true(mha_kv_pages_consistent(paged));
+    print_message("dtype %d page %lld pool %lld: %d ops, %d appends refused "
+                  "(pool full), %d forks, %d steps\n", (int)dt,
+                  (long long)page, (long long)pages, ops, refused, forks,
+                  steps);
+    assert_true(refused > 0 && forks > 0 && steps > 0);   /* all exercised */
+    mha_kv_cache_free(paged);
+    mha_kv_cache_free(flat);
+}
+
+static void test_programs(void **state)
+{
+    (void)state;
+    static const mha_kv_dtype dts[] = {MHA_KV_F32, MHA_KV_F16, MHA_KV_BF16,
+                                       MHA_KV_Q8};
+    /* pools of 8 pages of 64 and 4 of 128: less than the 4 x 5 (4 x 3)
+     * pages that full sequences would take */
+    for (int d = 0; d < 4; d++) {
+        program(dts[d], 64, 8, 100 + (uint64_t)d, 1500);
+        program(dts[d], 128, 4, 200 + (uint64_t)d, 1500);
+    }
+}
+
+/* A step on a paged cache that forks and rolls back, against float64
+ * attention over the values it reads back (each query row: the softmax of
+ * q.k / sqrt(d_h) over the sequence's keys).  float32 sums of <= 300
+ * terms of |p v| <= 2 err by < 300 * 2^-24 * 2 relative to the row's
+ * sum: the bound below is 3x that. */
+static void test_step_vs_float64(void **state)
+{
+    (void)state;
+    rng_state = 7;
+    mha_kv_cache *kv = make(MHA_KV_F32, 64, 12);
+    static float k[CAP * EKV], v[CAP * EKV], q[B * E], o[B * E];
+    tu_fill(k, 150 * EKV, 1, -2, 2);
+    tu_fill(v, 150 * EKV, 2, -2, 2);
+    assert_int_equal(mha_kv_cache_append(kv, 0, k, v, 150), MHA_OK);
+    assert_int_equal(mha_kv_cache_fork(kv, 0, 1), MHA_OK);
+    assert_int_equal(mha_kv_cache_fork(kv, 0, 2), MHA_OK);
+    assert_int_equal(mha_kv_cache_truncate(kv, 2, 100), MHA_OK);
+    tu_fill(k, 30 * EKV, 3, -2, 2);
+    tu_fill(v, 30 * EKV, 4, -2, 2);
+    assert_int_equal(mha_kv_cache_append(kv, 1, k, v, 30), MHA_OK);
+    assert_int_equal(mha_kv_cache_append(kv, 2, k, v, 7), MHA_OK);
+    assert_int_equal(mha_kv_cache_append(kv, 3, k, v, 1), MHA_OK);
+    tu_fill(q, B * E, 5, -1, 1);
+    mha_attention_decode_args d = {0};
+    d.batch = B, d.num_heads = H, d.head_dim = DH, d.q_len = 1;
+    d.q = q, d.out = o, d.cache = kv;
+    assert_int_equal(mha_attention_decode(&d), MHA_OK);
+    double worst = 0.0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = mha_kv_cache_length(kv, b);
+        assert_int_equal(mha_kv_cache_read(kv, b, 0, n, k, v), MHA_OK);
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t g = h / (H / HKV);
+            const float *qr = q + b * E + h * DH;
+            double s[CAP], m = -INFINITY, l = 0.0;
+            for (int64_t j = 0; j < n; j++) {
+                double dot = 0.0;
+                for (int64_t e = 0; e < DH; e++)
+                    dot += (double)qr[e] * k[j * EKV + g * DH + e];
+                s[j] = dot / sqrt((double)DH);
+                m = s[j] > m ? s[j] : m;
+            }
+            for (int64_t j = 0; j < n; j++)
+                l += exp(s[j] - m);
+            for (int64_t e = 0; e < DH; e++) {
+                double r = 0.0;
+                for (int64_t j = 0; j < n; j++)
+                    r += exp(s[j] - m) / l * v[j * EKV + g * DH + e];
+                const double err = fabs(o[b * E + h * DH + e] - r);
+                worst = err > worst ? err : worst;
+            }
+        }
+    }
+    print_message("paged step vs float64: worst error %.3g\n", worst);
+    assert_true(worst < 3 * 300 * 2 * 0x1p-24);
+    mha_kv_cache_free(kv);
+}
+
+/* The module's forward (prefill, then token by token) on a paged cache:
+ * the contiguous cache's bits; a pool too small for a step refused with
+ * the cache and the output untouched. */
+static void test_module_forward(void **state)
+{
+    (void)state;
+    enum { ME = 32, L0 = 70, STEPS = 5, MB = 2 };
+    mha_config c = {0};
+    c.embed_dim = ME;
+    c.num_heads = 4;
+    c.num_kv_heads = 2;
+    mha_module *m = tu_module(&c, 21);
+    assert_non_null(m);
+    mha_kv_cache_config cc = {0};
+    cc.batch = MB, cc.num_kv_heads = 2, cc.head_dim = ME / 4;
+    cc.capacity = 200, cc.dtype = MHA_KV_F16;
+    mha_kv_cache *flat = NULL, *paged = NULL, *tiny = NULL;
+    assert_int_equal(mha_kv_cache_create(&cc, &flat), MHA_OK);
+    cc.page_size = 64;
+    assert_int_equal(mha_kv_cache_create(&cc, &paged), MHA_OK);
+    cc.num_pages = 3;   /* two sequences of 70 tokens take 4 pages */
+    assert_int_equal(mha_kv_cache_create(&cc, &tiny), MHA_OK);
+    static float x[MB * L0 * ME], y1[MB * L0 * ME], y2[MB * L0 * ME];
+    tu_fill(x, MB * L0 * ME, 22, -1, 1);
+    mha_forward_args a = {0};
+    a.batch = MB;
+    a.q_len = L0;
+    a.query = x;
+    a.cache = tiny;
+    a.out = y1;
+    memset(y1, 0x5A, sizeof y1);
+    assert_fails(mha_forward(m, &a), MHA_ERR_OUT_OF_MEMORY, "pool is full");
+    assert_int_equal(mha_kv_cache_length(tiny, 0), 0);
+    for (size_t i = 0; i < sizeof y1; i++)
+        assert_int_equal(((unsigned char *)y1)[i], 0x5A);
+    assert_true(mha_kv_pages_consistent(tiny));
+    for (int step = 0; step <= STEPS; step++) {
+        a.q_len = step ? 1 : L0;
+        tu_fill(x, MB * a.q_len * ME, 30 + (uint64_t)step, -1, 1);
+        a.cache = paged, a.out = y1;
+        assert_int_equal(mha_forward(m, &a), MHA_OK);
+        a.cache = flat, a.out = y2;
+        assert_int_equal(mha_forward(m, &a), MHA_OK);
+        assert_memory_equal(y1, y2, (size_t)(MB * a.q_len * ME) * 4);
+    }
+    assert_true(mha_kv_pages_consistent(paged));
+    mha_kv_cache_free(flat);
+    mha_kv_cache_free(paged);
+    mha_kv_cache_free(tiny);
+    mha_free(m);
+}
+
+/* 64 ragged sequences (lengths 256 .. 8192) in pages of 64: the pages
+ * hold at most 1.1x their tokens' bytes (each sequence wastes < 64
+ * positions of its last page), where a contiguous cache holds the
+ * capacity times the batch. */
+static void test_memory_ragged(void **state)
+{
+    (void)state;
+    enum { NS = 64, MAXLEN = 8192 };
+    mha_kv_cache_config cc = {0};
+    cc.batch = NS, cc.num_kv_heads = 1, cc.head_dim = 16;
+    cc.capacity = MAXLEN, cc.dtype = MHA_KV_F16, cc.page_size = 64;
+    cc.num_pages = NS * MAXLEN / 64 * 3 / 4;   /* 3/4 of a contiguous one */
+    mha_kv_cache *kv = NULL;
+    assert_int_equal(mha_kv_cache_create(&cc, &kv), MHA_OK);
+    static float k[MAXLEN * 16], v[MAXLEN * 16];
+    tu_fill(k, MAXLEN * 16, 1, -1, 1);
+    tu_fill(v, MAXLEN * 16, 2, -1, 1);
+    rng_state = 3;
+    for (int64_t b = 0; b < NS; b++) {
+        const int64_t n = 256 + below(MAXLEN - 256 + 1);
+        assert_int_equal(mha_kv_cache_append(kv, b, k, v, n), MHA_OK);
+    }
+    mha_kv_cache_usage u;
+    assert_int_equal(mha_kv_cache_get_usage(kv, &u), MHA_OK);
+    const double ratio = (double)u.bytes / (double)u.token_bytes;
+    print_message("64 ragged sequences, %lld tokens: pages hold %.4fx their "
+                  "bytes (%lld of %lld pages)\n", (long long)u.tokens, ratio,
+                  (long long)u.pages_used,
+                  (long long)(u.pages_used + u.pages_free));
+    assert_true(ratio >= 1.0 && ratio <= 1.1);
+    assert_int_equal(u.token_bytes, u.tokens * 2 * 16 * 2);   /* K, V f16 */
+    mha_kv_cache_free(kv);
+}
+
+static void test_misuse(void **state)
+{
+    (void)state;
+    mha_kv_cache_config cc = {0};
+    cc.batch = 2, cc.num_kv_heads = 1, cc.head_dim = 8, cc.capacity = 100;
+    mha_kv_cache *kv = NULL;
+    cc.page_size = 100;
+    assert_fails(mha_kv_cache_create(&cc, &kv), MHA_ERR_INVALID_ARGUMENT,
+                 "page_size 100");
+    assert_null(kv);
+    cc.page_size = -64;
+    assert_fails(mha_kv_cache_create(&cc, &kv), MHA_ERR_INVALID_ARGUMENT,
+                 "page_size");
+    cc.page_size = 64, cc.window = 10;
+    assert_fails(mha_kv_cache_create(&cc, &kv), MHA_ERR_UNSUPPORTED,
+                 "window");
+    cc.window = 0, cc.page_size = 0, cc.num_pages = 4;
+    assert_fails(mha_kv_cache_create(&cc, &kv), MHA_ERR_INVALID_ARGUMENT,
+                 "num_pages 4 without a page_size");
+    cc.page_size = 64, cc.num_pages = INT64_C(1) << 40;
+    assert_fails(mha_kv_cache_create(&cc, &kv), MHA_ERR_INVALID_ARGUMENT,
+                 "num_pages");
+    cc.num_pages = -1;
+    assert_fails(mha_kv_cache_create(&cc, &kv), MHA_ERR_INVALID_ARGUMENT,
+                 "num_pages");
+    cc.num_pages = 0;   /* the default: every sequence at its capacity */
+    assert_int_equal(mha_kv_cache_create(&cc, &kv), MHA_OK);
+    mha_kv_cache_usage u;
+    assert_int_equal(mha_kv_cache_get_usage(kv, &u), MHA_OK);
+    assert_int_equal(u.pages_free, 2 * 2);   /* 2 x ceil(100 / 64) */
+    assert_fails(mha_kv_cache_fork(kv, 1, 1), MHA_ERR_INVALID_ARGUMENT,
+                 "onto itself");
+    assert_fails(mha_kv_cache_fork(kv, 0, 2), MHA_ERR_INVALID_ARGUMENT,
+                 "sequence 2");
+    assert_fails(mha_kv_cache_fork(kv, -1, 0), MHA_ERR_INVALID_ARGUMENT,
+                 "sequence -1");
+    assert_fails(mha_kv_cache_fork(NULL, 0, 1), MHA_ERR_NULL_POINTER,
+                 "cache");
+    assert_fails(mha_kv_cache_get_usage(kv, NULL), MHA_ERR_NULL_POINTER,
+                 "usage");
+    assert_fails(mha_kv_cache_get_usage(NULL, &u), MHA_ERR_NULL_POINTER,
+                 "cache");
+    assert_fails(mha_kv_cache_get_usage_sized(kv, &u, 0),
+                 MHA_ERR_INVALID_ARGUMENT, "mha_kv_cache_usage");
+    /* past the capacity: refused as in a contiguous cache */
+    static float k[101 * 8], v[101 * 8];
+    assert_fails(mha_kv_cache_append(kv, 0, k, v, 101),
+                 MHA_ERR_INVALID_ARGUMENT, "capacity");
+    assert_true(mha_kv_pages_consistent(kv));
+    mha_kv_cache_free(kv);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_programs),
+        cmocka_unit_test(test_step_vs_float64),
+        cmocka_unit_test(test_module_forward),
+        cmocka_unit_test(test_memory_ragged),
+        cmocka_unit_test(test_misuse),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
