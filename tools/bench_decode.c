@@ -402,6 +402,7 @@ typedef struct decode_bench {
     int json, threads_default;
     int attn_only;     /* time mha_attention on the cache, no module     */
     int ragged;        /* sequence b holds round(Lk (b + 1) / B) keys    */
+    int64_t page;      /* a paged cache's page size; 0: contiguous       */
     int64_t *len;      /* (B): the keys each sequence holds before a step */
     int64_t kv_keys;   /* their sum: the cached keys one step reads      */
 } decode_bench;
@@ -427,6 +428,7 @@ typedef struct decode_result {
     double read_gbps;
     int64_t read_bytes;
     double median_ms, min_ms, kv_bytes, kv_gbps, read_percent, weight_bytes;
+    mha_kv_cache_usage usage;   /* the cache once filled (before a step) */
     /* the roofline: the arithmetic probe's rate, the step's time at the
      * read probe's bandwidth and at that rate, the larger of the two, and
      * the share of it the step reaches */
@@ -468,8 +470,15 @@ static int parse_decode(const tool_opt *o, int n, decode_bench *d)
          tool_int("bench", "repeat", OPT("repeat"), 1, 1000000,
                   &d->repeat)) ||
         (OPT("warmup") &&
-         tool_int("bench", "warmup", OPT("warmup"), 0, 1000000, &d->warmup)))
+         tool_int("bench", "warmup", OPT("warmup"), 0, 1000000, &d->warmup)) ||
+        (OPT("page-size") &&
+         tool_int("bench", "page-size", OPT("page-size"), 1, INT32_MAX,
+                  &d->page)))
         return 1;
+    if (d->page && !OPT("paged"))
+        return tool_fail("bench", "--page-size needs --paged");
+    if (OPT("paged") && !d->page)
+        d->page = 64;
     d->json = OPT("json") != NULL;
     d->threads_default = OPT("threads") == NULL;
     d->attn_only = OPT("attention-only") != NULL;
@@ -493,6 +502,11 @@ static int parse_decode(const tool_opt *o, int n, decode_bench *d)
  * about (B + 1) / 2B of the keys of B full sequences.  Lk (b + 1) < 2^62,
  * both factors being below 2^31.
  */
+static int64_t sequence_length(const decode_bench *d, int64_t b)
+{
+    return d->ragged ? (d->Lk * (b + 1) + d->B / 2) / d->B : d->Lk;
+}
+
 static int sequence_lengths(decode_bench *d)
 {
     d->len = malloc((size_t)d->B * sizeof *d->len);
@@ -501,39 +515,49 @@ static int sequence_lengths(decode_bench *d)
                          (long long)d->B);
     d->kv_keys = 0;
     for (int64_t b = 0; b < d->B; b++) {
-        d->len[b] = d->ragged ? (d->Lk * (b + 1) + d->B / 2) / d->B : d->Lk;
+        d->len[b] = sequence_length(d, b);
         d->kv_keys += d->len[b];
     }
     return 0;
 }
 
 /* Fills sequence b of kv with len[b] random keys and values, appended at
- * most 1024 tokens at a time. */
+ * most 1024 tokens at a time; a paged cache (page > 0) a page's tokens at
+ * a time, the sequences in turn, as a server interleaves them: no
+ * sequence's pages lie side by side. */
 static int prefill(mha_kv_cache *kv, const int64_t *len, int64_t B,
-                   int64_t Lk, int64_t Dkv)
+                   int64_t Lk, int64_t Dkv, int64_t page)
 {
-    const int64_t step = Lk < 1024 ? Lk : 1024;
+    const int64_t step = page ? page : Lk < 1024 ? Lk : 1024;
     float *k = malloc((size_t)(2 * step * Dkv) * sizeof *k);
     if (!k)
         return tool_fail("bench", "out of memory for the cache's prefill");
     uint64_t state = 7;
     int rc = 0;
-    for (int64_t b = 0; !rc && b < B; b++)
-        for (int64_t t = 0; !rc && t < len[b]; t += step) {
-            const int64_t n = len[b] - t < step ? len[b] - t : step;
-            bench_fill_random(k, 2 * n * Dkv, &state);
-            if (mha_kv_cache_append(kv, b, k, k + n * Dkv, n) != MHA_OK)
-                rc = tool_fail("bench", "prefill: %s", mha_last_error());
-        }
+    const int64_t rounds = page ? (Lk + step - 1) / step : 1;
+    for (int64_t r = 0; !rc && r < rounds; r++)
+        for (int64_t b = 0; !rc && b < B; b++)
+            for (int64_t t = page ? r * step : 0;
+                 !rc && t < len[b] && (!page || t < (r + 1) * step);
+                 t += step) {
+                const int64_t n = len[b] - t < step ? len[b] - t : step;
+                bench_fill_random(k, 2 * n * Dkv, &state);
+                if (mha_kv_cache_append(kv, b, k, k + n * Dkv, n) != MHA_OK)
+                    rc = tool_fail("bench", "prefill: %s", mha_last_error());
+            }
     free(k);
     return rc;
 }
 
-/* The cache: room for the step's Lq tokens after the longest sequence. */
+/* The cache: room for the step's Lq tokens after the longest sequence;
+ * paged, a pool of the pages the sequences fill with them. */
 static int create_cache(const decode_bench *d, decode_state *s)
 {
-    const mha_kv_cache_config kc = {d->B, d->Hkv, d->dh, d->Lk + d->Lq,
-                                    d->dtype, 0, 0, 0};
+    mha_kv_cache_config kc = {d->B, d->Hkv, d->dh, d->Lk + d->Lq,
+                              d->dtype, 0, d->page, 0};
+    for (int64_t b = 0; d->page && b < d->B; b++)
+        kc.num_pages += (sequence_length(d, b) + d->Lq + d->page - 1) /
+                        d->page;
     const mha_status st = mha_kv_cache_create(&kc, &s->kv);
     if (st == MHA_OK)
         return 0;
@@ -602,7 +626,8 @@ static int setup(decode_bench *d, decode_state *s)
     bench_fill_random(s->q, nq, &state);
     if (s->kv_new)
         bench_fill_random(s->kv_new, nkv, &state);
-    return plan_step(d, s) || prefill(s->kv, d->len, d->B, d->Lk, Dkv);
+    return plan_step(d, s) ||
+           prefill(s->kv, d->len, d->B, d->Lk, Dkv, d->page);
 }
 
 static void free_state(decode_state *s)
@@ -707,6 +732,8 @@ static void print_json(const decode_bench *d, const decode_result *r)
            "\"arith_gelems\": %.6g, \"memory_ms\": %.6g, "
            "\"arith_ms\": %.6g, \"roofline_ms\": %.6g, "
            "\"roofline_percent\": %.6g, "
+           "\"page_size\": %lld, \"cache_bytes\": %lld, "
+           "\"token_bytes\": %lld, "
            "\"library\": \"%s\"}\n",
            json_bool(d->attn_only), json_bool(d->ragged), (long long)d->B,
            (long long)d->Lq, (long long)d->Lk, (long long)d->kv_keys,
@@ -718,7 +745,9 @@ static void print_json(const decode_bench *d, const decode_result *r)
            r->kv_gbps, r->read_gbps, r->read_percent,
            (long long)r->read_bytes, r->weight_bytes, r->arith_kind,
            r->arith_rows, r->arith_gelems, r->memory_ms, r->arith_ms,
-           r->roofline_ms, r->roofline_percent, mha_version_string());
+           r->roofline_ms, r->roofline_percent, (long long)d->page,
+           (long long)r->usage.bytes, (long long)r->usage.token_bytes,
+           mha_version_string());
 }
 
 static void print_text(const decode_bench *d, const decode_result *r)
@@ -753,6 +782,17 @@ static void print_text(const decode_bench *d, const decode_result *r)
         printf("          ragged: %lld to %lld keys per sequence, %lld in "
                "all\n", (long long)d->len[0], (long long)d->Lk,
                (long long)d->kv_keys);
+    if (d->page)
+        printf("  pages   %lld of %lld positions: %.1f MiB held for %.1f "
+               "MiB of tokens (%.4fx)\n", (long long)r->usage.pages_used,
+               (long long)d->page, r->usage.bytes / 1048576.0,
+               r->usage.token_bytes / 1048576.0,
+               (double)r->usage.bytes / (double)r->usage.token_bytes);
+    else
+        printf("  cache   contiguous: %.1f MiB held for %.1f MiB of tokens "
+               "(%.4fx)\n", r->usage.bytes / 1048576.0,
+               r->usage.token_bytes / 1048576.0,
+               (double)r->usage.bytes / (double)r->usage.token_bytes);
     if (d->attn_only)
         printf("  weights none read: q and the new K/V come projected\n");
     else
@@ -782,6 +822,8 @@ int bench_decode(int argc, char **argv, const tool_opt *o, int n)
         return 1;
     decode_state s = {0};
     int rc = setup(&d, &s);
+    if (!rc && mha_kv_cache_get_usage(s.kv, &res.usage) != MHA_OK)
+        rc = tool_fail("bench", "%s", mha_last_error());
 #ifndef __OPTIMIZE__
     if (!rc)
         fprintf(stderr, "mha bench: warning: this mha was built without "

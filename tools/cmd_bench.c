@@ -29,6 +29,7 @@ static const char BENCH_HELP[] =
     "       mha bench --decode --kv-seq Lk --embed-dim E --heads H\n"
     "                 [--kv-heads Hkv] [--kv-dtype f32|f16|bf16|q8]\n"
     "                 [--batch B] [--seq L] [--ragged] [--attention-only]\n"
+    "                 [--paged [--page-size P]]\n"
     "                 [--threads T] [--repeat R] [--warmup W] [--json]\n"
     "\n"
     "Times the forward pass of a module with Xavier-initialised weights\n"
@@ -112,6 +113,16 @@ static const char BENCH_HELP[] =
     "                        others evenly shorter (B = 8, Lk = 4096: 512,\n"
     "                        1024, ..., 4096); kv_keys is their sum, and\n"
     "                        the JSON says \"ragged\": true\n"
+    "  --paged               a paged cache (mha_kv_cache_config.page_size):\n"
+    "                        pages of P positions (--page-size P, a multiple\n"
+    "                        of 64; default 64), a pool of just the pages\n"
+    "                        the sequences and the step's tokens fill,\n"
+    "                        filled a page at a time, the sequences in turn\n"
+    "                        (as a server interleaves them: no sequence's\n"
+    "                        pages side by side); it\n"
+    "                        reports the bytes the pages hold against the\n"
+    "                        bytes of the tokens stored (JSON: page_size,\n"
+    "                        cache_bytes, token_bytes)\n"
     "  --attention-only      time the attention of the step alone,\n"
     "                        mha_attention_plan_run with args.cache on random\n"
     "                        q (B, Lq, H*d_h) already projected: no module,\n"
@@ -287,6 +298,7 @@ int cmd_bench(int argc, char **argv)
                     {"warmup", 1, 0}, {"json", 0, 0}, {"decode", 0, 0},
                     {"kv-heads", 1, 0}, {"kv-dtype", 1, 0},
                     {"ragged", 0, 0}, {"sinks", 0, 0}, {"dtype", 1, 0},
+                    {"paged", 0, 0}, {"page-size", 1, 0},
                     MOD_OPTS, MOD_WINDOW_OPT};
     int status;
     if (tool_options("bench", argc, argv, o, NOPTS(o), BENCH_HELP, &status))
@@ -303,7 +315,7 @@ int cmd_bench(int argc, char **argv)
     if (OPT("decode"))
         return bench_decode(argc, argv, o, NOPTS(o));
     static const char *const decode_only[] = {"kv-heads", "kv-dtype",
-                                              "ragged"};
+                                              "ragged", "paged", "page-size"};
     for (int k = 0; k < NOPTS(decode_only); k++)
         if (OPT(decode_only[k]))
             return tool_fail("bench", "--%s needs --decode", decode_only[k]);

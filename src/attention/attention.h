@@ -374,14 +374,16 @@ struct mha_kv_cache {
 };
 
 /* Index of tile t of (b, g) among its plane's tiles (and flags): the
- * contiguous [B][Hkv][tiles], or through the page table. */
+ * contiguous [B][Hkv][tiles], or through the page table, [Hkv][pages +
+ * 1][tpp] (each head's pages side by side, so that a sequence whose pages
+ * were taken in order streams as from a contiguous cache). */
 static inline int64_t mha_kv_tile_index(const mha_kv_cache *c, int64_t b,
                                         int64_t g, int64_t t)
 {
     if (!c->page)
         return (b * c->Hkv + g) * c->tiles + t;
     const int64_t pg = c->table[b * c->table_len + t / c->tpp];
-    return (pg * c->Hkv + g) * c->tpp + t % c->tpp;
+    return (g * (c->pages + 1) + pg) * c->tpp + t % c->tpp;
 }
 
 /* ---- the page pool (kv_pages.c) ----
@@ -639,6 +641,10 @@ typedef struct mha_tile_src {
     int ldk, ldv;
 } mha_tile_src;
 mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t);
+/* On a paged cache, when tile t's successor starts another page: the
+ * start of that page's K and V tiles asked for now (a page lies anywhere,
+ * so the hardware's prefetchers, which follow addresses, cannot). */
+void mha_tile_prefetch_next(const mha_attn *a, const mha_tile *t);
 
 /* s = q k^T for mr query rows against the tile's first nc keys, and o +=
  * p v over them: the micro-kernel for where the tile is read from (the

@@ -8,9 +8,12 @@
  * gives each sequence a table of the pages it holds, in position order:
  *
  *   position p of sequence b:  page table[b][p / page], column p % page
- *   tile t of (b, g):          tile (pg * H_kv + g) * tpp + t % tpp of
- *                              the planes, pg = table[b][t / tpp]
- *                              (mha_kv_tile_index)
+ *   tile t of (b, g):          tile (g * (pages + 1) + pg) * tpp + t % tpp
+ *                              of the planes, pg = table[b][t / tpp]
+ *                              (mha_kv_tile_index: each head's pages side
+ *                              by side, so a sequence whose pages were
+ *                              taken in order streams as a contiguous
+ *                              cache does)
  *
  * so memory follows the tokens held, not the capacity.  A fork gives a
  * second sequence the first one's pages by reference (refs counts the
@@ -28,10 +31,34 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* One page's bytes in one plane (K or V): tpp tiles of every K/V head. */
-static int64_t page_bytes(const mha_kv_cache *c)
+/* The index of head g's first tile in page pg, in the planes and flags
+ * ([Hkv][pages + 1][tpp] tiles: mha_kv_tile_index). */
+static int64_t first_tile(const mha_kv_cache *c, int64_t g, int64_t pg)
 {
-    return c->Hkv * c->tpp * c->tile_bytes;
+    return (g * (c->pages + 1) + pg) * c->tpp;
+}
+
+/* Page `to` becomes a copy of page `from` (every head's tiles and flags),
+ * or (from < 0) zeros flagged finite, as a new contiguous cache is (a
+ * tile's unused columns hold finite zeros). */
+static void fill_page(mha_kv_cache *c, int32_t to, int32_t from)
+{
+    const size_t bytes = (size_t)(c->tpp * c->tile_bytes);
+    for (int64_t g = 0; g < c->Hkv; g++) {
+        const int64_t t = first_tile(c, g, to);
+        if (from < 0) {
+            memset(c->k + t * c->tile_bytes, 0, bytes);
+            memset(c->v + t * c->tile_bytes, 0, bytes);
+            for (int64_t i = 0; i < c->tpp; i++)
+                c->finite[t + i] = 1.0f;
+        } else {
+            const int64_t f = first_tile(c, g, from);
+            memcpy(c->k + t * c->tile_bytes, c->k + f * c->tile_bytes, bytes);
+            memcpy(c->v + t * c->tile_bytes, c->v + f * c->tile_bytes, bytes);
+            memcpy(c->finite + t, c->finite + f,
+                   (size_t)c->tpp * sizeof *c->finite);
+        }
+    }
 }
 
 static int32_t *entry(const mha_kv_cache *c, int64_t b, int64_t i)
@@ -39,16 +66,11 @@ static int32_t *entry(const mha_kv_cache *c, int64_t b, int64_t i)
     return c->table + b * c->table_len + i;
 }
 
-/* A page off the free stack, zeroed as a new contiguous cache is (a
- * tile's unused columns hold finite zeros) and flagged finite. */
+/* A page off the free stack, zeroed. */
 static int32_t take(mha_kv_cache *c)
 {
     const int32_t pg = c->free_pages[--c->n_free];
-    const int64_t pb = page_bytes(c), flags = c->Hkv * c->tpp;
-    memset(c->k + pg * pb, 0, (size_t)pb);
-    memset(c->v + pg * pb, 0, (size_t)pb);
-    for (int64_t f = 0; f < flags; f++)
-        c->finite[pg * flags + f] = 1.0f;
+    fill_page(c, pg, -1);
     c->refs[pg] = 1;
     return pg;
 }
@@ -98,7 +120,6 @@ mha_status mha_kv_pages_reserve(mha_kv_cache *c, int64_t b, int64_t n)
                              (long long)need, (long long)c->page,
                              (long long)c->n_free, (long long)c->pages);
     }
-    const int64_t pb = page_bytes(c), flags = c->Hkv * c->tpp;
     for (int64_t s = b0; s < b1; s++) {
         int64_t first, last;
         span_of(c, s, n, &first, &last);
@@ -107,13 +128,11 @@ mha_status mha_kv_pages_reserve(mha_kv_cache *c, int64_t b, int64_t n)
             if (*e == c->pages) {
                 *e = take(c);
             } else if (c->refs[*e] > 1) {   /* shared: a copy of its own */
-                const int32_t pg = take(c);
-                memcpy(c->k + pg * pb, c->k + *e * pb, (size_t)pb);
-                memcpy(c->v + pg * pb, c->v + *e * pb, (size_t)pb);
-                /* (the other holder's flags: finite over its columns,
-                 * ours among them, or 0, which only takes the slow path) */
-                memcpy(c->finite + pg * flags, c->finite + *e * flags,
-                       (size_t)flags * sizeof *c->finite);
+                /* (the other holder's flags come too: finite over its
+                 * columns, ours among them, or 0: only the slow path) */
+                const int32_t pg = c->free_pages[--c->n_free];
+                fill_page(c, pg, *e);
+                c->refs[pg] = 1;
                 drop(c, *e);
                 *e = pg;
             }

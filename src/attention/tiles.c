@@ -118,6 +118,23 @@ mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t)
     return src;
 }
 
+void mha_tile_prefetch_next(const mha_attn *a, const mha_tile *t)
+{
+    const mha_kv_cache *c = a->kv;
+    const int64_t next = t->index + 1;
+    if (!c || !c->page || t->extra || next % c->tpp || next >= c->tiles)
+        return;
+    /* the first 4 KiB of each (the hardware's streams take it from there,
+     * within a page of memory) */
+    const char *k = (const char *)mha_kv_cache_k_tile(c, t->b, t->g, next);
+    const char *v = (const char *)mha_kv_cache_v_tile(c, t->b, t->g, next);
+    const int64_t bytes = c->tile_bytes < 2048 ? c->tile_bytes : 2048;
+    for (int64_t at = 0; at < bytes; at += 64) {
+        __builtin_prefetch(k + at, 0, 3);
+        __builtin_prefetch(v + at, 0, 3);
+    }
+}
+
 /* Key or value j (x: 0 key, 1 value) of (b, g), element d. */
 static float kv_elem(const mha_attn *a, int x, int64_t b, int64_t g,
                      int64_t j, int64_t d)
