@@ -1,12 +1,13 @@
 /*
  * fuzz_cache.c -- fuzz target for the KV cache's operation sequences:
- * create, then any sequence of append, truncate, reset, read and decoding
- * steps (mha_attention on the cache), driven by the input bytes, against a
- * model kept here of what each sequence must hold.
+ * create, then any sequence of append, truncate, reset, read, fork and
+ * decoding steps (mha_attention on the cache), driven by the input bytes,
+ * against a model kept here of what each sequence must hold.
  *
  * The first bytes choose the cache (batch 1..3, H_kv 1..2, d_h 1..40 --
  * q8's blocks of 32 split in two past 32 --, capacity 1..12, dtype f32,
- * f16, bf16 or q8, a window 0 or 1..capacity); each next byte pair is an
+ * f16, bf16 or q8, a window 0 or 1..capacity, or no window and pages of
+ * 64 in a pool of 1..batch pages); each next byte pair is an
  * operation and its argument.  Values come from a generator seeded by the
  * input's hash.  Contract checks (trap if broken):
  *   - a call either succeeds or fails with a message; a refused call
@@ -15,6 +16,12 @@
  *     cache) is refused, one within it adds n; truncate to at most the
  *     length works unless the window's ring no longer holds the positions
  *     the last kept token attends to; reset empties;
+ *   - a paged cache's append may also be refused because its pool is
+ *     full (and then changes nothing); its pages are all counted after
+ *     each operation (used + free = the pool), and all free after a reset
+ *     of every sequence;
+ *   - a fork makes the target hold what the source holds (reads and
+ *     decoding then check it); onto itself it is refused;
  *   - a read returns what the append stored: for f32 exactly the values
  *     given; for every dtype the same values on every read until the
  *     positions are truncated or overwritten (the model keeps the first
@@ -181,6 +188,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     s.c.capacity = 1 + data[3] % CAPMAX;
     s.c.dtype = (mha_kv_dtype)(data[4] % 4);
     s.c.window = data[5] % 3 ? 0 : 1 + (data[5] / 3) % s.c.capacity;
+    if (!s.c.window && data[5] & 8) {   /* paged, a pool of 1 .. B pages */
+        s.c.page_size = 64;
+        s.c.num_pages = 1 + (data[5] >> 4) % s.c.batch;
+    }
     s.row = s.c.num_kv_heads * s.c.head_dim;
     mha_kv_cache *kv = NULL;
     const mha_status cst = mha_kv_cache_create(&s.c, &kv);
@@ -193,7 +204,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     memset(&m, 0, sizeof m);
     float k[(CAPMAX + 1) * ROWMAX], v[(CAPMAX + 1) * ROWMAX];  /* n <= cap+1 */
     for (size_t at = 6, ops = 0; at + 1 < size && ops < OPS; at += 2, ops++) {
-        const int op = data[at] % 6;
+        const int op = data[at] % 7;
         const int arg = data[at + 1];
         const int64_t q = arg % s.c.batch - (arg % 17 == 16);   /* -1 too */
         if (op == 0) {            /* append n = 0 .. capacity + 1 */
@@ -203,8 +214,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             const mha_status st = mha_kv_cache_append(kv, q, k, v, n);
             const int fits = q >= 0 && (s.c.window ? n <= s.c.capacity
                                         : m.len[q] + n <= s.c.capacity);
-            CHECK((st == MHA_OK) == fits, "append of %lld to %lld: %s",
-                  (long long)n, (long long)q,
+            /* a paged cache's pool may be full: refused, nothing changed
+             * (check_lengths below), else as any cache */
+            const int pool_full = s.c.page_size && fits &&
+                                  st == MHA_ERR_OUT_OF_MEMORY &&
+                                  strstr(mha_last_error(), "pool is full");
+            CHECK((st == MHA_OK) == fits || pool_full,
+                  "append of %lld to %lld: %s", (long long)n, (long long)q,
                   st == MHA_OK ? "accepted" : mha_last_error());
             if (st == MHA_OK) {
                 for (int64_t t = 0; t < n; t++) {
@@ -262,11 +278,37 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             if (q < 0)
                 continue;
             check_read(kv, &s, &m, q, m.lo[q], m.len[q] - m.lo[q]);
-        } else {                  /* a decoding step */
+        } else if (op == 5) {     /* a decoding step */
             decode(kv, &s, &m, 1 + arg % 3);
+        } else {                  /* fork q into another sequence */
+            const int64_t to = q < 0 ? 0 : (q + 1 + arg / 17) % s.c.batch;
+            const mha_status st = mha_kv_cache_fork(kv, q, to);
+            CHECK((st == MHA_OK) == (q >= 0 && to != q), "fork of %lld "
+                  "onto %lld: %s", (long long)q, (long long)to,
+                  st == MHA_OK ? "accepted" : mha_last_error());
+            if (st == MHA_OK) {
+                m.len[to] = m.len[q];
+                m.lo[to] = m.lo[q];
+                memcpy(m.k[to], m.k[q], sizeof m.k[to]);
+                memcpy(m.v[to], m.v[q], sizeof m.v[to]);
+                memcpy(m.known[to], m.known[q], sizeof m.known[to]);
+            }
         }
         check_lengths(kv, &s, &m);
+        mha_kv_cache_usage u;   /* the pool's pages all counted */
+        CHECK(mha_kv_cache_get_usage(kv, &u) == MHA_OK &&
+                  u.pages_used + u.pages_free == s.c.num_pages,
+              "usage: %lld pages used and %lld free of %lld",
+              (long long)u.pages_used, (long long)u.pages_free,
+              (long long)s.c.num_pages);
     }
+    /* every page back once no sequence holds it */
+    mha_kv_cache_usage u;
+    CHECK(mha_kv_cache_reset(kv, -1) == MHA_OK &&
+              mha_kv_cache_get_usage(kv, &u) == MHA_OK &&
+              u.pages_free == s.c.num_pages && u.tokens == 0,
+          "after a reset of all: %lld of %lld pages free",
+          (long long)u.pages_free, (long long)s.c.num_pages);
     mha_kv_cache_free(kv);
     return 0;
 }
