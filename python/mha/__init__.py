@@ -64,7 +64,7 @@ def __dir__():
 
 
 __version__ = _core.version()
-__all__ = ["Module", "KVCache", "attention", "attention_backward", "allow",
+__all__ = ["Module", "KVCache", "PagedKVCache", "attention", "attention_backward", "allow",
            "block", "additive", "alibi_slopes", "rope_apply", "MhaError",
            "kernel_tier", "gemm_backend", "dropout_keep"]
 
@@ -779,17 +779,20 @@ class KVCache:
     Module.forward(cache=...) or attention(cache=...)."""
 
     def __init__(self, batch: int, num_kv_heads: int, head_dim: int,
-                 capacity: int, dtype: str = "f32", window: int = 0) -> None:
+                 capacity: int, dtype: str = "f32", window: int = 0,
+                 page_size: int = 0, num_pages: int = 0) -> None:
         self._c = _core.kv_cache_create(
             batch=int(batch), num_kv_heads=int(num_kv_heads),
             head_dim=int(head_dim), capacity=int(capacity),
-            dtype=_key(dtype, _KV_DTYPE, "dtype"), window=int(window))
+            dtype=_key(dtype, _KV_DTYPE, "dtype"), window=int(window),
+            page_size=int(page_size), num_pages=int(num_pages))
         cfg = self._c.config()
         self.batch = cfg["batch"]
         self.num_kv_heads = cfg["num_kv_heads"]
         self.head_dim = cfg["head_dim"]
         self.capacity = cfg["capacity"]
         self.window = cfg["window"]
+        self.page_size = cfg["page_size"]
         self.dtype = dtype
 
     @classmethod
@@ -845,11 +848,43 @@ class KVCache:
         self._c.read(int(seq), int(start), int(n), k, v)
         return k, v
 
+    def fork(self, src: int, dst: int) -> None:
+        """Sequence ``dst`` becomes a copy of ``src`` (what it held is
+        dropped): a paged cache shares src's pages, copied only when one
+        of them appends into a shared page; a contiguous one copies."""
+        self._c.fork(int(src), int(dst))
+
+    def usage(self) -> Dict[str, int]:
+        """What the cache holds and takes (mha_kv_cache_usage): tokens,
+        token_bytes (their keys' and values' bytes), bytes (the storage
+        held: pages in use, a shared one once), bytes_total, page_size,
+        pages_used, pages_free."""
+        return dict(self._c.usage())
+
     def __repr__(self):
-        return ("mha.KVCache(batch=%d, num_kv_heads=%d, head_dim=%d, "
-                "capacity=%d, dtype=%r, window=%d, lengths=%s)"
-                % (self.batch, self.num_kv_heads, self.head_dim,
-                   self.capacity, self.dtype, self.window, self.lengths))
+        return ("mha.%s(batch=%d, num_kv_heads=%d, head_dim=%d, "
+                "capacity=%d, dtype=%r, window=%d, page_size=%d, lengths=%s)"
+                % (type(self).__name__, self.batch, self.num_kv_heads,
+                   self.head_dim, self.capacity, self.dtype, self.window,
+                   self.page_size, self.lengths))
+
+
+class PagedKVCache(KVCache):
+    """A KV cache whose memory follows the tokens held (mha_kv_cache with
+    page_size): a pool of ``num_pages`` pages of ``page_size`` positions
+    (a multiple of 64; num_pages 0: room for every sequence at its
+    capacity) and a table of pages per sequence.  ``batch`` is the number
+    of sequence slots, ``capacity`` the most tokens one may hold; append
+    to an empty slot to add a sequence, ``reset(seq)`` to free its pages,
+    ``fork(src, dst)`` to share a prefix.  An append the pool cannot take
+    raises MemoryError and changes nothing.  Attention reads it exactly as
+    a contiguous cache: the same results, bit for bit."""
+
+    def __init__(self, batch: int, num_kv_heads: int, head_dim: int,
+                 capacity: int, page_size: int = 64, num_pages: int = 0,
+                 dtype: str = "f32") -> None:
+        super().__init__(batch, num_kv_heads, head_dim, capacity, dtype,
+                         0, int(page_size), int(num_pages))
 
 
 # ---- attention on heads --------------------------------------------------------

@@ -1290,13 +1290,14 @@ static PyObject *cache_create(PyObject *self, PyObject *args, PyObject *kw)
 {
     (void)self;
     static char *kws[] = {"batch", "num_kv_heads", "head_dim", "capacity",
-                          "dtype", "window", NULL};
+                          "dtype", "window", "page_size", "num_pages", NULL};
     mha_kv_cache_config cc;
     memset(&cc, 0, sizeof cc);
     int dtype = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLL|iL", kws, &cc.batch,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLL|iLLL", kws, &cc.batch,
                                      &cc.num_kv_heads, &cc.head_dim,
-                                     &cc.capacity, &dtype, &cc.window))
+                                     &cc.capacity, &dtype, &cc.window,
+                                     &cc.page_size, &cc.num_pages))
         return NULL;
     cc.dtype = (mha_kv_dtype)dtype;
     mha_kv_cache *c = NULL;
@@ -1392,6 +1393,35 @@ static PyObject *cache_reset(CacheObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *cache_fork(CacheObject *self, PyObject *args)
+{
+    long long src, dst;
+    if (!PyArg_ParseTuple(args, "LL", &src, &dst))
+        return NULL;
+    if (cache_check(self))
+        return NULL;
+    mha_status st = mha_kv_cache_fork(self->c, src, dst);
+    if (st != MHA_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *cache_usage(CacheObject *self, PyObject *unused)
+{
+    (void)unused;
+    mha_kv_cache_usage u;
+    mha_status st = mha_kv_cache_get_usage(self->c, &u);
+    if (st != MHA_OK)
+        return raise_status(st);
+    return Py_BuildValue("{sLsLsLsLsLsLsL}", "tokens", (long long)u.tokens,
+                         "token_bytes", (long long)u.token_bytes, "bytes",
+                         (long long)u.bytes, "bytes_total",
+                         (long long)u.bytes_total, "page_size",
+                         (long long)u.page_size, "pages_used",
+                         (long long)u.pages_used, "pages_free",
+                         (long long)u.pages_free);
+}
+
 static PyObject *cache_read(CacheObject *self, PyObject *args)
 {
     long long seq, start, n;
@@ -1421,11 +1451,13 @@ static PyObject *cache_config(CacheObject *self, PyObject *unused)
 {
     (void)unused;
     const mha_kv_cache_config *c = &self->cfg;
-    return Py_BuildValue("{sLsLsLsLsisL}", "batch", (long long)c->batch,
+    return Py_BuildValue("{sLsLsLsLsisLsLsL}", "batch", (long long)c->batch,
                          "num_kv_heads", (long long)c->num_kv_heads,
                          "head_dim", (long long)c->head_dim, "capacity",
                          (long long)c->capacity, "dtype", (int)c->dtype,
-                         "window", (long long)c->window);
+                         "window", (long long)c->window, "page_size",
+                         (long long)c->page_size, "num_pages",
+                         (long long)c->num_pages);
 }
 
 static PyMethodDef cache_methods[] = {
@@ -1437,6 +1469,8 @@ static PyMethodDef cache_methods[] = {
     {"reset", (PyCFunction)cache_reset, METH_VARARGS, "reset(seq=-1)"},
     {"read", (PyCFunction)cache_read, METH_VARARGS,
      "read(seq, start, n, k, v)"},
+    {"fork", (PyCFunction)cache_fork, METH_VARARGS, "fork(src, dst)"},
+    {"usage", (PyCFunction)cache_usage, METH_NOARGS, "usage()"},
     {"config", (PyCFunction)cache_config, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL}};
 

@@ -236,6 +236,60 @@ def test_attention_with_cache_equals_attention(rng):
                                   .astype(np.float32))
 
 
+def test_paged_cache_forks_and_equals_contiguous(rng):
+    """A PagedKVCache holds and attends what a contiguous KVCache given the
+    same operations holds (the same bits); a fork shares the prompt's pages
+    (usage counts them once), a full pool raises MemoryError and changes
+    nothing, and a NumPy float64 softmax checks one step."""
+    m = mha.Module(32, 4, num_kv_heads=2, seed=3)
+    randomize(m, rng)
+    B, P = 3, 100
+    paged = mha.PagedKVCache(B, 2, 8, capacity=200, page_size=64,
+                             num_pages=6, dtype="bf16")
+    flat = mha.KVCache(B, 2, 8, capacity=200, dtype="bf16")
+    prompt = f32(rng, P, 32)     # sequence 0's, projected and appended
+    for c in (paged, flat):
+        c.append(0, m.project("key", prompt), m.project("value", prompt))
+    paged.fork(0, 1)
+    paged.fork(0, 2)
+    flat.fork(0, 1)
+    flat.fork(0, 2)
+    u = paged.usage()
+    assert u["tokens"] == 3 * P and u["pages_used"] == 2   # shared, once
+    assert u["bytes"] < u["token_bytes"]
+    x = f32(rng, B, 1, 32)
+    for step in range(3):              # each sequence its own token
+        a = m.forward(x, cache=paged)
+        b = m.forward(x, cache=flat)
+        np.testing.assert_array_equal(a, b)
+        x = f32(rng, B, 1, 32)
+    assert paged.usage()["pages_used"] == 2 + 2   # copies of the last page
+    # float64: the last step's attention of sequence 2, head 0, over the
+    # keys and values the cache holds (the module's projections aside)
+    k, v = paged.read(2)
+    q = f32(rng, 1, 1, 4 * 8)
+    got = mha.attention(q.repeat(B, 0), num_heads=4, cache=paged)[2, 0, :8]
+    s = k[:, :8].astype(np.float64) @ q[0, 0, :8].astype(np.float64)
+    w = np.exp(s / np.sqrt(8) - (s / np.sqrt(8)).max())
+    want = (w / w.sum()) @ v[:, :8].astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    before = paged.usage()
+    big = mha.PagedKVCache(1, 2, 8, capacity=200, num_pages=1)
+    big.append(0, np.zeros((64, 16), np.float32), np.zeros((64, 16),
+                                                           np.float32))
+    with pytest.raises(MemoryError, match="pool is full"):
+        big.append(0, np.zeros((1, 16), np.float32),
+                   np.zeros((1, 16), np.float32))
+    assert big.length(0) == 64 and paged.usage() == before
+    paged.reset()
+    assert paged.usage()["pages_free"] == 6
+    with pytest.raises(mha.MhaError, match="onto itself"):
+        paged.fork(1, 1)
+    with pytest.raises(mha.MhaError, match="page_size 100"):
+        mha.PagedKVCache(1, 2, 8, capacity=200, page_size=100)
+    assert "PagedKVCache" in repr(paged) and "page_size=64" in repr(paged)
+
+
 def test_threads_release_the_gil(rng):
     m = mha.Module(32, 4, seed=1)
     x = f32(rng, 4, 64, 32)
