@@ -1248,6 +1248,16 @@ typedef struct mha_attention_decode_args {
     mha_dtype dtype;
     const uint16_t *q16;
     uint16_t *out16;
+    /* Ragged (continuous batching): q_start (B + 1) offsets, FlashAttention's
+     * cu_seqlens: sequence b's queries are rows q_start[b] .. q_start[b+1]-1
+     * of q and out, (q_start[B], H*d_h) each, so prefill chunks and single
+     * decode tokens mix in one call; q_len must be 0.  Each sequence's
+     * q_start[b+1] - q_start[b] >= 0 new tokens were appended first, as
+     * for any step; its rows get the bits of a call on that sequence alone.
+     * lse (H q_start[B] floats) holds sequence b's (H, n_b) block at lse
+     * + H q_start[b]; q_positions is (q_start[B]).  Masks, key_lengths,
+     * weights and plans are refused with it (MHA_ERR_UNSUPPORTED). */
+    const int64_t *q_start;
 } mha_attention_decode_args;
 MHA_API mha_status mha_attention_decode_sized(
     const mha_attention_decode_args *args, size_t args_size);

@@ -28,6 +28,7 @@
 
 #include "assert_error.h"
 #include "attention/attention.h"
+#include "core/half.h"
 #include "testutil.h"
 
 enum { H = 4, HKV = 2, DH = 40, E = H * DH, EKV = HKV * DH, B = 4,
@@ -346,6 +347,121 @@ static void test_memory_ragged(void **state)
     mha_kv_cache_free(kv);
 }
 
+/* A ragged step (q_start): sequences with 0, 1, 37 and 100 new tokens in
+ * one call, on a paged and a contiguous cache, each sequence's rows (and
+ * lse) bitwise those of a cache holding that sequence alone, on 1, 2 and
+ * 3 threads; bf16 queries too; misuse refused with out untouched. */
+static void test_ragged_step(void **state)
+{
+    (void)state;
+    static const int64_t held[B] = {70, 5, 200, 131}, fresh[B] = {0, 1, 37,
+                                                                  100};
+    int64_t q_start[B + 1] = {0};
+    for (int64_t b = 0; b < B; b++)
+        q_start[b + 1] = q_start[b] + fresh[b];
+    const int64_t T = q_start[B];
+    mha_kv_cache *paged = make(MHA_KV_F16, 64, 20), *flat = make(MHA_KV_F16,
+                                                                0, 0);
+    mha_kv_cache *alone[B];
+    static float k[CAP * EKV], v[CAP * EKV], q[138 * E], o1[138 * E],
+        o2[138 * E], o3[138 * E], l1[138 * H], l3[138 * H];
+    mha_kv_cache_config one = {0};
+    one.batch = 1, one.num_kv_heads = HKV, one.head_dim = DH;
+    one.capacity = CAP, one.dtype = MHA_KV_F16;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = held[b] + fresh[b];
+        tu_fill(k, n * EKV, 40 + (uint64_t)b, -2, 2);
+        tu_fill(v, n * EKV, 50 + (uint64_t)b, -2, 2);
+        assert_int_equal(mha_kv_cache_create(&one, &alone[b]), MHA_OK);
+        assert_int_equal(mha_kv_cache_append(alone[b], 0, k, v, n), MHA_OK);
+        assert_int_equal(mha_kv_cache_append(paged, b, k, v, n), MHA_OK);
+        assert_int_equal(mha_kv_cache_append(flat, b, k, v, n), MHA_OK);
+    }
+    tu_fill(q, T * E, 60, -1, 1);
+    mha_attention_decode_args d = {0};
+    d.batch = B, d.num_heads = H, d.head_dim = DH, d.q = q;
+    d.q_start = q_start;
+    for (int threads = 1; threads <= 3; threads++) {
+        d.num_threads = threads;
+        d.cache = paged, d.out = o1, d.lse = l1;
+        assert_int_equal(mha_attention_decode(&d), MHA_OK);
+        d.cache = flat, d.out = o2, d.lse = NULL;
+        assert_int_equal(mha_attention_decode(&d), MHA_OK);
+        assert_memory_equal(o1, o2, (size_t)(T * E) * 4);
+        for (int64_t b = 0; b < B; b++) {   /* each alone */
+            if (!fresh[b])
+                continue;
+            mha_attention_decode_args s = {0};
+            s.batch = 1, s.num_heads = H, s.head_dim = DH;
+            s.q_len = fresh[b], s.q = q + q_start[b] * E;
+            s.out = o3, s.lse = l3, s.cache = alone[b];
+            s.num_threads = threads;
+            assert_int_equal(mha_attention_decode(&s), MHA_OK);
+            assert_memory_equal(o1 + q_start[b] * E, o3,
+                                (size_t)(fresh[b] * E) * 4);
+            assert_memory_equal(l1 + q_start[b] * H, l3,
+                                (size_t)(fresh[b] * H) * 4);
+        }
+    }
+    /* bf16 queries: each sequence's rows those of its own bf16 call */
+    static uint16_t q16[138 * E], h1[138 * E], h3[138 * E];
+    for (int64_t i = 0; i < T * E; i++)
+        q16[i] = mha_bf16_from_float(q[i]);
+    d.q = NULL, d.out = NULL, d.lse = NULL, d.cache = paged;
+    d.dtype = MHA_DTYPE_BF16, d.q16 = q16, d.out16 = h1;
+    assert_int_equal(mha_attention_decode(&d), MHA_OK);
+    mha_attention_decode_args s = {0};
+    s.batch = 1, s.num_heads = H, s.head_dim = DH, s.q_len = fresh[3];
+    s.dtype = MHA_DTYPE_BF16, s.q16 = q16 + q_start[3] * E, s.out16 = h3;
+    s.cache = alone[3];
+    assert_int_equal(mha_attention_decode(&s), MHA_OK);
+    assert_memory_equal(h1 + q_start[3] * E, h3, (size_t)(fresh[3] * E) * 2);
+
+    /* misuse: each refused, naming what was wrong, out untouched */
+    d.dtype = MHA_DTYPE_F32, d.q16 = NULL, d.out16 = NULL;
+    d.q = q, d.out = o1;
+    memset(o1, 0x5A, sizeof o1);
+    d.q_len = 1;
+    assert_fails(mha_attention_decode(&d), MHA_ERR_INVALID_ARGUMENT,
+                 "q_len must be 0");
+    d.q_len = 0;
+    q_start[2] = q_start[1] - 1;
+    assert_fails(mha_attention_decode(&d), MHA_ERR_INVALID_ARGUMENT,
+                 "never decrease");
+    q_start[2] = q_start[1] + fresh[1];
+    q_start[0] = 1;
+    assert_fails(mha_attention_decode(&d), MHA_ERR_INVALID_ARGUMENT,
+                 "q_start[0]");
+    q_start[0] = 0;
+    d.key_lengths = held;
+    assert_fails(mha_attention_decode(&d), MHA_ERR_UNSUPPORTED,
+                 "key_lengths");
+    d.key_lengths = NULL;
+    d.out = q + E;
+    assert_fails(mha_attention_decode(&d), MHA_ERR_INVALID_ARGUMENT,
+                 "out overlaps q");
+    d.out = o1;
+    d.batch = 3;
+    assert_fails(mha_attention_decode(&d), MHA_ERR_SHAPE, "batch 3");
+    d.batch = B;
+    mha_attention_plan *plan = NULL;
+    assert_fails(mha_attention_plan_create_decode(&d, &plan),
+                 MHA_ERR_UNSUPPORTED, "no plan");
+    assert_null(plan);
+    /* the last sequence's queries overflow the scores: refused, naming
+     * it, after the others ran, and out still untouched */
+    for (int64_t i = q_start[3] * E; i < T * E; i++)
+        q[i] = 3e37f;
+    assert_fails(mha_attention_decode(&d), MHA_ERR_INVALID_ARGUMENT,
+                 "sequence 3 of the ragged step");
+    for (size_t i = 0; i < sizeof o1; i++)
+        assert_int_equal(((unsigned char *)o1)[i], 0x5A);
+    for (int64_t b = 0; b < B; b++)
+        mha_kv_cache_free(alone[b]);
+    mha_kv_cache_free(paged);
+    mha_kv_cache_free(flat);
+}
+
 static void test_misuse(void **state)
 {
     (void)state;
@@ -405,6 +521,7 @@ int main(void)
         cmocka_unit_test(test_step_vs_float64),
         cmocka_unit_test(test_module_forward),
         cmocka_unit_test(test_memory_ragged),
+        cmocka_unit_test(test_ragged_step),
         cmocka_unit_test(test_misuse),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -386,6 +386,14 @@ static inline int64_t mha_kv_tile_index(const mha_kv_cache *c, int64_t b,
     return (g * (c->pages + 1) + pg) * c->tpp + t % c->tpp;
 }
 
+/* A read-only view of sequence b of c as a cache of one sequence (its
+ * tiles, flags, length, page table), for attention on that sequence
+ * alone; `extra` is the view's own extra-key tile (one (b, g) set of
+ * mha_packed_floats(1, Hkv, 0, dh), zeros), since the cache's lies in
+ * planes of all B. */
+void mha_kv_cache_view(const mha_kv_cache *c, int64_t b, float *extra,
+                       mha_kv_cache *view);
+
 /* ---- the page pool (kv_pages.c) ----
  * Sequence b's positions len[b] .. len[b] + n - 1 made writable: pages
  * added where it has none, a page it shares copied; all of them, for
@@ -850,6 +858,10 @@ typedef struct mha_half_problem {
     int tiles;                     /* AMX tiles, else AVX512-BF16 (amx.c)  */
 } mha_half_problem;
 mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p);
+
+/* A ragged decoding step (ragged.c): d->q_start set, every sequence's
+ * rows attended as a call on that sequence alone. */
+mha_status mha_attention_decode_ragged(const mha_attention_decode_args *d);
 /* The backward of that forward: out and lse (given, the forward's) and
  * dout in; dq, dk, dv out. */
 mha_status mha_attn_amx_backward(const mha_engine *e,

@@ -677,6 +677,24 @@ mha_status mha_kv_cache_reset(mha_kv_cache *c, int64_t seq)
     return MHA_OK;
 }
 
+void mha_kv_cache_view(const mha_kv_cache *c, int64_t b, float *extra,
+                       mha_kv_cache *view)
+{
+    *view = *c;
+    view->B = 1;
+    view->len = c->len + b;
+    view->start = c->start + b;
+    view->extra = extra;
+    if (c->page) {   /* its table; the pool as it is */
+        view->table = c->table + b * c->table_len;
+    } else {         /* its [Hkv][tiles] of the planes and flags */
+        const int64_t tiles = c->Hkv * c->tiles;
+        view->k = c->k + b * tiles * c->tile_bytes;
+        view->v = c->v + b * tiles * c->tile_bytes;
+        view->finite = c->finite + b * tiles;
+    }
+}
+
 mha_status mha_kv_cache_fork(mha_kv_cache *c, int64_t src, int64_t dst)
 {
     MHA_CHECK(check_seq(c, src));

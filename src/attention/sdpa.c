@@ -1411,6 +1411,10 @@ static mha_status decode_as_attention(const mha_attention_decode_args *args,
         return mha_set_error(MHA_ERR_NULL_POINTER,
                              "cache is NULL: decoding reads a KV cache "
                              "(mha_attention runs without one)");
+    if (d->q_start)   /* (mha_attention_decode takes it before here) */
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "q_start (a ragged step) has no plan: call "
+                             "mha_attention_decode");
     memset(a, 0, sizeof *a);
     a->batch = d->batch;
     a->num_heads = d->num_heads;
@@ -1442,6 +1446,9 @@ static mha_status decode_as_attention(const mha_attention_decode_args *args,
 mha_status mha_attention_decode_sized(const mha_attention_decode_args *args,
                                       size_t args_size)
 {
+    MHA_STRUCT_IN(mha_attention_decode_args, args);
+    if (args && args_.q_start)   /* ragged: sequence by sequence */
+        return mha_attention_decode_ragged(&args_);
     mha_attention_args a;
     MHA_CHECK(decode_as_attention(args, args_size, &a));
     return mha_attention_impl(&a);
