@@ -64,7 +64,8 @@ def __dir__():
 
 
 __version__ = _core.version()
-__all__ = ["Module", "KVCache", "PagedKVCache", "attention", "attention_backward", "allow",
+__all__ = ["Module", "KVCache", "PagedKVCache", "attention",
+           "attention_ragged", "attention_backward", "allow",
            "block", "additive", "alibi_slopes", "rope_apply", "MhaError",
            "kernel_tier", "gemm_backend", "dropout_keep"]
 
@@ -867,6 +868,39 @@ class KVCache:
                 % (type(self).__name__, self.batch, self.num_kv_heads,
                    self.head_dim, self.capacity, self.dtype, self.window,
                    self.page_size, self.lengths))
+
+
+def attention_ragged(q: npt.ArrayLike, q_start: npt.ArrayLike,
+                     cache: KVCache, *, num_heads: int,
+                     scale: Optional[float] = None, num_threads: int = 0,
+                     return_lse: bool = False
+                     ) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
+    """A ragged decoding step (mha_attention_decode with q_start): the new
+    queries of every sequence of ``cache`` packed back to back, q (T,
+    H*d_h) float32, sequence b's rows q_start[b] .. q_start[b+1]-1
+    (q_start: B + 1 offsets, FlashAttention's cu_seqlens), so prefill
+    chunks and single tokens mix in one call.  Append each sequence's new
+    keys and values first; each attends causally (bottom right) to its
+    cache, with the bits of a call on that sequence alone.  Returns out
+    (T, H*d_h), and with return_lse the lse (T*H: sequence b's (H, n_b)
+    block at H*q_start[b])."""
+    q = _array(q, "q")
+    if q.ndim != 2 or q.shape[1] % int(num_heads):
+        raise ValueError("q must be (T, num_heads*head_dim), got shape %s"
+                         % (q.shape,))
+    qs = np.ascontiguousarray(q_start, dtype=np.int64)
+    if qs.shape != (cache.batch + 1,):
+        raise ValueError("q_start must have batch + 1 = %d entries, got "
+                         "shape %s" % (cache.batch + 1, qs.shape))
+    out = np.empty_like(q)
+    lse = (np.empty(q.shape[0] * int(num_heads), np.float32) if return_lse
+           else None)
+    cache._c.decode_ragged(q, out, qs, int(num_heads),
+                           q.shape[1] // int(num_heads),
+                           scale=0.0 if scale is None else float(scale),
+                           given=0 if scale is None else 1,
+                           num_threads=int(num_threads), lse=lse)
+    return (out, lse) if return_lse else out
 
 
 class PagedKVCache(KVCache):

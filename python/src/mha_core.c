@@ -1422,6 +1422,65 @@ static PyObject *cache_usage(CacheObject *self, PyObject *unused)
                          (long long)u.pages_free);
 }
 
+/* A ragged decoding step (mha_attention_decode with q_start): q and out
+ * (T, H*d_h) float32, q_start (B + 1) int64, lse (T*H) or None. */
+static PyObject *cache_decode_ragged(CacheObject *self, PyObject *args,
+                                     PyObject *kw)
+{
+    static char *kws[] = {"q", "out", "q_start", "num_heads", "head_dim",
+                          "scale", "given", "num_threads", "lse", NULL};
+    PyObject *q, *out, *qs, *lse = Py_None;
+    long long H, dh;
+    float scale = 0.0f;
+    unsigned int given = 0;
+    int threads = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOLL|fIiO", kws, &q, &out,
+                                     &qs, &H, &dh, &scale, &given, &threads,
+                                     &lse))
+        return NULL;
+    if (cache_check(self))
+        return NULL;
+    const int64_t B = self->cfg.batch;
+    bufset b = {.n = 0};
+    void *pqs, *pq, *pout, *plse;
+    if (get_buf(&b, qs, "q_start", T_I64, 0, B + 1, 1, &pqs, NULL)) {
+        bufs_release(&b);
+        return NULL;
+    }
+    const int64_t T = ((const int64_t *)pqs)[B];
+    const int64_t n = T < 0 ? -1 : mul3(T, H, dh);
+    if (get_buf(&b, q, "q", T_F32, 0, n, 1, &pq, NULL) ||
+        get_buf(&b, out, "out", T_F32, 1, n, 1, &pout, NULL) ||
+        get_buf(&b, lse, "lse", T_F32, 1, T < 0 ? -1 : mul3(T, H, 1), 0,
+                &plse, NULL)) {
+        bufs_release(&b);
+        return NULL;
+    }
+    mha_attention_decode_args d;
+    memset(&d, 0, sizeof d);
+    d.batch = B;
+    d.num_heads = H;
+    d.head_dim = dh;
+    d.q = pq;
+    d.out = pout;
+    d.cache = self->c;
+    d.scale = scale;
+    d.given = given;
+    d.lse = plse;
+    d.num_threads = threads;
+    d.q_start = pqs;
+    mha_status st;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    st = mha_attention_decode(&d);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    bufs_release(&b);
+    if (st != MHA_OK)
+        return raise_status(st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *cache_read(CacheObject *self, PyObject *args)
 {
     long long seq, start, n;
@@ -1470,6 +1529,10 @@ static PyMethodDef cache_methods[] = {
     {"read", (PyCFunction)cache_read, METH_VARARGS,
      "read(seq, start, n, k, v)"},
     {"fork", (PyCFunction)cache_fork, METH_VARARGS, "fork(src, dst)"},
+    {"decode_ragged", (PyCFunction)(void (*)(void))cache_decode_ragged,
+     METH_VARARGS | METH_KEYWORDS,
+     "decode_ragged(q, out, q_start, num_heads, head_dim, scale=0, "
+     "given=0, num_threads=0, lse=None)"},
     {"usage", (PyCFunction)cache_usage, METH_NOARGS, "usage()"},
     {"config", (PyCFunction)cache_config, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL}};

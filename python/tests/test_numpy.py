@@ -290,6 +290,51 @@ def test_paged_cache_forks_and_equals_contiguous(rng):
     assert "PagedKVCache" in repr(paged) and "page_size=64" in repr(paged)
 
 
+def test_attention_ragged_mixes_prefill_and_decode(rng):
+    """One ragged call: sequence 0 a prefill chunk of 20 tokens, 1 one
+    decode token, 2 nothing; each sequence's rows equal mha.attention on
+    its own cache (bit for bit) and a NumPy float64 softmax."""
+    H, d, B = 4, 8, 3
+    paged = mha.PagedKVCache(B, 2, d, capacity=128, page_size=64)
+    own = [mha.KVCache(1, 2, d, capacity=128) for _ in range(B)]
+    held, new = [30, 70, 5], [20, 1, 0]
+    ks = [f32(rng, held[b] + new[b], 2 * d) for b in range(B)]
+    vs = [f32(rng, held[b] + new[b], 2 * d) for b in range(B)]
+    for b in range(B):
+        paged.append(b, ks[b], vs[b])
+        own[b].append(0, ks[b], vs[b])
+    q_start = np.cumsum([0] + new)
+    q = f32(rng, q_start[-1], H * d)
+    out, lse = mha.attention_ragged(q, q_start, paged, num_heads=H,
+                                    return_lse=True)
+    assert out.shape == q.shape and lse.shape == (q_start[-1] * H,)
+    for b in range(B):
+        rows = slice(q_start[b], q_start[b + 1])
+        if new[b] == 0:
+            continue
+        alone, l1 = mha.attention(q[None, rows], num_heads=H, cache=own[b],
+                                  return_lse=True)
+        np.testing.assert_array_equal(out[rows], alone[0])
+        np.testing.assert_array_equal(lse[H * q_start[b]:H * q_start[b + 1]],
+                                      l1.reshape(-1))
+        # float64: query i of the chunk sees keys up to held + i
+        k, v = ks[b].astype(np.float64), vs[b].astype(np.float64)
+        for i in range(new[b]):
+            for h in range(H):
+                g = h // 2
+                s = k[:held[b] + i + 1, g * d:(g + 1) * d] @ \
+                    q[q_start[b] + i, h * d:(h + 1) * d] / np.sqrt(d)
+                w = np.exp(s - s.max())
+                want = (w / w.sum()) @ v[:held[b] + i + 1, g * d:(g + 1) * d]
+                np.testing.assert_allclose(out[q_start[b] + i,
+                                               h * d:(h + 1) * d], want,
+                                           rtol=0, atol=2e-6)
+    with pytest.raises(mha.MhaError, match="never decrease"):
+        mha.attention_ragged(q, [0, 5, 3, 21], paged, num_heads=H)
+    with pytest.raises(ValueError, match="batch \\+ 1"):
+        mha.attention_ragged(q, [0, 21], paged, num_heads=H)
+
+
 def test_threads_release_the_gil(rng):
     m = mha.Module(32, 4, seed=1)
     x = f32(rng, 4, 64, 32)
