@@ -4,6 +4,9 @@ and single decode tokens of many sequences in one call,
 mha.attention_ragged on a paged cache, against the same work as separate
 calls, each sequence on a cache of its own (mha.attention with cache=):
 the issue asks the one call for >= 0.9x the time of the separate ones.
+With --shared-prefix N: --seqs forks of one N-token prompt, --own tokens
+each of their own, one decode step with share_prefix on and off (the
+issue asks for >= 6x at 32 sequences, N = 4096, 256 own).
 
     .venv/bin/python bench/ragged_step.py [--prefill 4] [--chunk 512]
         [--decodes 60] [--held 2048] [--heads 32] [--kv-heads 8]
@@ -34,7 +37,15 @@ def main():
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="instead: --seqs forks of one prompt of this many "
+                        "tokens, each with --own tokens of its own, one "
+                        "decode step with share_prefix on and off")
+    p.add_argument("--seqs", type=int, default=32)
+    p.add_argument("--own", type=int, default=256)
     a = p.parse_args()
+    if a.shared_prefix:
+        return shared(a)
     B = a.prefill + a.decodes
     new = [a.chunk] * a.prefill + [1] * a.decodes
     cap = a.held + max(new)
@@ -86,6 +97,51 @@ def main():
           % (m2 / m1, same))
     if not same:
         raise SystemExit("the one call and the separate calls differ")
+
+
+def timed_call(f, repeat):
+    f()
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = f()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(ts)), min(ts), max(ts), out
+
+
+def shared(a):
+    """One decode step of --seqs sequences forked from one prompt."""
+    B, row = a.seqs, a.kv_heads * a.head_dim
+    cap = a.shared_prefix + a.own + 1
+    rng = np.random.default_rng(1)
+    c = mha.PagedKVCache(B, a.kv_heads, a.head_dim, cap, page_size=64,
+                         dtype="f16")
+    kv = rng.uniform(-1, 1, (2, a.shared_prefix, row)).astype(np.float32)
+    c.append(0, kv[0], kv[1])
+    for b in range(1, B):
+        c.fork(0, b)
+    for b in range(B):
+        own = rng.uniform(-1, 1, (2, a.own + 1, row)).astype(np.float32)
+        c.append(b, own[0], own[1])
+    q_start = np.arange(B + 1)
+    q = rng.uniform(-1, 1, (B, a.heads * a.head_dim)).astype(np.float32)
+    u = c.usage()
+    on = timed_call(lambda: mha.attention_ragged(
+        q, q_start, c, num_heads=a.heads, num_threads=a.threads,
+        share_prefix=True), a.repeat)
+    off = timed_call(lambda: mha.attention_ragged(
+        q, q_start, c, num_heads=a.heads, num_threads=a.threads),
+        a.repeat)
+    print("shared prefix: %d sequences forked from %d tokens, %d own each, "
+          "one decode token; H %d / H_kv %d, d_h %d, f16 pages of 64, %d "
+          "threads; pages %d (%.1f MiB held for %.1f MiB of tokens)"
+          % (B, a.shared_prefix, a.own, a.heads, a.kv_heads, a.head_dim,
+             a.threads, u["pages_used"], u["bytes"] / 2**20,
+             u["token_bytes"] / 2**20))
+    print("  share_prefix on   median %.2f ms (%.2f .. %.2f)" % on[:3])
+    print("  share_prefix off  median %.2f ms (%.2f .. %.2f)" % off[:3])
+    print("  off / on = %.2f; largest difference %.2g"
+          % (off[0] / on[0], float(np.abs(on[3] - off[3]).max())))
 
 
 if __name__ == "__main__":

@@ -1258,6 +1258,14 @@ typedef struct mha_attention_decode_args {
      * + H q_start[b]; q_positions is (q_start[B]).  Masks, key_lengths,
      * weights and plans are refused with it (MHA_ERR_UNSUPPORTED). */
     const int64_t *q_start;
+    /* With q_start on a paged cache, nonzero: sequences whose page tables
+     * begin with the same pages (forks of one prompt) attend to those
+     * pages once for all of their queries, and each to the rest of its
+     * own; the two parts are merged as mha_attention_merge does (cascade
+     * attention).  The rows then equal the separate calls' up to float
+     * rounding, not bit for bit; still the same bits for every thread
+     * count.  Not with ALiBi, the window modifier or sinks (refused). */
+    int share_prefix;
 } mha_attention_decode_args;
 MHA_API mha_status mha_attention_decode_sized(
     const mha_attention_decode_args *args, size_t args_size);

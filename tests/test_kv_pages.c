@@ -462,6 +462,92 @@ static void test_ragged_step(void **state)
     mha_kv_cache_free(flat);
 }
 
+/* share_prefix: four forks of a 300-token prompt (a fifth sequence its
+ * own), each with its own tokens and a step of 1 or 5: the cascade's rows
+ * against float64 softmax over the keys each sequence holds, within the
+ * bound of test_step_vs_float64 (the merge of two parts adds a few
+ * roundings of each row); the same bits on 1, 2 and 3 threads; refused
+ * with ALiBi. */
+static void test_shared_prefix(void **state)
+{
+    (void)state;
+    enum { NB = 5, P = 300 };
+    mha_kv_cache_config cc = {0};
+    cc.batch = NB, cc.num_kv_heads = HKV, cc.head_dim = DH, cc.capacity = 600;
+    cc.page_size = 64;
+    mha_kv_cache *kv = NULL;
+    assert_int_equal(mha_kv_cache_create(&cc, &kv), MHA_OK);
+    static float k[600 * EKV], v[600 * EKV], q[NB * 5 * E], o1[NB * 5 * E],
+        o2[NB * 5 * E], l1[NB * 5 * H];
+    tu_fill(k, P * EKV, 70, -2, 2);
+    tu_fill(v, P * EKV, 71, -2, 2);
+    assert_int_equal(mha_kv_cache_append(kv, 0, k, v, P), MHA_OK);
+    for (int64_t b = 1; b < 4; b++)
+        assert_int_equal(mha_kv_cache_fork(kv, 0, b), MHA_OK);
+    static const int64_t own[NB] = {1, 20, 70, 5, 150}, fresh[NB] = {1, 5, 1,
+                                                                     5, 1};
+    int64_t q_start[NB + 1] = {0};
+    for (int64_t b = 0; b < NB; b++) {
+        tu_fill(k, (own[b] + fresh[b]) * EKV, 80 + (uint64_t)b, -2, 2);
+        tu_fill(v, (own[b] + fresh[b]) * EKV, 90 + (uint64_t)b, -2, 2);
+        assert_int_equal(mha_kv_cache_append(kv, b, k, v, own[b] + fresh[b]),
+                         MHA_OK);
+        q_start[b + 1] = q_start[b] + fresh[b];
+    }
+    tu_fill(q, q_start[NB] * E, 99, -1, 1);
+    mha_attention_decode_args d = {0};
+    d.batch = NB, d.num_heads = H, d.head_dim = DH, d.q = q;
+    d.cache = kv, d.q_start = q_start, d.share_prefix = 1;
+    d.out = o1, d.lse = l1;
+    assert_int_equal(mha_attention_decode(&d), MHA_OK);
+    for (int threads = 1; threads <= 3; threads++) {
+        d.num_threads = threads, d.out = o2, d.lse = NULL;
+        assert_int_equal(mha_attention_decode(&d), MHA_OK);
+        assert_memory_equal(o1, o2, (size_t)(q_start[NB] * E) * 4);
+    }
+    double worst = 0.0, worst_lse = 0.0;
+    static float ks[600 * EKV], vs[600 * EKV];
+    for (int64_t b = 0; b < NB; b++) {
+        const int64_t n = mha_kv_cache_length(kv, b);
+        assert_int_equal(mha_kv_cache_read(kv, b, 0, n, ks, vs), MHA_OK);
+        for (int64_t i = 0; i < fresh[b]; i++) {
+            const int64_t row = q_start[b] + i, sees = n - fresh[b] + i + 1;
+            for (int64_t h = 0; h < H; h++) {
+                const int64_t g = h / (H / HKV);
+                double s[600], m = -INFINITY, l = 0.0;
+                for (int64_t j = 0; j < sees; j++) {
+                    double dot = 0.0;
+                    for (int64_t e = 0; e < DH; e++)
+                        dot += (double)q[row * E + h * DH + e] *
+                               ks[j * EKV + g * DH + e];
+                    s[j] = dot / sqrt((double)DH);
+                    m = s[j] > m ? s[j] : m;
+                }
+                for (int64_t j = 0; j < sees; j++)
+                    l += exp(s[j] - m);
+                const double lse = m + log(l);
+                const double el =
+                    fabs(l1[q_start[b] * H + h * fresh[b] + i] - lse);
+                worst_lse = el > worst_lse ? el : worst_lse;
+                for (int64_t e = 0; e < DH; e++) {
+                    double r = 0.0;
+                    for (int64_t j = 0; j < sees; j++)
+                        r += exp(s[j] - m) / l * vs[j * EKV + g * DH + e];
+                    const double err = fabs(o1[row * E + h * DH + e] - r);
+                    worst = err > worst ? err : worst;
+                }
+            }
+        }
+    }
+    print_message("shared prefix (cascade) vs float64: worst error %.3g, "
+                  "lse %.3g\n", worst, worst_lse);
+    assert_true(worst < 3 * 600 * 2 * 0x1p-24);
+    assert_true(worst_lse < 1e-5);   /* |lse| < 20: float32's ulp ~2e-6 */
+    d.mods.alibi = 1;
+    assert_fails(mha_attention_decode(&d), MHA_ERR_UNSUPPORTED, "ALiBi");
+    mha_kv_cache_free(kv);
+}
+
 static void test_misuse(void **state)
 {
     (void)state;
@@ -522,6 +608,7 @@ int main(void)
         cmocka_unit_test(test_module_forward),
         cmocka_unit_test(test_memory_ragged),
         cmocka_unit_test(test_ragged_step),
+        cmocka_unit_test(test_shared_prefix),
         cmocka_unit_test(test_misuse),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

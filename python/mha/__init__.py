@@ -873,7 +873,7 @@ class KVCache:
 def attention_ragged(q: npt.ArrayLike, q_start: npt.ArrayLike,
                      cache: KVCache, *, num_heads: int,
                      scale: Optional[float] = None, num_threads: int = 0,
-                     return_lse: bool = False
+                     return_lse: bool = False, share_prefix: bool = False
                      ) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
     """A ragged decoding step (mha_attention_decode with q_start): the new
     queries of every sequence of ``cache`` packed back to back, q (T,
@@ -883,7 +883,10 @@ def attention_ragged(q: npt.ArrayLike, q_start: npt.ArrayLike,
     keys and values first; each attends causally (bottom right) to its
     cache, with the bits of a call on that sequence alone.  Returns out
     (T, H*d_h), and with return_lse the lse (T*H: sequence b's (H, n_b)
-    block at H*q_start[b])."""
+    block at H*q_start[b]).  share_prefix (a PagedKVCache): sequences
+    whose first pages are shared (forks of one prompt) attend to them once
+    for all their queries (cascade attention): equal to the separate calls
+    up to float rounding, not bit for bit."""
     q = _array(q, "q")
     if q.ndim != 2 or q.shape[1] % int(num_heads):
         raise ValueError("q must be (T, num_heads*head_dim), got shape %s"
@@ -899,7 +902,8 @@ def attention_ragged(q: npt.ArrayLike, q_start: npt.ArrayLike,
                            q.shape[1] // int(num_heads),
                            scale=0.0 if scale is None else float(scale),
                            given=0 if scale is None else 1,
-                           num_threads=int(num_threads), lse=lse)
+                           num_threads=int(num_threads), lse=lse,
+                           share_prefix=bool(share_prefix))
     return (out, lse) if return_lse else out
 
 

@@ -56,7 +56,8 @@ class KVCache:
     def decode_ragged(self, q: _Buffer, out: _Buffer, q_start: _Buffer,
                       num_heads: int, head_dim: int, scale: float = ...,
                       given: int = ..., num_threads: int = ...,
-                      lse: Optional[_Buffer] = ...) -> None: ...
+                      lse: Optional[_Buffer] = ...,
+                      share_prefix: bool = ...) -> None: ...
     def usage(self) -> Dict[str, int]: ...
 
 

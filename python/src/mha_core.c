@@ -1428,15 +1428,16 @@ static PyObject *cache_decode_ragged(CacheObject *self, PyObject *args,
                                      PyObject *kw)
 {
     static char *kws[] = {"q", "out", "q_start", "num_heads", "head_dim",
-                          "scale", "given", "num_threads", "lse", NULL};
+                          "scale", "given", "num_threads", "lse",
+                          "share_prefix", NULL};
     PyObject *q, *out, *qs, *lse = Py_None;
     long long H, dh;
     float scale = 0.0f;
     unsigned int given = 0;
-    int threads = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOLL|fIiO", kws, &q, &out,
+    int threads = 0, share = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOLL|fIiOp", kws, &q, &out,
                                      &qs, &H, &dh, &scale, &given, &threads,
-                                     &lse))
+                                     &lse, &share))
         return NULL;
     if (cache_check(self))
         return NULL;
@@ -1469,6 +1470,7 @@ static PyObject *cache_decode_ragged(CacheObject *self, PyObject *args,
     d.lse = plse;
     d.num_threads = threads;
     d.q_start = pqs;
+    d.share_prefix = share;
     mha_status st;
     self->busy = 1;
     Py_BEGIN_ALLOW_THREADS
@@ -1532,7 +1534,7 @@ static PyMethodDef cache_methods[] = {
     {"decode_ragged", (PyCFunction)(void (*)(void))cache_decode_ragged,
      METH_VARARGS | METH_KEYWORDS,
      "decode_ragged(q, out, q_start, num_heads, head_dim, scale=0, "
-     "given=0, num_threads=0, lse=None)"},
+     "given=0, num_threads=0, lse=None, share_prefix=False)"},
     {"usage", (PyCFunction)cache_usage, METH_NOARGS, "usage()"},
     {"config", (PyCFunction)cache_config, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL}};

@@ -335,6 +335,38 @@ def test_attention_ragged_mixes_prefill_and_decode(rng):
         mha.attention_ragged(q, [0, 21], paged, num_heads=H)
 
 
+def test_attention_ragged_share_prefix(rng):
+    """share_prefix: three forks of a 130-token prompt read it once
+    (cascade); each row within float rounding of the separate reads and
+    of a NumPy float64 softmax."""
+    H, d, B = 4, 8, 3
+    c = mha.PagedKVCache(B, 2, d, capacity=256, page_size=64)
+    k, v = f32(rng, 130, 2 * d), f32(rng, 130, 2 * d)
+    c.append(0, k, v)
+    c.fork(0, 1)
+    c.fork(0, 2)
+    ks, vs = [], []
+    for b in range(B):
+        kb, vb = f32(rng, 3 + b, 2 * d), f32(rng, 3 + b, 2 * d)
+        c.append(b, kb, vb)
+        ks.append(np.concatenate([k, kb]).astype(np.float64))
+        vs.append(np.concatenate([v, vb]).astype(np.float64))
+    q_start = np.arange(B + 1)
+    q = f32(rng, B, H * d)
+    on = mha.attention_ragged(q, q_start, c, num_heads=H, share_prefix=True)
+    off = mha.attention_ragged(q, q_start, c, num_heads=H)
+    np.testing.assert_allclose(on, off, rtol=0, atol=1e-6)
+    for b in range(B):
+        for h in range(H):
+            g = h // 2
+            s = ks[b][:, g * d:(g + 1) * d] @ q[b, h * d:(h + 1) * d] / \
+                np.sqrt(d)
+            w = np.exp(s - s.max())
+            want = (w / w.sum()) @ vs[b][:, g * d:(g + 1) * d]
+            np.testing.assert_allclose(on[b, h * d:(h + 1) * d], want,
+                                       rtol=0, atol=2e-6)
+
+
 def test_threads_release_the_gil(rng):
     m = mha.Module(32, 4, seed=1)
     x = f32(rng, 4, 64, 32)

@@ -371,6 +371,10 @@ struct mha_kv_cache {
     int32_t *refs;          /* [pages] the table entries holding each page */
     int32_t *free_pages;    /* [pages] a stack of the free ones ...       */
     int64_t n_free;         /* ... n_free deep                            */
+    int64_t view_shift;     /* a view's (mha_kv_cache_view): its queries
+                               sit this many positions past its end; 0.
+                               A cascade's shared prefix sets q_len, so
+                               that every query sees every key           */
 };
 
 /* Index of tile t of (b, g) among its plane's tiles (and flags): the

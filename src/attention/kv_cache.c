@@ -492,6 +492,7 @@ void mha_attn_use_cache(mha_attn *at, const mha_kv_cache *kv,
      * key. */
     mask->causal = MHA_CAUSAL_BOTTOM_RIGHT;
     mask->seq_lengths = kv->len;
+    mask->qpos_shift += kv->view_shift;   /* (0 but in a cascade's view) */
     /* A window: key column j is slot j, masked by the position it holds
      * (the callers refused explicit masks and key lengths). */
     mask->window = kv->window;

@@ -53,6 +53,14 @@ static mha_status check_ragged(const mha_attention_decode_args *d,
         return mha_set_error(MHA_ERR_UNSUPPORTED,
                              "%s with q_start (a ragged step) is not "
                              "supported: call per sequence", no);
+    if (d->share_prefix && (d->mods.alibi || d->mods.window || d->sinks))
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "share_prefix with %s is not supported: the "
+                             "shared part's queries are stacked apart from "
+                             "their positions",
+                             d->mods.alibi ? "ALiBi" : d->mods.window
+                                                           ? "the window"
+                                                           : "sinks");
     if (d->num_heads < 1 || d->head_dim < 1 ||
         !mha_mul_ok(d->num_heads, d->head_dim, E))
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
@@ -98,54 +106,192 @@ static mha_status check_ragged(const mha_attention_decode_args *d,
     return MHA_OK;
 }
 
+/* The attention of rows q (n of them) on cache view `kv` into out and lse
+ * ((1, H, n) or NULL): a one-sequence call with the step's fields. */
+static mha_status attend(const mha_attention_decode_args *d,
+                         mha_kv_cache *kv, int64_t n, const void *q,
+                         void *out, float *lse, const int64_t *q_positions)
+{
+    mha_attention_args a;
+    memset(&a, 0, sizeof a);
+    a.batch = 1;
+    a.num_heads = d->num_heads;
+    a.num_kv_heads = kv->Hkv;
+    a.head_dim = d->head_dim;
+    a.q_len = n;
+    a.cache = kv;
+    a.scale = d->scale;
+    a.given = d->given;
+    a.causal = MHA_CAUSAL_BOTTOM_RIGHT;
+    a.lse = lse;
+    a.mods = d->mods;
+    a.sinks = d->sinks;
+    a.q_positions = q_positions;
+    a.num_threads = d->num_threads;
+    a.dtype = d->dtype;
+    if (d->dtype != MHA_DTYPE_F32) {
+        a.q16 = q;
+        a.out16 = out;
+    } else {
+        a.q = q;
+        a.out = out;
+    }
+    return mha_attention(&a);
+}
+
+/* The pages sequences a and b of a paged cache share from their start,
+ * whole pages only, and none holding a new token of either (n_a, n_b). */
+static int64_t shared_pages(const mha_kv_cache *c, int64_t a, int64_t na,
+                            int64_t b, int64_t nb)
+{
+    const int64_t la = c->len[a] - na, lb = c->len[b] - nb;
+    const int64_t most = (la < lb ? la : lb) / c->page;
+    int64_t s = 0;
+    while (s < most && c->table[a * c->table_len + s] ==
+                           c->table[b * c->table_len + s])
+        s++;
+    return s;
+}
+
+typedef struct ragged {
+    const mha_attention_decode_args *d;
+    const mha_kv_cache *c;
+    int64_t E, H;
+    size_t esize;
+    char *out;      /* the scratch rows, (rows, E) of esize bytes  */
+    float *lse;     /* (rows, H) in the caller's layout, or NULL   */
+    float *extra;   /* the views' extra-key tile                   */
+} ragged;
+
+static const char *q_at(const ragged *r, int64_t row)
+{
+    const mha_attention_decode_args *d = r->d;
+    return (d->dtype != MHA_DTYPE_F32 ? (const char *)d->q16
+                                      : (const char *)d->q) +
+           row * r->E * (int64_t)r->esize;
+}
+
+/* Sequence b alone. */
+static mha_status one_sequence(const ragged *r, int64_t b)
+{
+    const mha_attention_decode_args *d = r->d;
+    const int64_t r0 = d->q_start[b], n = d->q_start[b + 1] - r0;
+    mha_kv_cache view;
+    mha_kv_cache_view(r->c, b, r->extra, &view);
+    return attend(d, &view, n, q_at(r, r0),
+                  r->out + r0 * r->E * (int64_t)r->esize,
+                  r->lse ? r->lse + r0 * r->H : NULL,
+                  d->q_positions ? d->q_positions + r0 : NULL);
+}
+
+/*
+ * A group of sequences (mem[0 .. m-1]) sharing their first S pages: the
+ * shared keys once for all their rows stacked (a view of the first
+ * member cut to S pages, its queries placed past its end so that each
+ * sees every key), then each member's own keys (a view of its table past
+ * those pages), the two parts merged (mha_attention_merge).  float32 rows
+ * only (16-bit rows go one by one).
+ */
+static mha_status cascade(const ragged *r, const int64_t *mem, int m,
+                          int64_t S)
+{
+    const mha_attention_decode_args *d = r->d;
+    const int64_t E = r->E, H = r->H;
+    int64_t T = 0;
+    for (int i = 0; i < m; i++)
+        T += d->q_start[mem[i] + 1] - d->q_start[mem[i]];
+    /* the stacked rows, the shared part's out and lse, a member's own
+     * part and its rows of the shared lse (per head) */
+    float *q = mha_alloc_floats(T * E, "a cascade's rows");
+    float *o1 = mha_alloc_floats(T * E, "a cascade's shared part");
+    float *l1 = mha_alloc_floats(T * H, "a cascade's shared part");
+    float *o2 = mha_alloc_floats(T * E, "a cascade's own parts");
+    float *l2 = mha_alloc_floats(2 * T * H, "a cascade's own parts");
+    mha_status st = q && o1 && l1 && o2 && l2 ? MHA_OK
+                                              : MHA_ERR_OUT_OF_MEMORY;
+    for (int64_t i = 0, at = 0; st == MHA_OK && i < m; i++) {
+        const int64_t r0 = d->q_start[mem[i]], n = d->q_start[mem[i] + 1] - r0;
+        memcpy(q + at * E, d->q + r0 * E, (size_t)(n * E) * sizeof *q);
+        at += n;
+    }
+    int64_t Ls = S * r->c->page;
+    if (st == MHA_OK) {   /* the shared keys, once */
+        mha_kv_cache view;
+        mha_kv_cache_view(r->c, mem[0], r->extra, &view);
+        view.len = &Ls;
+        view.view_shift = T;
+        st = attend(d, &view, T, q, o1, l1, NULL);
+    }
+    float *l1b = l2 + T * H;   /* a member's rows of l1, (H, n) */
+    for (int64_t i = 0, at = 0; st == MHA_OK && i < m; i++) {
+        const int64_t b = mem[i], r0 = d->q_start[b];
+        const int64_t n = d->q_start[b + 1] - r0;
+        int64_t own = r->c->len[b] - Ls;
+        mha_kv_cache view;
+        mha_kv_cache_view(r->c, b, r->extra, &view);
+        view.len = &own;
+        view.table += S;   /* its pages past the shared ones */
+        st = attend(d, &view, n, q + at * E, o2, l2, NULL);
+        for (int64_t h = 0; st == MHA_OK && h < H; h++)
+            memcpy(l1b + h * n, l1 + h * T + at, (size_t)n * sizeof *l1);
+        const mha_attention_part parts[2] = {{o1 + at * E, l1b}, {o2, l2}};
+        if (st == MHA_OK)
+            st = mha_attention_merge(parts, 2, 1, H, d->head_dim, n,
+                                     (float *)r->out + r0 * E,
+                                     r->lse ? r->lse + r0 * H : NULL);
+        at += n;
+    }
+    free(q);
+    free(o1);
+    free(l1);
+    free(o2);
+    free(l2);
+    return st == MHA_ERR_OUT_OF_MEMORY
+               ? mha_set_error(st, "cannot allocate a cascade's %lld rows",
+                               (long long)T)
+               : st;
+}
+
 mha_status mha_attention_decode_ragged(const mha_attention_decode_args *d)
 {
     int64_t rows = 0, E = 0;
     MHA_CHECK(check_ragged(d, &rows, &E));
     const mha_kv_cache *c = d->cache;
     const int half = d->dtype != MHA_DTYPE_F32;
-    const size_t esize = half ? 2 : 4;
-    void *out = malloc((size_t)(rows * E) * esize + 1);
-    float *lse = d->lse ? malloc((size_t)(rows * d->num_heads) * 4 + 1)
-                        : NULL;
-    float *extra = mha_alloc_floats(mha_packed_floats(1, c->Hkv, 0, c->dh),
-                                    "a ragged step's view of the cache");
-    mha_status st = out && (lse || !d->lse) && extra
+    const ragged r = {
+        d, c, E, d->num_heads, half ? 2 : 4,
+        malloc((size_t)(rows * E) * (half ? 2 : 4) + 1),
+        d->lse ? malloc((size_t)(rows * d->num_heads) * 4 + 1) : NULL,
+        mha_alloc_floats(mha_packed_floats(1, c->Hkv, 0, c->dh),
+                         "a ragged step's view of the cache")};
+    int64_t *mem = malloc((size_t)c->B * sizeof *mem + 1);
+    unsigned char *done = calloc((size_t)c->B + 1, 1);
+    mha_status st = r.out && (r.lse || !d->lse) && r.extra && mem && done
                         ? MHA_OK
                         : mha_set_error(MHA_ERR_OUT_OF_MEMORY,
                                         "cannot allocate a ragged step's "
                                         "%lld rows", (long long)rows);
+    const int share = d->share_prefix && c->page && !half;
     for (int64_t b = 0; st == MHA_OK && b < c->B; b++) {
-        const int64_t r0 = d->q_start[b], n = d->q_start[b + 1] - r0;
-        if (n == 0)
+        const int64_t nb = d->q_start[b + 1] - d->q_start[b];
+        if (nb == 0 || done[b])
             continue;
-        mha_kv_cache view;
-        mha_kv_cache_view(c, b, extra, &view);
-        mha_attention_args a;
-        memset(&a, 0, sizeof a);
-        a.batch = 1;
-        a.num_heads = d->num_heads;
-        a.num_kv_heads = c->Hkv;
-        a.head_dim = d->head_dim;
-        a.q_len = n;
-        a.cache = &view;
-        a.scale = d->scale;
-        a.given = d->given;
-        a.causal = MHA_CAUSAL_BOTTOM_RIGHT;
-        a.lse = lse ? lse + r0 * d->num_heads : NULL;
-        a.mods = d->mods;
-        a.sinks = d->sinks;
-        a.q_positions = d->q_positions ? d->q_positions + r0 : NULL;
-        a.num_threads = d->num_threads;
-        a.dtype = d->dtype;
-        if (half) {
-            a.q16 = d->q16 + r0 * E;
-            a.out16 = (uint16_t *)out + r0 * E;
-        } else {
-            a.q = d->q + r0 * E;
-            a.out = (float *)out + r0 * E;
+        /* with share_prefix: the later sequences sharing b's first pages
+         * (the pages all of them share) */
+        int m = 1;
+        int64_t S = 0;
+        mem[0] = b;
+        for (int64_t x = b + 1; share && x < c->B; x++) {
+            const int64_t nx = d->q_start[x + 1] - d->q_start[x];
+            const int64_t sx = nx && !done[x] ? shared_pages(c, b, nb, x, nx)
+                                              : 0;
+            if (sx > 0) {
+                S = m == 1 || sx < S ? sx : S;
+                mem[m++] = x;
+                done[x] = 1;
+            }
         }
-        st = mha_attention(&a);
+        st = m > 1 ? cascade(&r, mem, m, S) : one_sequence(&r, b);
         if (st != MHA_OK) {   /* which sequence, before its own message */
             char msg[MHA_ERROR_CAP];
             snprintf(msg, sizeof msg, "%s", mha_last_error());
@@ -154,13 +300,15 @@ mha_status mha_attention_decode_ragged(const mha_attention_decode_args *d)
         }
     }
     if (st == MHA_OK && rows > 0) {
-        memcpy(half ? (void *)d->out16 : (void *)d->out, out,
-               (size_t)(rows * E) * esize);
-        if (lse)
-            memcpy(d->lse, lse, (size_t)(rows * d->num_heads) * 4);
+        memcpy(half ? (void *)d->out16 : (void *)d->out, r.out,
+               (size_t)(rows * E) * r.esize);
+        if (r.lse)
+            memcpy(d->lse, r.lse, (size_t)(rows * d->num_heads) * 4);
     }
-    free(out);
-    free(lse);
-    free(extra);
+    free(r.out);
+    free(r.lse);
+    free(r.extra);
+    free(mem);
+    free(done);
     return st;
 }
