@@ -1055,6 +1055,26 @@ jcheck "bench --decode --ragged --batch 3 --seq 2" "$jdec and j['ragged'] is Tru
 jcheck "bench --decode --attention-only --ragged --batch 8 --seq 2" "$jdec_attn and j['ragged'] is True and (j['batch'], j['seq']) == (8, 2) and j['kv_keys'] == $r8 and j['kv_bytes'] == $r8 * 2 * 8 * 2 * 4" \
   -- "$mha" bench "${dec[@]}" --attention-only --ragged --batch 8 --seq 2 --threads 2 --json
 expect 0 "^          ragged: 13 to 100 keys per sequence, 452 in all$" -- "$mha" bench "${dec[@]}" --attention-only --ragged --batch 8 --threads 1
+# --paged: a pool of just the pages the sequences fill, the bytes held
+# against the tokens' (f32, H_kv 2, d_h 8: 64 bytes a token's K or V):
+# 3 sequences of 100 keys + 2 new take 2 pages of 64 each (6 pages of 64
+# positions x 2 heads x 8 x 4 bytes x K and V = 49152 bytes held once
+# filled with 300 tokens of 300 * 128 bytes).  --shared-prefix 64: the
+# first 64 keys of each are sequence 0's, one page stored and counted once
+# (kv_keys 300 - 2 * 64; 4 pages held), the step one ragged call; a
+# prefix of 40, no whole page, is copied by each fork's first append.
+jcheck "bench --decode --paged --batch 3" "$jdec_attn and j['page_size'] == 64 and j['shared_prefix'] == 0 and j['kv_keys'] == 300 and j['token_bytes'] == 300 * 2 * 2 * 8 * 4 and j['cache_bytes'] == 6 * 64 * 2 * 2 * 8 * 4" \
+  -- "$mha" bench "${dec[@]}" --attention-only --paged --batch 3 --threads 2 --json
+jcheck "bench --decode --paged --shared-prefix 64 --batch 3 --seq 2" "$jdec_attn and j['page_size'] == 64 and j['shared_prefix'] == 64 and j['kv_keys'] == 300 - 2 * 64 and j['token_bytes'] == 300 * 2 * 2 * 8 * 4 and j['cache_bytes'] == 4 * 64 * 2 * 2 * 8 * 4" \
+  -- "$mha" bench "${dec[@]}" --attention-only --paged --shared-prefix 64 --batch 3 --seq 2 --threads 2 --json
+jcheck "bench --decode --paged --page-size 128 --shared-prefix 40 --batch 3" "$jdec_attn and j['page_size'] == 128 and j['shared_prefix'] == 40 and j['kv_keys'] == 300 and j['cache_bytes'] == 3 * 128 * 2 * 2 * 8 * 4" \
+  -- "$mha" bench "${dec[@]}" --attention-only --paged --page-size 128 --shared-prefix 40 --batch 3 --threads 1 --json
+expect 0 "^  pages   6 of 64 positions: 0.0 MiB held for 0.0 MiB of tokens \(1.2800x\)$" -- "$mha" bench "${dec[@]}" --attention-only --paged --batch 3 --threads 1
+expect 1 "^mha bench: --page-size needs --paged$" -- "$mha" bench "${dec[@]}" --page-size 64
+expect 1 "^mha bench: --shared-prefix needs --paged and --attention-only$" -- "$mha" bench "${dec[@]}" --paged --shared-prefix 10
+expect 1 "^mha bench: --shared-prefix 101 is longer than sequence 0's 100 keys$" -- "$mha" bench "${dec[@]}" --attention-only --paged --shared-prefix 101
+expect 1 "^mha bench: KV cache: invalid argument: cache page_size 100: expected 0" -- "$mha" bench "${dec[@]}" --paged --page-size 100
+expect 1 "^mha bench: --paged needs --decode$" -- "$mha" bench "${tiny[@]}" --paged
 expect 1 "^mha bench: --decode excludes --backward$" -- "$mha" bench "${dec[@]}" --backward
 expect 1 "^mha bench: --decode excludes --need-weights$" -- "$mha" bench "${dec[@]}" --need-weights
 expect 1 "^mha bench: --kv-seq is required" -- "$mha" bench --decode --embed-dim 32 --heads 4

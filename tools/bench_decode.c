@@ -403,6 +403,9 @@ typedef struct decode_bench {
     int attn_only;     /* time mha_attention on the cache, no module     */
     int ragged;        /* sequence b holds round(Lk (b + 1) / B) keys    */
     int64_t page;      /* a paged cache's page size; 0: contiguous       */
+    int64_t shared;    /* --shared-prefix N: every sequence's first N
+                          tokens sequence 0's, forked (pages shared), the
+                          step one ragged call with share_prefix      */
     int64_t *len;      /* (B): the keys each sequence holds before a step */
     int64_t kv_keys;   /* their sum: the cached keys one step reads      */
 } decode_bench;
@@ -475,6 +478,13 @@ static int parse_decode(const tool_opt *o, int n, decode_bench *d)
          tool_int("bench", "page-size", OPT("page-size"), 1, INT32_MAX,
                   &d->page)))
         return 1;
+    if (OPT("shared-prefix") &&
+        tool_int("bench", "shared-prefix", OPT("shared-prefix"), 1,
+                 INT32_MAX, &d->shared))
+        return 1;
+    if (d->shared && (!OPT("paged") || !OPT("attention-only")))
+        return tool_fail("bench", "--shared-prefix needs --paged and "
+                         "--attention-only");
     if (d->page && !OPT("paged"))
         return tool_fail("bench", "--page-size needs --paged");
     if (OPT("paged") && !d->page)
@@ -516,7 +526,16 @@ static int sequence_lengths(decode_bench *d)
     d->kv_keys = 0;
     for (int64_t b = 0; b < d->B; b++) {
         d->len[b] = sequence_length(d, b);
-        d->kv_keys += d->len[b];
+        if (d->len[b] < d->shared)
+            return tool_fail("bench", "--shared-prefix %lld is longer than "
+                             "sequence %lld's %lld keys",
+                             (long long)d->shared, (long long)b,
+                             (long long)d->len[b]);
+        /* (a shared prefix's whole pages are stored, and read, once; a
+         * partial last page is copied by each fork's first append) */
+        d->kv_keys += d->len[b] - (b > 0 && d->shared
+                                       ? d->shared / d->page * d->page
+                                       : 0);
     }
     return 0;
 }
@@ -626,8 +645,29 @@ static int setup(decode_bench *d, decode_state *s)
     bench_fill_random(s->q, nq, &state);
     if (s->kv_new)
         bench_fill_random(s->kv_new, nkv, &state);
-    return plan_step(d, s) ||
-           prefill(s->kv, d->len, d->B, d->Lk, Dkv, d->page);
+    if (plan_step(d, s))
+        return 1;
+    if (!d->shared)
+        return prefill(s->kv, d->len, d->B, d->Lk, Dkv, d->page);
+    /* sequence 0's first N tokens, forked into every other sequence, then
+     * each sequence's own (len[b] - N), a page at a time in turn */
+    int64_t *own = malloc((size_t)d->B * sizeof *own);
+    if (!own)
+        return tool_fail("bench", "out of memory for the lengths");
+    const int64_t first = d->shared;
+    int rc = prefill(s->kv, &first, 1, first, Dkv, d->page);
+    for (int64_t b = 1; !rc && b < d->B; b++)
+        if (mha_kv_cache_fork(s->kv, 0, b) != MHA_OK)
+            rc = tool_fail("bench", "fork: %s", mha_last_error());
+    int64_t most = 0;
+    for (int64_t b = 0; b < d->B; b++) {
+        own[b] = d->len[b] - d->shared;
+        most = own[b] > most ? own[b] : most;
+    }
+    if (!rc && most > 0)
+        rc = prefill(s->kv, own, d->B, most, Dkv, d->page);
+    free(own);
+    return rc;
 }
 
 static void free_state(decode_state *s)
@@ -661,20 +701,35 @@ static mha_status append_new_tokens(const decode_bench *d, decode_state *s)
  * to the keys it held, so that each step finds the same cache. */
 static int time_steps(const decode_bench *d, decode_state *s)
 {
+    /* a shared prefix: one ragged call (no plan takes q_start), each
+     * sequence's Lq rows in turn */
+    int64_t *q_start = d->shared ? malloc((size_t)(d->B + 1) * 8) : NULL;
+    if (d->shared && !q_start)
+        return tool_fail("bench", "out of memory for q_start");
+    mha_attention_decode_args ragged = s->aa;
+    for (int64_t b = 0; q_start && b <= d->B; b++)
+        q_start[b] = b * d->Lq;
+    ragged.q_len = 0;
+    ragged.q_start = q_start;
+    ragged.share_prefix = 1;
     for (int64_t r = 0; r < d->warmup + d->repeat; r++) {
         mha_status st = d->attn_only ? append_new_tokens(d, s) : MHA_OK;
         const double t0 = bench_now_s();
         if (st == MHA_OK)
-            st = d->attn_only ? mha_attention_plan_decode(s->aplan, &s->aa)
-                              : mha_plan_decode(s->plan, &s->a);
+            st = d->shared ? mha_attention_decode(&ragged)
+                 : d->attn_only ? mha_attention_plan_decode(s->aplan, &s->aa)
+                                : mha_plan_decode(s->plan, &s->a);
         const double t1 = bench_now_s();
         for (int64_t b = 0; st == MHA_OK && b < d->B; b++)
             st = mha_kv_cache_truncate(s->kv, b, d->len[b]);
-        if (st != MHA_OK)
+        if (st != MHA_OK) {
+            free(q_start);
             return tool_fail("bench", "%s", mha_last_error());
+        }
         if (r >= d->warmup)
             s->ms[r - d->warmup] = (t1 - t0) * 1e3;
     }
+    free(q_start);
     double sum = 0.0;
     for (int64_t i = 0; i < d->B * d->Lq * d->E; i++)
         sum += s->out[i];
@@ -732,7 +787,8 @@ static void print_json(const decode_bench *d, const decode_result *r)
            "\"arith_gelems\": %.6g, \"memory_ms\": %.6g, "
            "\"arith_ms\": %.6g, \"roofline_ms\": %.6g, "
            "\"roofline_percent\": %.6g, "
-           "\"page_size\": %lld, \"cache_bytes\": %lld, "
+           "\"page_size\": %lld, \"shared_prefix\": %lld, "
+           "\"cache_bytes\": %lld, "
            "\"token_bytes\": %lld, "
            "\"library\": \"%s\"}\n",
            json_bool(d->attn_only), json_bool(d->ragged), (long long)d->B,
@@ -746,6 +802,7 @@ static void print_json(const decode_bench *d, const decode_result *r)
            (long long)r->read_bytes, r->weight_bytes, r->arith_kind,
            r->arith_rows, r->arith_gelems, r->memory_ms, r->arith_ms,
            r->roofline_ms, r->roofline_percent, (long long)d->page,
+           (long long)d->shared,
            (long long)r->usage.bytes, (long long)r->usage.token_bytes,
            mha_version_string());
 }
@@ -782,6 +839,11 @@ static void print_text(const decode_bench *d, const decode_result *r)
         printf("          ragged: %lld to %lld keys per sequence, %lld in "
                "all\n", (long long)d->len[0], (long long)d->Lk,
                (long long)d->kv_keys);
+    if (d->shared)
+        printf("  shared  every sequence's first %lld tokens one prompt's "
+               "(forks: pages shared),\n          its whole pages read once: "
+               "one ragged call with share_prefix\n",
+               (long long)d->shared);
     if (d->page)
         printf("  pages   %lld of %lld positions: %.1f MiB held for %.1f "
                "MiB of tokens (%.4fx)\n", (long long)r->usage.pages_used,

@@ -29,7 +29,7 @@ static const char BENCH_HELP[] =
     "       mha bench --decode --kv-seq Lk --embed-dim E --heads H\n"
     "                 [--kv-heads Hkv] [--kv-dtype f32|f16|bf16|q8]\n"
     "                 [--batch B] [--seq L] [--ragged] [--attention-only]\n"
-    "                 [--paged [--page-size P]]\n"
+    "                 [--paged [--page-size P] [--shared-prefix N]]\n"
     "                 [--threads T] [--repeat R] [--warmup W] [--json]\n"
     "\n"
     "Times the forward pass of a module with Xavier-initialised weights\n"
@@ -123,6 +123,12 @@ static const char BENCH_HELP[] =
     "                        reports the bytes the pages hold against the\n"
     "                        bytes of the tokens stored (JSON: page_size,\n"
     "                        cache_bytes, token_bytes)\n"
+    "  --shared-prefix N     with --paged --attention-only: every sequence's\n"
+    "                        first N tokens are one prompt's (sequence 0's,\n"
+    "                        forked into the others: pages shared), and the\n"
+    "                        step is one ragged call (mha_attention_decode\n"
+    "                        with q_start and share_prefix: the prefix read\n"
+    "                        once); kv_keys counts its whole pages once\n"
     "  --attention-only      time the attention of the step alone,\n"
     "                        mha_attention_plan_run with args.cache on random\n"
     "                        q (B, Lq, H*d_h) already projected: no module,\n"
@@ -299,6 +305,7 @@ int cmd_bench(int argc, char **argv)
                     {"kv-heads", 1, 0}, {"kv-dtype", 1, 0},
                     {"ragged", 0, 0}, {"sinks", 0, 0}, {"dtype", 1, 0},
                     {"paged", 0, 0}, {"page-size", 1, 0},
+                    {"shared-prefix", 1, 0},
                     MOD_OPTS, MOD_WINDOW_OPT};
     int status;
     if (tool_options("bench", argc, argv, o, NOPTS(o), BENCH_HELP, &status))
@@ -315,7 +322,8 @@ int cmd_bench(int argc, char **argv)
     if (OPT("decode"))
         return bench_decode(argc, argv, o, NOPTS(o));
     static const char *const decode_only[] = {"kv-heads", "kv-dtype",
-                                              "ragged", "paged", "page-size"};
+                                              "ragged", "paged", "page-size",
+                                              "shared-prefix"};
     for (int k = 0; k < NOPTS(decode_only); k++)
         if (OPT(decode_only[k]))
             return tool_fail("bench", "--%s needs --decode", decode_only[k]);
