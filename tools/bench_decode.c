@@ -408,6 +408,8 @@ typedef struct decode_bench {
                           step one ragged call with share_prefix      */
     int64_t *len;      /* (B): the keys each sequence holds before a step */
     int64_t kv_keys;   /* their sum: the cached keys one step reads      */
+    int64_t all_keys;  /* the keys the step multiplies: kv_keys, and a
+                          shared prefix once per sequence              */
 } decode_bench;
 
 /* What a run allocates, and the arguments of its step. */
@@ -523,7 +525,7 @@ static int sequence_lengths(decode_bench *d)
     if (!d->len)
         return tool_fail("bench", "out of memory for %lld sequence lengths",
                          (long long)d->B);
-    d->kv_keys = 0;
+    d->kv_keys = d->all_keys = 0;
     for (int64_t b = 0; b < d->B; b++) {
         d->len[b] = sequence_length(d, b);
         if (d->len[b] < d->shared)
@@ -533,6 +535,7 @@ static int sequence_lengths(decode_bench *d)
                              (long long)d->len[b]);
         /* (a shared prefix's whole pages are stored, and read, once; a
          * partial last page is copied by each fork's first append) */
+        d->all_keys += d->len[b];
         d->kv_keys += d->len[b] - (b > 0 && d->shared
                                        ? d->shared / d->page * d->page
                                        : 0);
@@ -748,9 +751,10 @@ static void summarise(const decode_bench *d, decode_state *s,
                     kv_row_bytes(d->dtype, d->dh);
     res->kv_gbps = res->kv_bytes / (res->median_ms * 1e-3) * 1e-9;
     res->read_percent = 100.0 * res->kv_gbps / res->read_gbps;
-    /* K and V: kv_keys * Hkv * d_h elements each, every one converted
+    /* K and V: all_keys * Hkv * d_h elements each (a shared prefix read
+     * once is still multiplied by every sequence's rows), every one converted
      * once and multiplied into each of the group's stacked rows */
-    const double elems = (double)d->kv_keys * (double)d->Hkv *
+    const double elems = (double)d->all_keys * (double)d->Hkv *
                          (double)d->dh * 2.0;
     /* The module's projections read every parameter once per step: its
      * memory time counts them beside the cache. */
