@@ -1081,7 +1081,11 @@ typedef struct mha_kv_cache_config {
  * (copy on write).  An append that needs more pages than are free is
  * refused, MHA_ERR_OUT_OF_MEMORY naming the pool, nothing appended.
  * Attention reads a paged cache exactly as a contiguous one, with the
- * same bits.  No window yet (refused, MHA_ERR_UNSUPPORTED).
+ * same bits.  With a window, `capacity` (the ring) must be whole pages;
+ * a page whose positions all fell out of the window (older than the
+ * length - W) is given back at the sequence's next append, so a sequence
+ * holds about W + P positions, and a rollback reaches only positions its
+ * pages still hold (refused past them, naming the oldest).
  */
 
 MHA_API mha_status mha_kv_cache_create_sized(const mha_kv_cache_config *config,

@@ -462,6 +462,99 @@ static void test_ragged_step(void **state)
     mha_kv_cache_free(flat);
 }
 
+/* Window caches (W = 100, a ring of 256 slots) paged (pages of 64) and
+ * contiguous, the same random operations: the paged one gives back the
+ * pages whose positions all fell out of the window, and holds no more
+ * than the window's pages per sequence once it has; its steps and reads
+ * give the contiguous ring's bits.  A rollback the paged ring refuses
+ * (its oldest position given back) is one the contiguous ring still
+ * allows, never the reverse. */
+static void test_window_pages(void **state)
+{
+    (void)state;
+    enum { W = 100, RING = 256 };
+    mha_kv_cache_config cc = {0};
+    cc.batch = B, cc.num_kv_heads = HKV, cc.head_dim = DH;
+    cc.capacity = RING, cc.window = W, cc.dtype = MHA_KV_BF16;
+    mha_kv_cache *flat = NULL, *paged = NULL;
+    assert_int_equal(mha_kv_cache_create(&cc, &flat), MHA_OK);
+    cc.page_size = 64, cc.num_pages = 9;   /* < 4 sequences x 3 pages */
+    assert_int_equal(mha_kv_cache_create(&cc, &paged), MHA_OK);
+    rng_state = 11;
+    static float k[128 * EKV], v[128 * EKV];
+    int freed_some = 0, refused = 0;
+    for (int op = 0; op < 3000; op++) {
+        const int64_t b = below(B), len = mha_kv_cache_length(flat, b);
+        const int what = (int)below(20);
+        if (what < 10) {   /* n + W - 1 <= RING: a step of n may attend */
+            const int64_t n = 1 + below(below(4) ? 3 : 100);
+            tu_fill(k, n * EKV, rnd(), -2, 2);
+            tu_fill(v, n * EKV, rnd(), -2, 2);
+            const mha_status st = mha_kv_cache_append(paged, b, k, v, n);
+            if (st == MHA_ERR_OUT_OF_MEMORY) {
+                refused++;
+            } else {
+                assert_int_equal(st, MHA_OK);
+                assert_int_equal(mha_kv_cache_append(flat, b, k, v, n),
+                                 MHA_OK);
+            }
+        } else if (what < 12) {
+            const int64_t to = len ? len - below(len < 40 ? len + 1 : 40)
+                                   : 0;
+            /* what the paged ring allows, the contiguous one does */
+            if (mha_kv_cache_truncate(paged, b, to) == MHA_OK)
+                assert_int_equal(mha_kv_cache_truncate(flat, b, to), MHA_OK);
+            else
+                assert_non_null(strstr(mha_last_error(), "oldest"));
+        } else if (what < 13) {
+            assert_int_equal(mha_kv_cache_reset(paged, b), MHA_OK);
+            assert_int_equal(mha_kv_cache_reset(flat, b), MHA_OK);
+        } else if (what < 15) {
+            const int64_t to = (b + 1 + below(B - 1)) % B;
+            assert_int_equal(mha_kv_cache_fork(paged, b, to), MHA_OK);
+            assert_int_equal(mha_kv_cache_fork(flat, b, to), MHA_OK);
+        } else if (what < 17) {   /* what both still hold */
+            static float k1[RING * EKV], v1[RING * EKV], k2[RING * EKV],
+                v2[RING * EKV];
+            const int64_t from = len > W ? len - W : 0;
+            assert_int_equal(mha_kv_cache_read(paged, b, from, len - from,
+                                               k1, v1), MHA_OK);
+            assert_int_equal(mha_kv_cache_read(flat, b, from, len - from, k2,
+                                               v2), MHA_OK);
+            assert_memory_equal(k1, k2, (size_t)((len - from) * EKV) * 4);
+            assert_memory_equal(v1, v2, (size_t)((len - from) * EKV) * 4);
+        } else {
+            same_step(paged, flat, 1 + (int)below(3));
+        }
+        assert_true(mha_kv_pages_consistent(paged));
+        mha_kv_cache_usage u;
+        assert_int_equal(mha_kv_cache_get_usage(paged, &u), MHA_OK);
+        assert_int_equal(u.pages_used + u.pages_free, 9);
+        freed_some |= u.pages_used < u.tokens / 64;
+        for (int64_t s = 0; s < B; s++)
+            assert_int_equal(mha_kv_cache_length(paged, s),
+                             mha_kv_cache_length(flat, s));
+    }
+    print_message("window pages: %d appends refused (pool full), pages "
+                  "given back: %s\n", refused, freed_some ? "yes" : "no");
+    assert_true(refused > 0 && freed_some);   /* both exercised */
+    /* one long sequence alone: at most ceil((W + 64) / 64) + 1 pages */
+    assert_int_equal(mha_kv_cache_reset(paged, -1), MHA_OK);
+    for (int t = 0; t < 1000; t++) {
+        tu_fill(k, EKV, (uint64_t)t, -2, 2);
+        assert_int_equal(mha_kv_cache_append(paged, 0, k, k, 1), MHA_OK);
+        mha_kv_cache_usage u;
+        assert_int_equal(mha_kv_cache_get_usage(paged, &u), MHA_OK);
+        assert_true(u.pages_used <= 3);
+    }
+    cc.capacity = 300;   /* not whole pages */
+    mha_kv_cache *bad = NULL;
+    assert_fails(mha_kv_cache_create(&cc, &bad), MHA_ERR_INVALID_ARGUMENT,
+                 "whole pages");
+    mha_kv_cache_free(flat);
+    mha_kv_cache_free(paged);
+}
+
 /* share_prefix: four forks of a 300-token prompt (a fifth sequence its
  * own), each with its own tokens and a step of 1 or 5: the cascade's rows
  * against float64 softmax over the keys each sequence holds, within the
@@ -561,9 +654,9 @@ static void test_misuse(void **state)
     cc.page_size = -64;
     assert_fails(mha_kv_cache_create(&cc, &kv), MHA_ERR_INVALID_ARGUMENT,
                  "page_size");
-    cc.page_size = 64, cc.window = 10;
-    assert_fails(mha_kv_cache_create(&cc, &kv), MHA_ERR_UNSUPPORTED,
-                 "window");
+    cc.page_size = 64, cc.window = 10;   /* a ring of 100: not whole pages */
+    assert_fails(mha_kv_cache_create(&cc, &kv), MHA_ERR_INVALID_ARGUMENT,
+                 "whole pages");
     cc.window = 0, cc.page_size = 0, cc.num_pages = 4;
     assert_fails(mha_kv_cache_create(&cc, &kv), MHA_ERR_INVALID_ARGUMENT,
                  "num_pages 4 without a page_size");
@@ -609,6 +702,7 @@ int main(void)
         cmocka_unit_test(test_memory_ragged),
         cmocka_unit_test(test_ragged_step),
         cmocka_unit_test(test_shared_prefix),
+        cmocka_unit_test(test_window_pages),
         cmocka_unit_test(test_misuse),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

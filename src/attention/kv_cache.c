@@ -98,12 +98,11 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
                              "or a multiple of %d (the kernels' tile of "
                              "keys) up to %d", (long long)P, MHA_BC,
                              INT32_MAX / MHA_BC * MHA_BC);
-    if (P && cfg->window)
-        return mha_set_error(MHA_ERR_UNSUPPORTED,
-                             "a paged cache (page_size %lld) with a window "
-                             "(%lld) is not supported yet: use a contiguous "
-                             "window cache", (long long)P,
-                             (long long)cfg->window);
+    if (P && cfg->window && cfg->capacity % P != 0)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "a paged window cache's capacity %lld (its "
+                             "ring) must be whole pages of page_size %lld",
+                             (long long)cfg->capacity, (long long)P);
     if (!P && cfg->num_pages)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "cache num_pages %lld without a page_size",
@@ -704,14 +703,16 @@ mha_status mha_kv_cache_fork(mha_kv_cache *c, int64_t src, int64_t dst)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "cannot fork sequence %lld onto itself",
                              (long long)src);
-    if (c->page) {   /* src's pages, shared */
+    if (c->page) {   /* src's pages, shared (a ring's: all it holds) */
         mha_kv_pages_release(c, dst, 0);
-        const int64_t held = c->len[src] / c->page +
-                             (c->len[src] % c->page != 0);
+        const int64_t held = c->window ? c->table_len
+                                       : c->len[src] / c->page +
+                                             (c->len[src] % c->page != 0);
         for (int64_t i = 0; i < held; i++) {
             const int32_t pg = c->table[src * c->table_len + i];
             c->table[dst * c->table_len + i] = pg;
-            c->refs[pg]++;
+            if (pg != c->pages)
+                c->refs[pg]++;
         }
     } else {   /* src's tiles (all: a ring holds any of them) and flags */
         const int64_t n = c->Hkv * c->tiles;
@@ -736,9 +737,8 @@ mha_status mha_kv_cache_get_usage_sized(const mha_kv_cache *c,
         return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
                              c ? "output usage" : "cache");
     mha_kv_cache_usage u = {0};
-    for (int64_t b = 0; b < c->B; b++)   /* (a ring holds the last ones) */
-        u.tokens += c->window && c->len[b] > c->capacity ? c->capacity
-                                                          : c->len[b];
+    for (int64_t b = 0; b < c->B; b++)   /* (a ring: from start[b] on) */
+        u.tokens += c->len[b] - (c->window ? c->start[b] : 0);
     /* a key and a value of H_kv heads per token, a tile's share each */
     u.token_bytes = u.tokens * 2 * c->Hkv * c->tile_bytes / MHA_BC;
     const int64_t tile_pair = 2 * c->tile_bytes;   /* K and V */

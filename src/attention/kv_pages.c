@@ -82,29 +82,97 @@ static void drop(mha_kv_cache *c, int32_t pg)
         c->free_pages[c->n_free++] = pg;
 }
 
-/* The first and last page index of positions len[b] .. len[b] + n - 1. */
-static void span_of(const mha_kv_cache *c, int64_t b, int64_t n,
-                    int64_t *first, int64_t *last)
+/* The table entry of position p: its page, or with a window the page of
+ * its ring slot (p mod capacity; the capacity is whole pages). */
+static int64_t page_of(const mha_kv_cache *c, int64_t p)
 {
-    *first = c->len[b] / c->page;
-    *last = (c->len[b] + n - 1) / c->page;
+    return (c->window ? p % c->capacity : p) / c->page;
 }
+
+/* With a window: the newest position ring page i of sequence b holds
+ * (-1: none yet).  Positions rise by one from slot to slot around the
+ * ring, from the oldest at slot len % capacity to the newest just before
+ * it, so a page's newest is at its last slot unless the newest of all
+ * lies inside it. */
+static int64_t newest_in(const mha_kv_cache *c, int64_t b, int64_t i)
+{
+    const int64_t n = c->len[b], C = c->capacity, a = i * c->page;
+    const int64_t last = (n + C - 1) % C;   /* the newest's slot */
+    if (n == 0)
+        return -1;
+    if (last >= a && last < a + c->page)
+        return n - 1;
+    return mha_ring_position(n, C, a + c->page - 1);
+}
+
+/* With a window: whether ring page i of sequence b (held) holds only
+ * positions older than len - W, which no query needs any more (nor a
+ * rollback to the present length): a page to give back. */
+static int stale(const mha_kv_cache *c, int64_t b, int64_t i)
+{
+    return c->window && *entry(c, b, i) != c->pages &&
+           newest_in(c, b, i) < c->len[b] - c->window;
+}
+
+/* Gives back sequence b's stale pages, and moves start[b] (the oldest
+ * position held) to the oldest of the unbroken run of positions, back
+ * from the newest, whose pages are still held.  (Walked before any page
+ * is taken again for new positions: a page taken for a slot is zeroed,
+ * and its other slots hold none of the positions the ring assigns them,
+ * all older than this run.) */
+static void drop_stale(mha_kv_cache *c, int64_t b)
+{
+    int dropped = 0;
+    for (int64_t i = 0; i < c->table_len; i++)
+        if (stale(c, b, i)) {
+            drop(c, *entry(c, b, i));
+            *entry(c, b, i) = (int32_t)c->pages;
+            dropped = 1;
+        }
+    if (!dropped)
+        return;
+    const int64_t n = c->len[b], floor = n > c->capacity ? n - c->capacity
+                                                         : 0;
+    int64_t lo = n;
+    while (lo > floor && lo > c->start[b] &&
+           *entry(c, b, page_of(c, lo - 1)) != c->pages)
+        lo--;
+    c->start[b] = lo > c->start[b] ? lo : c->start[b];
+}
+
+/* Runs body with i each table entry that positions len[s] .. len[s] + n
+ * - 1 fall in, once each (n <= capacity with a window, so only the first
+ * and last pages of the span can be the same ring page). */
+#define FOR_PAGES(c, s, n, i, body)                                      \
+    do {                                                                 \
+        const int64_t p0_ = (c)->len[s], p1_ = p0_ + (n) - 1;            \
+        const int64_t first_ = page_of(c, p0_);                          \
+        for (int64_t at_ = p0_; at_ <= p1_;                              \
+             at_ = (at_ / (c)->page + 1) * (c)->page) {                  \
+            const int64_t i = page_of(c, at_);                           \
+            if (at_ != p0_ && i == first_)                               \
+                continue;   /* (the ring came round to the first) */     \
+            body                                                         \
+        }                                                                \
+    } while (0)
 
 mha_status mha_kv_pages_reserve(mha_kv_cache *c, int64_t b, int64_t n)
 {
     if (!c->page || n <= 0)
         return MHA_OK;
     const int64_t b0 = b < 0 ? 0 : b, b1 = b < 0 ? c->B : b + 1;
-    int64_t need = 0;   /* pages absent, or shared and to be copied */
+    /* pages absent (or stale: given back, then taken), or shared and to
+     * be copied; against the free ones and the stale ones held alone */
+    int64_t need = 0, freed = 0;
     for (int64_t s = b0; s < b1; s++) {
-        int64_t first, last;
-        span_of(c, s, n, &first, &last);
-        for (int64_t i = first; i <= last; i++) {
+        for (int64_t i = 0; c->window && i < c->table_len; i++)
+            freed += stale(c, s, i) && c->refs[*entry(c, s, i)] == 1;
+        FOR_PAGES(c, s, n, i, {
             const int32_t pg = *entry(c, s, i);
-            need += pg == c->pages || c->refs[pg] > 1;
-        }
+            need += pg == c->pages || stale(c, s, i) || c->refs[pg] > 1;
+        });
     }
-    if (need > c->n_free) {
+    if (need > c->n_free + freed) {
         char who[64];
         if (b < 0)
             snprintf(who, sizeof who, "in each of the %lld sequences",
@@ -121,9 +189,9 @@ mha_status mha_kv_pages_reserve(mha_kv_cache *c, int64_t b, int64_t n)
                              (long long)c->n_free, (long long)c->pages);
     }
     for (int64_t s = b0; s < b1; s++) {
-        int64_t first, last;
-        span_of(c, s, n, &first, &last);
-        for (int64_t i = first; i <= last; i++) {
+        if (c->window)
+            drop_stale(c, s);
+        FOR_PAGES(c, s, n, i, {
             int32_t *e = entry(c, s, i);
             if (*e == c->pages) {
                 *e = take(c);
@@ -136,7 +204,7 @@ mha_status mha_kv_pages_reserve(mha_kv_cache *c, int64_t b, int64_t n)
                 drop(c, *e);
                 *e = pg;
             }
-        }
+        });
     }
     return MHA_OK;
 }
@@ -165,7 +233,8 @@ int mha_kv_pages_consistent(const mha_kv_cache *c)
         for (int64_t i = 0; ok && i < c->table_len; i++) {
             const int32_t pg = *entry(c, b, i);
             ok = pg >= 0 && pg <= c->pages &&
-                 (pg == c->pages || i < held);   /* none past its length */
+                 (pg == c->pages || i < held ||   /* none past its length */
+                  c->window);                     /* (a ring: any)       */
             if (ok && pg != c->pages)
                 named[pg]++;
         }
