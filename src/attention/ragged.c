@@ -271,7 +271,8 @@ mha_status mha_attention_decode_ragged(const mha_attention_decode_args *d)
                         : mha_set_error(MHA_ERR_OUT_OF_MEMORY,
                                         "cannot allocate a ragged step's "
                                         "%lld rows", (long long)rows);
-    const int share = d->share_prefix && c->page && !half;
+    /* (a window's ring pages hold no prefix: sequence by sequence) */
+    const int share = d->share_prefix && c->page && !c->window && !half;
     for (int64_t b = 0; st == MHA_OK && b < c->B; b++) {
         const int64_t nb = d->q_start[b + 1] - d->q_start[b];
         if (nb == 0 || done[b])
