@@ -863,9 +863,6 @@ typedef struct mha_half_problem {
 } mha_half_problem;
 mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p);
 
-/* A ragged decoding step (ragged.c): d->q_start set, every sequence's
- * rows attended as a call on that sequence alone. */
-mha_status mha_attention_decode_ragged(const mha_attention_decode_args *d);
 /* The backward of that forward: out and lse (given, the forward's) and
  * dout in; dq, dk, dv out. */
 mha_status mha_attn_amx_backward(const mha_engine *e,

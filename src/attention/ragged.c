@@ -1,5 +1,7 @@
 /*
- * ragged.c -- a ragged decoding step (mha_attention_decode_args.q_start):
+ * ragged.c -- the decoding entry points on heads (mha_attention_decode and
+ * its plan: a step as mha_attention on the cache), and a ragged decoding
+ * step (mha_attention_decode_args.q_start):
  * the queries of many sequences packed back to back, each sequence with
  * its own count of new tokens, so that prefill chunks and single decode
  * tokens share one call (continuous batching with chunked prefill).
@@ -252,7 +254,7 @@ static mha_status cascade(const ragged *r, const int64_t *mem, int m,
                : st;
 }
 
-mha_status mha_attention_decode_ragged(const mha_attention_decode_args *d)
+static mha_status decode_ragged(const mha_attention_decode_args *d)
 {
     int64_t rows = 0, E = 0;
     MHA_CHECK(check_ragged(d, &rows, &E));
@@ -312,4 +314,85 @@ mha_status mha_attention_decode_ragged(const mha_attention_decode_args *d)
     free(mem);
     free(done);
     return st;
+}
+
+/* ---- the decoding entry points ------------------------------------------ */
+
+/* The attention a decode step is: the caller's mha_attention_decode_args
+ * (of `size` bytes, the ABI rule's copy) as attention arguments on the
+ * cache's K/V heads, bottom-right causal, no keys of its own, no training
+ * (the batch is checked against the cache's). */
+static mha_status decode_as_attention(const mha_attention_decode_args *args,
+                                      size_t args_size,
+                                      mha_attention_args *a)
+{
+    MHA_STRUCT_IN(mha_attention_decode_args, args);
+    const mha_attention_decode_args *d = &args_;
+    if (!args)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "args is NULL");
+    if (!d->cache)
+        return mha_set_error(MHA_ERR_NULL_POINTER,
+                             "cache is NULL: decoding reads a KV cache "
+                             "(mha_attention runs without one)");
+    if (d->q_start)   /* (mha_attention_decode takes it before here) */
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "q_start (a ragged step) has no plan: call "
+                             "mha_attention_decode");
+    memset(a, 0, sizeof *a);
+    a->batch = d->batch;
+    a->num_heads = d->num_heads;
+    a->num_kv_heads = d->cache->Hkv;
+    a->head_dim = d->head_dim;
+    a->q_len = d->q_len;
+    a->q = d->q;
+    a->out = d->out;
+    a->cache = d->cache;
+    a->scale = d->scale;
+    a->given = d->given;
+    a->attn_mask = d->attn_mask;
+    a->key_padding_mask = d->key_padding_mask;
+    a->key_lengths = d->key_lengths;
+    a->causal = MHA_CAUSAL_BOTTOM_RIGHT;
+    a->need_weights = d->need_weights;
+    a->attn_weights = d->attn_weights;
+    a->lse = d->lse;
+    a->mods = d->mods;
+    a->sinks = d->sinks;
+    a->q_positions = d->q_positions;
+    a->num_threads = d->num_threads;
+    a->dtype = d->dtype;
+    a->q16 = d->q16;
+    a->out16 = d->out16;
+    return MHA_OK;
+}
+
+mha_status mha_attention_decode_sized(const mha_attention_decode_args *args,
+                                      size_t args_size)
+{
+    MHA_STRUCT_IN(mha_attention_decode_args, args);
+    if (args && args_.q_start)   /* ragged: sequence by sequence */
+        return decode_ragged(&args_);
+    mha_attention_args a;
+    MHA_CHECK(decode_as_attention(args, args_size, &a));
+    return mha_attention(&a);
+}
+
+mha_status mha_attention_plan_create_decode_sized(
+    const mha_attention_decode_args *shape, size_t shape_size,
+    mha_attention_plan **out)
+{
+    mha_attention_args a;
+    if (out)
+        *out = NULL;
+    MHA_CHECK(decode_as_attention(shape, shape_size, &a));
+    return mha_attention_plan_create(&a, out);
+}
+
+mha_status mha_attention_plan_decode_sized(
+    mha_attention_plan *plan, const mha_attention_decode_args *args,
+    size_t args_size)
+{
+    mha_attention_args a;
+    MHA_CHECK(decode_as_attention(args, args_size, &a));
+    return mha_attention_plan_run(plan, &a);
 }
