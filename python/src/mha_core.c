@@ -1367,17 +1367,25 @@ static PyObject *cache_append(CacheObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-static PyObject *cache_truncate(CacheObject *self, PyObject *args)
+/* A cache call of two integers: (seq, length) or (src, dst). */
+static PyObject *cache_call2(CacheObject *self, PyObject *args,
+                             mha_status (*f)(mha_kv_cache *, int64_t,
+                                             int64_t))
 {
-    long long seq, len;
-    if (!PyArg_ParseTuple(args, "LL", &seq, &len))
+    long long x, y;
+    if (!PyArg_ParseTuple(args, "LL", &x, &y))
         return NULL;
     if (cache_check(self))
         return NULL;
-    mha_status st = mha_kv_cache_truncate(self->c, seq, len);
+    mha_status st = f(self->c, x, y);
     if (st != MHA_OK)
         return raise_status(st);
     Py_RETURN_NONE;
+}
+
+static PyObject *cache_truncate(CacheObject *self, PyObject *args)
+{
+    return cache_call2(self, args, mha_kv_cache_truncate);
 }
 
 static PyObject *cache_reset(CacheObject *self, PyObject *args)
@@ -1395,15 +1403,7 @@ static PyObject *cache_reset(CacheObject *self, PyObject *args)
 
 static PyObject *cache_fork(CacheObject *self, PyObject *args)
 {
-    long long src, dst;
-    if (!PyArg_ParseTuple(args, "LL", &src, &dst))
-        return NULL;
-    if (cache_check(self))
-        return NULL;
-    mha_status st = mha_kv_cache_fork(self->c, src, dst);
-    if (st != MHA_OK)
-        return raise_status(st);
-    Py_RETURN_NONE;
+    return cache_call2(self, args, mha_kv_cache_fork);
 }
 
 static PyObject *cache_usage(CacheObject *self, PyObject *unused)
