@@ -232,7 +232,9 @@ static mha_status cascade(const ragged *r, const int64_t *mem, int m,
         mha_kv_cache view;
         mha_kv_cache_view(r->c, b, r->extra, &view);
         view.len = &own;
-        view.table += S;   /* its pages past the shared ones */
+        view.table += S;   /* its pages past the shared ones (and fewer
+                            * of them: no read past its table's row) */
+        view.tiles = (r->c->table_len - S) * r->c->tpp;
         st = attend(d, &view, n, q + at * E, o2, l2, NULL);
         for (int64_t h = 0; st == MHA_OK && h < H; h++)
             memcpy(l1b + h * n, l1 + h * T + at, (size_t)n * sizeof *l1);
