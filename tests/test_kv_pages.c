@@ -203,6 +203,32 @@ static void test_programs(void **state)
     }
 }
 
+/* float64 attention of one query head h (its DH elements at qr) over
+ * the first `sees` keys and values read back (rows of EKV, K/V head h's
+ * group): its DH outputs into r and its log-sum-exp returned. */
+static double f64_head(const float *qr, int64_t h, const float *k,
+                       const float *v, int64_t sees, double *r)
+{
+    const int64_t g = h / (H / HKV);
+    static double s[1024];
+    double m = -INFINITY, l = 0.0;
+    for (int64_t j = 0; j < sees; j++) {
+        double dot = 0.0;
+        for (int64_t e = 0; e < DH; e++)
+            dot += (double)qr[e] * k[j * EKV + g * DH + e];
+        s[j] = dot / sqrt((double)DH);
+        m = s[j] > m ? s[j] : m;
+    }
+    for (int64_t j = 0; j < sees; j++)
+        l += exp(s[j] - m);
+    for (int64_t e = 0; e < DH; e++) {
+        r[e] = 0.0;
+        for (int64_t j = 0; j < sees; j++)
+            r[e] += exp(s[j] - m) / l * v[j * EKV + g * DH + e];
+    }
+    return m + log(l);
+}
+
 /* A step on a paged cache that forks and rolls back, against float64
  * attention over the values it reads back (each query row: the softmax of
  * q.k / sqrt(d_h) over the sequence's keys).  float32 sums of <= 300
@@ -235,23 +261,10 @@ static void test_step_vs_float64(void **state)
         const int64_t n = mha_kv_cache_length(kv, b);
         assert_int_equal(mha_kv_cache_read(kv, b, 0, n, k, v), MHA_OK);
         for (int64_t h = 0; h < H; h++) {
-            const int64_t g = h / (H / HKV);
-            const float *qr = q + b * E + h * DH;
-            double s[CAP], m = -INFINITY, l = 0.0;
-            for (int64_t j = 0; j < n; j++) {
-                double dot = 0.0;
-                for (int64_t e = 0; e < DH; e++)
-                    dot += (double)qr[e] * k[j * EKV + g * DH + e];
-                s[j] = dot / sqrt((double)DH);
-                m = s[j] > m ? s[j] : m;
-            }
-            for (int64_t j = 0; j < n; j++)
-                l += exp(s[j] - m);
+            double r[DH];
+            f64_head(q + b * E + h * DH, h, k, v, n, r);
             for (int64_t e = 0; e < DH; e++) {
-                double r = 0.0;
-                for (int64_t j = 0; j < n; j++)
-                    r += exp(s[j] - m) / l * v[j * EKV + g * DH + e];
-                const double err = fabs(o[b * E + h * DH + e] - r);
+                const double err = fabs(o[b * E + h * DH + e] - r[e]);
                 worst = err > worst ? err : worst;
             }
         }
@@ -609,27 +622,14 @@ static void test_shared_prefix(void **state)
         for (int64_t i = 0; i < fresh[b]; i++) {
             const int64_t row = q_start[b] + i, sees = n - fresh[b] + i + 1;
             for (int64_t h = 0; h < H; h++) {
-                const int64_t g = h / (H / HKV);
-                double s[600], m = -INFINITY, l = 0.0;
-                for (int64_t j = 0; j < sees; j++) {
-                    double dot = 0.0;
-                    for (int64_t e = 0; e < DH; e++)
-                        dot += (double)q[row * E + h * DH + e] *
-                               ks[j * EKV + g * DH + e];
-                    s[j] = dot / sqrt((double)DH);
-                    m = s[j] > m ? s[j] : m;
-                }
-                for (int64_t j = 0; j < sees; j++)
-                    l += exp(s[j] - m);
-                const double lse = m + log(l);
+                double r[DH];
+                const double lse =
+                    f64_head(q + row * E + h * DH, h, ks, vs, sees, r);
                 const double el =
                     fabs(l1[q_start[b] * H + h * fresh[b] + i] - lse);
                 worst_lse = el > worst_lse ? el : worst_lse;
                 for (int64_t e = 0; e < DH; e++) {
-                    double r = 0.0;
-                    for (int64_t j = 0; j < sees; j++)
-                        r += exp(s[j] - m) / l * vs[j * EKV + g * DH + e];
-                    const double err = fabs(o1[row * E + h * DH + e] - r);
+                    const double err = fabs(o1[row * E + h * DH + e] - r[e]);
                     worst = err > worst ? err : worst;
                 }
             }

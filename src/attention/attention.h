@@ -398,6 +398,12 @@ static inline int64_t mha_kv_tile_index(const mha_kv_cache *c, int64_t b,
 void mha_kv_cache_view(const mha_kv_cache *c, int64_t b, float *extra,
                        mha_kv_cache *view);
 
+/* The pages a paged sequence of `len` positions holds: ceil(len / page). */
+static inline int64_t mha_kv_pages_of(const mha_kv_cache *c, int64_t len)
+{
+    return len / c->page + (len % c->page != 0);
+}
+
 /* ---- the page pool (kv_pages.c) ----
  * Sequence b's positions len[b] .. len[b] + n - 1 made writable: pages
  * added where it has none, a page it shares copied; all of them, for

@@ -577,8 +577,7 @@ mha_status mha_kv_cache_truncate(mha_kv_cache *c, int64_t seq,
     /* A paged sequence's pages past its length go back (once no one else
      * holds them). */
     if (c->page)
-        mha_kv_pages_release(c, seq, length / c->page +
-                                         (length % c->page != 0));
+        mha_kv_pages_release(c, seq, mha_kv_pages_of(c, length));
     /* The tile the sequence now ends in keeps only finite-or-not of its
      * remaining columns; a whole tile is flagged anew by its next put.  A
      * page another sequence also holds keeps its flags: they cover that
@@ -706,8 +705,7 @@ mha_status mha_kv_cache_fork(mha_kv_cache *c, int64_t src, int64_t dst)
     if (c->page) {   /* src's pages, shared (a ring's: all it holds) */
         mha_kv_pages_release(c, dst, 0);
         const int64_t held = c->window ? c->table_len
-                                       : c->len[src] / c->page +
-                                             (c->len[src] % c->page != 0);
+                                       : mha_kv_pages_of(c, c->len[src]);
         for (int64_t i = 0; i < held; i++) {
             const int32_t pg = c->table[src * c->table_len + i];
             c->table[dst * c->table_len + i] = pg;

@@ -66,11 +66,12 @@ static int32_t *entry(const mha_kv_cache *c, int64_t b, int64_t i)
     return c->table + b * c->table_len + i;
 }
 
-/* A page off the free stack, zeroed. */
-static int32_t take(mha_kv_cache *c)
+/* A page off the free stack, held once: a copy of page `from`, or (from
+ * < 0) zeroed. */
+static int32_t take(mha_kv_cache *c, int32_t from)
 {
     const int32_t pg = c->free_pages[--c->n_free];
-    fill_page(c, pg, -1);
+    fill_page(c, pg, from);
     c->refs[pg] = 1;
     return pg;
 }
@@ -194,13 +195,11 @@ mha_status mha_kv_pages_reserve(mha_kv_cache *c, int64_t b, int64_t n)
         FOR_PAGES(c, s, n, i, {
             int32_t *e = entry(c, s, i);
             if (*e == c->pages) {
-                *e = take(c);
+                *e = take(c, -1);
             } else if (c->refs[*e] > 1) {   /* shared: a copy of its own */
                 /* (the other holder's flags come too: finite over its
                  * columns, ours among them, or 0: only the slow path) */
-                const int32_t pg = c->free_pages[--c->n_free];
-                fill_page(c, pg, *e);
-                c->refs[pg] = 1;
+                const int32_t pg = take(c, *e);
                 drop(c, *e);
                 *e = pg;
             }
@@ -229,7 +228,7 @@ int mha_kv_pages_consistent(const mha_kv_cache *c)
     int32_t *named = calloc((size_t)c->pages + 1, sizeof *named);
     int ok = named != NULL;
     for (int64_t b = 0; ok && b < c->B; b++) {
-        const int64_t held = (c->len[b] + c->page - 1) / c->page;
+        const int64_t held = mha_kv_pages_of(c, c->len[b]);
         for (int64_t i = 0; ok && i < c->table_len; i++) {
             const int32_t pg = *entry(c, b, i);
             ok = pg >= 0 && pg <= c->pages &&

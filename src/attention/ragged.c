@@ -96,16 +96,48 @@ static mha_status check_ragged(const mha_attention_decode_args *d,
                              !q ? (half ? "q16" : "q") : (half ? "out16"
                                                                 : "out"));
     const int64_t bytes = n * (half ? 2 : 4);
-    if (overlap(out, bytes, q, bytes) ||
-        overlap(d->lse, 4 * nl, q, bytes) ||
-        overlap(d->lse, 4 * nl, out, bytes))
+    const char *pair = overlap(out, bytes, q, bytes) ? "out overlaps q"
+                     : overlap(d->lse, 4 * nl, q, bytes) ? "lse overlaps q"
+                     : overlap(d->lse, 4 * nl, out, bytes) ? "lse overlaps out"
+                                                           : NULL;
+    if (pair)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "%s overlaps %s: outputs must not name an input"
-                             " or each other",
-                             overlap(out, bytes, q, bytes) ? "out" : "lse",
-                             overlap(d->lse, 4 * nl, out, bytes) ? "out"
-                                                                 : "q");
+                             "%s: outputs must not name an input or each "
+                             "other", pair);
     return MHA_OK;
+}
+
+/* A decode step's fields as attention arguments on its cache: the
+ * cache's K/V heads, bottom-right causal, no keys of its own, no
+ * training. */
+static void decode_fields(const mha_attention_decode_args *d,
+                          mha_attention_args *a)
+{
+    memset(a, 0, sizeof *a);
+    a->batch = d->batch;
+    a->num_heads = d->num_heads;
+    a->num_kv_heads = d->cache->Hkv;
+    a->head_dim = d->head_dim;
+    a->q_len = d->q_len;
+    a->q = d->q;
+    a->out = d->out;
+    a->cache = d->cache;
+    a->scale = d->scale;
+    a->given = d->given;
+    a->attn_mask = d->attn_mask;
+    a->key_padding_mask = d->key_padding_mask;
+    a->key_lengths = d->key_lengths;
+    a->causal = MHA_CAUSAL_BOTTOM_RIGHT;
+    a->need_weights = d->need_weights;
+    a->attn_weights = d->attn_weights;
+    a->lse = d->lse;
+    a->mods = d->mods;
+    a->sinks = d->sinks;
+    a->q_positions = d->q_positions;
+    a->num_threads = d->num_threads;
+    a->dtype = d->dtype;
+    a->q16 = d->q16;
+    a->out16 = d->out16;
 }
 
 /* The attention of rows q (n of them) on cache view `kv` into out and lse
@@ -115,22 +147,12 @@ static mha_status attend(const mha_attention_decode_args *d,
                          void *out, float *lse, const int64_t *q_positions)
 {
     mha_attention_args a;
-    memset(&a, 0, sizeof a);
+    decode_fields(d, &a);
     a.batch = 1;
-    a.num_heads = d->num_heads;
-    a.num_kv_heads = kv->Hkv;
-    a.head_dim = d->head_dim;
     a.q_len = n;
     a.cache = kv;
-    a.scale = d->scale;
-    a.given = d->given;
-    a.causal = MHA_CAUSAL_BOTTOM_RIGHT;
     a.lse = lse;
-    a.mods = d->mods;
-    a.sinks = d->sinks;
     a.q_positions = q_positions;
-    a.num_threads = d->num_threads;
-    a.dtype = d->dtype;
     if (d->dtype != MHA_DTYPE_F32) {
         a.q16 = q;
         a.out16 = out;
@@ -209,8 +231,11 @@ static mha_status cascade(const ragged *r, const int64_t *mem, int m,
     float *l1 = mha_alloc_floats(T * H, "a cascade's shared part");
     float *o2 = mha_alloc_floats(T * E, "a cascade's own parts");
     float *l2 = mha_alloc_floats(2 * T * H, "a cascade's own parts");
-    mha_status st = q && o1 && l1 && o2 && l2 ? MHA_OK
-                                              : MHA_ERR_OUT_OF_MEMORY;
+    mha_status st = q && o1 && l1 && o2 && l2
+                        ? MHA_OK
+                        : mha_set_error(MHA_ERR_OUT_OF_MEMORY,
+                                        "cannot allocate a cascade's %lld "
+                                        "rows", (long long)T);
     for (int64_t i = 0, at = 0; st == MHA_OK && i < m; i++) {
         const int64_t r0 = d->q_start[mem[i]], n = d->q_start[mem[i] + 1] - r0;
         memcpy(q + at * E, d->q + r0 * E, (size_t)(n * E) * sizeof *q);
@@ -250,10 +275,7 @@ static mha_status cascade(const ragged *r, const int64_t *mem, int m,
     free(l1);
     free(o2);
     free(l2);
-    return st == MHA_ERR_OUT_OF_MEMORY
-               ? mha_set_error(st, "cannot allocate a cascade's %lld rows",
-                               (long long)T)
-               : st;
+    return st;
 }
 
 static mha_status decode_ragged(const mha_attention_decode_args *d)
@@ -320,17 +342,13 @@ static mha_status decode_ragged(const mha_attention_decode_args *d)
 
 /* ---- the decoding entry points ------------------------------------------ */
 
-/* The attention a decode step is: the caller's mha_attention_decode_args
- * (of `size` bytes, the ABI rule's copy) as attention arguments on the
- * cache's K/V heads, bottom-right causal, no keys of its own, no training
- * (the batch is checked against the cache's). */
-static mha_status decode_as_attention(const mha_attention_decode_args *args,
-                                      size_t args_size,
+/* A decode step (the caller's struct, copied by the ABI rule, or NULL)
+ * as attention arguments: decode_fields once the cache is there (the
+ * batch is checked against the cache's by the attention). */
+static mha_status decode_as_attention(const mha_attention_decode_args *d,
                                       mha_attention_args *a)
 {
-    MHA_STRUCT_IN(mha_attention_decode_args, args);
-    const mha_attention_decode_args *d = &args_;
-    if (!args)
+    if (!d)
         return mha_set_error(MHA_ERR_NULL_POINTER, "args is NULL");
     if (!d->cache)
         return mha_set_error(MHA_ERR_NULL_POINTER,
@@ -340,31 +358,7 @@ static mha_status decode_as_attention(const mha_attention_decode_args *args,
         return mha_set_error(MHA_ERR_UNSUPPORTED,
                              "q_start (a ragged step) has no plan: call "
                              "mha_attention_decode");
-    memset(a, 0, sizeof *a);
-    a->batch = d->batch;
-    a->num_heads = d->num_heads;
-    a->num_kv_heads = d->cache->Hkv;
-    a->head_dim = d->head_dim;
-    a->q_len = d->q_len;
-    a->q = d->q;
-    a->out = d->out;
-    a->cache = d->cache;
-    a->scale = d->scale;
-    a->given = d->given;
-    a->attn_mask = d->attn_mask;
-    a->key_padding_mask = d->key_padding_mask;
-    a->key_lengths = d->key_lengths;
-    a->causal = MHA_CAUSAL_BOTTOM_RIGHT;
-    a->need_weights = d->need_weights;
-    a->attn_weights = d->attn_weights;
-    a->lse = d->lse;
-    a->mods = d->mods;
-    a->sinks = d->sinks;
-    a->q_positions = d->q_positions;
-    a->num_threads = d->num_threads;
-    a->dtype = d->dtype;
-    a->q16 = d->q16;
-    a->out16 = d->out16;
+    decode_fields(d, a);
     return MHA_OK;
 }
 
@@ -375,7 +369,7 @@ mha_status mha_attention_decode_sized(const mha_attention_decode_args *args,
     if (args && args_.q_start)   /* ragged: sequence by sequence */
         return decode_ragged(&args_);
     mha_attention_args a;
-    MHA_CHECK(decode_as_attention(args, args_size, &a));
+    MHA_CHECK(decode_as_attention(args ? &args_ : NULL, &a));
     return mha_attention(&a);
 }
 
@@ -383,10 +377,11 @@ mha_status mha_attention_plan_create_decode_sized(
     const mha_attention_decode_args *shape, size_t shape_size,
     mha_attention_plan **out)
 {
-    mha_attention_args a;
     if (out)
         *out = NULL;
-    MHA_CHECK(decode_as_attention(shape, shape_size, &a));
+    MHA_STRUCT_IN(mha_attention_decode_args, shape);
+    mha_attention_args a;
+    MHA_CHECK(decode_as_attention(shape ? &shape_ : NULL, &a));
     return mha_attention_plan_create(&a, out);
 }
 
@@ -394,7 +389,8 @@ mha_status mha_attention_plan_decode_sized(
     mha_attention_plan *plan, const mha_attention_decode_args *args,
     size_t args_size)
 {
+    MHA_STRUCT_IN(mha_attention_decode_args, args);
     mha_attention_args a;
-    MHA_CHECK(decode_as_attention(args, args_size, &a));
+    MHA_CHECK(decode_as_attention(args ? &args_ : NULL, &a));
     return mha_attention_plan_run(plan, &a);
 }

@@ -77,9 +77,6 @@ uint64_t mha_fingerprint(uint64_t h, const void *p, size_t bytes);
  * out, or masked, and are not the scale's to answer for. */
 double mha_max_abs_finite(const float *x, int64_t rows, int64_t cols,
                           int64_t ld, int threads);
-/* The same for n 16-bit elements (bf16: bfloat16, else f16). */
-double mha_max_abs_finite16(const uint16_t *x, int64_t n, int bf16,
-                            int threads);
 /* Refuses a problem whose scaled scores could overflow float32: the bound
  * |scale| * d_h * max|q| * max|k| of every |scale q.k| (each over finite
  * elements) above FLT_MAX.  The kernels would see Inf scores and the

@@ -53,27 +53,6 @@ double mha_max_abs_finite(const float *x, int64_t rows, int64_t cols,
     return f;
 }
 
-double mha_max_abs_finite16(const uint16_t *x, int64_t n, int bf16,
-                            int threads)
-{
-    enum { PIECE = 1 << 17 };
-    const int16_t inf = bf16 ? 0x7F80 : 0x7C00;   /* exponent all ones */
-    int16_t m = 0;
-    (void)threads;   /* (a build without OpenMP ignores the pragma) */
-#pragma omp parallel for num_threads(threads) reduction(max : m) \
-    schedule(static) if (threads > 1 && n >= 4 * PIECE)
-    for (int64_t i = 0; i < (n + PIECE - 1) / PIECE; i++) {
-        const int64_t end = n - i * PIECE < PIECE ? n : (i + 1) * PIECE;
-        for (int64_t j = i * PIECE; j < end; j++) {
-            int16_t u = (int16_t)(x[j] & 0x7FFF);
-            u = u < inf ? u : 0;
-            m = u > m ? u : m;
-        }
-    }
-    return bf16 ? mha_bf16_to_float((uint16_t)m)
-                : mha_f16_to_float((uint16_t)m);
-}
-
 int mha_score_range_ok(float scale, int64_t dh, double qmax, double kmax)
 {
     return fabs((double)scale) * (double)dh * qmax * kmax <= FLT_MAX;

@@ -306,7 +306,7 @@ void mha_amx_pack_b_rows(const uint16_t *src, int64_t sk, int64_t sn,
                          int64_t K, int64_t N, int64_t kt0, int64_t kt1,
                          uint32_t *dst);
 /* The largest finite |x| of rows x n bf16 (rows ld apart), as bf16 bits
- * (Inf and NaN skipped, as mha_max_abs_finite16 does). */
+ * (Inf and NaN skipped, as mha_max_abs_finite does for floats). */
 uint16_t mha_amx_max_abs(const uint16_t *x, int64_t ld, int64_t rows,
                          int64_t n);
 static inline int64_t mha_amx_b_words(int64_t K, int64_t N)
