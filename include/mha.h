@@ -173,6 +173,13 @@ typedef struct mha_rope {
  *                    i + Lk - Lq - left <= j <= i + Lk - Lq + right
  *                    (FlashAttention's window_size; -1: no bound on that
  *                    side), from indices: keys outside are never read
+ *   chunk C > 0      key j visible from query i iff floor(pos_i / C) ==
+ *                    floor(j / C), pos_i = i + Lk - Lq (Llama 4's
+ *                    attention_chunk: a query sees only its own chunk of
+ *                    C positions), from indices like the window.  Not a
+ *                    field here (this struct is frozen): attention_chunk
+ *                    of mha_config, mha_attention_args and
+ *                    mha_attention_decode_args.
  * Positions are aligned bottom-right, with a KV cache per sequence (Lk
  * its own length).  The keys bias_k and the zero key appended by
  * add_bias_kv / add_zero_attn have no position: softcapped, never biased
@@ -276,6 +283,10 @@ typedef struct mha_config {
                            denominator with no value (gpt-oss):
                            p_ij = exp(s_ij) / (sum_j' exp(s_ij') +
                            exp(sinks_h)).  Zero at create.               */
+    int64_t attention_chunk;  /* C >= 0; 0: none.  Chunked attention
+                           (Llama 4): a query sees only the keys of its
+                           own chunk of C positions (mha_modifiers
+                           above), beside causal masking and the window. */
 } mha_config;
 
 /* Opaque handle.  One module may be used by several threads at once for
@@ -720,6 +731,12 @@ typedef struct mha_attention_args {
                              cache or merge yet.                         */
     const uint16_t *q16, *k16, *v16;
     uint16_t *out16;
+    int64_t attention_chunk;  /* C >= 0; 0: none.  Chunked attention: key
+                             j visible from query i only when both sit in
+                             the same chunk of C positions (mha_modifiers
+                             above; the positions are those of causal
+                             masking, q_offset included).  Tiles outside
+                             the chunk are never visited.               */
 } mha_attention_args;
 MHA_API mha_status mha_attention_sized(const mha_attention_args *args,
                                        size_t args_size);
@@ -1270,6 +1287,10 @@ typedef struct mha_attention_decode_args {
      * rounding, not bit for bit; still the same bits for every thread
      * count.  Not with ALiBi, the window modifier or sinks (refused). */
     int share_prefix;
+    /* Chunked attention (mha_attention_args.attention_chunk), positions
+     * being those in each sequence.  A layer that only ever chunks needs
+     * no more than a sliding-window cache of W = C. */
+    int64_t attention_chunk;
 } mha_attention_decode_args;
 MHA_API mha_status mha_attention_decode_sized(
     const mha_attention_decode_args *args, size_t args_size);

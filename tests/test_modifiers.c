@@ -1,13 +1,14 @@
 /*
  * test_modifiers.c -- the score modifiers (include/mha.h, "Positions and
- * score modifiers"; docs/semantics.md): softcap, ALiBi, the window and
- * sinks, alone and together, with GQA, causal masking and decoding.
+ * score modifiers"; docs/semantics.md): softcap, ALiBi, the window, the
+ * chunks (attention_chunk) and sinks, alone and together, with GQA, causal masking and decoding.
  *
  *   - mha_attention (out and lse) against an attention written here from
  *     the definitions, in float64, within the suite's tolerance (twice
  *     the error of the same code in float32, ref.h);
  *   - ALiBi equals the additive mask -slope |i + Lk - Lq - j| fed to the
- *     masked path, and the window the bool mask of its band (bitwise);
+ *     masked path, and the window and the chunks the bool mask of their
+ *     band (bitwise);
  *   - gradients (q, k, v and the sinks) against central differences of
  *     the float64 attention;
  *   - 1, 2 and 4 threads bitwise on prefill and on decoding shapes (key
@@ -52,12 +53,22 @@ typedef struct mcase {
     int64_t left, right;
     int sinks;
     float p;             /* dropout (training), drawn by ref_dropout_keep */
+    int64_t chunk;       /* attention_chunk, 0: none */
 } mcase;
 
-/* Key j visible from row i: causal, then the window (bottom-right). */
+/* floor(x / C) for C > 0, x of either sign. */
+static int64_t floor_div(int64_t x, int64_t C)
+{
+    return x >= 0 ? x / C : -((-x + C - 1) / C);
+}
+
+/* Key j visible from row i: causal, then the window and the chunks
+ * (bottom-right). */
 static int visible(const mcase *c, int64_t i, int64_t j)
 {
     const int64_t qpos = i + c->Lk - c->Lq;
+    if (c->chunk && floor_div(qpos, c->chunk) != floor_div(j, c->chunk))
+        return 0;
     if (c->causal == MHA_CAUSAL_BOTTOM_RIGHT && j > qpos)
         return 0;
     if (c->causal == MHA_CAUSAL_TOP_LEFT && j > i)
@@ -187,6 +198,7 @@ static void prob_init(prob *p, const mcase *c, uint64_t seed)
     a->mods.window = c->window;
     a->mods.window_left = c->left;
     a->mods.window_right = c->right;
+    a->attention_chunk = c->chunk;
     a->sinks = c->sinks ? p->sinks : NULL;
     a->dropout = c->p;
     a->training = c->p > 0.0f;
@@ -211,22 +223,30 @@ static double scale_of(const mcase *c)
 
 static const mcase CASES[] = {
     /* name                       B  H Hkv dh  Lq   Lk  causal cap  alibi cs win left right sinks p */
-    {"softcap",                   2, 2, 2, 16, 9,   70, 0, 1.5f, 0, 0, 0, 0, 0, 0, 0},
-    {"softcap, large scores",     1, 2, 2, 32, 5,   40, 0, 0.3f, 0, 0, 0, 0, 0, 0, 0},
-    {"alibi, default slopes",     2, 3, 3, 8,  7,   90, 0, 0.0f, 1, 0, 0, 0, 0, 0, 0},
-    {"alibi, causal, Lq < Lk",    1, 4, 2, 8,  20,  150, MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 1, 1, 0, 0, 0, 0, 0},
-    {"window (16, 0) causal",     2, 2, 2, 8,  130, 130, MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 0, 0, 1, 16, 0, 0, 0},
-    {"window (3, 5), no causal",  1, 2, 1, 8,  70,  70, 0, 0.0f, 0, 0, 1, 3, 5, 0, 0},
-    {"window (-1, 2), Lq < Lk",   1, 2, 2, 8,  9,   200, 0, 0.0f, 0, 0, 1, -1, 2, 0, 0},
-    {"window (100, -1)",          1, 1, 1, 4,  300, 300, 0, 0.0f, 0, 0, 1, 100, -1, 0, 0},
-    {"window (0, 0): itself",     1, 2, 2, 4,  70,  70, 0, 0.0f, 0, 0, 1, 0, 0, 0, 0},
-    {"sinks",                     2, 2, 2, 8,  9,   70, 0, 0.0f, 0, 0, 0, 0, 0, 1, 0},
-    {"sinks, rows with no key",   1, 2, 2, 8,  20,  10, MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 0, 0, 0, 0, 0, 1, 0},
-    {"everything, GQA",           2, 4, 2, 16, 33,  140, MHA_CAUSAL_BOTTOM_RIGHT, 2.0f, 1, 1, 1, 40, 0, 1, 0},
-    {"everything, decoding",      2, 8, 2, 16, 1,   1500, MHA_CAUSAL_BOTTOM_RIGHT, 3.0f, 1, 0, 1, 700, 0, 1, 0},
-    {"everything, top-left",      1, 2, 2, 8,  80,  80, MHA_CAUSAL_TOP_LEFT, 1.0f, 1, 0, 1, 20, 3, 1, 0},
-    {"everything, dropout",       2, 4, 2, 8,  40,  90, MHA_CAUSAL_BOTTOM_RIGHT, 2.0f, 1, 0, 1, 30, 0, 1, 0.25f},
-    {"softcap, sinks, dropout, decoding", 1, 4, 1, 16, 2, 1100, 0, 1.0f, 0, 0, 0, 0, 0, 1, 0.3f},
+    {"softcap",                   2, 2, 2, 16, 9,   70, 0, 1.5f, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"softcap, large scores",     1, 2, 2, 32, 5,   40, 0, 0.3f, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"alibi, default slopes",     2, 3, 3, 8,  7,   90, 0, 0.0f, 1, 0, 0, 0, 0, 0, 0, 0},
+    {"alibi, causal, Lq < Lk",    1, 4, 2, 8,  20,  150, MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 1, 1, 0, 0, 0, 0, 0, 0},
+    {"window (16, 0) causal",     2, 2, 2, 8,  130, 130, MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 0, 0, 1, 16, 0, 0, 0, 0},
+    {"window (3, 5), no causal",  1, 2, 1, 8,  70,  70, 0, 0.0f, 0, 0, 1, 3, 5, 0, 0, 0},
+    {"window (-1, 2), Lq < Lk",   1, 2, 2, 8,  9,   200, 0, 0.0f, 0, 0, 1, -1, 2, 0, 0, 0},
+    {"window (100, -1)",          1, 1, 1, 4,  300, 300, 0, 0.0f, 0, 0, 1, 100, -1, 0, 0, 0},
+    {"window (0, 0): itself",     1, 2, 2, 4,  70,  70, 0, 0.0f, 0, 0, 1, 0, 0, 0, 0, 0},
+    {"sinks",                     2, 2, 2, 8,  9,   70, 0, 0.0f, 0, 0, 0, 0, 0, 1, 0, 0},
+    {"sinks, rows with no key",   1, 2, 2, 8,  20,  10, MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 0, 0, 0, 0, 0, 1, 0, 0},
+    {"everything, GQA",           2, 4, 2, 16, 33,  140, MHA_CAUSAL_BOTTOM_RIGHT, 2.0f, 1, 1, 1, 40, 0, 1, 0, 0},
+    {"everything, decoding",      2, 8, 2, 16, 1,   1500, MHA_CAUSAL_BOTTOM_RIGHT, 3.0f, 1, 0, 1, 700, 0, 1, 0, 0},
+    {"everything, top-left",      1, 2, 2, 8,  80,  80, MHA_CAUSAL_TOP_LEFT, 1.0f, 1, 0, 1, 20, 3, 1, 0, 0},
+    {"everything, dropout",       2, 4, 2, 8,  40,  90, MHA_CAUSAL_BOTTOM_RIGHT, 2.0f, 1, 0, 1, 30, 0, 1, 0.25f, 0},
+    {"softcap, sinks, dropout, decoding", 1, 4, 1, 16, 2, 1100, 0, 1.0f, 0, 0, 0, 0, 0, 1, 0.3f, 0},
+    /* chunks: inside tiles (16, 50) and on their edges (64); rows before
+     * position 0 (Lq > Lk) that see nothing; with the window */
+    {"chunk 16, causal",          2, 2, 2, 8,  130, 130, MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 0, 0, 0, 0, 0, 0, 0, 16},
+    {"chunk 64, no causal, Lq < Lk", 1, 2, 1, 8, 40, 300, 0, 0.0f, 0, 0, 0, 0, 0, 0, 0, 64},
+    {"chunk 7, Lq > Lk",          1, 2, 2, 8,  30,  20,  0, 0.0f, 0, 0, 0, 0, 0, 0, 0, 7},
+    {"chunk 50, window (30, 0)",  1, 2, 2, 8,  200, 200, MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 0, 0, 1, 30, 0, 0, 0, 50},
+    {"chunk 600, decoding",       2, 8, 2, 16, 1,   1500, MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 0, 0, 0, 0, 0, 0, 0, 600},
+    {"everything, chunk 48",      2, 4, 2, 16, 33,  140, MHA_CAUSAL_BOTTOM_RIGHT, 2.0f, 1, 1, 1, 40, 0, 1, 0, 48},
 };
 
 /* max |x - ref| over n, NaN anywhere: +inf. */
@@ -354,6 +374,7 @@ static void test_modifiers_act(void **state)
         float *with = malloc((size_t)p.nq * 4);
         memcpy(with, p.out, (size_t)p.nq * 4);
         p.a.mods = (mha_modifiers){0};
+        p.a.attention_chunk = 0;
         p.a.sinks = NULL;
         assert_int_equal(mha_attention(&p.a), MHA_OK);
         double diff = 0.0;
@@ -380,7 +401,8 @@ static void test_alibi_and_window_as_masks(void **state)
     const int ref_tier = !strcmp(mha_kernel_tier(), "ref");
     for (size_t t = 0; t < sizeof CASES / sizeof *CASES; t++) {
         const mcase *c = &CASES[t];
-        if (c->softcap > 0.0f || c->sinks || (!c->alibi && !c->window))
+        if (c->softcap > 0.0f || c->sinks ||
+            (!c->alibi && !c->window && !c->chunk))
             continue;
         prob p;
         prob_init(&p, c, 100 * t);
@@ -404,6 +426,7 @@ static void test_alibi_and_window_as_masks(void **state)
                                        : 0.0f;
                 }
         p.a.mods = (mha_modifiers){0};
+        p.a.attention_chunk = 0;
         p.a.attn_mask = (mha_mask){MHA_MASK_ADDITIVE, add, 4,
                                    {1, c->H, c->Lq, c->Lk}};
         assert_int_equal(mha_attention(&p.a), MHA_OK);
@@ -465,13 +488,15 @@ static double *widen(const float *x, int64_t n)
 }
 
 static const mcase GCASES[] = {
-    {"softcap",               1, 2, 2, 4, 5,  9,  0, 1.0f, 0, 0, 0, 0, 0, 0, 0},
-    {"alibi, causal",         1, 2, 1, 4, 6,  9,  MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 1, 1, 0, 0, 0, 0, 0},
-    {"window (2, 1)",         1, 2, 2, 4, 8,  8,  0, 0.0f, 0, 0, 1, 2, 1, 0, 0},
-    {"sinks",                 2, 2, 2, 4, 5,  7,  0, 0.0f, 0, 0, 0, 0, 0, 1, 0},
-    {"sinks, a row with no key", 1, 2, 2, 4, 6, 3, MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 0, 0, 0, 0, 0, 1, 0},
-    {"everything, GQA",       2, 4, 2, 4, 7,  70, MHA_CAUSAL_BOTTOM_RIGHT, 1.5f, 1, 0, 1, 30, 0, 1, 0},
-    {"everything, dropout",   2, 2, 1, 4, 6,  40, MHA_CAUSAL_BOTTOM_RIGHT, 1.5f, 1, 0, 1, 10, 0, 1, 0.3f},
+    {"softcap",               1, 2, 2, 4, 5,  9,  0, 1.0f, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"alibi, causal",         1, 2, 1, 4, 6,  9,  MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 1, 1, 0, 0, 0, 0, 0, 0},
+    {"window (2, 1)",         1, 2, 2, 4, 8,  8,  0, 0.0f, 0, 0, 1, 2, 1, 0, 0, 0},
+    {"sinks",                 2, 2, 2, 4, 5,  7,  0, 0.0f, 0, 0, 0, 0, 0, 1, 0, 0},
+    {"sinks, a row with no key", 1, 2, 2, 4, 6, 3, MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 0, 0, 0, 0, 0, 1, 0, 0},
+    {"everything, GQA",       2, 4, 2, 4, 7,  70, MHA_CAUSAL_BOTTOM_RIGHT, 1.5f, 1, 0, 1, 30, 0, 1, 0, 0},
+    {"everything, dropout",   2, 2, 1, 4, 6,  40, MHA_CAUSAL_BOTTOM_RIGHT, 1.5f, 1, 0, 1, 10, 0, 1, 0.3f, 0},
+    {"chunk 5, causal",       1, 2, 2, 4, 12, 12, MHA_CAUSAL_BOTTOM_RIGHT, 0.0f, 0, 0, 0, 0, 0, 0, 0, 5},
+    {"chunk 4, window (2, 1), sinks", 1, 2, 1, 4, 9, 11, 0, 0.0f, 0, 0, 1, 2, 1, 1, 0, 4},
 };
 
 static void test_gradients(void **state)
@@ -546,7 +571,7 @@ static void test_gradients(void **state)
 static void test_threads_bitwise(void **state)
 {
     (void)state;
-    static const size_t picks[] = {4, 11, 12, 13};
+    static const size_t picks[] = {4, 11, 12, 13, 20, 21};
     for (size_t k = 0; k < sizeof picks / sizeof *picks; k++) {
         const mcase *c = &CASES[picks[k]];
         prob p;
@@ -677,6 +702,77 @@ static void test_module_decodes(void **state)
     mha_free(m);
 }
 
+/* A chunked module (Llama 4's layers: chunks of 32 here, with softcap,
+ * ALiBi and sinks beside) decodes as its one-shot causal forward, through
+ * an ordinary cache and through a sliding-window cache of W = C (all a
+ * chunk's row can see) or more. */
+static void test_module_chunk_decodes(void **state)
+{
+    (void)state;
+    const int64_t B = 2, L = 150, E = 32, H = 4;
+    mha_config cfg = {0};
+    cfg.embed_dim = E;
+    cfg.num_heads = H;
+    cfg.num_kv_heads = 2;
+    cfg.mods.softcap = 2.5f;
+    cfg.mods.alibi = 1;
+    cfg.attention_chunk = 32;
+    cfg.sinks = 1;
+    mha_module *m = tu_module(&cfg, 6);
+    assert_non_null(m);
+    float *x = malloc((size_t)(B * L * E) * 4);
+    float *full = malloc((size_t)(B * L * E) * 4);
+    float *unchunked = malloc((size_t)(B * L * E) * 4);
+    tu_fill(x, B * L * E, 10, -1.0f, 1.0f);
+    mha_forward_args a = {0};
+    a.batch = B;
+    a.q_len = L;
+    a.query = x;
+    a.out = full;
+    a.causal = MHA_CAUSAL_BOTTOM_RIGHT;
+    assert_int_equal(mha_forward(m, &a), MHA_OK);
+    double mx = 0.0;
+    for (int64_t e = 0; e < B * L * E; e++)
+        mx = fmax(mx, fabs((double)full[e]));
+    const double tol = 2e-5 * (1.0 + mx);
+    const int64_t chunks[3] = {1, 7, 150}, windows[2] = {32, 45};
+    for (int k = 0; k < 3; k++) {
+        double err = decode_vs_forward(m, x, B, L, chunks[k], 0, full);
+        if (!(err <= tol))
+            fail_msg("chunked module, steps of %lld: decoding differs from "
+                     "the forward by %.3g", (long long)chunks[k], err);
+        for (int w = 0; k < 2 && w < 2; w++) {
+            err = decode_vs_forward(m, x, B, L, chunks[k], windows[w], full);
+            if (!(err <= tol))
+                fail_msg("chunked module, window cache of %lld, steps of "
+                         "%lld: differs by %.3g", (long long)windows[w],
+                         (long long)chunks[k], err);
+        }
+    }
+    /* and the chunks act: rows past the first chunk differ without them */
+    mha_free(m);
+    cfg.attention_chunk = 0;
+    m = tu_module(&cfg, 6);
+    a.out = unchunked;
+    assert_int_equal(mha_forward(m, &a), MHA_OK);
+    double first = 0.0, later = 0.0;
+    for (int64_t i = 0; i < L; i++)
+        for (int64_t e = 0; e < E; e++) {
+            const double d = fabs((double)full[i * E + e] - unchunked[i * E + e]);
+            if (i < 32)
+                first = fmax(first, d);
+            else
+                later = fmax(later, d);
+        }
+    if (!(first == 0.0 && later > 1e-3))
+        fail_msg("chunks of 32: the first chunk's rows differ by %.3g (must "
+                 "not), later rows by %.3g (must)", first, later);
+    free(x);
+    free(full);
+    free(unchunked);
+    mha_free(m);
+}
+
 /* The module plumbs the modifiers and the sinks' gradient: its forward
  * and backward equal mha_attention's on its own projections. */
 static void test_module_matches_heads(void **state)
@@ -692,6 +788,7 @@ static void test_module_matches_heads(void **state)
     cfg.mods.window = 1;
     cfg.mods.window_left = 5;
     cfg.mods.window_right = 2;
+    cfg.attention_chunk = 10;
     cfg.sinks = 1;
     mha_module *m = tu_module(&cfg, 21);
     assert_non_null(m);
@@ -717,6 +814,7 @@ static void test_module_matches_heads(void **state)
     a.v = v;
     a.out = ctx;
     a.mods = cfg.mods;
+    a.attention_chunk = cfg.attention_chunk;
     a.sinks = sinks;
     assert_int_equal(mha_attention(&a), MHA_OK);
     assert_int_equal(mha_project(m, MHA_PROJ_OUT, ctx, B * L, y), MHA_OK);
@@ -1081,6 +1179,11 @@ static void test_bad_settings(void **state)
     p.sinks[0] = -INFINITY;
     p.a.sinks = p.sinks;
     assert_fails(mha_attention(&p.a), MHA_ERR_NON_FINITE, "sinks[0]");
+    p.a.sinks = NULL;
+    p.a.attention_chunk = -1;
+    assert_fails(mha_attention(&p.a), MHA_ERR_INVALID_ARGUMENT,
+                 "attention_chunk");
+    p.a.attention_chunk = 0;
     /* grad_sinks with no sinks */
     p.a.sinks = NULL;
     float *g = calloc((size_t)p.nq, 4), *dq = malloc((size_t)p.nq * 4);
@@ -1114,6 +1217,13 @@ static void test_bad_settings(void **state)
     const float slopes[2] = {0.5f, INFINITY};
     c.mods.alibi_slopes = slopes;
     assert_fails(mha_create(&c, &m), MHA_ERR_NON_FINITE, "alibi_slopes[1]");
+    c.mods.alibi = 0;
+    c.mods.alibi_slopes = NULL;
+    c.attention_chunk = INT64_MIN;
+    assert_fails(mha_create(&c, &m), MHA_ERR_INVALID_ARGUMENT,
+                 "attention_chunk");
+    assert_null(m);
+    c.attention_chunk = 0;
     /* a module's sinks are a parameter: set finite only */
     c.mods.alibi = 0;
     c.mods.alibi_slopes = NULL;
@@ -1142,6 +1252,7 @@ int main(void)
         cmocka_unit_test(test_gradients),
         cmocka_unit_test(test_threads_bitwise),
         cmocka_unit_test(test_module_decodes),
+        cmocka_unit_test(test_module_chunk_decodes),
         cmocka_unit_test(test_module_matches_heads),
         cmocka_unit_test(test_extra_keys_have_no_position),
         cmocka_unit_test(test_query_slices),

@@ -258,10 +258,11 @@ static double measure_peak(const char **kind)
 /* ---- work counts -------------------------------------------------------- */
 
 /* (query, key) pairs that attention computes, per (batch, head): row i
- * (at position i + Lk - Lq) sees keys lo .. hi, causal bottom-right and
- * the window (m, when on) bounding them, clamped to [0, Lk). */
+ * (at position i + Lk - Lq) sees keys lo .. hi, causal bottom-right, the
+ * window (m, when on) and the chunks (chunk > 0) bounding them, clamped
+ * to [0, Lk). */
 static double allowed_pairs(int64_t Lq, int64_t Lk, int causal,
-                            const mha_modifiers *m)
+                            const mha_modifiers *m, int64_t chunk)
 {
     double n = 0.0;
     for (int64_t i = 0; i < Lq; i++) {
@@ -273,6 +274,13 @@ static double allowed_pairs(int64_t Lq, int64_t Lk, int causal,
             lo = pos - m->window_left;
         if (m->window && m->window_right >= 0 && pos + m->window_right < hi)
             hi = pos + m->window_right;
+        if (chunk && pos >= 0) {
+            lo = pos / chunk * chunk > lo ? pos / chunk * chunk : lo;
+            hi = pos / chunk * chunk + chunk - 1 < hi
+                     ? pos / chunk * chunk + chunk - 1 : hi;
+        } else if (chunk) {
+            hi = -1;   /* (a chunk of negative positions holds no key) */
+        }
         n += (double)(hi >= lo ? hi - lo + 1 : 0);
     }
     return n;
@@ -314,7 +322,8 @@ int cmd_bench(int argc, char **argv)
     static const char *const mod_opts[] = {"rope", "rope-theta", "rope-dim",
                                            "rope-scale", "alibi",
                                            "alibi-slopes", "window",
-                                           "softcap", "sinks"};
+                                           "softcap", "sinks",
+                                           "attention-chunk"};
     for (int k = 0; OPT("decode") && k < NOPTS(mod_opts); k++)
         if (OPT(mod_opts[k]))
             return tool_fail("bench", "--%s is not supported with --decode",
@@ -385,6 +394,7 @@ int cmd_bench(int argc, char **argv)
         return 1;
     }
     c.mods = mods.mods;
+    c.attention_chunk = mods.chunk;
     c.sinks = sinks;
     long blas_threads;
     const char *tier;
@@ -492,6 +502,7 @@ int cmd_bench(int argc, char **argv)
     aa.num_threads = (int)threads;
     aa.out = out;
     aa.mods = mods.mods;
+    aa.attention_chunk = mods.chunk;
     float *sink_logits = sinks ? malloc((size_t)H * sizeof *sink_logits)
                                : NULL;
     for (int64_t h = 0; sink_logits && h < H; h++)
@@ -617,7 +628,8 @@ int cmd_bench(int argc, char **argv)
                                              2.0 * B * Lk * E * kvw +
                                              2.0 * B * Lq * E * E);
         const double attn = (backward ? 3.5 : 1.0) * 4.0 * B * H * dh *
-                            allowed_pairs(Lq, Lk, causal, &c.mods);
+                            allowed_pairs(Lq, Lk, causal, &c.mods,
+                                          c.attention_chunk);
         const double total = proj + attn;
         const double gflops = total / (med * 1e-3) * 1e-9;
         const double peak = peak1 * (double)threads;

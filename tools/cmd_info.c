@@ -123,7 +123,8 @@ int cmd_info(int argc, char **argv)
                           "kdim", "vdim", "bias", "add_bias_kv",
                           "add_zero_attn", "dropout", "scale", "rope",
                           "rope_dims", "rope_theta", "rope_scale", "alibi",
-                          "alibi_slopes", "window", "softcap"};
+                          "alibi_slopes", "window", "softcap",
+                          "attention_chunk"};
     int shown = 0;
     for (size_t k = 0; k < sizeof keys / sizeof *keys; k++) {
         const char *v = mha_tensor_file_metadata(f, keys[k]);

@@ -91,6 +91,7 @@ int cmd_init(int argc, char **argv)
         return 1;
     }
     c.mods = mods.mods;
+    c.attention_chunk = mods.chunk;
     mha_module *m;
     mha_status st = mha_create(&c, &m);   /* copies the slopes */
     tool_mods_free(&mods);

@@ -91,6 +91,10 @@ int tool_mods_parse(const char *cmd, const tool_opt *o, int n, int window,
     if (OPT("softcap") &&
         float_above(cmd, "softcap", OPT("softcap"), 0.0f, &m->softcap))
         return 1;
+    if (OPT("attention-chunk") &&
+        tool_int(cmd, "attention-chunk", OPT("attention-chunk"), 1,
+                 INT64_MAX, &t->chunk))
+        return 1;
     if (window && OPT("window")) {
         int64_t count = 0, *lr = NULL;
         if (tool_ints(cmd, "window", OPT("window"), -1, INT64_MAX, &count,
@@ -260,6 +264,7 @@ static int run_module(const char *cmd, const tool_opt *o, int n,
     if (tool_mods_parse(cmd, o, n, strcmp(cmd, "decode") != 0, &r->mods))
         return 1;
     base.mods = r->mods.mods;
+    base.attention_chunk = r->mods.chunk;
     /* ... and it replaces the file's window modifier: the window (-1, -1),
      * unbounded on both sides, is no window, and the cache's ring is
      * then the only one (with --window -1,-1 there is none). */

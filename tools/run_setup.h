@@ -21,12 +21,12 @@
 #define MOD_OPTS                                                             \
     {"rope", 1, 0}, {"rope-theta", 1, 0}, {"rope-dim", 1, 0},                \
     {"rope-scale", 1, 0}, {"alibi", 0, 0}, {"alibi-slopes", 1, 0},           \
-    {"softcap", 1, 0}
+    {"softcap", 1, 0}, {"attention-chunk", 1, 0}
 #define MOD_WINDOW_OPT {"window", 1, 0}
 #define MOD_USAGE                                                            \
     "         [--rope neox|gptj [--rope-theta T] [--rope-dim N]\n"           \
     "         [--rope-scale S]] [--alibi | --alibi-slopes S.npy]\n"          \
-    "         [--softcap C]"
+    "         [--softcap C] [--attention-chunk N]"
 #define MOD_HELP                                                             \
     "  --rope neox|gptj   rotary position embeddings of q and k after their\n" \
     "                     projections: neox pairs element k with k + N/2\n"  \
@@ -38,19 +38,23 @@
     "                     default 1)\n"                                       \
     "  --alibi            ALiBi with the paper's slopes for H heads\n"        \
     "  --alibi-slopes S   ALiBi with the slopes of S.npy: 1-D, H floats\n"    \
-    "  --softcap C        scores s <- C tanh(s / C), C > 0 (Gemma 2)\n"
+    "  --softcap C        scores s <- C tanh(s / C), C > 0 (Gemma 2)\n"     \
+    "  --attention-chunk N  chunked attention (Llama 4): a query sees only\n" \
+    "                     the keys of its own chunk of N >= 1 positions\n"
 #define MOD_WINDOW_HELP                                                      \
     "  --window L,R       query i sees keys j with i' - L <= j <= i' + R,\n" \
     "                     i' = i + Lk - Lq; -1: no bound on that side\n"
 #define MOD_WINDOW_USAGE " [--window L,R]"
 #define MOD_NOTE                                                             \
-    "--rope, --alibi, --alibi-slopes, --window and --softcap replace the\n"  \
-    "file's own settings (its __metadata__; mha info shows them).\n"
+    "--rope, --alibi, --alibi-slopes, --window, --softcap and\n"             \
+    "--attention-chunk replace the file's own settings (its __metadata__; mha info shows them).\n"
 
 /* The parsed modifier options: mods points at slopes when given. */
 typedef struct tool_mods {
     mha_modifiers mods;
     mha_tensor *slopes;   /* --alibi-slopes, or NULL */
+    int64_t chunk;        /* --attention-chunk (mha_config's
+                             attention_chunk), 0 when not given */
 } tool_mods;
 
 /* Parses the options of MOD_OPTS (and, when `window`, MOD_WINDOW_OPT)

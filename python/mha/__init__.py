@@ -176,9 +176,12 @@ def _key(d, table, name):
                                          if isinstance(k, str)), d)) from None
 
 
-def _modifiers(num_heads, rope=None, alibi=False, window=None, softcap=None):
-    """The tuple of mha_modifiers the C layer reads, or None."""
-    if rope is None and alibi is False and window is None and not softcap:
+def _modifiers(num_heads, rope=None, alibi=False, window=None, softcap=None,
+               attention_chunk=None):
+    """The tuple of mha_modifiers (and attention_chunk, beside them in C)
+    the C layer reads, or None."""
+    if rope is None and alibi is False and window is None and not softcap \
+            and attention_chunk is None:
         return None
     slopes = None
     if alibi is None or alibi is False:
@@ -216,7 +219,7 @@ def _modifiers(num_heads, rope=None, alibi=False, window=None, softcap=None):
         theta = float(rope.get("theta", 0.0))
         rscale = float(rope.get("scale", 0.0))
     return (float(softcap or 0.0), alibi_on, slopes, win, left, right, style,
-            dims, theta, rscale)
+            dims, theta, rscale, int(attention_chunk or 0))
 
 
 def _mods_kwargs(d, num_heads):
@@ -397,11 +400,13 @@ class Module:
                add_bias_kv=False, add_zero_attn=False, dropout=0.0,
                scale=None, seed=0, num_kv_heads=None, head_dim=None,
                sinks=False, rope=None, alibi=False, window=None,
-               softcap=None)
+               softcap=None, attention_chunk=None)
 
     rope: 'neox' | 'gptj' | dict(style=, dims=, theta=, scale=); alibi:
     True (the paper's slopes) or an (H,) float32 array of slopes; window:
-    (left, right) with -1 for no bound; softcap: c > 0.  Parameters start
+    (left, right) with -1 for no bound; softcap: c > 0; attention_chunk:
+    C >= 1, a query sees only the keys of its own chunk of C positions
+    (Llama 4's chunked layers).  Parameters start
     as mha_create initialises them from ``seed`` (Xavier-uniform weights,
     zero biases).
     """
@@ -415,9 +420,11 @@ class Module:
                  head_dim: Optional[int] = None, sinks: bool = False,
                  rope: _Rope = None, alibi: _Alibi = False,
                  window: _Window = None, softcap: Optional[float] = None,
+                 attention_chunk: Optional[int] = None,
                  _handle: Optional[_core.Module] = None) -> None:
         if _handle is None:
-            mods = _modifiers(int(num_heads), rope, alibi, window, softcap)
+            mods = _modifiers(int(num_heads), rope, alibi, window, softcap,
+                              attention_chunk)
             _handle = _core.module_create(
                 embed_dim=int(embed_dim), num_heads=int(num_heads),
                 kdim=int(kdim or 0), vdim=int(vdim or 0), bias=bool(bias),
@@ -437,13 +444,14 @@ class Module:
              add_zero_attn: bool = False, dropout: Optional[float] = None,
              scale: Optional[float] = None, rope: _Rope = None,
              alibi: _Alibi = False, window: _Window = None,
-             softcap: Optional[float] = None) -> Module:
+             softcap: Optional[float] = None,
+             attention_chunk: Optional[int] = None) -> Module:
         """A module from a safetensors state_dict (mha_module_from_file):
         torch's nn.MultiheadAttention's, or one Module.save wrote.  The
         head count comes from ``num_heads`` or the file's __metadata__;
         the other keywords override what the file says."""
         h = int(num_heads or 0)
-        mods = _modifiers(h, rope, alibi, window, softcap)
+        mods = _modifiers(h, rope, alibi, window, softcap, attention_chunk)
         return cls(0, 0, _handle=_core.module_load(
             path=str(path), num_heads=h, add_zero_attn=bool(add_zero_attn),
             dropout=None if dropout is None else float(dropout),
@@ -478,6 +486,8 @@ class Module:
                   num_kv_heads=c["num_kv_heads"], head_dim=c["head_dim"],
                   sinks=c["sinks"])
         kw.update(_mods_kwargs(c["modifiers"], c["num_heads"]))
+        if c["attention_chunk"]:
+            kw["attention_chunk"] = c["attention_chunk"]
         return kw
 
     def __repr__(self):
@@ -873,7 +883,8 @@ class KVCache:
 def attention_ragged(q: npt.ArrayLike, q_start: npt.ArrayLike,
                      cache: KVCache, *, num_heads: int,
                      scale: Optional[float] = None, num_threads: int = 0,
-                     return_lse: bool = False, share_prefix: bool = False
+                     return_lse: bool = False, share_prefix: bool = False,
+                     attention_chunk: Optional[int] = None
                      ) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
     """A ragged decoding step (mha_attention_decode with q_start): the new
     queries of every sequence of ``cache`` packed back to back, q (T,
@@ -886,7 +897,8 @@ def attention_ragged(q: npt.ArrayLike, q_start: npt.ArrayLike,
     block at H*q_start[b]).  share_prefix (a PagedKVCache): sequences
     whose first pages are shared (forks of one prompt) attend to them once
     for all their queries (cascade attention): equal to the separate calls
-    up to float rounding, not bit for bit."""
+    up to float rounding, not bit for bit.  attention_chunk C: each query
+    sees only the keys of its own chunk of C positions."""
     q = _array(q, "q")
     if q.ndim != 2 or q.shape[1] % int(num_heads):
         raise ValueError("q must be (T, num_heads*head_dim), got shape %s"
@@ -903,7 +915,8 @@ def attention_ragged(q: npt.ArrayLike, q_start: npt.ArrayLike,
                            scale=0.0 if scale is None else float(scale),
                            given=0 if scale is None else 1,
                            num_threads=int(num_threads), lse=lse,
-                           share_prefix=bool(share_prefix))
+                           share_prefix=bool(share_prefix),
+                           attention_chunk=int(attention_chunk or 0))
     return (out, lse) if return_lse else out
 
 
@@ -931,7 +944,7 @@ def _attention_args(q, k, v, num_heads, num_kv_heads, scale, attn_mask,
                     key_padding_mask, key_lengths, causal, need_weights,
                     dropout, training, dropout_seed, num_threads, cache,
                     rope, alibi, window, softcap, sinks, q_positions,
-                    k_positions):
+                    k_positions, attention_chunk=None):
     dt = _data_dtype(q)
     q, unbatched = _batched(_array(q, "q", dt), "q")
     H = int(num_heads)
@@ -981,7 +994,8 @@ def _attention_args(q, k, v, num_heads, num_kv_heads, scale, attn_mask,
         dropout=float(dropout), training=bool(training),
         dropout_seed=int(dropout_seed), num_threads=int(num_threads),
         cache=None if cache is None else cache._c,
-        modifiers=_modifiers(H, rope, alibi, window, softcap), sinks=s,
+        modifiers=_modifiers(H, rope, alibi, window, softcap,
+                             attention_chunk), sinks=s,
         q_positions=_int64(q_positions, "q_positions"),
         k_positions=_int64(k_positions, "k_positions")), unbatched, dt
 
@@ -1025,7 +1039,8 @@ def attention(q: npt.ArrayLike, k: Optional[npt.ArrayLike] = None,
               window: _Window = None, softcap: Optional[float] = None,
               sinks: Optional[npt.ArrayLike] = None,
               q_positions: Optional[npt.ArrayLike] = None,
-              k_positions: Optional[npt.ArrayLike] = None
+              k_positions: Optional[npt.ArrayLike] = None,
+              attention_chunk: Optional[int] = None
               ) -> Union[np.ndarray, Tuple[np.ndarray, ...]]:
     """Attention on projected heads (mha_attention):
 
@@ -1037,8 +1052,8 @@ def attention(q: npt.ArrayLike, k: Optional[npt.ArrayLike] = None,
     the same dtype (the weights and the lse float32); d_h = q's last
     dimension / num_heads.  Masks, causal and need_weights as in
     Module.forward; dropout p applied when training.  Modifiers: rope,
-    alibi, window, softcap as in Module; sinks (H) float32 logits.
-    cache: a KVCache holding the keys (k, v None; append them first).
+    alibi, window, softcap, attention_chunk as in Module; sinks (H)
+    float32 logits.  cache: a KVCache holding the keys (k, v None; append them first).
 
     Returns out, then the weights (need_weights) and the lse (B, H, Lq)
     (return_lse), as a tuple when there is more than out.
@@ -1047,7 +1062,8 @@ def attention(q: npt.ArrayLike, k: Optional[npt.ArrayLike] = None,
             and key_lengths is None and not need_weights and not training \
             and not return_lse and cache is None and rope is None and \
             alibi is False and window is None and not softcap and \
-            sinks is None and q_positions is None and k_positions is None:
+            sinks is None and q_positions is None and k_positions is None \
+            and attention_chunk is None:
         out = _attention_plain(q, k, v, num_heads, num_kv_heads, scale,
                                num_threads)
         if out is not None:
@@ -1056,7 +1072,7 @@ def attention(q: npt.ArrayLike, k: Optional[npt.ArrayLike] = None,
         q, k, v, num_heads, num_kv_heads, scale, attn_mask,
         key_padding_mask, key_lengths, causal, need_weights, dropout,
         training, dropout_seed, num_threads, cache, rope, alibi, window,
-        softcap, sinks, q_positions, k_positions)
+        softcap, sinks, q_positions, k_positions, attention_chunk)
     B, H, Lq = a["batch"], a["num_heads"], a["q_len"]
     out = np.empty_like(a["q"])
     w = lse = None
@@ -1091,7 +1107,8 @@ def attention_backward(grad_out: npt.ArrayLike, q: npt.ArrayLike,
                        softcap: Optional[float] = None,
                        sinks: Optional[npt.ArrayLike] = None,
                        q_positions: Optional[npt.ArrayLike] = None,
-                       k_positions: Optional[npt.ArrayLike] = None
+                       k_positions: Optional[npt.ArrayLike] = None,
+                       attention_chunk: Optional[int] = None
                        ) -> Tuple[np.ndarray, ...]:
     """The gradients of ``sum(attention(...) * grad_out)`` with respect to
     q, k and v (mha_attention_backward), the same arguments as attention.
@@ -1101,7 +1118,7 @@ def attention_backward(grad_out: npt.ArrayLike, q: npt.ArrayLike,
         q, k, v, num_heads, num_kv_heads, scale, attn_mask,
         key_padding_mask, key_lengths, causal, None, dropout, training,
         dropout_seed, num_threads, None, rope, alibi, window, softcap, sinks,
-        q_positions, k_positions)
+        q_positions, k_positions, attention_chunk)
     go = _array(grad_out, "grad_out", dt)
     if a["dtype"]:
         go = go.view(np.uint16)

@@ -19,6 +19,9 @@ dense (B, 1, Lq, Lk) tensor where one of them exists:
                                   decoding with a cache, chunked prefill)
     sliding window w (Mistral,    window=(w - 1, 0): a key is seen when it
     Gemma 2, gpt-oss layers)      is among the w positions up to the query
+    chunked attention C (Llama 4  attention_chunk=C: a key is seen when it
+    layers, no left padding, keys is in the query's own chunk of C
+    from position 0)              positions
     bidirectional (encoders)      no mask; bidirectional windows (w, w)
     padding (the 2-D              key_lengths when every row is right-
     attention_mask)               padded, else a (B, Lk) key mask
@@ -28,7 +31,8 @@ dense (B, 1, Lq, Lk) tensor where one of them exists:
                                   read in place, never repeated)
 
 Any other mask (a model's own or_/and_mask_function, packed sequences,
-chunked attention, block overlays, a static cache whose keys do not end at
+chunks shifted by left padding or by a cache that dropped keys, block
+overlays, a static cache whose keys do not end at
 the last query) falls back to transformers' own dense boolean mask, which
 libmha then applies as attn_mask: always correct, only slower.  A model that
 passes a ready 4-D mask gets it applied as given.
@@ -62,6 +66,7 @@ class Mask(torch.Tensor):
     causal       keys after the query's own position are hidden
                  (bottom-right: the last query is the last key)
     window       (left, right) or None: libmha's window
+    chunk        C or None: libmha's attention_chunk
     key_lengths  (B,) int64 tensor or None: right padding
     key_mask     (B, Lk) bool tensor or None: True = the key takes part
 
@@ -76,11 +81,13 @@ class Mask(torch.Tensor):
     def __new__(cls, shape: Tuple[int, ...], causal: bool,
                 window: Optional[Tuple[int, int]] = None,
                 key_lengths: Optional[torch.Tensor] = None,
-                key_mask: Optional[torch.Tensor] = None) -> Mask:
+                key_mask: Optional[torch.Tensor] = None,
+                chunk: Optional[int] = None) -> Mask:
         t = torch.Tensor._make_subclass(
             cls, torch.zeros((), dtype=torch.bool).expand(shape))
         t.causal = causal
         t.window = window
+        t.chunk = chunk
         t.key_lengths = key_lengths
         t.key_mask = key_mask
         return t
@@ -109,8 +116,8 @@ class Mask(torch.Tensor):
                if self.key_lengths is not None else
                "key_mask of %s" % (tuple(self.key_mask.shape),)
                if self.key_mask is not None else "no padding")
-        return "mha.transformers.Mask(causal=%s, window=%s, %s)" % (
-            self.causal, self.window, pad)
+        return "mha.transformers.Mask(causal=%s, window=%s, chunk=%s, %s)" % (
+            self.causal, self.window, self.chunk, pad)
 
 
 def _and_parts(fn):
@@ -124,40 +131,59 @@ def _and_parts(fn):
     return tuple(parts) if isinstance(parts, tuple) else None
 
 
+def _cells(fn, qualname):
+    """The closure of a transformers overlay named qualname, or {}."""
+    if getattr(fn, "__qualname__", "") != qualname or not fn.__closure__:
+        return {}
+    return dict(zip(fn.__code__.co_freevars,
+                    (c.cell_contents for c in fn.__closure__)))
+
+
 def _overlay_width(fn, qualname):
     """The sliding_window a transformers overlay closure holds, or None."""
-    if getattr(fn, "__qualname__", "") != qualname or not fn.__closure__:
-        return None
-    cells = dict(zip(fn.__code__.co_freevars,
-                     (c.cell_contents for c in fn.__closure__)))
-    w = cells.get("sliding_window")
+    w = _cells(fn, qualname).get("sliding_window")
     return w if isinstance(w, int) and w > 0 else None
 
 
+def _overlay_chunk(fn):
+    """The chunk_size of transformers' chunked overlay when no sequence is
+    left-padded (padding shifts a sequence's chunks: no libmha option says
+    that), else None."""
+    cells = _cells(fn, "chunked_overlay.<locals>.inner_mask")
+    c, pad = cells.get("chunk_size"), cells.get("left_padding")
+    if not (isinstance(c, int) and c > 0 and isinstance(pad, torch.Tensor)):
+        return None
+    return c if not bool(pad.any()) else None
+
+
 def _pattern(fn):
-    """(causal, window, code) for transformers' own mask functions: causal,
-    bidirectional, and their sliding-window forms; None for anything else
-    (the caller then builds the dense mask).  code: None for the two
-    functions themselves (known by identity), else the overlay's code,
-    which _agrees checks once."""
+    """(causal, window, chunk, code) for transformers' own mask functions:
+    causal, bidirectional, their sliding-window forms and the chunked
+    causal one; None for anything else (the caller then builds the dense
+    mask).  code: None for the two functions themselves (known by
+    identity), else the overlay's code, which _agrees checks once."""
     if fn is _mu.causal_mask_function:
-        return True, None, None
+        return True, None, None, None
     if fn is _mu.bidirectional_mask_function:
-        return False, None, None
+        return False, None, None, None
     parts = _and_parts(fn)
     if parts is None or len(parts) != 2:
         return None
     overlay, base = parts
     if base is _mu.causal_mask_function:
+        c = _overlay_chunk(overlay)
+        if c is not None:   # kv // c == q // c, from position 0
+            return True, None, c, overlay.__code__
         w = _overlay_width(overlay, "sliding_window_overlay.<locals>."
                                     "inner_mask")
         # kv > q - w: the w positions up to the query, itself included
-        return None if w is None else (True, (w - 1, 0), overlay.__code__)
+        return None if w is None else (True, (w - 1, 0), None,
+                                       overlay.__code__)
     if base is _mu.bidirectional_mask_function:
         w = _overlay_width(overlay, "sliding_window_bidirectional_overlay."
                                     "<locals>.inner_mask")
         # |q - kv| <= w
-        return None if w is None else (False, (w, w), overlay.__code__)
+        return None if w is None else (False, (w, w), None, overlay.__code__)
     return None
 
 
@@ -165,10 +191,12 @@ def _pattern(fn):
 _VERIFIED = set()
 
 
-def _agrees(fn, causal, window, q_length, kv_length, q_offset, kv_offset):
+def _agrees(fn, causal, window, chunk, q_length, kv_length, q_offset,
+            kv_offset):
     """Whether fn, on a few whole query rows (the first, the last and
-    evenly spaced ones between), is the pattern (causal, window) says: a
-    guard against a transformers version whose functions changed."""
+    evenly spaced ones between), is the pattern (causal, window, chunk)
+    says: a guard against a transformers version whose functions
+    changed."""
     rows = sorted({0, q_length - 1} |
                   {i * (q_length - 1) // 7 for i in range(1, 7)})
     q = torch.tensor(rows)[:, None] + q_offset
@@ -180,6 +208,8 @@ def _agrees(fn, causal, window, q_length, kv_length, q_offset, kv_offset):
         want &= kv <= q
     if window is not None:
         want &= (kv >= q - window[0]) & (kv <= q + window[1])
+    if chunk is not None:
+        want &= kv // chunk == q // chunk
     return bool((got == want).all())
 
 
@@ -211,17 +241,19 @@ def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
     q_offset, kv_offset = int(q_offset), int(kv_offset)
     pat = _pattern(mask_function)
     if pat is not None:
-        causal, window, code = pat
+        causal, window, chunk, code = pat
         aligned = q_offset + q_length == kv_offset + kv_length
+        # libmha counts chunks from key 0: the keys must start at position 0
         if (aligned or not (causal or window)) and (
+                chunk is None or kv_offset == 0) and (
                 code is None or code in _VERIFIED or _agrees(
-                    mask_function, causal, window, q_length, kv_length,
-                    q_offset, kv_offset)):
+                    mask_function, causal, window, chunk, q_length,
+                    kv_length, q_offset, kv_offset)):
             if code is not None:
                 _VERIFIED.add(code)
             lengths, keys = _padding(attention_mask, kv_length, kv_offset)
             return Mask((batch_size, 1, q_length, kv_length), causal, window,
-                        lengths, keys)
+                        lengths, keys, chunk)
     return _mu.sdpa_mask(
         batch_size=batch_size, q_length=q_length, kv_length=kv_length,
         q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
@@ -251,7 +283,7 @@ def attention(module: torch.nn.Module, query: torch.Tensor,
         if m.causal and Lq > 1:
             kw["attn_mask"] = causal_lower_right(Lq, Lk)
         kw.update(window=m.window, key_lengths=m.key_lengths,
-                  key_mask=m.key_mask)
+                  key_mask=m.key_mask, attention_chunk=m.chunk)
     elif attention_mask is None:
         # as transformers' sdpa: a causal module's prefill is causal
         # (top-left), its keys cut to the queries when a static cache is

@@ -192,19 +192,24 @@ static int get_mask(bufset *b, PyObject *o, int kind, const char *name,
 }
 
 /* Modifiers: None or a tuple (softcap, alibi, slopes|None, window, left,
- * right, rope_style, rope_dims, rope_theta, rope_scale). */
-static int get_mods(bufset *b, PyObject *o, int64_t heads, mha_modifiers *m)
+ * right, rope_style, rope_dims, rope_theta, rope_scale, attention_chunk);
+ * the chunk goes to *chunk (a field beside mha_modifiers in C). */
+static int get_mods(bufset *b, PyObject *o, int64_t heads, mha_modifiers *m,
+                    int64_t *chunk)
 {
     memset(m, 0, sizeof *m);
+    *chunk = 0;
     if (o == NULL || o == Py_None)
         return 0;
     PyObject *slopes = Py_None;
     int rope_style = 0;
-    if (!PyArg_ParseTuple(o, "fiOiLLiLff;modifiers", &m->softcap, &m->alibi,
+    long long ch = 0;
+    if (!PyArg_ParseTuple(o, "fiOiLLiLffL;modifiers", &m->softcap, &m->alibi,
                           &slopes, &m->window, &m->window_left,
                           &m->window_right, &rope_style, &m->rope.dims,
-                          &m->rope.theta, &m->rope.scale))
+                          &m->rope.theta, &m->rope.scale, &ch))
         return -1;
+    *chunk = ch;
     m->rope.style = (mha_rope_style)rope_style;
     void *p;
     if (get_buf(b, slopes, "alibi_slopes", T_F32, 0, heads, 0, &p, NULL))
@@ -321,7 +326,7 @@ static int parse_cfg(PyObject *args, PyObject *kw, mha_config *c,
             return -1;
         c->given |= MHA_GIVEN_SCALE;
     }
-    return get_mods(b, mods, c->num_heads, &c->mods);
+    return get_mods(b, mods, c->num_heads, &c->mods, &c->attention_chunk);
 }
 
 static PyObject *module_create(PyObject *self, PyObject *args, PyObject *kw)
@@ -423,7 +428,7 @@ static PyObject *module_config(ModuleObject *self, PyObject *unused)
     if (!mods)
         return NULL;
     return Py_BuildValue(
-        "{sLsLsLsLsOsOsOsdsdsKsLsLsOsN}", "embed_dim", (long long)c->embed_dim,
+        "{sLsLsLsLsOsOsOsdsdsKsLsLsOsNsL}", "embed_dim", (long long)c->embed_dim,
         "num_heads", (long long)c->num_heads, "kdim", (long long)c->kdim,
         "vdim", (long long)c->vdim, "bias", c->no_bias ? Py_False : Py_True,
         "add_bias_kv", c->add_bias_kv ? Py_True : Py_False, "add_zero_attn",
@@ -431,7 +436,7 @@ static PyObject *module_config(ModuleObject *self, PyObject *unused)
         "scale", (double)c->scale, "seed", (unsigned long long)c->seed,
         "num_kv_heads", (long long)c->num_kv_heads, "head_dim",
         (long long)c->head_dim, "sinks", c->sinks ? Py_True : Py_False,
-        "modifiers", mods);
+        "modifiers", mods, "attention_chunk", (long long)c->attention_chunk);
 }
 
 /* [(name, shape tuple, numel, offset), ...] in PyTorch's state_dict order */
@@ -1429,15 +1434,15 @@ static PyObject *cache_decode_ragged(CacheObject *self, PyObject *args,
 {
     static char *kws[] = {"q", "out", "q_start", "num_heads", "head_dim",
                           "scale", "given", "num_threads", "lse",
-                          "share_prefix", NULL};
+                          "share_prefix", "attention_chunk", NULL};
     PyObject *q, *out, *qs, *lse = Py_None;
-    long long H, dh;
+    long long H, dh, chunk = 0;
     float scale = 0.0f;
     unsigned int given = 0;
     int threads = 0, share = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOLL|fIiOp", kws, &q, &out,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOLL|fIiOpL", kws, &q, &out,
                                      &qs, &H, &dh, &scale, &given, &threads,
-                                     &lse, &share))
+                                     &lse, &share, &chunk))
         return NULL;
     if (cache_check(self))
         return NULL;
@@ -1471,6 +1476,7 @@ static PyObject *cache_decode_ragged(CacheObject *self, PyObject *args,
     d.num_threads = threads;
     d.q_start = pqs;
     d.share_prefix = share;
+    d.attention_chunk = chunk;
     mha_status st;
     self->busy = 1;
     Py_BEGIN_ALLOW_THREADS
@@ -1834,7 +1840,7 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
         get_buf(&b, kp, "k_positions", T_I64, 0, mul3(B, lk, 1), 0, &pkp, NULL) ||
         get_mask(&b, am, amk, "attn_mask", &a.attn_mask) ||
         get_mask(&b, kpm, kpmk, "key_padding_mask", &a.key_padding_mask) ||
-        get_mods(&b, mods, H, &a.mods))
+        get_mods(&b, mods, H, &a.mods, &a.attention_chunk))
         goto fail;
     a.batch = B;
     a.num_heads = H;

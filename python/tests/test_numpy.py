@@ -140,9 +140,37 @@ def test_save_load_and_torch_file(tmp_path, rng):
         mha.Module.load(bad, num_heads=2)
 
 
+def test_attention_chunk_module_file_and_cache(rng, tmp_path):
+    """attention_chunk: the module's config says it, its file keeps it,
+    and its decoding through a cache (ordinary, and a window cache of W =
+    C) equals its one-shot causal forward, which differs from the module
+    without chunks past the first chunk."""
+    m = mha.Module(16, 4, num_kv_heads=2, attention_chunk=5, seed=3)
+    randomize(m, rng)
+    assert m.config["attention_chunk"] == 5
+    m.save(tmp_path / "c.safetensors")
+    m2 = mha.Module.load(tmp_path / "c.safetensors")
+    assert m2.config["attention_chunk"] == 5
+    x = f32(rng, 2, 12, 16)
+    full = m.forward(x, causal="bottom_right")
+    np.testing.assert_array_equal(m2.forward(x, causal="bottom_right"), full)
+    plain = mha.Module(16, 4, num_kv_heads=2, seed=3)
+    plain.load_state_dict(m.state_dict())
+    other = plain.forward(x, causal="bottom_right")
+    np.testing.assert_array_equal(other[:, :5], full[:, :5])
+    assert np.abs(other[:, 5:] - full[:, 5:]).max() > 1e-3
+    for window in (0, 5):
+        cache = mha.KVCache.for_module(m, 2, 12, window=window)
+        steps = [m.forward(x[:, t:t + 1], cache=cache) for t in range(12)]
+        np.testing.assert_allclose(np.concatenate(steps, 1), full,
+                                   rtol=0, atol=2e-6)
+    with pytest.raises(mha.MhaError, match="attention_chunk"):
+        mha.Module(16, 4, attention_chunk=-2)
+
+
 def test_pickle_module(rng):
     m = mha.Module(8, 2, num_kv_heads=1, rope="gptj", window=(3, 0),
-                   softcap=5.0, sinks=True, seed=4)
+                   softcap=5.0, sinks=True, seed=4, attention_chunk=3)
     randomize(m, rng)
     m2 = pickle.loads(pickle.dumps(m))
     assert m2.config == m.config

@@ -167,6 +167,15 @@ def test_modifiers(Lq, Lk):
     compare(lambda q, k, v: sdpa(q, k, v, window=(2, 0)),
             lambda q, k, v: manual(q, k, v, sc, allowed=allowed),
             [q, k, v], G, "window")
+    # chunks of 3 (Llama 4's attention_chunk), causal and not
+    same = (j // 3) == (i // 3)
+    compare(lambda q, k, v: sdpa(q, k, v, attention_chunk=3),
+            lambda q, k, v: manual(q, k, v, sc, allowed=same),
+            [q, k, v], G, "chunk")
+    compare(lambda q, k, v: sdpa(q, k, v, attention_chunk=3, window=(1, 0)),
+            lambda q, k, v: manual(q, k, v, sc, allowed=same & allowed
+                                   & (j >= i - 1)),
+            [q, k, v], G, "chunk and window")
     # ALiBi, the paper's slopes, and given slopes
     slopes = torch.tensor([2.0 ** (-8 * (h + 1) / H) for h in range(H)])
     np.testing.assert_allclose(mha.alibi_slopes(H), slopes.numpy())

@@ -1,7 +1,8 @@
 """mha.transformers: libmha as transformers' attention implementation "mha",
 on small random-initialised models of seven families (their own modeling
 code: Llama, Mistral's window, Qwen3, Gemma 2's softcap and window, Phi's
-partial rotary, gpt-oss's sinks and window, Qwen2) and on
+partial rotary, gpt-oss's sinks and window, Qwen2, and Llama 4's chunked
+attention) and on
 all-MiniLM-L6-v2's real weights through sentence-transformers.
 
 The reference is the same model with transformers' eager attention in
@@ -216,6 +217,77 @@ def test_training_gradients(name):
         check_close(grads["mha", torch.float32][n],
                     grads["eager", torch.float32][n], ref[n], 3,
                     "%s %s" % (name, n), backward=True)
+
+
+# ---- Llama 4: chunked attention (attention_chunk) -------------------------
+
+C = 8    # the chunk: 14-token prompts cross it once, decoding three times
+
+
+def _llama4():
+    """A small random Llama 4 text model: layer 0 chunked (RoPE), layer 1
+    full (NoPE), as Llama 4 interleaves them; dense MLPs, no qk-norm."""
+    t = transformers
+    cfg = t.Llama4TextConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=96,
+        intermediate_size_mlp=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256, attention_chunk_size=C,
+        num_local_experts=2, no_rope_layers=[1, 0], use_qk_norm=False)
+    assert cfg.layer_types == ["chunked_attention", "full_attention"]
+    torch.manual_seed(7)
+    m = t.Llama4ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(2.0)
+    return m
+
+
+def test_llama4_chunked_prefill(dense_calls):
+    """Llama 4's chunked layers reach libmha as attention_chunk (no dense
+    mask) and equal eager's float64 model within 2x eager float32's own
+    error; the chunks act (the unchunked model differs)."""
+    m = _llama4()
+    ids = _batch()[0]
+    am = torch.ones_like(ids)
+    outs = {}
+    for impl, dt in (("eager", torch.float64), ("eager", torch.float32),
+                     ("mha", torch.float32)):
+        outs[impl, dt] = _logits(m, impl, ids, am, dt)
+    check_close(outs["mha", torch.float32], outs["eager", torch.float32],
+                outs["eager", torch.float64], 2, "llama4")
+    assert dense_calls == []
+    full = _llama4()
+    full.config.attention_chunk_size = 10 ** 6   # (one chunk: causal)
+    diff = _logits(full, "mha", ids, am) - outs["mha", torch.float32]
+    assert float(diff[:, C:].abs().max()) > 1e-3
+    assert float(diff[:, :C].abs().max()) <= 1e-5
+
+
+def test_llama4_chunked_left_padding_and_decode(dense_calls):
+    """A left-padded batch (chunks counted from each sequence's start:
+    transformers' dense mask, applied by libmha) and greedy decoding past
+    three chunk boundaries equal eager's."""
+    m = _llama4()
+    ids, am = _batch()
+    ref = _reference(m, ids, am)
+    e32 = _logits(m, "eager", ids, am)
+    ours = _logits(m, "mha", ids, am)
+    real = am.bool()
+    check_close(ours[real], e32[real], ref, 2, "llama4 padded")
+    assert dense_calls   # the padded sequence's chunks: a dense mask
+    m = m.to(torch.float32)
+    ids1, am1 = ids[1:], am[1:]
+    n = 3 * C
+    want, wl = _greedy(m, "eager", ids1, am1, n)
+    got, gl = _greedy(m, "mha", ids1, am1, n)
+    tol = 1e-4 * (1 + float(wl.abs().max()))
+    diff = (want[0] != got[0]).nonzero()
+    upto = n if len(diff) == 0 else int(diff[0])
+    assert float((wl[0, :upto + 1] - gl[0, :upto + 1]).abs().max()) <= tol
+    if upto < n:
+        top = wl[0, upto].topk(2).values
+        assert float(top[0] - top[1]) <= 2 * tol
 
 
 def test_packed_sequences_fall_back_to_the_dense_mask(dense_calls):

@@ -50,6 +50,10 @@ typedef struct mha_mask_plan {
                                     qpos its own (mha_mask_qpos); -1: no
                                     bound on that side */
     int64_t band_left, band_right;
+    int64_t chunk;               /* > 0: chunked attention (attention_
+                                    chunk): row i sees keys whose position
+                                    lies in qpos's own chunk of `chunk`
+                                    positions; 0: none */
     int64_t qpos_shift;          /* added to every query's position (a
                                     part of a split problem, given as
                                     mha_attention_args.q_offset, or a
@@ -101,6 +105,18 @@ int64_t mha_mask_key_cols(const mha_mask_plan *plan, int64_t b, int64_t j0,
  * 2^62 or more is no bound (-1): no key is that far from a query (see
  * MHA_MAX_POSITION_SHIFT), and qpos +- it would overflow. */
 void mha_mask_plan_band(mha_mask_plan *plan, int64_t left, int64_t right);
+
+/* Adds chunked attention (chunk C >= 0, 0: none) to a plan.  A chunk of
+ * 2^62 or more holds every key a query can see: none. */
+void mha_mask_plan_chunk(mha_mask_plan *plan, int64_t chunk);
+
+/* The first position of the chunk of C positions holding `pos` (which
+ * may be negative: floor division). */
+static inline int64_t mha_chunk_start(int64_t pos, int64_t C)
+{
+    const int64_t q = pos / C;
+    return (q - (pos % C < 0)) * C;
+}
 
 /* The position of query row i of batch b, aligned bottom-right: i + Lk -
  * Lq, Lk the sequence's own length with a KV cache.  Key j's position is
@@ -769,6 +785,8 @@ static inline int64_t mha_tile_row(const mha_tile *t, int r)
  * rope.c's); `who` prefixes the message. */
 mha_status mha_modifiers_check(const mha_modifiers *m, int64_t H,
                                const char *who);
+/* attention_chunk C is >= 0 (0: none). */
+mha_status mha_chunk_check(int64_t chunk, const char *who);
 /* The sinks (H) are finite. */
 mha_status mha_sinks_check(const float *sinks, int64_t H, const char *who);
 

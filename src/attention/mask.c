@@ -9,6 +9,7 @@
  *   key_lengths        (B): keys j >= key_lengths[b] are excluded
  *   causal             from indices, no memory
  *   the window         (the score modifier) from indices too
+ *   chunks             (attention_chunk) from indices: a row's own chunk
  * The keys appended by add_bias_kv / add_zero_attn (columns Lk and up) are
  * never masked, as in PyTorch, which pads its masks with a zero column.
  */
@@ -215,6 +216,11 @@ void mha_mask_plan_band(mha_mask_plan *p, int64_t left, int64_t right)
     p->band_right = right >= far ? -1 : right;
 }
 
+void mha_mask_plan_chunk(mha_mask_plan *p, int64_t chunk)
+{
+    p->chunk = chunk >= INT64_C(1) << 62 ? 0 : chunk;
+}
+
 int64_t mha_mask_last(const mha_mask_plan *p, int64_t b, int64_t i)
 {
     const int64_t Lk = p->kv_len;
@@ -228,6 +234,11 @@ int64_t mha_mask_last(const mha_mask_plan *p, int64_t b, int64_t i)
     if (p->band && p->band_right >= 0 &&
         mha_mask_qpos(p, b, i) + p->band_right < last)
         last = mha_mask_qpos(p, b, i) + p->band_right;
+    if (p->chunk) {   /* (start + C - 1 < 2^62 + 2^62: no overflow) */
+        const int64_t end =
+            mha_chunk_start(mha_mask_qpos(p, b, i), p->chunk) + p->chunk - 1;
+        last = end < last ? end : last;
+    }
     if (last > Lk - 1)
         last = Lk - 1;
     return last < -1 ? -1 : last;
@@ -235,10 +246,13 @@ int64_t mha_mask_last(const mha_mask_plan *p, int64_t b, int64_t i)
 
 int64_t mha_mask_first(const mha_mask_plan *p, int64_t b, int64_t i)
 {
-    if (!p->band || p->band_left < 0)
-        return 0;
-    const int64_t first = mha_mask_qpos(p, b, i) - p->band_left;
-    return first > 0 ? first : 0;
+    const int64_t qpos = mha_mask_qpos(p, b, i);
+    int64_t first = 0;
+    if (p->band && p->band_left >= 0 && qpos - p->band_left > first)
+        first = qpos - p->band_left;
+    if (p->chunk && mha_chunk_start(qpos, p->chunk) > first)
+        first = mha_chunk_start(qpos, p->chunk);
+    return first;
 }
 
 int64_t mha_mask_window(const mha_mask_plan *p, int64_t b, int64_t i,
@@ -252,6 +266,8 @@ int64_t mha_mask_window(const mha_mask_plan *p, int64_t b, int64_t i,
     int64_t first = hi - p->window + 1;
     if (p->band && p->band_left >= 0 && hi - p->band_left > first)
         first = hi - p->band_left;
+    if (p->chunk && mha_chunk_start(hi, p->chunk) > first)
+        first = mha_chunk_start(hi, p->chunk);
     *lo = first > 0 ? first : 0;
     return hi;
 }

@@ -1,8 +1,8 @@
 /*
  * modifiers.c -- the score modifiers' settings: their checks, and ALiBi's
  * default slopes.  What they do to the scores is in tiles.c
- * (mha_score_tile) and ref_forward.c (mha_ref_modify); the window is a
- * mask by index (mask.c); a sink is where a row's softmax starts
+ * (mha_score_tile) and ref_forward.c (mha_ref_modify); the window and
+ * the chunks are masks by index (mask.c); a sink is where a row's softmax starts
  * (flash_forward.c).  RoPE is rope.c's.
  */
 #include "attention.h"
@@ -37,6 +37,15 @@ mha_status mha_modifiers_check(const mha_modifiers *m, int64_t H,
                                      "%s: alibi_slopes[%lld] is %g; slopes "
                                      "must be finite", who, (long long)h,
                                      (double)m->alibi_slopes[h]);
+    return MHA_OK;
+}
+
+mha_status mha_chunk_check(int64_t chunk, const char *who)
+{
+    if (chunk < 0)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "%s: attention_chunk must be >= 0 (0: none), "
+                             "got %lld", who, (long long)chunk);
     return MHA_OK;
 }
 

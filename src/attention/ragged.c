@@ -55,14 +55,16 @@ static mha_status check_ragged(const mha_attention_decode_args *d,
         return mha_set_error(MHA_ERR_UNSUPPORTED,
                              "%s with q_start (a ragged step) is not "
                              "supported: call per sequence", no);
-    if (d->share_prefix && (d->mods.alibi || d->mods.window || d->sinks))
+    if (d->share_prefix && (d->mods.alibi || d->mods.window || d->sinks ||
+                            d->attention_chunk))
         return mha_set_error(MHA_ERR_UNSUPPORTED,
                              "share_prefix with %s is not supported: the "
                              "shared part's queries are stacked apart from "
                              "their positions",
-                             d->mods.alibi ? "ALiBi" : d->mods.window
-                                                           ? "the window"
-                                                           : "sinks");
+                             d->mods.alibi    ? "ALiBi"
+                             : d->mods.window ? "the window"
+                             : d->sinks       ? "sinks"
+                                              : "attention_chunk");
     if (d->num_heads < 1 || d->head_dim < 1 ||
         !mha_mul_ok(d->num_heads, d->head_dim, E))
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
@@ -132,6 +134,7 @@ static void decode_fields(const mha_attention_decode_args *d,
     a->attn_weights = d->attn_weights;
     a->lse = d->lse;
     a->mods = d->mods;
+    a->attention_chunk = d->attention_chunk;
     a->sinks = d->sinks;
     a->q_positions = d->q_positions;
     a->num_threads = d->num_threads;

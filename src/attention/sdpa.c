@@ -125,6 +125,7 @@ static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
     MHA_CHECK(mha_check_threads(a->num_threads));
     MHA_CHECK(mha_modifiers_check(&a->mods, s->H, "attention"));
     MHA_CHECK(mha_sinks_check(a->sinks, s->H, "attention"));
+    MHA_CHECK(mha_chunk_check(a->attention_chunk, "attention"));
     mha_rope rope;
     MHA_CHECK(mha_rope_resolve(&a->mods.rope, s->dh, &rope));
     if (a->layout != MHA_LAYOUT_ROWS && a->layout != MHA_LAYOUT_HEADS_FIRST)
@@ -192,6 +193,7 @@ static mha_status mask_plan(const mha_attention_args *a, const sdpa_shape *s,
     }
     if (a->mods.window)
         mha_mask_plan_band(mask, a->mods.window_left, a->mods.window_right);
+    mha_mask_plan_chunk(mask, a->attention_chunk);
     return MHA_OK;
 }
 
@@ -587,6 +589,7 @@ static mha_status check_saved(const mha_attention_plan *p,
         (a->mods.window != 0) != (s->mods.window != 0) ||
         (a->mods.window && (a->mods.window_left != s->mods.window_left ||
                             a->mods.window_right != s->mods.window_right)) ||
+        a->attention_chunk != s->attention_chunk ||
         a->mods.rope.style != s->mods.rope.style ||
         a->mods.rope.dims != s->mods.rope.dims ||
         a->mods.rope.theta != s->mods.rope.theta ||
@@ -760,7 +763,7 @@ static int bf16_takes(const mha_attention_args *a, const sdpa_shape *s)
            a->need_weights == MHA_WEIGHTS_NONE &&
            !(a->training && a->dropout > 0.0f) && !a->sinks &&
            !a->mods.softcap && !a->mods.alibi && !a->mods.window &&
-           a->mods.rope.style == MHA_ROPE_NONE &&
+           !a->attention_chunk && a->mods.rope.style == MHA_ROPE_NONE &&
            !(a->given & MHA_GIVEN_Q_OFFSET)
                ? tier
                : MHA_BF16_FLOAT32;

@@ -130,6 +130,7 @@ static mha_status bad_meta_why(const char *key, const char *value,
  *                 read by slopes_from_metadata once num_heads is known)
  *   window        "LEFT,RIGHT", integers >= -1
  *   softcap       a float > 0
+ * and (mha_config's own, beside them) attention_chunk, an integer >= 1.
  * Each value is parsed strictly; what the values mean is checked by
  * mha_create.
  */
@@ -261,6 +262,9 @@ static mha_status config_from_metadata(const mha_tensor_file *f,
                                 "float32 holds (not 0 after rounding)");
         c->given |= MHA_GIVEN_SCALE;   /* written only when chosen */
     }
+    if ((v = mha_tensor_file_metadata(f, "attention_chunk")) &&
+        (!meta_int(v, &c->attention_chunk) || c->attention_chunk < 1))
+        return bad_meta_why("attention_chunk", v, "expected an integer >= 1");
     return mods_from_metadata(f, &c->mods);
 }
 
@@ -361,6 +365,8 @@ static mha_status mha_module_from_file_impl(const mha_tensor_file *f,
         }
         if (bm->softcap != 0.0f)
             c.mods.softcap = bm->softcap;
+        if (base->attention_chunk)
+            c.attention_chunk = base->attention_chunk;
     }
     const int base_slopes = base && (base->mods.alibi || base->mods.alibi_slopes);
     if (!o_w)
@@ -625,6 +631,8 @@ mha_status mha_module_save(const mha_module *m, const char *path)
             (long long)md->window_right);
     if (md->softcap > 0.0f)
         PUT("softcap", "%.9g", (double)md->softcap);
+    if (c->attention_chunk)
+        PUT("attention_chunk", "%lld", (long long)c->attention_chunk);
 #undef PUT
     /* Custom slopes (the defaults follow num_heads and are not written):
      * H values of up to 16 characters and a comma each. */

@@ -101,6 +101,7 @@ mha_attention_args mha_attention16_args(const mha_plan *plan,
     at.mods = c->mods;
     memset(&at.mods.rope, 0, sizeof at.mods.rope);   /* (refused) */
     at.mods.alibi_slopes = c->mods.alibi ? m->slopes : NULL;
+    at.attention_chunk = c->attention_chunk;
     return at;
 }
 

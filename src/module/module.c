@@ -80,6 +80,7 @@ static mha_status resolve_config(const mha_config *in, mha_config *out)
     if (c.scale == 0.0f && !(c.given & MHA_GIVEN_SCALE))
         c.scale = (float)(1.0 / sqrt((double)c.head_dim));
     MHA_CHECK(mha_modifiers_check(&c.mods, c.num_heads, "config"));
+    MHA_CHECK(mha_chunk_check(c.attention_chunk, "config"));
     /* RoPE's defaults filled in: mha_get_config and the file say them. */
     MHA_CHECK(mha_rope_resolve(&c.mods.rope, c.head_dim, &c.mods.rope));
     c.mods.alibi = c.mods.alibi != 0;

@@ -42,12 +42,14 @@ struct mha_module {
                                       the caller's copy, or the defaults */
 };
 
-/* The module's window modifier, if it has one, added to a mask plan. */
+/* The module's masks by index beyond causal (the window modifier, the
+ * chunks), if it has them, added to a mask plan. */
 static inline void mha_module_band(const mha_module *m, mha_mask_plan *mask)
 {
     if (m->cfg.mods.window)
         mha_mask_plan_band(mask, m->cfg.mods.window_left,
                            m->cfg.mods.window_right);
+    mha_mask_plan_chunk(mask, m->cfg.attention_chunk);
 }
 
 /* ---- the GEMM backends (gemm.c: the only file that calls a BLAS) ------- */

@@ -41,6 +41,12 @@ static mha_status check_module(const mha_module *m,
                             c->add_bias_kv     ? "add_bias_kv"
                             : c->add_zero_attn ? "add_zero_attn"
                                                : "sinks");
+    if (c->attention_chunk)
+        return mha_mpi_fail(MHA_ERR_UNSUPPORTED,
+                            "the module across ranks takes no "
+                            "attention_chunk yet (chunks are counted from "
+                            "global positions, which a shard's keys do not "
+                            "carry)");
     if (nloc > 0 && (!a->query || (need_out && !a->out)))
         return mha_mpi_fail(MHA_ERR_NULL_POINTER, "%s is NULL",
                             !a->query ? "query" : "out");

@@ -147,7 +147,7 @@ static void FN(alibi_slopes)(const mha_modifiers *md, int64_t H, REAL *out)
 
 /*
  * out (B, Lq, E); weights (B, H, Lq, Lt) always per head (or NULL).
- * The score modifiers (softcap, ALiBi, the window, sinks) as
+ * The score modifiers (softcap, ALiBi, the window, chunks, sinks) as
  * docs/semantics.md defines them, in its order.  Returns 0 on success.
  */
 static int FN(forward)(const mha_module *m, const mha_forward_args *a,
@@ -265,6 +265,13 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
                                     qpos - j > md->window_left) ||
                                    (md->window_right >= 0 &&
                                     j - qpos > md->window_right);
+                        /* chunks: the same floor(position / C) */
+                        if (c.attention_chunk) {
+                            const int64_t C = c.attention_chunk;
+                            const int64_t cq = qpos >= 0 ? qpos / C
+                                             : -((-qpos + C - 1) / C);
+                            blk |= cq != j / C;
+                        }
                         if (a->causal == MHA_CAUSAL_BOTTOM_RIGHT)
                             blk |= j > i + (Lk - Lq);
                         if (a->causal == MHA_CAUSAL_TOP_LEFT)

@@ -445,7 +445,8 @@ def scaled_dot_product_attention(
         window: Optional[Tuple[int, int]] = None, alibi: Any = False,
         softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
         rope: Any = None, q_positions: Any = None,
-        k_positions: Any = None) -> torch.Tensor:
+        k_positions: Any = None,
+        attention_chunk: Optional[int] = None) -> torch.Tensor:
     """torch.nn.functional.scaled_dot_product_attention on libmha.
 
     query (B, H, Lq, d), key and value (B, H_kv, Lk, d) float32, bfloat16
@@ -467,6 +468,8 @@ def scaled_dot_product_attention(
     bottom-right (query i at position i + Lk - Lq):
         window=(left, right)   keys i+Lk-Lq-left .. i+Lk-Lq+right (-1:
                                no bound)
+        attention_chunk=C      only the keys j with j // C equal to
+                               (i+Lk-Lq) // C (Llama 4's chunked layers)
         alibi=True | slopes    ALiBi, the paper's slopes or (H) given
         softcap=c              s <- c tanh(s / c)
         sinks=(H) tensor       a logit per head in each softmax's
@@ -496,7 +499,8 @@ def scaled_dot_product_attention(
                                ("key_mask", key_mask), ("window", window),
                                ("softcap", softcap), ("sinks", sinks),
                                ("rope", rope), ("q_positions", q_positions),
-                               ("k_positions", k_positions))
+                               ("k_positions", k_positions),
+                               ("attention_chunk", attention_chunk))
              if x is not None}
     if alibi is not False:
         extra["alibi"] = alibi
@@ -515,7 +519,7 @@ def scaled_dot_product_attention(
 def _sdpa(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa,
           key_lengths=None, key_mask=None, window=None, alibi=False,
           softcap=None, sinks=None, rope=None, q_positions=None,
-          k_positions=None):
+          k_positions=None, attention_chunk=None):
     """The float32 call, every option: checks, then libmha's forward (an
     autograd node when something requires grad)."""
     _check(query, "query")
@@ -575,7 +579,8 @@ def _sdpa(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa,
               key_padding_mask_kind=kmk, key_lengths=kl, causal=causal,
               dropout=p, training=p > 0, dropout_seed=_seed() if p > 0 else 0,
               num_threads=torch.get_num_threads(),
-              modifiers=_mha._modifiers(H, rope, alibi, window, softcap),
+              modifiers=_mha._modifiers(H, rope, alibi, window, softcap,
+                                        attention_chunk),
               q_positions=_mha._int64(q_positions, "q_positions"),
               k_positions=_mha._int64(k_positions, "k_positions"))
     if torch.is_grad_enabled() and (
