@@ -1047,10 +1047,15 @@ typedef enum mha_kv_dtype {
     MHA_KV_F16 = 1,    /* IEEE half: 2 bytes; a finite |x| >= 65520
                           (past 65504) is refused at append, not Inf */
     MHA_KV_BF16 = 2,   /* bfloat16: 2 bytes, float32's range            */
-    MHA_KV_Q8 = 3      /* 8-bit codes, one float scale per block of 32
+    MHA_KV_Q8 = 3,     /* 8-bit codes, one float scale per block of 32
                           elements of a key's (value's) d_h: 1.125 bytes
                           an element; amax / 127 steps; a block holding
                           NaN or Inf reads as NaN                        */
+    MHA_KV_Q4 = 4      /* 4-bit codes in [-7, 7], one float scale per
+                          block of 32 as q8's: 0.625 bytes an element;
+                          amax / 7 steps.  d_h must be even.  With
+                          outliers in a few channels, give the cache
+                          `rotate` (mha_kv_cache_config)               */
 } mha_kv_dtype;
 
 /*
@@ -1076,7 +1081,7 @@ typedef struct mha_kv_cache_config {
     int64_t head_dim;      /* d_h, >= 1                                */
     int64_t capacity;      /* tokens per sequence, >= 1; with a window,
                               the ring's slots per sequence, >= window */
-    mha_kv_dtype dtype;    /* MHA_KV_F32 (0), _F16, _BF16 or _Q8       */
+    mha_kv_dtype dtype;    /* MHA_KV_F32 (0), _F16, _BF16, _Q8 or _Q4  */
     int64_t window;        /* 0: an ordinary cache; W >= 1: a sliding-
                               window cache (above)                      */
     int64_t page_size;     /* 0: contiguous; P: paged (below), a
@@ -1084,6 +1089,15 @@ typedef struct mha_kv_cache_config {
     int64_t num_pages;     /* paged: the pool's pages; 0: batch x
                               ceil(capacity / P), room for every
                               sequence at its capacity                 */
+    int rotate;            /* nonzero: keys and values are stored turned
+                              by an orthogonal Hadamard rotation of the
+                              head dimension (blocks of the largest power
+                              of two dividing d_h; d_h even, <= 4096),
+                              queries turned alike and outputs turned
+                              back: attention unchanged in exact
+                              arithmetic, a channel's outlier spread over
+                              its block before rounding (q4, q8).
+                              mha_kv_cache_read turns values back.     */
 } mha_kv_cache_config;
 
 /*

@@ -184,7 +184,7 @@ int cmd_decode(int argc, char **argv)
     const int64_t cap = window ? window - 1 + (P > C ? P : C) : L;
     mha_kv_cache *kv = NULL;
     const mha_kv_cache_config kc = {B, r.c.num_kv_heads, r.c.head_dim, cap,
-                                    dtype, window, 0, 0};
+                                    dtype, window, 0, 0, 0};
     const mha_status st = kc.dtype == MHA_KV_F32 && !window
                               ? mha_kv_cache_for_module(r.m, B, L, &kv)
                               : mha_kv_cache_create(&kc, &kv);

@@ -361,6 +361,8 @@ struct mha_kv_cache {
                                the ring overwrote the ones before)        */
     int64_t tiles;          /* per (b, g): ceil(capacity / MHA_BC)        */
     mha_kv_dtype dtype;
+    int64_t rot_block;      /* rotate: the Hadamard blocks' size (a power
+                               of two dividing dh); 0: not rotated     */
     int64_t tile_bytes;     /* one kt or v tile: mha_kv_tile_bytes        */
     int64_t *len;           /* [B] keys held per sequence                 */
     unsigned char *k, *v;   /* [B][Hkv][tiles] kt tiles, then v tiles     */
@@ -447,6 +449,14 @@ const unsigned char *mha_kv_cache_k_tile(const mha_kv_cache *c, int64_t b,
                                          int64_t g, int64_t t);
 const unsigned char *mha_kv_cache_v_tile(const mha_kv_cache *c, int64_t b,
                                          int64_t g, int64_t t);
+
+/* The rotation of a cache made with `rotate` (none without): each of
+ * `heads` heads of dh floats of `rows` rows (ld apart) turned in place by
+ * the normalized Walsh-Hadamard transform of each block of rot_block
+ * elements.  Symmetric and orthogonal, so its own inverse: what turns
+ * queries to the stored keys' basis and the outputs back. */
+void mha_kv_cache_turn(const mha_kv_cache *c, float *x, int64_t rows,
+                       int64_t heads, int64_t ld);
 
 /* The keys a step attends once `more` tokens are appended to every
  * sequence: the longest sequence, or with a window the most slots a

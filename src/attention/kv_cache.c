@@ -35,10 +35,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The widest head a rotated cache turns (put_column's stack buffers). */
+enum { MAX_TURNED = 4096 };
+
 static const char *dtype_name(mha_kv_dtype t)
 {
     return t == MHA_KV_F32 ? "f32" : t == MHA_KV_F16 ? "f16"
-         : t == MHA_KV_BF16 ? "bf16" : "q8";
+         : t == MHA_KV_BF16 ? "bf16" : t == MHA_KV_Q8 ? "q8" : "q4";
 }
 
 /*
@@ -80,10 +83,22 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
                              (long long)cfg->head_dim,
                              (long long)cfg->capacity);
     if (cfg->dtype != MHA_KV_F32 && cfg->dtype != MHA_KV_F16 &&
-        cfg->dtype != MHA_KV_BF16 && cfg->dtype != MHA_KV_Q8)
+        cfg->dtype != MHA_KV_BF16 && cfg->dtype != MHA_KV_Q8 &&
+        cfg->dtype != MHA_KV_Q4)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "cache dtype %d: expected MHA_KV_F32, _F16, "
-                             "_BF16 or _Q8", (int)cfg->dtype);
+                             "_BF16, _Q8 or _Q4", (int)cfg->dtype);
+    if (cfg->dtype == MHA_KV_Q4 && cfg->head_dim % 2)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "a q4 cache packs two codes a byte: head_dim "
+                             "must be even, got %lld",
+                             (long long)cfg->head_dim);
+    if (cfg->rotate && (cfg->head_dim % 2 || cfg->head_dim > MAX_TURNED))
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "a rotated cache turns blocks of a power of "
+                             "two >= 2 dividing head_dim, up to %d: "
+                             "head_dim %lld", MAX_TURNED,
+                             (long long)cfg->head_dim);
     if (cfg->window < 0 || cfg->window > cfg->capacity)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "cache window %lld: expected 0 (no window) or "
@@ -197,6 +212,9 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
     c->start = start;
     c->tiles = tiles;
     c->dtype = cfg->dtype;
+    c->rot_block = 0;
+    if (cfg->rotate)   /* the largest power of two dividing d_h */
+        c->rot_block = cfg->head_dim & -cfg->head_dim;
     c->tile_bytes = mha_kv_tile_bytes(cfg->dtype, MHA_BC, cfg->head_dim);
     c->len = len;
     c->k = data;
@@ -236,15 +254,46 @@ int64_t mha_kv_cache_length(const mha_kv_cache *c, int64_t seq)
     return c->len[seq];
 }
 
+/* ---- the rotation ---------------------------------------------------------
+ * The normalized Walsh-Hadamard transform of n = 2^m floats, in place: m
+ * butterfly passes (a, b) -> (a + b, a - b), then a product by 2^(-m/2)
+ * (the matrix H / sqrt(n) is symmetric and orthogonal).  The same
+ * operations in the same order on every call: deterministic.
+ */
+static void hadamard(float *x, int64_t n)
+{
+    for (int64_t h = 1; h < n; h *= 2)
+        for (int64_t i = 0; i < n; i += 2 * h)
+            for (int64_t j = i; j < i + h; j++) {
+                const float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+    const float norm = (float)(1.0 / sqrt((double)n));
+    for (int64_t i = 0; i < n; i++)
+        x[i] *= norm;
+}
+
+void mha_kv_cache_turn(const mha_kv_cache *c, float *x, int64_t rows,
+                       int64_t heads, int64_t ld)
+{
+    const int64_t blk = c->rot_block;
+    for (int64_t r = 0; blk && r < rows; r++)
+        for (int64_t d = 0; d < heads * c->dh; d += blk)
+            hadamard(x + r * ld + d, blk);
+}
+
 /* ---- storing one element -------------------------------------------------
  * x[i * stride], i < n: one key's (or value's) elements along d, stored at
- * codes[i * cstride] in the cache's dtype.  For q8, the n <= MHA_Q8_BLOCK
- * elements are one block and the scale is returned: amax / 127, the codes
- * x / s rounded to nearest even (|code| <= 127); NaN or Inf anywhere
- * makes the scale NaN (the block reads as NaN), an all-zero block, or one
- * so small that amax / 127 is 0, has scale 0.
+ * codes[i * cstride] in the cache's dtype.  For q8 and q4, the n <=
+ * MHA_Q8_BLOCK elements are one block and the scale is returned: amax /
+ * qmax (127 or 7), the codes x / s rounded to nearest even (|code| <=
+ * qmax); NaN or Inf anywhere makes the scale NaN (the block reads as
+ * NaN), an all-zero block, or one so small that amax / qmax is 0, has
+ * scale 0.
  */
-static float q8_block(const float *x, int n, int8_t *codes, int64_t cstride)
+static float quant_block(const float *x, int n, int qmax, int8_t *codes,
+                         int64_t cstride)
 {
     float amax = 0.0f;
     int finite = 1;
@@ -252,11 +301,12 @@ static float q8_block(const float *x, int n, int8_t *codes, int64_t cstride)
         finite &= isfinite(x[i]) != 0;
         amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
     }
-    float s = !finite ? NAN : amax / 127.0f;
-    /* The largest code reads back as fl(127 s), which must stay finite:
+    const float qm = (float)qmax;
+    float s = !finite ? NAN : amax / qm;
+    /* The largest code reads back as fl(qmax s), which must stay finite:
      * for amax near FLT_MAX, s rounded up makes it Inf.  One ulp down
-     * costs 127 ulp(s) at most, far inside the bound max|x| / 254. */
-    if (isinf(127.0f * s))
+     * costs qmax ulp(s) at most, far inside the bound max|x| / 2 qmax. */
+    if (isinf(qm * s))
         s = nextafterf(s, 0.0f);
     /* x / s in float64 is within 2^-53 of the exact quotient, and an
      * exact quotient that is not a half-integer lies at least ~2^-24 from
@@ -264,7 +314,7 @@ static float q8_block(const float *x, int n, int8_t *codes, int64_t cstride)
      * quotient, ties to even, with no double rounding. */
     for (int i = 0; i < n; i++) {
         double q = finite && s > 0.0f ? rint((double)x[i] / (double)s) : 0.0;
-        q = q > 127.0 ? 127.0 : q < -127.0 ? -127.0 : q;
+        q = q > qmax ? qmax : q < -qmax ? -qmax : q;
         codes[i * cstride] = (int8_t)q;
     }
     return s;
@@ -294,7 +344,7 @@ static const unsigned char *tile_at(const mha_kv_cache *c,
                                     int64_t g, int64_t t)
 {
     const int64_t skip =
-        c->dtype == MHA_KV_Q8 ? mha_q8_scale_bytes(MHA_BC, c->dh) : 0;
+        mha_kv_scaled(c->dtype) ? mha_q8_scale_bytes(MHA_BC, c->dh) : 0;
     return plane + mha_kv_tile_index(c, b, g, t) * c->tile_bytes + skip;
 }
 
@@ -310,14 +360,53 @@ const unsigned char *mha_kv_cache_v_tile(const mha_kv_cache *c, int64_t b,
     return tile_at(c, c->v, b, g, t);
 }
 
-/* Key and value `col` of tile t of (b, g) from kr and vr (dh floats). */
+/* A q4 key and value: each block's codes (quant_block with qmax 7) put
+ * into their nibbles (kernels.h): a key's pairs of dims whole bytes of the
+ * kt tile, a value's codes one nibble each of bytes its key shares with
+ * the key beside it (whose nibble is kept). */
+static void put_q4(int64_t dh, int64_t col, const float *kr,
+                   const float *vr, unsigned char *kt, unsigned char *vt)
+{
+    const int64_t cols = MHA_BC, blocks = mha_q8_blocks(dh);
+    float *ks = (float *)mha_q8_scales(kt, cols, dh);
+    float *vs = (float *)mha_q8_scales(vt, cols, dh);
+    int8_t kc[MHA_Q8_BLOCK], vc[MHA_Q8_BLOCK];
+    for (int64_t k = 0; k < blocks; k++) {
+        const int64_t d0 = k * MHA_Q8_BLOCK;
+        const int n = (int)(dh - d0 < MHA_Q8_BLOCK ? dh - d0 : MHA_Q8_BLOCK);
+        ks[k * cols + col] = quant_block(kr + d0, n, 7, kc, 1);
+        vs[col * blocks + k] = quant_block(vr + d0, n, 7, vc, 1);
+        for (int i = 0; i < n; i += 2)   /* (d0 and n even: whole pairs) */
+            kt[(d0 + i) / 2 * cols + col] =
+                (unsigned char)((kc[i] & 0x0F) | (kc[i + 1] & 0x0F) << 4);
+        unsigned char *vb = vt + col / 2 * dh + d0;
+        for (int i = 0; i < n; i++)
+            vb[i] = col & 1 ? (unsigned char)((vb[i] & 0x0F) |
+                                              (vc[i] & 0x0F) << 4)
+                            : (unsigned char)((vb[i] & 0xF0) |
+                                              (vc[i] & 0x0F));
+    }
+}
+
+/* Key and value `col` of tile t of (b, g) from kr and vr (dh floats),
+ * turned first on a rotated cache. */
 static void put_column(mha_kv_cache *c, int64_t b, int64_t g, int64_t t,
                        int64_t col, const float *kr, const float *vr)
 {
     const int64_t dh = c->dh, cols = MHA_BC;
     unsigned char *kt = (unsigned char *)mha_kv_cache_k_tile(c, b, g, t);
     unsigned char *vt = (unsigned char *)mha_kv_cache_v_tile(c, b, g, t);
-    if (c->dtype == MHA_KV_Q8) {
+    float turned[2][MAX_TURNED];
+    if (c->rot_block) {
+        memcpy(turned[0], kr, (size_t)dh * sizeof *kr);
+        memcpy(turned[1], vr, (size_t)dh * sizeof *vr);
+        mha_kv_cache_turn(c, turned[0], 2, 1, MAX_TURNED);
+        kr = turned[0];
+        vr = turned[1];
+    }
+    if (c->dtype == MHA_KV_Q4) {
+        put_q4(dh, col, kr, vr, kt, vt);
+    } else if (c->dtype == MHA_KV_Q8) {
         float *ks = (float *)mha_q8_scales(kt, cols, dh);
         float *vs = (float *)mha_q8_scales(vt, cols, dh);
         const int64_t blocks = mha_q8_blocks(dh);
@@ -325,10 +414,10 @@ static void put_column(mha_kv_cache *c, int64_t b, int64_t g, int64_t t,
             const int64_t d0 = k * MHA_Q8_BLOCK;
             const int n = (int)(dh - d0 < MHA_Q8_BLOCK ? dh - d0
                                                        : MHA_Q8_BLOCK);
-            ks[k * cols + col] = q8_block(
-                kr + d0, n, (int8_t *)kt + d0 * cols + col, cols);
-            vs[col * blocks + k] = q8_block(
-                vr + d0, n, (int8_t *)vt + col * dh + d0, 1);
+            ks[k * cols + col] = quant_block(
+                kr + d0, n, 127, (int8_t *)kt + d0 * cols + col, cols);
+            vs[col * blocks + k] = quant_block(
+                vr + d0, n, 127, (int8_t *)vt + col * dh + d0, 1);
         }
     } else {
         const int64_t esize = c->dtype == MHA_KV_F32 ? 4 : 2;
@@ -655,6 +744,11 @@ mha_status mha_kv_cache_read(const mha_kv_cache *c, int64_t seq,
                         mha_v_load(c->dtype, vt, MHA_BC, dh, col, d);
             }
         }
+        /* a rotated cache's values turned back (H is its own inverse) */
+        if (k)
+            mha_kv_cache_turn(c, k + r * Ekv, 1, c->Hkv, Ekv);
+        if (v)
+            mha_kv_cache_turn(c, v + r * Ekv, 1, c->Hkv, Ekv);
     }
     return MHA_OK;
 }

@@ -271,8 +271,10 @@ static mha_status mha_attention_plan_create_impl(const mha_attention_args *a,
         return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate a plan");
     p->ws = mha_alloc_floats(lay.total, "attention workspace");
     p->slopes = mha_alloc_floats(s.H, "ALiBi slopes");
-    const int rope = a->mods.rope.style != MHA_ROPE_NONE;
-    if (rope)   /* rotated q, and k unless the keys are a cache's */
+    /* rotated q (RoPE, or a cache's Hadamard rotation: any cache may be
+     * a rotated one), and k unless the keys are a cache's */
+    const int rope = a->mods.rope.style != MHA_ROPE_NONE || a->cache;
+    if (rope)
         p->rot = mha_alloc_floats(s.n_q + (a->cache ? 0 : s.n_kv),
                                   "RoPE's rotated q and k");
     if (!p->ws || !p->slopes || (rope && !p->rot)) {
@@ -506,9 +508,18 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
         mha_attn at = problem(p, a, &mask);
         if (a->mods.rope.style != MHA_ROPE_NONE)
             rope_rotate(p, a, s.Lk, &at);
+        const int turned = a->cache->rot_block != 0;
+        if (turned) {   /* q into the stored keys' basis, out back after */
+            if (at.q != p->rot)
+                memcpy(p->rot, a->q, (size_t)s.n_q * sizeof *p->rot);
+            mha_kv_cache_turn(a->cache, p->rot, s.B * s.Lq, s.H, s.E);
+            at.q = p->rot;
+        }
         mha_attn_use_cache(&at, a->cache, &mask);
         mha_attn_run(&p->eng, &at, p->ws + p->lay.scratch,
                      p->lay.per_thread);
+        if (turned)
+            mha_kv_cache_turn(a->cache, a->out, s.B * s.Lq, s.H, s.E);
         if (a->lse)
             write_lse(at.stats, s.B * s.H * s.Lq, a->lse);
         return MHA_OK;   /* no backward */

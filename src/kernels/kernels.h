@@ -169,6 +169,26 @@ static inline int64_t mha_q8_scale_bytes(int64_t cols, int64_t dh)
     return 4 * cols * mha_q8_blocks(dh);
 }
 
+/*
+ * A q4 tile is a q8 tile whose codes (in [-7, 7]) are packed two to a
+ * byte, in pairs of B's rows (the rows the kernels walk: dims of a kt
+ * tile, keys of a v tile), so that a row of B is read as the bytes of a
+ * q8 row plus a shift:
+ *
+ *     kt tile   float s[blocks][cols],   then uint8 c[dh / 2][cols]
+ *     v tile    float s[cols][blocks],   then uint8 c[cols / 2][dh]
+ *
+ * row k's code at column j in the low nibble of byte [k / 2][j] when k is
+ * even, the high one when odd (two's complement nibbles).  d_h is even.
+ */
+static inline int mha_q4_code(const void *codes, int64_t ld, int64_t k,
+                              int64_t j)
+{
+    const int8_t x = ((const int8_t *)codes)[(k >> 1) * ld + j];
+    /* (x << 4 as a byte, then an arithmetic shift: the low nibble) */
+    return k & 1 ? x >> 4 : (int8_t)(uint8_t)((uint8_t)x << 4) >> 4;
+}
+
 /* Bytes of one kt or v tile of `cols` keys; a multiple of 64 when cols
  * is. */
 static inline int64_t mha_kv_tile_bytes(mha_kv_dtype dtype, int64_t cols,
@@ -176,10 +196,17 @@ static inline int64_t mha_kv_tile_bytes(mha_kv_dtype dtype, int64_t cols,
 {
     return dtype == MHA_KV_F32  ? 4 * cols * dh
          : dtype == MHA_KV_Q8   ? mha_q8_scale_bytes(cols, dh) + cols * dh
+         : dtype == MHA_KV_Q4   ? mha_q8_scale_bytes(cols, dh) + cols * dh / 2
                                 : 2 * cols * dh;
 }
 
-/* q8: the float scales of the tile whose codes start at `tile`. */
+/* Whether tiles of this dtype carry scales before their codes. */
+static inline int mha_kv_scaled(mha_kv_dtype dtype)
+{
+    return dtype == MHA_KV_Q8 || dtype == MHA_KV_Q4;
+}
+
+/* q8, q4: the float scales of the tile whose codes start at `tile`. */
 static inline const float *mha_q8_scales(const void *tile, int64_t cols,
                                          int64_t dh)
 {
@@ -201,6 +228,9 @@ static inline float mha_kt_load(mha_kv_dtype dtype, const void *kt,
                                 int64_t cols, int64_t dh, int64_t d,
                                 int64_t c)
 {
+    if (dtype == MHA_KV_Q4)
+        return (float)mha_q4_code(kt, cols, d, c) *
+               mha_q8_scales(kt, cols, dh)[d / MHA_Q8_BLOCK * cols + c];
     if (dtype != MHA_KV_Q8)
         return mha_kv_elem(dtype, kt, d * cols + c);
     return (float)((const int8_t *)kt)[d * cols + c] *
@@ -209,6 +239,10 @@ static inline float mha_kt_load(mha_kv_dtype dtype, const void *kt,
 static inline float mha_v_load(mha_kv_dtype dtype, const void *v,
                                int64_t cols, int64_t dh, int64_t c, int64_t d)
 {
+    if (dtype == MHA_KV_Q4)
+        return (float)mha_q4_code(v, dh, c, d) *
+               mha_q8_scales(v, cols, dh)[c * mha_q8_blocks(dh) +
+                                          d / MHA_Q8_BLOCK];
     if (dtype != MHA_KV_Q8)
         return mha_kv_elem(dtype, v, c * dh + d);
     return (float)((const int8_t *)v)[c * dh + d] *

@@ -75,9 +75,10 @@ enum { VL = 16, VREGS = 32 };
 #define vf_load_bf16(p)                                                     \
     _mm512_castsi512_ps(_mm512_slli_epi32(                                  \
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
-#define vf_load_i8(p)                                                       \
-    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                                \
-        _mm_loadu_si128((const __m128i *)(p))))
+#define vi_load_i8(p)                                                       \
+    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define vf_load_i8(p) _mm512_cvtepi32_ps(vi_load_i8(p))
+#define vi_to_vf _mm512_cvtepi32_ps
 MK_INLINE float vf_hsum(vf v)   /* lanes i + 8 onto i, then 4, 2, 1 */
 {
     v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xEE));
@@ -147,9 +148,10 @@ enum { VL = 8, VREGS = 16 };
 #define vf_load_bf16(p)                                                     \
     _mm256_castsi256_ps(_mm256_slli_epi32(                                  \
         _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
-#define vf_load_i8(p)                                                       \
-    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(                                \
-        _mm_loadl_epi64((const __m128i *)(p))))
+#define vi_load_i8(p)                                                       \
+    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define vf_load_i8(p) _mm256_cvtepi32_ps(vi_load_i8(p))
+#define vi_to_vf _mm256_cvtepi32_ps
 MK_INLINE float vf_hsum(vf v)   /* lanes i + 4 onto i, then 2, 1 */
 {
     __m128 a = _mm_add_ps(_mm256_castps256_ps128(v),
@@ -239,13 +241,15 @@ MK_INLINE vf vf_keep_t(vf v, int n)
         vandq_u32(vreinterpretq_u32_f32(x), vdupq_n_u32(0x80000000u))))
 #define vf_load_f16(p) vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)))
 #define vf_load_bf16(p) vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16))
-MK_INLINE vf vf_load_i8(const int8_t *p)   /* exactly 4 bytes read */
+MK_INLINE vi vi_load_i8(const int8_t *p)   /* exactly 4 bytes read */
 {
     int32_t w;
     memcpy(&w, p, 4);
     const int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(w)));
-    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
+    return vmovl_s16(vget_low_s16(h));
 }
+#define vf_load_i8(p) vcvtq_f32_s32(vi_load_i8(p))
+#define vi_to_vf vcvtq_f32_s32
 MK_INLINE float vf_hsum(vf v)   /* lanes i + 2 onto i, then 1 */
 {
     const float32x2_t a = vadd_f32(vget_low_f32(v), vget_high_f32(v));

@@ -43,6 +43,14 @@ enum { FROM_C = 1, EXACT = 2, ADD = 4 };   /* (B's storage: bsrc.h) */
 enum { MODE_SET = 0, MODE_ACC = FROM_C, MODE_ACC_EXACT = FROM_C | EXACT,
        MODE_ADD = ADD, MODE_ADD_EXACT = ADD | EXACT };
 
+/* VL q4 codes of one row (bytes p, the row's nibble hi or low), widened:
+ * the byte sign-extended to 32 bits, then the nibble by shifts. */
+MK_INLINE vf vf_load_i4(const int8_t *p, int hi)
+{
+    const vi x = vi_load_i8(p);
+    return vi_to_vf(hi ? vi_sra(x, 4) : vi_sra(vi_sll(x, 28), 28));
+}
+
 /* B[k][j ..] as VL floats; `masked`: only its first n lanes are read
  * (the others 0), the tail of the columns. */
 MK_INLINE vf ldb(const int T, const bsrc *b, int k, int j, const int masked,
@@ -59,6 +67,15 @@ MK_INLINE vf ldb(const int T, const bsrc *b, int k, int j, const int masked,
         for (int i = 0; i < n; i++)
             buf[i] = bsrc_elem(T, b, k, j + i);
         return vf_load(buf);
+    }
+    if (T == B_Q4K || T == B_Q4V) {   /* a q8 load of the pair's bytes */
+        const vf c = vf_load_i4((const int8_t *)b->x +
+                                    (size_t)(k >> 1) * b->ld + j, k & 1);
+        if (T == B_Q4K)
+            return vf_mul(c, vf_load(b->s + (size_t)(k / MHA_Q8_BLOCK) *
+                                                b->ld + j));
+        return vf_mul(c, vf_set1(b->s[(size_t)k * b->blocks +
+                                      j / MHA_Q8_BLOCK]));
     }
     /* (Only 16-bit elements are read as such: a q8 row is bytes, and read
      * as 16-bit it ran past the end of a cache's last tile.) */
@@ -317,6 +334,7 @@ static void qk_kv_k(mha_kv_dtype dtype, int mr, int nc, int dh,
     case MHA_KV_F16: QK_KV(B_F16); break;
     case MHA_KV_BF16: QK_KV(B_BF16); break;
     case MHA_KV_Q8: QK_KV(B_Q8K); break;
+    case MHA_KV_Q4: QK_KV(B_Q4K); break;
     default: qk_k(mr, nc, dh, q, kt, cols, s, lds);
     }
 #undef QK_KV
@@ -336,6 +354,7 @@ static void pv_kv_k(mha_kv_dtype dtype, int exact, int mr, int nc, int dh,
     case MHA_KV_F16: PV_KV(B_F16); break;
     case MHA_KV_BF16: PV_KV(B_BF16); break;
     case MHA_KV_Q8: PV_KV(B_Q8V); break;
+    case MHA_KV_Q4: PV_KV(B_Q4V); break;
     default: PV_KV(B_F32);
     }
 #undef PV_KV

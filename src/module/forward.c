@@ -335,8 +335,12 @@ static void cached_attention(mha_plan *plan, mha_kv_cache *kv, mha_attn *at,
         mha_kv_cache_put(kv, b, at->k + b * s->Lq * at->ldk, at->ldk,
                          at->v + b * s->Lq * at->ldv, at->ldv, s->Lq);
     mha_attn_use_cache(at, kv, mask);
+    /* A rotated cache: q (the plan's own projection) turned to the stored
+     * keys' basis, the context turned back. */
+    mha_kv_cache_turn(kv, (float *)at->q, s->B * s->Lq, s->H, at->ldq);
     mha_attn_run(&plan->eng, at, ws_attn(plan) + plan->lay.scratch,
                  plan->lay.per_thread);
+    mha_kv_cache_turn(kv, at->ctx, s->B * s->Lq, s->H, at->ldc);
 }
 
 /*
