@@ -6,7 +6,8 @@
  *
  * The first bytes choose the cache (batch 1..3, H_kv 1..2, d_h 1..40 --
  * q8's blocks of 32 split in two past 32 --, capacity 1..12, dtype f32,
- * f16, bf16 or q8, a window 0 or 1..capacity, or no window and pages of
+ * f16, bf16, q8 or q4 (d_h made even), rotated or not (d_h made even),
+ * a window 0 or 1..capacity, or no window and pages of
  * 64 in a pool of 1..batch pages); each next byte pair is an
  * operation and its argument.  Values come from a generator seeded by the
  * input's hash.  Contract checks (trap if broken):
@@ -23,14 +24,16 @@
  *   - a fork makes the target hold what the source holds (reads and
  *     decoding then check it); onto itself it is refused;
  *   - a read returns what the append stored: for f32 exactly the values
- *     given; for every dtype the same values on every read until the
+ *     given (unrotated); for every dtype the same values on every read
+ *     until the
  *     positions are truncated or overwritten (the model keeps the first
  *     read after each append);
  *   - a window cache refuses reads of positions its ring no longer holds
  *     (the model follows the oldest one: appends move it, a truncation
  *     keeps it, a reset or a truncation to 0 clears it);
  *   - a decoding step on an ordinary cache gives, for each sequence, the
- *     bits of mha_attention on the keys read back (causal bottom-right),
+ *     bits of mha_attention on the keys read back (causal bottom-right;
+ *     within 1e-4 of them on a rotated cache, which turns q and out),
  *     and a finite output from finite data on a window cache.
  *
  * Built two ways, as the other targets (fuzz/CMakeLists.txt); CTest's
@@ -49,7 +52,7 @@
 static const char *fuzz_who(void) { return "fuzz_cache"; }
 #include "fuzz_common.h"
 
-enum { BMAX = 3, CAPMAX = 12, ROWMAX = 2 * 40, OPS = 64 };
+enum { BMAX = 3, CAPMAX = 12, ROWMAX = 2 * 41, OPS = 64 };
 
 /* Uniform in [-2, 2): finite in every dtype. */
 static float rng_value(void)
@@ -167,6 +170,17 @@ static void decode(mha_kv_cache *kv, const setup *s, model *m, int lq)
         e.causal = MHA_CAUSAL_BOTTOM_RIGHT;
         e.out = o;
         CHECK(mha_attention(&e) == MHA_OK, "attention: %s", mha_last_error());
+        if (s->c.rotate) {
+            /* turned twice (q and out) and the keys read back turned:
+             * float rounding of values below 2 in magnitude, d_h <= 41
+             * terms, never more than 1e-4 */
+            for (int64_t t = 0; t < lq * H * dh; t++)
+                CHECK(fabsf(o[t] - out[b * lq * H * dh + t]) <= 1e-4f,
+                      "sequence %lld: rotated decoding differs from "
+                      "attention on its keys by %g", (long long)b,
+                      (double)fabsf(o[t] - out[b * lq * H * dh + t]));
+            continue;
+        }
         CHECK(!memcmp(o, out + b * lq * H * dh,
                       (size_t)(lq * H * dh) * sizeof *o),
               "sequence %lld: decoding differs from attention on its keys",
@@ -186,7 +200,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     s.c.num_kv_heads = 1 + data[1] % 2;
     s.c.head_dim = 1 + data[2] % 40;
     s.c.capacity = 1 + data[3] % CAPMAX;
-    s.c.dtype = (mha_kv_dtype)(data[4] % 4);
+    s.c.dtype = (mha_kv_dtype)(data[4] % 5);
+    s.c.rotate = data[4] / 5 % 2;
+    if ((s.c.dtype == MHA_KV_Q4 || s.c.rotate) && s.c.head_dim % 2)
+        s.c.head_dim++;   /* two codes a byte; rotation pairs */
     s.c.window = data[5] % 3 ? 0 : 1 + (data[5] / 3) % s.c.capacity;
     if (!s.c.window && data[5] & 8) {   /* paged, a pool of 1 .. B pages */
         s.c.page_size = 64;
@@ -226,7 +243,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 for (int64_t t = 0; t < n; t++) {
                     const int64_t sl = slot(&s, m.len[q] + t);
                     m.known[q][sl] = 0;
-                    if (s.c.dtype == MHA_KV_F32) {   /* exact: known now */
+                    if (s.c.dtype == MHA_KV_F32 && !s.c.rotate) {
+                        /* exact: known now */
                         memcpy(m.k[q][sl], k + t * s.row,
                                (size_t)s.row * sizeof *k);
                         memcpy(m.v[q][sl], v + t * s.row,

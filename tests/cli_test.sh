@@ -844,7 +844,7 @@ fail_dec "^mha decode: --prefill must be an integer in \[1, [0-9]+\], got '0'$" 
 # Compact caches: the same outputs up to the rounding of K and V to the
 # dtype (unit roundoff u: f16 2^-11, bf16 2^-8, q8 half a step of amax/127
 # per block of 32), and not the f32 ones.  Exactness is test_kv_cache's.
-for tu in f16:4.9e-4 bf16:3.9e-3 q8:3.9e-3; do
+for tu in f16:4.9e-4 bf16:3.9e-3 q8:3.9e-3 q4:7.2e-2; do
   t=${tu%%:*} u=${tu#*:}
   expect 0 "" -- "$mha" decode --weights "$Wd" --query "$d/x70.npy" --chunk 7 --kv-dtype $t --out "$dc/$t.npy"
   shape "$dc/$t.npy" "float32 (2, 70, 32)"
@@ -852,7 +852,14 @@ for tu in f16:4.9e-4 bf16:3.9e-3 q8:3.9e-3; do
     "np.abs(a - b).max() <= 16 * $u * (1 + np.abs(b).max())" "$dc/$t.npy" "$dc/f32.npy"
   differ "$dc/$t.npy" "$dc/f32.npy" "--kv-dtype $t rounds K and V"
 done
-fail_dec "^mha decode: --kv-dtype must be f32, f16, bf16 or q8, got 'f64'$" "${dq[@]}" --kv-dtype f64
+fail_dec "^mha decode: --kv-dtype must be f32, f16, bf16, q8 or q4, got 'f64'$" "${dq[@]}" --kv-dtype f64
+# --kv-rotate: the cache turned (queries and outputs alike): f32 within
+# float rounding of the plain cache; q4 rotated is not q4 plain
+expect 0 "" -- "$mha" decode --weights "$Wd" --query "$d/x70.npy" --chunk 7 --kv-rotate --out "$dc/rot.npy"
+check "--kv-rotate: within float rounding of the f32 cache's" \
+  "np.abs(a - b).max() <= 1e-5 * (1 + np.abs(b).max())" "$dc/rot.npy" "$dc/f32.npy"
+expect 0 "" -- "$mha" decode --weights "$Wd" --query "$d/x70.npy" --chunk 7 --kv-dtype q4 --kv-rotate --out "$dc/q4rot.npy"
+differ "$dc/q4rot.npy" "$dc/q4.npy" "--kv-rotate changes what q4 rounds"
 # --window W: a sliding-window cache, a ring of W - 1 + max(P, C) slots that
 # wraps around many times over 70 tokens; each query sees itself and the
 # W - 1 keys before it: `mha forward` with that band as its --attn-mask
@@ -1083,7 +1090,7 @@ expect 1 "^mha bench: --kv-dtype needs --decode$" -- "$mha" bench "${tiny[@]}" -
 expect 1 "^mha bench: --ragged needs --decode$" -- "$mha" bench "${tiny[@]}" --ragged
 expect 1 "^mha bench: option --ragged takes no value$" -- "$mha" bench "${dec[@]}" --ragged=1
 expect 0 "f16 cache" -- "$mha" bench "${dec[@]}" --kv-dtype f16
-expect 1 "^mha bench: --kv-dtype must be f32, f16, bf16 or q8, got 'x'$" -- "$mha" bench "${dec[@]}" --kv-dtype x
+expect 1 "^mha bench: --kv-dtype must be f32, f16, bf16, q8 or q4, got 'x'$" -- "$mha" bench "${dec[@]}" --kv-dtype x
 expect 1 "^mha bench: num_kv_heads 3 must divide num_heads 4" -- "$mha" bench --decode --kv-seq 8 --embed-dim 32 --heads 4 --kv-heads 3
 expect 1 "^mha bench: num_kv_heads 3 must divide num_heads 4" -- "$mha" bench --decode --kv-seq 8 --embed-dim 32 --heads 4 --kv-heads 3 --attention-only
 expect 1 "^mha bench: --kv-seq must be an integer in \[1, " -- "$mha" bench --decode --kv-seq 0 --embed-dim 32 --heads 4
@@ -1266,6 +1273,13 @@ expect 0 "^  alibi = true$" -- "$mha" info "$WA"
 expect 0 "^  window = 3,-1$" -- "$mha" info "$WA"
 expect 0 "^  softcap = 20$" -- "$mha" info "$WA"
 expect 0 "^modifiers: alibi=default window=3,-1 softcap=20$" -- "$mha" info "$WA"
+# --attention-chunk: in the file's metadata, read back by every command;
+# forward's chunked output is the chunked attention's: the first chunk's
+# rows those of plain causal attention, later rows not
+expect 0 "" -- "$mha" init --embed-dim 16 --heads 2 --seed 3 --attention-chunk 3 --out "$r/wc.safetensors"
+expect 0 "^  attention_chunk = 3$" -- "$mha" info "$r/wc.safetensors"
+expect 0 "^modifiers: attention_chunk=3$" -- "$mha" info "$r/wc.safetensors"
+expect 1 "^mha init: --attention-chunk must be an integer in \[1, [0-9]+\], got '0'$" -- "$mha" init --embed-dim 16 --heads 2 --seed 3 --attention-chunk 0 --out "$r/wc0.safetensors"
 expect 0 "" -- "$mha" init --embed-dim 16 --heads 2 --seed 3 --alibi-slopes "$r/s2.npy" --out "$WS"
 expect 0 "^  alibi_slopes = 0.5,0.25$" -- "$mha" info "$WS"
 expect 0 "^modifiers: alibi=custom alibi_slopes=0.5,0.25$" -- "$mha" info "$WS"
@@ -1290,6 +1304,15 @@ same "$r/o_file.npy" "$r/o_flags.npy" "rope from the file vs from the flags"
 expect 0 "" -- "$mha" forward --weights "$WR" --query "$r/x.npy" --rope neox --out "$r/o_neox.npy"
 differ "$r/o_file.npy" "$r/o_neox.npy" "--rope neox over the file's gptj"
 expect 0 "" -- "$mha" forward --weights "$WP" --query "$r/x.npy" --out "$r/o_plain.npy"
+expect 0 "" -- "$mha" forward --weights "$r/wc.safetensors" --query "$r/x.npy" --causal --out "$r/o_chunk.npy"
+expect 0 "" -- "$mha" forward --weights "$WP" --query "$r/x.npy" --causal --attention-chunk 3 --out "$r/o_chunk_flag.npy"
+same "$r/o_chunk.npy" "$r/o_chunk_flag.npy" "attention_chunk from the file vs from the flag"
+expect 0 "" -- "$mha" forward --weights "$WP" --query "$r/x.npy" --causal --out "$r/o_causal.npy"
+check "chunks of 3: the first chunk's rows causal attention's, the second's not" \
+  "np.array_equal(a[:, :3], b[:, :3]) and np.abs(a[:, 3:] - b[:, 3:]).max() > 1e-6" "$r/o_chunk.npy" "$r/o_causal.npy"
+expect 0 "" -- "$mha" decode --weights "$r/wc.safetensors" --query "$r/x.npy" --chunk 2 --out "$r/d_chunk.npy"
+check "a chunked module decodes as its causal forward" \
+  "np.abs(a - b).max() <= 1e-5 * (1 + np.abs(b).max())" "$r/d_chunk.npy" "$r/o_chunk.npy"
 differ "$r/o_file.npy" "$r/o_plain.npy" "rope vs no rope"
 for st in neox gptj; do
   expect 0 "" -- "$mha" forward --weights "$WP" --query "$r/x.npy" --causal \

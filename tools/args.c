@@ -204,14 +204,15 @@ int tool_kv_dtype(const char *cmd, const char *s, mha_kv_dtype *out)
         const char *name;
         mha_kv_dtype dtype;
     } names[] = {{"f32", MHA_KV_F32}, {"f16", MHA_KV_F16},
-                 {"bf16", MHA_KV_BF16}, {"q8", MHA_KV_Q8}};
+                 {"bf16", MHA_KV_BF16}, {"q8", MHA_KV_Q8},
+                 {"q4", MHA_KV_Q4}};
     for (int k = 0; k < NOPTS(names); k++)
         if (!strcmp(s, names[k].name)) {
             *out = names[k].dtype;
             return 0;
         }
-    return tool_fail(cmd, "--kv-dtype must be f32, f16, bf16 or q8, got '%s'",
-                     s);
+    return tool_fail(cmd, "--kv-dtype must be f32, f16, bf16, q8 or q4, got "
+                     "'%s'", s);
 }
 
 /* The directory part of `path` ("." without one) and its last name. */

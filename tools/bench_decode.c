@@ -189,6 +189,14 @@ T512 ALWAYS __m512 cvt512(const int T, const void *x, const float *s, int e)
             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                 _mm_loadu_si128((const __m128i *)((const int8_t *)x + e)))),
             _mm512_set1_ps(s[e / 32]));
+    case MHA_KV_Q4: {   /* element e: the kernels' nibble of a byte row */
+        const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+            (const __m128i *)((const int8_t *)x + e / 32 * 16)));
+        const __m512i c = e / 16 % 2 ? _mm512_srai_epi32(b, 4)
+                        : _mm512_srai_epi32(_mm512_slli_epi32(b, 28), 28);
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(c),
+                             _mm512_set1_ps(s[e / 32]));
+    }
     default: return _mm512_loadu_ps((const float *)x + e);
     }
 }
@@ -209,6 +217,14 @@ T256 ALWAYS __m256 cvt256(const int T, const void *x, const float *s, int e)
             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                 _mm_loadl_epi64((const __m128i *)((const int8_t *)x + e)))),
             _mm256_set1_ps(s[e / 32]));
+    case MHA_KV_Q4: {
+        const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+            (const __m128i *)((const int8_t *)x + e / 16 * 8)));
+        const __m256i c = e / 8 % 2 ? _mm256_srai_epi32(b, 4)
+                        : _mm256_srai_epi32(_mm256_slli_epi32(b, 28), 28);
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(c),
+                             _mm256_set1_ps(s[e / 32]));
+    }
     default: return _mm256_loadu_ps((const float *)x + e);
     }
 }
@@ -265,6 +281,10 @@ T256 ALWAYS float arith256_r(const int T, const int R, const void *buf,
     case MHA_KV_Q8 * 16 + 2: return fn(MHA_KV_Q8, 2, buf, s, iters);       \
     case MHA_KV_Q8 * 16 + 4: return fn(MHA_KV_Q8, 4, buf, s, iters);       \
     case MHA_KV_Q8 * 16 + 8: return fn(MHA_KV_Q8, 8, buf, s, iters);       \
+    case MHA_KV_Q4 * 16 + 1: return fn(MHA_KV_Q4, 1, buf, s, iters);       \
+    case MHA_KV_Q4 * 16 + 2: return fn(MHA_KV_Q4, 2, buf, s, iters);       \
+    case MHA_KV_Q4 * 16 + 4: return fn(MHA_KV_Q4, 4, buf, s, iters);       \
+    case MHA_KV_Q4 * 16 + 8: return fn(MHA_KV_Q4, 8, buf, s, iters);       \
     case MHA_KV_F32 * 16 + 1: return fn(MHA_KV_F32, 1, buf, s, iters);     \
     case MHA_KV_F32 * 16 + 2: return fn(MHA_KV_F32, 2, buf, s, iters);     \
     case MHA_KV_F32 * 16 + 4: return fn(MHA_KV_F32, 4, buf, s, iters);     \
@@ -284,6 +304,13 @@ arith256(int t, int rows, const void *buf, const float *s, long iters)
 }
 #endif
 
+/* q4 element e of the probe's buffer, as cvt512 lays them out. */
+static int q4_plain(const void *buf, int e)
+{
+    const int8_t x = ((const int8_t *)buf)[e / 32 * 16 + e % 16];
+    return e / 16 % 2 ? x >> 4 : (int8_t)(uint8_t)((uint8_t)x << 4) >> 4;
+}
+
 /* Portable C: one row's element at a time (the compiler may vectorise). */
 static float arith_plain(int t, int rows, const void *buf, const float *s,
                          long iters)
@@ -295,6 +322,7 @@ static float arith_plain(int t, int rows, const void *buf, const float *s,
                 t == MHA_KV_F16  ? mha_f16_to_float(((const uint16_t *)buf)[e])
               : t == MHA_KV_BF16 ? mha_bf16_to_float(((const uint16_t *)buf)[e])
               : t == MHA_KV_Q8   ? (float)((const int8_t *)buf)[e] * s[e / 32]
+              : t == MHA_KV_Q4   ? (float)q4_plain(buf, e) * s[e / 32]
                                  : ((const float *)buf)[e];
             for (int r = 0; r < rows; r++)
                 acc[r] += 1e-3f * x;
@@ -337,6 +365,8 @@ static double arith_gelems(mha_kv_dtype t, int rows, int threads,
                 ((uint16_t *)buf)[e] = t == MHA_KV_F16 ? 0x3C00 : 0x3F80;
             else if (t == MHA_KV_Q8)
                 ((int8_t *)buf)[e] = 1;
+            else if (t == MHA_KV_Q4)   /* codes 1 in both nibbles */
+                ((int8_t *)buf)[e] = 0x11;
             else
                 ((float *)buf)[e] = 1.0f;
         }
@@ -385,13 +415,14 @@ static double kv_row_bytes(mha_kv_dtype t, int64_t dh)
 {
     return t == MHA_KV_F32 ? 4.0 * (double)dh
          : t == MHA_KV_Q8  ? (double)dh + 4.0 * (double)((dh + 31) / 32)
+         : t == MHA_KV_Q4  ? (double)dh / 2 + 4.0 * (double)((dh + 31) / 32)
                            : 2.0 * (double)dh;
 }
 
 static const char *kv_dtype_name(mha_kv_dtype t)
 {
     return t == MHA_KV_F32 ? "f32" : t == MHA_KV_F16 ? "f16"
-         : t == MHA_KV_BF16 ? "bf16" : "q8";
+         : t == MHA_KV_BF16 ? "bf16" : t == MHA_KV_Q8 ? "q8" : "q4";
 }
 
 /* What one run times, read from the options. */
@@ -403,6 +434,7 @@ typedef struct decode_bench {
     int attn_only;     /* time mha_attention on the cache, no module     */
     int ragged;        /* sequence b holds round(Lk (b + 1) / B) keys    */
     int64_t page;      /* a paged cache's page size; 0: contiguous       */
+    int rotate;        /* --kv-rotate: the cache's Hadamard rotation      */
     int64_t shared;    /* --shared-prefix N: every sequence's first N
                           tokens sequence 0's, forked (pages shared), the
                           step one ragged call with share_prefix      */
@@ -480,6 +512,7 @@ static int parse_decode(const tool_opt *o, int n, decode_bench *d)
          tool_int("bench", "page-size", OPT("page-size"), 1, INT32_MAX,
                   &d->page)))
         return 1;
+    d->rotate = OPT("kv-rotate") != NULL;
     if (OPT("shared-prefix") &&
         tool_int("bench", "shared-prefix", OPT("shared-prefix"), 1,
                  INT32_MAX, &d->shared))
@@ -576,7 +609,7 @@ static int prefill(mha_kv_cache *kv, const int64_t *len, int64_t B,
 static int create_cache(const decode_bench *d, decode_state *s)
 {
     mha_kv_cache_config kc = {d->B, d->Hkv, d->dh, d->Lk + d->Lq,
-                              d->dtype, 0, d->page, 0, 0};
+                              d->dtype, 0, d->page, 0, d->rotate};
     for (int64_t b = 0; d->page && b < d->B; b++)
         kc.num_pages += (sequence_length(d, b) + d->Lq + d->page - 1) /
                         d->page;

@@ -27,7 +27,7 @@ static const char BENCH_HELP[] =
     "                 [--threads T] [--repeat R] [--warmup W] [--json]\n"
     MOD_USAGE MOD_WINDOW_USAGE " [--sinks]\n"
     "       mha bench --decode --kv-seq Lk --embed-dim E --heads H\n"
-    "                 [--kv-heads Hkv] [--kv-dtype f32|f16|bf16|q8]\n"
+    "                 [--kv-heads Hkv] [--kv-dtype f32|f16|bf16|q8|q4] [--kv-rotate]\n"
     "                 [--batch B] [--seq L] [--ragged] [--attention-only]\n"
     "                 [--paged [--page-size P] [--shared-prefix N]]\n"
     "                 [--threads T] [--repeat R] [--warmup W] [--json]\n"
@@ -161,8 +161,10 @@ static const char BENCH_HELP[] =
     "new tokens (q, k, v, out), which read every parameter once:\n"
     "weight_bytes, small next to the cache only when kv_keys*Hkv*d_h*2 is\n"
     "well above E*(2E + 2*Hkv*d_h) (at E = 4096, Hkv = 8, Lk = 32768: 160\n"
-    "MiB of weights, 256 MiB of cache).  --kv-dtype f16, bf16 or q8: the\n"
-    "cache stored so (q8: 1.125 bytes an element with its scales).\n";
+    "MiB of weights, 256 MiB of cache).  --kv-dtype f16, bf16, q8 or q4:\n"
+    "the cache stored so (q8: 1.125 bytes an element with its scales, q4\n"
+    "0.625); --kv-rotate: its Hadamard rotation (the queries and outputs\n"
+    "turned too).\n";
 
 /* ---- the FMA peak probe ------------------------------------------------- */
 
@@ -313,7 +315,7 @@ int cmd_bench(int argc, char **argv)
                     {"kv-heads", 1, 0}, {"kv-dtype", 1, 0},
                     {"ragged", 0, 0}, {"sinks", 0, 0}, {"dtype", 1, 0},
                     {"paged", 0, 0}, {"page-size", 1, 0},
-                    {"shared-prefix", 1, 0},
+                    {"shared-prefix", 1, 0}, {"kv-rotate", 0, 0},
                     MOD_OPTS, MOD_WINDOW_OPT};
     int status;
     if (tool_options("bench", argc, argv, o, NOPTS(o), BENCH_HELP, &status))
@@ -332,7 +334,7 @@ int cmd_bench(int argc, char **argv)
         return bench_decode(argc, argv, o, NOPTS(o));
     static const char *const decode_only[] = {"kv-heads", "kv-dtype",
                                               "ragged", "paged", "page-size",
-                                              "shared-prefix"};
+                                              "shared-prefix", "kv-rotate"};
     for (int k = 0; k < NOPTS(decode_only); k++)
         if (OPT(decode_only[k]))
             return tool_fail("bench", "--%s needs --decode", decode_only[k]);

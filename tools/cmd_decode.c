@@ -18,7 +18,8 @@
 
 static const char DECODE_HELP[] =
     "usage: mha decode --weights W.safetensors [--heads H] --query X.npy\n"
-    "                  [--prefill P] [--chunk C] [--kv-dtype f32|f16|bf16|q8]\n"
+    "                  [--prefill P] [--chunk C] [--kv-dtype f32|f16|bf16|q8|q4]\n"
+    "                  [--kv-rotate]\n"
     "                  [--window W | --window L,R] [--threads T] [--seq-first]\n"
     "                  --out OUT.npy\n"
     MOD_USAGE "\n"
@@ -41,10 +42,14 @@ static const char DECODE_HELP[] =
     "  --chunk C          tokens of each later forward (default 1: token by\n"
     "                     token); the last may be shorter.  P >= L runs X\n"
     "                     in one forward\n"
-    "  --kv-dtype T       the cache's storage: f32 (default), f16, bf16 or\n"
-    "                     q8 (8-bit codes, a scale per 32 elements): K and V\n"
-    "                     rounded once when cached, the attention exact on\n"
-    "                     what is stored\n"
+    "  --kv-dtype T       the cache's storage: f32 (default), f16, bf16, q8\n"
+    "                     or q4 (8- or 4-bit codes, a scale per 32\n"
+    "                     elements): K and V rounded once when cached, the\n"
+    "                     attention exact on what is stored\n"
+    "  --kv-rotate        store K and V turned by a Hadamard rotation of\n"
+    "                     the head dimension (queries and outputs turned\n"
+    "                     alike): a channel's outliers spread before q4 or\n"
+    "                     q8 rounds them\n"
     "  --window W         a sliding-window cache: each query attends to\n"
     "                     itself and the W - 1 keys before it (Mistral's\n"
     "                     sliding_window), and the cache is a ring of\n"
@@ -135,6 +140,7 @@ int cmd_decode(int argc, char **argv)
     tool_opt o[] = {{"weights", 1, 0}, {"heads", 1, 0}, {"query", 1, 0},
                     {"threads", 1, 0}, {"prefill", 1, 0}, {"chunk", 1, 0},
                     {"kv-dtype", 1, 0}, {"window", 1, 0}, {"out", 1, 0},
+                    {"kv-rotate", 0, 0},
                     {"seq-first", 0, 0}, MOD_OPTS};
     int status;
     if (tool_options("decode", argc, argv, o, NOPTS(o), DECODE_HELP, &status))
@@ -184,8 +190,9 @@ int cmd_decode(int argc, char **argv)
     const int64_t cap = window ? window - 1 + (P > C ? P : C) : L;
     mha_kv_cache *kv = NULL;
     const mha_kv_cache_config kc = {B, r.c.num_kv_heads, r.c.head_dim, cap,
-                                    dtype, window, 0, 0, 0};
-    const mha_status st = kc.dtype == MHA_KV_F32 && !window
+                                    dtype, window, 0, 0,
+                                    OPT("kv-rotate") != NULL};
+    const mha_status st = kc.dtype == MHA_KV_F32 && !window && !kc.rotate
                               ? mha_kv_cache_for_module(r.m, B, L, &kv)
                               : mha_kv_cache_create(&kc, &kv);
     int rc = 0;

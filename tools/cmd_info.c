@@ -62,7 +62,7 @@ static void print_modifiers(const mha_config *c)
 {
     const mha_modifiers *m = &c->mods;
     if (m->rope.style == MHA_ROPE_NONE && !m->alibi && !m->window &&
-        !(m->softcap > 0.0f) && !c->sinks)
+        !(m->softcap > 0.0f) && !c->sinks && !c->attention_chunk)
         return;
     printf("modifiers:");
     if (m->rope.style != MHA_ROPE_NONE)
@@ -83,6 +83,8 @@ static void print_modifiers(const mha_config *c)
                (long long)m->window_right);
     if (m->softcap > 0.0f)
         printf(" softcap=%g", (double)m->softcap);
+    if (c->attention_chunk)
+        printf(" attention_chunk=%lld", (long long)c->attention_chunk);
     if (c->sinks)
         printf(" sinks");
     printf("\n");

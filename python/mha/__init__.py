@@ -75,7 +75,7 @@ _CAUSAL = {None: 0, False: 0, "none": 0, "bottom_right": 1, "top_left": 2}
 _WEIGHTS = {None: 0, False: 0, "none": 0, True: 1, "average": 1,
             "per_head": 2}
 _ROPE = {None: 0, "none": 0, "neox": 1, "gptj": 2}
-_KV_DTYPE = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3}
+_KV_DTYPE = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4}
 _PROJ = {"query": 0, "key": 1, "value": 2, "out": 3}
 
 
@@ -785,18 +785,24 @@ def _module_from_state(embed_dim, num_heads, kwargs, state):
 class KVCache:
     """Projected (and rotated) keys and values of ``batch`` sequences, up
     to ``capacity`` tokens each, H_kv heads of d_h (mha_kv_cache).  dtype:
-    'f32', 'f16', 'bf16' or 'q8' (rounded once, when appended).  window W
-    >= 1: a sliding-window ring of ``capacity`` >= W slots.  Give it to
-    Module.forward(cache=...) or attention(cache=...)."""
+    'f32', 'f16', 'bf16', 'q8' or 'q4' (rounded once, when appended).
+    window W >= 1: a sliding-window ring of ``capacity`` >= W slots.
+    rotate: store K and V turned by a Hadamard rotation of the head
+    dimension (queries and outputs turned alike: the attention unchanged
+    but for rounding), which spreads outlier channels before q4 / q8
+    round them.  Give it to Module.forward(cache=...) or
+    attention(cache=...)."""
 
     def __init__(self, batch: int, num_kv_heads: int, head_dim: int,
                  capacity: int, dtype: str = "f32", window: int = 0,
-                 page_size: int = 0, num_pages: int = 0) -> None:
+                 page_size: int = 0, num_pages: int = 0,
+                 rotate: bool = False) -> None:
         self._c = _core.kv_cache_create(
             batch=int(batch), num_kv_heads=int(num_kv_heads),
             head_dim=int(head_dim), capacity=int(capacity),
             dtype=_key(dtype, _KV_DTYPE, "dtype"), window=int(window),
-            page_size=int(page_size), num_pages=int(num_pages))
+            page_size=int(page_size), num_pages=int(num_pages),
+            rotate=bool(rotate))
         cfg = self._c.config()
         self.batch = cfg["batch"]
         self.num_kv_heads = cfg["num_kv_heads"]
@@ -804,14 +810,16 @@ class KVCache:
         self.capacity = cfg["capacity"]
         self.window = cfg["window"]
         self.page_size = cfg["page_size"]
+        self.rotate = bool(cfg["rotate"])
         self.dtype = dtype
 
     @classmethod
     def for_module(cls, module: Module, batch: int, capacity: int,
-                   dtype: str = "f32", window: int = 0) -> KVCache:
+                   dtype: str = "f32", window: int = 0,
+                   rotate: bool = False) -> KVCache:
         """A cache shaped for ``module`` (its H_kv and d_h)."""
         return cls(batch, module.num_kv_heads, module.head_dim, capacity,
-                   dtype, window)
+                   dtype, window, rotate=rotate)
 
     def length(self, seq: int) -> int:
         """Tokens held by sequence ``seq`` (counting every one appended
@@ -933,9 +941,9 @@ class PagedKVCache(KVCache):
 
     def __init__(self, batch: int, num_kv_heads: int, head_dim: int,
                  capacity: int, page_size: int = 64, num_pages: int = 0,
-                 dtype: str = "f32") -> None:
+                 dtype: str = "f32", rotate: bool = False) -> None:
         super().__init__(batch, num_kv_heads, head_dim, capacity, dtype,
-                         0, int(page_size), int(num_pages))
+                         0, int(page_size), int(num_pages), rotate)
 
 
 # ---- attention on heads --------------------------------------------------------

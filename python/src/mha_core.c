@@ -1295,14 +1295,16 @@ static PyObject *cache_create(PyObject *self, PyObject *args, PyObject *kw)
 {
     (void)self;
     static char *kws[] = {"batch", "num_kv_heads", "head_dim", "capacity",
-                          "dtype", "window", "page_size", "num_pages", NULL};
+                          "dtype", "window", "page_size", "num_pages",
+                          "rotate", NULL};
     mha_kv_cache_config cc;
     memset(&cc, 0, sizeof cc);
     int dtype = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLL|iLLL", kws, &cc.batch,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLL|iLLLp", kws, &cc.batch,
                                      &cc.num_kv_heads, &cc.head_dim,
                                      &cc.capacity, &dtype, &cc.window,
-                                     &cc.page_size, &cc.num_pages))
+                                     &cc.page_size, &cc.num_pages,
+                                     &cc.rotate))
         return NULL;
     cc.dtype = (mha_kv_dtype)dtype;
     mha_kv_cache *c = NULL;
@@ -1518,13 +1520,13 @@ static PyObject *cache_config(CacheObject *self, PyObject *unused)
 {
     (void)unused;
     const mha_kv_cache_config *c = &self->cfg;
-    return Py_BuildValue("{sLsLsLsLsisLsLsL}", "batch", (long long)c->batch,
+    return Py_BuildValue("{sLsLsLsLsisLsLsLsi}", "batch", (long long)c->batch,
                          "num_kv_heads", (long long)c->num_kv_heads,
                          "head_dim", (long long)c->head_dim, "capacity",
                          (long long)c->capacity, "dtype", (int)c->dtype,
                          "window", (long long)c->window, "page_size",
                          (long long)c->page_size, "num_pages",
-                         (long long)c->num_pages);
+                         (long long)c->num_pages, "rotate", c->rotate);
 }
 
 static PyMethodDef cache_methods[] = {

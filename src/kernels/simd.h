@@ -79,6 +79,26 @@ enum { VL = 16, VREGS = 32 };
     _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 #define vf_load_i8(p) _mm512_cvtepi32_ps(vi_load_i8(p))
 #define vi_to_vf _mm512_cvtepi32_ps
+/* q4 nibbles as floats: the low 4 bits of each lane index a table of the
+ * 16 two's complement values (one permute, no shifts or conversion);
+ * the high nibble shifted down first. */
+#define Q4_LUT                                                              \
+    _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1)
+MK_INLINE vf vf_nibble_lo(vi x) { return _mm512_permutexvar_ps(x, Q4_LUT); }
+MK_INLINE vf vf_nibble_hi(vi x)
+{
+    return vf_nibble_lo(_mm512_srli_epi32(x, 4));
+}
+/* times a scale s, from a table of the 16 products (each fl(c s): the
+ * bits of the product after the lookup) */
+MK_INLINE vf vf_nibble_lo_times(vi x, float s)
+{
+    return _mm512_permutexvar_ps(x, _mm512_mul_ps(Q4_LUT, _mm512_set1_ps(s)));
+}
+MK_INLINE vf vf_nibble_hi_times(vi x, float s)
+{
+    return vf_nibble_lo_times(_mm512_srli_epi32(x, 4), s);
+}
 MK_INLINE float vf_hsum(vf v)   /* lanes i + 8 onto i, then 4, 2, 1 */
 {
     v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xEE));
@@ -152,6 +172,12 @@ enum { VL = 8, VREGS = 16 };
     _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #define vf_load_i8(p) _mm256_cvtepi32_ps(vi_load_i8(p))
 #define vi_to_vf _mm256_cvtepi32_ps
+#define vf_nibble_lo(x) vi_to_vf(vi_sra(vi_sll(x, 28), 28))
+#define vf_nibble_hi(x) vi_to_vf(vi_sra(x, 4))
+#define vf_nibble_lo_times(x, s) vf_mul(vf_nibble_lo(x), vf_set1(s))
+#define vf_nibble_hi_times(x, s) vf_mul(vf_nibble_hi(x), vf_set1(s))
+#define vf_nibble_lo_times(x, s) vf_mul(vf_nibble_lo(x), vf_set1(s))
+#define vf_nibble_hi_times(x, s) vf_mul(vf_nibble_hi(x), vf_set1(s))
 MK_INLINE float vf_hsum(vf v)   /* lanes i + 4 onto i, then 2, 1 */
 {
     __m128 a = _mm_add_ps(_mm256_castps256_ps128(v),
@@ -250,6 +276,8 @@ MK_INLINE vi vi_load_i8(const int8_t *p)   /* exactly 4 bytes read */
 }
 #define vf_load_i8(p) vcvtq_f32_s32(vi_load_i8(p))
 #define vi_to_vf vcvtq_f32_s32
+#define vf_nibble_lo(x) vi_to_vf(vi_sra(vi_sll(x, 28), 28))
+#define vf_nibble_hi(x) vi_to_vf(vi_sra(x, 4))
 MK_INLINE float vf_hsum(vf v)   /* lanes i + 2 onto i, then 1 */
 {
     const float32x2_t a = vadd_f32(vget_low_f32(v), vget_high_f32(v));

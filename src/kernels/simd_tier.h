@@ -48,7 +48,7 @@ enum { MODE_SET = 0, MODE_ACC = FROM_C, MODE_ACC_EXACT = FROM_C | EXACT,
 MK_INLINE vf vf_load_i4(const int8_t *p, int hi)
 {
     const vi x = vi_load_i8(p);
-    return vi_to_vf(hi ? vi_sra(x, 4) : vi_sra(vi_sll(x, 28), 28));
+    return hi ? vf_nibble_hi(x) : vf_nibble_lo(x);
 }
 
 /* B[k][j ..] as VL floats; `masked`: only its first n lanes are read
@@ -90,6 +90,26 @@ MK_INLINE vf ldb(const int T, const bsrc *b, int k, int j, const int masked,
     return vf_mul(c, vf_set1(b->s[(size_t)k * b->blocks + j / MHA_Q8_BLOCK]));
 }
 
+/* acc[r][w] += A[r][k] * b[w] for R rows: one step of the tile below. */
+MK_INLINE void fma_rows(const int R, const int W, const int mode,
+                        const float *A, int lda, int ska, int k, const vf *b,
+                        vf acc[6][8])
+{
+    for (int r = 0; r < R; r++) {
+        const vf a = vf_set1(A[(size_t)r * lda + (size_t)k * ska]);
+        if (mode & EXACT) {
+            /* where a is zero acc stays as it was, so NaN / Inf in b
+             * never reaches the row: the bits of skipping it */
+            const vm nz = vf_cmp_nz(a);
+            for (int w = 0; w < W; w++)
+                acc[r][w] = vf_fma_where(nz, a, b[w], acc[r][w]);
+        } else {
+            for (int w = 0; w < W; w++)
+                acc[r][w] = vf_fma(a, b[w], acc[r][w]);
+        }
+    }
+}
+
 /* R rows (1 .. 6) x W vectors (1 .. 8) of C from column j, over k0 <= k
  * < k1; masked only with W == 1 (n columns, the tail). */
 MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
@@ -114,24 +134,48 @@ MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
      * extra load for every FMA.  Either way each accumulator sees the
      * same FMAs in the same order of k: the same bits. */
     const int b_first = R * W + W + 2 <= VREGS;
-    for (int k = k0; k < k1; k++) {
+    int k = k0;
+    /* q4: a byte row holds B's rows k and k + 1 (k even): loaded once,
+     * both nibbles widened, then the two rows' FMAs in order of k as
+     * below (the same bits), with no per-row address arithmetic. */
+    if ((T == B_Q4K || T == B_Q4V) && !masked &&
+        R * W + 2 * W + 2 <= VREGS) {
+        if (k & 1 && k < k1) {
+            vf b[8];
+            for (int w = 0; w < W; w++)
+                b[w] = ldb(T, B, k, j + VL * w, 0, t, n);
+            fma_rows(R, W, mode, A, lda, ska, k, b, acc);
+            k++;
+        }
+        for (; k + 1 < k1; k += 2) {
+            const int8_t *row = (const int8_t *)B->x +
+                                (size_t)(k >> 1) * B->ld + j;
+            vf lo[8], hi[8];
+            for (int w = 0; w < W; w++) {
+                const vi x = vi_load_i8(row + VL * w);
+                if (T == B_Q4K) {   /* k, k + 1: one block of 32 */
+                    const vf sc = vf_load(B->s + (size_t)(k / MHA_Q8_BLOCK) *
+                                                     B->ld + j + VL * w);
+                    lo[w] = vf_mul(vf_nibble_lo(x), sc);
+                    hi[w] = vf_mul(vf_nibble_hi(x), sc);
+                } else {   /* a scale per row and block */
+                    const int blk = (j + VL * w) / MHA_Q8_BLOCK;
+                    lo[w] = vf_nibble_lo_times(
+                        x, B->s[(size_t)k * B->blocks + blk]);
+                    hi[w] = vf_nibble_hi_times(
+                        x, B->s[(size_t)(k + 1) * B->blocks + blk]);
+                }
+            }
+            fma_rows(R, W, mode, A, lda, ska, k, lo, acc);
+            fma_rows(R, W, mode, A, lda, ska, k + 1, hi, acc);
+        }
+    }
+    for (; k < k1; k++) {
         if (b_first) {
             vf b[8];
             for (int w = 0; w < W; w++)
                 b[w] = ldb(T, B, k, j + VL * w, masked, t, n);
-            for (int r = 0; r < R; r++) {
-                const vf a = vf_set1(A[(size_t)r * lda + (size_t)k * ska]);
-                if (mode & EXACT) {
-                    /* where a is zero acc stays as it was, so NaN / Inf in
-                     * b never reaches the row: the bits of skipping it */
-                    const vm nz = vf_cmp_nz(a);
-                    for (int w = 0; w < W; w++)
-                        acc[r][w] = vf_fma_where(nz, a, b[w], acc[r][w]);
-                } else {
-                    for (int w = 0; w < W; w++)
-                        acc[r][w] = vf_fma(a, b[w], acc[r][w]);
-                }
-            }
+            fma_rows(R, W, mode, A, lda, ska, k, b, acc);
             continue;
         }
         vf a[6];
