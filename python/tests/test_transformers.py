@@ -311,22 +311,29 @@ def test_packed_sequences_fall_back_to_the_dense_mask(dense_calls):
 
 def test_mask_pattern_recognition():
     mu = transformers.masking_utils
-    assert MT._pattern(mu.causal_mask_function) == (True, None, None)
+    assert MT._pattern(mu.causal_mask_function) == (True, None, None, None)
     assert MT._pattern(mu.bidirectional_mask_function) == \
-        (False, None, None)
-    assert MT._pattern(mu.sliding_window_causal_mask_function(5))[:2] == \
-        (True, (4, 0))
+        (False, None, None, None)
+    assert MT._pattern(mu.sliding_window_causal_mask_function(5))[:3] == \
+        (True, (4, 0), None)
     assert MT._pattern(
-        mu.sliding_window_bidirectional_mask_function(3))[:2] == \
-        (False, (3, 3))
-    # a function of the user's own, or chunked attention: not recognised
+        mu.sliding_window_bidirectional_mask_function(3))[:3] == \
+        (False, (3, 3), None)
+    # chunked attention without left padding: causal with chunks of 4
+    chunked = mu.chunked_causal_mask_function(4, torch.zeros(2, dtype=int))
+    assert MT._pattern(chunked)[:3] == (True, None, 4)
+    # a function of the user's own, or chunks shifted by left padding: not
+    # recognised
     assert MT._pattern(lambda b, h, q, kv: kv <= q) is None
-    chunked = mu.chunked_causal_mask_function(4, torch.zeros(1, dtype=int))
-    assert MT._pattern(chunked) is None
+    padded = mu.chunked_causal_mask_function(4, torch.tensor([0, 3]))
+    assert MT._pattern(padded) is None
     # the guard sees a function that says something else than its name
-    assert not MT._agrees(mu.causal_mask_function, True, (2, 0), 5, 5, 0, 0)
+    assert not MT._agrees(mu.causal_mask_function, True, (2, 0), None, 5, 5,
+                          0, 0)
     assert MT._agrees(mu.sliding_window_causal_mask_function(3), True,
-                      (2, 0), 5, 9, 4, 0)
+                      (2, 0), None, 5, 9, 4, 0)
+    assert MT._agrees(chunked, True, None, 4, 7, 11, 4, 0)
+    assert not MT._agrees(chunked, True, None, 5, 7, 11, 4, 0)
 
 
 def test_padding_forms():
