@@ -737,6 +737,13 @@ typedef struct mha_attention_args {
                              above; the positions are those of causal
                              masking, q_offset included).  Tiles outside
                              the chunk are never visited.               */
+    int64_t v_head_dim;   /* d_v >= 1, the values' (and the output's) head
+                             width; 0 -> head_dim.  v is then (B, Lk,
+                             H_kv*d_v) and out (B, Lq, H*d_v) (heads
+                             first: (B, H_kv, Lk, d_v), (B, H, Lq, d_v)),
+                             as PyTorch SDPA's Ev != E (DeepSeek's MLA:
+                             keys of 192, values of 128).  float32, no
+                             cache yet.                                 */
 } mha_attention_args;
 MHA_API mha_status mha_attention_sized(const mha_attention_args *args,
                                        size_t args_size);

@@ -971,17 +971,21 @@ def _attention_args(q, k, v, num_heads, num_kv_heads, scale, attn_mask,
             raise ValueError("with a cache, k and v must be None (append "
                              "them to the cache first)")
         Lk = 0
+        dv = dh
     else:
         k, _ = _batched(_array(k, "k", dt), "k")
         v, _ = _batched(_array(v, "v", dt), "v")
-        if k.shape != v.shape:
-            raise ValueError("k %s and v %s must have the same shape"
-                             % (k.shape, v.shape))
         if k.shape[0] != B or k.shape[2] != Hkv * dh:
             raise ValueError("k must have shape (%d, Lk, %d) (num_kv_heads "
                              "%d x head_dim %d), got %s"
                              % (B, Hkv * dh, Hkv, dh, k.shape))
+        # values may have another head width (d_v: v_head_dim)
+        if v.shape[:2] != k.shape[:2] or v.shape[2] % Hkv or \
+                v.shape[2] == 0:
+            raise ValueError("v must have shape (%d, %d, num_kv_heads %d x "
+                             "d_v), got %s" % (B, k.shape[1], Hkv, v.shape))
         Lk = k.shape[1]
+        dv = v.shape[2] // Hkv
     am, amk = _mask(attn_mask, "attn_mask")
     kpm, kpmk = _mask(key_padding_mask, "key_padding_mask")
     s = _array(sinks, "sinks", required=False)
@@ -993,7 +997,7 @@ def _attention_args(q, k, v, num_heads, num_kv_heads, scale, attn_mask,
     return dict(
         dtype=half,
         q=q, k=k, v=v, batch=B, num_heads=H, head_dim=dh, q_len=Lq,
-        kv_len=Lk, num_kv_heads=Hkv,
+        kv_len=Lk, num_kv_heads=Hkv, v_head_dim=0 if dv == dh else dv,
         scale=None if scale is None else float(scale), attn_mask=am,
         attn_mask_kind=amk, key_padding_mask=kpm, key_padding_mask_kind=kpmk,
         key_lengths=_int64(key_lengths, "key_lengths"),
@@ -1055,7 +1059,9 @@ def attention(q: npt.ArrayLike, k: Optional[npt.ArrayLike] = None,
         out[b, i, h*d_h ..] = softmax(q_h k_g^T * scale + mask) v_g,
         g = h // (H / H_kv)
 
-    q (B, Lq, H*d_h), k and v (B, Lk, H_kv*d_h) float32, or all float16,
+    q (B, Lq, H*d_h), k (B, Lk, H_kv*d_h) and v (B, Lk, H_kv*d_v) (values
+    of another head width than the keys, as DeepSeek's MLA; out is then
+    (B, Lq, H*d_v); float32 only) float32, or all float16,
     or all bfloat16 (ml_dtypes' type): libmha's 16-bit attention, out of
     the same dtype (the weights and the lse float32); d_h = q's last
     dimension / num_heads.  Masks, causal and need_weights as in
@@ -1082,7 +1088,8 @@ def attention(q: npt.ArrayLike, k: Optional[npt.ArrayLike] = None,
         training, dropout_seed, num_threads, cache, rope, alibi, window,
         softcap, sinks, q_positions, k_positions, attention_chunk)
     B, H, Lq = a["batch"], a["num_heads"], a["q_len"]
-    out = np.empty_like(a["q"])
+    dv = a["v_head_dim"] or a["head_dim"]
+    out = np.empty(a["q"].shape[:2] + (H * dv,), a["q"].dtype)
     w = lse = None
     if a["need_weights"]:
         lk = max(cache.lengths) if cache is not None else a["kv_len"]
@@ -1132,9 +1139,11 @@ def attention_backward(grad_out: npt.ArrayLike, q: npt.ArrayLike,
         go = go.view(np.uint16)
     if unbatched:
         go = go.reshape((1,) + go.shape)
-    if go.shape != a["q"].shape:
-        raise ValueError("grad_out must have q's shape %s, got %s"
-                         % (a["q"].shape, go.shape))
+    oshape = a["q"].shape[:2] + (a["num_heads"] *
+                                 (a["v_head_dim"] or a["head_dim"]),)
+    if go.shape != oshape:
+        raise ValueError("grad_out must have the output's shape %s, got %s"
+                         % (oshape, go.shape))
     gq = np.empty_like(a["q"])
     gk = np.empty_like(a["k"])
     gv = np.empty_like(a["v"])

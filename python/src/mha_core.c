@@ -1743,24 +1743,25 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
         "need_weights", "attn_weights", "dropout", "training",
         "dropout_seed", "num_threads", "lse", "cache", "modifiers", "sinks",
         "q_positions", "k_positions", "grad_out", "grad_q", "grad_k",
-        "grad_v", "grad_sinks", "heads_first", "plan", "dtype", NULL};
+        "grad_v", "grad_sinks", "heads_first", "plan", "dtype",
+        "v_head_dim", NULL};
     PyObject *q, *k = Py_None, *v = Py_None, *out = Py_None;
     PyObject *scale = Py_None, *am = Py_None, *kpm = Py_None, *kl = Py_None;
     PyObject *w = Py_None, *lse = Py_None, *cache = Py_None, *mods = Py_None;
     PyObject *sinks = Py_None, *qp = Py_None, *kp = Py_None;
     PyObject *go = Py_None, *gq = Py_None, *gk = Py_None, *gv = Py_None;
     PyObject *gs = Py_None, *plan = Py_None;
-    long long B, H, dh, Lq, Lk = 0, Hkv = 0;
+    long long B, H, dh, Lq, Lk = 0, Hkv = 0, dvh = 0;
     int amk = 0, kpmk = 0, causal = 0, nw = 0, training = 0, threads = 0;
     int heads_first = 0, dtype = MHA_DTYPE_F32;
     float dropout = 0;
     unsigned long long seed = 0;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kw, "OOOOLLLL|LLOOiOiOiiOfpKiOOOOOOOOOOOiOi", kws, &q, &k,
+            args, kw, "OOOOLLLL|LLOOiOiOiiOfpKiOOOOOOOOOOOiOiL", kws, &q, &k,
             &v, &out, &B, &H, &dh, &Lq, &Lk, &Hkv, &scale, &am, &amk, &kpm,
             &kpmk, &kl, &causal, &nw, &w, &dropout, &training, &seed,
             &threads, &lse, &cache, &mods, &sinks, &qp, &kp, &go, &gq, &gk,
-            &gv, &gs, &heads_first, &plan, &dtype))
+            &gv, &gs, &heads_first, &plan, &dtype, &dvh))
         return NULL;
     /* dtype BF16 / F16: q, k, v, out (and grad_out, grad_q, grad_k,
      * grad_v) hold 16-bit elements, in the rows layout or contiguous
@@ -1814,8 +1815,12 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
     int64_t lk = Lk ? Lk : Lq;
     if (co && !Lk)
         lk = cache_max_len(&co->cfg, co->c);
+    /* values and outputs: heads of dv (v_head_dim, 0: head_dim) */
+    const int64_t dv = dvh > 0 ? dvh : dh;
     int64_t qn = mul3(B, Lq, mul3(H, dh, 1)),
-            kn = mul3(B, lk, mul3(Hkv, dh, 1));
+            kn = mul3(B, lk, mul3(Hkv, dh, 1)),
+            vn = mul3(B, lk, mul3(Hkv, dv, 1)),
+            on = mul3(B, Lq, mul3(H, dv, 1));
     int64_t wn = nw == MHA_WEIGHTS_AVERAGE ? mul3(B, Lq, lk)
                : nw == MHA_WEIGHTS_PER_HEAD ? mul3(mul3(B, H, Lq), lk, 1) : 0;
 
@@ -1828,11 +1833,11 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
     if ((gather
              ? get_buf4(&b, q, "q", B, H, Lq, dh, &x4[0]) ||
                    get_buf4(&b, k, "k", B, Hkv, lk, dh, &x4[1]) ||
-                   get_buf4(&b, v, "v", B, Hkv, lk, dh, &x4[2])
+                   get_buf4(&b, v, "v", B, Hkv, lk, dv, &x4[2])
              : get_buf(&b, q, "q", td, 0, qn, 1, &pq, NULL) ||
                    get_buf(&b, k, "k", td, 0, kn, !co, &pk, NULL) ||
-                   get_buf(&b, v, "v", td, 0, kn, !co, &pv, NULL)) ||
-        get_buf(&b, out, "out", td, 1, qn, !backward, &pout, NULL) ||
+                   get_buf(&b, v, "v", td, 0, vn, !co, &pv, NULL)) ||
+        get_buf(&b, out, "out", td, 1, on, !backward, &pout, NULL) ||
         get_buf(&b, w, "attn_weights", T_F32, 1, wn, nw != 0 && !backward,
                 &pw, NULL) ||
         get_buf(&b, kl, "key_lengths", T_I64, 0, B, 0, &pkl, NULL) ||
@@ -1850,6 +1855,7 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
     a.q_len = Lq;
     a.kv_len = Lk;
     a.num_kv_heads = Hkv;
+    a.v_head_dim = dvh;
     a.q = pq;
     a.k = pk;
     a.v = pv;
@@ -1891,12 +1897,12 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
     if (backward) {
         void *pgo = NULL, *pgq, *pgk, *pgv, *pgs;
         if ((gather
-                 ? get_buf4(&b, go, "grad_out", B, H, Lq, dh, &x4[3])
-                 : get_buf(&b, go, "grad_out", td, 0, qn, 1, &pgo,
+                 ? get_buf4(&b, go, "grad_out", B, H, Lq, dv, &x4[3])
+                 : get_buf(&b, go, "grad_out", td, 0, on, 1, &pgo,
                            NULL)) ||
             get_buf(&b, gq, "grad_q", td, 1, qn, 1, &pgq, NULL) ||
             get_buf(&b, gk, "grad_k", td, 1, kn, 1, &pgk, NULL) ||
-            get_buf(&b, gv, "grad_v", td, 1, kn, 1, &pgv, NULL) ||
+            get_buf(&b, gv, "grad_v", td, 1, vn, 1, &pgv, NULL) ||
             get_buf(&b, gs, "grad_sinks", T_F32, 1, H, 0, &pgs, NULL))
             goto fail;
         g.grad_out = pgo;

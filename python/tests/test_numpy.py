@@ -204,6 +204,48 @@ def test_q4_rotated_cache_against_float64(rng):
     assert errs[True] <= 0.5 * errs[False], errs
 
 
+def test_attention_value_width(rng):
+    """mha.attention with values of another head width: against NumPy's
+    float64 attention, forward and backward (by the chain rule written
+    out), and the lse."""
+    B, H, Hkv, d, dv, Lq, Lk = 2, 4, 2, 12, 20, 5, 7
+    q, k = f32(rng, B, Lq, H * d), f32(rng, B, Lk, Hkv * d)
+    v, G = f32(rng, B, Lk, Hkv * dv), f32(rng, B, Lq, H * dv)
+    out, lse = mha.attention(q, k, v, num_heads=H, num_kv_heads=Hkv,
+                             causal="bottom_right", return_lse=True)
+    assert out.shape == (B, Lq, H * dv)
+    g = np.repeat(np.arange(Hkv), H // Hkv)
+    qq = q.astype(np.float64).reshape(B, Lq, H, d)
+    kk = k.astype(np.float64).reshape(B, Lk, Hkv, d)[:, :, g]
+    vv = v.astype(np.float64).reshape(B, Lk, Hkv, dv)[:, :, g]
+    s = np.einsum("bqhd,bkhd->bhqk", qq, kk) / np.sqrt(d)
+    s = np.where(np.arange(Lk)[None, :] <= np.arange(Lq)[:, None] + Lk - Lq,
+                 s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    p = np.exp(s - m)
+    ls = p.sum(-1, keepdims=True)
+    p /= ls
+    want = np.einsum("bhqk,bkhd->bqhd", p, vv).reshape(B, Lq, H * dv)
+    np.testing.assert_allclose(out, want, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(lse, (m + np.log(ls))[..., 0], rtol=1e-6,
+                               atol=1e-6)
+    gq, gk, gv = mha.attention_backward(G, q, k, v, num_heads=H,
+                                        num_kv_heads=Hkv,
+                                        causal="bottom_right")
+    assert gv.shape == v.shape and gk.shape == k.shape
+    go = G.astype(np.float64).reshape(B, Lq, H, dv)
+    dvv = np.einsum("bhqk,bqhd->bkhd", p, go)
+    dp = np.einsum("bqhd,bkhd->bhqk", go, vv)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True)) / np.sqrt(d)
+    dqq = np.einsum("bhqk,bkhd->bqhd", ds, kk)
+    dkk = np.einsum("bhqk,bqhd->bkhd", ds, qq)
+    sum_groups = (lambda x: x.reshape(B, Lk, Hkv, H // Hkv, -1).sum(3)
+                  .reshape(B, Lk, -1))
+    np.testing.assert_allclose(gq, dqq.reshape(B, Lq, -1), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(gk, sum_groups(dkk), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(gv, sum_groups(dvv), rtol=0, atol=1e-5)
+
+
 def test_pickle_module(rng):
     m = mha.Module(8, 2, num_kv_heads=1, rope="gptj", window=(3, 0),
                    softcap=5.0, sinks=True, seed=4, attention_chunk=3)

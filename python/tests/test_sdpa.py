@@ -86,6 +86,40 @@ def test_sdpa_parity(seed):
             % (seed, B, H, Hkv, d, Lq, Lk, causal, kind))
 
 
+@pytest.mark.parametrize("dv,layout,causal", [
+    (5, "contiguous", False), (16, "contiguous", True),
+    (12, "rows", True), (3, "sliced", False)])
+def test_value_width_differs(dv, layout, causal):
+    """Values of another head width than queries and keys (torch's
+    Ev != E, DeepSeek's MLA): torch's own SDPA in float64 the reference,
+    forward and every gradient, grouped-query, in every input layout
+    (contiguous heads first, transposed rows, sliced views)."""
+    r = np.random.default_rng(dv)
+    B, H, Hkv, d, Lq, Lk = 2, 4, 2, 8, 6, 9
+    q, k, v = tensors(r, (B, H, Lq, d), (B, Hkv, Lk, d), (B, Hkv, Lk, dv))
+    G, = tensors(r, (B, H, Lq, dv))
+    if layout == "rows":
+        q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2)
+                   for x in (q, k, v))
+    elif layout == "sliced":
+        q, k, v = (torch.cat([x, x], -1)[..., ::2] for x in (q, k, v))
+    out = sdpa(q, k, v, is_causal=causal, enable_gqa=True)
+    assert out.shape == (B, H, Lq, dv)
+    compare(lambda q, k, v: sdpa(q, k, v, is_causal=causal, enable_gqa=True),
+            lambda q, k, v: F.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, enable_gqa=True),
+            [q, k, v], G, "dv %d %s" % (dv, layout))
+    # bf16: computed in float32 (libmha's 16-bit kernels take d_v = d_h)
+    qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
+    ob = sdpa(qb, kb, vb, is_causal=causal, enable_gqa=True)
+    assert ob.dtype == torch.bfloat16 and ob.shape == (B, H, Lq, dv)
+    ref = F.scaled_dot_product_attention(qb.double(), kb.double(),
+                                         vb.double(), is_causal=causal,
+                                         enable_gqa=True)
+    assert float((ob.double() - ref).abs().max()) <= 2 ** -7 * (
+        1 + float(ref.abs().max()))
+
+
 @pytest.mark.parametrize("L", [5, 1024])
 def test_layouts_give_the_same_bits(L):
     """q, k, v contiguous (B, H, L, d), transposed views of (B, L, H, d)

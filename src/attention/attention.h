@@ -193,6 +193,8 @@ _Static_assert((int)MHA_BR <= (int)MHA_UK_ROWS,
  */
 typedef struct mha_attn {
     int64_t B, H, Hkv, Lq, Lk, Lt, dh;
+    int64_t dv;             /* the values' (and the output's) head width;
+                               0: dh (mha_dv) */
     const float *q, *k, *v;
     int64_t ldq, ldk, ldv;
     int64_t hsq, hsk, hsv, hsc;  /* head strides: 0 -> dh (rows layout)  */
@@ -541,9 +543,20 @@ static inline int64_t mha_tiles_of(const mha_attn *a)
 {
     return a->packed_tiles ? a->packed_tiles : mha_packed_tiles(a->Lk);
 }
+/* The values' head width (mha_attn.dv, 0: the keys' dh), and the wider
+ * of the two: what the layouts size a head's row and a packed tile by,
+ * so that a K tile and a V tile take the same room. */
+static inline int64_t mha_dv(const mha_attn *a)
+{
+    return a->dv ? a->dv : a->dh;
+}
+static inline int64_t mha_dmax(const mha_attn *a)
+{
+    return mha_dv(a) > a->dh ? mha_dv(a) : a->dh;
+}
 static inline mha_packed mha_packed_at(float *base, const mha_attn *a)
 {
-    const int64_t tiles = mha_tiles_of(a), tile = MHA_BC * a->dh;
+    const int64_t tiles = mha_tiles_of(a), tile = MHA_BC * mha_dmax(a);
     const mha_packed p = {base, a->Hkv, tiles, tile,
                           a->B * a->Hkv * tiles * tile};
     return p;
@@ -571,24 +584,27 @@ static inline int64_t mha_kv_head(const mha_attn *a, int64_t h)
 }
 
 /* The offset of row i of head h of batch b in a tensor of L rows, row
- * stride ld, head stride hs and batch stride bs (0: the rows layout's). */
-static inline int64_t mha_row_at(const mha_attn *a, int64_t L, int64_t ld,
+ * stride ld, head stride hs and batch stride bs (0: the rows layout's,
+ * heads of w side by side: dh for queries and keys, dv for values and
+ * outputs). */
+static inline int64_t mha_row_at(int64_t w, int64_t L, int64_t ld,
                                  int64_t hs, int64_t bs, int64_t b,
                                  int64_t h, int64_t i)
 {
-    return b * (bs ? bs : L * ld) + i * ld + h * (hs ? hs : a->dh);
+    return b * (bs ? bs : L * ld) + i * ld + h * (hs ? hs : w);
 }
 
 /* Query row i of head h of batch b, and the output row it gives. */
 static inline const float *mha_q_row(const mha_attn *a, int64_t b,
                                      int64_t h, int64_t i)
 {
-    return a->q + mha_row_at(a, a->Lq, a->ldq, a->hsq, a->bsq, b, h, i);
+    return a->q + mha_row_at(a->dh, a->Lq, a->ldq, a->hsq, a->bsq, b, h, i);
 }
 static inline float *mha_ctx_row(const mha_attn *a, int64_t b, int64_t h,
                                  int64_t i)
 {
-    return a->ctx + mha_row_at(a, a->Lq, a->ldc, a->hsc, a->bsc, b, h, i);
+    return a->ctx +
+           mha_row_at(mha_dv(a), a->Lq, a->ldc, a->hsc, a->bsc, b, h, i);
 }
 
 /* Key row j of K/V head g of batch b: a real key (j < Lk), bias_k (j = Lk
@@ -596,16 +612,16 @@ static inline float *mha_ctx_row(const mha_attn *a, int64_t b, int64_t h,
 static inline const float *mha_key_row(const mha_attn *a, int64_t b,
                                        int64_t g, int64_t j)
 {
-    return j < a->Lk ? a->k + mha_row_at(a, a->Lk, a->ldk, a->hsk, a->bsk,
-                                         b, g, j)
+    return j < a->Lk ? a->k + mha_row_at(a->dh, a->Lk, a->ldk, a->hsk,
+                                         a->bsk, b, g, j)
          : j == a->Lk && a->bias_k ? a->bias_k + g * a->dh : NULL;
 }
 static inline const float *mha_value_row(const mha_attn *a, int64_t b,
                                          int64_t g, int64_t j)
 {
-    return j < a->Lk ? a->v + mha_row_at(a, a->Lk, a->ldv, a->hsv, a->bsv,
-                                         b, g, j)
-         : j == a->Lk && a->bias_v ? a->bias_v + g * a->dh : NULL;
+    return j < a->Lk ? a->v + mha_row_at(mha_dv(a), a->Lk, a->ldv, a->hsv,
+                                         a->bsv, b, g, j)
+         : j == a->Lk && a->bias_v ? a->bias_v + g * mha_dv(a) : NULL;
 }
 
 /* Keys in packed tile t of a problem: MHA_BC, fewer in the last real
@@ -709,11 +725,11 @@ static inline void mha_tile_pv(const mha_attn *a, const mha_tile_src *src,
                                float *o, int ldo)
 {
     if (src->rows)
-        a->uk->pv_rows(!src->finite, mr, nc, (int)a->dh, p, ldp,
+        a->uk->pv_rows(!src->finite, mr, nc, (int)mha_dv(a), p, ldp,
                        (const float *)src->v, src->ldv, o, ldo);
     else
-        a->uk->pv_kv(src->dtype, !src->finite, mr, nc, (int)a->dh, p, ldp,
-                     src->v, MHA_BC, o, ldo);
+        a->uk->pv_kv(src->dtype, !src->finite, mr, nc, (int)mha_dv(a), p,
+                     ldp, src->v, MHA_BC, o, ldo);
 }
 
 /* Key j's element d and value j's element d of K/V head g of batch b, read

@@ -36,7 +36,7 @@ int64_t mha_decode_partials(int64_t B, int64_t H, int64_t Lq, int64_t Lk,
 static float *partial_slot(const mha_attn *a, int64_t bh, int64_t c,
                            int64_t chunks)
 {
-    return a->partials + (bh * chunks + c) * a->Lq * (a->dh + 2);
+    return a->partials + (bh * chunks + c) * a->Lq * (mha_dv(a) + 2);
 }
 
 void mha_decode_chunk(const mha_attn *a, int64_t bh, int64_t c,
@@ -44,7 +44,7 @@ void mha_decode_chunk(const mha_attn *a, int64_t bh, int64_t c,
 {
     const int64_t k0 = c * MHA_SPLIT;
     const int64_t k1 = k0 + MHA_SPLIT < a->Lk ? k0 + MHA_SPLIT : a->Lk;
-    const int mr = (int)a->Lq, dh = (int)a->dh;
+    const int mr = (int)a->Lq, dh = (int)mha_dv(a);
     mha_flash_rows(a, bh / a->H, bh % a->H, 0, mr, k0, k1, c == chunks - 1,
                    f);
     float *slot = partial_slot(a, bh, c, chunks);
@@ -69,7 +69,7 @@ void mha_decode_chunk_stacked(const mha_attn *a, int64_t bg, int64_t c,
     const int64_t b = bg / a->Hkv, g = bg % a->Hkv, group = a->H / a->Hkv;
     const int64_t k0 = c * MHA_SPLIT;
     const int64_t k1 = k0 + MHA_SPLIT < a->Lk ? k0 + MHA_SPLIT : a->Lk;
-    const int Lq = (int)a->Lq, dh = (int)a->dh;
+    const int Lq = (int)a->Lq, dh = (int)mha_dv(a);
     mha_flash_rows_stacked(a, b, g, Lq, k0, k1, c == chunks - 1, f);
     for (int64_t hh = 0; hh < group; hh++) {
         float *slot = partial_slot(a, b * a->H + g * group + hh, c, chunks);
@@ -86,7 +86,7 @@ void mha_decode_chunk_stacked(const mha_attn *a, int64_t bg, int64_t c,
 void mha_decode_merge(const mha_attn *a, int64_t bh, int64_t chunks,
                       flash_scratch *f)
 {
-    const int mr = (int)a->Lq, dh = (int)a->dh;
+    const int mr = (int)a->Lq, dh = (int)mha_dv(a);
     for (int r = 0; r < mr; r++) {
         float m = -INFINITY;
         for (int64_t c = 0; c < chunks; c++) {

@@ -59,7 +59,7 @@ typedef struct bwd_scratch {
     float *o;          /* [BRB][dh]  the block's dq (unscaled)             */
     float *s;          /* [BRB][BC]  P~ of a tile, under dropout           */
     float *bias;       /* [BRB][BC]  an explicit mask's tile               */
-    float *dout;       /* [BRB][dh]  dO of the block                       */
+    float *dout;       /* [BRB][dv]  dO of the block                       */
     float *dp;         /* [BRB][BC]  dP, then dS                           */
     float *pc, *dpc;   /* [tiles][BRB][BC]  the block's P and dP~, tile by
                           tile (each tile's rows one run of memory)       */
@@ -68,8 +68,8 @@ typedef struct bwd_scratch {
     double delta[BRB];
     int rows;          /* block_rows: the height of a block and of a
                           cache tile                                     */
-    float *extra;      /* [2][2][dh]  dk, dv of the extra keys            */
-    float *dkc, *dvc;  /* [Lk][dh]  the item's dk and dv, contiguous      */
+    float *extra;      /* [2][2][d]  dk ([dh]), dv ([dv]) of the extra keys */
+    float *dkc, *dvc;  /* [Lk][dh], [Lk][dv]  the item's dk and dv        */
     mha_packed fwd, bwd;   /* the forward's packing and the backward's    */
     int dout_finite, q_finite;
 } bwd_scratch;
@@ -88,6 +88,7 @@ static float *cache_tile(const bwd_scratch *w, float *cache,
     return cache + t->index * (w->rows * MHA_BC);
 }
 
+/* (dh: the wider of the keys' and the values' head widths, mha_dmax) */
 int64_t mha_flash_bwd_scratch_floats(int64_t dh, int64_t Lt, int softcap)
 {
     return 3 * BRB * dh + 3 * BRB * MHA_BC +
@@ -122,18 +123,21 @@ void mha_pack_backward_tile(const mha_attn *a, const mha_attn_grad *g,
     const mha_packed fp = mha_packed_at(a->packed, a);
     const mha_packed bp = mha_packed_at(g->packed, a);
     const int64_t t = item % fp.tiles, bg = item / fp.tiles;
-    const int64_t b = bg / a->Hkv, kvh = bg % a->Hkv, dh = a->dh;
+    const int64_t b = bg / a->Hkv, kvh = bg % a->Hkv, dh = a->dh,
+                  dv = mha_dv(a);
     const int nc = mha_tile_keys(a, t);
     const float *kt = mha_packed_a(&fp, b, kvh, t);
     const float *v = mha_packed_b(&fp, b, kvh, t);
     float *kc = mha_packed_a(&bp, b, kvh, t), *vt = mha_packed_b(&bp, b, kvh, t);
     int finite = 1;
-    for (int c = 0; c < nc; c++)
+    for (int c = 0; c < nc; c++) {
         for (int64_t d = 0; d < dh; d++) {
             kc[c * dh + d] = kt[d * MHA_BC + c];
-            vt[d * MHA_BC + c] = v[c * dh + d];
             finite &= isfinite(kc[c * dh + d]) != 0;
         }
+        for (int64_t d = 0; d < dv; d++)
+            vt[d * MHA_BC + c] = v[c * dv + d];
+    }
     *mha_packed_flag(&bp, b, kvh, t) = (float)finite;
 }
 
@@ -148,7 +152,7 @@ static void probs_tile(const mha_attn *a, const mha_tile *t, void *ctx)
 {
     bwd_scratch *w = ctx;
     const mha_microkernels *uk = a->uk;
-    const int dh = (int)a->dh, mr = t->mr, nc = t->nc;
+    const int dh = (int)a->dh, dv = (int)mha_dv(a), mr = t->mr, nc = t->nc;
     const int64_t b = t->b, h = t->h;
     float *pc = cache_tile(w, w->pc, t), *dpc = cache_tile(w, w->dpc, t);
     const double keep = mha_keep_scale(a);
@@ -164,7 +168,7 @@ static void probs_tile(const mha_attn *a, const mha_tile *t, void *ctx)
         if (cols > 0) {
             uk->qk(n, cols, dh, w->qs + r0 * dh, kt, MHA_BC,
                    pc + r0 * MHA_BC, MHA_BC);
-            uk->qk(n, cols, dh, w->dout + r0 * dh, vt, MHA_BC,
+            uk->qk(n, cols, dv, w->dout + r0 * dv, vt, MHA_BC,
                    dpc + r0 * MHA_BC, MHA_BC);
         }
         for (int r = r0; r < r0 + n; r++)
@@ -204,7 +208,7 @@ static void grads_tile(const mha_attn *a, const mha_tile *t, void *ctx)
 {
     bwd_scratch *w = ctx;
     const mha_microkernels *uk = a->uk;
-    const int dh = (int)a->dh, mr = t->mr, nc = t->nc;
+    const int dh = (int)a->dh, dv = (int)mha_dv(a), mr = t->mr, nc = t->nc;
     const int64_t b = t->b, h = t->h, j0 = t->j0;
     const float *pc = cache_tile(w, w->pc, t), *dpc = cache_tile(w, w->dpc, t);
     const float *cc = w->cc ? cache_tile(w, w->cc, t) : NULL;
@@ -260,12 +264,12 @@ static void grads_tile(const mha_attn *a, const mha_tile *t, void *ctx)
     if (t->extra) {
         dk_dst = w->extra;
         dv_dst = w->extra + 2 * dh;
-        lddk = lddv = dh;
     } else {
         dk_dst = w->dkc + j0 * dh;
-        dv_dst = w->dvc + j0 * dh;
-        lddk = lddv = dh;
+        dv_dst = w->dvc + j0 * dv;
     }
+    lddk = dh;
+    lddv = dv;
     /* Each (block, tile)'s share of dv, dq and dk is summed apart, then
      * added (the kernels' pv_add / pvt): two levels of float sums (over a
      * block's rows or a tile's keys, then over the blocks or tiles)
@@ -282,7 +286,7 @@ static void grads_tile(const mha_attn *a, const mha_tile *t, void *ctx)
         if (r0 >= mr)
             continue;
         (w->dout_finite ? uk->pvt : uk->pvt_exact)(
-            mr - r0, n, dh, pt + r0 * MHA_BC + c0, MHA_BC, w->dout + r0 * dh,
+            mr - r0, n, dv, pt + r0 * MHA_BC + c0, MHA_BC, w->dout + r0 * dv,
             dv_dst + c0 * lddv, (int)lddv);
         /* dk += dS^T (scale q): qs already holds the scaled rows. */
         (w->q_finite ? uk->pvt : uk->pvt_exact)(
@@ -305,13 +309,13 @@ static void grads_tile(const mha_attn *a, const mha_tile *t, void *ctx)
 static void load_block(const mha_attn *a, const mha_attn_grad *g, int64_t b,
                        int64_t h, int64_t i0, int mr, bwd_scratch *w)
 {
-    const int64_t dh = a->dh;
+    const int64_t dh = a->dh, dv = mha_dv(a);
     int fin = 1;
     for (int r = 0; r < mr; r++) {
-        const float *src = g->dctx + mha_row_at(a, a->Lq, g->lddc, g->hsdc,
+        const float *src = g->dctx + mha_row_at(dv, a->Lq, g->lddc, g->hsdc,
                                                 g->bsdc, b, h, i0 + r);
-        for (int64_t d = 0; d < dh; d++) {
-            w->dout[r * dh + d] = src[d];
+        for (int64_t d = 0; d < dv; d++) {
+            w->dout[r * dv + d] = src[d];
             fin &= isfinite(src[d]) != 0;
         }
         w->delta[r] = 0.0;
@@ -329,15 +333,14 @@ static void load_block(const mha_attn *a, const mha_attn_grad *g, int64_t b,
 static void store_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
                        int64_t kvh, const float *dkc, const float *dvc)
 {
-    const int64_t dh = a->dh;
-    const size_t row = (size_t)dh * sizeof(float);
+    const int64_t dh = a->dh, dv = mha_dv(a);
     for (int64_t j = 0; j < a->Lk; j++) {
-        memcpy(g->dk + mha_row_at(a, a->Lk, g->lddk, g->hsdk, g->bsdk, b,
+        memcpy(g->dk + mha_row_at(dh, a->Lk, g->lddk, g->hsdk, g->bsdk, b,
                                   kvh, j),
-               dkc + j * dh, row);
-        memcpy(g->dv + mha_row_at(a, a->Lk, g->lddv, g->hsdv, g->bsdv, b,
+               dkc + j * dh, (size_t)dh * sizeof(float));
+        memcpy(g->dv + mha_row_at(dv, a->Lk, g->lddv, g->hsdv, g->bsdv, b,
                                   kvh, j),
-               dvc + j * dh, row);
+               dvc + j * dv, (size_t)dv * sizeof(float));
     }
 }
 
@@ -348,9 +351,10 @@ static void store_extra(const mha_attn *a, const mha_attn_grad *g, int64_t b,
 {
     if (!a->bias_k || !g->dbias_k)
         return;
-    const int64_t dh = a->dh;
+    const int64_t dh = a->dh, dvw = mha_dv(a);
     memcpy(g->dbias_k + (b * a->Hkv + kvh) * dh, dk, (size_t)dh * sizeof *dk);
-    memcpy(g->dbias_v + (b * a->Hkv + kvh) * dh, dv, (size_t)dh * sizeof *dv);
+    memcpy(g->dbias_v + (b * a->Hkv + kvh) * dvw, dv,
+           (size_t)dvw * sizeof *dv);
 }
 
 /* Query head h's share: its dq, and its additions to dk, dv of its K/V
@@ -379,7 +383,7 @@ static void bwd_head(const mha_attn *a, const mha_attn_grad *g, int64_t b,
         mha_for_each_tile(a, b, h, i0, mr, 0, a->Lk, 1, w->bias, grads_tile,
                           w);
         for (int r = 0; r < mr; r++) {
-            float *dst = g->dq + mha_row_at(a, a->Lq, g->lddq, g->hsdq,
+            float *dst = g->dq + mha_row_at(a->dh, a->Lq, g->lddq, g->hsdq,
                                             g->bsdq, b, h, i0 + r);
             for (int64_t d = 0; d < dh; d++)
                 dst[d] = w->o[r * dh + d] * a->scale;
@@ -393,13 +397,14 @@ void mha_flash_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
                         int64_t kvh, float *scratch)
 {
     const int64_t dh = a->dh, group = a->H / a->Hkv;
-    bwd_scratch w = bwd_scratch_at(scratch, dh, a->Lt, a->softcap > 0.0f);
+    bwd_scratch w = bwd_scratch_at(scratch, mha_dmax(a), a->Lt,
+                                   a->softcap > 0.0f);
     w.fwd = mha_packed_at(a->packed, a);
     w.bwd = mha_packed_at(g->packed, a);
     w.rows = block_rows(a);
     memset(w.dkc, 0, (size_t)(a->Lk * dh) * sizeof *w.dkc);
-    memset(w.dvc, 0, (size_t)(a->Lk * dh) * sizeof *w.dvc);
-    memset(w.extra, 0, (size_t)(4 * dh) * sizeof *w.extra);
+    memset(w.dvc, 0, (size_t)(a->Lk * mha_dv(a)) * sizeof *w.dvc);
+    memset(w.extra, 0, (size_t)(4 * mha_dmax(a)) * sizeof *w.extra);
     for (int64_t h = kvh * group; h < (kvh + 1) * group; h++)
         bwd_head(a, g, b, h, &w);
     store_item(a, g, b, kvh, w.dkc, w.dvc);

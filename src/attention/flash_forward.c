@@ -31,7 +31,7 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
     const mha_microkernels *uk = a->uk;
     const mha_tile_src src = mha_tile_source(a, t);
     mha_tile_prefetch_next(a, t);
-    const int dh = (int)a->dh, mr = t->mr, nc = t->nc;
+    const int dh = (int)a->dh, dv = (int)mha_dv(a), mr = t->mr, nc = t->nc;
     /* The scores, panel by panel: on a diagonal tile each panel over the
      * keys it sees (past its last live one: -inf without a product), on
      * any other over all nc (the same blocks the kernel would take). */
@@ -81,7 +81,7 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
                 if (live[r * MHA_BC + c] && sr[c] == 0.0f)
                     sr[c] = FLT_TRUE_MIN;
         if (alpha[r] != 1.0f)
-            uk->scale(f->o + r * dh, f->o + r * dh, dh, alpha[r]);
+            uk->scale(f->o + r * dv, f->o + r * dv, dv, alpha[r]);
         if (a->dropout)
             for (int c = 0; c < nc; c++)
                 if (!mha_dropout_keep(a->seed, a->p_drop, t->b, t->h,
@@ -94,7 +94,7 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
         n = mha_panel_rows(mr, r0);
         if (cols[p] > 0)
             mha_tile_pv(a, &src, n, cols[p], f->s + r0 * MHA_BC, MHA_BC,
-                        f->o + r0 * dh, dh);
+                        f->o + r0 * dv, dv);
     }
 }
 
@@ -108,7 +108,7 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
 static void start_rows(const mha_attn *a, int64_t h0, int stack, int mr,
                        int with_extra, flash_scratch *f)
 {
-    memset(f->o, 0, (size_t)(mr * a->dh) * sizeof *f->o);
+    memset(f->o, 0, (size_t)(mr * mha_dv(a)) * sizeof *f->o);
     for (int r = 0; r < mr; r++) {
         const int sink = a->sinks && with_extra;
         f->m[r] = sink ? a->sinks[h0 + (stack ? r / stack : 0)] : -INFINITY;
@@ -142,14 +142,14 @@ void mha_flash_rows_stacked(const mha_attn *a, int64_t b, int64_t g,
 void mha_flash_finish(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
                       int mr, const float *m, const float *l, const float *o)
 {
-    const int64_t dh = a->dh;
+    const int64_t dv = mha_dv(a);
     const float keep = (float)mha_keep_scale(a);
     for (int r = 0; r < mr; r++) {
         float *dst = mha_ctx_row(a, b, h, i0 + r);
         float *st = a->stats + 2 * ((b * a->H + h) * a->Lq + i0 + r);
         if (m[r] == -INFINITY || l[r] == 0.0f) {
             /* No key to attend to: zero context, zero weights. */
-            memset(dst, 0, (size_t)dh * sizeof *dst);
+            memset(dst, 0, (size_t)dv * sizeof *dst);
             st[0] = -INFINITY;
             st[1] = 0.0f;
             continue;
@@ -157,7 +157,7 @@ void mha_flash_finish(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
         st[0] = m[r];
         st[1] = 1.0f / l[r];
         const float inv = a->dropout ? st[1] * keep : st[1];
-        a->uk->scale(dst, o + r * dh, (int)dh, inv);
+        a->uk->scale(dst, o + r * dv, (int)dv, inv);
     }
 }
 

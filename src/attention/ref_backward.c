@@ -19,13 +19,13 @@ int64_t mha_ref_bwd_scratch_floats(int64_t dh, int64_t Lt)
 void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
                       int64_t kvh, float *scratch)
 {
-    const int64_t dh = a->dh, Lk = a->Lk, Lt = a->Lt;
+    const int64_t dh = a->dh, dvw = mha_dv(a), Lk = a->Lk, Lt = a->Lt;
     const int64_t group = a->H / a->Hkv;
     float *bias = scratch;
     double *s = (double *)(void *)(scratch + ((Lt + 1) & ~(int64_t)1));
     double *ds = s + Lt, *dcap = ds + Lt, *dq = dcap + Lt, *dk = dq + dh;
-    double *dv = dk + Lt * dh;
-    memset(dk, 0, (size_t)(2 * Lt * dh) * sizeof *dk);
+    double *dv = dk + Lt * dh;   /* (the layout's dh is the wider one) */
+    memset(dk, 0, (size_t)(Lt * (dh + dvw)) * sizeof *dk);
     const double keep = mha_keep_scale(a);
     double dsink = 0.0;
     /* Every query head of K/V head kvh's group, in order, adds into the
@@ -33,9 +33,9 @@ void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
     for (int64_t h = kvh * group; h < (kvh + 1) * group; h++)
     for (int64_t i = 0; i < a->Lq; i++) {
         const float *q = mha_q_row(a, b, h, i);
-        const float *dO = g->dctx + mha_row_at(a, a->Lq, g->lddc, g->hsdc,
+        const float *dO = g->dctx + mha_row_at(mha_dv(a), a->Lq, g->lddc, g->hsdc,
                                                g->bsdc, b, h, i);
-        float *dqd = g->dq + mha_row_at(a, a->Lq, g->lddq, g->hsdq, g->bsdq,
+        float *dqd = g->dq + mha_row_at(dh, a->Lq, g->lddq, g->hsdq, g->bsdq,
                                         b, h, i);
         int64_t live = mha_mask_row(a->mask, b, h, i, bias);
         memset(dq, 0, (size_t)dh * sizeof *dq);
@@ -79,12 +79,12 @@ void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
                 continue;
             const float *vj = mha_value_row(a, b, kvh, j);
             double dp = 0.0;
-            for (int64_t d = 0; vj && d < dh; d++)
+            for (int64_t d = 0; vj && d < dvw; d++)
                 dp += (double)dO[d] * vj[d];
             ds[j] = dp * keep;
             delta += s[j] * ds[j];
-            for (int64_t d = 0; d < dh; d++)
-                dv[j * dh + d] += s[j] * keep * dO[d];
+            for (int64_t d = 0; d < dvw; d++)
+                dv[j * dvw + d] += s[j] * keep * dO[d];
         }
         /* The sink's logit: dL/d sink = -P_sink delta (its value is 0),
          * summed over the head's rows in float64. */
@@ -110,16 +110,18 @@ void mha_ref_bwd_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
         for (int64_t d = 0; d < dh; d++)
             dqd[d] = (float)dq[d];
     }
-    for (int64_t j = 0; j < Lk; j++)
-        for (int64_t d = 0; d < dh; d++) {
-            g->dk[mha_row_at(a, Lk, g->lddk, g->hsdk, g->bsdk, b, kvh, j) +
+    for (int64_t j = 0; j < Lk; j++) {
+        for (int64_t d = 0; d < dh; d++)
+            g->dk[mha_row_at(dh, Lk, g->lddk, g->hsdk, g->bsdk, b, kvh, j) +
                   d] = (float)dk[j * dh + d];
-            g->dv[mha_row_at(a, Lk, g->lddv, g->hsdv, g->bsdv, b, kvh, j) +
-                  d] = (float)dv[j * dh + d];
-        }
-    if (a->bias_k && g->dbias_k)
-        for (int64_t d = 0; d < dh; d++) {
+        for (int64_t d = 0; d < dvw; d++)
+            g->dv[mha_row_at(dvw, Lk, g->lddv, g->hsdv, g->bsdv, b, kvh, j) +
+                  d] = (float)dv[j * dvw + d];
+    }
+    if (a->bias_k && g->dbias_k) {
+        for (int64_t d = 0; d < dh; d++)
             g->dbias_k[(b * a->Hkv + kvh) * dh + d] = (float)dk[Lk * dh + d];
-            g->dbias_v[(b * a->Hkv + kvh) * dh + d] = (float)dv[Lk * dh + d];
-        }
+        for (int64_t d = 0; d < dvw; d++)
+            g->dbias_v[(b * a->Hkv + kvh) * dvw + d] = (float)dv[Lk * dvw + d];
+    }
 }

@@ -53,7 +53,7 @@ static double key_dot(const mha_attn *a, int64_t b, int64_t g, int64_t j,
 static void add_value(const mha_attn *a, int64_t b, int64_t g, int64_t j,
                       double w, double *acc)
 {
-    for (int64_t d = 0; d < a->dh; d++)
+    for (int64_t d = 0; d < mha_dv(a); d++)
         acc[d] += w * mha_value_elem(a, b, g, j, d);
 }
 
@@ -83,7 +83,7 @@ double mha_ref_modify(const mha_attn *a, int64_t b, int64_t h, int64_t i,
  * every head of batch b.  A sink is one more term of the denominator. */
 void mha_ref_row(const mha_attn *a, int64_t b, int64_t i, float *scratch)
 {
-    const int64_t dh = a->dh, Lt = a->Lt;
+    const int64_t dh = mha_dv(a), Lt = a->Lt;   /* (dh: the values' width) */
     float *bias = scratch;
     double *s = (double *)(void *)(scratch + ((Lt + 1) & ~(int64_t)1));
     double *acc = s + Lt;

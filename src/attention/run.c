@@ -159,7 +159,7 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
         tid = omp_get_thread_num();
 #endif
         flash_scratch f =
-            mha_flash_scratch_at(scratch + tid * per_thread, a->dh);
+            mha_flash_scratch_at(scratch + tid * per_thread, mha_dmax(a));
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < a->B * a->Hkv * tiles; t++)
             if (!a->prepacked)

@@ -19,8 +19,12 @@
 /* Shapes of a call, checked and derived once. */
 typedef struct sdpa_shape {
     int64_t B, H, Hkv, dh, Lq, Lk;
-    int64_t E, Ekv;                /* H dh: a row of q and out; Hkv dh: of k, v */
-    int64_t n_q, n_kv, n_w;        /* floats of q and out, k or v, weights */
+    int64_t dv;                    /* the values' head width (dh unless
+                                      v_head_dim says otherwise)        */
+    int64_t E, Ekv;                /* H dh: a row of q; Hkv dh: of k     */
+    int64_t Ev, Evkv;              /* H dv: a row of out; Hkv dv: of v   */
+    int64_t n_q, n_kv, n_w;        /* floats of q, k, weights */
+    int64_t n_o, n_v;              /* floats of out, v */
 } sdpa_shape;
 
 struct mha_attention_plan {
@@ -69,6 +73,7 @@ static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
     s->Lq = a->q_len;
     s->Lk = a->kv_len ? a->kv_len : a->q_len;
     s->Hkv = a->num_kv_heads ? a->num_kv_heads : a->num_heads;
+    s->dv = a->v_head_dim ? a->v_head_dim : a->head_dim;
     if (s->B < 1 || s->H < 1 || s->dh < 1 || s->Lq < 1 || s->Lk < 1)
         return mha_set_error(MHA_ERR_SHAPE,
                              "batch, num_heads, head_dim, q_len and kv_len "
@@ -76,6 +81,17 @@ static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
                              (long long)s->B, (long long)s->H,
                              (long long)s->dh, (long long)s->Lq,
                              (long long)s->Lk);
+    if (a->v_head_dim < 0 || s->dv > (INT64_C(1) << 24))
+        return mha_set_error(MHA_ERR_SHAPE,
+                             "v_head_dim must be >= 1 (0: head_dim) and at "
+                             "most 2^24, got %lld",
+                             (long long)a->v_head_dim);
+    if (s->dv != s->dh && a->cache)
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "v_head_dim %lld != head_dim %lld with a KV "
+                             "cache is not supported yet: a cache holds "
+                             "keys and values of one width",
+                             (long long)s->dv, (long long)s->dh);
     if (a->cache) {
         const mha_kv_cache *kv = a->cache;
         const char *bad = a->k ? "k" : a->v ? "v"
@@ -146,11 +162,15 @@ static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
                              "the cache holds keys rotated already");
     int64_t t, w;
     if (!mha_mul_ok(s->H, s->dh, &s->E) || !mha_mul_ok(s->Hkv, s->dh, &s->Ekv) ||
-        !mha_mul_ok(s->B, s->Lq, &t) ||
+        !mha_mul_ok(s->H, s->dv, &s->Ev) ||
+        !mha_mul_ok(s->Hkv, s->dv, &s->Evkv) ||
+        !mha_mul_ok(s->B, s->Lq, &t) || !mha_mul_ok(t, s->Ev, &s->n_o) ||
         !mha_mul_ok(t, s->E, &s->n_q) || !mha_mul_ok(s->B, s->Lk, &t) ||
+        !mha_mul_ok(t, s->Evkv, &s->n_v) ||
         !mha_mul_ok(t, s->Ekv, &s->n_kv) || !mha_mul_ok(s->B, s->H, &t) ||
         !mha_mul_ok(t, s->Lq, &t) || !mha_mul_ok(t, s->Lk, &w) ||
         s->n_q > INT64_MAX / 8 || s->n_kv > INT64_MAX / 8 ||
+        s->n_o > INT64_MAX / 8 || s->n_v > INT64_MAX / 8 ||
         w > INT64_MAX / 8)
         return mha_set_error(MHA_ERR_OVERFLOW,
                              "attention sizes B=%lld H=%lld d_h=%lld "
@@ -241,7 +261,7 @@ static uint64_t fingerprint(const mha_attention_args *a, const sdpa_shape *s)
     const mha_print_buf bufs[] = {
         {a->q, (size_t)s->n_q * f},
         {a->k, (size_t)s->n_kv * f},
-        {a->v, (size_t)s->n_kv * f},
+        {a->v, (size_t)s->n_v * f},
         {a->sinks, (size_t)s->H * f},
         {a->mods.alibi ? a->mods.alibi_slopes : NULL, (size_t)s->H * f},
         {rope ? a->q_positions : NULL, (size_t)(s->B * s->Lq) * i8},
@@ -265,7 +285,7 @@ static mha_status mha_attention_plan_create_impl(const mha_attention_args *a,
     MHA_CHECK(mha_engine_init(&eng, a->num_threads));
     mha_attn_layout lay;
     MHA_CHECK(mha_attn_layout_forward(&eng, s.B, s.H, s.Hkv, s.Lq, s.Lk,
-                                      s.Lk, s.dh, a->cache != NULL, &lay));
+                                      s.Lk, s.dv > s.dh ? s.dv : s.dh, a->cache != NULL, &lay));
     mha_attention_plan *p = calloc(1, sizeof *p);
     if (!p)
         return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate a plan");
@@ -321,26 +341,32 @@ static mha_attn problem(const mha_attention_plan *p,
     const sdpa_shape *s = &p->shape;
     mha_attn at = {
         .B = s->B, .H = s->H, .Hkv = s->Hkv, .Lq = s->Lq, .Lk = s->Lk,
-        .Lt = s->Lk, .dh = s->dh, .q = a->q, .k = a->k, .v = a->v,
-        .ldq = s->E, .ldk = s->Ekv, .ldv = s->Ekv,
+        .Lt = s->Lk, .dh = s->dh, .dv = s->dv, .q = a->q, .k = a->k,
+        .v = a->v, .ldq = s->E, .ldk = s->Ekv, .ldv = s->Evkv,
         .scale = resolved_scale(a, s->dh),
         .mask = mask, .softcap = a->mods.softcap,
         .alibi = !a->mods.alibi ? NULL
                : a->mods.alibi_slopes ? a->mods.alibi_slopes : p->slopes,
         .sinks = a->sinks, .dropout = a->training && a->dropout > 0.0f,
         .p_drop = a->dropout, .seed = a->dropout_seed, .ctx = a->out,
-        .ldc = s->E, .stats = p->ws + p->lay.stats,
+        .ldc = s->Ev, .stats = p->ws + p->lay.stats,
         .weights = a->need_weights,
         .w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights : NULL,
         .partials = p->ws + p->lay.partials,
         .packed = p->ws + p->lay.packed};
     if (a->layout == MHA_LAYOUT_HEADS_FIRST) {
-        /* (B, heads, L, d_h): rows d_h apart, heads L rows apart */
-        at.ldq = at.ldk = at.ldv = at.ldc = s->dh;
-        at.hsq = at.hsc = s->Lq * s->dh;
-        at.hsk = at.hsv = s->Lk * s->dh;
-        at.bsq = at.bsc = s->H * at.hsq;
-        at.bsk = at.bsv = s->Hkv * at.hsk;
+        /* (B, heads, L, d_h): rows d_h apart, heads L rows apart (d_v
+         * for v and out) */
+        at.ldq = at.ldk = s->dh;
+        at.ldv = at.ldc = s->dv;
+        at.hsq = s->Lq * s->dh;
+        at.hsc = s->Lq * s->dv;
+        at.hsk = s->Lk * s->dh;
+        at.hsv = s->Lk * s->dv;
+        at.bsq = s->H * at.hsq;
+        at.bsc = s->H * at.hsc;
+        at.bsk = s->Hkv * at.hsk;
+        at.bsv = s->Hkv * at.hsv;
     }
     return at;
 }
@@ -464,17 +490,18 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
         s.Lk = ps->Lk;   /* a smaller cache fits the plan's layout */
     }
     if (s.B != ps->B || s.H != ps->H || s.Hkv != ps->Hkv || s.dh != ps->dh ||
-        s.Lq != ps->Lq || s.Lk != ps->Lk)
+        s.dv != ps->dv || s.Lq != ps->Lq || s.Lk != ps->Lk)
         return mha_set_error(MHA_ERR_SHAPE,
                              "arguments (B=%lld, H=%lld, H_kv=%lld, d_h=%lld, "
-                             "Lq=%lld, Lk=%lld) do not match the plan "
-                             "(B=%lld, H=%lld, H_kv=%lld, d_h=%lld, Lq=%lld, "
-                             "Lk=%lld)",
+                             "d_v=%lld, Lq=%lld, Lk=%lld) do not match the "
+                             "plan (B=%lld, H=%lld, H_kv=%lld, d_h=%lld, "
+                             "d_v=%lld, Lq=%lld, Lk=%lld)",
                              (long long)s.B, (long long)s.H, (long long)s.Hkv,
-                             (long long)s.dh, (long long)s.Lq,
-                             (long long)s.Lk, (long long)ps->B,
-                             (long long)ps->H, (long long)ps->Hkv,
-                             (long long)ps->dh, (long long)ps->Lq,
+                             (long long)s.dh, (long long)s.dv,
+                             (long long)s.Lq, (long long)s.Lk,
+                             (long long)ps->B, (long long)ps->H,
+                             (long long)ps->Hkv, (long long)ps->dh,
+                             (long long)ps->dv, (long long)ps->Lq,
                              (long long)ps->Lk);
     if (a->cache) {
         if (!a->q || !a->out)
@@ -530,10 +557,10 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
     MHA_CHECK(mha_check_mode_fields(a->need_weights, a->attn_weights));
     const float *w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights
                                                          : NULL;
-    const span outs[3] = {{"out", a->out, s.n_q}, {"attn_weights", w, s.n_w},
+    const span outs[3] = {{"out", a->out, s.n_o}, {"attn_weights", w, s.n_w},
                           {"lse", a->lse, s.B * s.H * s.Lq}};
     const span ins[3] = {{"q", a->q, s.n_q}, {"k", a->k, s.n_kv},
-                         {"v", a->v, s.n_kv}};
+                         {"v", a->v, s.n_v}};
     MHA_CHECK(check_disjoint(outs, 3, ins, 3));
     mha_mask_plan mask;
     MHA_CHECK(mask_plan(a, &s, &mask));
@@ -664,15 +691,17 @@ static mha_status plan_backward(mha_attention_plan *p,
     const sdpa_shape *s = &p->shape;
     const span outs[3] = {{"grad_q", g->grad_q, s->n_q},
                           {"grad_k", g->grad_k, s->n_kv},
-                          {"grad_v", g->grad_v, s->n_kv}};
+                          {"grad_v", g->grad_v, s->n_v}};
     const span ins[4] = {{"q", a->q, s->n_q}, {"k", a->k, s->n_kv},
-                         {"v", a->v, s->n_kv},
-                         {"grad_out", g->grad_out, s->n_q}};
+                         {"v", a->v, s->n_v},
+                         {"grad_out", g->grad_out, s->n_o}};
     MHA_CHECK(check_disjoint(outs, 3, ins, 4));
     if (!p->bws) {
         /* (sized for a softcap: any later run may have one) */
         MHA_CHECK(mha_attn_layout_backward(&p->eng, s->B, s->Hkv, s->Lk,
-                                           s->Lk, s->dh, 1, &p->blay));
+                                           s->Lk,
+                                           s->dv > s->dh ? s->dv : s->dh, 1,
+                                           &p->blay));
         p->bws = mha_alloc_floats(p->blay.total, "attention backward "
                                                  "workspace");
         p->dsinks = mha_alloc_floats(s->B * s->H, "sink gradients");
@@ -802,6 +831,12 @@ static mha_status half_shape(const mha_attention_args *a, sdpa_shape *s)
     f.q16 = f.k16 = f.v16 = NULL;
     f.out16 = NULL;
     MHA_CHECK(check_shape(&f, s));
+    if (s->dv != s->dh)
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "v_head_dim %lld != head_dim %lld takes "
+                             "float32 data for now (dtype %s refused)",
+                             (long long)s->dv, (long long)s->dh,
+                             a->dtype == MHA_DTYPE_BF16 ? "BF16" : "F16");
     mha_mask_plan mask;
     return mask_plan(&f, s, &mask);   /* key_lengths' values */
 }
@@ -1196,7 +1231,7 @@ static mha_status mha_attention_backward_impl(const mha_attention_args *a,
     f.num_threads = a->num_threads;
     mha_attention_plan *p;
     MHA_CHECK(mha_attention_plan_create(&f, &p));
-    f.out = mha_alloc_floats(p->shape.n_q, "forward output");
+    f.out = mha_alloc_floats(p->shape.n_o, "forward output");
     mha_status st = f.out ? MHA_OK : MHA_ERR_OUT_OF_MEMORY;
     if (st == MHA_OK)
         st = mha_attention_plan_run(p, &f);
@@ -1267,18 +1302,18 @@ static mha_status mha_attention_backward_part_impl(
                                  (long long)r, lse[r] != lse[r] ? "NaN"
                                                                 : "+inf");
         }
-    f.out = mha_alloc_floats(s->n_q, "the part's forward output");
+    f.out = mha_alloc_floats(s->n_o, "the part's forward output");
     double *delta = malloc((size_t)rows * sizeof *delta);
     mha_status st = MHA_OK;
     if (!f.out || !delta)
         st = mha_set_error(MHA_ERR_OUT_OF_MEMORY,
                            "out of memory for a part's backward (%lld "
-                           "floats)", (long long)(s->n_q + 2 * rows));
+                           "floats)", (long long)(s->n_o + 2 * rows));
     if (st == MHA_OK) {
         const span outs[3] = {{"grad_q", g->grad_q, s->n_q},
                               {"grad_k", g->grad_k, s->n_kv},
-                              {"grad_v", g->grad_v, s->n_kv}};
-        const span ins[2] = {{"lse", lse, rows}, {"out", out, s->n_q}};
+                              {"grad_v", g->grad_v, s->n_v}};
+        const span ins[2] = {{"lse", lse, rows}, {"out", out, s->n_o}};
         st = check_disjoint(outs, 3, ins, 2);
     }
     if (st == MHA_OK)
@@ -1289,11 +1324,12 @@ static mha_status mha_attention_backward_part_impl(
             for (int64_t h = 0; h < s->H; h++)
                 for (int64_t i = 0; i < s->Lq; i++) {
                     const int64_t r = (b * s->H + h) * s->Lq + i;
-                    const float *o = out + (b * s->Lq + i) * s->E + h * s->dh;
-                    const float *d = g->grad_out + (b * s->Lq + i) * s->E +
-                                     h * s->dh;
+                    const float *o = out + (b * s->Lq + i) * s->Ev +
+                                     h * s->dv;
+                    const float *d = g->grad_out + (b * s->Lq + i) * s->Ev +
+                                     h * s->dv;
                     double sum = 0.0;
-                    for (int64_t x = 0; x < s->dh; x++)
+                    for (int64_t x = 0; x < s->dv; x++)
                         sum += (double)d[x] * o[x];
                     delta[r] = sum;
                     stats[2 * r] = lse[r];

@@ -25,6 +25,7 @@
 #include <math.h>
 #include <string.h>
 
+/* (dh: the wider of the keys' and the values' head widths, mha_dmax) */
 int64_t mha_flash_scratch_floats(int64_t dh)
 {
     return 2 * MHA_BR * dh + 2 * MHA_BR * MHA_BC + 2 * MHA_BR;
@@ -33,7 +34,7 @@ int64_t mha_flash_scratch_floats(int64_t dh)
 flash_scratch mha_flash_scratch_at(float *base, int64_t dh)
 {
     flash_scratch f;
-    f.qs = base;
+    f.qs = base;   /* [MHA_BR][d_h], then o [MHA_BR][d_v] */
     f.o = f.qs + MHA_BR * dh;
     f.s = f.o + MHA_BR * dh;
     f.bias = f.s + MHA_BR * MHA_BC;
@@ -51,13 +52,14 @@ void mha_load_q(const mha_attn *a, int64_t b, int64_t h, int64_t i0, int mr,
 }
 
 /* The forward's packing of tile t of (b, g), g a K/V head: kt [dh][MHA_BC] transposed,
- * v [nc][dh] contiguous, and whether every value is finite (then the fast
+ * v [nc][dv] contiguous, and whether every value is finite (then the fast
  * pv kernel is exact). */
 void mha_pack_forward_tile(const mha_attn *a, int64_t item)
 {
     const mha_packed p = mha_packed_at(a->packed, a);
     const int64_t t = item % p.tiles, bg = item / p.tiles;
-    const int64_t b = bg / a->Hkv, g = bg % a->Hkv, dh = a->dh;
+    const int64_t b = bg / a->Hkv, g = bg % a->Hkv, dh = a->dh,
+                  dv = mha_dv(a);
     const int64_t j0 = t == p.tiles - 1 ? a->Lk : t * MHA_BC;
     const int nc = mha_tile_keys(a, t);
     float *kt = mha_packed_a(&p, b, g, t), *v = mha_packed_b(&p, b, g, t);
@@ -67,9 +69,9 @@ void mha_pack_forward_tile(const mha_attn *a, int64_t item)
         float buf[MHA_BC];
         for (int c = 0; c < nc; c++) {
             const float *vr = mha_value_row(a, b, g, j0 + c);
-            for (int64_t d0 = 0; d0 < dh; d0 += MHA_BC)
+            for (int64_t d0 = 0; d0 < dv; d0 += MHA_BC)
                 finite &= a->uk->copy_finite(
-                    buf, vr + d0, (int)(dh - d0 < MHA_BC ? dh - d0 : MHA_BC));
+                    buf, vr + d0, (int)(dv - d0 < MHA_BC ? dv - d0 : MHA_BC));
         }
         *mha_packed_flag(&p, b, g, t) = (float)finite;
         return;
@@ -80,9 +82,9 @@ void mha_pack_forward_tile(const mha_attn *a, int64_t item)
         for (int64_t d = 0; d < dh; d++)
             kt[d * MHA_BC + c] = kr ? kr[d] : 0.0f;
         if (vr)
-            finite &= a->uk->copy_finite(v + c * dh, vr, (int)dh);
+            finite &= a->uk->copy_finite(v + c * dv, vr, (int)dv);
         else
-            memset(v + c * dh, 0, (size_t)dh * sizeof *v);
+            memset(v + c * dv, 0, (size_t)dv * sizeof *v);
     }
     *mha_packed_flag(&p, b, g, t) = (float)finite;
 }
@@ -156,7 +158,7 @@ static float kv_elem(const mha_attn *a, int x, int64_t b, int64_t g,
     const mha_packed p = mha_packed_at(a->packed, a);
     const int64_t t = j < a->Lk ? j / MHA_BC : p.tiles - 1;
     const int64_t col = j < a->Lk ? j % MHA_BC : j - a->Lk;
-    return x ? mha_packed_b(&p, b, g, t)[col * a->dh + d]
+    return x ? mha_packed_b(&p, b, g, t)[col * mha_dv(a) + d]
              : mha_packed_a(&p, b, g, t)[d * MHA_BC + col];
 }
 

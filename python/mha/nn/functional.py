@@ -156,13 +156,14 @@ def _sdpa_forward(q, k, v, sinks, kw, in_place):
     (in_place: not with RoPE, which rotates copies in the rows layout);
     others go through heads_first gathering (_any)."""
     sa = None if sinks is None else _np(sinks)
+    oshape = tuple(q.shape[:3]) + (v.shape[3],)   # (values' head width)
     if in_place and q.is_contiguous() and k.is_contiguous() and \
             v.is_contiguous():
-        out, res = _empty_as(q.shape, True)
+        out, res = _empty_as(oshape, True)
         _core.attention(q=_view(q), k=_view(k), v=_view(v), out=out,
                         sinks=sa, heads_first=2, **kw)
         return res
-    out, res = _empty(*q.shape)
+    out, res = _empty(*oshape)
     _core.attention(q=_any(q), k=_any(k), v=_any(v), out=out, sinks=sa,
                     heads_first=True, **kw)
     return res
@@ -194,7 +195,11 @@ def _sdpa_half(query, key, value, attn_mask, dropout_p, causal, scale,
                             "same dtype" % (dt, name, t.dtype))
     grad = torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad)
-    if attn_mask is not None or dropout_p or extra:
+    # (values of another head width: libmha's float32 path)
+    other_width = all(isinstance(t, _T) and t.dim() in (3, 4)
+                      for t in (query, value)) and \
+        value.shape[-1] != query.shape[-1]
+    if attn_mask is not None or dropout_p or extra or other_width:
         out = _sdpa(query.float(), key.float(), value.float(), attn_mask,
                     dropout_p, causal, scale, enable_gqa, **extra)
         return out.to(dt)
@@ -344,8 +349,8 @@ class _SDPA(torch.autograd.Function):
         ctx.arrays = (arr(q), arr(k), arr(v),
                       None if sinks is None else _np(sinks))
         ctx.key = (tuple(q.shape) + tuple(k.shape[1:3]) +
-                   (kw["num_threads"], ctx.hf))
-        out, res = _empty_as(q.shape, ctx.hf)
+                   (v.shape[3], kw["num_threads"], ctx.hf))
+        out, res = _empty_as(tuple(q.shape[:3]) + (v.shape[3],), ctx.hf)
         qa, ka, va, sa = ctx.arrays
         ctx.plan = _core.attention(q=qa, k=ka, v=va, out=out, sinks=sa,
                                    plan=_plan_of(ctx.key),
@@ -542,9 +547,9 @@ def _sdpa(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa,
     if tuple(value.shape[1:3]) != (Hkv, Lk):
         raise ValueError("value must be (B, %d, %d, d), got %s"
                          % (Hkv, Lk, tuple(value.shape)))
-    if value.shape[3] != d:
-        raise ValueError("value has head dim %d, query %d: libmha needs "
-                         "them equal" % (value.shape[3], d))
+    dv = value.shape[3]   # may differ from d (Ev != E, as torch allows)
+    if dv == 0:
+        raise ValueError("value has head dim 0")
     if Hkv != H:
         if not enable_gqa:
             raise ValueError("key/value have %d heads, query %d: pass "
@@ -570,11 +575,12 @@ def _sdpa(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa,
         alibi = _np(alibi.to(torch.float32))
     if 0 in (B, H, Lq, d, Lk):
         ins = (query, key, value) + (() if sinks is None else (sinks,))
-        out = _Empty.apply((B, H, Lq, d), *ins)
+        out = _Empty.apply((B, H, Lq, dv), *ins)
         return out[0] if unbatched else out
     p = float(dropout_p)
     kw = dict(batch=B, num_heads=H, head_dim=d, q_len=Lq, kv_len=Lk,
-              num_kv_heads=Hkv, scale=None if scale is None else float(scale),
+              num_kv_heads=Hkv, v_head_dim=0 if dv == d else dv,
+              scale=None if scale is None else float(scale),
               attn_mask=am, attn_mask_kind=amk, key_padding_mask=km,
               key_padding_mask_kind=kmk, key_lengths=kl, causal=causal,
               dropout=p, training=p > 0, dropout_seed=_seed() if p > 0 else 0,

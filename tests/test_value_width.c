@@ -1,0 +1,465 @@
+/*
+ * test_value_width.c -- attention whose values (and output) have another
+ * head width than the queries and keys (mha_attention_args.v_head_dim,
+ * PyTorch SDPA's Ev != E; DeepSeek's MLA: keys of 192, values of 128):
+ *
+ *   - out, lse and the weights against an attention written here from the
+ *     definitions in float64, within the suite's tolerance (twice the
+ *     error of the same loops in float32, ref.h), for d_v below and above
+ *     d_h, grouped-query and not, causal, key lengths, a window, chunks,
+ *     sinks, decoding shapes (one row against 1,100 keys: the key split,
+ *     read in place), in the rows layout and heads first;
+ *   - with d_v = d_h the same bits as the call without v_head_dim;
+ *   - 1, 2 and 4 threads bitwise; a plan's runs bitwise the one-shot call;
+ *   - dq, dk and dv by central differences of the float64 attention, and
+ *     the backward of a part (mha_attention_backward_part) equal to the
+ *     whole backward;
+ *   - refusals by name: a negative width, with a KV cache, with bf16.
+ *
+ * Every tier runs it (CTest, MHA_ISA).
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "assert_error.h"
+#include "ref.h"
+#include "testutil.h"
+
+typedef struct vcase {
+    const char *name;
+    int64_t B, H, Hkv, dh, dv, Lq, Lk;
+    mha_causal causal;
+    int key_lengths, window, sinks;
+    int64_t chunk;
+    int heads_first;
+} vcase;
+
+static const vcase CASES[] = {
+    /* name                          B  H Hkv dh  dv  Lq   Lk  causal lens win sinks chunk hf */
+    {"d_v < d_h",                    2, 4, 4, 24, 16, 9,  70,  0, 0, 0, 0, 0, 0},
+    {"d_v > d_h, GQA, causal",       2, 4, 2, 16, 40, 33, 140, MHA_CAUSAL_BOTTOM_RIGHT, 0, 0, 0, 0, 0},
+    {"MLA-like 12/8, lengths",       2, 2, 1, 12, 8,  20, 90,  MHA_CAUSAL_BOTTOM_RIGHT, 1, 0, 0, 0, 0},
+    {"window, sinks, chunks",        1, 3, 3, 8,  20, 70, 70,  MHA_CAUSAL_BOTTOM_RIGHT, 0, 1, 1, 24, 0},
+    {"decoding, split keys",         2, 8, 2, 16, 8,  1,  1100, MHA_CAUSAL_BOTTOM_RIGHT, 0, 0, 0, 0, 0},
+    {"decoding, MQA, in place",      1, 1, 1, 32, 20, 1,  700, 0, 0, 0, 0, 0, 0},
+    {"heads first",                  2, 4, 2, 16, 24, 17, 80,  MHA_CAUSAL_BOTTOM_RIGHT, 0, 0, 0, 0, 1},
+};
+
+typedef struct prob {
+    const vcase *c;
+    int64_t nq, nk, nv, no, nl;
+    float *q, *k, *v, *out, *lse, *sinks;
+    int64_t *lens;
+    mha_attention_args a;
+} prob;
+
+/* Element (b, h, i, d) of a tensor of L rows, heads of width w, in the
+ * case's layout. */
+static int64_t at(const vcase *c, int64_t heads, int64_t L, int64_t w,
+                  int64_t b, int64_t h, int64_t i, int64_t d)
+{
+    return c->heads_first ? ((b * heads + h) * L + i) * w + d
+                          : ((b * L + i) * heads + h) * w + d;
+}
+
+static void prob_init(prob *p, const vcase *c, uint64_t seed)
+{
+    memset(p, 0, sizeof *p);
+    p->c = c;
+    p->nq = c->B * c->Lq * c->H * c->dh;
+    p->nk = c->B * c->Lk * c->Hkv * c->dh;
+    p->nv = c->B * c->Lk * c->Hkv * c->dv;
+    p->no = c->B * c->Lq * c->H * c->dv;
+    p->nl = c->B * c->H * c->Lq;
+    p->q = malloc((size_t)p->nq * 4);
+    p->k = malloc((size_t)p->nk * 4);
+    p->v = malloc((size_t)p->nv * 4);
+    p->out = malloc((size_t)p->no * 4);
+    p->lse = malloc((size_t)p->nl * 4);
+    p->sinks = malloc((size_t)c->H * 4);
+    p->lens = malloc((size_t)c->B * sizeof *p->lens);
+    tu_fill(p->q, p->nq, seed + 1, -2.0f, 2.0f);
+    tu_fill(p->k, p->nk, seed + 2, -2.0f, 2.0f);
+    tu_fill(p->v, p->nv, seed + 3, -1.5f, 1.5f);
+    tu_fill(p->sinks, c->H, seed + 4, -1.0f, 2.0f);
+    for (int64_t b = 0; b < c->B; b++)
+        p->lens[b] = c->Lk - 7 * (b + 1);
+    mha_attention_args *a = &p->a;
+    a->batch = c->B;
+    a->num_heads = c->H;
+    a->num_kv_heads = c->Hkv;
+    a->head_dim = c->dh;
+    a->v_head_dim = c->dv;
+    a->q_len = c->Lq;
+    a->kv_len = c->Lk;
+    a->q = p->q;
+    a->k = p->k;
+    a->v = p->v;
+    a->out = p->out;
+    a->lse = p->lse;
+    a->causal = c->causal;
+    a->key_lengths = c->key_lengths ? p->lens : NULL;
+    a->mods.window = c->window;
+    a->mods.window_left = c->window ? 30 : 0;
+    a->sinks = c->sinks ? p->sinks : NULL;
+    a->attention_chunk = c->chunk;
+    a->layout = c->heads_first ? MHA_LAYOUT_HEADS_FIRST : MHA_LAYOUT_ROWS;
+}
+
+static void prob_free(prob *p)
+{
+    free(p->q), free(p->k), free(p->v), free(p->out), free(p->lse);
+    free(p->sinks), free(p->lens);
+}
+
+/* Key j visible from row i (bottom-right positions). */
+static int visible(const prob *p, int64_t b, int64_t i, int64_t j)
+{
+    const vcase *c = p->c;
+    const int64_t qpos = i + c->Lk - c->Lq;
+    if (c->causal && j > qpos)
+        return 0;
+    if (c->key_lengths && j >= p->lens[b])
+        return 0;
+    if (c->window && j < qpos - 30)
+        return 0;
+    if (c->chunk && (qpos < 0 || qpos / c->chunk != j / c->chunk))
+        return 0;
+    return 1;
+}
+
+/* out (B, Lq, H, dv) and lse (B, H, Lq) in T (double: the reference,
+ * float: single precision's own error), from q, k, v as given (dq, dk,
+ * dv overriding them in float64 when not NULL). */
+#define DEFINE_ATTEND(T, NAME, EXP, LOG)                                       \
+    static void NAME(const prob *p, const double *dq, const double *dk,        \
+                     const double *dv, T *out, T *lse)                         \
+    {                                                                          \
+        const vcase *c = p->c;                                                 \
+        const double scale = 1.0 / sqrt((double)c->dh);                        \
+        T *s = malloc((size_t)c->Lk * sizeof *s);                              \
+        for (int64_t b = 0; b < c->B; b++)                                     \
+            for (int64_t h = 0; h < c->H; h++)                                 \
+                for (int64_t i = 0; i < c->Lq; i++) {                          \
+                    const int64_t g = h / (c->H / c->Hkv);                     \
+                    T mx = c->sinks ? (T)p->sinks[h] : (T)-INFINITY;           \
+                    int any = c->sinks;                                        \
+                    for (int64_t j = 0; j < c->Lk; j++) {                      \
+                        s[j] = (T)-INFINITY;                                   \
+                        if (!visible(p, b, i, j))                              \
+                            continue;                                          \
+                        T dot = 0;                                             \
+                        for (int64_t d = 0; d < c->dh; d++) {                  \
+                            const int64_t iq =                                 \
+                                at(c, c->H, c->Lq, c->dh, b, h, i, d);         \
+                            const int64_t ik =                                 \
+                                at(c, c->Hkv, c->Lk, c->dh, b, g, j, d);       \
+                            dot += (dq ? (T)dq[iq] : (T)p->q[iq]) *            \
+                                   (dk ? (T)dk[ik] : (T)p->k[ik]);             \
+                        }                                                      \
+                        s[j] = dot * (T)scale;                                 \
+                        mx = s[j] > mx ? s[j] : mx;                            \
+                        any = 1;                                               \
+                    }                                                          \
+                    T *l = lse + (b * c->H + h) * c->Lq + i;                   \
+                    T sum = c->sinks ? EXP((T)p->sinks[h] - mx) : 0;           \
+                    for (int64_t j = 0; any && j < c->Lk; j++)                 \
+                        if (s[j] != (T)-INFINITY)                              \
+                            sum += s[j] = EXP(s[j] - mx);                      \
+                    *l = any ? mx + LOG(sum) : (T)-INFINITY;                   \
+                    for (int64_t d = 0; d < c->dv; d++) {                      \
+                        T acc = 0;                                             \
+                        for (int64_t j = 0; any && j < c->Lk; j++) {           \
+                            if (s[j] == (T)-INFINITY)                          \
+                                continue;                                      \
+                            const int64_t iv =                                 \
+                                at(c, c->Hkv, c->Lk, c->dv, b, g, j, d);       \
+                            acc += s[j] * (dv ? (T)dv[iv] : (T)p->v[iv]);      \
+                        }                                                      \
+                        out[at(c, c->H, c->Lq, c->dv, b, h, i, d)] =           \
+                            any ? acc / sum : 0;                               \
+                    }                                                          \
+                }                                                              \
+        free(s);                                                               \
+    }
+DEFINE_ATTEND(double, attend64, exp, log)
+DEFINE_ATTEND(float, attend32, expf, logf)
+
+static double max_err(const float *x, const double *ref, int64_t n)
+{
+    double e = 0.0;
+    for (int64_t k = 0; k < n; k++) {
+        const double d = fabs((double)x[k] - ref[k]);
+        if (!(d <= e))
+            e = d != d ? INFINITY : d;
+    }
+    return e;
+}
+
+static double max_err32(const float *x, const double *ref, int64_t n)
+{
+    return max_err(x, ref, n);
+}
+
+static void test_forward(void **state)
+{
+    (void)state;
+    for (size_t t = 0; t < sizeof CASES / sizeof *CASES; t++) {
+        const vcase *c = &CASES[t];
+        prob p;
+        prob_init(&p, c, 100 * t);
+        if (mha_attention(&p.a) != MHA_OK)
+            fail_msg("%s: %s", c->name, mha_last_error());
+        double *ref = malloc((size_t)p.no * sizeof *ref);
+        double *rlse = malloc((size_t)p.nl * sizeof *rlse);
+        float *naive = malloc((size_t)p.no * 4);
+        float *nlse = malloc((size_t)p.nl * 4);
+        attend64(&p, NULL, NULL, NULL, ref, rlse);
+        attend32(&p, NULL, NULL, NULL, naive, nlse);
+        const double tol = ref_tolerance(max_err32(naive, ref, p.no),
+                                         ref_max_abs(ref, p.no));
+        const double err = max_err(p.out, ref, p.no);
+        if (!(err <= tol))
+            fail_msg("%s: out error %.3g > tolerance %.3g", c->name, err, tol);
+        for (int64_t r = 0; r < p.nl; r++)
+            if (!(fabs((double)p.lse[r] - rlse[r]) <= 1e-5 * (1 + fabs(rlse[r]))))
+                fail_msg("%s: lse[%lld] %g, float64 %g", c->name,
+                         (long long)r, (double)p.lse[r], rlse[r]);
+        /* the weights times V give the output */
+        if (!c->heads_first) {
+            float *w = malloc((size_t)(p.nl * c->Lk) * 4);
+            float *out2 = malloc((size_t)p.no * 4);
+            p.a.need_weights = MHA_WEIGHTS_PER_HEAD;
+            p.a.attn_weights = w;
+            p.a.out = out2;
+            assert_int_equal(mha_attention(&p.a), MHA_OK);
+            assert_memory_equal(out2, p.out, (size_t)p.no * 4);
+            double werr = 0.0;
+            for (int64_t b = 0; b < c->B; b++)
+                for (int64_t h = 0; h < c->H; h++)
+                    for (int64_t i = 0; i < c->Lq; i++)
+                        for (int64_t d = 0; d < c->dv; d++) {
+                            double acc = 0.0;
+                            const int64_t g = h / (c->H / c->Hkv);
+                            for (int64_t j = 0; j < c->Lk; j++)
+                                acc += (double)w[((b * c->H + h) * c->Lq + i) *
+                                                     c->Lk + j] *
+                                       p.v[at(c, c->Hkv, c->Lk, c->dv, b, g,
+                                              j, d)];
+                            werr = fmax(werr, fabs(acc - ref[at(c, c->H, c->Lq,
+                                                              c->dv, b, h, i,
+                                                              d)]));
+                        }
+            if (!(werr <= 1e-5 * (1.0 + ref_max_abs(ref, p.no))))
+                fail_msg("%s: weights times V off by %.3g", c->name, werr);
+            free(w);
+            free(out2);
+        }
+        free(ref), free(rlse), free(naive), free(nlse);
+        prob_free(&p);
+    }
+}
+
+/* With d_v = d_h, v_head_dim changes nothing: the same bits as 0. */
+static void test_equal_widths(void **state)
+{
+    (void)state;
+    vcase c = CASES[1];
+    c.dv = c.dh;
+    prob p;
+    prob_init(&p, &c, 7);
+    assert_int_equal(mha_attention(&p.a), MHA_OK);
+    float *first = malloc((size_t)p.no * 4);
+    memcpy(first, p.out, (size_t)p.no * 4);
+    p.a.v_head_dim = 0;
+    assert_int_equal(mha_attention(&p.a), MHA_OK);
+    assert_memory_equal(first, p.out, (size_t)p.no * 4);
+    free(first);
+    prob_free(&p);
+}
+
+/* 1, 2 and 4 threads, and a plan's second run: the same bits. */
+static void test_threads_and_plans(void **state)
+{
+    (void)state;
+    for (size_t t = 0; t < sizeof CASES / sizeof *CASES; t++) {
+        prob p;
+        prob_init(&p, &CASES[t], 50 + t);
+        float *first = malloc((size_t)p.no * 4);
+        const int threads[3] = {1, 2, 4};
+        for (int n = 0; n < 3; n++) {
+            p.a.num_threads = threads[n];
+            assert_int_equal(mha_attention(&p.a), MHA_OK);
+            if (n == 0)
+                memcpy(first, p.out, (size_t)p.no * 4);
+            else if (memcmp(first, p.out, (size_t)p.no * 4))
+                fail_msg("%s: %d threads differ from 1", CASES[t].name,
+                         threads[n]);
+        }
+        mha_attention_plan *plan = NULL;
+        assert_int_equal(mha_attention_plan_create(&p.a, &plan), MHA_OK);
+        for (int run = 0; run < 2; run++) {
+            memset(p.out, 0xff, (size_t)p.no * 4);
+            assert_int_equal(mha_attention_plan_run(plan, &p.a), MHA_OK);
+            assert_memory_equal(first, p.out, (size_t)p.no * 4);
+        }
+        /* a plan refuses another value width */
+        p.a.v_head_dim = CASES[t].dv + 1;
+        assert_fails(mha_attention_plan_run(plan, &p.a), MHA_ERR_SHAPE,
+                     "d_v");
+        mha_attention_plan_free(plan);
+        free(first);
+        prob_free(&p);
+    }
+}
+
+/* L = sum(g * out) of the float64 attention. */
+static double loss64(const prob *p, const double *q, const double *k,
+                     const double *v, const float *g)
+{
+    double *out = malloc((size_t)p->no * sizeof *out);
+    double *lse = malloc((size_t)p->nl * sizeof *lse);
+    attend64(p, q, k, v, out, lse);
+    double L = 0.0;
+    for (int64_t e = 0; e < p->no; e++)
+        L += out[e] * g[e];
+    free(out);
+    free(lse);
+    return L;
+}
+
+static double *widen(const float *x, int64_t n)
+{
+    double *y = malloc((size_t)n * sizeof *y);
+    for (int64_t e = 0; e < n; e++)
+        y[e] = x[e];
+    return y;
+}
+
+static const vcase GCASES[] = {
+    {"grad d_v < d_h",               1, 2, 2, 6,  4,  5,  9,  0, 0, 0, 0, 0, 0},
+    {"grad d_v > d_h, GQA, causal",  1, 4, 2, 4,  7,  6,  8,  MHA_CAUSAL_BOTTOM_RIGHT, 0, 0, 0, 0, 0},
+    {"grad heads first, sinks",      2, 2, 1, 5,  3,  4,  7,  0, 0, 0, 1, 0, 1},
+};
+
+/* dq, dk and dv against central differences of the float64 attention;
+ * then the backward of a part (the whole row's lse and its output) equal
+ * to the whole backward. */
+static void test_gradients(void **state)
+{
+    (void)state;
+    for (size_t t = 0; t < sizeof GCASES / sizeof *GCASES; t++) {
+        const vcase *c = &GCASES[t];
+        prob p;
+        prob_init(&p, c, 300 + 10 * t);
+        float *g = malloc((size_t)p.no * 4), *dq = malloc((size_t)p.nq * 4);
+        float *dk = malloc((size_t)p.nk * 4), *dv = malloc((size_t)p.nv * 4);
+        float ds[8];
+        tu_fill(g, p.no, 77 + t, -1.0f, 1.0f);
+        const mha_attention_grads gr = {g, dq, dk, dv, c->sinks ? ds : NULL};
+        if (mha_attention_backward(&p.a, &gr) != MHA_OK)
+            fail_msg("%s: %s", c->name, mha_last_error());
+        double *x[3] = {widen(p.q, p.nq), widen(p.k, p.nk), widen(p.v, p.nv)};
+        const float *got[3] = {dq, dk, dv};
+        const int64_t n[3] = {p.nq, p.nk, p.nv};
+        const char *names[3] = {"dq", "dk", "dv"};
+        const double step = 1e-4;
+        for (int w = 0; w < 3; w++) {
+            double mx = 0.0, err = 0.0;
+            for (int64_t e = 0; e < n[w]; e++) {
+                const double x0 = x[w][e];
+                x[w][e] = x0 + step;
+                const double up = loss64(&p, x[0], x[1], x[2], g);
+                x[w][e] = x0 - step;
+                const double down = loss64(&p, x[0], x[1], x[2], g);
+                x[w][e] = x0;
+                const double want = (up - down) / (2 * step);
+                mx = fmax(mx, fabs(want));
+                err = fmax(err, fabs((double)got[w][e] - want));
+            }
+            /* (central differences of step 1e-4: their own error ~1e-8) */
+            if (!(err <= 1e-4 * (1.0 + mx)))
+                fail_msg("%s: %s error %.3g (max |grad| %.3g)", c->name,
+                         names[w], err, mx);
+        }
+        /* the backward of the whole problem as one part */
+        if (!c->sinks) {
+            float *dq2 = malloc((size_t)p.nq * 4);
+            float *dk2 = malloc((size_t)p.nk * 4);
+            float *dv2 = malloc((size_t)p.nv * 4);
+            assert_int_equal(mha_attention(&p.a), MHA_OK);
+            const mha_attention_grads gr2 = {g, dq2, dk2, dv2, NULL};
+            assert_int_equal(mha_attention_backward_part(&p.a, p.lse, p.out,
+                                                         &gr2), MHA_OK);
+            double e = 0.0, mx = 0.0;
+            for (int64_t i = 0; i < p.nv; i++) {
+                e = fmax(e, fabs((double)dv2[i] - dv[i]));
+                mx = fmax(mx, fabs((double)dv[i]));
+            }
+            for (int64_t i = 0; i < p.nq; i++) {
+                e = fmax(e, fabs((double)dq2[i] - dq[i]));
+                mx = fmax(mx, fabs((double)dq[i]));
+            }
+            if (!(e <= 1e-5 * (1.0 + mx)))
+                fail_msg("%s: the part's backward differs by %.3g", c->name,
+                         e);
+            free(dq2), free(dk2), free(dv2);
+        }
+        for (int w = 0; w < 3; w++)
+            free(x[w]);
+        free(g), free(dq), free(dk), free(dv);
+        prob_free(&p);
+    }
+}
+
+static void test_refusals(void **state)
+{
+    (void)state;
+    prob p;
+    prob_init(&p, &CASES[0], 9);
+    p.a.v_head_dim = -3;
+    assert_fails(mha_attention(&p.a), MHA_ERR_SHAPE, "v_head_dim");
+    p.a.v_head_dim = CASES[0].dv;
+    /* with a KV cache */
+    mha_kv_cache_config kc = {2, 4, 24, 80, MHA_KV_F32, 0, 0, 0, 0};
+    mha_kv_cache *kv = NULL;
+    assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
+    mha_attention_args a = p.a;
+    a.k = a.v = NULL;
+    a.kv_len = 0;
+    a.cache = kv;
+    assert_fails(mha_attention(&a), MHA_ERR_UNSUPPORTED, "v_head_dim");
+    mha_kv_cache_free(kv);
+    /* 16-bit data */
+    uint16_t h16[1] = {0};
+    a = p.a;
+    a.dtype = MHA_DTYPE_BF16;
+    a.q = a.k = a.v = NULL;
+    a.out = NULL;
+    a.q16 = a.k16 = a.v16 = h16;
+    a.out16 = h16;
+    assert_fails(mha_attention(&a), MHA_ERR_UNSUPPORTED, "float32");
+    prob_free(&p);
+}
+
+int main(void)
+{
+    if (tu_tier_unavailable())
+        return TU_SKIP;
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_forward),
+        cmocka_unit_test(test_equal_widths),
+        cmocka_unit_test(test_threads_and_plans),
+        cmocka_unit_test(test_gradients),
+        cmocka_unit_test(test_refusals),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
