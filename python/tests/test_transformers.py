@@ -1,8 +1,9 @@
 """mha.transformers: libmha as transformers' attention implementation "mha",
 on small random-initialised models of seven families (their own modeling
 code: Llama, Mistral's window, Qwen3, Gemma 2's softcap and window, Phi's
-partial rotary, gpt-oss's sinks and window, Qwen2, and Llama 4's chunked
-attention) and on
+partial rotary, gpt-oss's sinks and window, Qwen2, Llama 4's chunked
+attention, and DeepSeek-V3's multi-head latent attention, whose values are
+narrower than its keys) and on
 all-MiniLM-L6-v2's real weights through sentence-transformers.
 
 The reference is the same model with transformers' eager attention in
@@ -288,6 +289,73 @@ def test_llama4_chunked_left_padding_and_decode(dense_calls):
     if upto < n:
         top = wl[0, upto].topk(2).values
         assert float(top[0] - top[1]) <= 2 * tol
+
+
+# ---- DeepSeek-V3: MLA, values of another head width -------------------------
+
+def _deepseek():
+    """A small random DeepSeek-V3 (multi-head latent attention in its
+    expanded form: queries and keys of 16 + 8 rotary = 24, values of 12,
+    through low-rank projections), dense MLPs."""
+    t = transformers
+    cfg = t.DeepseekV3Config(
+        vocab_size=V, hidden_size=64, intermediate_size=96,
+        moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=2, q_lora_rank=24,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=12, max_position_embeddings=256, rope_scaling=None)
+    torch.manual_seed(7)
+    m = t.DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(2.0)
+    return m
+
+
+def test_deepseek_v3_mla(dense_calls):
+    """DeepSeek-V3's attention (its own modeling code: values 12 wide
+    against keys of 24) on libmha: a padded batch's prefill within 2x
+    eager float32's error of eager float64 with every mask libmha's own
+    options, 24 greedy tokens equal to eager's, and a training step's
+    gradients within 3x."""
+    m = _deepseek()
+    ids, am = _batch()
+    ref = _reference(m, ids, am)
+    e32 = _logits(m, "eager", ids, am)
+    ours = _logits(m, "mha", ids, am)
+    real = am.bool()
+    check_close(ours[real], e32[real], ref, 2, "deepseek_v3")
+    assert dense_calls == []
+    m = m.to(torch.float32)
+    n = 24
+    want, wl = _greedy(m, "eager", ids, am, n)
+    got, gl = _greedy(m, "mha", ids, am, n)
+    for b in range(2):
+        diff = (want[b] != got[b]).nonzero()
+        upto = n if len(diff) == 0 else int(diff[0])
+        tol = 1e-4 * (1 + float(wl[b, :upto + 1].abs().max()))
+        assert float((wl[b, :upto + 1] - gl[b, :upto + 1]).abs().max()) \
+            <= tol
+        if upto < n:
+            top = wl[b, upto].topk(2).values
+            assert float(top[0] - top[1]) <= 2 * tol
+    am = torch.ones_like(ids)
+    am[0, 10:] = 0
+    labels = ids.masked_fill(am == 0, -100)
+    grads = {}
+    for impl, dt in (("eager", torch.float64), ("eager", torch.float32),
+                     ("mha", torch.float32)):
+        mm = _deepseek().to(dt).train()
+        mm.set_attn_implementation(impl)
+        mm(ids, attention_mask=am, labels=labels).loss.backward()
+        grads[impl, dt] = {k: p.grad for k, p in mm.named_parameters()
+                           if p.grad is not None}
+    ref = grads["eager", torch.float64]
+    for k in ref:
+        check_close(grads["mha", torch.float32][k],
+                    grads["eager", torch.float32][k], ref[k], 3,
+                    "deepseek_v3 " + k, backward=True)
 
 
 def test_packed_sequences_fall_back_to_the_dense_mask(dense_calls):
