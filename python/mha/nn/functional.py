@@ -15,7 +15,8 @@ Where it differs from torch:
     reproducible), so the masks differ from torch's own;
   - an additive float attn_mask is a constant: it gets no gradient
     (a mask that requires grad is refused);
-  - the value's head dim must equal the query's;
+  - the value's head dim may differ from the query's, as in torch (Ev !=
+    E: libmha's v_head_dim); in bf16 / f16 that call computes in float32;
   - inputs are (B, H, L, d); libmha reads (B, L, H*d): q, k and v that
     are transposed views of (B, L, H, d) tensors (how models make them)
     are read in place, any others gathered into that layout by the C
