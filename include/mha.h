@@ -1105,6 +1105,13 @@ typedef struct mha_kv_cache_config {
                               arithmetic, a channel's outlier spread over
                               its block before rounding (q4, q8).
                               mha_kv_cache_read turns values back.     */
+    int64_t v_head_dim;    /* d_v: the values' head width, 0 -> head_dim
+                              (mha_attention_args.v_head_dim): values
+                              appended and read as (n, H_kv*d_v), the
+                              attention's output H*d_v wide.  Each value
+                              tile takes a key tile's room (the wider
+                              of the two).  Not with rotate, nor with a
+                              module's cached forward.                 */
 } mha_kv_cache_config;
 
 /*

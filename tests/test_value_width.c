@@ -14,7 +14,11 @@
  *   - dq, dk and dv by central differences of the float64 attention, and
  *     the backward of a part (mha_attention_backward_part) equal to the
  *     whole backward;
- *   - refusals by name: a negative width, with a KV cache, with bf16.
+ *   - a KV cache of values d_v wide, in every storage type: bitwise the
+ *     step on an f32 cache of the values read back, 1 and 2 threads, and
+ *     that within float rounding of the plain call;
+ *   - refusals by name: a negative width, a cache of another width, a
+ *     rotated one, odd q4 values, a module on such a cache, bf16.
  *
  * Every tier runs it (CTest, MHA_ISA).
  */
@@ -420,6 +424,91 @@ static void test_gradients(void **state)
     }
 }
 
+/* A KV cache whose values have another width (mha_kv_cache_config.
+ * v_head_dim) in every storage type: a decoding step of 2 rows per
+ * sequence is bitwise the step on an f32 cache holding the values read
+ * back, on 1 and 2 threads, and the f32 cache's step within float
+ * rounding of mha_attention on the same keys and values; values read
+ * back d_v wide. */
+static void test_cache(void **state)
+{
+    (void)state;
+    enum { B = 2, H = 4, HKV = 2, DH = 24, DV = 40, LQ = 2, LEN = 300 };
+    const mha_kv_dtype dts[] = {MHA_KV_F32, MHA_KV_F16, MHA_KV_BF16,
+                                MHA_KV_Q8, MHA_KV_Q4};
+    const int64_t nk = LEN * HKV * DH, nv = LEN * HKV * DV;
+    float *k = malloc((size_t)(B * nk) * 4), *v = malloc((size_t)(B * nv) * 4);
+    float *q = malloc((size_t)(B * LQ * H * DH) * 4);
+    float *kr = malloc((size_t)(B * nk) * 4), *vr = malloc((size_t)(B * nv) * 4);
+    const int64_t no = B * LQ * H * DV;
+    float *out = malloc((size_t)no * 4), *want = malloc((size_t)no * 4);
+    float *plain = malloc((size_t)no * 4);
+    tu_fill(k, B * nk, 61, -1, 1);
+    tu_fill(v, B * nv, 62, -1, 1);
+    tu_fill(q, B * LQ * H * DH, 63, -1, 1);
+    /* the plain attention on the same keys and values */
+    mha_attention_args pa = {0};
+    pa.batch = B, pa.num_heads = H, pa.num_kv_heads = HKV, pa.head_dim = DH;
+    pa.v_head_dim = DV, pa.q_len = LQ, pa.kv_len = LEN, pa.q = q, pa.k = k;
+    pa.v = v, pa.out = plain, pa.causal = MHA_CAUSAL_BOTTOM_RIGHT;
+    assert_int_equal(mha_attention(&pa), MHA_OK);
+    for (size_t t = 0; t < sizeof dts / sizeof *dts; t++) {
+        mha_kv_cache_config kc = {B, HKV, DH, LEN, dts[t], 0, 0, 0, 0, DV};
+        mha_kv_cache *kv = NULL, *f32 = NULL;
+        assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
+        for (int64_t b = 0; b < B; b++) {
+            assert_int_equal(mha_kv_cache_append(kv, b, k + b * nk,
+                                                 v + b * nv, LEN), MHA_OK);
+            assert_int_equal(mha_kv_cache_read(kv, b, 0, LEN, kr + b * nk,
+                                               vr + b * nv), MHA_OK);
+        }
+        kc.dtype = MHA_KV_F32;
+        assert_int_equal(mha_kv_cache_create(&kc, &f32), MHA_OK);
+        for (int64_t b = 0; b < B; b++)
+            assert_int_equal(mha_kv_cache_append(f32, b, kr + b * nk,
+                                                 vr + b * nv, LEN), MHA_OK);
+        mha_attention_decode_args d = {0};
+        d.batch = B, d.num_heads = H, d.head_dim = DH, d.q_len = LQ;
+        d.q = q, d.out = want, d.cache = f32;
+        assert_int_equal(mha_attention_decode(&d), MHA_OK);
+        d.cache = kv, d.out = out;
+        for (int threads = 1; threads <= 2; threads++) {
+            d.num_threads = threads;
+            memset(out, 0xff, (size_t)no * 4);
+            if (mha_attention_decode(&d) != MHA_OK)
+                fail_msg("dtype %d: %s", (int)dts[t], mha_last_error());
+            assert_memory_equal(out, want, (size_t)no * 4);
+        }
+        if (dts[t] == MHA_KV_F32) {
+            assert_memory_equal(vr, v, (size_t)(B * nv) * 4);
+            double e = 0.0, mx = 0.0;
+            for (int64_t i = 0; i < no; i++) {
+                e = fmax(e, fabs((double)out[i] - plain[i]));
+                mx = fmax(mx, fabs((double)plain[i]));
+            }
+            /* (two float32 computations of one attention: a few ulps) */
+            if (!(e <= 1e-6 * (1.0 + mx)))
+                fail_msg("f32 cache differs from the plain call by %.3g", e);
+        }
+        mha_kv_cache_free(kv);
+        mha_kv_cache_free(f32);
+    }
+    /* a module refuses such a cache */
+    mha_config mc = {0};
+    mc.embed_dim = H * DH, mc.num_heads = H, mc.num_kv_heads = HKV;
+    mha_module *m = tu_module(&mc, 3);
+    mha_kv_cache_config kc = {B, HKV, DH, 8, MHA_KV_F32, 0, 0, 0, 0, DV};
+    mha_kv_cache *kv = NULL;
+    assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
+    mha_forward_args fa = {0};
+    fa.batch = B, fa.q_len = 1, fa.query = q, fa.out = out, fa.cache = kv;
+    assert_fails(mha_forward(m, &fa), MHA_ERR_UNSUPPORTED, "values");
+    mha_kv_cache_free(kv);
+    mha_free(m);
+    free(k), free(v), free(q), free(kr), free(vr), free(out), free(want);
+    free(plain);
+}
+
 static void test_refusals(void **state)
 {
     (void)state;
@@ -428,16 +517,27 @@ static void test_refusals(void **state)
     p.a.v_head_dim = -3;
     assert_fails(mha_attention(&p.a), MHA_ERR_SHAPE, "v_head_dim");
     p.a.v_head_dim = CASES[0].dv;
-    /* with a KV cache */
-    mha_kv_cache_config kc = {2, 4, 24, 80, MHA_KV_F32, 0, 0, 0, 0};
+    /* a cache whose values have another width than the call says */
+    mha_kv_cache_config kc = {2, 4, 24, 80, MHA_KV_F32, 0, 0, 0, 0, 20};
     mha_kv_cache *kv = NULL;
     assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
     mha_attention_args a = p.a;
     a.k = a.v = NULL;
     a.kv_len = 0;
     a.cache = kv;
-    assert_fails(mha_attention(&a), MHA_ERR_UNSUPPORTED, "v_head_dim");
+    assert_fails(mha_attention(&a), MHA_ERR_SHAPE, "the cache's values");
     mha_kv_cache_free(kv);
+    /* caches: a negative width, rotation, odd q4 values; a module */
+    kc.v_head_dim = -1;
+    assert_fails(mha_kv_cache_create(&kc, &kv), MHA_ERR_INVALID_ARGUMENT,
+                 "v_head_dim");
+    kc.v_head_dim = 16, kc.rotate = 1;
+    assert_fails(mha_kv_cache_create(&kc, &kv), MHA_ERR_UNSUPPORTED,
+                 "rotated");
+    kc.rotate = 0, kc.dtype = MHA_KV_Q4, kc.v_head_dim = 15;
+    assert_fails(mha_kv_cache_create(&kc, &kv), MHA_ERR_INVALID_ARGUMENT,
+                 "even");
+    assert_null(kv);
     /* 16-bit data */
     uint16_t h16[1] = {0};
     a = p.a;
@@ -459,6 +559,7 @@ int main(void)
         cmocka_unit_test(test_equal_widths),
         cmocka_unit_test(test_threads_and_plans),
         cmocka_unit_test(test_gradients),
+        cmocka_unit_test(test_cache),
         cmocka_unit_test(test_refusals),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -786,6 +786,8 @@ class KVCache:
     """Projected (and rotated) keys and values of ``batch`` sequences, up
     to ``capacity`` tokens each, H_kv heads of d_h (mha_kv_cache).  dtype:
     'f32', 'f16', 'bf16', 'q8' or 'q4' (rounded once, when appended).
+    v_head_dim: the values' head width when it is not d_h (appended and
+    read as (n, H_kv*v_head_dim); the attention's output then H*that).
     window W >= 1: a sliding-window ring of ``capacity`` >= W slots.
     rotate: store K and V turned by a Hadamard rotation of the head
     dimension (queries and outputs turned alike: the attention unchanged
@@ -796,13 +798,14 @@ class KVCache:
     def __init__(self, batch: int, num_kv_heads: int, head_dim: int,
                  capacity: int, dtype: str = "f32", window: int = 0,
                  page_size: int = 0, num_pages: int = 0,
-                 rotate: bool = False) -> None:
+                 rotate: bool = False,
+                 v_head_dim: Optional[int] = None) -> None:
         self._c = _core.kv_cache_create(
             batch=int(batch), num_kv_heads=int(num_kv_heads),
             head_dim=int(head_dim), capacity=int(capacity),
             dtype=_key(dtype, _KV_DTYPE, "dtype"), window=int(window),
             page_size=int(page_size), num_pages=int(num_pages),
-            rotate=bool(rotate))
+            rotate=bool(rotate), v_head_dim=int(v_head_dim or 0))
         cfg = self._c.config()
         self.batch = cfg["batch"]
         self.num_kv_heads = cfg["num_kv_heads"]
@@ -811,6 +814,7 @@ class KVCache:
         self.window = cfg["window"]
         self.page_size = cfg["page_size"]
         self.rotate = bool(cfg["rotate"])
+        self.v_head_dim = cfg["v_head_dim"]
         self.dtype = dtype
 
     @classmethod
@@ -834,11 +838,13 @@ class KVCache:
         """Appends n tokens to sequence ``seq``: k and v (n, H_kv*d_h)
         float32, projected (and rotated)."""
         row = self.num_kv_heads * self.head_dim
+        vrow = self.num_kv_heads * self.v_head_dim
         k = _array(k, "k")
         v = _array(v, "v")
-        if k.ndim != 2 or k.shape[1] != row or v.shape != k.shape:
-            raise ValueError("k and v must both have shape (n, %d), got %s "
-                             "and %s" % (row, k.shape, v.shape))
+        if k.ndim != 2 or k.shape[1] != row or \
+                v.shape != (k.shape[0], vrow):
+            raise ValueError("k and v must have shapes (n, %d) and (n, %d), "
+                             "got %s and %s" % (row, vrow, k.shape, v.shape))
         self._c.append(int(seq), k, v, k.shape[0])
 
     def truncate(self, seq: int, length: int) -> None:
@@ -851,7 +857,7 @@ class KVCache:
 
     def read(self, seq: int, start: int = 0, n: Optional[int] = None
              ) -> Tuple[np.ndarray, np.ndarray]:
-        """(k, v), each (n, H_kv*d_h): tokens start .. start+n-1 of ``seq``
+        """(k, v), (n, H_kv*d_h) and (n, H_kv*d_v): tokens start .. start+n-1 of ``seq``
         as the attention reads them (n None: up to the length)."""
         length = self.length(seq)
         if n is None:
@@ -863,7 +869,8 @@ class KVCache:
             raise ValueError("n must be >= 0, got %d" % int(n))
         row = self.num_kv_heads * self.head_dim
         k = np.empty((int(n), row), np.float32)
-        v = np.empty((int(n), row), np.float32)
+        v = np.empty((int(n), self.num_kv_heads * self.v_head_dim),
+                     np.float32)
         self._c.read(int(seq), int(start), int(n), k, v)
         return k, v
 
@@ -971,7 +978,7 @@ def _attention_args(q, k, v, num_heads, num_kv_heads, scale, attn_mask,
             raise ValueError("with a cache, k and v must be None (append "
                              "them to the cache first)")
         Lk = 0
-        dv = dh
+        dv = cache.v_head_dim
     else:
         k, _ = _batched(_array(k, "k", dt), "k")
         v, _ = _batched(_array(v, "v", dt), "v")

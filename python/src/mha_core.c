@@ -1296,15 +1296,15 @@ static PyObject *cache_create(PyObject *self, PyObject *args, PyObject *kw)
     (void)self;
     static char *kws[] = {"batch", "num_kv_heads", "head_dim", "capacity",
                           "dtype", "window", "page_size", "num_pages",
-                          "rotate", NULL};
+                          "rotate", "v_head_dim", NULL};
     mha_kv_cache_config cc;
     memset(&cc, 0, sizeof cc);
     int dtype = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLL|iLLLp", kws, &cc.batch,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLL|iLLLpL", kws, &cc.batch,
                                      &cc.num_kv_heads, &cc.head_dim,
                                      &cc.capacity, &dtype, &cc.window,
                                      &cc.page_size, &cc.num_pages,
-                                     &cc.rotate))
+                                     &cc.rotate, &cc.v_head_dim))
         return NULL;
     cc.dtype = (mha_kv_dtype)dtype;
     mha_kv_cache *c = NULL;
@@ -1355,10 +1355,13 @@ static PyObject *cache_append(CacheObject *self, PyObject *args)
     if (n < 0)
         return PyErr_Format(PyExc_ValueError, "n must be >= 0");
     int64_t row = self->cfg.num_kv_heads * self->cfg.head_dim;
+    int64_t vrow = self->cfg.num_kv_heads * (self->cfg.v_head_dim
+                                                 ? self->cfg.v_head_dim
+                                                 : self->cfg.head_dim);
     bufset b = {.n = 0};
     void *pk, *pv;
     if (get_buf(&b, k, "k", T_F32, 0, mul3(n, row, 1), 1, &pk, NULL) ||
-        get_buf(&b, v, "v", T_F32, 0, mul3(n, row, 1), 1, &pv, NULL)) {
+        get_buf(&b, v, "v", T_F32, 0, mul3(n, vrow, 1), 1, &pv, NULL)) {
         bufs_release(&b);
         return NULL;
     }
@@ -1502,10 +1505,13 @@ static PyObject *cache_read(CacheObject *self, PyObject *args)
     if (n < 0)
         return PyErr_Format(PyExc_ValueError, "n must be >= 0");
     int64_t row = self->cfg.num_kv_heads * self->cfg.head_dim;
+    int64_t vrow = self->cfg.num_kv_heads * (self->cfg.v_head_dim
+                                                 ? self->cfg.v_head_dim
+                                                 : self->cfg.head_dim);
     bufset b = {.n = 0};
     void *pk, *pv;
     if (get_buf(&b, k, "k", T_F32, 1, mul3(n, row, 1), 0, &pk, NULL) ||
-        get_buf(&b, v, "v", T_F32, 1, mul3(n, row, 1), 0, &pv, NULL)) {
+        get_buf(&b, v, "v", T_F32, 1, mul3(n, vrow, 1), 0, &pv, NULL)) {
         bufs_release(&b);
         return NULL;
     }
@@ -1520,13 +1526,16 @@ static PyObject *cache_config(CacheObject *self, PyObject *unused)
 {
     (void)unused;
     const mha_kv_cache_config *c = &self->cfg;
-    return Py_BuildValue("{sLsLsLsLsisLsLsLsi}", "batch", (long long)c->batch,
+    return Py_BuildValue("{sLsLsLsLsisLsLsLsisL}", "batch", (long long)c->batch,
                          "num_kv_heads", (long long)c->num_kv_heads,
                          "head_dim", (long long)c->head_dim, "capacity",
                          (long long)c->capacity, "dtype", (int)c->dtype,
                          "window", (long long)c->window, "page_size",
                          (long long)c->page_size, "num_pages",
-                         (long long)c->num_pages, "rotate", c->rotate);
+                         (long long)c->num_pages, "rotate", c->rotate,
+                         "v_head_dim", (long long)(c->v_head_dim
+                                                       ? c->v_head_dim
+                                                       : c->head_dim));
 }
 
 static PyMethodDef cache_methods[] = {
@@ -1815,8 +1824,11 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
     int64_t lk = Lk ? Lk : Lq;
     if (co && !Lk)
         lk = cache_max_len(&co->cfg, co->c);
-    /* values and outputs: heads of dv (v_head_dim, 0: head_dim) */
-    const int64_t dv = dvh > 0 ? dvh : dh;
+    /* values and outputs: heads of dv (v_head_dim, 0: the cache's, else
+     * head_dim) */
+    const int64_t dv = dvh > 0                      ? dvh
+                     : co && co->cfg.v_head_dim > 0 ? co->cfg.v_head_dim
+                                                    : dh;
     int64_t qn = mul3(B, Lq, mul3(H, dh, 1)),
             kn = mul3(B, lk, mul3(Hkv, dh, 1)),
             vn = mul3(B, lk, mul3(Hkv, dv, 1)),

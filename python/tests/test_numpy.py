@@ -246,6 +246,34 @@ def test_attention_value_width(rng):
     np.testing.assert_allclose(gv, sum_groups(dvv), rtol=0, atol=1e-5)
 
 
+def test_cache_of_another_value_width(rng):
+    """A KVCache whose values are wider than its keys: appended and read
+    d_v wide, and a decoding step on it equals mha.attention on the same
+    keys and values (float rounding apart), q4 included against what it
+    stores."""
+    B, H, Hkv, d, dv, L = 2, 4, 2, 16, 24, 40
+    k = f32(rng, B, L, Hkv * d)
+    v = f32(rng, B, L, Hkv * dv)
+    q = f32(rng, B, 1, H * d)
+    want = mha.attention(q, k, v, num_heads=H, num_kv_heads=Hkv,
+                         causal="bottom_right")
+    for dtype in ("f32", "q4"):
+        c = mha.KVCache(B, Hkv, d, L, dtype=dtype, v_head_dim=dv)
+        assert c.v_head_dim == dv
+        for b in range(B):
+            c.append(b, k[b], v[b])
+        ks = np.stack([c.read(b)[0] for b in range(B)])
+        vs = np.stack([c.read(b)[1] for b in range(B)])
+        assert vs.shape == v.shape
+        out = mha.attention(q, num_heads=H, num_kv_heads=Hkv, cache=c)
+        assert out.shape == (B, 1, H * dv)
+        ref = want if dtype == "f32" else mha.attention(
+            q, ks, vs, num_heads=H, num_kv_heads=Hkv, causal="bottom_right")
+        np.testing.assert_allclose(out, ref, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="shapes"):
+        c.append(0, k[0], k[0])
+
+
 def test_pickle_module(rng):
     m = mha.Module(8, 2, num_kv_heads=1, rope="gptj", window=(3, 0),
                    softcap=5.0, sinks=True, seed=4, attention_chunk=3)

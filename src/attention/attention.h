@@ -358,6 +358,9 @@ void mha_attn_backward(const mha_engine *e, const mha_attn *a,
  */
 struct mha_kv_cache {
     int64_t B, Hkv, dh, capacity;
+    int64_t dv;             /* the values' head width (dh unless
+                               v_head_dim says otherwise); a value tile
+                               has a key tile's room, tile_bytes      */
     int64_t window;         /* 0, or W: a ring of `capacity` slots (mha.h) */
     int64_t *start;         /* [B] the oldest position held (window only:
                                the ring overwrote the ones before)        */

@@ -88,11 +88,23 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "cache dtype %d: expected MHA_KV_F32, _F16, "
                              "_BF16, _Q8 or _Q4", (int)cfg->dtype);
-    if (cfg->dtype == MHA_KV_Q4 && cfg->head_dim % 2)
+    const int64_t dv = cfg->v_head_dim ? cfg->v_head_dim : cfg->head_dim;
+    if (cfg->v_head_dim < 0 || dv > INT32_MAX / (4 * MHA_BC))
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "cache v_head_dim must be >= 1 (0: head_dim) "
+                             "and at most %d, got %lld",
+                             INT32_MAX / (4 * MHA_BC),
+                             (long long)cfg->v_head_dim);
+    if (cfg->dtype == MHA_KV_Q4 && (cfg->head_dim % 2 || dv % 2))
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "a q4 cache packs two codes a byte: head_dim "
-                             "must be even, got %lld",
-                             (long long)cfg->head_dim);
+                             "must be even, got %lld (v_head_dim %lld)",
+                             (long long)cfg->head_dim, (long long)dv);
+    if (cfg->rotate && dv != cfg->head_dim)
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "a rotated cache with v_head_dim %lld != "
+                             "head_dim %lld is not supported yet",
+                             (long long)dv, (long long)cfg->head_dim);
     if (cfg->rotate && (cfg->head_dim % 2 || cfg->head_dim > MAX_TURNED))
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "a rotated cache turns blocks of a power of "
@@ -149,11 +161,12 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
         tiles = cfg->capacity / MHA_BC + (cfg->capacity % MHA_BC != 0);
         sized = sized && mha_mul_ok(bg, tiles, &tiles_all);
     }
+    const int64_t dmax = dv > cfg->head_dim ? dv : cfg->head_dim;
     if (!sized || cfg->head_dim > INT32_MAX / (4 * MHA_BC) ||
         !mha_mul_ok(tiles_all,
-                    2 * mha_kv_tile_bytes(cfg->dtype, MHA_BC, cfg->head_dim),
+                    2 * mha_kv_tile_bytes(cfg->dtype, MHA_BC, dmax),
                     &bytes) ||
-        !mha_mul_ok(bg, 2 * MHA_BC * cfg->head_dim + 1, &extra) ||
+        !mha_mul_ok(bg, 2 * MHA_BC * dmax + 1, &extra) ||
         bytes > INT64_MAX / 2 || extra > INT64_MAX / 8)
         return mha_set_error(MHA_ERR_OVERFLOW,
                              "a cache of %lld sequences x %lld tokens x "
@@ -207,6 +220,7 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
     c->B = cfg->batch;
     c->Hkv = cfg->num_kv_heads;
     c->dh = cfg->head_dim;
+    c->dv = dv;
     c->capacity = cfg->capacity;
     c->window = cfg->window;
     c->start = start;
@@ -215,7 +229,7 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
     c->rot_block = 0;
     if (cfg->rotate)   /* the largest power of two dividing d_h */
         c->rot_block = cfg->head_dim & -cfg->head_dim;
-    c->tile_bytes = mha_kv_tile_bytes(cfg->dtype, MHA_BC, cfg->head_dim);
+    c->tile_bytes = mha_kv_tile_bytes(cfg->dtype, MHA_BC, dmax);
     c->len = len;
     c->k = data;
     c->v = data + bytes / 2;
@@ -337,49 +351,54 @@ static void store(mha_kv_dtype t, const float *x, int64_t n, void *dst,
     }
 }
 
-/* Tile t of (b, g) in one plane: the pointer the kernels take, past a
- * q8 tile's scales (kernels.h). */
+/* Tile t of (b, g) in one plane of heads w wide: the pointer the kernels
+ * take, past a q8 or q4 tile's scales (kernels.h). */
 static const unsigned char *tile_at(const mha_kv_cache *c,
-                                    const unsigned char *plane, int64_t b,
-                                    int64_t g, int64_t t)
+                                    const unsigned char *plane, int64_t w,
+                                    int64_t b, int64_t g, int64_t t)
 {
     const int64_t skip =
-        mha_kv_scaled(c->dtype) ? mha_q8_scale_bytes(MHA_BC, c->dh) : 0;
+        mha_kv_scaled(c->dtype) ? mha_q8_scale_bytes(MHA_BC, w) : 0;
     return plane + mha_kv_tile_index(c, b, g, t) * c->tile_bytes + skip;
 }
 
 const unsigned char *mha_kv_cache_k_tile(const mha_kv_cache *c, int64_t b,
                                          int64_t g, int64_t t)
 {
-    return tile_at(c, c->k, b, g, t);
+    return tile_at(c, c->k, c->dh, b, g, t);
 }
 
 const unsigned char *mha_kv_cache_v_tile(const mha_kv_cache *c, int64_t b,
                                          int64_t g, int64_t t)
 {
-    return tile_at(c, c->v, b, g, t);
+    return tile_at(c, c->v, c->dv, b, g, t);
 }
 
-/* A q4 key and value: each block's codes (quant_block with qmax 7) put
- * into their nibbles (kernels.h): a key's pairs of dims whole bytes of the
- * kt tile, a value's codes one nibble each of bytes its key shares with
- * the key beside it (whose nibble is kept). */
-static void put_q4(int64_t dh, int64_t col, const float *kr,
+/* A q4 key (dh elements) and value (dv): each block's codes (quant_block
+ * with qmax 7) put into their nibbles (kernels.h): a key's pairs of dims
+ * whole bytes of the kt tile, a value's codes one nibble each of bytes
+ * its key shares with the key beside it (whose nibble is kept). */
+static void put_q4(int64_t dh, int64_t dv, int64_t col, const float *kr,
                    const float *vr, unsigned char *kt, unsigned char *vt)
 {
-    const int64_t cols = MHA_BC, blocks = mha_q8_blocks(dh);
+    const int64_t cols = MHA_BC;
     float *ks = (float *)mha_q8_scales(kt, cols, dh);
-    float *vs = (float *)mha_q8_scales(vt, cols, dh);
+    float *vs = (float *)mha_q8_scales(vt, cols, dv);
     int8_t kc[MHA_Q8_BLOCK], vc[MHA_Q8_BLOCK];
-    for (int64_t k = 0; k < blocks; k++) {
+    for (int64_t k = 0; k < mha_q8_blocks(dh); k++) {
         const int64_t d0 = k * MHA_Q8_BLOCK;
         const int n = (int)(dh - d0 < MHA_Q8_BLOCK ? dh - d0 : MHA_Q8_BLOCK);
         ks[k * cols + col] = quant_block(kr + d0, n, 7, kc, 1);
-        vs[col * blocks + k] = quant_block(vr + d0, n, 7, vc, 1);
         for (int i = 0; i < n; i += 2)   /* (d0 and n even: whole pairs) */
             kt[(d0 + i) / 2 * cols + col] =
                 (unsigned char)((kc[i] & 0x0F) | (kc[i + 1] & 0x0F) << 4);
-        unsigned char *vb = vt + col / 2 * dh + d0;
+    }
+    const int64_t vblocks = mha_q8_blocks(dv);
+    for (int64_t k = 0; k < vblocks; k++) {
+        const int64_t d0 = k * MHA_Q8_BLOCK;
+        const int n = (int)(dv - d0 < MHA_Q8_BLOCK ? dv - d0 : MHA_Q8_BLOCK);
+        vs[col * vblocks + k] = quant_block(vr + d0, n, 7, vc, 1);
+        unsigned char *vb = vt + col / 2 * dv + d0;
         for (int i = 0; i < n; i++)
             vb[i] = col & 1 ? (unsigned char)((vb[i] & 0x0F) |
                                               (vc[i] & 0x0F) << 4)
@@ -388,12 +407,12 @@ static void put_q4(int64_t dh, int64_t col, const float *kr,
     }
 }
 
-/* Key and value `col` of tile t of (b, g) from kr and vr (dh floats),
- * turned first on a rotated cache. */
+/* Key (dh floats) and value (dv) `col` of tile t of (b, g) from kr and
+ * vr, turned first on a rotated cache (dv = dh there). */
 static void put_column(mha_kv_cache *c, int64_t b, int64_t g, int64_t t,
                        int64_t col, const float *kr, const float *vr)
 {
-    const int64_t dh = c->dh, cols = MHA_BC;
+    const int64_t dh = c->dh, dv = c->dv, cols = MHA_BC;
     unsigned char *kt = (unsigned char *)mha_kv_cache_k_tile(c, b, g, t);
     unsigned char *vt = (unsigned char *)mha_kv_cache_v_tile(c, b, g, t);
     float turned[2][MAX_TURNED];
@@ -405,24 +424,29 @@ static void put_column(mha_kv_cache *c, int64_t b, int64_t g, int64_t t,
         vr = turned[1];
     }
     if (c->dtype == MHA_KV_Q4) {
-        put_q4(dh, col, kr, vr, kt, vt);
+        put_q4(dh, dv, col, kr, vr, kt, vt);
     } else if (c->dtype == MHA_KV_Q8) {
         float *ks = (float *)mha_q8_scales(kt, cols, dh);
-        float *vs = (float *)mha_q8_scales(vt, cols, dh);
-        const int64_t blocks = mha_q8_blocks(dh);
-        for (int64_t k = 0; k < blocks; k++) {
+        float *vs = (float *)mha_q8_scales(vt, cols, dv);
+        for (int64_t k = 0; k < mha_q8_blocks(dh); k++) {
             const int64_t d0 = k * MHA_Q8_BLOCK;
             const int n = (int)(dh - d0 < MHA_Q8_BLOCK ? dh - d0
                                                        : MHA_Q8_BLOCK);
             ks[k * cols + col] = quant_block(
                 kr + d0, n, 127, (int8_t *)kt + d0 * cols + col, cols);
-            vs[col * blocks + k] = quant_block(
-                vr + d0, n, 127, (int8_t *)vt + col * dh + d0, 1);
+        }
+        const int64_t vblocks = mha_q8_blocks(dv);
+        for (int64_t k = 0; k < vblocks; k++) {
+            const int64_t d0 = k * MHA_Q8_BLOCK;
+            const int n = (int)(dv - d0 < MHA_Q8_BLOCK ? dv - d0
+                                                       : MHA_Q8_BLOCK);
+            vs[col * vblocks + k] = quant_block(
+                vr + d0, n, 127, (int8_t *)vt + col * dv + d0, 1);
         }
     } else {
         const int64_t esize = c->dtype == MHA_KV_F32 ? 4 : 2;
         store(c->dtype, kr, dh, kt + col * esize, cols);
-        store(c->dtype, vr, dh, vt + col * dh * esize, 1);
+        store(c->dtype, vr, dv, vt + col * dv * esize, 1);
     }
 }
 
@@ -434,8 +458,8 @@ static float tile_finite(const mha_kv_cache *c, int64_t b, int64_t g,
 {
     const unsigned char *v = mha_kv_cache_v_tile(c, b, g, t);
     for (int64_t col = c0; col < c1; col++)
-        for (int64_t d = 0; d < c->dh; d++)
-            if (!isfinite(mha_v_load(c->dtype, v, MHA_BC, c->dh, col, d)))
+        for (int64_t d = 0; d < c->dv; d++)
+            if (!isfinite(mha_v_load(c->dtype, v, MHA_BC, c->dv, col, d)))
                 return 0.0f;
     return 1.0f;
 }
@@ -446,9 +470,9 @@ mha_status mha_kv_cache_check_values(const mha_kv_cache *c, int64_t b,
 {
     if (c->dtype != MHA_KV_F16)
         return MHA_OK;
-    const int64_t w = c->Hkv * c->dh;
+    const int64_t w = c->Hkv * c->dh, wv = c->Hkv * c->dv;
     for (int64_t r = 0; r < n; r++)
-        for (int64_t e = 0; e < 2 * w; e++) {
+        for (int64_t e = 0; e < w + wv; e++) {
             const float x = e < w ? k[r * ldk + e] : v[r * ldv + e - w];
             /* 65520 is the midpoint of 65504 and 65536: it and all above
              * round to Inf; Inf and NaN given stay what they are. */
@@ -460,8 +484,9 @@ mha_status mha_kv_cache_check_values(const mha_kv_cache *c, int64_t b,
                     "(|x| < 65520, stored as at most 65504): an f16 cache "
                     "would hold Inf; use a bf16 or f32 cache",
                     e < w ? "key" : "value", (double)x, (long long)r,
-                    (long long)b, (long long)((e % w) / c->dh),
-                    (long long)(e % c->dh));
+                    (long long)b,
+                    (long long)(e < w ? e / c->dh : (e - w) / c->dv),
+                    (long long)(e < w ? e % c->dh : (e - w) % c->dv));
         }
     return MHA_OK;
 }
@@ -476,7 +501,7 @@ void mha_kv_cache_put(mha_kv_cache *c, int64_t b, const float *k,
         const int64_t t = slot / MHA_BC, col = slot % MHA_BC;
         for (int64_t g = 0; g < c->Hkv; g++) {
             put_column(c, b, g, t, col, k + r * ldk + g * dh,
-                       v + r * ldv + g * dh);
+                       v + r * ldv + g * c->dv);
             const double ka = mha_max_abs_finite(k + r * ldk + g * dh, 1,
                                                  dh, dh, 1);
             c->key_amax = ka > c->key_amax ? ka : c->key_amax;
@@ -624,10 +649,10 @@ mha_status mha_kv_cache_append(mha_kv_cache *c, int64_t seq, const float *k,
         return mha_set_error(MHA_ERR_OVERFLOW,
                              "sequence %lld's length overflows",
                              (long long)seq);
-    const int64_t Ekv = c->Hkv * c->dh;
-    MHA_CHECK(mha_kv_cache_check_values(c, seq, k, Ekv, v, Ekv, n));
+    const int64_t Ekv = c->Hkv * c->dh, Evkv = c->Hkv * c->dv;
+    MHA_CHECK(mha_kv_cache_check_values(c, seq, k, Ekv, v, Evkv, n));
     MHA_CHECK(mha_kv_pages_reserve(c, seq, n));   /* the last check */
-    mha_kv_cache_put(c, seq, k, Ekv, v, Ekv, n);
+    mha_kv_cache_put(c, seq, k, Ekv, v, Evkv, n);
     return MHA_OK;
 }
 
@@ -727,7 +752,8 @@ mha_status mha_kv_cache_read(const mha_kv_cache *c, int64_t seq,
                              (long long)(c->len[seq] - 1));
     if (n > 0 && !k && !v)
         return mha_set_error(MHA_ERR_NULL_POINTER, "k and v are both NULL");
-    const int64_t dh = c->dh, Ekv = c->Hkv * dh;
+    const int64_t dh = c->dh, dv = c->dv, Ekv = c->Hkv * dh,
+                  Evkv = c->Hkv * dv;
     for (int64_t r = 0; r < n; r++) {
         const int64_t slot = c->window ? (start + r) % c->capacity
                                        : start + r;
@@ -735,20 +761,19 @@ mha_status mha_kv_cache_read(const mha_kv_cache *c, int64_t seq,
         for (int64_t g = 0; g < c->Hkv; g++) {
             const void *kt = mha_kv_cache_k_tile(c, seq, g, t);
             const void *vt = mha_kv_cache_v_tile(c, seq, g, t);
-            for (int64_t d = 0; d < dh; d++) {
-                if (k)
-                    k[r * Ekv + g * dh + d] =
-                        mha_kt_load(c->dtype, kt, MHA_BC, dh, d, col);
-                if (v)
-                    v[r * Ekv + g * dh + d] =
-                        mha_v_load(c->dtype, vt, MHA_BC, dh, col, d);
-            }
+            for (int64_t d = 0; k && d < dh; d++)
+                k[r * Ekv + g * dh + d] =
+                    mha_kt_load(c->dtype, kt, MHA_BC, dh, d, col);
+            for (int64_t d = 0; v && d < dv; d++)
+                v[r * Evkv + g * dv + d] =
+                    mha_v_load(c->dtype, vt, MHA_BC, dv, col, d);
         }
-        /* a rotated cache's values turned back (H is its own inverse) */
+        /* a rotated cache's values turned back (H is its own inverse;
+         * dv = dh there) */
         if (k)
             mha_kv_cache_turn(c, k + r * Ekv, 1, c->Hkv, Ekv);
         if (v)
-            mha_kv_cache_turn(c, v + r * Ekv, 1, c->Hkv, Ekv);
+            mha_kv_cache_turn(c, v + r * Evkv, 1, c->Hkv, Evkv);
     }
     return MHA_OK;
 }

@@ -36,6 +36,12 @@ static mha_status check_ragged(const mha_attention_decode_args *d,
     if (!c)
         return mha_set_error(MHA_ERR_NULL_POINTER,
                              "cache is NULL: decoding reads a KV cache");
+    if (c->dv != c->dh)
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "q_start (a ragged step) on a cache whose "
+                             "values are %lld wide and keys %lld is not "
+                             "supported yet: call per sequence",
+                             (long long)c->dv, (long long)c->dh);
     if (d->batch != c->B)
         return mha_set_error(MHA_ERR_SHAPE,
                              "batch %lld differs from the cache's %lld "
@@ -291,7 +297,8 @@ static mha_status decode_ragged(const mha_attention_decode_args *d)
         d, c, E, d->num_heads, half ? 2 : 4,
         malloc((size_t)(rows * E) * (half ? 2 : 4) + 1),
         d->lse ? malloc((size_t)(rows * d->num_heads) * 4 + 1) : NULL,
-        mha_alloc_floats(mha_packed_floats(1, c->Hkv, 0, c->dh),
+        mha_alloc_floats(mha_packed_floats(1, c->Hkv, 0,
+                                           c->dv > c->dh ? c->dv : c->dh),
                          "a ragged step's view of the cache")};
     int64_t *mem = malloc((size_t)c->B * sizeof *mem + 1);
     unsigned char *done = calloc((size_t)c->B + 1, 1);

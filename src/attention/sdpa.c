@@ -86,12 +86,15 @@ static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
                              "v_head_dim must be >= 1 (0: head_dim) and at "
                              "most 2^24, got %lld",
                              (long long)a->v_head_dim);
-    if (s->dv != s->dh && a->cache)
-        return mha_set_error(MHA_ERR_UNSUPPORTED,
-                             "v_head_dim %lld != head_dim %lld with a KV "
-                             "cache is not supported yet: a cache holds "
-                             "keys and values of one width",
-                             (long long)s->dv, (long long)s->dh);
+    if (a->cache) {   /* the values' width is the cache's */
+        if (a->v_head_dim && a->v_head_dim != a->cache->dv)
+            return mha_set_error(MHA_ERR_SHAPE,
+                                 "v_head_dim %lld differs from the cache's "
+                                 "values' head width %lld (0: the cache's)",
+                                 (long long)a->v_head_dim,
+                                 (long long)a->cache->dv);
+        s->dv = a->cache->dv;
+    }
     if (a->cache) {
         const mha_kv_cache *kv = a->cache;
         const char *bad = a->k ? "k" : a->v ? "v"

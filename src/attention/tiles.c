@@ -150,7 +150,7 @@ static float kv_elem(const mha_attn *a, int x, int64_t b, int64_t g,
         const mha_kv_cache *c = a->kv;
         const int64_t t = j / MHA_BC, col = j % MHA_BC;
         return x ? mha_v_load(c->dtype, mha_kv_cache_v_tile(c, b, g, t),
-                              MHA_BC, c->dh, col, d)
+                              MHA_BC, c->dv, col, d)
                  : mha_kt_load(c->dtype, mha_kv_cache_k_tile(c, b, g, t),
                                MHA_BC, c->dh, d, col);
     }

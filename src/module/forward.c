@@ -65,6 +65,11 @@ static mha_status check_cache_args(const mha_module *m,
                              (long long)kv->dh, (long long)a->batch,
                              (long long)m->cfg.num_kv_heads,
                              (long long)m->head_dim);
+    if (kv->dv != kv->dh)
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "the cache's values are %lld wide, its keys "
+                             "%lld: a module's values are as wide as its "
+                             "keys", (long long)kv->dv, (long long)kv->dh);
     if (kv->window) {
         MHA_CHECK(mha_kv_cache_window_args(&a->attn_mask,
                                            &a->key_padding_mask,
