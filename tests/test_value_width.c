@@ -55,6 +55,9 @@ static const vcase CASES[] = {
     {"decoding, split keys",         2, 8, 2, 16, 8,  1,  1100, MHA_CAUSAL_BOTTOM_RIGHT, 0, 0, 0, 0, 0},
     {"decoding, MQA, in place",      1, 1, 1, 32, 20, 1,  700, 0, 0, 0, 0, 0, 0},
     {"heads first",                  2, 4, 2, 16, 24, 17, 80,  MHA_CAUSAL_BOTTOM_RIGHT, 0, 0, 0, 0, 1},
+    /* more query heads per K/V head than a block holds: runs of heads */
+    {"80 heads on 1, decoding",      1, 80, 1, 12, 8, 1,  1100, MHA_CAUSAL_BOTTOM_RIGHT, 0, 0, 0, 0, 0},
+    {"2 x 40 heads, 3 rows",         1, 80, 2, 8,  12, 3, 1030, MHA_CAUSAL_BOTTOM_RIGHT, 0, 0, 1, 0, 0},
 };
 
 typedef struct prob {

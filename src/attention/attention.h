@@ -759,12 +759,14 @@ typedef void (*mha_tile_fn)(const mha_attn *a, const mha_tile *t, void *ctx);
 void mha_for_each_tile(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
                        int mr, int64_t k0, int64_t k1, int with_extra,
                        float *bias, mha_tile_fn fn, void *ctx);
-/* The same for a block that stacks the group's heads: `stack` query rows
- * i0 .. i0+stack-1 of each of the H / Hkv heads of K/V head g, mr =
- * stack * H / Hkv rows in all (mha_tile.stack). */
-void mha_for_each_tile_stacked(const mha_attn *a, int64_t b, int64_t g,
-                               int64_t i0, int stack, int64_t k0, int64_t k1,
-                               int with_extra, mha_tile_fn fn, void *ctx);
+/* The same for a block that stacks query heads of one K/V head: `stack`
+ * query rows i0 .. i0+stack-1 of each of the nh heads h0 .. h0+nh-1 (all
+ * of one K/V head's group, or a run of them), mr = stack * nh rows in
+ * all (mha_tile.stack). */
+void mha_for_each_tile_stacked(const mha_attn *a, int64_t b, int64_t h0,
+                               int nh, int64_t i0, int stack, int64_t k0,
+                               int64_t k1, int with_extra, mha_tile_fn fn,
+                               void *ctx);
 
 /* The scores s[r][c] (row stride MHA_BC) of a tile, as qk left them,
  * made final: softcapped, ALiBi-biased, then masked as t->how says.
@@ -802,7 +804,8 @@ int mha_tile_first_row(const mha_attn *a, const mha_tile *t, int c);
 static inline int64_t mha_tile_head(const mha_attn *a, const mha_tile *t,
                                     int r)
 {
-    return t->stack ? t->g * (a->H / a->Hkv) + r / t->stack : t->h;
+    (void)a;
+    return t->stack ? t->h + r / t->stack : t->h;
 }
 /* Query row of row r of a tile. */
 static inline int64_t mha_tile_row(const mha_tile *t, int r)
@@ -847,10 +850,10 @@ void mha_flash_finish(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
                       int mr, const float *m, const float *l, const float *o);
 void mha_flash_block(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
                      int mr, flash_scratch *f);
-/* mha_flash_rows for rows 0 .. stack-1 of every query head of K/V head g,
- * stacked head after head (mha_tile.stack). */
-void mha_flash_rows_stacked(const mha_attn *a, int64_t b, int64_t g,
-                            int stack, int64_t k0, int64_t k1,
+/* mha_flash_rows for rows 0 .. stack-1 of query heads h0 .. h0+nh-1 (of
+ * one K/V head), stacked head after head (mha_tile.stack). */
+void mha_flash_rows_stacked(const mha_attn *a, int64_t b, int64_t h0,
+                            int nh, int stack, int64_t k0, int64_t k1,
                             int with_extra, flash_scratch *f);
 
 /* decode.c: key chunks of a split problem (1: not split), the floats of
@@ -864,11 +867,16 @@ void mha_decode_merge(const mha_attn *a, int64_t bh, int64_t chunks,
                       flash_scratch *f);
 /* Whether the chunks run per (b, K/V head), the group's query heads
  * stacked into one block (grouped-query decoding: each K/V tile read once
- * for the whole group), and that chunk.  The same bits as per head (the
- * kernels' results do not depend on the row count). */
+ * for the whole group): 0, or the heads a block stacks, all of the group
+ * when its rows fit a block (MHA_BR), else runs of MHA_BR / Lq heads
+ * (128 query heads on one K/V head, as MLA decodes: 2 blocks, not 128
+ * passes over the keys); the runs a group takes; and one chunk of one
+ * run.  The same bits as per head (the kernels' results do not depend on
+ * the row count). */
 int mha_decode_stacked(const mha_attn *a);
-void mha_decode_chunk_stacked(const mha_attn *a, int64_t bg, int64_t c,
-                              int64_t chunks, flash_scratch *f);
+int64_t mha_decode_stacks(const mha_attn *a, int nh);
+void mha_decode_chunk_stacked(const mha_attn *a, int nh, int64_t item,
+                              int64_t c, int64_t chunks, flash_scratch *f);
 
 /* weights.c: the weights of rows i0 .. i0+mr-1 of batch b, every head. */
 void mha_weights_block(const mha_attn *a, int64_t b, int64_t i0, int mr,

@@ -58,21 +58,34 @@ void mha_decode_chunk(const mha_attn *a, int64_t bh, int64_t c,
 
 int mha_decode_stacked(const mha_attn *a)
 {
-    return a->Hkv < a->H && (a->H / a->Hkv) * a->Lq <= MHA_BR &&
-           !a->dropout && !mha_mask_has_explicit(a->mask) &&
-           mha_decode_chunks(a->Lq, a->Lk) > 1;
+    if (!(a->Hkv < a->H && a->Lq <= MHA_BR / 2 && !a->dropout &&
+          !mha_mask_has_explicit(a->mask) &&
+          mha_decode_chunks(a->Lq, a->Lk) > 1))
+        return 0;
+    const int64_t group = a->H / a->Hkv, fit = MHA_BR / a->Lq;
+    return (int)(group < fit ? group : fit);
 }
 
-void mha_decode_chunk_stacked(const mha_attn *a, int64_t bg, int64_t c,
-                              int64_t chunks, flash_scratch *f)
+int64_t mha_decode_stacks(const mha_attn *a, int nh)
 {
-    const int64_t b = bg / a->Hkv, g = bg % a->Hkv, group = a->H / a->Hkv;
+    const int64_t group = a->H / a->Hkv;
+    return (group + nh - 1) / nh;
+}
+
+void mha_decode_chunk_stacked(const mha_attn *a, int nh, int64_t item,
+                              int64_t c, int64_t chunks, flash_scratch *f)
+{
+    const int64_t group = a->H / a->Hkv, stacks = mha_decode_stacks(a, nh);
+    const int64_t bg = item / stacks, s = item % stacks;
+    const int64_t b = bg / a->Hkv, g = bg % a->Hkv;
+    const int64_t h0 = g * group + s * nh;
+    const int n = (int)(group - s * nh < nh ? group - s * nh : nh);
     const int64_t k0 = c * MHA_SPLIT;
     const int64_t k1 = k0 + MHA_SPLIT < a->Lk ? k0 + MHA_SPLIT : a->Lk;
     const int Lq = (int)a->Lq, dh = (int)mha_dv(a);
-    mha_flash_rows_stacked(a, b, g, Lq, k0, k1, c == chunks - 1, f);
-    for (int64_t hh = 0; hh < group; hh++) {
-        float *slot = partial_slot(a, b * a->H + g * group + hh, c, chunks);
+    mha_flash_rows_stacked(a, b, h0, n, Lq, k0, k1, c == chunks - 1, f);
+    for (int64_t hh = 0; hh < n; hh++) {
+        float *slot = partial_slot(a, b * a->H + h0 + hh, c, chunks);
         for (int i = 0; i < Lq; i++) {
             const int64_t r = hh * Lq + i;
             float *row = slot + i * (dh + 2);

@@ -126,16 +126,16 @@ void mha_flash_rows(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
                       output_tile, f);
 }
 
-void mha_flash_rows_stacked(const mha_attn *a, int64_t b, int64_t g,
-                            int stack, int64_t k0, int64_t k1,
+void mha_flash_rows_stacked(const mha_attn *a, int64_t b, int64_t h0,
+                            int nh, int stack, int64_t k0, int64_t k1,
                             int with_extra, flash_scratch *f)
 {
-    const int group = (int)(a->H / a->Hkv), mr = stack * group;
-    for (int hh = 0; hh < group; hh++)
-        mha_load_q(a, b, g * group + hh, 0, stack,
+    const int mr = stack * nh;
+    for (int hh = 0; hh < nh; hh++)
+        mha_load_q(a, b, h0 + hh, 0, stack,
                    f->qs + (int64_t)hh * stack * a->dh);
-    start_rows(a, g * group, stack, mr, with_extra, f);
-    mha_for_each_tile_stacked(a, b, g, 0, stack, k0, k1, with_extra,
+    start_rows(a, h0, stack, mr, with_extra, f);
+    mha_for_each_tile_stacked(a, b, h0, nh, 0, stack, k0, k1, with_extra,
                               output_tile, f);
 }
 

@@ -170,10 +170,12 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
         } else if (chunks > 1) {
             /* (every thread takes the same branch: it follows the shape) */
             if (stacked) {
+                const int64_t items =
+                    a->B * a->Hkv * mha_decode_stacks(a, stacked);
 #pragma omp for schedule(dynamic, 1)
-                for (int64_t t = 0; t < a->B * a->Hkv * chunks; t++)
-                    mha_decode_chunk_stacked(a, t / chunks, t % chunks,
-                                             chunks, &f);
+                for (int64_t t = 0; t < items * chunks; t++)
+                    mha_decode_chunk_stacked(a, stacked, t / chunks,
+                                             t % chunks, chunks, &f);
             } else {
 #pragma omp for schedule(dynamic, 1)
                 for (int64_t t = 0; t < bh_items * chunks; t++)

@@ -454,11 +454,11 @@ void mha_for_each_tile(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
     walk(a, b, h, i0, mr, mr, 0, k0, k1, with_extra, bias, fn, ctx);
 }
 
-void mha_for_each_tile_stacked(const mha_attn *a, int64_t b, int64_t g,
-                               int64_t i0, int stack, int64_t k0, int64_t k1,
-                               int with_extra, mha_tile_fn fn, void *ctx)
+void mha_for_each_tile_stacked(const mha_attn *a, int64_t b, int64_t h0,
+                               int nh, int64_t i0, int stack, int64_t k0,
+                               int64_t k1, int with_extra, mha_tile_fn fn,
+                               void *ctx)
 {
-    const int group = (int)(a->H / a->Hkv);
-    walk(a, b, g * group, i0, stack, stack * group, stack, k0, k1,
-         with_extra, NULL, fn, ctx);
+    walk(a, b, h0, i0, stack, stack * nh, stack, k0, k1, with_extra, NULL,
+         fn, ctx);
 }
