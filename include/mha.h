@@ -1112,6 +1112,16 @@ typedef struct mha_kv_cache_config {
                               tile takes a key tile's room (the wider
                               of the two).  Not with rotate, nor with a
                               module's cached forward.                 */
+    int latent;            /* nonzero: multi-head latent attention's cache
+                              (DeepSeek's MLA, absorbed): each token's
+                              value is the first v_head_dim <= head_dim
+                              elements of its key, stored once (append
+                              with v NULL; read gives that prefix).
+                              f32, f16 or bf16, contiguous, no window,
+                              no rotation.  With one K/V head of 576
+                              (a 512 latent and 64 rotary) and values
+                              of 512, 128 query heads decode from 1/71
+                              of the naive cache's bytes.              */
 } mha_kv_cache_config;
 
 /*

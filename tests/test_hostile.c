@@ -51,7 +51,7 @@ static void fixture_make(fixture *f)
     f->m = tu_module(&c, 11);
     assert_non_null(f->m);
     assert_int_equal(mha_kv_cache_for_module(f->m, 2, CAP, &f->kv), MHA_OK);
-    const mha_kv_cache_config wc = {1, HKV, DH, WCAP, MHA_KV_F16, W, 0, 0, 0, 0};
+    const mha_kv_cache_config wc = {1, HKV, DH, WCAP, MHA_KV_F16, W, 0, 0, 0, 0, 0};
     assert_int_equal(mha_kv_cache_create(&wc, &f->wkv), MHA_OK);
     tu_fill(f->x, 2 * CAP * E, 3, -1, 1);
     tu_fill(f->k, CAP * HKV * DH, 4, -1, 1);
@@ -159,7 +159,7 @@ static mha_status config_with(void (*change)(mha_config *), mha_module **m)
     ATTACK(name)                                                             \
     {                                                                        \
         mha_kv_cache *c = NULL;                                              \
-        const mha_kv_cache_config kc = {__VA_ARGS__, 0, 0, 0, 0};            \
+        const mha_kv_cache_config kc = {__VA_ARGS__, 0, 0, 0, 0, 0};         \
         (void)f;                                                             \
         const mha_status st = mha_kv_cache_create(&kc, &c);                  \
         mha_kv_cache_free(c);                                                \

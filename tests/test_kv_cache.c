@@ -331,7 +331,7 @@ static void test_misuse(void **state)
     assert_fails(mha_kv_cache_for_module(m, 2, 0, &kv),
                  MHA_ERR_INVALID_ARGUMENT, "capacity");
     assert_null(kv);
-    mha_kv_cache_config kc = {2, 4, 4, 10, (mha_kv_dtype)9, 0, 0, 0, 0, 0};
+    mha_kv_cache_config kc = {2, 4, 4, 10, (mha_kv_dtype)9, 0, 0, 0, 0, 0, 0};
     assert_fails(mha_kv_cache_create(&kc, &kv), MHA_ERR_INVALID_ARGUMENT,
                  "dtype 9");
     assert_int_equal(mha_kv_cache_for_module(m, 2, 10, &kv), MHA_OK);
@@ -422,7 +422,7 @@ static void test_misuse(void **state)
     mha_kv_cache_free(kv);
     mha_kv_cache_free(NULL);
     /* A cache for other heads than the module's. */
-    mha_kv_cache_config other = {2, 2, 4, 10, MHA_KV_F32, 0, 0, 0, 0, 0};
+    mha_kv_cache_config other = {2, 2, 4, 10, MHA_KV_F32, 0, 0, 0, 0, 0, 0};
     assert_int_equal(mha_kv_cache_create(&other, &kv), MHA_OK);
     a.cache = kv;
     assert_fails(mha_forward(m, &a), MHA_ERR_SHAPE, "K/V heads");
@@ -439,7 +439,7 @@ static void test_attention_on_cache(void **state)
     enum { B = 2, H = 4, HKV = 2, DH = 8, LQ = 2, CAP = 1500, E = H * DH,
            EKV = HKV * DH };
     const int64_t lens[B] = {70, 1300};
-    mha_kv_cache_config kc = {B, HKV, DH, CAP, MHA_KV_F32, 0, 0, 0, 0, 0};
+    mha_kv_cache_config kc = {B, HKV, DH, CAP, MHA_KV_F32, 0, 0, 0, 0, 0, 0};
     mha_kv_cache *kv = NULL;
     assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
     float *k = malloc((size_t)(CAP * EKV) * 4), *v = malloc((size_t)(CAP * EKV) * 4);

@@ -572,7 +572,7 @@ static void test_attention_on_cache(void **state)
            EKV = HKV * DH };
     static const int64_t lens[B] = {70, 1300, 5};
     const int64_t Lk = 1300;
-    mha_kv_cache_config kc = {B, HKV, DH, CAP, MHA_KV_F32, 0, 0, 0, 0, 0};
+    mha_kv_cache_config kc = {B, HKV, DH, CAP, MHA_KV_F32, 0, 0, 0, 0, 0, 0};
     mha_kv_cache *kv = NULL;
     assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
     float *k = malloc((size_t)(CAP * EKV) * 4);

@@ -133,7 +133,7 @@ static void wdec_init(wdec *d, const mha_config *cfg, int64_t W,
     d->maxlen = maxlen;
     d->threads = threads;
     d->seed = 500;
-    const mha_kv_cache_config kc = {B, r.num_kv_heads, dh, cap, dtype, W, 0, 0, 0, 0};
+    const mha_kv_cache_config kc = {B, r.num_kv_heads, dh, cap, dtype, W, 0, 0, 0, 0, 0};
     assert_int_equal(mha_kv_cache_create(&kc, &d->kv), MHA_OK);
     for (int b = 0; b < B; b++) {
         wseq *s = &d->s[b];
@@ -534,7 +534,7 @@ static void heads_decode(mha_kv_dtype dtype, int64_t Hkv, int64_t Lq,
     enum { H = 4, DH = 16, E = H * DH, W = 45, STEPS = 150 };
     const int64_t Ekv = Hkv * DH, cap = W + Lq - 1;
     const int64_t maxlen = 11 + STEPS * Lq;
-    const mha_kv_cache_config kc = {B, Hkv, DH, cap, dtype, W, 0, 0, 0, 0};
+    const mha_kv_cache_config kc = {B, Hkv, DH, cap, dtype, W, 0, 0, 0, 0, 0};
     mha_kv_cache *kv = NULL;
     assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
     float *K[B], *V[B];
@@ -641,7 +641,7 @@ static void test_attention_on_heads(void **state)
 static void nonfinite(mha_kv_dtype dtype, float bad, int64_t W)
 {
     enum { H = 2, DH = 8, E = H * DH, CAP = 80, L = 200 };
-    const mha_kv_cache_config kc = {B, H, DH, CAP, dtype, W, 0, 0, 0, 0};
+    const mha_kv_cache_config kc = {B, H, DH, CAP, dtype, W, 0, 0, 0, 0, 0};
     mha_kv_cache *kv = NULL;
     assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
     float k[E], v[E], q[B * E], out[B * E];
@@ -713,7 +713,7 @@ static void test_unwrapped_bitwise(void **state)
     const int64_t caps[4] = {CAP, CAP, CAP + 63, CAP};
     for (int c = 0; c < 4; c++) {
         const mha_kv_cache_config kc = {B, 2, 8, caps[c], MHA_KV_F32,
-                                        windows[c], 0, 0, 0, 0};
+                                        windows[c], 0, 0, 0, 0, 0};
         assert_int_equal(mha_kv_cache_create(&kc, &kv[c]), MHA_OK);
     }
     int64_t len[B] = {0, 0, 0};
@@ -796,7 +796,7 @@ static void threaded(int threads, float *outs)
     cfg.num_kv_heads = HKV;
     mha_module *m = tu_module(&cfg, 41);
     assert_non_null(m);
-    const mha_kv_cache_config kc = {BT, HKV, DH, CAP, MHA_KV_F32, W, 0, 0, 0, 0};
+    const mha_kv_cache_config kc = {BT, HKV, DH, CAP, MHA_KV_F32, W, 0, 0, 0, 0, 0};
     mha_kv_cache *kv = NULL;
     assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
     float *k = malloc((size_t)(CAP * EKV) * 4);
@@ -879,7 +879,7 @@ static void test_misuse(void **state)
     mha_module *m = tu_module(&cfg, 7);
     mha_kv_cache *kv = NULL;
     /* Windows the ring cannot hold. */
-    mha_kv_cache_config kc = {B, 2, 4, 19, MHA_KV_F32, 20, 0, 0, 0, 0};
+    mha_kv_cache_config kc = {B, 2, 4, 19, MHA_KV_F32, 20, 0, 0, 0, 0, 0};
     assert_fails(mha_kv_cache_create(&kc, &kv), MHA_ERR_INVALID_ARGUMENT,
                  "window 20");
     assert_null(kv);

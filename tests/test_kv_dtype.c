@@ -160,7 +160,7 @@ static void round_trip(mha_kv_dtype dtype, const float *x, int64_t n,
                        float *k, float *v)
 {
     const int64_t tokens = n / RT_DH;
-    mha_kv_cache_config kc = {1, 1, RT_DH, tokens, dtype, 0, 0, 0, 0, 0};
+    mha_kv_cache_config kc = {1, 1, RT_DH, tokens, dtype, 0, 0, 0, 0, 0, 0};
     mha_kv_cache *kv = NULL;
     assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
     assert_int_equal(mha_kv_cache_append(kv, 0, x, x, tokens), MHA_OK);
@@ -300,7 +300,7 @@ static void check_quant(mha_kv_dtype dtype, const int64_t *dhs, int ndh)
                                     : (float)(d % (qmax < 9 ? qmax : 9)) -
                                           3.5f;
         }
-        mha_kv_cache_config kc = {1, 1, dh, tokens, dtype, 0, 0, 0, 0, 0};
+        mha_kv_cache_config kc = {1, 1, dh, tokens, dtype, 0, 0, 0, 0, 0, 0};
         mha_kv_cache *kv = NULL;
         assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
         assert_int_equal(mha_kv_cache_append(kv, 0, x, x, tokens), MHA_OK);
@@ -344,7 +344,7 @@ static void test_q4_rounding(void **state)
     const int64_t dhs[] = {64, 40, 6};
     check_quant(MHA_KV_Q4, dhs, 3);
     /* two codes a byte: an odd d_h is refused, naming it */
-    mha_kv_cache_config kc = {1, 1, 7, 8, MHA_KV_Q4, 0, 0, 0, 0, 0};
+    mha_kv_cache_config kc = {1, 1, 7, 8, MHA_KV_Q4, 0, 0, 0, 0, 0, 0};
     mha_kv_cache *kv = NULL;
     assert_fails(mha_kv_cache_create(&kc, &kv), MHA_ERR_INVALID_ARGUMENT,
                  "head_dim must be even");
@@ -394,7 +394,7 @@ static mha_kv_cache *cache_of(const problem *p, mha_kv_dtype dtype,
 {
     mha_kv_cache_config kc = {p->B, p->Hkv, DH,
                               (p->len[0] > p->len[1] ? p->len[0] : p->len[1]),
-                              dtype, 0, 0, 0, 0, 0};
+                              dtype, 0, 0, 0, 0, 0, 0};
     mha_kv_cache *kv = NULL;
     assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
     for (int64_t b = 0; b < p->B; b++)
@@ -646,7 +646,7 @@ static void rotated_decode(mha_kv_dtype dtype, int rotate, const float *k,
                            const float *v, const float *q, int threads,
                            float *out, float *kr)
 {
-    mha_kv_cache_config kc = {RB, RHKV, RDH, RLEN, dtype, 0, 0, 0, rotate, 0};
+    mha_kv_cache_config kc = {RB, RHKV, RDH, RLEN, dtype, 0, 0, 0, rotate, 0, 0};
     mha_kv_cache *kv = NULL;
     assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
     const int64_t ld = RLEN * RHKV * RDH;
@@ -772,7 +772,7 @@ static void test_rotation(void **state)
                    malloc((size_t)(RB * L * E) * 4)};
     tu_fill(x, RB * L * E, 78, -1, 1);
     for (int rot = 0; rot < 2; rot++) {
-        mha_kv_cache_config kc = {RB, RHKV, RDH, L, MHA_KV_F32, 0, 0, 0, rot, 0};
+        mha_kv_cache_config kc = {RB, RHKV, RDH, L, MHA_KV_F32, 0, 0, 0, rot, 0, 0};
         mha_kv_cache *kv = NULL;
         assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
         mha_forward_args fa = {0};
@@ -808,7 +808,7 @@ static void test_rotation(void **state)
     mha_free(m);
     free(x), free(y[0]), free(y[1]);
     /* misuse: an odd head_dim cannot be turned */
-    mha_kv_cache_config kc = {1, 1, 7, 8, MHA_KV_F32, 0, 0, 0, 1, 0};
+    mha_kv_cache_config kc = {1, 1, 7, 8, MHA_KV_F32, 0, 0, 0, 1, 0, 0};
     mha_kv_cache *kv = NULL;
     assert_fails(mha_kv_cache_create(&kc, &kv), MHA_ERR_INVALID_ARGUMENT,
                  "rotated");
@@ -919,7 +919,7 @@ static void test_truncation_keeps_flag(void **state)
 static void test_read_misuse(void **state)
 {
     (void)state;
-    mha_kv_cache_config kc = {2, 1, 8, 10, MHA_KV_BF16, 0, 0, 0, 0, 0};
+    mha_kv_cache_config kc = {2, 1, 8, 10, MHA_KV_BF16, 0, 0, 0, 0, 0, 0};
     mha_kv_cache *kv = NULL;
     assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
     float x[4 * 8], y[4 * 8];

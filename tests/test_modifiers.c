@@ -610,7 +610,7 @@ static double decode_vs_forward(const mha_module *m, const float *x,
     const int64_t E = c.embed_dim;
     const mha_kv_cache_config kc = {B, c.num_kv_heads, c.head_dim,
                                     window ? window - 1 + chunk : L,
-                                    MHA_KV_F32, window, 0, 0, 0, 0};
+                                    MHA_KV_F32, window, 0, 0, 0, 0, 0};
     mha_kv_cache *kv;
     assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
     float *step_in = malloc((size_t)(B * chunk * E) * 4);

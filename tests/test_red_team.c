@@ -357,7 +357,7 @@ static void test_f16_cache_overflow(void **state)
 {
     (void)state;
     enum { HK = 2, D = 4, EK = HK * D };
-    const mha_kv_cache_config kc = {1, HK, D, 8, MHA_KV_F16, 0, 0, 0, 0, 0};
+    const mha_kv_cache_config kc = {1, HK, D, 8, MHA_KV_F16, 0, 0, 0, 0, 0, 0};
     mha_kv_cache *kv = NULL;
     assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
     float k[2 * EK], v[2 * EK], rk[2 * EK], rv[2 * EK];
@@ -387,7 +387,7 @@ static void test_f16_cache_overflow(void **state)
     c.num_heads = 2;
     mha_module *m = tu_module(&c, 22);
     assert_non_null(m);
-    const mha_kv_cache_config mc = {1, 2, 8, L, MHA_KV_F16, 0, 0, 0, 0, 0};
+    const mha_kv_cache_config mc = {1, 2, 8, L, MHA_KV_F16, 0, 0, 0, 0, 0, 0};
     assert_int_equal(mha_kv_cache_create(&mc, &kv), MHA_OK);
     float x[L * E], y[L * E];
     tu_fill(x, L * E, 23, -1e6f, 1e6f);
@@ -440,7 +440,7 @@ static void test_q8_flt_max(void **state)
 {
     (void)state;
     enum { HK = 1, D = 32 };
-    const mha_kv_cache_config kc = {1, HK, D, 2, MHA_KV_Q8, 0, 0, 0, 0, 0};
+    const mha_kv_cache_config kc = {1, HK, D, 2, MHA_KV_Q8, 0, 0, 0, 0, 0, 0};
     mha_kv_cache *kv = NULL;
     const mha_status st = mha_kv_cache_create(&kc, &kv);
     if (st == MHA_ERR_UNSUPPORTED) {
@@ -488,7 +488,7 @@ static void test_masked_inf_in_cache(void **state)
     (void)state;
     const mha_kv_dtype dtypes[] = {MHA_KV_F32, MHA_KV_F16, MHA_KV_BF16};
     for (int t = 0; t < 3; t++) {
-        const mha_kv_cache_config kc = {AB, AH, ADH, ALK, dtypes[t], 0, 0, 0, 0, 0};
+        const mha_kv_cache_config kc = {AB, AH, ADH, ALK, dtypes[t], 0, 0, 0, 0, 0, 0};
         mha_kv_cache *kv = NULL;
         assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
         aprob p;

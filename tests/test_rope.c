@@ -1053,7 +1053,7 @@ static void test_attention_cache(void **state)
     attn_problem p;
     attn_init(&p, &c, 42);
     assert_int_equal(mha_attention(&p.a), MHA_OK);
-    const mha_kv_cache_config kc = {2, 2, 8, 16, MHA_KV_F32, 0, 0, 0, 0, 0};
+    const mha_kv_cache_config kc = {2, 2, 8, 16, MHA_KV_F32, 0, 0, 0, 0, 0, 0};
     mha_kv_cache *kv = NULL;
     assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
     float *kr = fmalloc(p.n_kv), *o = fmalloc(p.n_q);

@@ -17,6 +17,9 @@
  *   - a KV cache of values d_v wide, in every storage type: bitwise the
  *     step on an f32 cache of the values read back, 1 and 2 threads, and
  *     that within float rounding of the plain call;
+ *   - MLA's latent cache (values the keys' first d_v elements, stored
+ *     once): the absorbed decode of 70 heads equals the naive attention,
+ *     bitwise a cache of the same keys and values kept apart;
  *   - refusals by name: a negative width, a cache of another width, a
  *     rotated one, odd q4 values, a module on such a cache, bf16.
  *
@@ -456,7 +459,7 @@ static void test_cache(void **state)
     pa.v = v, pa.out = plain, pa.causal = MHA_CAUSAL_BOTTOM_RIGHT;
     assert_int_equal(mha_attention(&pa), MHA_OK);
     for (size_t t = 0; t < sizeof dts / sizeof *dts; t++) {
-        mha_kv_cache_config kc = {B, HKV, DH, LEN, dts[t], 0, 0, 0, 0, DV};
+        mha_kv_cache_config kc = {B, HKV, DH, LEN, dts[t], 0, 0, 0, 0, DV, 0};
         mha_kv_cache *kv = NULL, *f32 = NULL;
         assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
         for (int64_t b = 0; b < B; b++) {
@@ -500,7 +503,7 @@ static void test_cache(void **state)
     mha_config mc = {0};
     mc.embed_dim = H * DH, mc.num_heads = H, mc.num_kv_heads = HKV;
     mha_module *m = tu_module(&mc, 3);
-    mha_kv_cache_config kc = {B, HKV, DH, 8, MHA_KV_F32, 0, 0, 0, 0, DV};
+    mha_kv_cache_config kc = {B, HKV, DH, 8, MHA_KV_F32, 0, 0, 0, 0, DV, 0};
     mha_kv_cache *kv = NULL;
     assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
     mha_forward_args fa = {0};
@@ -512,6 +515,139 @@ static void test_cache(void **state)
     free(plain);
 }
 
+/*
+ * Multi-head latent attention (DeepSeek's MLA), absorbed: 70 query heads
+ * (runs of 64 and 6 in a decoding block) read one latent cache whose
+ * keys are [c (16), k_rope (8)] and whose values are c, the keys' first
+ * 16 elements, stored once.  Its step, with each head's output then
+ * multiplied by W_uv, equals the naive attention (per-head keys [W_uk c,
+ * k_rope] of 12 + 8 and values W_uv c of 10) within float rounding; a
+ * latent f16 cache is bitwise a cache holding keys and values apart, on 1
+ * and 2 threads; it holds half the bytes; its misuse is refused.
+ */
+static void test_latent(void **state)
+{
+    (void)state;
+    enum { H = 70, R = 16, RO = 8, N = 12, DVN = 10, L = 1100, DK = R + RO };
+    float *c = malloc((size_t)(L * DK) * 4);   /* [c, k_rope] per token */
+    float *wuk = malloc((size_t)(H * N * R) * 4);
+    float *wuv = malloc((size_t)(H * DVN * R) * 4);
+    float *qn = malloc((size_t)(H * (N + RO)) * 4);   /* [q_nope, q_rope] */
+    tu_fill(c, L * DK, 81, -1, 1);
+    tu_fill(wuk, H * N * R, 82, -0.3f, 0.3f);
+    tu_fill(wuv, H * DVN * R, 83, -0.3f, 0.3f);
+    tu_fill(qn, H * (N + RO), 84, -1, 1);
+    const float scale = (float)(1.0 / sqrt((double)(N + RO)));
+    /* naive: every head its own keys and values */
+    float *kn = malloc((size_t)(L * H * (N + RO)) * 4);
+    float *vn = malloc((size_t)(L * H * DVN) * 4);
+    for (int64_t j = 0; j < L; j++)
+        for (int64_t h = 0; h < H; h++) {
+            float *kr = kn + (j * H + h) * (N + RO);
+            for (int64_t n = 0; n < N; n++) {
+                double acc = 0.0;
+                for (int64_t r = 0; r < R; r++)
+                    acc += (double)wuk[(h * N + n) * R + r] * c[j * DK + r];
+                kr[n] = (float)acc;
+            }
+            for (int64_t r = 0; r < RO; r++)
+                kr[N + r] = c[j * DK + R + r];
+            for (int64_t d = 0; d < DVN; d++) {
+                double acc = 0.0;
+                for (int64_t r = 0; r < R; r++)
+                    acc += (double)wuv[(h * DVN + d) * R + r] * c[j * DK + r];
+                vn[(j * H + h) * DVN + d] = (float)acc;
+            }
+        }
+    float naive[H * DVN];
+    mha_attention_args na = {0};
+    na.batch = 1, na.num_heads = H, na.head_dim = N + RO, na.v_head_dim = DVN;
+    na.q_len = 1, na.kv_len = L, na.q = qn, na.k = kn, na.v = vn;
+    na.out = naive, na.causal = MHA_CAUSAL_BOTTOM_RIGHT;
+    assert_int_equal(mha_attention(&na), MHA_OK);
+    /* absorbed: q' = [W_uk^T q_nope, q_rope] on the latent cache */
+    float *qa = malloc((size_t)(H * DK) * 4);
+    for (int64_t h = 0; h < H; h++) {
+        for (int64_t r = 0; r < R; r++) {
+            double acc = 0.0;
+            for (int64_t n = 0; n < N; n++)
+                acc += (double)wuk[(h * N + n) * R + r] * qn[h * (N + RO) + n];
+            qa[h * DK + r] = (float)acc;
+        }
+        for (int64_t r = 0; r < RO; r++)
+            qa[h * DK + R + r] = qn[h * (N + RO) + N + r];
+    }
+    const mha_kv_dtype dts[3] = {MHA_KV_F32, MHA_KV_F16, MHA_KV_BF16};
+    float lat[H * R], apart[H * R];
+    for (int t = 0; t < 3; t++) {
+        mha_kv_cache_config kc = {1, 1, DK, L, dts[t], 0, 0, 0, 0, R, 1};
+        mha_kv_cache *kv = NULL, *sep = NULL;
+        assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
+        assert_int_equal(mha_kv_cache_append(kv, 0, c, NULL, L), MHA_OK);
+        mha_attention_decode_args d = {0};
+        d.batch = 1, d.num_heads = H, d.head_dim = DK, d.q_len = 1;
+        d.q = qa, d.out = lat, d.cache = kv, d.scale = scale;
+        d.given = MHA_GIVEN_SCALE;
+        assert_int_equal(mha_attention_decode(&d), MHA_OK);
+        if (dts[t] == MHA_KV_F32) {   /* o_h = W_uv o'_h: the naive one */
+            double err = 0.0, mx = 0.0;
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t dd = 0; dd < DVN; dd++) {
+                    double acc = 0.0;
+                    for (int64_t r = 0; r < R; r++)
+                        acc += (double)wuv[(h * DVN + dd) * R + r] *
+                               lat[h * R + r];
+                    err = fmax(err, fabs(acc - naive[h * DVN + dd]));
+                    mx = fmax(mx, fabs((double)naive[h * DVN + dd]));
+                }
+            /* (two float32 computations, sums of 1,100 terms) */
+            if (!(err <= 1e-5 * (1.0 + mx)))
+                fail_msg("absorbed decode differs from the naive by %.3g",
+                         err);
+        }
+        /* the same values kept apart: the same bits, 1 and 2 threads */
+        float *kr = malloc((size_t)(L * DK) * 4);
+        float *vr = malloc((size_t)(L * R) * 4);
+        assert_int_equal(mha_kv_cache_read(kv, 0, 0, L, kr, vr), MHA_OK);
+        for (int64_t j = 0; j < L; j++)
+            for (int64_t r = 0; r < R; r++)
+                assert_true(vr[j * R + r] == kr[j * DK + r]);
+        kc.latent = 0;
+        assert_int_equal(mha_kv_cache_create(&kc, &sep), MHA_OK);
+        assert_int_equal(mha_kv_cache_append(sep, 0, kr, vr, L), MHA_OK);
+        d.cache = sep, d.out = apart;
+        assert_int_equal(mha_attention_decode(&d), MHA_OK);
+        for (int threads = 1; threads <= 2; threads++) {
+            d.cache = kv, d.out = lat, d.num_threads = threads;
+            assert_int_equal(mha_attention_decode(&d), MHA_OK);
+            assert_memory_equal(lat, apart, sizeof lat);
+        }
+        mha_kv_cache_usage u1, u2;
+        assert_int_equal(mha_kv_cache_get_usage(kv, &u1), MHA_OK);
+        assert_int_equal(mha_kv_cache_get_usage(sep, &u2), MHA_OK);
+        assert_int_equal(2 * u1.bytes_total, u2.bytes_total);
+        /* misuse: values given, a module, a window, q8 */
+        assert_fails(mha_kv_cache_append(kv, 0, c, c, 1),
+                     MHA_ERR_INVALID_ARGUMENT, "v must be NULL");
+        mha_kv_cache_free(kv);
+        mha_kv_cache_free(sep);
+        free(kr);
+        free(vr);
+    }
+    mha_kv_cache_config bad = {1, 1, DK, 64, MHA_KV_Q8, 0, 0, 0, 0, R, 1};
+    mha_kv_cache *kv = NULL;
+    assert_fails(mha_kv_cache_create(&bad, &kv), MHA_ERR_UNSUPPORTED,
+                 "latent");
+    bad.dtype = MHA_KV_F32, bad.window = 8;
+    assert_fails(mha_kv_cache_create(&bad, &kv), MHA_ERR_UNSUPPORTED,
+                 "latent");
+    bad.window = 0, bad.v_head_dim = DK + 2;
+    assert_fails(mha_kv_cache_create(&bad, &kv), MHA_ERR_UNSUPPORTED,
+                 "latent");
+    assert_null(kv);
+    free(c), free(wuk), free(wuv), free(qn), free(kn), free(vn), free(qa);
+}
+
 static void test_refusals(void **state)
 {
     (void)state;
@@ -521,7 +657,7 @@ static void test_refusals(void **state)
     assert_fails(mha_attention(&p.a), MHA_ERR_SHAPE, "v_head_dim");
     p.a.v_head_dim = CASES[0].dv;
     /* a cache whose values have another width than the call says */
-    mha_kv_cache_config kc = {2, 4, 24, 80, MHA_KV_F32, 0, 0, 0, 0, 20};
+    mha_kv_cache_config kc = {2, 4, 24, 80, MHA_KV_F32, 0, 0, 0, 0, 20, 0};
     mha_kv_cache *kv = NULL;
     assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
     mha_attention_args a = p.a;
@@ -563,6 +699,7 @@ int main(void)
         cmocka_unit_test(test_threads_and_plans),
         cmocka_unit_test(test_gradients),
         cmocka_unit_test(test_cache),
+        cmocka_unit_test(test_latent),
         cmocka_unit_test(test_refusals),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -609,7 +609,7 @@ static int prefill(mha_kv_cache *kv, const int64_t *len, int64_t B,
 static int create_cache(const decode_bench *d, decode_state *s)
 {
     mha_kv_cache_config kc = {d->B, d->Hkv, d->dh, d->Lk + d->Lq,
-                              d->dtype, 0, d->page, 0, d->rotate, 0};
+                              d->dtype, 0, d->page, 0, d->rotate, 0, 0};
     for (int64_t b = 0; d->page && b < d->B; b++)
         kc.num_pages += (sequence_length(d, b) + d->Lq + d->page - 1) /
                         d->page;

@@ -191,7 +191,7 @@ int cmd_decode(int argc, char **argv)
     mha_kv_cache *kv = NULL;
     const mha_kv_cache_config kc = {B, r.c.num_kv_heads, r.c.head_dim, cap,
                                     dtype, window, 0, 0,
-                                    OPT("kv-rotate") != NULL, 0};
+                                    OPT("kv-rotate") != NULL, 0, 0};
     const mha_status st = kc.dtype == MHA_KV_F32 && !window && !kc.rotate
                               ? mha_kv_cache_for_module(r.m, B, L, &kv)
                               : mha_kv_cache_create(&kc, &kv);

@@ -788,6 +788,9 @@ class KVCache:
     'f32', 'f16', 'bf16', 'q8' or 'q4' (rounded once, when appended).
     v_head_dim: the values' head width when it is not d_h (appended and
     read as (n, H_kv*v_head_dim); the attention's output then H*that).
+    latent: multi-head latent attention's cache (DeepSeek's MLA,
+    absorbed): the values are the keys' first v_head_dim elements, stored
+    once; append(seq, k, None).
     window W >= 1: a sliding-window ring of ``capacity`` >= W slots.
     rotate: store K and V turned by a Hadamard rotation of the head
     dimension (queries and outputs turned alike: the attention unchanged
@@ -799,13 +802,15 @@ class KVCache:
                  capacity: int, dtype: str = "f32", window: int = 0,
                  page_size: int = 0, num_pages: int = 0,
                  rotate: bool = False,
-                 v_head_dim: Optional[int] = None) -> None:
+                 v_head_dim: Optional[int] = None,
+                 latent: bool = False) -> None:
         self._c = _core.kv_cache_create(
             batch=int(batch), num_kv_heads=int(num_kv_heads),
             head_dim=int(head_dim), capacity=int(capacity),
             dtype=_key(dtype, _KV_DTYPE, "dtype"), window=int(window),
             page_size=int(page_size), num_pages=int(num_pages),
-            rotate=bool(rotate), v_head_dim=int(v_head_dim or 0))
+            rotate=bool(rotate), v_head_dim=int(v_head_dim or 0),
+            latent=bool(latent))
         cfg = self._c.config()
         self.batch = cfg["batch"]
         self.num_kv_heads = cfg["num_kv_heads"]
@@ -815,6 +820,7 @@ class KVCache:
         self.page_size = cfg["page_size"]
         self.rotate = bool(cfg["rotate"])
         self.v_head_dim = cfg["v_head_dim"]
+        self.latent = bool(cfg["latent"])
         self.dtype = dtype
 
     @classmethod
@@ -834,12 +840,23 @@ class KVCache:
     def lengths(self) -> List[int]:
         return [self._c.length(s) for s in range(self.batch)]
 
-    def append(self, seq: int, k: npt.ArrayLike, v: npt.ArrayLike) -> None:
+    def append(self, seq: int, k: npt.ArrayLike,
+               v: Optional[npt.ArrayLike]) -> None:
         """Appends n tokens to sequence ``seq``: k and v (n, H_kv*d_h)
-        float32, projected (and rotated)."""
+        float32, projected (and rotated); v None on a latent cache."""
         row = self.num_kv_heads * self.head_dim
         vrow = self.num_kv_heads * self.v_head_dim
         k = _array(k, "k")
+        if self.latent:
+            if v is not None:
+                raise ValueError("v must be None: a latent cache's values "
+                                 "are its keys' first %d elements"
+                                 % self.v_head_dim)
+            if k.ndim != 2 or k.shape[1] != row:
+                raise ValueError("k must have shape (n, %d), got %s"
+                                 % (row, k.shape))
+            self._c.append(int(seq), k, None, k.shape[0])
+            return
         v = _array(v, "v")
         if k.ndim != 2 or k.shape[1] != row or \
                 v.shape != (k.shape[0], vrow):

@@ -1296,15 +1296,16 @@ static PyObject *cache_create(PyObject *self, PyObject *args, PyObject *kw)
     (void)self;
     static char *kws[] = {"batch", "num_kv_heads", "head_dim", "capacity",
                           "dtype", "window", "page_size", "num_pages",
-                          "rotate", "v_head_dim", NULL};
+                          "rotate", "v_head_dim", "latent", NULL};
     mha_kv_cache_config cc;
     memset(&cc, 0, sizeof cc);
     int dtype = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLL|iLLLpL", kws, &cc.batch,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLLL|iLLLpLp", kws, &cc.batch,
                                      &cc.num_kv_heads, &cc.head_dim,
                                      &cc.capacity, &dtype, &cc.window,
                                      &cc.page_size, &cc.num_pages,
-                                     &cc.rotate, &cc.v_head_dim))
+                                     &cc.rotate, &cc.v_head_dim,
+                                     &cc.latent))
         return NULL;
     cc.dtype = (mha_kv_dtype)dtype;
     mha_kv_cache *c = NULL;
@@ -1361,7 +1362,8 @@ static PyObject *cache_append(CacheObject *self, PyObject *args)
     bufset b = {.n = 0};
     void *pk, *pv;
     if (get_buf(&b, k, "k", T_F32, 0, mul3(n, row, 1), 1, &pk, NULL) ||
-        get_buf(&b, v, "v", T_F32, 0, mul3(n, vrow, 1), 1, &pv, NULL)) {
+        get_buf(&b, v, "v", T_F32, 0, mul3(n, vrow, 1), !self->cfg.latent,
+                &pv, NULL)) {
         bufs_release(&b);
         return NULL;
     }
@@ -1526,7 +1528,7 @@ static PyObject *cache_config(CacheObject *self, PyObject *unused)
 {
     (void)unused;
     const mha_kv_cache_config *c = &self->cfg;
-    return Py_BuildValue("{sLsLsLsLsisLsLsLsisL}", "batch", (long long)c->batch,
+    return Py_BuildValue("{sLsLsLsLsisLsLsLsisLsi}", "batch", (long long)c->batch,
                          "num_kv_heads", (long long)c->num_kv_heads,
                          "head_dim", (long long)c->head_dim, "capacity",
                          (long long)c->capacity, "dtype", (int)c->dtype,
@@ -1535,7 +1537,8 @@ static PyObject *cache_config(CacheObject *self, PyObject *unused)
                          (long long)c->num_pages, "rotate", c->rotate,
                          "v_head_dim", (long long)(c->v_head_dim
                                                        ? c->v_head_dim
-                                                       : c->head_dim));
+                                                       : c->head_dim),
+                         "latent", c->latent);
 }
 
 static PyMethodDef cache_methods[] = {

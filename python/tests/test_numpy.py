@@ -274,6 +274,38 @@ def test_cache_of_another_value_width(rng):
         c.append(0, k[0], k[0])
 
 
+def test_latent_cache_absorbed_decode(rng):
+    """MLA absorbed: 8 heads on one latent cache of [c (16), k_rope (8)]
+    whose values are c; the decode times W_uv equals the naive attention
+    (per-head keys [W_uk c, k_rope], values W_uv c) in float64."""
+    H, R, RO, N, DV, L = 8, 16, 8, 12, 10, 50
+    c = f32(rng, L, R + RO)
+    wuk = f32(rng, H, N, R) * 0.3
+    wuv = f32(rng, H, DV, R) * 0.3
+    q = f32(rng, H, N + RO)
+    cache = mha.KVCache(1, 1, R + RO, L, v_head_dim=R, latent=True)
+    cache.append(0, c, None)
+    k_back, v_back = cache.read(0)
+    np.testing.assert_array_equal(v_back, c[:, :R])
+    qa = np.concatenate([np.einsum("hnr,hn->hr", wuk, q[:, :N]),
+                         q[:, N:]], 1).astype(np.float32)
+    s = 1 / np.sqrt(N + RO)
+    out = mha.attention(qa.reshape(1, 1, -1), num_heads=H, cache=cache,
+                        scale=s).reshape(H, R)
+    got = np.einsum("hdr,hr->hd", wuv.astype(np.float64), out)
+    c64 = c.astype(np.float64)
+    kn = np.concatenate([np.einsum("hnr,lr->hln", wuk, c64[:, :R]),
+                         np.broadcast_to(c64[:, R:], (H, L, RO))], 2)
+    vn = np.einsum("hdr,lr->hld", wuv, c64[:, :R])
+    sc = np.einsum("hd,hld->hl", q.astype(np.float64), kn) * s
+    p = np.exp(sc - sc.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    np.testing.assert_allclose(got, np.einsum("hl,hld->hd", p, vn),
+                               rtol=0, atol=2e-5)
+    with pytest.raises(ValueError, match="None"):
+        cache.append(0, c, c)
+
+
 def test_pickle_module(rng):
     m = mha.Module(8, 2, num_kv_heads=1, rope="gptj", window=(3, 0),
                    softcap=5.0, sinks=True, seed=4, attention_chunk=3)

@@ -361,6 +361,11 @@ struct mha_kv_cache {
     int64_t dv;             /* the values' head width (dh unless
                                v_head_dim says otherwise); a value tile
                                has a key tile's room, tile_bytes      */
+    int latent;             /* the values are the keys' first dv
+                               elements: one plane (v = k) of key tiles
+                               stored as rows, [MHA_BC][dh]; the
+                               attention widens a tile at a time
+                               (mha_tile_source)                      */
     int64_t window;         /* 0, or W: a ring of `capacity` slots (mha.h) */
     int64_t *start;         /* [B] the oldest position held (window only:
                                the ring overwrote the ones before)        */
@@ -454,6 +459,24 @@ const unsigned char *mha_kv_cache_k_tile(const mha_kv_cache *c, int64_t b,
                                          int64_t g, int64_t t);
 const unsigned char *mha_kv_cache_v_tile(const mha_kv_cache *c, int64_t b,
                                          int64_t g, int64_t t);
+
+/* Element d of key (value) column col of a cache tile, as the float it
+ * stands for: the kernels' layouts, or a latent cache's rows (its value
+ * the key's first dv elements, the same tile). */
+static inline float mha_kv_cache_key_at(const mha_kv_cache *c,
+                                        const void *kt, int64_t col,
+                                        int64_t d)
+{
+    return c->latent ? mha_kv_elem(c->dtype, kt, col * c->dh + d)
+                     : mha_kt_load(c->dtype, kt, MHA_BC, c->dh, d, col);
+}
+static inline float mha_kv_cache_value_at(const mha_kv_cache *c,
+                                          const void *vt, int64_t col,
+                                          int64_t d)
+{
+    return c->latent ? mha_kv_elem(c->dtype, vt, col * c->dh + d)
+                     : mha_v_load(c->dtype, vt, MHA_BC, c->dv, col, d);
+}
 
 /* The rotation of a cache made with `rotate` (none without): each of
  * `heads` heads of dh floats of `rows` rows (ld apart) turned in place by
@@ -703,7 +726,8 @@ typedef struct mha_tile_src {
     int rows;               /* read in place (mha_attn.in_place)        */
     int ldk, ldv;
 } mha_tile_src;
-mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t);
+mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
+                             float *kvt);
 /* On a paged cache, when tile t's successor starts another page: the
  * start of that page's K and V tiles asked for now (a page lies anywhere,
  * so the hardware's prefetchers, which follow addresses, cannot). */
@@ -836,6 +860,10 @@ typedef struct flash_scratch {
     float *s;     /* [BR][BC]  scores, then p          */
     float *bias;  /* [BR][BC]  mask of an explicit tile */
     float *m, *l; /* [BR]      running max and sum     */
+    float *kvt;   /* [dh][BC] then [BC][dv]: a latent cache's tile
+                     widened to the kernels' f32 layouts (the layout of
+                     a cache's run has room for it: mha_attn_layout_
+                     forward with prepacked)                      */
 } flash_scratch;
 int64_t mha_flash_scratch_floats(int64_t dh);
 flash_scratch mha_flash_scratch_at(float *base, int64_t dh);

@@ -100,6 +100,20 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
                              "a q4 cache packs two codes a byte: head_dim "
                              "must be even, got %lld (v_head_dim %lld)",
                              (long long)cfg->head_dim, (long long)dv);
+    if (cfg->latent &&
+        (dv > cfg->head_dim || cfg->rotate || cfg->window ||
+         cfg->page_size || cfg->dtype == MHA_KV_Q8 ||
+         cfg->dtype == MHA_KV_Q4))
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "a latent cache (values the first v_head_dim "
+                             "elements of the keys) takes v_head_dim <= "
+                             "head_dim, f32, f16 or bf16, and no window, "
+                             "pages or rotation; got v_head_dim %lld, "
+                             "head_dim %lld, dtype %d, window %lld, "
+                             "page_size %lld, rotate %d", (long long)dv,
+                             (long long)cfg->head_dim, (int)cfg->dtype,
+                             (long long)cfg->window,
+                             (long long)cfg->page_size, cfg->rotate);
     if (cfg->rotate && dv != cfg->head_dim)
         return mha_set_error(MHA_ERR_UNSUPPORTED,
                              "a rotated cache with v_head_dim %lld != "
@@ -164,7 +178,8 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
     const int64_t dmax = dv > cfg->head_dim ? dv : cfg->head_dim;
     if (!sized || cfg->head_dim > INT32_MAX / (4 * MHA_BC) ||
         !mha_mul_ok(tiles_all,
-                    2 * mha_kv_tile_bytes(cfg->dtype, MHA_BC, dmax),
+                    (cfg->latent ? 1 : 2) *
+                        mha_kv_tile_bytes(cfg->dtype, MHA_BC, dmax),
                     &bytes) ||
         !mha_mul_ok(bg, 2 * MHA_BC * dmax + 1, &extra) ||
         bytes > INT64_MAX / 2 || extra > INT64_MAX / 8)
@@ -231,8 +246,9 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
         c->rot_block = cfg->head_dim & -cfg->head_dim;
     c->tile_bytes = mha_kv_tile_bytes(cfg->dtype, MHA_BC, dmax);
     c->len = len;
+    c->latent = cfg->latent != 0;
     c->k = data;
-    c->v = data + bytes / 2;
+    c->v = c->latent ? data : data + bytes / 2;   /* (latent: one plane) */
     c->finite = finite;
     c->extra = extra_tiles;
     *out = c;
@@ -423,7 +439,10 @@ static void put_column(mha_kv_cache *c, int64_t b, int64_t g, int64_t t,
         kr = turned[0];
         vr = turned[1];
     }
-    if (c->dtype == MHA_KV_Q4) {
+    if (c->latent) {   /* the key as a row; its value is its prefix */
+        const int64_t esize = c->dtype == MHA_KV_F32 ? 4 : 2;
+        store(c->dtype, kr, dh, kt + col * dh * esize, 1);
+    } else if (c->dtype == MHA_KV_Q4) {
         put_q4(dh, dv, col, kr, vr, kt, vt);
     } else if (c->dtype == MHA_KV_Q8) {
         float *ks = (float *)mha_q8_scales(kt, cols, dh);
@@ -459,7 +478,7 @@ static float tile_finite(const mha_kv_cache *c, int64_t b, int64_t g,
     const unsigned char *v = mha_kv_cache_v_tile(c, b, g, t);
     for (int64_t col = c0; col < c1; col++)
         for (int64_t d = 0; d < c->dv; d++)
-            if (!isfinite(mha_v_load(c->dtype, v, MHA_BC, c->dv, col, d)))
+            if (!isfinite(mha_kv_cache_value_at(c, v, col, d)))
                 return 0.0f;
     return 1.0f;
 }
@@ -470,7 +489,8 @@ mha_status mha_kv_cache_check_values(const mha_kv_cache *c, int64_t b,
 {
     if (c->dtype != MHA_KV_F16)
         return MHA_OK;
-    const int64_t w = c->Hkv * c->dh, wv = c->Hkv * c->dv;
+    /* (a latent cache has no values of its own) */
+    const int64_t w = c->Hkv * c->dh, wv = c->latent ? 0 : c->Hkv * c->dv;
     for (int64_t r = 0; r < n; r++)
         for (int64_t e = 0; e < w + wv; e++) {
             const float x = e < w ? k[r * ldk + e] : v[r * ldv + e - w];
@@ -501,7 +521,7 @@ void mha_kv_cache_put(mha_kv_cache *c, int64_t b, const float *k,
         const int64_t t = slot / MHA_BC, col = slot % MHA_BC;
         for (int64_t g = 0; g < c->Hkv; g++) {
             put_column(c, b, g, t, col, k + r * ldk + g * dh,
-                       v + r * ldv + g * c->dv);
+                       v ? v + r * ldv + g * c->dv : NULL);
             const double ka = mha_max_abs_finite(k + r * ldk + g * dh, 1,
                                                  dh, dh, 1);
             c->key_amax = ka > c->key_amax ? ka : c->key_amax;
@@ -631,7 +651,12 @@ mha_status mha_kv_cache_append(mha_kv_cache *c, int64_t seq, const float *k,
     if (n < 0)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "n must be >= 0, got %lld", (long long)n);
-    if (n > 0 && (!k || !v))
+    if (n > 0 && c->latent && v)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "v must be NULL: a latent cache's values are "
+                             "the first %lld elements of its keys",
+                             (long long)c->dv);
+    if (n > 0 && (!k || (!v && !c->latent)))
         return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
                              !k ? "k" : "v");
     if (c->window && n > c->capacity)
@@ -762,11 +787,10 @@ mha_status mha_kv_cache_read(const mha_kv_cache *c, int64_t seq,
             const void *kt = mha_kv_cache_k_tile(c, seq, g, t);
             const void *vt = mha_kv_cache_v_tile(c, seq, g, t);
             for (int64_t d = 0; k && d < dh; d++)
-                k[r * Ekv + g * dh + d] =
-                    mha_kt_load(c->dtype, kt, MHA_BC, dh, d, col);
+                k[r * Ekv + g * dh + d] = mha_kv_cache_key_at(c, kt, col, d);
             for (int64_t d = 0; v && d < dv; d++)
                 v[r * Evkv + g * dv + d] =
-                    mha_v_load(c->dtype, vt, MHA_BC, dv, col, d);
+                    mha_kv_cache_value_at(c, vt, col, d);
         }
         /* a rotated cache's values turned back (H is its own inverse;
          * dv = dh there) */
@@ -856,9 +880,11 @@ mha_status mha_kv_cache_get_usage_sized(const mha_kv_cache *c,
     mha_kv_cache_usage u = {0};
     for (int64_t b = 0; b < c->B; b++)   /* (a ring: from start[b] on) */
         u.tokens += c->len[b] - (c->window ? c->start[b] : 0);
-    /* a key and a value of H_kv heads per token, a tile's share each */
-    u.token_bytes = u.tokens * 2 * c->Hkv * c->tile_bytes / MHA_BC;
-    const int64_t tile_pair = 2 * c->tile_bytes;   /* K and V */
+    /* a key and a value of H_kv heads per token, a tile's share each (a
+     * latent cache: the key alone) */
+    const int64_t planes = c->latent ? 1 : 2;
+    u.token_bytes = u.tokens * planes * c->Hkv * c->tile_bytes / MHA_BC;
+    const int64_t tile_pair = planes * c->tile_bytes;   /* K and V */
     if (c->page) {
         u.page_size = c->page;
         u.pages_free = c->n_free;

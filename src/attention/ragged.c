@@ -36,7 +36,7 @@ static mha_status check_ragged(const mha_attention_decode_args *d,
     if (!c)
         return mha_set_error(MHA_ERR_NULL_POINTER,
                              "cache is NULL: decoding reads a KV cache");
-    if (c->dv != c->dh)
+    if (c->dv != c->dh || c->latent)
         return mha_set_error(MHA_ERR_UNSUPPORTED,
                              "q_start (a ragged step) on a cache whose "
                              "values are %lld wide and keys %lld is not "

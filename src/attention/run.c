@@ -95,7 +95,9 @@ mha_status mha_attn_layout_forward(const mha_engine *e, int64_t B, int64_t H,
     l->scratch = l->packed +
                  lines(flash && !prepacked ? mha_packed_floats(B, Hkv, Lk, dh)
                                            : 0);
-    return finish_layout(e, flash ? mha_flash_scratch_floats(dh)
+    /* (a cache's run: room to widen a latent cache's tile, kvt) */
+    return finish_layout(e, flash ? mha_flash_scratch_floats(dh) +
+                                        (prepacked ? 2 * MHA_BC * dh : 0)
                                   : mha_ref_scratch_floats(dh, Lt), l);
 }
 

@@ -40,6 +40,7 @@ flash_scratch mha_flash_scratch_at(float *base, int64_t dh)
     f.bias = f.s + MHA_BR * MHA_BC;
     f.m = f.bias + MHA_BR * MHA_BC;
     f.l = f.m + MHA_BR;
+    f.kvt = f.l + MHA_BR;   /* (past the region: a cache's runs only) */
     return f;
 }
 
@@ -89,7 +90,28 @@ void mha_pack_forward_tile(const mha_attn *a, int64_t item)
     *mha_packed_flag(&p, b, g, t) = (float)finite;
 }
 
-mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t)
+/* A latent cache's tile t of (b, g) ([MHA_BC][dh] rows, in its dtype)
+ * widened into kvt: the keys transposed, [dh][MHA_BC], then the values
+ * (each key's first dv), [MHA_BC][dv] -- the layouts the f32 kernels
+ * read.  Exact conversions: the products are those of the stored
+ * values.  Once per tile for all the rows a block stacks. */
+static void widen_latent(const mha_attn *a, const mha_tile *t, float *kvt)
+{
+    const mha_kv_cache *c = a->kv;
+    const void *tile = mha_kv_cache_k_tile(c, t->b, t->g, t->index);
+    const int64_t dh = c->dh, dv = c->dv;
+    float *kt = kvt, *v = kvt + dh * MHA_BC;
+    for (int64_t col = 0; col < MHA_BC; col++)
+        for (int64_t d = 0; d < dh; d++) {
+            const float x = mha_kv_elem(c->dtype, tile, col * dh + d);
+            kt[d * MHA_BC + col] = x;
+            if (d < dv)
+                v[col * dv + d] = x;
+        }
+}
+
+mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
+                             float *kvt)
 {
     mha_tile_src src = {0};
     if (a->in_place && !t->extra) {
@@ -101,6 +123,16 @@ mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t)
         src.rows = 1;
         src.dtype = MHA_KV_F32;
         src.finite = *mha_packed_flag(&p, t->b, t->g, t->index) != 0.0f;
+        return src;
+    }
+    if (a->kv && !t->extra && a->kv->latent) {
+        const mha_kv_cache *c = a->kv;
+        widen_latent(a, t, kvt);
+        src.kt = kvt;
+        src.v = kvt + c->dh * MHA_BC;
+        src.dtype = MHA_KV_F32;
+        src.finite = c->finite[mha_kv_tile_index(c, t->b, t->g, t->index)] !=
+                     0.0f;
         return src;
     }
     if (a->kv && !t->extra) {
@@ -149,10 +181,10 @@ static float kv_elem(const mha_attn *a, int x, int64_t b, int64_t g,
     if (a->kv && j < a->Lk) {
         const mha_kv_cache *c = a->kv;
         const int64_t t = j / MHA_BC, col = j % MHA_BC;
-        return x ? mha_v_load(c->dtype, mha_kv_cache_v_tile(c, b, g, t),
-                              MHA_BC, c->dv, col, d)
-                 : mha_kt_load(c->dtype, mha_kv_cache_k_tile(c, b, g, t),
-                               MHA_BC, c->dh, d, col);
+        return x ? mha_kv_cache_value_at(c, mha_kv_cache_v_tile(c, b, g, t),
+                                         col, d)
+                 : mha_kv_cache_key_at(c, mha_kv_cache_k_tile(c, b, g, t),
+                                       col, d);
     }
     /* The packed f32 tiles (the extra keys' tile last, column j - Lk). */
     const mha_packed p = mha_packed_at(a->packed, a);

@@ -13,7 +13,7 @@ static void weights_tile(const mha_attn *a, const mha_tile *t, void *ctx)
 {
     flash_scratch *f = ctx;
     const mha_microkernels *uk = a->uk;
-    const mha_tile_src src = mha_tile_source(a, t);
+    const mha_tile_src src = mha_tile_source(a, t, f->kvt);
     const int64_t b = t->b, h = t->h, j0 = t->j0;
     const int nc = t->nc;
     mha_tile_qk(a, &src, t->mr, nc, f->qs, f->s, MHA_BC);

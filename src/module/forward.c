@@ -65,7 +65,7 @@ static mha_status check_cache_args(const mha_module *m,
                              (long long)kv->dh, (long long)a->batch,
                              (long long)m->cfg.num_kv_heads,
                              (long long)m->head_dim);
-    if (kv->dv != kv->dh)
+    if (kv->dv != kv->dh || kv->latent)
         return mha_set_error(MHA_ERR_UNSUPPORTED,
                              "the cache's values are %lld wide, its keys "
                              "%lld: a module's values are as wide as its "

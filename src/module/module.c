@@ -556,7 +556,7 @@ mha_status mha_kv_cache_for_module(const mha_module *m, int64_t batch,
         return mha_set_error(MHA_ERR_NULL_POINTER, "module is NULL");
     MHA_CHECK(mha_module_check_self_attention(m));
     const mha_kv_cache_config c = {batch, m->cfg.num_kv_heads, m->head_dim,
-                                   capacity, MHA_KV_F32, 0, 0, 0, 0, 0};
+                                   capacity, MHA_KV_F32, 0, 0, 0, 0, 0, 0};
     return mha_kv_cache_create(&c, out);
 }
 
