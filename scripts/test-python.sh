@@ -11,7 +11,9 @@
 # extension into a copy of python/mha, where a bundled library's $ORIGIN
 # path would not resolve);
 # then the package again, libmha and the extension built with ASan + UBSan
-# (Debug), into build/py-asan, and the whole suite once more with the
+# (Debug at -O1, as the C suite's ASan stage: at -O0 the tiers' always-
+# inline kernels, one copy per storage type, took GCC over 20 minutes for
+# avx512.c alone), into build/py-asan, and the whole suite once more with the
 # sanitizer runtimes preloaded into the interpreter (MHA_PY_ASAN=0 skips
 # this second part: scripts/test.sh's quick suite).
 set -euo pipefail
@@ -51,7 +53,8 @@ echo "== Python package under ASan + UBSan"
 rm -rf build/py-asan
 "$py" -m pip install --quiet --no-build-isolation --no-deps \
   --target build/py-asan -C cmake.define.MHA_SANITIZE=address,undefined \
-  -C cmake.build-type=Debug -C build-dir=build/py-asan-build .
+  -C cmake.build-type=Debug -C "cmake.define.CMAKE_C_FLAGS_DEBUG=-g -O1" \
+  -C build-dir=build/py-asan-build .
 # CPython and torch keep memory until exit by design: leaks are not
 # reported here (the C suite's ASan stage checks libmha's).  The preload
 # puts the runtimes first, as the instrumented extension needs; without it
