@@ -19,7 +19,7 @@
  *     what strtod reads rounded to float; tool_scale: that, and nonzero;
  *     tool_floats: exactly `count` finite values, one per comma-separated
  *     item; tool_ints: one integer in range per item; tool_kv_dtype: one
- *     of the four names.
+ *     of the five names.
  * Built two ways, as the other targets (fuzz/CMakeLists.txt); CTest's
  * fuzz_replay_cli replays fuzz/corpus/cli.
  */
@@ -149,7 +149,8 @@ static void conversions(const char *s)
     expect_rc(rc, before, "--kv-dtype", s);
     if (!rc)
         CHECK(!strcmp(s, "f32") || !strcmp(s, "f16") || !strcmp(s, "bf16") ||
-              !strcmp(s, "q8"), "tool_kv_dtype took '%s'", s);
+              !strcmp(s, "q8") || !strcmp(s, "q4"),
+              "tool_kv_dtype took '%s'", s);
 }
 
 /* Whether p is one of argv's strings, or points inside one (after "="). */
