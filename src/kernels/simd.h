@@ -278,6 +278,8 @@ MK_INLINE vi vi_load_i8(const int8_t *p)   /* exactly 4 bytes read */
 #define vi_to_vf vcvtq_f32_s32
 #define vf_nibble_lo(x) vi_to_vf(vi_sra(vi_sll(x, 28), 28))
 #define vf_nibble_hi(x) vi_to_vf(vi_sra(x, 4))
+#define vf_nibble_lo_times(x, s) vf_mul(vf_nibble_lo(x), vf_set1(s))
+#define vf_nibble_hi_times(x, s) vf_mul(vf_nibble_hi(x), vf_set1(s))
 MK_INLINE float vf_hsum(vf v)   /* lanes i + 2 onto i, then 1 */
 {
     const float32x2_t a = vadd_f32(vget_low_f32(v), vget_high_f32(v));
