@@ -424,7 +424,8 @@ static void test_pvt_is_pv_transposed(void **state)
 static void test_pv_splits_bitwise(void **state)
 {
     const mha_microkernels *k = *state;
-    static const int dhs[] = {1, 3, 40, 64, 80};
+    /* (200, 520: B over GEMM_BIG floats, walked in strips of columns) */
+    static const int dhs[] = {1, 3, 40, 64, 80, 200, 520};
     static const int rsplit[] = {0, 5, 6, 13, 20, 45, 64};
     static const int csplit[] = {0, 1, 9, 31, 64};
     static const int dsplit[] = {0, 3, 11, 16, 35};   /* then up to dh */
@@ -876,6 +877,61 @@ static void test_copy_finite(void **state)
     }
 }
 
+/* widen_t: key rows of every dtype into the transposed kt tile and the
+ * value rows, each element the float it stands for (bitwise), tails of
+ * every width; with kt NULL the rows alone; nothing written past either
+ * output, nothing read past the rows (in_buf: exactly their bytes). */
+static void test_widen_t(void **state)
+{
+    const mha_microkernels *k = *state;
+    static const int ns[] = {1, 4, 15, 16, 17, 33, 64};
+    static const int dhs[] = {1, 7, 16, 40, 64, 576};
+    const mha_kv_dtype dts[] = {MHA_KV_F32, MHA_KV_F16, MHA_KV_BF16};
+    rng_seed(47);
+    for (int t = 0; t < COUNT(dts); t++)
+        for (int i = 0; i < COUNT(ns); i++)
+            for (int j = 0; j < COUNT(dhs); j++) {
+                const mha_kv_dtype dt = dts[t];
+                const int n = ns[i], dh = dhs[j], ldx = dh + 5;
+                const int dv = dh > 3 ? dh - 3 : dh, ldkt = n + 2;
+                const size_t nx = (size_t)(n - 1) * ldx + dh;
+                void *x = in_buf(dt == MHA_KV_F32 ? nx : (nx + 1) / 2);
+                for (size_t e = 0; e < nx; e++) {
+                    const float f = rng_f(-3.0f, 3.0f);
+                    if (dt == MHA_KV_F32)
+                        ((float *)x)[e] = f;
+                    else
+                        ((uint16_t *)x)[e] = dt == MHA_KV_F16
+                                                 ? mha_f16_from_float(f)
+                                                 : mha_bf16_from_float(f);
+                }
+                const size_t nkt = (size_t)dh * ldkt, nv = (size_t)n * dv;
+                float *kt = out_buf(nkt), *v = out_buf(nv);
+                float *rows = out_buf((size_t)n * dh);
+                k->widen_t(dt, x, ldx, n, dh, kt, ldkt, v, dv);
+                k->widen_t(dt, x, ldx, n, dh, NULL, 0, rows, dh);
+                for (int c = 0; c < n; c++)
+                    for (int d = 0; d < dh; d++) {
+                        const float e =
+                            mha_kv_elem(dt, x, (int64_t)c * ldx + d);
+                        assert_true(same_bits(&kt[(size_t)d * ldkt + c], &e,
+                                              1));
+                        assert_true(same_bits(&rows[(size_t)c * dh + d], &e,
+                                              1));
+                        if (d < dv)
+                            assert_true(
+                                same_bits(&v[(size_t)c * dv + d], &e, 1));
+                    }
+                for (int d = 0; d < dh; d++)   /* the padding untouched */
+                    for (int c = n; c < ldkt; c++)
+                        assert_true(is_canary(kt[(size_t)d * ldkt + c]));
+                check_guard(kt, nkt);
+                check_guard(v, nv);
+                check_guard(rows, (size_t)n * dh);
+                free(x), free(kt), free(v), free(rows);
+            }
+}
+
 /* max: the largest value, NaN ignored, -inf when nothing is larger. */
 static void test_max(void **state)
 {
@@ -1105,6 +1161,7 @@ static void test_names(void **state)
     cmocka_unit_test_prestate(test_exp_sum_order, (void *)&table),           \
     cmocka_unit_test_prestate(test_scale, (void *)&table),                   \
     cmocka_unit_test_prestate(test_copy_finite, (void *)&table),             \
+    cmocka_unit_test_prestate(test_widen_t, (void *)&table),                 \
     cmocka_unit_test_prestate(test_max, (void *)&table),                     \
     cmocka_unit_test_prestate(test_dot_nonzero, (void *)&table),             \
     cmocka_unit_test_prestate(test_dscore, (void *)&table),                  \

@@ -589,6 +589,21 @@ static void test_latent(void **state)
         d.q = qa, d.out = lat, d.cache = kv, d.scale = scale;
         d.given = MHA_GIVEN_SCALE;
         assert_int_equal(mha_attention_decode(&d), MHA_OK);
+        if (dts[t] == MHA_KV_F32) {
+            /* out (H x R floats) just below q in one buffer: disjoint,
+             * taken; one float more of out over q: refused (out's extent
+             * is its d_v wide rows, not q's) */
+            float *buf = malloc((size_t)(H * R + H * DK) * 4);
+            memcpy(buf + H * R, qa, (size_t)(H * DK) * 4);
+            mha_attention_decode_args e = d;
+            e.q = buf + H * R, e.out = buf;
+            assert_int_equal(mha_attention_decode(&e), MHA_OK);
+            assert_memory_equal(buf, lat, sizeof lat);
+            e.out = buf + 1;
+            assert_fails(mha_attention_decode(&e), MHA_ERR_INVALID_ARGUMENT,
+                         "out overlaps q");
+            free(buf);
+        }
         if (dts[t] == MHA_KV_F32) {   /* o_h = W_uv o'_h: the naive one */
             double err = 0.0, mx = 0.0;
             for (int64_t h = 0; h < H; h++)

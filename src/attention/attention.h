@@ -860,10 +860,11 @@ typedef struct flash_scratch {
     float *s;     /* [BR][BC]  scores, then p          */
     float *bias;  /* [BR][BC]  mask of an explicit tile */
     float *m, *l; /* [BR]      running max and sum     */
-    float *kvt;   /* [dh][BC] then [BC][dv]: a latent cache's tile
-                     widened to the kernels' f32 layouts (the layout of
-                     a cache's run has room for it: mha_attn_layout_
-                     forward with prepacked)                      */
+    /* A cache's runs only (the layout of a cache's run has room for
+     * them: mha_attn_layout_forward with prepacked): */
+    float *kvt;   /* [BC][dh]  a latent cache's tile widened to f32 rows */
+    float *qt;    /* [dh][BR]  qs transposed (a latent cache's scores)  */
+    float *st;    /* [BC][BR]  those scores, transposed                 */
 } flash_scratch;
 int64_t mha_flash_scratch_floats(int64_t dh);
 flash_scratch mha_flash_scratch_at(float *base, int64_t dh);

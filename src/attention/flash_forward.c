@@ -24,6 +24,28 @@
 #include <math.h>
 #include <string.h>
 
+/* A latent cache's scores (MLA's absorbed decoding: 576-wide keys, each
+ * met by every stacked head) as keys x q^T, the tile's rows the products'
+ * A, whose elements are read once each, so the keys need no transposed
+ * copy; then the w x mr result transposed into s.  Each score is the same
+ * chain of FMAs over d as in q k^T (a product's operands commute
+ * exactly): the same bits as a cache holding the keys apart. */
+static void latent_scores(const mha_attn *a, const mha_tile_src *src, int mr,
+                          int w, flash_scratch *f)
+{
+    a->uk->qk(w, mr, (int)a->dh, (const float *)src->kt, f->qt, MHA_BR,
+              f->st, MHA_BR);
+    a->uk->widen_t(MHA_KV_F32, f->st, MHA_BR, w, mr, f->s, MHA_BC, NULL, 0);
+}
+
+/* A block's q rows transposed into f->qt, for latent_scores. */
+static void latent_q(const mha_attn *a, int mr, flash_scratch *f)
+{
+    if (a->kv && a->kv->latent)
+        a->uk->widen_t(MHA_KV_F32, f->qs, a->dh, mr, (int)a->dh, f->qt,
+                       MHA_BR, NULL, 0);
+}
+
 /* One key tile against the block's rows: the online-softmax update. */
 static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
 {
@@ -35,11 +57,19 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
     /* The scores, panel by panel: on a diagonal tile each panel over the
      * keys it sees (past its last live one: -inf without a product), on
      * any other over all nc (the same blocks the kernel would take). */
-    int cols[MHA_BR / MHA_PANEL + 1];
+    int cols[MHA_BR / MHA_PANEL + 1], wmax = 0;
     for (int r0 = 0, n, p = 0; r0 < mr; r0 += n, p++) {
         n = mha_panel_rows(mr, r0);
-        const int w = cols[p] = mha_tile_panel_cols(a, t, r0, n);
-        if (w > 0)
+        cols[p] = mha_tile_panel_cols(a, t, r0, n);
+        wmax = cols[p] > wmax ? cols[p] : wmax;
+    }
+    const int latent = a->kv && a->kv->latent && !t->extra;
+    if (latent && wmax > 0)   /* every panel at once, over the widest */
+        latent_scores(a, &src, mr, wmax, f);
+    for (int r0 = 0, n, p = 0; r0 < mr; r0 += n, p++) {
+        n = mha_panel_rows(mr, r0);
+        const int w = cols[p];
+        if (w > 0 && !latent)
             mha_tile_qk(a, &src, n, w, f->qs + r0 * dh, f->s + r0 * MHA_BC,
                         MHA_BC);
         for (int r = r0; r < r0 + n; r++)
@@ -121,6 +151,7 @@ void mha_flash_rows(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
                     flash_scratch *f)
 {
     mha_load_q(a, b, h, i0, mr, f->qs);
+    latent_q(a, mr, f);
     start_rows(a, h, 0, mr, with_extra, f);
     mha_for_each_tile(a, b, h, i0, mr, k0, k1, with_extra, f->bias,
                       output_tile, f);
@@ -134,6 +165,7 @@ void mha_flash_rows_stacked(const mha_attn *a, int64_t b, int64_t h0,
     for (int hh = 0; hh < nh; hh++)
         mha_load_q(a, b, h0 + hh, 0, stack,
                    f->qs + (int64_t)hh * stack * a->dh);
+    latent_q(a, mr, f);
     start_rows(a, h0, stack, mr, with_extra, f);
     mha_for_each_tile_stacked(a, b, h0, nh, 0, stack, k0, k1, with_extra,
                               output_tile, f);

@@ -95,9 +95,12 @@ mha_status mha_attn_layout_forward(const mha_engine *e, int64_t B, int64_t H,
     l->scratch = l->packed +
                  lines(flash && !prepacked ? mha_packed_floats(B, Hkv, Lk, dh)
                                            : 0);
-    /* (a cache's run: room to widen a latent cache's tile, kvt) */
+    /* (a cache's run: room for a latent cache's tile widened, the
+     * block's q transposed and the transposed scores: flash_scratch) */
     return finish_layout(e, flash ? mha_flash_scratch_floats(dh) +
-                                        (prepacked ? 2 * MHA_BC * dh : 0)
+                                        (prepacked ? 2 * MHA_BC * dh +
+                                                         MHA_BC * MHA_BR
+                                                   : 0)
                                   : mha_ref_scratch_floats(dh, Lt), l);
 }
 

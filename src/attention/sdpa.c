@@ -524,7 +524,7 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
                 (a->need_weights == MHA_WEIGHTS_PER_HEAD ? s.H : 1);
         float *w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights
                                                        : NULL;
-        const span outs[3] = {{"out", a->out, s.n_q},
+        const span outs[3] = {{"out", a->out, s.n_o},
                               {"attn_weights", w, s.n_w},
                               {"lse", a->lse, s.B * s.H * s.Lq}};
         const span ins[1] = {{"q", a->q, s.n_q}};

@@ -40,7 +40,10 @@ flash_scratch mha_flash_scratch_at(float *base, int64_t dh)
     f.bias = f.s + MHA_BR * MHA_BC;
     f.m = f.bias + MHA_BR * MHA_BC;
     f.l = f.m + MHA_BR;
-    f.kvt = f.l + MHA_BR;   /* (past the region: a cache's runs only) */
+    /* (past the region: a cache's runs only) */
+    f.kvt = f.l + MHA_BR;
+    f.qt = f.kvt + MHA_BC * dh;
+    f.st = f.qt + MHA_BR * dh;
     return f;
 }
 
@@ -90,26 +93,6 @@ void mha_pack_forward_tile(const mha_attn *a, int64_t item)
     *mha_packed_flag(&p, b, g, t) = (float)finite;
 }
 
-/* A latent cache's tile t of (b, g) ([MHA_BC][dh] rows, in its dtype)
- * widened into kvt: the keys transposed, [dh][MHA_BC], then the values
- * (each key's first dv), [MHA_BC][dv] -- the layouts the f32 kernels
- * read.  Exact conversions: the products are those of the stored
- * values.  Once per tile for all the rows a block stacks. */
-static void widen_latent(const mha_attn *a, const mha_tile *t, float *kvt)
-{
-    const mha_kv_cache *c = a->kv;
-    const void *tile = mha_kv_cache_k_tile(c, t->b, t->g, t->index);
-    const int64_t dh = c->dh, dv = c->dv;
-    float *kt = kvt, *v = kvt + dh * MHA_BC;
-    for (int64_t col = 0; col < MHA_BC; col++)
-        for (int64_t d = 0; d < dh; d++) {
-            const float x = mha_kv_elem(c->dtype, tile, col * dh + d);
-            kt[d * MHA_BC + col] = x;
-            if (d < dv)
-                v[col * dv + d] = x;
-        }
-}
-
 mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
                              float *kvt)
 {
@@ -126,10 +109,18 @@ mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
         return src;
     }
     if (a->kv && !t->extra && a->kv->latent) {
+        /* A latent cache's tile, [MHA_BC][dh] rows in its dtype, read as
+         * rows: the keys, and their first dv elements the values.  16-bit
+         * rows are widened into kvt first (exact), once per tile for all
+         * the rows a block stacks. */
         const mha_kv_cache *c = a->kv;
-        widen_latent(a, t, kvt);
-        src.kt = kvt;
-        src.v = kvt + c->dh * MHA_BC;
+        const void *tile = mha_kv_cache_k_tile(c, t->b, t->g, t->index);
+        if (c->dtype != MHA_KV_F32)
+            a->uk->widen_t(c->dtype, tile, c->dh, MHA_BC, (int)c->dh, NULL,
+                           0, kvt, (int)c->dh);
+        src.kt = src.v = c->dtype != MHA_KV_F32 ? kvt : tile;
+        src.ldk = src.ldv = (int)c->dh;
+        src.rows = 1;
         src.dtype = MHA_KV_F32;
         src.finite = c->finite[mha_kv_tile_index(c, t->b, t->g, t->index)] !=
                      0.0f;

@@ -134,6 +134,15 @@ typedef struct mha_microkernels {
                     int ldk, float *s, int lds);
     void (*pv_rows)(int exact, int mr, int nc, int dh, const float *p,
                     int ldp, const float *v, int ldv, float *o, int ldo);
+
+    /* Key rows into the layouts above, exactly: x holds n rows of dh
+     * elements of an f32, f16 or bf16 dtype, row c at x + c ldx
+     * (elements); kt[d][c] (ldkt apart) for d < dh, c < n; and, when v
+     * is not NULL, v[c][d] = the same element for d < dv (a latent
+     * cache's values: each key's first dv).  kt may be NULL: v alone,
+     * rows converted (dv <= dh).  With f32 it is a transposition. */
+    void (*widen_t)(mha_kv_dtype dtype, const void *x, int64_t ldx, int n,
+                    int dh, float *kt, int ldkt, float *v, int dv);
 } mha_microkernels;
 
 /*

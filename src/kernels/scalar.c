@@ -252,9 +252,23 @@ static void pv_rows_scalar(int exact, int mr, int nc, int dh, const float *p,
     pv_strided(exact, mr, nc, dh, p, ldp, v, (size_t)ldv, o, ldo);
 }
 
+static void widen_t_scalar(mha_kv_dtype dtype, const void *x, int64_t ldx,
+                           int n, int dh, float *kt, int ldkt, float *v,
+                           int dv)
+{
+    for (int c = 0; c < n; c++)
+        for (int d = 0; d < (kt ? dh : dv); d++) {
+            const float e = mha_kv_elem(dtype, x, (int64_t)c * ldx + d);
+            if (kt)
+                kt[(size_t)d * ldkt + c] = e;
+            if (v && d < dv)
+                v[(size_t)c * dv + d] = e;
+        }
+}
+
 const mha_microkernels mha_microkernels_scalar = {
     "scalar",           qk_scalar,      pv_scalar,    pv_exact_scalar,
     pv_add_scalar,      pv_add_exact_scalar, pvt_scalar, pvt_exact_scalar,
     exp_sum_scalar,     scale_scalar,   copy_finite_scalar, max_scalar, softmax_rows_scalar,     softcap_scalar,
     qk_kv_scalar,       pv_kv_scalar,   dot_nonzero_scalar, dscore_scalar,
-    qk_rows_scalar,     pv_rows_scalar};
+    qk_rows_scalar,     pv_rows_scalar, widen_t_scalar};

@@ -8,6 +8,8 @@
  *   vi      VL int32 lanes           vm     a lane mask (a compare's result)
  *   vtail   the first n lanes of a vector (0 < n <= VL), for tails
  *
+ * and vf_transpose, a VL x VL block of rows transposed in registers.
+ *
  * Every operation here is one IEEE operation per lane (fma rounds once),
  * so a kernel's lane gives the same bits in every tier; what differs from
  * tier to tier is only the width, and with it the order of horizontal sums
@@ -116,6 +118,34 @@ MK_INLINE float vf_hsum(vf v)   /* lanes i + 8 onto i, then 4, 2, 1 */
 #define vd_hi(v)                                                            \
     _mm512_cvtps_pd(_mm256_castpd_ps(                                       \
         _mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))
+/* r[i][j] <- r[j][i]: a 16 x 16 block transposed in registers (pairs of
+ * rows interleaved, then pairs of pairs, then the 128-bit quarters). */
+MK_INLINE void vf_transpose(vf r[VL])
+{
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {   /* quarters: rows i, i+4, i+8, i+12 */
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+        r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
+    }
+}
 
 #elif defined(MHA_SIMD_AVX2)
 /* ---- AVX2 + FMA + F16C (8 lanes, 16 registers; masks are vectors) ------- */
@@ -176,8 +206,6 @@ enum { VL = 8, VREGS = 16 };
 #define vf_nibble_hi(x) vi_to_vf(vi_sra(x, 4))
 #define vf_nibble_lo_times(x, s) vf_mul(vf_nibble_lo(x), vf_set1(s))
 #define vf_nibble_hi_times(x, s) vf_mul(vf_nibble_hi(x), vf_set1(s))
-#define vf_nibble_lo_times(x, s) vf_mul(vf_nibble_lo(x), vf_set1(s))
-#define vf_nibble_hi_times(x, s) vf_mul(vf_nibble_hi(x), vf_set1(s))
 MK_INLINE float vf_hsum(vf v)   /* lanes i + 4 onto i, then 2, 1 */
 {
     __m128 a = _mm_add_ps(_mm256_castps256_ps128(v),
@@ -200,6 +228,25 @@ MK_INLINE float vf_hmax(vf v)   /* (no NaN lanes: the callers' max) */
 #define vd_store _mm256_storeu_pd
 #define vd_lo(v) _mm256_cvtps_pd(_mm256_castps256_ps128(v))
 #define vd_hi(v) _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1))
+/* r[i][j] <- r[j][i]: an 8 x 8 block transposed in registers. */
+MK_INLINE void vf_transpose(vf r[VL])
+{
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
 
 #elif defined(MHA_SIMD_NEON)
 /* ---- aarch64 Advanced SIMD (4 lanes, 32 registers; masks are vectors) --- */
@@ -292,6 +339,20 @@ MK_INLINE float vf_hsum(vf v)   /* lanes i + 2 onto i, then 1 */
 #define vd_store vst1q_f64
 #define vd_lo(v) vcvt_f64_f32(vget_low_f32(v))
 #define vd_hi(v) vcvt_high_f64_f32(v)
+/* r[i][j] <- r[j][i]: a 4 x 4 block transposed in registers. */
+MK_INLINE void vf_transpose(vf r[VL])
+{
+    const float32x4_t t0 = vtrn1q_f32(r[0], r[1]), t1 = vtrn2q_f32(r[0], r[1]);
+    const float32x4_t t2 = vtrn1q_f32(r[2], r[3]), t3 = vtrn2q_f32(r[2], r[3]);
+#define D_(x) vreinterpretq_f64_f32(x)
+#define F_(x) vreinterpretq_f32_f64(x)
+    r[0] = F_(vtrn1q_f64(D_(t0), D_(t2)));
+    r[1] = F_(vtrn1q_f64(D_(t1), D_(t3)));
+    r[2] = F_(vtrn2q_f64(D_(t0), D_(t2)));
+    r[3] = F_(vtrn2q_f64(D_(t1), D_(t3)));
+#undef D_
+#undef F_
+}
 
 #else
 #error "simd.h: define MHA_SIMD_AVX512, MHA_SIMD_AVX2 or MHA_SIMD_NEON"

@@ -208,15 +208,16 @@ MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
         }
 }
 
-/* R rows against all N columns over k0 <= k < k1: the wide blocks of one
- * or two rows, then blocks of TIER_WM vectors, of fewer, a masked tail. */
-MK_INLINE void cols(const int R, const int mode, const int T, int N, int k0,
-                    int k1, const float *A, int lda, int ska, const bsrc *B,
-                    float *C, int ldc)
+/* R rows against columns j0 <= j < N over k0 <= k < k1: the wide blocks
+ * of one or two rows, then blocks of TIER_WM vectors, of fewer, a masked
+ * tail. */
+MK_INLINE void cols(const int R, const int mode, const int T, int j0, int N,
+                    int k0, int k1, const float *A, int lda, int ska,
+                    const bsrc *B, float *C, int ldc)
 {
     const vtail full = vt_make(VL);
     const int wide = !(mode & EXACT) || TIER_WIDE_EXACT;
-    int j = 0;
+    int j = j0;
 #define TILE(W, masked, t, n)                                               \
     tile(R, W, masked, mode, T, k0, k1, A, lda, ska, B, j, C + j, ldc, t, n)
     if (R == 1 && wide)
@@ -267,7 +268,7 @@ MK_INLINE void panel(const int R, const int mode, const int T, int slabs,
 {
     if (!TIER_SLABS || !slabs || (R == 1 && N <= 64) || (mode & ADD) ||
         (mode & EXACT) || K <= KSLAB || T == B_F32T) {
-        cols(R, mode, T, N, 0, K, A, lda, ska, B, C, ldc);
+        cols(R, mode, T, 0, N, 0, K, A, lda, ska, B, C, ldc);
         return;
     }
     const size_t row = (size_t)B->ld * (T == B_F32 ? 4 : T <= B_BF16 ? 2 : 1);
@@ -284,30 +285,63 @@ MK_INLINE void panel(const int R, const int mode, const int T, int slabs,
             for (size_t at = (size_t)(k0 + KSLAB) * row;
                  at < (size_t)(k0 + 2 * KSLAB) * row; at += 64)
                 __builtin_prefetch(base + at, 0, 3);
-        cols(R, k0 ? mode | FROM_C : mode, T, N, k0,
+        cols(R, k0 ? mode | FROM_C : mode, T, 0, N, k0,
              k0 + KSLAB < K ? k0 + KSLAB : K, A, lda, ska, B, C, ldc);
     }
 }
 
-/* All M rows: blocks of RMAX rows, then one block of the remainder; a
- * single block (M <= RMAX: decoding) may walk K in slabs. */
+/* All M rows against columns j0 <= j < j1 over k0 <= k < k1: blocks of
+ * RMAX rows, then one block of the remainder. */
+MK_INLINE void rows(const int RMAX, const int mode, const int T, int M,
+                    int j0, int j1, int k0, int k1, const float *A, int lda,
+                    int ska, const bsrc *B, float *C, int ldc)
+{
+    int i = 0;
+    for (; i + RMAX <= M; i += RMAX)
+        cols(RMAX, mode, T, j0, j1, k0, k1, A + (size_t)i * lda, lda, ska, B,
+             C + (size_t)i * ldc, ldc);
+    const float *Ai = A + (size_t)i * lda;
+    float *Ci = C + (size_t)i * ldc;
+#define REST(R) cols(R, mode, T, j0, j1, k0, k1, Ai, lda, ska, B, Ci, ldc)
+    switch (M - i) {
+    case 5: if (RMAX > 5) REST(5); break;
+    case 4: if (RMAX > 4) REST(4); break;
+    case 3: REST(3); break;
+    case 2: REST(2); break;
+    case 1: REST(1); break;
+    default: break;
+    }
+#undef REST
+}
+
+/* Where B is larger than GEMM_BIG floats (MLA's 512-wide values), every
+ * row block passes over one strip of GEMM_NB columns (B's rows of it in
+ * L1) before the next: each row block walking all of B read it from L2
+ * again and again, 5% slower (docs/BENCHMARKS.md).  (Blocks of K as well
+ * were tried: no gain.) */
+enum { GEMM_NB = 64, GEMM_BIG = 8192 };
+
+/* All M rows.  A single block (M <= RMAX: decoding) may walk K in slabs;
+ * several blocks against a large B, strips of columns.  An element's
+ * chain is the same chain either way: the same bits. */
 MK_INLINE void gemm(const int RMAX, const int mode, const int T, int M, int N,
                     int K, const float *A, int lda, int ska, const bsrc *B,
                     float *C, int ldc)
 {
-    const int slabs = M <= RMAX;
-    int i = 0;
-    for (; i + RMAX <= M; i += RMAX)
-        panel(RMAX, mode, T, slabs, N, K, A + (size_t)i * lda, lda, ska, B,
-              C + (size_t)i * ldc, ldc);
-    const float *Ai = A + (size_t)i * lda;
-    float *Ci = C + (size_t)i * ldc;
-    switch (M - i) {
-    case 5: if (RMAX > 5) panel(5, mode, T, slabs, N, K, Ai, lda, ska, B, Ci, ldc); break;
-    case 4: if (RMAX > 4) panel(4, mode, T, slabs, N, K, Ai, lda, ska, B, Ci, ldc); break;
-    case 3: panel(3, mode, T, slabs, N, K, Ai, lda, ska, B, Ci, ldc); break;
-    case 2: panel(2, mode, T, slabs, N, K, Ai, lda, ska, B, Ci, ldc); break;
-    case 1: panel(1, mode, T, slabs, N, K, Ai, lda, ska, B, Ci, ldc); break;
+    if (M > RMAX) {
+        const int nb = (int64_t)K * N > GEMM_BIG ? GEMM_NB : N;
+        for (int j0 = 0; j0 < N; j0 += nb)
+            rows(RMAX, mode, T, M, j0, N - j0 < nb ? N : j0 + nb, 0, K, A,
+                 lda, ska, B, C, ldc);
+        return;
+    }
+    switch (M) {
+    case 6: if (RMAX > 5) panel(6, mode, T, 1, N, K, A, lda, ska, B, C, ldc); break;
+    case 5: if (RMAX > 4) panel(5, mode, T, 1, N, K, A, lda, ska, B, C, ldc); break;
+    case 4: if (RMAX > 3) panel(4, mode, T, 1, N, K, A, lda, ska, B, C, ldc); break;
+    case 3: panel(3, mode, T, 1, N, K, A, lda, ska, B, C, ldc); break;
+    case 2: panel(2, mode, T, 1, N, K, A, lda, ska, B, C, ldc); break;
+    case 1: panel(1, mode, T, 1, N, K, A, lda, ska, B, C, ldc); break;
     default: break;
     }
 }
@@ -402,6 +436,74 @@ static void pv_kv_k(mha_kv_dtype dtype, int exact, int mr, int nc, int dh,
     default: PV_KV(B_F32);
     }
 #undef PV_KV
+}
+
+/* Rows of keys widened and transposed (kernels.h): VL x VL blocks, each
+ * row's VL elements converted as loaded (exact), the block transposed in
+ * registers; the dims past the last whole block, and keys past the last
+ * whole block, element by element.  One instance per dtype: with the
+ * dtype a variable in the loop, GCC kept the row addresses on the stack. */
+MK_INLINE void widen_t_as(const mha_kv_dtype T, const void *x, int64_t ldx,
+                          int n, int dh, float *kt, int ldkt, float *v,
+                          int dv)
+{
+    const size_t es = T == MHA_KV_F32 ? 4 : 2, step = (size_t)ldx * es;
+    if (!kt) {   /* rows only: each converted in place of order */
+        for (int c = 0; c < n; c++) {
+            const char *row = (const char *)x + (size_t)c * step;
+            float *vr = v + (size_t)c * dv;
+            int d = 0;
+            for (; d + VL <= dv; d += VL)
+                vf_store(vr + d,
+                         T == MHA_KV_F16 ? vf_load_f16((const uint16_t *)row + d)
+                         : T == MHA_KV_BF16
+                             ? vf_load_bf16((const uint16_t *)row + d)
+                             : vf_load((const float *)row + d));
+            for (; d < dv; d++)
+                vr[d] = mha_kv_elem(T, row, d);
+        }
+        return;
+    }
+    const int nv = n - n % VL, dvec = dh - dh % VL;
+    for (int c0 = 0; c0 < nv; c0 += VL) {
+        const char *row = (const char *)x + (size_t)c0 * step;
+        for (int d0 = 0; d0 < dvec; d0 += VL) {
+            vf r[VL];
+            const char *at = row + (size_t)d0 * es;
+            for (int i = 0; i < VL; i++, at += step)
+                r[i] = T == MHA_KV_F16    ? vf_load_f16((const uint16_t *)at)
+                       : T == MHA_KV_BF16 ? vf_load_bf16((const uint16_t *)at)
+                                          : vf_load((const float *)at);
+            if (v && d0 < dv) {
+                const vtail t = vt_make(dv - d0 < VL ? dv - d0 : VL);
+                float *vr = v + (size_t)c0 * dv + d0;
+                for (int i = 0; i < VL; i++, vr += dv)
+                    vf_store_t(vr, r[i], t);
+            }
+            vf_transpose(r);
+            float *kr = kt + (size_t)d0 * ldkt + c0;
+            for (int i = 0; i < VL; i++, kr += ldkt)
+                vf_store(kr, r[i]);
+        }
+    }
+    for (int c = 0; c < n; c++)
+        for (int d = c < nv ? dvec : 0; d < dh; d++) {
+            const float e = mha_kv_elem(T, x, (int64_t)c * ldx + d);
+            kt[(size_t)d * ldkt + c] = e;
+            if (v && d < dv)
+                v[(size_t)c * dv + d] = e;
+        }
+}
+
+static void widen_t_k(mha_kv_dtype dtype, const void *x, int64_t ldx, int n,
+                      int dh, float *kt, int ldkt, float *v, int dv)
+{
+    if (dtype == MHA_KV_F16)
+        widen_t_as(MHA_KV_F16, x, ldx, n, dh, kt, ldkt, v, dv);
+    else if (dtype == MHA_KV_BF16)
+        widen_t_as(MHA_KV_BF16, x, ldx, n, dh, kt, ldkt, v, dv);
+    else
+        widen_t_as(MHA_KV_F32, x, ldx, n, dh, kt, ldkt, v, dv);
 }
 
 /* ---- exp ------------------------------------------------------------------
@@ -650,4 +752,4 @@ const mha_microkernels TIER_TABLE = {
     scale_k,     copy_finite_k,         max_k,         softmax_rows_k,
     softcap_k,
     qk_kv_k,     pv_kv_k,   dot_nonzero_k,             dscore_k,
-    qk_rows_k,   pv_rows_k};
+    qk_rows_k,   pv_rows_k, widen_t_k};
