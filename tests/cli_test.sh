@@ -1078,6 +1078,22 @@ jcheck "bench --decode --paged --page-size 128 --shared-prefix 40 --batch 3" "$j
   -- "$mha" bench "${dec[@]}" --attention-only --paged --page-size 128 --shared-prefix 40 --batch 3 --threads 1 --json
 expect 0 "^  pages   6 of 64 positions: 0.0 MiB held for 0.0 MiB of tokens \(1.2800x\)$" -- "$mha" bench "${dec[@]}" --attention-only --paged --batch 3 --threads 1
 expect 1 "^mha bench: --page-size needs --paged$" -- "$mha" bench "${dec[@]}" --page-size 64
+# --v-head-dim: values of another width (H_kv 1, d_h 24, d_v 16: a key's
+# and a value's 24 + 16 floats a token); --kv-latent: the values the
+# keys' first 16, stored once (24 f16 a token).  The arithmetic bound is
+# the larger of the element probe's and the multiply-adds' (2 flops x 100
+# keys x 4 rows x (24 + 16)) at the FMA probe's rate.
+jvw="j['decode'] is True and j['attention_only'] is True and (j['heads'], j['kv_heads'], j['head_dim'], j['v_head_dim']) == (4, 1, 24, 16) and j['median_ms'] > 0 and j['fma_gflops'] > 0 and abs(j['fma_ms'] - 2 * 100 * 4 * 40 / (j['fma_gflops'] * 1e9) * 1e3) <= 1e-4 * j['fma_ms'] and j['arith_ms'] == max(j['elem_ms'], j['fma_ms'])"
+jcheck "bench --decode --v-head-dim" "$jvw and j['kv_latent'] is False and j['kv_bytes'] == 100 * (24 + 16) * 4" \
+  -- "$mha" bench --decode --attention-only --kv-seq 100 --embed-dim 96 --heads 4 --kv-heads 1 --v-head-dim 16 --repeat 3 --warmup 1 --threads 1 --json
+jcheck "bench --decode --kv-latent" "$jvw and j['kv_latent'] is True and j['kv_dtype'] == 'f16' and j['kv_bytes'] == 100 * 24 * 2" \
+  -- "$mha" bench --decode --attention-only --kv-seq 100 --embed-dim 96 --heads 4 --kv-heads 1 --v-head-dim 16 --kv-latent --kv-dtype f16 --repeat 3 --warmup 1 --threads 2 --json
+expect 0 "^  fma     [0-9.]+ GFLOP/s \(.* multiply-add probe, 1 thread\): the step's multiply-adds$" -- "$mha" bench --decode --attention-only --kv-seq 100 --embed-dim 96 --heads 4 --kv-heads 1 --v-head-dim 16 --kv-latent --repeat 1 --threads 1
+expect 1 "^mha bench: --v-head-dim needs --attention-only" -- "$mha" bench "${dec[@]}" --v-head-dim 4
+expect 1 "^mha bench: --kv-latent needs --attention-only" -- "$mha" bench "${dec[@]}" --kv-latent
+expect 1 "^mha bench: --kv-latent needs --decode$" -- "$mha" bench "${tiny[@]}" --kv-latent
+expect 1 "^mha bench: --v-head-dim needs --decode$" -- "$mha" bench "${tiny[@]}" --v-head-dim 4
+expect 1 "^mha bench: --kv-latent with --kv-dtype q8: unsupported: a latent cache" -- "$mha" bench "${dec[@]}" --attention-only --kv-latent --kv-dtype q8
 expect 1 "^mha bench: --shared-prefix needs --paged and --attention-only$" -- "$mha" bench "${dec[@]}" --paged --shared-prefix 10
 expect 1 "^mha bench: --shared-prefix 101 is longer than sequence 0's 100 keys$" -- "$mha" bench "${dec[@]}" --attention-only --paged --shared-prefix 101
 expect 1 "^mha bench: KV cache: invalid argument: cache page_size 100: expected 0" -- "$mha" bench "${dec[@]}" --paged --page-size 100

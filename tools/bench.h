@@ -43,6 +43,10 @@ const char *bench_blas_env(void);
 int bench_setup(int argc, char **argv, int64_t threads, int64_t ncpu,
                 int json, long *blas_threads, const char **tier);
 
+/* Single-thread multiply-add GFLOP/s of the widest vectors the kernel
+ * tier uses (the best of ~0.2 s of short runs); *kind names the loop. */
+double bench_fma_peak(const char **kind);
+
 /* `mha bench --decode`, on the options cmd_bench parsed (o, n). */
 int bench_decode(int argc, char **argv, const tool_opt *o, int n);
 

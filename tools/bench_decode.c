@@ -428,6 +428,9 @@ static const char *kv_dtype_name(mha_kv_dtype t)
 /* What one run times, read from the options. */
 typedef struct decode_bench {
     int64_t B, Lq, Lk, E, H, Hkv, dh;
+    int64_t dv;        /* --v-head-dim: the values' head width (d_h)     */
+    int latent;        /* --kv-latent: values the keys' first dv, stored
+                          once (MLA's latent cache)                     */
     int64_t threads, repeat, warmup, ncpu;
     mha_kv_dtype dtype;
     int json, threads_default;
@@ -450,9 +453,10 @@ typedef struct decode_state {
     mha_plan *plan;
     mha_attention_plan *aplan;   /* attention only                        */
     mha_kv_cache *kv;
-    float *q, *out;              /* (B, Lq, E), E = H d_h                  */
-    float *kv_new;               /* attention only: the step's keys, then
-                                    values, each (B, Lq, H_kv d_h)        */
+    float *q, *out;              /* (B, Lq, E), E = H d_h; out H d_v wide  */
+    float *kv_new;               /* attention only: the step's keys
+                                    (B, Lq, H_kv d_h), then values
+                                    (B, Lq, H_kv d_v; none if latent)     */
     double *ms;                  /* (repeat) timings                      */
     mha_decode_args a;
     mha_attention_decode_args aa;
@@ -472,6 +476,13 @@ typedef struct decode_result {
     const char *arith_kind;
     int arith_rows;
     double arith_gelems, memory_ms, arith_ms, roofline_ms, roofline_percent;
+    /* the step's multiply-adds (every query row of a group against every
+     * cached element: (d_h + d_v) per key) at the FMA probe's rate: the
+     * arithmetic bound where a group stacks more rows than the element
+     * probe's 8 (MLA: 128 heads on one latent head) */
+    const char *fma_kind;
+    double fma_gflops, fma_ms;
+    double elem_ms;    /* the element probe's time; arith_ms the larger */
 } decode_result;
 
 static int parse_decode(const tool_opt *o, int n, decode_bench *d)
@@ -513,6 +524,15 @@ static int parse_decode(const tool_opt *o, int n, decode_bench *d)
                   &d->page)))
         return 1;
     d->rotate = OPT("kv-rotate") != NULL;
+    d->latent = OPT("kv-latent") != NULL;
+    if (OPT("v-head-dim") &&
+        tool_int("bench", "v-head-dim", OPT("v-head-dim"), 1, INT32_MAX,
+                 &d->dv))
+        return 1;
+    if ((OPT("v-head-dim") || d->latent) && !OPT("attention-only"))
+        return tool_fail("bench", "--%s needs --attention-only (the module "
+                         "has one head width)",
+                         d->latent ? "kv-latent" : "v-head-dim");
     if (OPT("shared-prefix") &&
         tool_int("bench", "shared-prefix", OPT("shared-prefix"), 1,
                  INT32_MAX, &d->shared))
@@ -535,6 +555,8 @@ static int parse_decode(const tool_opt *o, int n, decode_bench *d)
     /* The module's defaults, which mha_attention shares: d_h = E / H,
      * H_kv = H.  Whether H_kv divides H is the library's to check. */
     d->dh = d->E / d->H;
+    if (!d->dv)
+        d->dv = d->dh;
     if (!d->Hkv)
         d->Hkv = d->H;
     return 0;
@@ -581,10 +603,10 @@ static int sequence_lengths(decode_bench *d)
  * a time, the sequences in turn, as a server interleaves them: no
  * sequence's pages lie side by side. */
 static int prefill(mha_kv_cache *kv, const int64_t *len, int64_t B,
-                   int64_t Lk, int64_t Dkv, int64_t page)
+                   int64_t Lk, int64_t Dkv, int64_t Dvkv, int64_t page)
 {
     const int64_t step = page ? page : Lk < 1024 ? Lk : 1024;
-    float *k = malloc((size_t)(2 * step * Dkv) * sizeof *k);
+    float *k = malloc((size_t)(step * (Dkv + Dvkv)) * sizeof *k);
     if (!k)
         return tool_fail("bench", "out of memory for the cache's prefill");
     uint64_t state = 7;
@@ -596,8 +618,9 @@ static int prefill(mha_kv_cache *kv, const int64_t *len, int64_t B,
                  !rc && t < len[b] && (!page || t < (r + 1) * step);
                  t += step) {
                 const int64_t n = len[b] - t < step ? len[b] - t : step;
-                bench_fill_random(k, 2 * n * Dkv, &state);
-                if (mha_kv_cache_append(kv, b, k, k + n * Dkv, n) != MHA_OK)
+                bench_fill_random(k, n * (Dkv + Dvkv), &state);
+                if (mha_kv_cache_append(kv, b, k, Dvkv ? k + n * Dkv : NULL,
+                                        n) != MHA_OK)
                     rc = tool_fail("bench", "prefill: %s", mha_last_error());
             }
     free(k);
@@ -609,7 +632,8 @@ static int prefill(mha_kv_cache *kv, const int64_t *len, int64_t B,
 static int create_cache(const decode_bench *d, decode_state *s)
 {
     mha_kv_cache_config kc = {d->B, d->Hkv, d->dh, d->Lk + d->Lq,
-                              d->dtype, 0, d->page, 0, d->rotate, 0, 0};
+                              d->dtype, 0, d->page, 0, d->rotate, d->dv,
+                              d->latent};
     for (int64_t b = 0; d->page && b < d->B; b++)
         kc.num_pages += (sequence_length(d, b) + d->Lq + d->page - 1) /
                         d->page;
@@ -617,7 +641,11 @@ static int create_cache(const decode_bench *d, decode_state *s)
     if (st == MHA_OK)
         return 0;
     char what[64];
-    snprintf(what, sizeof what, "--kv-dtype %s", kv_dtype_name(d->dtype));
+    snprintf(what, sizeof what, "%s%s",
+             d->latent ? "--kv-latent with --kv-dtype "
+             : d->dv != d->dh ? "--v-head-dim with --kv-dtype "
+                              : "--kv-dtype ",
+             kv_dtype_name(d->dtype));
     return tool_fail_status("bench", st == MHA_ERR_UNSUPPORTED ? what
                                                                : "KV cache",
                             st);
@@ -669,9 +697,11 @@ static int setup(decode_bench *d, decode_state *s)
     /* B*Lq*E fits: the cache of B*(Lk+Lq)*Hkv*d_h <= B*(Lk+Lq)*E floats
      * was allocated. */
     const int64_t Dkv = d->Hkv * d->dh, nq = d->B * d->Lq * d->E,
-                  nkv = 2 * d->B * d->Lq * Dkv;
+                  Dvkv = d->latent ? 0 : d->Hkv * d->dv,
+                  nkv = d->B * d->Lq * (Dkv + Dvkv),
+                  nout = d->B * d->Lq * d->H * d->dv;
     s->q = malloc((size_t)nq * sizeof *s->q);
-    s->out = malloc((size_t)nq * sizeof *s->out);
+    s->out = malloc((size_t)nout * sizeof *s->out);
     s->ms = malloc((size_t)d->repeat * sizeof *s->ms);
     s->kv_new = d->attn_only ? malloc((size_t)nkv * sizeof *s->kv_new)
                              : NULL;
@@ -684,14 +714,14 @@ static int setup(decode_bench *d, decode_state *s)
     if (plan_step(d, s))
         return 1;
     if (!d->shared)
-        return prefill(s->kv, d->len, d->B, d->Lk, Dkv, d->page);
+        return prefill(s->kv, d->len, d->B, d->Lk, Dkv, Dvkv, d->page);
     /* sequence 0's first N tokens, forked into every other sequence, then
      * each sequence's own (len[b] - N), a page at a time in turn */
     int64_t *own = malloc((size_t)d->B * sizeof *own);
     if (!own)
         return tool_fail("bench", "out of memory for the lengths");
     const int64_t first = d->shared;
-    int rc = prefill(s->kv, &first, 1, first, Dkv, d->page);
+    int rc = prefill(s->kv, &first, 1, first, Dkv, Dvkv, d->page);
     for (int64_t b = 1; !rc && b < d->B; b++)
         if (mha_kv_cache_fork(s->kv, 0, b) != MHA_OK)
             rc = tool_fail("bench", "fork: %s", mha_last_error());
@@ -701,7 +731,7 @@ static int setup(decode_bench *d, decode_state *s)
         most = own[b] > most ? own[b] : most;
     }
     if (!rc && most > 0)
-        rc = prefill(s->kv, own, d->B, most, Dkv, d->page);
+        rc = prefill(s->kv, own, d->B, most, Dkv, Dvkv, d->page);
     free(own);
     return rc;
 }
@@ -723,12 +753,14 @@ static void free_state(decode_state *s)
  * mha_attention, as the module's step does inside its call. */
 static mha_status append_new_tokens(const decode_bench *d, decode_state *s)
 {
-    const int64_t Dkv = d->Hkv * d->dh, per_seq = d->Lq * Dkv,
-                  values = d->B * per_seq;
+    const int64_t per_seq = d->Lq * d->Hkv * d->dh,
+                  per_seq_v = d->Lq * d->Hkv * d->dv;
+    const float *values = s->kv_new + d->B * per_seq;
     mha_status st = MHA_OK;
     for (int64_t b = 0; st == MHA_OK && b < d->B; b++)
         st = mha_kv_cache_append(s->kv, b, s->kv_new + b * per_seq,
-                                 s->kv_new + values + b * per_seq, d->Lq);
+                                 d->latent ? NULL : values + b * per_seq_v,
+                                 d->Lq);
     return st;
 }
 
@@ -767,7 +799,7 @@ static int time_steps(const decode_bench *d, decode_state *s)
     }
     free(q_start);
     double sum = 0.0;
-    for (int64_t i = 0; i < d->B * d->Lq * d->E; i++)
+    for (int64_t i = 0; i < d->B * d->Lq * d->H * d->dv; i++)
         sum += s->out[i];
     return isfinite(sum) ? 0 : tool_fail("bench", "the output is not finite");
 }
@@ -780,22 +812,28 @@ static void summarise(const decode_bench *d, decode_state *s,
     /* The cached keys and values a step reads, each K/V head once (the
      * query heads of a group share its reads); the step's own Lq tokens
      * are not counted. */
-    res->kv_bytes = (double)d->kv_keys * (double)d->Hkv * 2.0 *
-                    kv_row_bytes(d->dtype, d->dh);
+    res->kv_bytes = (double)d->kv_keys * (double)d->Hkv *
+                    (kv_row_bytes(d->dtype, d->dh) +
+                     (d->latent ? 0.0 : kv_row_bytes(d->dtype, d->dv)));
     res->kv_gbps = res->kv_bytes / (res->median_ms * 1e-3) * 1e-9;
     res->read_percent = 100.0 * res->kv_gbps / res->read_gbps;
     /* K and V: all_keys * Hkv * d_h elements each (a shared prefix read
      * once is still multiplied by every sequence's rows), every one converted
      * once and multiplied into each of the group's stacked rows */
     const double elems = (double)d->all_keys * (double)d->Hkv *
-                         (double)d->dh * 2.0;
+                         (double)(d->dh + (d->latent ? 0 : d->dv));
     /* The module's projections read every parameter once per step: its
      * memory time counts them beside the cache. */
     res->weight_bytes = s->m ? (double)mha_param_numel(s->m) * sizeof(float)
                              : 0.0;
     res->memory_ms = (res->kv_bytes + res->weight_bytes) /
                      (res->read_gbps * 1e9) * 1e3;
-    res->arith_ms = elems / (res->arith_gelems * 1e9) * 1e3;
+    res->arith_ms = res->elem_ms = elems / (res->arith_gelems * 1e9) * 1e3;
+    const double flops = 2.0 * (double)d->all_keys * (double)d->H *
+                         (double)d->Lq * (double)(d->dh + d->dv);
+    res->fma_ms = flops / (res->fma_gflops * (double)d->threads * 1e9) * 1e3;
+    if (res->fma_ms > res->arith_ms)
+        res->arith_ms = res->fma_ms;
     res->roofline_ms = res->memory_ms > res->arith_ms ? res->memory_ms
                                                       : res->arith_ms;
     res->roofline_percent = 100.0 * res->roofline_ms / res->median_ms;
@@ -823,7 +861,9 @@ static void print_json(const decode_bench *d, const decode_result *r)
            "\"arith_kind\": \"%s\", \"arith_rows\": %d, "
            "\"arith_gelems\": %.6g, \"memory_ms\": %.6g, "
            "\"arith_ms\": %.6g, \"roofline_ms\": %.6g, "
-           "\"roofline_percent\": %.6g, "
+           "\"roofline_percent\": %.6g, \"v_head_dim\": %lld, "
+           "\"kv_latent\": %s, \"fma_gflops\": %.6g, \"elem_ms\": %.6g, "
+           "\"fma_ms\": %.6g, "
            "\"page_size\": %lld, \"shared_prefix\": %lld, "
            "\"cache_bytes\": %lld, "
            "\"token_bytes\": %lld, "
@@ -838,7 +878,9 @@ static void print_json(const decode_bench *d, const decode_result *r)
            r->kv_gbps, r->read_gbps, r->read_percent,
            (long long)r->read_bytes, r->weight_bytes, r->arith_kind,
            r->arith_rows, r->arith_gelems, r->memory_ms, r->arith_ms,
-           r->roofline_ms, r->roofline_percent, (long long)d->page,
+           r->roofline_ms, r->roofline_percent, (long long)d->dv,
+           json_bool(d->latent), r->fma_gflops * (double)d->threads,
+           r->elem_ms, r->fma_ms, (long long)d->page,
            (long long)d->shared,
            (long long)r->usage.bytes, (long long)r->usage.token_bytes,
            mha_version_string());
@@ -848,10 +890,11 @@ static void print_text(const decode_bench *d, const decode_result *r)
 {
     const char *s = d->threads == 1 ? "" : "s";
     printf("mha bench --decode: B=%lld Lq=%lld Lk=%lld E=%lld H=%lld "
-           "H_kv=%lld d_h=%lld, %s cache, %lld thread%s%s\n",
+           "H_kv=%lld d_h=%lld d_v=%lld, %s%s cache, %lld thread%s%s\n",
            (long long)d->B, (long long)d->Lq, (long long)d->Lk,
            (long long)d->E, (long long)d->H, (long long)d->Hkv,
-           (long long)d->dh, kv_dtype_name(d->dtype), (long long)d->threads,
+           (long long)d->dh, (long long)d->dv, kv_dtype_name(d->dtype),
+           d->latent ? " latent" : "", (long long)d->threads,
            s, d->threads_default ? " (default: the online CPUs)" : "");
     printf("  timed   %s: %lld new token%s per sequence on %s%lld cached\n",
            d->attn_only ? "mha_attention_plan_decode" : "mha_plan_decode",
@@ -905,7 +948,14 @@ static void print_text(const decode_bench *d, const decode_result *r)
            "%d row%s (%s, %lld thread%s,\n          in L1): the step's K and "
            "V in %.3f ms\n",
            r->arith_gelems, r->arith_rows, r->arith_rows == 1 ? "" : "s",
-           r->arith_kind, (long long)d->threads, s, r->arith_ms);
+           r->arith_kind, (long long)d->threads, s, r->elem_ms);
+    printf("  fma     %.1f GFLOP/s (%s multiply-add probe, %lld thread%s): "
+           "the step's multiply-adds\n          (%lld query row%s a K/V "
+           "head, d_h %lld + d_v %lld a key) in %.3f ms\n",
+           r->fma_gflops * (double)d->threads, r->fma_kind,
+           (long long)d->threads, s, (long long)(d->H / d->Hkv * d->Lq),
+           d->H / d->Hkv * d->Lq == 1 ? "" : "s", (long long)d->dh,
+           (long long)d->dv, r->fma_ms);
     printf("  roofline max(memory %.3f ms, arithmetic %.3f ms) = %.3f ms: "
            "the step reaches %.1f%%\n", r->memory_ms, r->arith_ms,
            r->roofline_ms, r->roofline_percent);
@@ -945,6 +995,9 @@ int bench_decode(int argc, char **argv, const tool_opt *o, int n)
         if (!(res.arith_gelems > 0.0))
             rc = tool_fail("bench", "the arithmetic probe failed (out of "
                            "memory?)");
+        res.fma_gflops = rc ? 0.0 : bench_fma_peak(&res.fma_kind);
+        if (!rc && !(res.fma_gflops > 0.0))
+            rc = tool_fail("bench", "the FMA probe failed");
     }
     if (!rc)
         rc = time_steps(&d, &s);

@@ -28,6 +28,7 @@ static const char BENCH_HELP[] =
     MOD_USAGE MOD_WINDOW_USAGE " [--sinks]\n"
     "       mha bench --decode --kv-seq Lk --embed-dim E --heads H\n"
     "                 [--kv-heads Hkv] [--kv-dtype f32|f16|bf16|q8|q4] [--kv-rotate]\n"
+    "                 [--v-head-dim Dv [--kv-latent]]\n"
     "                 [--batch B] [--seq L] [--ragged] [--attention-only]\n"
     "                 [--paged [--page-size P] [--shared-prefix N]]\n"
     "                 [--threads T] [--repeat R] [--warmup W] [--json]\n"
@@ -154,9 +155,13 @@ static const char BENCH_HELP[] =
     "tier's widest vectors (no softmax); memory_ms = (kv_bytes +\n"
     "weight_bytes, the module's parameters; 0 with --attention-only) /\n"
     "read_gbps,\n"
-    "arith_ms = the step's 2*kv_keys*Hkv*d_h elements at that rate,\n"
-    "roofline_ms the larger, and roofline_percent = roofline_ms / the\n"
-    "median time: the share of the roofline the step reaches.\n"
+    "elem_ms = the step's kv_keys*Hkv*(d_h + d_v) elements at that rate,\n"
+    "fma_ms = its 2*kv_keys*H*Lq*(d_h + d_v) flops at the FMA probe's\n"
+    "fma_gflops (the bound where a K/V head's group stacks many rows:\n"
+    "MLA's 128 heads on one latent head), arith_ms the larger of the two,\n"
+    "roofline_ms the larger of memory_ms and arith_ms, and\n"
+    "roofline_percent = roofline_ms / the median time: the share of the\n"
+    "roofline the step reaches.\n"
     "Without --attention-only the time includes the projections of the Lq\n"
     "new tokens (q, k, v, out), which read every parameter once:\n"
     "weight_bytes, small next to the cache only when kv_keys*Hkv*d_h*2 is\n"
@@ -164,7 +169,10 @@ static const char BENCH_HELP[] =
     "MiB of weights, 256 MiB of cache).  --kv-dtype f16, bf16, q8 or q4:\n"
     "the cache stored so (q8: 1.125 bytes an element with its scales, q4\n"
     "0.625); --kv-rotate: its Hadamard rotation (the queries and outputs\n"
-    "turned too).\n";
+    "turned too).  With --attention-only, --v-head-dim Dv: values (and\n"
+    "the output) of Dv per head, keys of d_h; --kv-latent: the values\n"
+    "are the keys' first Dv, stored once (MLA's latent cache; DeepSeek-V3:\n"
+    "--embed-dim 73728 --heads 128 --kv-heads 1 --v-head-dim 512).\n";
 
 /* ---- the FMA peak probe ------------------------------------------------- */
 
@@ -217,7 +225,7 @@ probe_avx512(long iters, double *flops)
 /* Single-thread multiply-add GFLOP/s: the best of ~0.2 s of short runs,
  * with the widest vectors the kernel tier in use has (AVX-512 for avx512,
  * else AVX2 + FMA where the CPU has them).  *kind names the loop that ran. */
-static double measure_peak(const char **kind)
+double bench_fma_peak(const char **kind)
 {
     float (*probe)(long, double *) = probe_plain;
     *kind = "portable C";
@@ -316,6 +324,7 @@ int cmd_bench(int argc, char **argv)
                     {"ragged", 0, 0}, {"sinks", 0, 0}, {"dtype", 1, 0},
                     {"paged", 0, 0}, {"page-size", 1, 0},
                     {"shared-prefix", 1, 0}, {"kv-rotate", 0, 0},
+                    {"v-head-dim", 1, 0}, {"kv-latent", 0, 0},
                     MOD_OPTS, MOD_WINDOW_OPT};
     int status;
     if (tool_options("bench", argc, argv, o, NOPTS(o), BENCH_HELP, &status))
@@ -334,7 +343,8 @@ int cmd_bench(int argc, char **argv)
         return bench_decode(argc, argv, o, NOPTS(o));
     static const char *const decode_only[] = {"kv-heads", "kv-dtype",
                                               "ragged", "paged", "page-size",
-                                              "shared-prefix", "kv-rotate"};
+                                              "shared-prefix", "kv-rotate",
+                                              "v-head-dim", "kv-latent"};
     for (int k = 0; k < NOPTS(decode_only); k++)
         if (OPT(decode_only[k]))
             return tool_fail("bench", "--%s needs --decode", decode_only[k]);
@@ -583,7 +593,7 @@ int cmd_bench(int argc, char **argv)
                 "optimisation; the peak probe and the timings mean little\n");
 #endif
     const char *probe_kind = "";
-    const double peak1 = rc ? 0.0 : measure_peak(&probe_kind);
+    const double peak1 = rc ? 0.0 : bench_fma_peak(&probe_kind);
     double *fwd_ms = ms + repeat, *bwd_ms = ms + 2 * repeat;
     for (int64_t r = 0; !rc && r < warmup + repeat; r++) {
         const double t0 = bench_now_s();
