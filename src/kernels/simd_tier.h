@@ -40,6 +40,16 @@
  * added to C (pv_add, pvt).  EXACT skips the terms whose A is zero.
  */
 enum { FROM_C = 1, EXACT = 2, ADD = 4 };   /* (B's storage: bsrc.h) */
+
+/* The register block's loops over its rows and vectors, unrolled whatever
+ * the optimisation level: at -O2 GCC left them as loops over arrays of
+ * vectors in memory, and qk ran at a quarter of its -O3 speed
+ * (docs/KERNELS.md). */
+#if defined(__clang__)
+#define UNROLL _Pragma("unroll")
+#else
+#define UNROLL _Pragma("GCC unroll 16")
+#endif
 enum { MODE_SET = 0, MODE_ACC = FROM_C, MODE_ACC_EXACT = FROM_C | EXACT,
        MODE_ADD = ADD, MODE_ADD_EXACT = ADD | EXACT };
 
@@ -95,15 +105,18 @@ MK_INLINE void fma_rows(const int R, const int W, const int mode,
                         const float *A, int lda, int ska, int k, const vf *b,
                         vf acc[6][8])
 {
+    UNROLL
     for (int r = 0; r < R; r++) {
         const vf a = vf_set1(A[(size_t)r * lda + (size_t)k * ska]);
         if (mode & EXACT) {
             /* where a is zero acc stays as it was, so NaN / Inf in b
              * never reaches the row: the bits of skipping it */
             const vm nz = vf_cmp_nz(a);
+            UNROLL
             for (int w = 0; w < W; w++)
                 acc[r][w] = vf_fma_where(nz, a, b[w], acc[r][w]);
         } else {
+            UNROLL
             for (int w = 0; w < W; w++)
                 acc[r][w] = vf_fma(a, b[w], acc[r][w]);
         }
@@ -118,7 +131,9 @@ MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
                     vtail t, int n)
 {
     vf acc[6][8];
+    UNROLL
     for (int r = 0; r < R; r++)
+        UNROLL
         for (int w = 0; w < W; w++) {
             const float *c = C + (size_t)r * ldc + VL * w;
             acc[r][w] = !(mode & FROM_C) ? vf_zero()
@@ -142,6 +157,7 @@ MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
         R * W + 2 * W + 2 <= VREGS) {
         if (k & 1 && k < k1) {
             vf b[8];
+            UNROLL
             for (int w = 0; w < W; w++)
                 b[w] = ldb(T, B, k, j + VL * w, 0, t, n);
             fma_rows(R, W, mode, A, lda, ska, k, b, acc);
@@ -151,6 +167,7 @@ MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
             const int8_t *row = (const int8_t *)B->x +
                                 (size_t)(k >> 1) * B->ld + j;
             vf lo[8], hi[8];
+            UNROLL
             for (int w = 0; w < W; w++) {
                 const vi x = vi_load_i8(row + VL * w);
                 if (T == B_Q4K) {   /* k, k + 1: one block of 32 */
@@ -173,6 +190,7 @@ MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
     for (; k < k1; k++) {
         if (b_first) {
             vf b[8];
+            UNROLL
             for (int w = 0; w < W; w++)
                 b[w] = ldb(T, B, k, j + VL * w, masked, t, n);
             fma_rows(R, W, mode, A, lda, ska, k, b, acc);
@@ -180,13 +198,16 @@ MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
         }
         vf a[6];
         vm nz[6];
+        UNROLL
         for (int r = 0; r < R; r++) {
             a[r] = vf_set1(A[(size_t)r * lda + (size_t)k * ska]);
             if (mode & EXACT)
                 nz[r] = vf_cmp_nz(a[r]);
         }
+        UNROLL
         for (int w = 0; w < W; w++) {
             const vf b = ldb(T, B, k, j + VL * w, masked, t, n);
+            UNROLL
             for (int r = 0; r < R; r++)
                 acc[r][w] = mode & EXACT
                                 ? vf_fma_where(nz[r], a[r], b, acc[r][w])
@@ -194,7 +215,9 @@ MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
         }
     }
 
+    UNROLL
     for (int r = 0; r < R; r++)
+        UNROLL
         for (int w = 0; w < W; w++) {
             float *c = C + (size_t)r * ldc + VL * w;
             if (masked)
