@@ -4,7 +4,9 @@
 #define _POSIX_C_SOURCE 200809L
 #include "bench.h"
 #include "fail.h"
+#include "mha.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -101,4 +103,95 @@ int bench_setup(int argc, char **argv, int64_t threads, int64_t ncpu,
                 "CPUs: oversubscribed, the timings mean little\n",
                 (long long)threads, (long long)ncpu);
     return 0;
+}
+
+/* ---- the FMA peak probe ------------------------------------------------- */
+
+/*
+ * Independent multiply-adds acc[k] = acc[k] * m + a over N accumulators,
+ * which the compiler vectorises and keeps in registers: enough chains in
+ * flight to cover the FMA latency on every pipe.  acc converges to
+ * a / (1 - m) = 1, so there are neither overflows nor denormals.
+ */
+#define PROBE_BODY(N, MADD)                                               \
+    float acc[N];                                                         \
+    for (int k = 0; k < (N); k++)                                         \
+        acc[k] = 0.5f + 0.001f * (float)k;                                \
+    const float m = 0.999f, a = 0.001f;                                   \
+    for (long it = 0; it < iters; it++)                                   \
+        for (int k = 0; k < (N); k++)                                     \
+            acc[k] = MADD(acc[k], m, a);                                  \
+    float s = 0.0f;                                                       \
+    for (int k = 0; k < (N); k++)                                         \
+        s += acc[k];                                                      \
+    *flops = 2.0 * (double)(N) * (double)iters;                           \
+    return s;
+
+#define PLAIN_MADD(x, y, z) ((x) * (y) + (z))
+
+/* Portable: 48 accumulators (12 SSE registers on x86-64). */
+static float probe_plain(long iters, double *flops)
+{
+    PROBE_BODY(48, PLAIN_MADD)
+}
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#define HAVE_PROBE_AVX2 1
+/* 96 accumulators = 12 ymm registers of FMA chains.  fmaf, because ISO C
+ * mode does not contract a * b + c into one instruction. */
+__attribute__((target("avx2,fma"))) static float probe_avx2(long iters,
+                                                           double *flops)
+{
+    PROBE_BODY(96, fmaf)
+}
+
+/* 192 accumulators = 12 zmm registers: the peak of the avx512 tier. */
+__attribute__((target("avx512f,avx2,fma"))) static float
+probe_avx512(long iters, double *flops)
+{
+    PROBE_BODY(192, fmaf)
+}
+#endif
+
+/* Single-thread multiply-add GFLOP/s: the best of ~0.2 s of short runs,
+ * with the widest vectors the kernel tier in use has (AVX-512 for avx512,
+ * else AVX2 + FMA where the CPU has them).  *kind names the loop that ran. */
+double bench_fma_peak(const char **kind)
+{
+    float (*probe)(long, double *) = probe_plain;
+    *kind = "portable C";
+#ifdef HAVE_PROBE_AVX2
+    __builtin_cpu_init();
+    const char *tier = mha_kernel_tier();
+    if (tier && !strcmp(tier, "avx512")) {
+        probe = probe_avx512;
+        *kind = "AVX-512";
+    } else if (__builtin_cpu_supports("avx2") &&
+               __builtin_cpu_supports("fma")) {
+        probe = probe_avx2;
+        *kind = "AVX2+FMA";
+    }
+#endif
+    volatile float sink = 0.0f;
+    double flops, t, best = 0.0;
+    long iters = 1000;
+    /* Calibrate: one run of at least 20 ms. */
+    for (;;) {
+        t = bench_now_s();
+        sink += probe(iters, &flops);
+        t = bench_now_s() - t;
+        if (t >= 0.02 || iters > (1L << 40))
+            break;
+        iters *= 2;
+    }
+    const double start = bench_now_s();
+    while (bench_now_s() - start < 0.2) {
+        t = bench_now_s();
+        sink += probe(iters, &flops);
+        t = bench_now_s() - t;
+        if (t > 0 && flops / t > best)
+            best = flops / t;
+    }
+    (void)sink;
+    return best * 1e-9;
 }
