@@ -69,18 +69,13 @@ typedef struct mha_mask_plan {
  * bound under 2^62 then all stay inside int64. */
 #define MHA_MAX_POSITION_SHIFT (INT64_C(1) << 61)
 
-/* Validates every mask argument of `args` (batch, q_len, kv_len and the
- * mask fields) and fills the plan; extra_keys follow the real ones. */
-mha_status mha_mask_plan_init(mha_mask_plan *plan, int64_t heads,
-                              int64_t extra_keys,
-                              const mha_forward_args *args);
-/* The same for a forward with a KV cache: kv_len is Lk, the longest
- * sequence once this step's keys are in (0 included), whatever
- * args->kv_len says; a refusal says what Lk is.  mha_attn_use_cache then
- * adds the causal masking of every sequence. */
-mha_status mha_mask_plan_init_cache(mha_mask_plan *plan, int64_t heads,
-                                    int64_t kv_len, int64_t extra_keys,
-                                    const mha_forward_args *args);
+struct mha_attn_request;
+/* The mask plan of a request (request.c): its masks, key lengths and
+ * causal mode validated against B, H, Lq and Lk (Lk: the keys a run
+ * reads; with a cache the longest sequence, its refusals saying so),
+ * a slice's or a part's query shift, the window and the chunks. */
+mha_status mha_mask_plan_of(mha_mask_plan *plan,
+                            const struct mha_attn_request *r);
 
 /*
  * Fills row[0 .. total_keys) for (b, h, i) with what is added to the scaled
@@ -100,15 +95,6 @@ int64_t mha_mask_cols(const mha_mask_plan *plan, int64_t b, int64_t h,
  * not excluded. */
 int64_t mha_mask_key_cols(const mha_mask_plan *plan, int64_t b, int64_t j0,
                           int64_t n, float *row);
-
-/* Adds the window modifier (left, right >= -1) to a plan.  A bound of
- * 2^62 or more is no bound (-1): no key is that far from a query (see
- * MHA_MAX_POSITION_SHIFT), and qpos +- it would overflow. */
-void mha_mask_plan_band(mha_mask_plan *plan, int64_t left, int64_t right);
-
-/* Adds chunked attention (chunk C >= 0, 0: none) to a plan.  A chunk of
- * 2^62 or more holds every key a query can see: none. */
-void mha_mask_plan_chunk(mha_mask_plan *plan, int64_t chunk);
 
 /* The first position of the chunk of C positions holding `pos` (which
  * may be negative: floor division). */
@@ -348,6 +334,96 @@ void mha_attn_backward(const mha_engine *e, const mha_attn *a,
                        const mha_attn_grad *g, float *scratch,
                        int64_t per_thread);
 
+/* ======================================================================
+ * The request (request.c): what a front door hands the engine
+ * ====================================================================== */
+
+/*
+ * One attention, as a caller states it: the heads call (mha_attention and
+ * its plans, sdpa.c) and the module's plans (forward.c, backward.c) each
+ * fill one, and the checks every attention shares (the cache read, the
+ * masks, the modifiers, the weights asked for, the score range) and the
+ * problem the tiers run are written once, in request.c.  Each caller
+ * checks only its own inputs: the module its projections, the heads call
+ * its layout, dtype and buffers.
+ */
+typedef struct mha_attn_request {
+    int64_t B, H, Hkv, dh, dv, Lq;
+    int64_t Lk;            /* the real keys a run reads: of k and v, or
+                              with a cache the longest sequence once the
+                              append is in (mha_attn_request_masks sets
+                              it; the cache's capacity before)        */
+    int64_t kv_len;        /* the caller's kv_len: with a cache 0 or Lk */
+    const float *q, *k, *v;   /* with a cache k, v: NULL, or the `append`
+                                 new tokens of every sequence           */
+    int64_t ldq, ldk, ldv;
+    int64_t hsq, hsk, hsv, hso, bsq, bsk, bsv, bso;  /* heads first; 0 */
+    float *out;
+    int64_t ldo;
+    const float *bias_k, *bias_v;  /* [Hkv dh], or NULL: one extra key */
+    int zero_attn;                 /* a zero key after it              */
+    float scale;
+    const mha_modifiers *mods;     /* softcap, ALiBi, window (RoPE is the
+                                      caller's, applied before); NULL   */
+    const float *slopes;           /* (H) ALiBi's slopes in use          */
+    const float *sinks;            /* (H), or NULL                       */
+    int64_t chunk;                 /* attention_chunk; 0                 */
+    mha_mask attn_mask, key_padding_mask;
+    const int64_t *key_lengths;
+    mha_causal causal;
+    int64_t q_start, q_total;      /* a slice of the query rows; 0 0     */
+    int q_offset_given;            /* a part of a split problem: query i */
+    int64_t q_offset;              /* at q_offset + i                    */
+    int dropout;                   /* training with p_drop > 0           */
+    float p_drop;
+    uint64_t seed;
+    mha_weights_mode need_weights;
+    float *attn_weights;
+    mha_kv_cache *cache;
+    int64_t append;        /* with a cache: k and v hold this many new
+                              tokens per sequence, which the run appends
+                              (the module's step); 0: appended already */
+    double q_growth;       /* what |q| may grow by after its scan (RoPE
+                              applied later turns each pair: 2); 1     */
+} mha_attn_request;
+
+/* The keys after the real ones: bias_k, then the zero key. */
+static inline int64_t mha_request_extra(const mha_attn_request *r)
+{
+    return (r->bias_k != NULL) + (r->zero_attn != 0);
+}
+
+/* What holds for every run of a plan, from the shapes and options: the
+ * cache's shape and window, the causal mode, the modifiers and chunks,
+ * the weights' mode.  `who` begins a modifier's refusal. */
+mha_status mha_attn_request_check(const mha_attn_request *r,
+                                  const char *who);
+
+/* The first checks of a run: the weights' buffer given iff asked for,
+ * with a cache Lk set to its longest sequence once the append is in (and
+ * kv_len checked against it), the masks. */
+mha_status mha_attn_request_masks(mha_attn_request *r, mha_mask_plan *mask);
+
+/* The checks of a run's data, after its masks, before anything is
+ * written: the score range (q, the keys given, the cache's keys), and for
+ * an append the values an f16 cache can hold and a paged cache's pages
+ * (taken: the last check). */
+mha_status mha_attn_request_prepare(const mha_attn_request *r, int threads);
+
+/* The problem the tiers run: the request with its masks, on workspace
+ * `ws` of layout `lay` (stats, partials, packed K/V). */
+mha_attn mha_attn_request_problem(const mha_attn_request *r,
+                                  const mha_mask_plan *mask, float *ws,
+                                  const mha_attn_layout *lay);
+
+/* Runs a prepared request: the append, the weights zeroed, the problem
+ * run on `at` (from mha_attn_request_problem; with a cache pointed at it
+ * here).  A rotated cache turns q (copied into qbuf, n_q floats, unless
+ * at->q is qbuf already) to the stored keys' basis and out back. */
+void mha_attn_request_run(const mha_engine *e, const mha_attn_request *r,
+                          mha_attn *at, mha_mask_plan *mask, float *qbuf,
+                          float *scratch, int64_t per_thread);
+
 /*
  * The KV cache (kv_cache.c): keys and values already projected, stored in
  * the engine's tile layout (mha_packed below: kt tiles, v tiles, a finite
@@ -515,10 +591,9 @@ mha_status mha_kv_cache_window_args(const mha_mask *attn_mask,
 /* Points problem `at` (its q, ctx, bias_k, zero_attn set) at the cache:
  * keys are each sequence's cached ones (Lk = mha_kv_cache_keys), read in
  * place, masked causally bottom-right per sequence (and, with a window,
- * by position: key column j is slot j).  `mask` is the caller's plan
- * (mha_mask_plan_init_cache with kv_len = that Lk: attn_mask,
- * key_padding_mask, key_lengths), to which the per-sequence causal
- * masking is added; it must outlive the run. */
+ * by position: key column j is slot j).  `mask` is the request's plan
+ * (mha_attn_request_masks, for that Lk), to which the per-sequence
+ * causal masking is added; it must outlive the run. */
 void mha_attn_use_cache(mha_attn *at, const mha_kv_cache *kv,
                         mha_mask_plan *mask);
 

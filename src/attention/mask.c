@@ -126,63 +126,82 @@ static mha_status plan_pad(mha_mask_plan *p, const mha_mask *mk)
     return MHA_OK;
 }
 
-/* The plan for kv_len real keys, whatever a->kv_len says. */
-static mha_status plan_init(mha_mask_plan *p, int64_t heads, int64_t kv_len,
-                            int64_t extra_keys, const mha_forward_args *a)
+/* The window modifier's bounds (>= -1) and the chunks (>= 0): a bound or
+ * a chunk of 2^62 or more is none, no key being that far (see
+ * MHA_MAX_POSITION_SHIFT), and qpos +- it would overflow. */
+static void plan_band(mha_mask_plan *p, const mha_modifiers *mods,
+                      int64_t chunk)
+{
+    const int64_t far = INT64_C(1) << 62;
+    if (mods && mods->window) {
+        p->band = 1;
+        p->band_left = mods->window_left >= far ? -1 : mods->window_left;
+        p->band_right = mods->window_right >= far ? -1 : mods->window_right;
+    }
+    p->chunk = chunk >= far ? 0 : chunk;
+}
+
+static mha_status plan_of(mha_mask_plan *p, const mha_attn_request *r)
 {
     *p = (mha_mask_plan){0};
-    p->batch = a->batch;
-    p->heads = heads;
-    p->q_len = a->q_len;
-    p->kv_len = kv_len;
-    p->total_keys = p->kv_len + extra_keys;
-    if (a->causal != MHA_CAUSAL_NONE && a->causal != MHA_CAUSAL_BOTTOM_RIGHT &&
-        a->causal != MHA_CAUSAL_TOP_LEFT)
+    p->batch = r->B;
+    p->heads = r->H;
+    p->q_len = r->Lq;
+    p->kv_len = r->Lk;
+    p->total_keys = r->Lk + mha_request_extra(r);
+    if (r->causal != MHA_CAUSAL_NONE && r->causal != MHA_CAUSAL_BOTTOM_RIGHT &&
+        r->causal != MHA_CAUSAL_TOP_LEFT)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "causal must be NONE, BOTTOM_RIGHT or TOP_LEFT, "
-                             "got %d", (int)a->causal);
-    p->causal = a->causal;
-    if (a->q_total) {   /* rows q_start.. of q_total (checked by the caller) */
-        p->row_shift = a->q_start;
-        p->qpos_shift = a->q_start + a->q_len - a->q_total;
+                             "got %d", (int)r->causal);
+    p->causal = r->causal;
+    if (r->q_total) {   /* rows q_start.. of q_total (checked by the caller) */
+        p->row_shift = r->q_start;
+        p->qpos_shift = r->q_start + r->Lq - r->q_total;
     }
-    if (a->attn_mask.kind != MHA_MASK_NONE)
-        MHA_CHECK(plan_attn(p, &a->attn_mask));
-    if (a->key_padding_mask.kind != MHA_MASK_NONE)
-        MHA_CHECK(plan_pad(p, &a->key_padding_mask));
-    if (a->key_lengths) {
+    if (r->q_offset_given) {
+        if (r->cache)
+            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                 "q_offset (MHA_GIVEN_Q_OFFSET) is not taken "
+                                 "with a KV cache: its queries sit at each "
+                                 "sequence's end");
+        if (r->q_offset > MHA_MAX_POSITION_SHIFT ||
+            r->q_offset < -MHA_MAX_POSITION_SHIFT)
+            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                                 "q_offset %lld is outside [-2^61, 2^61]: "
+                                 "positions that far apart overflow 64-bit "
+                                 "position arithmetic", (long long)r->q_offset);
+        p->qpos_shift = r->q_offset - (r->Lk - r->Lq);
+    }
+    if (r->attn_mask.kind != MHA_MASK_NONE)
+        MHA_CHECK(plan_attn(p, &r->attn_mask));
+    if (r->key_padding_mask.kind != MHA_MASK_NONE)
+        MHA_CHECK(plan_pad(p, &r->key_padding_mask));
+    if (r->key_lengths) {
         for (int64_t b = 0; b < p->batch; b++)
-            if (a->key_lengths[b] < 0 || a->key_lengths[b] > p->kv_len)
+            if (r->key_lengths[b] < 0 || r->key_lengths[b] > p->kv_len)
                 return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                                      "key_lengths[%lld] = %lld is outside "
                                      "[0, Lk=%lld]", (long long)b,
-                                     (long long)a->key_lengths[b],
+                                     (long long)r->key_lengths[b],
                                      (long long)p->kv_len);
-        p->key_lengths = a->key_lengths;
+        p->key_lengths = r->key_lengths;
     }
+    plan_band(p, r->mods, r->chunk);
     return MHA_OK;
 }
 
-mha_status mha_mask_plan_init(mha_mask_plan *p, int64_t heads,
-                              int64_t extra_keys, const mha_forward_args *a)
+mha_status mha_mask_plan_of(mha_mask_plan *p, const mha_attn_request *r)
 {
-    return plan_init(p, heads, a->kv_len ? a->kv_len : a->q_len, extra_keys,
-                     a);
-}
-
-mha_status mha_mask_plan_init_cache(mha_mask_plan *p, int64_t heads,
-                                    int64_t kv_len, int64_t extra_keys,
-                                    const mha_forward_args *a)
-{
-    const mha_status st = plan_init(p, heads, kv_len, extra_keys, a);
-    if (st != MHA_ERR_SHAPE && st != MHA_ERR_INVALID_ARGUMENT)
+    const mha_status st = plan_of(p, r);
+    if (!r->cache || (st != MHA_ERR_SHAPE && st != MHA_ERR_INVALID_ARGUMENT))
         return st;
     /* Say what Lk is: it changes with every step. */
     char why[400];
     snprintf(why, sizeof why, "%s", mha_last_error());
     return mha_set_error(st, "%s (with a KV cache, Lk = %lld: the longest "
                          "sequence in the cache, this step's tokens "
-                         "included)", why, (long long)kv_len);
+                         "included)", why, (long long)r->Lk);
 }
 
 /* Folds one mask value into the running bias of a column. */
@@ -205,20 +224,6 @@ static float apply(mha_mask_kind kind, const void *data, int64_t k, float acc)
     default:
         return acc;
     }
-}
-
-void mha_mask_plan_band(mha_mask_plan *p, int64_t left, int64_t right)
-{
-    /* Farther than any key can be: no bound, and no overflow below. */
-    const int64_t far = INT64_C(1) << 62;
-    p->band = 1;
-    p->band_left = left >= far ? -1 : left;
-    p->band_right = right >= far ? -1 : right;
-}
-
-void mha_mask_plan_chunk(mha_mask_plan *p, int64_t chunk)
-{
-    p->chunk = chunk >= INT64_C(1) << 62 ? 0 : chunk;
 }
 
 int64_t mha_mask_last(const mha_mask_plan *p, int64_t b, int64_t i)

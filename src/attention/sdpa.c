@@ -52,6 +52,44 @@ static float resolved_scale(const mha_attention_args *a, int64_t dh)
     return (float)(1.0 / sqrt((double)dh));
 }
 
+/* The request of arguments `a` with shapes s (slopes: ALiBi's default
+ * ones, when the call gives none). */
+static mha_attn_request request_of(const mha_attention_args *a,
+                                   const sdpa_shape *s, const float *slopes)
+{
+    mha_attn_request r = {
+        .B = s->B, .H = s->H, .Hkv = s->Hkv, .dh = s->dh, .dv = s->dv,
+        .Lq = s->Lq, .Lk = s->Lk, .kv_len = a->kv_len, .q = a->q, .k = a->k,
+        .v = a->v, .ldq = s->E, .ldk = s->Ekv, .ldv = s->Evkv, .out = a->out,
+        .ldo = s->Ev, .scale = resolved_scale(a, s->dh), .mods = &a->mods,
+        .slopes = a->mods.alibi_slopes ? a->mods.alibi_slopes : slopes,
+        .sinks = a->sinks, .chunk = a->attention_chunk,
+        .attn_mask = a->attn_mask, .key_padding_mask = a->key_padding_mask,
+        .key_lengths = a->key_lengths, .causal = a->causal,
+        .q_offset_given = (a->given & MHA_GIVEN_Q_OFFSET) != 0,
+        .q_offset = a->q_offset, .dropout = a->training && a->dropout > 0.0f,
+        .p_drop = a->dropout, .seed = a->dropout_seed,
+        .need_weights = a->need_weights,
+        .attn_weights = a->attn_weights,
+        .cache = a->cache,
+        .q_growth = a->mods.rope.style != MHA_ROPE_NONE ? 2.0 : 1.0};
+    if (a->layout == MHA_LAYOUT_HEADS_FIRST) {
+        /* (B, heads, L, d_h): rows d_h apart, heads L rows apart (d_v
+         * for v and out) */
+        r.ldq = r.ldk = s->dh;
+        r.ldv = r.ldo = s->dv;
+        r.hsq = s->Lq * s->dh;
+        r.hso = s->Lq * s->dv;
+        r.hsk = s->Lk * s->dh;
+        r.hsv = s->Lk * s->dv;
+        r.bsq = s->H * r.hsq;
+        r.bso = s->H * r.hso;
+        r.bsk = s->Hkv * r.hsk;
+        r.bsv = s->Hkv * r.hsv;
+    }
+    return r;
+}
+
 /* Everything about `a` but its data pointers. */
 static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
 {
@@ -96,37 +134,14 @@ static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
         s->dv = a->cache->dv;
     }
     if (a->cache) {
-        const mha_kv_cache *kv = a->cache;
         const char *bad = a->k ? "k" : a->v ? "v"
-                        : a->training ? "training"
-                        : a->causal == MHA_CAUSAL_TOP_LEFT ? "causal TOP_LEFT"
-                                                           : NULL;
+                        : a->training ? "training" : NULL;
         if (bad)
             return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                                  "with a KV cache, %s must be unset: the keys "
                                  "are the cache's, masked causally per "
                                  "sequence", bad);
-        if (a->kv_len > kv->capacity)
-            return mha_set_error(MHA_ERR_SHAPE,
-                                 "kv_len %lld exceeds the cache's capacity "
-                                 "%lld", (long long)a->kv_len,
-                                 (long long)kv->capacity);
-        if (kv->B != s->B || kv->Hkv != s->Hkv || kv->dh != s->dh)
-            return mha_set_error(MHA_ERR_SHAPE,
-                                 "the cache holds %lld sequences of %lld K/V "
-                                 "heads of %lld; the arguments say batch "
-                                 "%lld, %lld K/V heads of %lld",
-                                 (long long)kv->B, (long long)kv->Hkv,
-                                 (long long)kv->dh, (long long)s->B,
-                                 (long long)s->Hkv, (long long)s->dh);
-        if (kv->window) {
-            MHA_CHECK(mha_kv_cache_window_args(&a->attn_mask,
-                                               &a->key_padding_mask,
-                                               a->key_lengths,
-                                               a->need_weights, a->kv_len));
-            MHA_CHECK(mha_kv_cache_check_window(kv, s->Lq, 0));
-        }
-        s->Lk = kv->capacity;   /* the most keys a run can read */
+        s->Lk = a->cache->capacity;   /* the most keys a run can read */
     }
     if (s->Hkv < 1 || s->H % s->Hkv != 0)
         return mha_set_error(MHA_ERR_SHAPE,
@@ -140,11 +155,8 @@ static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "dropout must be in [0, 1], got %g",
                              (double)a->dropout);
-    MHA_CHECK(mha_check_weights_mode(a->need_weights));
     MHA_CHECK(mha_check_threads(a->num_threads));
-    MHA_CHECK(mha_modifiers_check(&a->mods, s->H, "attention"));
     MHA_CHECK(mha_sinks_check(a->sinks, s->H, "attention"));
-    MHA_CHECK(mha_chunk_check(a->attention_chunk, "attention"));
     mha_rope rope;
     MHA_CHECK(mha_rope_resolve(&a->mods.rope, s->dh, &rope));
     if (a->layout != MHA_LAYOUT_ROWS && a->layout != MHA_LAYOUT_HEADS_FIRST)
@@ -182,42 +194,8 @@ static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
                              (long long)s->dh, (long long)s->Lq,
                              (long long)s->Lk);
     s->n_w = a->need_weights == MHA_WEIGHTS_AVERAGE ? w / s->H : w;
-    return MHA_OK;
-}
-
-/* The mask plan of `a` (its mask fields are those of mha_forward_args);
- * with a cache, for its s->Lk keys. */
-static mha_status mask_plan(const mha_attention_args *a, const sdpa_shape *s,
-                            mha_mask_plan *mask)
-{
-    mha_forward_args fa = {0};
-    fa.batch = s->B;
-    fa.q_len = s->Lq;
-    fa.kv_len = s->Lk;
-    fa.attn_mask = a->attn_mask;
-    fa.key_padding_mask = a->key_padding_mask;
-    fa.key_lengths = a->key_lengths;
-    fa.causal = a->causal;
-    MHA_CHECK(a->cache ? mha_mask_plan_init_cache(mask, s->H, s->Lk, 0, &fa)
-                       : mha_mask_plan_init(mask, s->H, 0, &fa));
-    if (a->given & MHA_GIVEN_Q_OFFSET) {
-        if (a->cache)
-            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                                 "q_offset (MHA_GIVEN_Q_OFFSET) is not taken "
-                                 "with a KV cache: its queries sit at each "
-                                 "sequence's end");
-        if (a->q_offset > MHA_MAX_POSITION_SHIFT ||
-            a->q_offset < -MHA_MAX_POSITION_SHIFT)
-            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                                 "q_offset %lld is outside [-2^61, 2^61]: "
-                                 "positions that far apart overflow 64-bit "
-                                 "position arithmetic", (long long)a->q_offset);
-        mask->qpos_shift = a->q_offset - (s->Lk - s->Lq);
-    }
-    if (a->mods.window)
-        mha_mask_plan_band(mask, a->mods.window_left, a->mods.window_right);
-    mha_mask_plan_chunk(mask, a->attention_chunk);
-    return MHA_OK;
+    const mha_attn_request r = request_of(a, s, NULL);
+    return mha_attn_request_check(&r, "attention");
 }
 
 /* Whether [a, a + na) and [b, b + nb) (floats) share memory. */
@@ -336,44 +314,6 @@ void mha_attention_plan_free(mha_attention_plan *p)
     free(p);
 }
 
-/* The problem of arguments `a` on plan p (mask: its mask plan). */
-static mha_attn problem(const mha_attention_plan *p,
-                        const mha_attention_args *a,
-                        const mha_mask_plan *mask)
-{
-    const sdpa_shape *s = &p->shape;
-    mha_attn at = {
-        .B = s->B, .H = s->H, .Hkv = s->Hkv, .Lq = s->Lq, .Lk = s->Lk,
-        .Lt = s->Lk, .dh = s->dh, .dv = s->dv, .q = a->q, .k = a->k,
-        .v = a->v, .ldq = s->E, .ldk = s->Ekv, .ldv = s->Evkv,
-        .scale = resolved_scale(a, s->dh),
-        .mask = mask, .softcap = a->mods.softcap,
-        .alibi = !a->mods.alibi ? NULL
-               : a->mods.alibi_slopes ? a->mods.alibi_slopes : p->slopes,
-        .sinks = a->sinks, .dropout = a->training && a->dropout > 0.0f,
-        .p_drop = a->dropout, .seed = a->dropout_seed, .ctx = a->out,
-        .ldc = s->Ev, .stats = p->ws + p->lay.stats,
-        .weights = a->need_weights,
-        .w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights : NULL,
-        .partials = p->ws + p->lay.partials,
-        .packed = p->ws + p->lay.packed};
-    if (a->layout == MHA_LAYOUT_HEADS_FIRST) {
-        /* (B, heads, L, d_h): rows d_h apart, heads L rows apart (d_v
-         * for v and out) */
-        at.ldq = at.ldk = s->dh;
-        at.ldv = at.ldc = s->dv;
-        at.hsq = s->Lq * s->dh;
-        at.hsc = s->Lq * s->dv;
-        at.hsk = s->Lk * s->dh;
-        at.hsv = s->Lk * s->dv;
-        at.bsq = s->H * at.hsq;
-        at.bsc = s->H * at.hsc;
-        at.bsk = s->Hkv * at.hsk;
-        at.bsv = s->Hkv * at.hsv;
-    }
-    return at;
-}
-
 /* ---- RoPE -------------------------------------------------------------
  * With mods.rope, the attention reads copies of q and k rotated in the
  * plan's buffer (p->rot: q, then k), which the backward reads again; the
@@ -456,21 +396,6 @@ static void write_lse(const float *stats, int64_t rows, float *lse)
     }
 }
 
-/* Scores that could overflow float32 are refused before anything is
- * written.  RoPE turns each pair, which may grow an element's |x| by up to
- * sqrt(2) in q and in k: a factor 2 on the bound. */
-static mha_status score_range(const mha_attention_args *a,
-                              const sdpa_shape *s, int threads)
-{
-    const double qmax = mha_max_abs_finite(a->q, 1, s->n_q, 0, threads);
-    const double kmax = a->cache ? a->cache->key_amax
-                                 : mha_max_abs_finite(a->k, 1, s->n_kv, 0,
-                                                      threads);
-    const double rope = a->mods.rope.style != MHA_ROPE_NONE ? 2.0 : 1.0;
-    return mha_check_score_range(resolved_scale(a, s->dh), s->dh,
-                                 qmax * rope, kmax);
-}
-
 /* The plan's run; pack_only: K and V packed (and RoPE applied, the
  * arguments kept) for a backward, no output (mha_attention_backward_part). */
 static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
@@ -506,79 +431,35 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
                              (long long)ps->Hkv, (long long)ps->dh,
                              (long long)ps->dv, (long long)ps->Lq,
                              (long long)ps->Lk);
-    if (a->cache) {
-        if (!a->q || !a->out)
-            return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
-                                 !a->q ? "q" : "out");
-        /* The keys are the cache's: Lk is its longest sequence now (a
-         * window cache: the most slots a sequence fills). */
-        s.Lk = mha_kv_cache_keys(a->cache, 0);
-        if (a->kv_len && a->kv_len != s.Lk)
-            return mha_set_error(MHA_ERR_SHAPE,
-                                 "kv_len %lld differs from Lk = %lld, the "
-                                 "longest sequence in the KV cache (0 = "
-                                 "that length)", (long long)a->kv_len,
-                                 (long long)s.Lk);
-        MHA_CHECK(mha_check_mode_fields(a->need_weights, a->attn_weights));
-        s.n_w = s.B * s.Lq * s.Lk *
-                (a->need_weights == MHA_WEIGHTS_PER_HEAD ? s.H : 1);
-        float *w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights
-                                                       : NULL;
-        const span outs[3] = {{"out", a->out, s.n_o},
-                              {"attn_weights", w, s.n_w},
-                              {"lse", a->lse, s.B * s.H * s.Lq}};
-        const span ins[1] = {{"q", a->q, s.n_q}};
-        MHA_CHECK(check_disjoint(outs, 3, ins, 1));
-        mha_mask_plan mask;
-        MHA_CHECK(mask_plan(a, &s, &mask));
-        MHA_CHECK(rope_check(p, a, &s));
-        MHA_CHECK(score_range(a, &s, p->eng.threads));
-        if (w)
-            memset(w, 0, (size_t)s.n_w * sizeof *w);
-        mha_attn at = problem(p, a, &mask);
-        if (a->mods.rope.style != MHA_ROPE_NONE)
-            rope_rotate(p, a, s.Lk, &at);
-        const int turned = a->cache->rot_block != 0;
-        if (turned) {   /* q into the stored keys' basis, out back after */
-            if (at.q != p->rot)
-                memcpy(p->rot, a->q, (size_t)s.n_q * sizeof *p->rot);
-            mha_kv_cache_turn(a->cache, p->rot, s.B * s.Lq, s.H, s.E);
-            at.q = p->rot;
-        }
-        mha_attn_use_cache(&at, a->cache, &mask);
-        mha_attn_run(&p->eng, &at, p->ws + p->lay.scratch,
-                     p->lay.per_thread);
-        if (turned)
-            mha_kv_cache_turn(a->cache, a->out, s.B * s.Lq, s.H, s.E);
-        if (a->lse)
-            write_lse(at.stats, s.B * s.H * s.Lq, a->lse);
-        return MHA_OK;   /* no backward */
-    }
-    if (!a->q || !a->k || !a->v || !a->out)
+    if (!a->q || (!a->cache && (!a->k || !a->v)) || !a->out)
         return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
-                             !a->q ? "q" : !a->k ? "k" : !a->v ? "v" : "out");
-    MHA_CHECK(mha_check_mode_fields(a->need_weights, a->attn_weights));
-    const float *w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights
-                                                         : NULL;
-    const span outs[3] = {{"out", a->out, s.n_o}, {"attn_weights", w, s.n_w},
+                             !a->q ? "q" : !a->cache && !a->k ? "k"
+                             : !a->cache && !a->v ? "v" : "out");
+    mha_attn_request r = request_of(a, &s, p->slopes);
+    mha_mask_plan mask;
+    MHA_CHECK(mha_attn_request_masks(&r, &mask));
+    s.Lk = r.Lk;   /* with a cache: its longest sequence now */
+    s.n_w = s.B * s.Lq * s.Lk *
+            (a->need_weights == MHA_WEIGHTS_PER_HEAD ? s.H : 1);
+    const span outs[3] = {{"out", a->out, s.n_o},
+                          {"attn_weights", r.attn_weights, s.n_w},
                           {"lse", a->lse, s.B * s.H * s.Lq}};
     const span ins[3] = {{"q", a->q, s.n_q}, {"k", a->k, s.n_kv},
                          {"v", a->v, s.n_v}};
-    MHA_CHECK(check_disjoint(outs, 3, ins, 3));
-    mha_mask_plan mask;
-    MHA_CHECK(mask_plan(a, &s, &mask));
+    MHA_CHECK(check_disjoint(outs, 3, ins, a->cache ? 1 : 3));
     MHA_CHECK(rope_check(p, a, &s));
-    MHA_CHECK(score_range(a, &s, p->eng.threads));
-    const uint64_t print = p->one_shot ? 0 : fingerprint(a, &s);
-    if (w)
-        memset(a->attn_weights, 0, (size_t)s.n_w * sizeof(float));
-    mha_attn at = problem(p, a, &mask);
+    MHA_CHECK(mha_attn_request_prepare(&r, p->eng.threads));
+    const uint64_t print = p->one_shot || a->cache ? 0 : fingerprint(a, &s);
+    mha_attn at = mha_attn_request_problem(&r, &mask, p->ws, &p->lay);
     at.pack_only = pack_only;
     if (a->mods.rope.style != MHA_ROPE_NONE)
         rope_rotate(p, a, s.Lk, &at);
-    mha_attn_run(&p->eng, &at, p->ws + p->lay.scratch, p->lay.per_thread);
+    mha_attn_request_run(&p->eng, &r, &at, &mask, p->rot,
+                         p->ws + p->lay.scratch, p->lay.per_thread);
     if (a->lse && !pack_only)
         write_lse(at.stats, s.B * s.H * s.Lq, a->lse);
+    if (a->cache)
+        return MHA_OK;   /* no backward */
     p->saved = *a;
     p->saved_print = print;
     p->has_saved = 1;
@@ -715,9 +596,10 @@ static mha_status plan_backward(mha_attention_plan *p,
             return MHA_ERR_OUT_OF_MEMORY;
         }
     }
+    mha_attn_request r = request_of(a, s, p->slopes);
     mha_mask_plan mask;
-    MHA_CHECK(mask_plan(a, s, &mask));
-    mha_attn at = problem(p, a, &mask);
+    MHA_CHECK(mha_attn_request_masks(&r, &mask));
+    mha_attn at = mha_attn_request_problem(&r, &mask, p->ws, &p->lay);
     at.weights = MHA_WEIGHTS_NONE;
     at.w = NULL;
     if (a->mods.rope.style != MHA_ROPE_NONE) {   /* the run's rotated q, k */
@@ -840,8 +722,9 @@ static mha_status half_shape(const mha_attention_args *a, sdpa_shape *s)
                              "float32 data for now (dtype %s refused)",
                              (long long)s->dv, (long long)s->dh,
                              a->dtype == MHA_DTYPE_BF16 ? "BF16" : "F16");
+    mha_attn_request r = request_of(&f, s, NULL);
     mha_mask_plan mask;
-    return mask_plan(&f, s, &mask);   /* key_lengths' values */
+    return mha_attn_request_masks(&r, &mask);   /* key_lengths' values */
 }
 
 /* The problem of a 16-bit call in either layout (element (b, h, i, d) at

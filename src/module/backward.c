@@ -267,11 +267,11 @@ static mha_status mha_plan_backward_impl(mha_plan *plan,
     const float beta = g->accumulate ? 1.0f : 0.0f;
     const int nt = plan->eng.threads;   /* the projections' threads too */
 
+    mha_attn_request r = mha_fwd_request(plan, a);
     mha_mask_plan mask;
-    MHA_CHECK(mha_mask_plan_init(&mask, s->H, s->Lt - s->Lk, a));
-    mha_module_band(m, &mask);
-    mha_attn at;
-    mha_plan_attn(plan, a, &mask, &at);
+    MHA_CHECK(mha_attn_request_masks(&r, &mask));
+    mha_attn at = mha_attn_request_problem(&r, &mask, mha_plan_attn_ws(plan),
+                                           &plan->lay);
     at.weights = MHA_WEIGHTS_NONE;
     at.w = NULL;
 

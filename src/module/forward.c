@@ -45,38 +45,12 @@ static mha_status check_cache_args(const mha_module *m,
                              "with a KV cache, %s must be unset: the keys "
                              "are the cache's and the new tokens', masked "
                              "causally per sequence", bad);
-    if (a->kv_len > kv->capacity)
-        return mha_set_error(MHA_ERR_SHAPE,
-                             "kv_len %lld exceeds the cache's capacity %lld",
-                             (long long)a->kv_len, (long long)kv->capacity);
-    if (a->causal == MHA_CAUSAL_TOP_LEFT)
-        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "with a KV cache, causal masking is bottom-right "
-                             "(each new token sees its sequence's past): "
-                             "TOP_LEFT is refused");
     MHA_CHECK(mha_module_check_self_attention(m));
-    if (kv->B != a->batch || kv->Hkv != m->cfg.num_kv_heads ||
-        kv->dh != m->head_dim)
-        return mha_set_error(MHA_ERR_SHAPE,
-                             "the cache holds %lld sequences of %lld K/V "
-                             "heads of %lld; the forward has batch %lld and "
-                             "the module %lld K/V heads of %lld",
-                             (long long)kv->B, (long long)kv->Hkv,
-                             (long long)kv->dh, (long long)a->batch,
-                             (long long)m->cfg.num_kv_heads,
-                             (long long)m->head_dim);
     if (kv->dv != kv->dh || kv->latent)
         return mha_set_error(MHA_ERR_UNSUPPORTED,
                              "the cache's values are %lld wide, its keys "
                              "%lld: a module's values are as wide as its "
                              "keys", (long long)kv->dv, (long long)kv->dh);
-    if (kv->window) {
-        MHA_CHECK(mha_kv_cache_window_args(&a->attn_mask,
-                                           &a->key_padding_mask,
-                                           a->key_lengths, a->need_weights,
-                                           a->kv_len));
-        MHA_CHECK(mha_kv_cache_check_window(kv, a->q_len, a->q_len));
-    }
     /* The masks and weights of a run span up to the capacity's keys. */
     const int64_t Lt = mha_total_keys(m, kv->capacity);
     int64_t w;
@@ -91,7 +65,6 @@ static mha_status check_cache_args(const mha_module *m,
     return MHA_OK;
 }
 
-/* Checks everything about `a` but its data pointers. */
 /* A slice of the query rows (q_start, q_total): where it lies, and what it
  * cannot be combined with. */
 static mha_status check_slice(const mha_forward_args *a)
@@ -126,6 +99,30 @@ static mha_status check_slice(const mha_forward_args *a)
     return MHA_OK;
 }
 
+/* The attention `a` asks of the engine on the module's heads, shapes s;
+ * the run points it at the projections (mha_fwd_request). */
+static mha_attn_request fwd_request(const mha_module *m, const fwd_shape *s,
+                                    const mha_forward_args *a)
+{
+    const mha_config *c = &m->cfg;
+    const mha_attn_request r = {
+        .B = s->B, .H = s->H, .Hkv = s->Hkv, .dh = s->dh, .dv = s->dh,
+        .Lq = s->Lq, .Lk = s->Lk, .kv_len = a->kv_len, .ldo = s->D,
+        .bias_k = m->bias_k, .bias_v = m->bias_v,
+        .zero_attn = c->add_zero_attn, .scale = c->scale, .mods = &c->mods,
+        .slopes = m->slopes, .sinks = m->sinks,
+        .chunk = c->attention_chunk, .attn_mask = a->attn_mask,
+        .key_padding_mask = a->key_padding_mask,
+        .key_lengths = a->key_lengths, .causal = a->causal,
+        .q_start = a->q_start, .q_total = a->q_total,
+        .dropout = a->training && c->dropout > 0.0f, .p_drop = c->dropout,
+        .seed = a->dropout_seed, .need_weights = a->need_weights,
+        .attn_weights = a->attn_weights,
+        .cache = a->cache, .append = a->cache ? s->Lq : 0, .q_growth = 1.0};
+    return r;
+}
+
+/* Checks everything about `a` but its data pointers. */
 mha_status mha_fwd_check_shapes(const mha_module *m,
                                 const mha_forward_args *a, fwd_shape *p)
 {
@@ -188,7 +185,8 @@ mha_status mha_fwd_check_shapes(const mha_module *m,
                              "the value, but vdim is %lld",
                              (long long)c->kdim, (long long)c->vdim);
 
-    MHA_CHECK(mha_check_weights_mode(a->need_weights));
+    const mha_attn_request r = fwd_request(m, p, a);
+    MHA_CHECK(mha_attn_request_check(&r, "config"));
     MHA_CHECK(mha_check_threads(a->num_threads));
 
     /* Every size product that indexes memory, checked once here. */
@@ -296,56 +294,26 @@ void mha_plan_free(mha_plan *p)
  * attention's layout (row stats, decoding partials, packed K/V,
  * per-thread scratch). */
 static float *ws_ctx(const mha_plan *p) { return p->ws + p->n_proj; }
-static float *ws_attn(const mha_plan *p)
+
+/* A request pointed at the projections where the last forward put them,
+ * and at the plan's ctx. */
+static void point_at(mha_attn_request *r, const mha_plan *plan)
 {
-    return ws_ctx(p) + p->shape.n_qd;
+    r->q = plan->q;
+    r->k = plan->k;
+    r->v = plan->v;
+    r->ldq = plan->ldq;
+    r->ldk = plan->ldk;
+    r->ldv = plan->ldv;
+    r->out = ws_ctx(plan);
 }
 
-void mha_plan_attn(const mha_plan *plan, const mha_forward_args *a,
-                   const mha_mask_plan *mask, mha_attn *at)
+mha_attn_request mha_fwd_request(const mha_plan *plan,
+                                 const mha_forward_args *a)
 {
-    const mha_module *m = plan->m;
-    const mha_config *c = &m->cfg;
-    const fwd_shape *s = &plan->shape;
-    float *base = ws_attn(plan);
-    const mha_attn x = {
-        .B = s->B, .H = s->H, .Hkv = s->Hkv, .Lq = s->Lq, .Lk = s->Lk, .Lt = s->Lt,
-        .dh = s->dh, .q = plan->q, .k = plan->k, .v = plan->v,
-        .ldq = plan->ldq, .ldk = plan->ldk, .ldv = plan->ldv,
-        .bias_k = m->bias_k, .bias_v = m->bias_v,
-        .zero_attn = c->add_zero_attn, .scale = c->scale, .mask = mask,
-        .softcap = c->mods.softcap, .alibi = m->slopes, .sinks = m->sinks,
-        .dropout = a->training && c->dropout > 0.0f, .p_drop = c->dropout,
-        .seed = a->dropout_seed, .drop_row0 = a->q_start, .ctx = ws_ctx(plan), .ldc = s->D,
-        .stats = base + plan->lay.stats, .weights = a->need_weights,
-        .w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights : NULL,
-        .partials = base + plan->lay.partials,
-        .packed = base + plan->lay.packed};
-    *at = x;
-}
-
-/*
- * The attention of a forward with a KV cache: the new tokens' keys and
- * values (at->k, at->v, Lq rows per sequence) are appended to the cache,
- * the cache's extra-key tiles (bias_k, the zero key) written, and the new
- * queries attend to the cache, each sequence over its own length with
- * bottom-right causal masking added to the caller's masks (`mask`, made
- * for Lk = the longest sequence after the append).
- */
-static void cached_attention(mha_plan *plan, mha_kv_cache *kv, mha_attn *at,
-                             mha_mask_plan *mask)
-{
-    const fwd_shape *s = &plan->shape;
-    for (int64_t b = 0; b < s->B; b++)
-        mha_kv_cache_put(kv, b, at->k + b * s->Lq * at->ldk, at->ldk,
-                         at->v + b * s->Lq * at->ldv, at->ldv, s->Lq);
-    mha_attn_use_cache(at, kv, mask);
-    /* A rotated cache: q (the plan's own projection) turned to the stored
-     * keys' basis, the context turned back. */
-    mha_kv_cache_turn(kv, (float *)at->q, s->B * s->Lq, s->H, at->ldq);
-    mha_attn_run(&plan->eng, at, ws_attn(plan) + plan->lay.scratch,
-                 plan->lay.per_thread);
-    mha_kv_cache_turn(kv, at->ctx, s->B * s->Lq, s->H, at->ldc);
+    mha_attn_request r = fwd_request(plan->m, &plan->shape, a);
+    point_at(&r, plan);
+    return r;
 }
 
 /*
@@ -472,38 +440,14 @@ static mha_status mha_plan_forward_impl(mha_plan *plan,
                              plan->cache_capacity ? "for" : "without");
     if (a->cache)
         MHA_CHECK(mha_kv_cache_check_plan(a->cache, plan->cache_capacity));
-    for (int64_t b = 0; a->cache && !a->cache->window && b < s.B; b++)
-        if (a->cache->len[b] > a->cache->capacity - s.Lq)
-            return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                                 "sequence %lld of the cache holds %lld of "
-                                 "%lld tokens: %lld more do not fit",
-                                 (long long)b, (long long)a->cache->len[b],
-                                 (long long)a->cache->capacity,
-                                 (long long)s.Lq);
-    MHA_CHECK(mha_check_mode_fields(a->need_weights, a->attn_weights));
+    /* Masks and weights span Lk keys: with a cache, its longest
+     * sequence once this step's tokens are in.  Every check passes
+     * before the append. */
+    mha_attn_request r = fwd_request(m, &s, a);
     mha_mask_plan mask;
-    int64_t n_w = s.n_w;
-    if (a->cache) {
-        /* Masks and weights span Lk keys: the longest sequence once this
-         * step's tokens are in (a window cache: the most slots a sequence
-         * fills).  Every check passes before the append. */
-        const int64_t Lk = mha_kv_cache_keys(a->cache, s.Lq);
-        if (a->kv_len && a->kv_len != Lk)
-            return mha_set_error(MHA_ERR_SHAPE,
-                                 "kv_len %lld differs from Lk = %lld, the "
-                                 "longest sequence in the KV cache with "
-                                 "this step's %lld tokens (0 = that length)",
-                                 (long long)a->kv_len, (long long)Lk,
-                                 (long long)s.Lq);
-        const int64_t Lt = mha_total_keys(m, Lk);
-        MHA_CHECK(mha_mask_plan_init_cache(&mask, s.H, Lk, Lt - Lk, a));
-        mha_module_band(m, &mask);
-        n_w = s.B * s.Lq * Lt *
-              (a->need_weights == MHA_WEIGHTS_PER_HEAD ? s.H : 1);
-    } else {
-        MHA_CHECK(mha_mask_plan_init(&mask, s.H, s.Lt - s.Lk, a));
-        mha_module_band(m, &mask);
-    }
+    MHA_CHECK(mha_attn_request_masks(&r, &mask));
+    const int64_t n_w = s.B * s.Lq * (r.Lk + mha_request_extra(&r)) *
+                        (a->need_weights == MHA_WEIGHTS_PER_HEAD ? s.H : 1);
     MHA_CHECK(check_head_mask(a->head_mask, s.H));
     if (c->mods.rope.style != MHA_ROPE_NONE)
         MHA_CHECK(mha_rope_check_positions(a->positions, s.B * s.Lq,
@@ -550,33 +494,20 @@ static mha_status mha_plan_forward_impl(mha_plan *plan,
     }
     if (c->mods.rope.style != MHA_ROPE_NONE)
         rope_qk(plan, a, qp, ldq, kp, ldk);
-    /* Scores that could overflow float32 are refused here, before the
-     * cache or an output is written (the projections are the plan's). */
-    double kmax = mha_max_abs_finite(kp, rows_k, Dkv, ldk, nt);
-    if (a->cache && a->cache->key_amax > kmax)
-        kmax = a->cache->key_amax;
-    MHA_CHECK(mha_check_score_range(c->scale, s.dh,
-                                    mha_max_abs_finite(qp, rows_q, D, ldq, nt),
-                                    kmax));
-    for (int64_t b = 0; a->cache && b < s.B; b++)   /* what f16 can hold */
-        MHA_CHECK(mha_kv_cache_check_values(a->cache, b,
-                                            kp + b * s.Lq * ldk, ldk,
-                                            vp + b * s.Lq * ldv, ldv, s.Lq));
-    if (a->cache)   /* a paged cache's pages: the last check */
-        MHA_CHECK(mha_kv_pages_reserve(a->cache, -1, s.Lq));
-    if (a->need_weights != MHA_WEIGHTS_NONE)
-        memset(a->attn_weights, 0, (size_t)n_w * sizeof(float));
     plan->q = qp; plan->k = kp; plan->v = vp;
     plan->ldq = ldq; plan->ldk = ldk; plan->ldv = ldv;
     plan->fuse_qkv = fuse_qkv;
     plan->fuse_kv = fuse_kv;
-    mha_attn at;
-    mha_plan_attn(plan, a, &mask, &at);
-    if (a->cache)   /* the cache's keys; no backward: has_saved stays 0 */
-        cached_attention(plan, a->cache, &at, &mask);
-    else
-        mha_attn_run(&plan->eng, &at, ws_attn(plan) + plan->lay.scratch,
-                     plan->lay.per_thread);
+    point_at(&r, plan);
+    /* the score range, before the cache or an output is written (the
+     * projections are the plan's); the cache's keys then, with this
+     * step's appended (no backward: has_saved stays 0) */
+    MHA_CHECK(mha_attn_request_prepare(&r, nt));
+    mha_attn at = mha_attn_request_problem(&r, &mask, mha_plan_attn_ws(plan),
+                                           &plan->lay);
+    mha_attn_request_run(&plan->eng, &r, &at, &mask, qp,
+                         mha_plan_attn_ws(plan) + plan->lay.scratch,
+                         plan->lay.per_thread);
 
     const float *hm = mha_head_mask_in_use(a->head_mask, s.H);
     mha_linear_blocks(at.ctx, rows_q, D, D, m->w_o, E, m->b_o, hm,

@@ -42,16 +42,6 @@ struct mha_module {
                                       the caller's copy, or the defaults */
 };
 
-/* The module's masks by index beyond causal (the window modifier, the
- * chunks), if it has them, added to a mask plan. */
-static inline void mha_module_band(const mha_module *m, mha_mask_plan *mask)
-{
-    if (m->cfg.mods.window)
-        mha_mask_plan_band(mask, m->cfg.mods.window_left,
-                           m->cfg.mods.window_right);
-    mha_mask_plan_chunk(mask, m->cfg.attention_chunk);
-}
-
 /* ---- the GEMM backends (gemm.c: the only file that calls a BLAS) ------- */
 
 typedef enum { MHA_GEMM_CBLAS = 0, MHA_GEMM_ONEDNN = 1 } mha_gemm_kind;
@@ -299,9 +289,16 @@ mha_status mha_plan_buffer(float **buf, int64_t *have, int64_t floats,
 mha_status mha_backward16(mha_plan *plan, const mha_forward_args *a,
                           const mha_backward_args *g);
 
-/* The attention problem of a forward with arguments `a` on this plan. */
-void mha_plan_attn(const mha_plan *plan, const mha_forward_args *a,
-                   const mha_mask_plan *mask, mha_attn *at);
+/* The attention a forward with arguments `a` asks of the engine: the
+ * plan's projections (q, k, v where the last forward put them), the
+ * module's extra keys and modifiers, the call's masks and cache. */
+mha_attn_request mha_fwd_request(const mha_plan *plan,
+                                 const mha_forward_args *a);
+/* The attention's part of the plan's workspace (its layout: lay). */
+static inline float *mha_plan_attn_ws(const mha_plan *p)
+{
+    return p->ws + p->n_proj + p->shape.n_qd;
+}
 
 
 #endif /* MHA_MODULE_H */
