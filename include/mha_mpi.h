@@ -27,6 +27,31 @@
  * MPI must be initialised (MPI_Init_thread with at least
  * MPI_THREAD_FUNNELED when num_threads > 1: libmha's OpenMP threads make
  * no MPI calls).
+ *
+ * The ABI rule, mha.h's (MHA_MPI_ABI_VERSION is the soname's number:
+ * libmha_mpi.so.1).  Every call that takes or fills a struct of this
+ * header is an inline wrapper that passes the struct's size as the
+ * program was compiled (sizeof) to an exported NAME_sized call.  Structs
+ * only grow, at their end, and zero is every field's default, so:
+ *   - a smaller struct (an older mha_mpi.h) is read up to its size, the
+ *     fields after it taken as zero;
+ *   - a larger one (a newer mha_mpi.h) runs when the bytes this library
+ *     does not know are zero, and is refused (MHA_ERR_INVALID_ARGUMENT,
+ *     naming the struct and the byte) when one is set.  The refusal is
+ *     this rank's argument error like any other: every rank returns it,
+ *     and a rank with a newer struct never leaves the others waiting;
+ *   - mha_shard (mha_shard_of) is filled up to the caller's size;
+ *   - mha_ring_stats, reached through the args' `stats` pointer, has its
+ *     size passed as an argument of its own (stats_size: the inline calls
+ *     pass sizeof(mha_ring_stats)), so a stats struct of any header's
+ *     size can hang off args of any other.
+ * A struct the library fills gets its fields up to the caller's size and
+ * zero past the library's own (fields of a newer header it does not
+ * measure); bytes past the caller's size are never written.  A size of 0
+ * is refused (for the args themselves on that rank alone: there is no
+ * communicator to read).  Frozen, as in mha.h: mha_modifiers inside
+ * mha_ring_args.  The soname changes only on a real break; a program
+ * loading libmha_mpi by other means checks MHA_MPI_ABI_OK().
  */
 #ifndef MHA_MPI_H
 #define MHA_MPI_H
@@ -38,6 +63,13 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+#define MHA_MPI_ABI_VERSION 1
+
+/* MHA_MPI_ABI_VERSION of the libmha_mpi actually linked. */
+MHA_API int mha_mpi_abi_version(void);
+/* Nonzero when the linked libmha_mpi keeps this header's ABI. */
+#define MHA_MPI_ABI_OK() (mha_mpi_abi_version() == MHA_MPI_ABI_VERSION)
 
 /*
  * How the L tokens are cut into shards.
@@ -62,11 +94,21 @@ typedef struct mha_shard {
     int64_t len;         /* length[0] + length[1]: the shard's rows       */
 } mha_shard;
 
-/* The shard of `rank` of `nranks` for a sequence of seq_len tokens. */
-MHA_API mha_status mha_shard_of(mha_seq_split split, int64_t seq_len,
-                                int nranks, int rank, mha_shard *out);
+/* The shard of `rank` of `nranks` for a sequence of seq_len tokens
+ * (*out zeroed on failure). */
+MHA_API mha_status mha_shard_of_sized(mha_seq_split split, int64_t seq_len,
+                                      int nranks, int rank, mha_shard *out,
+                                      size_t out_size);
+static inline mha_status mha_shard_of(mha_seq_split split, int64_t seq_len,
+                                      int nranks, int rank, mha_shard *out)
+{
+    return mha_shard_of_sized(split, seq_len, nranks, rank, out,
+                              sizeof *out);
+}
 
-/* What one call did on this rank (filled when args->stats is set). */
+/* What one call did on this rank, written when args->stats is set
+ * (stats_size bytes of it, the ABI rule above), unless that rule refused
+ * one of the call's structs. */
 typedef struct mha_ring_stats {
     int64_t messages_sent, bytes_sent;         /* by this rank           */
     int64_t messages_received, bytes_received;
@@ -118,7 +160,14 @@ typedef struct mha_ring_args {
  * Each rank sends P - 1 blocks (its K and V shard, then each one it
  * received), one message per step, of 2 * B * Lsrc * Ekv floats.
  */
-MHA_API mha_status mha_ring_attention(const mha_ring_args *args);
+MHA_API mha_status mha_ring_attention_sized(const mha_ring_args *args,
+                                            size_t args_size,
+                                            size_t stats_size);
+static inline mha_status mha_ring_attention(const mha_ring_args *args)
+{
+    return mha_ring_attention_sized(args, sizeof *args,
+                                    sizeof(mha_ring_stats));
+}
 
 /*
  * The backward of mha_ring_attention (same args, out and lse the
@@ -135,8 +184,16 @@ typedef struct mha_ring_grads {
     float *grad_q;           /* (B, Lloc, E)   */
     float *grad_k, *grad_v;  /* (B, Lloc, Ekv) */
 } mha_ring_grads;
-MHA_API mha_status mha_ring_attention_backward(const mha_ring_args *args,
-                                               const mha_ring_grads *grads);
+MHA_API mha_status mha_ring_attention_backward_sized(
+    const mha_ring_args *args, size_t args_size, const mha_ring_grads *grads,
+    size_t grads_size, size_t stats_size);
+static inline mha_status mha_ring_attention_backward(
+    const mha_ring_args *args, const mha_ring_grads *grads)
+{
+    return mha_ring_attention_backward_sized(args, sizeof *args, grads,
+                                             sizeof *grads,
+                                             sizeof(mha_ring_stats));
+}
 
 /*
  * Ulysses (DeepSpeed-Ulysses), the second strategy, for num_heads and
@@ -152,9 +209,24 @@ MHA_API mha_status mha_ring_attention_backward(const mha_ring_args *args,
  * compute.  The backward runs mha_attention_backward on the local heads
  * (it recomputes the forward; out and lse are not read).
  */
-MHA_API mha_status mha_ulysses_attention(const mha_ring_args *args);
-MHA_API mha_status mha_ulysses_attention_backward(const mha_ring_args *args,
-                                                  const mha_ring_grads *grads);
+MHA_API mha_status mha_ulysses_attention_sized(const mha_ring_args *args,
+                                               size_t args_size,
+                                               size_t stats_size);
+static inline mha_status mha_ulysses_attention(const mha_ring_args *args)
+{
+    return mha_ulysses_attention_sized(args, sizeof *args,
+                                       sizeof(mha_ring_stats));
+}
+MHA_API mha_status mha_ulysses_attention_backward_sized(
+    const mha_ring_args *args, size_t args_size, const mha_ring_grads *grads,
+    size_t grads_size, size_t stats_size);
+static inline mha_status mha_ulysses_attention_backward(
+    const mha_ring_args *args, const mha_ring_grads *grads)
+{
+    return mha_ulysses_attention_backward_sized(args, sizeof *args, grads,
+                                                sizeof *grads,
+                                                sizeof(mha_ring_stats));
+}
 
 /*
  * The module across ranks: each rank projects its shard of the inputs
@@ -182,8 +254,16 @@ typedef struct mha_ring_forward_args {
     float *out;
     mha_ring_stats *stats;        /* NULL, or the attention's statistics */
 } mha_ring_forward_args;
-MHA_API mha_status mha_ring_forward(const mha_module *module,
-                                    const mha_ring_forward_args *args);
+MHA_API mha_status mha_ring_forward_sized(const mha_module *module,
+                                          const mha_ring_forward_args *args,
+                                          size_t args_size,
+                                          size_t stats_size);
+static inline mha_status mha_ring_forward(const mha_module *module,
+                                          const mha_ring_forward_args *args)
+{
+    return mha_ring_forward_sized(module, args, sizeof *args,
+                                  sizeof(mha_ring_stats));
+}
 
 /*
  * The backward of mha_ring_forward (the same forward args; its out is not
@@ -209,9 +289,17 @@ typedef struct mha_ring_backward_args {
     float *grad_params;
     int accumulate;
 } mha_ring_backward_args;
-MHA_API mha_status mha_ring_backward(const mha_module *module,
-                                     const mha_ring_forward_args *args,
-                                     const mha_ring_backward_args *grads);
+MHA_API mha_status mha_ring_backward_sized(
+    const mha_module *module, const mha_ring_forward_args *args,
+    size_t args_size, const mha_ring_backward_args *grads, size_t grads_size,
+    size_t stats_size);
+static inline mha_status mha_ring_backward(
+    const mha_module *module, const mha_ring_forward_args *args,
+    const mha_ring_backward_args *grads)
+{
+    return mha_ring_backward_sized(module, args, sizeof *args, grads,
+                                   sizeof *grads, sizeof(mha_ring_stats));
+}
 
 #ifdef __cplusplus
 }

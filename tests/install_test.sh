@@ -134,6 +134,21 @@ if command -v readelf >/dev/null; then
   readelf -d "$tmp/ex_pc_shared" | grep -q "Shared library: \[$soname\]" ||
     { echo "the example does not NEED $soname" >&2; exit 1; }
 fi
+# libmha_mpi (built when MPI was found) under the same rule: its soname is
+# MHA_MPI_ABI_VERSION of mha_mpi.h.
+if [ -f "$prefix/include/mha_mpi.h" ]; then
+  mabiv=$(sed -n 's/^#define MHA_MPI_ABI_VERSION \([0-9]*\)$/\1/p' \
+          "$prefix/include/mha_mpi.h")
+  msoname="libmha_mpi.so.$mabiv"
+  test -n "$mabiv" && test -e "$libdir/$msoname" ||
+    { echo "no $msoname in $libdir" >&2; exit 1; }
+  if command -v readelf >/dev/null; then
+    readelf -d "$libdir/libmha_mpi.so" |
+      grep -q "Library soname: \[$msoname\]" ||
+      { echo "libmha_mpi.so's SONAME is not $msoname:" >&2
+        readelf -d "$libdir/libmha_mpi.so" | grep -i soname >&2; exit 1; }
+  fi
+fi
 # A library of the next ABI version only: the loader refuses to start the
 # program (it never runs against a library that broke its ABI).
 abi="$tmp/abi"

@@ -33,6 +33,53 @@ mha_status mha_mpi_mpi_fail(int rc, const char *what)
     return mha_mpi_fail(MHA_ERR_COMM, "%s failed: %s", what, s);
 }
 
+/* ---- the ABI rule (mha_mpi.h) ------------------------------------------- */
+
+int mha_mpi_abi_version(void) { return MHA_MPI_ABI_VERSION; }
+
+mha_status mha_mpi_struct_in(void *copy, size_t copy_size, const void *user,
+                             size_t size, const char *type)
+{
+    memset(copy, 0, copy_size);
+    if (!user)
+        return MHA_OK;
+    if (size == 0)
+        return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT,
+                            "%s has size 0: pass sizeof the struct (the "
+                            "inline calls of mha_mpi.h do)", type);
+    memcpy(copy, user, size < copy_size ? size : copy_size);
+    const unsigned char *u = user;
+    for (size_t i = copy_size; i < size; i++)
+        if (u[i])
+            return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT,
+                                "%s of %zu bytes sets byte %zu, past the "
+                                "%zu that this libmha_mpi (%d.%d.%d) knows: "
+                                "a field of a newer mha_mpi.h that this "
+                                "library cannot honour", type, size, i,
+                                copy_size, MHA_VERSION_MAJOR,
+                                MHA_VERSION_MINOR, MHA_VERSION_PATCH);
+    return MHA_OK;
+}
+
+mha_status mha_mpi_struct_out_size(const void *user, size_t size,
+                                   const char *type)
+{
+    if (user && size == 0)
+        return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT,
+                            "%s has size 0: pass sizeof the struct (the "
+                            "inline calls of mha_mpi.h do)", type);
+    return MHA_OK;
+}
+
+void mha_mpi_struct_out(void *user, size_t size, const void *mine,
+                        size_t mine_size)
+{
+    const size_t n = size < mine_size ? size : mine_size;
+    memcpy(user, mine, n);
+    if (size > n)
+        memset((unsigned char *)user + n, 0, size - n);
+}
+
 /* ---- shards ------------------------------------------------------------- */
 
 static void chunk(int64_t L, int64_t n, int64_t c, int64_t *off, int64_t *len)
@@ -42,12 +89,9 @@ static void chunk(int64_t L, int64_t n, int64_t c, int64_t *off, int64_t *len)
     *off = c * base + (c < extra ? c : extra);
 }
 
-mha_status mha_shard_of(mha_seq_split split, int64_t L, int nranks, int rank,
-                        mha_shard *out)
+static mha_status shard_of(mha_seq_split split, int64_t L, int nranks,
+                           int rank, mha_shard *out)
 {
-    if (!out)
-        return mha_mpi_fail(MHA_ERR_NULL_POINTER, "out is NULL");
-    memset(out, 0, sizeof *out);
     if (split != MHA_SPLIT_CONTIGUOUS && split != MHA_SPLIT_ZIGZAG)
         return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT,
                     "split must be MHA_SPLIT_CONTIGUOUS (0) or "
@@ -69,6 +113,18 @@ mha_status mha_shard_of(mha_seq_split split, int64_t L, int nranks, int rank,
     }
     out->len = out->length[0] + out->length[1];
     return MHA_OK;
+}
+
+mha_status mha_shard_of_sized(mha_seq_split split, int64_t L, int nranks,
+                              int rank, mha_shard *out, size_t out_size)
+{
+    if (!out)
+        return mha_mpi_fail(MHA_ERR_NULL_POINTER, "out is NULL");
+    MHA_STATUS_CHECK(mha_mpi_struct_out_size(out, out_size, "mha_shard"));
+    mha_shard s = {0};
+    const mha_status st = shard_of(split, L, nranks, rank, &s);
+    mha_mpi_struct_out(out, out_size, &s, sizeof s);
+    return st;
 }
 
 /* ---- the collective check ----------------------------------------------- */
@@ -292,15 +348,30 @@ static mha_status check_all(const mha_ring_args *a, ring *r, int op,
     return MHA_OK;
 }
 
-/* Sets up r (the duplicate communicator included) and runs both checks.
- * On failure r->comm is MPI_COMM_NULL or freed by the caller. */
-mha_status mha_mpi_ring_open(const mha_ring_args *a, const mha_ring_grads *g,
-                            int op, ring *r)
+/* Sets up r (the copies of the caller's structs and the duplicate
+ * communicator) and runs both checks.  NULL args, or args of size 0, are
+ * answered on this rank alone (no communicator to read); any other
+ * refusal goes through the agreement.  On failure r->comm is
+ * MPI_COMM_NULL or freed by the caller. */
+mha_status mha_mpi_ring_open(const mha_ring_args *args, size_t args_size,
+                             const mha_ring_grads *grads, size_t grads_size,
+                             size_t stats_size, int op, ring *r)
 {
     memset(r, 0, sizeof *r);
     r->comm = MPI_COMM_NULL;
-    if (!a)
+    if (!args)
         return mha_mpi_fail(MHA_ERR_NULL_POINTER, "ring args are NULL");
+    mha_status abi = mha_mpi_struct_in(&r->a, sizeof r->a, args, args_size,
+                                       "mha_ring_args");
+    if (args_size == 0)
+        return abi;
+    if (abi == MHA_OK)
+        abi = mha_mpi_struct_in(&r->g, sizeof r->g, grads, grads_size,
+                                "mha_ring_grads");
+    if (abi == MHA_OK)
+        abi = mha_mpi_struct_out_size(r->a.stats, stats_size,
+                                      "mha_ring_stats");
+    const mha_ring_args *a = &r->a;
     int ok = 0;
     if (MPI_Initialized(&ok) != MPI_SUCCESS || !ok)
         return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT,
@@ -328,17 +399,22 @@ mha_status mha_mpi_ring_open(const mha_ring_args *a, const mha_ring_grads *g,
     r->Ekv = r->Hkv * r->dh;
     r->L = a->seq_len;
     r->causal = a->causal != MHA_CAUSAL_NONE;
-    const mha_status local = check_local(a, r, op, g);
+    if (abi == MHA_OK) {   /* a refused call writes nothing of the caller's */
+        r->stats = a->stats;
+        r->stats_size = stats_size;
+    }
+    const mha_status local =
+        abi != MHA_OK ? abi : check_local(a, r, op, grads ? &r->g : NULL);
     return check_all(a, r, op, local);
 }
 
-void mha_mpi_ring_close(ring *r, const mha_ring_args *a)
+void mha_mpi_ring_close(ring *r)
 {
     if (r->comm != MPI_COMM_NULL)
         MPI_Comm_free(&r->comm);
-    if (a && a->stats) {
+    if (r->stats) {
         r->st.seconds = MPI_Wtime() - r->t0;
-        *a->stats = r->st;
+        mha_mpi_struct_out(r->stats, r->stats_size, &r->st, sizeof r->st);
     }
 }
 

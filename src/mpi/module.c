@@ -237,18 +237,23 @@ static void ring_args_of(const mha_module *m, const mha_ring_forward_args *a,
     r->out = p->ctx;
 }
 
-/* Checks what this rank can alone, agrees with the others, projects this
- * rank's rows and runs the attention across the ranks (with its lse when
- * `with_lse`: for the backward, which needs no out).  On failure every rank returns the same status. */
+/* Checks what this rank can alone (`local`: what the caller found
+ * already), agrees with the others, projects this rank's rows and runs
+ * the attention across the ranks (with its lse when `with_lse`: for the
+ * backward, which needs no out), its statistics to `stats` (stats_size
+ * bytes).  On failure every rank returns the same status. */
 static mha_status forward_part(const mha_module *m,
                                const mha_ring_forward_args *a, int with_lse,
-                               mha_ring_stats *stats, proj *p)
+                               mha_status local, mha_ring_stats *stats,
+                               size_t stats_size, proj *p)
 {
     memset(p, 0, sizeof *p);
     int P = 1, rank = 0;
     MPI_Comm_size(a->comm, &P);
     MPI_Comm_rank(a->comm, &rank);
-    mha_status st = m ? mha_get_config(m, &p->c) : MHA_OK;
+    mha_status st = local;
+    if (st == MHA_OK && m)
+        st = mha_get_config(m, &p->c);
     if (st == MHA_OK)
         st = mha_shard_of(a->split, a->seq_len, P, rank, &p->s);
     const mha_config *c = &p->c;
@@ -320,17 +325,42 @@ static mha_status forward_part(const mha_module *m,
     ring_args_of(m, a, p, &r);
     r.lse = p->lse;
     r.stats = stats;
-    return a->ulysses ? mha_ulysses_attention(&r) : mha_ring_attention(&r);
+    return a->ulysses ? mha_ulysses_attention_sized(&r, sizeof r, stats_size)
+                      : mha_ring_attention_sized(&r, sizeof r, stats_size);
 }
 
-mha_status mha_ring_forward(const mha_module *m,
-                            const mha_ring_forward_args *a)
+/* The library's copy of the caller's forward args (the ABI rule) in
+ * *copy, then the communicator checked.  Returns what this rank must
+ * answer alone (NULL args, size 0, no MPI); *abi is a refusal of the
+ * struct or of the stats' size, for the ranks to agree on. */
+static mha_status forward_args_in(mha_ring_forward_args *copy,
+                                  const mha_ring_forward_args *args,
+                                  size_t args_size, size_t stats_size,
+                                  mha_status *abi)
 {
-    mha_status st = check_comm(a);
+    *abi = mha_mpi_struct_in(copy, sizeof *copy, args, args_size,
+                             "mha_ring_forward_args");
+    if (args && args_size == 0)
+        return *abi;
+    MHA_STATUS_CHECK(check_comm(args ? copy : NULL));
+    if (*abi == MHA_OK)
+        *abi = mha_mpi_struct_out_size(copy->stats, stats_size,
+                                       "mha_ring_stats");
+    return MHA_OK;
+}
+
+mha_status mha_ring_forward_sized(const mha_module *m,
+                                  const mha_ring_forward_args *args,
+                                  size_t args_size, size_t stats_size)
+{
+    mha_ring_forward_args a_;
+    const mha_ring_forward_args *a = &a_;
+    mha_status abi;
+    mha_status st = forward_args_in(&a_, args, args_size, stats_size, &abi);
     if (st != MHA_OK)
         return st;
     proj p;
-    st = forward_part(m, a, 0, a->stats, &p);
+    st = forward_part(m, a, 0, abi, a->stats, stats_size, &p);
     mha_status local = MHA_OK;
     if (st == MHA_OK && p.rows > 0)
         local = mha_project(m, MHA_PROJ_OUT, p.ctx, p.rows, a->out);
@@ -362,13 +392,23 @@ static mha_status check_grads(const mha_ring_forward_args *a,
     return MHA_OK;
 }
 
-mha_status mha_ring_backward(const mha_module *m,
-                             const mha_ring_forward_args *a,
-                             const mha_ring_backward_args *g)
+mha_status mha_ring_backward_sized(const mha_module *m,
+                                   const mha_ring_forward_args *args,
+                                   size_t args_size,
+                                   const mha_ring_backward_args *grads,
+                                   size_t grads_size, size_t stats_size)
 {
-    mha_status st = check_comm(a);
+    mha_ring_forward_args a_;
+    mha_ring_backward_args g_ = {0};
+    const mha_ring_forward_args *a = &a_;
+    mha_status abi;
+    mha_status st = forward_args_in(&a_, args, args_size, stats_size, &abi);
     if (st != MHA_OK)
         return st;
+    if (abi == MHA_OK)
+        abi = mha_mpi_struct_in(&g_, sizeof g_, grads, grads_size,
+                                "mha_ring_backward_args");
+    const mha_ring_backward_args *g = grads ? &g_ : NULL;
     proj p;
     float *dctx = NULL, *dq = NULL, *dk = NULL, *dv = NULL, *gp = NULL;
     int64_t np = m ? mha_param_numel(m) : 0;
@@ -378,7 +418,9 @@ mha_status mha_ring_backward(const mha_module *m,
         int P = 1, rank = 0;
         MPI_Comm_size(a->comm, &P);
         MPI_Comm_rank(a->comm, &rank);
-        mha_status local = mha_shard_of(a->split, a->seq_len, P, rank, &s);
+        mha_status local = abi;
+        if (local == MHA_OK)
+            local = mha_shard_of(a->split, a->seq_len, P, rank, &s);
         if (local == MHA_OK)
             local = check_grads(a, g, s.len);
         if (local == MHA_OK && g->grad_params && np > 0 &&
@@ -391,7 +433,7 @@ mha_status mha_ring_backward(const mha_module *m,
             return st;
         }
     }
-    st = forward_part(m, a, 1, NULL, &p);
+    st = forward_part(m, a, 1, MHA_OK, NULL, 0, &p);
     const int64_t rows = p.rows;
     mha_status local = MHA_OK;
     if (st == MHA_OK) {
@@ -419,8 +461,11 @@ mha_status mha_ring_backward(const mha_module *m,
         r.lse = p.lse;
         r.stats = a->stats;
         const mha_ring_grads rg = {dctx, dq, dk, dv};
-        st = a->ulysses ? mha_ulysses_attention_backward(&r, &rg)
-                        : mha_ring_attention_backward(&r, &rg);
+        st = a->ulysses
+                 ? mha_ulysses_attention_backward_sized(&r, sizeof r, &rg,
+                                                        sizeof rg, stats_size)
+                 : mha_ring_attention_backward_sized(&r, sizeof r, &rg,
+                                                     sizeof rg, stats_size);
     }
     if (st == MHA_OK && rows > 0) {
         /* RoPE's rotation turned back, then the input projections */

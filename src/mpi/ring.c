@@ -141,10 +141,13 @@ static void pack_own(const ring *r, const mha_ring_args *a, float *buf)
 
 /* ---- forward ------------------------------------------------------------ */
 
-mha_status mha_ring_attention(const mha_ring_args *a)
+mha_status mha_ring_attention_sized(const mha_ring_args *args,
+                                   size_t args_size, size_t stats_size)
 {
     ring r;
-    mha_status st = mha_mpi_ring_open(a, NULL, 0, &r);
+    mha_status st = mha_mpi_ring_open(args, args_size, NULL, 0, stats_size,
+                                      MHA_OP_RING_FORWARD, &r);
+    const mha_ring_args *a = &r.a;
     float *kv[2] = {NULL, NULL}, *po = NULL, *pl = NULL, *al = NULL;
     MPI_Request req[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
     if (st != MHA_OK)
@@ -255,7 +258,7 @@ done:
     free(po);
     free(pl);
     free(al);
-    mha_mpi_ring_close(&r, a);
+    mha_mpi_ring_close(&r);
     return st;
 }
 
@@ -268,11 +271,17 @@ static void add_floats(float *y, const float *x, int64_t n)
         y[i] += x[i];
 }
 
-mha_status mha_ring_attention_backward(const mha_ring_args *a,
-                                       const mha_ring_grads *g)
+mha_status mha_ring_attention_backward_sized(const mha_ring_args *args,
+                                            size_t args_size,
+                                            const mha_ring_grads *grads,
+                                            size_t grads_size,
+                                            size_t stats_size)
 {
     ring r;
-    mha_status st = mha_mpi_ring_open(a, g, 1, &r);
+    mha_status st = mha_mpi_ring_open(args, args_size, grads, grads_size,
+                                      stats_size, MHA_OP_RING_BACKWARD, &r);
+    const mha_ring_args *a = &r.a;
+    const mha_ring_grads *g = &r.g;
     float *kv[2] = {NULL, NULL}, *dkv[2] = {NULL, NULL}, *loc = NULL;
     float *lsep = NULL, *pdq = NULL, *pdk = NULL, *pdv = NULL;
     double *dq = NULL;
@@ -440,6 +449,6 @@ done:
     free(pdk);
     free(pdv);
     free(dq);
-    mha_mpi_ring_close(&r, a);
+    mha_mpi_ring_close(&r);
     return st;
 }

@@ -202,12 +202,15 @@ static a2a counts_of(const ring *r, bufs *b)
     return c;
 }
 
-mha_status mha_ulysses_attention(const mha_ring_args *a)
+mha_status mha_ulysses_attention_sized(const mha_ring_args *args,
+                                      size_t args_size, size_t stats_size)
 {
     ring r;
     bufs b;
     memset(&b, 0, sizeof b);
-    mha_status st = mha_mpi_ring_open(a, NULL, MHA_OP_ULYSSES_FORWARD, &r);
+    mha_status st = mha_mpi_ring_open(args, args_size, NULL, 0, stats_size,
+                                      MHA_OP_ULYSSES_FORWARD, &r);
+    const mha_ring_args *a = &r.a;
     if (st != MHA_OK)
         goto done;
     const int with_lse = a->lse != NULL;
@@ -257,18 +260,24 @@ mha_status mha_ulysses_attention(const mha_ring_args *a)
     }
 done:
     bufs_free(&b);
-    mha_mpi_ring_close(&r, a);
+    mha_mpi_ring_close(&r);
     return st;
 }
 
-mha_status mha_ulysses_attention_backward(const mha_ring_args *a,
-                                          const mha_ring_grads *g)
+mha_status mha_ulysses_attention_backward_sized(const mha_ring_args *args,
+                                               size_t args_size,
+                                               const mha_ring_grads *grads,
+                                               size_t grads_size,
+                                               size_t stats_size)
 {
     ring r;
     bufs b;
     memset(&b, 0, sizeof b);
     float *d[3] = {NULL, NULL, NULL};
-    mha_status st = mha_mpi_ring_open(a, g, MHA_OP_ULYSSES_BACKWARD, &r);
+    mha_status st = mha_mpi_ring_open(args, args_size, grads, grads_size,
+                                      stats_size, MHA_OP_ULYSSES_BACKWARD, &r);
+    const mha_ring_args *a = &r.a;
+    const mha_ring_grads *g = &r.g;
     if (st != MHA_OK)
         goto done;
     int ok = bufs_alloc(&r, a, &b, 4, 0);
@@ -303,6 +312,6 @@ done:
     for (int i = 0; i < 3; i++)
         free(d[i]);
     bufs_free(&b);
-    mha_mpi_ring_close(&r, a);
+    mha_mpi_ring_close(&r);
     return st;
 }
