@@ -27,7 +27,7 @@
 #include <string.h>
 
 #include "assert_error.h"
-#include "attention/attention.h"
+#include "attention/kv_cache.h"
 #include "core/half.h"
 #include "testutil.h"
 

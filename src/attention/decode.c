@@ -12,7 +12,7 @@
  * heads that share a K/V head run as one block (their rows stacked), so
  * each K/V tile is read once for the whole group, not once per head.
  */
-#include "attention.h"
+#include "engine.h"
 
 #include <math.h>
 #include <string.h>

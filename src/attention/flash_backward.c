@@ -30,7 +30,7 @@
  * exp(sink - m) / l to nothing but the denominator: P already includes
  * it through the stats, and dL/d sink = -P_sink delta.
  */
-#include "attention.h"
+#include "engine.h"
 
 #include <math.h>
 #include <string.h>

@@ -18,7 +18,7 @@
  * Scores never exist beyond one tile: extra memory is
  * O(MHA_BR * (MHA_BC + d_h)) per thread, whatever Lk is.
  */
-#include "attention.h"
+#include "engine.h"
 
 #include <float.h>
 #include <math.h>

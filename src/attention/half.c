@@ -17,7 +17,7 @@
  * Every item's arithmetic is fixed by its indices alone, so the bits do
  * not depend on the thread count.
  */
-#include "attention.h"
+#include "engine.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -25,7 +25,7 @@
  * each by the position it holds (tiles.c).
  */
 #define _DEFAULT_SOURCE   /* madvise, MADV_HUGEPAGE (Linux) */
-#include "attention.h"
+#include "engine.h"
 
 #ifdef __linux__
 #include <sys/mman.h>

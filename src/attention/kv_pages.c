@@ -25,7 +25,7 @@
  *
  * Every function here either does all it was asked or, refused, nothing.
  */
-#include "attention.h"
+#include "kv_pages.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -14,7 +14,7 @@
  * scratch buffer and copied out only once every sequence succeeded, so a
  * refusal leaves out and lse untouched.
  */
-#include "attention.h"
+#include "engine.h"
 
 #include <stdio.h>
 #include <stdlib.h>

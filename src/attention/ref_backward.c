@@ -4,7 +4,7 @@
  * stats), dk and dv summed over rows in float64 and rounded once.  The
  * formulas are those of flash_backward.c.
  */
-#include "attention.h"
+#include "engine.h"
 
 #include <math.h>
 #include <string.h>

@@ -26,7 +26,7 @@
  *                            row with no key gets (-inf, 0) and a zero
  *                            context, a NaN score a NaN row
  */
-#include "attention.h"
+#include "engine.h"
 
 #include <math.h>
 #include <string.h>

@@ -13,7 +13,7 @@
  *   problem   the mha_attn the tiers run
  *   run       the append, the weights zeroed, a rotated cache's turns
  */
-#include "attention.h"
+#include "kv_cache.h"
 
 #include <string.h>
 

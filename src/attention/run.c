@@ -9,7 +9,7 @@
  * for the average), (b, K/V head) for the backward.  Results are therefore
  * bitwise identical for any thread count.
  */
-#include "attention.h"
+#include "engine.h"
 
 #ifdef _OPENMP
 #include <omp.h>

@@ -9,7 +9,7 @@
  *             the row stats and packed K/V for a backward
  *   backward  dq, dk, dv of the last run, from what it kept
  */
-#include "attention.h"
+#include "engine.h"
 #include "rope.h"
 
 #include <math.h>

@@ -19,7 +19,7 @@
  * visited; a tile whose every key is seen by every row is open; the
  * others (the window's two edges) are masked by position, key by key.
  */
-#include "attention.h"
+#include "engine.h"
 
 #include <float.h>
 #include <math.h>

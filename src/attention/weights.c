@@ -5,7 +5,7 @@
  * asked for or not.  One work item is (b, query block), every head in
  * order, so the average over heads is summed in one fixed order.
  */
-#include "attention.h"
+#include "engine.h"
 
 #include <math.h>
 

@@ -7,7 +7,7 @@
 #define MHA_MODULE_H
 
 #include "core/core.h"
-#include "attention/attention.h"
+#include "attention/kv_cache.h"
 
 #include <stdint.h>
 
