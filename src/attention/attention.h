@@ -217,6 +217,11 @@ void mha_attn_backward(const mha_engine *e, const mha_attn *a,
  * rope.c's); `who` prefixes the message. */
 mha_status mha_modifiers_check(const mha_modifiers *m, int64_t H,
                                const char *who);
+/* Whether two calls' modifiers are the same, RoPE's included (the
+ * window's bounds only when it is on). */
+int mha_modifiers_same(const mha_modifiers *a, const mha_modifiers *b);
+/* Whether `m` changes nothing: no softcap, ALiBi, window or RoPE. */
+int mha_modifiers_none(const mha_modifiers *m);
 /* attention_chunk C is >= 0 (0: none). */
 mha_status mha_chunk_check(int64_t chunk, const char *who);
 /* The sinks (H) are finite. */

@@ -40,6 +40,22 @@ mha_status mha_modifiers_check(const mha_modifiers *m, int64_t H,
     return MHA_OK;
 }
 
+int mha_modifiers_same(const mha_modifiers *a, const mha_modifiers *b)
+{
+    return a->softcap == b->softcap && !a->alibi == !b->alibi &&
+           a->alibi_slopes == b->alibi_slopes && !a->window == !b->window &&
+           (!a->window || (a->window_left == b->window_left &&
+                           a->window_right == b->window_right)) &&
+           a->rope.style == b->rope.style && a->rope.dims == b->rope.dims &&
+           a->rope.theta == b->rope.theta && a->rope.scale == b->rope.scale;
+}
+
+int mha_modifiers_none(const mha_modifiers *m)
+{
+    return !m->softcap && !m->alibi && !m->window &&
+           m->rope.style == MHA_ROPE_NONE;
+}
+
 mha_status mha_chunk_check(int64_t chunk, const char *who)
 {
     if (chunk < 0)

@@ -505,17 +505,8 @@ static mha_status check_saved(const mha_attention_plan *p,
         resolved_scale(a, p->shape.dh) != resolved_scale(s, p->shape.dh) ||
         (a->training != 0) != (s->training != 0) ||
         a->dropout != s->dropout || a->dropout_seed != s->dropout_seed ||
-        a->sinks != s->sinks || a->mods.softcap != s->mods.softcap ||
-        (a->mods.alibi != 0) != (s->mods.alibi != 0) ||
-        a->mods.alibi_slopes != s->mods.alibi_slopes ||
-        (a->mods.window != 0) != (s->mods.window != 0) ||
-        (a->mods.window && (a->mods.window_left != s->mods.window_left ||
-                            a->mods.window_right != s->mods.window_right)) ||
+        a->sinks != s->sinks || !mha_modifiers_same(&a->mods, &s->mods) ||
         a->attention_chunk != s->attention_chunk ||
-        a->mods.rope.style != s->mods.rope.style ||
-        a->mods.rope.dims != s->mods.rope.dims ||
-        a->mods.rope.theta != s->mods.rope.theta ||
-        a->mods.rope.scale != s->mods.rope.scale ||
         (a->mods.rope.style != MHA_ROPE_NONE &&
          (a->q_positions != s->q_positions ||
           a->k_positions != s->k_positions)))
@@ -581,7 +572,7 @@ static mha_status plan_backward(mha_attention_plan *p,
                          {"grad_out", g->grad_out, s->n_o}};
     MHA_CHECK(check_disjoint(outs, 3, ins, 4));
     if (!p->bws) {
-        /* (sized for a softcap: any later run may have one) */
+        /* (sized for every modifier: any later run may have one) */
         MHA_CHECK(mha_attn_layout_backward(&p->eng, s->B, s->Hkv, s->Lk,
                                            s->Lk,
                                            s->dv > s->dh ? s->dv : s->dh, 1,
@@ -687,8 +678,7 @@ static int bf16_takes(const mha_attention_args *a, const sdpa_shape *s)
            a->key_padding_mask.kind == MHA_MASK_NONE &&
            a->need_weights == MHA_WEIGHTS_NONE &&
            !(a->training && a->dropout > 0.0f) && !a->sinks &&
-           !a->mods.softcap && !a->mods.alibi && !a->mods.window &&
-           !a->attention_chunk && a->mods.rope.style == MHA_ROPE_NONE &&
+           mha_modifiers_none(&a->mods) && !a->attention_chunk &&
            !(a->given & MHA_GIVEN_Q_OFFSET)
                ? tier
                : MHA_BF16_FLOAT32;
