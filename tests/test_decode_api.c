@@ -6,7 +6,9 @@
  * (another path: the flash forward, not the decoder), for a GQA module
  * with RoPE and on heads; they are the same bits as mha_forward /
  * mha_attention with .cache set; and what the mode cannot read is not in
- * its struct, what it needs is refused when missing.
+ * its struct, what it needs is refused when missing; and the module's
+ * and the heads' decoding, one request to the engine, refuse the same
+ * misuse in the same words.
  */
 #include <stdarg.h>
 #include <stddef.h>
@@ -15,6 +17,7 @@
 #include <cmocka.h>
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -201,11 +204,116 @@ static void test_attention_decode(void **state)
     mha_kv_cache_free(kv);
 }
 
+/* Both front doors hand the engine one request (src/attention/request.c),
+ * so the module's decode and the heads' decode refuse the same misuse of
+ * a cache with the same status and the same words, and leave the caches
+ * as they were.  The module's step appends its token first, so its cache
+ * holds one token fewer than the heads' for the same Lk. */
+static void expect_same_refusal(const mha_module *m, mha_decode_args *md,
+                                mha_attention_decode_args *ad,
+                                mha_status want, const char *needle)
+{
+    const int64_t n_mod = mha_kv_cache_length(md->cache, 0);
+    const int64_t n_att = mha_kv_cache_length(ad->cache, 0);
+    assert_int_equal(mha_decode(m, md), want);
+    char first[512];
+    snprintf(first, sizeof first, "%s", mha_last_error());
+    if (!strstr(first, needle))
+        fail_msg("module: \"%s\" does not say \"%s\"", first, needle);
+    assert_int_equal(mha_attention_decode(ad), want);
+    if (strcmp(first, mha_last_error()))
+        fail_msg("the two doors differ:\n  module: %s\n  heads:  %s", first,
+                 mha_last_error());
+    assert_int_equal(mha_kv_cache_length(md->cache, 0), n_mod);
+    assert_int_equal(mha_kv_cache_length(ad->cache, 0), n_att);
+}
+
+static void test_one_validator(void **state)
+{
+    (void)state;
+    enum { EKV = HKV * DH, W = 4, CAP = 8 };
+    mha_config c = {0};
+    c.embed_dim = E;
+    c.num_heads = H;
+    c.num_kv_heads = HKV;
+    mha_module *m = tu_module(&c, 31);
+    assert_non_null(m);
+    mha_kv_cache_config cc = {0};
+    cc.batch = B;
+    cc.num_kv_heads = HKV;
+    cc.head_dim = DH;
+    cc.capacity = CAP;
+    mha_kv_cache *mod_kv = NULL, *att_kv = NULL, *mod_win = NULL,
+                 *att_win = NULL;
+    assert_int_equal(mha_kv_cache_create(&cc, &mod_kv), MHA_OK);
+    assert_int_equal(mha_kv_cache_create(&cc, &att_kv), MHA_OK);
+    cc.window = W;
+    assert_int_equal(mha_kv_cache_create(&cc, &mod_win), MHA_OK);
+    assert_int_equal(mha_kv_cache_create(&cc, &att_win), MHA_OK);
+    static float k[B * P * EKV], v[B * P * EKV];
+    tu_fill(k, B * P * EKV, 32, -1, 1);
+    tu_fill(v, B * P * EKV, 33, -1, 1);
+    for (int64_t b = 0; b < B; b++) {   /* Lk = P for both doors' step */
+        assert_int_equal(mha_kv_cache_append(mod_kv, b, k, v, P - 1), MHA_OK);
+        assert_int_equal(mha_kv_cache_append(att_kv, b, k, v, P), MHA_OK);
+    }
+    static float x[B * E], out[B * E];
+    tu_fill(x, B * E, 34, -1, 1);
+    mha_decode_args md = {0};
+    md.batch = B;
+    md.q_len = 1;
+    md.query = x;
+    md.out = out;
+    md.cache = mod_kv;
+    mha_attention_decode_args ad = {0};
+    ad.batch = B;
+    ad.num_heads = H;
+    ad.head_dim = DH;
+    ad.q_len = 1;
+    ad.q = x;
+    ad.out = out;
+    ad.cache = att_kv;
+
+    float w[B * H * CAP];
+    md.attn_weights = ad.attn_weights = w;   /* a buffer with no weights */
+    expect_same_refusal(m, &md, &ad, MHA_ERR_INVALID_ARGUMENT,
+                        "need_weights is MHA_WEIGHTS_NONE");
+    md.attn_weights = ad.attn_weights = NULL;
+
+    const int64_t lengths[B] = {2, P + 1};   /* past Lk = P */
+    md.key_lengths = ad.key_lengths = lengths;
+    expect_same_refusal(m, &md, &ad, MHA_ERR_INVALID_ARGUMENT,
+                        "key_lengths[1]");
+    md.key_lengths = ad.key_lengths = NULL;
+
+    md.batch = ad.batch = 1;   /* one sequence said, the cache holds two */
+    expect_same_refusal(m, &md, &ad, MHA_ERR_SHAPE, "the cache holds 2");
+    md.batch = ad.batch = B;
+
+    md.cache = mod_win;   /* a window's ring has no key positions to mask */
+    ad.cache = att_win;
+    md.key_lengths = ad.key_lengths = lengths;
+    expect_same_refusal(m, &md, &ad, MHA_ERR_UNSUPPORTED,
+                        "sliding-window KV cache, key_lengths");
+    md.key_lengths = ad.key_lengths = NULL;
+    /* and both doors still take a good step afterwards */
+    assert_int_equal(mha_decode(m, &md), MHA_OK);
+    for (int64_t b = 0; b < B; b++)
+        assert_int_equal(mha_kv_cache_append(att_win, b, k, v, 1), MHA_OK);
+    assert_int_equal(mha_attention_decode(&ad), MHA_OK);
+    mha_kv_cache_free(mod_kv);
+    mha_kv_cache_free(att_kv);
+    mha_kv_cache_free(mod_win);
+    mha_kv_cache_free(att_win);
+    mha_free(m);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_module_decode),
         cmocka_unit_test(test_attention_decode),
+        cmocka_unit_test(test_one_validator),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
