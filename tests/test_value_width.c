@@ -523,7 +523,8 @@ static void test_cache(void **state)
  * multiplied by W_uv, equals the naive attention (per-head keys [W_uk c,
  * k_rope] of 12 + 8 and values W_uv c of 10) within float rounding; a
  * latent f16 cache is bitwise a cache holding keys and values apart, on 1
- * and 2 threads; it holds half the bytes; its misuse is refused.
+ * and 2 threads, and so are its weights; it holds half the bytes; its
+ * misuse is refused.
  */
 static void test_latent(void **state)
 {
@@ -637,6 +638,34 @@ static void test_latent(void **state)
             assert_int_equal(mha_attention_decode(&d), MHA_OK);
             assert_memory_equal(lat, apart, sizeof lat);
         }
+        /* the weights on a latent cache (its rows gathered, not tiles):
+         * the bits of the cache holding values apart, and in float32 the
+         * naive attention's weights within rounding */
+        float *wl = malloc((size_t)(H * L) * 4);
+        float *wa = malloc((size_t)(H * L) * 4);
+        d.need_weights = MHA_WEIGHTS_PER_HEAD;
+        d.cache = kv, d.out = lat, d.attn_weights = wl;
+        assert_int_equal(mha_attention_decode(&d), MHA_OK);
+        d.cache = sep, d.out = apart, d.attn_weights = wa;
+        assert_int_equal(mha_attention_decode(&d), MHA_OK);
+        assert_memory_equal(wl, wa, (size_t)(H * L) * 4);
+        assert_memory_equal(lat, apart, sizeof lat);
+        if (dts[t] == MHA_KV_F32) {
+            float *wn = malloc((size_t)(H * L) * 4);
+            na.need_weights = MHA_WEIGHTS_PER_HEAD, na.attn_weights = wn;
+            assert_int_equal(mha_attention(&na), MHA_OK);
+            na.need_weights = MHA_WEIGHTS_NONE, na.attn_weights = NULL;
+            double err = 0.0;
+            for (int64_t i = 0; i < H * L; i++)
+                err = fmax(err, fabs((double)wl[i] - wn[i]));
+            /* weights <= 1 from scores of two float32 computations */
+            if (!(err <= 1e-6))
+                fail_msg("latent weights differ from the naive by %.3g",
+                         err);
+            free(wn);
+        }
+        d.need_weights = MHA_WEIGHTS_NONE, d.attn_weights = NULL;
+        free(wl), free(wa);
         mha_kv_cache_usage u1, u2;
         assert_int_equal(mha_kv_cache_get_usage(kv, &u1), MHA_OK);
         assert_int_equal(mha_kv_cache_get_usage(sep, &u2), MHA_OK);

@@ -467,22 +467,26 @@ static void pv_kv_k(mha_kv_dtype dtype, int exact, int mr, int nc, int dh,
  * registers; the dims past the last whole block, and keys past the last
  * whole block, element by element.  One instance per dtype: with the
  * dtype a variable in the loop, GCC kept the row addresses on the stack. */
+/* VL elements of dtype T at `at`, as floats. */
+MK_INLINE vf vf_load_as(const mha_kv_dtype T, const char *at)
+{
+    return T == MHA_KV_F16    ? vf_load_f16((const uint16_t *)at)
+           : T == MHA_KV_BF16 ? vf_load_bf16((const uint16_t *)at)
+                              : vf_load((const float *)at);
+}
+
 MK_INLINE void widen_t_as(const mha_kv_dtype T, const void *x, int64_t ldx,
                           int n, int dh, float *kt, int ldkt, float *v,
                           int dv)
 {
     const size_t es = T == MHA_KV_F32 ? 4 : 2, step = (size_t)ldx * es;
-    if (!kt) {   /* rows only: each converted in place of order */
+    if (!kt) {   /* rows only, converted in order */
         for (int c = 0; c < n; c++) {
             const char *row = (const char *)x + (size_t)c * step;
             float *vr = v + (size_t)c * dv;
             int d = 0;
             for (; d + VL <= dv; d += VL)
-                vf_store(vr + d,
-                         T == MHA_KV_F16 ? vf_load_f16((const uint16_t *)row + d)
-                         : T == MHA_KV_BF16
-                             ? vf_load_bf16((const uint16_t *)row + d)
-                             : vf_load((const float *)row + d));
+                vf_store(vr + d, vf_load_as(T, row + (size_t)d * es));
             for (; d < dv; d++)
                 vr[d] = mha_kv_elem(T, row, d);
         }
@@ -495,9 +499,7 @@ MK_INLINE void widen_t_as(const mha_kv_dtype T, const void *x, int64_t ldx,
             vf r[VL];
             const char *at = row + (size_t)d0 * es;
             for (int i = 0; i < VL; i++, at += step)
-                r[i] = T == MHA_KV_F16    ? vf_load_f16((const uint16_t *)at)
-                       : T == MHA_KV_BF16 ? vf_load_bf16((const uint16_t *)at)
-                                          : vf_load((const float *)at);
+                r[i] = vf_load_as(T, at);
             if (v && d0 < dv) {
                 const vtail t = vt_make(dv - d0 < VL ? dv - d0 : VL);
                 float *vr = v + (size_t)c0 * dv + d0;
