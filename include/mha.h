@@ -16,8 +16,9 @@
  *   - Parameters have the names and layouts of PyTorch's
  *     nn.MultiheadAttention; a linear layer is y = x W^T + b, W [out, in].
  *   - Zero in a struct field means its default.
- *   - Every call returns an mha_status; mha_last_error() says what was
- *     wrong.  The library never prints, exits or aborts.
+ *   - Every call that can fail returns an mha_status; mha_last_error()
+ *     says what was wrong (queries return a value, frees nothing:
+ *     docs/semantics.md#errors).  The library never prints, exits or aborts.
  *   - The full rules are in docs/semantics.md; each comment names its
  *     section there as docs/semantics.md#<section anchor>.
  */

@@ -419,6 +419,9 @@ static void test_misuse(void **state)
     assert_fails(mha_kv_cache_reset(kv, 5), MHA_ERR_INVALID_ARGUMENT,
                  "sequence 5");
     assert_int_equal(mha_kv_cache_length(NULL, 0), -1);
+    assert_msg_has("cache is NULL");
+    assert_int_equal(mha_kv_cache_length(kv, 2), -1);   /* a query's -1 */
+    assert_msg_has("seq 2");
     mha_kv_cache_free(kv);
     mha_kv_cache_free(NULL);
     /* A cache for other heads than the module's. */

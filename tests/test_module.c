@@ -1570,12 +1570,14 @@ static void test_free_null_and_total_keys(void **state)
             assert_int_equal(mha_total_keys(m, 5), 5 + bkv + zero);
             assert_int_equal(mha_total_keys(m, 0), bkv + zero);
             assert_int_equal(mha_total_keys(m, -1), -1);
+            assert_msg_has("kv_len -1");
             /* The extra keys must not overflow int64 (UB) into garbage. */
             assert_int_equal(mha_total_keys(m, INT64_MAX),
                              bkv + zero ? -1 : INT64_MAX);
             mha_free(m);
         }
     assert_int_equal(mha_total_keys(NULL, 5), -1);
+    assert_msg_has("module is NULL");
 }
 
 /* ---- the error message is thread-local ---------------------------------- */

@@ -279,8 +279,16 @@ void mha_kv_cache_free(mha_kv_cache *c)
 
 int64_t mha_kv_cache_length(const mha_kv_cache *c, int64_t seq)
 {
-    if (!c || seq < 0 || seq >= c->B)
+    if (!c) {
+        mha_set_error(MHA_ERR_NULL_POINTER, "cache is NULL");
         return -1;
+    }
+    if (seq < 0 || seq >= c->B) {
+        mha_set_error(MHA_ERR_INVALID_ARGUMENT, "seq %lld is outside the "
+                      "cache's %lld sequences", (long long)seq,
+                      (long long)c->B);
+        return -1;
+    }
     return c->len[seq];
 }
 

@@ -338,11 +338,21 @@ mha_status mha_get_config_sized(const mha_module *module, mha_config *out,
 
 int64_t mha_total_keys(const mha_module *m, int64_t kv_len)
 {
-    if (!m || kv_len < 0)
+    if (!m) {
+        mha_set_error(MHA_ERR_NULL_POINTER, "module is NULL");
         return -1;
+    }
+    if (kv_len < 0) {
+        mha_set_error(MHA_ERR_INVALID_ARGUMENT, "kv_len %lld is negative",
+                      (long long)kv_len);
+        return -1;
+    }
     const int64_t extra = m->cfg.add_bias_kv + m->cfg.add_zero_attn;
-    if (kv_len > INT64_MAX - extra)
-        return -1;   /* would overflow: callers treat -1 as "too large" */
+    if (kv_len > INT64_MAX - extra) {   /* callers take -1 as "too large" */
+        mha_set_error(MHA_ERR_OVERFLOW, "kv_len %lld and the extra keys "
+                      "overflow", (long long)kv_len);
+        return -1;
+    }
     return kv_len + extra;
 }
 
@@ -352,7 +362,11 @@ int mha_param_count(const mha_module *m) { return m ? m->nparams : 0; }
 
 int64_t mha_param_numel(const mha_module *m)
 {
-    return m ? m->params_numel : -1;
+    if (!m) {
+        mha_set_error(MHA_ERR_NULL_POINTER, "module is NULL");
+        return -1;
+    }
+    return m->params_numel;
 }
 
 static mha_status mha_param_info_at_impl(const mha_module *m, int index,
