@@ -721,16 +721,120 @@ static void test_refusals(void **state)
     assert_fails(mha_kv_cache_create(&kc, &kv), MHA_ERR_INVALID_ARGUMENT,
                  "even");
     assert_null(kv);
-    /* 16-bit data */
-    uint16_t h16[1] = {0};
-    a = p.a;
-    a.dtype = MHA_DTYPE_BF16;
-    a.q = a.k = a.v = NULL;
-    a.out = NULL;
-    a.q16 = a.k16 = a.v16 = h16;
-    a.out16 = h16;
-    assert_fails(mha_attention(&a), MHA_ERR_UNSUPPORTED, "float32");
     prob_free(&p);
+}
+
+/* bfloat16 bits of x, rounded to nearest even (x finite), and back. */
+static uint16_t to_bf16(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+static float of_bf16(uint16_t h)
+{
+    const uint32_t u = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+/* n random bf16 numbers in [-1, 1), and the floats they are. */
+static void fill_bf16(uint16_t *h, float *f, int64_t n, uint64_t seed)
+{
+    tu_fill(f, n, seed, -1, 1);
+    for (int64_t i = 0; i < n; i++) {
+        h[i] = to_bf16(f[i]);
+        f[i] = of_bf16(h[i]);
+    }
+}
+
+/* out16 (n values, then a canary of 8) against the float32 result on the
+ * same numbers, rounded once: the 16-bit call widens, runs the float32
+ * attention and rounds, so every bit must agree. */
+static void expect_rounded(const uint16_t *out16, const float *want,
+                           int64_t n, const char *what)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (out16[i] != to_bf16(want[i]))
+            fail_msg("%s: out16[%lld] = 0x%04x, the float32 result rounded "
+                     "0x%04x", what, (long long)i, out16[i],
+                     to_bf16(want[i]));
+    for (int i = 0; i < 8; i++)
+        if (out16[n + i] != 0xABCD)
+            fail_msg("%s: out16 written %d past its d_v-wide rows", what,
+                     i + 1);
+}
+
+/*
+ * 16-bit data with values of another width: the forward on given k and v
+ * and the decoding on a cache of d_v-wide values and on a latent cache
+ * (each query's output d_v wide) give the float32 result rounded, and
+ * write nothing past out16's d_v-wide rows; the 16-bit backward refuses
+ * them by name.
+ */
+static void test_half_widths(void **state)
+{
+    (void)state;
+    enum { B = 2, H = 4, HKV = 2, DH = 24, DV = 16, LQ = 5, LK = 70 };
+    enum { NQ = B * LQ * H * DH, NK = B * LK * HKV * DH,
+           NV = B * LK * HKV * DV, NO = B * LQ * H * DV };
+    static uint16_t q16[NQ], k16[NK], v16[NV], out16[NO + 8];
+    static float q[NQ], k[NK], v[NV], out[NO];
+    fill_bf16(q16, q, NQ, 91);
+    fill_bf16(k16, k, NK, 92);
+    fill_bf16(v16, v, NV, 93);
+    mha_attention_args a = {0};
+    a.batch = B, a.num_heads = H, a.num_kv_heads = HKV, a.head_dim = DH;
+    a.v_head_dim = DV, a.q_len = LQ, a.kv_len = LK;
+    a.causal = MHA_CAUSAL_BOTTOM_RIGHT;
+    a.q = q, a.k = k, a.v = v, a.out = out;
+    assert_int_equal(mha_attention(&a), MHA_OK);
+    mha_attention_args h = a;
+    h.dtype = MHA_DTYPE_BF16;
+    h.q = h.k = h.v = NULL, h.out = NULL;
+    h.q16 = q16, h.k16 = k16, h.v16 = v16, h.out16 = out16;
+    for (int i = 0; i < 8; i++)
+        out16[NO + i] = 0xABCD;
+    assert_int_equal(mha_attention(&h), MHA_OK);
+    expect_rounded(out16, out, NO, "forward");
+    /* the backward on 16-bit data: refused, nothing written */
+    static uint16_t gq[NQ], gk[NK], gv[NV];
+    const mha_attention_grads16 g = {out16, gq, gk, gv};
+    assert_fails(mha_attention_backward16(&h, &g), MHA_ERR_UNSUPPORTED,
+                 "16-bit backward");
+
+    /* decoding: a cache of d_v-wide values, then a latent one (values
+     * the keys' first d_v elements) */
+    for (int latent = 0; latent <= 1; latent++) {
+        mha_kv_cache_config kc = {B, HKV, DH, LK, MHA_KV_F32, 0, 0, 0, 0,
+                                  DV, latent};
+        if (latent)
+            kc.batch = 1, kc.num_kv_heads = 1;
+        mha_kv_cache *kv = NULL;
+        assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
+        const int64_t nb = kc.batch, g_heads = kc.num_kv_heads;
+        for (int64_t b = 0; b < nb; b++)
+            assert_int_equal(mha_kv_cache_append(
+                                 kv, b, k + b * LK * g_heads * DH,
+                                 latent ? NULL : v + b * LK * g_heads * DV,
+                                 LK),
+                             MHA_OK);
+        mha_attention_decode_args d = {0};
+        d.batch = nb, d.num_heads = H, d.head_dim = DH, d.q_len = LQ;
+        d.q = q, d.out = out, d.cache = kv;
+        assert_int_equal(mha_attention_decode(&d), MHA_OK);
+        mha_attention_decode_args d16 = d;
+        d16.dtype = MHA_DTYPE_BF16;
+        d16.q = NULL, d16.out = NULL, d16.q16 = q16, d16.out16 = out16;
+        const int64_t no = nb * LQ * H * DV;
+        for (int i = 0; i < 8; i++)
+            out16[no + i] = 0xABCD;
+        assert_int_equal(mha_attention_decode(&d16), MHA_OK);
+        expect_rounded(out16, out, no, latent ? "latent decode"
+                                              : "decode on d_v values");
+        mha_kv_cache_free(kv);
+    }
 }
 
 int main(void)
@@ -745,6 +849,7 @@ int main(void)
         cmocka_unit_test(test_cache),
         cmocka_unit_test(test_latent),
         cmocka_unit_test(test_refusals),
+        cmocka_unit_test(test_half_widths),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -674,7 +674,7 @@ static int bf16_takes(const mha_attention_args *a, const sdpa_shape *s)
                    : !strcmp(k, "avx512bf16")   ? MHA_BF16_AVX512
                                                 : MHA_BF16_FLOAT32;
     return tier != MHA_BF16_FLOAT32 && a->dtype == MHA_DTYPE_BF16 &&
-           s->dh % 32 == 0 && a->attn_mask.kind == MHA_MASK_NONE &&
+           s->dh % 32 == 0 && s->dv == s->dh && a->attn_mask.kind == MHA_MASK_NONE &&
            a->key_padding_mask.kind == MHA_MASK_NONE &&
            a->need_weights == MHA_WEIGHTS_NONE &&
            !(a->training && a->dropout > 0.0f) && !a->sinks &&
@@ -706,12 +706,6 @@ static mha_status half_shape(const mha_attention_args *a, sdpa_shape *s)
     f.q16 = f.k16 = f.v16 = NULL;
     f.out16 = NULL;
     MHA_CHECK(check_shape(&f, s));
-    if (s->dv != s->dh)
-        return mha_set_error(MHA_ERR_UNSUPPORTED,
-                             "v_head_dim %lld != head_dim %lld takes "
-                             "float32 data for now (dtype %s refused)",
-                             (long long)s->dv, (long long)s->dh,
-                             a->dtype == MHA_DTYPE_BF16 ? "BF16" : "F16");
     mha_attn_request r = request_of(&f, s, NULL);
     mha_mask_plan mask;
     return mha_attn_request_masks(&r, &mask);   /* key_lengths' values */
@@ -867,15 +861,15 @@ static mha_status attention_widened(const mha_attention_args *a,
                                     const sdpa_shape *s)
 {
     const int bf = a->dtype == MHA_DTYPE_BF16;
-    float *buf = mha_alloc_floats(2 * s->n_q + 2 * s->n_kv,
+    float *buf = mha_alloc_floats(s->n_q + s->n_o + s->n_kv + s->n_v,
                                   "widened q, k, v and out");
     if (!buf)
         return MHA_ERR_OUT_OF_MEMORY;
-    float *q = buf, *o = q + s->n_q, *k = o + s->n_q, *v = k + s->n_kv;
+    float *q = buf, *o = q + s->n_q, *k = o + s->n_o, *v = k + s->n_kv;
     const int nt = convert_threads(a->num_threads);
     widen_t(a->q16, s->n_q, bf, q, nt);
     widen_t(a->k16, s->n_kv, bf, k, nt);
-    widen_t(a->v16, s->n_kv, bf, v, nt);
+    widen_t(a->v16, s->n_v, bf, v, nt);
     mha_attention_args f = *a;
     f.dtype = MHA_DTYPE_F32;
     f.q16 = f.k16 = f.v16 = NULL;
@@ -883,7 +877,7 @@ static mha_status attention_widened(const mha_attention_args *a,
     f.q = q, f.k = k, f.v = v, f.out = o;
     const mha_status st = mha_attention(&f);
     if (st == MHA_OK)
-        narrow_t(o, s->n_q, bf, a->out16, nt);
+        narrow_t(o, s->n_o, bf, a->out16, nt);
     free(buf);
     return st;
 }
@@ -917,13 +911,23 @@ static mha_status decode_half(const mha_attention_args *a)
                              "at most 2^40", (long long)a->batch,
                              (long long)a->q_len, (long long)a->num_heads,
                              (long long)a->head_dim);
+    /* the output's rows are the cache's values' width (d_v) */
+    int64_t n_o = 0;
+    if (!mha_mul_ok(n / a->head_dim, a->cache->dv, &n_o) ||
+        n_o > ((int64_t)1 << 40))
+        return mha_set_error(MHA_ERR_SHAPE,
+                             "batch %lld x q_len %lld x num_heads %lld "
+                             "outputs of the cache's d_v %lld are over 2^40",
+                             (long long)a->batch, (long long)a->q_len,
+                             (long long)a->num_heads,
+                             (long long)a->cache->dv);
     if ((const void *)a->out16 < (const void *)(a->q16 + n) &&
-        (const void *)a->q16 < (const void *)(a->out16 + n) &&
+        (const void *)a->q16 < (const void *)(a->out16 + n_o) &&
         a->out16 != a->q16)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "out16 overlaps q16 without being it");
     const int bf = a->dtype == MHA_DTYPE_BF16;
-    float *buf = mha_alloc_floats(2 * n, "widened queries and context");
+    float *buf = mha_alloc_floats(n + n_o, "widened queries and context");
     if (!buf)
         return MHA_ERR_OUT_OF_MEMORY;
     widen(a->q16, n, bf, buf);
@@ -934,7 +938,7 @@ static mha_status decode_half(const mha_attention_args *a)
     f.q = buf, f.out = buf + n;
     const mha_status st = mha_attention(&f);
     if (st == MHA_OK)
-        narrow(buf + n, n, bf, a->out16);
+        narrow(buf + n, n_o, bf, a->out16);
     free(buf);
     return st;
 }
@@ -953,12 +957,12 @@ static mha_status attention_half(const mha_attention_args *a)
     /* 16-bit arrays as spans of floats (overlaps() counts floats) */
     const float *w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights
                                                          : NULL;
-    const span outs[3] = {{"out16", a->out16, (s.n_q + 1) / 2},
+    const span outs[3] = {{"out16", a->out16, (s.n_o + 1) / 2},
                           {"attn_weights", w, s.n_w},
                           {"lse", a->lse, s.B * s.H * s.Lq}};
     const span ins[3] = {{"q16", a->q16, (s.n_q + 1) / 2},
                          {"k16", a->k16, (s.n_kv + 1) / 2},
-                         {"v16", a->v16, (s.n_kv + 1) / 2}};
+                         {"v16", a->v16, (s.n_v + 1) / 2}};
     MHA_CHECK(check_disjoint(outs, 3, ins, 3));
     const int tier = bf16_takes(a, &s);
     if (tier < 0)
@@ -996,6 +1000,12 @@ static mha_status attention_half_backward(const mha_attention_args *a,
     f.lse = NULL;
     sdpa_shape s;
     MHA_CHECK(half_shape(&f, &s));
+    if (s.dv != s.dh)
+        return mha_set_error(MHA_ERR_UNSUPPORTED,
+                             "v_head_dim %lld != head_dim %lld: the 16-bit "
+                             "backward takes values as wide as the keys "
+                             "(give float32 data to mha_attention_backward)",
+                             (long long)s.dv, (long long)s.dh);
     const span outs[3] = {{"grad_q", g->grad_q, (s.n_q + 1) / 2},
                           {"grad_k", g->grad_k, (s.n_kv + 1) / 2},
                           {"grad_v", g->grad_v, (s.n_kv + 1) / 2}};
