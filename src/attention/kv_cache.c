@@ -35,7 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* The widest head a rotated cache turns (put_column's stack buffers). */
+/* The widest head a rotated cache turns (store_turned's stack buffers). */
 enum { MAX_TURNED = 4096 };
 
 static const char *dtype_name(mha_kv_dtype t)
@@ -432,21 +432,13 @@ static void put_q4(int64_t dh, int64_t dv, int64_t col, const float *kr,
 }
 
 /* Key (dh floats) and value (dv) `col` of tile t of (b, g) from kr and
- * vr, turned first on a rotated cache (dv = dh there). */
-static void put_column(mha_kv_cache *c, int64_t b, int64_t g, int64_t t,
-                       int64_t col, const float *kr, const float *vr)
+ * vr, as they are. */
+static void store_column(mha_kv_cache *c, int64_t b, int64_t g, int64_t t,
+                         int64_t col, const float *kr, const float *vr)
 {
     const int64_t dh = c->dh, dv = c->dv, cols = MHA_BC;
     unsigned char *kt = (unsigned char *)mha_kv_cache_k_tile(c, b, g, t);
     unsigned char *vt = (unsigned char *)mha_kv_cache_v_tile(c, b, g, t);
-    float turned[2][MAX_TURNED];
-    if (c->rot_block) {
-        memcpy(turned[0], kr, (size_t)dh * sizeof *kr);
-        memcpy(turned[1], vr, (size_t)dh * sizeof *vr);
-        mha_kv_cache_turn(c, turned[0], 2, 1, MAX_TURNED);
-        kr = turned[0];
-        vr = turned[1];
-    }
     if (c->latent) {   /* the key as a row; its value is its prefix */
         const int64_t esize = c->dtype == MHA_KV_F32 ? 4 : 2;
         store(c->dtype, kr, dh, kt + col * dh * esize, 1);
@@ -475,6 +467,28 @@ static void put_column(mha_kv_cache *c, int64_t b, int64_t g, int64_t t,
         store(c->dtype, kr, dh, kt + col * esize, cols);
         store(c->dtype, vr, dv, vt + col * dv * esize, 1);
     }
+}
+
+/* The same on a rotated cache (dv = dh there): turned first, in buffers
+ * of this call's own, so that an ordinary append's frame stays small. */
+__attribute__((noinline)) static void
+store_turned(mha_kv_cache *c, int64_t b, int64_t g, int64_t t, int64_t col,
+             const float *kr, const float *vr)
+{
+    float turned[2][MAX_TURNED];
+    memcpy(turned[0], kr, (size_t)c->dh * sizeof *kr);
+    memcpy(turned[1], vr, (size_t)c->dh * sizeof *vr);
+    mha_kv_cache_turn(c, turned[0], 2, 1, MAX_TURNED);
+    store_column(c, b, g, t, col, turned[0], turned[1]);
+}
+
+static void put_column(mha_kv_cache *c, int64_t b, int64_t g, int64_t t,
+                       int64_t col, const float *kr, const float *vr)
+{
+    if (c->rot_block)
+        store_turned(c, b, g, t, col, kr, vr);
+    else
+        store_column(c, b, g, t, col, kr, vr);
 }
 
 /* Whether every value of columns c0 .. c1-1 of tile t of (b, g) is
