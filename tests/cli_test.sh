@@ -1088,6 +1088,9 @@ jcheck "bench --decode --v-head-dim" "$jvw and j['kv_latent'] is False and j['kv
   -- "$mha" bench --decode --attention-only --kv-seq 100 --embed-dim 96 --heads 4 --kv-heads 1 --v-head-dim 16 --repeat 3 --warmup 1 --threads 1 --json
 jcheck "bench --decode --kv-latent" "$jvw and j['kv_latent'] is True and j['kv_dtype'] == 'f16' and j['kv_bytes'] == 100 * 24 * 2" \
   -- "$mha" bench --decode --attention-only --kv-seq 100 --embed-dim 96 --heads 4 --kv-heads 1 --v-head-dim 16 --kv-latent --kv-dtype f16 --repeat 3 --warmup 1 --threads 2 --json
+# in pages of 64: two pages of 64 keys of 24 f16 held for the 100 tokens
+jcheck "bench --decode --kv-latent --paged" "$jvw and j['kv_latent'] is True and j['page_size'] == 64 and j['token_bytes'] == 100 * 24 * 2 and j['cache_bytes'] == 2 * 64 * 24 * 2" \
+  -- "$mha" bench --decode --attention-only --kv-seq 100 --embed-dim 96 --heads 4 --kv-heads 1 --v-head-dim 16 --kv-latent --kv-dtype f16 --paged --repeat 3 --warmup 1 --threads 2 --json
 expect 0 "^  fma     [0-9.]+ GFLOP/s \(.* multiply-add probe, 1 thread\): the step's multiply-adds$" -- "$mha" bench --decode --attention-only --kv-seq 100 --embed-dim 96 --heads 4 --kv-heads 1 --v-head-dim 16 --kv-latent --repeat 1 --threads 1
 expect 1 "^mha bench: --v-head-dim needs --attention-only" -- "$mha" bench "${dec[@]}" --v-head-dim 4
 expect 1 "^mha bench: --kv-latent needs --attention-only" -- "$mha" bench "${dec[@]}" --kv-latent

@@ -692,6 +692,79 @@ static void test_latent(void **state)
     free(c), free(wuk), free(wuv), free(qn), free(kn), free(vn), free(qa);
 }
 
+/*
+ * A latent cache in pages of 64: filled a page at a time across the
+ * sequences (no sequence's pages side by side), a fork sharing the pages
+ * and then diverging (copy on write of the shared last page), a
+ * truncate.  After each, a decode step is the bits of a contiguous latent
+ * cache holding the same tokens, on 1 and 2 threads; the pages hold half
+ * the bytes of a paged cache keeping values apart.
+ */
+static void test_latent_paged(void **state)
+{
+    (void)state;
+    enum { B = 3, H = 6, R = 16, DK = 24, CAP = 320, N0 = 200, N1 = 130,
+           OWN = 20 };
+    float *keys = malloc((size_t)(B * CAP * DK) * 4);
+    tu_fill(keys, B * CAP * DK, 101, -1, 1);
+    mha_kv_cache_config kc = {B, 1, DK, CAP, MHA_KV_F16, 0, 0, 0, 0, R, 1};
+    mha_kv_cache *flat = NULL, *paged = NULL, *apart = NULL;
+    assert_int_equal(mha_kv_cache_create(&kc, &flat), MHA_OK);
+    kc.page_size = 64;
+    assert_int_equal(mha_kv_cache_create(&kc, &paged), MHA_OK);
+    const int64_t len[2] = {N0, N1};
+    for (int64_t b = 0; b < 2; b++)
+        assert_int_equal(mha_kv_cache_append(flat, b, keys + b * CAP * DK,
+                                             NULL, len[b]),
+                         MHA_OK);
+    for (int64_t at = 0; at < N0; at += 64)   /* page by page, in turn */
+        for (int64_t b = 0; b < 2; b++) {
+            const int64_t n = len[b] - at < 64 ? len[b] - at : 64;
+            if (n > 0)
+                assert_int_equal(
+                    mha_kv_cache_append(paged, b,
+                                        keys + (b * CAP + at) * DK, NULL, n),
+                    MHA_OK);
+        }
+    float q[B * H * DK], want[B * H * R], got[B * H * R];
+    tu_fill(q, B * H * DK, 102, -1, 1);
+    mha_attention_decode_args d = {0};
+    d.batch = B, d.num_heads = H, d.head_dim = DK, d.q_len = 1, d.q = q;
+    for (int step = 0; step < 3; step++) {
+        if (step == 1) {   /* sequence 2: sequence 0's tokens, then its own */
+            for (int i = 0; i < 2; i++) {
+                mha_kv_cache *c = i ? paged : flat;
+                assert_int_equal(mha_kv_cache_fork(c, 0, 2), MHA_OK);
+                assert_int_equal(mha_kv_cache_append(
+                                     c, 2, keys + 2 * CAP * DK, NULL, OWN),
+                                 MHA_OK);
+            }
+        }
+        if (step == 2)   /* a rollback of sequence 0 */
+            for (int i = 0; i < 2; i++)
+                assert_int_equal(mha_kv_cache_truncate(i ? paged : flat, 0,
+                                                       150),
+                                 MHA_OK);
+        d.cache = flat, d.out = want, d.num_threads = 1;
+        assert_int_equal(mha_attention_decode(&d), MHA_OK);
+        for (int threads = 1; threads <= 2; threads++) {
+            d.cache = paged, d.out = got, d.num_threads = threads;
+            assert_int_equal(mha_attention_decode(&d), MHA_OK);
+            assert_memory_equal(got, want, sizeof got);
+        }
+    }
+    mha_kv_cache_usage u_lat, u_apart;
+    kc.latent = 0, kc.v_head_dim = 0;
+    assert_int_equal(mha_kv_cache_create(&kc, &apart), MHA_OK);
+    assert_int_equal(mha_kv_cache_get_usage(paged, &u_lat), MHA_OK);
+    assert_int_equal(mha_kv_cache_get_usage(apart, &u_apart), MHA_OK);
+    assert_int_equal(2 * u_lat.bytes_total, u_apart.bytes_total);
+    mha_kv_cache_free(flat);
+    mha_kv_cache_free(paged);
+    mha_kv_cache_free(apart);
+    free(keys);
+}
+
 static void test_refusals(void **state)
 {
     (void)state;
@@ -848,6 +921,7 @@ int main(void)
         cmocka_unit_test(test_gradients),
         cmocka_unit_test(test_cache),
         cmocka_unit_test(test_latent),
+        cmocka_unit_test(test_latent_paged),
         cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_half_widths),
     };

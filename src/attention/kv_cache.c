@@ -102,18 +102,16 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
                              (long long)cfg->head_dim, (long long)dv);
     if (cfg->latent &&
         (dv > cfg->head_dim || cfg->rotate || cfg->window ||
-         cfg->page_size || cfg->dtype == MHA_KV_Q8 ||
-         cfg->dtype == MHA_KV_Q4))
+         cfg->dtype == MHA_KV_Q8 || cfg->dtype == MHA_KV_Q4))
         return mha_set_error(MHA_ERR_UNSUPPORTED,
                              "a latent cache (values the first v_head_dim "
                              "elements of the keys) takes v_head_dim <= "
-                             "head_dim, f32, f16 or bf16, and no window, "
-                             "pages or rotation; got v_head_dim %lld, "
-                             "head_dim %lld, dtype %d, window %lld, "
-                             "page_size %lld, rotate %d", (long long)dv,
-                             (long long)cfg->head_dim, (int)cfg->dtype,
-                             (long long)cfg->window,
-                             (long long)cfg->page_size, cfg->rotate);
+                             "head_dim, f32, f16 or bf16, and no window or "
+                             "rotation; got v_head_dim %lld, head_dim %lld, "
+                             "dtype %d, window %lld, rotate %d",
+                             (long long)dv, (long long)cfg->head_dim,
+                             (int)cfg->dtype, (long long)cfg->window,
+                             cfg->rotate);
     if (cfg->rotate && dv != cfg->head_dim)
         return mha_set_error(MHA_ERR_UNSUPPORTED,
                              "a rotated cache with v_head_dim %lld != "

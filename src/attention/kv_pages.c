@@ -48,13 +48,16 @@ static void fill_page(mha_kv_cache *c, int32_t to, int32_t from)
         const int64_t t = first_tile(c, g, to);
         if (from < 0) {
             memset(c->k + t * c->tile_bytes, 0, bytes);
-            memset(c->v + t * c->tile_bytes, 0, bytes);
+            if (!c->latent)   /* (a latent cache's one plane is both) */
+                memset(c->v + t * c->tile_bytes, 0, bytes);
             for (int64_t i = 0; i < c->tpp; i++)
                 c->finite[t + i] = 1.0f;
         } else {
             const int64_t f = first_tile(c, g, from);
             memcpy(c->k + t * c->tile_bytes, c->k + f * c->tile_bytes, bytes);
-            memcpy(c->v + t * c->tile_bytes, c->v + f * c->tile_bytes, bytes);
+            if (!c->latent)
+                memcpy(c->v + t * c->tile_bytes, c->v + f * c->tile_bytes,
+                       bytes);
             memcpy(c->finite + t, c->finite + f,
                    (size_t)c->tpp * sizeof *c->finite);
         }
