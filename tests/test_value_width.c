@@ -697,8 +697,10 @@ static void test_latent(void **state)
  * sequences (no sequence's pages side by side), a fork sharing the pages
  * and then diverging (copy on write of the shared last page), a
  * truncate.  After each, a decode step is the bits of a contiguous latent
- * cache holding the same tokens, on 1 and 2 threads; the pages hold half
- * the bytes of a paged cache keeping values apart.
+ * cache holding the same tokens, on 1 and 2 threads; so is a ragged step,
+ * each sequence's rows those of a cache of it alone, and with a shared
+ * prefix within rounding; the pages hold half the bytes of a paged cache
+ * keeping values apart.
  */
 static void test_latent_paged(void **state)
 {
@@ -753,6 +755,54 @@ static void test_latent_paged(void **state)
             assert_memory_equal(got, want, sizeof got);
         }
     }
+    /* a ragged step (2, 0 and 3 new rows), on the pages and contiguous:
+     * the same bits, and each sequence's rows those of a latent cache of
+     * that sequence alone; with share_prefix (sequences 0 and 2 share
+     * their first pages: one read of them, the two parts merged) within
+     * a few roundings of the rows */
+    int64_t q_start[B + 1] = {0, 2, 2, 5};
+    float qr[5 * H * DK], o_pg[5 * H * R], o_fl[5 * H * R], o_sh[5 * H * R];
+    float o1[3 * H * R];
+    tu_fill(qr, 5 * H * DK, 103, -1, 1);
+    mha_attention_decode_args rg = {0};
+    rg.batch = B, rg.num_heads = H, rg.head_dim = DK, rg.q = qr;
+    rg.q_start = q_start;
+    rg.cache = paged, rg.out = o_pg;
+    assert_int_equal(mha_attention_decode(&rg), MHA_OK);
+    rg.cache = flat, rg.out = o_fl;
+    assert_int_equal(mha_attention_decode(&rg), MHA_OK);
+    assert_memory_equal(o_pg, o_fl, sizeof o_pg);
+    float *kb = malloc((size_t)(CAP * DK) * 4);
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = q_start[b + 1] - q_start[b];
+        const int64_t held = mha_kv_cache_length(paged, b);
+        if (!n)
+            continue;
+        mha_kv_cache_config one = kc;
+        one.batch = 1, one.page_size = 0;
+        mha_kv_cache *alone = NULL;
+        assert_int_equal(mha_kv_cache_create(&one, &alone), MHA_OK);
+        assert_int_equal(mha_kv_cache_read(paged, b, 0, held, kb, NULL),
+                         MHA_OK);
+        assert_int_equal(mha_kv_cache_append(alone, 0, kb, NULL, held),
+                         MHA_OK);
+        mha_attention_decode_args s1 = {0};
+        s1.batch = 1, s1.num_heads = H, s1.head_dim = DK, s1.q_len = n;
+        s1.q = qr + q_start[b] * H * DK, s1.out = o1, s1.cache = alone;
+        assert_int_equal(mha_attention_decode(&s1), MHA_OK);
+        assert_memory_equal(o_pg + q_start[b] * H * R, o1,
+                            (size_t)(n * H * R) * 4);
+        mha_kv_cache_free(alone);
+    }
+    free(kb);
+    rg.cache = paged, rg.out = o_sh, rg.share_prefix = 1;
+    assert_int_equal(mha_attention_decode(&rg), MHA_OK);
+    double worst = 0.0;
+    for (int64_t i = 0; i < 5 * H * R; i++)
+        worst = fmax(worst, fabs((double)o_sh[i] - o_pg[i]));
+    /* outputs below 1 in size, merged in float64 from two float32 parts */
+    if (!(worst <= 1e-5))
+        fail_msg("the shared prefix's rows differ by %.3g", worst);
     mha_kv_cache_usage u_lat, u_apart;
     kc.latent = 0, kc.v_head_dim = 0;
     assert_int_equal(mha_kv_cache_create(&kc, &apart), MHA_OK);

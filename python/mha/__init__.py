@@ -925,7 +925,7 @@ def attention_ragged(q: npt.ArrayLike, q_start: npt.ArrayLike,
     chunks and single tokens mix in one call.  Append each sequence's new
     keys and values first; each attends causally (bottom right) to its
     cache, with the bits of a call on that sequence alone.  Returns out
-    (T, H*d_h), and with return_lse the lse (T*H: sequence b's (H, n_b)
+    (T, H*d_v), d_v the cache's v_head_dim, and with return_lse the lse (T*H: sequence b's (H, n_b)
     block at H*q_start[b]).  share_prefix (a PagedKVCache): sequences
     whose first pages are shared (forks of one prompt) attend to them once
     for all their queries (cascade attention): equal to the separate calls
@@ -939,7 +939,8 @@ def attention_ragged(q: npt.ArrayLike, q_start: npt.ArrayLike,
     if qs.shape != (cache.batch + 1,):
         raise ValueError("q_start must have batch + 1 = %d entries, got "
                          "shape %s" % (cache.batch + 1, qs.shape))
-    out = np.empty_like(q)
+    out = np.empty((q.shape[0], int(num_heads) * cache.v_head_dim),
+                   np.float32)
     lse = (np.empty(q.shape[0] * int(num_heads), np.float32) if return_lse
            else None)
     cache._c.decode_ragged(q, out, qs, int(num_heads),
@@ -965,9 +966,12 @@ class PagedKVCache(KVCache):
 
     def __init__(self, batch: int, num_kv_heads: int, head_dim: int,
                  capacity: int, page_size: int = 64, num_pages: int = 0,
-                 dtype: str = "f32", rotate: bool = False) -> None:
+                 dtype: str = "f32", rotate: bool = False,
+                 v_head_dim: Optional[int] = None,
+                 latent: bool = False) -> None:
         super().__init__(batch, num_kv_heads, head_dim, capacity, dtype,
-                         0, int(page_size), int(num_pages), rotate)
+                         0, int(page_size), int(num_pages), rotate,
+                         v_head_dim=v_head_dim, latent=latent)
 
 
 # ---- attention on heads --------------------------------------------------------

@@ -1462,8 +1462,12 @@ static PyObject *cache_decode_ragged(CacheObject *self, PyObject *args,
     }
     const int64_t T = ((const int64_t *)pqs)[B];
     const int64_t n = T < 0 ? -1 : mul3(T, H, dh);
+    /* out's rows are the cache's values' width */
+    const int64_t dv = self->cfg.v_head_dim ? self->cfg.v_head_dim
+                                            : self->cfg.head_dim;
+    const int64_t n_o = T < 0 ? -1 : mul3(T, H, dv);
     if (get_buf(&b, q, "q", T_F32, 0, n, 1, &pq, NULL) ||
-        get_buf(&b, out, "out", T_F32, 1, n, 1, &pout, NULL) ||
+        get_buf(&b, out, "out", T_F32, 1, n_o, 1, &pout, NULL) ||
         get_buf(&b, lse, "lse", T_F32, 1, T < 0 ? -1 : mul3(T, H, 1), 0,
                 &plse, NULL)) {
         bufs_release(&b);

@@ -533,6 +533,45 @@ def test_attention_ragged_share_prefix(rng):
                                        rtol=0, atol=2e-6)
 
 
+
+def test_attention_ragged_latent_pages(rng):
+    """MLA's latent cache in pages: a ragged step (two forks of a prompt
+    and a sequence of its own) returns (T, H*d_v) rows, bit for bit with
+    the prefix shared or not up to rounding, each row a NumPy float64
+    softmax over the keys with the keys' first d_v elements as values."""
+    H, R, RO, B = 4, 16, 8, 3
+    dk = R + RO
+    c = mha.PagedKVCache(B, 1, dk, capacity=256, page_size=64,
+                         v_head_dim=R, latent=True)
+    prompt = f32(rng, 140, dk)
+    c.append(0, prompt, None)
+    c.fork(0, 1)
+    c.append(2, f32(rng, 30, dk), None)
+    keys = [prompt, prompt, None]
+    for b, n in ((0, 3), (1, 1)):
+        own = f32(rng, n, dk)
+        c.append(b, own, None)
+        keys[b] = np.concatenate([keys[b], own])
+    keys[2] = c.read(2, 0, 30)[0]
+    new = [3, 1, 2]
+    q_start = np.cumsum([0] + new)
+    q = f32(rng, q_start[-1], H * dk)
+    off = mha.attention_ragged(q, q_start, c, num_heads=H)
+    on = mha.attention_ragged(q, q_start, c, num_heads=H, share_prefix=True)
+    assert off.shape == (q_start[-1], H * R)
+    np.testing.assert_allclose(on, off, rtol=0, atol=1e-6)
+    for b in range(B):
+        k = keys[b].astype(np.float64)
+        held = len(k) - new[b]
+        for i in range(new[b]):
+            for h in range(H):
+                s = k[:held + i + 1] @ q[q_start[b] + i, h * dk:(h + 1) * dk]
+                w = np.exp((s - s.max()) / np.sqrt(dk))
+                want = (w / w.sum()) @ k[:held + i + 1, :R]
+                np.testing.assert_allclose(off[q_start[b] + i,
+                                               h * R:(h + 1) * R], want,
+                                           rtol=0, atol=2e-6)
+
 def test_threads_release_the_gil(rng):
     m = mha.Module(32, 4, seed=1)
     x = f32(rng, 4, 64, 32)

@@ -30,18 +30,12 @@ static int overlap(const void *a, int64_t na, const void *b, int64_t nb)
 /* Everything a per-sequence call cannot see: the offsets, the fields
  * this mode refuses, the buffers' overlaps. */
 static mha_status check_ragged(const mha_attention_decode_args *d,
-                               int64_t *rows, int64_t *E)
+                               int64_t *rows, int64_t *E, int64_t *Eo)
 {
     const mha_kv_cache *c = d->cache;
     if (!c)
         return mha_set_error(MHA_ERR_NULL_POINTER,
                              "cache is NULL: decoding reads a KV cache");
-    if (c->dv != c->dh || c->latent)
-        return mha_set_error(MHA_ERR_UNSUPPORTED,
-                             "q_start (a ragged step) on a cache whose "
-                             "values are %lld wide and keys %lld is not "
-                             "supported yet: call per sequence",
-                             (long long)c->dv, (long long)c->dh);
     if (d->batch != c->B)
         return mha_set_error(MHA_ERR_SHAPE,
                              "batch %lld differs from the cache's %lld "
@@ -72,7 +66,8 @@ static mha_status check_ragged(const mha_attention_decode_args *d,
                              : d->sinks       ? "sinks"
                                               : "attention_chunk");
     if (d->num_heads < 1 || d->head_dim < 1 ||
-        !mha_mul_ok(d->num_heads, d->head_dim, E))
+        !mha_mul_ok(d->num_heads, d->head_dim, E) ||
+        !mha_mul_ok(d->num_heads, c->dv, Eo))
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "num_heads %lld and head_dim %lld must be >= 1",
                              (long long)d->num_heads,
@@ -90,8 +85,9 @@ static mha_status check_ragged(const mha_attention_decode_args *d,
                                  (long long)d->q_start[b + 1], (long long)b,
                                  (long long)d->q_start[b]);
     *rows = d->q_start[c->B];
-    int64_t n, nl;
+    int64_t n, n_o, nl;
     if (!mha_mul_ok(*rows, *E, &n) || n > INT64_MAX / 4 ||
+        !mha_mul_ok(*rows, *Eo, &n_o) || n_o > INT64_MAX / 4 ||
         !mha_mul_ok(*rows, d->num_heads, &nl) || nl > INT64_MAX / 4)
         return mha_set_error(MHA_ERR_OVERFLOW,
                              "%lld query rows of %lld overflow",
@@ -103,11 +99,12 @@ static mha_status check_ragged(const mha_attention_decode_args *d,
         return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
                              !q ? (half ? "q16" : "q") : (half ? "out16"
                                                                 : "out"));
-    const int64_t bytes = n * (half ? 2 : 4);
-    const char *pair = overlap(out, bytes, q, bytes) ? "out overlaps q"
+    /* (out's rows are the cache's values' width, d_v) */
+    const int64_t bytes = n * (half ? 2 : 4), obytes = n_o * (half ? 2 : 4);
+    const char *pair = overlap(out, obytes, q, bytes) ? "out overlaps q"
                      : overlap(d->lse, 4 * nl, q, bytes) ? "lse overlaps q"
-                     : overlap(d->lse, 4 * nl, out, bytes) ? "lse overlaps out"
-                                                           : NULL;
+                     : overlap(d->lse, 4 * nl, out, obytes) ? "lse overlaps out"
+                                                            : NULL;
     if (pair)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "%s: outputs must not name an input or each "
@@ -189,9 +186,9 @@ static int64_t shared_pages(const mha_kv_cache *c, int64_t a, int64_t na,
 typedef struct ragged {
     const mha_attention_decode_args *d;
     const mha_kv_cache *c;
-    int64_t E, H;
+    int64_t E, Eo, H;   /* a row of q: H d_h; of out: H d_v         */
     size_t esize;
-    char *out;      /* the scratch rows, (rows, E) of esize bytes  */
+    char *out;      /* the scratch rows, (rows, Eo) of esize bytes */
     float *lse;     /* (rows, H) in the caller's layout, or NULL   */
     float *extra;   /* the views' extra-key tile                   */
 } ragged;
@@ -212,7 +209,7 @@ static mha_status one_sequence(const ragged *r, int64_t b)
     mha_kv_cache view;
     mha_kv_cache_view(r->c, b, r->extra, &view);
     return attend(d, &view, n, q_at(r, r0),
-                  r->out + r0 * r->E * (int64_t)r->esize,
+                  r->out + r0 * r->Eo * (int64_t)r->esize,
                   r->lse ? r->lse + r0 * r->H : NULL,
                   d->q_positions ? d->q_positions + r0 : NULL);
 }
@@ -229,16 +226,16 @@ static mha_status cascade(const ragged *r, const int64_t *mem, int m,
                           int64_t S)
 {
     const mha_attention_decode_args *d = r->d;
-    const int64_t E = r->E, H = r->H;
+    const int64_t E = r->E, Eo = r->Eo, H = r->H;
     int64_t T = 0;
     for (int i = 0; i < m; i++)
         T += d->q_start[mem[i] + 1] - d->q_start[mem[i]];
     /* the stacked rows, the shared part's out and lse, a member's own
      * part and its rows of the shared lse (per head) */
     float *q = mha_alloc_floats(T * E, "a cascade's rows");
-    float *o1 = mha_alloc_floats(T * E, "a cascade's shared part");
+    float *o1 = mha_alloc_floats(T * Eo, "a cascade's shared part");
     float *l1 = mha_alloc_floats(T * H, "a cascade's shared part");
-    float *o2 = mha_alloc_floats(T * E, "a cascade's own parts");
+    float *o2 = mha_alloc_floats(T * Eo, "a cascade's own parts");
     float *l2 = mha_alloc_floats(2 * T * H, "a cascade's own parts");
     mha_status st = q && o1 && l1 && o2 && l2
                         ? MHA_OK
@@ -272,10 +269,10 @@ static mha_status cascade(const ragged *r, const int64_t *mem, int m,
         st = attend(d, &view, n, q + at * E, o2, l2, NULL);
         for (int64_t h = 0; st == MHA_OK && h < H; h++)
             memcpy(l1b + h * n, l1 + h * T + at, (size_t)n * sizeof *l1);
-        const mha_attention_part parts[2] = {{o1 + at * E, l1b}, {o2, l2}};
+        const mha_attention_part parts[2] = {{o1 + at * Eo, l1b}, {o2, l2}};
         if (st == MHA_OK)
-            st = mha_attention_merge(parts, 2, 1, H, d->head_dim, n,
-                                     (float *)r->out + r0 * E,
+            st = mha_attention_merge(parts, 2, 1, H, r->c->dv, n,
+                                     (float *)r->out + r0 * Eo,
                                      r->lse ? r->lse + r0 * H : NULL);
         at += n;
     }
@@ -289,13 +286,13 @@ static mha_status cascade(const ragged *r, const int64_t *mem, int m,
 
 static mha_status decode_ragged(const mha_attention_decode_args *d)
 {
-    int64_t rows = 0, E = 0;
-    MHA_CHECK(check_ragged(d, &rows, &E));
+    int64_t rows = 0, E = 0, Eo = 0;
+    MHA_CHECK(check_ragged(d, &rows, &E, &Eo));
     const mha_kv_cache *c = d->cache;
     const int half = d->dtype != MHA_DTYPE_F32;
     const ragged r = {
-        d, c, E, d->num_heads, half ? 2 : 4,
-        malloc((size_t)(rows * E) * (half ? 2 : 4) + 1),
+        d, c, E, Eo, d->num_heads, half ? 2 : 4,
+        malloc((size_t)(rows * Eo) * (half ? 2 : 4) + 1),
         d->lse ? malloc((size_t)(rows * d->num_heads) * 4 + 1) : NULL,
         mha_alloc_floats(mha_packed_floats(1, c->Hkv, 0,
                                            c->dv > c->dh ? c->dv : c->dh),
@@ -338,7 +335,7 @@ static mha_status decode_ragged(const mha_attention_decode_args *d)
     }
     if (st == MHA_OK && rows > 0) {
         memcpy(half ? (void *)d->out16 : (void *)d->out, r.out,
-               (size_t)(rows * E) * r.esize);
+               (size_t)(rows * Eo) * r.esize);
         if (r.lse)
             memcpy(d->lse, r.lse, (size_t)(rows * d->num_heads) * 4);
     }
