@@ -297,6 +297,10 @@ mha_status mha_attn_request_check(const mha_attn_request *r,
  * kv_len checked against it), the masks. */
 mha_status mha_attn_request_masks(mha_attn_request *r, mha_mask_plan *mask);
 
+/* The floats of the weights a run writes, once its masks set Lk: (B, H,
+ * Lq, Lt) per head, (B, Lq, Lt) averaged. */
+int64_t mha_attn_request_weights_floats(const mha_attn_request *r);
+
 /* The checks of a run's data, after its masks, before anything is
  * written: the score range (q, the keys given, the cache's keys), and for
  * an append the values an f16 cache can hold and a paged cache's pages

@@ -84,8 +84,7 @@ mha_status mha_attn_request_masks(mha_attn_request *r, mha_mask_plan *mask)
     return mha_mask_plan_of(mask, r);
 }
 
-/* The weights' floats: (B, H, Lq, Lt) per head, (B, Lq, Lt) averaged. */
-static int64_t weights_floats(const mha_attn_request *r)
+int64_t mha_attn_request_weights_floats(const mha_attn_request *r)
 {
     return r->B * r->Lq * (r->Lk + mha_request_extra(r)) *
            (r->need_weights == MHA_WEIGHTS_PER_HEAD ? r->H : 1);
@@ -160,7 +159,8 @@ void mha_attn_request_run(const mha_engine *e, const mha_attn_request *r,
         mha_kv_cache_put(kv, b, r->k + b * r->append * r->ldk, r->ldk,
                          r->v + b * r->append * r->ldv, r->ldv, r->append);
     if (at->w)
-        memset(at->w, 0, (size_t)weights_floats(r) * sizeof(float));
+        memset(at->w, 0,
+               (size_t)mha_attn_request_weights_floats(r) * sizeof(float));
     const int turned = kv && kv->rot_block;
     if (kv)
         mha_attn_use_cache(at, kv, mask);

@@ -439,8 +439,7 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
     mha_mask_plan mask;
     MHA_CHECK(mha_attn_request_masks(&r, &mask));
     s.Lk = r.Lk;   /* with a cache: its longest sequence now */
-    s.n_w = s.B * s.Lq * s.Lk *
-            (a->need_weights == MHA_WEIGHTS_PER_HEAD ? s.H : 1);
+    s.n_w = mha_attn_request_weights_floats(&r);
     const span outs[3] = {{"out", a->out, s.n_o},
                           {"attn_weights", r.attn_weights, s.n_w},
                           {"lse", a->lse, s.B * s.H * s.Lq}};

@@ -446,8 +446,7 @@ static mha_status mha_plan_forward_impl(mha_plan *plan,
     mha_attn_request r = fwd_request(m, &s, a);
     mha_mask_plan mask;
     MHA_CHECK(mha_attn_request_masks(&r, &mask));
-    const int64_t n_w = s.B * s.Lq * (r.Lk + mha_request_extra(&r)) *
-                        (a->need_weights == MHA_WEIGHTS_PER_HEAD ? s.H : 1);
+    const int64_t n_w = mha_attn_request_weights_floats(&r);
     MHA_CHECK(check_head_mask(a->head_mask, s.H));
     if (c->mods.rope.style != MHA_ROPE_NONE)
         MHA_CHECK(mha_rope_check_positions(a->positions, s.B * s.Lq,
