@@ -130,7 +130,20 @@ void mha_pack_backward_tile(const mha_attn *a, const mha_attn_grad *g,
     const float *v = mha_packed_b(&fp, b, kvh, t);
     float *kc = mha_packed_a(&bp, b, kvh, t), *vt = mha_packed_b(&bp, b, kvh, t);
     int finite = 1;
-    for (int c = 0; c < nc; c++) {
+    if (t != fp.tiles - 1) {
+        /* the real keys' rows copied, the values' tile transposed (VL x VL
+         * blocks in registers): the same floats as the forward's tiles */
+        for (int c = 0; c < nc; c++)
+            finite &= a->uk->copy_finite(kc + c * dh,
+                                         mha_key_row(a, b, kvh, t * MHA_BC + c),
+                                         (int)dh);
+        if (nc > 0)
+            a->uk->widen_t(MHA_KV_F32, v, dv, nc, (int)dv, vt, MHA_BC, NULL,
+                           0);
+        *mha_packed_flag(&bp, b, kvh, t) = (float)finite;
+        return;
+    }
+    for (int c = 0; c < nc; c++) {   /* the extra keys' tile */
         for (int64_t d = 0; d < dh; d++) {
             kc[c * dh + d] = kt[d * MHA_BC + c];
             finite &= isfinite(kc[c * dh + d]) != 0;
@@ -314,10 +327,7 @@ static void load_block(const mha_attn *a, const mha_attn_grad *g, int64_t b,
     for (int r = 0; r < mr; r++) {
         const float *src = g->dctx + mha_row_at(dv, a->Lq, g->lddc, g->hsdc,
                                                 g->bsdc, b, h, i0 + r);
-        for (int64_t d = 0; d < dv; d++) {
-            w->dout[r * dv + d] = src[d];
-            fin &= isfinite(src[d]) != 0;
-        }
+        fin &= a->uk->copy_finite(w->dout + r * dv, src, (int)dv);
         w->delta[r] = 0.0;
     }
     w->dout_finite = fin;
@@ -385,8 +395,7 @@ static void bwd_head(const mha_attn *a, const mha_attn_grad *g, int64_t b,
         for (int r = 0; r < mr; r++) {
             float *dst = g->dq + mha_row_at(a->dh, a->Lq, g->lddq, g->hsdq,
                                             g->bsdq, b, h, i0 + r);
-            for (int64_t d = 0; d < dh; d++)
-                dst[d] = w->o[r * dh + d] * a->scale;
+            a->uk->scale(dst, w->o + r * dh, (int)dh, a->scale);
         }
     }
     if (a->sinks && g->dsinks)

@@ -55,9 +55,13 @@ void mha_load_q(const mha_attn *a, int64_t b, int64_t h, int64_t i0, int mr,
         a->uk->scale(qs + r * dh, mha_q_row(a, b, h, i0 + r), dh, a->scale);
 }
 
-/* The forward's packing of tile t of (b, g), g a K/V head: kt [dh][MHA_BC] transposed,
- * v [nc][dv] contiguous, and whether every value is finite (then the fast
- * pv kernel is exact). */
+/* The forward's packing of tile t of (b, g), g a K/V head: kt [dh][MHA_BC]
+ * the keys transposed (VL x VL blocks in registers), v [nc][dv] the values
+ * copied, and whether every value is finite (then the fast pv kernel is
+ * exact).  (Values read where they lie instead, their rows strides of the
+ * whole tensor apart, made the products 30% slower than the copy costs:
+ * docs/BENCHMARKS.md.)  The extra keys' tile, whose rows are the bias or
+ * zero keys, element by element. */
 void mha_pack_forward_tile(const mha_attn *a, int64_t item)
 {
     const mha_packed p = mha_packed_at(a->packed, a);
@@ -77,6 +81,17 @@ void mha_pack_forward_tile(const mha_attn *a, int64_t item)
                 finite &= a->uk->copy_finite(
                     buf, vr + d0, (int)(dv - d0 < MHA_BC ? dv - d0 : MHA_BC));
         }
+        *mha_packed_flag(&p, b, g, t) = (float)finite;
+        return;
+    }
+    if (t != p.tiles - 1) {
+        for (int c = 0; c < nc; c++)
+            finite &= a->uk->copy_finite(v + c * dv,
+                                         mha_value_row(a, b, g, j0 + c),
+                                         (int)dv);
+        if (nc > 0)
+            a->uk->widen_t(MHA_KV_F32, mha_key_row(a, b, g, j0), a->ldk, nc,
+                           (int)dh, kt, MHA_BC, NULL, 0);
         *mha_packed_flag(&p, b, g, t) = (float)finite;
         return;
     }
