@@ -121,9 +121,12 @@ typedef struct mha_ring_stats {
 
 /*
  * One rank's arguments.  Zero-initialise, then fill.  With Lloc = this
- * rank's mha_shard_of(...).len, E = num_heads * head_dim and
- * Ekv = num_kv_heads * head_dim:
- *     q    (B, Lloc, E)     k, v (B, Lloc, Ekv)      out (B, Lloc, E)
+ * rank's mha_shard_of(...).len, E = num_heads * head_dim,
+ * Ekv = num_kv_heads * head_dim, and with values of another head width
+ * (v_head_dim = d_v) Ev = num_heads * d_v, Evkv = num_kv_heads * d_v
+ * (E and Ekv without it):
+ *     q    (B, Lloc, E)     k (B, Lloc, Ekv)   v (B, Lloc, Evkv)
+ *     out  (B, Lloc, Ev)
  *     lse  (B, H, Lloc) or NULL: each row's log-sum-exp over all L keys
  * Self-attention on one sequence: queries and keys share the positions
  * and the split.  causal: NONE, or TOP_LEFT / BOTTOM_RIGHT (the same
@@ -132,8 +135,11 @@ typedef struct mha_ring_stats {
  * masked.  mods: the softcap, ALiBi (its distance and the window's
  * measured between global positions) and the window, as in
  * mha_attention; RoPE must be NONE (rotate q and k at their global
- * positions first, mha_rope_apply; mha_ring_forward does).  No other
- * mask, no sinks, dropout or weights (a rank never holds a whole row).
+ * positions first, mha_rope_apply; mha_ring_forward does).
+ * attention_chunk: Llama 4's chunked attention, chunks counted from
+ * global position 0 (the ring cuts each pair of pieces at the chunks'
+ * edges; Ulysses runs the whole sequence).  No other mask, no sinks,
+ * dropout or weights (a rank never holds a whole row).
  */
 typedef struct mha_ring_args {
     MPI_Comm comm;
@@ -153,12 +159,17 @@ typedef struct mha_ring_args {
                                         backward: the forward's, read
                                         (required)                      */
     mha_ring_stats *stats;           /* NULL, or this rank's counts      */
+    int64_t v_head_dim;              /* d_v, the values' head width; 0 ->
+                                        head_dim (Ev = H * d_v below)    */
+    int64_t attention_chunk;         /* C: a token sees only the tokens of
+                                        its chunk of C global positions;
+                                        0: none                         */
 } mha_ring_args;
 
 /*
  * The forward: out (and lse) of this rank's queries against all L keys.
  * Each rank sends P - 1 blocks (its K and V shard, then each one it
- * received), one message per step, of 2 * B * Lsrc * Ekv floats.
+ * received), one message per step, of B * Lsrc * (Ekv + Evkv) floats.
  */
 MHA_API mha_status mha_ring_attention_sized(const mha_ring_args *args,
                                             size_t args_size,
@@ -180,9 +191,10 @@ static inline mha_status mha_ring_attention(const mha_ring_args *args)
  * order.
  */
 typedef struct mha_ring_grads {
-    const float *grad_out;   /* (B, Lloc, E)   */
-    float *grad_q;           /* (B, Lloc, E)   */
-    float *grad_k, *grad_v;  /* (B, Lloc, Ekv) */
+    const float *grad_out;   /* (B, Lloc, Ev)   */
+    float *grad_q;           /* (B, Lloc, E)    */
+    float *grad_k;           /* (B, Lloc, Ekv)  */
+    float *grad_v;           /* (B, Lloc, Evkv) */
 } mha_ring_grads;
 MHA_API mha_status mha_ring_attention_backward_sized(
     const mha_ring_args *args, size_t args_size, const mha_ring_grads *grads,

@@ -18,12 +18,16 @@
  *   - cases: contiguous and zig-zag, causal and not, lengths that do not
  *     divide by P or 2P (and shorter than 2P: empty pieces), GQA, key
  *     lengths (a batch whose keys are all padding), a softcap, ALiBi, a
- *     window, and all three;
+ *     window, and all three; values of another head width (d_v above and
+ *     below d_h); chunks (attention_chunk) that cut the shards, with a
+ *     window, ALiBi and d_v, and one wider than the sequence;
  *   - the module across ranks (mha_ring_forward: ring and Ulysses, with
- *     and without RoPE) against the float64 reference module forward;
+ *     and without RoPE, chunks with it) against the float64 reference
+ *     module forward;
  *   - mismatches refused on all ranks with the same status and message:
- *     one rank with another num_heads, another split, causal, scale; one
- *     rank with a NULL q (its message, on every rank).
+ *     one rank with another num_heads, another split, causal, scale,
+ *     attention_chunk, v_head_dim; one rank with a NULL q (its message,
+ *     on every rank); a negative v_head_dim or attention_chunk.
  *
  * `test_mpi_ring kill`: rank 1 kills itself (SIGKILL) before the ring; the
  * others call it.  The test (tests/mpi_kill_test.sh) passes when mpirun
@@ -63,22 +67,36 @@ typedef struct tcase {
     float softcap;
     int alibi;
     int64_t wl, wr;    /* a window unless both are 0; -1: unbounded */
+    int64_t dv;        /* the values' head width, 0: dh */
+    int64_t chunk;     /* attention_chunk, 0: none */
 } tcase;
 
+/* The values' head width of a case, and the rows' widths of v and out. */
+static int64_t dv_of(const tcase *c) { return c->dv ? c->dv : c->dh; }
+
 static const tcase CASES[] = {
-    {"plain", 2, 2, 2, 8, 37, 0, 0, 0.0f, 0, 0, 0},
-    {"GQA 4/2, key lengths", 2, 4, 2, 8, 29, 0, 1, 0.0f, 0, 0, 0},
-    {"MQA 3/1", 1, 3, 1, 16, 64, 0, 0, 0.0f, 0, 0, 0},
-    {"softcap", 1, 2, 2, 8, 19, 0, 0, 4.0f, 0, 0, 0},
-    {"short: L = 5 (empty pieces)", 2, 2, 1, 4, 5, 0, 1, 0.0f, 0, 0, 0},
+    {"plain", 2, 2, 2, 8, 37, 0, 0, 0.0f, 0, 0, 0, 0, 0},
+    {"GQA 4/2, key lengths", 2, 4, 2, 8, 29, 0, 1, 0.0f, 0, 0, 0, 0, 0},
+    {"MQA 3/1", 1, 3, 1, 16, 64, 0, 0, 0.0f, 0, 0, 0, 0, 0},
+    {"softcap", 1, 2, 2, 8, 19, 0, 0, 4.0f, 0, 0, 0, 0, 0},
+    {"short: L = 5 (empty pieces)", 2, 2, 1, 4, 5, 0, 1, 0.0f, 0, 0, 0, 0, 0},
     {"long: L = 301 (pieces of several tiles)", 1, 2, 2, 32, 301, 0, 1, 0.0f,
-     0, 0, 0},
+     0, 0, 0, 0, 0},
     {"12 heads, 6 K/V heads (Ulysses for every P)", 1, 12, 6, 4, 23, 0, 1,
-     0.0f, 0, 0, 0},
-    {"ALiBi, 4 heads, key lengths", 2, 4, 4, 8, 41, 0, 1, 0.0f, 1, 0, 0},
-    {"window (9, 3), GQA 4/2", 1, 4, 2, 8, 53, 0, 0, 0.0f, 0, 9, 3},
+     0.0f, 0, 0, 0, 0, 0},
+    {"ALiBi, 4 heads, key lengths", 2, 4, 4, 8, 41, 0, 1, 0.0f, 1, 0, 0, 0, 0},
+    {"window (9, 3), GQA 4/2", 1, 4, 2, 8, 53, 0, 0, 0.0f, 0, 9, 3, 0, 0},
     {"ALiBi + window (6, -1) + softcap", 1, 4, 4, 8, 47, 0, 0, 3.0f, 1, 6,
-     -1},
+     -1, 0, 0},
+    {"d_v 12 != d_h 8, GQA 4/2, key lengths", 2, 4, 2, 8, 31, 0, 1, 0.0f, 0,
+     0, 0, 12, 0},
+    {"d_v 4 < d_h 16, MQA 2/1", 1, 2, 1, 16, 26, 0, 0, 0.0f, 0, 0, 0, 4, 0},
+    {"chunks of 7, GQA 4/2, key lengths", 2, 4, 2, 8, 45, 0, 1, 0.0f, 0, 0,
+     0, 0, 7},
+    {"chunks of 16 + window (5, 2) + ALiBi + d_v 6", 1, 4, 4, 8, 61, 0, 0,
+     0.0f, 1, 5, 2, 6, 16},
+    {"chunks of 50 (past every shard)", 1, 2, 2, 8, 37, 0, 0, 0.0f, 0, 0, 0,
+     0, 50},
 };
 
 /* The ALiBi slopes of the test's heads (mha_alibi_slopes is checked
@@ -90,9 +108,11 @@ static double slope_of(const tcase *c, int64_t h)
     return s[h];
 }
 
-/* Does the window leave key j to query i? */
+/* Do the window and the chunks leave key j to query i? */
 static int in_window(const tcase *c, int64_t i, int64_t j)
 {
+    if (c->chunk && i / c->chunk != j / c->chunk)
+        return 0;
     if (!c->wl && !c->wr)
         return 1;
     return (c->wl < 0 || j >= i - c->wl) && (c->wr < 0 || j <= i + c->wr);
@@ -118,6 +138,7 @@ static int visible(const int64_t *len, int64_t b, int64_t i,
                      REAL *out, REAL *lse)                                    \
     {                                                                         \
         const int64_t E = c->H * c->dh, Ekv = c->Hkv * c->dh, L = c->L;       \
+        const int64_t dv = dv_of(c), Ev = c->H * dv, Evkv = c->Hkv * dv;      \
         const REAL scale = (REAL)1 / (REAL)sqrt((double)c->dh);               \
         REAL *s = malloc((size_t)L * sizeof *s);                              \
         for (int64_t b = 0; b < c->B; b++)                                    \
@@ -144,8 +165,8 @@ static int visible(const int64_t *len, int64_t b, int64_t i,
                         s[j] = dot;                                           \
                         mx = dot > mx ? dot : mx;                             \
                     }                                                         \
-                    REAL *o = out + (b * L + i) * E + h * c->dh;              \
-                    for (int64_t d = 0; d < c->dh; d++)                       \
+                    REAL *o = out + (b * L + i) * Ev + h * dv;                \
+                    for (int64_t d = 0; d < dv; d++)                          \
                         o[d] = 0;                                             \
                     if (mx == -INFINITY) {                                    \
                         lse[(b * c->H + h) * L + i] = -INFINITY;              \
@@ -158,8 +179,8 @@ static int visible(const int64_t *len, int64_t b, int64_t i,
                         else                                                  \
                             s[j] = 0;                                         \
                     for (int64_t j = 0; j < L; j++) {                         \
-                        const float *vj = v + (b * L + j) * Ekv + g * c->dh;  \
-                        for (int64_t d = 0; s[j] != 0 && d < c->dh; d++)      \
+                        const float *vj = v + (b * L + j) * Evkv + g * dv;    \
+                        for (int64_t d = 0; s[j] != 0 && d < dv; d++)         \
                             o[d] += s[j] / sum * vj[d];                       \
                     }                                                         \
                     lse[(b * c->H + h) * L + i] = mx + LOG(sum);              \
@@ -177,10 +198,11 @@ static void ref64_backward(const tcase *c, int causal, const int64_t *len,
                            double *dv)
 {
     const int64_t E = c->H * c->dh, Ekv = c->Hkv * c->dh, L = c->L;
+    const int64_t wv = dv_of(c), Ev = c->H * wv, Evkv = c->Hkv * wv;
     const double scale = 1.0 / sqrt((double)c->dh);
     memset(dq, 0, (size_t)(c->B * L * E) * sizeof *dq);
     memset(dk, 0, (size_t)(c->B * L * Ekv) * sizeof *dk);
-    memset(dv, 0, (size_t)(c->B * L * Ekv) * sizeof *dv);
+    memset(dv, 0, (size_t)(c->B * L * Evkv) * sizeof *dv);
     double *p = malloc((size_t)L * sizeof *p), *du = malloc((size_t)L * 8);
     double *dcap = malloc((size_t)L * 8);
     for (int64_t b = 0; b < c->B; b++)
@@ -188,7 +210,7 @@ static void ref64_backward(const tcase *c, int causal, const int64_t *len,
             const int64_t g = h / (c->H / c->Hkv);
             for (int64_t i = 0; i < L; i++) {
                 const float *qi = q + (b * L + i) * E + h * c->dh;
-                const float *dO = gout + (b * L + i) * E + h * c->dh;
+                const float *dO = gout + (b * L + i) * Ev + h * wv;
                 double mx = -INFINITY;
                 for (int64_t j = 0; j < L; j++) {
                     p[j] = -INFINITY;
@@ -218,9 +240,9 @@ static void ref64_backward(const tcase *c, int causal, const int64_t *len,
                 double delta = 0;
                 for (int64_t j = 0; j < L; j++) {
                     p[j] /= sum;
-                    const float *vj = v + (b * L + j) * Ekv + g * c->dh;
+                    const float *vj = v + (b * L + j) * Evkv + g * wv;
                     double dp = 0;
-                    for (int64_t d = 0; d < c->dh; d++)
+                    for (int64_t d = 0; d < wv; d++)
                         dp += (double)dO[d] * vj[d];
                     du[j] = dp;
                     delta += p[j] * dp;
@@ -232,12 +254,13 @@ static void ref64_backward(const tcase *c, int causal, const int64_t *len,
                     const float *kj = k + (b * L + j) * Ekv + g * c->dh;
                     double *dqi = dq + (b * L + i) * E + h * c->dh;
                     double *dkj = dk + (b * L + j) * Ekv + g * c->dh;
-                    double *dvj = dv + (b * L + j) * Ekv + g * c->dh;
+                    double *dvj = dv + (b * L + j) * Evkv + g * wv;
                     for (int64_t d = 0; d < c->dh; d++) {
                         dqi[d] += ds * kj[d];
                         dkj[d] += ds * qi[d];
-                        dvj[d] += p[j] * dO[d];
                     }
+                    for (int64_t d = 0; d < wv; d++)
+                        dvj[d] += p[j] * dO[d];
                 }
             }
         }
@@ -303,11 +326,12 @@ static int run_ring(const tcase *c, mha_seq_split split, int causal,
                     const mha_shard *s, result *r, int ulysses)
 {
     const int64_t E = c->H * c->dh, Ekv = c->Hkv * c->dh;
-    r->out = calloc((size_t)(c->B * s->len * E) + 1, 4);
+    const int64_t Ev = c->H * dv_of(c), Evkv = c->Hkv * dv_of(c);
+    r->out = calloc((size_t)(c->B * s->len * Ev) + 1, 4);
     r->lse = calloc((size_t)(c->B * c->H * s->len) + 1, 4);
     r->dq = calloc((size_t)(c->B * s->len * E) + 1, 4);
     r->dk = calloc((size_t)(c->B * s->len * Ekv) + 1, 4);
-    r->dv = calloc((size_t)(c->B * s->len * Ekv) + 1, 4);
+    r->dv = calloc((size_t)(c->B * s->len * Evkv) + 1, 4);
     mha_ring_args a = {0};
     a.comm = MPI_COMM_WORLD;
     a.split = split;
@@ -316,6 +340,8 @@ static int run_ring(const tcase *c, mha_seq_split split, int causal,
     a.num_heads = c->H;
     a.num_kv_heads = c->Hkv;
     a.head_dim = c->dh;
+    a.v_head_dim = c->dv;
+    a.attention_chunk = c->chunk;
     a.q = q;
     a.k = k;
     a.v = v;
@@ -355,18 +381,20 @@ static void free_result(result *r)
 static void test_case(const tcase *c, mha_seq_split split, int causal)
 {
     const int64_t E = c->H * c->dh, Ekv = c->Hkv * c->dh, L = c->L;
+    const int64_t Ev = c->H * dv_of(c), Evkv = c->Hkv * dv_of(c);
     const int64_t nq = c->B * L * E, nk = c->B * L * Ekv;
+    const int64_t no = c->B * L * Ev, nv = c->B * L * Evkv;
     const int64_t rows = c->B * c->H * L;
     char name[160];
     snprintf(name, sizeof name, "%s, %s%s, P=%d", c->name,
              split == MHA_SPLIT_ZIGZAG ? "zig-zag" : "contiguous",
              causal ? ", causal" : "", g_P);
     float *q = malloc((size_t)nq * 4), *k = malloc((size_t)nk * 4);
-    float *v = malloc((size_t)nk * 4), *go = malloc((size_t)nq * 4);
+    float *v = malloc((size_t)nv * 4), *go = malloc((size_t)no * 4);
     tu_fill(q, nq, 11, -1.5f, 1.5f);
     tu_fill(k, nk, 12, -1.5f, 1.5f);
-    tu_fill(v, nk, 13, -1.5f, 1.5f);
-    tu_fill(go, nq, 14, -1, 1);
+    tu_fill(v, nv, 13, -1.5f, 1.5f);
+    tu_fill(go, no, 14, -1, 1);
     const int64_t lens[2] = {c->L * 2 / 3, 0};   /* batch 1: no key */
     const int64_t *len = c->lengths ? lens : NULL;
 
@@ -374,12 +402,12 @@ static void test_case(const tcase *c, mha_seq_split split, int causal)
     CHECK(mha_shard_of(split, L, g_P, g_rank, &s) == MHA_OK, "shard");
     float *sq = malloc((size_t)(c->B * s.len * E) * 4 + 4);
     float *sk = malloc((size_t)(c->B * s.len * Ekv) * 4 + 4);
-    float *sv = malloc((size_t)(c->B * s.len * Ekv) * 4 + 4);
-    float *sg = malloc((size_t)(c->B * s.len * E) * 4 + 4);
+    float *sv = malloc((size_t)(c->B * s.len * Evkv) * 4 + 4);
+    float *sg = malloc((size_t)(c->B * s.len * Ev) * 4 + 4);
     take(sq, q, &s, c->B, L, E);
     take(sk, k, &s, c->B, L, Ekv);
-    take(sv, v, &s, c->B, L, Ekv);
-    take(sg, go, &s, c->B, L, E);
+    take(sv, v, &s, c->B, L, Evkv);
+    take(sg, go, &s, c->B, L, Ev);
 
     result r1, r2, r3;
     memset(&r1, 0, sizeof r1);
@@ -389,14 +417,14 @@ static void test_case(const tcase *c, mha_seq_split split, int causal)
         goto out;
 
     /* The float64 reference and the naive float32 error. */
-    double *o64 = malloc((size_t)nq * 8), *l64 = malloc((size_t)rows * 8);
-    float *o32 = malloc((size_t)nq * 4), *l32 = malloc((size_t)rows * 4);
+    double *o64 = malloc((size_t)no * 8), *l64 = malloc((size_t)rows * 8);
+    float *o32 = malloc((size_t)no * 4), *l32 = malloc((size_t)rows * 4);
     ref64(c, causal, len, q, k, v, o64, l64);
     ref32(c, causal, len, q, k, v, o32, l32);
-    const double naive = ref_max_err_f32(o32, o64, nq);
+    const double naive = ref_max_err_f32(o32, o64, no);
     double err, mx;
-    compare(r1.out, o64, &s, c->B, L, E, &err, &mx);
-    const double tol = ref_tolerance(naive, ref_max_abs(o64, nq));
+    compare(r1.out, o64, &s, c->B, L, Ev, &err, &mx);
+    const double tol = ref_tolerance(naive, ref_max_abs(o64, no));
     CHECK(err <= tol, "%s: out error %.3g > %.3g", name, err, tol);
     /* lse, rows (b, h, i): compared as (B*H, L, 1). */
     {
@@ -416,7 +444,7 @@ static void test_case(const tcase *c, mha_seq_split split, int causal)
         CHECK(e <= 1e-5, "%s: lse relative error %.3g", name, e);
     }
     double *dq64 = malloc((size_t)nq * 8), *dk64 = malloc((size_t)nk * 8);
-    double *dv64 = malloc((size_t)nk * 8);
+    double *dv64 = malloc((size_t)nv * 8);
     ref64_backward(c, causal, len, q, k, v, go, dq64, dk64, dv64);
     compare(r1.dq, dq64, &s, c->B, L, E, &err, &mx);
     CHECK(err <= 1e-4 * (1 + mx), "%s: dq error %.3g (max %.3g)", name, err,
@@ -424,20 +452,22 @@ static void test_case(const tcase *c, mha_seq_split split, int causal)
     compare(r1.dk, dk64, &s, c->B, L, Ekv, &err, &mx);
     CHECK(err <= 1e-4 * (1 + mx), "%s: dk error %.3g (max %.3g)", name, err,
           mx);
-    compare(r1.dv, dv64, &s, c->B, L, Ekv, &err, &mx);
+    compare(r1.dv, dv64, &s, c->B, L, Evkv, &err, &mx);
     CHECK(err <= 1e-4 * (1 + mx), "%s: dv error %.3g (max %.3g)", name, err,
           mx);
 
     /* The single-process result, within the same bounds. */
     {
-        float *so = malloc((size_t)nq * 4), *sdq = malloc((size_t)nq * 4);
-        float *sdk = malloc((size_t)nk * 4), *sdv = malloc((size_t)nk * 4);
+        float *so = malloc((size_t)no * 4), *sdq = malloc((size_t)nq * 4);
+        float *sdk = malloc((size_t)nk * 4), *sdv = malloc((size_t)nv * 4);
         float *slse = malloc((size_t)rows * 4);
         mha_attention_args a = {0};
         a.batch = c->B;
         a.num_heads = c->H;
         a.num_kv_heads = c->Hkv;
         a.head_dim = c->dh;
+        a.v_head_dim = c->dv;
+        a.attention_chunk = c->chunk;
         a.q_len = L;
         a.q = q;
         a.k = k;
@@ -455,8 +485,8 @@ static void test_case(const tcase *c, mha_seq_split split, int causal)
         CHECK(mha_attention(&a) == MHA_OK &&
               mha_attention_backward(&a, &g) == MHA_OK, "%s: single: %s",
               name, mha_last_error());
-        double *w = widen(so, nq);
-        compare(r1.out, w, &s, c->B, L, E, &err, &mx);
+        double *w = widen(so, no);
+        compare(r1.out, w, &s, c->B, L, Ev, &err, &mx);
         CHECK(err <= tol, "%s: out vs single process %.3g > %.3g", name, err,
               tol);
         free(w);
@@ -470,8 +500,8 @@ static void test_case(const tcase *c, mha_seq_split split, int causal)
         CHECK(err <= 1e-4 * (1 + mx), "%s: dk vs single process %.3g", name,
               err);
         free(w);
-        w = widen(sdv, nk);
-        compare(r1.dv, w, &s, c->B, L, Ekv, &err, &mx);
+        w = widen(sdv, nv);
+        compare(r1.dv, w, &s, c->B, L, Evkv, &err, &mx);
         CHECK(err <= 1e-4 * (1 + mx), "%s: dv vs single process %.3g", name,
               err);
         free(w);
@@ -481,10 +511,11 @@ static void test_case(const tcase *c, mha_seq_split split, int causal)
             memset(&u, 0, sizeof u);
             if (run_ring(c, split, causal, len, sq, sk, sv, sg, 1, &s, &u,
                          1)) {
-                float *t = malloc((size_t)(c->B * s.len * E) * 4 + 4);
+                const int64_t wmax = E > Ev ? E : Ev;
+                float *t = malloc((size_t)(c->B * s.len * wmax) * 4 + 4);
                 float *tl = malloc((size_t)(c->B * c->H * s.len) * 4 + 4);
-                take(t, so, &s, c->B, L, E);
-                CHECK(!memcmp(t, u.out, (size_t)(c->B * s.len * E) * 4),
+                take(t, so, &s, c->B, L, Ev);
+                CHECK(!memcmp(t, u.out, (size_t)(c->B * s.len * Ev) * 4),
                       "%s: Ulysses out differs from the single process",
                       name);
                 for (int64_t bh = 0; bh < c->B * c->H; bh++)
@@ -499,8 +530,8 @@ static void test_case(const tcase *c, mha_seq_split split, int causal)
                 take(t, sdk, &s, c->B, L, Ekv);
                 CHECK(!memcmp(t, u.dk, (size_t)(c->B * s.len * Ekv) * 4),
                       "%s: Ulysses dk differs from the single process", name);
-                take(t, sdv, &s, c->B, L, Ekv);
-                CHECK(!memcmp(t, u.dv, (size_t)(c->B * s.len * Ekv) * 4),
+                take(t, sdv, &s, c->B, L, Evkv);
+                CHECK(!memcmp(t, u.dv, (size_t)(c->B * s.len * Evkv) * 4),
                       "%s: Ulysses dv differs from the single process", name);
                 /* all-to-alls: forward q, k, v, out, lse; backward q, k,
                  * v, dO, dq, dk, dv: P - 1 messages each */
@@ -522,12 +553,14 @@ static void test_case(const tcase *c, mha_seq_split split, int causal)
         run_ring(c, split, causal, len, sq, sk, sv, sg, 2, &s, &r3, 0)) {
         const size_t bq = (size_t)(c->B * s.len * E) * 4;
         const size_t bk = (size_t)(c->B * s.len * Ekv) * 4;
+        const size_t bo = (size_t)(c->B * s.len * Ev) * 4;
+        const size_t bv = (size_t)(c->B * s.len * Evkv) * 4;
         const size_t bl = (size_t)(c->B * c->H * s.len) * 4;
         for (int t = 0; t < 2; t++) {
             const result *x = t ? &r3 : &r2;
-            CHECK(!memcmp(r1.out, x->out, bq) && !memcmp(r1.lse, x->lse, bl) &&
+            CHECK(!memcmp(r1.out, x->out, bo) && !memcmp(r1.lse, x->lse, bl) &&
                   !memcmp(r1.dq, x->dq, bq) && !memcmp(r1.dk, x->dk, bk) &&
-                  !memcmp(r1.dv, x->dv, bk),
+                  !memcmp(r1.dv, x->dv, bv),
                   "%s: %s not bitwise equal", name,
                   t ? "2 threads" : "a second run");
         }
@@ -540,7 +573,7 @@ static void test_case(const tcase *c, mha_seq_split split, int causal)
         for (int st = 0; st + 1 < g_P; st++) {
             mha_shard o;
             mha_shard_of(split, L, g_P, (g_rank - st + g_P) % g_P, &o);
-            bytes += 2 * c->B * o.len * Ekv * 4;
+            bytes += c->B * o.len * (Ekv + Evkv) * 4;
         }
         CHECK(r1.fs.messages_sent == g_P - 1 && r1.fs.bytes_sent == bytes,
               "%s: forward sent %lld messages, %lld bytes; expected %d, %lld",
@@ -552,7 +585,7 @@ static void test_case(const tcase *c, mha_seq_split split, int causal)
         for (int st = 0; g_P > 1 && st < g_P; st++) {
             mha_shard o;
             mha_shard_of(split, L, g_P, (g_rank - st + g_P) % g_P, &o);
-            gbytes += 2 * c->B * o.len * Ekv * 4;
+            gbytes += c->B * o.len * (Ekv + Evkv) * 4;
         }
         const int64_t want_msgs = g_P > 1 ? 2 * g_P - 1 : 0;
         CHECK(r1.bs.messages_sent == want_msgs &&
@@ -593,6 +626,7 @@ static void test_module(mha_seq_split split, int causal, int rope)
     if (rope) {
         cfg.embed_dim = 48;   /* d_h 4: RoPE on pairs */
         cfg.mods.rope.style = MHA_ROPE_NEOX;
+        cfg.attention_chunk = 5;   /* chunks of global positions too */
     }
     mha_module *m = tu_module(&cfg, 7);
     CHECK(m != NULL, "module: %s", mha_last_error());
@@ -861,6 +895,26 @@ static void test_refusals(void)
     if (g_P > 1)
         expect_all("scale differs", mha_ring_attention(&x),
                    MHA_ERR_INVALID_ARGUMENT, "disagree on scale");
+    x = a;
+    if (g_rank == odd)
+        x.attention_chunk = 4;
+    if (g_P > 1)
+        expect_all("attention_chunk differs", mha_ring_attention(&x),
+                   MHA_ERR_SHAPE, "disagree on attention_chunk");
+    x = a;
+    if (g_rank == odd)
+        x.v_head_dim = 2;
+    if (g_P > 1)
+        expect_all("v_head_dim differs", mha_ring_attention(&x),
+                   MHA_ERR_SHAPE, "disagree on v_head_dim (values from 2 to 4)");
+    x = a;
+    x.v_head_dim = -3;
+    expect_all("a negative v_head_dim", mha_ring_attention(&x), MHA_ERR_SHAPE,
+               "v_head_dim must be >= 0");
+    x = a;
+    x.attention_chunk = -1;
+    expect_all("a negative attention_chunk", mha_ring_attention(&x),
+               MHA_ERR_INVALID_ARGUMENT, "attention_chunk must be >= 0");
     /* One rank's own error, on every rank. */
     x = a;
     if (g_rank == g_P - 1)

@@ -132,7 +132,7 @@ mha_status mha_shard_of_sized(mha_seq_split split, int64_t L, int nranks,
 enum {
     F_OP, F_SPLIT, F_L, F_B, F_H, F_HKV, F_DH, F_CAUSAL, F_SCALE, F_GIVEN,
     F_LENGTHS, F_LENGTHS_SUM, F_SOFTCAP, F_ALIBI, F_SLOPES, F_WINDOW, F_WL,
-    F_WR, F_N
+    F_WR, F_DV, F_CHUNK, F_N
 };
 static const char *const FIELD[F_N] = {
     "the call (ring or Ulysses, forward or backward)", "split", "seq_len",
@@ -140,7 +140,8 @@ static const char *const FIELD[F_N] = {
     "num_heads", "num_kv_heads", "head_dim", "causal", "scale",
     "the explicit scale (MHA_GIVEN_SCALE)", "whether key_lengths is given",
     "the key_lengths values", "softcap", "ALiBi", "the ALiBi slopes",
-    "the window", "window_left", "window_right"};
+    "the window", "window_left", "window_right", "v_head_dim",
+    "attention_chunk"};
 
 static int64_t float_bits(float x)
 {
@@ -160,6 +161,13 @@ static int64_t lengths_print(const int64_t *len, int64_t B)
 }
 
 
+/* a * b, or INT64_MAX past it (a, b >= 0 once check_local accepts). */
+static int64_t mul_sat(int64_t a, int64_t b)
+{
+    int64_t x;
+    return __builtin_mul_overflow(a, b, &x) || x < 0 ? INT64_MAX : x;
+}
+
 /* This rank's arguments alone (no communication). */
 static mha_status check_local(const mha_ring_args *a, ring *r, int op,
                               const mha_ring_grads *g)
@@ -169,6 +177,14 @@ static mha_status check_local(const mha_ring_args *a, ring *r, int op,
                     "batch, num_heads and head_dim must be >= 1, got %lld, "
                     "%lld, %lld", (long long)a->batch,
                     (long long)a->num_heads, (long long)a->head_dim);
+    if (a->v_head_dim < 0)
+        return mha_mpi_fail(MHA_ERR_SHAPE,
+                    "v_head_dim must be >= 0 (0: head_dim), got %lld",
+                    (long long)a->v_head_dim);
+    if (a->attention_chunk < 0)
+        return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT,
+                    "attention_chunk must be >= 0 (0: none), got %lld",
+                    (long long)a->attention_chunk);
     if (r->Hkv < 1 || r->H % r->Hkv)
         return mha_mpi_fail(MHA_ERR_SHAPE,
                     "num_kv_heads %lld must divide num_heads %lld",
@@ -202,15 +218,16 @@ static mha_status check_local(const mha_ring_args *a, ring *r, int op,
     mha_status s = mha_shard_of(a->split, a->seq_len, r->P, r->rank, &r->me);
     if (s != MHA_OK)
         return s;
-    int64_t n;
+    /* (the widest of a K/V block, q, out and their gradients, per row) */
+    int64_t n, w = r->Ekv > INT64_MAX - r->Evkv ? INT64_MAX : r->Ekv + r->Evkv;
+    w = r->E > w ? r->E : w;
+    w = r->Ev > w ? r->Ev : w;
     if (__builtin_mul_overflow(r->B, r->L, &n) ||
-        __builtin_mul_overflow(n, 2 * (r->E > r->Ekv ? r->E : r->Ekv), &n) ||
-        n > INT_MAX)
+        __builtin_mul_overflow(n, w, &n) || n > INT_MAX)
         return mha_mpi_fail(MHA_ERR_OVERFLOW,
-                    "a block of B * L * 2 * max(E, Ekv) = %lld x %lld x 2 x "
-                    "%lld floats is past MPI's int count",
-                    (long long)r->B, (long long)r->L,
-                    (long long)(r->E > r->Ekv ? r->E : r->Ekv));
+                    "a block of B * L * max(Ekv + Evkv, E, Ev) = %lld x %lld "
+                    "x %lld floats is past MPI's int count",
+                    (long long)r->B, (long long)r->L, (long long)w);
     for (int64_t b = 0; a->key_lengths && b < r->B; b++)
         if (a->key_lengths[b] < 0 || a->key_lengths[b] > r->L)
             return mha_mpi_fail(MHA_ERR_INVALID_ARGUMENT,
@@ -319,6 +336,8 @@ static mha_status check_all(const mha_ring_args *a, ring *r, int op,
     f[F_WINDOW] = a->mods.window != 0;
     f[F_WL] = a->mods.window ? a->mods.window_left : 0;
     f[F_WR] = a->mods.window ? a->mods.window_right : 0;
+    f[F_DV] = r->dv;
+    f[F_CHUNK] = a->attention_chunk;
     /* A rank's own failure first (its message, on every rank). */
     MHA_STATUS_CHECK(mha_mpi_agree(r, local));
     /* [0, F_N): max; [F_N, 2 F_N): -min. */
@@ -395,8 +414,14 @@ mha_status mha_mpi_ring_open(const mha_ring_args *args, size_t args_size,
     r->H = a->num_heads;
     r->Hkv = a->num_kv_heads ? a->num_kv_heads : a->num_heads;
     r->dh = a->head_dim;
-    r->E = r->H * r->dh;
-    r->Ekv = r->Hkv * r->dh;
+    /* (a negative v_head_dim is refused by check_local: head_dim meanwhile;
+     * a width past int64 saturates there, and check_local refuses it) */
+    r->dv = a->v_head_dim > 0 ? a->v_head_dim : a->head_dim;
+    r->E = mul_sat(r->H, r->dh);
+    r->Ekv = mul_sat(r->Hkv, r->dh);
+    r->Ev = mul_sat(r->H, r->dv);
+    r->Evkv = mul_sat(r->Hkv, r->dv);
+    r->C = a->attention_chunk > 0 ? a->attention_chunk : 0;
     r->L = a->seq_len;
     r->causal = a->causal != MHA_CAUSAL_NONE;
     if (abi == MHA_OK) {   /* a refused call writes nothing of the caller's */

@@ -53,6 +53,8 @@ typedef struct ring {
     MPI_Comm comm;
     int P, rank;
     int64_t B, H, Hkv, dh, E, Ekv, L;
+    int64_t dv, Ev, Evkv;    /* the values' head width, H dv, Hkv dv */
+    int64_t C;               /* attention_chunk, 0 for none          */
     float scale;
     mha_shard me;
     int causal;

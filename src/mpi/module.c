@@ -41,12 +41,6 @@ static mha_status check_module(const mha_module *m,
                             c->add_bias_kv     ? "add_bias_kv"
                             : c->add_zero_attn ? "add_zero_attn"
                                                : "sinks");
-    if (c->attention_chunk)
-        return mha_mpi_fail(MHA_ERR_UNSUPPORTED,
-                            "the module across ranks takes no "
-                            "attention_chunk yet (chunks are counted from "
-                            "global positions, which a shard's keys do not "
-                            "carry)");
     if (nloc > 0 && (!a->query || (need_out && !a->out)))
         return mha_mpi_fail(MHA_ERR_NULL_POINTER, "%s is NULL",
                             !a->query ? "query" : "out");
@@ -235,6 +229,7 @@ static void ring_args_of(const mha_module *m, const mha_ring_forward_args *a,
     r->mods.rope = none;   /* applied before the ring */
     r->num_threads = a->num_threads;
     r->out = p->ctx;
+    r->attention_chunk = p->c.attention_chunk;   /* global positions */
 }
 
 /* Checks what this rank can alone (`local`: what the caller found

@@ -17,11 +17,19 @@
  *             comes home at the end
  *
  * A block in flight is one buffer: [k of piece 0][k of piece 1][v of
- * piece 0][v of piece 1], each (B, n_piece, Ekv); its gradient the same
- * with dk, dv.  Pieces are the runs of consecutive positions of a shard
- * (mha_shard_of): with causal masking a pair of pieces is either wholly
- * visible (the keys end before the queries start), the same chunk (top-
- * left causal on it) or wholly hidden (skipped, no work).
+ * piece 0][v of piece 1], the k (B, n_piece, Ekv), the v (B, n_piece,
+ * Evkv); its gradient the same with dk, dv.  Pieces are the runs of
+ * consecutive positions of a shard (mha_shard_of): with causal masking a
+ * pair of pieces is either wholly visible (the keys end before the
+ * queries start), the same run (top-left causal on it) or wholly hidden
+ * (skipped, no work).
+ *
+ * Chunked attention (attention_chunk C, chunks of C global positions):
+ * a pair of pieces is cut into the runs of its queries and keys that
+ * share a chunk (a "part"), each a call without chunks, since within one
+ * chunk every query sees every key the other masks leave; a part's rows
+ * are merged into the running (out, lse) of those rows.  Without chunks
+ * a pair is one part.
  */
 #include "common.h"
 
@@ -55,7 +63,7 @@ static void lse_copy(float *y, const float *x, int64_t BH, int64_t Lx,
 /* Floats of one block in flight: K and V of a shard of len rows. */
 static int64_t block_floats(const ring *r, int64_t len)
 {
-    return 2 * r->B * len * r->Ekv;
+    return r->B * len * (r->Ekv + r->Evkv);
 }
 
 static mha_shard shard(const ring *r, const mha_ring_args *a, int rank)
@@ -70,54 +78,119 @@ static float *piece_of(const ring *r, float *buf, const mha_shard *s, int p,
                        int is_v)
 {
     float *x = buf + (is_v ? r->B * s->len * r->Ekv : 0);
-    return x + (p ? r->B * s->length[0] * r->Ekv : 0);
+    return x + (p ? r->B * s->length[0] * (is_v ? r->Evkv : r->Ekv) : 0);
 }
 
-/* The arguments of one pair: batch row b's query piece qpi of this rank
- * against key piece kp of shard ks, whose K/V block is at `block` (one
- * batch row a call: a zig-zag query piece is then a contiguous run of
- * the caller's q, read in place).  vis: visibility() of the pair. */
+/* A part of a pair (the file's note): query rows [q0, q0 + qn) of piece
+ * qpi and keys [k0, k0 + kn) of piece kp, in global positions, that share
+ * chunk c (or the whole pair, without chunks). */
+typedef struct part {
+    int64_t q0, qn, k0, kn;
+} part;
+
+/* The parts of a query piece (qo, qn) and key piece (ko, kn): n_parts()
+ * of them, part_at(i) the i-th in order of the chunks. */
+static int64_t first_chunk(const ring *r, int64_t qo, int64_t ko)
+{
+    const int64_t a = qo / r->C, b = ko / r->C;
+    return a > b ? a : b;
+}
+
+static int64_t n_parts(const ring *r, int64_t qo, int64_t qn, int64_t ko,
+                       int64_t kn)
+{
+    if (!r->C)
+        return 1;
+    if (qn == 0 || kn == 0)
+        return 0;
+    const int64_t a = (qo + qn - 1) / r->C, b = (ko + kn - 1) / r->C;
+    const int64_t last = a < b ? a : b, first = first_chunk(r, qo, ko);
+    return last >= first ? last - first + 1 : 0;
+}
+
+static part part_at(const ring *r, int64_t qo, int64_t qn, int64_t ko,
+                    int64_t kn, int64_t i)
+{
+    if (!r->C) {
+        const part p = {qo, qn, ko, kn};
+        return p;
+    }
+    const int64_t c = first_chunk(r, qo, ko) + i;
+    const int64_t lo = c * r->C, hi = lo + r->C;
+    part p;
+    p.q0 = qo > lo ? qo : lo;
+    p.qn = (qo + qn < hi ? qo + qn : hi) - p.q0;
+    p.k0 = ko > lo ? ko : lo;
+    p.kn = (ko + kn < hi ? ko + kn : hi) - p.k0;
+    return p;
+}
+
+/* The arguments of one part: batch row b's query rows of part x of
+ * piece qpi of this rank against its keys of key piece kp of shard ks,
+ * whose K/V block is at `block` (one batch row a call: a zig-zag query
+ * piece is then a contiguous run of the caller's q, read in place).
+ * vis: visibility() of the part. */
 static mha_attention_args pair_args(const ring *r, const mha_ring_args *a,
                                     int64_t b, int qpi, const mha_shard *ks,
-                                    int kp, float *block, int vis,
-                                    int64_t *kl)
+                                    int kp, const part *x, float *block,
+                                    int vis, int64_t *kl)
 {
-    const int64_t qo = r->me.offset[qpi], qn = r->me.length[qpi];
-    const int64_t r0 = qpi ? r->me.length[0] : 0;
-    const int64_t ko = ks->offset[kp], kn = ks->length[kp];
+    const int64_t r0 = (qpi ? r->me.length[0] : 0) + x->q0 -
+                       r->me.offset[qpi];
+    const int64_t kn = ks->length[kp], kx = x->k0 - ks->offset[kp];
+    const int64_t ko = x->k0;
     mha_attention_args p = {0};
     p.batch = 1;
     p.num_heads = r->H;
     p.num_kv_heads = r->Hkv;
     p.head_dim = r->dh;
-    p.q_len = qn;
-    p.kv_len = kn;
+    p.v_head_dim = r->dv;
+    p.q_len = x->qn;
+    p.kv_len = x->kn;
     p.q = a->q + (b * r->me.len + r0) * r->E;
-    p.k = piece_of(r, block, ks, kp, 0) + b * kn * r->Ekv;
-    p.v = piece_of(r, block, ks, kp, 1) + b * kn * r->Ekv;
+    p.k = piece_of(r, block, ks, kp, 0) + (b * kn + kx) * r->Ekv;
+    p.v = piece_of(r, block, ks, kp, 1) + (b * kn + kx) * r->Evkv;
     p.scale = a->scale;
     p.given = a->given;
     p.causal = vis == 2 ? MHA_CAUSAL_TOP_LEFT : MHA_CAUSAL_NONE;
     if (a->key_lengths) {
-        const int64_t x = a->key_lengths[b] - ko;
-        *kl = x < 0 ? 0 : x > kn ? kn : x;
+        const int64_t left = a->key_lengths[b] - ko;
+        *kl = left < 0 ? 0 : left > x->kn ? x->kn : left;
         p.key_lengths = kl;
     }
     p.mods = a->mods;
-    /* ALiBi and the window measure between global positions: the pair's
-     * queries start at qo, its keys at ko. */
+    /* ALiBi and the window measure between global positions: the part's
+     * queries start at q0, its keys at k0. */
     p.given |= MHA_GIVEN_Q_OFFSET;
-    p.q_offset = qo - ko;
+    p.q_offset = x->q0 - ko;
     p.num_threads = a->num_threads;
     return p;
 }
 
-/* How this rank's query piece qpi sees key piece kp of shard ks. */
-static int pair_visibility(const ring *r, int qpi, const mha_shard *ks,
-                           int kp)
+/* The parts of this rank's query piece qpi and key piece kp of shard ks,
+ * and part i of them. */
+static int64_t pair_parts(const ring *r, int qpi, const mha_shard *ks, int kp)
 {
-    return visibility(r, r->me.offset[qpi], r->me.length[qpi],
-                      ks->offset[kp], ks->length[kp]);
+    return n_parts(r, r->me.offset[qpi], r->me.length[qpi], ks->offset[kp],
+                   ks->length[kp]);
+}
+
+static part pair_part(const ring *r, int qpi, const mha_shard *ks, int kp,
+                      int64_t i)
+{
+    return part_at(r, r->me.offset[qpi], r->me.length[qpi], ks->offset[kp],
+                   ks->length[kp], i);
+}
+
+/* Rows [x0, x0 + n) of an lse piece (H, qn) to (H, n), or back: a part's
+ * rows of a piece's lse.  In place (the same buffer) when they are all of
+ * them. */
+static void lse_rows(float *y, float *piece, int64_t H, int64_t qn,
+                     int64_t x0, int64_t n, int back)
+{
+    if (y == piece)
+        return;
+    mha_mpi_rows_copy(y, piece, H, qn, 1, x0, n, back);
 }
 
 /* The running lse of query piece qpi of batch row b: (H, qn) floats, each
@@ -135,7 +208,7 @@ static void pack_own(const ring *r, const mha_ring_args *a, float *buf)
         mha_mpi_rows_copy(piece_of(r, buf, &r->me, p, 0), a->k, r->B, r->me.len,
                   r->Ekv, r0, n, 0);
         mha_mpi_rows_copy(piece_of(r, buf, &r->me, p, 1), a->v, r->B, r->me.len,
-                  r->Ekv, r0, n, 0);
+                  r->Evkv, r0, n, 0);
     }
 }
 
@@ -149,6 +222,7 @@ mha_status mha_ring_attention_sized(const mha_ring_args *args,
                                       MHA_OP_RING_FORWARD, &r);
     const mha_ring_args *a = &r.a;
     float *kv[2] = {NULL, NULL}, *po = NULL, *pl = NULL, *al = NULL;
+    float *tl = NULL;
     MPI_Request req[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
     if (st != MHA_OK)
         goto done;
@@ -162,15 +236,17 @@ mha_status mha_ring_attention_sized(const mha_ring_args *args,
     const int64_t maxpiece = r.me.length[0] > r.me.length[1]
                                  ? r.me.length[0] : r.me.length[1];
     /* The workspace: the two K/V blocks (the one computed on, the one
-     * arriving), one part's (out, lse) and the running lse (piece_lse);
-     * the running out is the caller's out itself. */
+     * arriving), one part's (out, lse), the running lse (piece_lse) and a
+     * part's rows of it (tl, with chunks); the running out is the
+     * caller's out itself. */
     kv[0] = mha_mpi_alloc_bytes(&r, block_floats(&r, maxlen) * 4);
     kv[1] = mha_mpi_alloc_bytes(&r, block_floats(&r, maxlen) * 4);
-    po = mha_mpi_alloc_bytes(&r, maxpiece * r.E * 4);
+    po = mha_mpi_alloc_bytes(&r, maxpiece * r.Ev * 4);
     pl = mha_mpi_alloc_bytes(&r, r.H * maxpiece * 4);
     al = mha_mpi_alloc_bytes(&r, r.B * r.H * nloc * 4);
+    tl = mha_mpi_alloc_bytes(&r, r.H * maxpiece * 4);
     /* No rank starts a ring that another cannot finish. */
-    st = !kv[0] || !kv[1] || !po || !pl || !al
+    st = !kv[0] || !kv[1] || !po || !pl || !al || !tl
              ? mha_mpi_fail(MHA_ERR_OUT_OF_MEMORY,
                             "out of memory for the ring's buffers (%lld "
                             "bytes)", (long long)r.st.workspace_bytes)
@@ -180,7 +256,7 @@ mha_status mha_ring_attention_sized(const mha_ring_args *args,
         goto done;
     for (int64_t x = 0; x < r.B * r.H * nloc; x++)
         al[x] = -INFINITY;
-    memset(a->out, 0, (size_t)(r.B * nloc * r.E) * sizeof *a->out);
+    memset(a->out, 0, (size_t)(r.B * nloc * r.Ev) * sizeof *a->out);
     if (nloc > 0)
         pack_own(&r, a, kv[0]);
 
@@ -210,28 +286,39 @@ mha_status mha_ring_attention_sized(const mha_ring_args *args,
             for (int qpi = 0; st == MHA_OK && qpi < r.me.n_pieces; qpi++) {
                 const int64_t qn = r.me.length[qpi];
                 const int64_t r0 = qpi ? r.me.length[0] : 0;
-                for (int kp = 0; st == MHA_OK && kp < ks.n_pieces; kp++) {
-                    const int vis = pair_visibility(&r, qpi, &ks, kp);
-                    if (!vis)
-                        continue;
-                    int64_t kl;
-                    mha_attention_args pa =
-                        pair_args(&r, a, b, qpi, &ks, kp, cur, vis, &kl);
-                    pa.out = po;
-                    pa.lse = pl;
-                    st = mha_attention(&pa);
-                    if (st == MHA_OK) {
-                        float *ao = a->out + (b * nloc + r0) * r.E;
-                        float *lp = piece_lse(&r, al, b, qpi);
-                        const mha_attention_part part[2] = {{ao, lp},
-                                                            {po, pl}};
-                        st = mha_attention_merge(part, 2, 1, r.H, r.dh, qn,
-                                                 ao, lp);
+                for (int kp = 0; st == MHA_OK && kp < ks.n_pieces; kp++)
+                    for (int64_t i = 0; st == MHA_OK &&
+                                        i < pair_parts(&r, qpi, &ks, kp);
+                         i++) {
+                        const part x = pair_part(&r, qpi, &ks, kp, i);
+                        const int vis =
+                            visibility(&r, x.q0, x.qn, x.k0, x.kn);
+                        if (!vis)
+                            continue;
+                        int64_t kl;
+                        mha_attention_args pa = pair_args(&r, a, b, qpi, &ks,
+                                                          kp, &x, cur, vis,
+                                                          &kl);
+                        pa.out = po;
+                        pa.lse = pl;
+                        st = mha_attention(&pa);
+                        if (st == MHA_OK) {
+                            /* the part's rows of the running (out, lse) */
+                            const int64_t x0 = x.q0 - r.me.offset[qpi];
+                            float *ao = a->out + (b * nloc + r0 + x0) * r.Ev;
+                            float *lp = piece_lse(&r, al, b, qpi);
+                            float *lx = x.qn == qn ? lp : tl;
+                            lse_rows(lx, lp, r.H, qn, x0, x.qn, 0);
+                            const mha_attention_part pt[2] = {{ao, lx},
+                                                              {po, pl}};
+                            st = mha_attention_merge(pt, 2, 1, r.H, r.dv,
+                                                     x.qn, ao, lx);
+                            lse_rows(lx, lp, r.H, qn, x0, x.qn, 1);
+                        }
+                        /* Let the transfers progress between blocks. */
+                        int flag;
+                        MPI_Testall(2, req, &flag, MPI_STATUSES_IGNORE);
                     }
-                    /* Let the transfers progress between blocks. */
-                    int flag;
-                    MPI_Testall(2, req, &flag, MPI_STATUSES_IGNORE);
-                }
             }
         r.st.seconds_compute += mha_mpi_now() - t;
         if (s + 1 < r.P)
@@ -258,6 +345,7 @@ done:
     free(po);
     free(pl);
     free(al);
+    free(tl);
     mha_mpi_ring_close(&r);
     return st;
 }
@@ -283,7 +371,7 @@ mha_status mha_ring_attention_backward_sized(const mha_ring_args *args,
     const mha_ring_args *a = &r.a;
     const mha_ring_grads *g = &r.g;
     float *kv[2] = {NULL, NULL}, *dkv[2] = {NULL, NULL}, *loc = NULL;
-    float *lsep = NULL, *pdq = NULL, *pdk = NULL, *pdv = NULL;
+    float *lsep = NULL, *pdq = NULL, *pdk = NULL, *pdv = NULL, *tl = NULL;
     double *dq = NULL;
     /* kv receive, kv send, dkv receive, dkv send from dkv[0], dkv[1] */
     MPI_Request req[5] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL,
@@ -310,10 +398,11 @@ mha_status mha_ring_attention_backward_sized(const mha_ring_args *args,
     lsep = mha_mpi_alloc_bytes(&r, BH * nloc * 4);
     pdq = mha_mpi_alloc_bytes(&r, maxpiece * r.E * 4);
     pdk = mha_mpi_alloc_bytes(&r, maxlen * r.Ekv * 4);
-    pdv = mha_mpi_alloc_bytes(&r, maxlen * r.Ekv * 4);
+    pdv = mha_mpi_alloc_bytes(&r, maxlen * r.Evkv * 4);
+    tl = mha_mpi_alloc_bytes(&r, r.H * maxpiece * 4);
     dq = mha_mpi_alloc_bytes(&r, nq * 8);
     st = !kv[0] || !kv[1] || !dkv[0] || !dkv[1] || !loc || !lsep || !pdq ||
-                 !pdk || !pdv || !dq
+                 !pdk || !pdv || !tl || !dq
              ? mha_mpi_fail(MHA_ERR_OUT_OF_MEMORY,
                             "out of memory for the ring's buffers (%lld "
                             "bytes)", (long long)r.st.workspace_bytes)
@@ -323,7 +412,8 @@ mha_status mha_ring_attention_backward_sized(const mha_ring_args *args,
         goto done;
     /* q, out and dO of a (batch row, query piece) are contiguous runs of
      * the caller's arrays, read in place; its lse rows (H, n) are not
-     * (the heads are nloc apart): regrouped once, piece after piece. */
+     * (the heads are nloc apart): regrouped once, piece after piece (and
+     * a part's rows of them into tl, with chunks). */
     for (int64_t b = 0; b < r.B; b++)
         for (int p = 0; p < r.me.n_pieces; p++) {
             const int64_t r0 = p ? r.me.length[0] : 0, n = r.me.length[p];
@@ -368,31 +458,43 @@ mha_status mha_ring_attention_backward_sized(const mha_ring_args *args,
             for (int qpi = 0; st == MHA_OK && qpi < r.me.n_pieces; qpi++) {
                 const int64_t qn = r.me.length[qpi];
                 const int64_t r0 = qpi ? r.me.length[0] : 0;
-                const int64_t row = (b * nloc + r0) * r.E;
-                for (int kp = 0; st == MHA_OK && kp < ks.n_pieces; kp++) {
-                    const int64_t kn = ks.length[kp];
-                    const int vis = pair_visibility(&r, qpi, &ks, kp);
-                    if (!vis)
-                        continue;
-                    int64_t kl;
-                    float *kb = piece_of(&r, loc, &ks, kp, 0) + b * kn * r.Ekv;
-                    float *vb = piece_of(&r, loc, &ks, kp, 1) + b * kn * r.Ekv;
-                    const mha_attention_args pa =
-                        pair_args(&r, a, b, qpi, &ks, kp, cur, vis, &kl);
-                    const mha_attention_grads pg = {g->grad_out + row, pdq,
-                                                    pdk, pdv, NULL};
-                    st = mha_attention_backward_part(
-                        &pa, lsep + b * r.H * nloc + r.H * r0, a->out + row,
-                        &pg);
-                    if (st != MHA_OK)
-                        break;
-                    for (int64_t i = 0; i < qn * r.E; i++)
-                        dq[row + i] += pdq[i];
-                    add_floats(kb, pdk, kn * r.Ekv);
-                    add_floats(vb, pdv, kn * r.Ekv);
-                    int flag;
-                    MPI_Testall(3, req, &flag, MPI_STATUSES_IGNORE);
-                }
+                float *lp = lsep + b * r.H * nloc + r.H * r0;
+                for (int kp = 0; st == MHA_OK && kp < ks.n_pieces; kp++)
+                    for (int64_t i = 0; st == MHA_OK &&
+                                        i < pair_parts(&r, qpi, &ks, kp);
+                         i++) {
+                        const part x = pair_part(&r, qpi, &ks, kp, i);
+                        const int vis =
+                            visibility(&r, x.q0, x.qn, x.k0, x.kn);
+                        if (!vis)
+                            continue;
+                        /* the part's rows and keys */
+                        const int64_t x0 = x.q0 - r.me.offset[qpi];
+                        const int64_t kx = x.k0 - ks.offset[kp];
+                        const int64_t kn = ks.length[kp];
+                        const int64_t row = b * nloc + r0 + x0;
+                        int64_t kl;
+                        float *kb = piece_of(&r, loc, &ks, kp, 0) +
+                                    (b * kn + kx) * r.Ekv;
+                        float *vb = piece_of(&r, loc, &ks, kp, 1) +
+                                    (b * kn + kx) * r.Evkv;
+                        const mha_attention_args pa = pair_args(
+                            &r, a, b, qpi, &ks, kp, &x, cur, vis, &kl);
+                        const mha_attention_grads pg = {
+                            g->grad_out + row * r.Ev, pdq, pdk, pdv, NULL};
+                        float *lx = x.qn == qn ? lp : tl;
+                        lse_rows(lx, lp, r.H, qn, x0, x.qn, 0);
+                        st = mha_attention_backward_part(
+                            &pa, lx, a->out + row * r.Ev, &pg);
+                        if (st != MHA_OK)
+                            break;
+                        for (int64_t e = 0; e < x.qn * r.E; e++)
+                            dq[row * r.E + e] += pdq[e];
+                        add_floats(kb, pdk, x.kn * r.Ekv);
+                        add_floats(vb, pdv, x.kn * r.Evkv);
+                        int flag;
+                        MPI_Testall(3, req, &flag, MPI_STATUSES_IGNORE);
+                    }
             }
         r.st.seconds_compute += mha_mpi_now() - t;
         if (s == 0) {
@@ -432,7 +534,7 @@ mha_status mha_ring_attention_backward_sized(const mha_ring_args *args,
         mha_mpi_rows_copy(piece_of(&r, home, &r.me, p, 0), g->grad_k, r.B, nloc,
                   r.Ekv, r0, n, 1);
         mha_mpi_rows_copy(piece_of(&r, home, &r.me, p, 1), g->grad_v, r.B, nloc,
-                  r.Ekv, r0, n, 1);
+                  r.Evkv, r0, n, 1);
     }
     for (int64_t x = 0; x < nq; x++)
         g->grad_q[x] = (float)dq[x];
@@ -448,6 +550,7 @@ done:
     free(pdq);
     free(pdk);
     free(pdv);
+    free(tl);
     free(dq);
     mha_mpi_ring_close(&r);
     return st;

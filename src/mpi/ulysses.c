@@ -8,10 +8,12 @@
  * result, for every P.  The backward does the same with dO, and
  * mha_attention_backward on the local heads.
  *
- * Layouts: a shard x (B, Lloc, nh * dh); the head slice of rank j is
- * columns [j w, (j + 1) w), w = nh / P * dh; the whole sequence of a
- * slice is (B, L, w), rows in global order (the split's pieces put back
- * in place).
+ * Layouts: a shard x (B, Lloc, nh * hw), hw the head width (d_h, or
+ * d_v for values and outputs); the head slice of rank j is columns
+ * [j w, (j + 1) w), w = nh / P * hw; the whole sequence of a slice is
+ * (B, L, w), rows in global order (the split's pieces put back in place).
+ * Chunked attention needs nothing more: each rank runs the whole
+ * sequence, whose key 0 is global position 0.
  */
 #include "common.h"
 
@@ -41,15 +43,15 @@ typedef struct a2a {
 } a2a;
 
 /*
- * x (B, Lloc, nh*dh) of every rank -> full (B, L, w) of this rank's head
+ * x (B, Lloc, nh*hw) of every rank -> full (B, L, w) of this rank's head
  * slice (back = 0), or full -> x (back = 1).  tmp holds 2 B max(P Lloc,
  * L) w floats (P Lloc > L when the shards are uneven).
  */
 static mha_status exchange(ring *r, const mha_ring_args *a, int64_t nh,
-                           float *x, float *full, float *tmp, int back,
-                           a2a *c)
+                           int64_t hw, float *x, float *full, float *tmp,
+                           int back, a2a *c)
 {
-    const int64_t w = nh / r->P * r->dh, row = nh * r->dh, B = r->B;
+    const int64_t w = nh / r->P * hw, row = nh * hw, B = r->B;
     const int64_t nloc = r->me.len;
     const int64_t big = r->L > r->P * nloc ? r->L : r->P * nloc;
     float *snd = tmp, *rcv = tmp + B * big * w;
@@ -132,6 +134,8 @@ static mha_attention_args local_args(const ring *r, const mha_ring_args *a,
     p.num_heads = r->H / r->P;
     p.num_kv_heads = r->Hkv / r->P;
     p.head_dim = r->dh;
+    p.v_head_dim = r->dv;
+    p.attention_chunk = r->C;
     p.q_len = r->L;
     p.kv_len = r->L;
     p.scale = a->scale;
@@ -178,7 +182,9 @@ static int bufs_alloc(ring *r, const mha_ring_args *a, bufs *b, int n,
         else if (mha_alibi_slopes(r->H, b->slopes) != MHA_OK)
             return 0;
     }
-    const int64_t wq = r->H / r->P * r->dh, nloc = r->me.len;
+    /* (every tensor's slice at most H / P heads of the wider width) */
+    const int64_t wq = r->H / r->P * (r->dh > r->dv ? r->dh : r->dv);
+    const int64_t nloc = r->me.len;
     const int64_t big = r->L > r->P * nloc ? r->L : r->P * nloc;
     int ok = 1;
     for (int i = 0; i < n; i++) {
@@ -221,22 +227,25 @@ mha_status mha_ulysses_attention_sized(const mha_ring_args *args,
                             "bytes)", (long long)r.st.workspace_bytes);
     MHA_GOTO_IF(mha_mpi_agree(&r, st));
     a2a c = counts_of(&r, &b);
-    MHA_GOTO_IF(exchange(&r, a, r.H, (float *)a->q, b.f[0], b.tmp, 0, &c));
-    MHA_GOTO_IF(exchange(&r, a, r.Hkv, (float *)a->k, b.f[1], b.tmp, 0, &c));
-    MHA_GOTO_IF(exchange(&r, a, r.Hkv, (float *)a->v, b.f[2], b.tmp, 0, &c));
+    MHA_GOTO_IF(exchange(&r, a, r.H, r.dh, (float *)a->q, b.f[0], b.tmp, 0,
+                         &c));
+    MHA_GOTO_IF(exchange(&r, a, r.Hkv, r.dh, (float *)a->k, b.f[1], b.tmp, 0,
+                         &c));
+    MHA_GOTO_IF(exchange(&r, a, r.Hkv, r.dv, (float *)a->v, b.f[2], b.tmp, 0,
+                         &c));
     const double t = mha_mpi_now();
     mha_attention_args p = local_args(&r, a, b.slopes);
     p.q = b.f[0];
     p.k = b.f[1];
     p.v = b.f[2];
-    p.out = b.f[3] = mha_mpi_alloc_bytes(&r, r.B * r.L * (r.E / r.P) * 4);
+    p.out = b.f[3] = mha_mpi_alloc_bytes(&r, r.B * r.L * (r.Ev / r.P) * 4);
     p.lse = b.f[4];
     st = p.out ? mha_attention(&p)
                : mha_mpi_fail(MHA_ERR_OUT_OF_MEMORY,
                               "out of memory for Ulysses' output");
     r.st.seconds_compute += mha_mpi_now() - t;
     MHA_GOTO_IF(mha_mpi_agree(&r, st));
-    MHA_GOTO_IF(exchange(&r, a, r.H, a->out, b.f[3], b.tmp, 1, &c));
+    MHA_GOTO_IF(exchange(&r, a, r.H, r.dv, a->out, b.f[3], b.tmp, 1, &c));
     if (with_lse) {
         /* (B, H/P, L) -> token-major (B, L, H/P), exchanged as heads of
          * width 1, then (B, Lloc, H) -> (B, H, Lloc). */
@@ -247,11 +256,7 @@ mha_status mha_ulysses_attention_sized(const mha_ring_args *args,
                 for (int64_t i = 0; i < r.L; i++)
                     tm[(bb * r.L + i) * hp + h] =
                         b.f[4][(bb * hp + h) * r.L + i];
-        const int64_t dh = r.dh;
-        r.dh = 1;
-        st = exchange(&r, a, r.H, b.x, tm, b.tmp, 1, &c);
-        r.dh = dh;
-        MHA_GOTO_IF(st);
+        MHA_GOTO_IF(exchange(&r, a, r.H, 1, b.x, tm, b.tmp, 1, &c));
         for (int64_t bb = 0; bb < r.B; bb++)
             for (int64_t h = 0; h < r.H; h++)
                 for (int64_t i = 0; i < nloc; i++)
@@ -281,8 +286,9 @@ mha_status mha_ulysses_attention_backward_sized(const mha_ring_args *args,
     if (st != MHA_OK)
         goto done;
     int ok = bufs_alloc(&r, a, &b, 4, 0);
-    for (int i = 0; i < 3; i++) {
-        d[i] = mha_mpi_alloc_bytes(&r, r.B * r.L * (r.E / r.P) * 4);
+    for (int i = 0; i < 3; i++) {   /* dq, dk, dv: at most H / P heads */
+        d[i] = mha_mpi_alloc_bytes(&r, r.B * r.L * (r.H / r.P) *
+                                           (i == 2 ? r.dv : r.dh) * 4);
         ok &= d[i] != NULL;
     }
     st = ok ? MHA_OK
@@ -291,11 +297,14 @@ mha_status mha_ulysses_attention_backward_sized(const mha_ring_args *args,
                            (long long)r.st.workspace_bytes);
     MHA_GOTO_IF(mha_mpi_agree(&r, st));
     a2a c = counts_of(&r, &b);
-    MHA_GOTO_IF(exchange(&r, a, r.H, (float *)a->q, b.f[0], b.tmp, 0, &c));
-    MHA_GOTO_IF(exchange(&r, a, r.Hkv, (float *)a->k, b.f[1], b.tmp, 0, &c));
-    MHA_GOTO_IF(exchange(&r, a, r.Hkv, (float *)a->v, b.f[2], b.tmp, 0, &c));
-    MHA_GOTO_IF(exchange(&r, a, r.H, (float *)g->grad_out, b.f[3], b.tmp, 0,
+    MHA_GOTO_IF(exchange(&r, a, r.H, r.dh, (float *)a->q, b.f[0], b.tmp, 0,
                          &c));
+    MHA_GOTO_IF(exchange(&r, a, r.Hkv, r.dh, (float *)a->k, b.f[1], b.tmp, 0,
+                         &c));
+    MHA_GOTO_IF(exchange(&r, a, r.Hkv, r.dv, (float *)a->v, b.f[2], b.tmp, 0,
+                         &c));
+    MHA_GOTO_IF(exchange(&r, a, r.H, r.dv, (float *)g->grad_out, b.f[3],
+                         b.tmp, 0, &c));
     const double t = mha_mpi_now();
     mha_attention_args p = local_args(&r, a, b.slopes);
     p.q = b.f[0];
@@ -305,9 +314,9 @@ mha_status mha_ulysses_attention_backward_sized(const mha_ring_args *args,
     st = mha_attention_backward(&p, &lg);
     r.st.seconds_compute += mha_mpi_now() - t;
     MHA_GOTO_IF(mha_mpi_agree(&r, st));
-    MHA_GOTO_IF(exchange(&r, a, r.H, g->grad_q, d[0], b.tmp, 1, &c));
-    MHA_GOTO_IF(exchange(&r, a, r.Hkv, g->grad_k, d[1], b.tmp, 1, &c));
-    MHA_GOTO_IF(exchange(&r, a, r.Hkv, g->grad_v, d[2], b.tmp, 1, &c));
+    MHA_GOTO_IF(exchange(&r, a, r.H, r.dh, g->grad_q, d[0], b.tmp, 1, &c));
+    MHA_GOTO_IF(exchange(&r, a, r.Hkv, r.dh, g->grad_k, d[1], b.tmp, 1, &c));
+    MHA_GOTO_IF(exchange(&r, a, r.Hkv, r.dv, g->grad_v, d[2], b.tmp, 1, &c));
 done:
     for (int i = 0; i < 3; i++)
         free(d[i]);
