@@ -893,8 +893,8 @@ static void expect_rounded(const uint16_t *out16, const float *want,
  * 16-bit data with values of another width: the forward on given k and v
  * and the decoding on a cache of d_v-wide values and on a latent cache
  * (each query's output d_v wide) give the float32 result rounded, and
- * write nothing past out16's d_v-wide rows; the 16-bit backward refuses
- * them by name.
+ * write nothing past out16's d_v-wide rows; the 16-bit backward gives
+ * the float32 gradients rounded.
  */
 static void test_half_widths(void **state)
 {
@@ -921,11 +921,25 @@ static void test_half_widths(void **state)
         out16[NO + i] = 0xABCD;
     assert_int_equal(mha_attention(&h), MHA_OK);
     expect_rounded(out16, out, NO, "forward");
-    /* the backward on 16-bit data: refused, nothing written */
-    static uint16_t gq[NQ], gk[NK], gv[NV];
-    const mha_attention_grads16 g = {out16, gq, gk, gv};
-    assert_fails(mha_attention_backward16(&h, &g), MHA_ERR_UNSUPPORTED,
-                 "16-bit backward");
+    /* the backward on 16-bit data: the float32 backward on the same
+     * numbers, each gradient rounded once (it widens too), d_v-wide
+     * grad_out and grad_v, nothing written past them (the float32
+     * backward itself is checked against float64 in test_gradients) */
+    static uint16_t go16[NO], gq[NQ + 8], gk[NK + 8], gv[NV + 8];
+    static float go[NO], fq[NQ], fk[NK], fv[NV];
+    fill_bf16(go16, go, NO, 94);
+    const mha_attention_grads fg = {.grad_out = go, .grad_q = fq,
+                                    .grad_k = fk, .grad_v = fv};
+    assert_int_equal(mha_attention_backward(&a, &fg), MHA_OK);
+    for (int i = 0; i < 8; i++)
+        gq[NQ + i] = gk[NK + i] = gv[NV + i] = 0xABCD;
+    const mha_attention_grads16 g = {go16, gq, gk, gv};
+    h.out16 = NULL;   /* (the forward's out and lse not given: recomputed) */
+    assert_int_equal(mha_attention_backward16(&h, &g), MHA_OK);
+    expect_rounded(gq, fq, NQ, "16-bit backward, grad_q");
+    expect_rounded(gk, fk, NK, "16-bit backward, grad_k");
+    expect_rounded(gv, fv, NV, "16-bit backward, grad_v (d_v wide)");
+    h.out16 = out16;
 
     /* decoding: a cache of d_v-wide values, then a latent one (values
      * the keys' first d_v elements) */

@@ -1126,7 +1126,8 @@ static PyObject *module_forward_fast(ModuleObject *self,
 /*
  * attention_half(q, k, v, out, dtype, causal, scale, threads): mha_attention
  * on 16-bit elements (dtype 2: f16, 3: bf16, mha_dtype's values), q (B,
- * H, Lq, d_h), k and v (B, H_kv, Lk, d_h), out like q, all C-contiguous
+ * H, Lq, d_h), k (B, H_kv, Lk, d_h), v (B, H_kv, Lk, d_v), out (B, H,
+ * Lq, d_v), all C-contiguous
  * arrays of 2-byte items (the bits), read and written in place.  With
  * four more, (..., grad_out, grad_q, grad_k, grad_v), its backward
  * (mha_attention_backward16): out is then not written (None).
@@ -1160,9 +1161,10 @@ static PyObject *attention_half(PyObject *self, PyObject *const *args,
     const Py_buffer *vv = &b.v[2];
     if (vq->ndim != 4 || vk->ndim != 4 || vv->ndim != 4 ||
         vk->shape[0] != vq->shape[0] || vk->shape[3] != vq->shape[3] ||
-        memcmp(vk->shape, vv->shape, 4 * sizeof *vk->shape)) {
-        PyErr_Format(PyExc_ValueError, "q must be (B, H, Lq, d_h), k and v "
-                     "(B, H_kv, Lk, d_h), the same shape");
+        memcmp(vk->shape, vv->shape, 3 * sizeof *vk->shape) ||
+        vv->shape[3] < 1) {
+        PyErr_Format(PyExc_ValueError, "q must be (B, H, Lq, d_h), k (B, "
+                     "H_kv, Lk, d_h) and v (B, H_kv, Lk, d_v)");
         goto fail;
     }
     a.batch = vq->shape[0];
@@ -1171,18 +1173,20 @@ static PyObject *attention_half(PyObject *self, PyObject *const *args,
     a.head_dim = vq->shape[3];
     a.num_kv_heads = vk->shape[1];
     a.kv_len = vk->shape[2];
-    if (get_buf(&b, args[3], "out", T_U16, 1, (int64_t)(vq->len / 2),
-                !backward, &pout, NULL))
+    /* values of another head width: out and grad_out (B, H, Lq, d_v) */
+    const int64_t dv = vv->shape[3];
+    a.v_head_dim = dv == a.head_dim ? 0 : dv;
+    const int64_t n_o = (int64_t)(vq->len / 2) / a.head_dim * dv;
+    if (get_buf(&b, args[3], "out", T_U16, 1, n_o, !backward, &pout, NULL))
         goto fail;
     void *pgo = NULL, *pgq = NULL, *pgk = NULL, *pgv = NULL;
     if (backward &&
-        (get_buf(&b, args[8], "grad_out", T_U16, 0, (int64_t)(vq->len / 2),
-                 1, &pgo, NULL) ||
+        (get_buf(&b, args[8], "grad_out", T_U16, 0, n_o, 1, &pgo, NULL) ||
          get_buf(&b, args[9], "grad_q", T_U16, 1, (int64_t)(vq->len / 2), 1,
                  &pgq, NULL) ||
          get_buf(&b, args[10], "grad_k", T_U16, 1, (int64_t)(vk->len / 2), 1,
                  &pgk, NULL) ||
-         get_buf(&b, args[11], "grad_v", T_U16, 1, (int64_t)(vk->len / 2), 1,
+         get_buf(&b, args[11], "grad_v", T_U16, 1, (int64_t)(vv->len / 2), 1,
                  &pgv, NULL)))
         goto fail;
     a.dtype = (mha_dtype)dtype;

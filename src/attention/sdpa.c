@@ -825,17 +825,19 @@ static mha_status backward_widened(const mha_attention_args *a,
                                    const sdpa_shape *s)
 {
     const int bf = a->dtype == MHA_DTYPE_BF16;
-    float *buf = mha_alloc_floats(3 * s->n_q + 6 * s->n_kv,
+    /* (values, the output and their gradients d_v wide: n_v, n_o) */
+    float *buf = mha_alloc_floats(2 * s->n_q + 2 * s->n_o + 2 * s->n_kv +
+                                      2 * s->n_v,
                                   "widened q, k, v and gradients");
     if (!buf)
         return MHA_ERR_OUT_OF_MEMORY;
-    float *q = buf, *go = q + s->n_q, *gq = go + s->n_q, *k = gq + s->n_q;
-    float *v = k + s->n_kv, *gk = v + s->n_kv, *gv = gk + s->n_kv;
+    float *q = buf, *go = q + s->n_q, *gq = go + s->n_o, *k = gq + s->n_q;
+    float *v = k + s->n_kv, *gk = v + s->n_v, *gv = gk + s->n_kv;
     const mha_layout lay = a->layout;
     widen_rows(a->q16, lay, s->B, s->H, s->Lq, s->dh, bf, q);
-    widen_rows(g->grad_out, lay, s->B, s->H, s->Lq, s->dh, bf, go);
+    widen_rows(g->grad_out, lay, s->B, s->H, s->Lq, s->dv, bf, go);
     widen_rows(a->k16, lay, s->B, s->Hkv, s->Lk, s->dh, bf, k);
-    widen_rows(a->v16, lay, s->B, s->Hkv, s->Lk, s->dh, bf, v);
+    widen_rows(a->v16, lay, s->B, s->Hkv, s->Lk, s->dv, bf, v);
     mha_attention_args f = *a;
     f.dtype = MHA_DTYPE_F32;
     f.q16 = f.k16 = f.v16 = NULL;
@@ -848,7 +850,7 @@ static mha_status backward_widened(const mha_attention_args *a,
     if (st == MHA_OK) {
         narrow_rows(gq, lay, s->B, s->H, s->Lq, s->dh, bf, g->grad_q);
         narrow_rows(gk, lay, s->B, s->Hkv, s->Lk, s->dh, bf, g->grad_k);
-        narrow_rows(gv, lay, s->B, s->Hkv, s->Lk, s->dh, bf, g->grad_v);
+        narrow_rows(gv, lay, s->B, s->Hkv, s->Lk, s->dv, bf, g->grad_v);
     }
     free(buf);
     return st;
@@ -999,21 +1001,17 @@ static mha_status attention_half_backward(const mha_attention_args *a,
     f.lse = NULL;
     sdpa_shape s;
     MHA_CHECK(half_shape(&f, &s));
-    if (s.dv != s.dh)
-        return mha_set_error(MHA_ERR_UNSUPPORTED,
-                             "v_head_dim %lld != head_dim %lld: the 16-bit "
-                             "backward takes values as wide as the keys "
-                             "(give float32 data to mha_attention_backward)",
-                             (long long)s.dv, (long long)s.dh);
+    /* (values of another width than the keys: d_v != d_h takes the
+     * widened path, bf16_takes) */
     const span outs[3] = {{"grad_q", g->grad_q, (s.n_q + 1) / 2},
                           {"grad_k", g->grad_k, (s.n_kv + 1) / 2},
-                          {"grad_v", g->grad_v, (s.n_kv + 1) / 2}};
+                          {"grad_v", g->grad_v, (s.n_v + 1) / 2}};
     const int given = a->out16 && a->lse;   /* the forward's, to reuse */
     const span ins[6] = {{"q16", a->q16, (s.n_q + 1) / 2},
                          {"k16", a->k16, (s.n_kv + 1) / 2},
-                         {"v16", a->v16, (s.n_kv + 1) / 2},
-                         {"grad_out", g->grad_out, (s.n_q + 1) / 2},
-                         {"out16", given ? a->out16 : NULL, (s.n_q + 1) / 2},
+                         {"v16", a->v16, (s.n_v + 1) / 2},
+                         {"grad_out", g->grad_out, (s.n_o + 1) / 2},
+                         {"out16", given ? a->out16 : NULL, (s.n_o + 1) / 2},
                          {"lse", given ? a->lse : NULL, s.B * s.H * s.Lq}};
     MHA_CHECK(check_disjoint(outs, 3, ins, 6));
     const int tier = bf16_takes(a, &s);

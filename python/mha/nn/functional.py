@@ -16,7 +16,7 @@ Where it differs from torch:
   - an additive float attn_mask is a constant: it gets no gradient
     (a mask that requires grad is refused);
   - the value's head dim may differ from the query's, as in torch (Ev !=
-    E: libmha's v_head_dim); in bf16 / f16 that call computes in float32;
+    E: libmha's v_head_dim), in float32, bf16 and f16 alike;
   - inputs are (B, H, L, d); libmha reads (B, L, H*d): q, k and v that
     are transposed views of (B, L, H, d) tensors (how models make them)
     are read in place, any others gathered into that layout by the C
@@ -196,11 +196,7 @@ def _sdpa_half(query, key, value, attn_mask, dropout_p, causal, scale,
                             "same dtype" % (dt, name, t.dtype))
     grad = torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad)
-    # (values of another head width: libmha's float32 path)
-    other_width = all(isinstance(t, _T) and t.dim() in (3, 4)
-                      for t in (query, value)) and \
-        value.shape[-1] != query.shape[-1]
-    if attn_mask is not None or dropout_p or extra or other_width:
+    if attn_mask is not None or dropout_p or extra:
         out = _sdpa(query.float(), key.float(), value.float(), attn_mask,
                     dropout_p, causal, scale, enable_gqa, **extra)
         return out.to(dt)
@@ -216,9 +212,11 @@ def _sdpa_half(query, key, value, attn_mask, dropout_p, causal, scale,
     unbatched = query.dim() == 3
     q, k, v = (t[None] if unbatched else t for t in (query, key, value))
     B, H, Lq, d = q.shape
-    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != d:
-        raise ValueError("key and value must be (B, H_kv, Lk, %d) with "
-                         "B = %d, the same shape; got %s and %s"
+    # (the values' head width may differ: Ev != E, as torch allows)
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != B or k.shape[3] != d \
+            or v.shape[3] == 0:
+        raise ValueError("key must be (B, H_kv, Lk, %d) and value (B, H_kv, "
+                         "Lk, d_v) with B = %d; got %s and %s"
                          % (d, B, tuple(k.shape), tuple(v.shape)))
     Hkv = k.shape[1]
     if Hkv != H and not enable_gqa:
@@ -227,7 +225,7 @@ def _sdpa_half(query, key, value, attn_mask, dropout_p, causal, scale,
                          % (Hkv, H))
     kw = (_HALF[dt], causal, None if scale is None else float(scale), 0)
     if 0 in q.shape or 0 in k.shape:
-        out = _Empty.apply((B, H, Lq, d), q, k, v)
+        out = _Empty.apply((B, H, Lq, v.shape[3]), q, k, v)
     elif grad:
         out = _SDPAHalf.apply(q, k, v, kw)
     else:
@@ -236,7 +234,7 @@ def _sdpa_half(query, key, value, attn_mask, dropout_p, causal, scale,
 
 
 def _half_forward(q, k, v, kw):
-    out = torch.empty(q.shape, dtype=q.dtype)
+    out = torch.empty(q.shape[:3] + v.shape[3:], dtype=q.dtype)
     _core.attention_half(_bits(q.contiguous()), _bits(k.contiguous()),
                          _bits(v.contiguous()), _bits(out), *kw)
     return out
