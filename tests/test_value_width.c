@@ -682,10 +682,10 @@ static void test_latent(void **state)
     mha_kv_cache *kv = NULL;
     assert_fails(mha_kv_cache_create(&bad, &kv), MHA_ERR_UNSUPPORTED,
                  "latent");
-    bad.dtype = MHA_KV_F32, bad.window = 8;
+    bad.dtype = MHA_KV_F32, bad.rotate = 1;
     assert_fails(mha_kv_cache_create(&bad, &kv), MHA_ERR_UNSUPPORTED,
                  "latent");
-    bad.window = 0, bad.v_head_dim = DK + 2;
+    bad.rotate = 0, bad.v_head_dim = DK + 2;
     assert_fails(mha_kv_cache_create(&bad, &kv), MHA_ERR_UNSUPPORTED,
                  "latent");
     assert_null(kv);
@@ -974,6 +974,65 @@ static void test_half_widths(void **state)
     }
 }
 
+/*
+ * A latent cache with a sliding window (a ring of slots): each step's
+ * decode of 1 and 3 rows bitwise that of a window cache holding the same
+ * keys and, apart, their first d_v elements as values, as the ring wraps
+ * many times (f32, f16, bf16; 1 and 2 threads).
+ */
+static void test_latent_window(void **state)
+{
+    (void)state;
+    enum { H = 5, DK = 24, DV = 16, W = 45, STEPS = 40 };
+    for (int t = 0; t < 3; t++)
+        for (int64_t lq = 1; lq <= 3; lq += 2) {
+            const mha_kv_dtype dt = t == 0   ? MHA_KV_F32
+                                    : t == 1 ? MHA_KV_F16
+                                             : MHA_KV_BF16;
+            const int64_t cap = W + lq - 1;
+            mha_kv_cache_config lc = {1, 1, DK, cap, dt, W, 0, 0, 0, DV, 1};
+            mha_kv_cache_config ac = lc;
+            ac.latent = 0;
+            mha_kv_cache *lat = NULL, *apart = NULL;
+            assert_int_equal(mha_kv_cache_create(&lc, &lat), MHA_OK);
+            assert_int_equal(mha_kv_cache_create(&ac, &apart), MHA_OK);
+            float k[3 * DK], v[3 * DV], q[3 * H * DK];
+            float o1[3 * H * DV], o2[3 * H * DV], o3[3 * H * DV];
+            uint64_t seed = 300 + (uint64_t)(10 * t + lq);
+            for (int step = 0; step < STEPS; step++) {
+                /* a prompt of 20 first, then lq tokens a step */
+                const int64_t n = step ? lq : 20;
+                for (int64_t x = 0; x < n; x += lq) {
+                    const int64_t m = n - x < lq ? n - x : lq;
+                    tu_fill(k, m * DK, seed++, -1, 1);
+                    for (int64_t j = 0; j < m; j++)
+                        memcpy(v + j * DV, k + j * DK, DV * sizeof *v);
+                    assert_int_equal(mha_kv_cache_append(lat, 0, k, NULL, m),
+                                     MHA_OK);
+                    assert_int_equal(mha_kv_cache_append(apart, 0, k, v, m),
+                                     MHA_OK);
+                }
+                tu_fill(q, lq * H * DK, seed++, -1, 1);
+                mha_attention_decode_args d = {0};
+                d.batch = 1, d.num_heads = H, d.head_dim = DK, d.q_len = lq;
+                d.q = q, d.out = o1, d.cache = lat, d.num_threads = 1;
+                assert_int_equal(mha_attention_decode(&d), MHA_OK);
+                d.out = o3, d.num_threads = 2;
+                assert_int_equal(mha_attention_decode(&d), MHA_OK);
+                d.out = o2, d.cache = apart, d.num_threads = 1;
+                assert_int_equal(mha_attention_decode(&d), MHA_OK);
+                const size_t bytes = (size_t)(lq * H * DV) * sizeof *o1;
+                if (memcmp(o1, o2, bytes) || memcmp(o1, o3, bytes))
+                    fail_msg("latent window cache, dtype %d, %lld rows, step "
+                             "%d: not the bits of the cache keeping values "
+                             "apart (or of 2 threads)", (int)dt,
+                             (long long)lq, step);
+            }
+            mha_kv_cache_free(lat);
+            mha_kv_cache_free(apart);
+        }
+}
+
 int main(void)
 {
     if (tu_tier_unavailable())
@@ -986,6 +1045,7 @@ int main(void)
         cmocka_unit_test(test_cache),
         cmocka_unit_test(test_latent),
         cmocka_unit_test(test_latent_paged),
+        cmocka_unit_test(test_latent_window),
         cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_half_widths),
     };

@@ -101,17 +101,16 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
                              "must be even, got %lld (v_head_dim %lld)",
                              (long long)cfg->head_dim, (long long)dv);
     if (cfg->latent &&
-        (dv > cfg->head_dim || cfg->rotate || cfg->window ||
+        (dv > cfg->head_dim || cfg->rotate ||
          cfg->dtype == MHA_KV_Q8 || cfg->dtype == MHA_KV_Q4))
         return mha_set_error(MHA_ERR_UNSUPPORTED,
                              "a latent cache (values the first v_head_dim "
                              "elements of the keys) takes v_head_dim <= "
-                             "head_dim, f32, f16 or bf16, and no window or "
-                             "rotation; got v_head_dim %lld, head_dim %lld, "
-                             "dtype %d, window %lld, rotate %d",
+                             "head_dim, f32, f16 or bf16, and no rotation; "
+                             "got v_head_dim %lld, head_dim %lld, dtype %d, "
+                             "rotate %d",
                              (long long)dv, (long long)cfg->head_dim,
-                             (int)cfg->dtype, (long long)cfg->window,
-                             cfg->rotate);
+                             (int)cfg->dtype, cfg->rotate);
     if (cfg->rotate && dv != cfg->head_dim)
         return mha_set_error(MHA_ERR_UNSUPPORTED,
                              "a rotated cache with v_head_dim %lld != "
