@@ -578,9 +578,10 @@ static void test_latent(void **state)
         for (int64_t r = 0; r < RO; r++)
             qa[h * DK + R + r] = qn[h * (N + RO) + N + r];
     }
-    const mha_kv_dtype dts[3] = {MHA_KV_F32, MHA_KV_F16, MHA_KV_BF16};
+    const mha_kv_dtype dts[4] = {MHA_KV_F32, MHA_KV_F16, MHA_KV_BF16,
+                                 MHA_KV_Q8};
     float lat[H * R], apart[H * R];
-    for (int t = 0; t < 3; t++) {
+    for (int t = 0; t < 4; t++) {
         mha_kv_cache_config kc = {1, 1, DK, L, dts[t], 0, 0, 0, 0, R, 1};
         mha_kv_cache *kv = NULL, *sep = NULL;
         assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
@@ -628,7 +629,23 @@ static void test_latent(void **state)
         for (int64_t j = 0; j < L; j++)
             for (int64_t r = 0; r < R; r++)
                 assert_true(vr[j * R + r] == kr[j * DK + r]);
+        if (dts[t] == MHA_KV_Q8)   /* each key's block (DK <= 32) within
+                                      half its step max|x| / 127 */
+            for (int64_t j = 0; j < L; j++) {
+                double amax = 0.0;
+                for (int64_t r = 0; r < DK; r++)
+                    amax = fmax(amax, fabs((double)c[j * DK + r]));
+                for (int64_t r = 0; r < DK; r++)
+                    if (!(fabs((double)kr[j * DK + r] - c[j * DK + r]) <=
+                          amax / 254.0 * (1.0 + 1e-6)))
+                        fail_msg("q8 latent key %lld, element %lld: %g "
+                                 "read back for %g", (long long)j,
+                                 (long long)r, (double)kr[j * DK + r],
+                                 (double)c[j * DK + r]);
+            }
         kc.latent = 0;
+        if (dts[t] == MHA_KV_Q8)   /* the floats it holds, exactly */
+            kc.dtype = MHA_KV_F32;
         assert_int_equal(mha_kv_cache_create(&kc, &sep), MHA_OK);
         assert_int_equal(mha_kv_cache_append(sep, 0, kr, vr, L), MHA_OK);
         d.cache = sep, d.out = apart;
@@ -669,7 +686,10 @@ static void test_latent(void **state)
         mha_kv_cache_usage u1, u2;
         assert_int_equal(mha_kv_cache_get_usage(kv, &u1), MHA_OK);
         assert_int_equal(mha_kv_cache_get_usage(sep, &u2), MHA_OK);
-        assert_int_equal(2 * u1.bytes_total, u2.bytes_total);
+        if (dts[t] == MHA_KV_Q8)   /* one q8 plane against two of f32 */
+            assert_true(4 * u1.bytes_total < u2.bytes_total);
+        else
+            assert_int_equal(2 * u1.bytes_total, u2.bytes_total);
         /* misuse: values given, a module, a window, q8 */
         assert_fails(mha_kv_cache_append(kv, 0, c, c, 1),
                      MHA_ERR_INVALID_ARGUMENT, "v must be NULL");
@@ -678,7 +698,7 @@ static void test_latent(void **state)
         free(kr);
         free(vr);
     }
-    mha_kv_cache_config bad = {1, 1, DK, 64, MHA_KV_Q8, 0, 0, 0, 0, R, 1};
+    mha_kv_cache_config bad = {1, 1, DK, 64, MHA_KV_Q4, 0, 0, 0, 0, R, 1};
     mha_kv_cache *kv = NULL;
     assert_fails(mha_kv_cache_create(&bad, &kv), MHA_ERR_UNSUPPORTED,
                  "latent");
@@ -975,6 +995,51 @@ static void test_half_widths(void **state)
 }
 
 /*
+ * A q8 latent cache in pages of 64, filled a page at a time across two
+ * sequences: each decode step bitwise the contiguous q8 latent cache's,
+ * on 1 and 2 threads.
+ */
+static void test_latent_q8_paged(void **state)
+{
+    (void)state;
+    enum { B = 2, H = 6, R = 16, DK = 40, CAP = 300, N = 250 };
+    float *keys = malloc((size_t)(B * CAP * DK) * 4);
+    tu_fill(keys, B * CAP * DK, 131, -1, 1);
+    mha_kv_cache_config kc = {B, 1, DK, CAP, MHA_KV_Q8, 0, 0, 0, 0, R, 1};
+    mha_kv_cache *flat = NULL, *paged = NULL;
+    assert_int_equal(mha_kv_cache_create(&kc, &flat), MHA_OK);
+    kc.page_size = 64;
+    assert_int_equal(mha_kv_cache_create(&kc, &paged), MHA_OK);
+    float q[B * H * DK], o1[B * H * R], o2[B * H * R];
+    for (int64_t at = 0; at < N; at += 64) {
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t n = N - at < 64 ? N - at : 64;
+            const float *k = keys + (b * CAP + at) * DK;
+            assert_int_equal(mha_kv_cache_append(flat, b, k, NULL, n),
+                             MHA_OK);
+            assert_int_equal(mha_kv_cache_append(paged, b, k, NULL, n),
+                             MHA_OK);
+        }
+        tu_fill(q, B * H * DK, 132 + (uint64_t)at, -1, 1);
+        for (int threads = 1; threads <= 2; threads++) {
+            mha_attention_decode_args d = {0};
+            d.batch = B, d.num_heads = H, d.head_dim = DK, d.q_len = 1;
+            d.q = q, d.out = o1, d.cache = flat, d.num_threads = threads;
+            assert_int_equal(mha_attention_decode(&d), MHA_OK);
+            d.out = o2, d.cache = paged;
+            assert_int_equal(mha_attention_decode(&d), MHA_OK);
+            if (memcmp(o1, o2, sizeof o1))
+                fail_msg("q8 latent pages, %lld tokens, %d threads: not the "
+                         "contiguous cache's bits", (long long)(at + 64),
+                         threads);
+        }
+    }
+    mha_kv_cache_free(flat);
+    mha_kv_cache_free(paged);
+    free(keys);
+}
+
+/*
  * A latent cache with a sliding window (a ring of slots): each step's
  * decode of 1 and 3 rows bitwise that of a window cache holding the same
  * keys and, apart, their first d_v elements as values, as the ring wraps
@@ -1046,6 +1111,7 @@ int main(void)
         cmocka_unit_test(test_latent),
         cmocka_unit_test(test_latent_paged),
         cmocka_unit_test(test_latent_window),
+        cmocka_unit_test(test_latent_q8_paged),
         cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_half_widths),
     };

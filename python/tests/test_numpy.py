@@ -306,6 +306,33 @@ def test_latent_cache_absorbed_decode(rng):
         cache.append(0, c, c)
 
 
+def test_latent_cache_q8(rng):
+    """A q8 latent cache: the keys it holds (read back) are each within
+    half a quantisation step (its block's max|x| / 127) of the appended
+    ones, and its decode is NumPy's float64 attention over those keys,
+    the values their first R elements."""
+    H, R, RO, L = 8, 40, 8, 70
+    c = f32(rng, L, R + RO)
+    cache = mha.KVCache(1, 1, R + RO, L, dtype="q8", v_head_dim=R,
+                        latent=True)
+    cache.append(0, c, None)
+    k_back, v_back = cache.read(0)
+    np.testing.assert_array_equal(v_back, k_back[:, :R])
+    for b0 in range(0, R + RO, 32):   # the q8 blocks of 32 elements
+        blk = c[:, b0:b0 + 32].astype(np.float64)
+        step = np.abs(blk).max(1, keepdims=True) / 127
+        assert (np.abs(k_back[:, b0:b0 + 32] - blk) <= step / 2 * (1 + 1e-6)
+                ).all()
+    q = f32(rng, H, R + RO)
+    out = mha.attention(q.reshape(1, 1, -1), num_heads=H,
+                        cache=cache).reshape(H, R)
+    k64 = k_back.astype(np.float64)
+    sc = q.astype(np.float64) @ k64.T / np.sqrt(R + RO)
+    p = np.exp(sc - sc.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    np.testing.assert_allclose(out, p @ k64[:, :R], rtol=0, atol=1e-5)
+
+
 def test_pickle_module(rng):
     m = mha.Module(8, 2, num_kv_heads=1, rope="gptj", window=(3, 0),
                    softcap=5.0, sinks=True, seed=4, attention_chunk=3)

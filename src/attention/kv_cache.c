@@ -101,14 +101,13 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
                              "must be even, got %lld (v_head_dim %lld)",
                              (long long)cfg->head_dim, (long long)dv);
     if (cfg->latent &&
-        (dv > cfg->head_dim || cfg->rotate ||
-         cfg->dtype == MHA_KV_Q8 || cfg->dtype == MHA_KV_Q4))
+        (dv > cfg->head_dim || cfg->rotate || cfg->dtype == MHA_KV_Q4))
         return mha_set_error(MHA_ERR_UNSUPPORTED,
                              "a latent cache (values the first v_head_dim "
                              "elements of the keys) takes v_head_dim <= "
-                             "head_dim, f32, f16 or bf16, and no rotation; "
-                             "got v_head_dim %lld, head_dim %lld, dtype %d, "
-                             "rotate %d",
+                             "head_dim, f32, f16, bf16 or q8, and no "
+                             "rotation; got v_head_dim %lld, head_dim %lld, "
+                             "dtype %d, rotate %d",
                              (long long)dv, (long long)cfg->head_dim,
                              (int)cfg->dtype, cfg->rotate);
     if (cfg->rotate && dv != cfg->head_dim)
@@ -392,7 +391,9 @@ const unsigned char *mha_kv_cache_k_tile(const mha_kv_cache *c, int64_t b,
 const unsigned char *mha_kv_cache_v_tile(const mha_kv_cache *c, int64_t b,
                                          int64_t g, int64_t t)
 {
-    return tile_at(c, c->v, c->dv, b, g, t);
+    /* (a latent cache's value tile is its key tile, scaled by d_h-wide
+     * rows) */
+    return tile_at(c, c->v, c->latent ? c->dh : c->dv, b, g, t);
 }
 
 /* A q4 key (dh elements) and value (dv): each block's codes (quant_block
@@ -436,7 +437,19 @@ static void store_column(mha_kv_cache *c, int64_t b, int64_t g, int64_t t,
     const int64_t dh = c->dh, dv = c->dv, cols = MHA_BC;
     unsigned char *kt = (unsigned char *)mha_kv_cache_k_tile(c, b, g, t);
     unsigned char *vt = (unsigned char *)mha_kv_cache_v_tile(c, b, g, t);
-    if (c->latent) {   /* the key as a row; its value is its prefix */
+    if (c->latent && c->dtype == MHA_KV_Q8) {
+        /* the key as a row in a value tile's q8 layout (a scale per
+         * block of 32 of its elements): its value is its prefix */
+        float *ks = (float *)mha_q8_scales(kt, cols, dh);
+        const int64_t blocks = mha_q8_blocks(dh);
+        for (int64_t k = 0; k < blocks; k++) {
+            const int64_t d0 = k * MHA_Q8_BLOCK;
+            const int n = (int)(dh - d0 < MHA_Q8_BLOCK ? dh - d0
+                                                       : MHA_Q8_BLOCK);
+            ks[col * blocks + k] = quant_block(
+                kr + d0, n, 127, (int8_t *)kt + col * dh + d0, 1);
+        }
+    } else if (c->latent) {   /* the key as a row; its value its prefix */
         const int64_t esize = c->dtype == MHA_KV_F32 ? 4 : 2;
         store(c->dtype, kr, dh, kt + col * dh * esize, 1);
     } else if (c->dtype == MHA_KV_Q4) {

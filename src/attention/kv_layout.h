@@ -86,20 +86,21 @@ static inline int64_t mha_kv_pages_of(const mha_kv_cache *c, int64_t len)
 }
 
 /* Element d of key (value) column col of a cache tile, as the float it
- * stands for: the kernels' layouts, or a latent cache's rows (its value
- * the key's first dv elements, the same tile). */
+ * stands for: the kernels' layouts, or a latent cache's rows, laid out as
+ * a value tile of d_h-wide rows (its value the key's first dv elements,
+ * the same tile). */
 static inline float mha_kv_cache_key_at(const mha_kv_cache *c,
                                         const void *kt, int64_t col,
                                         int64_t d)
 {
-    return c->latent ? mha_kv_elem(c->dtype, kt, col * c->dh + d)
+    return c->latent ? mha_v_load(c->dtype, kt, MHA_BC, c->dh, col, d)
                      : mha_kt_load(c->dtype, kt, MHA_BC, c->dh, d, col);
 }
 static inline float mha_kv_cache_value_at(const mha_kv_cache *c,
                                           const void *vt, int64_t col,
                                           int64_t d)
 {
-    return c->latent ? mha_kv_elem(c->dtype, vt, col * c->dh + d)
+    return c->latent ? mha_v_load(c->dtype, vt, MHA_BC, c->dh, col, d)
                      : mha_v_load(c->dtype, vt, MHA_BC, c->dv, col, d);
 }
 
