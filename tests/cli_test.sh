@@ -1096,10 +1096,13 @@ expect 1 "^mha bench: --v-head-dim needs --attention-only" -- "$mha" bench "${de
 expect 1 "^mha bench: --kv-latent needs --attention-only" -- "$mha" bench "${dec[@]}" --kv-latent
 expect 1 "^mha bench: --kv-latent needs --decode$" -- "$mha" bench "${tiny[@]}" --kv-latent
 expect 1 "^mha bench: --v-head-dim needs --decode$" -- "$mha" bench "${tiny[@]}" --v-head-dim 4
-expect 1 "^mha bench: --kv-latent with --kv-dtype q4: unsupported: a latent cache" -- "$mha" bench "${dec[@]}" --attention-only --kv-latent --kv-dtype q4
-# a q8 latent cache: 24 code bytes and one block's scale (4 bytes) a token
+expect 1 "^mha bench: --kv-latent with --kv-dtype q4: unsupported: a latent cache .*no rotation" -- "$mha" bench "${dec[@]}" --attention-only --kv-latent --kv-dtype q4 --kv-rotate
+# q8 and q4 latent caches: 24 code bytes (q4: 12) and one block's scale
+# (4 bytes) a token
 jcheck "bench --decode --kv-latent --kv-dtype q8" "$jvw and j['kv_latent'] is True and j['kv_dtype'] == 'q8' and j['kv_bytes'] == 100 * (24 + 4)" \
   -- "$mha" bench --decode --attention-only --kv-seq 100 --embed-dim 96 --heads 4 --kv-heads 1 --v-head-dim 16 --kv-latent --kv-dtype q8 --repeat 3 --warmup 1 --threads 2 --json
+jcheck "bench --decode --kv-latent --kv-dtype q4" "$jvw and j['kv_latent'] is True and j['kv_dtype'] == 'q4' and j['kv_bytes'] == 100 * (12 + 4)" \
+  -- "$mha" bench --decode --attention-only --kv-seq 100 --embed-dim 96 --heads 4 --kv-heads 1 --v-head-dim 16 --kv-latent --kv-dtype q4 --repeat 3 --warmup 1 --threads 2 --json
 expect 1 "^mha bench: --shared-prefix needs --paged and --attention-only$" -- "$mha" bench "${dec[@]}" --paged --shared-prefix 10
 expect 1 "^mha bench: --shared-prefix 101 is longer than sequence 0's 100 keys$" -- "$mha" bench "${dec[@]}" --attention-only --paged --shared-prefix 101
 expect 1 "^mha bench: KV cache: invalid argument: cache page_size 100: expected 0" -- "$mha" bench "${dec[@]}" --paged --page-size 100

@@ -526,6 +526,12 @@ static void test_cache(void **state)
  * and 2 threads, and so are its weights; it holds half the bytes; its
  * misuse is refused.
  */
+/* q8 and q4: the storage types that quantise in blocks with a scale. */
+static int quantised(mha_kv_dtype t)
+{
+    return t == MHA_KV_Q8 || t == MHA_KV_Q4;
+}
+
 static void test_latent(void **state)
 {
     (void)state;
@@ -578,10 +584,10 @@ static void test_latent(void **state)
         for (int64_t r = 0; r < RO; r++)
             qa[h * DK + R + r] = qn[h * (N + RO) + N + r];
     }
-    const mha_kv_dtype dts[4] = {MHA_KV_F32, MHA_KV_F16, MHA_KV_BF16,
-                                 MHA_KV_Q8};
+    const mha_kv_dtype dts[5] = {MHA_KV_F32, MHA_KV_F16, MHA_KV_BF16,
+                                 MHA_KV_Q8, MHA_KV_Q4};
     float lat[H * R], apart[H * R];
-    for (int t = 0; t < 4; t++) {
+    for (int t = 0; t < 5; t++) {
         mha_kv_cache_config kc = {1, 1, DK, L, dts[t], 0, 0, 0, 0, R, 1};
         mha_kv_cache *kv = NULL, *sep = NULL;
         assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
@@ -629,22 +635,24 @@ static void test_latent(void **state)
         for (int64_t j = 0; j < L; j++)
             for (int64_t r = 0; r < R; r++)
                 assert_true(vr[j * R + r] == kr[j * DK + r]);
-        if (dts[t] == MHA_KV_Q8)   /* each key's block (DK <= 32) within
-                                      half its step max|x| / 127 */
+        const int qmax = dts[t] == MHA_KV_Q8 ? 127 : 7;
+        if (quantised(dts[t]))
+            /* each key's block (DK <= 32) within half its step max|x| /
+             * qmax (127 q8, 7 q4) */
             for (int64_t j = 0; j < L; j++) {
                 double amax = 0.0;
                 for (int64_t r = 0; r < DK; r++)
                     amax = fmax(amax, fabs((double)c[j * DK + r]));
                 for (int64_t r = 0; r < DK; r++)
                     if (!(fabs((double)kr[j * DK + r] - c[j * DK + r]) <=
-                          amax / 254.0 * (1.0 + 1e-6)))
-                        fail_msg("q8 latent key %lld, element %lld: %g "
+                          amax / (2.0 * qmax) * (1.0 + 1e-6)))
+                        fail_msg("quantised latent key %lld, element %lld: %g "
                                  "read back for %g", (long long)j,
                                  (long long)r, (double)kr[j * DK + r],
                                  (double)c[j * DK + r]);
             }
         kc.latent = 0;
-        if (dts[t] == MHA_KV_Q8)   /* the floats it holds, exactly */
+        if (quantised(dts[t]))   /* the floats it holds */
             kc.dtype = MHA_KV_F32;
         assert_int_equal(mha_kv_cache_create(&kc, &sep), MHA_OK);
         assert_int_equal(mha_kv_cache_append(sep, 0, kr, vr, L), MHA_OK);
@@ -686,7 +694,8 @@ static void test_latent(void **state)
         mha_kv_cache_usage u1, u2;
         assert_int_equal(mha_kv_cache_get_usage(kv, &u1), MHA_OK);
         assert_int_equal(mha_kv_cache_get_usage(sep, &u2), MHA_OK);
-        if (dts[t] == MHA_KV_Q8)   /* one q8 plane against two of f32 */
+        if (quantised(dts[t]))   /* one plane against
+                                                    two of f32 */
             assert_true(4 * u1.bytes_total < u2.bytes_total);
         else
             assert_int_equal(2 * u1.bytes_total, u2.bytes_total);
@@ -698,11 +707,9 @@ static void test_latent(void **state)
         free(kr);
         free(vr);
     }
-    mha_kv_cache_config bad = {1, 1, DK, 64, MHA_KV_Q4, 0, 0, 0, 0, R, 1};
+    mha_kv_cache_config bad = {1, 1, DK, 64, MHA_KV_F32, 0, 0, 0, 0, R, 1};
     mha_kv_cache *kv = NULL;
-    assert_fails(mha_kv_cache_create(&bad, &kv), MHA_ERR_UNSUPPORTED,
-                 "latent");
-    bad.dtype = MHA_KV_F32, bad.rotate = 1;
+    bad.rotate = 1;
     assert_fails(mha_kv_cache_create(&bad, &kv), MHA_ERR_UNSUPPORTED,
                  "latent");
     bad.rotate = 0, bad.v_head_dim = DK + 2;
@@ -995,17 +1002,16 @@ static void test_half_widths(void **state)
 }
 
 /*
- * A q8 latent cache in pages of 64, filled a page at a time across two
- * sequences: each decode step bitwise the contiguous q8 latent cache's,
- * on 1 and 2 threads.
+ * A q8 (and a q4) latent cache in pages of 64, filled a page at a time
+ * across two sequences: each decode step bitwise the contiguous latent
+ * cache's of that dtype, on 1 and 2 threads.
  */
-static void test_latent_q8_paged(void **state)
+static void latent_paged_quantised(mha_kv_dtype dtype)
 {
-    (void)state;
     enum { B = 2, H = 6, R = 16, DK = 40, CAP = 300, N = 250 };
     float *keys = malloc((size_t)(B * CAP * DK) * 4);
     tu_fill(keys, B * CAP * DK, 131, -1, 1);
-    mha_kv_cache_config kc = {B, 1, DK, CAP, MHA_KV_Q8, 0, 0, 0, 0, R, 1};
+    mha_kv_cache_config kc = {B, 1, DK, CAP, dtype, 0, 0, 0, 0, R, 1};
     mha_kv_cache *flat = NULL, *paged = NULL;
     assert_int_equal(mha_kv_cache_create(&kc, &flat), MHA_OK);
     kc.page_size = 64;
@@ -1029,14 +1035,21 @@ static void test_latent_q8_paged(void **state)
             d.out = o2, d.cache = paged;
             assert_int_equal(mha_attention_decode(&d), MHA_OK);
             if (memcmp(o1, o2, sizeof o1))
-                fail_msg("q8 latent pages, %lld tokens, %d threads: not the "
-                         "contiguous cache's bits", (long long)(at + 64),
-                         threads);
+                fail_msg("latent pages, dtype %d, %lld tokens, %d threads: "
+                         "not the contiguous cache's bits", (int)dtype,
+                         (long long)(at + 64), threads);
         }
     }
     mha_kv_cache_free(flat);
     mha_kv_cache_free(paged);
     free(keys);
+}
+
+static void test_latent_q8_paged(void **state)
+{
+    (void)state;
+    latent_paged_quantised(MHA_KV_Q8);
+    latent_paged_quantised(MHA_KV_Q4);
 }
 
 /*

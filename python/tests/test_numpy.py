@@ -306,21 +306,22 @@ def test_latent_cache_absorbed_decode(rng):
         cache.append(0, c, c)
 
 
-def test_latent_cache_q8(rng):
-    """A q8 latent cache: the keys it holds (read back) are each within
-    half a quantisation step (its block's max|x| / 127) of the appended
-    ones, and its decode is NumPy's float64 attention over those keys,
-    the values their first R elements."""
+@pytest.mark.parametrize("dtype,qmax", [("q8", 127), ("q4", 7)])
+def test_latent_cache_quantised(rng, dtype, qmax):
+    """A q8 or q4 latent cache: the keys it holds (read back) are each
+    within half a quantisation step (its block's max|x| / qmax) of the
+    appended ones, and its decode is NumPy's float64 attention over those
+    keys, the values their first R elements."""
     H, R, RO, L = 8, 40, 8, 70
     c = f32(rng, L, R + RO)
-    cache = mha.KVCache(1, 1, R + RO, L, dtype="q8", v_head_dim=R,
+    cache = mha.KVCache(1, 1, R + RO, L, dtype=dtype, v_head_dim=R,
                         latent=True)
     cache.append(0, c, None)
     k_back, v_back = cache.read(0)
     np.testing.assert_array_equal(v_back, k_back[:, :R])
     for b0 in range(0, R + RO, 32):   # the q8 blocks of 32 elements
         blk = c[:, b0:b0 + 32].astype(np.float64)
-        step = np.abs(blk).max(1, keepdims=True) / 127
+        step = np.abs(blk).max(1, keepdims=True) / qmax
         assert (np.abs(k_back[:, b0:b0 + 32] - blk) <= step / 2 * (1 + 1e-6)
                 ).all()
     q = f32(rng, H, R + RO)

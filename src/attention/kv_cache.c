@@ -100,16 +100,14 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
                              "a q4 cache packs two codes a byte: head_dim "
                              "must be even, got %lld (v_head_dim %lld)",
                              (long long)cfg->head_dim, (long long)dv);
-    if (cfg->latent &&
-        (dv > cfg->head_dim || cfg->rotate || cfg->dtype == MHA_KV_Q4))
+    if (cfg->latent && (dv > cfg->head_dim || cfg->rotate))
         return mha_set_error(MHA_ERR_UNSUPPORTED,
                              "a latent cache (values the first v_head_dim "
                              "elements of the keys) takes v_head_dim <= "
-                             "head_dim, f32, f16, bf16 or q8, and no "
-                             "rotation; got v_head_dim %lld, head_dim %lld, "
-                             "dtype %d, rotate %d",
+                             "head_dim and no rotation; got v_head_dim "
+                             "%lld, head_dim %lld, rotate %d",
                              (long long)dv, (long long)cfg->head_dim,
-                             (int)cfg->dtype, cfg->rotate);
+                             cfg->rotate);
     if (cfg->rotate && dv != cfg->head_dim)
         return mha_set_error(MHA_ERR_UNSUPPORTED,
                              "a rotated cache with v_head_dim %lld != "
@@ -399,22 +397,13 @@ const unsigned char *mha_kv_cache_v_tile(const mha_kv_cache *c, int64_t b,
 /* A q4 key (dh elements) and value (dv): each block's codes (quant_block
  * with qmax 7) put into their nibbles (kernels.h): a key's pairs of dims
  * whole bytes of the kt tile, a value's codes one nibble each of bytes
- * its key shares with the key beside it (whose nibble is kept). */
-static void put_q4(int64_t dh, int64_t dv, int64_t col, const float *kr,
-                   const float *vr, unsigned char *kt, unsigned char *vt)
+ * its key shares with the key beside it (whose nibble is kept).  A
+ * latent cache's key is stored as a value of dv = dh (put_q4_row). */
+static void put_q4_row(int64_t dv, int64_t col, const float *vr,
+                       unsigned char *vt)
 {
-    const int64_t cols = MHA_BC;
-    float *ks = (float *)mha_q8_scales(kt, cols, dh);
-    float *vs = (float *)mha_q8_scales(vt, cols, dv);
-    int8_t kc[MHA_Q8_BLOCK], vc[MHA_Q8_BLOCK];
-    for (int64_t k = 0; k < mha_q8_blocks(dh); k++) {
-        const int64_t d0 = k * MHA_Q8_BLOCK;
-        const int n = (int)(dh - d0 < MHA_Q8_BLOCK ? dh - d0 : MHA_Q8_BLOCK);
-        ks[k * cols + col] = quant_block(kr + d0, n, 7, kc, 1);
-        for (int i = 0; i < n; i += 2)   /* (d0 and n even: whole pairs) */
-            kt[(d0 + i) / 2 * cols + col] =
-                (unsigned char)((kc[i] & 0x0F) | (kc[i + 1] & 0x0F) << 4);
-    }
+    float *vs = (float *)mha_q8_scales(vt, MHA_BC, dv);
+    int8_t vc[MHA_Q8_BLOCK];
     const int64_t vblocks = mha_q8_blocks(dv);
     for (int64_t k = 0; k < vblocks; k++) {
         const int64_t d0 = k * MHA_Q8_BLOCK;
@@ -429,6 +418,23 @@ static void put_q4(int64_t dh, int64_t dv, int64_t col, const float *kr,
     }
 }
 
+static void put_q4(int64_t dh, int64_t dv, int64_t col, const float *kr,
+                   const float *vr, unsigned char *kt, unsigned char *vt)
+{
+    const int64_t cols = MHA_BC;
+    float *ks = (float *)mha_q8_scales(kt, cols, dh);
+    int8_t kc[MHA_Q8_BLOCK];
+    for (int64_t k = 0; k < mha_q8_blocks(dh); k++) {
+        const int64_t d0 = k * MHA_Q8_BLOCK;
+        const int n = (int)(dh - d0 < MHA_Q8_BLOCK ? dh - d0 : MHA_Q8_BLOCK);
+        ks[k * cols + col] = quant_block(kr + d0, n, 7, kc, 1);
+        for (int i = 0; i < n; i += 2)   /* (d0 and n even: whole pairs) */
+            kt[(d0 + i) / 2 * cols + col] =
+                (unsigned char)((kc[i] & 0x0F) | (kc[i + 1] & 0x0F) << 4);
+    }
+    put_q4_row(dv, col, vr, vt);
+}
+
 /* Key (dh floats) and value (dv) `col` of tile t of (b, g) from kr and
  * vr, as they are. */
 static void store_column(mha_kv_cache *c, int64_t b, int64_t g, int64_t t,
@@ -437,7 +443,9 @@ static void store_column(mha_kv_cache *c, int64_t b, int64_t g, int64_t t,
     const int64_t dh = c->dh, dv = c->dv, cols = MHA_BC;
     unsigned char *kt = (unsigned char *)mha_kv_cache_k_tile(c, b, g, t);
     unsigned char *vt = (unsigned char *)mha_kv_cache_v_tile(c, b, g, t);
-    if (c->latent && c->dtype == MHA_KV_Q8) {
+    if (c->latent && c->dtype == MHA_KV_Q4) {
+        put_q4_row(dh, col, kr, kt);   /* the key as a value row */
+    } else if (c->latent && c->dtype == MHA_KV_Q8) {
         /* the key as a row in a value tile's q8 layout (a scale per
          * block of 32 of its elements): its value is its prefix */
         float *ks = (float *)mha_q8_scales(kt, cols, dh);

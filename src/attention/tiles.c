@@ -126,11 +126,12 @@ mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
     if (a->kv && !t->extra && a->kv->latent) {
         /* A latent cache's tile, [MHA_BC][dh] rows in its dtype, read as
          * rows: the keys, and their first dv elements the values.  16-bit
-         * rows are widened into kvt first (exact), q8 rows times their
-         * blocks' scales, once per tile for all the rows a block stacks. */
+         * rows are widened into kvt first (exact), q8 and q4 rows times
+         * their blocks' scales, once per tile for all the rows a block
+         * stacks. */
         const mha_kv_cache *c = a->kv;
         const void *tile = mha_kv_cache_k_tile(c, t->b, t->g, t->index);
-        if (c->dtype == MHA_KV_Q8)   /* (q8: each element times its scale) */
+        if (mha_kv_scaled(c->dtype))   /* (each code times its scale) */
             for (int64_t col = 0; col < MHA_BC; col++)
                 for (int64_t d = 0; d < c->dh; d++)
                     kvt[col * c->dh + d] =
