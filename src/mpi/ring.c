@@ -39,8 +39,9 @@
 
 /* ---- the walk ----------------------------------------------------------- */
 
-/* How query piece (qo, qn) sees key piece (ko, kn): 0 not at all, 1
- * wholly, 2 the same chunk (causal top-left on it). */
+/* How queries (qo, qn) see keys (ko, kn), a pair of pieces or a part of
+ * one: 0 not at all, 1 wholly, 2 the same run of positions (causal
+ * top-left on it). */
 static int visibility(const ring *r, int64_t qo, int64_t qn, int64_t ko,
                       int64_t kn)
 {
@@ -50,7 +51,7 @@ static int visibility(const ring *r, int64_t qo, int64_t qn, int64_t ko,
         return 1;
     if (ko > qo + qn - 1)
         return 0;
-    return 2;   /* the same chunk: ko == qo, kn == qn (one partition) */
+    return 2;   /* the same run: ko == qo, kn == qn (one partition) */
 }
 
 /* The lse rows [r0, r0 + n) of (B, H, Lx) to (B, H, n), or back. */
