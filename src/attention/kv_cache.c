@@ -394,11 +394,38 @@ const unsigned char *mha_kv_cache_v_tile(const mha_kv_cache *c, int64_t b,
     return tile_at(c, c->v, c->latent ? c->dh : c->dv, b, g, t);
 }
 
-/* A q4 key (dh elements) and value (dv): each block's codes (quant_block
- * with qmax 7) put into their nibbles (kernels.h): a key's pairs of dims
- * whole bytes of the kt tile, a value's codes one nibble each of bytes
- * its key shares with the key beside it (whose nibble is kept).  A
- * latent cache's key is stored as a value of dv = dh (put_q4_row). */
+/* The q4 and q8 rows (kernels.h): each block of 32 elements quantised
+ * (quant_block, qmax 7 or 127) with its scale.  A key is a column of its
+ * kt tile: q4 pairs of dims whole bytes; a value a row of its v tile: q4
+ * codes one nibble each of bytes its key shares with the key beside it
+ * (whose nibble is kept). */
+static void put_q4_key(int64_t dh, int64_t col, const float *kr,
+                       unsigned char *kt)
+{
+    float *ks = (float *)mha_q8_scales(kt, MHA_BC, dh);
+    int8_t kc[MHA_Q8_BLOCK];
+    for (int64_t k = 0; k < mha_q8_blocks(dh); k++) {
+        const int64_t d0 = k * MHA_Q8_BLOCK;
+        const int n = (int)(dh - d0 < MHA_Q8_BLOCK ? dh - d0 : MHA_Q8_BLOCK);
+        ks[k * MHA_BC + col] = quant_block(kr + d0, n, 7, kc, 1);
+        for (int i = 0; i < n; i += 2)   /* (d0 and n even: whole pairs) */
+            kt[(d0 + i) / 2 * MHA_BC + col] =
+                (unsigned char)((kc[i] & 0x0F) | (kc[i + 1] & 0x0F) << 4);
+    }
+}
+
+static void put_q8_key(int64_t dh, int64_t col, const float *kr,
+                       unsigned char *kt)
+{
+    float *ks = (float *)mha_q8_scales(kt, MHA_BC, dh);
+    for (int64_t k = 0; k < mha_q8_blocks(dh); k++) {
+        const int64_t d0 = k * MHA_Q8_BLOCK;
+        const int n = (int)(dh - d0 < MHA_Q8_BLOCK ? dh - d0 : MHA_Q8_BLOCK);
+        ks[k * MHA_BC + col] = quant_block(
+            kr + d0, n, 127, (int8_t *)kt + d0 * MHA_BC + col, MHA_BC);
+    }
+}
+
 static void put_q4_row(int64_t dv, int64_t col, const float *vr,
                        unsigned char *vt)
 {
@@ -418,73 +445,52 @@ static void put_q4_row(int64_t dv, int64_t col, const float *vr,
     }
 }
 
-static void put_q4(int64_t dh, int64_t dv, int64_t col, const float *kr,
-                   const float *vr, unsigned char *kt, unsigned char *vt)
+static void put_q8_row(int64_t dv, int64_t col, const float *vr,
+                       unsigned char *vt)
 {
-    const int64_t cols = MHA_BC;
-    float *ks = (float *)mha_q8_scales(kt, cols, dh);
-    int8_t kc[MHA_Q8_BLOCK];
-    for (int64_t k = 0; k < mha_q8_blocks(dh); k++) {
+    float *vs = (float *)mha_q8_scales(vt, MHA_BC, dv);
+    const int64_t vblocks = mha_q8_blocks(dv);
+    for (int64_t k = 0; k < vblocks; k++) {
         const int64_t d0 = k * MHA_Q8_BLOCK;
-        const int n = (int)(dh - d0 < MHA_Q8_BLOCK ? dh - d0 : MHA_Q8_BLOCK);
-        ks[k * cols + col] = quant_block(kr + d0, n, 7, kc, 1);
-        for (int i = 0; i < n; i += 2)   /* (d0 and n even: whole pairs) */
-            kt[(d0 + i) / 2 * cols + col] =
-                (unsigned char)((kc[i] & 0x0F) | (kc[i + 1] & 0x0F) << 4);
+        const int n = (int)(dv - d0 < MHA_Q8_BLOCK ? dv - d0 : MHA_Q8_BLOCK);
+        vs[col * vblocks + k] =
+            quant_block(vr + d0, n, 127, (int8_t *)vt + col * dv + d0, 1);
     }
-    put_q4_row(dv, col, vr, vt);
+}
+
+/* A value (dv floats) as row col of a value tile, in the cache's dtype. */
+static void put_value_row(mha_kv_dtype dtype, int64_t dv, int64_t col,
+                          const float *vr, unsigned char *vt)
+{
+    if (dtype == MHA_KV_Q4)
+        put_q4_row(dv, col, vr, vt);
+    else if (dtype == MHA_KV_Q8)
+        put_q8_row(dv, col, vr, vt);
+    else
+        store(dtype, vr, dv, vt + col * dv * (dtype == MHA_KV_F32 ? 4 : 2),
+              1);
 }
 
 /* Key (dh floats) and value (dv) `col` of tile t of (b, g) from kr and
- * vr, as they are. */
+ * vr, as they are.  A latent cache's key is stored as a value row of dh
+ * (its value is its prefix: no values of its own). */
 static void store_column(mha_kv_cache *c, int64_t b, int64_t g, int64_t t,
                          int64_t col, const float *kr, const float *vr)
 {
-    const int64_t dh = c->dh, dv = c->dv, cols = MHA_BC;
     unsigned char *kt = (unsigned char *)mha_kv_cache_k_tile(c, b, g, t);
-    unsigned char *vt = (unsigned char *)mha_kv_cache_v_tile(c, b, g, t);
-    if (c->latent && c->dtype == MHA_KV_Q4) {
-        put_q4_row(dh, col, kr, kt);   /* the key as a value row */
-    } else if (c->latent && c->dtype == MHA_KV_Q8) {
-        /* the key as a row in a value tile's q8 layout (a scale per
-         * block of 32 of its elements): its value is its prefix */
-        float *ks = (float *)mha_q8_scales(kt, cols, dh);
-        const int64_t blocks = mha_q8_blocks(dh);
-        for (int64_t k = 0; k < blocks; k++) {
-            const int64_t d0 = k * MHA_Q8_BLOCK;
-            const int n = (int)(dh - d0 < MHA_Q8_BLOCK ? dh - d0
-                                                       : MHA_Q8_BLOCK);
-            ks[col * blocks + k] = quant_block(
-                kr + d0, n, 127, (int8_t *)kt + col * dh + d0, 1);
-        }
-    } else if (c->latent) {   /* the key as a row; its value its prefix */
-        const int64_t esize = c->dtype == MHA_KV_F32 ? 4 : 2;
-        store(c->dtype, kr, dh, kt + col * dh * esize, 1);
-    } else if (c->dtype == MHA_KV_Q4) {
-        put_q4(dh, dv, col, kr, vr, kt, vt);
-    } else if (c->dtype == MHA_KV_Q8) {
-        float *ks = (float *)mha_q8_scales(kt, cols, dh);
-        float *vs = (float *)mha_q8_scales(vt, cols, dv);
-        for (int64_t k = 0; k < mha_q8_blocks(dh); k++) {
-            const int64_t d0 = k * MHA_Q8_BLOCK;
-            const int n = (int)(dh - d0 < MHA_Q8_BLOCK ? dh - d0
-                                                       : MHA_Q8_BLOCK);
-            ks[k * cols + col] = quant_block(
-                kr + d0, n, 127, (int8_t *)kt + d0 * cols + col, cols);
-        }
-        const int64_t vblocks = mha_q8_blocks(dv);
-        for (int64_t k = 0; k < vblocks; k++) {
-            const int64_t d0 = k * MHA_Q8_BLOCK;
-            const int n = (int)(dv - d0 < MHA_Q8_BLOCK ? dv - d0
-                                                       : MHA_Q8_BLOCK);
-            vs[col * vblocks + k] = quant_block(
-                vr + d0, n, 127, (int8_t *)vt + col * dv + d0, 1);
-        }
-    } else {
-        const int64_t esize = c->dtype == MHA_KV_F32 ? 4 : 2;
-        store(c->dtype, kr, dh, kt + col * esize, cols);
-        store(c->dtype, vr, dv, vt + col * dv * esize, 1);
+    if (c->latent) {
+        put_value_row(c->dtype, c->dh, col, kr, kt);
+        return;
     }
+    if (c->dtype == MHA_KV_Q4)
+        put_q4_key(c->dh, col, kr, kt);
+    else if (c->dtype == MHA_KV_Q8)
+        put_q8_key(c->dh, col, kr, kt);
+    else
+        store(c->dtype, kr, c->dh, kt + col * (c->dtype == MHA_KV_F32 ? 4 : 2),
+              MHA_BC);
+    put_value_row(c->dtype, c->dv, col, vr,
+                  (unsigned char *)mha_kv_cache_v_tile(c, b, g, t));
 }
 
 /* The same on a rotated cache (dv = dh there): turned first, in buffers

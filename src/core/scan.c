@@ -13,33 +13,18 @@
 /* The largest finite |x|, on the bits: for finite numbers |x| orders as
  * its bits without the sign, and Inf and NaN are the patterns whose
  * exponent is all ones (a plain integer max, which vectorises: signed
- * integers, since the library's baseline, SSE2, compares only those).
- * Sixteen running maxima, one per lane of a group of 16: one chain (a
- * compare and a blend each step) held the scan to ~4 GB/s, below what
- * memory delivers. */
-static int32_t abs_bits(const float *x)
-{
-    int32_t u;
-    memcpy(&u, x, sizeof u);
-    u &= 0x7FFFFFFF;
-    return u < 0x7F800000 ? u : 0;   /* (NaN, Inf: skipped) */
-}
-
+ * integers, since the library's baseline, SSE2, compares only those). */
 static int32_t max_abs_bits(const float *x, int64_t n)
 {
-    enum { LANES = 16 };
-    int32_t m[LANES] = {0}, r = 0;
-    int64_t c = 0;
-    for (; c + LANES <= n; c += LANES)
-        for (int i = 0; i < LANES; i++) {
-            const int32_t u = abs_bits(x + c + i);
-            m[i] = u > m[i] ? u : m[i];
-        }
-    for (; c < n; c++)
-        m[0] = abs_bits(x + c) > m[0] ? abs_bits(x + c) : m[0];
-    for (int i = 0; i < LANES; i++)
-        r = m[i] > r ? m[i] : r;
-    return r;
+    int32_t m = 0;
+    for (int64_t c = 0; c < n; c++) {
+        int32_t u;
+        memcpy(&u, x + c, sizeof u);
+        u &= 0x7FFFFFFF;
+        u = u < 0x7F800000 ? u : 0;   /* (NaN, Inf: skipped) */
+        m = u > m ? u : m;
+    }
+    return m;
 }
 
 /* Pieces of 2^16 floats (or rows), shared among the threads: a max is

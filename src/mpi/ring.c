@@ -126,48 +126,6 @@ static part part_at(const ring *r, int64_t qo, int64_t qn, int64_t ko,
     return p;
 }
 
-/* The arguments of one part: batch row b's query rows of part x of
- * piece qpi of this rank against its keys of key piece kp of shard ks,
- * whose K/V block is at `block` (one batch row a call: a zig-zag query
- * piece is then a contiguous run of the caller's q, read in place).
- * vis: visibility() of the part. */
-static mha_attention_args pair_args(const ring *r, const mha_ring_args *a,
-                                    int64_t b, int qpi, const mha_shard *ks,
-                                    int kp, const part *x, float *block,
-                                    int vis, int64_t *kl)
-{
-    const int64_t r0 = (qpi ? r->me.length[0] : 0) + x->q0 -
-                       r->me.offset[qpi];
-    const int64_t kn = ks->length[kp], kx = x->k0 - ks->offset[kp];
-    const int64_t ko = x->k0;
-    mha_attention_args p = {0};
-    p.batch = 1;
-    p.num_heads = r->H;
-    p.num_kv_heads = r->Hkv;
-    p.head_dim = r->dh;
-    p.v_head_dim = r->dv;
-    p.q_len = x->qn;
-    p.kv_len = x->kn;
-    p.q = a->q + (b * r->me.len + r0) * r->E;
-    p.k = piece_of(r, block, ks, kp, 0) + (b * kn + kx) * r->Ekv;
-    p.v = piece_of(r, block, ks, kp, 1) + (b * kn + kx) * r->Evkv;
-    p.scale = a->scale;
-    p.given = a->given;
-    p.causal = vis == 2 ? MHA_CAUSAL_TOP_LEFT : MHA_CAUSAL_NONE;
-    if (a->key_lengths) {
-        const int64_t left = a->key_lengths[b] - ko;
-        *kl = left < 0 ? 0 : left > x->kn ? x->kn : left;
-        p.key_lengths = kl;
-    }
-    p.mods = a->mods;
-    /* ALiBi and the window measure between global positions: the part's
-     * queries start at q0, its keys at k0. */
-    p.given |= MHA_GIVEN_Q_OFFSET;
-    p.q_offset = x->q0 - ko;
-    p.num_threads = a->num_threads;
-    return p;
-}
-
 /* The parts of this rank's query piece qpi and key piece kp of shard ks,
  * and part i of them. */
 static int64_t pair_parts(const ring *r, int qpi, const mha_shard *ks, int kp)
@@ -181,6 +139,86 @@ static part pair_part(const ring *r, int qpi, const mha_shard *ks, int kp,
 {
     return part_at(r, r->me.offset[qpi], r->me.length[qpi], ks->offset[kp],
                    ks->length[kp], i);
+}
+
+/* Where a part lies in a step: batch row b, this rank's query piece qpi
+ * (qn rows from local row r0; the part's from x0 of them) against key
+ * piece kp of shard ks; vis: visibility() of the part. */
+typedef struct site {
+    int64_t b;
+    int qpi, kp;
+    const mha_shard *ks;
+    part x;
+    int vis;
+    int64_t qn, r0, x0;
+} site;
+
+/* The arguments of the part at `at`, its K/V block at `block` (one batch
+ * row a call: a zig-zag query piece is then a contiguous run of the
+ * caller's q, read in place). */
+static mha_attention_args pair_args(const ring *r, const mha_ring_args *a,
+                                    const site *at, float *block,
+                                    int64_t *kl)
+{
+    const part *x = &at->x;
+    const int64_t kn = at->ks->length[at->kp];
+    const int64_t kx = x->k0 - at->ks->offset[at->kp];
+    mha_attention_args p = {0};
+    p.batch = 1;
+    p.num_heads = r->H;
+    p.num_kv_heads = r->Hkv;
+    p.head_dim = r->dh;
+    p.v_head_dim = r->dv;
+    p.q_len = x->qn;
+    p.kv_len = x->kn;
+    p.q = a->q + (at->b * r->me.len + at->r0 + at->x0) * r->E;
+    p.k = piece_of(r, block, at->ks, at->kp, 0) + (at->b * kn + kx) * r->Ekv;
+    p.v = piece_of(r, block, at->ks, at->kp, 1) + (at->b * kn + kx) * r->Evkv;
+    p.scale = a->scale;
+    p.given = a->given;
+    p.causal = at->vis == 2 ? MHA_CAUSAL_TOP_LEFT : MHA_CAUSAL_NONE;
+    if (a->key_lengths) {
+        const int64_t left = a->key_lengths[at->b] - x->k0;
+        *kl = left < 0 ? 0 : left > x->kn ? x->kn : left;
+        p.key_lengths = kl;
+    }
+    p.mods = a->mods;
+    /* ALiBi and the window measure between global positions: the part's
+     * queries start at q0, its keys at k0. */
+    p.given |= MHA_GIVEN_Q_OFFSET;
+    p.q_offset = x->q0 - x->k0;
+    p.num_threads = a->num_threads;
+    return p;
+}
+
+/* Every visible part of a step whose block is shard ks's, in a fixed
+ * order (batch row, query piece, key piece, chunk), each given to fn;
+ * between parts the nreq requests in flight are let progress.  Stops at
+ * the first failure. */
+typedef mha_status (*part_fn)(const ring *r, const site *at, void *ctx);
+static mha_status walk_parts(const ring *r, const mha_shard *ks, part_fn fn,
+                             void *ctx, MPI_Request *req, int nreq)
+{
+    for (int64_t b = 0; b < r->B; b++)
+        for (int qpi = 0; qpi < r->me.n_pieces; qpi++)
+            for (int kp = 0; kp < ks->n_pieces; kp++)
+                for (int64_t i = 0; i < pair_parts(r, qpi, ks, kp); i++) {
+                    site at = {b, qpi, kp, ks,
+                               pair_part(r, qpi, ks, kp, i), 0,
+                               r->me.length[qpi],
+                               qpi ? r->me.length[0] : 0, 0};
+                    at.vis = visibility(r, at.x.q0, at.x.qn, at.x.k0,
+                                        at.x.kn);
+                    if (!at.vis)
+                        continue;
+                    at.x0 = at.x.q0 - r->me.offset[qpi];
+                    const mha_status st = fn(r, &at, ctx);
+                    int flag;
+                    MPI_Testall(nreq, req, &flag, MPI_STATUSES_IGNORE);
+                    if (st != MHA_OK)
+                        return st;
+                }
+    return MHA_OK;
 }
 
 /* Rows [x0, x0 + n) of an lse piece (H, qn) to (H, n), or back: a part's
@@ -214,6 +252,34 @@ static void pack_own(const ring *r, const mha_ring_args *a, float *buf)
 }
 
 /* ---- forward ------------------------------------------------------------ */
+
+/* A step's buffers: the K/V block, one part's (out, lse), the running lse
+ * and a part's rows of it. */
+typedef struct fwd_step {
+    const mha_ring_args *a;
+    float *block, *po, *pl, *al, *tl;
+} fwd_step;
+
+/* One part: its attention, merged into the running (out, lse) of its
+ * rows. */
+static mha_status forward_part(const ring *r, const site *at, void *ctx)
+{
+    const fwd_step *f = ctx;
+    int64_t kl;
+    mha_attention_args pa = pair_args(r, f->a, at, f->block, &kl);
+    pa.out = f->po;
+    pa.lse = f->pl;
+    MHA_STATUS_CHECK(mha_attention(&pa));
+    float *ao = f->a->out + (at->b * r->me.len + at->r0 + at->x0) * r->Ev;
+    float *lp = piece_lse(r, f->al, at->b, at->qpi);
+    float *lx = at->x.qn == at->qn ? lp : f->tl;
+    lse_rows(lx, lp, r->H, at->qn, at->x0, at->x.qn, 0);
+    const mha_attention_part pt[2] = {{ao, lx}, {f->po, f->pl}};
+    const mha_status st =
+        mha_attention_merge(pt, 2, 1, r->H, r->dv, at->x.qn, ao, lx);
+    lse_rows(lx, lp, r->H, at->qn, at->x0, at->x.qn, 1);
+    return st;
+}
 
 mha_status mha_ring_attention_sized(const mha_ring_args *args,
                                    size_t args_size, size_t stats_size)
@@ -283,44 +349,9 @@ mha_status mha_ring_attention_sized(const mha_ring_args *args,
             r.st.bytes_received += nrecv * 4;
         }
         const double t = mha_mpi_now();
-        for (int64_t b = 0; b < r.B; b++)
-            for (int qpi = 0; st == MHA_OK && qpi < r.me.n_pieces; qpi++) {
-                const int64_t qn = r.me.length[qpi];
-                const int64_t r0 = qpi ? r.me.length[0] : 0;
-                for (int kp = 0; st == MHA_OK && kp < ks.n_pieces; kp++)
-                    for (int64_t i = 0; st == MHA_OK &&
-                                        i < pair_parts(&r, qpi, &ks, kp);
-                         i++) {
-                        const part x = pair_part(&r, qpi, &ks, kp, i);
-                        const int vis =
-                            visibility(&r, x.q0, x.qn, x.k0, x.kn);
-                        if (!vis)
-                            continue;
-                        int64_t kl;
-                        mha_attention_args pa = pair_args(&r, a, b, qpi, &ks,
-                                                          kp, &x, cur, vis,
-                                                          &kl);
-                        pa.out = po;
-                        pa.lse = pl;
-                        st = mha_attention(&pa);
-                        if (st == MHA_OK) {
-                            /* the part's rows of the running (out, lse) */
-                            const int64_t x0 = x.q0 - r.me.offset[qpi];
-                            float *ao = a->out + (b * nloc + r0 + x0) * r.Ev;
-                            float *lp = piece_lse(&r, al, b, qpi);
-                            float *lx = x.qn == qn ? lp : tl;
-                            lse_rows(lx, lp, r.H, qn, x0, x.qn, 0);
-                            const mha_attention_part pt[2] = {{ao, lx},
-                                                              {po, pl}};
-                            st = mha_attention_merge(pt, 2, 1, r.H, r.dv,
-                                                     x.qn, ao, lx);
-                            lse_rows(lx, lp, r.H, qn, x0, x.qn, 1);
-                        }
-                        /* Let the transfers progress between blocks. */
-                        int flag;
-                        MPI_Testall(2, req, &flag, MPI_STATUSES_IGNORE);
-                    }
-            }
+        fwd_step f = {a, cur, po, pl, al, tl};
+        if (st == MHA_OK)
+            st = walk_parts(&r, &ks, forward_part, &f, req, 2);
         r.st.seconds_compute += mha_mpi_now() - t;
         if (s + 1 < r.P)
             MPI_TRY(mha_mpi_wait_all(&r, 2, req), "MPI_Waitall of a K/V block");
@@ -358,6 +389,45 @@ static void add_floats(float *y, const float *x, int64_t n)
 {
     for (int64_t i = 0; i < n; i++)
         y[i] += x[i];
+}
+
+/* A step's buffers: the K/V block computed on, this rank's dK/dV share of
+ * it (loc), the regrouped lse, one part's gradients, a part's lse rows and
+ * dq in float64. */
+typedef struct bwd_step {
+    const mha_ring_args *a;
+    const mha_ring_grads *g;
+    float *block, *loc, *lsep, *pdq, *pdk, *pdv, *tl;
+    double *dq;
+} bwd_step;
+
+/* One part: its backward, dq summed in float64, dK/dV added to the
+ * block's share. */
+static mha_status backward_part(const ring *r, const site *at, void *ctx)
+{
+    const bwd_step *w = ctx;
+    const mha_shard *ks = at->ks;
+    const int64_t nloc = r->me.len, kn = ks->length[at->kp];
+    const int64_t kx = at->x.k0 - ks->offset[at->kp];
+    const int64_t row = at->b * nloc + at->r0 + at->x0;
+    float *lp = w->lsep + at->b * r->H * nloc + r->H * at->r0;
+    float *lx = at->x.qn == at->qn ? lp : w->tl;
+    lse_rows(lx, lp, r->H, at->qn, at->x0, at->x.qn, 0);
+    int64_t kl;
+    const mha_attention_args pa = pair_args(r, w->a, at, w->block, &kl);
+    const mha_attention_grads pg = {w->g->grad_out + row * r->Ev, w->pdq,
+                                    w->pdk, w->pdv, NULL};
+    MHA_STATUS_CHECK(mha_attention_backward_part(&pa, lx,
+                                                 w->a->out + row * r->Ev,
+                                                 &pg));
+    for (int64_t e = 0; e < at->x.qn * r->E; e++)
+        w->dq[row * r->E + e] += w->pdq[e];
+    add_floats(piece_of(r, w->loc, ks, at->kp, 0) + (at->b * kn + kx) * r->Ekv,
+               w->pdk, at->x.kn * r->Ekv);
+    add_floats(piece_of(r, w->loc, ks, at->kp, 1) +
+                   (at->b * kn + kx) * r->Evkv,
+               w->pdv, at->x.kn * r->Evkv);
+    return MHA_OK;
 }
 
 mha_status mha_ring_attention_backward_sized(const mha_ring_args *args,
@@ -455,48 +525,9 @@ mha_status mha_ring_attention_backward_sized(const mha_ring_args *args,
         }
         const double t = mha_mpi_now();
         memset(loc, 0, (size_t)nks * sizeof *loc);
-        for (int64_t b = 0; b < r.B; b++)
-            for (int qpi = 0; st == MHA_OK && qpi < r.me.n_pieces; qpi++) {
-                const int64_t qn = r.me.length[qpi];
-                const int64_t r0 = qpi ? r.me.length[0] : 0;
-                float *lp = lsep + b * r.H * nloc + r.H * r0;
-                for (int kp = 0; st == MHA_OK && kp < ks.n_pieces; kp++)
-                    for (int64_t i = 0; st == MHA_OK &&
-                                        i < pair_parts(&r, qpi, &ks, kp);
-                         i++) {
-                        const part x = pair_part(&r, qpi, &ks, kp, i);
-                        const int vis =
-                            visibility(&r, x.q0, x.qn, x.k0, x.kn);
-                        if (!vis)
-                            continue;
-                        /* the part's rows and keys */
-                        const int64_t x0 = x.q0 - r.me.offset[qpi];
-                        const int64_t kx = x.k0 - ks.offset[kp];
-                        const int64_t kn = ks.length[kp];
-                        const int64_t row = b * nloc + r0 + x0;
-                        int64_t kl;
-                        float *kb = piece_of(&r, loc, &ks, kp, 0) +
-                                    (b * kn + kx) * r.Ekv;
-                        float *vb = piece_of(&r, loc, &ks, kp, 1) +
-                                    (b * kn + kx) * r.Evkv;
-                        const mha_attention_args pa = pair_args(
-                            &r, a, b, qpi, &ks, kp, &x, cur, vis, &kl);
-                        const mha_attention_grads pg = {
-                            g->grad_out + row * r.Ev, pdq, pdk, pdv, NULL};
-                        float *lx = x.qn == qn ? lp : tl;
-                        lse_rows(lx, lp, r.H, qn, x0, x.qn, 0);
-                        st = mha_attention_backward_part(
-                            &pa, lx, a->out + row * r.Ev, &pg);
-                        if (st != MHA_OK)
-                            break;
-                        for (int64_t e = 0; e < x.qn * r.E; e++)
-                            dq[row * r.E + e] += pdq[e];
-                        add_floats(kb, pdk, x.kn * r.Ekv);
-                        add_floats(vb, pdv, x.kn * r.Evkv);
-                        int flag;
-                        MPI_Testall(3, req, &flag, MPI_STATUSES_IGNORE);
-                    }
-            }
+        bwd_step w = {a, g, cur, loc, lsep, pdq, pdk, pdv, tl, dq};
+        if (st == MHA_OK)
+            st = walk_parts(&r, &ks, backward_part, &w, req, 3);
         r.st.seconds_compute += mha_mpi_now() - t;
         if (s == 0) {
             memcpy(acc, loc, (size_t)nks * sizeof *acc);

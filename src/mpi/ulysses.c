@@ -201,6 +201,19 @@ static int bufs_alloc(ring *r, const mha_ring_args *a, bufs *b, int n,
     return ok && b->tmp && b->counts;
 }
 
+/* q, k and v of every rank -> the whole sequence of this rank's heads, in
+ * b->f[0 .. 2] (values d_v wide). */
+static mha_status exchange_qkv(ring *r, const mha_ring_args *a, bufs *b,
+                               a2a *c)
+{
+    MHA_STATUS_CHECK(exchange(r, a, r->H, r->dh, (float *)a->q, b->f[0],
+                              b->tmp, 0, c));
+    MHA_STATUS_CHECK(exchange(r, a, r->Hkv, r->dh, (float *)a->k, b->f[1],
+                              b->tmp, 0, c));
+    return exchange(r, a, r->Hkv, r->dv, (float *)a->v, b->f[2], b->tmp, 0,
+                    c);
+}
+
 static a2a counts_of(const ring *r, bufs *b)
 {
     a2a c = {b->counts, b->counts + r->P, b->counts + 2 * r->P,
@@ -227,12 +240,7 @@ mha_status mha_ulysses_attention_sized(const mha_ring_args *args,
                             "bytes)", (long long)r.st.workspace_bytes);
     MHA_GOTO_IF(mha_mpi_agree(&r, st));
     a2a c = counts_of(&r, &b);
-    MHA_GOTO_IF(exchange(&r, a, r.H, r.dh, (float *)a->q, b.f[0], b.tmp, 0,
-                         &c));
-    MHA_GOTO_IF(exchange(&r, a, r.Hkv, r.dh, (float *)a->k, b.f[1], b.tmp, 0,
-                         &c));
-    MHA_GOTO_IF(exchange(&r, a, r.Hkv, r.dv, (float *)a->v, b.f[2], b.tmp, 0,
-                         &c));
+    MHA_GOTO_IF(exchange_qkv(&r, a, &b, &c));
     const double t = mha_mpi_now();
     mha_attention_args p = local_args(&r, a, b.slopes);
     p.q = b.f[0];
@@ -297,12 +305,7 @@ mha_status mha_ulysses_attention_backward_sized(const mha_ring_args *args,
                            (long long)r.st.workspace_bytes);
     MHA_GOTO_IF(mha_mpi_agree(&r, st));
     a2a c = counts_of(&r, &b);
-    MHA_GOTO_IF(exchange(&r, a, r.H, r.dh, (float *)a->q, b.f[0], b.tmp, 0,
-                         &c));
-    MHA_GOTO_IF(exchange(&r, a, r.Hkv, r.dh, (float *)a->k, b.f[1], b.tmp, 0,
-                         &c));
-    MHA_GOTO_IF(exchange(&r, a, r.Hkv, r.dv, (float *)a->v, b.f[2], b.tmp, 0,
-                         &c));
+    MHA_GOTO_IF(exchange_qkv(&r, a, &b, &c));
     MHA_GOTO_IF(exchange(&r, a, r.H, r.dv, (float *)g->grad_out, b.f[3],
                          b.tmp, 0, &c));
     const double t = mha_mpi_now();
