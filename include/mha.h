@@ -206,6 +206,8 @@ typedef struct mha_config {
     mha_modifiers mods; /* RoPE, ALiBi, window, softcap; slopes copied     */
     int sinks;          /* nonzero: a learned logit per head (gpt-oss)    */
     int64_t attention_chunk;  /* C: a query sees only its chunk; 0: none */
+    int64_t v_head_dim; /* d_v, the values' head width; 0 -> head_dim
+                           (MLA: keys 192, values 128)                   */
 } mha_config;
 
 /* Opaque handle.  Forwards may share it across threads; changing its

@@ -76,6 +76,7 @@ typedef struct bwd_case {
     int64_t head_dim;   /* 0: E / H */
     int head_mask;      /* pass a head mask (else grad_head_mask is at 1) */
     int64_t kv_heads;   /* grouped-query attention; 0: H */
+    int64_t v_head_dim; /* d_v; 0: d_h */
 } bwd_case;
 
 #define ALLOW MHA_MASK_ALLOW
@@ -85,53 +86,60 @@ typedef struct bwd_case {
 #define TL MHA_CAUSAL_TOP_LEFT
 
 static const bwd_case CASES[] = {
-    /* name                  E  H kd vd nb bkv za scale  drop  B Lq Lk in attn pad len causal head_dim head_mask H_kv */
-    {"self plain",           8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 5, 0, SELF, {0}, {0}, 0, 0, 0, 0, 0},
-    {"self one head",        4, 1, 0, 0, 0, 0, 0, 0,     0,    1, 4, 0, SELF, {0}, {0}, 0, 0, 0, 0, 0},
-    {"self four heads",      8, 4, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {ALLOW, 2, 0, 0}, {0}, 0, BR, 0, 0, 0},
-    {"cross kdim5 vdim3",    8, 2, 5, 3, 0, 0, 0, 0,     0,    2, 3, 5, CROSS, {0}, {0}, 0, 0, 0, 0, 0},
-    {"key == value pointer", 8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 3, KV_SAME, {0}, {0}, 0, 0, 0, 0, 0},
-    {"q == k == v pointer",  8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 4, ALL_SAME, {BLOCK, 2, 0, 0}, {0}, 0, 0, 0, 0, 0},
-    {"bias off",             8, 2, 0, 0, 1, 0, 0, 0,     0,    2, 4, 0, SELF, {0}, {0}, 0, 0, 0, 0, 0},
-    {"add_bias_kv",          8, 2, 0, 0, 0, 1, 0, 0,     0,    2, 3, 4, CROSS, {BLOCK, 2, 0, 0}, {0}, 0, 0, 0, 0, 0},
-    {"add_zero_attn",        8, 2, 0, 0, 0, 0, 1, 0,     0,    2, 4, 0, SELF, {0}, {ALLOW, 2, 0, 0}, 0, 0, 0, 0, 0},
-    {"bias off + extras",    8, 4, 3, 5, 1, 1, 1, 0,     0,    2, 3, 4, CROSS, {0}, {0}, 0, TL, 0, 0, 0},
-    {"allow (Lq,Lk)",        8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 5, 0, SELF, {ALLOW, 2, 0, 0}, {0}, 0, 0, 0, 0, 0},
-    {"block (B,Lq,Lk)",      8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 5, CROSS, {BLOCK, 3, 0, 0}, {0}, 0, 0, 0, 0, 0},
-    {"block (1,Lq,Lk)",      8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {BLOCK, 3, 1, 0}, {0}, 0, 0, 0, 0, 0},
-    {"additive (B,H,Lq,Lk)", 8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {ADD, 4, 0, 0}, {0}, 0, 0, 0, 0, 0},
-    {"additive (B,1,Lq,Lk)", 8, 4, 0, 0, 0, 0, 0, 0,     0,    2, 3, 5, CROSS, {ADD, 4, 0, 1}, {0}, 0, 0, 0, 0, 0},
-    {"additive (Lq,Lk)",     8, 2, 6, 8, 0, 0, 0, 0,     0,    2, 4, 3, CROSS, {ADD, 2, 0, 0}, {0}, 0, 0, 0, 0, 0},
-    {"pad block (B,Lk)",     8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 3, 5, CROSS, {0}, {BLOCK, 2, 0, 0}, 0, 0, 0, 0, 0},
-    {"pad allow (Lk)",       8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {0}, {ALLOW, 1, 0, 0}, 0, 0, 0, 0, 0},
-    {"pad additive (1,Lk)",  8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {0}, {ADD, 2, 1, 0}, 0, 0, 0, 0, 0},
-    {"key lengths",          8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 3, 5, CROSS, {0}, {0}, 1, 0, 0, 0, 0},
-    {"value NULL",           8, 2, 5, 5, 0, 0, 0, 0,     0,    2, 3, 4, V_NULL, {0}, {BLOCK, 2, 0, 0}, 0, 0, 0, 0, 0},
-    {"causal Lq = Lk",       8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 5, 0, SELF, {0}, {0}, 0, BR, 0, 0, 0},
-    {"causal BR Lq < Lk",    8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 2, 5, CROSS, {0}, {0}, 0, BR, 0, 0, 0},
-    {"causal BR Lq > Lk",    8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 5, 2, CROSS, {0}, {0}, 0, BR, 0, 0, 0},
-    {"causal TL Lq < Lk",    8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 2, 5, CROSS, {0}, {0}, 0, TL, 0, 0, 0},
-    {"causal TL Lq > Lk",    8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 5, 3, KV_SAME, {0}, {0}, 0, TL, 0, 0, 0},
-    {"custom scale",         8, 2, 0, 0, 0, 0, 0, 0.9f,  0,    2, 4, 0, SELF, {0}, {0}, 0, 0, 0, 0, 0},
-    {"negative scale",       8, 2, 0, 0, 0, 0, 0, -0.3f, 0,    2, 4, 0, SELF, {ADD, 2, 0, 0}, {0}, 0, 0, 0, 0, 0},
-    {"dropout 0.3",          8, 2, 0, 0, 0, 0, 0, 0,     0.3f, 2, 5, 0, SELF, {0}, {0}, 0, 0, 0, 0, 0},
-    {"dropout + masks",      8, 2, 0, 0, 0, 0, 0, 0,     0.4f, 2, 4, 5, CROSS, {ALLOW, 3, 0, 0}, {BLOCK, 2, 0, 0}, 0, BR, 0, 0, 0},
-    {"dropout + extras",     8, 2, 5, 3, 0, 1, 1, 0,     0.5f, 2, 3, 4, CROSS, {0}, {0}, 1, 0, 0, 0, 0},
-    {"everything",           8, 2, 3, 5, 0, 1, 1, 0.7f,  0.2f, 2, 4, 5, CROSS, {BLOCK, 4, 0, 1}, {ADD, 2, 0, 0}, 1, BR, 0, 0, 0},
+    /* name                  E  H kd vd nb bkv za scale  drop  B Lq Lk in attn pad len causal head_dim head_mask H_kv d_v */
+    {"self plain",           8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 5, 0, SELF, {0}, {0}, 0, 0, 0, 0, 0, 0},
+    {"self one head",        4, 1, 0, 0, 0, 0, 0, 0,     0,    1, 4, 0, SELF, {0}, {0}, 0, 0, 0, 0, 0, 0},
+    {"self four heads",      8, 4, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {ALLOW, 2, 0, 0}, {0}, 0, BR, 0, 0, 0, 0},
+    {"cross kdim5 vdim3",    8, 2, 5, 3, 0, 0, 0, 0,     0,    2, 3, 5, CROSS, {0}, {0}, 0, 0, 0, 0, 0, 0},
+    {"key == value pointer", 8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 3, KV_SAME, {0}, {0}, 0, 0, 0, 0, 0, 0},
+    {"q == k == v pointer",  8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 4, ALL_SAME, {BLOCK, 2, 0, 0}, {0}, 0, 0, 0, 0, 0, 0},
+    {"bias off",             8, 2, 0, 0, 1, 0, 0, 0,     0,    2, 4, 0, SELF, {0}, {0}, 0, 0, 0, 0, 0, 0},
+    {"add_bias_kv",          8, 2, 0, 0, 0, 1, 0, 0,     0,    2, 3, 4, CROSS, {BLOCK, 2, 0, 0}, {0}, 0, 0, 0, 0, 0, 0},
+    {"add_zero_attn",        8, 2, 0, 0, 0, 0, 1, 0,     0,    2, 4, 0, SELF, {0}, {ALLOW, 2, 0, 0}, 0, 0, 0, 0, 0, 0},
+    {"bias off + extras",    8, 4, 3, 5, 1, 1, 1, 0,     0,    2, 3, 4, CROSS, {0}, {0}, 0, TL, 0, 0, 0, 0},
+    {"allow (Lq,Lk)",        8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 5, 0, SELF, {ALLOW, 2, 0, 0}, {0}, 0, 0, 0, 0, 0, 0},
+    {"block (B,Lq,Lk)",      8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 5, CROSS, {BLOCK, 3, 0, 0}, {0}, 0, 0, 0, 0, 0, 0},
+    {"block (1,Lq,Lk)",      8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {BLOCK, 3, 1, 0}, {0}, 0, 0, 0, 0, 0, 0},
+    {"additive (B,H,Lq,Lk)", 8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {ADD, 4, 0, 0}, {0}, 0, 0, 0, 0, 0, 0},
+    {"additive (B,1,Lq,Lk)", 8, 4, 0, 0, 0, 0, 0, 0,     0,    2, 3, 5, CROSS, {ADD, 4, 0, 1}, {0}, 0, 0, 0, 0, 0, 0},
+    {"additive (Lq,Lk)",     8, 2, 6, 8, 0, 0, 0, 0,     0,    2, 4, 3, CROSS, {ADD, 2, 0, 0}, {0}, 0, 0, 0, 0, 0, 0},
+    {"pad block (B,Lk)",     8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 3, 5, CROSS, {0}, {BLOCK, 2, 0, 0}, 0, 0, 0, 0, 0, 0},
+    {"pad allow (Lk)",       8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {0}, {ALLOW, 1, 0, 0}, 0, 0, 0, 0, 0, 0},
+    {"pad additive (1,Lk)",  8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {0}, {ADD, 2, 1, 0}, 0, 0, 0, 0, 0, 0},
+    {"key lengths",          8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 3, 5, CROSS, {0}, {0}, 1, 0, 0, 0, 0, 0},
+    {"value NULL",           8, 2, 5, 5, 0, 0, 0, 0,     0,    2, 3, 4, V_NULL, {0}, {BLOCK, 2, 0, 0}, 0, 0, 0, 0, 0, 0},
+    {"causal Lq = Lk",       8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 5, 0, SELF, {0}, {0}, 0, BR, 0, 0, 0, 0},
+    {"causal BR Lq < Lk",    8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 2, 5, CROSS, {0}, {0}, 0, BR, 0, 0, 0, 0},
+    {"causal BR Lq > Lk",    8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 5, 2, CROSS, {0}, {0}, 0, BR, 0, 0, 0, 0},
+    {"causal TL Lq < Lk",    8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 2, 5, CROSS, {0}, {0}, 0, TL, 0, 0, 0, 0},
+    {"causal TL Lq > Lk",    8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 5, 3, KV_SAME, {0}, {0}, 0, TL, 0, 0, 0, 0},
+    {"custom scale",         8, 2, 0, 0, 0, 0, 0, 0.9f,  0,    2, 4, 0, SELF, {0}, {0}, 0, 0, 0, 0, 0, 0},
+    {"negative scale",       8, 2, 0, 0, 0, 0, 0, -0.3f, 0,    2, 4, 0, SELF, {ADD, 2, 0, 0}, {0}, 0, 0, 0, 0, 0, 0},
+    {"dropout 0.3",          8, 2, 0, 0, 0, 0, 0, 0,     0.3f, 2, 5, 0, SELF, {0}, {0}, 0, 0, 0, 0, 0, 0},
+    {"dropout + masks",      8, 2, 0, 0, 0, 0, 0, 0,     0.4f, 2, 4, 5, CROSS, {ALLOW, 3, 0, 0}, {BLOCK, 2, 0, 0}, 0, BR, 0, 0, 0, 0},
+    {"dropout + extras",     8, 2, 5, 3, 0, 1, 1, 0,     0.5f, 2, 3, 4, CROSS, {0}, {0}, 1, 0, 0, 0, 0, 0},
+    {"everything",           8, 2, 3, 5, 0, 1, 1, 0.7f,  0.2f, 2, 4, 5, CROSS, {BLOCK, 4, 0, 1}, {ADD, 2, 0, 0}, 1, BR, 0, 0, 0, 0},
     /* Heads narrower or wider than E / H (pruned modules) and head masks
      * (with a 0: an ablated head, and negative and fractional factors). */
-    {"head mask",            8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {0}, {0}, 0, BR, 0, 1, 0},
-    {"head mask cross",      8, 4, 5, 3, 0, 0, 0, 0,     0.2f, 2, 3, 4, CROSS, {ADD, 2, 0, 0}, {0}, 0, 0, 0, 1, 0},
-    {"head_dim 3, D < E",    8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {0}, {BLOCK, 2, 0, 0}, 0, 0, 3, 0, 0},
-    {"head_dim 4, D > E",    6, 2, 0, 0, 0, 0, 0, 0,     0,    2, 3, 4, KV_SAME, {0}, {0}, 0, TL, 4, 1, 0},
-    {"head_dim + extras",    8, 3, 5, 3, 0, 1, 1, 0,     0,    2, 3, 4, CROSS, {0}, {0}, 1, 0, 2, 1, 0},
-    {"head_dim, no bias",    8, 3, 0, 0, 1, 0, 0, 0,     0,    2, 4, 0, V_NULL, {0}, {0}, 0, BR, 2, 1, 0},
+    {"head mask",            8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {0}, {0}, 0, BR, 0, 1, 0, 0},
+    {"head mask cross",      8, 4, 5, 3, 0, 0, 0, 0,     0.2f, 2, 3, 4, CROSS, {ADD, 2, 0, 0}, {0}, 0, 0, 0, 1, 0, 0},
+    {"head_dim 3, D < E",    8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {0}, {BLOCK, 2, 0, 0}, 0, 0, 3, 0, 0, 0},
+    {"head_dim 4, D > E",    6, 2, 0, 0, 0, 0, 0, 0,     0,    2, 3, 4, KV_SAME, {0}, {0}, 0, TL, 4, 1, 0, 0},
+    {"head_dim + extras",    8, 3, 5, 3, 0, 1, 1, 0,     0,    2, 3, 4, CROSS, {0}, {0}, 1, 0, 2, 1, 0, 0},
+    {"head_dim, no bias",    8, 3, 0, 0, 1, 0, 0, 0,     0,    2, 4, 0, V_NULL, {0}, {0}, 0, BR, 2, 1, 0, 0},
     /* Grouped-query and multi-query attention (the last field: H_kv):
      * dk, dv and the K/V weights' gradients summed over each group. */
-    {"GQA 4/2 self",         8, 4, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {0}, {0}, 0, BR, 0, 0, 2},
-    {"MQA 4/1 cross",        8, 4, 5, 3, 0, 1, 1, 0,     0,    2, 3, 5, CROSS, {ADD, 4, 0, 0}, {BLOCK, 2, 0, 0}, 1, 0, 0, 0, 1},
-    {"GQA 6/2 dropout, k==v",12, 6, 0, 0, 0, 0, 0, 0,    0.3f, 2, 3, 4, KV_SAME, {0}, {0}, 0, TL, 0, 1, 2},
-    {"GQA value NULL",       8, 4, 5, 5, 0, 0, 0, 0,     0,    2, 3, 4, V_NULL, {0}, {0}, 0, 0, 0, 0, 2},
+    {"GQA 4/2 self",         8, 4, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {0}, {0}, 0, BR, 0, 0, 2, 0},
+    {"MQA 4/1 cross",        8, 4, 5, 3, 0, 1, 1, 0,     0,    2, 3, 5, CROSS, {ADD, 4, 0, 0}, {BLOCK, 2, 0, 0}, 1, 0, 0, 0, 1, 0},
+    {"GQA 6/2 dropout, k==v",12, 6, 0, 0, 0, 0, 0, 0,    0.3f, 2, 3, 4, KV_SAME, {0}, {0}, 0, TL, 0, 1, 2, 0},
+    {"GQA value NULL",       8, 4, 5, 5, 0, 0, 0, 0,     0,    2, 3, 4, V_NULL, {0}, {0}, 0, 0, 0, 0, 2, 0},
+    /* Values d_v wide beside keys d_h wide (the last field: d_v): every
+     * value-side parameter (v rows, bias_v, out_proj's columns) sized by
+     * d_v. */
+    {"d_v 6 > d_h 4 self",   8, 2, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, SELF, {0}, {0}, 0, BR, 0, 0, 0, 6},
+    {"d_v 3, extras, mask",  8, 2, 5, 3, 0, 1, 1, 0,     0.2f, 2, 3, 4, CROSS, {ADD, 2, 0, 0}, {0}, 1, 0, 0, 1, 0, 3},
+    {"d_v 2, d_h 3, GQA 4/2",8, 4, 0, 0, 0, 0, 0, 0,     0,    2, 4, 0, ALL_SAME, {0}, {BLOCK, 2, 0, 0}, 0, BR, 3, 1, 2, 2},
+    {"d_v 5, MQA, value NULL",8, 2, 5, 5, 0, 0, 0, 0,    0,    2, 3, 4, V_NULL, {0}, {0}, 0, TL, 0, 0, 1, 5},
 };
 
 static float *fmalloc(int64_t n)
@@ -293,6 +301,7 @@ static void problem_init(problem *p, const bwd_case *c, uint64_t seed)
     cfg.dropout = c->dropout;
     cfg.head_dim = c->head_dim;
     cfg.num_kv_heads = c->kv_heads;
+    cfg.v_head_dim = c->v_head_dim;
     p->m = tu_module(&cfg, seed);
     assert_non_null(p->m);
     assert_int_equal(mha_get_config(p->m, &p->rc), MHA_OK);

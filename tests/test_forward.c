@@ -39,6 +39,7 @@ typedef struct fwd_case {
     mha_causal causal;
     mha_weights_mode weights;
     int64_t kv_heads;   /* grouped-query attention; 0: H */
+    int64_t head_dim, v_head_dim;   /* d_h, d_v; 0: E / H, d_h */
 } fwd_case;
 
 #define ALLOW MHA_MASK_ALLOW
@@ -50,59 +51,66 @@ typedef struct fwd_case {
 #define PER MHA_WEIGHTS_PER_HEAD
 
 static const fwd_case CASES[] = {
-    /* name                E  H kd vd nb bkv za scale drop B Lq Lk cr same attn pad len causal weights H_kv */
-    {"self plain",         8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 5, 0, 0, 0, {0}, {0}, 0, 0, AVG, 0},
-    {"allow (Lq,Lk)",      8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 5, 0, 0, 0, {ALLOW, 2, 0, 0}, {0}, 0, 0, PER, 0},
-    {"block (B,Lq,Lk)",    8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 4, 0, 0, 0, {BLOCK, 3, 0, 0}, {0}, 0, 0, PER, 0},
-    {"block (1,Lq,Lk)",    8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 4, 0, 0, 0, {BLOCK, 3, 1, 0}, {0}, 0, 0, AVG, 0},
-    {"additive (B,H,..)",  8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 6, 0, 0, 0, {ADD, 4, 0, 0}, {0}, 0, 0, PER, 0},
-    {"additive (1,H,..)",  8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 6, 0, 0, 0, {ADD, 4, 1, 0}, {0}, 0, 0, PER, 0},
-    {"allow (B,1,..)",     12, 3, 0, 0, 0, 0, 0, 0, 0, 2, 6, 0, 0, 0, {ALLOW, 4, 0, 1}, {0}, 0, 0, PER, 0},
-    {"allow (1,1,Lq,Lk)",  8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 5, 0, 0, 0, {ALLOW, 4, 1, 1}, {0}, 0, 0, PER, 0},
+    /* name                E  H kd vd nb bkv za scale drop B Lq Lk cr same attn pad len causal weights H_kv d_h d_v */
+    {"self plain",         8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 5, 0, 0, 0, {0}, {0}, 0, 0, AVG, 0, 0, 0},
+    {"allow (Lq,Lk)",      8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 5, 0, 0, 0, {ALLOW, 2, 0, 0}, {0}, 0, 0, PER, 0, 0, 0},
+    {"block (B,Lq,Lk)",    8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 4, 0, 0, 0, {BLOCK, 3, 0, 0}, {0}, 0, 0, PER, 0, 0, 0},
+    {"block (1,Lq,Lk)",    8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 4, 0, 0, 0, {BLOCK, 3, 1, 0}, {0}, 0, 0, AVG, 0, 0, 0},
+    {"additive (B,H,..)",  8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 6, 0, 0, 0, {ADD, 4, 0, 0}, {0}, 0, 0, PER, 0, 0, 0},
+    {"additive (1,H,..)",  8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 6, 0, 0, 0, {ADD, 4, 1, 0}, {0}, 0, 0, PER, 0, 0, 0},
+    {"allow (B,1,..)",     12, 3, 0, 0, 0, 0, 0, 0, 0, 2, 6, 0, 0, 0, {ALLOW, 4, 0, 1}, {0}, 0, 0, PER, 0, 0, 0},
+    {"allow (1,1,Lq,Lk)",  8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 5, 0, 0, 0, {ALLOW, 4, 1, 1}, {0}, 0, 0, PER, 0, 0, 0},
     /* one (Lq, Lk) mask for every batch and head, over many key tiles */
-    {"add (1,1,..) tiles", 16, 2, 0, 0, 0, 0, 0, 0, 0, 2, 70, 130, 1, 0, {ADD, 4, 1, 1}, {BLOCK, 2, 0, 0}, 0, BR, AVG, 0},
-    {"additive (Lq,Lk)",   8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 6, 0, 0, 0, {ADD, 2, 0, 0}, {0}, 0, 0, AVG, 0},
-    {"pad allow (B,Lk)",   8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 5, 0, 0, 0, {0}, {ALLOW, 2, 0, 0}, 0, 0, PER, 0},
-    {"pad block (Lk)",     8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 5, 0, 0, 0, {0}, {BLOCK, 1, 0, 0}, 0, 0, PER, 0},
-    {"pad additive (1,Lk)",8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 5, 0, 0, 0, {0}, {ADD, 2, 1, 0}, 0, 0, PER, 0},
-    {"key lengths",        8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 6, 0, 0, 0, {0}, {0}, 1, 0, PER, 0},
-    {"causal Lq=Lk",       8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 7, 0, 0, 0, {0}, {0}, 0, BR, PER, 0},
+    {"add (1,1,..) tiles", 16, 2, 0, 0, 0, 0, 0, 0, 0, 2, 70, 130, 1, 0, {ADD, 4, 1, 1}, {BLOCK, 2, 0, 0}, 0, BR, AVG, 0, 0, 0},
+    {"additive (Lq,Lk)",   8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 6, 0, 0, 0, {ADD, 2, 0, 0}, {0}, 0, 0, AVG, 0, 0, 0},
+    {"pad allow (B,Lk)",   8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 5, 0, 0, 0, {0}, {ALLOW, 2, 0, 0}, 0, 0, PER, 0, 0, 0},
+    {"pad block (Lk)",     8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 5, 0, 0, 0, {0}, {BLOCK, 1, 0, 0}, 0, 0, PER, 0, 0, 0},
+    {"pad additive (1,Lk)",8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 5, 0, 0, 0, {0}, {ADD, 2, 1, 0}, 0, 0, PER, 0, 0, 0},
+    {"key lengths",        8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 6, 0, 0, 0, {0}, {0}, 1, 0, PER, 0, 0, 0},
+    {"causal Lq=Lk",       8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 7, 0, 0, 0, {0}, {0}, 0, BR, PER, 0, 0, 0},
     /* key lengths below the causal limit of some rows, no explicit mask:
      * only the index-masked tiles stand between those rows and key len */
-    {"causal + lengths",   8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 8, 0, 0, 0, {0}, {0}, 1, BR, PER, 0},
+    {"causal + lengths",   8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 8, 0, 0, 0, {0}, {0}, 1, BR, PER, 0, 0, 0},
     /* ... and equal to the block's last row's limit (lengths 1, 2, 3 of
      * Lk = 4): the tile walk itself reaches key len */
-    {"causal, len = Lk-1", 8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 4, 0, 0, 0, {0}, {0}, 1, BR, PER, 0},
-    {"causal TL + lengths",8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 9, 70, 1, 0, {0}, {0}, 1, TL, AVG, 0},
-    {"causal BR Lq<Lk",    8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 3, 8, 1, 0, {0}, {0}, 0, BR, PER, 0},
-    {"causal BR Lq>Lk",    8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 8, 3, 1, 0, {0}, {0}, 0, BR, PER, 0},
-    {"causal TL Lq<Lk",    8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 3, 8, 1, 0, {0}, {0}, 0, TL, PER, 0},
-    {"causal TL Lq>Lk",    8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 8, 3, 1, 0, {0}, {0}, 0, TL, AVG, 0},
-    {"cross kdim5 vdim7",  8, 2, 5, 7, 0, 0, 0, 0, 0, 2, 3, 6, 1, 0, {0}, {0}, 0, 0, PER, 0},
-    {"cross kdim=vdim=3",  6, 3, 3, 3, 0, 0, 0, 0, 0, 2, 4, 5, 1, 1, {BLOCK, 2, 0, 0}, {0}, 0, 0, PER, 0},
-    {"cross same k/v ptr", 8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 4, 6, 1, 1, {0}, {0}, 0, 0, AVG, 0},
-    {"cross separate k/v", 8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 4, 6, 1, 0, {0}, {0}, 0, 0, AVG, 0},
-    {"L = 1",              8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 1, 0, 0, 0, {0}, {0}, 0, BR, PER, 0},
-    {"Lq = 1, Lk = 9",     8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 1, 9, 1, 0, {ADD, 3, 0, 0}, {0}, 0, BR, PER, 0},
-    {"head dim 1",         4, 4, 0, 0, 0, 0, 0, 0, 0, 2, 5, 0, 0, 0, {ALLOW, 2, 0, 0}, {0}, 0, 0, PER, 0},
-    {"head dim 3",         9, 3, 0, 0, 0, 0, 0, 0, 0, 2, 5, 0, 0, 0, {0}, {BLOCK, 2, 0, 0}, 0, BR, PER, 0},
-    {"head dim 40",        80, 2, 0, 0, 0, 0, 0, 0, 0, 2, 9, 0, 0, 0, {ADD, 4, 0, 0}, {0}, 0, 0, PER, 0},
-    {"head dim 64",        128, 2, 0, 0, 0, 0, 0, 0, 0, 2, 17, 0, 0, 0, {0}, {0}, 1, BR, AVG, 0},
-    {"add_bias_kv",        8, 2, 0, 0, 0, 1, 0, 0, 0, 2, 5, 0, 0, 0, {BLOCK, 2, 0, 0}, {0}, 0, 0, PER, 0},
-    {"add_zero_attn",      8, 2, 0, 0, 0, 0, 1, 0, 0, 2, 5, 0, 0, 0, {0}, {ALLOW, 2, 0, 0}, 0, 0, PER, 0},
-    {"bias_kv + zero_attn",8, 2, 5, 7, 0, 1, 1, 0, 0, 2, 4, 6, 1, 0, {ADD, 4, 0, 0}, {0}, 1, BR, PER, 0},
-    {"bias off",           8, 2, 0, 0, 1, 0, 0, 0, 0, 2, 5, 0, 0, 0, {ALLOW, 3, 0, 0}, {0}, 0, 0, AVG, 0},
-    {"bias off + bias_kv", 8, 2, 0, 0, 1, 1, 1, 0, 0, 2, 5, 0, 0, 0, {0}, {0}, 0, TL, PER, 0},
-    {"custom scale",       8, 2, 0, 0, 0, 0, 0, 0.9f, 0, 2, 5, 0, 0, 0, {0}, {0}, 0, 0, PER, 0},
-    {"negative scale",     8, 2, 0, 0, 0, 0, 0, -0.3f, 0, 2, 5, 0, 0, 0, {ADD, 2, 0, 0}, {0}, 0, 0, PER, 0},
-    {"everything",         12, 3, 5, 7, 0, 1, 1, 0, 0, 3, 6, 9, 1, 0, {BLOCK, 4, 0, 1}, {ADD, 2, 0, 0}, 1, BR, PER, 0},
-    {"dropout 0.3",        8, 2, 0, 0, 0, 0, 0, 0, 0.3f, 2, 6, 0, 0, 0, {ALLOW, 2, 0, 0}, {0}, 0, 0, PER, 0},
-    {"dropout + extras",   8, 2, 5, 7, 0, 1, 1, 0, 0.5f, 2, 4, 6, 1, 0, {0}, {0}, 0, BR, AVG, 0},
+    {"causal, len = Lk-1", 8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 4, 0, 0, 0, {0}, {0}, 1, BR, PER, 0, 0, 0},
+    {"causal TL + lengths",8, 2, 0, 0, 0, 0, 0, 0, 0, 3, 9, 70, 1, 0, {0}, {0}, 1, TL, AVG, 0, 0, 0},
+    {"causal BR Lq<Lk",    8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 3, 8, 1, 0, {0}, {0}, 0, BR, PER, 0, 0, 0},
+    {"causal BR Lq>Lk",    8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 8, 3, 1, 0, {0}, {0}, 0, BR, PER, 0, 0, 0},
+    {"causal TL Lq<Lk",    8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 3, 8, 1, 0, {0}, {0}, 0, TL, PER, 0, 0, 0},
+    {"causal TL Lq>Lk",    8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 8, 3, 1, 0, {0}, {0}, 0, TL, AVG, 0, 0, 0},
+    {"cross kdim5 vdim7",  8, 2, 5, 7, 0, 0, 0, 0, 0, 2, 3, 6, 1, 0, {0}, {0}, 0, 0, PER, 0, 0, 0},
+    {"cross kdim=vdim=3",  6, 3, 3, 3, 0, 0, 0, 0, 0, 2, 4, 5, 1, 1, {BLOCK, 2, 0, 0}, {0}, 0, 0, PER, 0, 0, 0},
+    {"cross same k/v ptr", 8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 4, 6, 1, 1, {0}, {0}, 0, 0, AVG, 0, 0, 0},
+    {"cross separate k/v", 8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 4, 6, 1, 0, {0}, {0}, 0, 0, AVG, 0, 0, 0},
+    {"L = 1",              8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 1, 0, 0, 0, {0}, {0}, 0, BR, PER, 0, 0, 0},
+    {"Lq = 1, Lk = 9",     8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 1, 9, 1, 0, {ADD, 3, 0, 0}, {0}, 0, BR, PER, 0, 0, 0},
+    {"head dim 1",         4, 4, 0, 0, 0, 0, 0, 0, 0, 2, 5, 0, 0, 0, {ALLOW, 2, 0, 0}, {0}, 0, 0, PER, 0, 0, 0},
+    {"head dim 3",         9, 3, 0, 0, 0, 0, 0, 0, 0, 2, 5, 0, 0, 0, {0}, {BLOCK, 2, 0, 0}, 0, BR, PER, 0, 0, 0},
+    {"head dim 40",        80, 2, 0, 0, 0, 0, 0, 0, 0, 2, 9, 0, 0, 0, {ADD, 4, 0, 0}, {0}, 0, 0, PER, 0, 0, 0},
+    {"head dim 64",        128, 2, 0, 0, 0, 0, 0, 0, 0, 2, 17, 0, 0, 0, {0}, {0}, 1, BR, AVG, 0, 0, 0},
+    {"add_bias_kv",        8, 2, 0, 0, 0, 1, 0, 0, 0, 2, 5, 0, 0, 0, {BLOCK, 2, 0, 0}, {0}, 0, 0, PER, 0, 0, 0},
+    {"add_zero_attn",      8, 2, 0, 0, 0, 0, 1, 0, 0, 2, 5, 0, 0, 0, {0}, {ALLOW, 2, 0, 0}, 0, 0, PER, 0, 0, 0},
+    {"bias_kv + zero_attn",8, 2, 5, 7, 0, 1, 1, 0, 0, 2, 4, 6, 1, 0, {ADD, 4, 0, 0}, {0}, 1, BR, PER, 0, 0, 0},
+    {"bias off",           8, 2, 0, 0, 1, 0, 0, 0, 0, 2, 5, 0, 0, 0, {ALLOW, 3, 0, 0}, {0}, 0, 0, AVG, 0, 0, 0},
+    {"bias off + bias_kv", 8, 2, 0, 0, 1, 1, 1, 0, 0, 2, 5, 0, 0, 0, {0}, {0}, 0, TL, PER, 0, 0, 0},
+    {"custom scale",       8, 2, 0, 0, 0, 0, 0, 0.9f, 0, 2, 5, 0, 0, 0, {0}, {0}, 0, 0, PER, 0, 0, 0},
+    {"negative scale",     8, 2, 0, 0, 0, 0, 0, -0.3f, 0, 2, 5, 0, 0, 0, {ADD, 2, 0, 0}, {0}, 0, 0, PER, 0, 0, 0},
+    {"everything",         12, 3, 5, 7, 0, 1, 1, 0, 0, 3, 6, 9, 1, 0, {BLOCK, 4, 0, 1}, {ADD, 2, 0, 0}, 1, BR, PER, 0, 0, 0},
+    {"dropout 0.3",        8, 2, 0, 0, 0, 0, 0, 0, 0.3f, 2, 6, 0, 0, 0, {ALLOW, 2, 0, 0}, {0}, 0, 0, PER, 0, 0, 0},
+    {"dropout + extras",   8, 2, 5, 7, 0, 1, 1, 0, 0.5f, 2, 4, 6, 1, 0, {0}, {0}, 0, BR, AVG, 0, 0, 0},
     /* Grouped-query and multi-query attention (the last field: H_kv). */
-    {"GQA 4/2, causal",    16, 4, 0, 0, 0, 0, 0, 0, 0, 2, 7, 0, 0, 0, {0}, {0}, 0, BR, PER, 2},
-    {"MQA 4/1, everything",16, 4, 5, 7, 0, 1, 1, 0, 0, 2, 5, 9, 1, 0, {ADD, 4, 0, 0}, {BLOCK, 2, 0, 0}, 1, 0, AVG, 1},
-    {"GQA 6/3, dropout",   12, 6, 0, 0, 0, 0, 0, 0, 0.3f, 2, 6, 0, 0, 0, {ALLOW, 2, 0, 0}, {0}, 0, 0, PER, 3},
-    {"GQA 4/2, 70 keys",   16, 4, 0, 0, 0, 0, 0, 0, 0, 1, 3, 70, 1, 1, {0}, {0}, 1, BR, PER, 2},
+    {"GQA 4/2, causal",    16, 4, 0, 0, 0, 0, 0, 0, 0, 2, 7, 0, 0, 0, {0}, {0}, 0, BR, PER, 2, 0, 0},
+    {"MQA 4/1, everything",16, 4, 5, 7, 0, 1, 1, 0, 0, 2, 5, 9, 1, 0, {ADD, 4, 0, 0}, {BLOCK, 2, 0, 0}, 1, 0, AVG, 1, 0, 0},
+    {"GQA 6/3, dropout",   12, 6, 0, 0, 0, 0, 0, 0, 0.3f, 2, 6, 0, 0, 0, {ALLOW, 2, 0, 0}, {0}, 0, 0, PER, 3, 0, 0},
+    {"GQA 4/2, 70 keys",   16, 4, 0, 0, 0, 0, 0, 0, 0, 1, 3, 70, 1, 1, {0}, {0}, 1, BR, PER, 2, 0, 0},
+    /* Values d_v wide beside keys d_h wide (MLA: 128 beside 192; the last
+     * two fields: d_h, d_v), with every extra that has value rows. */
+    {"d_v 6 > d_h 4",      8, 2, 0, 0, 0, 0, 0, 0, 0, 2, 6, 0, 0, 0, {0}, {0}, 0, BR, PER, 0, 0, 6},
+    {"d_v 3 < d_h 4, cross",8, 2, 5, 7, 0, 1, 1, 0, 0, 2, 4, 6, 1, 0, {ADD, 4, 0, 0}, {0}, 1, BR, PER, 0, 0, 3},
+    {"d_v 5, GQA 4/2, drop",16, 4, 0, 0, 0, 0, 0, 0, 0.3f, 2, 5, 0, 0, 0, {0}, {BLOCK, 2, 0, 0}, 0, 0, AVG, 2, 0, 5},
+    {"MLA-ish 6/4, 70 keys",12, 2, 0, 0, 0, 0, 0, 0, 0, 1, 3, 70, 1, 1, {0}, {0}, 1, BR, PER, 1, 6, 4},
+    {"d_v 2, no bias",     8, 2, 0, 0, 1, 1, 0, 0, 0, 2, 5, 0, 0, 0, {0}, {0}, 0, TL, PER, 0, 0, 2},
 };
 
 static void check_tensor(const char *cname, const char *what, const float *got,
@@ -133,6 +141,8 @@ static void run_case(const fwd_case *c, uint64_t seed)
     cfg.add_zero_attn = c->zero_attn;
     cfg.scale = c->scale;
     cfg.dropout = c->dropout;
+    cfg.head_dim = c->head_dim;
+    cfg.v_head_dim = c->v_head_dim;
     mha_module *m = tu_module(&cfg, seed);
     assert_non_null(m);
     mha_config rc;

@@ -21,7 +21,8 @@
  *     once): the absorbed decode of 70 heads equals the naive attention,
  *     bitwise a cache of the same keys and values kept apart;
  *   - refusals by name: a negative width, a cache of another width, a
- *     rotated one, odd q4 values, a module on such a cache, bf16.
+ *     rotated one, odd q4 values, a module of other widths or on a
+ *     latent cache, bf16.
  *
  * Every tier runs it (CTest, MHA_ISA).
  */
@@ -499,7 +500,8 @@ static void test_cache(void **state)
         mha_kv_cache_free(kv);
         mha_kv_cache_free(f32);
     }
-    /* a module refuses such a cache */
+    /* a module whose values are d_h wide refuses such a cache, a latent
+     * one too (test_module_widths runs a module of d_v on its own) */
     mha_config mc = {0};
     mc.embed_dim = H * DH, mc.num_heads = H, mc.num_kv_heads = HKV;
     mha_module *m = tu_module(&mc, 3);
@@ -508,7 +510,12 @@ static void test_cache(void **state)
     assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
     mha_forward_args fa = {0};
     fa.batch = B, fa.q_len = 1, fa.query = q, fa.out = out, fa.cache = kv;
-    assert_fails(mha_forward(m, &fa), MHA_ERR_UNSUPPORTED, "values");
+    assert_fails(mha_forward(m, &fa), MHA_ERR_SHAPE, "the cache's values");
+    mha_kv_cache_free(kv);
+    kc.v_head_dim = DH - 2, kc.latent = 1;
+    assert_int_equal(mha_kv_cache_create(&kc, &kv), MHA_OK);
+    fa.cache = kv;
+    assert_fails(mha_forward(m, &fa), MHA_ERR_UNSUPPORTED, "latent");
     mha_kv_cache_free(kv);
     mha_free(m);
     free(k), free(v), free(q), free(kr), free(vr), free(out), free(want);

@@ -373,15 +373,18 @@ static mha_status mha_module_from_file_impl(const mha_tensor_file *f,
         return mha_set_error(MHA_ERR_FORMAT,
                              "state_dict: out_proj.weight is missing");
     MHA_CHECK(expect(o_w, "out_proj.weight", 2, -1, -1, 0));
-    /* out_proj.weight is [E, D]: D = E in every PyTorch module; a pruned
-     * module (mha_prune_heads) has fewer heads side by side, D < E. */
-    const int64_t E = o_w->shape[0], D = o_w->shape[1];
-    int64_t Dkv = D;   /* the rows of W_k and W_v: H_kv * d_h */
-    if (E < 1 || D < 1)
+    /* out_proj.weight is [E, Dv]: Dv = E in every PyTorch module; a pruned
+     * module (mha_prune_heads) has fewer heads side by side, Dv < E.  The
+     * queries' D = H d_h is Dv but where values are d_v != d_h wide (q's
+     * rows say it). */
+    const int64_t E = o_w->shape[0], Dv = o_w->shape[1];
+    int64_t D = Dv;
+    int64_t Dkv = D, Dvkv = Dv;   /* the rows of W_k and W_v: H_kv d_h, d_v */
+    if (E < 1 || Dv < 1)
         return mha_set_error(MHA_ERR_SHAPE,
                              "state_dict: out_proj.weight has shape [%lld, "
                              "%lld]: embed_dim and the heads' width must be "
-                             "> 0", (long long)E, (long long)D);
+                             "> 0", (long long)E, (long long)Dv);
     if (in_w && (q_w || k_w || v_w))
         return mha_set_error(MHA_ERR_FORMAT,
                              "state_dict: both in_proj_weight and "
@@ -396,22 +399,31 @@ static mha_status mha_module_from_file_impl(const mha_tensor_file *f,
             return mha_set_error(MHA_ERR_FORMAT,
                                  "state_dict: neither in_proj_weight nor %s "
                                  "is present", missing);
-        MHA_CHECK(expect_d(q_w, "q_proj_weight", 2, D, E, 0, o_w));
+        MHA_CHECK(expect(q_w, "q_proj_weight", 2, -1, E, 0));
+        if (q_w->shape[0] < 1)
+            return mha_set_error(MHA_ERR_SHAPE,
+                                 "state_dict: q_proj_weight has no rows");
+        D = q_w->shape[0];
         /* k and v may have fewer rows than q: grouped-query attention,
-         * H_kv = rows / d_h (checked below, once num_heads is known). */
+         * H_kv = rows / d_h; v's rows H_kv d_v stand to k's as out_proj's
+         * columns to q's rows (checked below, once num_heads is known). */
         if (k_w->ndim == 2 && v_w->ndim == 2 && k_w->shape[0] >= 1 &&
-            k_w->shape[0] == v_w->shape[0])
+            v_w->shape[0] >= 1 && k_w->shape[0] * Dv == v_w->shape[0] * D) {
             Dkv = k_w->shape[0];
-        else if (k_w->ndim == 2 && v_w->ndim == 2)   /* say what differs */
+            Dvkv = v_w->shape[0];
+        } else if (k_w->ndim == 2 && v_w->ndim == 2) {  /* say what differs */
             return mha_set_error(MHA_ERR_SHAPE,
                                  "state_dict: k_proj_weight has %lld rows "
-                                 "and v_proj_weight %lld: the key and value "
-                                 "projections must have the same rows (H_kv "
-                                 "* d_h; %lld without grouped-query "
-                                 "attention)", (long long)k_w->shape[0],
-                                 (long long)v_w->shape[0], (long long)D);
+                                 "and v_proj_weight %lld: they must be H_kv "
+                                 "* d_h and H_kv * d_v, in the ratio of "
+                                 "q_proj_weight's %lld rows (H * d_h) to "
+                                 "out_proj.weight's %lld columns (H * d_v)",
+                                 (long long)k_w->shape[0],
+                                 (long long)v_w->shape[0], (long long)D,
+                                 (long long)Dv);
+        }
         MHA_CHECK(expect(k_w, "k_proj_weight", 2, Dkv, -1, 0));
-        MHA_CHECK(expect(v_w, "v_proj_weight", 2, Dkv, -1, 0));
+        MHA_CHECK(expect(v_w, "v_proj_weight", 2, Dvkv, -1, 0));
         /* A width of 0 would mean "E" to mha_create, and the packing below
          * would then read E * E floats from an empty tensor. */
         if (k_w->shape[1] < 1 || v_w->shape[1] < 1)
@@ -431,7 +443,8 @@ static mha_status mha_module_from_file_impl(const mha_tensor_file *f,
                              in_b ? "in_proj_bias" : "out_proj.bias",
                              in_b ? "out_proj.bias" : "in_proj_bias");
     if (in_b) {
-        MHA_CHECK(expect_d(in_b, "in_proj_bias", 1, D + 2 * Dkv, 0, 0, o_w));
+        MHA_CHECK(expect_d(in_b, "in_proj_bias", 1, D + Dkv + Dvkv, 0, 0,
+                           o_w));
         MHA_CHECK(expect(o_b, "out_proj.bias", 1, E, 0, 0));
     }
     if (!b_k != !b_v)
@@ -441,7 +454,7 @@ static mha_status mha_module_from_file_impl(const mha_tensor_file *f,
                              b_k ? "bias_v" : "bias_k");
     if (b_k) {
         MHA_CHECK(expect_d(b_k, "bias_k", 3, 1, 1, Dkv, o_w));
-        MHA_CHECK(expect_d(b_v, "bias_v", 3, 1, 1, Dkv, o_w));
+        MHA_CHECK(expect_d(b_v, "bias_v", 3, 1, 1, Dvkv, o_w));
     }
     c.embed_dim = E;
     c.no_bias = !in_b;
@@ -468,15 +481,23 @@ static mha_status mha_module_from_file_impl(const mha_tensor_file *f,
         if (!meta_int(v, &c.num_heads) || c.num_heads <= 0)
             return bad_meta("num_heads", v);
     }
-    if (D != E) {
-        if (D % c.num_heads != 0)
-            return mha_set_error(MHA_ERR_SHAPE,
-                                 "state_dict: out_proj.weight has %lld "
-                                 "columns (the heads side by side), not "
-                                 "divisible by num_heads %lld", (long long)D,
-                                 (long long)c.num_heads);
+    /* (D = Dv = E not divisible: mha_create says so) */
+    if ((Dv != E || D != E) && Dv % c.num_heads != 0)
+        return mha_set_error(MHA_ERR_SHAPE,
+                             "state_dict: out_proj.weight has %lld columns "
+                             "(the heads side by side), not divisible by "
+                             "num_heads %lld", (long long)Dv,
+                             (long long)c.num_heads);
+    if ((Dv != E || D != E) && D % c.num_heads != 0)
+        return mha_set_error(MHA_ERR_SHAPE,
+                             "state_dict: q_proj_weight has %lld rows (the "
+                             "heads side by side), not divisible by "
+                             "num_heads %lld", (long long)D,
+                             (long long)c.num_heads);
+    if (D != E)
         c.head_dim = D / c.num_heads;
-    }
+    if (Dv != D)
+        c.v_head_dim = Dv / c.num_heads;
     if (Dkv != D) {
         const int64_t dh = D / c.num_heads;
         if (D % c.num_heads != 0 || Dkv % dh != 0 ||
@@ -490,6 +511,7 @@ static mha_status mha_module_from_file_impl(const mha_tensor_file *f,
                                  (long long)c.num_heads);
         c.num_kv_heads = Dkv / dh;
     }
+    /* (v's rows are then H_kv d_v: k's rows times Dv / D, checked) */
 
     if (sinks) {   /* one learned logit per query head (gpt-oss) */
         MHA_CHECK(expect(sinks, "sinks", 1, c.num_heads, 0, 0));

@@ -161,20 +161,28 @@ static int64_t sinks_floats(const fwd_shape *s)
     return (s->B * s->H + 15) & ~(int64_t)15;
 }
 
-/* The backward's workspace: dctx (n_qd), dq|dk|dv laid out as the forward's
- * projections (n_proj), d bias_k and d bias_v per (b, K/V head), d sinks
- * per (b, h), K and V packed for the backward, per-thread scratch.  The
- * parts before the attention's add up to an even number of floats. */
+/* The backward's workspace: dctx (n_ctx), dq|dk|dv laid out as the
+ * forward's projections (n_proj), d bias_k and d bias_v per (b, K/V
+ * head), d sinks per (b, h), then (from a 64-byte line) K and V packed
+ * for the backward and the per-thread scratch. */
+static int64_t attn_part(const mha_plan *p)
+{
+    const fwd_shape *s = &p->shape;
+    const int64_t n = s->n_ctx + p->n_proj + s->B * (s->Dkv + s->Dvkv) +
+                      sinks_floats(s);
+    return (n + 15) & ~(int64_t)15;
+}
+
 static mha_status ensure_workspace(mha_plan *p)
 {
     if (p->bws)
         return MHA_OK;
     const fwd_shape *s = &p->shape;
     MHA_CHECK(mha_attn_layout_backward(&p->eng, s->B, s->Hkv, s->Lk, s->Lt,
-                                       s->dh, p->m->cfg.mods.softcap > 0.0f,
+                                       s->dv > s->dh ? s->dv : s->dh,
+                                       p->m->cfg.mods.softcap > 0.0f,
                                        &p->blay));
-    p->bws = mha_alloc_floats(s->n_qd + p->n_proj + 2 * s->B * s->Dkv +
-                                  sinks_floats(s) + p->blay.total,
+    p->bws = mha_alloc_floats(attn_part(p) + p->blay.total,
                               "backward workspace");
     return p->bws ? MHA_OK : MHA_ERR_OUT_OF_MEMORY;
 }
@@ -189,15 +197,16 @@ static float *grad_of(const mha_module *m, float *grad_params,
     return grad_params + info.offset;
 }
 
-/* d bias_k (and d bias_v): the per-(b, h) rows summed over b in order. */
-static void reduce_bias_kv(const fwd_shape *s, const float *per_b, float beta,
-                           float *dst)
+/* d bias_k (n = Dkv) and d bias_v (n = Dvkv): the per-(b, h) rows summed
+ * over b in order. */
+static void reduce_bias_kv(const fwd_shape *s, int64_t n, const float *per_b,
+                           float beta, float *dst)
 {
     if (beta == 0.0f)
-        memset(dst, 0, (size_t)s->Dkv * sizeof *dst);
+        memset(dst, 0, (size_t)n * sizeof *dst);
     for (int64_t b = 0; b < s->B; b++)
-        for (int64_t e = 0; e < s->Dkv; e++)
-            dst[e] += per_b[b * s->Dkv + e];
+        for (int64_t e = 0; e < n; e++)
+            dst[e] += per_b[b * n + e];
 }
 
 /* dL/d sinks = the batch's per-(b, h) shares, summed over b in order in
@@ -222,9 +231,9 @@ static void head_mask_grad(const fwd_shape *s, const float *dctx,
     for (int64_t h = 0; h < s->H; h++) {
         double acc = beta == 0.0f ? 0.0 : (double)g[h];
         for (int64_t r = 0; r < rows; r++) {
-            const float *x = dctx + r * s->D + h * s->dh;
-            const float *y = ctx + r * s->D + h * s->dh;
-            for (int64_t d = 0; d < s->dh; d++)
+            const float *x = dctx + r * s->Dv + h * s->dv;
+            const float *y = ctx + r * s->Dv + h * s->dv;
+            for (int64_t d = 0; d < s->dv; d++)
                 acc += (double)x[d] * y[d];
         }
         g[h] = (float)acc;
@@ -238,8 +247,8 @@ static void scale_heads(const fwd_shape *s, const float *head_mask,
     const int64_t rows = s->B * s->Lq;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t h = 0; h < s->H; h++) {
-            float *x = dctx + r * s->D + h * s->dh;
-            for (int64_t d = 0; d < s->dh; d++)
+            float *x = dctx + r * s->Dv + h * s->dv;
+            for (int64_t d = 0; d < s->dv; d++)
                 x[d] *= head_mask[h];
         }
 }
@@ -262,7 +271,8 @@ static mha_status mha_plan_backward_impl(mha_plan *plan,
     const mha_module *m = plan->m;
     const mha_config *c = &m->cfg;
     const fwd_shape *s = &plan->shape;
-    const int64_t E = s->E, D = s->D, Dkv = s->Dkv;
+    const int64_t E = s->E, D = s->D, Dkv = s->Dkv, Dv = s->Dv;
+    const int64_t Dvkv = s->Dvkv;
     const int64_t rows_q = s->B * s->Lq, rows_k = s->B * s->Lk;
     const float beta = g->accumulate ? 1.0f : 0.0f;
     const int nt = plan->eng.threads;   /* the projections' threads too */
@@ -277,12 +287,12 @@ static mha_status mha_plan_backward_impl(mha_plan *plan,
 
     /* The output projection. */
     float *dctx = plan->bws;
-    float *dproj = dctx + s->n_qd;
-    float *dbias = dproj + plan->n_proj;
-    float *dsinks = dbias + 2 * s->B * Dkv;   /* [B][H] */
-    float *battn = dsinks + sinks_floats(s);  /* the backward's layout */
-    mha_linear_grad_input(g->grad_out, rows_q, E, E, m->w_o, D, 0.0f, dctx, D,
-                          nt);
+    float *dproj = dctx + s->n_ctx;
+    float *dbias = dproj + plan->n_proj;      /* [B][Dkv], then [B][Dvkv] */
+    float *dsinks = dbias + s->B * (Dkv + Dvkv);   /* [B][H] */
+    float *battn = plan->bws + attn_part(plan);  /* the backward's layout */
+    mha_linear_grad_input(g->grad_out, rows_q, E, E, m->w_o, Dv, 0.0f, dctx,
+                          Dv, nt);
     if (g->grad_head_mask)
         head_mask_grad(s, dctx, at.ctx, beta, g->grad_head_mask);
     const float *hm = mha_head_mask_in_use(a->head_mask, s->H);
@@ -290,7 +300,7 @@ static mha_status mha_plan_backward_impl(mha_plan *plan,
         scale_heads(s, hm, dctx);
     float *gp = g->grad_params;
     if (gp)
-        mha_linear_grad_params_blocks(g->grad_out, rows_q, E, E, at.ctx, D, D,
+        mha_linear_grad_params_blocks(g->grad_out, rows_q, E, E, at.ctx, Dv, Dv,
                                       hm, hm ? s->H : 1,
                                       beta, grad_of(m, gp, "out_proj.weight"),
                                       grad_of(m, gp, "out_proj.bias"), nt);
@@ -300,7 +310,7 @@ static mha_status mha_plan_backward_impl(mha_plan *plan,
     float *dk = dproj + (plan->k - plan->ws);
     float *dv = dproj + (plan->v - plan->ws);
     const mha_attn_grad ag = {
-        .dctx = dctx, .lddc = D, .dq = dq, .dk = dk, .dv = dv,
+        .dctx = dctx, .lddc = Dv, .dq = dq, .dk = dk, .dv = dv,
         .lddq = plan->ldq, .lddk = plan->ldk, .lddv = plan->ldv,
         .dbias_k = m->bias_k ? dbias : NULL,
         .dbias_v = m->bias_k ? dbias + s->B * Dkv : NULL,
@@ -347,13 +357,14 @@ static mha_status mha_plan_backward_impl(mha_plan *plan,
             } else {
                 mha_linear_grad_params(dk, rows_k, Dkv, plan->ldk, xk, c->kdim,
                                        c->kdim, beta, dw_k, db_k, nt);
-                mha_linear_grad_params(dv, rows_k, Dkv, plan->ldv, xv, c->vdim,
+                mha_linear_grad_params(dv, rows_k, Dvkv, plan->ldv, xv, c->vdim,
                                        c->vdim, beta, dw_v, db_v, nt);
             }
         }
         if (m->bias_k) {
-            reduce_bias_kv(s, ag.dbias_k, beta, grad_of(m, gp, "bias_k"));
-            reduce_bias_kv(s, ag.dbias_v, beta, grad_of(m, gp, "bias_v"));
+            reduce_bias_kv(s, Dkv, ag.dbias_k, beta, grad_of(m, gp, "bias_k"));
+            reduce_bias_kv(s, Dvkv, ag.dbias_v, beta,
+                           grad_of(m, gp, "bias_v"));
         }
         if (m->sinks)
             reduce_sinks(s, dsinks, beta, grad_of(m, gp, "sinks"));
@@ -382,7 +393,7 @@ static mha_status mha_plan_backward_impl(mha_plan *plan,
         mha_linear_grad_input(dk, rows_k, Dkv, plan->ldk, m->w_k, c->kdim,
                               tk == tq ? 1.0f : 0.0f, tk, c->kdim, nt);
     if (tv)
-        mha_linear_grad_input(dv, rows_k, Dkv, plan->ldv, m->w_v, c->vdim,
+        mha_linear_grad_input(dv, rows_k, Dvkv, plan->ldv, m->w_v, c->vdim,
                               tv == tq || tv == tk ? 1.0f : 0.0f, tv, c->vdim,
                               nt);
     return MHA_OK;

@@ -43,7 +43,8 @@ mha_status mha_backward16(mha_plan *plan, const mha_forward_args *a,
     int kernel;
     MHA_CHECK(mha_linear16_kernel(a->dtype, &kernel));
     const int nt = plan->eng.threads;
-    const int64_t E = s->E, D = s->D, Dkv = s->Dkv;
+    const int64_t E = s->E, D = s->D, Dkv = s->Dkv, Dv = s->Dv;
+    const int64_t Dvkv = s->Dvkv;
     const int64_t kd = c->kdim, vd = c->vdim;
     const int64_t rows_q = s->B * s->Lq, rows_k = s->B * s->Lk;
     const uint16_t *query = a->query16;
@@ -59,42 +60,43 @@ mha_status mha_backward16(mha_plan *plan, const mha_forward_args *a,
      * the weight gradients' scratch.  Sizes are below 2^60 (shapes
      * checked by the forward). */
     const int64_t nw[4] = {
-        up16(mha_linear16_weight_floats(kernel, D, E)),     /* W_o: E -> D */
+        up16(mha_linear16_weight_floats(kernel, Dv, E)),    /* W_o: E -> Dv */
         up16(mha_linear16_weight_floats(kernel, E, D)),     /* W_q: D -> E */
         up16(mha_linear16_weight_floats(kernel, kd, Dkv)),  /* W_k */
-        up16(mha_linear16_weight_floats(kernel, vd, Dkv))}; /* W_v */
-    const int64_t n_q = up16((s->n_qd + 1) / 2), n_kv = up16((s->n_kvd + 1) / 2);
-    const int64_t widest = max64(max64(E, D), Dkv);
+        up16(mha_linear16_weight_floats(kernel, vd, Dvkv))}; /* W_v */
+    const int64_t n_q = up16((s->n_qd + 1) / 2), n_k = up16((s->n_kvd + 1) / 2);
+    const int64_t n_c = up16((s->n_ctx + 1) / 2), n_v = up16((s->n_vd + 1) / 2);
+    const int64_t widest = max64(max64(max64(E, D), Dkv), max64(Dv, Dvkv));
     const int64_t n_lin = up16(mha_linear16_scratch_floats(kernel, widest)) * nt;
     int64_t n_grad = 0;
     if (gp) {
-        n_grad = mha_linear16_grad_floats(kernel, rows_q, E, D, nt);
+        n_grad = mha_linear16_grad_floats(kernel, rows_q, E, Dv, nt);
         n_grad = max64(n_grad, mha_linear16_grad_floats(kernel, rows_q, D, E, nt));
         n_grad = max64(n_grad, mha_linear16_grad_floats(kernel, rows_k, Dkv, kd, nt));
-        n_grad = max64(n_grad, mha_linear16_grad_floats(kernel, rows_k, Dkv, vd, nt));
+        n_grad = max64(n_grad, mha_linear16_grad_floats(kernel, rows_k, Dvkv, vd, nt));
         n_grad = up16(n_grad);
     }
-    const int64_t total = nw[0] + nw[1] + nw[2] + nw[3] + 2 * n_q + 2 * n_kv +
-                          n_lin + n_grad;
+    const int64_t total = nw[0] + nw[1] + nw[2] + nw[3] + n_c + n_q + n_k +
+                          n_v + n_lin + n_grad;
     MHA_CHECK(mha_plan_buffer(&plan->bws16, &plan->n_bws16, total,
                               "the 16-bit backward's workspace"));
     float *wo = plan->bws16, *wq = wo + nw[0], *wk = wq + nw[1],
           *wv = wk + nw[2];
     uint16_t *dctx = (uint16_t *)(wv + nw[3]);
-    uint16_t *dq = (uint16_t *)(wv + nw[3] + n_q);
-    uint16_t *dk = (uint16_t *)(wv + nw[3] + 2 * n_q);
-    uint16_t *dv = (uint16_t *)(wv + nw[3] + 2 * n_q + n_kv);
-    float *lin = wv + nw[3] + 2 * n_q + 2 * n_kv;
+    uint16_t *dq = (uint16_t *)(wv + nw[3] + n_c);
+    uint16_t *dk = (uint16_t *)(wv + nw[3] + n_c + n_q);
+    uint16_t *dv = (uint16_t *)(wv + nw[3] + n_c + n_q + n_k);
+    float *lin = wv + nw[3] + n_c + n_q + n_k + n_v;
     float *gs = lin + n_lin;
     const float beta = g->accumulate ? 1.0f : 0.0f;
 
     /* The output projection. */
-    mha_linear16_prepare_t(m->w_o, E, D, kernel, bf, wo, nt);
-    mha_linear16(g->grad_out16, rows_q, E, E, bf, kernel, wo, D, NULL, dctx,
-                 D, lin, nt);
+    mha_linear16_prepare_t(m->w_o, E, Dv, kernel, bf, wo, nt);
+    mha_linear16(g->grad_out16, rows_q, E, E, bf, kernel, wo, Dv, NULL, dctx,
+                 Dv, lin, nt);
     if (gp)
-        mha_linear16_grad_params(g->grad_out16, rows_q, E, E, plan->ctx16, D,
-                                 D, bf, kernel, beta,
+        mha_linear16_grad_params(g->grad_out16, rows_q, E, E, plan->ctx16, Dv,
+                                 Dv, bf, kernel, beta,
                                  grad_at(m, gp, m->w_o),
                                  grad_at(m, gp, m->b_o), gs, nt);
 
@@ -114,7 +116,7 @@ mha_status mha_backward16(mha_plan *plan, const mha_forward_args *a,
         mha_linear16_grad_params(dk, rows_k, Dkv, Dkv, key, kd, kd, bf,
                                  kernel, beta, grad_at(m, gp, m->w_k),
                                  grad_at(m, gp, m->b_k), gs, nt);
-        mha_linear16_grad_params(dv, rows_k, Dkv, Dkv, value, vd, vd, bf,
+        mha_linear16_grad_params(dv, rows_k, Dvkv, Dvkv, value, vd, vd, bf,
                                  kernel, beta, grad_at(m, gp, m->w_v),
                                  grad_at(m, gp, m->b_v), gs, nt);
     }
@@ -125,9 +127,9 @@ mha_status mha_backward16(mha_plan *plan, const mha_forward_args *a,
     if (tk)
         mha_linear16_prepare_t(m->w_k, Dkv, kd, kernel, bf, wk, nt);
     if (tv)
-        mha_linear16_prepare_t(m->w_v, Dkv, vd, kernel, bf, wv, nt);
+        mha_linear16_prepare_t(m->w_v, Dvkv, vd, kernel, bf, wv, nt);
     const mha_lin16_part part[3] = {{dq, D, D, wq}, {dk, Dkv, Dkv, wk},
-                                    {dv, Dkv, Dkv, wv}};
+                                    {dv, Dvkv, Dvkv, wv}};
     uint16_t *target[3] = {tq, tk, tv};
     const int64_t rows[3] = {rows_q, rows_k, rows_k}, width[3] = {E, kd, vd};
     for (int i = 0; i < 3; i++) {

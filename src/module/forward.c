@@ -7,14 +7,16 @@
  *
  *   query (B,Lq,E)    -- W_q -->  q (B*Lq rows of D, row stride ldq)
  *   key   (B,Lk,kdim) -- W_k -->  k (B*Lk rows of Dkv, row stride ldk)
- *   value (B,Lk,vdim) -- W_v -->  v (B*Lk rows of Dkv, row stride ldv)
- *       (Dkv = H_kv * d_h: D, or less under grouped-query attention)
+ *   value (B,Lk,vdim) -- W_v -->  v (B*Lk rows of Dvkv, row stride ldv)
+ *       (Dkv = H_kv * d_h: D, or less under grouped-query attention;
+ *        the values' heads may be d_v wide: Dvkv = H_kv * d_v, MLA's 128
+ *        beside keys of 192)
  *       (RoPE: q and k rotated in place here, rope_qk below)
  *       (self-attention with one packed in_proj_weight: one GEMM writes
  *        q | k | v side by side, ldq = ldk = ldv = 3D; key == value: one
  *        GEMM writes k | v)
- *   attention (attention.c): ctx[b,i, h*d_h ..] = softmax(q k^T s + mask) v
- *   ctx (B*Lq, D)     -- W_o -->  out (B, Lq, E)
+ *   attention (attention.c): ctx[b,i, h*d_v ..] = softmax(q k^T s + mask) v
+ *   ctx (B*Lq, Dv)    -- W_o -->  out (B, Lq, E)      (Dv = H * d_v)
  *       (under a head mask, head h's columns of ctx scaled by m_h: one
  *        GEMM per head, none for a head of mask 0)
  *
@@ -46,11 +48,12 @@ static mha_status check_cache_args(const mha_module *m,
                              "are the cache's and the new tokens', masked "
                              "causally per sequence", bad);
     MHA_CHECK(mha_module_check_self_attention(m));
-    if (kv->dv != kv->dh || kv->latent)
+    if (kv->latent)
         return mha_set_error(MHA_ERR_UNSUPPORTED,
-                             "the cache's values are %lld wide, its keys "
-                             "%lld: a module's values are as wide as its "
-                             "keys", (long long)kv->dv, (long long)kv->dh);
+                             "the cache is latent (MLA's compressed rows, "
+                             "each value a prefix of its key): a module "
+                             "caches its own keys and values apart; decode "
+                             "a latent cache with mha_attention");
     /* The masks and weights of a run span up to the capacity's keys. */
     const int64_t Lt = mha_total_keys(m, kv->capacity);
     int64_t w;
@@ -106,8 +109,8 @@ static mha_attn_request fwd_request(const mha_module *m, const fwd_shape *s,
 {
     const mha_config *c = &m->cfg;
     const mha_attn_request r = {
-        .B = s->B, .H = s->H, .Hkv = s->Hkv, .dh = s->dh, .dv = s->dh,
-        .Lq = s->Lq, .Lk = s->Lk, .kv_len = a->kv_len, .ldo = s->D,
+        .B = s->B, .H = s->H, .Hkv = s->Hkv, .dh = s->dh, .dv = s->dv,
+        .Lq = s->Lq, .Lk = s->Lk, .kv_len = a->kv_len, .ldo = s->Dv,
         .bias_k = m->bias_k, .bias_v = m->bias_v,
         .zero_attn = c->add_zero_attn, .scale = c->scale, .mods = &c->mods,
         .slopes = m->slopes, .sinks = m->sinks,
@@ -166,6 +169,9 @@ mha_status mha_fwd_check_shapes(const mha_module *m,
     p->D = m->inner_dim;
     p->Hkv = c->num_kv_heads;
     p->Dkv = m->kv_dim;
+    p->dv = m->v_head_dim;
+    p->Dv = m->v_inner_dim;
+    p->Dvkv = m->kv_vdim;
     if (a->cache)
         MHA_CHECK(check_cache_args(m, a));
 
@@ -191,7 +197,8 @@ mha_status mha_fwd_check_shapes(const mha_module *m,
 
     /* Every size product that indexes memory, checked once here. */
     int64_t rows_q, rows_k, t, lql;
-    const int64_t wide = p->E > p->D ? p->E : p->D;
+    int64_t wide = p->E > p->D ? p->E : p->D;
+    wide = wide > p->Dv ? wide : p->Dv;
     if (!mha_mul_ok(p->B, p->Lq, &rows_q) || !mha_mul_ok(p->B, p->Lk, &rows_k) ||
         !mha_mul_ok(rows_q, 3 * wide, &t) || !mha_mul_ok(rows_k, 3 * wide, &t) ||
         !mha_mul_ok(rows_k, c->kdim > c->vdim ? c->kdim : c->vdim, &t) ||
@@ -212,6 +219,8 @@ mha_status mha_fwd_check_shapes(const mha_module *m,
     p->n_q = rows_q * p->E;
     p->n_qd = rows_q * p->D;
     p->n_kvd = rows_k * p->Dkv;
+    p->n_ctx = rows_q * p->Dv;
+    p->n_vd = rows_k * p->Dvkv;
     p->n_w = a->need_weights == MHA_WEIGHTS_PER_HEAD ? t : lql * p->B;
 
     return MHA_OK;
@@ -241,13 +250,15 @@ static mha_status mha_plan_create_impl(const mha_module *m,
     if (a->cache && mha_total_keys(m, Lk) < 0)
         return mha_set_error(MHA_ERR_OVERFLOW, "cache capacity overflows");
     MHA_CHECK(mha_attn_layout_forward(&eng, s.B, s.H, s.Hkv, s.Lq, Lk,
-                                      mha_total_keys(m, Lk), s.dh,
+                                      mha_total_keys(m, Lk),
+                                      s.dv > s.dh ? s.dv : s.dh,
                                       a->cache != NULL, &lay));
 
-    /* Self-attention with Lk = Lq may fuse q|k|v (3 n_qd); otherwise q and
-     * k|v apart (n_qd + 2 n_kvd).  The workspace holds the larger. */
-    const int64_t fused = s.Lk == s.Lq ? 3 * s.n_qd : 0;
-    const int64_t split = s.n_qd + 2 * s.n_kvd;
+    /* Self-attention with Lk = Lq may fuse q|k|v (3 n_qd, packed modules
+     * only); otherwise q, k and v apart (n_qd + n_kvd + n_vd).  The
+     * workspace holds the larger. */
+    const int64_t fused = s.Lk == s.Lq && m->packed ? 3 * s.n_qd : 0;
+    const int64_t split = s.n_qd + s.n_kvd + s.n_vd;
     const int64_t n_proj = fused > split ? fused : split;
     mha_plan *p = calloc(1, sizeof *p);
     if (!p)
@@ -255,7 +266,7 @@ static mha_status mha_plan_create_impl(const mha_module *m,
     p->dtype = a->dtype;   /* 16-bit: forward16.c's own workspace */
     p->ws = a->dtype != MHA_DTYPE_F32
                 ? NULL
-                : mha_alloc_floats(n_proj + s.n_qd + lay.total,
+                : mha_alloc_floats(n_proj + s.n_ctx + lay.total,
                                    "forward workspace");
     if (!p->ws && a->dtype == MHA_DTYPE_F32) {
         free(p);
@@ -290,7 +301,7 @@ void mha_plan_free(mha_plan *p)
     free(p);
 }
 
-/* The workspace, in order: projections (n_proj), ctx (n_qd), then the
+/* The workspace, in order: projections (n_proj), ctx (n_ctx), then the
  * attention's layout (row stats, decoding partials, packed K/V,
  * per-thread scratch). */
 static float *ws_ctx(const mha_plan *p) { return p->ws + p->n_proj; }
@@ -459,7 +470,7 @@ static mha_status mha_plan_forward_impl(mha_plan *plan,
     const float *query = a->query;
     const float *key = a->key ? a->key : query;
     const float *value = a->value ? a->value : key;
-    const int64_t E = s.E, D = s.D, Dkv = s.Dkv;
+    const int64_t E = s.E, D = s.D, Dkv = s.Dkv, Dvkv = s.Dvkv;
     const int64_t rows_q = s.B * s.Lq, rows_k = s.B * s.Lk;
     /* One GEMM over the query rows serves as keys only when they are the
      * same rows: same pointer and same length. */
@@ -484,11 +495,11 @@ static mha_status mha_plan_forward_impl(mha_plan *plan,
             mha_linear(key, rows_k, E, E, m->w_k, 2 * D, m->b_k, kp, 2 * D,
                        nt);
         } else {
-            kp = ws + s.n_qd; vp = kp + s.n_kvd; ldk = ldv = Dkv;
+            kp = ws + s.n_qd; vp = kp + s.n_kvd; ldk = Dkv; ldv = Dvkv;
             mha_linear(key, rows_k, c->kdim, c->kdim, m->w_k, Dkv, m->b_k, kp,
                        Dkv, nt);
-            mha_linear(value, rows_k, c->vdim, c->vdim, m->w_v, Dkv, m->b_v,
-                       vp, Dkv, nt);
+            mha_linear(value, rows_k, c->vdim, c->vdim, m->w_v, Dvkv, m->b_v,
+                       vp, Dvkv, nt);
         }
     }
     if (c->mods.rope.style != MHA_ROPE_NONE)
@@ -509,7 +520,7 @@ static mha_status mha_plan_forward_impl(mha_plan *plan,
                          plan->lay.per_thread);
 
     const float *hm = mha_head_mask_in_use(a->head_mask, s.H);
-    mha_linear_blocks(at.ctx, rows_q, D, D, m->w_o, E, m->b_o, hm,
+    mha_linear_blocks(at.ctx, rows_q, s.Dv, s.Dv, m->w_o, E, m->b_o, hm,
                       hm ? s.H : 1, a->out, E, nt);
     if (a->cache || a->q_total)   /* neither has a backward */
         return MHA_OK;

@@ -4,9 +4,9 @@
  *
  *   query16 (B,Lq,E)    -- W_q -->  q16 (B*Lq, D)      mha_linear16: sums
  *   key16   (B,Lk,kdim) -- W_k -->  k16 (B*Lk, Dkv)    in float32, + b,
- *   value16 (B,Lk,vdim) -- W_v -->  v16 (B*Lk, Dkv)    rounded to the type
+ *   value16 (B,Lk,vdim) -- W_v -->  v16 (B*Lk, Dvkv)   rounded to the type
  *   attention on 16-bit heads (mha_attention, dtype BF16 / F16): ctx16
- *   ctx16 (B*Lq, D)     -- W_o -->  out16 (B, Lq, E)
+ *   ctx16 (B*Lq, Dv)    -- W_o -->  out16 (B, Lq, E)
  *
  * The weights and biases are the module's float32 parameters rounded to
  * the data's type once per call (a module holds float32; rounding is
@@ -92,7 +92,8 @@ mha_attention_args mha_attention16_args(const mha_plan *plan,
     const mha_config *c = &m->cfg;
     const fwd_shape *s = &plan->shape;
     mha_attention_args at = {
-        .batch = s->B, .num_heads = s->H, .head_dim = s->dh, .q_len = s->Lq,
+        .batch = s->B, .num_heads = s->H, .head_dim = s->dh,
+        .v_head_dim = s->dv, .q_len = s->Lq,
         .kv_len = s->Lk, .num_kv_heads = s->Hkv, .scale = c->scale,
         .given = MHA_GIVEN_SCALE, .attn_mask = a->attn_mask,
         .key_padding_mask = a->key_padding_mask,
@@ -118,7 +119,8 @@ mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a)
     const uint16_t *query = a->query16;
     const uint16_t *key = a->key16 ? a->key16 : query;
     const uint16_t *value = a->value16 ? a->value16 : key;
-    const int64_t E = s->E, D = s->D, Dkv = s->Dkv;
+    const int64_t E = s->E, D = s->D, Dkv = s->Dkv, Dv = s->Dv;
+    const int64_t Dvkv = s->Dvkv;
     const int64_t rows_q = s->B * s->Lq, rows_k = s->B * s->Lk;
 
     /* The workspace, in 64-byte lines: the four weights as the kernels
@@ -128,17 +130,19 @@ mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a)
     const int64_t nw[4] = {
         up16(mha_linear16_weight_floats(kernel, D, E)),
         up16(mha_linear16_weight_floats(kernel, Dkv, c->kdim)),
-        up16(mha_linear16_weight_floats(kernel, Dkv, c->vdim)),
-        up16(mha_linear16_weight_floats(kernel, E, D))};
+        up16(mha_linear16_weight_floats(kernel, Dvkv, c->vdim)),
+        up16(mha_linear16_weight_floats(kernel, E, Dv))};
     int64_t widest = E > D ? E : D;
+    widest = widest > Dv ? widest : Dv;
     widest = widest > c->kdim ? widest : c->kdim;
     widest = widest > c->vdim ? widest : c->vdim;
     const int64_t per_thread = up16(mha_linear16_scratch_floats(kernel, widest));
-    const int64_t n_b = up16(D) + 2 * up16(Dkv) + up16(E);
-    const int64_t n_q = up16((s->n_qd + 1) / 2), n_kv = up16((s->n_kvd + 1) / 2);
+    const int64_t n_b = up16(D) + up16(Dkv) + up16(Dvkv) + up16(E);
+    const int64_t n_q = up16((s->n_qd + 1) / 2), n_k = up16((s->n_kvd + 1) / 2);
+    const int64_t n_c = up16((s->n_ctx + 1) / 2), n_v = up16((s->n_vd + 1) / 2);
     const int64_t n_lse = up16(s->B * s->H * s->Lq);
     int64_t total =
-        nw[0] + nw[1] + nw[2] + nw[3] + n_b + 2 * n_q + 2 * n_kv + n_lse,
+        nw[0] + nw[1] + nw[2] + nw[3] + n_b + n_q + n_c + n_k + n_v + n_lse,
             n_scratch;
     if (!mha_mul_ok(per_thread, nt, &n_scratch) ||
         total > INT64_MAX / 8 - n_scratch)
@@ -152,9 +156,9 @@ mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a)
     float *bias = wo + nw[3];
     uint16_t *q16 = (uint16_t *)(bias + n_b);
     uint16_t *ctx16 = (uint16_t *)(bias + n_b + n_q);
-    uint16_t *k16 = (uint16_t *)(bias + n_b + 2 * n_q);
-    uint16_t *v16 = (uint16_t *)(bias + n_b + 2 * n_q + n_kv);
-    float *lse = bias + n_b + 2 * n_q + 2 * n_kv;
+    uint16_t *k16 = (uint16_t *)(bias + n_b + n_q + n_c);
+    uint16_t *v16 = (uint16_t *)(bias + n_b + n_q + n_c + n_k);
+    float *lse = bias + n_b + n_q + n_c + n_k + n_v;
     float *scratch = lse + n_lse;
 
     /* The weights and biases rounded (into the workspace only), and the
@@ -163,15 +167,16 @@ mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a)
      * Rounding is monotonic: the largest decides. */
     const mha_lin16_weight ws4[4] = {{m->w_q, D, E, wq},
                                      {m->w_k, Dkv, c->kdim, wk},
-                                     {m->w_v, Dkv, c->vdim, wv},
-                                     {m->w_o, E, D, wo}};
+                                     {m->w_v, Dvkv, c->vdim, wv},
+                                     {m->w_o, E, Dv, wo}};
     float wmax = mha_linear16_prepare_all(ws4, 4, kernel, bf, nt);
     const float *bq = round_bias(m->b_q, D, bf, bias, &wmax);
     const float *bk = round_bias(m->b_k, Dkv, bf, bias + up16(D), &wmax);
     const float *bv =
-        round_bias(m->b_v, Dkv, bf, bias + up16(D) + up16(Dkv), &wmax);
-    const float *bo =
-        round_bias(m->b_o, E, bf, bias + up16(D) + 2 * up16(Dkv), &wmax);
+        round_bias(m->b_v, Dvkv, bf, bias + up16(D) + up16(Dkv), &wmax);
+    const float *bo = round_bias(m->b_o, E, bf,
+                                 bias + up16(D) + up16(Dkv) + up16(Dvkv),
+                                 &wmax);
     if (isinf(mha_half_round(wmax, bf)))
         return mha_set_error(MHA_ERR_NON_FINITE,
                              "a parameter of the module (|w| = %g) is past "
@@ -186,8 +191,8 @@ mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a)
                      scratch, nt),
         mha_linear16(key, rows_k, c->kdim, c->kdim, bf, kernel, wk, Dkv, bk,
                      k16, Dkv, scratch, nt),
-        mha_linear16(value, rows_k, c->vdim, c->vdim, bf, kernel, wv, Dkv, bv,
-                     v16, Dkv, scratch, nt)};
+        mha_linear16(value, rows_k, c->vdim, c->vdim, bf, kernel, wv, Dvkv,
+                     bv, v16, Dvkv, scratch, nt)};
     for (int i = 0; i < 3; i++)
         if (over[i])
             return mha_set_error(MHA_ERR_NON_FINITE,
@@ -204,7 +209,7 @@ mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a)
     /* Taken before out16 (which may alias the query) is written. */
     const uint64_t print = mha_fwd_fingerprint(m, s, a);
     /* (an output past the range is +-inf, as PyTorch's f16 module gives) */
-    mha_linear16(ctx16, rows_q, D, D, bf, kernel, wo, E, bo, a->out16, E,
+    mha_linear16(ctx16, rows_q, Dv, Dv, bf, kernel, wo, E, bo, a->out16, E,
                  scratch, nt);
     /* What the backward needs is now in the workspace. */
     plan->q16 = q16, plan->k16 = k16, plan->v16 = v16, plan->ctx16 = ctx16;

@@ -73,6 +73,18 @@ static mha_status resolve_config(const mha_config *in, mha_config *out)
                              "fused q|k|v projection) must be <= %lld, got "
                              "3 * %lld * %lld", (long long)widest,
                              (long long)c.num_heads, (long long)c.head_dim);
+    if (c.v_head_dim < 0)
+        return mha_set_error(MHA_ERR_INVALID_CONFIG,
+                             "v_head_dim must be >= 0 (0 = head_dim), got "
+                             "%lld", (long long)c.v_head_dim);
+    if (c.v_head_dim == 0)
+        c.v_head_dim = c.head_dim;
+    /* the values' heads side by side, H * d_v, within the same bound */
+    if (c.v_head_dim > widest / (3 * c.num_heads))
+        return mha_set_error(MHA_ERR_INVALID_CONFIG,
+                             "3 * num_heads * v_head_dim must be <= %lld, "
+                             "got 3 * %lld * %lld", (long long)widest,
+                             (long long)c.num_heads, (long long)c.v_head_dim);
     if (c.kdim == 0)
         c.kdim = c.embed_dim;
     if (c.vdim == 0)
@@ -137,25 +149,27 @@ static float *param_data(const mha_module *m, const char *name)
 }
 
 /* The table, in PyTorch's state_dict order (D = E but in pruned modules;
- * Dkv = D but in grouped-query modules). */
+ * Dkv = D but in grouped-query modules; the values' Dv and Dvkv = D and
+ * Dkv but where d_v != d_h). */
 static mha_status build_table(mha_module *m)
 {
     const int64_t E = m->cfg.embed_dim, D = m->inner_dim, Dkv = m->kv_dim;
-    const int64_t inD = D + 2 * Dkv;  /* <= 3 D <= INT32_MAX */
+    const int64_t Dv = m->v_inner_dim, Dvkv = m->kv_vdim;
+    const int64_t inD = D + Dkv + Dvkv;  /* <= 3 max(D, Dv) <= INT32_MAX */
     if (m->packed) {
         MHA_CHECK(add_param(m, "in_proj_weight", 2, inD, E, 0));
     } else {
         MHA_CHECK(add_param(m, "q_proj_weight", 2, D, E, 0));
         MHA_CHECK(add_param(m, "k_proj_weight", 2, Dkv, m->cfg.kdim, 0));
-        MHA_CHECK(add_param(m, "v_proj_weight", 2, Dkv, m->cfg.vdim, 0));
+        MHA_CHECK(add_param(m, "v_proj_weight", 2, Dvkv, m->cfg.vdim, 0));
     }
     if (!m->cfg.no_bias)
         MHA_CHECK(add_param(m, "in_proj_bias", 1, inD, 0, 0));
     if (m->cfg.add_bias_kv) {
         MHA_CHECK(add_param(m, "bias_k", 3, 1, 1, Dkv));
-        MHA_CHECK(add_param(m, "bias_v", 3, 1, 1, Dkv));
+        MHA_CHECK(add_param(m, "bias_v", 3, 1, 1, Dvkv));
     }
-    MHA_CHECK(add_param(m, "out_proj.weight", 2, E, D, 0));
+    MHA_CHECK(add_param(m, "out_proj.weight", 2, E, Dv, 0));
     if (!m->cfg.no_bias)
         MHA_CHECK(add_param(m, "out_proj.bias", 1, E, 0, 0));
     if (m->cfg.sinks)   /* gpt-oss's name; PyTorch's module has none */
@@ -268,8 +282,11 @@ static mha_status mha_create_impl(const mha_config *config, mha_module **out)
     m->head_dim = c.head_dim;
     m->inner_dim = c.num_heads * c.head_dim;
     m->kv_dim = c.num_kv_heads * c.head_dim;
+    m->v_head_dim = c.v_head_dim;
+    m->v_inner_dim = c.num_heads * c.v_head_dim;
+    m->kv_vdim = c.num_kv_heads * c.v_head_dim;
     m->packed = c.kdim == c.embed_dim && c.vdim == c.embed_dim &&
-                c.num_kv_heads == c.num_heads;
+                c.num_kv_heads == c.num_heads && c.v_head_dim == c.head_dim;
     mha_status st = build_table(m);
     if (st == MHA_OK) {
         m->params = mha_alloc_floats(m->params_numel, "parameters");
@@ -491,9 +508,11 @@ static mha_status projection_of(const mha_module *m, mha_projection which,
         *w = m->w_k; *b = m->b_k; *n_in = m->cfg.kdim; *n_out = m->kv_dim;
         break;
     case MHA_PROJ_VALUE:
-        *w = m->w_v; *b = m->b_v; *n_in = m->cfg.vdim; *n_out = m->kv_dim;
+        *w = m->w_v; *b = m->b_v; *n_in = m->cfg.vdim; *n_out = m->kv_vdim;
         break;
-    case MHA_PROJ_OUT: *w = m->w_o; *b = m->b_o; *n_in = D; *n_out = E; break;
+    case MHA_PROJ_OUT:
+        *w = m->w_o; *b = m->b_o; *n_in = m->v_inner_dim; *n_out = E;
+        break;
     default:
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "%sunknown projection %d", who, (int)which);
@@ -570,7 +589,8 @@ mha_status mha_kv_cache_for_module(const mha_module *m, int64_t batch,
         return mha_set_error(MHA_ERR_NULL_POINTER, "module is NULL");
     MHA_CHECK(mha_module_check_self_attention(m));
     const mha_kv_cache_config c = {batch, m->cfg.num_kv_heads, m->head_dim,
-                                   capacity, MHA_KV_F32, 0, 0, 0, 0, 0, 0};
+                                   capacity, MHA_KV_F32, 0, 0, 0, 0,
+                                   m->v_head_dim, 0};
     return mha_kv_cache_create(&c, out);
 }
 

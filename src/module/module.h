@@ -24,19 +24,23 @@ struct mha_module {
     int scale_given;             /* cfg.scale was chosen, not the default */
     int64_t head_dim;            /* d_h (E / H unless configured) */
     int64_t inner_dim;           /* D = H * d_h, the heads side by side */
-    int64_t kv_dim;              /* Dkv = H_kv * d_h, of k and v (= D but
-                                    in grouped-query modules) */
-    int packed;                  /* kdim == vdim == E: in_proj_weight */
+    int64_t kv_dim;              /* Dkv = H_kv * d_h, of k (= D but in
+                                    grouped-query modules) */
+    int64_t v_head_dim;          /* d_v (d_h unless configured) */
+    int64_t v_inner_dim;         /* Dv = H * d_v: ctx, W_o's columns */
+    int64_t kv_vdim;             /* Dvkv = H_kv * d_v, of v */
+    int packed;                  /* kdim == vdim == E, d_v == d_h, no
+                                    grouping: in_proj_weight */
     int nparams;
     mha_param param[MHA_MAX_PARAMS];
     float *params;               /* every parameter, one allocation */
     int64_t params_numel;
 
     /* Views into params, set once at create (NULL when absent). */
-    const float *w_q, *w_k, *w_v;  /* [D, E], [Dkv, kdim], [Dkv, vdim] */
-    const float *b_q, *b_k, *b_v;  /* [D], [Dkv], [Dkv] */
-    const float *w_o, *b_o;        /* [E, D], [E] */
-    const float *bias_k, *bias_v;  /* [Dkv] each */
+    const float *w_q, *w_k, *w_v;  /* [D, E], [Dkv, kdim], [Dvkv, vdim] */
+    const float *b_q, *b_k, *b_v;  /* [D], [Dkv], [Dvkv] */
+    const float *w_o, *b_o;        /* [E, Dv], [E] */
+    const float *bias_k, *bias_v;  /* [Dkv], [Dvkv] */
     const float *sinks;            /* [H], with cfg.sinks */
     float *slopes;                 /* [H] ALiBi's slopes (cfg.mods.alibi):
                                       the caller's copy, or the defaults */
@@ -179,9 +183,11 @@ void mha_linear16_grad_params(const uint16_t *dy, int64_t rows,
 /* Shapes of a forward call, checked and derived once. */
 typedef struct fwd_shape {
     int64_t B, Lq, Lk, Lt, E, H, dh, D;  /* D = H * dh, the inner width */
-    int64_t Hkv, Dkv;        /* K/V heads, Dkv = Hkv * dh: k and v's width */
+    int64_t Hkv, Dkv;        /* K/V heads, Dkv = Hkv * dh: k's width     */
+    int64_t dv, Dv, Dvkv;    /* the values' d_v; ctx's H d_v, v's Hkv d_v */
     int64_t n_q;             /* elements of query and out: B * Lq * E    */
-    int64_t n_qd, n_kvd;     /* of projected q (and ctx): * D; k or v: * Dkv */
+    int64_t n_qd, n_kvd;     /* of projected q: * D; k: * Dkv            */
+    int64_t n_ctx, n_vd;     /* of ctx: B Lq * Dv; projected v: B Lk * Dvkv */
     int64_t n_w;             /* of the attention weights                 */
 } fwd_shape;
 
@@ -220,7 +226,7 @@ struct mha_plan {
     int64_t cache_capacity;  /* > 0: a plan for forwards with a KV cache
                                 of at most this capacity                */
     int64_t n_proj;          /* projected q, k, v: the larger layout     */
-    float *ws;               /* n_proj + n_qd (ctx) + lay.total          */
+    float *ws;               /* n_proj + n_ctx (ctx) + lay.total         */
 
     /* The last forward, kept for the backward: its arguments, a
      * fingerprint of their contents, where its projections are in ws and
@@ -297,7 +303,7 @@ mha_attn_request mha_fwd_request(const mha_plan *plan,
 /* The attention's part of the plan's workspace (its layout: lay). */
 static inline float *mha_plan_attn_ws(const mha_plan *p)
 {
-    return p->ws + p->n_proj + p->shape.n_qd;
+    return p->ws + p->n_proj + p->shape.n_ctx;
 }
 
 

@@ -8,7 +8,7 @@
 #include <string.h>
 
 /* Copies head keep[i]'s block of dh rows (each `width` floats) of the
- * D-row matrix src into block i of dst, for i < n_keep. */
+ * H dh-row matrix src into block i of dst, for i < n_keep. */
 static void copy_head_rows(float *dst, const float *src, const int64_t *keep,
                            int64_t n_keep, int64_t dh, int64_t width)
 {
@@ -33,7 +33,8 @@ mha_status mha_prune_heads(const mha_module *m, const int64_t *keep,
         return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
                              m ? "keep" : "module");
     const int64_t H = m->cfg.num_heads, dh = m->head_dim;
-    const int64_t E = m->cfg.embed_dim, D = m->inner_dim;
+    const int64_t dv = m->v_head_dim;
+    const int64_t E = m->cfg.embed_dim, Dv = m->v_inner_dim;
     if (m->cfg.num_kv_heads != H)
         return mha_set_error(MHA_ERR_UNSUPPORTED,
                              "pruning a grouped-query module (%lld query "
@@ -69,6 +70,7 @@ mha_status mha_prune_heads(const mha_module *m, const int64_t *keep,
     c.num_heads = n_keep;
     c.num_kv_heads = n_keep;
     c.head_dim = dh;
+    c.v_head_dim = dv;
     if (!m->scale_given)
         c.scale = 0.0f;   /* the default, 1/sqrt(d_h), is unchanged */
     /* ALiBi: the kept heads keep their slopes (the defaults of n_keep
@@ -86,31 +88,33 @@ mha_status mha_prune_heads(const mha_module *m, const int64_t *keep,
     st = mha_create(&c, &p);
     free(slopes);
     MHA_CHECK(st);
-    const int64_t Dp = p->inner_dim;
+    const int64_t Dvp = p->v_inner_dim;
     /* W_q, W_k, W_v and their biases: the kept heads' rows, part by part
-     * (packed: the three parts of in_proj_weight one after the other). */
+     * (packed: the three parts of in_proj_weight one after the other);
+     * a value head's block is d_v rows. */
     const int64_t widths[3] = {E, m->cfg.kdim, m->cfg.vdim};
+    const int64_t rows[3] = {dh, dh, dv};
     const float *src_w[3] = {m->w_q, m->w_k, m->w_v};
     const float *dst_w[3] = {p->w_q, p->w_k, p->w_v};
     for (int r = 0; r < 3; r++)
-        copy_head_rows(own(p, dst_w[r]), src_w[r], keep, n_keep, dh,
+        copy_head_rows(own(p, dst_w[r]), src_w[r], keep, n_keep, rows[r],
                        widths[r]);
     if (m->b_q) {
         copy_head_rows(own(p, p->b_q), m->b_q, keep, n_keep, dh, 1);
         copy_head_rows(own(p, p->b_k), m->b_k, keep, n_keep, dh, 1);
-        copy_head_rows(own(p, p->b_v), m->b_v, keep, n_keep, dh, 1);
+        copy_head_rows(own(p, p->b_v), m->b_v, keep, n_keep, dv, 1);
         memcpy(own(p, p->b_o), m->b_o, (size_t)E * sizeof(float));
     }
     if (m->bias_k) {
         copy_head_rows(own(p, p->bias_k), m->bias_k, keep, n_keep, dh, 1);
-        copy_head_rows(own(p, p->bias_v), m->bias_v, keep, n_keep, dh, 1);
+        copy_head_rows(own(p, p->bias_v), m->bias_v, keep, n_keep, dv, 1);
     }
     if (m->sinks)
         copy_head_rows(own(p, p->sinks), m->sinks, keep, n_keep, 1, 1);
-    /* out_proj.weight [E, D]: the kept heads' columns of every row. */
+    /* out_proj.weight [E, Dv]: the kept heads' columns of every row. */
     for (int64_t e = 0; e < E; e++)
-        copy_head_rows(own(p, p->w_o) + e * Dp, m->w_o + e * D, keep, n_keep,
-                       dh, 1);
+        copy_head_rows(own(p, p->w_o) + e * Dvp, m->w_o + e * Dv, keep,
+                       n_keep, dv, 1);
     *out = p;
     return MHA_OK;
 }

@@ -92,6 +92,7 @@ static uint64_t config_print(const mha_config *c)
     const int64_t f[] = {
         c->embed_dim, c->num_heads, c->kdim, c->vdim, c->no_bias != 0,
         c->add_bias_kv != 0, c->add_zero_attn != 0, dh,
+        c->v_head_dim ? c->v_head_dim : dh,
         c->num_kv_heads ? c->num_kv_heads : c->num_heads, c->sinks != 0,
         c->mods.alibi != 0, c->mods.window != 0,
         c->mods.window ? c->mods.window_left : 0,
@@ -191,6 +192,7 @@ typedef struct proj {
     mha_config c;
     mha_shard s;
     int64_t B, nloc, rows, H, Hkv, dh, D, Dkv;
+    int64_t dv, Dv, Dvkv;   /* the values' heads: d_v, H d_v, H_kv d_v */
     float *q, *k, *v, *ctx, *lse;
     int64_t *pos;   /* global positions of the rows (RoPE), or NULL */
 } proj;
@@ -217,6 +219,7 @@ static void ring_args_of(const mha_module *m, const mha_ring_forward_args *a,
     r->num_heads = p->H;
     r->num_kv_heads = p->Hkv;
     r->head_dim = p->dh;
+    r->v_head_dim = p->dv;
     r->q = p->q;
     r->k = p->k;
     r->v = p->v;
@@ -270,13 +273,16 @@ static mha_status forward_part(const mha_module *m,
     p->Hkv = c->num_kv_heads ? c->num_kv_heads : p->H;
     p->D = p->H * p->dh;
     p->Dkv = p->Hkv * p->dh;
+    p->dv = c->v_head_dim ? c->v_head_dim : p->dh;
+    p->Dv = p->H * p->dv;
+    p->Dvkv = p->Hkv * p->dv;
     p->rows = p->B * p->nloc;
     const int64_t rows = p->rows;
     if (st == MHA_OK) {
         p->q = malloc((size_t)(rows * p->D + 1) * sizeof *p->q);
         p->k = malloc((size_t)(rows * p->Dkv + 1) * sizeof *p->k);
-        p->v = malloc((size_t)(rows * p->Dkv + 1) * sizeof *p->v);
-        p->ctx = malloc((size_t)(rows * p->D + 1) * sizeof *p->ctx);
+        p->v = malloc((size_t)(rows * p->Dvkv + 1) * sizeof *p->v);
+        p->ctx = malloc((size_t)(rows * p->Dv + 1) * sizeof *p->ctx);
         p->lse = with_lse ? malloc((size_t)(rows * p->H + 1) *
                                    sizeof *p->lse)
                           : NULL;
@@ -432,10 +438,10 @@ mha_status mha_ring_backward_sized(const mha_module *m,
     const int64_t rows = p.rows;
     mha_status local = MHA_OK;
     if (st == MHA_OK) {
-        dctx = malloc((size_t)(rows * p.D + 1) * sizeof *dctx);
+        dctx = malloc((size_t)(rows * p.Dv + 1) * sizeof *dctx);
         dq = malloc((size_t)(rows * p.D + 1) * sizeof *dq);
         dk = malloc((size_t)(rows * p.Dkv + 1) * sizeof *dk);
-        dv = malloc((size_t)(rows * p.Dkv + 1) * sizeof *dv);
+        dv = malloc((size_t)(rows * p.Dvkv + 1) * sizeof *dv);
         if (!dctx || !dq || !dk || !dv)
             local = mha_mpi_fail(MHA_ERR_OUT_OF_MEMORY, "out of memory for "
                                  "the heads' gradients (%lld rows)",

@@ -162,6 +162,9 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
     /* Grouped-query attention: query head h reads K/V head h / (H / Hkv). */
     const int64_t Hkv = c.num_kv_heads ? c.num_kv_heads : H;
     const int64_t Dkv = Hkv * dh, group = H / Hkv;
+    /* The values' heads are d_v wide (d_h unless configured). */
+    const int64_t dv = c.v_head_dim ? c.v_head_dim : dh;
+    const int64_t Dv = H * dv, Dvkv = Hkv * dv;
     const int64_t kdim = c.kdim, vdim = c.vdim;
     const int64_t Lt = Lk + (c.add_bias_kv ? 1 : 0) + (c.add_zero_attn ? 1 : 0);
     const float *key = a->key ? a->key : a->query;
@@ -195,9 +198,9 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
     REAL *xv = FN(widen)(value, B * Lk * vdim);
     REAL *q = malloc((size_t)(B * Lq * D) * sizeof *q);
     REAL *k = malloc((size_t)(B * Lt * Dkv) * sizeof *k);   /* with extras */
-    REAL *v = malloc((size_t)(B * Lt * Dkv) * sizeof *v);
-    REAL *ctx = calloc((size_t)(B * Lq * D), sizeof *ctx);
-    REAL *tmp = malloc((size_t)(Lk * D) * sizeof *tmp);
+    REAL *v = malloc((size_t)(B * Lt * Dvkv) * sizeof *v);
+    REAL *ctx = calloc((size_t)(B * Lq * Dv), sizeof *ctx);
+    REAL *tmp = malloc((size_t)(Lk * (Dkv > Dvkv ? Dkv : Dvkv)) * sizeof *tmp);
     REAL *s = malloc((size_t)Lt * sizeof *s);
     int *blocked = malloc((size_t)Lt * sizeof *blocked);
 
@@ -208,21 +211,21 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
                    Dkv, tmp);
         memcpy(k + b * Lt * Dkv, tmp, (size_t)(Lk * Dkv) * sizeof *tmp);
         FN(linear)(xv + b * Lk * vdim, Lk, vdim, Wv,
-                   bin ? bin + D + Dkv : NULL, Dkv, tmp);
-        memcpy(v + b * Lt * Dkv, tmp, (size_t)(Lk * Dkv) * sizeof *tmp);
+                   bin ? bin + D + Dkv : NULL, Dvkv, tmp);
+        memcpy(v + b * Lt * Dvkv, tmp, (size_t)(Lk * Dvkv) * sizeof *tmp);
         int64_t row = Lk;
         if (c.add_bias_kv) {
-            for (int64_t e = 0; e < Dkv; e++) {
+            for (int64_t e = 0; e < Dkv; e++)
                 k[(b * Lt + row) * Dkv + e] = bk[e];
-                v[(b * Lt + row) * Dkv + e] = bv[e];
-            }
+            for (int64_t e = 0; e < Dvkv; e++)
+                v[(b * Lt + row) * Dvkv + e] = bv[e];
             row++;
         }
         if (c.add_zero_attn) {
-            for (int64_t e = 0; e < Dkv; e++) {
+            for (int64_t e = 0; e < Dkv; e++)
                 k[(b * Lt + row) * Dkv + e] = 0;
-                v[(b * Lt + row) * Dkv + e] = 0;
-            }
+            for (int64_t e = 0; e < Dvkv; e++)
+                v[(b * Lt + row) * Dvkv + e] = 0;
         }
     }
 
@@ -342,29 +345,29 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
                     if (weights)
                         weights[((b * H + h) * Lq + i) * Lt + j] = p;
                     if (use)
-                        for (int64_t d = 0; d < dh; d++)
-                            ctx[(b * Lq + i) * D + h * dh + d] +=
-                                p * v[(b * Lt + j) * Dkv + h / group * dh + d];
+                        for (int64_t d = 0; d < dv; d++)
+                            ctx[(b * Lq + i) * Dv + h * dv + d] +=
+                                p * v[(b * Lt + j) * Dvkv + h / group * dv + d];
                 }
                 /* A NaN anywhere in the softmax (a NaN score of a live
                  * key): the row's context is NaN, even when dropout
                  * removed every key (docs/semantics.md). */
                 if (live && isnan(sum))
-                    for (int64_t d = 0; d < dh; d++)
-                        ctx[(b * Lq + i) * D + h * dh + d] = NAN;
+                    for (int64_t d = 0; d < dv; d++)
+                        ctx[(b * Lq + i) * Dv + h * dv + d] = NAN;
             }
     /* The head mask scales each head's context before W_O. */
     if (a->head_mask)
         for (int64_t r = 0; r < B * Lq; r++)
             for (int64_t h = 0; h < H; h++)
-                for (int64_t d = 0; d < dh; d++)
+                for (int64_t d = 0; d < dv; d++)
                     /* m_h = 0 removes the head, NaN context and all
                      * (docs/semantics.md, "Head masks"). */
-                    ctx[r * D + h * dh + d] =
+                    ctx[r * Dv + h * dv + d] =
                         a->head_mask[h] == 0.0f
-                            ? 0 : ctx[r * D + h * dh + d] *
+                            ? 0 : ctx[r * Dv + h * dv + d] *
                                       (REAL)a->head_mask[h];
-    FN(linear)(ctx, B * Lq, D, Wo, bo, E, out);
+    FN(linear)(ctx, B * Lq, Dv, Wo, bo, E, out);
 
     if (packed)
         free(packed);
