@@ -65,7 +65,7 @@ expect 0 "forward .*init .*info|forward" -- "$mha" --help
 # mha init: what it writes, and what info says of it
 W="$tmp/w.safetensors"
 expect 0 "" -- "$mha" init --embed-dim 8 --heads 2 --seed 1 --out "$W"
-expect 0 "^module: embed_dim=8 num_heads=2 num_kv_heads=2 head_dim=4 kdim=8 vdim=8 bias=true add_bias_kv=false add_zero_attn=false dropout=0 scale=0\.5$" \
+expect 0 "^module: embed_dim=8 num_heads=2 num_kv_heads=2 head_dim=4 v_head_dim=4 kdim=8 vdim=8 bias=true add_bias_kv=false add_zero_attn=false dropout=0 scale=0\.5$" \
   -- "$mha" info "$W"
 expect 0 "^$W: 4 tensors$" -- "$mha" info "$W"
 expect 0 "^  in_proj_weight +F32 +\(24, 8\)$" -- "$mha" info "$W"
@@ -77,7 +77,7 @@ expect 0 "num_heads=2 num_kv_heads=2 head_dim=4" -- "$mha" info --heads 2 "$W"
 Wkv="$tmp/wkv.safetensors"
 expect 0 "" -- "$mha" init --embed-dim=8 --heads 2 --kdim 5 --vdim 7 --no-bias \
   --add-bias-kv --add-zero-attn --dropout 0.25 --scale 0.3 --seed 2 --out "$Wkv"
-expect 0 "^module: embed_dim=8 num_heads=2 num_kv_heads=2 head_dim=4 kdim=5 vdim=7 bias=false add_bias_kv=true add_zero_attn=true dropout=0\.25 scale=0\.3$" \
+expect 0 "^module: embed_dim=8 num_heads=2 num_kv_heads=2 head_dim=4 v_head_dim=4 kdim=5 vdim=7 bias=false add_bias_kv=true add_zero_attn=true dropout=0\.25 scale=0\.3$" \
   -- "$mha" info "$Wkv"
 expect 0 "^  k_proj_weight +F32 +\(8, 5\)$" -- "$mha" info "$Wkv"
 expect 0 "^  v_proj_weight +F32 +\(8, 7\)$" -- "$mha" info "$Wkv"
@@ -101,7 +101,7 @@ differ "$tmp/wmax.safetensors" "$tmp/wmax63.safetensors" "init --seed 2^64-1 vs 
 # module (above: 2 = H for W and Wkv).
 Wg="$tmp/wg.safetensors"
 expect 0 "" -- "$mha" init --embed-dim 16 --heads 4 --kv-heads 2 --seed 5 --out "$Wg"
-expect 0 "^module: embed_dim=16 num_heads=4 num_kv_heads=2 head_dim=4 kdim=16 vdim=16 bias=true " \
+expect 0 "^module: embed_dim=16 num_heads=4 num_kv_heads=2 head_dim=4 v_head_dim=4 kdim=16 vdim=16 bias=true " \
   -- "$mha" info "$Wg"
 expect 0 "^  num_kv_heads = 2$" -- "$mha" info "$Wg"
 expect 0 "^  q_proj_weight +F32 +\(16, 16\)$" -- "$mha" info "$Wg"
@@ -797,7 +797,19 @@ npy "$d/x70u.npy" "np.random.randn(70, 32).astype(np.float32)"
 close() {
   check "$1" "a.shape == b.shape and np.abs(a - b).max() <= 2e-5 * (1 + np.abs(b).max())" "$2" "$3"
 }
-for w in "$Wd" "$Wg"; do
+# a module whose values are 12 wide beside keys of 8 (mha init --v-head-dim;
+# the shapes say it, info reads it back), GQA 4:2
+Wdv="$dc/wdv.safetensors"
+expect 0 "" -- "$mha" init --embed-dim 32 --heads 4 --kv-heads 2 --v-head-dim 12 \
+  --seed 4 --out "$Wdv"
+expect 0 "^module: embed_dim=32 num_heads=4 num_kv_heads=2 head_dim=8 v_head_dim=12 kdim=32 " \
+  -- "$mha" info "$Wdv"
+expect 0 "^  v_proj_weight +F32 +\(24, 32\)$" -- "$mha" info "$Wdv"
+expect 0 "^  out_proj.weight +F32 +\(32, 48\)$" -- "$mha" info "$Wdv"
+expect 1 "^mha init: v_head_dim must be >= 0|^mha init: --v-head-dim" -- \
+  "$mha" init --embed-dim 32 --heads 4 --v-head-dim 0 --seed 4 --out "$dc/x.safetensors"
+absent "init --v-head-dim 0 writes nothing" "$dc/x.safetensors"
+for w in "$Wd" "$Wg" "$Wdv"; do
   n=$(basename "$w" .safetensors)
   expect 0 "" -- "$mha" forward --weights "$w" --query "$d/x70.npy" --causal --out "$dc/${n}_fwd.npy"
   expect 0 "" -- "$mha" forward --weights "$w" --query "$d/x70.npy" --out "$dc/${n}_full.npy"
@@ -1225,7 +1237,7 @@ W4="$tmp/w4.safetensors"
 expect 0 "" -- "$mha" init --embed-dim 8 --heads 4 --seed 3 --out "$W4"
 expect 0 "^kept 2 of 4 heads \(3,1\): heads' width 8 -> 4, 288 -> 148 parameters$" \
   -- "$mha" prune --weights "$W4" --keep 3,1 --out "$d/p31.safetensors"
-expect 0 "^module: embed_dim=8 num_heads=2 num_kv_heads=2 head_dim=2 kdim=8 vdim=8 " -- "$mha" info "$d/p31.safetensors"
+expect 0 "^module: embed_dim=8 num_heads=2 num_kv_heads=2 head_dim=2 v_head_dim=2 kdim=8 vdim=8 " -- "$mha" info "$d/p31.safetensors"
 expect 0 "^  out_proj\.weight +F32 +\(8, 4\)$" -- "$mha" info "$d/p31.safetensors"
 expect 0 "" -- "$mha" forward --weights "$W4" --query "$d/q.npy" --head-mask 0,1,0,1 --out "$d/abl.npy"
 expect 0 "" -- "$mha" forward --weights "$d/p31.safetensors" --query "$d/q.npy" --out "$d/pr.npy"

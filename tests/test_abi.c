@@ -123,6 +123,7 @@ static void test_older_config(void **state)
     mha_config got;
     assert_int_equal(mha_get_config(m, &got), MHA_OK);
     assert_int_equal(got.num_kv_heads, H);
+    assert_int_equal(got.v_head_dim, got.head_dim);
     assert_int_equal(got.sinks, 0);
     assert_int_equal(got.mods.window, 0);
     assert_int_equal(got.mods.rope.style, MHA_ROPE_NONE);

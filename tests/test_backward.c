@@ -760,19 +760,22 @@ typedef struct big_shape {
     int cross, bias_kv, zero_attn, pad, lengths;
     mha_causal causal;
     float dropout;
+    int64_t v_head_dim;   /* d_v; 0: d_h */
 } big_shape;
 
-/* The first two are above the 2^20 multiply-adds (B * H * Lq * Lt * d_h)
- * under which the attention runs on one thread whatever num_threads says;
- * the third is a decoding shape, whose forward splits the keys in chunks
+/* The first two (and the last, values d_v wide) are above the 2^20
+ * multiply-adds (B * H * Lq * Lt * d_h) under which the attention runs on
+ * one thread whatever num_threads says; the third is a decoding shape, whose forward splits the keys in chunks
  * and merges the chunks' row statistics, which the backward then uses. */
 static const big_shape BIG[] = {
     {"self, causal, padding, dropout", 32, 4, 0, 0, 2, 160, 0, 0, 0, 0, 1, 0,
-     MHA_CAUSAL_BOTTOM_RIGHT, 0.2f},
+     MHA_CAUSAL_BOTTOM_RIGHT, 0.2f, 0},
     {"cross, extras, lengths", 32, 4, 24, 40, 2, 120, 150, 1, 1, 1, 0, 1,
-     MHA_CAUSAL_TOP_LEFT, 0},
+     MHA_CAUSAL_TOP_LEFT, 0, 0},
     {"decoding, split keys", 16, 2, 0, 0, 2, 2, 1100, 1, 1, 0, 1, 0,
-     MHA_CAUSAL_BOTTOM_RIGHT, 0.1f},
+     MHA_CAUSAL_BOTTOM_RIGHT, 0.1f, 0},
+    {"d_v 12, extras, lengths", 32, 4, 24, 40, 2, 120, 150, 1, 1, 1, 0, 1,
+     MHA_CAUSAL_BOTTOM_RIGHT, 0, 12},
 };
 
 typedef struct big_grads {
@@ -857,6 +860,7 @@ static void test_threads_and_plans(void **state)
         cfg.add_bias_kv = s->bias_kv;
         cfg.add_zero_attn = s->zero_attn;
         cfg.dropout = s->dropout;
+        cfg.v_head_dim = s->v_head_dim;
         mha_module *m = tu_module(&cfg, 60 + t);
         assert_non_null(m);
         mha_config rc;

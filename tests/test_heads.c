@@ -32,17 +32,22 @@ typedef struct heads_case {
     int64_t B, Lq, Lk;
     int cross;
     mha_causal causal;
+    int64_t v_head_dim;   /* d_v; 0: d_h */
 } heads_case;
 
 static const heads_case CASES[] = {
-    /* name              E  H hd kd vd nb bkv za B Lq Lk cross causal */
-    {"self, 4 heads",    8, 4, 0, 0, 0, 0, 0, 0, 2, 5, 0, 0, MHA_CAUSAL_NONE},
-    {"cross, extras",   12, 3, 0, 5, 7, 0, 1, 1, 2, 4, 6, 1, MHA_CAUSAL_NONE},
+    /* name              E  H hd kd vd nb bkv za B Lq Lk cross causal d_v */
+    {"self, 4 heads",    8, 4, 0, 0, 0, 0, 0, 0, 2, 5, 0, 0, MHA_CAUSAL_NONE, 0},
+    {"cross, extras",   12, 3, 0, 5, 7, 0, 1, 1, 2, 4, 6, 1, MHA_CAUSAL_NONE, 0},
     {"no bias, causal",  8, 4, 0, 0, 0, 1, 0, 0, 3, 6, 0, 0,
-     MHA_CAUSAL_BOTTOM_RIGHT},
-    {"head_dim 3",       8, 4, 3, 0, 0, 0, 0, 0, 2, 5, 0, 0, MHA_CAUSAL_NONE},
+     MHA_CAUSAL_BOTTOM_RIGHT, 0},
+    {"head_dim 3",       8, 4, 3, 0, 0, 0, 0, 0, 2, 5, 0, 0, MHA_CAUSAL_NONE, 0},
     {"head_dim 5 cross", 6, 3, 5, 4, 0, 0, 1, 0, 2, 3, 5, 1,
-     MHA_CAUSAL_TOP_LEFT},
+     MHA_CAUSAL_TOP_LEFT, 0},
+    /* values of their own width: a head's v rows and out_proj columns
+     * are d_v, its q and k rows d_h */
+    {"d_v 5, d_h 3, extras", 8, 4, 3, 5, 7, 0, 1, 1, 2, 4, 6, 1,
+     MHA_CAUSAL_NONE, 5},
 };
 
 static float *fmalloc(int64_t n)
@@ -68,6 +73,7 @@ static void setup_init(setup *s, const heads_case *c, uint64_t seed)
     cfg.embed_dim = c->E;
     cfg.num_heads = c->H;
     cfg.head_dim = c->head_dim;
+    cfg.v_head_dim = c->v_head_dim;
     cfg.kdim = c->kdim;
     cfg.vdim = c->vdim;
     cfg.no_bias = c->no_bias;
@@ -210,9 +216,11 @@ static void check_prune(const heads_case *c, setup *s, const int64_t *keep,
     assert_int_equal(mha_get_config(p, &pc), MHA_OK);
     assert_int_equal(pc.num_heads, n_keep);
     assert_int_equal(pc.head_dim, s->rc.head_dim);
+    assert_int_equal(pc.v_head_dim, s->rc.v_head_dim);
     assert_int_equal(pc.embed_dim, s->rc.embed_dim);
     assert_true(pc.scale == s->rc.scale);
-    const int64_t dh = pc.head_dim, D = n_keep * dh, E = pc.embed_dim;
+    /* out_proj's columns: the heads' values, d_v each */
+    const int64_t dh = pc.v_head_dim, D = n_keep * dh, E = pc.embed_dim;
     mha_param_info info;
     assert_int_equal(mha_param_info_by_name(p, "out_proj.weight", &info),
                      MHA_OK);
@@ -300,10 +308,8 @@ static void test_prune_equals_ablation(void **state)
 
 /* A pruned module saves and loads (out_proj.weight [E, D], D != E) and
  * computes the same, bit for bit. */
-static void test_pruned_save_load(void **state)
+static void pruned_save_load(const heads_case *c)
 {
-    (void)state;
-    const heads_case *c = &CASES[1];   /* cross, kdim/vdim, extras */
     setup s;
     setup_init(&s, c, 70);
     const int64_t keep[2] = {2, 0};
@@ -318,6 +324,7 @@ static void test_pruned_save_load(void **state)
     mha_get_config(back, &bc);
     assert_int_equal(bc.num_heads, 2);
     assert_int_equal(bc.head_dim, pc.head_dim);
+    assert_int_equal(bc.v_head_dim, pc.v_head_dim);
     assert_int_equal(bc.kdim, pc.kdim);
     assert_int_equal(bc.add_bias_kv, 1);
     assert_int_equal(bc.add_zero_attn, 1);
@@ -335,6 +342,13 @@ static void test_pruned_save_load(void **state)
     free(o1); free(o2);
     mha_free(p);
     setup_free(&s);
+}
+
+static void test_pruned_save_load(void **state)
+{
+    (void)state;
+    pruned_save_load(&CASES[1]);   /* cross, kdim/vdim, extras */
+    pruned_save_load(&CASES[5]);   /* ... values of their own width */
 }
 
 static void test_prune_errors(void **state)

@@ -7,7 +7,8 @@
  *     hundreds of steps (and 1,100 in a long grouped-query generation),
  *     every output row against the float64 reference
  *     of its sequence's causal forward (tests/support), for plain,
- *     grouped-query, multi-query and bias_kv + zero_attn modules;
+ *     grouped-query, multi-query and bias_kv + zero_attn modules, and
+ *     modules whose values are d_v != d_h wide;
  *   - keys appended by the caller (mha_project + mha_kv_cache_append);
  *   - 1, 2 and 4 threads bitwise equal on a shape where the threads run
  *     (a cached prefill against keys appended already projected, and the
@@ -166,13 +167,16 @@ typedef struct ccase {
     const char *name;
     int64_t E, H, Hkv;
     int bias_kv, zero_attn, no_bias;
+    int64_t v_head_dim;   /* d_v: values of their own width; 0: d_h */
 } ccase;
 
 static const ccase CASES[] = {
-    {"plain", 32, 4, 0, 0, 0, 0},
-    {"GQA 4/2", 32, 4, 2, 0, 0, 0},
-    {"MQA 4/1, no bias", 32, 4, 1, 0, 0, 1},
-    {"bias_kv + zero_attn, GQA 6/3", 24, 6, 3, 1, 1, 0},
+    {"plain", 32, 4, 0, 0, 0, 0, 0},
+    {"GQA 4/2", 32, 4, 2, 0, 0, 0, 0},
+    {"MQA 4/1, no bias", 32, 4, 1, 0, 0, 1, 0},
+    {"bias_kv + zero_attn, GQA 6/3", 24, 6, 3, 1, 1, 0, 0},
+    {"d_v 12 > d_h 8, GQA 4/2", 32, 4, 2, 0, 0, 0, 12},
+    {"d_v 2 < d_h 4, bias_kv + zero_attn", 24, 6, 3, 1, 1, 0, 2},
 };
 
 static void test_decode_equals_forward(void **state)
@@ -187,6 +191,7 @@ static void test_decode_equals_forward(void **state)
         cfg.add_bias_kv = c->bias_kv;
         cfg.add_zero_attn = c->zero_attn;
         cfg.no_bias = c->no_bias;
+        cfg.v_head_dim = c->v_head_dim;
         decoder d;
         decoder_init(&d, &cfg, 3, 400, 0);
         decoder_step(&d, 7);              /* prefill in chunks of 7 */

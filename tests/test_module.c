@@ -162,6 +162,11 @@ static void test_config_invalid(void **state)
     c = cfg(8, 2);
     c.vdim = -3;
     expect_bad_config(&c, MHA_ERR_INVALID_CONFIG, "vdim");
+    c = cfg(8, 2);
+    c.v_head_dim = -1;
+    expect_bad_config(&c, MHA_ERR_INVALID_CONFIG, "v_head_dim");
+    c.v_head_dim = INT32_MAX;   /* H d_v past the GEMMs' int widths */
+    expect_bad_config(&c, MHA_ERR_INVALID_CONFIG, "v_head_dim");
 
     c = cfg(8, 2);
     c.dropout = -0.1f;

@@ -47,6 +47,7 @@ typedef struct mcase {
     float softcap;
     int window;                      /* (window, 0) around the diagonal */
     int bias;                        /* biases on */
+    int64_t v_head_dim;              /* d_v; 0: d_h */
 } mcase;
 
 static uint16_t to16(mha_dtype t, float x)
@@ -107,6 +108,7 @@ static void problem_make(const mcase *c, mha_dtype t, mproblem *p)
     cfg.kdim = c->kdim;
     cfg.vdim = c->vdim;
     cfg.no_bias = !c->bias;
+    cfg.v_head_dim = c->v_head_dim;
     cfg.mods.softcap = c->softcap;
     cfg.mods.window = c->window > 0;
     cfg.mods.window_left = c->window;
@@ -214,18 +216,22 @@ static void run_case(const mcase *c, mha_dtype t)
 static const mcase cases[] = {
     /* name                    E    H Hkv kd  vd  B  Lq   Lk  causal */
     {"self, causal, row tail", 64, 2, 0, 0, 0, 2, 37, 0,
-     MHA_CAUSAL_TOP_LEFT, 0, 0, 0, 1},
-    {"self, no bias", 64, 2, 0, 0, 0, 1, 40, 0, MHA_CAUSAL_NONE, 0, 0, 0, 0},
+     MHA_CAUSAL_TOP_LEFT, 0, 0, 0, 1, 0},
+    {"self, no bias", 64, 2, 0, 0, 0, 1, 40, 0, MHA_CAUSAL_NONE, 0, 0, 0, 0, 0},
     {"cross, kdim 48 vdim 80, pad", 64, 2, 0, 48, 80, 2, 20, 45,
-     MHA_CAUSAL_NONE, 1, 0, 0, 1},
+     MHA_CAUSAL_NONE, 1, 0, 0, 1, 0},
     {"GQA 4:2, causal", 128, 4, 2, 0, 0, 1, 70, 0, MHA_CAUSAL_TOP_LEFT, 0, 0,
-     0, 1},
+     0, 1, 0},
     {"E 40 (d_h 20), softcap", 40, 2, 0, 0, 0, 2, 33, 0, MHA_CAUSAL_NONE, 0,
-     30.0f, 0, 1},
+     30.0f, 0, 1, 0},
     {"window 16, E 96 d_h 32", 96, 3, 0, 0, 0, 1, 65, 0,
-     MHA_CAUSAL_BOTTOM_RIGHT, 0, 0, 16, 1},
+     MHA_CAUSAL_BOTTOM_RIGHT, 0, 0, 16, 1, 0},
+    {"d_v 48 > d_h 32, GQA 4:2", 128, 4, 2, 0, 0, 1, 40, 0,
+     MHA_CAUSAL_TOP_LEFT, 0, 0, 0, 1, 48},
+    {"d_v 16, cross, pad", 64, 2, 0, 48, 80, 2, 20, 45, MHA_CAUSAL_NONE, 1,
+     0, 0, 1, 16},
     {"E 320 (two column blocks)", 320, 5, 0, 0, 0, 1, 300, 0,
-     MHA_CAUSAL_NONE, 0, 0, 0, 1},
+     MHA_CAUSAL_NONE, 0, 0, 0, 1, 0},
 };
 
 static void test_bf16(void **state)
@@ -372,16 +378,16 @@ static void run_backward_case(const mcase *c, mha_dtype t)
     problem_free(&pr);
 }
 
-/* The backward's own shapes beside the forward's first six (under
+/* The backward's own shapes beside the forward's but the last (under
  * valgrind each backward costs minutes at the forward's E 320, L 300):
  * E 320 at L 70 still crosses a 256-column block of dW and dx; the
  * weight gradients sum over the rows in chunks of 4096 (linear.c's
  * GRAD16_K): 4200 rows (70 short sequences, cheap attention) take two. */
 static const mcase bwd_cases[] = {
     {"E 320, L 70 (two column blocks)", 320, 5, 0, 0, 0, 1, 70, 0,
-     MHA_CAUSAL_NONE, 0, 0, 0, 1},
+     MHA_CAUSAL_NONE, 0, 0, 0, 1, 0},
     {"4200 rows (two row chunks)", 64, 2, 0, 0, 0, 70, 60, 0,
-     MHA_CAUSAL_TOP_LEFT, 0, 0, 0, 1},
+     MHA_CAUSAL_TOP_LEFT, 0, 0, 0, 1, 0},
 };
 
 static void run_backward_cases(mha_dtype t)

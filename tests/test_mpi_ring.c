@@ -627,6 +627,7 @@ static void test_module(mha_seq_split split, int causal, int rope)
         cfg.embed_dim = 48;   /* d_h 4: RoPE on pairs */
         cfg.mods.rope.style = MHA_ROPE_NEOX;
         cfg.attention_chunk = 5;   /* chunks of global positions too */
+        cfg.v_head_dim = 6;        /* and values of their own width */
     }
     mha_module *m = tu_module(&cfg, 7);
     CHECK(m != NULL, "module: %s", mha_last_error());
@@ -723,6 +724,7 @@ static void test_module_backward(mha_seq_split split, int causal, int rope)
     if (rope) {
         cfg.embed_dim = 48;
         cfg.mods.rope.style = MHA_ROPE_NEOX;
+        cfg.v_head_dim = 3;   /* values narrower than keys */
     }
     mha_module *m = tu_module(&cfg, 9);
     CHECK(m != NULL, "module: %s", mha_last_error());

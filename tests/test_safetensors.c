@@ -1132,6 +1132,14 @@ static int configs(mha_config *out)
     out[n].dropout = 0.1f, out[n].scale = 1.7f, n++;
     out[n] = cfg(12, 3), out[n].add_bias_kv = 1, out[n].add_zero_attn = 1,
     out[n].dropout = 1.0f, n++;
+    /* values of their own width (q_proj_weight's rows and out_proj's
+     * columns tell d_h and d_v apart), grouped-query, a pruned-like
+     * D != E */
+    out[n] = cfg(8, 2), out[n].v_head_dim = 6, n++;
+    out[n] = cfg(8, 4), out[n].v_head_dim = 1, out[n].num_kv_heads = 2,
+    out[n].add_bias_kv = 1, out[n].kdim = 5, n++;
+    out[n] = cfg(8, 2), out[n].head_dim = 3, out[n].v_head_dim = 5,
+    out[n].no_bias = 1, n++;
     return n;
 }
 
@@ -1144,6 +1152,9 @@ static void assert_same_config(const mha_module *a, const mha_module *b)
     assert_int_equal(x.num_heads, y.num_heads);
     assert_int_equal(x.kdim, y.kdim);
     assert_int_equal(x.vdim, y.vdim);
+    assert_int_equal(x.head_dim, y.head_dim);
+    assert_int_equal(x.v_head_dim, y.v_head_dim);
+    assert_int_equal(x.num_kv_heads, y.num_kv_heads);
     assert_int_equal(!!x.no_bias, !!y.no_bias);
     assert_int_equal(!!x.add_bias_kv, !!y.add_bias_kv);
     assert_int_equal(!!x.add_zero_attn, !!y.add_zero_attn);
@@ -1339,6 +1350,22 @@ static void test_module_from_file_errors(void **state)
                     "v_proj_weight");
     assert_sd_fails(L(view("q_proj_weight", MHA_DTYPE_F32, 2, 4, 3, 0, WQ),
                       V_K, V_VV, V_O), 2, MHA_ERR_SHAPE, "q_proj_weight");
+    /* v's rows stand to k's as out_proj's columns to q's rows (H_kv d_v
+     * to H_kv d_h); a d_v that splits into no whole heads */
+    assert_sd_fails(L(V_Q, V_K, view("v_proj_weight", MHA_DTYPE_F32, 2, 2, 2,
+                                     0, WV), V_O), 2, MHA_ERR_SHAPE,
+                    "in the ratio of q_proj_weight's 4 rows");
+    {
+        const mha_tensor_view narrow[] = {
+            V_Q, V_K, view("v_proj_weight", MHA_DTYPE_F32, 2, 2, 2, 0, WV),
+            view("out_proj.weight", MHA_DTYPE_F32, 2, 4, 2, 0, W_O)};
+        assert_ok(from_views(narrow, N_OF(narrow), NULL, NULL, 0, 2, NULL));
+        assert_sd_fails(L(V_Q, V_K, view("v_proj_weight", MHA_DTYPE_F32, 2,
+                                         3, 2, 0, WV),
+                          view("out_proj.weight", MHA_DTYPE_F32, 2, 4, 3, 0,
+                               W_O)), 2, MHA_ERR_SHAPE,
+                        "out_proj.weight has 3 columns");
+    }
     assert_sd_fails(L(V_IN, view("in_proj_bias", MHA_DTYPE_F32, 1, 8, 0, 0,
                                  B_IN), V_O, V_BO), 2, MHA_ERR_SHAPE,
                     "in_proj_bias");

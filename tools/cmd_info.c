@@ -151,10 +151,11 @@ int cmd_info(int argc, char **argv)
      * from k_proj_weight's rows when the metadata does not say it (the
      * loader refuses metadata that disagrees with the tensors). */
     printf("module: embed_dim=%lld num_heads=%lld num_kv_heads=%lld "
-           "head_dim=%lld kdim=%lld vdim=%lld bias=%s add_bias_kv=%s "
-           "add_zero_attn=%s dropout=%g scale=%g\n", (long long)c.embed_dim,
-           (long long)c.num_heads, (long long)c.num_kv_heads,
-           (long long)c.head_dim, (long long)c.kdim,
+           "head_dim=%lld v_head_dim=%lld kdim=%lld vdim=%lld bias=%s "
+           "add_bias_kv=%s add_zero_attn=%s dropout=%g scale=%g\n",
+           (long long)c.embed_dim, (long long)c.num_heads,
+           (long long)c.num_kv_heads, (long long)c.head_dim,
+           (long long)c.v_head_dim, (long long)c.kdim,
            (long long)c.vdim, c.no_bias ? "false" : "true",
            c.add_bias_kv ? "true" : "false", c.add_zero_attn ? "true" : "false",
            (double)c.dropout, (double)c.scale);

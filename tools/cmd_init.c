@@ -12,7 +12,8 @@
 
 static const char INIT_HELP[] =
     "usage: mha init --embed-dim E --heads H [--kv-heads Hkv] [--kdim K]\n"
-    "                [--vdim V] [--no-bias] [--add-bias-kv] [--add-zero-attn]\n"
+    "                [--vdim V] [--v-head-dim Dv] [--no-bias] [--add-bias-kv]\n"
+    "                [--add-zero-attn]\n"
     "                [--dropout P] [--scale S] [--sinks] --seed S\n"
     "                --out W.safetensors\n"
     MOD_USAGE MOD_WINDOW_USAGE "\n"
@@ -28,6 +29,12 @@ static const char INIT_HELP[] =
     "                   __metadata__.  nn.MultiheadAttention cannot load\n"
     "                   such a module; mha forward, decode and info can.\n"
     "                   Default: Hkv = H (ordinary multi-head attention)\n"
+    "  --v-head-dim Dv  values of their own head width (DeepSeek's MLA: 128\n"
+    "                   beside keys of 192): v_proj_weight has Hkv * Dv rows,\n"
+    "                   out_proj.weight H * Dv columns; the shapes say it, so\n"
+    "                   mha forward, backward, decode and info read it back.\n"
+    "                   nn.MultiheadAttention cannot load such a module.\n"
+    "                   Default: E / H (the keys' width)\n"
     "  --sinks          a parameter `sinks` (H), gpt-oss's attention sinks:\n"
     "                   one logit per head in each softmax's denominator,\n"
     "                   written as 0 (nn.MultiheadAttention has no such\n"
@@ -44,7 +51,8 @@ int cmd_init(int argc, char **argv)
                     {"vdim", 1, 0}, {"no-bias", 0, 0}, {"add-bias-kv", 0, 0},
                     {"add-zero-attn", 0, 0}, {"dropout", 1, 0},
                     {"scale", 1, 0}, {"seed", 1, 0}, {"out", 1, 0},
-                    {"kv-heads", 1, 0}, {"sinks", 0, 0}, MOD_OPTS,
+                    {"kv-heads", 1, 0}, {"sinks", 0, 0},
+                    {"v-head-dim", 1, 0}, MOD_OPTS,
                     MOD_WINDOW_OPT};
     int status;
     if (tool_options("init", argc, argv, o, NOPTS(o), INIT_HELP, &status))
@@ -66,6 +74,8 @@ int cmd_init(int argc, char **argv)
          tool_int("init", "kdim", OPT("kdim"), 1, INT32_MAX, &c.kdim)) ||
         (OPT("vdim") &&
          tool_int("init", "vdim", OPT("vdim"), 1, INT32_MAX, &c.vdim)) ||
+        (OPT("v-head-dim") && tool_int("init", "v-head-dim", OPT("v-head-dim"),
+                                       1, INT32_MAX, &c.v_head_dim)) ||
         (OPT("dropout") &&
          tool_float("init", "dropout", OPT("dropout"), &c.dropout)) ||
         (OPT("scale") && tool_scale("init", OPT("scale"), &c.scale)) ||

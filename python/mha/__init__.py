@@ -400,13 +400,16 @@ class Module:
                add_bias_kv=False, add_zero_attn=False, dropout=0.0,
                scale=None, seed=0, num_kv_heads=None, head_dim=None,
                sinks=False, rope=None, alibi=False, window=None,
-               softcap=None, attention_chunk=None)
+               softcap=None, attention_chunk=None, v_head_dim=None)
 
     rope: 'neox' | 'gptj' | dict(style=, dims=, theta=, scale=); alibi:
     True (the paper's slopes) or an (H,) float32 array of slopes; window:
     (left, right) with -1 for no bound; softcap: c > 0; attention_chunk:
     C >= 1, a query sees only the keys of its own chunk of C positions
-    (Llama 4's chunked layers).  Parameters start
+    (Llama 4's chunked layers); v_head_dim: the values' head width d_v
+    when it is not d_h (DeepSeek's MLA: 128 beside keys of 192), making
+    v_proj_weight (H_kv*d_v, vdim) and out_proj.weight (E, H*d_v).
+    Parameters start
     as mha_create initialises them from ``seed`` (Xavier-uniform weights,
     zero biases).
     """
@@ -421,6 +424,7 @@ class Module:
                  rope: _Rope = None, alibi: _Alibi = False,
                  window: _Window = None, softcap: Optional[float] = None,
                  attention_chunk: Optional[int] = None,
+                 v_head_dim: Optional[int] = None,
                  _handle: Optional[_core.Module] = None) -> None:
         if _handle is None:
             mods = _modifiers(int(num_heads), rope, alibi, window, softcap,
@@ -433,7 +437,7 @@ class Module:
                 scale=None if scale is None else float(scale),
                 seed=int(seed), num_kv_heads=int(num_kv_heads or 0),
                 head_dim=int(head_dim or 0), sinks=bool(sinks),
-                modifiers=mods)
+                modifiers=mods, v_head_dim=int(v_head_dim or 0))
         self._m = _handle
         self._cfg = _handle.config()
         self._params = _handle.params()
@@ -472,6 +476,7 @@ class Module:
     num_heads = property(lambda self: self._cfg["num_heads"])
     num_kv_heads = property(lambda self: self._cfg["num_kv_heads"])
     head_dim = property(lambda self: self._cfg["head_dim"])
+    v_head_dim = property(lambda self: self._cfg["v_head_dim"])
     kdim = property(lambda self: self._cfg["kdim"])
     vdim = property(lambda self: self._cfg["vdim"])
     dropout = property(lambda self: self._cfg["dropout"])
@@ -484,7 +489,7 @@ class Module:
                   add_zero_attn=c["add_zero_attn"], dropout=c["dropout"],
                   scale=c["scale"], seed=c["seed"],
                   num_kv_heads=c["num_kv_heads"], head_dim=c["head_dim"],
-                  sinks=c["sinks"])
+                  sinks=c["sinks"], v_head_dim=c["v_head_dim"])
         kw.update(_mods_kwargs(c["modifiers"], c["num_heads"]))
         if c["attention_chunk"]:
             kw["attention_chunk"] = c["attention_chunk"]
@@ -565,15 +570,16 @@ class Module:
 
     def project(self, which: str, x: npt.ArrayLike) -> np.ndarray:
         """One projection (mha_project): which = 'query' | 'key' | 'value'
-        (x (rows, E|kdim|vdim) -> (rows, D or H_kv*d_h)) or 'out' (x (rows,
-        D) -> (rows, E))."""
+        (x (rows, E|kdim|vdim) -> (rows, H*d_h | H_kv*d_h | H_kv*d_v)) or
+        'out' (x (rows, H*d_v) -> (rows, E))."""
         w = _key(which, _PROJ, "projection")
         x = _array(x, "x")
         rows = int(np.prod(x.shape[:-1])) if x.ndim else 0
         c = self._cfg
         width = {0: c["num_heads"] * c["head_dim"],
                  1: c["num_kv_heads"] * c["head_dim"],
-                 2: c["num_kv_heads"] * c["head_dim"], 3: c["embed_dim"]}[w]
+                 2: c["num_kv_heads"] * c["v_head_dim"],
+                 3: c["embed_dim"]}[w]
         y = np.empty(x.shape[:-1] + (width,), np.float32)
         self._m.project(w, x, rows, y)
         return y
@@ -827,9 +833,11 @@ class KVCache:
     def for_module(cls, module: Module, batch: int, capacity: int,
                    dtype: str = "f32", window: int = 0,
                    rotate: bool = False) -> KVCache:
-        """A cache shaped for ``module`` (its H_kv and d_h)."""
+        """A cache shaped for ``module`` (its H_kv, d_h and d_v)."""
+        dv = module.v_head_dim
         return cls(batch, module.num_kv_heads, module.head_dim, capacity,
-                   dtype, window, rotate=rotate)
+                   dtype, window, rotate=rotate,
+                   v_head_dim=None if dv == module.head_dim else dv)
 
     def length(self, seq: int) -> int:
         """Tokens held by sequence ``seq`` (counting every one appended

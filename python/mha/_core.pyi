@@ -69,7 +69,8 @@ def module_create(*, embed_dim: int = ..., num_heads: int = ...,
                   scale: Optional[float] = ..., seed: int = ...,
                   num_kv_heads: int = ..., head_dim: int = ...,
                   sinks: bool = ...,
-                  modifiers: _Modifiers = ...) -> Module: ...
+                  modifiers: _Modifiers = ...,
+                  v_head_dim: int = ...) -> Module: ...
 def module_load(*, path: str, num_heads: int = ...,
                 add_zero_attn: bool = ..., dropout: Optional[float] = ...,
                 scale: Optional[float] = ...,

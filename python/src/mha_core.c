@@ -293,7 +293,7 @@ static PyObject *wrap_module(mha_module *m)
 static char *cfg_kw[] = {
     "embed_dim", "num_heads", "kdim", "vdim", "bias", "add_bias_kv",
     "add_zero_attn", "dropout", "scale", "seed", "num_kv_heads", "head_dim",
-    "sinks", "modifiers", "path", NULL};
+    "sinks", "modifiers", "path", "v_head_dim", NULL};
 
 static int parse_cfg(PyObject *args, PyObject *kw, mha_config *c,
                      bufset *b, const char **path)
@@ -304,10 +304,10 @@ static int parse_cfg(PyObject *args, PyObject *kw, mha_config *c,
     unsigned long long seed = 0;
     *path = NULL;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kw, "|LLLLpppOOKLLpOz", cfg_kw, &c->embed_dim,
+            args, kw, "|LLLLpppOOKLLpOzL", cfg_kw, &c->embed_dim,
             &c->num_heads, &c->kdim, &c->vdim, &bias, &add_bias_kv,
             &add_zero_attn, &dropout, &scale, &seed, &c->num_kv_heads,
-            &c->head_dim, &sinks, &mods, path))
+            &c->head_dim, &sinks, &mods, path, &c->v_head_dim))
         return -1;
     c->no_bias = !bias;
     c->add_bias_kv = add_bias_kv;
@@ -428,7 +428,7 @@ static PyObject *module_config(ModuleObject *self, PyObject *unused)
     if (!mods)
         return NULL;
     return Py_BuildValue(
-        "{sLsLsLsLsOsOsOsdsdsKsLsLsOsNsL}", "embed_dim", (long long)c->embed_dim,
+        "{sLsLsLsLsOsOsOsdsdsKsLsLsOsNsLsL}", "embed_dim", (long long)c->embed_dim,
         "num_heads", (long long)c->num_heads, "kdim", (long long)c->kdim,
         "vdim", (long long)c->vdim, "bias", c->no_bias ? Py_False : Py_True,
         "add_bias_kv", c->add_bias_kv ? Py_True : Py_False, "add_zero_attn",
@@ -436,7 +436,8 @@ static PyObject *module_config(ModuleObject *self, PyObject *unused)
         "scale", (double)c->scale, "seed", (unsigned long long)c->seed,
         "num_kv_heads", (long long)c->num_kv_heads, "head_dim",
         (long long)c->head_dim, "sinks", c->sinks ? Py_True : Py_False,
-        "modifiers", mods, "attention_chunk", (long long)c->attention_chunk);
+        "modifiers", mods, "attention_chunk", (long long)c->attention_chunk,
+        "v_head_dim", (long long)c->v_head_dim);
 }
 
 /* [(name, shape tuple, numel, offset), ...] in PyTorch's state_dict order */

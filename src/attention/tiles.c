@@ -127,16 +127,11 @@ mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
         /* A latent cache's tile, [MHA_BC][dh] rows in its dtype, read as
          * rows: the keys, and their first dv elements the values.  16-bit
          * rows are widened into kvt first (exact), q8 and q4 rows times
-         * their blocks' scales, once per tile for all the rows a block
-         * stacks. */
+         * their blocks' scales (the tier's widen_t), once per tile for
+         * all the rows a block stacks. */
         const mha_kv_cache *c = a->kv;
         const void *tile = mha_kv_cache_k_tile(c, t->b, t->g, t->index);
-        if (mha_kv_scaled(c->dtype))   /* (each code times its scale) */
-            for (int64_t col = 0; col < MHA_BC; col++)
-                for (int64_t d = 0; d < c->dh; d++)
-                    kvt[col * c->dh + d] =
-                        mha_v_load(c->dtype, tile, MHA_BC, c->dh, col, d);
-        else if (c->dtype != MHA_KV_F32)
+        if (c->dtype != MHA_KV_F32)
             a->uk->widen_t(c->dtype, tile, c->dh, MHA_BC, (int)c->dh, NULL,
                            0, kvt, (int)c->dh);
         src.kt = src.v = c->dtype != MHA_KV_F32 ? kvt : tile;

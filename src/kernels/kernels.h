@@ -140,7 +140,9 @@ typedef struct mha_microkernels {
      * (elements); kt[d][c] (ldkt apart) for d < dh, c < n; and, when v
      * is not NULL, v[c][d] = the same element for d < dv (a latent
      * cache's values: each key's first dv).  kt may be NULL: v alone,
-     * rows converted (dv <= dh).  With f32 it is a transposition. */
+     * rows converted (dv <= dh); then x may also be a q8 or q4 tile of n
+     * rows in the value layout (ldx = dh), each code times its block's
+     * scale (mha_v_load's bits).  With f32 it is a transposition. */
     void (*widen_t)(mha_kv_dtype dtype, const void *x, int64_t ldx, int n,
                     int dh, float *kt, int ldkt, float *v, int dv);
 } mha_microkernels;

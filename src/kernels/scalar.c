@@ -256,9 +256,12 @@ static void widen_t_scalar(mha_kv_dtype dtype, const void *x, int64_t ldx,
                            int n, int dh, float *kt, int ldkt, float *v,
                            int dv)
 {
+    const int scaled = mha_kv_scaled(dtype);   /* (q8, q4: kt NULL) */
     for (int c = 0; c < n; c++)
         for (int d = 0; d < (kt ? dh : dv); d++) {
-            const float e = mha_kv_elem(dtype, x, (int64_t)c * ldx + d);
+            const float e = scaled ? mha_v_load(dtype, x, n, dh, c, d)
+                                   : mha_kv_elem(dtype, x,
+                                                 (int64_t)c * ldx + d);
             if (kt)
                 kt[(size_t)d * ldkt + c] = e;
             if (v && d < dv)

@@ -521,10 +521,30 @@ MK_INLINE void widen_t_as(const mha_kv_dtype T, const void *x, int64_t ldx,
         }
 }
 
+/* Rows of a q8 or q4 tile in the value layout (n rows of dh codes, the
+ * scales before them, kernels.h), each code times its block's scale:
+ * the first dv floats of each row, the bits of mha_v_load's. */
+MK_INLINE void widen_rows_q(const int T, const void *x, int n, int dh,
+                            float *v, int dv)
+{
+    const bsrc b = {x, mha_q8_scales(x, n, dh), dh, (int)mha_q8_blocks(dh)};
+    const vtail all = vt_make(VL);
+    for (int c = 0; c < n; c++) {
+        float *vr = v + (size_t)c * dv;
+        int d = 0;
+        for (; d + VL <= dv; d += VL)
+            vf_store(vr + d, ldb(T, &b, c, d, 0, all, VL));
+        for (; d < dv; d++)
+            vr[d] = bsrc_elem(T, &b, c, d);
+    }
+}
+
 static void widen_t_k(mha_kv_dtype dtype, const void *x, int64_t ldx, int n,
                       int dh, float *kt, int ldkt, float *v, int dv)
 {
-    if (dtype == MHA_KV_F16)
+    if (dtype == MHA_KV_Q8 || dtype == MHA_KV_Q4)   /* (kt NULL) */
+        widen_rows_q(dtype == MHA_KV_Q8 ? B_Q8V : B_Q4V, x, n, dh, v, dv);
+    else if (dtype == MHA_KV_F16)
         widen_t_as(MHA_KV_F16, x, ldx, n, dh, kt, ldkt, v, dv);
     else if (dtype == MHA_KV_BF16)
         widen_t_as(MHA_KV_BF16, x, ldx, n, dh, kt, ldkt, v, dv);

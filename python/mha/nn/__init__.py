@@ -245,12 +245,20 @@ class MultiheadAttention(nn.Module):
     MultiheadAttention(embed_dim, num_heads, dropout=0.0, bias=True,
                        add_bias_kv=False, add_zero_attn=False, kdim=None,
                        vdim=None, batch_first=False, device=None,
-                       dtype=None)
+                       dtype=None, *, v_head_dim=None)
 
     Parameters and their initialisation are torch's, drawn from torch's
     generator in torch's order: after torch.manual_seed(s) this module
     and torch's hold the same values.  See the module docstring for the
     differences from torch.
+
+    v_head_dim (libmha's own, keyword only): the values' head width when
+    it is not embed_dim / num_heads, as in DeepSeek's MLA (values of 128
+    beside queries and keys of 192): v_proj_weight is then
+    (num_heads * v_head_dim, vdim), in_proj_bias 2 embed_dim + num_heads
+    * v_head_dim long, out_proj a Linear(num_heads * v_head_dim,
+    embed_dim), bias_v (1, 1, num_heads * v_head_dim); torch's module
+    has no such option (its state_dict cannot hold such a module).
     """
 
     __constants__ = ["batch_first"]
@@ -271,7 +279,8 @@ class MultiheadAttention(nn.Module):
                  add_zero_attn: bool = False, kdim: Optional[int] = None,
                  vdim: Optional[int] = None, batch_first: bool = False,
                  device: Optional[torch.device] = None,
-                 dtype: Optional[torch.dtype] = None) -> None:
+                 dtype: Optional[torch.dtype] = None, *,
+                 v_head_dim: Optional[int] = None) -> None:
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError("embed_dim and num_heads must be greater than "
                              "0, got embed_dim=%s and num_heads=%s instead"
@@ -284,7 +293,8 @@ class MultiheadAttention(nn.Module):
                             "dtype=%s" % (dtype,))
         # (torch takes kdim=0, a key projected from nothing; libmha's kdim 0
         # means "embed_dim", so a width below 1 is refused here)
-        for name, width in (("kdim", kdim), ("vdim", vdim)):
+        for name, width in (("kdim", kdim), ("vdim", vdim),
+                            ("v_head_dim", v_head_dim)):
             if width is None:
                 continue
             try:
@@ -300,20 +310,24 @@ class MultiheadAttention(nn.Module):
         self.embed_dim = embed_dim
         self.kdim = kdim if kdim is not None else embed_dim
         self.vdim = vdim if vdim is not None else embed_dim
-        fused = self.kdim == embed_dim and self.vdim == embed_dim
         self.num_heads = num_heads
         self.dropout = dropout
         self.batch_first = batch_first
         self.head_dim = embed_dim // num_heads
         if self.head_dim * num_heads != embed_dim:
             raise ValueError("embed_dim must be divisible by num_heads")
+        self.v_head_dim = (self.head_dim if v_head_dim is None
+                           else operator.index(v_head_dim))
+        Dv = num_heads * self.v_head_dim   # the values' heads side by side
+        fused = (self.kdim == embed_dim and self.vdim == embed_dim and
+                 Dv == embed_dim)
         if not fused:
             self.q_proj_weight = nn.Parameter(
                 torch.empty((embed_dim, embed_dim), **fk))
             self.k_proj_weight = nn.Parameter(
                 torch.empty((embed_dim, self.kdim), **fk))
             self.v_proj_weight = nn.Parameter(
-                torch.empty((embed_dim, self.vdim), **fk))
+                torch.empty((Dv, self.vdim), **fk))
             self.register_parameter("in_proj_weight", None)
         else:
             self.in_proj_weight = nn.Parameter(
@@ -322,13 +336,14 @@ class MultiheadAttention(nn.Module):
             self.register_parameter("k_proj_weight", None)
             self.register_parameter("v_proj_weight", None)
         if bias:
-            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **fk))
+            self.in_proj_bias = nn.Parameter(
+                torch.empty(2 * embed_dim + Dv, **fk))
         else:
             self.register_parameter("in_proj_bias", None)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **fk)
+        self.out_proj = nn.Linear(Dv, embed_dim, bias=bias, **fk)
         if add_bias_kv:
             self.bias_k = nn.Parameter(torch.empty((1, 1, embed_dim), **fk))
-            self.bias_v = nn.Parameter(torch.empty((1, 1, embed_dim), **fk))
+            self.bias_v = nn.Parameter(torch.empty((1, 1, Dv), **fk))
         else:
             self.bias_k = self.bias_v = None
         self.add_zero_attn = add_zero_attn
@@ -360,6 +375,8 @@ class MultiheadAttention(nn.Module):
             core = _core.module_create(
                 embed_dim=self.embed_dim, num_heads=self.num_heads,
                 kdim=self.kdim, vdim=self.vdim,
+                v_head_dim=(0 if self.v_head_dim == self.head_dim
+                            else self.v_head_dim),
                 bias=self.in_proj_bias is not None,
                 add_bias_kv=self.bias_k is not None,
                 add_zero_attn=bool(self.add_zero_attn),
@@ -480,6 +497,8 @@ class MultiheadAttention(nn.Module):
         # an instance's own _qkv_same_embed_dim (pickled by an earlier
         # mha.nn) would hide the class's False (see the class): dropped
         state.pop("_qkv_same_embed_dim", None)
+        # (pickled before v_head_dim existed: the values were d_h wide)
+        state.setdefault("v_head_dim", state.get("head_dim"))
         self.__dict__.update(state)
 
     def extra_repr(self) -> str:
