@@ -634,8 +634,9 @@ static PyObject *module_project(ModuleObject *self, PyObject *args)
     switch (which) {
     case MHA_PROJ_QUERY: in = c->embed_dim; outw = D; break;
     case MHA_PROJ_KEY: in = c->kdim; outw = hkv * c->head_dim; break;
-    case MHA_PROJ_VALUE: in = c->vdim; outw = hkv * c->head_dim; break;
-    case MHA_PROJ_OUT: in = D; outw = c->embed_dim; break;
+    case MHA_PROJ_VALUE: in = c->vdim; outw = hkv * c->v_head_dim; break;
+    case MHA_PROJ_OUT: in = c->num_heads * c->v_head_dim;
+        outw = c->embed_dim; break;
     default: return PyErr_Format(PyExc_ValueError, "unknown projection %d",
                                  which);
     }
