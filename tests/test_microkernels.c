@@ -4,7 +4,9 @@
  * tier)
  * against float64 loops computed here: awkward shapes and strides, canaries after every output buffer,
  * bitwise reproducibility across tile splits and alignments, the p == 0
- * contract of pv / pv_exact, exp accuracy over a dense sweep of [-88, 0],
+ * contract of pv / pv_exact, qk_rows bitwise qk on the packed tile,
+ * widen_t's q8 / q4 rows bitwise mha_v_load, exp accuracy over a dense
+ * sweep of [-88, 0],
  * and a small (unasserted) GFLOP/s print.
  */
 #define _POSIX_C_SOURCE 200809L   /* clock_gettime under -std=c11 */
@@ -932,6 +934,84 @@ static void test_widen_t(void **state)
             }
 }
 
+/* widen_t's rows of a q8 or q4 tile (kt NULL; a latent cache's tile):
+ * each code times its block's scale, the bits of mha_v_load, for widths
+ * below, at and past the vector tails; nothing written past dv. */
+static void test_widen_rows_quantised(void **state)
+{
+    const mha_microkernels *k = *state;
+    static const int dhs[] = {2, 32, 40, 64, 96, 576};
+    const mha_kv_dtype dts[] = {MHA_KV_Q8, MHA_KV_Q4};
+    rng_seed(53);
+    for (int t = 0; t < COUNT(dts); t++)
+        for (int j = 0; j < COUNT(dhs); j++) {
+            const mha_kv_dtype dt = dts[t];
+            const int n = 64, dh = dhs[j], dv = dh > 4 ? dh - 2 : dh;
+            const int64_t sb = mha_q8_scale_bytes(n, dh);
+            const int64_t cb = dt == MHA_KV_Q8 ? (int64_t)n * dh
+                                               : (int64_t)n * dh / 2;
+            unsigned char *buf = malloc((size_t)(sb + cb));
+            assert_non_null(buf);
+            float *sc = (float *)buf;   /* the scales, then the codes */
+            for (int64_t i = 0; i < sb / 4; i++)
+                sc[i] = rng_f(0.001f, 0.1f);
+            for (int64_t i = 0; i < cb; i++)   /* any byte: both nibbles */
+                buf[sb + i] = (unsigned char)(rng_u32() >> 24);
+            const void *x = buf + sb;
+            float *v = out_buf((size_t)n * dv);
+            k->widen_t(dt, x, dh, n, dh, NULL, 0, v, dv);
+            for (int c = 0; c < n; c++)
+                for (int d = 0; d < dv; d++) {
+                    const float e = mha_v_load(dt, x, n, dh, c, d);
+                    if (!same_bits(&v[(size_t)c * dv + d], &e, 1))
+                        fail_msg("%s %s dh %d: row %d element %d is %g, "
+                                 "mha_v_load %g", k->name,
+                                 dt == MHA_KV_Q8 ? "q8" : "q4", dh, c, d,
+                                 (double)v[(size_t)c * dv + d], (double)e);
+                }
+            check_guard(v, (size_t)n * dv);
+            free(buf), free(v);
+        }
+}
+
+/* qk_rows on keys where they lie (rows ldk apart) is bitwise qk on the
+ * packed kt tile of the same keys, for row counts, key counts and widths
+ * across the slabs and the vector tails. */
+static void test_qk_rows_is_qk(void **state)
+{
+    const mha_microkernels *k = *state;
+    static const int mrs[] = {1, 4, 7, 64};
+    static const int ncs[] = {1, 15, 16, 33, 64};
+    static const int dhs[] = {3, 64, 65, 128, 200, 576};
+    rng_seed(59);
+    for (int a = 0; a < COUNT(mrs); a++)
+        for (int b = 0; b < COUNT(ncs); b++)
+            for (int c = 0; c < COUNT(dhs); c++) {
+                const int mr = mrs[a], nc = ncs[b], dh = dhs[c];
+                const int ldk = dh + 3, lds = nc + 1;
+                float *q = in_buf((size_t)mr * dh);
+                float *key = in_buf((size_t)(nc - 1) * ldk + dh);
+                float *kt = in_buf((size_t)dh * nc);
+                fill(q, (size_t)mr * dh, -2.0f, 2.0f);
+                fill(key, (size_t)(nc - 1) * ldk + dh, -2.0f, 2.0f);
+                for (int j = 0; j < nc; j++)
+                    for (int d = 0; d < dh; d++)
+                        kt[(size_t)d * nc + j] = key[(size_t)j * ldk + d];
+                float *s1 = out_buf((size_t)mr * lds);
+                float *s2 = out_buf((size_t)mr * lds);
+                k->qk(mr, nc, dh, q, kt, nc, s1, lds);
+                k->qk_rows(mr, nc, dh, q, key, ldk, s2, lds);
+                for (int r = 0; r < mr; r++)
+                    if (!same_bits(s1 + (size_t)r * lds, s2 + (size_t)r * lds,
+                                   (size_t)nc))
+                        fail_msg("%s: qk_rows differs from qk (mr %d, nc "
+                                 "%d, dh %d, row %d)", k->name, mr, nc, dh,
+                                 r);
+                check_guard(s2, (size_t)mr * lds);
+                free(q), free(key), free(kt), free(s1), free(s2);
+            }
+}
+
 /* max: the largest value, NaN ignored, -inf when nothing is larger. */
 static void test_max(void **state)
 {
@@ -1162,6 +1242,8 @@ static void test_names(void **state)
     cmocka_unit_test_prestate(test_scale, (void *)&table),                   \
     cmocka_unit_test_prestate(test_copy_finite, (void *)&table),             \
     cmocka_unit_test_prestate(test_widen_t, (void *)&table),                 \
+    cmocka_unit_test_prestate(test_widen_rows_quantised, (void *)&table),    \
+    cmocka_unit_test_prestate(test_qk_rows_is_qk, (void *)&table),           \
     cmocka_unit_test_prestate(test_max, (void *)&table),                     \
     cmocka_unit_test_prestate(test_dot_nonzero, (void *)&table),             \
     cmocka_unit_test_prestate(test_dscore, (void *)&table),                  \

@@ -404,13 +404,31 @@ PRODUCT(pvt_k, MODE_ADD, nc, dh, mr, a_, 1, lda_, b_, dh)
 PRODUCT(pvt_exact_k, MODE_ADD_EXACT, nc, dh, mr, a_, 1, lda_, b_, dh)
 #undef PRODUCT
 
-/* qk and pv on keys and values read where they are (kernels.h): the
- * keys' columns gathered, the same chains as on a packed tile. */
+/* qk and pv on keys and values read where they are (kernels.h).  The
+ * keys in slabs of QK_SLAB elements: each slab of the nc keys transposed
+ * into a packed block on the stack (VL x VL transposes in registers, where
+ * gathering each column cost half of a short decoding call), its product
+ * carried into s, stored and reloaded exactly: the chains of qk on the
+ * whole packed tile, the same bits. */
+enum { QK_SLAB = 64, QK_COLS = 64 };
+static void widen_t_k(mha_kv_dtype dtype, const void *x, int64_t ldx, int n,
+                      int dh, float *kt, int ldkt, float *v, int dv);
 static void qk_rows_k(int mr, int nc, int dh, const float *q, const float *k,
                       int ldk, float *s, int lds)
 {
-    const bsrc B = {k, NULL, ldk, 0};
-    gemm(TIER_RMAX, MODE_SET, B_F32T, mr, nc, dh, q, dh, 1, &B, s, lds);
+    if (nc > QK_COLS) {   /* (a tile holds 64 keys: never, but not wrong) */
+        const bsrc B = {k, NULL, ldk, 0};
+        gemm(TIER_RMAX, MODE_SET, B_F32T, mr, nc, dh, q, dh, 1, &B, s, lds);
+        return;
+    }
+    float kt[QK_SLAB * QK_COLS] __attribute__((aligned(64)));
+    const bsrc B = f32(kt, QK_COLS);
+    for (int d0 = 0; d0 < dh; d0 += QK_SLAB) {
+        const int w = dh - d0 < QK_SLAB ? dh - d0 : QK_SLAB;
+        widen_t_k(MHA_KV_F32, k + d0, ldk, nc, w, kt, QK_COLS, NULL, 0);
+        gemm(TIER_RMAX, d0 ? MODE_ACC : MODE_SET, B_F32, mr, nc, w, q + d0,
+             dh, 1, &B, s, lds);
+    }
 }
 
 static void pv_rows_k(int exact, int mr, int nc, int dh, const float *p,
