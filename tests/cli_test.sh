@@ -809,7 +809,7 @@ expect 0 "^  out_proj.weight +F32 +\(32, 48\)$" -- "$mha" info "$Wdv"
 expect 1 "^mha init: v_head_dim must be >= 0|^mha init: --v-head-dim" -- \
   "$mha" init --embed-dim 32 --heads 4 --v-head-dim 0 --seed 4 --out "$dc/x.safetensors"
 absent "init --v-head-dim 0 writes nothing" "$dc/x.safetensors"
-for w in "$Wd" "$Wg" "$Wdv"; do
+for w in "$Wd" "$Wg"; do
   n=$(basename "$w" .safetensors)
   expect 0 "" -- "$mha" forward --weights "$w" --query "$d/x70.npy" --causal --out "$dc/${n}_fwd.npy"
   expect 0 "" -- "$mha" forward --weights "$w" --query "$d/x70.npy" --out "$dc/${n}_full.npy"
@@ -826,6 +826,12 @@ for w in "$Wd" "$Wg" "$Wdv"; do
   expect 0 "" -- "$mha" decode --weights "$w" --query "$d/x70u.npy" --chunk 5 --out "$dc/${n}_u.npy"
   shape "$dc/${n}_u.npy" "float32 (70, 32)"
   close "$n: unbatched decode = forward --causal" "$dc/${n}_u.npy" "$dc/${n}_ufwd.npy"
+done
+# the d_v module: decoding token by token and in chunks = forward --causal
+expect 0 "" -- "$mha" forward --weights "$Wdv" --query "$d/x70.npy" --causal --out "$dc/wdv_fwd.npy"
+for c in 1 7; do
+  expect 0 "" -- "$mha" decode --weights "$Wdv" --query "$d/x70.npy" --chunk $c --out "$dc/wdv_c$c.npy"
+  close "wdv: decode --chunk $c = forward --causal" "$dc/wdv_c$c.npy" "$dc/wdv_fwd.npy"
 done
 expect 0 "" -- "$mha" decode --weights "$Wd" --query "$d/x70.npy" --chunk 7 --kv-dtype f32 --out "$dc/f32.npy"
 same "$dc/f32.npy" "$dc/wd_c7.npy" "--kv-dtype f32 is the default"
