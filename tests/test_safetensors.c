@@ -1360,6 +1360,19 @@ static void test_module_from_file_errors(void **state)
             V_Q, V_K, view("v_proj_weight", MHA_DTYPE_F32, 2, 2, 2, 0, WV),
             view("out_proj.weight", MHA_DTYPE_F32, 2, 4, 2, 0, W_O)};
         assert_ok(from_views(narrow, N_OF(narrow), NULL, NULL, 0, 2, NULL));
+        /* rows whose product with q's rows passes 2^63 (an empty
+         * tensor's rows, up to the format's 2^53, times 2048): an error,
+         * not an overflow */
+        float *wq = calloc(2048, sizeof *wq);
+        assert_non_null(wq);
+        assert_sd_fails(
+            L(view("q_proj_weight", MHA_DTYPE_F32, 2, 2048, 1, 0, wq),
+              view("k_proj_weight", MHA_DTYPE_F32, 2, 1, 0, 0, NULL),
+              view("v_proj_weight", MHA_DTYPE_F32, 2, (int64_t)1 << 53, 0,
+                   0, NULL),
+              view("out_proj.weight", MHA_DTYPE_F32, 2, 1, 4, 0, W_O)),
+            2, MHA_ERR_SHAPE, "k_proj_weight has 1 rows and v_proj_weight");
+        free(wq);
         assert_sd_fails(L(V_Q, V_K, view("v_proj_weight", MHA_DTYPE_F32, 2,
                                          3, 2, 0, WV),
                           view("out_proj.weight", MHA_DTYPE_F32, 2, 4, 3, 0,

@@ -151,6 +151,8 @@ mha_status mha_check_mode_fields(mha_weights_mode need,
  * scratch.  Every part, and every thread's slice, starts at a multiple of
  * 16 floats (64 bytes): no thread's scratch shares a cache line with
  * another's, and the float64 scratch of the ref tier stays aligned.
+ * dh and dv are the keys' and the values' head widths; the buffers are
+ * sized for the wider.
  */
 typedef struct mha_attn_layout {
     int64_t stats, partials, packed, scratch;   /* offsets            */
@@ -159,14 +161,14 @@ typedef struct mha_attn_layout {
 } mha_attn_layout;
 mha_status mha_attn_layout_forward(const mha_engine *e, int64_t B, int64_t H,
                                    int64_t Hkv, int64_t Lq, int64_t Lk,
-                                   int64_t Lt, int64_t dh, int prepacked,
-                                   mha_attn_layout *out);
+                                   int64_t Lt, int64_t dh, int64_t dv,
+                                   int prepacked, mha_attn_layout *out);
 /* The backward's own workspace: K and V packed its way (offset `packed`,
  * flash tiers), then per-thread scratch (more with a softcap); stats and
  * partials unused. */
 mha_status mha_attn_layout_backward(const mha_engine *e, int64_t B,
                                     int64_t Hkv, int64_t Lk, int64_t Lt,
-                                    int64_t dh, int softcap,
+                                    int64_t dh, int64_t dv, int softcap,
                                     mha_attn_layout *out);
 
 /* Runs the whole problem: ctx, the row stats and, when asked, the weights.

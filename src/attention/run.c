@@ -84,10 +84,11 @@ static mha_status finish_layout(const mha_engine *e, int64_t per_thread,
 
 mha_status mha_attn_layout_forward(const mha_engine *e, int64_t B, int64_t H,
                                    int64_t Hkv, int64_t Lq, int64_t Lk,
-                                   int64_t Lt, int64_t dh, int prepacked,
-                                   mha_attn_layout *l)
+                                   int64_t Lt, int64_t dh, int64_t dv,
+                                   int prepacked, mha_attn_layout *l)
 {
     const int flash = e->isa != MHA_ISA_REF;
+    dh = dv > dh ? dv : dh;   /* (the wider sizes every buffer) */
     l->stats = 0;
     l->partials = lines(2 * B * H * Lq);
     l->packed = l->partials +
@@ -106,10 +107,11 @@ mha_status mha_attn_layout_forward(const mha_engine *e, int64_t B, int64_t H,
 
 mha_status mha_attn_layout_backward(const mha_engine *e, int64_t B,
                                     int64_t Hkv, int64_t Lk, int64_t Lt,
-                                    int64_t dh, int softcap,
+                                    int64_t dh, int64_t dv, int softcap,
                                     mha_attn_layout *l)
 {
     const int flash = e->isa != MHA_ISA_REF;
+    dh = dv > dh ? dv : dh;   /* (the wider sizes every buffer) */
     l->stats = l->partials = l->packed = 0;
     l->scratch = lines(flash ? mha_packed_floats(B, Hkv, Lk, dh) : 0);
     return finish_layout(e, flash ? mha_flash_bwd_scratch_floats(dh, Lt, softcap)

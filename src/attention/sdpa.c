@@ -266,7 +266,8 @@ static mha_status mha_attention_plan_create_impl(const mha_attention_args *a,
     MHA_CHECK(mha_engine_init(&eng, a->num_threads));
     mha_attn_layout lay;
     MHA_CHECK(mha_attn_layout_forward(&eng, s.B, s.H, s.Hkv, s.Lq, s.Lk,
-                                      s.Lk, s.dv > s.dh ? s.dv : s.dh, a->cache != NULL, &lay));
+                                      s.Lk, s.dh, s.dv, a->cache != NULL,
+                                      &lay));
     mha_attention_plan *p = calloc(1, sizeof *p);
     if (!p)
         return mha_set_error(MHA_ERR_OUT_OF_MEMORY, "cannot allocate a plan");
@@ -573,8 +574,7 @@ static mha_status plan_backward(mha_attention_plan *p,
     if (!p->bws) {
         /* (sized for every modifier: any later run may have one) */
         MHA_CHECK(mha_attn_layout_backward(&p->eng, s->B, s->Hkv, s->Lk,
-                                           s->Lk,
-                                           s->dv > s->dh ? s->dv : s->dh, 1,
+                                           s->Lk, s->dh, s->dv, 1,
                                            &p->blay));
         p->bws = mha_alloc_floats(p->blay.total, "attention backward "
                                                  "workspace");

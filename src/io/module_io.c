@@ -407,8 +407,11 @@ static mha_status mha_module_from_file_impl(const mha_tensor_file *f,
         /* k and v may have fewer rows than q: grouped-query attention,
          * H_kv = rows / d_h; v's rows H_kv d_v stand to k's as out_proj's
          * columns to q's rows (checked below, once num_heads is known). */
+        int64_t kx = 0, vx = -1;   /* (an empty tensor's rows are any
+                                      number up to 2^53: products checked) */
         if (k_w->ndim == 2 && v_w->ndim == 2 && k_w->shape[0] >= 1 &&
-            v_w->shape[0] >= 1 && k_w->shape[0] * Dv == v_w->shape[0] * D) {
+            v_w->shape[0] >= 1 && mha_mul_ok(k_w->shape[0], Dv, &kx) &&
+            mha_mul_ok(v_w->shape[0], D, &vx) && kx == vx) {
             Dkv = k_w->shape[0];
             Dvkv = v_w->shape[0];
         } else if (k_w->ndim == 2 && v_w->ndim == 2) {  /* say what differs */
@@ -481,19 +484,20 @@ static mha_status mha_module_from_file_impl(const mha_tensor_file *f,
         if (!meta_int(v, &c.num_heads) || c.num_heads <= 0)
             return bad_meta("num_heads", v);
     }
-    /* (D = Dv = E not divisible: mha_create says so) */
-    if ((Dv != E || D != E) && Dv % c.num_heads != 0)
-        return mha_set_error(MHA_ERR_SHAPE,
-                             "state_dict: out_proj.weight has %lld columns "
-                             "(the heads side by side), not divisible by "
-                             "num_heads %lld", (long long)Dv,
-                             (long long)c.num_heads);
-    if ((Dv != E || D != E) && D % c.num_heads != 0)
-        return mha_set_error(MHA_ERR_SHAPE,
-                             "state_dict: q_proj_weight has %lld rows (the "
-                             "heads side by side), not divisible by "
-                             "num_heads %lld", (long long)D,
-                             (long long)c.num_heads);
+    /* Both widths split into whole heads (D = Dv = E not divisible:
+     * mha_create says so). */
+    const struct {
+        const char *name, *dim;
+        int64_t n;
+    } width[2] = {{"out_proj.weight", "columns", Dv},
+                  {"q_proj_weight", "rows", D}};
+    for (int i = 0; i < 2 && (Dv != E || D != E); i++)
+        if (width[i].n % c.num_heads != 0)
+            return mha_set_error(MHA_ERR_SHAPE,
+                                 "state_dict: %s has %lld %s (the heads side "
+                                 "by side), not divisible by num_heads %lld",
+                                 width[i].name, (long long)width[i].n,
+                                 width[i].dim, (long long)c.num_heads);
     if (D != E)
         c.head_dim = D / c.num_heads;
     if (Dv != D)

@@ -17,9 +17,7 @@
 
 #include <stddef.h>
 
-/* B_F32T: float, stored transposed: B[k][j] at x[j ld + k] (keys read as
- * the rows they are, not a packed kt tile) */
-enum { B_F32, B_F16, B_BF16, B_Q8K, B_Q8V, B_F32T, B_Q4K, B_Q4V };
+enum { B_F32, B_F16, B_BF16, B_Q8K, B_Q8V, B_Q4K, B_Q4V };
 
 typedef struct bsrc {
     const void *x;      /* the elements, ld per row of B               */
@@ -42,8 +40,6 @@ bsrc_elem(const int T, const bsrc *b, int k, int j)
                b->s[(size_t)k * b->blocks + j / MHA_Q8_BLOCK];
     case B_F16: return mha_f16_to_float(((const uint16_t *)b->x)[at]);
     case B_BF16: return mha_bf16_to_float(((const uint16_t *)b->x)[at]);
-    case B_F32T:
-        return ((const float *)b->x)[(size_t)j * b->ld + k];
     case B_Q8K:
         return (float)((const int8_t *)b->x)[at] *
                b->s[(size_t)(k / MHA_Q8_BLOCK) * b->ld + j];

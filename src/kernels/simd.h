@@ -38,11 +38,6 @@ enum { VL = 16, VREGS = 32 };
 #define vf_store(p, v) _mm512_storeu_ps(p, v)
 #define vt_make(n) ((__mmask16)((1u << (n)) - 1u))
 #define vf_load_t(p, t) _mm512_maskz_loadu_ps(t, p)
-/* p[0], p[s], ..., p[15 s]: a column of a row-major matrix */
-#define vf_gather(p, s)                                                     \
-    _mm512_i32gather_ps(_mm512_mullo_epi32(                                 \
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, \
-                         0), _mm512_set1_epi32(s)), p, 4)
 #define vf_store_t(p, v, t) _mm512_mask_storeu_ps(p, t, v)
 #define vf_keep_t(v, t) _mm512_maskz_mov_ps(t, v)   /* lanes >= n: 0 */
 #define vf_add _mm512_add_ps
@@ -164,9 +159,6 @@ enum { VL = 8, VREGS = 16 };
     _mm256_cmpgt_epi32(_mm256_set1_epi32(n),                                \
                        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
 #define vf_load_t(p, t) _mm256_maskload_ps(p, t)
-#define vf_gather(p, s)                                                     \
-    _mm256_i32gather_ps(p, _mm256_mullo_epi32(                              \
-        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(s)), 4)
 #define vf_store_t(p, v, t) _mm256_maskstore_ps(p, t, v)
 #define vf_keep_t(v, t) _mm256_and_ps(v, _mm256_castsi256_ps(t))
 #define vf_add _mm256_add_ps
@@ -266,11 +258,6 @@ MK_INLINE vf vf_load_t(const float *p, int n)   /* lanes >= n: 0, unread */
 {
     float b[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     memcpy(b, p, (size_t)n * sizeof *p);
-    return vld1q_f32(b);
-}
-MK_INLINE vf vf_gather(const float *p, int s)   /* p[0], p[s], ... */
-{
-    const float b[4] = {p[0], p[s], p[2 * s], p[3 * s]};
     return vld1q_f32(b);
 }
 MK_INLINE void vf_store_t(float *p, vf v, int n)

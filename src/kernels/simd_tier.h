@@ -71,8 +71,6 @@ MK_INLINE vf ldb(const int T, const bsrc *b, int k, int j, const int masked,
     if (T == B_F32)
         return masked ? vf_load_t((const float *)b->x + at, t)
                       : vf_load((const float *)b->x + at);
-    if (T == B_F32T && !masked)
-        return vf_gather((const float *)b->x + (size_t)j * b->ld + k, b->ld);
     if (masked) {
         float buf[VL] = {0};
         for (int i = 0; i < n; i++)
@@ -291,7 +289,7 @@ MK_INLINE void panel(const int R, const int mode, const int T, int slabs,
                      const bsrc *B, float *C, int ldc)
 {
     if (!TIER_SLABS || !slabs || (R == 1 && N <= 64) || (mode & ADD) ||
-        (mode & EXACT) || K <= KSLAB || T == B_F32T) {
+        (mode & EXACT) || K <= KSLAB) {
         cols(R, mode, T, 0, N, 0, K, A, lda, ska, B, C, ldc);
         return;
     }
@@ -404,33 +402,8 @@ PRODUCT(pvt_k, MODE_ADD, nc, dh, mr, a_, 1, lda_, b_, dh)
 PRODUCT(pvt_exact_k, MODE_ADD_EXACT, nc, dh, mr, a_, 1, lda_, b_, dh)
 #undef PRODUCT
 
-/* qk and pv on keys and values read where they are (kernels.h).  The
- * keys in slabs of QK_SLAB elements: each slab of the nc keys transposed
- * into a packed block on the stack (VL x VL transposes in registers, where
- * gathering each column cost half of a short decoding call), its product
- * carried into s, stored and reloaded exactly: the chains of qk on the
- * whole packed tile, the same bits. */
-enum { QK_SLAB = 64, QK_COLS = 64 };
-static void widen_t_k(mha_kv_dtype dtype, const void *x, int64_t ldx, int n,
-                      int dh, float *kt, int ldkt, float *v, int dv);
-static void qk_rows_k(int mr, int nc, int dh, const float *q, const float *k,
-                      int ldk, float *s, int lds)
-{
-    if (nc > QK_COLS) {   /* (a tile holds 64 keys: never, but not wrong) */
-        const bsrc B = {k, NULL, ldk, 0};
-        gemm(TIER_RMAX, MODE_SET, B_F32T, mr, nc, dh, q, dh, 1, &B, s, lds);
-        return;
-    }
-    float kt[QK_SLAB * QK_COLS] __attribute__((aligned(64)));
-    const bsrc B = f32(kt, QK_COLS);
-    for (int d0 = 0; d0 < dh; d0 += QK_SLAB) {
-        const int w = dh - d0 < QK_SLAB ? dh - d0 : QK_SLAB;
-        widen_t_k(MHA_KV_F32, k + d0, ldk, nc, w, kt, QK_COLS, NULL, 0);
-        gemm(TIER_RMAX, d0 ? MODE_ACC : MODE_SET, B_F32, mr, nc, w, q + d0,
-             dh, 1, &B, s, lds);
-    }
-}
-
+/* pv on values read where they are (kernels.h); qk_rows_k is below,
+ * after the transposition it uses. */
 static void pv_rows_k(int exact, int mr, int nc, int dh, const float *p,
                       int ldp, const float *v, int ldv, float *o, int ldo)
 {
@@ -568,6 +541,30 @@ static void widen_t_k(mha_kv_dtype dtype, const void *x, int64_t ldx, int n,
         widen_t_as(MHA_KV_BF16, x, ldx, n, dh, kt, ldkt, v, dv);
     else
         widen_t_as(MHA_KV_F32, x, ldx, n, dh, kt, ldkt, v, dv);
+}
+
+/* qk on keys where they lie (kernels.h): the keys in blocks of QK_COLS
+ * keys and slabs of QK_SLAB elements, each slab transposed into a packed
+ * block on the stack (VL x VL transposes in registers, where gathering
+ * each column cost half of a short decoding call) and its product
+ * carried into s, stored and reloaded exactly: the chains of qk on the
+ * whole packed tile, the same bits. */
+enum { QK_SLAB = 64, QK_COLS = 64 };
+static void qk_rows_k(int mr, int nc, int dh, const float *q, const float *k,
+                      int ldk, float *s, int lds)
+{
+    float kt[QK_SLAB * QK_COLS] __attribute__((aligned(64)));
+    const bsrc B = f32(kt, QK_COLS);
+    for (int j0 = 0; j0 < nc; j0 += QK_COLS) {
+        const int n = nc - j0 < QK_COLS ? nc - j0 : QK_COLS;
+        for (int d0 = 0; d0 < dh; d0 += QK_SLAB) {
+            const int w = dh - d0 < QK_SLAB ? dh - d0 : QK_SLAB;
+            widen_t_as(MHA_KV_F32, k + (size_t)j0 * ldk + d0, ldk, n, w, kt,
+                       QK_COLS, NULL, 0);
+            gemm(TIER_RMAX, d0 ? MODE_ACC : MODE_SET, B_F32, mr, n, w,
+                 q + d0, dh, 1, &B, s + j0, lds);
+        }
+    }
 }
 
 /* ---- exp ------------------------------------------------------------------

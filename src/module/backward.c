@@ -179,7 +179,7 @@ static mha_status ensure_workspace(mha_plan *p)
         return MHA_OK;
     const fwd_shape *s = &p->shape;
     MHA_CHECK(mha_attn_layout_backward(&p->eng, s->B, s->Hkv, s->Lk, s->Lt,
-                                       s->dv > s->dh ? s->dv : s->dh,
+                                       s->dh, s->dv,
                                        p->m->cfg.mods.softcap > 0.0f,
                                        &p->blay));
     p->bws = mha_alloc_floats(attn_part(p) + p->blay.total,

@@ -250,8 +250,7 @@ static mha_status mha_plan_create_impl(const mha_module *m,
     if (a->cache && mha_total_keys(m, Lk) < 0)
         return mha_set_error(MHA_ERR_OVERFLOW, "cache capacity overflows");
     MHA_CHECK(mha_attn_layout_forward(&eng, s.B, s.H, s.Hkv, s.Lq, Lk,
-                                      mha_total_keys(m, Lk),
-                                      s.dv > s.dh ? s.dv : s.dh,
+                                      mha_total_keys(m, Lk), s.dh, s.dv,
                                       a->cache != NULL, &lay));
 
     /* Self-attention with Lk = Lq may fuse q|k|v (3 n_qd, packed modules
