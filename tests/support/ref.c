@@ -46,8 +46,8 @@ int ref_dropout_keep(uint64_t seed, float p, int64_t b, int64_t h, int64_t i,
 
 /* ---- the forward pass ------------------------------------------------------ */
 
-/* The largest |scale q.k| of a live key (and additive mask term below
- * 1e4) of the last forward (ref_score_magnitude). */
+/* The largest rounding scale of a live score (and additive mask term
+ * below 1e4) of the last forward (ref_score_magnitude, ref.h). */
 static double ref_max_score;
 
 /* Every sum in order, or (ref_forward_f32_reversed) in reverse order. */

@@ -22,10 +22,12 @@ int ref_forward_f32(const mha_module *m, const mha_forward_args *a,
 int ref_forward_f32_reversed(const mha_module *m, const mha_forward_args *a,
                              float *out, float *weights);
 
-/* The largest |score| (scale q.k of a live key, before any softcap;
- * additive mask terms under 1e4 too) of the last ref_forward_f64: a
- * float32 code rounds each score to about 2^-24 of this, and the softmax
- * passes that on to the weights. */
+/* The largest rounding scale of a live score in the last ref_forward_f64:
+ * scale * sum_d |q_d k_d| (a float32 dot product rounds to about 2^-24 of
+ * its terms' magnitudes, not of its result: q.k = -0.19 from terms
+ * summing to 308 in a fuzzed case), times sech^2(s/c) under a softcap c
+ * (what the cap passes on of an error in s); additive mask terms under
+ * 1e4 too.  The softmax passes a score's error on to its weight. */
 double ref_score_magnitude(void);
 
 /* Heads-averaged weights (B, Lq, Lt) from per-head ones (B, H, Lq, Lt). */

@@ -297,16 +297,24 @@ static int FN(forward)(const mha_module *m, const mha_forward_args *a,
                     if (blk)
                         continue;
                     REAL dot = 0;
+                    double terms = 0.0;   /* sum |q_d k_d|: its rounding */
                     for (int64_t t = 0; t < dh; t++) {
                         const int64_t d = REF_ORDER(t, dh);
-                        dot += q[(b * Lq + i) * D + h * dh + d] *
-                               k[(b * Lt + j) * Dkv + h / group * dh + d];
+                        const REAL qk = q[(b * Lq + i) * D + h * dh + d] *
+                                        k[(b * Lt + j) * Dkv + h / group * dh + d];
+                        dot += qk;
+                        terms += fabs((double)qk);
                     }
                     REAL sc = dot * scale;
-                    /* The largest score (and additive term) a float32
-                     * code must round: ref_score_magnitude(). */
-                    if (fabs((double)sc) > ref_max_score)
-                        ref_max_score = fabs((double)sc);
+                    /* The largest rounding scale of a score (and additive
+                     * term) a float32 code has: ref_score_magnitude(). */
+                    double rs = terms * fabs((double)scale);
+                    if (md->softcap > 0.0f) {
+                        const double t = tanh((double)sc / md->softcap);
+                        rs *= 1.0 - t * t;
+                    }
+                    if (rs > ref_max_score)
+                        ref_max_score = rs;
                     if (fabs((double)add) > ref_max_score &&
                         fabs((double)add) < 1e4)
                         ref_max_score = fabs((double)add);
