@@ -19,6 +19,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerInitialize(int *argc, char ***argv) __attribute__((weak));
 
 static const char *prog = "replay";
+/* MHA_REPLAY_NAMES in the environment: each input's path on stderr before
+ * it runs, so that a check that traps names its input (scripts/test.sh's
+ * seeded mutants: the name and the seed make it again). */
+static int names;
 
 /* Reads the file into an exact-size buffer, so that a read past the end is
  * caught by the sanitizers or valgrind as it would be under libFuzzer. */
@@ -41,6 +45,8 @@ static int run_file(const char *path)
         free(buf);
         return 1;
     }
+    if (names)
+        fprintf(stderr, "%s: input %s\n", prog, path);
     LLVMFuzzerTestOneInput(buf, n);
     free(buf);
     return 0;
@@ -50,6 +56,7 @@ int main(int argc, char **argv)
 {
     int files = 0, failures = 0;
     prog = argv[0];
+    names = getenv("MHA_REPLAY_NAMES") != NULL;
     if (argc < 2) {
         fprintf(stderr, "usage: %s FILE_OR_DIR...\n", prog);
         return 2;
@@ -58,28 +65,32 @@ int main(int argc, char **argv)
         LLVMFuzzerInitialize(&argc, &argv);
     for (int a = 1; a < argc; a++) {
         struct stat st;
-        DIR *d = NULL;
         if (stat(argv[a], &st) == 0 && !S_ISDIR(st.st_mode)) {
             failures += run_file(argv[a]);
             files++;
             continue;
         }
-        if (!(d = opendir(argv[a]))) {
+        /* In name order: the same sequence on every file system. */
+        struct dirent **list = NULL;
+        const int n = scandir(argv[a], &list, NULL, alphasort);
+        if (n < 0) {
             fprintf(stderr, "%s: cannot open %s\n", prog, argv[a]);
             failures++;
             continue;
         }
-        for (struct dirent *e; (e = readdir(d)) != NULL;) {
+        for (int i = 0; i < n; i++) {
             char path[4096];
-            if (e->d_name[0] == '.')
-                continue;
-            snprintf(path, sizeof path, "%s/%s", argv[a], e->d_name);
-            if (stat(path, &st) != 0 || !S_ISREG(st.st_mode))
-                continue;
-            failures += run_file(path);
-            files++;
+            if (list[i]->d_name[0] != '.') {
+                snprintf(path, sizeof path, "%s/%s", argv[a],
+                         list[i]->d_name);
+                if (stat(path, &st) == 0 && S_ISREG(st.st_mode)) {
+                    failures += run_file(path);
+                    files++;
+                }
+            }
+            free(list[i]);
         }
-        closedir(d);
+        free(list);
     }
     printf("%s: replayed %d inputs, %d unreadable\n", prog, files, failures);
     if (files == 0) {

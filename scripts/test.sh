@@ -156,35 +156,34 @@ CC=clang cmake -S . -B build-clang -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_C_FLAGS=-Werror >/dev/null
 cmake --build build-clang -j"$jobs" >/dev/null
 
-stage "the libFuzzer targets: build, and seeded mutants of their corpora"
-# (the long, coverage-guided campaigns are scripts/fuzz.sh's; this keeps
-# the targets building and runs them, under ASan + UBSan, over their
-# committed corpora changed in fixed, seeded ways.)  A coverage-guided run
-# picks its next input by the code the last one reached, and that code
+stage "the fuzz targets: seeded mutants of their corpora, under ASan + UBSan"
+# (the long, coverage-guided campaigns are scripts/fuzz.sh's, which builds
+# the libFuzzer targets.)  Each target's replay (its LLVMFuzzerTestOneInput
+# behind fuzz/replay_main.c), from the ASan + UBSan build above, runs over
+# its committed corpus changed in fixed, seeded ways.  A coverage-guided
+# run picks its next input by the code the last one reached, and that code
 # depends on the CPU the library dispatched for: even with a fixed seed
 # and count it explored other inputs on another machine (and once failed
 # there only).  fuzz/mutants.py writes the inputs from the corpus and a
-# seed alone, and -runs=0 runs each once: the same bytes on every
-# machine, so the stage cannot pass or fail by chance.  The readers, the
-# cache's operation sequences, the command's option parsing, and the
-# differential fuzzer of the tiers (fuzz_tiers: random modules and calls,
-# every tier against the float64 reference, forward and backward) on each
-# tier this CPU has.  The counts take ~5-15 s each on the 2-core VMs.
-CC=clang cmake -S . -B build-fuzz -DMHA_FUZZ=ON \
-  -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build build-fuzz -j"$jobs" --target fuzz_npy fuzz_safetensors \
-  fuzz_module fuzz_cache fuzz_cli fuzz_tiers >/dev/null
-# The inputs go to memory where there is a tmpfs (tens of thousands of
-# small files: ~12 s a target on this disk, ~1 s in /dev/shm).
+# seed alone: the same bytes on every machine, so the stage cannot pass
+# or fail by chance.  The readers, the cache's operation sequences, the
+# command's option parsing, and the differential fuzzer of the tiers
+# (fuzz_tiers: random modules and calls, every tier against the float64
+# reference, forward and backward) on each tier this CPU has.  The inputs
+# go to memory where there is a tmpfs (tens of thousands of small files:
+# ~12 s a target on this disk, ~1 s in /dev/shm).
 mutants=$(mktemp -d -p /dev/shm 2>/dev/null || mktemp -d)
 fuzz_run() {  # fuzz_run TARGET COUNT MAX_LEN [ENV=VALUE...]
-  local t=$1 count=$2 len=$3 log="$PWD/build-fuzz/ci-fuzz-$1${4:+-${4#*=}}.log"
+  local t=$1 count=$2 len=$3 log="$PWD/build-asan/ci-fuzz-$1${4:+-${4#*=}}.log"
   shift 3
   python3 fuzz/mutants.py "fuzz/corpus/$t" "$mutants/$t" "$count" "$len"
-  (cd build-fuzz && env "$@" ./fuzz/"fuzz_$t" -runs=0 -max_len="$len" \
-     "$mutants/$t" >"$log" 2>&1) ||
-    { echo "fuzz_$t $* failed:"; tail -40 "$log"; rm -rf "$mutants"; exit 1; }
-  echo "fuzz_$t $*: $(grep -o 'Done [0-9]* runs.*' "$log")"
+  local start=$SECONDS
+  env ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+      UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 MHA_REPLAY_NAMES=1 "$@" \
+    build-asan/tests/"fuzz_${t}_replay" "$mutants/$t" >"$log" 2>&1 ||
+    { echo "fuzz_$t $* failed (python3 fuzz/mutants.py fuzz/corpus/$t DIR $count $len" \
+           "makes its inputs again):"; tail -40 "$log"; rm -rf "$mutants"; exit 1; }
+  echo "fuzz_$t $*: $count inputs in $((SECONDS - start)) s"
 }
 fuzz_run npy 100000 4096
 fuzz_run safetensors 50000 4096
@@ -195,7 +194,7 @@ tiers="ref scalar"
 grep -qw avx2 /proc/cpuinfo && tiers="$tiers avx2"
 grep -qw avx512f /proc/cpuinfo && tiers="$tiers avx512"
 for isa in $tiers; do
-  fuzz_run tiers 30000 64 MHA_ISA="$isa"   # (it reads ~40 bytes)
+  fuzz_run tiers 50000 64 MHA_ISA="$isa"   # (it reads ~40 bytes)
 done
 rm -rf "$mutants"
 
