@@ -170,9 +170,13 @@ stage "the fuzz targets: seeded mutants of their corpora, under ASan + UBSan"
 # command's option parsing, and the differential fuzzer of the tiers
 # (fuzz_tiers: random modules and calls, every tier against the float64
 # reference, forward and backward) on each tier this CPU has.  The inputs
-# go to memory where there is a tmpfs (tens of thousands of small files:
-# ~12 s a target on this disk, ~1 s in /dev/shm).
-mutants=$(mktemp -d -p /dev/shm 2>/dev/null || mktemp -d)
+# go to memory where /dev/shm has room (tens of thousands of small files,
+# up to ~200 MB for one target: ~12 s a target on this disk, ~1 s in
+# /dev/shm), else under build-asan/; each target's are removed after it.
+mroot=build-asan
+shm_kb=$(df -Pk /dev/shm 2>/dev/null | awk 'NR == 2 { print $4 }') || shm_kb=0
+if [ "${shm_kb:-0}" -gt 1048576 ] 2>/dev/null; then mroot=/dev/shm; fi
+mutants=$(mktemp -d -p "$mroot")
 fuzz_run() {  # fuzz_run TARGET COUNT MAX_LEN [ENV=VALUE...]
   local t=$1 count=$2 len=$3 log="$PWD/build-asan/ci-fuzz-$1${4:+-${4#*=}}.log"
   shift 3
@@ -184,6 +188,7 @@ fuzz_run() {  # fuzz_run TARGET COUNT MAX_LEN [ENV=VALUE...]
     { echo "fuzz_$t $* failed (python3 fuzz/mutants.py fuzz/corpus/$t DIR $count $len" \
            "makes its inputs again):"; tail -40 "$log"; rm -rf "$mutants"; exit 1; }
   echo "fuzz_$t $*: $count inputs in $((SECONDS - start)) s"
+  rm -rf "${mutants:?}/$t"
 }
 fuzz_run npy 100000 4096
 fuzz_run safetensors 50000 4096
