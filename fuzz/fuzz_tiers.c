@@ -31,10 +31,12 @@
  * checked then (the module's own tests pin down what it accepts).
  *
  * Built two ways, as the other targets (fuzz/CMakeLists.txt):
- *   - with -fsanitize=fuzzer,address,undefined; scripts/test.sh runs it
- *     on every tier the CPU has, for a bounded time:
+ *   - with -fsanitize=fuzzer,address,undefined; scripts/fuzz.sh runs it
+ *     on the CPU's best tier for a bounded time:
  *         MHA_ISA=avx2 build-fuzz/fuzz/fuzz_tiers -max_total_time=20 \
  *             NEW_DIR fuzz/corpus/tiers
+ *     (scripts/test.sh --all runs the replay below over seeded mutants
+ *     of the corpus on every tier the CPU has)
  *   - with fuzz/replay_main.c: CTest's fuzz_replay_tiers_<tier> replays
  *     fuzz/corpus/tiers on each tier.
  * An unavailable tier (MHA_ISA=avx512 on a CPU without it) exits 77 at
