@@ -879,6 +879,80 @@ static void test_copy_finite(void **state)
     }
 }
 
+/* amax, the input scans: over rows of every width (tails, ld gaps), the
+ * largest finite |x| equal to a plain loop's with fabsf and isfinite (a
+ * max: exact, the same float in every tier), and the flag.  Values from
+ * subnormal to near FLT_MAX, -0; the gaps between rows hold NaN and
+ * 3e38, never read; a NaN, +Inf or -Inf at each place in turn clears the
+ * flag and leaves the max of the others; all non-finite: max 0. */
+static float amax_plain(const float *x, int rows, int cols, int ld,
+                        int *finite)
+{
+    float m = 0.0f;
+    *finite = 1;
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) {
+            const float v = x[(size_t)r * ld + c];
+            if (!isfinite(v))
+                *finite = 0;
+            else if (fabsf(v) > m)
+                m = fabsf(v);
+        }
+    return m;
+}
+
+static void test_amax(void **state)
+{
+    const mha_microkernels *k = *state;
+    static const int rs[] = {1, 2, 5};
+    static const int cs[] = {1, 7, 15, 16, 17, 31, 32, 33, 64, 100};
+    const float odd[] = {NAN, INFINITY, -INFINITY};
+    rng_seed(47);
+    for (int ri = 0; ri < COUNT(rs); ri++)
+        for (int ci = 0; ci < COUNT(cs); ci++)
+            for (int gap = 0; gap <= 3; gap += 3) {
+                const int rows = rs[ri], cols = cs[ci], ld = cols + gap;
+                const size_t n = (size_t)(rows - 1) * ld + cols;
+                float *x = in_buf(n);
+                for (size_t i = 0; i < n; i++) {
+                    /* magnitudes 2^-140 .. 2^126, either sign */
+                    const float e = rng_f(-140.0f, 126.0f);
+                    x[i] = ldexpf(rng_f(1.0f, 1.99f), (int)e) *
+                           (rng_u32() & 1 ? -1.0f : 1.0f);
+                    if (i % ld >= (size_t)cols)   /* a gap: never read */
+                        x[i] = i % 2 ? NAN : 3e38f;
+                }
+                x[n / 2 - n / 2 % ld] = -0.0f;
+                int fin = -1, want_fin;
+                float want = amax_plain(x, rows, cols, ld, &want_fin);
+                float got = k->amax(x, rows, cols, ld, &fin);
+                assert_int_equal(want_fin, 1);
+                assert_int_equal(fin, 1);
+                if (!same_bits(&got, &want, 1))
+                    fail_msg("amax %d x %d ld %d: %a, want %a", rows, cols,
+                             ld, got, want);
+                for (size_t at = 0; at < n; at++) {
+                    if (at % ld >= (size_t)cols)
+                        continue;
+                    const float keep = x[at];
+                    x[at] = odd[at % COUNT(odd)];
+                    want = amax_plain(x, rows, cols, ld, &want_fin);
+                    got = k->amax(x, rows, cols, ld, &fin);
+                    assert_int_equal(fin, 0);
+                    if (!same_bits(&got, &want, 1))
+                        fail_msg("amax %d x %d with %g at %zu: %a, want %a",
+                                 rows, cols, x[at], at, got, want);
+                    x[at] = keep;
+                }
+                for (size_t i = 0; i < n; i++)
+                    x[i] = odd[i % COUNT(odd)];
+                got = k->amax(x, rows, cols, ld, &fin);
+                assert_int_equal(fin, 0);
+                assert_true(got == 0.0f);
+                free(x);
+            }
+}
+
 /* widen_t: key rows of every dtype into the transposed kt tile and the
  * value rows, each element the float it stands for (bitwise), tails of
  * every width; with kt NULL the rows alone; nothing written past either
@@ -1241,6 +1315,7 @@ static void test_names(void **state)
     cmocka_unit_test_prestate(test_exp_sum_order, (void *)&table),           \
     cmocka_unit_test_prestate(test_scale, (void *)&table),                   \
     cmocka_unit_test_prestate(test_copy_finite, (void *)&table),             \
+    cmocka_unit_test_prestate(test_amax, (void *)&table),                    \
     cmocka_unit_test_prestate(test_widen_t, (void *)&table),                 \
     cmocka_unit_test_prestate(test_widen_rows_quantised, (void *)&table),    \
     cmocka_unit_test_prestate(test_qk_rows_is_qk, (void *)&table),           \

@@ -307,7 +307,8 @@ int64_t mha_attn_request_weights_floats(const mha_attn_request *r);
  * written: the score range (q, the keys given, the cache's keys), and for
  * an append the values an f16 cache can hold and a paged cache's pages
  * (taken: the last check). */
-mha_status mha_attn_request_prepare(const mha_attn_request *r, int threads);
+mha_status mha_attn_request_prepare(const mha_attn_request *r,
+                                    const mha_microkernels *uk, int threads);
 
 /* The problem the tiers run: the request with its masks, on workspace
  * `ws` of layout `lay` (stats, partials, packed K/V). */

@@ -569,7 +569,7 @@ void mha_kv_cache_put(mha_kv_cache *c, int64_t b, const float *k,
             put_column(c, b, g, t, col, k + r * ldk + g * dh,
                        v ? v + r * ldv + g * c->dv : NULL);
             const double ka = mha_max_abs_finite(k + r * ldk + g * dh, 1,
-                                                 dh, dh, 1);
+                                                 dh, dh, 1, NULL);
             c->key_amax = ka > c->key_amax ? ka : c->key_amax;
             float *flag = c->finite + mha_kv_tile_index(c, b, g, t);
             const float mine = tile_finite(c, b, g, t, col, col + 1);

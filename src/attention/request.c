@@ -93,25 +93,27 @@ int64_t mha_attn_request_weights_floats(const mha_attn_request *r)
 /* The largest finite |x| of a tensor of `rows` rows of n heads (strides
  * as the request's: heads first when hs is set). */
 static double amax(const float *x, int64_t rows, int64_t heads, int64_t w,
-                   int64_t ld, int64_t hs, int threads)
+                   int64_t ld, int64_t hs, int threads, mha_amax_fn scan)
 {
     if (!x)
         return 0.0;
-    return hs ? mha_max_abs_finite(x, 1, rows * heads * w, 0, threads)
-              : mha_max_abs_finite(x, rows, heads * w, ld, threads);
+    return hs ? mha_max_abs_finite(x, 1, rows * heads * w, 0, threads, scan)
+              : mha_max_abs_finite(x, rows, heads * w, ld, threads, scan);
 }
 
-mha_status mha_attn_request_prepare(const mha_attn_request *r, int threads)
+mha_status mha_attn_request_prepare(const mha_attn_request *r,
+                                    const mha_microkernels *uk, int threads)
 {
     /* Scores that could overflow float32 are refused before anything is
      * written.  The keys: those given (an append's new ones) and what the
      * cache ever held. */
     const int64_t krows = r->B * (r->cache ? r->append : r->Lk);
-    double kmax = amax(r->k, krows, r->Hkv, r->dh, r->ldk, r->hsk, threads);
+    double kmax = amax(r->k, krows, r->Hkv, r->dh, r->ldk, r->hsk, threads,
+                       uk->amax);
     if (r->cache && r->cache->key_amax > kmax)
         kmax = r->cache->key_amax;
     const double qmax = amax(r->q, r->B * r->Lq, r->H, r->dh, r->ldq, r->hsq,
-                             threads);
+                             threads, uk->amax);
     MHA_CHECK(mha_check_score_range(r->scale, r->dh, qmax * r->q_growth,
                                     kmax));
     if (!r->append)

@@ -448,7 +448,7 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
                          {"v", a->v, s.n_v}};
     MHA_CHECK(check_disjoint(outs, 3, ins, a->cache ? 1 : 3));
     MHA_CHECK(rope_check(p, a, &s));
-    MHA_CHECK(mha_attn_request_prepare(&r, p->eng.threads));
+    MHA_CHECK(mha_attn_request_prepare(&r, p->eng.uk, p->eng.threads));
     const uint64_t print = p->one_shot || a->cache ? 0 : fingerprint(a, &s);
     mha_attn at = mha_attn_request_problem(&r, &mask, p->ws, &p->lay);
     at.pack_only = pack_only;

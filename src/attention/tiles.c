@@ -72,18 +72,8 @@ void mha_pack_forward_tile(const mha_attn *a, int64_t item)
     const int nc = mha_tile_keys(a, t);
     float *kt = mha_packed_a(&p, b, g, t), *v = mha_packed_b(&p, b, g, t);
     int finite = 1;
-    if (a->in_place && t != p.tiles - 1) {
-        /* read in place: only the flag the packed tile would carry */
-        float buf[MHA_BC];
-        for (int c = 0; c < nc; c++) {
-            const float *vr = mha_value_row(a, b, g, j0 + c);
-            for (int64_t d0 = 0; d0 < dv; d0 += MHA_BC)
-                finite &= a->uk->copy_finite(
-                    buf, vr + d0, (int)(dv - d0 < MHA_BC ? dv - d0 : MHA_BC));
-        }
-        *mha_packed_flag(&p, b, g, t) = (float)finite;
-        return;
-    }
+    if (a->in_place && t != p.tiles - 1)
+        return;   /* read in place: mha_tile_source scans it when used */
     if (t != p.tiles - 1) {
         for (int c = 0; c < nc; c++)
             finite &= a->uk->copy_finite(v + c * dv,
@@ -113,14 +103,18 @@ mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
 {
     mha_tile_src src = {0};
     if (a->in_place && !t->extra) {
-        const mha_packed p = mha_packed_at(a->packed, a);
         src.kt = mha_key_row(a, t->b, t->g, t->j0);
         src.v = mha_value_row(a, t->b, t->g, t->j0);
         src.ldk = (int)a->ldk;
         src.ldv = (int)a->ldv;
         src.rows = 1;
         src.dtype = MHA_KV_F32;
-        src.finite = *mha_packed_flag(&p, t->b, t->g, t->index) != 0.0f;
+        /* The values' flag, scanned here rather than in a pass of its
+         * own: the tile's rows, met by this one query row, then come to
+         * pv from the cache (a decoding step read each value twice from
+         * memory, docs/BENCHMARKS.md). */
+        (void)a->uk->amax((const float *)src.v, t->nc, mha_dv(a), a->ldv,
+                          &src.finite);
         return src;
     }
     if (a->kv && !t->extra && a->kv->latent) {

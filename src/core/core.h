@@ -72,11 +72,20 @@ double mha_u01(uint64_t bits);
 uint64_t mha_fingerprint(uint64_t h, const void *p, size_t bytes);
 
 /* ---- input scans (scan.c) --------------------------------------------- */
+/* A scan of `rows` rows of `cols` floats, ld apart: the largest finite |x|
+ * (0 for none), and *finite = whether every element is finite.  The SIMD
+ * tiers' (kernels.h, `amax`) or mha_amax_portable. */
+typedef float (*mha_amax_fn)(const float *x, int64_t rows, int64_t cols,
+                             int64_t ld, int *finite);
+float mha_amax_portable(const float *x, int64_t rows, int64_t cols,
+                        int64_t ld, int *finite);
 /* The largest finite |x| of `rows` rows of `cols` floats, ld apart (0
- * for none), on up to `threads` threads: non-finite values are NaN in, NaN
- * out, or masked, and are not the scale's to answer for. */
+ * for none), on up to `threads` threads, each piece scanned by amax (NULL:
+ * the portable loop; a max is exact, so any scan gives the same value):
+ * non-finite values are NaN in, NaN out, or masked, and are not the
+ * scale's to answer for. */
 double mha_max_abs_finite(const float *x, int64_t rows, int64_t cols,
-                          int64_t ld, int threads);
+                          int64_t ld, int threads, mha_amax_fn amax);
 /* Refuses a problem whose scaled scores could overflow float32: the bound
  * |scale| * d_h * max|q| * max|k| of every |scale q.k| (each over finite
  * elements) above FLT_MAX.  The kernels would see Inf scores and the

@@ -14,43 +14,57 @@
  * its bits without the sign, and Inf and NaN are the patterns whose
  * exponent is all ones (a plain integer max, which vectorises: signed
  * integers, since the library's baseline, SSE2, compares only those). */
-static int32_t max_abs_bits(const float *x, int64_t n)
+float mha_amax_portable(const float *x, int64_t rows, int64_t cols,
+                        int64_t ld, int *finite)
 {
-    int32_t m = 0;
-    for (int64_t c = 0; c < n; c++) {
-        int32_t u;
-        memcpy(&u, x + c, sizeof u);
-        u &= 0x7FFFFFFF;
-        u = u < 0x7F800000 ? u : 0;   /* (NaN, Inf: skipped) */
-        m = u > m ? u : m;
-    }
-    return m;
-}
-
-/* Pieces of 2^16 floats (or rows), shared among the threads: a max is
- * exact, so the order of the pieces is free (a scan of q and k on one
- * thread was a visible share of a forward: docs/BENCHMARKS.md). */
-double mha_max_abs_finite(const float *x, int64_t rows, int64_t cols,
-                          int64_t ld, int threads)
-{
-    enum { PIECE = 1 << 16 };
-    const int flat = rows == 1 || ld == cols;
-    const int64_t n = flat ? rows * cols : rows;
-    const int64_t pieces = flat ? (n + PIECE - 1) / PIECE : rows;
-    int32_t m = 0;
-    (void)threads;   /* (a build without OpenMP ignores the pragma) */
-#pragma omp parallel for num_threads(threads) reduction(max : m) \
-    schedule(static) if (threads > 1 && rows * cols >= 4 * PIECE)
-    for (int64_t i = 0; i < pieces; i++) {
-        const int32_t mi =
-            flat ? max_abs_bits(x + i * PIECE,
-                                n - i * PIECE < PIECE ? n - i * PIECE : PIECE)
-                 : max_abs_bits(x + i * ld, cols);
-        m = mi > m ? mi : m;
-    }
+    int32_t m = 0, all = 0;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) {
+            int32_t u;
+            memcpy(&u, x + r * ld + c, sizeof u);
+            u &= 0x7FFFFFFF;
+            all = u > all ? u : all;
+            u = u < 0x7F800000 ? u : 0;   /* (NaN, Inf: skipped) */
+            m = u > m ? u : m;
+        }
+    *finite = all < 0x7F800000;
     float f;
     memcpy(&f, &m, sizeof f);
     return f;
+}
+
+/* Pieces of about 2^16 floats (whole rows), shared among the threads
+ * from 2^20 floats on (the size below which the attention runs on one
+ * thread, MHA_THREADS_MIN_WORK: waking a second for less cost a short
+ * decoding call more than it saved): a max is exact, so the order of the
+ * pieces is free (a scan of q and k on one thread was a visible share of
+ * a forward, and the portable loop, on SSE2, a quarter of a short
+ * decoding call: docs/BENCHMARKS.md). */
+double mha_max_abs_finite(const float *x, int64_t rows, int64_t cols,
+                          int64_t ld, int threads, mha_amax_fn amax)
+{
+    enum { PIECE = 1 << 16 };
+    if (rows <= 0 || cols <= 0)
+        return 0.0;
+    if (!amax)
+        amax = mha_amax_portable;
+    const int flat = rows == 1 || ld == cols;
+    /* flat: n floats in pieces of PIECE; else n rows, `per` a piece */
+    const int64_t n = flat ? rows * cols : rows;
+    const int64_t per = flat ? PIECE : cols >= PIECE ? 1 : PIECE / cols;
+    const int64_t pieces = (n + per - 1) / per;
+    float m = 0.0f;
+    (void)threads;   /* (a build without OpenMP ignores the pragma) */
+#pragma omp parallel for num_threads(threads) reduction(max : m) \
+    schedule(static) if (threads > 1 && rows * cols >= 16 * PIECE)
+    for (int64_t i = 0; i < pieces; i++) {
+        const int64_t k = n - i * per < per ? n - i * per : per;
+        int finite;
+        const float mi = flat ? amax(x + i * per, 1, k, k, &finite)
+                              : amax(x + i * per * ld, k, cols, ld, &finite);
+        m = mi > m ? mi : m;
+    }
+    return m;
 }
 
 int mha_score_range_ok(float scale, int64_t dh, double qmax, double kmax)

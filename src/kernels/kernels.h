@@ -145,6 +145,13 @@ typedef struct mha_microkernels {
      * scale (mha_v_load's bits).  With f32 it is a transposition. */
     void (*widen_t)(mha_kv_dtype dtype, const void *x, int64_t ldx, int n,
                     int dh, float *kt, int ldkt, float *v, int dv);
+
+    /* The input scans (core.h, mha_amax_fn): over `rows` rows of `cols`
+     * floats, ld apart, the largest finite |x| (0 for none; a max, exact:
+     * the same value in every tier), and *finite = whether every element
+     * is finite (a value tile read in place: pv or pv_exact). */
+    float (*amax)(const float *x, int64_t rows, int64_t cols, int64_t ld,
+                  int *finite);
 } mha_microkernels;
 
 /*

@@ -724,6 +724,39 @@ static int copy_finite_k(float *dst, const float *src, int n)
     return finite;
 }
 
+/* |x| where finite, else 0 (NaN compares false), folded into m; the
+ * lanes' all-finite test into *fin. */
+MK_INLINE vf amax_step(vf x, vf m, int *fin)
+{
+    const vf a = vf_abs(x);
+    const vm ok = vf_cmp_le(a, vf_set1(FLT_MAX));
+    *fin &= vm_all(ok);
+    return vf_max_ign(vf_select(ok, a, vf_zero()), m);
+}
+
+/* Two vectors at a time, then the row's tail (lanes past it read as 0,
+ * finite); no NaN ever enters m, so its lanes' max is exact. */
+static float amax_k(const float *x, int64_t rows, int64_t cols, int64_t ld,
+                    int *finite)
+{
+    vf m0 = vf_zero(), m1 = vf_zero();
+    int fin = 1;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * ld;
+        int64_t c = 0;
+        for (; c + 2 * VL <= cols; c += 2 * VL) {
+            m0 = amax_step(vf_load(xr + c), m0, &fin);
+            m1 = amax_step(vf_load(xr + c + VL), m1, &fin);
+        }
+        for (; c < cols; c += VL) {
+            const vtail t = vt_make(cols - c < VL ? (int)(cols - c) : VL);
+            m0 = amax_step(vf_load_t(xr + c, t), m0, &fin);
+        }
+    }
+    *finite = fin;
+    return vf_hmax(vf_max_ign(m0, m1));
+}
+
 /* vf_max_ign(x, m) keeps m where x is NaN: NaN is ignored, as the
  * contract asks; so does the tail's comparison.  A max is exact, so the
  * order of the lanes is free. */
@@ -813,4 +846,4 @@ const mha_microkernels TIER_TABLE = {
     scale_k,     copy_finite_k,         max_k,         softmax_rows_k,
     softcap_k,
     qk_kv_k,     pv_kv_k,   dot_nonzero_k,             dscore_k,
-    qk_rows_k,   pv_rows_k, widen_t_k};
+    qk_rows_k,   pv_rows_k, widen_t_k,     amax_k};
