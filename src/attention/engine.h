@@ -10,9 +10,11 @@
 #include "kv_cache.h"
 
 /* Below this many multiply-adds (B H Lq Lt dh) a problem runs on one
- * thread: waking a second costs more than it saves.  Results do not depend
- * on the thread count, so this changes speed only. */
-#define MHA_THREADS_MIN_WORK ((double)(1 << 20))
+ * thread: waking a second costs more than it saves.  (2^20 until a short
+ * decoding call, B 1 or 4, Lk 190, 8 heads of 64, was measured 1.6x
+ * faster on two: docs/BENCHMARKS.md.)  Results do not depend on the
+ * thread count, so this changes speed only. */
+#define MHA_THREADS_MIN_WORK ((double)(1 << 16))
 
 /*
  * K and V of every (b, g) (g a K/V head), packed once per call by key tile

@@ -34,12 +34,10 @@ float mha_amax_portable(const float *x, int64_t rows, int64_t cols,
 }
 
 /* Pieces of about 2^16 floats (whole rows), shared among the threads
- * from 2^20 floats on (the size below which the attention runs on one
- * thread, MHA_THREADS_MIN_WORK: waking a second for less cost a short
- * decoding call more than it saved): a max is exact, so the order of the
- * pieces is free (a scan of q and k on one thread was a visible share of
- * a forward, and the portable loop, on SSE2, a quarter of a short
- * decoding call: docs/BENCHMARKS.md). */
+ * from two pieces on: a max is exact, so the order of the pieces is free
+ * (a scan of q and k on one thread was a visible share of a forward, and
+ * the portable loop, on SSE2, a quarter of a short decoding call:
+ * docs/BENCHMARKS.md). */
 double mha_max_abs_finite(const float *x, int64_t rows, int64_t cols,
                           int64_t ld, int threads, mha_amax_fn amax)
 {
@@ -56,7 +54,7 @@ double mha_max_abs_finite(const float *x, int64_t rows, int64_t cols,
     float m = 0.0f;
     (void)threads;   /* (a build without OpenMP ignores the pragma) */
 #pragma omp parallel for num_threads(threads) reduction(max : m) \
-    schedule(static) if (threads > 1 && rows * cols >= 16 * PIECE)
+    schedule(static) if (threads > 1 && rows * cols >= 2 * PIECE)
     for (int64_t i = 0; i < pieces; i++) {
         const int64_t k = n - i * per < per ? n - i * per : per;
         int finite;

@@ -468,7 +468,7 @@ MK_INLINE vf vf_load_as(const mha_kv_dtype T, const char *at)
 
 MK_INLINE void widen_t_as(const mha_kv_dtype T, const void *x, int64_t ldx,
                           int n, int dh, float *kt, int ldkt, float *v,
-                          int dv)
+                          int dv, const int pad)
 {
     const size_t es = T == MHA_KV_F32 ? 4 : 2, step = (size_t)ldx * es;
     if (!kt) {   /* rows only, converted in order */
@@ -483,14 +483,23 @@ MK_INLINE void widen_t_as(const mha_kv_dtype T, const void *x, int64_t ldx,
         }
         return;
     }
-    const int nv = n - n % VL, dvec = dh - dh % VL;
+    /* pad (kt's columns past n up to a whole block are the caller's
+     * scratch, v NULL): the keys' last partial block too, its missing
+     * rows zero vectors (never read), whole columns stored */
+    const int nv = pad ? (n + VL - 1) / VL * VL : n - n % VL,
+              dvec = dh - dh % VL;
     for (int c0 = 0; c0 < nv; c0 += VL) {
         const char *row = (const char *)x + (size_t)c0 * step;
+        const int live = n - c0 < VL ? n - c0 : VL;
+        if (pad && c0 + VL < n)   /* the next block's rows, asked for now */
+            for (int i = 0; i < VL && c0 + VL + i < n; i++)
+                for (size_t at = 0; at < (size_t)dh * es; at += 64)
+                    __builtin_prefetch(row + (VL + i) * step + at, 0, 3);
         for (int d0 = 0; d0 < dvec; d0 += VL) {
             vf r[VL];
             const char *at = row + (size_t)d0 * es;
             for (int i = 0; i < VL; i++, at += step)
-                r[i] = vf_load_as(T, at);
+                r[i] = i < live ? vf_load_as(T, at) : vf_zero();
             if (v && d0 < dv) {
                 const vtail t = vt_make(dv - d0 < VL ? dv - d0 : VL);
                 float *vr = v + (size_t)c0 * dv + d0;
@@ -504,7 +513,7 @@ MK_INLINE void widen_t_as(const mha_kv_dtype T, const void *x, int64_t ldx,
         }
     }
     for (int c = 0; c < n; c++)
-        for (int d = c < nv ? dvec : 0; d < dh; d++) {
+        for (int d = c < nv ? dvec : 0; d < dh; d++) {   /* the tails */
             const float e = mha_kv_elem(T, x, (int64_t)c * ldx + d);
             kt[(size_t)d * ldkt + c] = e;
             if (v && d < dv)
@@ -536,11 +545,11 @@ static void widen_t_k(mha_kv_dtype dtype, const void *x, int64_t ldx, int n,
     if (dtype == MHA_KV_Q8 || dtype == MHA_KV_Q4)   /* (kt NULL) */
         widen_rows_q(dtype == MHA_KV_Q8 ? B_Q8V : B_Q4V, x, n, dh, v, dv);
     else if (dtype == MHA_KV_F16)
-        widen_t_as(MHA_KV_F16, x, ldx, n, dh, kt, ldkt, v, dv);
+        widen_t_as(MHA_KV_F16, x, ldx, n, dh, kt, ldkt, v, dv, 0);
     else if (dtype == MHA_KV_BF16)
-        widen_t_as(MHA_KV_BF16, x, ldx, n, dh, kt, ldkt, v, dv);
+        widen_t_as(MHA_KV_BF16, x, ldx, n, dh, kt, ldkt, v, dv, 0);
     else
-        widen_t_as(MHA_KV_F32, x, ldx, n, dh, kt, ldkt, v, dv);
+        widen_t_as(MHA_KV_F32, x, ldx, n, dh, kt, ldkt, v, dv, 0);
 }
 
 /* qk on keys where they lie (kernels.h): the keys in blocks of QK_COLS
@@ -560,7 +569,7 @@ static void qk_rows_k(int mr, int nc, int dh, const float *q, const float *k,
         for (int d0 = 0; d0 < dh; d0 += QK_SLAB) {
             const int w = dh - d0 < QK_SLAB ? dh - d0 : QK_SLAB;
             widen_t_as(MHA_KV_F32, k + (size_t)j0 * ldk + d0, ldk, n, w, kt,
-                       QK_COLS, NULL, 0);
+                       QK_COLS, NULL, 0, 1);
             gemm(TIER_RMAX, d0 ? MODE_ACC : MODE_SET, B_F32, mr, n, w,
                  q + d0, dh, 1, &B, s + j0, lds);
         }
