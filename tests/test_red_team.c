@@ -348,6 +348,79 @@ static void test_scale_overflow(void **state)
     mha_free(m);
 }
 
+/* The same refusal on decoding steps whose keys are read in place (one
+ * query row per head: sdpa.c checks the keys after the run, each item
+ * having scanned its own just before reading them, the outputs held in
+ * the workspace until then): for 100 keys (one block per head) and 1,100
+ * (the split in chunks of 512), on one thread and two, a key of 3e38 is
+ * refused naming the scale, also where no row attends to it (past
+ * key_lengths: the refusal is about the keys given, as before the run),
+ * and out and lse keep every bit they held; the same call with the key
+ * put back runs and agrees with float64 (1e-5: float32 sums of at most
+ * 1,100 terms of size <= 1, as aprob_check). */
+static void test_scale_overflow_decoding(void **state)
+{
+    (void)state;
+    enum { B = 2, H = 4, D = 16 };
+    static const int64_t lks[] = {100, 1100};
+    for (int li = 0; li < 2; li++)
+        for (int threads = 1; threads <= 2; threads++) {
+            const int64_t Lk = lks[li], nkv = B * Lk * H * D;
+            float *q = malloc(B * H * D * sizeof *q);
+            float *k = malloc((size_t)nkv * sizeof *k);
+            float *v = malloc((size_t)nkv * sizeof *v);
+            float out[B * H * D], lse[B * H];
+            double ro[B * H * D], rl[B * H];
+            assert_non_null(q);
+            assert_non_null(k);
+            assert_non_null(v);
+            tu_fill(q, B * H * D, 31, -1, 1);
+            tu_fill(k, nkv, 32, -1, 1);
+            tu_fill(v, nkv, 33, -1, 1);
+            const int64_t lengths[B] = {Lk, Lk - 5};
+            mha_attention_args a = {0};
+            a.batch = B;
+            a.num_heads = H;
+            a.head_dim = D;
+            a.q_len = 1;
+            a.kv_len = Lk;
+            a.q = q;
+            a.k = k;
+            a.v = v;
+            a.out = out;
+            a.lse = lse;
+            a.num_threads = threads;
+            /* batch 1's last key, head 2, element 3 */
+            float *big = k + ((1 * Lk + Lk - 1) * H + 2) * D + 3;
+            const float keep = *big;
+            *big = 3e38f;
+            for (int masked = 0; masked <= 1; masked++) {
+                a.key_lengths = masked ? lengths : NULL;
+                for (int i = 0; i < B * H * D; i++)
+                    out[i] = 7.0f;
+                for (int i = 0; i < B * H; i++)
+                    lse[i] = 5.0f;
+                assert_fails(mha_attention(&a), MHA_ERR_INVALID_ARGUMENT,
+                             "scale");
+                for (int i = 0; i < B * H * D; i++)
+                    assert_true(out[i] == 7.0f);
+                for (int i = 0; i < B * H; i++)
+                    assert_true(lse[i] == 5.0f);
+            }
+            *big = keep;
+            assert_int_equal(mha_attention(&a), MHA_OK);
+            attend_f64(&a, ro, rl);
+            const double eo = rel_err(out, ro, B * H * D);
+            const double el = rel_err(lse, rl, B * H);
+            if (!(eo <= 1e-5) || !(el <= 1e-5))
+                fail_msg("Lk %lld, %d threads: out error %g, lse error %g "
+                         "against float64", (long long)Lk, threads, eo, el);
+            free(q);
+            free(k);
+            free(v);
+        }
+}
+
 /* ---- finding 6: an f16 cache never turns a finite value into Inf ---------- */
 
 /* Appending a finite key or value that f16 cannot hold (|x| >= 65520
@@ -543,6 +616,7 @@ int main(void)
         cmocka_unit_test(test_q_offset_near_int64_limits),
         cmocka_unit_test(test_q_total_near_int64_max),
         cmocka_unit_test(test_scale_overflow),
+        cmocka_unit_test(test_scale_overflow_decoding),
         cmocka_unit_test(test_f16_cache_overflow),
         cmocka_unit_test(test_all_nan_row),
         cmocka_unit_test(test_q8_flt_max),
