@@ -349,15 +349,13 @@ static void test_scale_overflow(void **state)
 }
 
 /* The same refusal on decoding steps whose keys are read in place (one
- * query row per head: sdpa.c checks the keys after the run, each item
- * having scanned its own just before reading them, the outputs held in
- * the workspace until then): for 100 keys (one block per head) and 1,100
- * (the split in chunks of 512), on one thread and two, a key of 3e38 is
- * refused naming the scale, also where no row attends to it (past
- * key_lengths: the refusal is about the keys given, as before the run),
- * and out and lse keep every bit they held; the same call with the key
- * put back runs and agrees with float64 (1e-5: float32 sums of at most
- * 1,100 terms of size <= 1, as aprob_check). */
+ * query row per head, the tiers' `amax` scan): for 100 keys (one block
+ * per head) and 1,100 (the split in chunks of 512), on one thread and two,
+ * a key of 3e38 is refused naming the scale, also where no row attends to
+ * it (past key_lengths: the refusal is about the keys given), and out and
+ * lse keep every bit they held; the same call with the key put back runs
+ * and agrees with float64 (1e-5: float32 sums of at most 1,100 terms of
+ * size <= 1, as aprob_check). */
 static void test_scale_overflow_decoding(void **state)
 {
     (void)state;

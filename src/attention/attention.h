@@ -101,12 +101,6 @@ typedef struct mha_attn {
                                values where they lie (mha_attn_run sets
                                it for decoding steps on given K and V):
                                no packed tiles, only their finite flags */
-    float *kmax;            /* not NULL (only with in_place): each work
-                               item scans its keys (amax) just before its
-                               tiles read them, the largest finite |k|
-                               into *kmax (0 first): the score range then
-                               checked after the run, on a staged ctx
-                               (sdpa.c), the keys read from memory once */
     int pack_only;          /* only pack K and V for a backward (the
                                flash tiers; nothing for ref): no ctx, no
                                stats (mha_attention_backward_part sets
@@ -161,7 +155,7 @@ mha_status mha_check_mode_fields(mha_weights_mode need,
  * sized for the wider.
  */
 typedef struct mha_attn_layout {
-    int64_t stats, partials, packed, staged, scratch;   /* offsets    */
+    int64_t stats, partials, packed, scratch;   /* offsets            */
     int64_t per_thread;                         /* floats per thread  */
     int64_t total;                              /* floats in all      */
 } mha_attn_layout;
@@ -314,13 +308,7 @@ int64_t mha_attn_request_weights_floats(const mha_attn_request *r);
  * an append the values an f16 cache can hold and a paged cache's pages
  * (taken: the last check). */
 mha_status mha_attn_request_prepare(const mha_attn_request *r,
-                                    const mha_microkernels *uk, int threads,
-                                    int keys_later);
-/* The score range of q against keys whose largest finite |k| is kmax (and
- * the cache's): what prepare checks unless keys_later. */
-mha_status mha_attn_request_score_range(const mha_attn_request *r,
-                                        const mha_microkernels *uk,
-                                        int threads, double kmax);
+                                    const mha_microkernels *uk, int threads);
 
 /* The problem the tiers run: the request with its masks, on workspace
  * `ws` of layout `lay` (stats, partials, packed K/V). */

@@ -17,6 +17,8 @@
 #include <math.h>
 #include <string.h>
 
+enum { MHA_SPLIT = 512 };
+
 int64_t mha_decode_chunks(int64_t Lq, int64_t Lk)
 {
     return Lq <= MHA_BR && Lk >= 2 * MHA_SPLIT

@@ -354,10 +354,8 @@ void mha_flash_rows_stacked(const mha_attn *a, int64_t b, int64_t h0,
                             int nh, int stack, int64_t k0, int64_t k1,
                             int with_extra, flash_scratch *f);
 
-/* decode.c: key chunks of a split problem (1: not split) of MHA_SPLIT
- * keys (the last one fewer), the floats of their partial results, one
- * chunk, and the merge of (b, h)'s chunks. */
-enum { MHA_SPLIT = 512 };
+/* decode.c: key chunks of a split problem (1: not split), the floats of
+ * their partial results, one chunk, and the merge of (b, h)'s chunks. */
 int64_t mha_decode_chunks(int64_t Lq, int64_t Lk);
 int64_t mha_decode_partials(int64_t B, int64_t H, int64_t Lq, int64_t Lk,
                             int64_t dh);

@@ -101,32 +101,21 @@ static double amax(const float *x, int64_t rows, int64_t heads, int64_t w,
               : mha_max_abs_finite(x, rows, heads * w, ld, threads, scan);
 }
 
-mha_status mha_attn_request_score_range(const mha_attn_request *r,
-                                        const mha_microkernels *uk,
-                                        int threads, double kmax)
+mha_status mha_attn_request_prepare(const mha_attn_request *r,
+                                    const mha_microkernels *uk, int threads)
 {
+    /* Scores that could overflow float32 are refused before anything is
+     * written.  The keys: those given (an append's new ones) and what the
+     * cache ever held. */
+    const int64_t krows = r->B * (r->cache ? r->append : r->Lk);
+    double kmax = amax(r->k, krows, r->Hkv, r->dh, r->ldk, r->hsk, threads,
+                       uk->amax);
     if (r->cache && r->cache->key_amax > kmax)
         kmax = r->cache->key_amax;
     const double qmax = amax(r->q, r->B * r->Lq, r->H, r->dh, r->ldq, r->hsq,
                              threads, uk->amax);
-    return mha_check_score_range(r->scale, r->dh, qmax * r->q_growth, kmax);
-}
-
-mha_status mha_attn_request_prepare(const mha_attn_request *r,
-                                    const mha_microkernels *uk, int threads,
-                                    int keys_later)
-{
-    /* Scores that could overflow float32 are refused before anything is
-     * written.  The keys: those given (an append's new ones) and what the
-     * cache ever held; with keys_later the caller checks after its run
-     * (mha_attn.kmax) instead, before anything is written. */
-    if (!keys_later) {
-        const int64_t krows = r->B * (r->cache ? r->append : r->Lk);
-        MHA_CHECK(mha_attn_request_score_range(
-            r, uk, threads,
-            amax(r->k, krows, r->Hkv, r->dh, r->ldk, r->hsk, threads,
-                 uk->amax)));
-    }
+    MHA_CHECK(mha_check_score_range(r->scale, r->dh, qmax * r->q_growth,
+                                    kmax));
     if (!r->append)
         return MHA_OK;
     for (int64_t b = 0; b < r->B; b++)   /* what f16 can hold */

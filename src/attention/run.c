@@ -93,13 +93,9 @@ mha_status mha_attn_layout_forward(const mha_engine *e, int64_t B, int64_t H,
     l->partials = lines(2 * B * H * Lq);
     l->packed = l->partials +
                 lines(flash ? mha_decode_partials(B, H, Lq, Lk, dh) : 0);
-    l->staged = l->packed +
-                lines(flash && !prepacked ? mha_packed_floats(B, Hkv, Lk, dh)
-                                          : 0);
-    /* (a decoding step's outputs held until its keys' check, sdpa.c) */
-    l->scratch = l->staged + lines(flash && !prepacked && Lq == 1 && Hkv == H
-                                       ? B * H * dv
-                                       : 0);
+    l->scratch = l->packed +
+                 lines(flash && !prepacked ? mha_packed_floats(B, Hkv, Lk, dh)
+                                           : 0);
     /* (a cache's run: room for a latent cache's tile widened, the
      * block's q transposed and the transposed scores: flash_scratch) */
     return finish_layout(e, flash ? mha_flash_scratch_floats(dh) +
@@ -116,24 +112,10 @@ mha_status mha_attn_layout_backward(const mha_engine *e, int64_t B,
 {
     const int flash = e->isa != MHA_ISA_REF;
     dh = dv > dh ? dv : dh;   /* (the wider sizes every buffer) */
-    l->stats = l->partials = l->packed = l->staged = 0;
+    l->stats = l->partials = l->packed = 0;
     l->scratch = lines(flash ? mha_packed_floats(B, Hkv, Lk, dh) : 0);
     return finish_layout(e, flash ? mha_flash_bwd_scratch_floats(dh, Lt, softcap)
                                   : mha_ref_bwd_scratch_floats(dh, Lt), l);
-}
-
-/* The keys k0 .. k1 - 1 of the K/V head of item bh = (b, h), scanned:
- * their largest finite |k| folded into km (mha_attn.kmax). */
-static float scan_keys(const mha_attn *a, int64_t bh, int64_t k0, int64_t k1,
-                       float km)
-{
-    if (k1 <= k0)
-        return km;
-    const int64_t b = bh / a->H, g = bh % a->H / (a->H / a->Hkv);
-    int finite;
-    const float m = a->uk->amax(mha_key_row(a, b, g, k0), k1 - k0, a->dh,
-                                a->ldk, &finite);
-    return m > km ? m : km;
 }
 
 static int threads_for(const mha_engine *e, const mha_attn *a)
@@ -151,13 +133,6 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
     const mha_attn *a = &run;
     const int threads = threads_for(e, a);
     (void)threads;   /* (a build without OpenMP ignores the pragma) */
-    if (a->kmax) {   /* (sdpa.c asks only when the items will scan) */
-        *a->kmax = 0.0f;
-        if (!a->in_place || e->isa == MHA_ISA_REF)
-            for (int64_t bh = 0; bh < a->B * a->H; bh++)
-                *a->kmax = scan_keys(a, bh, 0, a->Lk, *a->kmax);
-    }
-    const int scan = a->kmax && a->in_place;
     if (a->prepacked) {
         /* A KV cache holds the keys; only the extra keys' tile of every
          * (b, g) is written, for every tier (a few rows). */
@@ -192,7 +167,6 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
 #endif
         flash_scratch f =
             mha_flash_scratch_at(scratch + tid * per_thread, mha_dmax(a));
-        float km = 0.0f;   /* (scan: this thread's largest |k|) */
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < a->B * a->Hkv * tiles; t++)
             if (!a->prepacked)
@@ -211,14 +185,8 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
                                              t % chunks, chunks, &f);
             } else {
 #pragma omp for schedule(dynamic, 1)
-                for (int64_t t = 0; t < bh_items * chunks; t++) {
-                    const int64_t k0 = t % chunks * MHA_SPLIT;
-                    if (scan)   /* (mha_decode_chunk's keys) */
-                        km = scan_keys(a, t / chunks, k0,
-                                       k0 + MHA_SPLIT < a->Lk ? k0 + MHA_SPLIT
-                                                              : a->Lk, km);
+                for (int64_t t = 0; t < bh_items * chunks; t++)
                     mha_decode_chunk(a, t / chunks, t % chunks, chunks, &f);
-                }
             }
             /* (the implicit barrier: every chunk's partials are written) */
 #pragma omp for schedule(dynamic, 1)
@@ -230,14 +198,9 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
                 const int64_t bh = t / blocks, i0 = (t % blocks) * MHA_BR;
                 const int mr = (int)(a->Lq - i0 < MHA_BR ? a->Lq - i0
                                                          : MHA_BR);
-                if (scan)   /* (in place: one block, every key) */
-                    km = scan_keys(a, bh, 0, a->Lk, km);
                 mha_flash_block(a, bh / a->H, bh % a->H, i0, mr, &f);
             }
         }
-        if (scan)
-#pragma omp critical(mha_kmax)
-            *a->kmax = km > *a->kmax ? km : *a->kmax;
         if (a->weights != MHA_WEIGHTS_NONE) {
             /* The implicit barrier above: every row's stats are written. */
 #pragma omp for schedule(dynamic, 1)

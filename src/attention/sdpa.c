@@ -448,39 +448,14 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
                          {"v", a->v, s.n_v}};
     MHA_CHECK(check_disjoint(outs, 3, ins, a->cache ? 1 : 3));
     MHA_CHECK(rope_check(p, a, &s));
+    MHA_CHECK(mha_attn_request_prepare(&r, p->eng.uk, p->eng.threads));
+    const uint64_t print = p->one_shot || a->cache ? 0 : fingerprint(a, &s);
     mha_attn at = mha_attn_request_problem(&r, &mask, p->ws, &p->lay);
     at.pack_only = pack_only;
-    /* A decoding step on keys read in place checks its keys' range after
-     * the run, each item having scanned its keys just before reading them
-     * (read from memory once, not twice), its outputs held in the
-     * workspace until then: still refused before anything is written. */
-    const mha_attn to = at;
-    float kmax = 0.0f;
-    const int later = p->eng.isa != MHA_ISA_REF && !a->cache &&
-                      a->mods.rope.style == MHA_ROPE_NONE &&
-                      r.need_weights == MHA_WEIGHTS_NONE &&
-                      p->lay.scratch > p->lay.staged &&
-                      mha_attn_reads_in_place(&at);
-    if (later) {
-        at.kmax = &kmax;
-        at.ctx = p->ws + p->lay.staged;   /* rows of H d_v */
-        at.ldc = s.H * s.dv;
-        at.hsc = at.bsc = 0;
-    }
-    MHA_CHECK(mha_attn_request_prepare(&r, p->eng.uk, p->eng.threads, later));
-    const uint64_t print = p->one_shot || a->cache ? 0 : fingerprint(a, &s);
     if (a->mods.rope.style != MHA_ROPE_NONE)
         rope_rotate(p, a, s.Lk, &at);
     mha_attn_request_run(&p->eng, &r, &at, &mask, p->rot,
                          p->ws + p->lay.scratch, p->lay.per_thread);
-    if (later) {
-        MHA_CHECK(mha_attn_request_score_range(&r, p->eng.uk, p->eng.threads,
-                                               kmax));
-        for (int64_t bh = 0; bh < s.B * s.H; bh++)
-            memcpy(mha_ctx_row(&to, bh / s.H, bh % s.H, 0),
-                   mha_ctx_row(&at, bh / s.H, bh % s.H, 0),
-                   (size_t)s.dv * sizeof(float));
-    }
     if (a->lse && !pack_only)
         write_lse(at.stats, s.B * s.H * s.Lq, a->lse);
     if (a->cache)

@@ -511,7 +511,7 @@ static mha_status mha_plan_forward_impl(mha_plan *plan,
     /* the score range, before the cache or an output is written (the
      * projections are the plan's); the cache's keys then, with this
      * step's appended (no backward: has_saved stays 0) */
-    MHA_CHECK(mha_attn_request_prepare(&r, plan->eng.uk, nt, 0));
+    MHA_CHECK(mha_attn_request_prepare(&r, plan->eng.uk, nt));
     mha_attn at = mha_attn_request_problem(&r, &mask, mha_plan_attn_ws(plan),
                                            &plan->lay);
     mha_attn_request_run(&plan->eng, &r, &at, &mask, qp,
