@@ -905,7 +905,7 @@ static void test_amax(void **state)
 {
     const mha_microkernels *k = *state;
     static const int rs[] = {1, 2, 5};
-    static const int cs[] = {1, 7, 15, 16, 17, 31, 32, 33, 64, 100};
+    static const int cs[] = {1, 7, 15, 16, 17, 31, 32, 33, 64, 100, 200};
     const float odd[] = {NAN, INFINITY, -INFINITY};
     rng_seed(47);
     for (int ri = 0; ri < COUNT(rs); ri++)

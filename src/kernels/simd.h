@@ -61,6 +61,7 @@ enum { VL = 16, VREGS = 32 };
 #define vi_set1 _mm512_set1_epi32
 #define vi_add _mm512_add_epi32
 #define vi_sub _mm512_sub_epi32
+#define vi_max _mm512_max_epi32
 #define vi_sll(v, n) _mm512_slli_epi32(v, n)
 #define vi_sra(v, n) _mm512_srai_epi32(v, n)
 #define vf_or_sign(t, x)                                                    \
@@ -182,6 +183,7 @@ enum { VL = 8, VREGS = 16 };
 #define vi_set1 _mm256_set1_epi32
 #define vi_add _mm256_add_epi32
 #define vi_sub _mm256_sub_epi32
+#define vi_max _mm256_max_epi32
 #define vi_sll(v, n) _mm256_slli_epi32(v, n)
 #define vi_sra(v, n) _mm256_srai_epi32(v, n)
 #define vf_or_sign(t, x)                                                    \
@@ -293,6 +295,7 @@ MK_INLINE vf vf_keep_t(vf v, int n)
 #define vi_set1 vdupq_n_s32
 #define vi_add vaddq_s32
 #define vi_sub vsubq_s32
+#define vi_max vmaxq_s32
 #define vi_sll(v, n) vshlq_n_s32(v, n)
 #define vi_sra(v, n) vshrq_n_s32(v, n)
 #define vf_or_sign(t, x)                                                    \

@@ -498,8 +498,12 @@ MK_INLINE void widen_t_as(const mha_kv_dtype T, const void *x, int64_t ldx,
         for (int d0 = 0; d0 < dvec; d0 += VL) {
             vf r[VL];
             const char *at = row + (size_t)d0 * es;
-            for (int i = 0; i < VL; i++, at += step)
-                r[i] = i < live ? vf_load_as(T, at) : vf_zero();
+            if (live == VL)   /* (a branch-free block: the usual case) */
+                for (int i = 0; i < VL; i++, at += step)
+                    r[i] = vf_load_as(T, at);
+            else
+                for (int i = 0; i < VL; i++, at += step)
+                    r[i] = i < live ? vf_load_as(T, at) : vf_zero();
             if (v && d0 < dv) {
                 const vtail t = vt_make(dv - d0 < VL ? dv - d0 : VL);
                 float *vr = v + (size_t)c0 * dv + d0;
@@ -743,11 +747,35 @@ MK_INLINE vf amax_step(vf x, vf m, int *fin)
     return vf_max_ign(vf_select(ok, a, vf_zero()), m);
 }
 
-/* Two vectors at a time, then the row's tail (lanes past it read as 0,
- * finite); no NaN ever enters m, so its lanes' max is exact. */
+/* First the fast pass: the integer max of the bits of |x| (one load, an
+ * and, a max a vector; four chains), which on finite data is the bits of
+ * the largest |x| itself, Inf and NaN patterns being the largest.  Only
+ * when it meets one does the careful pass run: |x| where finite, else 0,
+ * two vectors at a time (lanes past a row's tail read as 0, finite); no
+ * NaN ever enters m, so its lanes' max is exact. */
 static float amax_k(const float *x, int64_t rows, int64_t cols, int64_t ld,
                     int *finite)
 {
+    vi a0 = vf_as_vi(vf_zero()), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * ld;
+        int64_t c = 0;
+        for (; c + 4 * VL <= cols; c += 4 * VL) {
+            a0 = vi_max(a0, vf_as_vi(vf_abs(vf_load(xr + c))));
+            a1 = vi_max(a1, vf_as_vi(vf_abs(vf_load(xr + c + VL))));
+            a2 = vi_max(a2, vf_as_vi(vf_abs(vf_load(xr + c + 2 * VL))));
+            a3 = vi_max(a3, vf_as_vi(vf_abs(vf_load(xr + c + 3 * VL))));
+        }
+        for (; c < cols; c += VL) {
+            const vtail t = vt_make(cols - c < VL ? (int)(cols - c) : VL);
+            a0 = vi_max(a0, vf_as_vi(vf_abs(vf_load_t(xr + c, t))));
+        }
+    }
+    const vf all = vi_as_vf(vi_max(vi_max(a0, a1), vi_max(a2, a3)));
+    if (vm_all(vf_cmp_le(all, vf_set1(FLT_MAX)))) {   /* (NaN: false) */
+        *finite = 1;
+        return vf_hmax(all);
+    }
     vf m0 = vf_zero(), m1 = vf_zero();
     int fin = 1;
     for (int64_t r = 0; r < rows; r++) {
