@@ -30,6 +30,12 @@ dense (B, 1, Lq, Lk) tensor where one of them exists:
     scaling, dropout, GQA         scale, dropout_p, enable_gqa (K/V heads
                                   read in place, never repeated)
 
+Where nothing is masked (the causal pattern without padding, window or
+chunk, on one query row or on a prefill of its own keys), ``mask`` returns
+None as transformers' sdpa_mask does, and ``attention`` takes a decoding
+step's short way (one C call, its output written as the (B, 1, H, d) the
+model reads).
+
 Any other mask (a model's own or_/and_mask_function, packed sequences,
 chunks shifted by left padding or by a cache that dropped keys, block
 overlays, a static cache whose keys do not end at
@@ -216,7 +222,9 @@ def _agrees(fn, causal, window, chunk, q_length, kv_length, q_offset,
 def _padding(attention_mask, kv_length, kv_offset):
     """The 2-D padding mask (B, seen tokens) cut to the keys: (key_lengths,
     key_mask), at most one of them set; (None, None) without padding."""
-    if attention_mask is None:
+    if attention_mask is None or (
+            kv_offset == 0 and attention_mask.shape[-1] == kv_length and
+            bool(attention_mask.all())):
         return None, None
     pad = _mu.prepare_padding_mask(attention_mask.to(torch.bool), kv_length,
                                    kv_offset)
@@ -252,6 +260,13 @@ def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
             if code is not None:
                 _VERIFIED.add(code)
             lengths, keys = _padding(attention_mask, kv_length, kv_offset)
+            if allow_is_causal_skip and causal and window is None and \
+                    chunk is None and lengths is None and keys is None and \
+                    (q_length == 1 or q_length == kv_length):
+                # nothing to mask, as sdpa_mask's skip: attention then
+                # sees None (one query row sees every key; a prefill of
+                # its own keys is causal, top-left = bottom-right)
+                return None
             return Mask((batch_size, 1, q_length, kv_length), causal, window,
                         lengths, keys, chunk)
     return _mu.sdpa_mask(
@@ -274,6 +289,17 @@ def attention(module: torch.nn.Module, query: torch.Tensor,
     """transformers' attention hook: query (B, H, Lq, d), key and value
     (B, H_kv, Lk, d); returns ((B, Lq, H, d), None) as its sdpa does."""
     Lq, Lk = query.shape[2], key.shape[2]
+    m = attention_mask
+    if Lq == 1 and not dropout and softcap is None and s_aux is None and (
+            m is None or type(m) is Mask and m.window is None and
+            m.key_lengths is None and m.key_mask is None and
+            m.chunk is None) and not torch.is_grad_enabled():
+        # a decoding step that sees every key: the short way, its output
+        # (B, 1, H, d) as libmha writes it (None: the full way below)
+        out = _F._sdpa_plain(query, key, value, 0, scaling,
+                             key.shape[1] != query.shape[1], rows_out=True)
+        if out is not None:
+            return out, None
     kw = dict(dropout_p=dropout, scale=scaling,
               enable_gqa=key.shape[1] != query.shape[1], softcap=softcap,
               sinks=None if s_aux is None else s_aux.float())

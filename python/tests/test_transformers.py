@@ -193,6 +193,97 @@ def test_decode_matches_one_shot_forward():
     assert float((step[real] - full[real]).abs().max()) <= 1e-5 * scale
 
 
+def test_unpadded_generate_takes_the_short_way(monkeypatch, dense_calls):
+    """One prompt without padding: the mask hook returns None where
+    nothing is masked (as sdpa_mask does), every decoding step goes the
+    short way (one C call writing the (B, 1, H, d) output), and generate
+    still gives eager's tokens and logits."""
+    m = _model("llama")
+    ids, am = _batch()
+    ids, am = ids[1:], am[1:]
+    masks, short = [], []
+    real_mask, real_plain = MT.mask, MF._sdpa_plain
+
+    def mask_spy(*a, **kw):
+        r = real_mask(*a, **kw)
+        masks.append(r)
+        return r
+
+    def plain_spy(*a, **kw):
+        r = real_plain(*a, **kw)
+        short.append(kw.get("rows_out", False) and r is not None)
+        return r
+    monkeypatch.setattr(MF, "_sdpa_plain", plain_spy)
+    transformers.masking_utils.AttentionMaskInterface.register("mha",
+                                                              mask_spy)
+    try:
+        n = 8
+        want, wl = _greedy(m, "eager", ids, am, n)
+        got, gl = _greedy(m, "mha", ids, am, n)
+    finally:
+        MT.register()
+    assert masks and all(r is None for r in masks)
+    # a decoding step per token after the first (which the prefill gives;
+    # generate may stop early at an end token), two layers each, every
+    # one the short way; the prefills (Lq 14) the full way
+    assert got.shape[1] > 2
+    assert short.count(True) == 2 * (got.shape[1] - 1)
+    assert dense_calls == []
+    tol = 1e-4 * (1 + float(wl.abs().max()))
+    assert float((wl - gl).abs().max()) <= tol
+    assert torch.equal(want, got) or \
+        float(wl[0, -1].topk(2).values.diff().abs()) <= 2 * tol
+
+
+def test_mask_hook_skips_only_when_nothing_is_masked():
+    """mask returns None exactly where transformers' sdpa_mask skips: the
+    causal pattern, no padding, one query row or a prefill of its own
+    keys; a window, padding, a shifted prefill or allow_is_causal_skip
+    False keep libmha's Mask."""
+    mu = transformers.masking_utils
+    ones = torch.ones(2, 9, dtype=torch.long)
+    kw = dict(batch_size=2, mask_function=mu.causal_mask_function)
+    assert MT.mask(q_length=1, kv_length=9, q_offset=8,
+                   attention_mask=ones, **kw) is None
+    assert MT.mask(q_length=9, kv_length=9, attention_mask=ones,
+                   **kw) is None
+    assert MT.mask(q_length=1, kv_length=9, q_offset=8, attention_mask=None,
+                   **kw) is None
+    padded = ones.clone()
+    padded[0, :2] = 0
+    keep = [dict(q_length=1, kv_length=9, q_offset=8, attention_mask=padded),
+            dict(q_length=3, kv_length=9, q_offset=6, attention_mask=ones),
+            dict(q_length=1, kv_length=9, q_offset=8, attention_mask=ones,
+                 allow_is_causal_skip=False)]
+    for k in keep:
+        assert isinstance(MT.mask(**k, **kw), MT.Mask), k
+    win = MT.mask(q_length=1, kv_length=9, q_offset=8, attention_mask=ones,
+                  batch_size=2,
+                  mask_function=mu.sliding_window_causal_mask_function(3))
+    assert isinstance(win, MT.Mask) and win.window == (2, 0)
+
+
+def test_short_way_is_the_full_way():
+    """The decoding step's short way gives the full way's bits (the same
+    C computation), for MHA and GQA, with and without a scale."""
+    torch.manual_seed(5)
+
+    class Mod(torch.nn.Module):
+        is_causal = True
+    for Hkv in (4, 2):
+        q = torch.randn(3, 4, 1, 16)
+        k = torch.randn(3, Hkv, 11, 16)
+        v = torch.randn(3, Hkv, 11, 16)
+        for scale in (None, 0.3):
+            with torch.no_grad():
+                got, _ = MT.attention(Mod(), q, k, v, None, scaling=scale)
+                want = MF.scaled_dot_product_attention(
+                    q, k, v, scale=scale, enable_gqa=Hkv != 4,
+                    key_lengths=torch.full((3,), 11))
+            assert got.shape == (3, 1, 4, 16) and got.is_contiguous()
+            assert torch.equal(got, want.transpose(1, 2))
+
+
 @pytest.mark.parametrize("name", ["llama", "gemma2", "gpt_oss"])
 def test_training_gradients(name):
     """A training step's loss and every parameter's gradient, libmha's

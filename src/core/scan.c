@@ -33,15 +33,16 @@ float mha_amax_portable(const float *x, int64_t rows, int64_t cols,
     return f;
 }
 
-/* Pieces of about 2^16 floats (whole rows), shared among the threads
+/* Pieces of about 2^15 floats (whole rows), shared among the threads
  * from two pieces on: a max is exact, so the order of the pieces is free
  * (a scan of q and k on one thread was a visible share of a forward, and
- * the portable loop, on SSE2, a quarter of a short decoding call:
- * docs/BENCHMARKS.md). */
+ * the portable loop, on SSE2, a quarter of a short decoding call; the
+ * keys of transformers' decoding step, 97K floats, ran on one thread with
+ * pieces of 2^16: docs/BENCHMARKS.md). */
 double mha_max_abs_finite(const float *x, int64_t rows, int64_t cols,
                           int64_t ld, int threads, mha_amax_fn amax)
 {
-    enum { PIECE = 1 << 16 };
+    enum { PIECE = 1 << 15 };
     if (rows <= 0 || cols <= 0)
         return 0.0;
     if (!amax)

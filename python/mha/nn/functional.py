@@ -270,7 +270,7 @@ def _view(t):
     return t.detach().numpy() if t.requires_grad else t.numpy()
 
 
-def _sdpa_plain(q, k, v, causal, scale, gqa):
+def _sdpa_plain(q, k, v, causal, scale, gqa, rows_out=False):
     """The short way for the common inference call (no grad, no mask,
     dropout or modifier; batched float32 CPU tensors of consistent
     shapes): one positional C call, the same computation.  Contiguous
@@ -278,7 +278,9 @@ def _sdpa_plain(q, k, v, causal, scale, gqa):
     (MHA_LAYOUT_HEADS_FIRST) and the output is one too; others, below
     _TORCH_COPY_FROM elements, go to C as they are (heads_first above).
     None for anything else: the full way then checks (and raises) as
-    always."""
+    always.  rows_out: the output (B, Lq, H, d) contiguous instead
+    (transformers' hooks return that), which for one query row is the same
+    memory as (B, H, 1, d): no copy."""
     if type(q) is not _T or type(k) is not _T or type(v) is not _T or \
             q.dtype is not _F32 or k.dtype is not _F32 or \
             v.dtype is not _F32 or not (q.is_cpu and k.is_cpu and v.is_cpu) \
@@ -290,18 +292,22 @@ def _sdpa_plain(q, k, v, causal, scale, gqa):
             ks[2] == 0 or (ks[1] != H and (not gqa or H % ks[1])):
         return None
     if q.is_contiguous() and k.is_contiguous() and v.is_contiguous():
-        out = np.empty((B, H, Lq, d), np.float32)
+        one = rows_out and Lq == 1
+        out = np.empty((B, 1, H, d) if one else (B, H, Lq, d), np.float32)
         _core.attention_plain(_view(q), _view(k), _view(v), out, 2, 0, 0,
                               causal,
                               None if scale is None else float(scale), 0)
-        return torch.from_numpy(out)
+        out = torch.from_numpy(out)
+        return out if one or not rows_out else \
+            out.transpose(1, 2).contiguous()
     if q.numel() >= _TORCH_COPY_FROM:
         return None
     out = np.empty((B, Lq, H, d), np.float32)
     _core.attention_plain(_view(q), _view(k), _view(v), out, True, 0, 0,
                           causal, None if scale is None else float(scale),
                           0)
-    return torch.from_numpy(out).transpose(1, 2)
+    out = torch.from_numpy(out)
+    return out if rows_out else out.transpose(1, 2)
 
 
 def _rows(t):
