@@ -34,7 +34,8 @@ Where nothing is masked (the causal pattern without padding, window or
 chunk, on one query row or on a prefill of its own keys), ``mask`` returns
 None as transformers' sdpa_mask does, and ``attention`` takes a decoding
 step's short way (one C call, its output written as the (B, 1, H, d) the
-model reads).
+model reads), as does a decoding step of a left-padded batch, its key mask
+passed along.
 
 Any other mask (a model's own or_/and_mask_function, packed sequences,
 chunks shifted by left padding or by a cache that dropped keys, block
@@ -292,12 +293,14 @@ def attention(module: torch.nn.Module, query: torch.Tensor,
     m = attention_mask
     if Lq == 1 and not dropout and softcap is None and s_aux is None and (
             m is None or type(m) is Mask and m.window is None and
-            m.key_lengths is None and m.key_mask is None and
-            m.chunk is None) and not torch.is_grad_enabled():
-        # a decoding step that sees every key: the short way, its output
-        # (B, 1, H, d) as libmha writes it (None: the full way below)
+            m.key_lengths is None and m.chunk is None) and \
+            not torch.is_grad_enabled():
+        # a decoding step that sees every key (or every key its padding
+        # mask keeps): the short way, its output (B, 1, H, d) as libmha
+        # writes it (None: the full way below)
         out = _F._sdpa_plain(query, key, value, 0, scaling,
-                             key.shape[1] != query.shape[1], rows_out=True)
+                             key.shape[1] != query.shape[1], rows_out=True,
+                             key_mask=None if m is None else m.key_mask)
         if out is not None:
             return out, None
     kw = dict(dropout_p=dropout, scale=scaling,

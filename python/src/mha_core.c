@@ -2028,7 +2028,8 @@ fail:
 
 /*
  * attention_plain(q, k, v, out, heads_first, num_heads, num_kv_heads,
- *                 causal, scale, num_threads): the drop-ins' common call,
+ *                 causal, scale, num_threads[, key_mask]): the drop-ins'
+ * common call,
  * nothing but q, k, v (no masks, modifiers, sinks, dropout, weights or
  * cache), positional (METH_FASTCALL) and with the shapes read from the
  * buffers, so that a call costs what it must and no keyword parsing:
@@ -2041,15 +2042,16 @@ fail:
  *   heads_first 2: q, k and v as for 1 but C-contiguous, read in place
  *                  (MHA_LAYOUT_HEADS_FIRST), and out (B, H, Lq, d_h).
  *   out C-contiguous, written.  causal: mha_causal.  scale: None
- *   (1/sqrt(d_h)) or a float.
+ *   (1/sqrt(d_h)) or a float.  key_mask: None or a (B, Lk) bool array,
+ *   True = the key takes part (a padded batch's decoding step).
  */
 static PyObject *attention_plain(PyObject *self, PyObject *const *args,
                                  Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 10)
-        return PyErr_Format(PyExc_TypeError, "attention_plain takes 10 "
-                            "arguments, got %zd", nargs);
+    if (nargs != 10 && nargs != 11)
+        return PyErr_Format(PyExc_TypeError, "attention_plain takes 10 or "
+                            "11 arguments, got %zd", nargs);
     const long heads_first = PyLong_AsLong(args[4]);
     const long long H0 = PyLong_AsLongLong(args[5]);
     const long long Hkv0 = PyLong_AsLongLong(args[6]);
@@ -2154,7 +2156,9 @@ static PyObject *attention_plain(PyObject *self, PyObject *const *args,
         goto fail;
     }
     if (get_buf(&b, args[3], "out", T_F32, 1, mul3(B, Lq, mul3(H, dh, 1)), 1,
-                &pout, NULL))
+                &pout, NULL) ||
+        (nargs == 11 && get_mask(&b, args[10], MHA_MASK_ALLOW, "key_mask",
+                                 &a.key_padding_mask)))
         goto fail;
     a.batch = B;
     a.num_heads = H;

@@ -277,11 +277,28 @@ def test_short_way_is_the_full_way():
         for scale in (None, 0.3):
             with torch.no_grad():
                 got, _ = MT.attention(Mod(), q, k, v, None, scaling=scale)
+                got_all = got
                 want = MF.scaled_dot_product_attention(
                     q, k, v, scale=scale, enable_gqa=Hkv != 4,
                     key_lengths=torch.full((3,), 11))
             assert got.shape == (3, 1, 4, 16) and got.is_contiguous()
             assert torch.equal(got, want.transpose(1, 2))
+            # a left-padded batch's step: its key mask passed along
+            km = torch.ones(3, 11, dtype=torch.bool)
+            km[1, :4] = False
+            km[2, :10] = False
+            mask = MT.Mask((3, 1, 1, 11), True, key_mask=km)
+            with torch.no_grad():
+                got, _ = MT.attention(Mod(), q, k, v, mask, scaling=scale)
+                want = MF.scaled_dot_product_attention(
+                    q, k, v, scale=scale, enable_gqa=Hkv != 4, key_mask=km)
+                alone = MF.scaled_dot_product_attention(
+                    q[2:], k[2:, :, 10:], v[2:, :, 10:], scale=scale,
+                    enable_gqa=Hkv != 4)
+            assert torch.equal(got, want.transpose(1, 2))
+            assert not torch.equal(got[1], got_all[1])
+            # the row that sees one key: that key's value, exactly
+            assert torch.equal(got[2], alone[0].transpose(0, 1))
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma2", "gpt_oss"])

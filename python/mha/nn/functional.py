@@ -270,7 +270,8 @@ def _view(t):
     return t.detach().numpy() if t.requires_grad else t.numpy()
 
 
-def _sdpa_plain(q, k, v, causal, scale, gqa, rows_out=False):
+def _sdpa_plain(q, k, v, causal, scale, gqa, rows_out=False,
+                key_mask=None):
     """The short way for the common inference call (no grad, no mask,
     dropout or modifier; batched float32 CPU tensors of consistent
     shapes): one positional C call, the same computation.  Contiguous
@@ -280,7 +281,8 @@ def _sdpa_plain(q, k, v, causal, scale, gqa, rows_out=False):
     None for anything else: the full way then checks (and raises) as
     always.  rows_out: the output (B, Lq, H, d) contiguous instead
     (transformers' hooks return that), which for one query row is the same
-    memory as (B, H, 1, d): no copy."""
+    memory as (B, H, 1, d): no copy.  key_mask: None or a contiguous
+    (B, Lk) bool tensor (True = the key takes part)."""
     if type(q) is not _T or type(k) is not _T or type(v) is not _T or \
             q.dtype is not _F32 or k.dtype is not _F32 or \
             v.dtype is not _F32 or not (q.is_cpu and k.is_cpu and v.is_cpu) \
@@ -291,12 +293,21 @@ def _sdpa_plain(q, k, v, causal, scale, gqa, rows_out=False):
     if v.shape != ks or len(ks) != 4 or ks[0] != B or ks[3] != d or \
             ks[2] == 0 or (ks[1] != H and (not gqa or H % ks[1])):
         return None
+    if key_mask is not None:
+        if type(key_mask) is not _T or key_mask.dtype is not torch.bool or \
+                key_mask.shape != (B, ks[2]) or \
+                not key_mask.is_contiguous():
+            return None
+        key_mask = (key_mask,)
+    else:
+        key_mask = ()
     if q.is_contiguous() and k.is_contiguous() and v.is_contiguous():
         one = rows_out and Lq == 1
         out = np.empty((B, 1, H, d) if one else (B, H, Lq, d), np.float32)
         _core.attention_plain(_view(q), _view(k), _view(v), out, 2, 0, 0,
                               causal,
-                              None if scale is None else float(scale), 0)
+                              None if scale is None else float(scale), 0,
+                              *map(_view, key_mask))
         out = torch.from_numpy(out)
         return out if one or not rows_out else \
             out.transpose(1, 2).contiguous()
@@ -305,7 +316,7 @@ def _sdpa_plain(q, k, v, causal, scale, gqa, rows_out=False):
     out = np.empty((B, Lq, H, d), np.float32)
     _core.attention_plain(_view(q), _view(k), _view(v), out, True, 0, 0,
                           causal, None if scale is None else float(scale),
-                          0)
+                          0, *map(_view, key_mask))
     out = torch.from_numpy(out)
     return out if rows_out else out.transpose(1, 2)
 
