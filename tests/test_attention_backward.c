@@ -985,17 +985,25 @@ static void test_merge_partials(void **state)
 
 /* ---- grouped-query decoding: the group's heads stacked ------------------ */
 
-/* Decoding shapes (Lq <= 64 / group, Lk >= 1024: split keys) run the query
- * heads of a K/V head as one block, each K/V tile read once for the group.
- * The kernels' sums do not depend on the row count, so the result must be
- * the same bits as the same problem with the K/V heads repeated (H_kv =
- * H, one head per block), and within the bound of the float64 attention. */
+/* Decoding shapes (Lq <= 64 / group; Lk >= 1024: split keys, or keys not
+ * split with at least MHA_STACK_ITEMS (b, K/V head) pairs: B 4, H_kv 2)
+ * run the query heads of a K/V head as one block, each K/V tile read
+ * once for the group.  The kernels' sums do not depend on the row count,
+ * so the result must be the same bits as the same problem with the K/V
+ * heads repeated (H_kv = H, one head per block), and within the bound of
+ * the float64 attention. */
 static void test_gqa_decode_stacked(void **state)
 {
     (void)state;
-    enum { B = 2, H = 8, HKV = 2, DH = 16, LK = 1100 };
+    enum { H = 8, HKV = 2, DH = 16 };
+    static const struct { int64_t B, LK, len1; } shapes[] = {
+        {2, 1100, 1000},   /* split keys, merged */
+        {4, 300, 250},     /* one chunk, finished in place */
+    };
     const int64_t E = H * DH, EKV = HKV * DH, G = H / HKV;
+    for (int si = 0; si < 2; si++)
     for (int64_t Lq = 1; Lq <= 3; Lq += 2) {
+        const int64_t B = shapes[si].B, LK = shapes[si].LK;
         const int64_t nq = B * Lq * E, nk = B * LK * EKV, nkf = B * LK * E;
         float *q = malloc(nq * 4), *k = malloc(nk * 4), *v = malloc(nk * 4);
         float *kf = malloc(nkf * 4), *vf = malloc(nkf * 4);
@@ -1008,7 +1016,9 @@ static void test_gqa_decode_stacked(void **state)
                 memcpy(kf + r * E + h * DH, k + r * EKV + h / G * DH, DH * 4);
                 memcpy(vf + r * E + h * DH, v + r * EKV + h / G * DH, DH * 4);
             }
-        const int64_t lens[B] = {LK, 1000};
+        int64_t lens[4];
+        for (int64_t b = 0; b < B; b++)
+            lens[b] = b % 2 ? shapes[si].len1 : LK;
         mha_attention_args a = {0};
         a.batch = B;
         a.num_heads = H;

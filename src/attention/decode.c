@@ -10,7 +10,8 @@
  * and the merge order is fixed: results are bitwise the same for every
  * thread count.  With grouped-query attention the chunks of the query
  * heads that share a K/V head run as one block (their rows stacked), so
- * each K/V tile is read once for the whole group, not once per head.
+ * each K/V tile is read once for the whole group, not once per head; so
+ * do unsplit keys when there are enough (b, K/V head) pairs to share.
  */
 #include "engine.h"
 
@@ -58,9 +59,13 @@ void mha_decode_chunk(const mha_attn *a, int64_t bh, int64_t c,
 
 int mha_decode_stacked(const mha_attn *a)
 {
+    /* unsplit keys stack too where the (b, K/V head) items are enough to
+     * share (a ragged step's short sequences: each tile read once for
+     * the group, not once per head) */
     if (!(a->Hkv < a->H && a->Lq <= MHA_BR / 2 && !a->dropout &&
           !mha_mask_has_explicit(a->mask) &&
-          mha_decode_chunks(a->Lq, a->Lk) > 1))
+          (mha_decode_chunks(a->Lq, a->Lk) > 1 ||
+           a->B * a->Hkv >= MHA_STACK_ITEMS)))
         return 0;
     const int64_t group = a->H / a->Hkv, fit = MHA_BR / a->Lq;
     return (int)(group < fit ? group : fit);
@@ -94,6 +99,22 @@ void mha_decode_chunk_stacked(const mha_attn *a, int nh, int64_t item,
             memcpy(row + 2, f->o + r * dh, (size_t)dh * sizeof *row);
         }
     }
+}
+
+void mha_decode_block_stacked(const mha_attn *a, int nh, int64_t item,
+                              flash_scratch *f)
+{
+    const int64_t group = a->H / a->Hkv, stacks = mha_decode_stacks(a, nh);
+    const int64_t bg = item / stacks, s = item % stacks;
+    const int64_t b = bg / a->Hkv, g = bg % a->Hkv;
+    const int64_t h0 = g * group + s * nh;
+    const int n = (int)(group - s * nh < nh ? group - s * nh : nh);
+    const int Lq = (int)a->Lq;
+    const int64_t dv = mha_dv(a);
+    mha_flash_rows_stacked(a, b, h0, n, Lq, 0, a->Lk, 1, f);
+    for (int hh = 0; hh < n; hh++)
+        mha_flash_finish(a, b, h0 + hh, 0, Lq, f->m + hh * Lq,
+                         f->l + hh * Lq, f->o + hh * Lq * dv);
 }
 
 void mha_decode_merge(const mha_attn *a, int64_t bh, int64_t chunks,

@@ -375,6 +375,13 @@ int mha_decode_stacked(const mha_attn *a);
 int64_t mha_decode_stacks(const mha_attn *a, int nh);
 void mha_decode_chunk_stacked(const mha_attn *a, int nh, int64_t item,
                               int64_t c, int64_t chunks, flash_scratch *f);
+/* Keys not split (one chunk): a run of stacked heads over all the keys,
+ * finished in place (no partials), from MHA_STACK_ITEMS (b, K/V head)
+ * pairs on (fewer would leave threads idle that per-head items keep
+ * busy). */
+enum { MHA_STACK_ITEMS = 8 };
+void mha_decode_block_stacked(const mha_attn *a, int nh, int64_t item,
+                              flash_scratch *f);
 
 /* weights.c: the weights of rows i0 .. i0+mr-1 of batch b, every head. */
 void mha_weights_block(const mha_attn *a, int64_t b, int64_t i0, int mr,

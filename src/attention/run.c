@@ -192,6 +192,12 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
 #pragma omp for schedule(dynamic, 1)
             for (int64_t bh = 0; bh < bh_items; bh++)
                 mha_decode_merge(a, bh, chunks, &f);
+        } else if (stacked) {
+            const int64_t items =
+                a->B * a->Hkv * mha_decode_stacks(a, stacked);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < items; t++)
+                mha_decode_block_stacked(a, stacked, t, &f);
         } else {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t t = 0; t < bh_items * blocks; t++) {
