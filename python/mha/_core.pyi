@@ -86,7 +86,8 @@ def attention(q: _Buffer, k: Optional[_Buffer], v: Optional[_Buffer],
 def attention_plain(q: _Buffer, k: _Buffer, v: _Buffer, out: _Buffer,
                     heads_first: int, num_heads: int, num_kv_heads: int,
                     causal: int, scale: Optional[float],
-                    num_threads: int, /) -> None: ...
+                    num_threads: int, key_mask: Optional[_Buffer] = ...,
+                    /) -> None: ...
 def attention_half(q: _Buffer, k: _Buffer, v: _Buffer,
                    out: Optional[_Buffer], dtype: int, causal: int,
                    scale: Optional[float], num_threads: int, /,
