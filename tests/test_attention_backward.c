@@ -986,7 +986,7 @@ static void test_merge_partials(void **state)
 /* ---- grouped-query decoding: the group's heads stacked ------------------ */
 
 /* Decoding shapes (Lq <= 64 / group; Lk >= 1024: split keys, or keys not
- * split with at least MHA_STACK_ITEMS (b, K/V head) pairs: B 4, H_kv 2)
+ * split with at least as many (b, K/V head) pairs as threads: B 4, H_kv 2)
  * run the query heads of a K/V head as one block, each K/V tile read
  * once for the group.  The kernels' sums do not depend on the row count,
  * so the result must be the same bits as the same problem with the K/V

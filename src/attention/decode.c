@@ -11,7 +11,7 @@
  * thread count.  With grouped-query attention the chunks of the query
  * heads that share a K/V head run as one block (their rows stacked), so
  * each K/V tile is read once for the whole group, not once per head; so
- * do unsplit keys when there are enough (b, K/V head) pairs to share.
+ * do unsplit keys when the (b, K/V head) pairs give every thread one.
  */
 #include "engine.h"
 
@@ -57,15 +57,15 @@ void mha_decode_chunk(const mha_attn *a, int64_t bh, int64_t c,
     }
 }
 
-int mha_decode_stacked(const mha_attn *a)
+int mha_decode_stacked(const mha_attn *a, int threads)
 {
-    /* unsplit keys stack too where the (b, K/V head) items are enough to
-     * share (a ragged step's short sequences: each tile read once for
-     * the group, not once per head) */
+    /* unsplit keys stack too where the (b, K/V head) items give every
+     * thread one (a ragged step's short sequences: each tile read once
+     * for the group, not once per head; the same bits either way) */
     if (!(a->Hkv < a->H && a->Lq <= MHA_BR / 2 && !a->dropout &&
           !mha_mask_has_explicit(a->mask) &&
           (mha_decode_chunks(a->Lq, a->Lk) > 1 ||
-           a->B * a->Hkv >= MHA_STACK_ITEMS)))
+           a->B * a->Hkv >= threads)))
         return 0;
     const int64_t group = a->H / a->Hkv, fit = MHA_BR / a->Lq;
     return (int)(group < fit ? group : fit);

@@ -371,15 +371,14 @@ void mha_decode_merge(const mha_attn *a, int64_t bh, int64_t chunks,
  * passes over the keys); the runs a group takes; and one chunk of one
  * run.  The same bits as per head (the kernels' results do not depend on
  * the row count). */
-int mha_decode_stacked(const mha_attn *a);
+int mha_decode_stacked(const mha_attn *a, int threads);
 int64_t mha_decode_stacks(const mha_attn *a, int nh);
 void mha_decode_chunk_stacked(const mha_attn *a, int nh, int64_t item,
                               int64_t c, int64_t chunks, flash_scratch *f);
 /* Keys not split (one chunk): a run of stacked heads over all the keys,
- * finished in place (no partials), from MHA_STACK_ITEMS (b, K/V head)
- * pairs on (fewer would leave threads idle that per-head items keep
- * busy). */
-enum { MHA_STACK_ITEMS = 8 };
+ * finished in place (no partials), when the (b, K/V head) pairs are at
+ * least the threads (fewer would leave threads idle that per-head items
+ * keep busy; the same bits either way, so the choice may follow them). */
 void mha_decode_block_stacked(const mha_attn *a, int nh, int64_t item,
                               flash_scratch *f);
 

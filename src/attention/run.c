@@ -157,7 +157,7 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
     const int64_t blocks = (a->Lq + MHA_BR - 1) / MHA_BR;
     const int64_t bh_items = a->B * a->H;
     const int64_t chunks = mha_decode_chunks(a->Lq, a->Lk);
-    const int stacked = mha_decode_stacked(a);
+    const int stacked = mha_decode_stacked(a, threads);
     const int64_t tiles = mha_tiles_of(a);
 #pragma omp parallel num_threads(threads)
     {
