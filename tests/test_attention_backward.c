@@ -1040,6 +1040,16 @@ static void test_gqa_decode_stacked(void **state)
         f.out = o2;
         assert_int_equal(mha_attention(&f), MHA_OK);
         assert_memory_equal(o1, o2, (size_t)nq * 4);
+        /* every thread count the same bits: the one-chunk shape stacks up
+         * to 8 threads and runs head by head on 16 */
+        static const int threads[] = {1, 2, 16};
+        for (int ti = 0; ti < 3; ti++) {
+            mha_attention_args t = a;
+            t.num_threads = threads[ti];
+            t.out = o2;
+            assert_int_equal(mha_attention(&t), MHA_OK);
+            assert_memory_equal(o1, o2, (size_t)nq * 4);
+        }
 
         problem P = {B, H, HKV, DH, Lq, LK, MHA_CAUSAL_BOTTOM_RIGHT, lens,
                      NULL, NULL, 1.0 / sqrt((double)DH), 0.0f, 0};

@@ -77,18 +77,31 @@ int64_t mha_decode_stacks(const mha_attn *a, int nh)
     return (group + nh - 1) / nh;
 }
 
-void mha_decode_chunk_stacked(const mha_attn *a, int nh, int64_t item,
-                              int64_t c, int64_t chunks, flash_scratch *f)
+/* Run `item` of the stacked blocks ((b, K/V head), then the group's runs
+ * of nh heads) over keys k0 .. k1-1: its batch *b, first head *h0 and
+ * head count (the rows of head h0 + hh are hh * Lq .. of f). */
+static int stacked_rows(const mha_attn *a, int nh, int64_t item, int64_t k0,
+                        int64_t k1, int with_extra, flash_scratch *f,
+                        int64_t *b, int64_t *h0)
 {
     const int64_t group = a->H / a->Hkv, stacks = mha_decode_stacks(a, nh);
     const int64_t bg = item / stacks, s = item % stacks;
-    const int64_t b = bg / a->Hkv, g = bg % a->Hkv;
-    const int64_t h0 = g * group + s * nh;
     const int n = (int)(group - s * nh < nh ? group - s * nh : nh);
+    *b = bg / a->Hkv;
+    *h0 = bg % a->Hkv * group + s * nh;
+    mha_flash_rows_stacked(a, *b, *h0, n, (int)a->Lq, k0, k1, with_extra, f);
+    return n;
+}
+
+void mha_decode_chunk_stacked(const mha_attn *a, int nh, int64_t item,
+                              int64_t c, int64_t chunks, flash_scratch *f)
+{
     const int64_t k0 = c * MHA_SPLIT;
     const int64_t k1 = k0 + MHA_SPLIT < a->Lk ? k0 + MHA_SPLIT : a->Lk;
     const int Lq = (int)a->Lq, dh = (int)mha_dv(a);
-    mha_flash_rows_stacked(a, b, h0, n, Lq, k0, k1, c == chunks - 1, f);
+    int64_t b, h0;
+    const int n = stacked_rows(a, nh, item, k0, k1, c == chunks - 1, f, &b,
+                               &h0);
     for (int64_t hh = 0; hh < n; hh++) {
         float *slot = partial_slot(a, b * a->H + h0 + hh, c, chunks);
         for (int i = 0; i < Lq; i++) {
@@ -104,14 +117,10 @@ void mha_decode_chunk_stacked(const mha_attn *a, int nh, int64_t item,
 void mha_decode_block_stacked(const mha_attn *a, int nh, int64_t item,
                               flash_scratch *f)
 {
-    const int64_t group = a->H / a->Hkv, stacks = mha_decode_stacks(a, nh);
-    const int64_t bg = item / stacks, s = item % stacks;
-    const int64_t b = bg / a->Hkv, g = bg % a->Hkv;
-    const int64_t h0 = g * group + s * nh;
-    const int n = (int)(group - s * nh < nh ? group - s * nh : nh);
     const int Lq = (int)a->Lq;
     const int64_t dv = mha_dv(a);
-    mha_flash_rows_stacked(a, b, h0, n, Lq, 0, a->Lk, 1, f);
+    int64_t b, h0;
+    const int n = stacked_rows(a, nh, item, 0, a->Lk, 1, f, &b, &h0);
     for (int hh = 0; hh < n; hh++)
         mha_flash_finish(a, b, h0 + hh, 0, Lq, f->m + hh * Lq,
                          f->l + hh * Lq, f->o + hh * Lq * dv);

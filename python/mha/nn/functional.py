@@ -293,21 +293,20 @@ def _sdpa_plain(q, k, v, causal, scale, gqa, rows_out=False,
     if v.shape != ks or len(ks) != 4 or ks[0] != B or ks[3] != d or \
             ks[2] == 0 or (ks[1] != H and (not gqa or H % ks[1])):
         return None
+    extra = ()   # attention_plain's optional 11th argument
     if key_mask is not None:
         if type(key_mask) is not _T or key_mask.dtype is not torch.bool or \
                 key_mask.shape != (B, ks[2]) or \
                 not key_mask.is_contiguous():
             return None
-        key_mask = (key_mask,)
-    else:
-        key_mask = ()
+        extra = (key_mask.numpy(),)
     if q.is_contiguous() and k.is_contiguous() and v.is_contiguous():
         one = rows_out and Lq == 1
         out = np.empty((B, 1, H, d) if one else (B, H, Lq, d), np.float32)
         _core.attention_plain(_view(q), _view(k), _view(v), out, 2, 0, 0,
                               causal,
                               None if scale is None else float(scale), 0,
-                              *map(_view, key_mask))
+                              *extra)
         out = torch.from_numpy(out)
         return out if one or not rows_out else \
             out.transpose(1, 2).contiguous()
@@ -316,7 +315,7 @@ def _sdpa_plain(q, k, v, causal, scale, gqa, rows_out=False,
     out = np.empty((B, Lq, H, d), np.float32)
     _core.attention_plain(_view(q), _view(k), _view(v), out, True, 0, 0,
                           causal, None if scale is None else float(scale),
-                          0, *map(_view, key_mask))
+                          0, *extra)
     out = torch.from_numpy(out)
     return out if rows_out else out.transpose(1, 2)
 
