@@ -475,6 +475,92 @@ static void test_ragged_step(void **state)
     mha_kv_cache_free(flat);
 }
 
+/* Runs: a ragged step takes neighbouring sequences with as many new
+ * tokens and keys split alike (under 1,024 keys: whole; 1,101 and 1,201
+ * keys: 3 chunks of 512) in one batched call; each sequence's rows and
+ * lse must still be bitwise those of a cache holding it alone, on 1, 2
+ * and 3 threads, in f16 and q8, paged and contiguous, with RoPE,
+ * softcap, ALiBi, the window modifier and sinks (each of which reads the
+ * sequence's own length), and where a run breaks: 1,023 then 1,024 keys
+ * (whole, then split), a sequence with no new token, another count. */
+enum { RB = 13, RCAP = 1700 };
+static void test_ragged_runs(void **state)
+{
+    (void)state;
+    static const int64_t held[RB] = {100, 300, 37, 1100, 1200, 1600, 700,
+                                     50, 200, 5, 1000, 1022, 1023},
+                         fresh[RB] = {1, 1, 1, 1, 1, 1, 1, 0, 3, 3, 3, 1, 1};
+    int64_t q_start[RB + 1] = {0};
+    for (int64_t b = 0; b < RB; b++)
+        q_start[b + 1] = q_start[b] + fresh[b];
+    const int64_t T = q_start[RB];
+    static float k[RCAP * EKV], v[RCAP * EKV], q[32 * E], o1[32 * E],
+        o3[8 * E], l1[32 * H], l3[8 * H];
+    static const float sinks[H] = {0.5f, -1.0f, 2.0f, 0.0f};
+    int64_t qpos[32];
+    tu_fill(q, T * E, 61, -1, 1);
+    static const mha_kv_dtype dts[2] = {MHA_KV_F16, MHA_KV_Q8};
+    for (int cfg = 0; cfg < 4; cfg++) {
+        mha_kv_cache_config cc = {0};
+        cc.batch = RB, cc.num_kv_heads = HKV, cc.head_dim = DH;
+        cc.capacity = RCAP, cc.dtype = dts[cfg & 1];
+        cc.page_size = cfg & 2 ? 64 : 0;
+        mha_kv_cache *kv = NULL, *alone[RB];
+        assert_int_equal(mha_kv_cache_create(&cc, &kv), MHA_OK);
+        mha_kv_cache_config one = cc;
+        one.batch = 1;
+        for (int64_t b = 0; b < RB; b++) {
+            const int64_t n = held[b] + fresh[b];
+            tu_fill(k, n * EKV, 140 + (uint64_t)b, -2, 2);
+            tu_fill(v, n * EKV, 150 + (uint64_t)b, -2, 2);
+            assert_int_equal(mha_kv_cache_create(&one, &alone[b]), MHA_OK);
+            assert_int_equal(mha_kv_cache_append(alone[b], 0, k, v, n),
+                             MHA_OK);
+            assert_int_equal(mha_kv_cache_append(kv, b, k, v, n), MHA_OK);
+            for (int64_t i = 0; i < fresh[b]; i++)   /* (their own ends) */
+                qpos[q_start[b] + i] = held[b] + i + 3 * b;
+        }
+        mha_attention_decode_args d = {0};
+        d.batch = RB, d.num_heads = H, d.head_dim = DH, d.q = q;
+        d.q_start = q_start, d.cache = kv, d.out = o1, d.lse = l1;
+        d.mods.softcap = 20.0f, d.mods.alibi = cfg & 1;
+        d.mods.window = 1, d.mods.window_left = 900;
+        d.mods.window_right = 0;
+        d.mods.rope.style = MHA_ROPE_NEOX;
+        d.sinks = sinks, d.q_positions = qpos;
+        for (int threads = 1; threads <= 3; threads++) {
+            d.num_threads = threads;
+            memset(o1, 0, sizeof o1);
+            assert_int_equal(mha_attention_decode(&d), MHA_OK);
+            for (int64_t b = 0; b < RB; b++) {
+                if (!fresh[b])
+                    continue;
+                mha_attention_decode_args s = d;
+                s.batch = 1, s.q_start = NULL, s.q_len = fresh[b];
+                s.q = q + q_start[b] * E, s.q_positions = qpos + q_start[b];
+                s.out = o3, s.lse = l3, s.cache = alone[b];
+                assert_int_equal(mha_attention_decode(&s), MHA_OK);
+                assert_memory_equal(o1 + q_start[b] * E, o3,
+                                    (size_t)(fresh[b] * E) * 4);
+                assert_memory_equal(l1 + q_start[b] * H, l3,
+                                    (size_t)(fresh[b] * H) * 4);
+            }
+        }
+        /* a refused sequence inside a run is named, out untouched */
+        const float keep = q[q_start[4] * E];
+        q[q_start[4] * E] = 3e37f;
+        memset(o1, 0x5A, sizeof o1);
+        assert_fails(mha_attention_decode(&d), MHA_ERR_INVALID_ARGUMENT,
+                     "sequence 4 of the ragged step");
+        for (size_t i = 0; i < sizeof o1; i++)
+            assert_int_equal(((unsigned char *)o1)[i], 0x5A);
+        q[q_start[4] * E] = keep;
+        for (int64_t b = 0; b < RB; b++)
+            mha_kv_cache_free(alone[b]);
+        mha_kv_cache_free(kv);
+    }
+}
+
 /* Window caches (W = 100, a ring of 256 slots) paged (pages of 64) and
  * contiguous, the same random operations: the paged one gives back the
  * pages whose positions all fell out of the window, and holds no more
@@ -704,6 +790,7 @@ int main(void)
         cmocka_unit_test(test_module_forward),
         cmocka_unit_test(test_memory_ragged),
         cmocka_unit_test(test_ragged_step),
+        cmocka_unit_test(test_ragged_runs),
         cmocka_unit_test(test_shared_prefix),
         cmocka_unit_test(test_window_pages),
         cmocka_unit_test(test_misuse),

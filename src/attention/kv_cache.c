@@ -865,11 +865,11 @@ mha_status mha_kv_cache_reset(mha_kv_cache *c, int64_t seq)
     return MHA_OK;
 }
 
-void mha_kv_cache_view(const mha_kv_cache *c, int64_t b, float *extra,
-                       mha_kv_cache *view)
+void mha_kv_cache_view(const mha_kv_cache *c, int64_t b, int64_t n,
+                       float *extra, mha_kv_cache *view)
 {
     *view = *c;
-    view->B = 1;
+    view->B = n;
     view->len = c->len + b;
     view->start = c->start + b;
     view->extra = extra;

@@ -6,13 +6,19 @@
  * its own count of new tokens, so that prefill chunks and single decode
  * tokens share one call (continuous batching with chunked prefill).
  *
- * Each sequence is computed by the one-sequence attention on a view of
- * the cache holding that sequence alone (mha_kv_cache_view): the bits
- * are, by construction, those of a call on that sequence alone, whatever
- * the other sequences hold (a batched call splits its keys by the batch's
- * longest sequence, which would change them).  The rows are written to a
- * scratch buffer and copied out only once every sequence succeeded, so a
- * refusal leaves out and lse untouched.
+ * Each run of neighbouring sequences with the same count of new tokens
+ * and the same split of their keys (mha_decode_chunks: decode.c) is one
+ * batched attention call on a view of the cache holding that run
+ * (mha_kv_cache_view), one parallel region for all of them; any other
+ * sequence is a call on a view of itself alone.  The bits are those of a
+ * call on each sequence alone either way: every other choice a batched
+ * call makes follows each sequence's own length (its tiles, its causal
+ * limit, the columns its sums run over) or gives the same bits (the
+ * thread count, stacking).  A batched call splits its keys by the run's
+ * longest sequence, which is why runs hold one split.  The rows are
+ * written to a scratch buffer and copied out only once every sequence
+ * succeeded, so a refusal leaves out and lse untouched; a run refused is
+ * run again sequence by sequence, so that the error names its sequence.
  */
 #include "engine.h"
 
@@ -183,6 +189,11 @@ static int64_t shared_pages(const mha_kv_cache *c, int64_t a, int64_t na,
     return s;
 }
 
+/* The most sequences one batched call takes: its view's extra-key tiles
+ * (mha_packed_floats, 64 KiB a K/V head at d_h 128, never touched but
+ * for their flags) are sized by it. */
+enum { RUN_MAX = 64 };
+
 typedef struct ragged {
     const mha_attention_decode_args *d;
     const mha_kv_cache *c;
@@ -201,86 +212,177 @@ static const char *q_at(const ragged *r, int64_t row)
            row * r->E * (int64_t)r->esize;
 }
 
-/* Sequence b alone. */
-static mha_status one_sequence(const ragged *r, int64_t b)
+/* The new tokens of sequence b. */
+static int64_t fresh(const mha_attention_decode_args *d, int64_t b)
+{
+    return d->q_start[b + 1] - d->q_start[b];
+}
+
+/* The chunks a call on sequence b alone splits its keys in. */
+static int64_t chunks_alone(const ragged *r, int64_t b)
+{
+    mha_kv_cache view;
+    mha_kv_cache_view(r->c, b, 1, NULL, &view);
+    return mha_decode_chunks(fresh(r->d, b), mha_kv_cache_keys(&view, 0));
+}
+
+/* The end of the run from sequence b that one batched call takes: its
+ * neighbours with as many new tokens and keys split alike (not yet
+ * taken by a cascade). */
+static int64_t run_end(const ragged *r, int64_t b, const unsigned char *done)
+{
+    const int64_t n = fresh(r->d, b), chunks = chunks_alone(r, b);
+    int64_t e = b + 1;
+    while (e < r->c->B && e - b < RUN_MAX && !done[e] &&
+           fresh(r->d, e) == n && chunks_alone(r, e) == chunks)
+        e++;
+    return e;
+}
+
+/* Sequences b .. e-1, each with n new tokens, in one call on a view of
+ * them (the same bits as each alone: above). */
+static mha_status batched(const ragged *r, int64_t b, int64_t e)
 {
     const mha_attention_decode_args *d = r->d;
-    const int64_t r0 = d->q_start[b], n = d->q_start[b + 1] - r0;
+    const int64_t r0 = d->q_start[b], n = fresh(d, b);
     mha_kv_cache view;
-    mha_kv_cache_view(r->c, b, r->extra, &view);
-    return attend(d, &view, n, q_at(r, r0),
-                  r->out + r0 * r->Eo * (int64_t)r->esize,
-                  r->lse ? r->lse + r0 * r->H : NULL,
-                  d->q_positions ? d->q_positions + r0 : NULL);
+    mha_kv_cache_view(r->c, b, e - b, r->extra, &view);
+    mha_attention_args a;
+    decode_fields(d, &a);
+    a.batch = e - b;
+    a.q_len = n;
+    a.cache = &view;
+    a.lse = r->lse ? r->lse + r0 * r->H : NULL;   /* (e-b, H, n): in order */
+    a.q_positions = d->q_positions ? d->q_positions + r0 : NULL;
+    if (d->dtype != MHA_DTYPE_F32) {
+        a.q16 = (const void *)q_at(r, r0);
+        a.out16 = (void *)(r->out + r0 * r->Eo * (int64_t)r->esize);
+    } else {
+        a.q = (const void *)q_at(r, r0);
+        a.out = (void *)(r->out + r0 * r->Eo * (int64_t)r->esize);
+    }
+    return mha_attention(&a);
+}
+
+/* The error of a step refused at sequence b, which it names. */
+static mha_status name_sequence(mha_status st, int64_t b)
+{
+    char msg[MHA_ERROR_CAP];
+    snprintf(msg, sizeof msg, "%s", mha_last_error());
+    return mha_set_error(st, "sequence %lld of the ragged step: %s",
+                         (long long)b, msg);
+}
+
+/* Sequences b .. e-1 in one call; refused, one by one, so that the error
+ * is the first refused sequence's. */
+static mha_status run(const ragged *r, int64_t b, int64_t e)
+{
+    if (e - b > 1 && batched(r, b, e) == MHA_OK)
+        return MHA_OK;
+    for (int64_t x = b; x < e; x++) {
+        const mha_status st = batched(r, x, x + 1);
+        if (st != MHA_OK)
+            return name_sequence(st, x);
+    }
+    return MHA_OK;
+}
+
+/* The own keys of cascade members b .. b + n - 1 (each past the S pages
+ * they share, own[i] of them) as a cache of n sequences: their tables
+ * past those pages, and fewer of them (no read past a table's row). */
+static void own_view(const ragged *r, int64_t b, int64_t n, int64_t S,
+                     int64_t *own, mha_kv_cache *view)
+{
+    mha_kv_cache_view(r->c, b, n, r->extra, view);
+    view->len = own;
+    view->table += S;
+    view->tiles = (r->c->table_len - S) * r->c->tpp;
+}
+
+/* The chunks cascade member b's own keys split in, alone. */
+static int64_t own_chunks(const ragged *r, int64_t b, int64_t own)
+{
+    return mha_decode_chunks(fresh(r->d, b), own);
 }
 
 /*
- * A group of sequences (mem[0 .. m-1]) sharing their first S pages: the
- * shared keys once for all their rows stacked (a view of the first
- * member cut to S pages, its queries placed past its end so that each
- * sees every key), then each member's own keys (a view of its table past
- * those pages), the two parts merged (mha_attention_merge).  float32 rows
- * only (16-bit rows go one by one).
+ * A group of sequences (mem[0 .. m-1], ascending) sharing their first S
+ * pages: the shared keys once for all their rows stacked (a view of the
+ * first member cut to S pages, its queries placed past its end so that
+ * each sees every key), then the members' own keys (views of their
+ * tables past those pages; neighbouring members with as many new tokens
+ * and own keys split alike in one call, as run_end's runs), the two
+ * parts merged (mha_attention_merge).  float32 rows only (16-bit rows go
+ * one by one).
  */
 static mha_status cascade(const ragged *r, const int64_t *mem, int m,
                           int64_t S)
 {
     const mha_attention_decode_args *d = r->d;
     const int64_t E = r->E, Eo = r->Eo, H = r->H;
+    int64_t Ls = S * r->c->page;   /* (the shared view's length) */
     int64_t T = 0;
     for (int i = 0; i < m; i++)
-        T += d->q_start[mem[i] + 1] - d->q_start[mem[i]];
-    /* the stacked rows, the shared part's out and lse, a member's own
-     * part and its rows of the shared lse (per head) */
+        T += fresh(d, mem[i]);
+    /* the stacked rows, the shared part's out and lse, the own parts'
+     * out and lse and their rows of the shared lse, the own lengths */
     float *q = mha_alloc_floats(T * E, "a cascade's rows");
     float *o1 = mha_alloc_floats(T * Eo, "a cascade's shared part");
     float *l1 = mha_alloc_floats(T * H, "a cascade's shared part");
     float *o2 = mha_alloc_floats(T * Eo, "a cascade's own parts");
     float *l2 = mha_alloc_floats(2 * T * H, "a cascade's own parts");
-    mha_status st = q && o1 && l1 && o2 && l2
+    int64_t *own = malloc((size_t)m * sizeof *own + 1);
+    mha_status st = q && o1 && l1 && o2 && l2 && own
                         ? MHA_OK
                         : mha_set_error(MHA_ERR_OUT_OF_MEMORY,
                                         "cannot allocate a cascade's %lld "
                                         "rows", (long long)T);
     for (int64_t i = 0, at = 0; st == MHA_OK && i < m; i++) {
-        const int64_t r0 = d->q_start[mem[i]], n = d->q_start[mem[i] + 1] - r0;
+        const int64_t r0 = d->q_start[mem[i]], n = fresh(d, mem[i]);
         memcpy(q + at * E, d->q + r0 * E, (size_t)(n * E) * sizeof *q);
+        own[i] = r->c->len[mem[i]] - Ls;
         at += n;
     }
-    int64_t Ls = S * r->c->page;
     if (st == MHA_OK) {   /* the shared keys, once */
         mha_kv_cache view;
-        mha_kv_cache_view(r->c, mem[0], r->extra, &view);
+        mha_kv_cache_view(r->c, mem[0], 1, r->extra, &view);
         view.len = &Ls;
         view.view_shift = T;
         st = attend(d, &view, T, q, o1, l1, NULL);
     }
-    float *l1b = l2 + T * H;   /* a member's rows of l1, (H, n) */
-    for (int64_t i = 0, at = 0; st == MHA_OK && i < m; i++) {
-        const int64_t b = mem[i], r0 = d->q_start[b];
-        const int64_t n = d->q_start[b + 1] - r0;
-        int64_t own = r->c->len[b] - Ls;
+    float *l1b = l2 + T * H;   /* the run's rows of l1, (members, H, n) */
+    for (int64_t i = 0, at = 0, j; st == MHA_OK && i < m; i = j) {
+        const int64_t b = mem[i], r0 = d->q_start[b], n = fresh(d, b);
+        const int64_t chunks = own_chunks(r, b, own[i]);
+        for (j = i + 1; j < m && j - i < RUN_MAX && mem[j] == mem[j - 1] + 1 &&
+                        fresh(d, mem[j]) == n &&
+                        own_chunks(r, mem[j], own[j]) == chunks;
+             j++) {
+        }
         mha_kv_cache view;
-        mha_kv_cache_view(r->c, b, r->extra, &view);
-        view.len = &own;
-        view.table += S;   /* its pages past the shared ones (and fewer
-                            * of them: no read past its table's row) */
-        view.tiles = (r->c->table_len - S) * r->c->tpp;
-        st = attend(d, &view, n, q + at * E, o2, l2, NULL);
-        for (int64_t h = 0; st == MHA_OK && h < H; h++)
-            memcpy(l1b + h * n, l1 + h * T + at, (size_t)n * sizeof *l1);
+        own_view(r, b, j - i, S, own + i, &view);
+        mha_attention_args a;
+        decode_fields(d, &a);
+        a.batch = j - i, a.q_len = n, a.cache = &view;
+        a.q = q + at * E, a.out = o2, a.lse = l2;
+        st = mha_attention(&a);
+        for (int64_t x = 0; st == MHA_OK && x < j - i; x++)
+            for (int64_t h = 0; h < H; h++)
+                memcpy(l1b + (x * H + h) * n, l1 + h * T + at + x * n,
+                       (size_t)n * sizeof *l1);
         const mha_attention_part parts[2] = {{o1 + at * Eo, l1b}, {o2, l2}};
         if (st == MHA_OK)
-            st = mha_attention_merge(parts, 2, 1, H, r->c->dv, n,
+            st = mha_attention_merge(parts, 2, j - i, H, r->c->dv, n,
                                      (float *)r->out + r0 * Eo,
                                      r->lse ? r->lse + r0 * H : NULL);
-        at += n;
+        at += (j - i) * n;
     }
     free(q);
     free(o1);
     free(l1);
     free(o2);
     free(l2);
+    free(own);
     return st;
 }
 
@@ -290,11 +392,12 @@ static mha_status decode_ragged(const mha_attention_decode_args *d)
     MHA_CHECK(check_ragged(d, &rows, &E, &Eo));
     const mha_kv_cache *c = d->cache;
     const int half = d->dtype != MHA_DTYPE_F32;
+    const int64_t run_max = c->B < RUN_MAX ? c->B : RUN_MAX;
     const ragged r = {
         d, c, E, Eo, d->num_heads, half ? 2 : 4,
         malloc((size_t)(rows * Eo) * (half ? 2 : 4) + 1),
         d->lse ? malloc((size_t)(rows * d->num_heads) * 4 + 1) : NULL,
-        mha_alloc_floats(mha_packed_floats(1, c->Hkv, 0,
+        mha_alloc_floats(mha_packed_floats(run_max, c->Hkv, 0,
                                            c->dv > c->dh ? c->dv : c->dh),
                          "a ragged step's view of the cache")};
     int64_t *mem = malloc((size_t)c->B * sizeof *mem + 1);
@@ -304,19 +407,19 @@ static mha_status decode_ragged(const mha_attention_decode_args *d)
                         : mha_set_error(MHA_ERR_OUT_OF_MEMORY,
                                         "cannot allocate a ragged step's "
                                         "%lld rows", (long long)rows);
-    /* (a window's ring pages hold no prefix: sequence by sequence) */
+    /* With share_prefix, first each group of sequences sharing their
+     * first pages (the pages all of them share), a cascade (a window's
+     * ring pages hold no prefix: none there). */
     const int share = d->share_prefix && c->page && !c->window && !half;
-    for (int64_t b = 0; st == MHA_OK && b < c->B; b++) {
-        const int64_t nb = d->q_start[b + 1] - d->q_start[b];
+    for (int64_t b = 0; share && st == MHA_OK && b < c->B; b++) {
+        const int64_t nb = fresh(d, b);
         if (nb == 0 || done[b])
             continue;
-        /* with share_prefix: the later sequences sharing b's first pages
-         * (the pages all of them share) */
         int m = 1;
         int64_t S = 0;
         mem[0] = b;
-        for (int64_t x = b + 1; share && x < c->B; x++) {
-            const int64_t nx = d->q_start[x + 1] - d->q_start[x];
+        for (int64_t x = b + 1; x < c->B; x++) {
+            const int64_t nx = fresh(d, x);
             const int64_t sx = nx && !done[x] ? shared_pages(c, b, nb, x, nx)
                                               : 0;
             if (sx > 0) {
@@ -325,13 +428,20 @@ static mha_status decode_ragged(const mha_attention_decode_args *d)
                 done[x] = 1;
             }
         }
-        st = m > 1 ? cascade(&r, mem, m, S) : one_sequence(&r, b);
-        if (st != MHA_OK) {   /* which sequence, before its own message */
-            char msg[MHA_ERROR_CAP];
-            snprintf(msg, sizeof msg, "%s", mha_last_error());
-            mha_set_error(st, "sequence %lld of the ragged step: %s",
-                          (long long)b, msg);
+        if (m > 1) {
+            done[b] = 1;
+            st = cascade(&r, mem, m, S);
+            if (st != MHA_OK)
+                st = name_sequence(st, b);
         }
+    }
+    /* Then the others, in runs. */
+    for (int64_t b = 0, e; st == MHA_OK && b < c->B; b = e) {
+        e = b + 1;
+        if (fresh(d, b) == 0 || done[b])
+            continue;
+        e = run_end(&r, b, done);
+        st = run(&r, b, e);
     }
     if (st == MHA_OK && rows > 0) {
         memcpy(half ? (void *)d->out16 : (void *)d->out, r.out,
