@@ -481,8 +481,9 @@ static void test_ragged_step(void **state)
  * lse must still be bitwise those of a cache holding it alone, on 1, 2
  * and 3 threads, in f16 and q8, paged and contiguous, with RoPE,
  * softcap, ALiBi, the window modifier and sinks (each of which reads the
- * sequence's own length), and where a run breaks: 1,023 then 1,024 keys
- * (whole, then split), a sequence with no new token, another count. */
+ * sequence's own length), bf16 queries too, and where a run breaks:
+ * 1,023 then 1,024 keys (whole, then split), a sequence with no new
+ * token, another count. */
 enum { RB = 13, RCAP = 1700 };
 static void test_ragged_runs(void **state)
 {
@@ -545,6 +546,25 @@ static void test_ragged_runs(void **state)
                 assert_memory_equal(l1 + q_start[b] * H, l3,
                                     (size_t)(fresh[b] * H) * 4);
             }
+        }
+        /* bf16 queries: each sequence's rows those of its own bf16 call */
+        static uint16_t q16[32 * E], h1[32 * E], h3[8 * E];
+        for (int64_t i = 0; i < T * E; i++)
+            q16[i] = mha_bf16_from_float(q[i]);
+        mha_attention_decode_args d16 = d;
+        d16.q = NULL, d16.out = NULL, d16.lse = NULL;
+        d16.dtype = MHA_DTYPE_BF16, d16.q16 = q16, d16.out16 = h1;
+        assert_int_equal(mha_attention_decode(&d16), MHA_OK);
+        for (int64_t b = 0; b < RB; b++) {
+            if (!fresh[b])
+                continue;
+            mha_attention_decode_args s = d16;
+            s.batch = 1, s.q_start = NULL, s.q_len = fresh[b];
+            s.q16 = q16 + q_start[b] * E, s.q_positions = qpos + q_start[b];
+            s.out16 = h3, s.cache = alone[b];
+            assert_int_equal(mha_attention_decode(&s), MHA_OK);
+            assert_memory_equal(h1 + q_start[b] * E, h3,
+                                (size_t)(fresh[b] * E) * 2);
         }
         /* a refused sequence inside a run is named, out untouched */
         const float keep = q[q_start[4] * E];

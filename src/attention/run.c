@@ -133,9 +133,11 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
     const mha_attn *a = &run;
     const int threads = threads_for(e, a);
     (void)threads;   /* (a build without OpenMP ignores the pragma) */
-    if (a->prepacked) {
+    if (a->prepacked && (a->bias_k || a->zero_attn)) {
         /* A KV cache holds the keys; only the extra keys' tile of every
-         * (b, g) is written, for every tier (a few rows). */
+         * (b, g) is written, for every tier (a few rows).  Without extra
+         * keys it is never read, and not written: calls reading one
+         * cache may run together. */
         const int64_t tiles = mha_tiles_of(a);
         for (int64_t bg = 0; bg < a->B * a->Hkv; bg++)
             mha_pack_forward_tile(a, bg * tiles + tiles - 1);
