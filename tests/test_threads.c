@@ -8,7 +8,8 @@
  * made for; threads loading good and bad safetensors files at once each
  * get their own answer and message (run under ThreadSanitizer by
  * scripts/test.sh: cJSON's parse writes a process-wide error record, so
- * the library's parses take turns).  Run once per kernel tier (MHA_ISA)
+ * the library's parses take turns); threads decoding from one KV cache
+ * at once each get a lone call's bits.  Run once per kernel tier (MHA_ISA)
  * by CTest.
  */
 #define _XOPEN_SOURCE 700   /* mkdtemp */
@@ -340,6 +341,80 @@ static void test_concurrent_loads(void **state)
     rmdir(dir);
 }
 
+/* Calls reading one KV cache may run together (docs/semantics.md,
+ * "Threads" under "Paged KV caches"): four threads decode from one
+ * contiguous and one paged cache at once, a plain batched step and a
+ * ragged one each, every result bitwise the one a lone call gave (and,
+ * under ThreadSanitizer, no call writes what another reads). */
+enum { CB = 3, CH = 4, CHKV = 2, CDH = 32, CLEN = 200 };
+typedef struct reader {
+    mha_kv_cache *kv;
+    const float *q;        /* (CB, CH * CDH) */
+    const float *want;     /* the plain step's rows, then the ragged one's */
+    int wrong;
+} reader;
+
+static void *read_cache(void *arg)
+{
+    reader *r = arg;
+    float out[2 * CB * CH * CDH];
+    int64_t q_start[CB + 1] = {0, 1, 2, 3};
+    for (int i = 0; i < 10; i++) {
+        mha_attention_decode_args d = {0};
+        d.batch = CB, d.num_heads = CH, d.head_dim = CDH, d.q_len = 1;
+        d.q = r->q, d.out = out, d.cache = r->kv, d.num_threads = 1;
+        r->wrong += mha_attention_decode(&d) != MHA_OK;
+        d.q_len = 0, d.q_start = q_start, d.out = out + CB * CH * CDH;
+        r->wrong += mha_attention_decode(&d) != MHA_OK;
+        r->wrong += memcmp(out, r->want, sizeof out) != 0;
+    }
+    return NULL;
+}
+
+static void test_concurrent_cache_reads(void **state)
+{
+    (void)state;
+    static float k[CLEN * CHKV * CDH], v[CLEN * CHKV * CDH];
+    for (int page = 0; page <= 64; page += 64) {
+        mha_kv_cache_config cc = {0};
+        cc.batch = CB, cc.num_kv_heads = CHKV, cc.head_dim = CDH;
+        cc.capacity = CLEN, cc.dtype = MHA_KV_F16, cc.page_size = page;
+        mha_kv_cache *kv = NULL;
+        assert_int_equal(mha_kv_cache_create(&cc, &kv), MHA_OK);
+        for (int64_t b = 0; b < CB; b++) {
+            const int64_t n = CLEN - 30 * b;
+            tu_fill(k, n * CHKV * CDH, 300 + (uint64_t)b, -1, 1);
+            tu_fill(v, n * CHKV * CDH, 310 + (uint64_t)b, -1, 1);
+            assert_int_equal(mha_kv_cache_append(kv, b, k, v, n), MHA_OK);
+        }
+        enum { T = 4 };
+        static float q[T][CB * CH * CDH], want[T][2 * CB * CH * CDH];
+        reader r[T];
+        pthread_t th[T];
+        for (int i = 0; i < T; i++) {
+            tu_fill(q[i], CB * CH * CDH, 320 + (uint64_t)i, -1, 1);
+            r[i] = (reader){kv, q[i], want[i], 0};
+            /* the lone call's rows: the first of read_cache's loop */
+            int64_t q_start[CB + 1] = {0, 1, 2, 3};
+            mha_attention_decode_args d = {0};
+            d.batch = CB, d.num_heads = CH, d.head_dim = CDH, d.q_len = 1;
+            d.q = q[i], d.out = want[i], d.cache = kv, d.num_threads = 1;
+            assert_int_equal(mha_attention_decode(&d), MHA_OK);
+            d.q_len = 0, d.q_start = q_start;
+            d.out = want[i] + CB * CH * CDH;
+            assert_int_equal(mha_attention_decode(&d), MHA_OK);
+        }
+        for (int i = 0; i < T; i++)
+            assert_int_equal(pthread_create(&th[i], NULL, read_cache, &r[i]),
+                             0);
+        for (int i = 0; i < T; i++) {
+            assert_int_equal(pthread_join(th[i], NULL), 0);
+            assert_int_equal(r[i].wrong, 0);
+        }
+        mha_kv_cache_free(kv);
+    }
+}
+
 int main(void)
 {
     if (tu_tier_unavailable())
@@ -349,6 +424,7 @@ int main(void)
         cmocka_unit_test(test_plan),
         cmocka_unit_test(test_thread_counts),
         cmocka_unit_test(test_concurrent_loads),
+        cmocka_unit_test(test_concurrent_cache_reads),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

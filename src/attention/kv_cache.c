@@ -9,8 +9,9 @@
  *           (q8: each tile's scales, then its codes; kernels.h)
  *   v       [B][H_kv][tiles] v tiles, v[c][d]
  *   finite  [B][H_kv][tiles] 1.0f if every value the tile holds is finite
- *   extra   [B][H_kv] one f32 tile (an mha_packed of one tile): a module's
- *           extra keys (bias_k, the zero key), written by each forward
+ *
+ * (A module's extra keys, bias_k and the zero key, are packed by each
+ * run into its own workspace: a cache is only read by attention.)
  *
  * tiles = ceil(capacity / MHA_BC); key position p of sequence b is column
  * p % MHA_BC of tile p / MHA_BC.  Converting to the dtype happens once,
@@ -158,7 +159,7 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
      * product checked.  Tiles per (b, g) (contiguous) or per sequence
      * (paged), and the planes' tiles: [B][Hkv][tiles], or one null page
      * past the pool's. */
-    int64_t bg, tiles, tiles_all, bytes, extra, table_all = 0;
+    int64_t bg, tiles, tiles_all, bytes, table_all = 0;
     int sized = mha_mul_ok(cfg->batch, cfg->num_kv_heads, &bg);
     if (P) {   /* (pages + 1) * tpp < 2^31 * 2^25: no overflow */
         sized = sized && mha_mul_ok(table_len, P / MHA_BC, &tiles) &&
@@ -175,8 +176,7 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
                     (cfg->latent ? 1 : 2) *
                         mha_kv_tile_bytes(cfg->dtype, MHA_BC, dmax),
                     &bytes) ||
-        !mha_mul_ok(bg, 2 * MHA_BC * dmax + 1, &extra) ||
-        bytes > INT64_MAX / 2 || extra > INT64_MAX / 8)
+        bytes > INT64_MAX / 2)
         return mha_set_error(MHA_ERR_OVERFLOW,
                              "a cache of %lld sequences x %lld tokens x "
                              "%lld heads x %lld overflows",
@@ -191,19 +191,17 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
     unsigned char *data = (uint64_t)bytes <= SIZE_MAX
                               ? calloc((size_t)bytes, 1) : NULL;
     float *finite = calloc((size_t)tiles_all, sizeof *finite);
-    float *extra_tiles = mha_alloc_floats(extra, "KV cache's extra keys");
     int32_t *table = P ? malloc((size_t)table_all * sizeof *table) : NULL;
     int32_t *refs = P ? calloc((size_t)pages, sizeof *refs) : NULL;
     int32_t *free_pages = P ? malloc((size_t)pages * sizeof *free_pages)
                             : NULL;
-    if (!c || !len || !start || !data || !finite || !extra_tiles ||
+    if (!c || !len || !start || !data || !finite ||
         (P && (!table || !refs || !free_pages))) {
         free(c);
         free(len);
         free(start);
         free(data);
         free(finite);
-        free(extra_tiles);
         free(table);
         free(refs);
         free(free_pages);
@@ -244,7 +242,6 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
     c->k = data;
     c->v = c->latent ? data : data + bytes / 2;   /* (latent: one plane) */
     c->finite = finite;
-    c->extra = extra_tiles;
     *out = c;
     return MHA_OK;
 }
@@ -264,7 +261,6 @@ void mha_kv_cache_free(mha_kv_cache *c)
     free(c->start);
     free(c->k);   /* the one allocation of both planes */
     free(c->finite);
-    free(c->extra);
     free(c->table);
     free(c->refs);
     free(c->free_pages);
@@ -661,8 +657,8 @@ void mha_attn_use_cache(mha_attn *at, const mha_kv_cache *kv,
     at->k = at->v = NULL;
     at->ldk = at->ldv = 0;
     at->kv = kv;
-    at->packed = kv->extra;   /* the extra keys' tile of each (b, g) */
-    at->packed_tiles = 1;
+    at->packed_tiles = 1;   /* (packed: the extra keys' tile of each (b, g),
+                               in the run's workspace: mha_attn_layout) */
     at->prepacked = 1;
     /* The caller's masks (for Lk = longest) stay; causal becomes
      * bottom-right per sequence: new query i of sequence b sees keys
@@ -866,13 +862,12 @@ mha_status mha_kv_cache_reset(mha_kv_cache *c, int64_t seq)
 }
 
 void mha_kv_cache_view(const mha_kv_cache *c, int64_t b, int64_t n,
-                       float *extra, mha_kv_cache *view)
+                       mha_kv_cache *view)
 {
     *view = *c;
     view->B = n;
     view->len = c->len + b;
     view->start = c->start + b;
-    view->extra = extra;
     if (c->page) {   /* its table; the pool as it is */
         view->table = c->table + b * c->table_len;
     } else {         /* its [Hkv][tiles] of the planes and flags */

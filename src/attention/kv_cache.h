@@ -11,11 +11,9 @@
 
 /* A read-only view of sequences b .. b + n - 1 of c as a cache of n
  * sequences (their tiles, flags, lengths, page tables), for attention on
- * those sequences alone; `extra` is the view's own extra-key tiles
- * (mha_packed_floats(n, Hkv, 0, dh), zeros), since the cache's lie in
- * planes of all B. */
+ * those sequences alone. */
 void mha_kv_cache_view(const mha_kv_cache *c, int64_t b, int64_t n,
-                       float *extra, mha_kv_cache *view);
+                       mha_kv_cache *view);
 
 /* Refuses n tokens' keys and values (rows ldk, ldv apart, H_kv d_h each)
  * that sequence b of an f16 cache cannot hold: a finite |x| >= 65520,

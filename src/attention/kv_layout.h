@@ -14,8 +14,9 @@
  * the engine's tile layout (mha_packed below: kt tiles, v tiles, a finite
  * flag per tile) in the cache's dtype (kernels.h), with room for
  * `capacity` keys per sequence, so attending reads it as it is: no
- * repacking, no conversion, no copy, no allocation.  The extra keys of a
- * module (bias_k, the zero key) have an f32 tile of their own per (b, g).
+ * repacking, no conversion, no copy, no allocation.  (The extra keys of
+ * a module, bias_k and the zero key, are packed by each run in its own
+ * workspace: attention never writes a cache.)
  */
 struct mha_kv_cache {
     int64_t B, Hkv, dh, capacity;
@@ -42,7 +43,6 @@ struct mha_kv_cache {
                                fills; with a window, of the whole tile,
                                since a ring's tile holds any of its
                                columns, older positions included)      */
-    float *extra;           /* mha_packed_floats(B, Hkv, 0, dh): one tile */
     double key_amax;        /* the largest finite |k| ever appended since
                                the last reset of every sequence (an upper
                                bound of what the cache holds): what

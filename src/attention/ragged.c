@@ -189,9 +189,9 @@ static int64_t shared_pages(const mha_kv_cache *c, int64_t a, int64_t na,
     return s;
 }
 
-/* The most sequences one batched call takes: its view's extra-key tiles
- * (mha_packed_floats, 64 KiB a K/V head at d_h 128, never touched but
- * for their flags) are sized by it. */
+/* The most sequences one batched call takes: its workspace (the split
+ * keys' partials, B H chunks (d_v + 2) floats) grows with them, and 64
+ * sequences give any machine's threads work enough. */
 enum { RUN_MAX = 64 };
 
 typedef struct ragged {
@@ -201,7 +201,6 @@ typedef struct ragged {
     size_t esize;
     char *out;      /* the scratch rows, (rows, Eo) of esize bytes */
     float *lse;     /* (rows, H) in the caller's layout, or NULL   */
-    float *extra;   /* the views' extra-key tile                   */
 } ragged;
 
 static const char *q_at(const ragged *r, int64_t row)
@@ -222,7 +221,7 @@ static int64_t fresh(const mha_attention_decode_args *d, int64_t b)
 static int64_t chunks_alone(const ragged *r, int64_t b)
 {
     mha_kv_cache view;
-    mha_kv_cache_view(r->c, b, 1, NULL, &view);
+    mha_kv_cache_view(r->c, b, 1, &view);
     return mha_decode_chunks(fresh(r->d, b), mha_kv_cache_keys(&view, 0));
 }
 
@@ -246,7 +245,7 @@ static mha_status batched(const ragged *r, int64_t b, int64_t e)
     const mha_attention_decode_args *d = r->d;
     const int64_t r0 = d->q_start[b], n = fresh(d, b);
     mha_kv_cache view;
-    mha_kv_cache_view(r->c, b, e - b, r->extra, &view);
+    mha_kv_cache_view(r->c, b, e - b, &view);
     mha_attention_args a;
     decode_fields(d, &a);
     a.batch = e - b;
@@ -293,7 +292,7 @@ static mha_status run(const ragged *r, int64_t b, int64_t e)
 static void own_view(const ragged *r, int64_t b, int64_t n, int64_t S,
                      int64_t *own, mha_kv_cache *view)
 {
-    mha_kv_cache_view(r->c, b, n, r->extra, view);
+    mha_kv_cache_view(r->c, b, n, view);
     view->len = own;
     view->table += S;
     view->tiles = (r->c->table_len - S) * r->c->tpp;
@@ -345,7 +344,7 @@ static mha_status cascade(const ragged *r, const int64_t *mem, int m,
     }
     if (st == MHA_OK) {   /* the shared keys, once */
         mha_kv_cache view;
-        mha_kv_cache_view(r->c, mem[0], 1, r->extra, &view);
+        mha_kv_cache_view(r->c, mem[0], 1, &view);
         view.len = &Ls;
         view.view_shift = T;
         st = attend(d, &view, T, q, o1, l1, NULL);
@@ -392,17 +391,13 @@ static mha_status decode_ragged(const mha_attention_decode_args *d)
     MHA_CHECK(check_ragged(d, &rows, &E, &Eo));
     const mha_kv_cache *c = d->cache;
     const int half = d->dtype != MHA_DTYPE_F32;
-    const int64_t run_max = c->B < RUN_MAX ? c->B : RUN_MAX;
     const ragged r = {
         d, c, E, Eo, d->num_heads, half ? 2 : 4,
         malloc((size_t)(rows * Eo) * (half ? 2 : 4) + 1),
-        d->lse ? malloc((size_t)(rows * d->num_heads) * 4 + 1) : NULL,
-        mha_alloc_floats(mha_packed_floats(run_max, c->Hkv, 0,
-                                           c->dv > c->dh ? c->dv : c->dh),
-                         "a ragged step's view of the cache")};
+        d->lse ? malloc((size_t)(rows * d->num_heads) * 4 + 1) : NULL};
     int64_t *mem = malloc((size_t)c->B * sizeof *mem + 1);
     unsigned char *done = calloc((size_t)c->B + 1, 1);
-    mha_status st = r.out && (r.lse || !d->lse) && r.extra && mem && done
+    mha_status st = r.out && (r.lse || !d->lse) && mem && done
                         ? MHA_OK
                         : mha_set_error(MHA_ERR_OUT_OF_MEMORY,
                                         "cannot allocate a ragged step's "
@@ -451,7 +446,6 @@ static mha_status decode_ragged(const mha_attention_decode_args *d)
     }
     free(r.out);
     free(r.lse);
-    free(r.extra);
     free(mem);
     free(done);
     return st;

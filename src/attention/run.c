@@ -93,9 +93,13 @@ mha_status mha_attn_layout_forward(const mha_engine *e, int64_t B, int64_t H,
     l->partials = lines(2 * B * H * Lq);
     l->packed = l->partials +
                 lines(flash ? mha_decode_partials(B, H, Lq, Lk, dh) : 0);
+    /* (a cache's run: the extra keys' tile of each (b, g) alone, where
+     * there are extra keys; the cache holds the others) */
     l->scratch = l->packed +
-                 lines(flash && !prepacked ? mha_packed_floats(B, Hkv, Lk, dh)
-                                           : 0);
+                 lines(prepacked ? (Lt > Lk ? mha_packed_floats(B, Hkv, 0, dh)
+                                            : 0)
+                       : flash   ? mha_packed_floats(B, Hkv, Lk, dh)
+                                 : 0);
     /* (a cache's run: room for a latent cache's tile widened, the
      * block's q transposed and the transposed scores: flash_scratch) */
     return finish_layout(e, flash ? mha_flash_scratch_floats(dh) +
@@ -135,9 +139,8 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
     (void)threads;   /* (a build without OpenMP ignores the pragma) */
     if (a->prepacked && (a->bias_k || a->zero_attn)) {
         /* A KV cache holds the keys; only the extra keys' tile of every
-         * (b, g) is written, for every tier (a few rows).  Without extra
-         * keys it is never read, and not written: calls reading one
-         * cache may run together. */
+         * (b, g) is written (in the run's workspace), for every tier (a
+         * few rows).  Without extra keys there is none. */
         const int64_t tiles = mha_tiles_of(a);
         for (int64_t bg = 0; bg < a->B * a->Hkv; bg++)
             mha_pack_forward_tile(a, bg * tiles + tiles - 1);
