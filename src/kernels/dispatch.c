@@ -137,6 +137,26 @@ int mha_bf16_tier(void)
 /* -1: not chosen yet; otherwise the isa, or 100 + a status on error. */
 static atomic_int chosen = -1;
 
+/* kernels.h; 1 until a tier is chosen (the kernels run only after). */
+static atomic_int slab_prefetch = 1;
+
+int mha_slab_prefetch(void)
+{
+    return atomic_load_explicit(&slab_prefetch, memory_order_relaxed);
+}
+
+/* Whether CPUID names AMD ("AuthenticAMD"). */
+static int cpu_is_amd(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned a, b, c, d;
+    return __get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u &&
+           d == 0x69746e65u && c == 0x444d4163u;
+#else
+    return 0;
+#endif
+}
+
 static int choose(void)
 {
     const char *env = getenv("MHA_ISA");
@@ -165,6 +185,7 @@ mha_status mha_isa_get(mha_isa *isa, const mha_microkernels **uk)
     int c = atomic_load(&chosen);
     if (c < 0) {
         c = choose();             /* a race computes the same value twice */
+        atomic_store(&slab_prefetch, !(c == MHA_ISA_AVX512 && cpu_is_amd()));
         atomic_store(&chosen, c);
     }
     if (c >= 100) {

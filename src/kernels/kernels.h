@@ -293,6 +293,14 @@ mha_status mha_isa_get(mha_isa *isa, const mha_microkernels **uk);
  * tier, and where the oneDNN GEMM backend is the default (gemm.c). */
 int mha_cpu_has_avx512(void);
 
+/* Whether a decoding panel walking a tile in slabs prefetches the next
+ * slab of 16- and 32-bit elements (simd_tier.h's panel; 8- and 4-bit
+ * ones always are): set by mha_isa_get, off for the avx512 tier on AMD's
+ * cores (Zen 4: their stream prefetchers did better alone, 1.12-1.16x
+ * the 64-sequence step; docs/BENCHMARKS.md), on elsewhere.  Never the
+ * bits: a prefetch reads nothing into a result. */
+int mha_slab_prefetch(void);
+
 /* ---- bf16 attention on AMX tiles or AVX512-BF16 (amx.c; x86 only) -------
  * mha_bf16_tier: which kernels bf16 attention runs on, chosen once per
  * process: AMX (AMX-TILE and AMX-BF16, the OS saving the tile state, and
