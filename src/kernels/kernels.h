@@ -294,11 +294,11 @@ mha_status mha_isa_get(mha_isa *isa, const mha_microkernels **uk);
 int mha_cpu_has_avx512(void);
 
 /* Whether a decoding panel walking a tile in slabs prefetches the next
- * slab of 16- and 32-bit elements (simd_tier.h's panel; 8- and 4-bit
- * ones always are): set by mha_isa_get, off for the avx512 tier on AMD's
- * cores (Zen 4: their stream prefetchers did better alone, 1.12-1.16x
- * the 64-sequence step; docs/BENCHMARKS.md), on elsewhere.  Never the
- * bits: a prefetch reads nothing into a result. */
+ * slab of 16-bit elements (simd_tier.h's panel; other dtypes' always
+ * are): set by mha_isa_get, off for the avx512 tier on AMD's cores
+ * (Zen 4: their stream prefetchers did better alone, the 64-sequence GQA
+ * step 1.18-1.21x; docs/BENCHMARKS.md), on elsewhere.  Never the bits: a
+ * prefetch reads nothing into a result. */
 int mha_slab_prefetch(void);
 
 /* ---- bf16 attention on AMX tiles or AVX512-BF16 (amx.c; x86 only) -------

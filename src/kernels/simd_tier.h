@@ -299,12 +299,11 @@ MK_INLINE void panel(const int R, const int mode, const int T, int slabs,
      * worked on; but not one row's 16-bit value slab (the value side is
      * the accumulating one, FROM_C): worked on in about as long as memory
      * takes to deliver it, and the burst of prefetches in front of it held
-     * up its own loads (slower: docs/BENCHMARKS.md); and of 16- and 32-bit
-     * elements only where mha_slab_prefetch says (kernels.h). */
-    const int narrow = T == B_Q8K || T == B_Q8V || T == B_Q4K || T == B_Q4V;
-    const int prefetch =
-        (narrow || mha_slab_prefetch()) &&
-        !(R == 1 && (mode & FROM_C) && (T == B_F16 || T == B_BF16));
+     * up its own loads (slower: docs/BENCHMARKS.md); and 16-bit slabs only
+     * where mha_slab_prefetch says (kernels.h). */
+    const int half = T == B_F16 || T == B_BF16;
+    const int prefetch = (!half || mha_slab_prefetch()) &&
+                         !(R == 1 && (mode & FROM_C) && half);
     for (int k0 = 0; k0 < K; k0 += KSLAB) {
         if (prefetch)
             for (size_t at = (size_t)(k0 + KSLAB) * row;
