@@ -312,7 +312,7 @@ static int64_t own_chunks(const ragged *r, int64_t b, int64_t own)
  * tables past those pages; neighbouring members with as many new tokens
  * and own keys split alike in one call, as run_end's runs), the two
  * parts merged (mha_attention_merge).  float32 rows only (16-bit rows go
- * one by one).
+ * as any ragged step's).
  */
 static mha_status cascade(const ragged *r, const int64_t *mem, int m,
                           int64_t S)
@@ -350,14 +350,13 @@ static mha_status cascade(const ragged *r, const int64_t *mem, int m,
         st = attend(d, &view, T, q, o1, l1, NULL);
     }
     float *l1b = l2 + T * H;   /* the run's rows of l1, (members, H, n) */
-    for (int64_t i = 0, at = 0, j; st == MHA_OK && i < m; i = j) {
+    for (int64_t i = 0, at = 0, j = 0; st == MHA_OK && i < m; i = j) {
         const int64_t b = mem[i], r0 = d->q_start[b], n = fresh(d, b);
         const int64_t chunks = own_chunks(r, b, own[i]);
-        for (j = i + 1; j < m && j - i < RUN_MAX && mem[j] == mem[j - 1] + 1 &&
-                        fresh(d, mem[j]) == n &&
-                        own_chunks(r, mem[j], own[j]) == chunks;
-             j++) {
-        }
+        j = i + 1;   /* the run of neighbouring members from i */
+        while (j < m && j - i < RUN_MAX && mem[j] == mem[j - 1] + 1 &&
+               fresh(d, mem[j]) == n && own_chunks(r, mem[j], own[j]) == chunks)
+            j++;
         mha_kv_cache view;
         own_view(r, b, j - i, S, own + i, &view);
         mha_attention_args a;

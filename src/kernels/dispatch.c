@@ -149,7 +149,7 @@ int mha_slab_prefetch(void)
 static int cpu_is_amd(void)
 {
 #if defined(__x86_64__) || defined(__i386__)
-    unsigned a, b, c, d;
+    unsigned a = 0, b = 0, c = 0, d = 0;
     return __get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u &&
            d == 0x69746e65u && c == 0x444d4163u;
 #else
