@@ -236,13 +236,17 @@ T256 ALWAYS __m256 cvt256(const int T, const void *x, const float *s, int e)
     for (int c = 0; c < CH; c++)                                            \
         for (int r = 0; r < R; r++)                                         \
             acc[c][r] = zero();                                             \
-    const vec q = set1(1e-3f);                                              \
+    /* each row its own multiplier, as each query head has: with one for  \
+     * all, the compiler merged the rows' identical chains into one */      \
+    vec q[8];                                                               \
+    for (int r = 0; r < R; r++)                                             \
+        q[r] = set1(1e-3f * (float)(r + 1));                                \
     for (long it = 0; it < iters; it++)                                     \
         for (int e = 0; e < ARITH_N; e += CH * (VL))                        \
             for (int c = 0; c < CH; c++) {                                  \
                 const vec x = cvt(T, buf, s, e + c * (VL));                 \
                 for (int r = 0; r < R; r++)                                 \
-                    acc[c][r] = fma(q, x, acc[c][r]);                       \
+                    acc[c][r] = fma(q[r], x, acc[c][r]);                    \
             }                                                               \
     vec t = zero();                                                         \
     for (int c = 0; c < CH; c++)                                            \

@@ -280,15 +280,20 @@ enum { KSLAB = 8 };
  * exactly: the same bits.  (SET and ACC only: ADD must form the whole sum
  * before adding it to C; the _exact forms, for the rare tile holding NaN
  * or Inf, are left out, which keeps the instantiations, and the compile
- * time of the sanitizer builds, down.  One row against at most 64 columns is one block
- * of columns, a key tile's rows read whole: slabs would only cost it the
- * reloads.  docs/BENCHMARKS.md has the measurements.)
+ * time of the sanitizer builds, down.  Columns that fit one block of the
+ * rows' width (a key tile under a grouped-query decode's stacked heads,
+ * one row against a 128-wide value tile on AVX-512) are read a whole row
+ * of B at a time already: slabs would only cost them the reloads of C.
+ * docs/BENCHMARKS.md has the measurements.)
  */
 MK_INLINE void panel(const int R, const int mode, const int T, int slabs,
                      int N, int K, const float *A, int lda, int ska,
                      const bsrc *B, float *C, int ldc)
 {
-    if (!TIER_SLABS || !slabs || (R == 1 && N <= 64) || (mode & ADD) ||
+    /* (columns of one block: each row of B is read whole anyway) */
+    const int one_block =
+        N <= VL * (R == 1 ? TIER_W1 : R == 2 ? TIER_W2 : TIER_WM);
+    if (!TIER_SLABS || !slabs || one_block || (mode & ADD) ||
         (mode & EXACT) || K <= KSLAB) {
         cols(R, mode, T, 0, N, 0, K, A, lda, ska, B, C, ldc);
         return;
