@@ -280,19 +280,22 @@ enum { KSLAB = 8 };
  * exactly: the same bits.  (SET and ACC only: ADD must form the whole sum
  * before adding it to C; the _exact forms, for the rare tile holding NaN
  * or Inf, are left out, which keeps the instantiations, and the compile
- * time of the sanitizer builds, down.  Columns that fit one block of the
- * rows' width (a key tile under a grouped-query decode's stacked heads,
- * one row against a 128-wide value tile on AVX-512) are read a whole row
- * of B at a time already: slabs would only cost them the reloads of C.
- * docs/BENCHMARKS.md has the measurements.)
+ * time of the sanitizer builds, down.  One row against at most 64 columns,
+ * and stacked rows whose columns fit one block (a key tile under a
+ * grouped-query decode's heads on AVX-512), read each row of B whole
+ * already: slabs would only cost them the reloads of C.  (One row against
+ * a 128-wide value tile is one block on AVX-512 too, but there the slabs'
+ * prefetch kept 8-bit caches 2-3% faster.)  docs/BENCHMARKS.md has the
+ * measurements.)
  */
 MK_INLINE void panel(const int R, const int mode, const int T, int slabs,
                      int N, int K, const float *A, int lda, int ska,
                      const bsrc *B, float *C, int ldc)
 {
-    /* (columns of one block: each row of B is read whole anyway) */
+    /* (stacked rows whose columns fit one block read each row of B
+     * whole anyway; one row keeps its measured rule) */
     const int one_block =
-        N <= VL * (R == 1 ? TIER_W1 : R == 2 ? TIER_W2 : TIER_WM);
+        R == 1 ? N <= 64 : N <= VL * (R == 2 ? TIER_W2 : TIER_WM);
     if (!TIER_SLABS || !slabs || one_block || (mode & ADD) ||
         (mode & EXACT) || K <= KSLAB) {
         cols(R, mode, T, 0, N, 0, K, A, lda, ska, B, C, ldc);
