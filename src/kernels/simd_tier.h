@@ -367,6 +367,19 @@ MK_INLINE void gemm(const int RMAX, const int mode, const int T, int M, int N,
                  lda, ska, B, C, ldc);
         return;
     }
+    /* Four stacked rows accumulating against a value tile that two rows
+     * take in one block (AVX-512: 65..128 columns) run as two pairs, each
+     * reading the tile's rows whole, once from memory and once from
+     * cache, where four rows would cross it in two column blocks by
+     * slabs; for elements a load or one conversion makes floats (8-bit
+     * codes cost their conversion twice: slower).  docs/KERNELS.md. */
+    if (M == 4 && mode == MODE_ACC && T <= B_BF16 && N > VL * TIER_WM &&
+        N <= VL * TIER_W2) {
+        panel(2, mode, T, 1, N, K, A, lda, ska, B, C, ldc);
+        panel(2, mode, T, 1, N, K, A + 2 * (size_t)lda, lda, ska, B,
+              C + 2 * (size_t)ldc, ldc);
+        return;
+    }
     switch (M) {
     case 6: if (RMAX > 5) panel(6, mode, T, 1, N, K, A, lda, ska, B, C, ldc); break;
     case 5: if (RMAX > 4) panel(5, mode, T, 1, N, K, A, lda, ska, B, C, ldc); break;
