@@ -360,6 +360,41 @@ static void test_memory_ragged(void **state)
     mha_kv_cache_free(kv);
 }
 
+/* Each sequence of a ragged step `d` (already run: its out / out16 and
+ * lse hold the step's rows) against a call on a cache holding that
+ * sequence alone (alone[b]), the same arguments otherwise: its rows and
+ * lse bitwise the same.  one and l_one: room for the longest's rows. */
+static void assert_each_alone(const mha_attention_decode_args *d,
+                              const int64_t *fresh, mha_kv_cache **alone,
+                              void *one, float *l_one)
+{
+    const int half = d->dtype == MHA_DTYPE_BF16;
+    for (int64_t b = 0; b < d->batch; b++) {
+        if (!fresh[b])
+            continue;
+        const int64_t r0 = d->q_start[b];
+        mha_attention_decode_args s = *d;
+        s.batch = 1, s.q_start = NULL, s.q_len = fresh[b];
+        s.cache = alone[b];
+        if (d->q_positions)
+            s.q_positions = d->q_positions + r0;
+        if (half)
+            s.q16 = d->q16 + r0 * E, s.out16 = one;
+        else
+            s.q = d->q + r0 * E, s.out = one, s.lse = d->lse ? l_one : NULL;
+        assert_int_equal(mha_attention_decode(&s), MHA_OK);
+        if (half)
+            assert_memory_equal(d->out16 + r0 * E, one,
+                                (size_t)(fresh[b] * E) * 2);
+        else
+            assert_memory_equal(d->out + r0 * E, one,
+                                (size_t)(fresh[b] * E) * 4);
+        if (!half && d->lse)
+            assert_memory_equal(d->lse + r0 * H, l_one,
+                                (size_t)(fresh[b] * H) * 4);
+    }
+}
+
 /* A ragged step (q_start): sequences with 0, 1, 37 and 100 new tokens in
  * one call, on a paged and a contiguous cache, each sequence's rows (and
  * lse) bitwise those of a cache holding that sequence alone, on 1, 2 and
@@ -398,23 +433,11 @@ static void test_ragged_step(void **state)
         d.num_threads = threads;
         d.cache = paged, d.out = o1, d.lse = l1;
         assert_int_equal(mha_attention_decode(&d), MHA_OK);
+        mha_attention_decode_args p = d;   /* (the paged call's rows) */
         d.cache = flat, d.out = o2, d.lse = NULL;
         assert_int_equal(mha_attention_decode(&d), MHA_OK);
         assert_memory_equal(o1, o2, (size_t)(T * E) * 4);
-        for (int64_t b = 0; b < B; b++) {   /* each alone */
-            if (!fresh[b])
-                continue;
-            mha_attention_decode_args s = {0};
-            s.batch = 1, s.num_heads = H, s.head_dim = DH;
-            s.q_len = fresh[b], s.q = q + q_start[b] * E;
-            s.out = o3, s.lse = l3, s.cache = alone[b];
-            s.num_threads = threads;
-            assert_int_equal(mha_attention_decode(&s), MHA_OK);
-            assert_memory_equal(o1 + q_start[b] * E, o3,
-                                (size_t)(fresh[b] * E) * 4);
-            assert_memory_equal(l1 + q_start[b] * H, l3,
-                                (size_t)(fresh[b] * H) * 4);
-        }
+        assert_each_alone(&p, fresh, alone, o3, l3);
     }
     /* bf16 queries: each sequence's rows those of its own bf16 call */
     static uint16_t q16[138 * E], h1[138 * E], h3[138 * E];
@@ -423,12 +446,7 @@ static void test_ragged_step(void **state)
     d.q = NULL, d.out = NULL, d.lse = NULL, d.cache = paged;
     d.dtype = MHA_DTYPE_BF16, d.q16 = q16, d.out16 = h1;
     assert_int_equal(mha_attention_decode(&d), MHA_OK);
-    mha_attention_decode_args s = {0};
-    s.batch = 1, s.num_heads = H, s.head_dim = DH, s.q_len = fresh[3];
-    s.dtype = MHA_DTYPE_BF16, s.q16 = q16 + q_start[3] * E, s.out16 = h3;
-    s.cache = alone[3];
-    assert_int_equal(mha_attention_decode(&s), MHA_OK);
-    assert_memory_equal(h1 + q_start[3] * E, h3, (size_t)(fresh[3] * E) * 2);
+    assert_each_alone(&d, fresh, alone, h3, NULL);
 
     /* misuse: each refused, naming what was wrong, out untouched */
     d.dtype = MHA_DTYPE_F32, d.q16 = NULL, d.out16 = NULL;
@@ -533,19 +551,7 @@ static void test_ragged_runs(void **state)
             d.num_threads = threads;
             memset(o1, 0, sizeof o1);
             assert_int_equal(mha_attention_decode(&d), MHA_OK);
-            for (int64_t b = 0; b < RB; b++) {
-                if (!fresh[b])
-                    continue;
-                mha_attention_decode_args s = d;
-                s.batch = 1, s.q_start = NULL, s.q_len = fresh[b];
-                s.q = q + q_start[b] * E, s.q_positions = qpos + q_start[b];
-                s.out = o3, s.lse = l3, s.cache = alone[b];
-                assert_int_equal(mha_attention_decode(&s), MHA_OK);
-                assert_memory_equal(o1 + q_start[b] * E, o3,
-                                    (size_t)(fresh[b] * E) * 4);
-                assert_memory_equal(l1 + q_start[b] * H, l3,
-                                    (size_t)(fresh[b] * H) * 4);
-            }
+            assert_each_alone(&d, fresh, alone, o3, l3);
         }
         /* bf16 queries: each sequence's rows those of its own bf16 call */
         static uint16_t q16[32 * E], h1[32 * E], h3[8 * E];
@@ -555,17 +561,7 @@ static void test_ragged_runs(void **state)
         d16.q = NULL, d16.out = NULL, d16.lse = NULL;
         d16.dtype = MHA_DTYPE_BF16, d16.q16 = q16, d16.out16 = h1;
         assert_int_equal(mha_attention_decode(&d16), MHA_OK);
-        for (int64_t b = 0; b < RB; b++) {
-            if (!fresh[b])
-                continue;
-            mha_attention_decode_args s = d16;
-            s.batch = 1, s.q_start = NULL, s.q_len = fresh[b];
-            s.q16 = q16 + q_start[b] * E, s.q_positions = qpos + q_start[b];
-            s.out16 = h3, s.cache = alone[b];
-            assert_int_equal(mha_attention_decode(&s), MHA_OK);
-            assert_memory_equal(h1 + q_start[b] * E, h3,
-                                (size_t)(fresh[b] * E) * 2);
-        }
+        assert_each_alone(&d16, fresh, alone, h3, NULL);
         /* a refused sequence inside a run is named, out untouched */
         const float keep = q[q_start[4] * E];
         q[q_start[4] * E] = 3e37f;
