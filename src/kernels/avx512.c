@@ -8,8 +8,9 @@
  * 32 registers and mask registers: blocks of 6 rows x 4 vectors (24
  * accumulators, 4 of B, a broadcast), the _exact forms alike (their zero
  * test lives in a mask register); one or two rows take 8 vectors.  A lone
- * panel walks K in slabs, as on AVX2 (faster for a grouped-query decode
- * step: docs/BENCHMARKS.md).
+ * panel whose columns span several blocks walks K in slabs, as on AVX2,
+ * and four rows against a 128-wide value tile go as two pairs
+ * (simd_tier.h's panel and lone block; docs/KERNELS.md).
  */
 #define MHA_SIMD_AVX512
 #define TIER_NAME "avx512"
