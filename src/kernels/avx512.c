@@ -10,7 +10,7 @@
  * test lives in a mask register); one or two rows take 8 vectors.  A lone
  * panel whose columns span several blocks walks K in slabs, as on AVX2,
  * and four rows against a 128-wide value tile go as two pairs
- * (simd_tier.h's panel and lone block; docs/KERNELS.md).
+ * (simd_tier.h's panel and gemm; docs/KERNELS.md).
  */
 #define MHA_SIMD_AVX512
 #define TIER_NAME "avx512"
