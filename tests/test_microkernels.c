@@ -300,6 +300,69 @@ static void test_pv_exact_shapes(void **state)
                 run_pv_shape(k, 1, MRS[a], NCS[b], DHS[c]);
 }
 
+/* pv_kv on a 16-bit value tile (a KV cache's f16 / bf16 rows, nc x dh)
+ * against float64 on the values the tile holds: the stacked rows of a
+ * grouped-query decode, whose blocking depends on the rows and the tile's
+ * width (AVX-512: four rows against 65..128 columns go as two pairs). */
+static void test_pv_kv_half(void **state)
+{
+    const mha_microkernels *k = *state;
+    static const int mrs[] = {1, 2, 3, 4, 5, 6, 8}, ncs[] = {1, 17, 63, 64},
+                     dhs[] = {40, 72, 80, 128};
+    static const mha_kv_dtype dts[] = {MHA_KV_F16, MHA_KV_BF16};
+    rng_seed(23);
+    for (int t = 0; t < COUNT(dts); t++)
+        for (int a = 0; a < COUNT(mrs); a++)
+            for (int b = 0; b < COUNT(ncs); b++)
+                for (int c = 0; c < COUNT(dhs); c++) {
+                    const int mr = mrs[a], nc = ncs[b], dh = dhs[c];
+                    const int ldp = nc + 7, ldo = dh + 1;
+                    const size_t np = (size_t)(mr - 1) * ldp + nc;
+                    const size_t no = (size_t)(mr - 1) * ldo + dh;
+                    float *p = in_buf(np), *o = out_buf(no);
+                    float *o0 = malloc(no * sizeof *o0);
+                    uint16_t *v = malloc((size_t)nc * dh * sizeof *v);
+                    assert_non_null(o0);
+                    assert_non_null(v);
+                    fill(p, np, 0.0f, 1.0f);
+                    for (size_t i = 0; i < (size_t)nc * dh; i++) {
+                        const float x = rng_f(-1.0f, 1.0f);
+                        v[i] = dts[t] == MHA_KV_F16 ? mha_f16_from_float(x)
+                                                   : mha_bf16_from_float(x);
+                    }
+                    for (int r = 0; r < mr; r++)
+                        for (int d = 0; d < dh; d++)
+                            o[(size_t)r * ldo + d] = rng_f(-4.0f, 4.0f);
+                    memcpy(o0, o, no * sizeof *o);
+                    k->pv_kv(dts[t], 0, mr, nc, dh, p, ldp, v, nc, o, ldo);
+                    check_guard(o, no);
+                    check_padding(o, mr, dh, ldo);
+                    for (int r = 0; r < mr; r++)
+                        for (int d = 0; d < dh; d++) {
+                            double ref = o0[(size_t)r * ldo + d],
+                                   mag = fabs(ref);
+                            for (int j = 0; j < nc; j++) {
+                                const double e = (double)p[(size_t)r * ldp + j] *
+                                    mha_kv_elem(dts[t], v, (int64_t)j * dh + d);
+                                ref += e;
+                                mag += fabs(e);
+                            }
+                            /* as run_pv_shape: nc + 1 roundings of float */
+                            const double got = o[(size_t)r * ldo + d];
+                            const double tol = (nc + 1) * ldexp(mag, -23) + 1e-30;
+                            if (!(fabs(got - ref) <= tol))
+                                fail_msg("%s pv_kv %s mr=%d nc=%d dh=%d "
+                                         "o[%d][%d] = %.9g, want %.9g (tol %.3g)",
+                                         k->name, t ? "bf16" : "f16", mr, nc, dh,
+                                         r, d, got, ref, tol);
+                        }
+                    free(p);
+                    free(o);
+                    free(o0);
+                    free(v);
+                }
+}
+
 /*
  * pv_add (o += a tile's sum) is bitwise pv into a zeroed buffer followed by
  * one add per element, on every shape, plain and exact; for the exact form
@@ -1304,6 +1367,7 @@ static void test_names(void **state)
     cmocka_unit_test_prestate(test_qk_splits_bitwise, (void *)&table),       \
     cmocka_unit_test_prestate(test_pv_shapes, (void *)&table),               \
     cmocka_unit_test_prestate(test_pv_exact_shapes, (void *)&table),         \
+    cmocka_unit_test_prestate(test_pv_kv_half, (void *)&table),              \
     cmocka_unit_test_prestate(test_pv_splits_bitwise, (void *)&table),       \
     cmocka_unit_test_prestate(test_pv_add_is_pv_then_add, (void *)&table),   \
     cmocka_unit_test_prestate(test_pvt_is_pv_transposed, (void *)&table),    \
