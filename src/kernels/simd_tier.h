@@ -39,7 +39,10 @@
  * starting from C (FROM_C) or from 0; with ADD the finished sum is then
  * added to C (pv_add, pvt).  EXACT skips the terms whose A is zero.
  */
-enum { FROM_C = 1, EXACT = 2, ADD = 4 };   /* (B's storage: bsrc.h) */
+enum { FROM_C = 1, EXACT = 2, ADD = 4 };
+#ifndef PF8
+#define PF8 8
+#endif   /* (B's storage: bsrc.h) */
 
 /* The register block's loops over its rows and vectors, unrolled whatever
  * the optimisation level: at -O2 GCC left them as loops over arrays of
@@ -97,6 +100,26 @@ MK_INLINE vf ldb(const int T, const bsrc *b, int k, int j, const int masked,
         return vf_mul(c, vf_load(b->s + (size_t)(k / MHA_Q8_BLOCK) * b->ld + j));
     /* one scale per MHA_Q8_BLOCK columns of the row: VL divides it */
     return vf_mul(c, vf_set1(b->s[(size_t)k * b->blocks + j / MHA_Q8_BLOCK]));
+}
+
+/* A tile of 8- or 4-bit codes asks for the bytes AHEAD_K (a key tile)
+ * or AHEAD_V (a value tile) past the row it is about to read.  A decoding
+ * step reads 64 or 128 bytes of codes an iteration, and with only the
+ * loads a core keeps in flight a one-row q8 step read 9 GB/s on one Zen 4
+ * thread where f16 read 25; 16-bit tiles, which bring more bytes an
+ * iteration, were slower with it.  (Past a tile's end the request falls
+ * on the next tile, as a contiguous cache lays them out; a prefetch never
+ * faults.)  docs/BENCHMARKS.md has the distances tried. */
+enum { AHEAD_K = 1024, AHEAD_V = 2048 };
+MK_INLINE void ahead(const int T, const int W, const bsrc *B, int k, int j)
+{
+    if (T < B_Q8K)
+        return;
+    const size_t row = (size_t)(T >= B_Q4K ? k >> 1 : k) * B->ld;
+    const char *p = (const char *)B->x + row + j +
+                    (T == B_Q8K || T == B_Q4K ? AHEAD_K : AHEAD_V);
+    for (int w = 0; w < W * VL; w += 64)
+        __builtin_prefetch(p + w, 0, 3);
 }
 
 /* acc[r][w] += A[r][k] * b[w] for R rows: one step of the tile below. */
@@ -163,6 +186,7 @@ MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
             k++;
         }
         for (; k + 1 < k1; k += 2) {
+            ahead(T, W, B, k, j);
             const int8_t *row = (const int8_t *)B->x +
                                 (size_t)(k >> 1) * B->ld + j;
             vf lo[8], hi[8];
@@ -187,6 +211,8 @@ MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
         }
     }
     for (; k < k1; k++) {
+        if (!masked)
+            ahead(T, W, B, k, j);
         if (b_first) {
             vf b[8];
             UNROLL
