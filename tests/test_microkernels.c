@@ -303,7 +303,8 @@ static void test_pv_exact_shapes(void **state)
 /* pv_kv on a 16-bit value tile (a KV cache's f16 / bf16 rows, nc x dh)
  * against float64 on the values the tile holds: the stacked rows of a
  * grouped-query decode, whose blocking depends on the rows and the tile's
- * width (AVX-512: four rows against 65..128 columns go as two pairs). */
+ * width (AVX-512: four rows against 65..128 columns go as two pairs); and
+ * with a next tile given (16-bit tiles prefetch it), the same bits. */
 static void test_pv_kv_half(void **state)
 {
     const mha_microkernels *k = *state;
@@ -334,7 +335,8 @@ static void test_pv_kv_half(void **state)
                         for (int d = 0; d < dh; d++)
                             o[(size_t)r * ldo + d] = rng_f(-4.0f, 4.0f);
                     memcpy(o0, o, no * sizeof *o);
-                    k->pv_kv(dts[t], 0, mr, nc, dh, p, ldp, v, nc, o, ldo);
+                    k->pv_kv(dts[t], 0, mr, nc, dh, p, ldp, v, nc, NULL, o,
+                             ldo);
                     check_guard(o, no);
                     check_padding(o, mr, dh, ldo);
                     for (int r = 0; r < mr; r++)
@@ -356,6 +358,29 @@ static void test_pv_kv_half(void **state)
                                          k->name, t ? "bf16" : "f16", mr, nc, dh,
                                          r, d, got, ref, tol);
                         }
+                    /* A next tile to ask for (a paged cache's next page)
+                     * changes no bits, of pv_kv or of qk_kv on the same
+                     * elements read as a key tile (dh x nc). */
+                    uint16_t *next = malloc((size_t)nc * dh * sizeof *next);
+                    float *o1 = malloc(no * sizeof *o1);
+                    float *q = malloc((size_t)mr * dh * sizeof *q);
+                    float *s0 = malloc((size_t)mr * nc * sizeof *s0);
+                    float *s1 = malloc((size_t)mr * nc * sizeof *s1);
+                    assert_true(next && o1 && q && s0 && s1);
+                    memcpy(next, v, (size_t)nc * dh * sizeof *v);
+                    memcpy(o1, o0, no * sizeof *o1);
+                    k->pv_kv(dts[t], 0, mr, nc, dh, p, ldp, v, nc, next, o1,
+                             ldo);
+                    assert_memory_equal(o1, o, no * sizeof *o);
+                    fill(q, (size_t)mr * dh, -1.0f, 1.0f);
+                    k->qk_kv(dts[t], mr, nc, dh, q, v, nc, NULL, s0, nc);
+                    k->qk_kv(dts[t], mr, nc, dh, q, v, nc, next, s1, nc);
+                    assert_memory_equal(s0, s1, (size_t)mr * nc * sizeof *s0);
+                    free(next);
+                    free(o1);
+                    free(q);
+                    free(s0);
+                    free(s1);
                     free(p);
                     free(o);
                     free(o0);

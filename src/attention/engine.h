@@ -203,6 +203,8 @@ typedef struct mha_tile_src {
     int finite;             /* every value finite: the fast pv is exact */
     int rows;               /* read in place (mha_attn.in_place)        */
     int ldk, ldv;
+    const void *next_kt,    /* a paged cache's next page's tiles, when */
+               *next_v;     /* the next tile starts one; else NULL     */
 } mha_tile_src;
 mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
                              float *kvt);
@@ -222,8 +224,8 @@ static inline void mha_tile_qk(const mha_attn *a, const mha_tile_src *src,
         a->uk->qk_rows(mr, nc, (int)a->dh, q, (const float *)src->kt,
                        src->ldk, s, lds);
     else
-        a->uk->qk_kv(src->dtype, mr, nc, (int)a->dh, q, src->kt, MHA_BC, s,
-                     lds);
+        a->uk->qk_kv(src->dtype, mr, nc, (int)a->dh, q, src->kt, MHA_BC,
+                     src->next_kt, s, lds);
 }
 static inline void mha_tile_pv(const mha_attn *a, const mha_tile_src *src,
                                int mr, int nc, const float *p, int ldp,
@@ -234,7 +236,7 @@ static inline void mha_tile_pv(const mha_attn *a, const mha_tile_src *src,
                        (const float *)src->v, src->ldv, o, ldo);
     else
         a->uk->pv_kv(src->dtype, !src->finite, mr, nc, (int)mha_dv(a), p,
-                     ldp, src->v, MHA_BC, o, ldo);
+                     ldp, src->v, MHA_BC, src->next_v, o, ldo);
 }
 
 /* Key j's element d and value j's element d of K/V head g of batch b, read

@@ -24,6 +24,8 @@ typedef struct bsrc {
     const float *s;     /* q8, q4: the scales                          */
     int ld;             /* (q4: bytes per pair of rows)                */
     int blocks;         /* Q8V, Q4V: scales per row                    */
+    const char *next;   /* F16, BF16: the tile read next, laid out as
+                           this one, or NULL (simd_tier.h's ahead)     */
 } bsrc;
 
 /* B[k][j] of a compact B (T: B_F16 .. B_Q4V), one element (the tails). */

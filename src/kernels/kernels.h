@@ -106,12 +106,17 @@ typedef struct mha_microkernels {
      * tile of `cols` columns (ldkt = cols), a v tile of `cols` rows, laid
      * out as mha_kv_tile_bytes says.  Each element is converted to the
      * float it stands for (mha_kv_load below) before it enters the FMA
-     * chain, so the result is bitwise qk / pv on those floats. */
+     * chain, so the result is bitwise qk / pv on those floats.  `next`:
+     * the tile of the same kind read after this one, when it lies
+     * elsewhere (a paged cache's next page), or NULL; a 16-bit tile's
+     * kernel asks for its rows as it reads its own (a prefetch: never a
+     * read, never a fault). */
     void (*qk_kv)(mha_kv_dtype dtype, int mr, int nc, int dh, const float *q,
-                  const void *kt, int cols, float *s, int lds);
+                  const void *kt, int cols, const void *next, float *s,
+                  int lds);
     void (*pv_kv)(mha_kv_dtype dtype, int exact, int mr, int nc, int dh,
-                  const float *p, int ldp, const void *v, int cols, float *o,
-                  int ldo);
+                  const float *p, int ldp, const void *v, int cols,
+                  const void *next, float *o, int ldo);
 
     /* The backward's row work (flash_backward.c), once per element of
      * every (block, tile).  dot_nonzero: sum_c p[c] * d[c] over the c < n

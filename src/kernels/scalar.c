@@ -201,9 +201,10 @@ static void softcap_scalar(float *x, int n, float c, float *dcap)
 /* qk and pv on a KV cache's tiles: the same loops, each element converted
  * as it is read (mha_kt_load, mha_v_load). */
 static void qk_kv_scalar(mha_kv_dtype dtype, int mr, int nc, int dh,
-                         const float *q, const void *kt, int cols, float *s,
-                         int lds)
+                         const float *q, const void *kt, int cols,
+                         const void *next, float *s, int lds)
 {
+    (void)next;   /* (no prefetching here) */
     if (dtype == MHA_KV_F32) {
         qk_scalar(mr, nc, dh, q, kt, cols, s, lds);
         return;
@@ -222,8 +223,9 @@ static void qk_kv_scalar(mha_kv_dtype dtype, int mr, int nc, int dh,
 
 static void pv_kv_scalar(mha_kv_dtype dtype, int exact, int mr, int nc,
                          int dh, const float *p, int ldp, const void *v,
-                         int cols, float *o, int ldo)
+                         int cols, const void *next, float *o, int ldo)
 {
+    (void)next;
     if (dtype == MHA_KV_F32) {
         (exact ? pv_exact_scalar : pv_scalar)(mr, nc, dh, p, ldp, v, o, ldo);
         return;

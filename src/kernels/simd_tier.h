@@ -102,17 +102,31 @@ MK_INLINE vf ldb(const int T, const bsrc *b, int k, int j, const int masked,
     return vf_mul(c, vf_set1(b->s[(size_t)k * b->blocks + j / MHA_Q8_BLOCK]));
 }
 
-/* A tile of 8- or 4-bit codes asks for the bytes AHEAD_K (a key tile)
- * or AHEAD_V (a value tile) past the row it is about to read.  A decoding
- * step reads 64 or 128 bytes of codes an iteration, and with only the
- * loads a core keeps in flight a one-row q8 step read 9 GB/s on one Zen 4
- * thread where f16 read 25; 16-bit tiles, which bring more bytes an
- * iteration, were slower with it.  (Past a tile's end the request falls
- * on the next tile, as a contiguous cache lays them out; a prefetch never
- * faults.)  docs/BENCHMARKS.md has the distances tried. */
+/* What a cache's tile asks for before it reads row k, columns j ..
+ * j + W VL - 1 (a prefetch changes no bits; docs/BENCHMARKS.md has what
+ * was tried):
+ * - 8- and 4-bit codes: the bytes AHEAD_K (a key tile) or AHEAD_V (a
+ *   value tile) past them.  A decoding step reads 64 or 128 bytes of
+ *   codes an iteration, and with only the loads a core keeps in flight a
+ *   one-row q8 step read 9 GB/s on one Zen 4 thread where f16 read 25.
+ *   (Past a tile's end the request falls on the next tile, as a
+ *   contiguous cache lays them out.)
+ * - 16-bit elements, when the tile read next lies elsewhere (B->next: a
+ *   paged cache's next page): the same row of that tile, so that it
+ *   arrives spread over this tile's walk (the hardware's prefetchers
+ *   follow addresses and cannot find it).  Not ahead in the same tile:
+ *   16-bit rows bring twice the bytes an iteration, and that was slower. */
 enum { AHEAD_K = 1024, AHEAD_V = 2048 };
 MK_INLINE void ahead(const int T, const int W, const bsrc *B, int k, int j)
 {
+    if (T == B_F16 || T == B_BF16) {
+        if (!B->next)
+            return;
+        const char *p = B->next + ((size_t)k * B->ld + j) * 2;
+        for (int w = 0; w < W * VL * 2; w += 64)
+            __builtin_prefetch(p + w, 0, 3);
+        return;
+    }
     if (T < B_Q8K)
         return;
     const size_t row = (size_t)(T >= B_Q4K ? k >> 1 : k) * B->ld;
@@ -423,7 +437,7 @@ MK_INLINE void gemm(const int RMAX, const int mode, const int T, int M, int N,
 /* A float B of ld columns. */
 MK_INLINE bsrc f32(const float *x, int ld)
 {
-    const bsrc b = {x, NULL, ld, 0};
+    const bsrc b = {x, NULL, ld, 0, NULL};
     return b;
 }
 
@@ -467,10 +481,10 @@ static void pv_rows_k(int exact, int mr, int nc, int dh, const float *p,
 /* qk and pv on a KV cache's tiles (kernels.h): the same blocking, B
  * converted as it is loaded. */
 static void qk_kv_k(mha_kv_dtype dtype, int mr, int nc, int dh,
-                    const float *q, const void *kt, int cols, float *s,
-                    int lds)
+                    const float *q, const void *kt, int cols,
+                    const void *next, float *s, int lds)
 {
-    const bsrc B = {kt, mha_q8_scales(kt, cols, dh), cols, 0};
+    const bsrc B = {kt, mha_q8_scales(kt, cols, dh), cols, 0, next};
 #define QK_KV(T) gemm(TIER_RMAX, MODE_SET, T, mr, nc, dh, q, dh, 1, &B, s, lds)
     switch (dtype) {
     case MHA_KV_F16: QK_KV(B_F16); break;
@@ -484,10 +498,10 @@ static void qk_kv_k(mha_kv_dtype dtype, int mr, int nc, int dh,
 
 static void pv_kv_k(mha_kv_dtype dtype, int exact, int mr, int nc, int dh,
                     const float *p, int ldp, const void *v, int cols,
-                    float *o, int ldo)
+                    const void *next, float *o, int ldo)
 {
     const bsrc B = {v, mha_q8_scales(v, cols, dh), dh,
-                    (int)mha_q8_blocks(dh)};
+                    (int)mha_q8_blocks(dh), next};
 #define PV_KV(T)                                                            \
     (exact ? gemm(TIER_RMAX_EXACT, MODE_ACC_EXACT, T, mr, dh, nc, p, ldp, 1,\
                   &B, o, ldo)                                               \
@@ -580,7 +594,8 @@ MK_INLINE void widen_t_as(const mha_kv_dtype T, const void *x, int64_t ldx,
 MK_INLINE void widen_rows_q(const int T, const void *x, int n, int dh,
                             float *v, int dv)
 {
-    const bsrc b = {x, mha_q8_scales(x, n, dh), dh, (int)mha_q8_blocks(dh)};
+    const bsrc b = {x, mha_q8_scales(x, n, dh), dh, (int)mha_q8_blocks(dh),
+                    NULL};
     const vtail all = vt_make(VL);
     for (int c = 0; c < n; c++) {
         float *vr = v + (size_t)c * dv;
