@@ -38,11 +38,9 @@
  * Each C element is acc = fma(A[r][k], B[k][j], acc) for k = 0, 1, ...,
  * starting from C (FROM_C) or from 0; with ADD the finished sum is then
  * added to C (pv_add, pvt).  EXACT skips the terms whose A is zero.
+ * NEXT (16-bit B only) asks for B->next's rows as B's are read (ahead).
  */
-enum { FROM_C = 1, EXACT = 2, ADD = 4 };
-#ifndef PF8
-#define PF8 8
-#endif   /* (B's storage: bsrc.h) */
+enum { FROM_C = 1, EXACT = 2, ADD = 4, NEXT = 8 };   /* (B's storage: bsrc.h) */
 
 /* The register block's loops over its rows and vectors, unrolled whatever
  * the optimisation level: at -O2 GCC left them as loops over arrays of
@@ -115,12 +113,15 @@ MK_INLINE vf ldb(const int T, const bsrc *b, int k, int j, const int masked,
  *   paged cache's next page): the same row of that tile, so that it
  *   arrives spread over this tile's walk (the hardware's prefetchers
  *   follow addresses and cannot find it).  Not ahead in the same tile:
- *   16-bit rows bring twice the bytes an iteration, and that was slower. */
+ *   16-bit rows bring twice the bytes an iteration, and that was slower.
+ *   A mode bit of its own (NEXT), not a test of B->next in the loop: that
+ *   test alone cost a contiguous cache's step 2-3%. */
 enum { AHEAD_K = 1024, AHEAD_V = 2048 };
-MK_INLINE void ahead(const int T, const int W, const bsrc *B, int k, int j)
+MK_INLINE void ahead(const int T, const int W, const int mode,
+                     const bsrc *B, int k, int j)
 {
     if (T == B_F16 || T == B_BF16) {
-        if (!B->next)
+        if (!(mode & NEXT))
             return;
         const char *p = B->next + ((size_t)k * B->ld + j) * 2;
         for (int w = 0; w < W * VL * 2; w += 64)
@@ -200,7 +201,7 @@ MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
             k++;
         }
         for (; k + 1 < k1; k += 2) {
-            ahead(T, W, B, k, j);
+            ahead(T, W, mode, B, k, j);
             const int8_t *row = (const int8_t *)B->x +
                                 (size_t)(k >> 1) * B->ld + j;
             vf lo[8], hi[8];
@@ -226,7 +227,7 @@ MK_INLINE void tile(const int R, const int W, const int masked, const int mode,
     }
     for (; k < k1; k++) {
         if (!masked)
-            ahead(T, W, B, k, j);
+            ahead(T, W, mode, B, k, j);
         if (b_first) {
             vf b[8];
             UNROLL
@@ -413,7 +414,7 @@ MK_INLINE void gemm(const int RMAX, const int mode, const int T, int M, int N,
      * cache, where four rows would cross it in two column blocks by
      * slabs; for elements a load or one conversion makes floats (8-bit
      * codes cost their conversion twice: slower).  docs/KERNELS.md. */
-    if (M == 4 && mode == MODE_ACC && T <= B_BF16 && N > VL * TIER_WM &&
+    if (M == 4 && (mode & ~NEXT) == MODE_ACC && T <= B_BF16 && N > VL * TIER_WM &&
         N <= VL * TIER_W2) {
         panel(2, mode, T, 1, N, K, A, lda, ska, B, C, ldc);
         panel(2, mode, T, 1, N, K, A + 2 * (size_t)lda, lda, ska, B,
@@ -485,12 +486,17 @@ static void qk_kv_k(mha_kv_dtype dtype, int mr, int nc, int dh,
                     const void *next, float *s, int lds)
 {
     const bsrc B = {kt, mha_q8_scales(kt, cols, dh), cols, 0, next};
-#define QK_KV(T) gemm(TIER_RMAX, MODE_SET, T, mr, nc, dh, q, dh, 1, &B, s, lds)
+#define QK_KV(T, mode)                                                      \
+    gemm(TIER_RMAX, mode, T, mr, nc, dh, q, dh, 1, &B, s, lds)
     switch (dtype) {
-    case MHA_KV_F16: QK_KV(B_F16); break;
-    case MHA_KV_BF16: QK_KV(B_BF16); break;
-    case MHA_KV_Q8: QK_KV(B_Q8K); break;
-    case MHA_KV_Q4: QK_KV(B_Q4K); break;
+    case MHA_KV_F16:
+        next ? QK_KV(B_F16, MODE_SET | NEXT) : QK_KV(B_F16, MODE_SET);
+        break;
+    case MHA_KV_BF16:
+        next ? QK_KV(B_BF16, MODE_SET | NEXT) : QK_KV(B_BF16, MODE_SET);
+        break;
+    case MHA_KV_Q8: QK_KV(B_Q8K, MODE_SET); break;
+    case MHA_KV_Q4: QK_KV(B_Q4K, MODE_SET); break;
     default: qk_k(mr, nc, dh, q, kt, cols, s, lds);
     }
 #undef QK_KV
@@ -506,9 +512,19 @@ static void pv_kv_k(mha_kv_dtype dtype, int exact, int mr, int nc, int dh,
     (exact ? gemm(TIER_RMAX_EXACT, MODE_ACC_EXACT, T, mr, dh, nc, p, ldp, 1,\
                   &B, o, ldo)                                               \
            : gemm(TIER_RMAX, MODE_ACC, T, mr, dh, nc, p, ldp, 1, &B, o, ldo))
+    /* (the next tile's prefetch on the fast form only: the exact one is
+     * for the rare tile holding NaN or Inf) */
     switch (dtype) {
-    case MHA_KV_F16: PV_KV(B_F16); break;
-    case MHA_KV_BF16: PV_KV(B_BF16); break;
+    case MHA_KV_F16:
+        next && !exact ? gemm(TIER_RMAX, MODE_ACC | NEXT, B_F16, mr, dh, nc,
+                              p, ldp, 1, &B, o, ldo)
+                       : PV_KV(B_F16);
+        break;
+    case MHA_KV_BF16:
+        next && !exact ? gemm(TIER_RMAX, MODE_ACC | NEXT, B_BF16, mr, dh, nc,
+                              p, ldp, 1, &B, o, ldo)
+                       : PV_KV(B_BF16);
+        break;
     case MHA_KV_Q8: PV_KV(B_Q8V); break;
     case MHA_KV_Q4: PV_KV(B_Q4V); break;
     default: PV_KV(B_F32);
