@@ -234,6 +234,33 @@ static void test_qk_splits_bitwise(void **state)
 typedef void (*pv_fn)(int, int, int, const float *, int, const float *,
                       float *, int);
 
+/* o, written by a pv over mr rows, against o0 + p v in float64, v [nc][dh]
+ * the tile's values as floats: within nc + 1 roundings of float of the
+ * terms' magnitudes; its guard and padding untouched. */
+static void check_pv_f64(const char *tier, const char *what, int mr, int nc,
+                         int dh, const float *p, int ldp, const float *v,
+                         const float *o0, const float *o, size_t no, int ldo)
+{
+    check_guard(o, no);
+    check_padding(o, mr, dh, ldo);
+    for (int r = 0; r < mr; r++)
+        for (int d = 0; d < dh; d++) {
+            double ref = o0[(size_t)r * ldo + d];
+            double mag = fabs(ref);
+            for (int c = 0; c < nc; c++) {
+                const double t = (double)p[(size_t)r * ldp + c] * v[c * dh + d];
+                ref += t;
+                mag += fabs(t);
+            }
+            const double got = o[(size_t)r * ldo + d];
+            const double tol = (nc + 1) * ldexp(mag, -23) + 1e-30;
+            if (!(fabs(got - ref) <= tol))
+                fail_msg("%s %s mr=%d nc=%d dh=%d o[%d][%d] = %.9g, want %.9g "
+                         "(tol %.3g)", tier, what, mr, nc, dh, r, d, got, ref,
+                         tol);
+        }
+}
+
 static void run_pv_shape(const mha_microkernels *k, int exact, int mr, int nc,
                          int dh)
 {
@@ -256,24 +283,8 @@ static void run_pv_shape(const mha_microkernels *k, int exact, int mr, int nc,
 
     fn(mr, nc, dh, p, ldp, v, o, ldo);
 
-    check_guard(o, no);
-    check_padding(o, mr, dh, ldo);
-    for (int r = 0; r < mr; r++)
-        for (int d = 0; d < dh; d++) {
-            double ref = o0[(size_t)r * ldo + d];
-            double mag = fabs(ref);
-            for (int c = 0; c < nc; c++) {
-                const double t = (double)p[(size_t)r * ldp + c] * v[c * dh + d];
-                ref += t;
-                mag += fabs(t);
-            }
-            const double got = o[(size_t)r * ldo + d];
-            const double tol = (nc + 1) * ldexp(mag, -23) + 1e-30;
-            if (!(fabs(got - ref) <= tol))
-                fail_msg("%s %s mr=%d nc=%d dh=%d o[%d][%d] = %.9g, want %.9g "
-                         "(tol %.3g)", k->name, exact ? "pv_exact" : "pv", mr,
-                         nc, dh, r, d, got, ref, tol);
-        }
+    check_pv_f64(k->name, exact ? "pv_exact" : "pv", mr, nc, dh, p, ldp, v,
+                 o0, o, no, ldo);
     free(p);
     free(v);
     free(o);
@@ -304,7 +315,54 @@ static void test_pv_exact_shapes(void **state)
  * against float64 on the values the tile holds: the stacked rows of a
  * grouped-query decode, whose blocking depends on the rows and the tile's
  * width (AVX-512: four rows against 65..128 columns go as two pairs); and
- * with a next tile given (16-bit tiles prefetch it), the same bits. */
+ * with a next tile given (16-bit tiles prefetch it), the same bits, of
+ * pv_kv and of qk_kv on the same elements read as a key tile (dh x nc). */
+static void run_pv_kv_half(const mha_microkernels *k, mha_kv_dtype dt, int mr,
+                           int nc, int dh)
+{
+    const int ldp = nc + 7, ldo = dh + 1;
+    const size_t np = (size_t)(mr - 1) * ldp + nc, nv = (size_t)nc * dh;
+    const size_t no = (size_t)(mr - 1) * ldo + dh;
+    float *p = in_buf(np), *o = out_buf(no), *vf = in_buf(nv);
+    float *o0 = in_buf(no), *o1 = in_buf(no), *q = in_buf((size_t)mr * dh);
+    float *s0 = in_buf((size_t)mr * nc), *s1 = in_buf((size_t)mr * nc);
+    uint16_t *v = malloc(nv * sizeof *v), *next = malloc(nv * sizeof *next);
+    assert_true(v && next);
+    fill(p, np, 0.0f, 1.0f);
+    for (size_t i = 0; i < nv; i++) {
+        const float x = rng_f(-1.0f, 1.0f);
+        v[i] = dt == MHA_KV_F16 ? mha_f16_from_float(x)
+                                : mha_bf16_from_float(x);
+        vf[i] = mha_kv_elem(dt, v, (int64_t)i);   /* the value it holds */
+    }
+    for (int r = 0; r < mr; r++)
+        for (int d = 0; d < dh; d++)
+            o[(size_t)r * ldo + d] = rng_f(-4.0f, 4.0f);
+    memcpy(o0, o, no * sizeof *o);
+    memcpy(o1, o, no * sizeof *o);
+    k->pv_kv(dt, 0, mr, nc, dh, p, ldp, v, nc, NULL, o, ldo);
+    check_pv_f64(k->name, dt == MHA_KV_F16 ? "pv_kv f16" : "pv_kv bf16", mr,
+                 nc, dh, p, ldp, vf, o0, o, no, ldo);
+
+    memcpy(next, v, nv * sizeof *v);
+    k->pv_kv(dt, 0, mr, nc, dh, p, ldp, v, nc, next, o1, ldo);
+    assert_memory_equal(o1, o, no * sizeof *o);
+    fill(q, (size_t)mr * dh, -1.0f, 1.0f);
+    k->qk_kv(dt, mr, nc, dh, q, v, nc, NULL, s0, nc);
+    k->qk_kv(dt, mr, nc, dh, q, v, nc, next, s1, nc);
+    assert_memory_equal(s0, s1, (size_t)mr * nc * sizeof *s0);
+    free(p);
+    free(o);
+    free(vf);
+    free(o0);
+    free(o1);
+    free(q);
+    free(s0);
+    free(s1);
+    free(v);
+    free(next);
+}
+
 static void test_pv_kv_half(void **state)
 {
     const mha_microkernels *k = *state;
@@ -315,77 +373,8 @@ static void test_pv_kv_half(void **state)
     for (int t = 0; t < COUNT(dts); t++)
         for (int a = 0; a < COUNT(mrs); a++)
             for (int b = 0; b < COUNT(ncs); b++)
-                for (int c = 0; c < COUNT(dhs); c++) {
-                    const int mr = mrs[a], nc = ncs[b], dh = dhs[c];
-                    const int ldp = nc + 7, ldo = dh + 1;
-                    const size_t np = (size_t)(mr - 1) * ldp + nc;
-                    const size_t no = (size_t)(mr - 1) * ldo + dh;
-                    float *p = in_buf(np), *o = out_buf(no);
-                    float *o0 = malloc(no * sizeof *o0);
-                    uint16_t *v = malloc((size_t)nc * dh * sizeof *v);
-                    assert_non_null(o0);
-                    assert_non_null(v);
-                    fill(p, np, 0.0f, 1.0f);
-                    for (size_t i = 0; i < (size_t)nc * dh; i++) {
-                        const float x = rng_f(-1.0f, 1.0f);
-                        v[i] = dts[t] == MHA_KV_F16 ? mha_f16_from_float(x)
-                                                   : mha_bf16_from_float(x);
-                    }
-                    for (int r = 0; r < mr; r++)
-                        for (int d = 0; d < dh; d++)
-                            o[(size_t)r * ldo + d] = rng_f(-4.0f, 4.0f);
-                    memcpy(o0, o, no * sizeof *o);
-                    k->pv_kv(dts[t], 0, mr, nc, dh, p, ldp, v, nc, NULL, o,
-                             ldo);
-                    check_guard(o, no);
-                    check_padding(o, mr, dh, ldo);
-                    for (int r = 0; r < mr; r++)
-                        for (int d = 0; d < dh; d++) {
-                            double ref = o0[(size_t)r * ldo + d],
-                                   mag = fabs(ref);
-                            for (int j = 0; j < nc; j++) {
-                                const double e = (double)p[(size_t)r * ldp + j] *
-                                    mha_kv_elem(dts[t], v, (int64_t)j * dh + d);
-                                ref += e;
-                                mag += fabs(e);
-                            }
-                            /* as run_pv_shape: nc + 1 roundings of float */
-                            const double got = o[(size_t)r * ldo + d];
-                            const double tol = (nc + 1) * ldexp(mag, -23) + 1e-30;
-                            if (!(fabs(got - ref) <= tol))
-                                fail_msg("%s pv_kv %s mr=%d nc=%d dh=%d "
-                                         "o[%d][%d] = %.9g, want %.9g (tol %.3g)",
-                                         k->name, t ? "bf16" : "f16", mr, nc, dh,
-                                         r, d, got, ref, tol);
-                        }
-                    /* A next tile to ask for (a paged cache's next page)
-                     * changes no bits, of pv_kv or of qk_kv on the same
-                     * elements read as a key tile (dh x nc). */
-                    uint16_t *next = malloc((size_t)nc * dh * sizeof *next);
-                    float *o1 = malloc(no * sizeof *o1);
-                    float *q = malloc((size_t)mr * dh * sizeof *q);
-                    float *s0 = malloc((size_t)mr * nc * sizeof *s0);
-                    float *s1 = malloc((size_t)mr * nc * sizeof *s1);
-                    assert_true(next && o1 && q && s0 && s1);
-                    memcpy(next, v, (size_t)nc * dh * sizeof *v);
-                    memcpy(o1, o0, no * sizeof *o1);
-                    k->pv_kv(dts[t], 0, mr, nc, dh, p, ldp, v, nc, next, o1,
-                             ldo);
-                    assert_memory_equal(o1, o, no * sizeof *o);
-                    fill(q, (size_t)mr * dh, -1.0f, 1.0f);
-                    k->qk_kv(dts[t], mr, nc, dh, q, v, nc, NULL, s0, nc);
-                    k->qk_kv(dts[t], mr, nc, dh, q, v, nc, next, s1, nc);
-                    assert_memory_equal(s0, s1, (size_t)mr * nc * sizeof *s0);
-                    free(next);
-                    free(o1);
-                    free(q);
-                    free(s0);
-                    free(s1);
-                    free(p);
-                    free(o);
-                    free(o0);
-                    free(v);
-                }
+                for (int c = 0; c < COUNT(dhs); c++)
+                    run_pv_kv_half(k, dts[t], mrs[a], ncs[b], dhs[c]);
 }
 
 /*

@@ -414,8 +414,8 @@ MK_INLINE void gemm(const int RMAX, const int mode, const int T, int M, int N,
      * cache, where four rows would cross it in two column blocks by
      * slabs; for elements a load or one conversion makes floats (8-bit
      * codes cost their conversion twice: slower).  docs/KERNELS.md. */
-    if (M == 4 && (mode & ~NEXT) == MODE_ACC && T <= B_BF16 && N > VL * TIER_WM &&
-        N <= VL * TIER_W2) {
+    if (M == 4 && (mode & ~NEXT) == MODE_ACC && T <= B_BF16 &&
+        N > VL * TIER_WM && N <= VL * TIER_W2) {
         panel(2, mode, T, 1, N, K, A, lda, ska, B, C, ldc);
         panel(2, mode, T, 1, N, K, A + 2 * (size_t)lda, lda, ska, B,
               C + 2 * (size_t)ldc, ldc);
@@ -508,28 +508,24 @@ static void pv_kv_k(mha_kv_dtype dtype, int exact, int mr, int nc, int dh,
 {
     const bsrc B = {v, mha_q8_scales(v, cols, dh), dh,
                     (int)mha_q8_blocks(dh), next};
-#define PV_KV(T)                                                            \
-    (exact ? gemm(TIER_RMAX_EXACT, MODE_ACC_EXACT, T, mr, dh, nc, p, ldp, 1,\
-                  &B, o, ldo)                                               \
-           : gemm(TIER_RMAX, MODE_ACC, T, mr, dh, nc, p, ldp, 1, &B, o, ldo))
+#define PV_KV_AS(T, mode)                                                   \
+    gemm(RMAX_OF(mode), mode, T, mr, dh, nc, p, ldp, 1, &B, o, ldo)
+#define PV_KV(T) (exact ? PV_KV_AS(T, MODE_ACC_EXACT) : PV_KV_AS(T, MODE_ACC))
     /* (the next tile's prefetch on the fast form only: the exact one is
      * for the rare tile holding NaN or Inf) */
     switch (dtype) {
     case MHA_KV_F16:
-        next && !exact ? gemm(TIER_RMAX, MODE_ACC | NEXT, B_F16, mr, dh, nc,
-                              p, ldp, 1, &B, o, ldo)
-                       : PV_KV(B_F16);
+        next && !exact ? PV_KV_AS(B_F16, MODE_ACC | NEXT) : PV_KV(B_F16);
         break;
     case MHA_KV_BF16:
-        next && !exact ? gemm(TIER_RMAX, MODE_ACC | NEXT, B_BF16, mr, dh, nc,
-                              p, ldp, 1, &B, o, ldo)
-                       : PV_KV(B_BF16);
+        next && !exact ? PV_KV_AS(B_BF16, MODE_ACC | NEXT) : PV_KV(B_BF16);
         break;
     case MHA_KV_Q8: PV_KV(B_Q8V); break;
     case MHA_KV_Q4: PV_KV(B_Q4V); break;
     default: PV_KV(B_F32);
     }
 #undef PV_KV
+#undef PV_KV_AS
 }
 
 /* Rows of keys widened and transposed (kernels.h): VL x VL blocks, each
