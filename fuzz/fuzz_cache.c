@@ -8,7 +8,7 @@
  * q8's blocks of 32 split in two past 32 --, capacity 1..12, dtype f32,
  * f16, bf16, q8 or q4 (d_h made even), rotated or not (d_h made even),
  * a window 0 or 1..capacity, or no window and pages of
- * 64 in a pool of 1..batch pages); each next byte pair is an
+ * 64 or 16 in a pool of 1..batch tiles' worth); each next byte pair is an
  * operation and its argument.  Values come from a generator seeded by the
  * input's hash.  Contract checks (trap if broken):
  *   - a call either succeeds or fails with a message; a refused call
@@ -205,9 +205,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if ((s.c.dtype == MHA_KV_Q4 || s.c.rotate) && s.c.head_dim % 2)
         s.c.head_dim++;   /* two codes a byte; rotation pairs */
     s.c.window = data[5] % 3 ? 0 : 1 + (data[5] / 3) % s.c.capacity;
-    if (!s.c.window && data[5] & 8) {   /* paged, a pool of 1 .. B pages */
-        s.c.page_size = 64;
-        s.c.num_pages = 1 + (data[5] >> 4) % s.c.batch;
+    if (!s.c.window && data[5] & 8) {   /* paged: pages of 64 or 16 (a */
+        s.c.page_size = data[5] & 4 ? 16 : 64;   /* tile is 4 of them), */
+        s.c.num_pages =   /* a pool of 1 .. B tiles' worth of pages */
+            1 + (data[5] >> 4) % (s.c.batch * (64 / s.c.page_size));
     }
     s.row = s.c.num_kv_heads * s.c.head_dim;
     mha_kv_cache *kv = NULL;

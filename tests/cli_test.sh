@@ -1095,6 +1095,9 @@ jcheck "bench --decode --paged --shared-prefix 64 --batch 3 --seq 2" "$jdec_attn
 jcheck "bench --decode --paged --page-size 128 --shared-prefix 40 --batch 3" "$jdec_attn and j['page_size'] == 128 and j['shared_prefix'] == 40 and j['kv_keys'] == 300 and j['cache_bytes'] == 3 * 128 * 2 * 2 * 8 * 4" \
   -- "$mha" bench "${dec[@]}" --attention-only --paged --page-size 128 --shared-prefix 40 --batch 3 --threads 1 --json
 expect 0 "^  pages   6 of 64 positions: 0.0 MiB held for 0.0 MiB of tokens \(1.2800x\)$" -- "$mha" bench "${dec[@]}" --attention-only --paged --batch 3 --threads 1
+# pages of 16: 3 x ceil(101 / 16) = 21 pages (the step's token included)
+jcheck "bench --decode --paged --page-size 16 --batch 3" "$jdec_attn and j['page_size'] == 16 and j['kv_keys'] == 300 and j['cache_bytes'] == 21 * 16 * 2 * 2 * 8 * 4" \
+  -- "$mha" bench "${dec[@]}" --attention-only --paged --page-size 16 --batch 3 --threads 2 --json
 expect 1 "^mha bench: --page-size needs --paged$" -- "$mha" bench "${dec[@]}" --page-size 64
 # --v-head-dim: values of another width (H_kv 1, d_h 24, d_v 16: a key's
 # and a value's 24 + 16 floats a token); --kv-latent: the values the

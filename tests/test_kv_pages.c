@@ -194,12 +194,16 @@ static void test_programs(void **state)
 {
     (void)state;
     static const mha_kv_dtype dts[] = {MHA_KV_F32, MHA_KV_F16, MHA_KV_BF16,
-                                       MHA_KV_Q8};
-    /* pools of 8 pages of 64 and 4 of 128: less than the 4 x 5 (4 x 3)
-     * pages that full sequences would take */
-    for (int d = 0; d < 4; d++) {
+                                       MHA_KV_Q8, MHA_KV_Q4};
+    /* pools of 8 pages of 64 and 4 of 128 (less than the 4 x 5, 4 x 3
+     * pages that full sequences would take), and pages smaller than a
+     * kernel's tile, 30 of 16 and 15 of 32 (of 4 x 19, 4 x 10): a tile
+     * read from 4 or 2 pages must give the bits of a contiguous one */
+    for (int d = 0; d < 5; d++) {
         program(dts[d], 64, 8, 100 + (uint64_t)d, 1500);
         program(dts[d], 128, 4, 200 + (uint64_t)d, 1500);
+        program(dts[d], 16, 30, 300 + (uint64_t)d, 1500);
+        program(dts[d], 32, 15, 400 + (uint64_t)d, 1500);
     }
 }
 
@@ -326,18 +330,17 @@ static void test_module_forward(void **state)
     mha_free(m);
 }
 
-/* 64 ragged sequences (lengths 256 .. 8192) in pages of 64: the pages
- * hold at most 1.1x their tokens' bytes (each sequence wastes < 64
- * positions of its last page), where a contiguous cache holds the
+/* 64 ragged sequences (lengths 256 .. 8192) in pages of 64 or 16: the
+ * pages hold at most 1.1x their tokens' bytes (each sequence wastes <
+ * 64 positions of its last page), where a contiguous cache holds the
  * capacity times the batch. */
-static void test_memory_ragged(void **state)
+static void memory_ragged(int64_t page)
 {
-    (void)state;
     enum { NS = 64, MAXLEN = 8192 };
     mha_kv_cache_config cc = {0};
     cc.batch = NS, cc.num_kv_heads = 1, cc.head_dim = 16;
-    cc.capacity = MAXLEN, cc.dtype = MHA_KV_F16, cc.page_size = 64;
-    cc.num_pages = NS * MAXLEN / 64 * 3 / 4;   /* 3/4 of a contiguous one */
+    cc.capacity = MAXLEN, cc.dtype = MHA_KV_F16, cc.page_size = page;
+    cc.num_pages = NS * MAXLEN / page * 3 / 4;   /* 3/4 of a contiguous one */
     mha_kv_cache *kv = NULL;
     assert_int_equal(mha_kv_cache_create(&cc, &kv), MHA_OK);
     static float k[MAXLEN * 16], v[MAXLEN * 16];
@@ -351,13 +354,21 @@ static void test_memory_ragged(void **state)
     mha_kv_cache_usage u;
     assert_int_equal(mha_kv_cache_get_usage(kv, &u), MHA_OK);
     const double ratio = (double)u.bytes / (double)u.token_bytes;
-    print_message("64 ragged sequences, %lld tokens: pages hold %.4fx their "
-                  "bytes (%lld of %lld pages)\n", (long long)u.tokens, ratio,
+    print_message("64 ragged sequences, %lld tokens, pages of %lld: pages "
+                  "hold %.4fx their bytes (%lld of %lld pages)\n",
+                  (long long)u.tokens, (long long)page, ratio,
                   (long long)u.pages_used,
                   (long long)(u.pages_used + u.pages_free));
     assert_true(ratio >= 1.0 && ratio <= 1.1);
     assert_int_equal(u.token_bytes, u.tokens * 2 * 16 * 2);   /* K, V f16 */
     mha_kv_cache_free(kv);
+}
+
+static void test_memory_ragged(void **state)
+{
+    (void)state;
+    memory_ragged(64);
+    memory_ragged(16);
 }
 
 /* Each sequence of a ragged step `d` (already run: its out / out16 and
@@ -499,7 +510,8 @@ static void test_ragged_step(void **state)
  * lse must still be bitwise those of a cache holding it alone, on 1, 2
  * and 3 threads, in f16 and q8, paged and contiguous, with RoPE,
  * softcap, ALiBi, the window modifier and sinks (each of which reads the
- * sequence's own length), bf16 queries too, and where a run breaks:
+ * sequence's own length), pages of 64 and of 16 (a kernel's tile then 4
+ * pages), bf16 queries too, and where a run breaks:
  * 1,023 then 1,024 keys (whole, then split), a sequence with no new
  * token, another count. */
 enum { RB = 13, RCAP = 1700 };
@@ -519,11 +531,12 @@ static void test_ragged_runs(void **state)
     int64_t qpos[32];
     tu_fill(q, T * E, 61, -1, 1);
     static const mha_kv_dtype dts[2] = {MHA_KV_F16, MHA_KV_Q8};
-    for (int cfg = 0; cfg < 4; cfg++) {
+    static const int64_t pages[3] = {0, 64, 16};
+    for (int cfg = 0; cfg < 6; cfg++) {
         mha_kv_cache_config cc = {0};
         cc.batch = RB, cc.num_kv_heads = HKV, cc.head_dim = DH;
         cc.capacity = RCAP, cc.dtype = dts[cfg & 1];
-        cc.page_size = cfg & 2 ? 64 : 0;
+        cc.page_size = pages[cfg / 2];
         mha_kv_cache *kv = NULL, *alone[RB];
         assert_int_equal(mha_kv_cache_create(&cc, &kv), MHA_OK);
         mha_kv_cache_config one = cc;
@@ -577,23 +590,24 @@ static void test_ragged_runs(void **state)
     }
 }
 
-/* Window caches (W = 100, a ring of 256 slots) paged (pages of 64) and
- * contiguous, the same random operations: the paged one gives back the
+/* Window caches (W = 100, a ring of 256 slots) paged (pages of 64, and
+ * of 16) and contiguous, the same random operations: the paged one gives back the
  * pages whose positions all fell out of the window, and holds no more
  * than the window's pages per sequence once it has; its steps and reads
  * give the contiguous ring's bits.  A rollback the paged ring refuses
  * (its oldest position given back) is one the contiguous ring still
  * allows, never the reverse. */
-static void test_window_pages(void **state)
+static void window_pages(int64_t page)
 {
-    (void)state;
     enum { W = 100, RING = 256 };
+    /* fewer than 4 sequences' windows take (3 pages of 64, 8 of 16) */
+    const int64_t pool = page == 64 ? 9 : 24;
     mha_kv_cache_config cc = {0};
     cc.batch = B, cc.num_kv_heads = HKV, cc.head_dim = DH;
     cc.capacity = RING, cc.window = W, cc.dtype = MHA_KV_BF16;
     mha_kv_cache *flat = NULL, *paged = NULL;
     assert_int_equal(mha_kv_cache_create(&cc, &flat), MHA_OK);
-    cc.page_size = 64, cc.num_pages = 9;   /* < 4 sequences x 3 pages */
+    cc.page_size = page, cc.num_pages = pool;
     assert_int_equal(mha_kv_cache_create(&cc, &paged), MHA_OK);
     rng_state = 11;
     static float k[128 * EKV], v[128 * EKV];
@@ -644,23 +658,25 @@ static void test_window_pages(void **state)
         assert_true(mha_kv_pages_consistent(paged));
         mha_kv_cache_usage u;
         assert_int_equal(mha_kv_cache_get_usage(paged, &u), MHA_OK);
-        assert_int_equal(u.pages_used + u.pages_free, 9);
-        freed_some |= u.pages_used < u.tokens / 64;
+        assert_int_equal(u.pages_used + u.pages_free, pool);
+        freed_some |= u.pages_used < u.tokens / page;
         for (int64_t s = 0; s < B; s++)
             assert_int_equal(mha_kv_cache_length(paged, s),
                              mha_kv_cache_length(flat, s));
     }
-    print_message("window pages: %d appends refused (pool full), pages "
-                  "given back: %s\n", refused, freed_some ? "yes" : "no");
+    print_message("window pages of %lld: %d appends refused (pool full), "
+                  "pages given back: %s\n", (long long)page, refused,
+                  freed_some ? "yes" : "no");
     assert_true(refused > 0 && freed_some);   /* both exercised */
-    /* one long sequence alone: at most ceil((W + 64) / 64) + 1 pages */
+    /* one long sequence alone: the pages W positions can straddle, and
+     * the one being written */
     assert_int_equal(mha_kv_cache_reset(paged, -1), MHA_OK);
     for (int t = 0; t < 1000; t++) {
         tu_fill(k, EKV, (uint64_t)t, -2, 2);
         assert_int_equal(mha_kv_cache_append(paged, 0, k, k, 1), MHA_OK);
         mha_kv_cache_usage u;
         assert_int_equal(mha_kv_cache_get_usage(paged, &u), MHA_OK);
-        assert_true(u.pages_used <= 3);
+        assert_true(u.pages_used <= (W + page - 1) / page + 1);
     }
     cc.capacity = 300;   /* not whole pages */
     mha_kv_cache *bad = NULL;
@@ -670,22 +686,28 @@ static void test_window_pages(void **state)
     mha_kv_cache_free(paged);
 }
 
+static void test_window_pages(void **state)
+{
+    (void)state;
+    window_pages(64);
+    window_pages(16);
+}
+
 /* share_prefix: four forks of a 300-token prompt (a fifth sequence, the
  * first, its own), each with its own tokens and a step of 1 or 5: the cascade's rows
  * against float64 softmax over the keys each sequence holds, within the
  * bound of test_step_vs_float64 (the merge of two parts adds a few
  * roundings of each row); the same bits on 1, 2 and 3 threads; refused
  * with ALiBi. */
-static void test_shared_prefix(void **state)
+static void shared_prefix(int64_t page)
 {
-    (void)state;
     enum { NB = 5, P = 300 };
     mha_kv_cache_config cc = {0};
     /* (a capacity of 5 pages: the last sequence's own part ends in its
      * table's last page, where a read of the next page's entry would run
      * past the table: ASan's to see) */
     cc.batch = NB, cc.num_kv_heads = HKV, cc.head_dim = DH, cc.capacity = 320;
-    cc.page_size = 64;
+    cc.page_size = page;
     mha_kv_cache *kv = NULL;
     assert_int_equal(mha_kv_cache_create(&cc, &kv), MHA_OK);
     static float k[600 * EKV], v[600 * EKV], q[NB * 5 * E], o1[NB * 5 * E],
@@ -737,13 +759,23 @@ static void test_shared_prefix(void **state)
             }
         }
     }
-    print_message("shared prefix (cascade) vs float64: worst error %.3g, "
-                  "lse %.3g\n", worst, worst_lse);
+    print_message("shared prefix (cascade), pages of %lld, vs float64: "
+                  "worst error %.3g, lse %.3g\n", (long long)page, worst,
+                  worst_lse);
     assert_true(worst < 3 * 600 * 2 * 0x1p-24);
     assert_true(worst_lse < 1e-5);   /* |lse| < 20: float32's ulp ~2e-6 */
     d.mods.alibi = 1;
     assert_fails(mha_attention_decode(&d), MHA_ERR_UNSUPPORTED, "ALiBi");
     mha_kv_cache_free(kv);
+}
+
+/* (pages of 16: the shared part ends at position 288, so each sequence's
+ * own part begins inside a kernel's tile of the whole sequence) */
+static void test_shared_prefix(void **state)
+{
+    (void)state;
+    shared_prefix(64);
+    shared_prefix(16);
 }
 
 static void test_misuse(void **state)
@@ -759,6 +791,12 @@ static void test_misuse(void **state)
     cc.page_size = -64;
     assert_fails(mha_kv_cache_create(&cc, &kv), MHA_ERR_INVALID_ARGUMENT,
                  "page_size");
+    cc.page_size = 8;   /* below a page of 16 */
+    assert_fails(mha_kv_cache_create(&cc, &kv), MHA_ERR_INVALID_ARGUMENT,
+                 "page_size 8: expected 0 (contiguous), 16, 32");
+    cc.page_size = 48;   /* neither a divisor nor a multiple of a tile */
+    assert_fails(mha_kv_cache_create(&cc, &kv), MHA_ERR_INVALID_ARGUMENT,
+                 "page_size 48");
     cc.page_size = 64, cc.window = 10;   /* a ring of 100: not whole pages */
     assert_fails(mha_kv_cache_create(&cc, &kv), MHA_ERR_INVALID_ARGUMENT,
                  "whole pages");

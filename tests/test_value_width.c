@@ -727,7 +727,8 @@ static void test_latent(void **state)
 }
 
 /*
- * A latent cache in pages of 64: filled a page at a time across the
+ * A latent cache in pages of 64 (and of 16: a kernel's tile is then four
+ * pages, widened page by page): filled 64 positions at a time across the
  * sequences (no sequence's pages side by side), a fork sharing the pages
  * and then diverging (copy on write of the shared last page), a
  * truncate.  After each, a decode step is the bits of a contiguous latent
@@ -736,9 +737,8 @@ static void test_latent(void **state)
  * prefix within rounding; the pages hold half the bytes of a paged cache
  * keeping values apart.
  */
-static void test_latent_paged(void **state)
+static void latent_paged(int64_t page)
 {
-    (void)state;
     enum { B = 3, H = 6, R = 16, DK = 24, CAP = 320, N0 = 200, N1 = 130,
            OWN = 20 };
     float *keys = malloc((size_t)(B * CAP * DK) * 4);
@@ -746,7 +746,7 @@ static void test_latent_paged(void **state)
     mha_kv_cache_config kc = {B, 1, DK, CAP, MHA_KV_F16, 0, 0, 0, 0, R, 1};
     mha_kv_cache *flat = NULL, *paged = NULL, *apart = NULL;
     assert_int_equal(mha_kv_cache_create(&kc, &flat), MHA_OK);
-    kc.page_size = 64;
+    kc.page_size = page;
     assert_int_equal(mha_kv_cache_create(&kc, &paged), MHA_OK);
     const int64_t len[2] = {N0, N1};
     for (int64_t b = 0; b < 2; b++)
@@ -847,6 +847,13 @@ static void test_latent_paged(void **state)
     mha_kv_cache_free(paged);
     mha_kv_cache_free(apart);
     free(keys);
+}
+
+static void test_latent_paged(void **state)
+{
+    (void)state;
+    latent_paged(64);
+    latent_paged(16);
 }
 
 static void test_refusals(void **state)
@@ -1009,11 +1016,11 @@ static void test_half_widths(void **state)
 }
 
 /*
- * A q8 (and a q4) latent cache in pages of 64, filled a page at a time
- * across two sequences: each decode step bitwise the contiguous latent
- * cache's of that dtype, on 1 and 2 threads.
+ * A q8 (and a q4) latent cache in pages of 64 (and of 32), filled 64
+ * positions at a time across two sequences: each decode step bitwise the
+ * contiguous latent cache's of that dtype, on 1 and 2 threads.
  */
-static void latent_paged_quantised(mha_kv_dtype dtype)
+static void latent_paged_quantised(mha_kv_dtype dtype, int64_t page)
 {
     enum { B = 2, H = 6, R = 16, DK = 40, CAP = 300, N = 250 };
     float *keys = malloc((size_t)(B * CAP * DK) * 4);
@@ -1021,7 +1028,7 @@ static void latent_paged_quantised(mha_kv_dtype dtype)
     mha_kv_cache_config kc = {B, 1, DK, CAP, dtype, 0, 0, 0, 0, R, 1};
     mha_kv_cache *flat = NULL, *paged = NULL;
     assert_int_equal(mha_kv_cache_create(&kc, &flat), MHA_OK);
-    kc.page_size = 64;
+    kc.page_size = page;
     assert_int_equal(mha_kv_cache_create(&kc, &paged), MHA_OK);
     float q[B * H * DK], o1[B * H * R], o2[B * H * R];
     for (int64_t at = 0; at < N; at += 64) {
@@ -1055,8 +1062,10 @@ static void latent_paged_quantised(mha_kv_dtype dtype)
 static void test_latent_q8_paged(void **state)
 {
     (void)state;
-    latent_paged_quantised(MHA_KV_Q8);
-    latent_paged_quantised(MHA_KV_Q4);
+    latent_paged_quantised(MHA_KV_Q8, 64);
+    latent_paged_quantised(MHA_KV_Q4, 64);
+    latent_paged_quantised(MHA_KV_Q8, 32);
+    latent_paged_quantised(MHA_KV_Q4, 32);
 }
 
 /*

@@ -964,8 +964,8 @@ def attention_ragged(q: npt.ArrayLike, q_start: npt.ArrayLike,
 class PagedKVCache(KVCache):
     """A KV cache whose memory follows the tokens held (mha_kv_cache with
     page_size): a pool of ``num_pages`` pages of ``page_size`` positions
-    (a multiple of 64; num_pages 0: room for every sequence at its
-    capacity) and a table of pages per sequence.  ``batch`` is the number
+    (16, 32 or a multiple of 64; num_pages 0: room for every sequence at
+    its capacity) and a table of pages per sequence.  ``batch`` is the number
     of sequence slots, ``capacity`` the most tokens one may hold; append
     to an empty slot to add a sequence, ``reset(seq)`` to free its pages,
     ``fork(src, dst)`` to share a prefix.  An append the pool cannot take

@@ -430,16 +430,19 @@ def test_attention_with_cache_equals_attention(rng):
                                   .astype(np.float32))
 
 
-def test_paged_cache_forks_and_equals_contiguous(rng):
+@pytest.mark.parametrize("page,pool", [(64, 6), (16, 12)])
+def test_paged_cache_forks_and_equals_contiguous(rng, page, pool):
     """A PagedKVCache holds and attends what a contiguous KVCache given the
     same operations holds (the same bits); a fork shares the prompt's pages
     (usage counts them once), a full pool raises MemoryError and changes
-    nothing, and a NumPy float64 softmax checks one step."""
+    nothing, and a NumPy float64 softmax checks one step.  Pages of 16 too:
+    a kernel's tile of 64 keys is then read from four pages."""
     m = mha.Module(32, 4, num_kv_heads=2, seed=3)
     randomize(m, rng)
     B, P = 3, 100
-    paged = mha.PagedKVCache(B, 2, 8, capacity=200, page_size=64,
-                             num_pages=6, dtype="bf16")
+    held = -(-P // page)               # the prompt's pages
+    paged = mha.PagedKVCache(B, 2, 8, capacity=200, page_size=page,
+                             num_pages=pool, dtype="bf16")
     flat = mha.KVCache(B, 2, 8, capacity=200, dtype="bf16")
     prompt = f32(rng, P, 32)     # sequence 0's, projected and appended
     for c in (paged, flat):
@@ -449,7 +452,7 @@ def test_paged_cache_forks_and_equals_contiguous(rng):
     flat.fork(0, 1)
     flat.fork(0, 2)
     u = paged.usage()
-    assert u["tokens"] == 3 * P and u["pages_used"] == 2   # shared, once
+    assert u["tokens"] == 3 * P and u["pages_used"] == held  # shared, once
     assert u["bytes"] < u["token_bytes"]
     x = f32(rng, B, 1, 32)
     for step in range(3):              # each sequence its own token
@@ -457,7 +460,7 @@ def test_paged_cache_forks_and_equals_contiguous(rng):
         b = m.forward(x, cache=flat)
         np.testing.assert_array_equal(a, b)
         x = f32(rng, B, 1, 32)
-    assert paged.usage()["pages_used"] == 2 + 2   # copies of the last page
+    assert paged.usage()["pages_used"] == held + 2  # copies of the last page
     # float64: the last step's attention of sequence 2, head 0, over the
     # keys and values the cache holds (the module's projections aside)
     k, v = paged.read(2)
@@ -476,12 +479,15 @@ def test_paged_cache_forks_and_equals_contiguous(rng):
                    np.zeros((1, 16), np.float32))
     assert big.length(0) == 64 and paged.usage() == before
     paged.reset()
-    assert paged.usage()["pages_free"] == 6
+    assert paged.usage()["pages_free"] == pool
     with pytest.raises(mha.MhaError, match="onto itself"):
         paged.fork(1, 1)
     with pytest.raises(mha.MhaError, match="page_size 100"):
         mha.PagedKVCache(1, 2, 8, capacity=200, page_size=100)
-    assert "PagedKVCache" in repr(paged) and "page_size=64" in repr(paged)
+    with pytest.raises(mha.MhaError, match="page_size 8"):
+        mha.PagedKVCache(1, 2, 8, capacity=200, page_size=8)
+    assert ("PagedKVCache" in repr(paged)
+            and "page_size=%d" % page in repr(paged))
 
 
 def test_attention_ragged_mixes_prefill_and_decode(rng):

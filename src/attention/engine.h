@@ -195,6 +195,10 @@ static inline int mha_attn_reads_in_place(const mha_attn *a)
            a->ldk < (INT64_C(1) << 24) && a->ldv < (INT64_C(1) << 24);
 }
 
+/* A kernel tile of a paged cache whose pages are smaller than it (16 or
+ * 32 keys) is up to this many stored tiles, one per page. */
+enum { MHA_TILE_SEGS = 4 };
+
 typedef struct mha_tile_src {
     const void *kt, *v;     /* [dh][MHA_BC] and [MHA_BC][dh], or with
                                rows: the tile's first key and value rows,
@@ -205,6 +209,10 @@ typedef struct mha_tile_src {
     int ldk, ldv;
     const void *next_kt,    /* a paged cache's next page's tiles, when */
                *next_v;     /* the next tile starts one; else NULL     */
+    int segs, tw;           /* pages smaller than a tile: its columns are
+                               segs stored tiles of tw, kt and v below
+                               (0: kt and v above)                      */
+    const void *seg_kt[MHA_TILE_SEGS], *seg_v[MHA_TILE_SEGS];
 } mha_tile_src;
 mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
                              float *kvt);
@@ -215,28 +223,52 @@ void mha_tile_prefetch_next(const mha_attn *a, const mha_tile *t);
 
 /* s = q k^T for mr query rows against the tile's first nc keys, and o +=
  * p v over them: the micro-kernel for where the tile is read from (the
- * same bits from each). */
+ * same bits from each).  A tile in segments (pages of 16 or 32) is one
+ * call per segment: a score is one chain over d whatever the columns
+ * around it, and each output of pv one chain over the keys in order,
+ * carried through o from call to call (stored and reloaded exactly), so
+ * the bits are those of the whole tile in one call. */
 static inline void mha_tile_qk(const mha_attn *a, const mha_tile_src *src,
                                int mr, int nc, const float *q, float *s,
                                int lds)
 {
-    if (src->rows)
+    if (src->rows) {
         a->uk->qk_rows(mr, nc, (int)a->dh, q, (const float *)src->kt,
                        src->ldk, s, lds);
-    else
+    } else if (src->segs) {
+        for (int i = 0; i < src->segs && i * src->tw < nc; i++) {
+            const int c0 = i * src->tw,
+                      n = nc - c0 < src->tw ? nc - c0 : src->tw;
+            a->uk->qk_kv(src->dtype, mr, n, (int)a->dh, q, src->seg_kt[i],
+                         src->tw,
+                         i + 1 < src->segs ? src->seg_kt[i + 1] : src->next_kt,
+                         s + c0, lds);
+        }
+    } else {
         a->uk->qk_kv(src->dtype, mr, nc, (int)a->dh, q, src->kt, MHA_BC,
                      src->next_kt, s, lds);
+    }
 }
 static inline void mha_tile_pv(const mha_attn *a, const mha_tile_src *src,
                                int mr, int nc, const float *p, int ldp,
                                float *o, int ldo)
 {
-    if (src->rows)
+    if (src->rows) {
         a->uk->pv_rows(!src->finite, mr, nc, (int)mha_dv(a), p, ldp,
                        (const float *)src->v, src->ldv, o, ldo);
-    else
+    } else if (src->segs) {
+        for (int i = 0; i < src->segs && i * src->tw < nc; i++) {
+            const int c0 = i * src->tw,
+                      n = nc - c0 < src->tw ? nc - c0 : src->tw;
+            a->uk->pv_kv(src->dtype, !src->finite, mr, n, (int)mha_dv(a),
+                         p + c0, ldp, src->seg_v[i], src->tw,
+                         i + 1 < src->segs ? src->seg_v[i + 1] : src->next_v,
+                         o, ldo);
+        }
+    } else {
         a->uk->pv_kv(src->dtype, !src->finite, mr, nc, (int)mha_dv(a), p,
                      ldp, src->v, MHA_BC, src->next_v, o, ldo);
+    }
 }
 
 /* Key j's element d and value j's element d of K/V head g of batch b, read

@@ -13,13 +13,14 @@
  * (A module's extra keys, bias_k and the zero key, are packed by each
  * run into its own workspace: a cache is only read by attention.)
  *
- * tiles = ceil(capacity / MHA_BC); key position p of sequence b is column
- * p % MHA_BC of tile p / MHA_BC.  Converting to the dtype happens once,
+ * tiles = ceil(capacity / tw); key position p of sequence b is column
+ * p % tw of tile p / tw, tw = MHA_BC (a paged cache's pages of 16 or 32
+ * positions: tw = the page, so a kernel's tile is `split` of them).  Converting to the dtype happens once,
  * when a token is appended (round to nearest even; q8 as kernels.h
  * defines it); reading converts back in registers.
  *
  * A sliding-window cache (window W) is a ring: position p goes to slot
- * p % capacity (column slot % MHA_BC of tile slot / MHA_BC), overwriting
+ * p % capacity (column slot % tw of tile slot / tw), overwriting
  * position p - capacity, and start[b] remembers the oldest position the
  * ring still holds (truncation does not bring back what was
  * overwritten).  The attention reads the slots as they lie and masks
@@ -128,12 +129,14 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
                              (long long)cfg->window,
                              (long long)cfg->capacity);
     const int64_t P = cfg->page_size;
-    if (P < 0 || P % MHA_BC != 0 || P > INT32_MAX)
+    if (P < 0 || (P % MHA_BC != 0 && P != 16 && P != 32) || P > INT32_MAX)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "cache page_size %lld: expected 0 (contiguous) "
-                             "or a multiple of %d (the kernels' tile of "
-                             "keys) up to %d", (long long)P, MHA_BC,
+                             "cache page_size %lld: expected 0 (contiguous), "
+                             "16, 32 or a multiple of %d (the kernels' tile "
+                             "of keys) up to %d", (long long)P, MHA_BC,
                              INT32_MAX / MHA_BC * MHA_BC);
+    /* a stored tile's columns: pages of 16 or 32 are a tile each */
+    const int64_t tw = P && P < MHA_BC ? P : MHA_BC;
     if (P && cfg->window && cfg->capacity % P != 0)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "a paged window cache's capacity %lld (its "
@@ -162,9 +165,9 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
     int64_t bg, tiles, tiles_all, bytes, table_all = 0;
     int sized = mha_mul_ok(cfg->batch, cfg->num_kv_heads, &bg);
     if (P) {   /* (pages + 1) * tpp < 2^31 * 2^25: no overflow */
-        sized = sized && mha_mul_ok(table_len, P / MHA_BC, &tiles) &&
+        sized = sized && mha_mul_ok(table_len, P / tw, &tiles) &&
                 mha_mul_ok(cfg->batch, table_len, &table_all) &&
-                mha_mul_ok((pages + 1) * (P / MHA_BC), cfg->num_kv_heads,
+                mha_mul_ok((pages + 1) * (P / tw), cfg->num_kv_heads,
                            &tiles_all);
     } else {
         tiles = cfg->capacity / MHA_BC + (cfg->capacity % MHA_BC != 0);
@@ -174,7 +177,7 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
     if (!sized || cfg->head_dim > INT32_MAX / (4 * MHA_BC) ||
         !mha_mul_ok(tiles_all,
                     (cfg->latent ? 1 : 2) *
-                        mha_kv_tile_bytes(cfg->dtype, MHA_BC, dmax),
+                        mha_kv_tile_bytes(cfg->dtype, tw, dmax),
                     &bytes) ||
         bytes > INT64_MAX / 2)
         return mha_set_error(MHA_ERR_OVERFLOW,
@@ -216,7 +219,9 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
     for (int64_t i = 0; i < pages * (P != 0); i++)
         free_pages[i] = (int32_t)(pages - 1 - i);   /* page 0 on top */
     c->page = P;
-    c->tpp = P / MHA_BC;
+    c->tpp = P / tw;
+    c->tw = tw;
+    c->split = MHA_BC / tw;
     c->pages = P ? pages : 0;
     c->table_len = table_len;
     c->table = table;
@@ -236,7 +241,7 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
     c->rot_block = 0;
     if (cfg->rotate)   /* the largest power of two dividing d_h */
         c->rot_block = cfg->head_dim & -cfg->head_dim;
-    c->tile_bytes = mha_kv_tile_bytes(cfg->dtype, MHA_BC, dmax);
+    c->tile_bytes = mha_kv_tile_bytes(cfg->dtype, tw, dmax);
     c->len = len;
     c->latent = cfg->latent != 0;
     c->k = data;
@@ -372,7 +377,7 @@ static const unsigned char *tile_at(const mha_kv_cache *c,
                                     int64_t b, int64_t g, int64_t t)
 {
     const int64_t skip =
-        mha_kv_scaled(c->dtype) ? mha_q8_scale_bytes(MHA_BC, w) : 0;
+        mha_kv_scaled(c->dtype) ? mha_q8_scale_bytes(c->tw, w) : 0;
     return plane + mha_kv_tile_index(c, b, g, t) * c->tile_bytes + skip;
 }
 
@@ -395,37 +400,37 @@ const unsigned char *mha_kv_cache_v_tile(const mha_kv_cache *c, int64_t b,
  * kt tile: q4 pairs of dims whole bytes; a value a row of its v tile: q4
  * codes one nibble each of bytes its key shares with the key beside it
  * (whose nibble is kept). */
-static void put_q4_key(int64_t dh, int64_t col, const float *kr,
+static void put_q4_key(int64_t tw, int64_t dh, int64_t col, const float *kr,
                        unsigned char *kt)
 {
-    float *ks = (float *)mha_q8_scales(kt, MHA_BC, dh);
+    float *ks = (float *)mha_q8_scales(kt, tw, dh);
     int8_t kc[MHA_Q8_BLOCK];
     for (int64_t k = 0; k < mha_q8_blocks(dh); k++) {
         const int64_t d0 = k * MHA_Q8_BLOCK;
         const int n = (int)(dh - d0 < MHA_Q8_BLOCK ? dh - d0 : MHA_Q8_BLOCK);
-        ks[k * MHA_BC + col] = quant_block(kr + d0, n, 7, kc, 1);
+        ks[k * tw + col] = quant_block(kr + d0, n, 7, kc, 1);
         for (int i = 0; i < n; i += 2)   /* (d0 and n even: whole pairs) */
-            kt[(d0 + i) / 2 * MHA_BC + col] =
+            kt[(d0 + i) / 2 * tw + col] =
                 (unsigned char)((kc[i] & 0x0F) | (kc[i + 1] & 0x0F) << 4);
     }
 }
 
-static void put_q8_key(int64_t dh, int64_t col, const float *kr,
+static void put_q8_key(int64_t tw, int64_t dh, int64_t col, const float *kr,
                        unsigned char *kt)
 {
-    float *ks = (float *)mha_q8_scales(kt, MHA_BC, dh);
+    float *ks = (float *)mha_q8_scales(kt, tw, dh);
     for (int64_t k = 0; k < mha_q8_blocks(dh); k++) {
         const int64_t d0 = k * MHA_Q8_BLOCK;
         const int n = (int)(dh - d0 < MHA_Q8_BLOCK ? dh - d0 : MHA_Q8_BLOCK);
-        ks[k * MHA_BC + col] = quant_block(
-            kr + d0, n, 127, (int8_t *)kt + d0 * MHA_BC + col, MHA_BC);
+        ks[k * tw + col] = quant_block(kr + d0, n, 127,
+                                       (int8_t *)kt + d0 * tw + col, tw);
     }
 }
 
-static void put_q4_row(int64_t dv, int64_t col, const float *vr,
+static void put_q4_row(int64_t tw, int64_t dv, int64_t col, const float *vr,
                        unsigned char *vt)
 {
-    float *vs = (float *)mha_q8_scales(vt, MHA_BC, dv);
+    float *vs = (float *)mha_q8_scales(vt, tw, dv);
     int8_t vc[MHA_Q8_BLOCK];
     const int64_t vblocks = mha_q8_blocks(dv);
     for (int64_t k = 0; k < vblocks; k++) {
@@ -441,10 +446,10 @@ static void put_q4_row(int64_t dv, int64_t col, const float *vr,
     }
 }
 
-static void put_q8_row(int64_t dv, int64_t col, const float *vr,
+static void put_q8_row(int64_t tw, int64_t dv, int64_t col, const float *vr,
                        unsigned char *vt)
 {
-    float *vs = (float *)mha_q8_scales(vt, MHA_BC, dv);
+    float *vs = (float *)mha_q8_scales(vt, tw, dv);
     const int64_t vblocks = mha_q8_blocks(dv);
     for (int64_t k = 0; k < vblocks; k++) {
         const int64_t d0 = k * MHA_Q8_BLOCK;
@@ -455,13 +460,13 @@ static void put_q8_row(int64_t dv, int64_t col, const float *vr,
 }
 
 /* A value (dv floats) as row col of a value tile, in the cache's dtype. */
-static void put_value_row(mha_kv_dtype dtype, int64_t dv, int64_t col,
-                          const float *vr, unsigned char *vt)
+static void put_value_row(mha_kv_dtype dtype, int64_t tw, int64_t dv,
+                          int64_t col, const float *vr, unsigned char *vt)
 {
     if (dtype == MHA_KV_Q4)
-        put_q4_row(dv, col, vr, vt);
+        put_q4_row(tw, dv, col, vr, vt);
     else if (dtype == MHA_KV_Q8)
-        put_q8_row(dv, col, vr, vt);
+        put_q8_row(tw, dv, col, vr, vt);
     else
         store(dtype, vr, dv, vt + col * dv * (dtype == MHA_KV_F32 ? 4 : 2),
               1);
@@ -475,17 +480,17 @@ static void store_column(mha_kv_cache *c, int64_t b, int64_t g, int64_t t,
 {
     unsigned char *kt = (unsigned char *)mha_kv_cache_k_tile(c, b, g, t);
     if (c->latent) {
-        put_value_row(c->dtype, c->dh, col, kr, kt);
+        put_value_row(c->dtype, c->tw, c->dh, col, kr, kt);
         return;
     }
     if (c->dtype == MHA_KV_Q4)
-        put_q4_key(c->dh, col, kr, kt);
+        put_q4_key(c->tw, c->dh, col, kr, kt);
     else if (c->dtype == MHA_KV_Q8)
-        put_q8_key(c->dh, col, kr, kt);
+        put_q8_key(c->tw, c->dh, col, kr, kt);
     else
         store(c->dtype, kr, c->dh, kt + col * (c->dtype == MHA_KV_F32 ? 4 : 2),
-              MHA_BC);
-    put_value_row(c->dtype, c->dv, col, vr,
+              c->tw);
+    put_value_row(c->dtype, c->tw, c->dv, col, vr,
                   (unsigned char *)mha_kv_cache_v_tile(c, b, g, t));
 }
 
@@ -560,7 +565,7 @@ void mha_kv_cache_put(mha_kv_cache *c, int64_t b, const float *k,
     for (int64_t r = 0; r < n; r++) {
         const int64_t pos = c->len[b] + r;
         const int64_t slot = c->window ? pos % c->capacity : pos;
-        const int64_t t = slot / MHA_BC, col = slot % MHA_BC;
+        const int64_t t = slot / c->tw, col = slot % c->tw;
         for (int64_t g = 0; g < c->Hkv; g++) {
             put_column(c, b, g, t, col, k + r * ldk + g * dh,
                        v ? v + r * ldv + g * c->dv : NULL);
@@ -574,7 +579,7 @@ void mha_kv_cache_put(mha_kv_cache *c, int64_t b, const float *k,
             else if (mine == 0.0f)
                 *flag = 0.0f;
             else if (*flag == 0.0f)   /* the bad column may be gone */
-                *flag = tile_finite(c, b, g, t, 0, MHA_BC);
+                *flag = tile_finite(c, b, g, t, 0, c->tw);
         }
     }
     c->len[b] += n;
@@ -763,7 +768,7 @@ mha_status mha_kv_cache_truncate(mha_kv_cache *c, int64_t seq,
      * remaining columns; a whole tile is flagged anew by its next put.  A
      * page another sequence also holds keeps its flags: they cover that
      * sequence's columns too, and a 0 only takes the slow path. */
-    const int64_t t = length / MHA_BC, cols = length % MHA_BC;
+    const int64_t t = length / c->tw, cols = length % c->tw;
     const int shared =   /* (cols > 0: the page of `length` is kept) */
         cols && c->page &&
         c->refs[c->table[seq * c->table_len + length / c->page]] > 1;
@@ -824,7 +829,7 @@ mha_status mha_kv_cache_read(const mha_kv_cache *c, int64_t seq,
     for (int64_t r = 0; r < n; r++) {
         const int64_t slot = c->window ? (start + r) % c->capacity
                                        : start + r;
-        const int64_t t = slot / MHA_BC, col = slot % MHA_BC;
+        const int64_t t = slot / c->tw, col = slot % c->tw;
         for (int64_t g = 0; g < c->Hkv; g++) {
             const void *kt = mha_kv_cache_k_tile(c, seq, g, t);
             const void *vt = mha_kv_cache_v_tile(c, seq, g, t);
@@ -924,7 +929,7 @@ mha_status mha_kv_cache_get_usage_sized(const mha_kv_cache *c,
     /* a key and a value of H_kv heads per token, a tile's share each (a
      * latent cache: the key alone) */
     const int64_t planes = c->latent ? 1 : 2;
-    u.token_bytes = u.tokens * planes * c->Hkv * c->tile_bytes / MHA_BC;
+    u.token_bytes = u.tokens * planes * c->Hkv * c->tile_bytes / c->tw;
     const int64_t tile_pair = planes * c->tile_bytes;   /* K and V */
     if (c->page) {
         u.page_size = c->page;

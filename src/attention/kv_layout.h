@@ -31,11 +31,18 @@ struct mha_kv_cache {
     int64_t window;         /* 0, or W: a ring of `capacity` slots (mha.h) */
     int64_t *start;         /* [B] the oldest position held (window only:
                                the ring overwrote the ones before)        */
-    int64_t tiles;          /* per (b, g): ceil(capacity / MHA_BC)        */
+    int64_t tiles;          /* stored tiles per (b, g): ceil(capacity / tw)
+                               (paged: table_len * tpp)                */
+    int64_t tw;             /* a stored tile's columns (keys): MHA_BC,
+                               or a page's when pages are smaller (16,
+                               32): then a kernel's tile of MHA_BC keys
+                               is `split` stored tiles, one per page    */
+    int64_t split;          /* MHA_BC / tw                                */
     mha_kv_dtype dtype;
     int64_t rot_block;      /* rotate: the Hadamard blocks' size (a power
                                of two dividing dh); 0: not rotated     */
-    int64_t tile_bytes;     /* one kt or v tile: mha_kv_tile_bytes        */
+    int64_t tile_bytes;     /* one stored kt or v tile of tw columns:
+                               mha_kv_tile_bytes                       */
     int64_t *len;           /* [B] keys held per sequence                 */
     unsigned char *k, *v;   /* [B][Hkv][tiles] kt tiles, then v tiles     */
     float *finite;          /* [B][Hkv][tiles] 1.0f: every value finite
@@ -48,7 +55,7 @@ struct mha_kv_cache {
                                bound of what the cache holds): what
                                mha_check_score_range reads of the keys  */
     /* Paged (page > 0, kv_pages.c): the planes are a pool of pages, a
-     * page `page` positions (tpp tiles) of every K/V head; sequence b's
+     * page `page` positions (tpp stored tiles) of every K/V head; sequence b's
      * i-th page is table[b][i].  A page held by several sequences (a
      * fork) is copied before one of them writes it (copy on write).
      * Page `pages` is the null page, zeros, never written: what a table
@@ -66,7 +73,7 @@ struct mha_kv_cache {
                                that every query sees every key           */
 };
 
-/* Index of tile t of (b, g) among its plane's tiles (and flags): the
+/* Index of stored tile t of (b, g) among its plane's tiles (and flags): the
  * contiguous [B][Hkv][tiles], or through the page table, [Hkv][pages +
  * 1][tpp] (each head's pages side by side, so that a sequence whose pages
  * were taken in order streams as from a contiguous cache). */
@@ -85,7 +92,7 @@ static inline int64_t mha_kv_pages_of(const mha_kv_cache *c, int64_t len)
     return len / c->page + (len % c->page != 0);
 }
 
-/* Element d of key (value) column col of a cache tile, as the float it
+/* Element d of key (value) column col of a stored tile, as the float it
  * stands for: the kernels' layouts, or a latent cache's rows, laid out as
  * a value tile of d_h-wide rows (its value the key's first dv elements,
  * the same tile). */
@@ -93,15 +100,15 @@ static inline float mha_kv_cache_key_at(const mha_kv_cache *c,
                                         const void *kt, int64_t col,
                                         int64_t d)
 {
-    return c->latent ? mha_v_load(c->dtype, kt, MHA_BC, c->dh, col, d)
-                     : mha_kt_load(c->dtype, kt, MHA_BC, c->dh, d, col);
+    return c->latent ? mha_v_load(c->dtype, kt, c->tw, c->dh, col, d)
+                     : mha_kt_load(c->dtype, kt, c->tw, c->dh, d, col);
 }
 static inline float mha_kv_cache_value_at(const mha_kv_cache *c,
                                           const void *vt, int64_t col,
                                           int64_t d)
 {
-    return c->latent ? mha_v_load(c->dtype, vt, MHA_BC, c->dh, col, d)
-                     : mha_v_load(c->dtype, vt, MHA_BC, c->dv, col, d);
+    return c->latent ? mha_v_load(c->dtype, vt, c->tw, c->dh, col, d)
+                     : mha_v_load(c->dtype, vt, c->tw, c->dv, col, d);
 }
 
 #endif /* MHA_KV_LAYOUT_H */

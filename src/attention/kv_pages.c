@@ -4,8 +4,10 @@
  * A contiguous cache gives every sequence room for `capacity` tokens up
  * front.  A paged one keeps a pool of pages, each holding `page`
  * positions (page / MHA_BC whole tiles, so the kernels read a page's
- * tiles exactly as they read a contiguous cache's) of every K/V head, and
- * gives each sequence a table of the pages it holds, in position order:
+ * tiles exactly as they read a contiguous cache's; or, pages of 16 or
+ * 32, one stored tile of that many columns, a kernel's tile then being
+ * several pages: tiles.c) of every K/V head, and gives each sequence a
+ * table of the pages it holds, in position order:
  *
  *   position p of sequence b:  page table[b][p / page], column p % page
  *   tile t of (b, g):          tile (g * (pages + 1) + pg) * tpp + t % tpp

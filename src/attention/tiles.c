@@ -98,11 +98,19 @@ void mha_pack_forward_tile(const mha_attn *a, int64_t item)
     *mha_packed_flag(&p, b, g, t) = (float)finite;
 }
 
-/* Whether cache tile t's successor starts another page of a paged cache. */
+/* Whether cache tile t's successor starts another page of a paged cache
+ * (its first stored tile: pages of 16 or 32 are `split` to a tile). */
 static int next_page(const mha_kv_cache *c, const mha_tile *t)
 {
-    const int64_t next = t->index + 1;
+    const int64_t next = (t->index + 1) * c->split;
     return c->page && next % c->tpp == 0 && next < c->tiles;
+}
+
+/* The flag of stored tile u of (b, g): 1 if every value it holds is
+ * finite. */
+static int stored_finite(const mha_kv_cache *c, const mha_tile *t, int64_t u)
+{
+    return c->finite[mha_kv_tile_index(c, t->b, t->g, u)] != 0.0f;
 }
 
 mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
@@ -131,31 +139,52 @@ mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
          * their blocks' scales (the tier's widen_t), once per tile for
          * all the rows a block stacks. */
         const mha_kv_cache *c = a->kv;
-        const void *tile = mha_kv_cache_k_tile(c, t->b, t->g, t->index);
-        if (c->dtype != MHA_KV_F32)
+        const int64_t u0 = t->index * c->split;
+        const void *tile = mha_kv_cache_k_tile(c, t->b, t->g, u0);
+        src.finite = stored_finite(c, t, u0);
+        if (c->split > 1) {   /* pages of 16 or 32: rows, page by page */
+            for (int64_t i = 0; i < c->split && i * c->tw < t->nc; i++) {
+                a->uk->widen_t(c->dtype,
+                               mha_kv_cache_k_tile(c, t->b, t->g, u0 + i),
+                               c->dh, (int)c->tw, (int)c->dh, NULL, 0,
+                               kvt + i * c->tw * c->dh, (int)c->dh);
+                src.finite &= stored_finite(c, t, u0 + i);
+            }
+            tile = kvt;
+        } else if (c->dtype != MHA_KV_F32) {
             a->uk->widen_t(c->dtype, tile, c->dh, MHA_BC, (int)c->dh, NULL,
                            0, kvt, (int)c->dh);
-        src.kt = src.v = c->dtype != MHA_KV_F32 ? kvt : tile;
+            tile = kvt;
+        }
+        src.kt = src.v = tile;
         src.ldk = src.ldv = (int)c->dh;
         src.rows = 1;
         src.dtype = MHA_KV_F32;
-        src.finite = c->finite[mha_kv_tile_index(c, t->b, t->g, t->index)] !=
-                     0.0f;
         return src;
     }
     if (a->kv && !t->extra) {
         const mha_kv_cache *c = a->kv;
-        src.kt = mha_kv_cache_k_tile(c, t->b, t->g, t->index);
-        src.v = mha_kv_cache_v_tile(c, t->b, t->g, t->index);
+        const int64_t u0 = t->index * c->split;
+        src.kt = mha_kv_cache_k_tile(c, t->b, t->g, u0);
+        src.v = mha_kv_cache_v_tile(c, t->b, t->g, u0);
         src.dtype = c->dtype;
-        src.finite = c->finite[mha_kv_tile_index(c, t->b, t->g, t->index)] !=
-                     0.0f;
-        /* Pages of one tile: the next one is asked for as this one is read
-         * (every tile a jump, 1.05-1.15x faster on Zen 4; where a page is
-         * 2 or 4 tiles, no gain or 6% slower: docs/BENCHMARKS.md). */
+        src.finite = stored_finite(c, t, u0);
+        /* Pages of one tile or less: the next one is asked for as this one
+         * is read (every tile a jump, 1.05-1.15x faster on Zen 4; where a
+         * page is 2 or 4 tiles, no gain or 6% slower: docs/BENCHMARKS.md). */
         if (c->tpp == 1 && next_page(c, t)) {
-            src.next_kt = mha_kv_cache_k_tile(c, t->b, t->g, t->index + 1);
-            src.next_v = mha_kv_cache_v_tile(c, t->b, t->g, t->index + 1);
+            const int64_t u = (t->index + 1) * c->split;
+            src.next_kt = mha_kv_cache_k_tile(c, t->b, t->g, u);
+            src.next_v = mha_kv_cache_v_tile(c, t->b, t->g, u);
+        }
+        if (c->split > 1) {   /* pages of 16 or 32: the tile's segments */
+            src.segs = (int)c->split;
+            src.tw = (int)c->tw;
+            for (int64_t i = 0; i < c->split && i * c->tw < t->nc; i++) {
+                src.seg_kt[i] = mha_kv_cache_k_tile(c, t->b, t->g, u0 + i);
+                src.seg_v[i] = mha_kv_cache_v_tile(c, t->b, t->g, u0 + i);
+                src.finite &= stored_finite(c, t, u0 + i);
+            }
         }
         return src;
     }
@@ -170,9 +199,9 @@ mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
 void mha_tile_prefetch_next(const mha_attn *a, const mha_tile *t)
 {
     const mha_kv_cache *c = a->kv;
-    const int64_t next = t->index + 1;
     if (!c || t->extra || !next_page(c, t))
         return;
+    const int64_t next = (t->index + 1) * c->split;
     /* the first 2 KiB of each (the hardware's streams take it from there,
      * within a page of memory) */
     const char *k = (const char *)mha_kv_cache_k_tile(c, t->b, t->g, next);
@@ -195,7 +224,7 @@ static float kv_elem(const mha_attn *a, int x, int64_t b, int64_t g,
     }
     if (a->kv && j < a->Lk) {
         const mha_kv_cache *c = a->kv;
-        const int64_t t = j / MHA_BC, col = j % MHA_BC;
+        const int64_t t = j / c->tw, col = j % c->tw;
         return x ? mha_kv_cache_value_at(c, mha_kv_cache_v_tile(c, b, g, t),
                                          col, d)
                  : mha_kv_cache_key_at(c, mha_kv_cache_k_tile(c, b, g, t),
