@@ -213,6 +213,8 @@ typedef struct mha_tile_src {
                                segs stored tiles of tw, kt and v below
                                (0: kt and v above)                      */
     const void *seg_kt[MHA_TILE_SEGS], *seg_v[MHA_TILE_SEGS];
+    const void *next_seg_kt[MHA_TILE_SEGS],   /* the same segment of the */
+               *next_seg_v[MHA_TILE_SEGS];    /* next tile, or NULL      */
 } mha_tile_src;
 mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
                              float *kvt);
@@ -240,9 +242,7 @@ static inline void mha_tile_qk(const mha_attn *a, const mha_tile_src *src,
             const int c0 = i * src->tw,
                       n = nc - c0 < src->tw ? nc - c0 : src->tw;
             a->uk->qk_kv(src->dtype, mr, n, (int)a->dh, q, src->seg_kt[i],
-                         src->tw,
-                         i + 1 < src->segs ? src->seg_kt[i + 1] : src->next_kt,
-                         s + c0, lds);
+                         src->tw, src->next_seg_kt[i], s + c0, lds);
         }
     } else {
         a->uk->qk_kv(src->dtype, mr, nc, (int)a->dh, q, src->kt, MHA_BC,
@@ -262,8 +262,7 @@ static inline void mha_tile_pv(const mha_attn *a, const mha_tile_src *src,
                       n = nc - c0 < src->tw ? nc - c0 : src->tw;
             a->uk->pv_kv(src->dtype, !src->finite, mr, n, (int)mha_dv(a),
                          p + c0, ldp, src->seg_v[i], src->tw,
-                         i + 1 < src->segs ? src->seg_v[i + 1] : src->next_v,
-                         o, ldo);
+                         src->next_seg_v[i], o, ldo);
         }
     } else {
         a->uk->pv_kv(src->dtype, !src->finite, mr, nc, (int)mha_dv(a), p,

@@ -191,19 +191,27 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
     int64_t *start = calloc((size_t)cfg->batch, sizeof *start);
     /* Zeroed: a tile's unused columns hold finite values (0 in every
      * dtype, a q8 scale of 0 too). */
-    unsigned char *data = (uint64_t)bytes <= SIZE_MAX
-                              ? calloc((size_t)bytes, 1) : NULL;
+    /* A paged cache's planes start on a boundary of 4 KiB, so that a page
+     * of 4 KiB (16 f16 keys of 128) is one page of memory, not two
+     * halves: pages of 16 1.3x faster, of 64 1.1x (docs/BENCHMARKS.md).
+     * (A contiguous cache's, aligned, was 2% slower: left as calloc's.) */
+    const int64_t pad = P ? 4096 : 0;
+    unsigned char *block = (uint64_t)bytes <= SIZE_MAX - 4096
+                               ? calloc((size_t)(bytes + pad), 1) : NULL;
+    unsigned char *data = block;
+    if (block && pad)
+        data += (4096 - (uintptr_t)block % 4096) % 4096;
     float *finite = calloc((size_t)tiles_all, sizeof *finite);
     int32_t *table = P ? malloc((size_t)table_all * sizeof *table) : NULL;
     int32_t *refs = P ? calloc((size_t)pages, sizeof *refs) : NULL;
     int32_t *free_pages = P ? malloc((size_t)pages * sizeof *free_pages)
                             : NULL;
-    if (!c || !len || !start || !data || !finite ||
+    if (!c || !len || !start || !block || !finite ||
         (P && (!table || !refs || !free_pages))) {
         free(c);
         free(len);
         free(start);
-        free(data);
+        free(block);
         free(finite);
         free(table);
         free(refs);
@@ -245,6 +253,7 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
     c->len = len;
     c->latent = cfg->latent != 0;
     c->k = data;
+    c->block = block;
     c->v = c->latent ? data : data + bytes / 2;   /* (latent: one plane) */
     c->finite = finite;
     *out = c;
@@ -264,7 +273,7 @@ void mha_kv_cache_free(mha_kv_cache *c)
         return;
     free(c->len);
     free(c->start);
-    free(c->k);   /* the one allocation of both planes */
+    free(c->block);   /* the one allocation of both planes */
     free(c->finite);
     free(c->table);
     free(c->refs);

@@ -45,6 +45,7 @@ struct mha_kv_cache {
                                mha_kv_tile_bytes                       */
     int64_t *len;           /* [B] keys held per sequence                 */
     unsigned char *k, *v;   /* [B][Hkv][tiles] kt tiles, then v tiles     */
+    void *block;            /* the allocation k and v lie in            */
     float *finite;          /* [B][Hkv][tiles] 1.0f: every value finite
                                (of the columns 0 .. len - 1 a sequence
                                fills; with a window, of the whole tile,

@@ -181,9 +181,14 @@ mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
             src.segs = (int)c->split;
             src.tw = (int)c->tw;
             for (int64_t i = 0; i < c->split && i * c->tw < t->nc; i++) {
-                src.seg_kt[i] = mha_kv_cache_k_tile(c, t->b, t->g, u0 + i);
-                src.seg_v[i] = mha_kv_cache_v_tile(c, t->b, t->g, u0 + i);
-                src.finite &= stored_finite(c, t, u0 + i);
+                const int64_t u = u0 + i, n = u + c->split;
+                src.seg_kt[i] = mha_kv_cache_k_tile(c, t->b, t->g, u);
+                src.seg_v[i] = mha_kv_cache_v_tile(c, t->b, t->g, u);
+                src.finite &= stored_finite(c, t, u);
+                if (n < c->tiles) {
+                    src.next_seg_kt[i] = mha_kv_cache_k_tile(c, t->b, t->g, n);
+                    src.next_seg_v[i] = mha_kv_cache_v_tile(c, t->b, t->g, n);
+                }
             }
         }
         return src;
