@@ -207,8 +207,8 @@ typedef struct mha_tile_src {
     int finite;             /* every value finite: the fast pv is exact */
     int rows;               /* read in place (mha_attn.in_place)        */
     int ldk, ldv;
-    const void *next_kt,    /* a paged cache's next page's tiles, when */
-               *next_v;     /* the next tile starts one; else NULL     */
+    const void *next_kt,    /* a cache's next tile (paged: wherever it */
+               *next_v;     /* lies), or NULL: asked for ahead         */
     int segs, tw;           /* pages smaller than a tile: its columns are
                                segs stored tiles of tw, kt and v below
                                (0: kt and v above)                      */

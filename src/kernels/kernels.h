@@ -107,10 +107,10 @@ typedef struct mha_microkernels {
      * out as mha_kv_tile_bytes says.  Each element is converted to the
      * float it stands for (mha_kv_load below) before it enters the FMA
      * chain, so the result is bitwise qk / pv on those floats.  `next`:
-     * the tile of the same kind read after this one, when it lies
-     * elsewhere (a paged cache's next page), or NULL; a 16-bit tile's
-     * kernel asks for its rows as it reads its own (a prefetch: never a
-     * read, never a fault). */
+     * the tile of the same kind read after this one (of the cache, or a
+     * paged cache's next page), or NULL; a 16-bit tile's kernel asks for
+     * its rows as it reads its own (a prefetch: never a read, never a
+     * fault). */
     void (*qk_kv)(mha_kv_dtype dtype, int mr, int nc, int dh, const float *q,
                   const void *kt, int cols, const void *next, float *s,
                   int lds);

@@ -109,15 +109,16 @@ MK_INLINE vf ldb(const int T, const bsrc *b, int k, int j, const int masked,
  *   one-row q8 step read 9 GB/s on one Zen 4 thread where f16 read 25.
  *   (Past a tile's end the request falls on the next tile, as a
  *   contiguous cache lays them out.)
- * - 16-bit elements, when the tile read next lies elsewhere (B->next: a
- *   paged cache's next page): the same row of that tile, so that it
- *   arrives spread over this tile's walk (the hardware's prefetchers
- *   follow addresses and cannot find it).  Not ahead in the same tile:
- *   16-bit rows bring twice the bytes an iteration, and that was slower.
- *   A mode bit of its own (NEXT), not a test of B->next in the loop: that
- *   test alone cost a contiguous cache's step 2-3%.  Asked for into L2
- *   (prefetcht2), whose misses a core keeps more of in flight than L1's:
- *   into L1 (t0), a paged step was 1.2x slower on Zen 4. */
+ * - 16-bit elements: the same row of the tile read next (B->next: the
+ *   next tile of a contiguous cache, or of a paged cache's page or next
+ *   page, wherever it lies), so that it arrives spread over this tile's
+ *   walk, a tile (16 KiB at d_h 128) ahead, without waiting for the
+ *   hardware's prefetchers (which cannot follow a jump to another page).
+ *   Into L2 (prefetcht2), whose misses a core keeps more of in flight
+ *   than L1's: into L1 (t0) it gained only at a page's jump, and a GQA
+ *   f16 step ran 1.3x slower than with these requests into L2.  A mode
+ *   bit of its own (NEXT), not a test of B->next in the loop: that test
+ *   alone cost a step 2-3%.  (f32 tiles the same way: no gain.) */
 enum { AHEAD_K = 1024, AHEAD_V = 2048 };
 MK_INLINE void ahead(const int T, const int W, const int mode,
                      const bsrc *B, int k, int j)
