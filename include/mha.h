@@ -651,7 +651,8 @@ typedef struct mha_kv_cache_config {
     mha_kv_dtype dtype;    /* MHA_KV_F32 (0), _F16, _BF16, _Q8 or _Q4  */
     int64_t window;        /* 0: an ordinary cache; W >= 1: a sliding-
                               window ring of the last tokens           */
-    int64_t page_size;     /* 0: contiguous; P, a multiple of 64: paged */
+    int64_t page_size;     /* 0: contiguous; P (16, 32 or a multiple of
+                              64): paged                               */
     int64_t num_pages;     /* paged: the pool's pages; 0: room for
                               every sequence at its capacity           */
     int rotate;            /* nonzero: stored Hadamard-rotated         */

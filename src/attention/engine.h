@@ -218,10 +218,6 @@ typedef struct mha_tile_src {
 } mha_tile_src;
 mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
                              float *kvt);
-/* On a paged cache, when tile t's successor starts another page: the
- * start of that page's K and V tiles asked for now (a page lies anywhere,
- * so the hardware's prefetchers, which follow addresses, cannot). */
-void mha_tile_prefetch_next(const mha_attn *a, const mha_tile *t);
 
 /* s = q k^T for mr query rows against the tile's first nc keys, and o +=
  * p v over them: the micro-kernel for where the tile is read from (the

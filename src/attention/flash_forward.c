@@ -52,7 +52,6 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
     flash_scratch *f = ctx;
     const mha_microkernels *uk = a->uk;
     const mha_tile_src src = mha_tile_source(a, t, f->kvt);
-    mha_tile_prefetch_next(a, t);
     const int dh = (int)a->dh, dv = (int)mha_dv(a), mr = t->mr, nc = t->nc;
     /* The scores, panel by panel: on a diagonal tile each panel over the
      * keys it sees (past its last live one: -inf without a product), on

@@ -98,14 +98,6 @@ void mha_pack_forward_tile(const mha_attn *a, int64_t item)
     *mha_packed_flag(&p, b, g, t) = (float)finite;
 }
 
-/* Whether cache tile t's successor starts another page of a paged cache
- * (its first stored tile: pages of 16 or 32 are `split` to a tile). */
-static int next_page(const mha_kv_cache *c, const mha_tile *t)
-{
-    const int64_t next = (t->index + 1) * c->split;
-    return c->page && next % c->tpp == 0 && next < c->tiles;
-}
-
 /* The flag of stored tile u of (b, g): 1 if every value it holds is
  * finite. */
 static int stored_finite(const mha_kv_cache *c, const mha_tile *t, int64_t u)
@@ -199,23 +191,6 @@ mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
     src.dtype = MHA_KV_F32;
     src.finite = *mha_packed_flag(&p, t->b, t->g, t->index) != 0.0f;
     return src;
-}
-
-void mha_tile_prefetch_next(const mha_attn *a, const mha_tile *t)
-{
-    const mha_kv_cache *c = a->kv;
-    if (!c || t->extra || !next_page(c, t))
-        return;
-    const int64_t next = (t->index + 1) * c->split;
-    /* the first 2 KiB of each (the hardware's streams take it from there,
-     * within a page of memory) */
-    const char *k = (const char *)mha_kv_cache_k_tile(c, t->b, t->g, next);
-    const char *v = (const char *)mha_kv_cache_v_tile(c, t->b, t->g, next);
-    const int64_t bytes = c->tile_bytes < 2048 ? c->tile_bytes : 2048;
-    for (int64_t at = 0; at < bytes; at += 64) {
-        __builtin_prefetch(k + at, 0, 3);
-        __builtin_prefetch(v + at, 0, 3);
-    }
 }
 
 /* Key or value j (x: 0 key, 1 value) of (b, g), element d. */
