@@ -15,8 +15,8 @@
  *
  * tiles = ceil(capacity / tw); key position p of sequence b is column
  * p % tw of tile p / tw, tw = MHA_BC (a paged cache's pages of 16 or 32
- * positions: tw = the page, so a kernel's tile is `split` of them).  Converting to the dtype happens once,
- * when a token is appended (round to nearest even; q8 as kernels.h
+ * positions: tw = the page, so a kernel's tile is several of them).
+ * Converting to the dtype happens once, when a token is appended (round to nearest even; q8 as kernels.h
  * defines it); reading converts back in registers.
  *
  * A sliding-window cache (window W) is a ring: position p goes to slot
@@ -229,7 +229,6 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
     c->page = P;
     c->tpp = P / tw;
     c->tw = tw;
-    c->split = MHA_BC / tw;
     c->pages = P ? pages : 0;
     c->table_len = table_len;
     c->table = table;

@@ -36,8 +36,8 @@ struct mha_kv_cache {
     int64_t tw;             /* a stored tile's columns (keys): MHA_BC,
                                or a page's when pages are smaller (16,
                                32): then a kernel's tile of MHA_BC keys
-                               is `split` stored tiles, one per page    */
-    int64_t split;          /* MHA_BC / tw                                */
+                               is several stored tiles, one per page
+                               (mha_kv_split)                          */
     mha_kv_dtype dtype;
     int64_t rot_block;      /* rotate: the Hadamard blocks' size (a power
                                of two dividing dh); 0: not rotated     */
@@ -56,8 +56,8 @@ struct mha_kv_cache {
                                bound of what the cache holds): what
                                mha_check_score_range reads of the keys  */
     /* Paged (page > 0, kv_pages.c): the planes are a pool of pages, a
-     * page `page` positions (tpp stored tiles) of every K/V head; sequence b's
-     * i-th page is table[b][i].  A page held by several sequences (a
+     * page `page` positions (tpp stored tiles) of every K/V head;
+     * sequence b's i-th page is table[b][i].  A page held by several sequences (a
      * fork) is copied before one of them writes it (copy on write).
      * Page `pages` is the null page, zeros, never written: what a table
      * holds past a sequence's pages, so a read there is harmless. */
@@ -85,6 +85,13 @@ static inline int64_t mha_kv_tile_index(const mha_kv_cache *c, int64_t b,
         return (b * c->Hkv + g) * c->tiles + t;
     const int64_t pg = c->table[b * c->table_len + t / c->tpp];
     return (g * (c->pages + 1) + pg) * c->tpp + t % c->tpp;
+}
+
+/* The stored tiles a kernel's tile of MHA_BC keys spans: 1, or 2 or 4
+ * pages of 32 or 16. */
+static inline int64_t mha_kv_split(const mha_kv_cache *c)
+{
+    return MHA_BC / c->tw;
 }
 
 /* The pages a paged sequence of `len` positions holds: ceil(len / page). */

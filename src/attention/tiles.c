@@ -131,11 +131,11 @@ mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
          * their blocks' scales (the tier's widen_t), once per tile for
          * all the rows a block stacks. */
         const mha_kv_cache *c = a->kv;
-        const int64_t u0 = t->index * c->split;
+        const int64_t split = mha_kv_split(c), u0 = t->index * split;
         const void *tile = mha_kv_cache_k_tile(c, t->b, t->g, u0);
         src.finite = stored_finite(c, t, u0);
-        if (c->split > 1) {   /* pages of 16 or 32: rows, page by page */
-            for (int64_t i = 0; i < c->split && i * c->tw < t->nc; i++) {
+        if (split > 1) {   /* pages of 16 or 32: rows, page by page */
+            for (int64_t i = 0; i < split && i * c->tw < t->nc; i++) {
                 a->uk->widen_t(c->dtype,
                                mha_kv_cache_k_tile(c, t->b, t->g, u0 + i),
                                c->dh, (int)c->tw, (int)c->dh, NULL, 0,
@@ -156,7 +156,7 @@ mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
     }
     if (a->kv && !t->extra) {
         const mha_kv_cache *c = a->kv;
-        const int64_t u0 = t->index * c->split;
+        const int64_t split = mha_kv_split(c), u0 = t->index * split;
         src.kt = mha_kv_cache_k_tile(c, t->b, t->g, u0);
         src.v = mha_kv_cache_v_tile(c, t->b, t->g, u0);
         src.dtype = c->dtype;
@@ -167,22 +167,24 @@ mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
          * several rows meet each key (GQA f16 steps 1.2-1.3x faster on Zen
          * 4; a lone row's plain stream was 6-11% slower with them:
          * docs/BENCHMARKS.md). */
-        const int64_t un = (t->index + 1) * c->split;
-        if (un < c->tiles && (c->page || t->mr > 1)) {
+        const int64_t un = (t->index + 1) * split;
+        if (split == 1 && un < c->tiles && (c->page || t->mr > 1)) {
             src.next_kt = mha_kv_cache_k_tile(c, t->b, t->g, un);
             src.next_v = mha_kv_cache_v_tile(c, t->b, t->g, un);
         }
-        if (c->split > 1) {   /* pages of 16 or 32: the tile's segments */
-            src.segs = (int)c->split;
+        if (split > 1) {   /* pages of 16 or 32: the tile's segments, */
+            src.segs = (int)split;   /* each with the same of the next */
             src.tw = (int)c->tw;
-            for (int64_t i = 0; i < c->split && i * c->tw < t->nc; i++) {
-                const int64_t u = u0 + i, n = u + c->split;
+            for (int64_t i = 0; i < split && i * c->tw < t->nc; i++) {
+                const int64_t u = u0 + i;
                 src.seg_kt[i] = mha_kv_cache_k_tile(c, t->b, t->g, u);
                 src.seg_v[i] = mha_kv_cache_v_tile(c, t->b, t->g, u);
                 src.finite &= stored_finite(c, t, u);
-                if (n < c->tiles) {
-                    src.next_seg_kt[i] = mha_kv_cache_k_tile(c, t->b, t->g, n);
-                    src.next_seg_v[i] = mha_kv_cache_v_tile(c, t->b, t->g, n);
+                if (un + i < c->tiles) {
+                    src.next_seg_kt[i] =
+                        mha_kv_cache_k_tile(c, t->b, t->g, un + i);
+                    src.next_seg_v[i] =
+                        mha_kv_cache_v_tile(c, t->b, t->g, un + i);
                 }
             }
         }
