@@ -613,6 +613,146 @@ static void test_misuse(void **state)
     assert_int_not_equal(mha_attention(&a), MHA_OK);
 }
 
+/*
+ * Where a 16-bit call runs on the float32 kernels (every option the bf16
+ * kernels do not take, and f16), it is the float32 call on the widened
+ * inputs with the output rounded to nearest even, bit for bit: out, lse
+ * and the weights, for 1 and 3 threads.  (The engine widens per tile,
+ * reading the 16-bit arrays where they lie, or, with RoPE, copies: both
+ * must give these bits.)  The float32 call is itself held to the float64
+ * reference by test_attention and the others.
+ */
+typedef struct wcase {
+    int64_t B, H, Hkv, Lq, Lk, dh, dv;
+    mha_causal causal;
+    int key_lengths, softcap, alibi, window, sinks, weights, masks, dropout,
+        chunk, q_offset, rope;
+    mha_layout layout;
+} wcase;
+
+static void widened_case(const wcase *c, mha_dtype dt, uint64_t seed)
+{
+    const int64_t dv = c->dv ? c->dv : c->dh;
+    const int64_t nq = c->B * c->Lq * c->H * c->dh,
+                  nk = c->B * c->Lk * c->Hkv * c->dh,
+                  nv = c->B * c->Lk * c->Hkv * dv,
+                  no = c->B * c->Lq * c->H * dv, nl = c->B * c->H * c->Lq,
+                  nw = c->weights ? c->B * c->H * c->Lq * c->Lk : 0;
+    uint16_t *q = malloc(nq * 2), *k = malloc(nk * 2), *v = malloc(nv * 2);
+    float *qf = malloc(nq * 4), *kf = malloc(nk * 4), *vf = malloc(nv * 4);
+    float *of = malloc(no * 4), *lf = malloc(nl * 4);
+    float *wf = nw ? malloc(nw * 4) : NULL;
+    tu_fill(qf, nq, seed, -2.0f, 2.0f);
+    tu_fill(kf, nk, seed + 1, -2.0f, 2.0f);
+    tu_fill(vf, nv, seed + 2, -3.0f, 3.0f);
+    for (int64_t x = 0; x < nq; x++)
+        qf[x] = (float)from16(dt, q[x] = to16(dt, qf[x]));
+    for (int64_t x = 0; x < nk; x++)
+        kf[x] = (float)from16(dt, k[x] = to16(dt, kf[x]));
+    for (int64_t x = 0; x < nv; x++)
+        vf[x] = (float)from16(dt, v[x] = to16(dt, vf[x]));
+    int64_t kl[4];
+    for (int64_t b = 0; b < c->B; b++)
+        kl[b] = c->Lk - 1 - (b * 37) % c->Lk;
+    float sinks[16], bias[4096];
+    uint8_t pad[4096];
+    for (int64_t h = 0; h < c->H; h++)
+        sinks[h] = 0.5f * (float)h - 1.0f;
+    assert_true(!c->masks || (c->Lq * c->Lk <= 4096 && c->B * c->Lk <= 4096));
+    if (c->masks) {
+        tu_fill(bias, c->Lq * c->Lk, seed + 3, -2.0f, 2.0f);
+        for (int64_t x = 0; x < c->Lq * c->Lk; x += 7)
+            bias[x] = -INFINITY;
+        for (int64_t x = 0; x < c->B * c->Lk; x++)
+            pad[x] = x % 5 == 3;
+    }
+    mha_attention_args a = {0};
+    a.batch = c->B, a.num_heads = c->H, a.num_kv_heads = c->Hkv;
+    a.head_dim = c->dh, a.v_head_dim = c->dv, a.q_len = c->Lq;
+    a.kv_len = c->Lk, a.causal = c->causal, a.layout = c->layout;
+    a.key_lengths = c->key_lengths ? kl : NULL;
+    a.mods.softcap = c->softcap ? 20.0f : 0.0f;
+    a.mods.alibi = c->alibi;
+    if (c->window) {
+        a.mods.window = 1;
+        a.mods.window_left = 50;
+        a.mods.window_right = 9;
+    }
+    if (c->rope)
+        a.mods.rope.style = MHA_ROPE_NEOX;
+    a.sinks = c->sinks ? sinks : NULL;
+    if (c->masks) {
+        a.attn_mask = (mha_mask){MHA_MASK_ADDITIVE, bias, 2, {c->Lq, c->Lk}};
+        a.key_padding_mask =
+            (mha_mask){MHA_MASK_BLOCK, pad, 2, {c->B, c->Lk}};
+    }
+    if (c->dropout) {
+        a.training = 1;
+        a.dropout = 0.25f;
+        a.dropout_seed = 99;
+    }
+    a.attention_chunk = c->chunk;
+    if (c->q_offset) {
+        a.given = MHA_GIVEN_Q_OFFSET;
+        a.q_offset = c->Lk - c->Lq - 3;
+    }
+    a.need_weights = c->weights ? MHA_WEIGHTS_PER_HEAD : MHA_WEIGHTS_NONE;
+    /* the float32 call on the widened inputs */
+    mha_attention_args f = a;
+    f.q = qf, f.k = kf, f.v = vf, f.out = of, f.lse = lf, f.attn_weights = wf;
+    f.num_threads = 2;
+    if (mha_attention(&f) != MHA_OK)
+        fail_msg("float32: %s", mha_last_error());
+    uint16_t *want = malloc(no * 2), *got = malloc(no * 2);
+    for (int64_t x = 0; x < no; x++)
+        want[x] = to16(dt, of[x]);
+    float *lg = malloc(nl * 4), *wg = nw ? malloc(nw * 4) : NULL;
+    static const int threads[2] = {1, 3};
+    for (int t = 0; t < 2; t++) {
+        mha_attention_args h = a;
+        h.dtype = dt;
+        h.q16 = q, h.k16 = k, h.v16 = v, h.out16 = got;
+        h.lse = lg, h.attn_weights = wg, h.num_threads = threads[t];
+        memset(got, 0xFF, no * 2);
+        if (mha_attention(&h) != MHA_OK)
+            fail_msg("16-bit: %s", mha_last_error());
+        assert_memory_equal(got, want, no * 2);
+        assert_memory_equal(lg, lf, nl * 4);
+        if (nw)
+            assert_memory_equal(wg, wf, nw * 4);
+    }
+    free(want), free(got), free(lg), free(wg);
+    free(q), free(k), free(v), free(qf), free(kf), free(vf);
+    free(of), free(lf), free(wf);
+}
+
+static void test_widened_bits(void **state)
+{
+    (void)state;
+    static const wcase cases[] = {
+        /* B H Hkv Lq Lk dh dv: causal, kl, cap, alibi, window, sinks,
+         * weights, masks, dropout, chunk, q_offset, rope; layout */
+        {2, 4, 2, 70, 130, 48, 0, MHA_CAUSAL_BOTTOM_RIGHT, 1, 1, 0, 0, 0,
+         0, 0, 0, 0, 0, 0, MHA_LAYOUT_ROWS},
+        {1, 4, 4, 65, 200, 64, 32, MHA_CAUSAL_NONE, 0, 0, 1, 1, 0, 1, 0,
+         0, 0, 0, 0, MHA_LAYOUT_HEADS_FIRST},
+        {2, 8, 2, 1, 3000, 64, 0, MHA_CAUSAL_NONE, 1, 0, 0, 0, 1, 0, 0, 0,
+         0, 0, 0, MHA_LAYOUT_ROWS},           /* split keys, stacked */
+        {2, 8, 8, 1, 2100, 32, 0, MHA_CAUSAL_NONE, 0, 1, 0, 0, 0, 0, 0, 0,
+         0, 0, 0, MHA_LAYOUT_HEADS_FIRST},    /* split keys */
+        {2, 2, 1, 40, 60, 32, 0, MHA_CAUSAL_TOP_LEFT, 0, 0, 0, 0, 0, 1, 1,
+         1, 0, 0, 0, MHA_LAYOUT_ROWS},        /* masks, dropout */
+        {2, 4, 4, 4, 600, 128, 0, MHA_CAUSAL_BOTTOM_RIGHT, 0, 0, 0, 0, 0,
+         0, 0, 0, 128, 1, 0, MHA_LAYOUT_ROWS}, /* chunks, q_offset */
+        {1, 4, 2, 33, 77, 64, 0, MHA_CAUSAL_TOP_LEFT, 0, 0, 0, 0, 1, 0, 0,
+         0, 0, 0, 1, MHA_LAYOUT_ROWS},        /* RoPE: the copies */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        widened_case(&cases[i], MHA_DTYPE_F16, 700 + i);
+        widened_case(&cases[i], MHA_DTYPE_BF16, 800 + i);
+    }
+}
+
 static void test_kernel_named(void **state)
 {
     (void)state;
@@ -661,6 +801,7 @@ int main(void)
         cmocka_unit_test(test_kernel_named),
         cmocka_unit_test(test_bf16_shapes),
         cmocka_unit_test(test_f16_shapes),
+        cmocka_unit_test(test_widened_bits),
         cmocka_unit_test(test_bf16_backward),
         cmocka_unit_test(test_nan),
         cmocka_unit_test(test_score_range),

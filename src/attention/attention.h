@@ -105,6 +105,14 @@ typedef struct mha_attn {
                                flash tiers; nothing for ref): no ctx, no
                                stats (mha_attention_backward_part sets
                                the stats itself) */
+    mha_kv_dtype x16;       /* MHA_KV_F32 (0): q, k, v and ctx are float.
+                               MHA_KV_F16 or _BF16: they are arrays of that
+                               16-bit type (the pointers cast; never read
+                               as float), widened as a block's q rows are
+                               loaded and K and V packed, ctx rounded as it
+                               is written: sdpa.c's 16-bit calls on the
+                               float32 kernels, no widened copies.  Flash
+                               tiers only, no extra keys, no cache */
     const struct mha_kv_cache *kv;  /* that cache, or NULL: the real keys'
                                tiles are read from it in its dtype, and
                                `packed` holds one f32 tile per (b, g), the
@@ -280,6 +288,7 @@ typedef struct mha_attn_request {
                               (the module's step); 0: appended already */
     double q_growth;       /* what |q| may grow by after its scan (RoPE
                               applied later turns each pair: 2); 1     */
+    mha_kv_dtype x16;      /* q, k, v and out 16-bit (mha_attn.x16) */
 } mha_attn_request;
 
 /* The keys after the real ones: bias_k, then the zero key. */

@@ -128,6 +128,33 @@ static inline const float *mha_value_row(const mha_attn *a, int64_t b,
          : j == a->Lk && a->bias_v ? a->bias_v + g * mha_dv(a) : NULL;
 }
 
+/* The same rows of a problem on 16-bit data (mha_attn.x16): the float
+ * rows' element offsets in the caller's 16-bit arrays (real keys only). */
+static inline const uint16_t *mha_q_row16(const mha_attn *a, int64_t b,
+                                          int64_t h, int64_t i)
+{
+    return (const uint16_t *)(const void *)a->q +
+           mha_row_at(a->dh, a->Lq, a->ldq, a->hsq, a->bsq, b, h, i);
+}
+static inline uint16_t *mha_ctx_row16(const mha_attn *a, int64_t b,
+                                      int64_t h, int64_t i)
+{
+    return (uint16_t *)(void *)a->ctx +
+           mha_row_at(mha_dv(a), a->Lq, a->ldc, a->hsc, a->bsc, b, h, i);
+}
+static inline const uint16_t *mha_key_row16(const mha_attn *a, int64_t b,
+                                            int64_t g, int64_t j)
+{
+    return (const uint16_t *)(const void *)a->k +
+           mha_row_at(a->dh, a->Lk, a->ldk, a->hsk, a->bsk, b, g, j);
+}
+static inline const uint16_t *mha_value_row16(const mha_attn *a, int64_t b,
+                                              int64_t g, int64_t j)
+{
+    return (const uint16_t *)(const void *)a->v +
+           mha_row_at(mha_dv(a), a->Lk, a->ldv, a->hsv, a->bsv, b, g, j);
+}
+
 /* Keys in packed tile t of a problem: MHA_BC, fewer in the last real
  * tile, the extra keys' count in the extra tile. */
 static inline int mha_tile_keys(const mha_attn *a, int64_t t)
@@ -190,7 +217,7 @@ static inline int mha_attn_reads_in_place(const mha_attn *a)
 {
     /* (row strides below 2^24: the kernels take them as int, and a
      * gather's lane offsets, up to 15 strides, stay in int32) */
-    return !a->prepacked && !a->pack_only &&
+    return !a->prepacked && !a->pack_only && a->x16 == MHA_KV_F32 &&
            a->Lq * (a->H / a->Hkv) <= MHA_IN_PLACE_ROWS &&
            a->ldk < (INT64_C(1) << 24) && a->ldv < (INT64_C(1) << 24);
 }

@@ -92,11 +92,19 @@ int64_t mha_attn_request_weights_floats(const mha_attn_request *r)
 
 /* The largest finite |x| of a tensor of `rows` rows of n heads (strides
  * as the request's: heads first when hs is set). */
-static double amax(const float *x, int64_t rows, int64_t heads, int64_t w,
-                   int64_t ld, int64_t hs, int threads, mha_amax_fn scan)
+static double amax(const mha_attn_request *r, const float *x, int64_t rows,
+                   int64_t heads, int64_t w, int64_t ld, int64_t hs,
+                   int threads, mha_amax_fn scan)
 {
     if (!x)
         return 0.0;
+    if (r->x16 != MHA_KV_F32) {   /* (x: the caller's 16-bit array) */
+        const uint16_t *h = (const uint16_t *)(const void *)x;
+        const int bf = r->x16 == MHA_KV_BF16;
+        return hs ? mha_max_abs_finite16(h, 1, rows * heads * w, 0, bf,
+                                         threads)
+                  : mha_max_abs_finite16(h, rows, heads * w, ld, bf, threads);
+    }
     return hs ? mha_max_abs_finite(x, 1, rows * heads * w, 0, threads, scan)
               : mha_max_abs_finite(x, rows, heads * w, ld, threads, scan);
 }
@@ -108,11 +116,11 @@ mha_status mha_attn_request_prepare(const mha_attn_request *r,
      * written.  The keys: those given (an append's new ones) and what the
      * cache ever held. */
     const int64_t krows = r->B * (r->cache ? r->append : r->Lk);
-    double kmax = amax(r->k, krows, r->Hkv, r->dh, r->ldk, r->hsk, threads,
+    double kmax = amax(r, r->k, krows, r->Hkv, r->dh, r->ldk, r->hsk, threads,
                        uk->amax);
     if (r->cache && r->cache->key_amax > kmax)
         kmax = r->cache->key_amax;
-    const double qmax = amax(r->q, r->B * r->Lq, r->H, r->dh, r->ldq, r->hsq,
+    const double qmax = amax(r, r->q, r->B * r->Lq, r->H, r->dh, r->ldq, r->hsq,
                              threads, uk->amax);
     MHA_CHECK(mha_check_score_range(r->scale, r->dh, qmax * r->q_growth,
                                     kmax));
@@ -148,7 +156,8 @@ mha_attn mha_attn_request_problem(const mha_attn_request *r,
         .seed = r->seed, .drop_row0 = r->q_start, .ctx = r->out,
         .ldc = r->ldo, .stats = ws + lay->stats, .weights = r->need_weights,
         .w = r->need_weights != MHA_WEIGHTS_NONE ? r->attn_weights : NULL,
-        .partials = ws + lay->partials, .packed = ws + lay->packed};
+        .partials = ws + lay->partials, .packed = ws + lay->packed,
+        .x16 = r->x16};
     return at;
 }
 

@@ -399,8 +399,11 @@ static void write_lse(const float *stats, int64_t rows, float *lse)
 
 /* The plan's run; pack_only: K and V packed (and RoPE applied, the
  * arguments kept) for a backward, no output (mha_attention_backward_part). */
+/* x16 (MHA_KV_F32 but from attention_widened): q, k, v and out of `a`
+ * are that 16-bit type's arrays, cast, which the engine widens per tile
+ * (mha_attn.x16); the caller checked their overlaps, in 16-bit units. */
 static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
-                           int pack_only)
+                           int pack_only, mha_kv_dtype x16)
 {
     if (!p)
         return mha_set_error(MHA_ERR_NULL_POINTER, "plan is NULL");
@@ -437,6 +440,7 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
                              !a->q ? "q" : !a->cache && !a->k ? "k"
                              : !a->cache && !a->v ? "v" : "out");
     mha_attn_request r = request_of(a, &s, p->slopes);
+    r.x16 = x16;
     mha_mask_plan mask;
     MHA_CHECK(mha_attn_request_masks(&r, &mask));
     s.Lk = r.Lk;   /* with a cache: its longest sequence now */
@@ -446,7 +450,8 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
                           {"lse", a->lse, s.B * s.H * s.Lq}};
     const span ins[3] = {{"q", a->q, s.n_q}, {"k", a->k, s.n_kv},
                          {"v", a->v, s.n_v}};
-    MHA_CHECK(check_disjoint(outs, 3, ins, a->cache ? 1 : 3));
+    if (x16 == MHA_KV_F32)
+        MHA_CHECK(check_disjoint(outs, 3, ins, a->cache ? 1 : 3));
     MHA_CHECK(rope_check(p, a, &s));
     MHA_CHECK(mha_attn_request_prepare(&r, p->eng.uk, p->eng.threads));
     const uint64_t print = p->one_shot || a->cache ? 0 : fingerprint(a, &s);
@@ -469,7 +474,7 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
 static mha_status mha_attention_plan_run_impl(mha_attention_plan *p,
                                               const mha_attention_args *a)
 {
-    return plan_run(p, a, 0);
+    return plan_run(p, a, 0, MHA_KV_F32);
 }
 
 mha_status mha_attention_plan_run_sized(mha_attention_plan *plan,
@@ -856,11 +861,43 @@ static mha_status backward_widened(const mha_attention_args *a,
     return st;
 }
 
-/* The float32 path for 16-bit data: q, k, v widened into float copies,
- * the float32 attention, out narrowed (round to nearest even). */
+/* The float32 path for 16-bit data, widened per tile: the float32
+ * engine reading q, k and v where they lie, each element widened where
+ * the float path loads or packs it, out rounded (to nearest even) where
+ * the float path writes it: the bits of the copies below, without them
+ * (their 4-byte arrays cost a fifth of a B 8 L 512 call:
+ * docs/BENCHMARKS.md).  The flash tiers, without RoPE (which rotates
+ * float copies of q and k). */
+static mha_status attention_per_tile(const mha_attention_args *a)
+{
+    mha_attention_args f = *a;
+    f.dtype = MHA_DTYPE_F32;
+    f.q16 = f.k16 = f.v16 = NULL;
+    f.out16 = NULL;
+    f.q = (const float *)(const void *)a->q16;   /* (never read as float) */
+    f.k = (const float *)(const void *)a->k16;
+    f.v = (const float *)(const void *)a->v16;
+    f.out = (float *)(void *)a->out16;
+    mha_attention_plan *p;
+    MHA_CHECK(mha_attention_plan_create(&f, &p));
+    p->one_shot = 1;
+    const mha_status st = plan_run(p, &f, 0,
+                                   a->dtype == MHA_DTYPE_BF16 ? MHA_KV_BF16
+                                                              : MHA_KV_F16);
+    mha_attention_plan_free(p);
+    return st;
+}
+
+/* The float32 path for 16-bit data: per tile (above) where it can; else
+ * q, k, v widened into float copies, the float32 attention, out narrowed
+ * (round to nearest even). */
 static mha_status attention_widened(const mha_attention_args *a,
                                     const sdpa_shape *s)
 {
+    mha_engine eng;
+    MHA_CHECK(mha_engine_init(&eng, a->num_threads));
+    if (eng.isa != MHA_ISA_REF && a->mods.rope.style == MHA_ROPE_NONE)
+        return attention_per_tile(a);
     const int bf = a->dtype == MHA_DTYPE_BF16;
     float *buf = mha_alloc_floats(s->n_q + s->n_o + s->n_kv + s->n_v,
                                   "widened q, k, v and out");
@@ -1200,7 +1237,7 @@ static mha_status mha_attention_backward_part_impl(
         st = check_disjoint(outs, 3, ins, 2);
     }
     if (st == MHA_OK)
-        st = plan_run(p, &f, 1);   /* K and V packed, no forward */
+        st = plan_run(p, &f, 1, MHA_KV_F32);   /* K and V packed, no forward */
     if (st == MHA_OK) {
         float *stats = p->ws + p->lay.stats;
         for (int64_t b = 0; b < s->B; b++)

@@ -51,8 +51,16 @@ void mha_load_q(const mha_attn *a, int64_t b, int64_t h, int64_t i0, int mr,
                 float *qs)
 {
     const int dh = (int)a->dh;
-    for (int r = 0; r < mr; r++)
-        a->uk->scale(qs + r * dh, mha_q_row(a, b, h, i0 + r), dh, a->scale);
+    for (int r = 0; r < mr; r++) {
+        float *row = qs + r * dh;
+        if (a->x16 != MHA_KV_F32) {   /* widened (exact), then scaled */
+            a->uk->widen_t(a->x16, mha_q_row16(a, b, h, i0 + r), 0, 1, dh,
+                           NULL, 0, row, dh);
+            a->uk->scale(row, row, dh, a->scale);
+        } else {
+            a->uk->scale(row, mha_q_row(a, b, h, i0 + r), dh, a->scale);
+        }
+    }
 }
 
 /* The forward's packing of tile t of (b, g), g a K/V head: kt [dh][MHA_BC]
@@ -74,6 +82,20 @@ void mha_pack_forward_tile(const mha_attn *a, int64_t item)
     int finite = 1;
     if (a->in_place && t != p.tiles - 1)
         return;   /* read in place: mha_tile_source scans it when used */
+    if (a->x16 != MHA_KV_F32 && t != p.tiles - 1) {
+        /* 16-bit keys and values widened as they are packed (exact: the
+         * tiles a float copy of them would give), the values' flag from
+         * the widened tile */
+        if (nc > 0) {
+            a->uk->widen_t(a->x16, mha_key_row16(a, b, g, j0), a->ldk, nc,
+                           (int)dh, kt, MHA_BC, NULL, 0);
+            a->uk->widen_t(a->x16, mha_value_row16(a, b, g, j0), a->ldv, nc,
+                           (int)dv, NULL, 0, v, (int)dv);
+            (void)a->uk->amax(v, nc, dv, dv, &finite);
+        }
+        *mha_packed_flag(&p, b, g, t) = (float)finite;
+        return;
+    }
     if (t != p.tiles - 1) {
         for (int c = 0; c < nc; c++)
             finite &= a->uk->copy_finite(v + c * dv,

@@ -86,6 +86,9 @@ float mha_amax_portable(const float *x, int64_t rows, int64_t cols,
  * scale's to answer for. */
 double mha_max_abs_finite(const float *x, int64_t rows, int64_t cols,
                           int64_t ld, int threads, mha_amax_fn amax);
+/* The same of 16-bit elements: bfloat16 (bf) or IEEE half. */
+double mha_max_abs_finite16(const uint16_t *x, int64_t rows, int64_t cols,
+                            int64_t ld, int bf, int threads);
 /* Refuses a problem whose scaled scores could overflow float32: the bound
  * |scale| * d_h * max|q| * max|k| of every |scale q.k| (each over finite
  * elements) above FLT_MAX.  The kernels would see Inf scores and the

@@ -66,6 +66,46 @@ double mha_max_abs_finite(const float *x, int64_t rows, int64_t cols,
     return m;
 }
 
+/* The largest finite |x| of 16-bit elements (bf: bfloat16, else IEEE
+ * half), on the bits as above: the magnitude bits, Inf and NaN those at
+ * or past the all-ones exponent; in pieces over threads likewise. */
+static uint16_t amax16(const uint16_t *x, int64_t rows, int64_t cols,
+                       int64_t ld, int bf)
+{
+    const int16_t inf = bf ? 0x7F80 : 0x7C00;
+    int16_t m = 0;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) {
+            int16_t u = (int16_t)(x[r * ld + c] & 0x7FFF);
+            u = u < inf ? u : 0;   /* (NaN, Inf: skipped) */
+            m = u > m ? u : m;
+        }
+    return (uint16_t)m;
+}
+
+double mha_max_abs_finite16(const uint16_t *x, int64_t rows, int64_t cols,
+                            int64_t ld, int bf, int threads)
+{
+    enum { PIECE = 1 << 16 };
+    if (rows <= 0 || cols <= 0)
+        return 0.0;
+    const int flat = rows == 1 || ld == cols;
+    const int64_t n = flat ? rows * cols : rows;
+    const int64_t per = flat ? PIECE : cols >= PIECE ? 1 : PIECE / cols;
+    const int64_t pieces = (n + per - 1) / per;
+    int m = 0;
+    (void)threads;   /* (a build without OpenMP ignores the pragma) */
+#pragma omp parallel for num_threads(threads) reduction(max : m) \
+    schedule(static) if (threads > 1 && rows * cols >= 2 * PIECE)
+    for (int64_t i = 0; i < pieces; i++) {
+        const int64_t k = n - i * per < per ? n - i * per : per;
+        const int mi = flat ? amax16(x + i * per, 1, k, k, bf)
+                            : amax16(x + i * per * ld, k, cols, ld, bf);
+        m = mi > m ? mi : m;
+    }
+    return bf ? mha_bf16_to_float((uint16_t)m) : mha_f16_to_float((uint16_t)m);
+}
+
 int mha_score_range_ok(float scale, int64_t dh, double qmax, double kmax)
 {
     return fabs((double)scale) * (double)dh * qmax * kmax <= FLT_MAX;
