@@ -186,11 +186,13 @@ mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
         /* The next tile's rows are asked for, into L2, as this one's are
          * read (16-bit tiles: simd_tier.h's ahead): on a paged cache (a
          * jump the hardware cannot follow), and on a contiguous one where
-         * several rows meet each key (GQA f16 steps 1.2-1.3x faster on Zen
-         * 4; a lone row's plain stream was 6-11% slower with them:
+         * several rows meet each key, where mha_next_prefetch says (GQA
+         * f16 steps 1.2-1.3x faster on Zen 4, 10% slower on Zen 3; a lone
+         * row's plain stream was 6-11% slower with them on Zen 4:
          * docs/BENCHMARKS.md). */
         const int64_t un = (t->index + 1) * split;
-        if (split == 1 && un < c->tiles && (c->page || t->mr > 1)) {
+        if (split == 1 && un < c->tiles &&
+            (c->page || (t->mr > 1 && mha_next_prefetch()))) {
             src.next_kt = mha_kv_cache_k_tile(c, t->b, t->g, un);
             src.next_v = mha_kv_cache_v_tile(c, t->b, t->g, un);
         }

@@ -145,6 +145,14 @@ int mha_slab_prefetch(void)
     return atomic_load_explicit(&slab_prefetch, memory_order_relaxed);
 }
 
+/* kernels.h; 0 until a tier is chosen. */
+static atomic_int next_prefetch = 0;
+
+int mha_next_prefetch(void)
+{
+    return atomic_load_explicit(&next_prefetch, memory_order_relaxed);
+}
+
 /* Whether CPUID names AMD ("AuthenticAMD"). */
 static int cpu_is_amd(void)
 {
@@ -186,6 +194,7 @@ mha_status mha_isa_get(mha_isa *isa, const mha_microkernels **uk)
     if (c < 0) {
         c = choose();             /* a race computes the same value twice */
         atomic_store(&slab_prefetch, !(c == MHA_ISA_AVX512 && cpu_is_amd()));
+        atomic_store(&next_prefetch, c == MHA_ISA_AVX512);
         atomic_store(&chosen, c);
     }
     if (c >= 100) {

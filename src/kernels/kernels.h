@@ -306,6 +306,14 @@ int mha_cpu_has_avx512(void);
  * prefetch reads nothing into a result. */
 int mha_slab_prefetch(void);
 
+/* Whether a contiguous cache's tile read by several rows (a GQA group, a
+ * prefill chunk) asks for the next tile's rows into L2 as it reads its
+ * own (tiles.c; a paged cache's always do): set by mha_isa_get, on for
+ * the avx512 tier (Zen 4: the GQA f16 step 1.23-1.31x), off for the
+ * others (Zen 3, avx2: the same step 10% slower with it; Intel
+ * unmeasured).  docs/BENCHMARKS.md.  Never the bits. */
+int mha_next_prefetch(void);
+
 /* ---- bf16 attention on AMX tiles or AVX512-BF16 (amx.c; x86 only) -------
  * mha_bf16_tier: which kernels bf16 attention runs on, chosen once per
  * process: AMX (AMX-TILE and AMX-BF16, the OS saving the tile state, and
