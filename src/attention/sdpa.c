@@ -794,34 +794,59 @@ static int convert_threads(int num_threads)
     return mha_engine_init(&eng, num_threads) == MHA_OK ? eng.threads : 1;
 }
 
+/* One row of dh elements, 16-bit <-> float32 (no thread team: the rows
+ * are shared out by the caller). */
+static void row16(uint16_t *h, float *f, int64_t dh, int bf, int to_float)
+{
+    if (to_float && bf)
+        for (int64_t d = 0; d < dh; d++)
+            f[d] = mha_bf16_to_float(h[d]);
+    else if (to_float)
+        for (int64_t d = 0; d < dh; d++)
+            f[d] = mha_f16_to_float(h[d]);
+    else if (bf)
+        for (int64_t d = 0; d < dh; d++)
+            h[d] = mha_bf16_from_float(f[d]);
+    else
+        for (int64_t d = 0; d < dh; d++)
+            h[d] = mha_f16_from_float(f[d]);
+}
+
 /* x (B, heads, L, dh) in `layout` <-> float rows (B, L, heads dh): the
- * widened backward's copies (the float32 backward takes rows). */
+ * widened backward's copies (the float32 backward takes rows), row by row
+ * on `threads` threads.  (A thread team per row, as widen() would start,
+ * made the bf16 backward 3x slower than the float32 one on 2 threads:
+ * docs/BENCHMARKS.md.) */
+static void rows16(uint16_t *x, mha_layout layout, int64_t B, int64_t heads,
+                   int64_t L, int64_t dh, int bf, float *y, int to_float,
+                   int threads)
+{
+    const int64_t n = B * heads * L;
+    (void)threads;   /* (a build without OpenMP ignores the pragma) */
+#pragma omp parallel for num_threads(threads) schedule(static) \
+    if (n * dh >= 2 * CONVERT_BLOCK)
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t b = t / (heads * L), h = t / L % heads, i = t % L;
+        const int64_t at = layout == MHA_LAYOUT_HEADS_FIRST
+                               ? ((b * heads + h) * L + i) * dh
+                               : (b * L + i) * heads * dh + h * dh;
+        row16(x + at, y + (b * L + i) * heads * dh + h * dh, dh, bf,
+              to_float);
+    }
+}
+
 static void widen_rows(const uint16_t *x, mha_layout layout, int64_t B,
                        int64_t heads, int64_t L, int64_t dh, int bf,
-                       float *y)
+                       float *y, int threads)
 {
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < heads; h++)
-            for (int64_t i = 0; i < L; i++) {
-                const int64_t from = layout == MHA_LAYOUT_HEADS_FIRST
-                                         ? ((b * heads + h) * L + i) * dh
-                                         : (b * L + i) * heads * dh + h * dh;
-                widen(x + from, dh, bf, y + (b * L + i) * heads * dh + h * dh);
-            }
+    rows16((uint16_t *)x, layout, B, heads, L, dh, bf, y, 1, threads);
 }
 
 static void narrow_rows(const float *y, mha_layout layout, int64_t B,
                         int64_t heads, int64_t L, int64_t dh, int bf,
-                        uint16_t *x)
+                        uint16_t *x, int threads)
 {
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < heads; h++)
-            for (int64_t i = 0; i < L; i++) {
-                const int64_t to = layout == MHA_LAYOUT_HEADS_FIRST
-                                       ? ((b * heads + h) * L + i) * dh
-                                       : (b * L + i) * heads * dh + h * dh;
-                narrow(y + (b * L + i) * heads * dh + h * dh, dh, bf, x + to);
-            }
+    rows16(x, layout, B, heads, L, dh, bf, (float *)y, 0, threads);
 }
 
 /* The float32 backward on widened copies, the gradients narrowed. */
@@ -839,10 +864,11 @@ static mha_status backward_widened(const mha_attention_args *a,
     float *q = buf, *go = q + s->n_q, *gq = go + s->n_o, *k = gq + s->n_q;
     float *v = k + s->n_kv, *gk = v + s->n_v, *gv = gk + s->n_kv;
     const mha_layout lay = a->layout;
-    widen_rows(a->q16, lay, s->B, s->H, s->Lq, s->dh, bf, q);
-    widen_rows(g->grad_out, lay, s->B, s->H, s->Lq, s->dv, bf, go);
-    widen_rows(a->k16, lay, s->B, s->Hkv, s->Lk, s->dh, bf, k);
-    widen_rows(a->v16, lay, s->B, s->Hkv, s->Lk, s->dv, bf, v);
+    const int nt = convert_threads(a->num_threads);
+    widen_rows(a->q16, lay, s->B, s->H, s->Lq, s->dh, bf, q, nt);
+    widen_rows(g->grad_out, lay, s->B, s->H, s->Lq, s->dv, bf, go, nt);
+    widen_rows(a->k16, lay, s->B, s->Hkv, s->Lk, s->dh, bf, k, nt);
+    widen_rows(a->v16, lay, s->B, s->Hkv, s->Lk, s->dv, bf, v, nt);
     mha_attention_args f = *a;
     f.dtype = MHA_DTYPE_F32;
     f.q16 = f.k16 = f.v16 = NULL;
@@ -853,9 +879,9 @@ static mha_status backward_widened(const mha_attention_args *a,
                               .grad_v = gv};
     const mha_status st = mha_attention_backward(&f, &fg);
     if (st == MHA_OK) {
-        narrow_rows(gq, lay, s->B, s->H, s->Lq, s->dh, bf, g->grad_q);
-        narrow_rows(gk, lay, s->B, s->Hkv, s->Lk, s->dh, bf, g->grad_k);
-        narrow_rows(gv, lay, s->B, s->Hkv, s->Lk, s->dv, bf, g->grad_v);
+        narrow_rows(gq, lay, s->B, s->H, s->Lq, s->dh, bf, g->grad_q, nt);
+        narrow_rows(gk, lay, s->B, s->Hkv, s->Lk, s->dh, bf, g->grad_k, nt);
+        narrow_rows(gv, lay, s->B, s->Hkv, s->Lk, s->dv, bf, g->grad_v, nt);
     }
     free(buf);
     return st;
