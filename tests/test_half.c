@@ -617,7 +617,8 @@ static void test_misuse(void **state)
  * Where a 16-bit call runs on the float32 kernels (every option the bf16
  * kernels do not take, and f16), it is the float32 call on the widened
  * inputs with the output rounded to nearest even, bit for bit: out, lse
- * and the weights, for 1 and 3 threads.  (The engine widens per tile,
+ * and the weights, for 1 and 3 threads; and its backward, each gradient
+ * the float32 backward's rounded.  (The engine widens per tile,
  * reading the 16-bit arrays where they lie, or, with RoPE, copies: both
  * must give these bits.)  The float32 call is itself held to the float64
  * reference by test_attention and the others.
@@ -720,6 +721,43 @@ static void widened_case(const wcase *c, mha_dtype dt, uint64_t seed)
         assert_memory_equal(lg, lf, nl * 4);
         if (nw)
             assert_memory_equal(wg, wf, nw * 4);
+    }
+    /* the backward (which takes no sinks or dropout): the float32
+     * backward's gradients on the same numbers, each rounded */
+    if (!c->sinks && !c->dropout) {
+        uint16_t *go = malloc(no * 2), *g16[3];
+        float *gof = malloc(no * 4), *gf[3];
+        const int64_t n[3] = {nq, nk, nv};
+        tu_fill(gof, no, seed + 4, -1.0f, 1.0f);
+        for (int64_t x = 0; x < no; x++)
+            gof[x] = (float)from16(dt, go[x] = to16(dt, gof[x]));
+        for (int i = 0; i < 3; i++) {
+            g16[i] = malloc(n[i] * 2);
+            gf[i] = malloc(n[i] * 4);
+        }
+        mha_attention_args fb = f;
+        fb.need_weights = MHA_WEIGHTS_NONE, fb.attn_weights = NULL;
+        const mha_attention_grads fg = {gof, gf[0], gf[1], gf[2], NULL};
+        if (mha_attention_backward(&fb, &fg) != MHA_OK)
+            fail_msg("float32 backward: %s", mha_last_error());
+        for (int t = 0; t < 2; t++) {
+            mha_attention_args h = a;
+            h.dtype = dt, h.need_weights = MHA_WEIGHTS_NONE;
+            h.q16 = q, h.k16 = k, h.v16 = v, h.num_threads = threads[t];
+            const mha_attention_grads16 g = {go, g16[0], g16[1], g16[2]};
+            if (mha_attention_backward16(&h, &g) != MHA_OK)
+                fail_msg("16-bit backward: %s", mha_last_error());
+            for (int i = 0; i < 3; i++)
+                for (int64_t x = 0; x < n[i]; x++)
+                    if (g16[i][x] != to16(dt, gf[i][x]))
+                        fail_msg("gradient %d element %lld: %04x, the float32 "
+                                 "backward's %g rounds to %04x", i,
+                                 (long long)x, g16[i][x], (double)gf[i][x],
+                                 to16(dt, gf[i][x]));
+        }
+        for (int i = 0; i < 3; i++)
+            free(g16[i]), free(gf[i]);
+        free(go), free(gof);
     }
     free(want), free(got), free(lg), free(wg);
     free(q), free(k), free(v), free(qf), free(kf), free(vf);

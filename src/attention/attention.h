@@ -196,7 +196,10 @@ void mha_attn_run(const mha_engine *e, const mha_attn *a, float *scratch,
 typedef struct mha_attn_grad {
     const float *dctx;
     int64_t lddc;
-    float *dq, *dk, *dv;
+    float *dq, *dk, *dv;   /* with the problem's x16: dctx, dq, dk and dv
+                              that 16-bit type's arrays, cast (dctx widened
+                              as a block's rows load, the gradients
+                              rounded as they are stored)              */
     int64_t lddq, lddk, lddv;
     /* head and batch strides as mha_attn's (0: the rows layout's): the
      * layout of dctx and dq is q's, of dk and dv k's */

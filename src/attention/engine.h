@@ -372,6 +372,12 @@ static inline int64_t mha_tile_row(const mha_tile *t, int r)
 }
 
 /* qs[r][d] = q[i0 + r][head h][d] * scale, r < mr. */
+/* dst[d] = src[d] * *mult for d < n (mult NULL: src itself), rounded
+ * to the problem's 16-bit type (x16) to nearest even: a float row as the
+ * float path would store it (its scale kernel), then rounded. */
+void mha_store_row16(const mha_attn *a, uint16_t *dst, const float *src,
+                     int64_t n, const float *mult);
+
 void mha_load_q(const mha_attn *a, int64_t b, int64_t h, int64_t i0, int mr,
                 float *qs);
 

@@ -131,9 +131,15 @@ void mha_pack_backward_tile(const mha_attn *a, const mha_attn_grad *g,
     float *kc = mha_packed_a(&bp, b, kvh, t), *vt = mha_packed_b(&bp, b, kvh, t);
     int finite = 1;
     if (t != fp.tiles - 1) {
-        /* the real keys' rows copied, the values' tile transposed (VL x VL
-         * blocks in registers): the same floats as the forward's tiles */
-        for (int c = 0; c < nc; c++)
+        /* the real keys' rows copied (16-bit: widened), the values' tile
+         * transposed (VL x VL blocks in registers): the same floats as
+         * the forward's tiles */
+        if (a->x16 != MHA_KV_F32 && nc > 0) {
+            a->uk->widen_t(a->x16, mha_key_row16(a, b, kvh, t * MHA_BC),
+                           a->ldk, nc, (int)dh, NULL, 0, kc, (int)dh);
+            (void)a->uk->amax(kc, nc, dh, dh, &finite);
+        }
+        for (int c = 0; a->x16 == MHA_KV_F32 && c < nc; c++)
             finite &= a->uk->copy_finite(kc + c * dh,
                                          mha_key_row(a, b, kvh, t * MHA_BC + c),
                                          (int)dh);
@@ -325,9 +331,19 @@ static void load_block(const mha_attn *a, const mha_attn_grad *g, int64_t b,
     const int64_t dh = a->dh, dv = mha_dv(a);
     int fin = 1;
     for (int r = 0; r < mr; r++) {
-        const float *src = g->dctx + mha_row_at(dv, a->Lq, g->lddc, g->hsdc,
-                                                g->bsdc, b, h, i0 + r);
-        fin &= a->uk->copy_finite(w->dout + r * dv, src, (int)dv);
+        const int64_t at = mha_row_at(dv, a->Lq, g->lddc, g->hsdc, g->bsdc, b,
+                                      h, i0 + r);
+        float *dst = w->dout + r * dv;
+        if (a->x16 != MHA_KV_F32) {   /* widened, then its flag */
+            int f;
+            a->uk->widen_t(a->x16,
+                           (const uint16_t *)(const void *)g->dctx + at, 0,
+                           1, (int)dv, NULL, 0, dst, (int)dv);
+            (void)a->uk->amax(dst, 1, dv, dv, &f);
+            fin &= f;
+        } else {
+            fin &= a->uk->copy_finite(dst, g->dctx + at, (int)dv);
+        }
         w->delta[r] = 0.0;
     }
     w->dout_finite = fin;
@@ -345,12 +361,19 @@ static void store_item(const mha_attn *a, const mha_attn_grad *g, int64_t b,
 {
     const int64_t dh = a->dh, dv = mha_dv(a);
     for (int64_t j = 0; j < a->Lk; j++) {
-        memcpy(g->dk + mha_row_at(dh, a->Lk, g->lddk, g->hsdk, g->bsdk, b,
-                                  kvh, j),
-               dkc + j * dh, (size_t)dh * sizeof(float));
-        memcpy(g->dv + mha_row_at(dv, a->Lk, g->lddv, g->hsdv, g->bsdv, b,
-                                  kvh, j),
-               dvc + j * dv, (size_t)dv * sizeof(float));
+        const int64_t ak = mha_row_at(dh, a->Lk, g->lddk, g->hsdk, g->bsdk, b,
+                                      kvh, j),
+                      av = mha_row_at(dv, a->Lk, g->lddv, g->hsdv, g->bsdv, b,
+                                      kvh, j);
+        if (a->x16 != MHA_KV_F32) {   /* rounded as they are stored */
+            mha_store_row16(a, (uint16_t *)(void *)g->dk + ak, dkc + j * dh,
+                            dh, NULL);
+            mha_store_row16(a, (uint16_t *)(void *)g->dv + av, dvc + j * dv,
+                            dv, NULL);
+            continue;
+        }
+        memcpy(g->dk + ak, dkc + j * dh, (size_t)dh * sizeof(float));
+        memcpy(g->dv + av, dvc + j * dv, (size_t)dv * sizeof(float));
     }
 }
 
@@ -393,9 +416,13 @@ static void bwd_head(const mha_attn *a, const mha_attn_grad *g, int64_t b,
         mha_for_each_tile(a, b, h, i0, mr, 0, a->Lk, 1, w->bias, grads_tile,
                           w);
         for (int r = 0; r < mr; r++) {
-            float *dst = g->dq + mha_row_at(a->dh, a->Lq, g->lddq, g->hsdq,
-                                            g->bsdq, b, h, i0 + r);
-            a->uk->scale(dst, w->o + r * dh, (int)dh, a->scale);
+            const int64_t at = mha_row_at(a->dh, a->Lq, g->lddq, g->hsdq,
+                                          g->bsdq, b, h, i0 + r);
+            if (a->x16 != MHA_KV_F32)
+                mha_store_row16(a, (uint16_t *)(void *)g->dq + at,
+                                w->o + r * dh, dh, &a->scale);
+            else
+                a->uk->scale(g->dq + at, w->o + r * dh, (int)dh, a->scale);
         }
     }
     if (a->sinks && g->dsinks)

@@ -170,28 +170,6 @@ void mha_flash_rows_stacked(const mha_attn *a, int64_t b, int64_t h0,
                               output_tile, f);
 }
 
-/* A 16-bit output row (mha_attn.x16): o times inv, as the float row
- * would be, then rounded to nearest even, through a float row in pieces
- * on the stack. */
-static void finish_row16(const mha_attn *a, uint16_t *dst, const float *o,
-                         int none, float inv)
-{
-    enum { PIECE = 256 };
-    float row[PIECE];
-    const int64_t dv = mha_dv(a);
-    const int bf = a->x16 == MHA_KV_BF16;
-    for (int64_t d0 = 0; d0 < dv; d0 += PIECE) {
-        const int n = (int)(dv - d0 < PIECE ? dv - d0 : PIECE);
-        if (none)
-            memset(row, 0, (size_t)n * sizeof *row);
-        else
-            a->uk->scale(row, o + d0, n, inv);
-        for (int d = 0; d < n; d++)
-            dst[d0 + d] = bf ? mha_bf16_from_float(row[d])
-                             : mha_f16_from_float(row[d]);
-    }
-}
-
 void mha_flash_finish(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
                       int mr, const float *m, const float *l, const float *o)
 {
@@ -203,9 +181,12 @@ void mha_flash_finish(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
         st[0] = none ? -INFINITY : m[r];   /* no key: zero context, */
         st[1] = none ? 0.0f : 1.0f / l[r];  /* zero weights            */
         const float inv = a->dropout ? st[1] * keep : st[1];
-        if (a->x16 != MHA_KV_F32) {
-            finish_row16(a, mha_ctx_row16(a, b, h, i0 + r), o + r * dv,
-                         none, inv);
+        if (a->x16 != MHA_KV_F32) {   /* rounded as it is written */
+            uint16_t *dst = mha_ctx_row16(a, b, h, i0 + r);
+            if (none)
+                memset(dst, 0, (size_t)dv * sizeof *dst);
+            else
+                mha_store_row16(a, dst, o + r * dv, dv, &inv);
             continue;
         }
         float *dst = mha_ctx_row(a, b, h, i0 + r);

@@ -491,9 +491,10 @@ static int same_mask(const mha_mask *x, const mha_mask *y)
            (x->kind == MHA_MASK_NONE || x->data == y->data);
 }
 
-/* Is `a` the run whose stats and packed K/V the plan holds? */
+/* Is `a` the run whose stats and packed K/V the plan holds?  (x16: a
+ * 16-bit backward's own plan, run just before: no fingerprint.) */
 static mha_status check_saved(const mha_attention_plan *p,
-                              const mha_attention_args *a)
+                              const mha_attention_args *a, mha_kv_dtype x16)
 {
     if (!p->has_saved)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
@@ -521,7 +522,7 @@ static mha_status check_saved(const mha_attention_plan *p,
                              "q_offset, scale, dropout, training, "
                              "dropout_seed, sinks, the modifiers and RoPE's "
                              "positions must be the same)");
-    if (fingerprint(a, &p->shape) != p->saved_print)
+    if (x16 == MHA_KV_F32 && fingerprint(a, &p->shape) != p->saved_print)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "the contents of q, k, v, the masks or "
                              "key_lengths changed since the plan's last run: "
@@ -544,12 +545,13 @@ static mha_status no_cache_backward(const mha_attention_args *a)
 
 /* The plan's backward; row_lse / row_delta ([B][H][Lq], both or
  * neither): a part of a split-key problem (mha_attention_backward_part),
- * whose stats the caller has set to (lse, 1). */
+ * whose stats the caller has set to (lse, 1).  x16 as plan_run's: the
+ * data and the gradients 16-bit arrays, cast, checked by the caller. */
 static mha_status plan_backward(mha_attention_plan *p,
                                 const mha_attention_args *a,
                                 const mha_attention_grads *g,
                                 const float *row_lse,
-                                const double *row_delta)
+                                const double *row_delta, mha_kv_dtype x16)
 {
     if (!p)
         return mha_set_error(MHA_ERR_NULL_POINTER, "plan is NULL");
@@ -563,7 +565,7 @@ static mha_status plan_backward(mha_attention_plan *p,
                              : !g->grad_q ? "grad_q"
                              : !g->grad_k ? "grad_k" : "grad_v");
     MHA_CHECK(no_cache_backward(a));
-    MHA_CHECK(check_saved(p, a));
+    MHA_CHECK(check_saved(p, a, x16));
     if (g->grad_sinks && !a->sinks)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "grad_sinks is set but the arguments have no "
@@ -575,7 +577,8 @@ static mha_status plan_backward(mha_attention_plan *p,
     const span ins[4] = {{"q", a->q, s->n_q}, {"k", a->k, s->n_kv},
                          {"v", a->v, s->n_v},
                          {"grad_out", g->grad_out, s->n_o}};
-    MHA_CHECK(check_disjoint(outs, 3, ins, 4));
+    if (x16 == MHA_KV_F32)
+        MHA_CHECK(check_disjoint(outs, 3, ins, 4));
     if (!p->bws) {
         /* (sized for every modifier: any later run may have one) */
         MHA_CHECK(mha_attn_layout_backward(&p->eng, s->B, s->Hkv, s->Lk,
@@ -592,6 +595,7 @@ static mha_status plan_backward(mha_attention_plan *p,
         }
     }
     mha_attn_request r = request_of(a, s, p->slopes);
+    r.x16 = x16;
     mha_mask_plan mask;
     MHA_CHECK(mha_attn_request_masks(&r, &mask));
     mha_attn at = mha_attn_request_problem(&r, &mask, p->ws, &p->lay);
@@ -628,7 +632,7 @@ static mha_status mha_attention_plan_backward_impl(
     mha_attention_plan *p, const mha_attention_args *a,
     const mha_attention_grads *g)
 {
-    return plan_backward(p, a, g, NULL, NULL);
+    return plan_backward(p, a, g, NULL, NULL, MHA_KV_F32);
 }
 
 mha_status mha_attention_plan_backward_sized(mha_attention_plan *plan,
@@ -849,11 +853,60 @@ static void narrow_rows(const float *y, mha_layout layout, int64_t B,
     rows16(x, layout, B, heads, L, dh, bf, (float *)y, 0, threads);
 }
 
-/* The float32 backward on widened copies, the gradients narrowed. */
+/* The float32 backward widened per tile: a plan's forward (its row
+ * statistics and K, V packed, which the backward reads; its output, which
+ * it does not, in a scratch array) and its backward, both on the 16-bit
+ * arrays where they lie (mha_attn.x16), each gradient rounded as it is
+ * stored: the bits of the copies below. */
+static mha_status backward_per_tile(const mha_attention_args *a,
+                                    const mha_attention_grads16 *g,
+                                    const sdpa_shape *s)
+{
+    const mha_kv_dtype x16 = a->dtype == MHA_DTYPE_BF16 ? MHA_KV_BF16
+                                                        : MHA_KV_F16;
+    uint16_t *out = malloc((size_t)s->n_o * sizeof *out);
+    if (!out)
+        return mha_set_error(MHA_ERR_OUT_OF_MEMORY,
+                             "cannot allocate the forward's output");
+    mha_attention_args f = *a;
+    f.dtype = MHA_DTYPE_F32;
+    f.q16 = f.k16 = f.v16 = NULL;
+    f.out16 = NULL;
+    f.lse = NULL;
+    f.need_weights = MHA_WEIGHTS_NONE;
+    f.attn_weights = NULL;
+    f.q = (const float *)(const void *)a->q16;   /* (never read as float) */
+    f.k = (const float *)(const void *)a->k16;
+    f.v = (const float *)(const void *)a->v16;
+    f.out = (float *)(void *)out;
+    const mha_attention_grads fg = {
+        .grad_out = (const float *)(const void *)g->grad_out,
+        .grad_q = (float *)(void *)g->grad_q,
+        .grad_k = (float *)(void *)g->grad_k,
+        .grad_v = (float *)(void *)g->grad_v};
+    mha_attention_plan *p;
+    mha_status st = mha_attention_plan_create(&f, &p);
+    if (st == MHA_OK) {
+        p->one_shot = 1;
+        st = plan_run(p, &f, 0, x16);
+        if (st == MHA_OK)
+            st = plan_backward(p, &f, &fg, NULL, NULL, x16);
+        mha_attention_plan_free(p);
+    }
+    free(out);
+    return st;
+}
+
+/* The float32 backward for 16-bit data: per tile (above) where it can;
+ * else on widened copies, the gradients narrowed. */
 static mha_status backward_widened(const mha_attention_args *a,
                                    const mha_attention_grads16 *g,
                                    const sdpa_shape *s)
 {
+    mha_engine eng;
+    MHA_CHECK(mha_engine_init(&eng, a->num_threads));
+    if (eng.isa != MHA_ISA_REF && a->mods.rope.style == MHA_ROPE_NONE)
+        return backward_per_tile(a, g, s);
     const int bf = a->dtype == MHA_DTYPE_BF16;
     /* (values, the output and their gradients d_v wide: n_v, n_o) */
     float *buf = mha_alloc_floats(2 * s->n_q + 2 * s->n_o + 2 * s->n_kv +
@@ -1281,7 +1334,7 @@ static mha_status mha_attention_backward_part_impl(
                     stats[2 * r] = lse[r];
                     stats[2 * r + 1] = lse[r] == -INFINITY ? 0.0f : 1.0f;
                 }
-        st = plan_backward(p, &f, g, lse, delta);
+        st = plan_backward(p, &f, g, lse, delta, MHA_KV_F32);
     }
     free(delta);
     free(f.out);
