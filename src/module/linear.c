@@ -275,6 +275,15 @@ void mha_linear_grad_params_blocks(const float *dy, int64_t rows,
  * do not depend on the thread count.
  */
 enum { LIN16_ROWS = 32, LIN16_COLS = 256 };
+/* The widened blocks: as the float32 path's (256 x 512 of y), so that
+ * each single-threaded SGEMM packs its panel of W for 256 rows, not 32
+ * (with 32-row blocks OpenBLAS spent 14% of a bf16 BERT forward copying
+ * W: docs/BENCHMARKS.md). */
+enum { LIN16W_ROWS = 256, LIN16W_COLS = 512 };
+
+/* A block's rows and columns, by path. */
+static int lin16_rows(int kernel) { return kernel ? LIN16_ROWS : LIN16W_ROWS; }
+static int lin16_cols(int kernel) { return kernel ? LIN16_COLS : LIN16W_COLS; }
 
 static int64_t round32(int64_t n) { return (n + 31) / 32 * 32; }
 
@@ -320,9 +329,9 @@ int64_t mha_linear16_scratch_floats(int kernel, int64_t n_in)
     /* the block's float32 sums, then its rows of x: zero-padded bf16
      * (kernel) or widened to float32 */
     /* (whole 64-byte lines: each thread's part starts aligned) */
-    return LIN16_ROWS * LIN16_COLS +
+    return lin16_rows(kernel) * lin16_cols(kernel) +
            (kernel ? LIN16_ROWS * round32(n_in) / 2
-                   : (LIN16_ROWS * n_in + 15) / 16 * 16);
+                   : (LIN16W_ROWS * n_in + 15) / 16 * 16);
 }
 
 float mha_linear16_prepare(const float *w, int64_t n_out, int64_t n_in,
@@ -416,7 +425,7 @@ static float widen(uint16_t h, int bf)
 }
 
 /* One block's rows r0 .. r0 + r - 1, columns c0 .. c0 + n - 1 of one
- * part's product, into C (LIN16_COLS floats a row), or added to C (acc). */
+ * part's product, into C (lin16_cols floats a row), or added to C (acc). */
 static void block16(const mha_lin16_part *p, int bf, int kernel,
                     int64_t n_out, int64_t r0, int r, int64_t c0, int n,
                     int acc, float *C, void *xs)
@@ -452,7 +461,7 @@ static void block16(const mha_lin16_part *p, int bf, int kernel,
         for (int64_t k = 0; k < n_in; k++)
             s[i * n_in + k] = widen(xb[i * ldx + k], bf);
     mha_sgemm(0, 1, r, n, (int)n_in, 1.0f, s, (int)n_in, p->wt + c0 * n_in,
-              (int)n_in, acc ? 1.0f : 0.0f, C, LIN16_COLS);
+              (int)n_in, acc ? 1.0f : 0.0f, C, LIN16W_COLS);
 }
 
 int64_t mha_linear16(const uint16_t *x, int64_t rows, int64_t n_in,
@@ -471,8 +480,9 @@ int64_t mha_linear16_sum(const mha_lin16_part *parts, int nparts,
                          float *scratch, OMP_ONLY int threads)
 {
     int64_t overflowed = 0;   /* finite sums rounded to +-inf */
-    const int64_t rb = nblocks(rows, LIN16_ROWS);
-    const int64_t items = rb * nblocks(n_out, LIN16_COLS);
+    const int R = lin16_rows(kernel), NC = lin16_cols(kernel);
+    const int64_t rb = nblocks(rows, R);
+    const int64_t items = rb * nblocks(n_out, NC);
     int64_t widest = 0;
     for (int i = 0; i < nparts; i++)
         widest = parts[i].n_in > widest ? parts[i].n_in : widest;
@@ -482,14 +492,14 @@ int64_t mha_linear16_sum(const mha_lin16_part *parts, int nparts,
     {
         omp_one_thread();
         float *C = scratch + thread_num() * per_thread;
-        void *xs = C + LIN16_ROWS * LIN16_COLS;
+        void *xs = C + R * NC;
         kernels_begin(kernel);
 #pragma omp for schedule(dynamic, 1) reduction(+ : overflowed)
         for (int64_t it = 0; it < items; it++) {
-            const int64_t r0 = it % rb * LIN16_ROWS;
-            const int64_t c0 = it / rb * LIN16_COLS;
-            const int r = min_int(LIN16_ROWS, rows - r0);
-            const int n = min_int(LIN16_COLS, n_out - c0);
+            const int64_t r0 = it % rb * R;
+            const int64_t c0 = it / rb * NC;
+            const int r = min_int(R, rows - r0);
+            const int n = min_int(NC, n_out - c0);
             for (int i = 0; i < nparts; i++)   /* the parts in order */
                 block16(&parts[i], bf, kernel, n_out, r0, r, c0, n, i > 0, C,
                         xs);
@@ -503,7 +513,7 @@ int64_t mha_linear16_sum(const mha_lin16_part *parts, int nparts,
 #endif
             for (int i = 0; i < r; i++)
                 for (int c = 0; c < n; c++) {
-                    const float v = C[i * LIN16_COLS + c] + (bias ? bias[c] : 0);
+                    const float v = C[i * NC + c] + (bias ? bias[c] : 0);
                     const uint16_t h = bf ? mha_bf16_from_float(v)
                                           : mha_f16_from_float(v);
                     yb[i * ldy + c] = h;
