@@ -738,10 +738,27 @@ static mha_half_problem half_problem(const mha_attention_args *a,
         .key_lengths = a->key_lengths, .lse = a->lse};
 }
 
-/* 16-bit <-> float32 element by element (to_float: h -> f, else f -> h),
- * each type and direction in its own loop (so that the compiler
- * vectorises it), blocks of 64 Ki elements on `threads` threads: the bits
- * do not depend on how many. */
+/* n elements, 16-bit <-> float32 (to_float: h -> f, else f -> h), each
+ * type and direction in its own loop (so that the compiler vectorises
+ * it), on no thread team (the callers share the work out). */
+static void row16(uint16_t *h, float *f, int64_t n, int bf, int to_float)
+{
+    if (to_float && bf)
+        for (int64_t i = 0; i < n; i++)
+            f[i] = mha_bf16_to_float(h[i]);
+    else if (to_float)
+        for (int64_t i = 0; i < n; i++)
+            f[i] = mha_f16_to_float(h[i]);
+    else if (bf)
+        for (int64_t i = 0; i < n; i++)
+            h[i] = mha_bf16_from_float(f[i]);
+    else
+        for (int64_t i = 0; i < n; i++)
+            h[i] = mha_f16_from_float(f[i]);
+}
+
+/* The same over a whole array in blocks of 64 Ki elements on `threads`
+ * threads: the bits do not depend on how many. */
 enum { CONVERT_BLOCK = 1 << 16 };
 
 static void convert16(uint16_t *h, float *f, int64_t n, int bf, int to_float,
@@ -754,18 +771,7 @@ static void convert16(uint16_t *h, float *f, int64_t n, int bf, int to_float,
     for (int64_t c = 0; c < blocks; c++) {
         const int64_t i0 = c * CONVERT_BLOCK,
                       i1 = i0 + CONVERT_BLOCK < n ? i0 + CONVERT_BLOCK : n;
-        if (to_float && bf)
-            for (int64_t i = i0; i < i1; i++)
-                f[i] = mha_bf16_to_float(h[i]);
-        else if (to_float)
-            for (int64_t i = i0; i < i1; i++)
-                f[i] = mha_f16_to_float(h[i]);
-        else if (bf)
-            for (int64_t i = i0; i < i1; i++)
-                h[i] = mha_bf16_from_float(f[i]);
-        else
-            for (int64_t i = i0; i < i1; i++)
-                h[i] = mha_f16_from_float(f[i]);
+        row16(h + i0, f + i0, i1 - i0, bf, to_float);
     }
 }
 
@@ -796,24 +802,6 @@ static int convert_threads(int num_threads)
 {
     mha_engine eng;
     return mha_engine_init(&eng, num_threads) == MHA_OK ? eng.threads : 1;
-}
-
-/* One row of dh elements, 16-bit <-> float32 (no thread team: the rows
- * are shared out by the caller). */
-static void row16(uint16_t *h, float *f, int64_t dh, int bf, int to_float)
-{
-    if (to_float && bf)
-        for (int64_t d = 0; d < dh; d++)
-            f[d] = mha_bf16_to_float(h[d]);
-    else if (to_float)
-        for (int64_t d = 0; d < dh; d++)
-            f[d] = mha_f16_to_float(h[d]);
-    else if (bf)
-        for (int64_t d = 0; d < dh; d++)
-            h[d] = mha_bf16_from_float(f[d]);
-    else
-        for (int64_t d = 0; d < dh; d++)
-            h[d] = mha_f16_from_float(f[d]);
 }
 
 /* x (B, heads, L, dh) in `layout` <-> float rows (B, L, heads dh): the
@@ -853,6 +841,35 @@ static void narrow_rows(const float *y, mha_layout layout, int64_t B,
     rows16(x, layout, B, heads, L, dh, bf, (float *)y, 0, threads);
 }
 
+/* Whether a 16-bit call runs on the float32 engine widened per tile
+ * (*yes), or on widened copies: the flash tiers without RoPE, which
+ * rotates float copies of q and k. */
+static mha_status per_tile(const mha_attention_args *a, int *yes)
+{
+    mha_engine eng;
+    MHA_CHECK(mha_engine_init(&eng, a->num_threads));
+    *yes = eng.isa != MHA_ISA_REF && a->mods.rope.style == MHA_ROPE_NONE;
+    return MHA_OK;
+}
+
+/* The float32 arguments of 16-bit call `a` for the engine widening per
+ * tile: q, k, v and out (out16, a scratch array for the backward) its
+ * 16-bit arrays, cast, never read as float; returns their type
+ * (mha_attn.x16). */
+static mha_kv_dtype cast_args(const mha_attention_args *a, uint16_t *out16,
+                              mha_attention_args *f)
+{
+    *f = *a;
+    f->dtype = MHA_DTYPE_F32;
+    f->q16 = f->k16 = f->v16 = NULL;
+    f->out16 = NULL;
+    f->q = (const float *)(const void *)a->q16;
+    f->k = (const float *)(const void *)a->k16;
+    f->v = (const float *)(const void *)a->v16;
+    f->out = (float *)(void *)out16;
+    return a->dtype == MHA_DTYPE_BF16 ? MHA_KV_BF16 : MHA_KV_F16;
+}
+
 /* The float32 backward widened per tile: a plan's forward (its row
  * statistics and K, V packed, which the backward reads; its output, which
  * it does not, in a scratch array) and its backward, both on the 16-bit
@@ -862,23 +879,15 @@ static mha_status backward_per_tile(const mha_attention_args *a,
                                     const mha_attention_grads16 *g,
                                     const sdpa_shape *s)
 {
-    const mha_kv_dtype x16 = a->dtype == MHA_DTYPE_BF16 ? MHA_KV_BF16
-                                                        : MHA_KV_F16;
     uint16_t *out = malloc((size_t)s->n_o * sizeof *out);
     if (!out)
         return mha_set_error(MHA_ERR_OUT_OF_MEMORY,
                              "cannot allocate the forward's output");
-    mha_attention_args f = *a;
-    f.dtype = MHA_DTYPE_F32;
-    f.q16 = f.k16 = f.v16 = NULL;
-    f.out16 = NULL;
+    mha_attention_args f;
+    const mha_kv_dtype x16 = cast_args(a, out, &f);
     f.lse = NULL;
     f.need_weights = MHA_WEIGHTS_NONE;
     f.attn_weights = NULL;
-    f.q = (const float *)(const void *)a->q16;   /* (never read as float) */
-    f.k = (const float *)(const void *)a->k16;
-    f.v = (const float *)(const void *)a->v16;
-    f.out = (float *)(void *)out;
     const mha_attention_grads fg = {
         .grad_out = (const float *)(const void *)g->grad_out,
         .grad_q = (float *)(void *)g->grad_q,
@@ -903,9 +912,9 @@ static mha_status backward_widened(const mha_attention_args *a,
                                    const mha_attention_grads16 *g,
                                    const sdpa_shape *s)
 {
-    mha_engine eng;
-    MHA_CHECK(mha_engine_init(&eng, a->num_threads));
-    if (eng.isa != MHA_ISA_REF && a->mods.rope.style == MHA_ROPE_NONE)
+    int tiles;
+    MHA_CHECK(per_tile(a, &tiles));
+    if (tiles)
         return backward_per_tile(a, g, s);
     const int bf = a->dtype == MHA_DTYPE_BF16;
     /* (values, the output and their gradients d_v wide: n_v, n_o) */
@@ -949,20 +958,12 @@ static mha_status backward_widened(const mha_attention_args *a,
  * float copies of q and k). */
 static mha_status attention_per_tile(const mha_attention_args *a)
 {
-    mha_attention_args f = *a;
-    f.dtype = MHA_DTYPE_F32;
-    f.q16 = f.k16 = f.v16 = NULL;
-    f.out16 = NULL;
-    f.q = (const float *)(const void *)a->q16;   /* (never read as float) */
-    f.k = (const float *)(const void *)a->k16;
-    f.v = (const float *)(const void *)a->v16;
-    f.out = (float *)(void *)a->out16;
+    mha_attention_args f;
+    const mha_kv_dtype x16 = cast_args(a, a->out16, &f);
     mha_attention_plan *p;
     MHA_CHECK(mha_attention_plan_create(&f, &p));
     p->one_shot = 1;
-    const mha_status st = plan_run(p, &f, 0,
-                                   a->dtype == MHA_DTYPE_BF16 ? MHA_KV_BF16
-                                                              : MHA_KV_F16);
+    const mha_status st = plan_run(p, &f, 0, x16);
     mha_attention_plan_free(p);
     return st;
 }
@@ -973,9 +974,9 @@ static mha_status attention_per_tile(const mha_attention_args *a)
 static mha_status attention_widened(const mha_attention_args *a,
                                     const sdpa_shape *s)
 {
-    mha_engine eng;
-    MHA_CHECK(mha_engine_init(&eng, a->num_threads));
-    if (eng.isa != MHA_ISA_REF && a->mods.rope.style == MHA_ROPE_NONE)
+    int tiles;
+    MHA_CHECK(per_tile(a, &tiles));
+    if (tiles)
         return attention_per_tile(a);
     const int bf = a->dtype == MHA_DTYPE_BF16;
     float *buf = mha_alloc_floats(s->n_q + s->n_o + s->n_kv + s->n_v,

@@ -33,77 +33,86 @@ float mha_amax_portable(const float *x, int64_t rows, int64_t cols,
     return f;
 }
 
-/* Pieces of about 2^15 floats (whole rows), shared among the threads
- * from two pieces on: a max is exact, so the order of the pieces is free
- * (a scan of q and k on one thread was a visible share of a forward, and
- * the portable loop, on SSE2, a quarter of a short decoding call; the
- * keys of transformers' decoding step, 97K floats, ran on one thread with
- * pieces of 2^16: docs/BENCHMARKS.md). */
-double mha_max_abs_finite(const float *x, int64_t rows, int64_t cols,
-                          int64_t ld, int threads, mha_amax_fn amax)
+/* A piece's largest finite |x|: `rows` rows of `cols` elements, ld
+ * apart, at x; `how` says which scan. */
+typedef float (*piece_max)(const void *x, int64_t rows, int64_t cols,
+                           int64_t ld, const void *how);
+
+/* Pieces of about 128 KiB (2^15 floats; whole rows), shared among the
+ * threads from two pieces on: a max is exact, so the order of the pieces
+ * is free (a scan of q and k on one thread was a visible share of a
+ * forward, and the portable loop, on SSE2, a quarter of a short decoding
+ * call; the keys of transformers' decoding step, 97K floats, ran on one
+ * thread with pieces of 2^16: docs/BENCHMARKS.md).  es: bytes an
+ * element. */
+static double max_by_pieces(const void *x, size_t es, int64_t rows,
+                            int64_t cols, int64_t ld, int threads,
+                            piece_max scan, const void *how)
 {
-    enum { PIECE = 1 << 15 };
+    const int64_t piece = (int64_t)((1 << 17) / es);
     if (rows <= 0 || cols <= 0)
         return 0.0;
-    if (!amax)
-        amax = mha_amax_portable;
+    const char *base = x;
     const int flat = rows == 1 || ld == cols;
-    /* flat: n floats in pieces of PIECE; else n rows, `per` a piece */
+    /* flat: n elements in pieces of `piece`; else n rows, `per` a piece */
     const int64_t n = flat ? rows * cols : rows;
-    const int64_t per = flat ? PIECE : cols >= PIECE ? 1 : PIECE / cols;
+    const int64_t per = flat ? piece : cols >= piece ? 1 : piece / cols;
     const int64_t pieces = (n + per - 1) / per;
     float m = 0.0f;
     (void)threads;   /* (a build without OpenMP ignores the pragma) */
 #pragma omp parallel for num_threads(threads) reduction(max : m) \
-    schedule(static) if (threads > 1 && rows * cols >= 2 * PIECE)
+    schedule(static) if (threads > 1 && rows * cols >= 2 * piece)
     for (int64_t i = 0; i < pieces; i++) {
         const int64_t k = n - i * per < per ? n - i * per : per;
-        int finite;
-        const float mi = flat ? amax(x + i * per, 1, k, k, &finite)
-                              : amax(x + i * per * ld, k, cols, ld, &finite);
+        const float mi =
+            flat ? scan(base + (size_t)(i * per) * es, 1, k, k, how)
+                 : scan(base + (size_t)(i * per * ld) * es, k, cols, ld, how);
         m = mi > m ? mi : m;
     }
     return m;
 }
 
-/* The largest finite |x| of 16-bit elements (bf: bfloat16, else IEEE
- * half), on the bits as above: the magnitude bits, Inf and NaN those at
- * or past the all-ones exponent; in pieces over threads likewise. */
-static uint16_t amax16(const uint16_t *x, int64_t rows, int64_t cols,
-                       int64_t ld, int bf)
+/* A float piece by the tier's scan (how: its mha_amax_fn). */
+static float piece_f32(const void *x, int64_t rows, int64_t cols, int64_t ld,
+                       const void *how)
 {
+    int finite;
+    return (*(const mha_amax_fn *)how)(x, rows, cols, ld, &finite);
+}
+
+double mha_max_abs_finite(const float *x, int64_t rows, int64_t cols,
+                          int64_t ld, int threads, mha_amax_fn amax)
+{
+    if (!amax)
+        amax = mha_amax_portable;
+    return max_by_pieces(x, sizeof *x, rows, cols, ld, threads, piece_f32,
+                         &amax);
+}
+
+/* A 16-bit piece (how: int, nonzero for bfloat16, else IEEE half), on the
+ * bits as mha_amax_portable: the magnitude bits, Inf and NaN those at or
+ * past the all-ones exponent. */
+static float piece_16(const void *x, int64_t rows, int64_t cols, int64_t ld,
+                      const void *how)
+{
+    const uint16_t *h = x;
+    const int bf = *(const int *)how;
     const int16_t inf = bf ? 0x7F80 : 0x7C00;
     int16_t m = 0;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t c = 0; c < cols; c++) {
-            int16_t u = (int16_t)(x[r * ld + c] & 0x7FFF);
+            int16_t u = (int16_t)(h[r * ld + c] & 0x7FFF);
             u = u < inf ? u : 0;   /* (NaN, Inf: skipped) */
             m = u > m ? u : m;
         }
-    return (uint16_t)m;
+    return bf ? mha_bf16_to_float((uint16_t)m) : mha_f16_to_float((uint16_t)m);
 }
 
 double mha_max_abs_finite16(const uint16_t *x, int64_t rows, int64_t cols,
                             int64_t ld, int bf, int threads)
 {
-    enum { PIECE = 1 << 16 };
-    if (rows <= 0 || cols <= 0)
-        return 0.0;
-    const int flat = rows == 1 || ld == cols;
-    const int64_t n = flat ? rows * cols : rows;
-    const int64_t per = flat ? PIECE : cols >= PIECE ? 1 : PIECE / cols;
-    const int64_t pieces = (n + per - 1) / per;
-    int m = 0;
-    (void)threads;   /* (a build without OpenMP ignores the pragma) */
-#pragma omp parallel for num_threads(threads) reduction(max : m) \
-    schedule(static) if (threads > 1 && rows * cols >= 2 * PIECE)
-    for (int64_t i = 0; i < pieces; i++) {
-        const int64_t k = n - i * per < per ? n - i * per : per;
-        const int mi = flat ? amax16(x + i * per, 1, k, k, bf)
-                            : amax16(x + i * per * ld, k, cols, ld, bf);
-        m = mi > m ? mi : m;
-    }
-    return bf ? mha_bf16_to_float((uint16_t)m) : mha_f16_to_float((uint16_t)m);
+    return max_by_pieces(x, sizeof *x, rows, cols, ld, threads, piece_16,
+                         &bf);
 }
 
 int mha_score_range_ok(float scale, int64_t dh, double qmax, double kmax)
