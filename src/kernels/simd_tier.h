@@ -450,6 +450,38 @@ MK_INLINE void gemm(const int RMAX, const int mode, const int T, int M, int N,
 /* The rows of a block for a mode. */
 #define RMAX_OF(mode) ((mode) & EXACT ? TIER_RMAX_EXACT : TIER_RMAX)
 
+/* Each storage type and mode a product uses, a function of its own,
+ * called by name (GEMM): inlined into their callers' switches, one
+ * function held several instantiations and GCC took twice as long over
+ * the tier's file (minutes under the sanitizers; docs/TESTING.md).  B by
+ * value: a local copy GCC keeps in registers, where through a pointer
+ * every store to C reloaded its fields (9% more instructions in a q8
+ * value tile's product). */
+enum { MODE_SET_NEXT = MODE_SET | NEXT, MODE_ACC_NEXT = MODE_ACC | NEXT };
+#define GEMM_FN(T, mode)                                                    \
+    static __attribute__((noinline)) void gemm_##T##_##mode(                \
+        int M, int N, int K, const float *A, int lda, int ska, bsrc B,      \
+        float *C, int ldc)                                                  \
+    {                                                                       \
+        gemm(RMAX_OF(mode), mode, T, M, N, K, A, lda, ska, &B, C, ldc);     \
+    }
+GEMM_FN(B_F32, MODE_SET)        GEMM_FN(B_F32, MODE_ACC)
+GEMM_FN(B_F32, MODE_ACC_EXACT)  GEMM_FN(B_F32, MODE_ADD)
+GEMM_FN(B_F32, MODE_ADD_EXACT)
+GEMM_FN(B_F16, MODE_SET)        GEMM_FN(B_F16, MODE_SET_NEXT)
+GEMM_FN(B_F16, MODE_ACC)        GEMM_FN(B_F16, MODE_ACC_NEXT)
+GEMM_FN(B_F16, MODE_ACC_EXACT)
+GEMM_FN(B_BF16, MODE_SET)       GEMM_FN(B_BF16, MODE_SET_NEXT)
+GEMM_FN(B_BF16, MODE_ACC)       GEMM_FN(B_BF16, MODE_ACC_NEXT)
+GEMM_FN(B_BF16, MODE_ACC_EXACT)
+GEMM_FN(B_Q8K, MODE_SET)        GEMM_FN(B_Q8V, MODE_ACC)
+GEMM_FN(B_Q8V, MODE_ACC_EXACT)
+GEMM_FN(B_Q4K, MODE_SET)        GEMM_FN(B_Q4V, MODE_ACC)
+GEMM_FN(B_Q4V, MODE_ACC_EXACT)
+#undef GEMM_FN
+#define GEMM(T, mode, M, N, K, A, lda, ska, B, C, ldc)                      \
+    gemm_##T##_##mode(M, N, K, A, lda, ska, *(B), C, ldc)
+
 /* A float B of ld columns. */
 MK_INLINE bsrc f32(const float *x, int ld)
 {
@@ -464,14 +496,13 @@ MK_INLINE bsrc f32(const float *x, int ld)
                      const float *b_, float *c_, int ldc_)                  \
     {                                                                       \
         const bsrc B = f32(Bx, ldb_);                                       \
-        gemm(RMAX_OF(mode), mode, B_F32, M, N, K, A, lda, ska, &B, c_,      \
-             ldc_);                                                         \
+        GEMM(B_F32, mode, M, N, K, A, lda, ska, &B, c_, ldc_);              \
     }
 static void qk_k(int mr, int nc, int dh, const float *q, const float *kt,
                  int ldkt, float *s, int lds)
 {
     const bsrc B = f32(kt, ldkt);
-    gemm(TIER_RMAX, MODE_SET, B_F32, mr, nc, dh, q, dh, 1, &B, s, lds);
+    GEMM(B_F32, MODE_SET, mr, nc, dh, q, dh, 1, &B, s, lds);
 }
 PRODUCT(pv_k, MODE_ACC, mr, dh, nc, a_, lda_, 1, b_, dh)
 PRODUCT(pv_exact_k, MODE_ACC_EXACT, mr, dh, nc, a_, lda_, 1, b_, dh)
@@ -488,10 +519,9 @@ static void pv_rows_k(int exact, int mr, int nc, int dh, const float *p,
 {
     const bsrc B = f32(v, ldv);
     if (exact)
-        gemm(TIER_RMAX_EXACT, MODE_ACC_EXACT, B_F32, mr, dh, nc, p, ldp, 1,
-             &B, o, ldo);
+        GEMM(B_F32, MODE_ACC_EXACT, mr, dh, nc, p, ldp, 1, &B, o, ldo);
     else
-        gemm(TIER_RMAX, MODE_ACC, B_F32, mr, dh, nc, p, ldp, 1, &B, o, ldo);
+        GEMM(B_F32, MODE_ACC, mr, dh, nc, p, ldp, 1, &B, o, ldo);
 }
 
 /* qk and pv on a KV cache's tiles (kernels.h): the same blocking, B
@@ -502,13 +532,13 @@ static void qk_kv_k(mha_kv_dtype dtype, int mr, int nc, int dh,
 {
     const bsrc B = {kt, mha_q8_scales(kt, cols, dh), cols, 0, next};
 #define QK_KV(T, mode)                                                      \
-    gemm(TIER_RMAX, mode, T, mr, nc, dh, q, dh, 1, &B, s, lds)
+    GEMM(T, mode, mr, nc, dh, q, dh, 1, &B, s, lds)
     switch (dtype) {
     case MHA_KV_F16:
-        next ? QK_KV(B_F16, MODE_SET | NEXT) : QK_KV(B_F16, MODE_SET);
+        next ? QK_KV(B_F16, MODE_SET_NEXT) : QK_KV(B_F16, MODE_SET);
         break;
     case MHA_KV_BF16:
-        next ? QK_KV(B_BF16, MODE_SET | NEXT) : QK_KV(B_BF16, MODE_SET);
+        next ? QK_KV(B_BF16, MODE_SET_NEXT) : QK_KV(B_BF16, MODE_SET);
         break;
     case MHA_KV_Q8: QK_KV(B_Q8K, MODE_SET); break;
     case MHA_KV_Q4: QK_KV(B_Q4K, MODE_SET); break;
@@ -524,16 +554,16 @@ static void pv_kv_k(mha_kv_dtype dtype, int exact, int mr, int nc, int dh,
     const bsrc B = {v, mha_q8_scales(v, cols, dh), dh,
                     (int)mha_q8_blocks(dh), next};
 #define PV_KV_AS(T, mode)                                                   \
-    gemm(RMAX_OF(mode), mode, T, mr, dh, nc, p, ldp, 1, &B, o, ldo)
+    GEMM(T, mode, mr, dh, nc, p, ldp, 1, &B, o, ldo)
 #define PV_KV(T) (exact ? PV_KV_AS(T, MODE_ACC_EXACT) : PV_KV_AS(T, MODE_ACC))
     /* (the next tile's prefetch on the fast form only: the exact one is
      * for the rare tile holding NaN or Inf) */
     switch (dtype) {
     case MHA_KV_F16:
-        next && !exact ? PV_KV_AS(B_F16, MODE_ACC | NEXT) : PV_KV(B_F16);
+        next && !exact ? PV_KV_AS(B_F16, MODE_ACC_NEXT) : PV_KV(B_F16);
         break;
     case MHA_KV_BF16:
-        next && !exact ? PV_KV_AS(B_BF16, MODE_ACC | NEXT) : PV_KV(B_BF16);
+        next && !exact ? PV_KV_AS(B_BF16, MODE_ACC_NEXT) : PV_KV(B_BF16);
         break;
     case MHA_KV_Q8: PV_KV(B_Q8V); break;
     case MHA_KV_Q4: PV_KV(B_Q4V); break;
@@ -665,8 +695,10 @@ static void qk_rows_k(int mr, int nc, int dh, const float *q, const float *k,
             const int w = dh - d0 < QK_SLAB ? dh - d0 : QK_SLAB;
             widen_t_as(MHA_KV_F32, k + (size_t)j0 * ldk + d0, ldk, n, w, kt,
                        QK_COLS, NULL, 0, 1);
-            gemm(TIER_RMAX, d0 ? MODE_ACC : MODE_SET, B_F32, mr, n, w,
-                 q + d0, dh, 1, &B, s + j0, lds);
+            if (d0)
+                GEMM(B_F32, MODE_ACC, mr, n, w, q + d0, dh, 1, &B, s + j0, lds);
+            else
+                GEMM(B_F32, MODE_SET, mr, n, w, q + d0, dh, 1, &B, s + j0, lds);
         }
     }
 }
