@@ -833,6 +833,14 @@ for c in 1 7; do
   expect 0 "" -- "$mha" decode --weights "$Wdv" --query "$d/x70.npy" --chunk $c --out "$dc/wdv_c$c.npy"
   close "wdv: decode --chunk $c = forward --causal" "$dc/wdv_c$c.npy" "$dc/wdv_fwd.npy"
 done
+# ... and through a 16-bit cache and a window's ring, whose caches the
+# command creates itself (it had left d_v out of them: "the cache's values
+# are 8 wide, the call's 12"); K and V rounded to f16 once when cached.
+expect 0 "" -- "$mha" decode --weights "$Wdv" --query "$d/x70.npy" --chunk 7 --kv-dtype f16 --out "$dc/wdv_f16.npy"
+check "wdv: decode --kv-dtype f16 = forward --causal up to f16's rounding of K, V" \
+  "a.shape == b.shape and np.abs(a - b).max() <= 2e-3 * (1 + np.abs(b).max())" "$dc/wdv_f16.npy" "$dc/wdv_fwd.npy"
+expect 0 "" -- "$mha" decode --weights "$Wdv" --query "$d/x70.npy" --chunk 7 --window 70 --out "$dc/wdv_win.npy"
+close "wdv: decode --window 70 (every key) = forward --causal" "$dc/wdv_win.npy" "$dc/wdv_fwd.npy"
 expect 0 "" -- "$mha" decode --weights "$Wd" --query "$d/x70.npy" --chunk 7 --kv-dtype f32 --out "$dc/f32.npy"
 same "$dc/f32.npy" "$dc/wd_c7.npy" "--kv-dtype f32 is the default"
 expect 0 "" -- "$mha" decode --weights "$Wd" --query "$d/x70.npy" --chunk 100 --prefill 200 --out "$dc/big.npy"

@@ -189,9 +189,11 @@ int cmd_decode(int argc, char **argv)
     window = window < L ? window : L;
     const int64_t cap = window ? window - 1 + (P > C ? P : C) : L;
     mha_kv_cache *kv = NULL;
+    /* (values of their own width, d_v, as the module's: --v-head-dim) */
     const mha_kv_cache_config kc = {B, r.c.num_kv_heads, r.c.head_dim, cap,
                                     dtype, window, 0, 0,
-                                    OPT("kv-rotate") != NULL, 0, 0};
+                                    OPT("kv-rotate") != NULL,
+                                    r.c.v_head_dim, 0};
     const mha_status st = kc.dtype == MHA_KV_F32 && !window && !kc.rotate
                               ? mha_kv_cache_for_module(r.m, B, L, &kv)
                               : mha_kv_cache_create(&kc, &kv);
