@@ -10,12 +10,9 @@
 # gets the same build unrepaired (tests/pytest_source.sh links its
 # extension into a copy of python/mha, where a bundled library's $ORIGIN
 # path would not resolve);
-# then the package again, libmha and the extension built with ASan + UBSan
-# (Debug at -O1, as the C suite's ASan stage: at -O0 the tiers' always-
-# inline kernels, one copy per storage type, took GCC over 20 minutes for
-# avx512.c alone), into build/py-asan, and the whole suite once more with the
-# sanitizer runtimes preloaded into the interpreter (MHA_PY_ASAN=0 skips
-# this second part: scripts/test.sh's quick suite).
+# the same tests under ASan + UBSan are scripts/test-python-asan.sh's,
+# over the extension of the C suite's instrumented build (scripts/test.sh
+# --all).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/python-env.sh
@@ -48,22 +45,3 @@ ls -l "$dist"/*.tar.gz "$dist"/repaired/*.whl | awk '{print "  " $5, $NF}'
  "$py" -P -m pytest -q -p no:cacheprovider \
    --junitxml="$PWD/../build/pytest.xml" tests)
 
-[ "${MHA_PY_ASAN:-1}" = 0 ] && exit 0
-echo "== Python package under ASan + UBSan"
-rm -rf build/py-asan
-"$py" -m pip install --quiet --no-build-isolation --no-deps \
-  --target build/py-asan -C cmake.define.MHA_SANITIZE=address,undefined \
-  -C cmake.build-type=Debug -C "cmake.define.CMAKE_C_FLAGS_DEBUG=-g -O1" \
-  -C build-dir=build/py-asan-build .
-# CPython and torch keep memory until exit by design: leaks are not
-# reported here (the C suite's ASan stage checks libmha's).  The preload
-# puts the runtimes first, as the instrumented extension needs; without it
-# the extension does not import, so the tests below cannot silently run
-# the plain build.
-(cd python &&
- export PYTHONPATH="$PWD/../build/py-asan" \
-   LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)" \
-   ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
-   UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 &&
- "$py" -P -c 'import mha; assert "/py-asan/" in mha.__file__, mha.__file__' &&
- "$py" -P -m pytest -q -p no:cacheprovider tests)

@@ -4,9 +4,10 @@
 #                                (CTest) on a release build and the Python
 #                                package's tests (pytest, scripts/test-python.sh)
 #   bash scripts/test.sh --all   the whole matrix (CI, .ci/run): the quick
-#                                suite, then the Python tests and every C
-#                                test again under AddressSanitizer +
-#                                UndefinedBehaviorSanitizer, the threaded
+#                                suite, then every C test and the Python
+#                                tests again under AddressSanitizer +
+#                                UndefinedBehaviorSanitizer (one
+#                                instrumented libmha), the threaded
 #                                tests under ThreadSanitizer, a clang -Werror
 #                                build, the fuzz targets (fixed seeds, a fixed
 #                                number of runs), the C tests under valgrind,
@@ -92,8 +93,8 @@ done
 [ -n "$skipped" ] || echo "skipped: none"
 [ "$bad" = 0 ] || { echo "tests were skipped that must run"; exit 1; }
 
-# The Python package (pip install . into .venv, pytest); with
-# --all the same again under ASan + UBSan.  Then CTest's python_nn_source
+# The Python package (pip install . into .venv, pytest; with --all the
+# ASan stage runs its tests again, instrumented).  Then CTest's python_nn_source
 # and python_transformers_source over the installed extension: they must
 # run, not be skipped.
 nn_source() {
@@ -105,25 +106,25 @@ nn_source() {
   fi
   echo "python_nn_source, python_transformers_source: passed"
 }
-if [ "$all" = 1 ]; then
-  stage "Python package (pytest, then under ASan + UBSan)"
-  MHA_PY_ASAN=1 bash scripts/test-python.sh
-  nn_source
-else
-  stage "Python package (pytest)"
-  MHA_PY_ASAN=0 bash scripts/test-python.sh
-  nn_source
+stage "Python package (pytest)"
+bash scripts/test-python.sh
+nn_source
+if [ "$all" = 0 ]; then
   stage
   echo "quick suite passed in $((SECONDS / 60)) min $((SECONDS % 60)) s" \
        "(the whole matrix: bash scripts/test.sh --all)"
   exit 0
 fi
 
-stage "ASan + UBSan build and tests"
+stage "ASan + UBSan build and tests (C, then Python)"
 # -O1, as the sanitizers' documentation advises: the checks are the same
 # instrumentation at any level, and the tests take half the time of -O0's.
+# The Python extension is built here too, on the same instrumented libmha
+# (its build is most of this stage's; the Python tests used to make their
+# own).
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_FLAGS_DEBUG="-g -O1" \
-  -DMHA_MPI=ON -DMHA_SANITIZE=address,undefined >/dev/null
+  -DMHA_MPI=ON -DMHA_SANITIZE=address,undefined \
+  -DMHA_BUILD_PYTHON=ON -DPython_EXECUTABLE="$PWD/.venv/bin/python" >/dev/null
 cmake --build build-asan -j"$jobs" >/dev/null
 # Two tests at a time (each is mostly one thread); the thread-knob test
 # under each forced GEMM backend is left to the release stage (the same
@@ -132,6 +133,8 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan -j"$jobs" --output-on-failure \
   -E "install_and_build_example|test_thread_knobs_gemm_"
+echo "== the Python package's tests under ASan + UBSan"
+bash scripts/test-python-asan.sh build-asan
 
 stage "ThreadSanitizer build (clang, LLVM OpenMP) and the threaded tests"
 # libgomp is not instrumented for TSan; LLVM's libomp is, and the runtime
@@ -210,11 +213,11 @@ stage "valgrind (memcheck) on the C tests, two at a time"
 vglogs=build/valgrind-logs
 rm -rf "$vglogs" && mkdir -p "$vglogs"
 vg_one() {  # vg_one PROGRAM [ARGS...]: memcheck, exit 99 on any error
-  local log="$vglogs/$(basename "$1").log"
+  local log="$vglogs/$(basename "$1").log" start=$SECONDS
   if OPENBLAS_NUM_THREADS=1 MHA_FIXTURES="$PWD/tests/fixtures" \
      valgrind --quiet --error-exitcode=99 --leak-check=full \
        --errors-for-leak-kinds=definite,indirect "$@" >/dev/null 2>"$log"; then
-    echo "valgrind clean: $*"
+    echo "valgrind clean: $* ($((SECONDS - start)) s)"
   else
     echo "valgrind: $* failed"; cat "$log"; return 1
   fi
