@@ -119,9 +119,8 @@ fi
 stage "ASan + UBSan build and tests (C, then Python)"
 # -O1, as the sanitizers' documentation advises: the checks are the same
 # instrumentation at any level, and the tests take half the time of -O0's.
-# The Python extension is built here too, on the same instrumented libmha
-# (its build is most of this stage's; the Python tests used to make their
-# own).
+# The Python extension is built here too, on the same instrumented libmha,
+# so the Python tests below need no sanitizer build of their own.
 # On a CPU without AVX-512F the avx512 tier never runs (its tests skip by
 # name): its file is compiled without the instrumentation, which took GCC
 # minutes for that one file; on an AVX-512 CPU it is instrumented too.
