@@ -101,6 +101,10 @@ typedef struct mha_attn {
                                values where they lie (mha_attn_run sets
                                it for decoding steps on given K and V):
                                no packed tiles, only their finite flags */
+    int lazy_pack;          /* (set by mha_attn_run) each packed tile
+                               is packed by the first block that reads
+                               it, while its rows are in that core's
+                               cache, rather than all before the blocks */
     int pack_only;          /* only pack K and V for a backward (the
                                flash tiers; nothing for ref): no ctx, no
                                stats (mha_attention_backward_part sets

@@ -9,6 +9,8 @@
 
 #include "kv_cache.h"
 
+#include <stdatomic.h>
+
 /* Below this many multiply-adds (B H Lq Lt dh) a problem runs on one
  * thread: waking a second costs more than it saves.  (2^20 until a short
  * decoding call, B 1 or 4, Lk 190, 8 heads of 64, was measured 1.6x
@@ -22,10 +24,13 @@
  *     a     [B][Hkv][tiles][MHA_BC * dh]
  *     b     [B][Hkv][tiles][MHA_BC * dh]
  *     flag  [B][Hkv][tiles]               1.0f or 0.0f
+ *     state [B][Hkv][tiles]               an atomic int (below)
  * tiles = ceil(Lk / MHA_BC) + 1; the last tile holds the extra keys.  The
  * forward packs kt (keys transposed, [dh][MHA_BC]) into a, v ([nc][dh])
  * into b, "v is finite" into flag; the backward packs k ([nc][dh]), vt
- * ([dh][MHA_BC]) and "k is finite".
+ * ([dh][MHA_BC]) and "k is finite".  The forward packs a tile when a
+ * block first reads it (mha_attn.lazy_pack), state telling the threads
+ * whether it is packed (MHA_PACK_DONE), being packed, or not yet.
  */
 typedef struct mha_packed {
     float *base;
@@ -39,7 +44,7 @@ static inline int64_t mha_packed_tiles(int64_t Lk)
 static inline int64_t mha_packed_floats(int64_t B, int64_t Hkv, int64_t Lk,
                                         int64_t dh)
 {
-    return B * Hkv * mha_packed_tiles(Lk) * (2 * MHA_BC * dh + 1);
+    return B * Hkv * mha_packed_tiles(Lk) * (2 * MHA_BC * dh + 2);
 }
 /* Tiles per (b, g) of a problem's packed K/V; the last holds the extra
  * keys. */
@@ -79,6 +84,15 @@ static inline float *mha_packed_flag(const mha_packed *p, int64_t b,
                                      int64_t g, int64_t t)
 {
     return p->base + 2 * p->plane + (b * p->Hkv + g) * p->tiles + t;
+}
+
+enum { MHA_PACK_NOT = 0, MHA_PACK_BUSY = 1, MHA_PACK_DONE = 2 };
+static inline _Atomic int *mha_packed_state(const mha_packed *p, int64_t b,
+                                            int64_t g, int64_t t)
+{
+    return (_Atomic int *)(void *)(p->base + 2 * p->plane +
+                                   p->plane / p->tile +
+                                   (b * p->Hkv + g) * p->tiles + t);
 }
 
 /* The K/V head that query head h reads. */
@@ -383,6 +397,8 @@ void mha_load_q(const mha_attn *a, int64_t b, int64_t h, int64_t i0, int mr,
 
 /* Packs work item `item` (b, h, tile) of the forward's layout. */
 void mha_pack_forward_tile(const mha_attn *a, int64_t item);
+void mha_pack_forward_on_use(const mha_attn *a, const mha_packed *p,
+                             int64_t b, int64_t g, int64_t t);
 
 /* The flash tiers' per-thread scratch: what one query block needs. */
 typedef struct flash_scratch {

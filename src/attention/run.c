@@ -134,6 +134,13 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
     mha_attn run = *problem;
     run.uk = e->uk;
     run.in_place = mha_attn_reads_in_place(&run);   /* (the same bits) */
+    /* Each tile packed by the block that first reads it, still in that
+     * core's cache (packed all before the blocks, every tile was written
+     * to memory and read back from it: B 8 L 512 from memory, the packing
+     * was a tenth of the call).  A cache's run, a backward's packing, the
+     * ref tier: as before. */
+    run.lazy_pack = !run.prepacked && !run.pack_only && !run.in_place &&
+                    e->isa != MHA_ISA_REF;
     const mha_attn *a = &run;
     const int threads = threads_for(e, a);
     (void)threads;   /* (a build without OpenMP ignores the pragma) */
@@ -164,6 +171,10 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
     const int64_t chunks = mha_decode_chunks(a->Lq, a->Lk);
     const int stacked = mha_decode_stacked(a, threads);
     const int64_t tiles = mha_tiles_of(a);
+    const mha_packed packed = mha_packed_at(a->packed, a);
+    if (a->lazy_pack)
+        for (int64_t t = 0; t < a->B * a->Hkv * tiles; t++)
+            atomic_init(mha_packed_state(&packed, 0, 0, t), MHA_PACK_NOT);
 #pragma omp parallel num_threads(threads)
     {
         int tid = 0;
@@ -172,11 +183,12 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
 #endif
         flash_scratch f =
             mha_flash_scratch_at(scratch + tid * per_thread, mha_dmax(a));
+        if (!a->prepacked && !a->lazy_pack) {
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < a->B * a->Hkv * tiles; t++)
-            if (!a->prepacked)
+            for (int64_t t = 0; t < a->B * a->Hkv * tiles; t++)
                 mha_pack_forward_tile(a, t);
-        /* (the implicit barrier: every tile is packed) */
+            /* (the implicit barrier: every tile is packed) */
+        }
         if (a->pack_only) {
             /* nothing more: a part's backward sets the stats itself */
         } else if (chunks > 1) {
@@ -204,13 +216,25 @@ void mha_attn_run(const mha_engine *e, const mha_attn *problem,
             for (int64_t t = 0; t < items; t++)
                 mha_decode_block_stacked(a, stacked, t, &f);
         } else {
-#pragma omp for schedule(dynamic, 1)
+            /* Where there are heads enough to go round, a thread takes a
+             * head's blocks together: it packs the head's tiles (lazily)
+             * and reads them back from its own cache. */
+            const int64_t chunk = bh_items >= 4 * threads ? blocks : 1;
+#pragma omp for schedule(dynamic, chunk)
             for (int64_t t = 0; t < bh_items * blocks; t++) {
                 const int64_t bh = t / blocks, i0 = (t % blocks) * MHA_BR;
                 const int mr = (int)(a->Lq - i0 < MHA_BR ? a->Lq - i0
                                                          : MHA_BR);
                 mha_flash_block(a, bh / a->H, bh % a->H, i0, mr, &f);
             }
+        }
+        if (a->lazy_pack) {
+            /* The tiles no block read (past every row's keys, outside
+             * every window), packed as they were before: a backward reads
+             * every tile of the forward's. */
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < a->B * a->Hkv * tiles; t++)
+                mha_pack_forward_on_use(a, &packed, 0, 0, t);
         }
         if (a->weights != MHA_WEIGHTS_NONE) {
             /* The implicit barrier above: every row's stats are written. */

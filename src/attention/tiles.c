@@ -19,10 +19,12 @@
  * visited; a tile whose every key is seen by every row is open; the
  * others (the window's two edges) are masked by position, key by key.
  */
+#define _POSIX_C_SOURCE 200809L   /* sched_yield */
 #include "engine.h"
 
 #include <float.h>
 #include <math.h>
+#include <sched.h>
 #include <string.h>
 
 /* (dh: the wider of the keys' and the values' head widths, mha_dmax) */
@@ -116,13 +118,13 @@ void mha_pack_forward_tile(const mha_attn *a, int64_t item)
         return;
     }
     if (t != p.tiles - 1) {
+        if (nc > 0)
+            a->uk->widen_t(MHA_KV_F32, mha_key_row(a, b, g, j0), a->ldk, nc,
+                           (int)dh, kt, MHA_BC, NULL, 0);
         for (int c = 0; c < nc; c++)
             finite &= a->uk->copy_finite(v + c * dv,
                                          mha_value_row(a, b, g, j0 + c),
                                          (int)dv);
-        if (nc > 0)
-            a->uk->widen_t(MHA_KV_F32, mha_key_row(a, b, g, j0), a->ldk, nc,
-                           (int)dh, kt, MHA_BC, NULL, 0);
         *mha_packed_flag(&p, b, g, t) = (float)finite;
         return;
     }
@@ -137,6 +139,49 @@ void mha_pack_forward_tile(const mha_attn *a, int64_t item)
             memset(v + c * dv, 0, (size_t)dv * sizeof *v);
     }
     *mha_packed_flag(&p, b, g, t) = (float)finite;
+}
+
+/* Tile t of (b, g) packed if this thread claims it first; 1 if it did. */
+static int pack_if_first(const mha_attn *a, const mha_packed *p, int64_t b,
+                         int64_t g, int64_t t)
+{
+    _Atomic int *st = mha_packed_state(p, b, g, t);
+    int s = MHA_PACK_NOT;
+    if (atomic_load_explicit(st, memory_order_relaxed) != MHA_PACK_NOT ||
+        !atomic_compare_exchange_strong_explicit(st, &s, MHA_PACK_BUSY,
+                                                 memory_order_acquire,
+                                                 memory_order_relaxed))
+        return 0;
+    mha_pack_forward_tile(a, (b * a->Hkv + g) * p->tiles + t);
+    atomic_store_explicit(st, MHA_PACK_DONE, memory_order_release);
+    return 1;
+}
+
+/* Packing on first use (mha_attn.lazy_pack): the first thread to claim
+ * the tile packs it.  Another that needs it meanwhile packs the next
+ * tiles of the head nobody has claimed (two threads on one head's blocks
+ * walk its tiles together: they take turns instead of one waiting on
+ * the other), and only when none is left waits, yielding the CPU now and
+ * then in case the packer is not running.  Release / acquire: the tile's
+ * floats and flag are seen by whoever sees it done.  Packing is a copy:
+ * the bits of a tile do not depend on who packed it or when. */
+void mha_pack_forward_on_use(const mha_attn *a, const mha_packed *p,
+                             int64_t b, int64_t g, int64_t t)
+{
+    _Atomic int *st = mha_packed_state(p, b, g, t);
+    if (atomic_load_explicit(st, memory_order_acquire) == MHA_PACK_DONE ||
+        pack_if_first(a, p, b, g, t))
+        return;
+    int64_t u = t + 1;
+    for (unsigned spins = 1;
+         atomic_load_explicit(st, memory_order_acquire) != MHA_PACK_DONE;) {
+        while (u < p->tiles && !pack_if_first(a, p, b, g, u))
+            u++;
+        if (u < p->tiles)
+            continue;   /* one packed: look again */
+        if (spins++ % 1024 == 0)
+            sched_yield();
+    }
 }
 
 /* The flag of stored tile u of (b, g): 1 if every value it holds is
@@ -234,6 +279,8 @@ mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
         return src;
     }
     const mha_packed p = mha_packed_at(a->packed, a);
+    if (a->lazy_pack)
+        mha_pack_forward_on_use(a, &p, t->b, t->g, t->index);
     src.kt = mha_packed_a(&p, t->b, t->g, t->index);
     src.v = mha_packed_b(&p, t->b, t->g, t->index);
     src.dtype = MHA_KV_F32;

@@ -106,6 +106,39 @@ MK_INLINE float vf_hsum(vf v)   /* lanes i + 8 onto i, then 4, 2, 1 */
     return _mm512_cvtss_f32(v);
 }
 #define vf_hmax _mm512_reduce_max_ps
+/* out[r] = vf_hsum(x[r]) for the VL rows at once, the same additions in
+ * the same order (a + b = b + a exactly): each level halves the lanes of
+ * every row, as vf_hsum does, while packing two rows' halves into one
+ * vector, so 16 rows take 15 + 8 + 4 + 2 + 1 adds and no long chain.
+ * Row 4j + q ends in lane 4q + j.  OP: _mm512_add_ps, or _mm512_max_ps
+ * for vf_hmax_rows (a max of non-NaN lanes is exact in any order). */
+#define VF_ROWS_TREE(OP, x, out)                                            \
+    do {                                                                    \
+        __m512 y_[8], z_[4], w_[2];                                         \
+        for (int p_ = 0; p_ < 8; p_++) /* lanes i + 8 onto i */             \
+            y_[p_] = OP(_mm512_shuffle_f32x4(x[2 * p_], x[2 * p_ + 1], 0x44), \
+                        _mm512_shuffle_f32x4(x[2 * p_], x[2 * p_ + 1], 0xEE)); \
+        for (int p_ = 0; p_ < 4; p_++) /* i + 4 onto i */                   \
+            z_[p_] = OP(_mm512_shuffle_f32x4(y_[2 * p_], y_[2 * p_ + 1], 0x88), \
+                        _mm512_shuffle_f32x4(y_[2 * p_], y_[2 * p_ + 1], 0xDD)); \
+        for (int p_ = 0; p_ < 2; p_++) /* i + 2 onto i */                   \
+            w_[p_] = OP(_mm512_shuffle_ps(z_[2 * p_], z_[2 * p_ + 1], 0x44), \
+                        _mm512_shuffle_ps(z_[2 * p_], z_[2 * p_ + 1], 0xEE)); \
+        const __m512 s_ = OP(_mm512_shuffle_ps(w_[0], w_[1], 0x88),         \
+                             _mm512_shuffle_ps(w_[0], w_[1], 0xDD));        \
+        _mm512_storeu_ps(out, _mm512_permutexvar_ps(                        \
+            _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, \
+                              11, 15), s_));                                \
+    } while (0)
+MK_INLINE void vf_hsum_rows(const vf x[VL], float out[VL])
+{
+    VF_ROWS_TREE(_mm512_add_ps, x, out);
+}
+MK_INLINE void vf_hmax_rows(const vf x[VL], float out[VL])
+{
+    VF_ROWS_TREE(_mm512_max_ps, x, out);
+}
+#undef VF_ROWS_TREE
 #define vd_zero() _mm512_setzero_pd()
 #define vd_add _mm512_add_pd
 #define vd_mul _mm512_mul_pd
@@ -216,6 +249,32 @@ MK_INLINE float vf_hmax(vf v)   /* (no NaN lanes: the callers' max) */
     a = _mm_max_ss(a, _mm_movehdup_ps(a));
     return _mm_cvtss_f32(a);
 }
+/* out[r] = vf_hsum(x[r]) for the VL rows at once, the same additions in
+ * the same order (see the AVX-512 form); row 2j + h ends in lane 4h + j.
+ * OP: _mm256_add_ps, or _mm256_max_ps for vf_hmax_rows. */
+#define VF_ROWS_TREE(OP, x, out)                                            \
+    do {                                                                    \
+        __m256 y_[4], z_[2];                                                \
+        for (int p_ = 0; p_ < 4; p_++) /* lanes i + 4 onto i */             \
+            y_[p_] = OP(_mm256_permute2f128_ps(x[2 * p_], x[2 * p_ + 1], 0x20), \
+                        _mm256_permute2f128_ps(x[2 * p_], x[2 * p_ + 1], 0x31)); \
+        for (int p_ = 0; p_ < 2; p_++) /* i + 2 onto i */                   \
+            z_[p_] = OP(_mm256_shuffle_ps(y_[2 * p_], y_[2 * p_ + 1], 0x44), \
+                        _mm256_shuffle_ps(y_[2 * p_], y_[2 * p_ + 1], 0xEE)); \
+        const __m256 s_ = OP(_mm256_shuffle_ps(z_[0], z_[1], 0x88),         \
+                             _mm256_shuffle_ps(z_[0], z_[1], 0xDD));        \
+        _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(                     \
+            s_, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));                \
+    } while (0)
+MK_INLINE void vf_hsum_rows(const vf x[VL], float out[VL])
+{
+    VF_ROWS_TREE(_mm256_add_ps, x, out);
+}
+MK_INLINE void vf_hmax_rows(const vf x[VL], float out[VL])
+{
+    VF_ROWS_TREE(_mm256_max_ps, x, out);
+}
+#undef VF_ROWS_TREE
 #define vd_zero() _mm256_setzero_pd()
 #define vd_add _mm256_add_pd
 #define vd_mul _mm256_mul_pd
@@ -323,6 +382,16 @@ MK_INLINE float vf_hsum(vf v)   /* lanes i + 2 onto i, then 1 */
     return vget_lane_f32(a, 0) + vget_lane_f32(a, 1);
 }
 #define vf_hmax vmaxvq_f32
+MK_INLINE void vf_hsum_rows(const vf x[VL], float out[VL])
+{
+    for (int r = 0; r < VL; r++)
+        out[r] = vf_hsum(x[r]);
+}
+MK_INLINE void vf_hmax_rows(const vf x[VL], float out[VL])
+{
+    for (int r = 0; r < VL; r++)
+        out[r] = vf_hmax(x[r]);
+}
 #define vd_zero() vdupq_n_f64(0.0)
 #define vd_add vaddq_f64
 #define vd_mul vmulq_f64

@@ -767,13 +767,25 @@ MK_INLINE vf exp_general(vf x)
     return vf_select(below, vf_zero(), vf_mul(vf_mul(y, s1), s2));
 }
 
-MK_INLINE vf vexp(vf x)
+/* Whether every lane of x takes the fast path (NaN compares false). */
+MK_INLINE int vexp_fast_ok(vf x)
 {
-    if (__builtin_expect(!vm_all(vf_cmp_le(vf_abs(x), vf_set1(86.0f))), 0))
-        return exp_general(x);   /* (NaN compares false: here) */
+    return vm_all(vf_cmp_le(vf_abs(x), vf_set1(86.0f)));
+}
+
+/* The fast path: |x| <= 86 in every lane. */
+MK_INLINE vf vexp_fast(vf x)
+{
     vf t;
     const vf y = exp_poly(x, &t);
     return vi_as_vf(vi_add(vf_as_vi(y), vi_sll(vf_as_vi(t), 23)));
+}
+
+MK_INLINE vf vexp(vf x)
+{
+    if (__builtin_expect(!vexp_fast_ok(x), 0))
+        return exp_general(x);
+    return vexp_fast(x);
 }
 
 /* ---- tanh -----------------------------------------------------------------
@@ -850,9 +862,14 @@ static void scale_k(float *dst, const float *src, int n, float a)
 static int copy_finite_k(float *dst, const float *src, int n)
 {
     const vf big = vf_set1(FLT_MAX);
-    int finite = 1;
-    for (int c = 0; c < n; c += VL) {
-        const vtail t = vt_make(n - c < VL ? n - c : VL);
+    int finite = 1, c = 0;
+    for (; c + VL <= n; c += VL) {   /* (whole vectors unmasked) */
+        const vf x = vf_load(src + c);
+        vf_store(dst + c, x);
+        finite &= vm_all(vf_cmp_le(vf_abs(x), big));
+    }
+    if (c < n) {
+        const vtail t = vt_make(n - c);
         const vf x = vf_load_t(src + c, t);   /* (lanes past n: 0, finite) */
         vf_store_t(dst + c, x, t);
         finite &= vm_all(vf_cmp_le(vf_abs(x), big));
@@ -933,30 +950,102 @@ static float max_k(const float *x, int n)
     return r;
 }
 
-/* The online softmax's step (kernels.h): each row's new max; the rows'
- * alphas, exp(m - mn) on vectors of rows (exp(0) is exactly 1, exp(-inf)
- * 0); then each row's exponentials and sum, max_k and exp_sum_k inlined. */
+/* The online softmax's step (kernels.h), VL rows at a time: the rows'
+ * maxima as vectors, folded to one lane each together (vf_hmax_rows,
+ * then the tail's scalars, NaN ignored as in max_k); their alphas,
+ * exp(m - mn) on the vector of rows (exp(0) is exactly 1); each row's
+ * exponentials summed in a vector as exp_sum_k does, and the VL sums
+ * folded together (vf_hsum_rows: vf_hsum's order, so the bits of
+ * exp_sum_k).  Row by row, the fold at the end of each row was a chain
+ * of dependent shuffles and adds that stalled every row (its samples
+ * were half of exp_sum's); together the rows' folds overlap. */
 static void softmax_rows_k(int mr, int nc, float *s, int lds, float *m,
                            float *l, float *alpha)
 {
-    float mn[MHA_UK_ROWS], d[MHA_UK_ROWS];
-    for (int r = 0; r < mr; r++) {
-        const float mt = max_k(s + (size_t)r * lds, nc);
-        mn[r] = mt > m[r] ? mt : m[r];
-        d[r] = mn[r] == m[r] ? 0.0f : m[r] - mn[r];
-    }
-    for (int r = 0; r < mr; r += VL) {
-        const vtail t = vt_make(mr - r < VL ? mr - r : VL);
-        vf_store_t(alpha + r, vexp(vf_load_t(d + r, t)), t);
-    }
-    for (int r = 0; r < mr; r++) {
-        if (mn[r] == -INFINITY) {   /* no live score yet: the driver's */
-            alpha[r] = -1.0f;
-            continue;
+    const int nv = nc / VL * VL;   /* whole vectors; then the tail */
+    for (int r0 = 0; r0 < mr; r0 += VL) {
+        const int nr = mr - r0 < VL ? mr - r0 : VL;
+        float *const s0 = s + (size_t)r0 * lds;
+        vf v[VL];
+        float mt[VL], mn[VL], d[VL], al[VL], sum[VL];
+        for (int r = 0; r < VL; r++) {
+            vf x = vf_set1(-INFINITY);
+            for (int c = 0; r < nr && c < nv; c += VL)
+                x = vf_max_ign(vf_load(s0 + (size_t)r * lds + c), x);
+            v[r] = x;
         }
-        l[r] = l[r] * alpha[r];
-        l[r] = l[r] + exp_sum_k(s + (size_t)r * lds, nc, mn[r]);
-        m[r] = mn[r];
+        vf_hmax_rows(v, mt);
+        for (int r = 0; r < VL; r++) {
+            d[r] = 0.0f;
+            if (r >= nr)
+                continue;
+            const float *x = s0 + (size_t)r * lds, mo = m[r0 + r];
+            for (int c = nv; c < nc; c++)
+                if (x[c] > mt[r])
+                    mt[r] = x[c];
+            mn[r] = mt[r] > mo ? mt[r] : mo;
+            d[r] = mn[r] == mo ? 0.0f : mo - mn[r];
+        }
+        vf_store(al, vexp(vf_load(d)));
+        for (int r = 0; r < VL; r++) {
+            vf acc = vf_zero();
+            if (r < nr && mn[r] != -INFINITY) {
+                float *x = s0 + (size_t)r * lds;
+                const vf mv = vf_set1(mn[r]);
+                int c = 0;
+                /* four vectors, one test of their range, four
+                 * independent polynomials the compiler interleaves (one
+                 * at a time, each waited on its own chain); the sum in
+                 * order of c */
+                for (; c + 4 * VL <= nv; c += 4 * VL) {
+                    vf e[4];
+                    UNROLL
+                    for (int u = 0; u < 4; u++)
+                        e[u] = vf_sub(vf_load(x + c + u * VL), mv);
+                    if (__builtin_expect(vexp_fast_ok(e[0]) &
+                                             vexp_fast_ok(e[1]) &
+                                             vexp_fast_ok(e[2]) &
+                                             vexp_fast_ok(e[3]),
+                                         1)) {
+                        UNROLL
+                        for (int u = 0; u < 4; u++)
+                            e[u] = vexp_fast(e[u]);
+                    } else {
+                        UNROLL
+                        for (int u = 0; u < 4; u++)
+                            e[u] = vexp(e[u]);
+                    }
+                    UNROLL
+                    for (int u = 0; u < 4; u++) {
+                        vf_store(x + c + u * VL, e[u]);
+                        acc = vf_add(acc, e[u]);
+                    }
+                }
+                for (; c < nv; c += VL) {
+                    const vf e = vexp(vf_sub(vf_load(x + c), mv));
+                    vf_store(x + c, e);
+                    acc = vf_add(acc, e);
+                }
+                if (nv < nc) {   /* the tail's lanes only, as exp_sum_k */
+                    const vtail t = vt_make(nc - nv);
+                    const vf e = vexp(vf_sub(vf_load_t(x + nv, t), mv));
+                    vf_store_t(x + nv, e, t);
+                    acc = vf_add(acc, vf_keep_t(e, t));
+                }
+            }
+            v[r] = acc;
+        }
+        vf_hsum_rows(v, sum);
+        for (int r = 0; r < nr; r++) {
+            if (mn[r] == -INFINITY) {   /* no live score yet: the driver's */
+                alpha[r0 + r] = -1.0f;
+                continue;
+            }
+            alpha[r0 + r] = al[r];
+            l[r0 + r] = l[r0 + r] * al[r];
+            l[r0 + r] = l[r0 + r] + sum[r];
+            m[r0 + r] = mn[r];
+        }
     }
 }
 
