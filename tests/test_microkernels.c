@@ -5,7 +5,8 @@
  * against float64 loops computed here: awkward shapes and strides, canaries after every output buffer,
  * bitwise reproducibility across tile splits and alignments, the p == 0
  * contract of pv / pv_exact, qk_rows bitwise qk on the packed tile,
- * widen_t's q8 / q4 rows bitwise mha_v_load, exp accuracy over a dense
+ * widen_t's q8 / q4 rows bitwise mha_v_load, softmax_rows bitwise its
+ * contract from max and exp_sum, exp accuracy over a dense
  * sweep of [-88, 0],
  * and a small (unasserted) GFLOP/s print.
  */
@@ -1192,6 +1193,88 @@ static void test_max(void **state)
     assert_true(k->max(all_inf, 9) == -INFINITY);
 }
 
+/* softmax_rows: bit for bit its contract (kernels.h) composed of the
+ * same table's max and exp_sum and scalar steps, for every mr up to
+ * MHA_UK_ROWS (whole and partial groups of rows) and widths with and
+ * without a tail; running maxima that hold, move, are -inf (nothing
+ * yet) or NaN; rows all -inf (nothing live: left alone, alpha -1), rows
+ * holding NaN or masked keys, scores far below the max (exp's general
+ * path). */
+static void test_softmax_rows(void **state)
+{
+    const mha_microkernels *k = *state;
+    static const int ncs[] = {1, 5, 8, 16, 17, 40, 64};
+    enum { LDS = 72 };
+    rng_seed(47);
+    for (int mr = 1; mr <= MHA_UK_ROWS; mr += mr < 20 ? 1 : 7)
+        for (int t = 0; t < COUNT(ncs); t++) {
+            const int nc = ncs[t];
+            float *s = in_buf((size_t)mr * LDS), *s2 = in_buf((size_t)mr * LDS);
+            float m[MHA_UK_ROWS], l[MHA_UK_ROWS], m2[MHA_UK_ROWS],
+                l2[MHA_UK_ROWS], al2[MHA_UK_ROWS];
+            float *al = out_buf((size_t)mr);
+            fill(s, (size_t)mr * LDS, -4.0f, 4.0f);
+            for (int r = 0; r < mr; r++) {
+                float *x = s + (size_t)r * LDS;
+                switch (r % 7) {
+                case 0: m[r] = -INFINITY; l[r] = 0.0f; break;   /* first */
+                case 1: m[r] = 10.0f; l[r] = 3.0f; break;       /* holds */
+                case 2: m[r] = -1.5f; l[r] = 2.5f; break;       /* moves */
+                case 3: m[r] = NAN; l[r] = NAN; break;          /* NaN   */
+                case 4:   /* nothing live */
+                    m[r] = r % 2 ? -INFINITY : 1.0f;
+                    l[r] = r % 2 ? 0.0f : 1.0f;
+                    for (int c = 0; c < nc; c++)
+                        x[c] = -INFINITY;
+                    break;
+                case 5:   /* masked keys, a NaN, one far below */
+                    m[r] = -INFINITY; l[r] = 0.0f;
+                    x[0] = -INFINITY;
+                    x[nc / 2] = NAN;
+                    x[nc - 1] = -200.0f;
+                    break;
+                default: m[r] = 0.25f; l[r] = 1.0f; break;
+                }
+            }
+            memcpy(s2, s, (size_t)mr * LDS * sizeof *s);
+            memcpy(m2, m, sizeof m);
+            memcpy(l2, l, sizeof l);
+            for (int r = 0; r < mr; r++) {   /* the contract, row by row */
+                float *x = s2 + (size_t)r * LDS;
+                const float mt = k->max(x, nc);
+                const float mn = mt > m2[r] ? mt : m2[r];
+                if (mn == -INFINITY) {
+                    al2[r] = -1.0f;
+                    continue;
+                }
+                float d = mn == m2[r] ? 0.0f : m2[r] - mn;
+                k->exp_sum(&d, 1, 0.0f);   /* the tier's exp of d */
+                al2[r] = d;
+                const float sum = k->exp_sum(x, nc, mn);
+                l2[r] = l2[r] * d;
+                l2[r] = l2[r] + sum;
+                m2[r] = mn;
+            }
+            k->softmax_rows(mr, nc, s, LDS, m, l, al);
+            check_guard(al, (size_t)mr);
+            for (int r = 0; r < mr; r++) {
+                if (memcmp(&m[r], &m2[r], sizeof m[r]) ||
+                    memcmp(&l[r], &l2[r], sizeof l[r]) ||
+                    memcmp(&al[r], &al2[r], sizeof al[r]))
+                    fail_msg("%s softmax_rows mr=%d nc=%d row %d: m %g l %g "
+                             "alpha %g, expected %g %g %g",
+                             k->name, mr, nc, r, (double)m[r], (double)l[r],
+                             (double)al[r], (double)m2[r], (double)l2[r],
+                             (double)al2[r]);
+                if (memcmp(s + (size_t)r * LDS, s2 + (size_t)r * LDS,
+                           LDS * sizeof *s))
+                    fail_msg("%s softmax_rows mr=%d nc=%d: row %d's weights "
+                             "differ from exp_sum's", k->name, mr, nc, r);
+            }
+            free(s), free(s2), free(al);
+        }
+}
+
 /* ---- the backward's row work ---------------------------------------------*/
 
 /* dot_nonzero: the float64 sum of the products over p != 0, against the
@@ -1398,6 +1481,7 @@ static void test_names(void **state)
     cmocka_unit_test_prestate(test_widen_rows_quantised, (void *)&table),    \
     cmocka_unit_test_prestate(test_qk_rows_is_qk, (void *)&table),           \
     cmocka_unit_test_prestate(test_max, (void *)&table),                     \
+    cmocka_unit_test_prestate(test_softmax_rows, (void *)&table),            \
     cmocka_unit_test_prestate(test_dot_nonzero, (void *)&table),             \
     cmocka_unit_test_prestate(test_dscore, (void *)&table),                  \
     cmocka_unit_test_prestate(test_bench, (void *)&table)

@@ -106,38 +106,34 @@ MK_INLINE float vf_hsum(vf v)   /* lanes i + 8 onto i, then 4, 2, 1 */
     return _mm512_cvtss_f32(v);
 }
 #define vf_hmax _mm512_reduce_max_ps
-/* out[r] = vf_hsum(x[r]) for the VL rows at once, the same additions in
+/* Lane r = vf_hsum(x[r]) for the VL rows at once, the same additions in
  * the same order (a + b = b + a exactly): each level halves the lanes of
  * every row, as vf_hsum does, while packing two rows' halves into one
- * vector, so 16 rows take 15 + 8 + 4 + 2 + 1 adds and no long chain.
- * Row 4j + q ends in lane 4q + j.  OP: _mm512_add_ps, or _mm512_max_ps
- * for vf_hmax_rows (a max of non-NaN lanes is exact in any order). */
-#define VF_ROWS_TREE(OP, x, out)                                            \
-    do {                                                                    \
-        __m512 y_[8], z_[4], w_[2];                                         \
-        for (int p_ = 0; p_ < 8; p_++) /* lanes i + 8 onto i */             \
-            y_[p_] = OP(_mm512_shuffle_f32x4(x[2 * p_], x[2 * p_ + 1], 0x44), \
-                        _mm512_shuffle_f32x4(x[2 * p_], x[2 * p_ + 1], 0xEE)); \
-        for (int p_ = 0; p_ < 4; p_++) /* i + 4 onto i */                   \
-            z_[p_] = OP(_mm512_shuffle_f32x4(y_[2 * p_], y_[2 * p_ + 1], 0x88), \
-                        _mm512_shuffle_f32x4(y_[2 * p_], y_[2 * p_ + 1], 0xDD)); \
-        for (int p_ = 0; p_ < 2; p_++) /* i + 2 onto i */                   \
-            w_[p_] = OP(_mm512_shuffle_ps(z_[2 * p_], z_[2 * p_ + 1], 0x44), \
-                        _mm512_shuffle_ps(z_[2 * p_], z_[2 * p_ + 1], 0xEE)); \
-        const __m512 s_ = OP(_mm512_shuffle_ps(w_[0], w_[1], 0x88),         \
-                             _mm512_shuffle_ps(w_[0], w_[1], 0xDD));        \
-        _mm512_storeu_ps(out, _mm512_permutexvar_ps(                        \
+ * vector, so 16 rows take 8 + 4 + 2 + 1 adds and no long chain.  Row
+ * 4j + q ends in lane 4q + j, then is permuted into lane r.  OP:
+ * _mm512_add_ps, or _mm512_max_ps for vf_hmax_rows (a max of non-NaN
+ * lanes is exact in any order). */
+#define VF_ROWS_TREE(NAME, OP)                                              \
+    MK_INLINE vf NAME(const vf x[VL])                                       \
+    {                                                                       \
+        __m512 y[8], z[4], w[2];                                            \
+        for (int p = 0; p < 8; p++) /* lanes i + 8 onto i */                \
+            y[p] = OP(_mm512_shuffle_f32x4(x[2 * p], x[2 * p + 1], 0x44),   \
+                      _mm512_shuffle_f32x4(x[2 * p], x[2 * p + 1], 0xEE));  \
+        for (int p = 0; p < 4; p++) /* i + 4 onto i */                      \
+            z[p] = OP(_mm512_shuffle_f32x4(y[2 * p], y[2 * p + 1], 0x88),   \
+                      _mm512_shuffle_f32x4(y[2 * p], y[2 * p + 1], 0xDD));  \
+        for (int p = 0; p < 2; p++) /* i + 2 onto i */                      \
+            w[p] = OP(_mm512_shuffle_ps(z[2 * p], z[2 * p + 1], 0x44),      \
+                      _mm512_shuffle_ps(z[2 * p], z[2 * p + 1], 0xEE));     \
+        const __m512 s = OP(_mm512_shuffle_ps(w[0], w[1], 0x88),            \
+                            _mm512_shuffle_ps(w[0], w[1], 0xDD));           \
+        return _mm512_permutexvar_ps(                                       \
             _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, \
-                              11, 15), s_));                                \
-    } while (0)
-MK_INLINE void vf_hsum_rows(const vf x[VL], float out[VL])
-{
-    VF_ROWS_TREE(_mm512_add_ps, x, out);
-}
-MK_INLINE void vf_hmax_rows(const vf x[VL], float out[VL])
-{
-    VF_ROWS_TREE(_mm512_max_ps, x, out);
-}
+                              11, 15), s);                                  \
+    }
+VF_ROWS_TREE(vf_hsum_rows, _mm512_add_ps)
+VF_ROWS_TREE(vf_hmax_rows, _mm512_max_ps)
 #undef VF_ROWS_TREE
 #define vd_zero() _mm512_setzero_pd()
 #define vd_add _mm512_add_pd
@@ -249,31 +245,27 @@ MK_INLINE float vf_hmax(vf v)   /* (no NaN lanes: the callers' max) */
     a = _mm_max_ss(a, _mm_movehdup_ps(a));
     return _mm_cvtss_f32(a);
 }
-/* out[r] = vf_hsum(x[r]) for the VL rows at once, the same additions in
- * the same order (see the AVX-512 form); row 2j + h ends in lane 4h + j.
- * OP: _mm256_add_ps, or _mm256_max_ps for vf_hmax_rows. */
-#define VF_ROWS_TREE(OP, x, out)                                            \
-    do {                                                                    \
-        __m256 y_[4], z_[2];                                                \
-        for (int p_ = 0; p_ < 4; p_++) /* lanes i + 4 onto i */             \
-            y_[p_] = OP(_mm256_permute2f128_ps(x[2 * p_], x[2 * p_ + 1], 0x20), \
-                        _mm256_permute2f128_ps(x[2 * p_], x[2 * p_ + 1], 0x31)); \
-        for (int p_ = 0; p_ < 2; p_++) /* i + 2 onto i */                   \
-            z_[p_] = OP(_mm256_shuffle_ps(y_[2 * p_], y_[2 * p_ + 1], 0x44), \
-                        _mm256_shuffle_ps(y_[2 * p_], y_[2 * p_ + 1], 0xEE)); \
-        const __m256 s_ = OP(_mm256_shuffle_ps(z_[0], z_[1], 0x88),         \
-                             _mm256_shuffle_ps(z_[0], z_[1], 0xDD));        \
-        _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(                     \
-            s_, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));                \
-    } while (0)
-MK_INLINE void vf_hsum_rows(const vf x[VL], float out[VL])
-{
-    VF_ROWS_TREE(_mm256_add_ps, x, out);
-}
-MK_INLINE void vf_hmax_rows(const vf x[VL], float out[VL])
-{
-    VF_ROWS_TREE(_mm256_max_ps, x, out);
-}
+/* Lane r = vf_hsum(x[r]) for the VL rows at once, the same additions in
+ * the same order (see the AVX-512 form); row 2j + h ends in lane 4h + j,
+ * then is permuted into lane r.  OP: _mm256_add_ps, or _mm256_max_ps for
+ * vf_hmax_rows. */
+#define VF_ROWS_TREE(NAME, OP)                                              \
+    MK_INLINE vf NAME(const vf x[VL])                                       \
+    {                                                                       \
+        __m256 y[4], z[2];                                                  \
+        for (int p = 0; p < 4; p++) /* lanes i + 4 onto i */                \
+            y[p] = OP(_mm256_permute2f128_ps(x[2 * p], x[2 * p + 1], 0x20), \
+                      _mm256_permute2f128_ps(x[2 * p], x[2 * p + 1], 0x31)); \
+        for (int p = 0; p < 2; p++) /* i + 2 onto i */                      \
+            z[p] = OP(_mm256_shuffle_ps(y[2 * p], y[2 * p + 1], 0x44),      \
+                      _mm256_shuffle_ps(y[2 * p], y[2 * p + 1], 0xEE));     \
+        const __m256 s = OP(_mm256_shuffle_ps(z[0], z[1], 0x88),            \
+                            _mm256_shuffle_ps(z[0], z[1], 0xDD));           \
+        return _mm256_permutevar8x32_ps(                                    \
+            s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));                  \
+    }
+VF_ROWS_TREE(vf_hsum_rows, _mm256_add_ps)
+VF_ROWS_TREE(vf_hmax_rows, _mm256_max_ps)
 #undef VF_ROWS_TREE
 #define vd_zero() _mm256_setzero_pd()
 #define vd_add _mm256_add_pd
@@ -382,15 +374,17 @@ MK_INLINE float vf_hsum(vf v)   /* lanes i + 2 onto i, then 1 */
     return vget_lane_f32(a, 0) + vget_lane_f32(a, 1);
 }
 #define vf_hmax vmaxvq_f32
-MK_INLINE void vf_hsum_rows(const vf x[VL], float out[VL])
+MK_INLINE vf vf_hsum_rows(const vf x[VL])   /* lane r: vf_hsum(x[r]) */
 {
-    for (int r = 0; r < VL; r++)
-        out[r] = vf_hsum(x[r]);
+    const float32x4_t r = {vf_hsum(x[0]), vf_hsum(x[1]), vf_hsum(x[2]),
+                           vf_hsum(x[3])};
+    return r;
 }
-MK_INLINE void vf_hmax_rows(const vf x[VL], float out[VL])
+MK_INLINE vf vf_hmax_rows(const vf x[VL])
 {
-    for (int r = 0; r < VL; r++)
-        out[r] = vf_hmax(x[r]);
+    const float32x4_t r = {vf_hmax(x[0]), vf_hmax(x[1]), vf_hmax(x[2]),
+                           vf_hmax(x[3])};
+    return r;
 }
 #define vd_zero() vdupq_n_f64(0.0)
 #define vd_add vaddq_f64

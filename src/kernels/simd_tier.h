@@ -952,46 +952,63 @@ static float max_k(const float *x, int n)
 
 /* The online softmax's step (kernels.h), VL rows at a time: the rows'
  * maxima as vectors, folded to one lane each together (vf_hmax_rows,
- * then the tail's scalars, NaN ignored as in max_k); their alphas,
- * exp(m - mn) on the vector of rows (exp(0) is exactly 1); each row's
- * exponentials summed in a vector as exp_sum_k does, and the VL sums
- * folded together (vf_hsum_rows: vf_hsum's order, so the bits of
- * exp_sum_k).  Row by row, the fold at the end of each row was a chain
- * of dependent shuffles and adds that stalled every row (its samples
- * were half of exp_sum's); together the rows' folds overlap. */
+ * then the tail's scalars, NaN ignored as in max_k); each row's new max,
+ * alpha = exp(m - mn) (exp(0) is exactly 1), l and m on the vector of
+ * rows; each row's exponentials summed in a vector as exp_sum_k does, and
+ * the VL sums folded together (vf_hsum_rows: vf_hsum's order, so the
+ * bits of exp_sum_k).  Row by row, each row's fold was a chain of
+ * dependent shuffles and adds, and whether its max moved a branch that
+ * random scores mispredict: half of the step's time on Zen 5. */
+MK_INLINE vf load_rows(const float *x, int nr, vtail t)
+{
+    return nr == VL ? vf_load(x) : vf_load_t(x, t);   /* (lanes past: 0) */
+}
+MK_INLINE void store_rows(float *x, vf v, int nr, vtail t)
+{
+    if (nr == VL)   /* (a masked store cost Zen 5 more than a plain one) */
+        vf_store(x, v);
+    else
+        vf_store_t(x, v, t);
+}
+
 static void softmax_rows_k(int mr, int nc, float *s, int lds, float *m,
                            float *l, float *alpha)
 {
     const int nv = nc / VL * VL;   /* whole vectors; then the tail */
+    const vf ninf = vf_set1(-INFINITY);
     for (int r0 = 0; r0 < mr; r0 += VL) {
         const int nr = mr - r0 < VL ? mr - r0 : VL;
+        const vtail t = vt_make(nr);
         float *const s0 = s + (size_t)r0 * lds;
         vf v[VL];
-        float mt[VL], mn[VL], d[VL], al[VL], sum[VL];
         for (int r = 0; r < VL; r++) {
-            vf x = vf_set1(-INFINITY);
+            vf x = ninf;
             for (int c = 0; r < nr && c < nv; c += VL)
                 x = vf_max_ign(vf_load(s0 + (size_t)r * lds + c), x);
             v[r] = x;
         }
-        vf_hmax_rows(v, mt);
-        for (int r = 0; r < VL; r++) {
-            d[r] = 0.0f;
-            if (r >= nr)
-                continue;
-            const float *x = s0 + (size_t)r * lds, mo = m[r0 + r];
-            for (int c = nv; c < nc; c++)
-                if (x[c] > mt[r])
-                    mt[r] = x[c];
-            mn[r] = mt[r] > mo ? mt[r] : mo;
-            d[r] = mn[r] == mo ? 0.0f : mo - mn[r];
+        vf mt = vf_hmax_rows(v);
+        if (nv < nc) {
+            float b[VL];
+            vf_store(b, mt);
+            for (int r = 0; r < nr; r++)
+                for (int c = nv; c < nc; c++)
+                    if (s0[(size_t)r * lds + c] > b[r])
+                        b[r] = s0[(size_t)r * lds + c];
+            mt = vf_load(b);
         }
-        vf_store(al, vexp(vf_load(d)));
+        /* mn = mt > m ? mt : m (a NaN m stays); d = 0 where it held */
+        const vf mo = load_rows(m + r0, nr, t);
+        const vf mn = vf_select(vf_cmp_lt(mo, mt), mt, mo);
+        const vf al = vexp(vf_select(vf_cmp_eq(mn, mo), vf_zero(),
+                                     vf_sub(mo, mn)));
+        float mnr[VL];
+        vf_store(mnr, mn);
         for (int r = 0; r < VL; r++) {
             vf acc = vf_zero();
-            if (r < nr && mn[r] != -INFINITY) {
+            if (r < nr && mnr[r] != -INFINITY) {
                 float *x = s0 + (size_t)r * lds;
-                const vf mv = vf_set1(mn[r]);
+                const vf mv = vf_set1(mnr[r]);
                 int c = 0;
                 /* four vectors, one test of their range, four
                  * independent polynomials the compiler interleaves (one
@@ -1027,25 +1044,23 @@ static void softmax_rows_k(int mr, int nc, float *s, int lds, float *m,
                     acc = vf_add(acc, e);
                 }
                 if (nv < nc) {   /* the tail's lanes only, as exp_sum_k */
-                    const vtail t = vt_make(nc - nv);
-                    const vf e = vexp(vf_sub(vf_load_t(x + nv, t), mv));
-                    vf_store_t(x + nv, e, t);
-                    acc = vf_add(acc, vf_keep_t(e, t));
+                    const vtail tt = vt_make(nc - nv);
+                    const vf e = vexp(vf_sub(vf_load_t(x + nv, tt), mv));
+                    vf_store_t(x + nv, e, tt);
+                    acc = vf_add(acc, vf_keep_t(e, tt));
                 }
             }
             v[r] = acc;
         }
-        vf_hsum_rows(v, sum);
-        for (int r = 0; r < nr; r++) {
-            if (mn[r] == -INFINITY) {   /* no live score yet: the driver's */
-                alpha[r0 + r] = -1.0f;
-                continue;
-            }
-            alpha[r0 + r] = al[r];
-            l[r0 + r] = l[r0 + r] * al[r];
-            l[r0 + r] = l[r0 + r] + sum[r];
-            m[r0 + r] = mn[r];
-        }
+        /* rows with no live score yet (mn -inf): m, l as they were,
+         * alpha -1 (the driver's); the others l alpha + sum, two
+         * roundings */
+        const vm none = vf_cmp_eq(mn, ninf);
+        const vf lo = load_rows(l + r0, nr, t);
+        const vf ln = vf_add(vf_mul(lo, al), vf_hsum_rows(v));
+        store_rows(l + r0, vf_select(none, lo, ln), nr, t);
+        store_rows(m + r0, vf_select(none, mo, mn), nr, t);
+        store_rows(alpha + r0, vf_select(none, vf_set1(-1.0f), al), nr, t);
     }
 }
 
