@@ -248,15 +248,16 @@ mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
         src.dtype = c->dtype;
         src.finite = stored_finite(c, t, u0);
         /* The next tile's rows are asked for, into L2, as this one's are
-         * read (16-bit tiles: simd_tier.h's ahead): on a paged cache (a
-         * jump the hardware cannot follow), and on a contiguous one where
-         * several rows meet each key, where mha_next_prefetch says (GQA
-         * f16 steps 1.2-1.3x faster on Zen 4, 10% slower on Zen 3; a lone
-         * row's plain stream was 6-11% slower with them on Zen 4:
-         * docs/BENCHMARKS.md). */
+         * read (simd_tier.h's ahead): on a paged cache (a jump the
+         * hardware cannot follow), and on a contiguous one where several
+         * rows meet each key or the tile holds 8- or 4-bit codes, where
+         * mha_next_prefetch says (GQA f16 steps 1.2-1.3x faster on Zen 4,
+         * 10% slower on Zen 3; a lone row's f16 stream 6-11% slower with
+         * them on Zen 4, its q8 stream 1.17x faster: docs/BENCHMARKS.md). */
         const int64_t un = (t->index + 1) * split;
+        const int coded = c->dtype == MHA_KV_Q8 || c->dtype == MHA_KV_Q4;
         if (split == 1 && un < c->tiles &&
-            (c->page || (t->mr > 1 && mha_next_prefetch()))) {
+            (c->page || (mha_next_prefetch() && (t->mr > 1 || coded)))) {
             src.next_kt = mha_kv_cache_k_tile(c, t->b, t->g, un);
             src.next_v = mha_kv_cache_v_tile(c, t->b, t->g, un);
         }

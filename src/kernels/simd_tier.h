@@ -38,7 +38,7 @@
  * Each C element is acc = fma(A[r][k], B[k][j], acc) for k = 0, 1, ...,
  * starting from C (FROM_C) or from 0; with ADD the finished sum is then
  * added to C (pv_add, pvt).  EXACT skips the terms whose A is zero.
- * NEXT (16-bit B only) asks for B->next's rows as B's are read (ahead).
+ * NEXT (cache tiles only) asks for B->next's rows as B's are read (ahead).
  */
 enum { FROM_C = 1, EXACT = 2, ADD = 4, NEXT = 8 };   /* (B's storage: bsrc.h) */
 
@@ -119,7 +119,10 @@ MK_INLINE vf ldb(const int T, const bsrc *b, int k, int j, const int masked,
  *   codes an iteration, and with only the loads a core keeps in flight a
  *   one-row q8 step read 9 GB/s on one Zen 4 thread where f16 read 25.
  *   (Past a tile's end the request falls on the next tile, as a
- *   contiguous cache lays them out.)
+ *   contiguous cache lays them out.)  With NEXT, the same bytes of the
+ *   next tile too, into L2 as for 16-bit tiles (below): a one-row q8
+ *   step 1.17x faster on Zen 4, a GQA q8 step 1.15x; with those requests
+ *   alone, and none into L1, GQA steps ran slower than without any.
  * - 16-bit elements: the same row of the tile read next (B->next: the
  *   next tile of a contiguous cache, or of a paged cache's page or next
  *   page, wherever it lies), so that it arrives spread over this tile's
@@ -149,6 +152,11 @@ MK_INLINE void ahead(const int T, const int W, const int mode,
                     (T == B_Q8K || T == B_Q4K ? AHEAD_K : AHEAD_V);
     for (int w = 0; w < W * VL; w += 64)
         __builtin_prefetch(p + w, 0, 3);
+    if (mode & NEXT) {
+        const char *q = B->next + row + j;
+        for (int w = 0; w < W * VL; w += 64)
+            __builtin_prefetch(q + w, 0, 1);
+    }
 }
 
 /* acc[r][w] += A[r][k] * b[w] for R rows: one step of the tile below. */
@@ -475,8 +483,10 @@ GEMM_FN(B_BF16, MODE_SET)       GEMM_FN(B_BF16, MODE_SET_NEXT)
 GEMM_FN(B_BF16, MODE_ACC)       GEMM_FN(B_BF16, MODE_ACC_NEXT)
 GEMM_FN(B_BF16, MODE_ACC_EXACT)
 GEMM_FN(B_Q8K, MODE_SET)        GEMM_FN(B_Q8V, MODE_ACC)
+GEMM_FN(B_Q8K, MODE_SET_NEXT)   GEMM_FN(B_Q8V, MODE_ACC_NEXT)
 GEMM_FN(B_Q8V, MODE_ACC_EXACT)
 GEMM_FN(B_Q4K, MODE_SET)        GEMM_FN(B_Q4V, MODE_ACC)
+GEMM_FN(B_Q4K, MODE_SET_NEXT)   GEMM_FN(B_Q4V, MODE_ACC_NEXT)
 GEMM_FN(B_Q4V, MODE_ACC_EXACT)
 #undef GEMM_FN
 #define GEMM(T, mode, M, N, K, A, lda, ska, B, C, ldc)                      \
@@ -540,8 +550,12 @@ static void qk_kv_k(mha_kv_dtype dtype, int mr, int nc, int dh,
     case MHA_KV_BF16:
         next ? QK_KV(B_BF16, MODE_SET_NEXT) : QK_KV(B_BF16, MODE_SET);
         break;
-    case MHA_KV_Q8: QK_KV(B_Q8K, MODE_SET); break;
-    case MHA_KV_Q4: QK_KV(B_Q4K, MODE_SET); break;
+    case MHA_KV_Q8:
+        next ? QK_KV(B_Q8K, MODE_SET_NEXT) : QK_KV(B_Q8K, MODE_SET);
+        break;
+    case MHA_KV_Q4:
+        next ? QK_KV(B_Q4K, MODE_SET_NEXT) : QK_KV(B_Q4K, MODE_SET);
+        break;
     default: qk_k(mr, nc, dh, q, kt, cols, s, lds);
     }
 #undef QK_KV
@@ -565,8 +579,12 @@ static void pv_kv_k(mha_kv_dtype dtype, int exact, int mr, int nc, int dh,
     case MHA_KV_BF16:
         next && !exact ? PV_KV_AS(B_BF16, MODE_ACC_NEXT) : PV_KV(B_BF16);
         break;
-    case MHA_KV_Q8: PV_KV(B_Q8V); break;
-    case MHA_KV_Q4: PV_KV(B_Q4V); break;
+    case MHA_KV_Q8:
+        next && !exact ? PV_KV_AS(B_Q8V, MODE_ACC_NEXT) : PV_KV(B_Q8V);
+        break;
+    case MHA_KV_Q4:
+        next && !exact ? PV_KV_AS(B_Q4V, MODE_ACC_NEXT) : PV_KV(B_Q4V);
+        break;
     default: PV_KV(B_F32);
     }
 #undef PV_KV
