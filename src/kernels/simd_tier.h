@@ -132,16 +132,18 @@ MK_INLINE vf ldb(const int T, const bsrc *b, int k, int j, const int masked,
  *   than L1's: into L1 (t0) it gained only at a page's jump, and a GQA
  *   f16 step ran 1.3x slower than with these requests into L2.  A mode
  *   bit of its own (NEXT), not a test of B->next in the loop: that test
- *   alone cost a step 2-3%.  (f32 tiles the same way: no gain.) */
+ *   alone cost a step 2-3%.  f32 tiles the same way (4-byte elements):
+ *   a GQA f32 step 1.15x faster on Zen 4, a lone row's 1.04x. */
 enum { AHEAD_K = 1024, AHEAD_V = 2048 };
 MK_INLINE void ahead(const int T, const int W, const int mode,
                      const bsrc *B, int k, int j)
 {
-    if (T == B_F16 || T == B_BF16) {
+    if (T == B_F32 || T == B_F16 || T == B_BF16) {
         if (!(mode & NEXT))
             return;
-        const char *p = B->next + ((size_t)k * B->ld + j) * 2;
-        for (int w = 0; w < W * VL * 2; w += 64)   /* (into L2: below) */
+        const int es = T == B_F32 ? 4 : 2;
+        const char *p = B->next + ((size_t)k * B->ld + j) * es;
+        for (int w = 0; w < W * VL * es; w += 64)   /* (into L2: below) */
             __builtin_prefetch(p + w, 0, 1);
         return;
     }
@@ -476,6 +478,7 @@ enum { MODE_SET_NEXT = MODE_SET | NEXT, MODE_ACC_NEXT = MODE_ACC | NEXT };
 GEMM_FN(B_F32, MODE_SET)        GEMM_FN(B_F32, MODE_ACC)
 GEMM_FN(B_F32, MODE_ACC_EXACT)  GEMM_FN(B_F32, MODE_ADD)
 GEMM_FN(B_F32, MODE_ADD_EXACT)
+GEMM_FN(B_F32, MODE_SET_NEXT)   GEMM_FN(B_F32, MODE_ACC_NEXT)
 GEMM_FN(B_F16, MODE_SET)        GEMM_FN(B_F16, MODE_SET_NEXT)
 GEMM_FN(B_F16, MODE_ACC)        GEMM_FN(B_F16, MODE_ACC_NEXT)
 GEMM_FN(B_F16, MODE_ACC_EXACT)
@@ -556,7 +559,11 @@ static void qk_kv_k(mha_kv_dtype dtype, int mr, int nc, int dh,
     case MHA_KV_Q4:
         next ? QK_KV(B_Q4K, MODE_SET_NEXT) : QK_KV(B_Q4K, MODE_SET);
         break;
-    default: qk_k(mr, nc, dh, q, kt, cols, s, lds);
+    default:
+        if (next)
+            QK_KV(B_F32, MODE_SET_NEXT);
+        else
+            qk_k(mr, nc, dh, q, kt, cols, s, lds);
     }
 #undef QK_KV
 }
@@ -585,7 +592,8 @@ static void pv_kv_k(mha_kv_dtype dtype, int exact, int mr, int nc, int dh,
     case MHA_KV_Q4:
         next && !exact ? PV_KV_AS(B_Q4V, MODE_ACC_NEXT) : PV_KV(B_Q4V);
         break;
-    default: PV_KV(B_F32);
+    default:
+        next && !exact ? PV_KV_AS(B_F32, MODE_ACC_NEXT) : PV_KV(B_F32);
     }
 #undef PV_KV
 #undef PV_KV_AS
