@@ -544,28 +544,17 @@ static void qk_kv_k(mha_kv_dtype dtype, int mr, int nc, int dh,
                     const void *next, float *s, int lds)
 {
     const bsrc B = {kt, mha_q8_scales(kt, cols, dh), cols, 0, next};
-#define QK_KV(T, mode)                                                      \
-    GEMM(T, mode, mr, nc, dh, q, dh, 1, &B, s, lds)
+#define QK_KV_AS(T, mode) GEMM(T, mode, mr, nc, dh, q, dh, 1, &B, s, lds)
+#define QK_KV(T) (next ? QK_KV_AS(T, MODE_SET_NEXT) : QK_KV_AS(T, MODE_SET))
     switch (dtype) {
-    case MHA_KV_F16:
-        next ? QK_KV(B_F16, MODE_SET_NEXT) : QK_KV(B_F16, MODE_SET);
-        break;
-    case MHA_KV_BF16:
-        next ? QK_KV(B_BF16, MODE_SET_NEXT) : QK_KV(B_BF16, MODE_SET);
-        break;
-    case MHA_KV_Q8:
-        next ? QK_KV(B_Q8K, MODE_SET_NEXT) : QK_KV(B_Q8K, MODE_SET);
-        break;
-    case MHA_KV_Q4:
-        next ? QK_KV(B_Q4K, MODE_SET_NEXT) : QK_KV(B_Q4K, MODE_SET);
-        break;
-    default:
-        if (next)
-            QK_KV(B_F32, MODE_SET_NEXT);
-        else
-            qk_k(mr, nc, dh, q, kt, cols, s, lds);
+    case MHA_KV_F16: QK_KV(B_F16); break;
+    case MHA_KV_BF16: QK_KV(B_BF16); break;
+    case MHA_KV_Q8: QK_KV(B_Q8K); break;
+    case MHA_KV_Q4: QK_KV(B_Q4K); break;
+    default: QK_KV(B_F32);
     }
 #undef QK_KV
+#undef QK_KV_AS
 }
 
 static void pv_kv_k(mha_kv_dtype dtype, int exact, int mr, int nc, int dh,
@@ -574,26 +563,16 @@ static void pv_kv_k(mha_kv_dtype dtype, int exact, int mr, int nc, int dh,
 {
     const bsrc B = {v, mha_q8_scales(v, cols, dh), dh,
                     (int)mha_q8_blocks(dh), next};
-#define PV_KV_AS(T, mode)                                                   \
-    GEMM(T, mode, mr, dh, nc, p, ldp, 1, &B, o, ldo)
-#define PV_KV(T) (exact ? PV_KV_AS(T, MODE_ACC_EXACT) : PV_KV_AS(T, MODE_ACC))
+#define PV_KV_AS(T, mode) GEMM(T, mode, mr, dh, nc, p, ldp, 1, &B, o, ldo)
     /* (the next tile's prefetch on the fast form only: the exact one is
      * for the rare tile holding NaN or Inf) */
+#define PV_KV(T)                                                                (exact  ? PV_KV_AS(T, MODE_ACC_EXACT)                                        : next ? PV_KV_AS(T, MODE_ACC_NEXT)                                                : PV_KV_AS(T, MODE_ACC))
     switch (dtype) {
-    case MHA_KV_F16:
-        next && !exact ? PV_KV_AS(B_F16, MODE_ACC_NEXT) : PV_KV(B_F16);
-        break;
-    case MHA_KV_BF16:
-        next && !exact ? PV_KV_AS(B_BF16, MODE_ACC_NEXT) : PV_KV(B_BF16);
-        break;
-    case MHA_KV_Q8:
-        next && !exact ? PV_KV_AS(B_Q8V, MODE_ACC_NEXT) : PV_KV(B_Q8V);
-        break;
-    case MHA_KV_Q4:
-        next && !exact ? PV_KV_AS(B_Q4V, MODE_ACC_NEXT) : PV_KV(B_Q4V);
-        break;
-    default:
-        next && !exact ? PV_KV_AS(B_F32, MODE_ACC_NEXT) : PV_KV(B_F32);
+    case MHA_KV_F16: PV_KV(B_F16); break;
+    case MHA_KV_BF16: PV_KV(B_BF16); break;
+    case MHA_KV_Q8: PV_KV(B_Q8V); break;
+    case MHA_KV_Q4: PV_KV(B_Q4V); break;
+    default: PV_KV(B_F32);
     }
 #undef PV_KV
 #undef PV_KV_AS
