@@ -378,31 +378,6 @@ static void store(mha_kv_dtype t, const float *x, int64_t n, void *dst,
     }
 }
 
-/* Tile t of (b, g) in one plane of heads w wide: the pointer the kernels
- * take, past a q8 or q4 tile's scales (kernels.h). */
-static const unsigned char *tile_at(const mha_kv_cache *c,
-                                    const unsigned char *plane, int64_t w,
-                                    int64_t b, int64_t g, int64_t t)
-{
-    const int64_t skip =
-        mha_kv_scaled(c->dtype) ? mha_q8_scale_bytes(c->tw, w) : 0;
-    return plane + mha_kv_tile_index(c, b, g, t) * c->tile_bytes + skip;
-}
-
-const unsigned char *mha_kv_cache_k_tile(const mha_kv_cache *c, int64_t b,
-                                         int64_t g, int64_t t)
-{
-    return tile_at(c, c->k, c->dh, b, g, t);
-}
-
-const unsigned char *mha_kv_cache_v_tile(const mha_kv_cache *c, int64_t b,
-                                         int64_t g, int64_t t)
-{
-    /* (a latent cache's value tile is its key tile, scaled by d_h-wide
-     * rows) */
-    return tile_at(c, c->v, c->latent ? c->dh : c->dv, b, g, t);
-}
-
 /* The q4 and q8 rows (kernels.h): each block of 32 elements quantised
  * (quant_block, qmax 7 or 127) with its scale.  A key is a column of its
  * kt tile: q4 pairs of dims whole bytes; a value a row of its v tile: q4

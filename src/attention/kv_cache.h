@@ -22,13 +22,6 @@ mha_status mha_kv_cache_check_values(const mha_kv_cache *c, int64_t b,
                                      const float *k, int64_t ldk,
                                      const float *v, int64_t ldv, int64_t n);
 
-/* Tile t of (b, g) of the cache's keys (kt) and values (v): the pointer
- * the kernels take (a q8 tile's codes, its scales just before). */
-const unsigned char *mha_kv_cache_k_tile(const mha_kv_cache *c, int64_t b,
-                                         int64_t g, int64_t t);
-const unsigned char *mha_kv_cache_v_tile(const mha_kv_cache *c, int64_t b,
-                                         int64_t g, int64_t t);
-
 /* The rotation of a cache made with `rotate` (none without): each of
  * `heads` heads of dh floats of `rows` rows (ld apart) turned in place by
  * the normalized Walsh-Hadamard transform of each block of rot_block

@@ -83,8 +83,41 @@ static inline int64_t mha_kv_tile_index(const mha_kv_cache *c, int64_t b,
 {
     if (!c->page)
         return (b * c->Hkv + g) * c->tiles + t;
+    if (c->tpp == 1)   /* pages of 16 to 64 keys: no division (a paged
+                        * step asks for several indices a tile) */
+        return g * (c->pages + 1) + c->table[b * c->table_len + t];
     const int64_t pg = c->table[b * c->table_len + t / c->tpp];
     return (g * (c->pages + 1) + pg) * c->tpp + t % c->tpp;
+}
+
+/* Tile t of (b, g) in one plane of heads w wide: the pointer the kernels
+ * take (a q8 or q4 tile's codes, its scales just before).  Inline: a
+ * kernel's tile in pages of 16 asks for four key and four value tiles
+ * and the next four of each. */
+static inline const unsigned char *mha_kv_tile_at(const mha_kv_cache *c,
+                                                  const unsigned char *plane,
+                                                  int64_t w, int64_t b,
+                                                  int64_t g, int64_t t)
+{
+    const int64_t skip =
+        mha_kv_scaled(c->dtype) ? mha_q8_scale_bytes(c->tw, w) : 0;
+    return plane + mha_kv_tile_index(c, b, g, t) * c->tile_bytes + skip;
+}
+
+/* Tile t of (b, g) of the cache's keys (kt) and values (v). */
+static inline const unsigned char *mha_kv_cache_k_tile(const mha_kv_cache *c,
+                                                       int64_t b, int64_t g,
+                                                       int64_t t)
+{
+    return mha_kv_tile_at(c, c->k, c->dh, b, g, t);
+}
+static inline const unsigned char *mha_kv_cache_v_tile(const mha_kv_cache *c,
+                                                       int64_t b, int64_t g,
+                                                       int64_t t)
+{
+    /* (a latent cache's value tile is its key tile, scaled by d_h-wide
+     * rows) */
+    return mha_kv_tile_at(c, c->v, c->latent ? c->dh : c->dv, b, g, t);
 }
 
 /* The stored tiles a kernel's tile of MHA_BC keys spans: 1, or 2 or 4

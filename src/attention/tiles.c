@@ -191,6 +191,15 @@ static int stored_finite(const mha_kv_cache *c, const mha_tile *t, int64_t u)
     return c->finite[mha_kv_tile_index(c, t->b, t->g, u)] != 0.0f;
 }
 
+/* The next tile's rows are asked for, so is its flag: a page's flag lies
+ * where its page does among the pool's, a line of its own, and waiting
+ * for it from memory was a tenth of a paged step (docs/BENCHMARKS.md). */
+static void next_flag(const mha_kv_cache *c, const mha_tile *t, int64_t u)
+{
+    if (c->page)
+        __builtin_prefetch(c->finite + mha_kv_tile_index(c, t->b, t->g, u));
+}
+
 mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
                              float *kvt)
 {
@@ -261,6 +270,7 @@ mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
             (c->page || (mha_next_prefetch() && (t->mr > 1 || !half)))) {
             src.next_kt = mha_kv_cache_k_tile(c, t->b, t->g, un);
             src.next_v = mha_kv_cache_v_tile(c, t->b, t->g, un);
+            next_flag(c, t, un);
         }
         if (split > 1) {   /* pages of 16 or 32: the tile's segments, */
             src.segs = (int)split;   /* each with the same of the next */
@@ -275,6 +285,7 @@ mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
                         mha_kv_cache_k_tile(c, t->b, t->g, un + i);
                     src.next_seg_v[i] =
                         mha_kv_cache_v_tile(c, t->b, t->g, un + i);
+                    next_flag(c, t, un + i);
                 }
             }
         }
