@@ -262,12 +262,13 @@ mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
          * rows meet each key or the tile is not 16-bit, where
          * mha_next_prefetch says (GQA f16 steps 1.2-1.3x faster on Zen 4,
          * 10% slower on Zen 3; a lone row's f16 stream 6-11% slower with
-         * them on Zen 4, its q8 stream 1.17x and f32 1.04x faster:
-         * docs/BENCHMARKS.md). */
+         * them on Zen 4, 1.08x faster on Zen 5, its q8 stream 1.17x and
+         * f32 1.04x faster on Zen 4: docs/BENCHMARKS.md). */
         const int64_t un = (t->index + 1) * split;
         const int half = c->dtype == MHA_KV_F16 || c->dtype == MHA_KV_BF16;
         if (split == 1 && un < c->tiles &&
-            (c->page || (mha_next_prefetch() && (t->mr > 1 || !half)))) {
+            (c->page || mha_next_prefetch() > 1 ||
+             (mha_next_prefetch() && (t->mr > 1 || !half)))) {
             src.next_kt = mha_kv_cache_k_tile(c, t->b, t->g, un);
             src.next_v = mha_kv_cache_v_tile(c, t->b, t->g, un);
             next_flag(c, t, un);

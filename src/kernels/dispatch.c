@@ -165,6 +165,21 @@ static int cpu_is_amd(void)
 #endif
 }
 
+/* AMD's CPU family (CPUID leaf 1: base 0xF plus the extended family;
+ * Zen 4 0x19, Zen 5 0x1A), 0 on another vendor. */
+static int amd_family(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!cpu_is_amd() || !__get_cpuid(1, &a, &b, &c, &d))
+        return 0;
+    const unsigned base = (a >> 8) & 0xF, ext = (a >> 20) & 0xFF;
+    return (int)(base == 0xF ? base + ext : base);
+#else
+    return 0;
+#endif
+}
+
 static int choose(void)
 {
     const char *env = getenv("MHA_ISA");
@@ -194,7 +209,10 @@ mha_status mha_isa_get(mha_isa *isa, const mha_microkernels **uk)
     if (c < 0) {
         c = choose();             /* a race computes the same value twice */
         atomic_store(&slab_prefetch, !(c == MHA_ISA_AVX512 && cpu_is_amd()));
-        atomic_store(&next_prefetch, c == MHA_ISA_AVX512);
+        atomic_store(&next_prefetch,
+                     c != MHA_ISA_AVX512  ? 0
+                     : amd_family() >= 0x1A ? 2   /* Zen 5 and later */
+                                            : 1);
         atomic_store(&chosen, c);
     }
     if (c >= 100) {

@@ -306,12 +306,15 @@ int mha_cpu_has_avx512(void);
  * prefetch reads nothing into a result. */
 int mha_slab_prefetch(void);
 
-/* Whether a contiguous cache's tile read by several rows (a GQA group, a
- * prefill chunk) asks for the next tile's rows into L2 as it reads its
- * own (tiles.c; a paged cache's always do): set by mha_isa_get, on for
- * the avx512 tier (Zen 4: the GQA f16 step 1.23-1.31x), off for the
- * others (Zen 3, avx2: the same step 10% slower with it; Intel
- * unmeasured).  docs/BENCHMARKS.md.  Never the bits. */
+/* Which of a contiguous cache's tiles ask for the next tile's rows into
+ * L2 as they read their own (tiles.c; a paged cache's always do), set by
+ * mha_isa_get: 0, none (the avx2 tier: on Zen 3 the GQA f16 step was 10%
+ * slower with them); 1, every tile but a lone row's 16-bit one (the
+ * avx512 tier; Zen 4: the GQA f16 step 1.23-1.31x, q8 1.14-1.17x, while
+ * a lone row's f16 stream ran 6-11% slower with them); 2, every tile
+ * (the avx512 tier on AMD family 0x1A, Zen 5, where the lone row's f16
+ * and bf16 streams ran 1.08-1.12x faster with them).  Intel unmeasured:
+ * 1.  docs/BENCHMARKS.md.  Never the bits. */
 int mha_next_prefetch(void);
 
 /* ---- bf16 attention on AMX tiles or AVX512-BF16 (amx.c; x86 only) -------
