@@ -463,6 +463,129 @@ static void test_key_mask_as_attn_mask(void **state)
     }
 }
 
+/* A boolean key padding mask whose rows each allow a prefix of the keys
+ * is run as lengths (mask.c's pad_as_lengths: the tiles past them never
+ * visited): forward, lse, weights and the backward's three gradients are
+ * the bits of key_lengths and of the same mask written out as an
+ * attn_mask (which is never read as lengths); a row allowing one key
+ * past its padding keeps the mask (else it would lose that key), and a
+ * (Lk) mask broadcast over the batch is one row of lengths.  Each
+ * boolean kind, causal or not, GQA, 1 and 2 threads. */
+static void test_padding_as_lengths(void **state)
+{
+    (void)state;
+    typedef struct {
+        int64_t B, H, Hkv, dh, Lq, Lk;
+        mha_causal causal;
+        mha_mask_kind kind;
+        int threads, stray, broadcast;
+    } pcase;
+    static const pcase PC[] = {
+        {4, 4, 2, 16, 40, 300, 0, MHA_MASK_ALLOW, 2, 0, 0},
+        {4, 2, 2, 8, 130, 130, MHA_CAUSAL_TOP_LEFT, MHA_MASK_BLOCK, 1, 0, 0},
+        {4, 3, 1, 32, 7, 200, MHA_CAUSAL_BOTTOM_RIGHT, MHA_MASK_ALLOW, 2, 1, 0},
+        {3, 2, 1, 8, 1, 700, 0, MHA_MASK_BLOCK, 2, 0, 1},
+    };
+    for (size_t t = 0; t < sizeof PC / sizeof *PC; t++) {
+        const pcase *c = &PC[t];
+        const int64_t E = c->H * c->dh, Ekv = c->Hkv * c->dh;
+        const int64_t nq = c->B * c->Lq * E, nk = c->B * c->Lk * Ekv;
+        const int64_t nw = c->B * c->H * c->Lq * c->Lk;
+        const int64_t nl = c->B * c->H * c->Lq, nm = c->B * c->Lq * c->Lk;
+        float *q = malloc((size_t)nq * 4), *k = malloc((size_t)nk * 4);
+        float *v = malloc((size_t)nk * 4), *go = malloc((size_t)nq * 4);
+        uint8_t *pad8 = malloc((size_t)(c->B * c->Lk)), *full8 = malloc((size_t)nm);
+        int64_t lens[4];
+        float *buf[3][6];
+        tu_fill(q, nq, 190 + t, -2, 2);
+        tu_fill(k, nk, 191 + t, -2, 2);
+        tu_fill(v, nk, 192 + t, -2, 2);
+        tu_fill(go, nq, 193 + t, -1, 1);
+        /* the lengths: all, mid-tile, a tile's end, none (or one key) */
+        for (int64_t b = 0; b < c->B; b++) {
+            const int64_t l[4] = {c->Lk, c->Lk / 2 + 5, 64, b ? 0 : 1};
+            lens[b] = c->broadcast ? c->Lk / 3 : l[b];
+            for (int64_t j = 0; j < c->Lk; j++) {
+                /* (stray: the last batch allows its last key too) */
+                const int off = j >= lens[b] &&
+                                !(c->stray && b == c->B - 1 &&
+                                  j == c->Lk - 1);
+                pad8[b * c->Lk + j] =
+                    (uint8_t)(c->kind == MHA_MASK_BLOCK ? off : !off);
+            }
+        }
+        for (int64_t b = 0; b < c->B; b++)
+            for (int64_t i = 0; i < c->Lq; i++)
+                memcpy(full8 + (b * c->Lq + i) * c->Lk, pad8 + b * c->Lk,
+                       (size_t)c->Lk);
+        for (int pass = 0; pass < 3; pass++) {
+            const int64_t n[6] = {nq, nl, nw, nq, nk, nk};
+            for (int i = 0; i < 6; i++)
+                buf[pass][i] = calloc((size_t)n[i], 4);
+            mha_attention_args a = {0};
+            a.batch = c->B;
+            a.num_heads = c->H;
+            a.num_kv_heads = c->Hkv;
+            a.head_dim = c->dh;
+            a.q_len = c->Lq;
+            a.kv_len = c->Lk;
+            a.q = q; a.k = k; a.v = v;
+            a.causal = c->causal;
+            a.num_threads = c->threads;
+            if (pass == 0)
+                a.key_padding_mask =
+                    c->broadcast
+                        ? (mha_mask){c->kind, pad8, 1, {c->Lk}}
+                        : (mha_mask){c->kind, pad8, 2, {c->B, c->Lk}};
+            else if (pass == 1 && !c->stray)
+                a.key_lengths = lens;
+            else
+                a.attn_mask = (mha_mask){c->kind, full8, 3,
+                                         {c->B, c->Lq, c->Lk}};
+            a.out = buf[pass][0];
+            a.lse = buf[pass][1];
+            a.need_weights = MHA_WEIGHTS_PER_HEAD;
+            a.attn_weights = buf[pass][2];
+            if (mha_attention(&a) != MHA_OK)
+                fail_msg("case %zu pass %d: %s", t, pass, mha_last_error());
+            a.need_weights = MHA_WEIGHTS_NONE;
+            a.attn_weights = NULL;
+            a.lse = NULL;
+            const mha_attention_grads g = {go, buf[pass][3], buf[pass][4],
+                                           buf[pass][5], NULL};
+            if (mha_attention_backward(&a, &g) != MHA_OK)
+                fail_msg("case %zu pass %d backward: %s", t, pass,
+                         mha_last_error());
+        }
+        static const char *what[6] = {"out", "lse", "weights", "dq", "dk",
+                                      "dv"};
+        const int64_t n[6] = {nq, nl, nw, nq, nk, nk};
+        for (int p = 1; p < 3; p++)
+            for (int i = 0; i < 6; i++)
+                if (memcmp(buf[0][i], buf[p][i], (size_t)n[i] * 4))
+                    fail_msg("case %zu: %s differs between the key padding "
+                             "mask and %s", t, what[i],
+                             p == 1 && !c->stray ? "key_lengths"
+                                                 : "the same attn_mask");
+        /* the padding mattered: batch 0's last row weighs key lens[0]
+         * zero where it is padding; the stray key is weighed */
+        const float *w0 = buf[0][2] + (c->Lq - 1) * c->Lk;
+        if (lens[0] < c->Lk)
+            assert_true(w0[lens[0]] == 0.0f && w0[lens[0] - 1] > 0.0f);
+        if (c->stray) {
+            const float *wl =   /* (its last row: causal lets it see
+                                   the last key) */
+                buf[0][2] + (((c->B - 1) * c->H + 1) * c->Lq + c->Lq - 1) *
+                                c->Lk;
+            assert_true(wl[c->Lk - 1] > 0.0f);
+        }
+        for (int p = 0; p < 3; p++)
+            for (int i = 0; i < 6; i++)
+                free(buf[p][i]);
+        free(q); free(k); free(v); free(go); free(pad8); free(full8);
+    }
+}
+
 /* A decoding step (one query row per K/V head) reads K and V where they
  * lie instead of packing them (MHA_IN_PLACE_ROWS): its rows are the bits
  * of the same rows inside a longer call, which packs (output, lse,
@@ -600,6 +723,7 @@ int main(void)
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_heads_first),
         cmocka_unit_test(test_key_mask_as_attn_mask),
+        cmocka_unit_test(test_padding_as_lengths),
         cmocka_unit_test(test_in_place_decode),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -99,6 +99,32 @@ static mha_status plan_attn(mha_mask_plan *p, const mha_mask *mk)
     return MHA_OK;
 }
 
+/* A boolean key padding mask whose rows each allow a prefix of the keys
+ * (padding at the end, the usual batch of sequences of several lengths)
+ * becomes lengths (pad_rows, pad_keys): the tiles past them are then
+ * never visited, where the mask itself had every tile computed and then
+ * masked.  Any other row keeps the mask. */
+static void pad_as_lengths(mha_mask_plan *p, int64_t rows)
+{
+    if (rows > MHA_PAD_PREFIX_MAX)
+        return;
+    const uint8_t *m = p->pad.data;
+    const int keep = p->pad.kind == MHA_MASK_ALLOW;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = m + r * p->kv_len;
+        int64_t n = 0;
+        while (n < p->kv_len && (row[n] != 0) == keep)
+            n++;
+        for (int64_t j = n; j < p->kv_len; j++)
+            if ((row[j] != 0) == keep)
+                return;   /* a key allowed past a masked one */
+        p->pad_keys[r] = n;
+    }
+    p->pad_rows = (int)rows;
+    p->pad = (mha_mask){0};   /* (kind NONE) */
+    p->pad_stride_b = 0;
+}
+
 static mha_status plan_pad(mha_mask_plan *p, const mha_mask *mk)
 {
     const char *what = "key_padding_mask";
@@ -123,6 +149,8 @@ static mha_status plan_pad(mha_mask_plan *p, const mha_mask *mk)
     p->pad_stride_b = mb == 1 ? 0 : p->kv_len;
     if (mk->kind == MHA_MASK_ADDITIVE)
         MHA_CHECK(check_additive(what, mk, mb * p->kv_len));
+    else
+        pad_as_lengths(p, mb);
     return MHA_OK;
 }
 
@@ -236,6 +264,10 @@ int64_t mha_mask_last(const mha_mask_plan *p, int64_t b, int64_t i)
         last = i + p->row_shift;
     if (p->key_lengths && p->key_lengths[b] - 1 < last)
         last = p->key_lengths[b] - 1;
+    if (p->pad_rows) {   /* a padding mask kept as lengths */
+        const int64_t n = p->pad_keys[p->pad_rows == 1 ? 0 : b];
+        last = n - 1 < last ? n - 1 : last;
+    }
     if (p->band && p->band_right >= 0 &&
         mha_mask_qpos(p, b, i) + p->band_right < last)
         last = mha_mask_qpos(p, b, i) + p->band_right;

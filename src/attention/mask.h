@@ -10,6 +10,11 @@
 #include "core/core.h"
 
 /* ---- masks (mask.c): every mask kind -> one row of additive biases ----- */
+
+/* A boolean key padding mask of up to this many rows is read as lengths
+ * where each of its rows allows a prefix of the keys (mha_mask_plan.
+ * pad_keys); more rows keep the mask itself. */
+enum { MHA_PAD_PREFIX_MAX = 256 };
 typedef struct mha_mask_plan {
     int64_t batch, heads, q_len, kv_len, total_keys;
     mha_mask attn;             /* kind NONE if absent */
@@ -17,6 +22,20 @@ typedef struct mha_mask_plan {
     mha_mask pad;              /* kind NONE if absent */
     int64_t pad_stride_b;
     const int64_t *key_lengths;
+    int pad_rows;                /* > 0: the key padding mask was boolean
+                                    and each of its pad_rows rows (1: one
+                                    for every batch) allowed the keys
+                                    0 .. pad_keys[row] - 1 and no other:
+                                    it is kept as these lengths, masking
+                                    by index (tiles past them never
+                                    visited), and pad is kind NONE.  The
+                                    same bits as the mask itself: a
+                                    masked score is -inf either way, its
+                                    weight 0, and 0 added to a sum or
+                                    times a finite value in pv changes
+                                    nothing (non-finite values take the
+                                    exact pv, which skips a zero weight) */
+    int64_t pad_keys[MHA_PAD_PREFIX_MAX];
     mha_causal causal;
     const int64_t *seq_lengths;  /* (B) or NULL: each sequence's own key
                                     count, to which bottom-right causal
