@@ -463,28 +463,33 @@ static void test_key_mask_as_attn_mask(void **state)
     }
 }
 
-/* A boolean key padding mask whose rows each allow a prefix of the keys
- * is run as lengths (mask.c's pad_as_lengths: the tiles past them never
+/* A boolean key padding mask whose rows each allow one run of keys is
+ * run as bounds (mask.c's pad_as_bounds: the tiles outside them never
  * visited): forward, lse, weights and the backward's three gradients are
- * the bits of key_lengths and of the same mask written out as an
- * attn_mask (which is never read as lengths); a row allowing one key
- * past its padding keeps the mask (else it would lose that key), and a
- * (Lk) mask broadcast over the batch is one row of lengths.  Each
- * boolean kind, causal or not, GQA, 1 and 2 threads. */
-static void test_padding_as_lengths(void **state)
+ * the bits of the same mask written out as an attn_mask (which is never
+ * read as bounds) and, padding at the end, of key_lengths.  Padding at
+ * the end, at the start (a left-padded batch) and at both; a row
+ * allowing one more key apart from its run keeps the mask (else it would
+ * lose that key); a (Lk) mask broadcast over the batch is one row of
+ * bounds.  Each boolean kind, causal or not, GQA, 1 and 2 threads. */
+static void test_padding_as_bounds(void **state)
 {
     (void)state;
+    enum { END, START, BOTH };
     typedef struct {
         int64_t B, H, Hkv, dh, Lq, Lk;
         mha_causal causal;
         mha_mask_kind kind;
-        int threads, stray, broadcast;
+        int threads, stray, broadcast, where;
     } pcase;
     static const pcase PC[] = {
-        {4, 4, 2, 16, 40, 300, 0, MHA_MASK_ALLOW, 2, 0, 0},
-        {4, 2, 2, 8, 130, 130, MHA_CAUSAL_TOP_LEFT, MHA_MASK_BLOCK, 1, 0, 0},
-        {4, 3, 1, 32, 7, 200, MHA_CAUSAL_BOTTOM_RIGHT, MHA_MASK_ALLOW, 2, 1, 0},
-        {3, 2, 1, 8, 1, 700, 0, MHA_MASK_BLOCK, 2, 0, 1},
+        {4, 4, 2, 16, 40, 300, 0, MHA_MASK_ALLOW, 2, 0, 0, END},
+        {4, 2, 2, 8, 130, 130, MHA_CAUSAL_TOP_LEFT, MHA_MASK_BLOCK, 1, 0, 0, END},
+        {4, 3, 1, 32, 7, 200, MHA_CAUSAL_BOTTOM_RIGHT, MHA_MASK_ALLOW, 2, 1, 0, END},
+        {3, 2, 1, 8, 1, 700, 0, MHA_MASK_BLOCK, 2, 0, 1, END},
+        {4, 4, 2, 16, 9, 260, MHA_CAUSAL_BOTTOM_RIGHT, MHA_MASK_BLOCK, 2, 0, 0, START},
+        {4, 2, 1, 8, 70, 200, 0, MHA_MASK_ALLOW, 1, 1, 0, START},
+        {4, 2, 2, 16, 33, 333, 0, MHA_MASK_ALLOW, 2, 0, 0, BOTH},
     };
     for (size_t t = 0; t < sizeof PC / sizeof *PC; t++) {
         const pcase *c = &PC[t];
@@ -495,21 +500,25 @@ static void test_padding_as_lengths(void **state)
         float *q = malloc((size_t)nq * 4), *k = malloc((size_t)nk * 4);
         float *v = malloc((size_t)nk * 4), *go = malloc((size_t)nq * 4);
         uint8_t *pad8 = malloc((size_t)(c->B * c->Lk)), *full8 = malloc((size_t)nm);
-        int64_t lens[4];
+        int64_t lens[4], from[4];
         float *buf[3][6];
         tu_fill(q, nq, 190 + t, -2, 2);
         tu_fill(k, nk, 191 + t, -2, 2);
         tu_fill(v, nk, 192 + t, -2, 2);
         tu_fill(go, nq, 193 + t, -1, 1);
-        /* the lengths: all, mid-tile, a tile's end, none (or one key) */
+        /* each batch's allowed run: all keys, mid-tile, a tile, none (or
+         * one key), at the end, the start or the middle; the stray key
+         * (the last batch) is the last one, or the first */
         for (int64_t b = 0; b < c->B; b++) {
             const int64_t l[4] = {c->Lk, c->Lk / 2 + 5, 64, b ? 0 : 1};
             lens[b] = c->broadcast ? c->Lk / 3 : l[b];
+            from[b] = c->where == END ? 0
+                    : c->where == START ? c->Lk - lens[b]
+                                        : (c->Lk - lens[b]) / 2;
+            const int64_t sj = c->where == START ? 0 : c->Lk - 1;
             for (int64_t j = 0; j < c->Lk; j++) {
-                /* (stray: the last batch allows its last key too) */
-                const int off = j >= lens[b] &&
-                                !(c->stray && b == c->B - 1 &&
-                                  j == c->Lk - 1);
+                const int off = (j < from[b] || j >= from[b] + lens[b]) &&
+                                !(c->stray && b == c->B - 1 && j == sj);
                 pad8[b * c->Lk + j] =
                     (uint8_t)(c->kind == MHA_MASK_BLOCK ? off : !off);
             }
@@ -518,6 +527,7 @@ static void test_padding_as_lengths(void **state)
             for (int64_t i = 0; i < c->Lq; i++)
                 memcpy(full8 + (b * c->Lq + i) * c->Lk, pad8 + b * c->Lk,
                        (size_t)c->Lk);
+        const int with_lengths = c->where == END && !c->stray;
         for (int pass = 0; pass < 3; pass++) {
             const int64_t n[6] = {nq, nl, nw, nq, nk, nk};
             for (int i = 0; i < 6; i++)
@@ -537,7 +547,7 @@ static void test_padding_as_lengths(void **state)
                     c->broadcast
                         ? (mha_mask){c->kind, pad8, 1, {c->Lk}}
                         : (mha_mask){c->kind, pad8, 2, {c->B, c->Lk}};
-            else if (pass == 1 && !c->stray)
+            else if (pass == 1 && with_lengths)
                 a.key_lengths = lens;
             else
                 a.attn_mask = (mha_mask){c->kind, full8, 3,
@@ -565,19 +575,22 @@ static void test_padding_as_lengths(void **state)
                 if (memcmp(buf[0][i], buf[p][i], (size_t)n[i] * 4))
                     fail_msg("case %zu: %s differs between the key padding "
                              "mask and %s", t, what[i],
-                             p == 1 && !c->stray ? "key_lengths"
-                                                 : "the same attn_mask");
-        /* the padding mattered: batch 0's last row weighs key lens[0]
-         * zero where it is padding; the stray key is weighed */
-        const float *w0 = buf[0][2] + (c->Lq - 1) * c->Lk;
-        if (lens[0] < c->Lk)
-            assert_true(w0[lens[0]] == 0.0f && w0[lens[0] - 1] > 0.0f);
-        if (c->stray) {
-            const float *wl =   /* (its last row: causal lets it see
-                                   the last key) */
+                             p == 1 && with_lengths ? "key_lengths"
+                                                    : "the same attn_mask");
+        /* the padding mattered: batch 1's last row weighs the key past
+         * its run zero and the run's last key not */
+        const float *w1 = buf[0][2] + ((1 * c->H + 0) * c->Lq + c->Lq - 1) *
+                                          c->Lk;
+        const int64_t e1 = from[1] + lens[1];
+        if (e1 < c->Lk)
+            assert_true(w1[e1] == 0.0f && w1[e1 - 1] > 0.0f);
+        if (c->where != END)
+            assert_true(w1[from[1] - 1] == 0.0f && w1[from[1]] > 0.0f);
+        if (c->stray) {   /* (its last row: causal lets it see every key) */
+            const float *wl =
                 buf[0][2] + (((c->B - 1) * c->H + 1) * c->Lq + c->Lq - 1) *
                                 c->Lk;
-            assert_true(wl[c->Lk - 1] > 0.0f);
+            assert_true(wl[c->where == START ? 0 : c->Lk - 1] > 0.0f);
         }
         for (int p = 0; p < 3; p++)
             for (int i = 0; i < 6; i++)
@@ -723,7 +736,7 @@ int main(void)
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_heads_first),
         cmocka_unit_test(test_key_mask_as_attn_mask),
-        cmocka_unit_test(test_padding_as_lengths),
+        cmocka_unit_test(test_padding_as_bounds),
         cmocka_unit_test(test_in_place_decode),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

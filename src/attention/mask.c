@@ -99,12 +99,13 @@ static mha_status plan_attn(mha_mask_plan *p, const mha_mask *mk)
     return MHA_OK;
 }
 
-/* A boolean key padding mask whose rows each allow a prefix of the keys
- * (padding at the end, the usual batch of sequences of several lengths)
- * becomes lengths (pad_rows, pad_keys): the tiles past them are then
- * never visited, where the mask itself had every tile computed and then
- * masked.  Any other row keeps the mask. */
-static void pad_as_lengths(mha_mask_plan *p, int64_t rows)
+/* A boolean key padding mask whose rows each allow one run of keys
+ * (padding at the end, the usual batch of sequences of several lengths;
+ * at the start, a left-padded batch; or both) becomes bounds (pad_rows,
+ * pad_from, pad_to): the tiles outside them are then never visited, where
+ * the mask itself had each tile's bias row built and applied.  Any other
+ * row keeps the mask. */
+static void pad_as_bounds(mha_mask_plan *p, int64_t rows)
 {
     if (rows > MHA_PAD_PREFIX_MAX)
         return;
@@ -112,13 +113,19 @@ static void pad_as_lengths(mha_mask_plan *p, int64_t rows)
     const int keep = p->pad.kind == MHA_MASK_ALLOW;
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *row = m + r * p->kv_len;
-        int64_t n = 0;
-        while (n < p->kv_len && (row[n] != 0) == keep)
-            n++;
-        for (int64_t j = n; j < p->kv_len; j++)
+        int64_t from = 0;
+        while (from < p->kv_len && (row[from] != 0) != keep)
+            from++;
+        int64_t to = from;
+        while (to < p->kv_len && (row[to] != 0) == keep)
+            to++;
+        for (int64_t j = to; j < p->kv_len; j++)
             if ((row[j] != 0) == keep)
-                return;   /* a key allowed past a masked one */
-        p->pad_keys[r] = n;
+                return;   /* a second run of allowed keys */
+        if (from == p->kv_len)   /* no key allowed: the run [0, 0) */
+            from = to = 0;
+        p->pad_from[r] = from;
+        p->pad_to[r] = to;
     }
     p->pad_rows = (int)rows;
     p->pad = (mha_mask){0};   /* (kind NONE) */
@@ -150,7 +157,7 @@ static mha_status plan_pad(mha_mask_plan *p, const mha_mask *mk)
     if (mk->kind == MHA_MASK_ADDITIVE)
         MHA_CHECK(check_additive(what, mk, mb * p->kv_len));
     else
-        pad_as_lengths(p, mb);
+        pad_as_bounds(p, mb);
     return MHA_OK;
 }
 
@@ -264,9 +271,9 @@ int64_t mha_mask_last(const mha_mask_plan *p, int64_t b, int64_t i)
         last = i + p->row_shift;
     if (p->key_lengths && p->key_lengths[b] - 1 < last)
         last = p->key_lengths[b] - 1;
-    if (p->pad_rows) {   /* a padding mask kept as lengths */
-        const int64_t n = p->pad_keys[p->pad_rows == 1 ? 0 : b];
-        last = n - 1 < last ? n - 1 : last;
+    if (p->pad_rows) {   /* a padding mask kept as bounds */
+        const int64_t to = p->pad_to[p->pad_rows == 1 ? 0 : b];
+        last = to - 1 < last ? to - 1 : last;
     }
     if (p->band && p->band_right >= 0 &&
         mha_mask_qpos(p, b, i) + p->band_right < last)
@@ -289,6 +296,8 @@ int64_t mha_mask_first(const mha_mask_plan *p, int64_t b, int64_t i)
         first = qpos - p->band_left;
     if (p->chunk && mha_chunk_start(qpos, p->chunk) > first)
         first = mha_chunk_start(qpos, p->chunk);
+    if (p->pad_rows && p->pad_from[p->pad_rows == 1 ? 0 : b] > first)
+        first = p->pad_from[p->pad_rows == 1 ? 0 : b];
     return first;
 }
 

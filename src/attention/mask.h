@@ -11,9 +11,9 @@
 
 /* ---- masks (mask.c): every mask kind -> one row of additive biases ----- */
 
-/* A boolean key padding mask of up to this many rows is read as lengths
- * where each of its rows allows a prefix of the keys (mha_mask_plan.
- * pad_keys); more rows keep the mask itself. */
+/* A boolean key padding mask of up to this many rows is read as bounds
+ * where each of its rows allows one run of keys (mha_mask_plan.pad_from,
+ * pad_to); more rows keep the mask itself. */
 enum { MHA_PAD_PREFIX_MAX = 256 };
 typedef struct mha_mask_plan {
     int64_t batch, heads, q_len, kv_len, total_keys;
@@ -25,17 +25,19 @@ typedef struct mha_mask_plan {
     int pad_rows;                /* > 0: the key padding mask was boolean
                                     and each of its pad_rows rows (1: one
                                     for every batch) allowed the keys
-                                    0 .. pad_keys[row] - 1 and no other:
-                                    it is kept as these lengths, masking
-                                    by index (tiles past them never
-                                    visited), and pad is kind NONE.  The
-                                    same bits as the mask itself: a
-                                    masked score is -inf either way, its
-                                    weight 0, and 0 added to a sum or
-                                    times a finite value in pv changes
-                                    nothing (non-finite values take the
-                                    exact pv, which skips a zero weight) */
-    int64_t pad_keys[MHA_PAD_PREFIX_MAX];
+                                    pad_from[row] .. pad_to[row] - 1 and
+                                    no other (padding at the end, at the
+                                    start, or both): it is kept as these
+                                    bounds, masking by index (tiles
+                                    outside them never visited), and pad
+                                    is kind NONE.  The same bits as the
+                                    mask itself: a masked score is -inf
+                                    either way, its weight 0, and 0 added
+                                    to a sum or times a finite value in
+                                    pv changes nothing (non-finite values
+                                    take the exact pv, which skips a zero
+                                    weight) */
+    int64_t pad_from[MHA_PAD_PREFIX_MAX], pad_to[MHA_PAD_PREFIX_MAX];
     mha_causal causal;
     const int64_t *seq_lengths;  /* (B) or NULL: each sequence's own key
                                     count, to which bottom-right causal
@@ -120,11 +122,13 @@ static inline int64_t mha_mask_qpos(const mha_mask_plan *p, int64_t b,
            p->qpos_shift;
 }
 
-/* The last real key that causal masking, key_lengths and the window leave
- * to query row i of batch b (-1: none).  Explicit masks may block more. */
+/* The last real key that causal masking, key_lengths, the window, the
+ * chunks and a padding mask kept as bounds leave to query row i of batch
+ * b (-1: none).  Explicit masks may block more. */
 int64_t mha_mask_last(const mha_mask_plan *plan, int64_t b, int64_t i);
-/* The first real key the window leaves to row i (0 without one); a row
- * whose first is past its last sees no real key. */
+/* The first real key the window, the chunks and a padding mask kept as
+ * bounds leave to row i (0 without them); a row whose first is past its
+ * last sees no real key. */
 int64_t mha_mask_first(const mha_mask_plan *plan, int64_t b, int64_t i);
 
 /*
