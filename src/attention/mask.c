@@ -107,7 +107,7 @@ static mha_status plan_attn(mha_mask_plan *p, const mha_mask *mk)
  * row keeps the mask. */
 static void pad_as_bounds(mha_mask_plan *p, int64_t rows)
 {
-    if (rows > MHA_PAD_PREFIX_MAX)
+    if (rows > MHA_PAD_BOUNDS_MAX)
         return;
     const uint8_t *m = p->pad.data;
     const int keep = p->pad.kind == MHA_MASK_ALLOW;

@@ -14,7 +14,7 @@
 /* A boolean key padding mask of up to this many rows is read as bounds
  * where each of its rows allows one run of keys (mha_mask_plan.pad_from,
  * pad_to); more rows keep the mask itself. */
-enum { MHA_PAD_PREFIX_MAX = 256 };
+enum { MHA_PAD_BOUNDS_MAX = 256 };
 typedef struct mha_mask_plan {
     int64_t batch, heads, q_len, kv_len, total_keys;
     mha_mask attn;             /* kind NONE if absent */
@@ -37,7 +37,7 @@ typedef struct mha_mask_plan {
                                     pv changes nothing (non-finite values
                                     take the exact pv, which skips a zero
                                     weight) */
-    int64_t pad_from[MHA_PAD_PREFIX_MAX], pad_to[MHA_PAD_PREFIX_MAX];
+    int64_t pad_from[MHA_PAD_BOUNDS_MAX], pad_to[MHA_PAD_BOUNDS_MAX];
     mha_causal causal;
     const int64_t *seq_lengths;  /* (B) or NULL: each sequence's own key
                                     count, to which bottom-right causal
