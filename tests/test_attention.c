@@ -355,6 +355,61 @@ static void test_heads_first(void **state)
         assert_true(out[i] == 0.0f);
 }
 
+/* The arguments of attention on heads with no mask, output or
+ * gradients yet (the masked tests below set them). */
+static mha_attention_args heads_args(int64_t B, int64_t H, int64_t Hkv,
+                                     int64_t dh, int64_t Lq, int64_t Lk,
+                                     const float *q, const float *k,
+                                     const float *v, mha_causal causal,
+                                     int threads)
+{
+    mha_attention_args a = {0};
+    a.batch = B;
+    a.num_heads = H;
+    a.num_kv_heads = Hkv;
+    a.head_dim = dh;
+    a.q_len = Lq;
+    a.kv_len = Lk;
+    a.q = q; a.k = k; a.v = v;
+    a.causal = causal;
+    a.num_threads = threads;
+    return a;
+}
+
+/* mha_attention then mha_attention_backward of a (its masks set) into
+ * buf, allocated here (n[i] floats each, zeroed): out, lse, the weights
+ * per head, dq, dk, dv for dL/d out = go. */
+static void masked_pass(mha_attention_args a, const float *go,
+                        const int64_t n[6], float *buf[6], size_t t,
+                        int pass)
+{
+    for (int i = 0; i < 6; i++)
+        buf[i] = calloc((size_t)n[i], 4);
+    a.out = buf[0];
+    a.lse = buf[1];
+    a.need_weights = MHA_WEIGHTS_PER_HEAD;
+    a.attn_weights = buf[2];
+    if (mha_attention(&a) != MHA_OK)
+        fail_msg("case %zu pass %d: %s", t, pass, mha_last_error());
+    a.need_weights = MHA_WEIGHTS_NONE;
+    a.attn_weights = NULL;
+    a.lse = NULL;
+    const mha_attention_grads g = {go, buf[3], buf[4], buf[5], NULL};
+    if (mha_attention_backward(&a, &g) != MHA_OK)
+        fail_msg("case %zu pass %d backward: %s", t, pass, mha_last_error());
+}
+
+/* Two masked_pass results the same bits, each of the six; then freed. */
+static void same_bits(float *x[6], float *y[6], const int64_t n[6],
+                      size_t t, const char *a, const char *b)
+{
+    static const char *what[6] = {"out", "lse", "weights", "dq", "dk", "dv"};
+    for (int i = 0; i < 6; i++)
+        if (memcmp(x[i], y[i], (size_t)n[i] * 4))
+            fail_msg("case %zu: %s differs between %s and %s", t, what[i],
+                     a, b);
+}
+
 /* A key padding mask (one bias row per batch and tile, MHA_TILE_KEYS)
  * gives the bits of the same mask written out as an attn_mask (B, Lq, Lk)
  * (a bias row per query, MHA_TILE_EXPLICIT): forward, lse, weights and
@@ -408,20 +463,11 @@ static void test_key_mask_as_attn_mask(void **state)
                 memcpy(full8 + row, pad8 + b * c->Lk, (size_t)c->Lk);
                 memcpy(fullf + row, padf + b * c->Lk, (size_t)c->Lk * 4);
             }
+        const int64_t n[6] = {nq, nl, nw, nq, nk, nk};
         for (int pass = 0; pass < 2; pass++) {
-            const int64_t n[6] = {nq, nl, nw, nq, nk, nk};
-            for (int i = 0; i < 6; i++)
-                buf[pass][i] = calloc((size_t)n[i], 4);
-            mha_attention_args a = {0};
-            a.batch = c->B;
-            a.num_heads = c->H;
-            a.num_kv_heads = c->Hkv;
-            a.head_dim = c->dh;
-            a.q_len = c->Lq;
-            a.kv_len = c->Lk;
-            a.q = q; a.k = k; a.v = v;
-            a.causal = c->causal;
-            a.num_threads = c->threads;
+            mha_attention_args a = heads_args(c->B, c->H, c->Hkv, c->dh,
+                                              c->Lq, c->Lk, q, k, v,
+                                              c->causal, c->threads);
             if (pass == 0)
                 a.key_padding_mask = (mha_mask){c->kind,
                     add ? (const void *)padf : pad8, 2, {c->B, c->Lk}};
@@ -429,28 +475,10 @@ static void test_key_mask_as_attn_mask(void **state)
                 a.attn_mask = (mha_mask){c->kind,
                     add ? (const void *)fullf : full8, 3,
                     {c->B, c->Lq, c->Lk}};
-            a.out = buf[pass][0];
-            a.lse = buf[pass][1];
-            a.need_weights = MHA_WEIGHTS_PER_HEAD;
-            a.attn_weights = buf[pass][2];
-            if (mha_attention(&a) != MHA_OK)
-                fail_msg("case %zu pass %d: %s", t, pass, mha_last_error());
-            a.need_weights = MHA_WEIGHTS_NONE;
-            a.attn_weights = NULL;
-            a.lse = NULL;
-            const mha_attention_grads g = {go, buf[pass][3], buf[pass][4],
-                                           buf[pass][5], NULL};
-            if (mha_attention_backward(&a, &g) != MHA_OK)
-                fail_msg("case %zu pass %d backward: %s", t, pass,
-                         mha_last_error());
+            masked_pass(a, go, n, buf[pass], t, pass);
         }
-        static const char *what[6] = {"out", "lse", "weights", "dq", "dk",
-                                      "dv"};
-        const int64_t n[6] = {nq, nl, nw, nq, nk, nk};
-        for (int i = 0; i < 6; i++)
-            if (memcmp(buf[0][i], buf[1][i], (size_t)n[i] * 4))
-                fail_msg("case %zu: %s differs between the key padding "
-                         "mask and the same attn_mask", t, what[i]);
+        same_bits(buf[0], buf[1], n, t, "the key padding mask",
+                  "the same attn_mask");
         /* the mask mattered: batch 0's last row weighs its padded key 3
          * zero and key 2 not */
         const float *wl = buf[0][2] + (c->Lq - 1) * c->Lk;
@@ -528,20 +556,11 @@ static void test_padding_as_bounds(void **state)
                 memcpy(full8 + (b * c->Lq + i) * c->Lk, pad8 + b * c->Lk,
                        (size_t)c->Lk);
         const int with_lengths = c->where == END && !c->stray;
+        const int64_t n[6] = {nq, nl, nw, nq, nk, nk};
         for (int pass = 0; pass < 3; pass++) {
-            const int64_t n[6] = {nq, nl, nw, nq, nk, nk};
-            for (int i = 0; i < 6; i++)
-                buf[pass][i] = calloc((size_t)n[i], 4);
-            mha_attention_args a = {0};
-            a.batch = c->B;
-            a.num_heads = c->H;
-            a.num_kv_heads = c->Hkv;
-            a.head_dim = c->dh;
-            a.q_len = c->Lq;
-            a.kv_len = c->Lk;
-            a.q = q; a.k = k; a.v = v;
-            a.causal = c->causal;
-            a.num_threads = c->threads;
+            mha_attention_args a = heads_args(c->B, c->H, c->Hkv, c->dh,
+                                              c->Lq, c->Lk, q, k, v,
+                                              c->causal, c->threads);
             if (pass == 0)
                 a.key_padding_mask =
                     c->broadcast
@@ -552,31 +571,12 @@ static void test_padding_as_bounds(void **state)
             else
                 a.attn_mask = (mha_mask){c->kind, full8, 3,
                                          {c->B, c->Lq, c->Lk}};
-            a.out = buf[pass][0];
-            a.lse = buf[pass][1];
-            a.need_weights = MHA_WEIGHTS_PER_HEAD;
-            a.attn_weights = buf[pass][2];
-            if (mha_attention(&a) != MHA_OK)
-                fail_msg("case %zu pass %d: %s", t, pass, mha_last_error());
-            a.need_weights = MHA_WEIGHTS_NONE;
-            a.attn_weights = NULL;
-            a.lse = NULL;
-            const mha_attention_grads g = {go, buf[pass][3], buf[pass][4],
-                                           buf[pass][5], NULL};
-            if (mha_attention_backward(&a, &g) != MHA_OK)
-                fail_msg("case %zu pass %d backward: %s", t, pass,
-                         mha_last_error());
+            masked_pass(a, go, n, buf[pass], t, pass);
         }
-        static const char *what[6] = {"out", "lse", "weights", "dq", "dk",
-                                      "dv"};
-        const int64_t n[6] = {nq, nl, nw, nq, nk, nk};
         for (int p = 1; p < 3; p++)
-            for (int i = 0; i < 6; i++)
-                if (memcmp(buf[0][i], buf[p][i], (size_t)n[i] * 4))
-                    fail_msg("case %zu: %s differs between the key padding "
-                             "mask and %s", t, what[i],
-                             p == 1 && with_lengths ? "key_lengths"
-                                                    : "the same attn_mask");
+            same_bits(buf[0], buf[p], n, t, "the key padding mask",
+                      p == 1 && with_lengths ? "key_lengths"
+                                             : "the same attn_mask");
         /* the padding mattered: batch 1's last row weighs the key past
          * its run zero and the run's last key not */
         const float *w1 = buf[0][2] + ((1 * c->H + 0) * c->Lq + c->Lq - 1) *
@@ -625,20 +625,13 @@ static void test_in_place_decode(void **state)
         v[5 * Ekv + d] = INFINITY;   /* key 5 of batch 0: masked out */
     for (int masked = 0; masked < 2; masked++)
         for (int threads = 1; threads <= 2; threads++) {
-            mha_attention_args a = {0};
-            a.batch = B;
-            a.num_heads = H;
-            a.num_kv_heads = Hkv;
-            a.head_dim = dh;
-            a.q_len = Lq;
-            a.kv_len = Lk;
-            a.q = q; a.k = k; a.v = v;
+            mha_attention_args a =
+                heads_args(B, H, Hkv, dh, Lq, Lk, q, k, v,
+                           MHA_CAUSAL_BOTTOM_RIGHT, threads);
             a.out = out;
             a.lse = lse;
             a.need_weights = MHA_WEIGHTS_PER_HEAD;
             a.attn_weights = w;
-            a.causal = MHA_CAUSAL_BOTTOM_RIGHT;
-            a.num_threads = threads;
             if (masked)
                 a.key_padding_mask =
                     (mha_mask){MHA_MASK_ALLOW, keep, 2, {B, Lk}};
