@@ -132,6 +132,12 @@ static void pad_as_bounds(mha_mask_plan *p, int64_t rows)
     p->pad_stride_b = 0;
 }
 
+/* The row of pad_from / pad_to batch b reads (one row: every batch's). */
+static int64_t pad_row(const mha_mask_plan *p, int64_t b)
+{
+    return p->pad_rows == 1 ? 0 : b;
+}
+
 static mha_status plan_pad(mha_mask_plan *p, const mha_mask *mk)
 {
     const char *what = "key_padding_mask";
@@ -271,10 +277,8 @@ int64_t mha_mask_last(const mha_mask_plan *p, int64_t b, int64_t i)
         last = i + p->row_shift;
     if (p->key_lengths && p->key_lengths[b] - 1 < last)
         last = p->key_lengths[b] - 1;
-    if (p->pad_rows) {   /* a padding mask kept as bounds */
-        const int64_t to = p->pad_to[p->pad_rows == 1 ? 0 : b];
-        last = to - 1 < last ? to - 1 : last;
-    }
+    if (p->pad_rows && p->pad_to[pad_row(p, b)] - 1 < last)
+        last = p->pad_to[pad_row(p, b)] - 1;   /* a padding mask's bounds */
     if (p->band && p->band_right >= 0 &&
         mha_mask_qpos(p, b, i) + p->band_right < last)
         last = mha_mask_qpos(p, b, i) + p->band_right;
@@ -296,8 +300,8 @@ int64_t mha_mask_first(const mha_mask_plan *p, int64_t b, int64_t i)
         first = qpos - p->band_left;
     if (p->chunk && mha_chunk_start(qpos, p->chunk) > first)
         first = mha_chunk_start(qpos, p->chunk);
-    if (p->pad_rows && p->pad_from[p->pad_rows == 1 ? 0 : b] > first)
-        first = p->pad_from[p->pad_rows == 1 ? 0 : b];
+    if (p->pad_rows && p->pad_from[pad_row(p, b)] > first)
+        first = p->pad_from[pad_row(p, b)];
     return first;
 }
 

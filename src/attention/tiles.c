@@ -266,9 +266,9 @@ mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
          * f32 1.04x faster on Zen 4: docs/BENCHMARKS.md). */
         const int64_t un = (t->index + 1) * split;
         const int half = c->dtype == MHA_KV_F16 || c->dtype == MHA_KV_BF16;
+        const int level = mha_next_prefetch();
         if (split == 1 && un < c->tiles &&
-            (c->page || mha_next_prefetch() > 1 ||
-             (mha_next_prefetch() && (t->mr > 1 || !half)))) {
+            (c->page || level > 1 || (level && (t->mr > 1 || !half)))) {
             src.next_kt = mha_kv_cache_k_tile(c, t->b, t->g, un);
             src.next_v = mha_kv_cache_v_tile(c, t->b, t->g, un);
             next_flag(c, t, un);
