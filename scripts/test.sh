@@ -61,7 +61,7 @@ ctest --test-dir build -j"$jobs" --output-on-failure \
 # No silent skips: every test that did not run is listed by name, and the
 # only ones allowed are the *_avx512 tier runs on a CPU without AVX-512F,
 # the *_amx ones on a CPU without AMX-BF16, the *_avx512bf16 ones on a CPU
-# without AVX512-BF16, and the *_neon ones on x86
+# without AVX512-BF16, and the *_neon and *_bfdot ones on x86
 # (they run in the aarch64 stage, under qemu).
 skipped=$(/usr/bin/python3 - "$PWD/build/ctest-release.xml" <<'PY'
 import sys
@@ -83,7 +83,7 @@ for t in $skipped; do
     echo "skipped: $t (this CPU has no AMX-BF16)"
   elif [[ $t == *_avx512bf16 && $have_bf16 == 0 ]]; then
     echo "skipped: $t (this CPU has no AVX512-BF16)"
-  elif [[ $t == *_neon ]]; then
+  elif [[ $t == *_neon || $t == *_bfdot ]]; then
     echo "skipped: $t (an x86 CPU; the aarch64 stage runs it)"
   else
     echo "skipped: $t -- not allowed"

@@ -832,7 +832,10 @@ int main(void)
     kernel_run = k && strcmp(k, "float32") != 0;
     if (want && (!k || strcmp(k, want))) {
         printf("skipped: this CPU or OS has no %s (test_half_%s)\n",
-               !strcmp(want, "amx") ? "AMX-BF16" : "AVX512-BF16", want);
+               !strcmp(want, "amx")     ? "AMX-BF16"
+               : !strcmp(want, "bfdot") ? "BF16 (BFDOT, aarch64)"
+                                        : "AVX512-BF16",
+               want);
         return 77;
     }
     const struct CMUnitTest tests[] = {

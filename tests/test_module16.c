@@ -593,7 +593,10 @@ int main(void)
     const char *k = mha_bf16_kernel();
     if (want && (!k || strcmp(k, want))) {
         printf("skipped: this CPU or OS has no %s (test_module16_%s)\n",
-               !strcmp(want, "amx") ? "AMX-BF16" : "AVX512-BF16", want);
+               !strcmp(want, "amx")     ? "AMX-BF16"
+               : !strcmp(want, "bfdot") ? "BF16 (BFDOT, aarch64)"
+                                        : "AVX512-BF16",
+               want);
         return 77;
     }
     print_message("bf16 kernel: %s\n", k ? k : "(none)");

@@ -504,11 +504,11 @@ typedef struct mha_half_problem {
     float *lse;
     int tiles;                     /* AMX tiles, else AVX512-BF16 (amx.c)  */
 } mha_half_problem;
-mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p);
+mha_status mha_attn_bf16(const mha_engine *e, const mha_half_problem *p);
 
 /* The backward of that forward: out and lse (given, the forward's) and
  * dout in; dq, dk, dv out. */
-mha_status mha_attn_amx_backward(const mha_engine *e,
+mha_status mha_attn_bf16_backward(const mha_engine *e,
                                  const mha_half_problem *p);
 
 #endif /* MHA_ENGINE_H */

@@ -1,15 +1,16 @@
 /*
- * half.c -- attention on bf16 heads with AMX tiles or AVX512-BF16 dot
- * products (kernels/amx.c, p->tiles says which): the driver.
- * mha_attention (sdpa.c) comes here for bf16 q, k, v and out when the CPU
- * has either and the call is plain or causal attention (key lengths
- * allowed); every other half-precision call is widened there instead.
+ * half.c -- attention on bf16 heads with the bf16 kernels (AMX tiles or
+ * AVX512-BF16 dot products on x86, p->tiles says which; BFDOT on aarch64:
+ * kernels/bf16_tier.h): the driver.  mha_attention (sdpa.c) comes here
+ * for bf16 q, k, v and out when the CPU has one of them and the call is
+ * plain or causal attention (key lengths allowed); every other
+ * half-precision call is widened there instead.
  *
  *   1. the largest finite |q| and |k| found (scores that could overflow
  *      float32 are refused before anything is written);
  *   2. K and V of each (b, K/V head) packed once into AMX's tile layouts,
  *      and each (b, h, block of 32 query rows) one work item, computed by
- *      one thread from start to end (mha_amx_flash_rows): a thread packs
+ *      one thread from start to end (mha_bf16_flash_rows): a thread packs
  *      a pair and runs its blocks at once when the pairs share out
  *      evenly; else all pairs are packed first and the blocks, those with
  *      the most keys first when causal, are shared out dynamically.
@@ -18,6 +19,7 @@
  * not depend on the thread count.
  */
 #include "engine.h"
+#include "kernels/kernels.h"   /* (MHA_BF16_KERNELS) */
 
 #include <stdlib.h>
 #include <string.h>
@@ -26,7 +28,7 @@
 #include <omp.h>
 #endif
 
-#if defined(__x86_64__)
+#if MHA_BF16_KERNELS
 
 /* The keys row i of batch b sees: 0 .. lim - 1. */
 static int64_t row_limit(const mha_half_problem *p, int64_t b, int64_t i)
@@ -42,17 +44,17 @@ static int64_t row_limit(const mha_half_problem *p, int64_t b, int64_t i)
 }
 
 /* Query block qb of head (b, h), its K/V head packed at kp (K^T, then V
- * `words` on): one work item, mha_amx_flash_rows on this thread. */
+ * `words` on): one work item, mha_bf16_flash_rows on this thread. */
 static void query_block(const mha_half_problem *p, const uint32_t *kp,
                         int64_t words, int64_t b, int64_t h, int64_t qb,
-                        mha_amx_scratch *s)
+                        mha_bf16_scratch *s)
 {
     int64_t lim[32];
     const int64_t i0 = qb * 32;
     const int mr = (int)(p->Lq - i0 < 32 ? p->Lq - i0 : 32);
     for (int r = 0; r < mr; r++)
         lim[r] = row_limit(p, b, i0 + r);
-    const mha_amx_block w = {
+    const mha_bf16_block w = {
         .q = p->q + b * p->bsq + h * p->hsq + i0 * p->ldq,
         .ldq = p->ldq, .mr = mr, .dh = (int)p->dh, .lim = lim,
         .kp = kp, .vp = kp + words,
@@ -60,23 +62,23 @@ static void query_block(const mha_half_problem *p, const uint32_t *kp,
         .out = p->out + b * p->bso + h * p->hso + i0 * p->ldo,
         .ldo = p->ldo,
         .lse = p->lse ? p->lse + (b * p->H + h) * p->Lq + i0 : NULL};
-    mha_amx_flash_rows(&w, s);
+    mha_bf16_flash_rows(&w, s);
 }
 
 /* K (as K^T: dims x keys) and V (keys x dims) of pair (b, g) into kp. */
 static void pack_kv(const mha_half_problem *p, int64_t b, int64_t g,
                     int64_t words, uint32_t *kp)
 {
-    mha_amx_pack_b(p->k + b * p->bsk + g * p->hsk, 1, p->ldk, p->dh, p->Lk,
+    mha_bf16_pack_b(p->k + b * p->bsk + g * p->hsk, 1, p->ldk, p->dh, p->Lk,
                    kp);
-    mha_amx_pack_b(p->v + b * p->bsv + g * p->hsv, p->ldv, 1, p->Lk, p->dh,
+    mha_bf16_pack_b(p->v + b * p->bsv + g * p->hsv, p->ldv, 1, p->Lk, p->dh,
                    kp + words);
 }
 
-mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p)
+mha_status mha_attn_bf16(const mha_engine *e, const mha_half_problem *p)
 {
     const int dh = (int)p->dh;
-    const int64_t words = mha_amx_b_words(p->Lk, dh);   /* K^T or V */
+    const int64_t words = mha_bf16_b_words(p->Lk, dh);   /* K^T or V */
     const int64_t nqb = (p->Lq + 31) / 32, group = p->H / p->Hkv;
     const int64_t n_kv = p->B * p->Hkv;
     /* Where packed K/V heads live.  With (b, K/V head) pairs enough to
@@ -89,7 +91,7 @@ mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p)
     int64_t n_packed, n_items, n_scratch;
     if (!mha_mul_ok(local ? e->threads : n_kv, 2 * words, &n_packed) ||
         !mha_mul_ok(p->B * p->H, nqb, &n_items) ||
-        !mha_mul_ok(e->threads, mha_amx_scratch_floats(dh) + 64, &n_scratch) ||
+        !mha_mul_ok(e->threads, mha_bf16_scratch_floats(dh) + 64, &n_scratch) ||
         n_packed > INT64_MAX / 8 || n_scratch > INT64_MAX / 8)
         return mha_set_error(MHA_ERR_OVERFLOW,
                              "bf16 attention workspace overflows");
@@ -104,7 +106,7 @@ mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p)
                              "(%lld bytes of packed K/V)",
                              (long long)n_packed * 4);
     }
-    const int64_t per_thread = mha_amx_scratch_floats(dh) + 64;
+    const int64_t per_thread = mha_bf16_scratch_floats(dh) + 64;
     unsigned qbits = 0, kbits = 0;   /* the largest finite |q|, |k| */
 
 #pragma omp parallel num_threads(e->threads)
@@ -119,11 +121,11 @@ mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p)
 #pragma omp for schedule(static) reduction(max : qbits, kbits)
         for (int64_t bg = 0; bg < n_kv; bg++) {
             const int64_t b = bg / p->Hkv, g = bg % p->Hkv;
-            const unsigned km = mha_amx_max_abs(
+            const unsigned km = mha_bf16_max_abs(
                 p->k + b * p->bsk + g * p->hsk, p->ldk, p->Lk, dh);
             kbits = km > kbits ? km : kbits;
             for (int64_t h = g * group; h < (g + 1) * group; h++) {
-                const unsigned qm = mha_amx_max_abs(
+                const unsigned qm = mha_bf16_max_abs(
                     p->q + b * p->bsq + h * p->hsq, p->ldq, p->Lq, dh);
                 qbits = qm > qbits ? qm : qbits;
             }
@@ -139,14 +141,14 @@ mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p)
         /* 2. the query blocks; 64-byte aligned parts of this thread's
          * scratch */
         float *base = scratch + t * per_thread;
-        mha_amx_scratch s;
+        mha_bf16_scratch s;
         s.S = base;
-        s.O = s.S + 32 * MHA_AMX_BK;
+        s.O = s.S + 32 * MHA_BF16_BK;
         s.m = s.O + 32 * dh;
         s.l = s.m + 32;
         s.P = (uint16_t *)(s.l + 32 * 16);
-        s.Q = s.P + 32 * MHA_AMX_BK;
-        mha_amx_begin(p->tiles);
+        s.Q = s.P + 32 * MHA_BF16_BK;
+        mha_bf16_begin(p->tiles);
         if (local) {   /* a pair at a time, packed into this thread's part */
             uint32_t *kp = packed + t * 2 * words;
 #pragma omp for schedule(dynamic)
@@ -166,7 +168,7 @@ mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p)
                             words, b, h, qb, &s);
             }
         }
-        mha_amx_end();
+        mha_bf16_end();
     }
     free(packed);
     free(scratch);
@@ -179,13 +181,13 @@ mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p)
 /* The backward: q, k, v, out (the forward's, bf16), dout and lse (the
  * forward's) in; dq, dk, dv out (p's strides for all of them: q's for
  * out, dout and dq, k's for dk, v's for dv). */
-mha_status mha_attn_amx_backward(const mha_engine *e,
+mha_status mha_attn_bf16_backward(const mha_engine *e,
                                  const mha_half_problem *p)
 {
     const int dh = (int)p->dh;
     const int64_t group = p->H / p->Hkv, Lq64 = (p->Lq + 63) / 64 * 64;
-    const int64_t wq = mha_amx_b_words(dh, p->Lq), wqn = mha_amx_b_words(p->Lq, dh);
-    const int64_t wk = mha_amx_b_words(dh, p->Lk), wkn = mha_amx_b_words(p->Lk, dh);
+    const int64_t wq = mha_bf16_b_words(dh, p->Lq), wqn = mha_bf16_b_words(p->Lq, dh);
+    const int64_t wk = mha_bf16_b_words(dh, p->Lk), wkn = mha_bf16_b_words(p->Lk, dh);
     /* per (b, h): qt, dot, qn, don, then lim, lse2, D (Lq64 each);
      * per (b, g): kt, vt, kn */
     const int64_t per_h = 2 * wq + 2 * wqn + 3 * Lq64, per_g = 2 * wk + wkn;
@@ -193,8 +195,8 @@ mha_status mha_attn_amx_backward(const mha_engine *e,
      * whole 64-byte lines (so every thread's part, and the table in it,
      * is aligned for its members) */
     const int64_t head_floats =
-        (group * (int64_t)sizeof(mha_amx_bwd_head) / 4 + 15) / 16 * 16;
-    const int64_t per_thread = mha_amx_bwd_scratch_floats(dh) + head_floats;
+        (group * (int64_t)sizeof(mha_bf16_bwd_head) / 4 + 15) / 16 * 16;
+    const int64_t per_thread = mha_bf16_bwd_scratch_floats(dh) + head_floats;
     int64_t nh, ng, nt;
     if (!mha_mul_ok(p->B * p->H, per_h, &nh) ||
         !mha_mul_ok(p->B * p->Hkv, per_g, &ng) ||
@@ -229,10 +231,10 @@ mha_status mha_attn_amx_backward(const mha_engine *e,
                 const uint16_t *q = p->q + b * p->bsq + h * p->hsq;
                 const uint16_t *o = p->out + b * p->bso + h * p->hso;
                 const uint16_t *d = p->dout + b * p->bso + h * p->hso;
-                mha_amx_pack_b(q, 1, p->ldq, dh, p->Lq, x);
-                mha_amx_pack_b(d, 1, p->ldo, dh, p->Lq, x + wq);
-                mha_amx_pack_b(q, p->ldq, 1, p->Lq, dh, x + 2 * wq);
-                mha_amx_pack_b(d, p->ldo, 1, p->Lq, dh, x + 2 * wq + wqn);
+                mha_bf16_pack_b(q, 1, p->ldq, dh, p->Lq, x);
+                mha_bf16_pack_b(d, 1, p->ldo, dh, p->Lq, x + wq);
+                mha_bf16_pack_b(q, p->ldq, 1, p->Lq, dh, x + 2 * wq);
+                mha_bf16_pack_b(d, p->ldo, 1, p->Lq, dh, x + 2 * wq + wqn);
                 int32_t *lim = (int32_t *)(x + 2 * wq + 2 * wqn);
                 float *lse2 = (float *)(lim + Lq64), *D = lse2 + Lq64;
                 const float *lse = p->lse + (b * p->H + h) * p->Lq;
@@ -252,14 +254,14 @@ mha_status mha_attn_amx_backward(const mha_engine *e,
                 uint32_t *x = gs + bg * per_g;
                 const uint16_t *k = p->k + b * p->bsk + g * p->hsk;
                 const uint16_t *v = p->v + b * p->bsv + g * p->hsv;
-                mha_amx_pack_b(k, 1, p->ldk, dh, p->Lk, x);
-                mha_amx_pack_b(v, 1, p->ldv, dh, p->Lk, x + wk);
-                mha_amx_pack_b(k, p->ldk, 1, p->Lk, dh, x + 2 * wk);
+                mha_bf16_pack_b(k, 1, p->ldk, dh, p->Lk, x);
+                mha_bf16_pack_b(v, 1, p->ldv, dh, p->Lk, x + wk);
+                mha_bf16_pack_b(k, p->ldk, 1, p->Lk, dh, x + 2 * wk);
             }
         }
 
         float *base = scratch_all + t * per_thread;
-        mha_amx_bwd_scratch s;
+        mha_bf16_bwd_scratch s;
         s.S = base;
         s.dP = s.S + 32 * 64;
         s.acc = s.dP + 32 * 64;
@@ -267,9 +269,9 @@ mha_status mha_attn_amx_backward(const mha_engine *e,
         s.dS = s.P + 32 * 64;
         s.x = s.dS + 32 * 64;
         s.y = s.x + 32 * dh;
-        mha_amx_bwd_head *heads =
-            (mha_amx_bwd_head *)(base + mha_amx_bwd_scratch_floats(dh));
-        mha_amx_begin(p->tiles);
+        mha_bf16_bwd_head *heads =
+            (mha_bf16_bwd_head *)(base + mha_bf16_bwd_scratch_floats(dh));
+        mha_bf16_begin(p->tiles);
         /* 2. dK and dV: a block of 32 keys of one (b, K/V head) an item */
 #pragma omp for schedule(dynamic)
         for (int64_t it = 0; it < p->B * p->Hkv * nkb; it++) {
@@ -278,7 +280,7 @@ mha_status mha_attn_amx_backward(const mha_engine *e,
             for (int64_t hh = 0; hh < group; hh++) {
                 const uint32_t *x = hs + (b * p->H + g * group + hh) * per_h;
                 const int32_t *lim = (const int32_t *)(x + 2 * wq + 2 * wqn);
-                heads[hh] = (mha_amx_bwd_head){
+                heads[hh] = (mha_bf16_bwd_head){
                     .qt = x, .dot = x + wq, .qn = x + 2 * wq,
                     .don = x + 2 * wq + wqn,
                     .qt_stride = (p->Lq + 31) / 32 * 2,
@@ -288,7 +290,7 @@ mha_status mha_attn_amx_backward(const mha_engine *e,
                     .D = (const float *)(lim + Lq64) + Lq64, .Lq = p->Lq};
             }
             const int mr = (int)(p->Lk - j0 < 32 ? p->Lk - j0 : 32);
-            const mha_amx_bwd_kv w = {
+            const mha_bf16_bwd_kv w = {
                 .k = p->k + b * p->bsk + g * p->hsk + j0 * p->ldk,
                 .v = p->v + b * p->bsv + g * p->hsv + j0 * p->ldv,
                 .ldk = p->ldk, .ldv = p->ldv, .j0 = j0, .mr = mr, .dh = dh,
@@ -296,7 +298,7 @@ mha_status mha_attn_amx_backward(const mha_engine *e,
                 .dk = p->dk + b * p->bsk + g * p->hsk + j0 * p->ldk,
                 .dv = p->dv + b * p->bsv + g * p->hsv + j0 * p->ldv,
                 .ldk_out = p->ldk, .ldv_out = p->ldv};
-            mha_amx_backward_kv(&w, &s);
+            mha_bf16_backward_kv(&w, &s);
         }
         /* 3. dQ: a block of 32 query rows of one (b, h) an item */
         int64_t lim[32];
@@ -311,7 +313,7 @@ mha_status mha_attn_amx_backward(const mha_engine *e,
             for (int r = 0; r < mr; r++)
                 lim[r] = lim32[i0 + r];
             const uint32_t *y = gs + (b * p->Hkv + g) * per_g;
-            const mha_amx_bwd_q w = {
+            const mha_bf16_bwd_q w = {
                 .q = p->q + b * p->bsq + h * p->hsq + i0 * p->ldq,
                 .dout = p->dout + b * p->bso + h * p->hso + i0 * p->ldo,
                 .ldq = p->ldq, .ldo = p->ldo, .mr = mr, .dh = dh,
@@ -323,27 +325,27 @@ mha_status mha_attn_amx_backward(const mha_engine *e,
                 .scale = p->scale,
                 .dq = p->dq + b * p->bsq + h * p->hsq + i0 * p->ldq,
                 .ldq_out = p->ldq};
-            mha_amx_backward_q(&w, &s);
+            mha_bf16_backward_q(&w, &s);
         }
-        mha_amx_end();
+        mha_bf16_end();
     }
     free(ws);
     return MHA_OK;
 }
 
-#else   /* no AMX off x86: mha_bf16_tier() never says so */
+#else   /* no bf16 kernels in this build: mha_bf16_tier() never says so */
 
-mha_status mha_attn_amx(const mha_engine *e, const mha_half_problem *p)
+mha_status mha_attn_bf16(const mha_engine *e, const mha_half_problem *p)
 {
     (void)e;
     (void)p;
-    return mha_set_error(MHA_ERR_UNSUPPORTED, "AMX exists on x86 only");
+    return mha_set_error(MHA_ERR_UNSUPPORTED, "no bf16 kernels on this CPU family");
 }
 
-mha_status mha_attn_amx_backward(const mha_engine *e,
+mha_status mha_attn_bf16_backward(const mha_engine *e,
                                  const mha_half_problem *p)
 {
-    return mha_attn_amx(e, p);
+    return mha_attn_bf16(e, p);
 }
 
 #endif

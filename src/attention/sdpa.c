@@ -658,18 +658,22 @@ const char *mha_bf16_kernel(void)
     const int tier = mha_bf16_tier();
     if (tier < 0) {
         mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                      "MHA_BF16=%s: expected amx, avx512bf16 or float32",
+                      "MHA_BF16=%s: expected amx, avx512bf16, bfdot or float32",
                       getenv("MHA_BF16"));
         return NULL;
     }
     /* (MHA_ISA forcing a narrower tier widens bf16 too) */
+#if defined(__aarch64__)
+    return isa == MHA_ISA_NEON && tier == MHA_BF16_DOT ? "bfdot" : "float32";
+#else
     return isa != MHA_ISA_AVX512   ? "float32"
          : tier == MHA_BF16_AMX    ? "amx"
-         : tier == MHA_BF16_AVX512 ? "avx512bf16"
+         : tier == MHA_BF16_DOT    ? "avx512bf16"
                                    : "float32";
+#endif
 }
 
-/* Which bf16 kernel takes call a (shape s): MHA_BF16_AMX or _AVX512 for
+/* Which bf16 kernel takes call a (shape s): MHA_BF16_AMX or _DOT for
  * bf16, plain or causal with key lengths, no other mask, modifier,
  * weights or dropout, d_h a multiple of 32; MHA_BF16_FLOAT32 (widen) for
  * anything else; -1, the error set, for a bad MHA_BF16. */
@@ -679,8 +683,8 @@ static int bf16_takes(const mha_attention_args *a, const sdpa_shape *s)
     if (!k)
         return -1;
     const int tier = !strcmp(k, "amx")          ? MHA_BF16_AMX
-                   : !strcmp(k, "avx512bf16")   ? MHA_BF16_AVX512
-                                                : MHA_BF16_FLOAT32;
+                   : !strcmp(k, "float32")      ? MHA_BF16_FLOAT32
+                                                : MHA_BF16_DOT;
     return tier != MHA_BF16_FLOAT32 && a->dtype == MHA_DTYPE_BF16 &&
            s->dh % 32 == 0 && s->dv == s->dh && a->attn_mask.kind == MHA_MASK_NONE &&
            a->key_padding_mask.kind == MHA_MASK_NONE &&
@@ -1087,13 +1091,13 @@ static mha_status attention_half(const mha_attention_args *a)
         return MHA_ERR_INVALID_ARGUMENT;   /* (the message is set) */
     if (tier == MHA_BF16_FLOAT32)
         return attention_widened(a, &s);   /* (it checks the score range) */
-    /* (mha_attn_amx refuses scores that could overflow float32, as
+    /* (mha_attn_bf16 refuses scores that could overflow float32, as
      * plan_run does, before it writes anything) */
     mha_engine eng;
     MHA_CHECK(mha_engine_init(&eng, a->num_threads));
     mha_half_problem p = half_problem(a, &s);
     p.tiles = tier == MHA_BF16_AMX;
-    return mha_attn_amx(&eng, &p);
+    return mha_attn_bf16(&eng, &p);
 }
 
 /* The backward on 16-bit data: AMX (the forward again for out and lse,
@@ -1159,7 +1163,7 @@ static mha_status attention_half_backward(const mha_attention_args *a,
             p.dq = g->grad_q;
             p.dk = g->grad_k;
             p.dv = g->grad_v;
-            st = mha_attn_amx_backward(&eng, &p);
+            st = mha_attn_bf16_backward(&eng, &p);
         }
     }
     if (!given) {

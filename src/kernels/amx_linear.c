@@ -2,10 +2,11 @@
  * amx_linear.c -- the pieces of a bf16 linear layer y = x W^T + b and of
  * its gradients that need AVX-512 BF16 instructions: W packed as AMX's B
  * operand, rounded from the module's float32 parameters on the way (as
- * W^T for y = x W^T, as W for dx = dy W), dy transposed for dW = dy^T x,
- * and the float32 accumulators rounded to bf16 with the bias added.  The
- * products are amx.c's tile GEMM (mha_amx_gemm32); the grid of blocks
- * and the threads are the linear layer's (module/linear.c).
+ * W^T for y = x W^T, as W for dx = dy W) and dy transposed for dW = dy^T x
+ * (the float32 accumulators rounded to bf16 with the bias added are
+ * bf16_tier.h's).  The products are amx.c's tile GEMM (mha_bf16_gemm32);
+ * the grid of blocks and the threads are the linear layer's
+ * (module/linear.c).
  *
  * Compiled with amx.c's instruction sets; called only where
  * mha_bf16_tier() found AVX512-BF16 (with or without the tiles).
@@ -30,7 +31,7 @@ static inline __mmask16 first(int64_t n)   /* the first n of 16 lanes */
  * (c, r) of the rows is word (r, c) of the tile, read back by gathers
  * from the 1 KB staging block in L1.
  */
-float mha_amx_pack_wt(const float *w, int64_t n_in, int64_t n_out,
+float mha_bf16_pack_wt(const float *w, int64_t n_in, int64_t n_out,
                       int64_t nt0, int64_t nt1, uint32_t *dst)
 {
     __m512 top = _mm512_setzero_ps();   /* the largest |w| read */
@@ -75,7 +76,7 @@ float mha_amx_pack_wt(const float *w, int64_t n_in, int64_t n_out,
  * two rows of 16 floats, each rounded to 16 bf16 by vcvtneps2bf16,
  * widened to 32-bit lanes and interleaved.
  */
-void mha_amx_pack_w(const float *w, int64_t n_in, int64_t n_out,
+void mha_bf16_pack_w(const float *w, int64_t n_in, int64_t n_out,
                     int64_t nt0, int64_t nt1, uint32_t *dst)
 {
     const int64_t nkt = (n_out + 31) / 32, nnt = (n_in + 31) / 32 * 2;
@@ -107,9 +108,9 @@ void mha_amx_pack_w(const float *w, int64_t n_in, int64_t n_out,
  * The words (src[k0][n], src[k0 + 1][n]) of 16 n's side by side, for
  * the 16 pair rows of a 32 x 16 block, are a 16 x 16 matrix of words
  * whose transpose's row c is dst row n0 + c, k0 .. k0 + 31: staged in
- * L1 and read back by gathers, as mha_amx_pack_wt does.
+ * L1 and read back by gathers, as mha_bf16_pack_wt does.
  */
-void mha_amx_transpose(const uint16_t *src, int64_t ld, int64_t K,
+void mha_bf16_transpose(const uint16_t *src, int64_t ld, int64_t K,
                        int64_t N, int64_t kt0, int64_t kt1, uint16_t *dst,
                        int64_t ldd)
 {
@@ -143,19 +144,5 @@ void mha_amx_transpose(const uint16_t *src, int64_t ld, int64_t K,
                     _mm512_i32gather_epi32(
                         _mm512_add_epi32(by_row, _mm512_set1_epi32(c)), rows,
                         4));
-        }
-}
-
-void mha_amx_round_rows(const float *C, int ldc, int rows, int cols,
-                        const float *bias, uint16_t *y, int64_t ldy)
-{
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < cols; c += 16) {
-            const __mmask16 in = first(cols - c);
-            __m512 x = _mm512_maskz_loadu_ps(in, C + (int64_t)r * ldc + c);
-            if (bias)
-                x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(in, bias + c));
-            _mm256_mask_storeu_epi16(y + r * ldy + c, in,
-                                     (__m256i)_mm512_cvtneps_pbh(x));
         }
 }

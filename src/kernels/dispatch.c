@@ -94,30 +94,50 @@ static int amx_usable(void)
                    18 /* XFEATURE_XTILEDATA */) == 0;
 }
 
-/* The best the CPU has, at most the one MHA_BF16 names; -1 for a name
- * that is none of them. */
+#else
+#define bf16_dp_usable() 0
+#define amx_usable() 0
+#endif
+
+#if defined(__aarch64__) && defined(__linux__)
+/* FEAT_BF16 (BFDOT, BFCVT), as the kernel reports it: HWCAP2_BF16, bit
+ * 14 of AT_HWCAP2. */
+static int bf16_dot_usable(void)
+{
+    return (getauxval(AT_HWCAP2) >> 14 & 1) != 0;
+}
+#define BF16_DOT_NAME "bfdot"
+#else
+static int bf16_dot_usable(void) { return bf16_dp_usable(); }
+#define BF16_DOT_NAME "avx512bf16"
+#endif
+
+/* The best the CPU has, at most the one MHA_BF16 names (the dot-product
+ * kernels are this ISA's: avx512bf16 on x86, bfdot on aarch64; the other
+ * ISA's name, like float32, means none); -1 for a name that is none of
+ * them. */
 static int bf16_choose(void)
 {
     const char *env = getenv("MHA_BF16");
     int cap = MHA_BF16_AMX;
     if (env && *env)
-        cap = !strcmp(env, "amx")          ? MHA_BF16_AMX
-            : !strcmp(env, "avx512bf16")   ? MHA_BF16_AVX512
-            : !strcmp(env, "float32")      ? MHA_BF16_FLOAT32
-                                           : -1;
+        cap = !strcmp(env, "amx")                 ? MHA_BF16_AMX
+            : !strcmp(env, BF16_DOT_NAME)         ? MHA_BF16_DOT
+            : !strcmp(env, "float32") || !strcmp(env, "avx512bf16") ||
+                      !strcmp(env, "bfdot")
+                ? MHA_BF16_FLOAT32
+                : -1;
     if (cap < 0)
         return -1;
     if (cap >= MHA_BF16_AMX && amx_usable())
         return MHA_BF16_AMX;
-    if (cap >= MHA_BF16_AVX512 && bf16_dp_usable())
-        return MHA_BF16_AVX512;
+    if (cap >= MHA_BF16_DOT && bf16_dot_usable())
+        return MHA_BF16_DOT;
     return MHA_BF16_FLOAT32;
 }
-#endif
 
 int mha_bf16_tier(void)
 {
-#if defined(__x86_64__) && defined(__linux__)
     static atomic_int known = -2;   /* chosen once per process */
     int k = atomic_load(&known);
     if (k == -2) {
@@ -125,13 +145,6 @@ int mha_bf16_tier(void)
         atomic_store(&known, k);
     }
     return k;
-#else
-    const char *env = getenv("MHA_BF16");
-    return !env || !*env || !strcmp(env, "amx") ||
-                   !strcmp(env, "avx512bf16") || !strcmp(env, "float32")
-               ? MHA_BF16_FLOAT32
-               : -1;
-#endif
 }
 
 /* -1: not chosen yet; otherwise the isa, or 100 + a status on error. */

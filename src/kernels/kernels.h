@@ -317,23 +317,32 @@ int mha_slab_prefetch(void);
  * 1.  docs/BENCHMARKS.md.  Never the bits. */
 int mha_next_prefetch(void);
 
-/* ---- bf16 attention on AMX tiles or AVX512-BF16 (amx.c; x86 only) -------
- * mha_bf16_tier: which kernels bf16 attention runs on, chosen once per
- * process: AMX (AMX-TILE and AMX-BF16, the OS saving the tile state, and
- * Linux granting this process the tile data), else AVX512 (AVX512-BF16's
- * vdpbf16ps, with AVX-512 F/BW/DQ/VL), else FLOAT32 (the inputs widened,
- * the float32 kernels).  MHA_BF16=amx|avx512bf16|float32 in the
- * environment caps it (the tests take every path that way); -1 when
- * MHA_BF16 names none of them. */
-enum { MHA_BF16_FLOAT32 = 0, MHA_BF16_AVX512 = 1, MHA_BF16_AMX = 2 };
+/* ---- bf16 attention on AMX tiles, AVX512-BF16 or BFDOT --------------------
+ * The kernels are bf16_tier.h's, instantiated by amx.c (x86) and
+ * neon_bf16.c (aarch64); MHA_BF16_KERNELS says whether this build has
+ * them.  mha_bf16_tier: which kernels bf16 attention runs on, chosen once
+ * per process: AMX (AMX-TILE and AMX-BF16, the OS saving the tile state,
+ * and Linux granting this process the tile data), else DOT (dot products
+ * of bf16 pairs: AVX512-BF16's vdpbf16ps with AVX-512 F/BW/DQ/VL, or
+ * aarch64's BFDOT where HWCAP2_BF16 says so), else FLOAT32 (the inputs
+ * widened, the float32 kernels).  MHA_BF16=amx|avx512bf16|bfdot|float32
+ * in the environment caps it (the tests take every path that way; the
+ * other ISA's dot-product name means float32); -1 when MHA_BF16 names
+ * none of them. */
+#if defined(__x86_64__) || defined(__aarch64__)
+#define MHA_BF16_KERNELS 1
+#else
+#define MHA_BF16_KERNELS 0
+#endif
+enum { MHA_BF16_FLOAT32 = 0, MHA_BF16_DOT = 1, MHA_BF16_AMX = 2 };
 int mha_bf16_tier(void);
 
 /* One block of up to 32 query rows of one (b, h), its K/V head packed by
- * mha_amx_pack_b (K^T: K = d_h, N = Lk; V: K = Lk, N = d_h; keys rounded
+ * mha_bf16_pack_b (K^T: K = d_h, N = Lk; V: K = Lk, N = d_h; keys rounded
  * up to 32 with zeros; dh a multiple of 32).  Row r sees keys 0 ..
  * lim[r] - 1; out and lse get bf16(O / l) and the row's natural
  * log-sum-exp (-inf and zeros for a row that sees nothing). */
-typedef struct mha_amx_block {
+typedef struct mha_bf16_block {
     const uint16_t *q;     /* row r at q + r * ldq                       */
     int64_t ldq;
     int mr, dh;
@@ -344,48 +353,48 @@ typedef struct mha_amx_block {
     uint16_t *out;         /* row r at out + r * ldo                     */
     int64_t ldo;
     float *lse;            /* (mr) or NULL                               */
-} mha_amx_block;
+} mha_bf16_block;
 
-/* A thread's scratch for mha_amx_flash_rows (64-byte aligned parts). */
-#define MHA_AMX_BK 256     /* keys per step of the online softmax      */
-typedef struct mha_amx_scratch {
-    float *S;              /* 32 x MHA_AMX_BK scores                     */
+/* A thread's scratch for mha_bf16_flash_rows (64-byte aligned parts). */
+#define MHA_BF16_BK 256     /* keys per step of the online softmax      */
+typedef struct mha_bf16_scratch {
+    float *S;              /* 32 x MHA_BF16_BK scores                     */
     float *O;              /* 32 x dh accumulators                       */
     float *m;              /* 32 row maxima (scaled, log2 units)         */
     float *l;              /* 32 x 16: each row's sum, lane by lane      */
-    uint16_t *P;           /* 32 x MHA_AMX_BK bf16 weights               */
+    uint16_t *P;           /* 32 x MHA_BF16_BK bf16 weights               */
     uint16_t *Q;           /* 32 x dh bf16 query rows                    */
-} mha_amx_scratch;
+} mha_bf16_scratch;
 
 /* Floats of scratch one thread needs for head dim dh (parts in order). */
-static inline int64_t mha_amx_scratch_floats(int dh)
+static inline int64_t mha_bf16_scratch_floats(int dh)
 {
-    return 32 * MHA_AMX_BK + 32 * (int64_t)dh + 32 + 32 * 16 +
-           32 * MHA_AMX_BK / 2 + 32 * (int64_t)dh / 2;
+    return 32 * MHA_BF16_BK + 32 * (int64_t)dh + 32 + 32 * 16 +
+           32 * MHA_BF16_BK / 2 + 32 * (int64_t)dh / 2;
 }
 /* This thread's configuration for the kernels below: AMX tiles (tiles =
- * 1: the tile configuration loaded) or AVX512-BF16 dot products (0) on
- * the same packed layouts; the choice is the thread's, like the tile
- * state itself.  mha_amx_end releases it. */
-void mha_amx_begin(int tiles);
-void mha_amx_end(void);
-void mha_amx_flash_rows(const mha_amx_block *w, mha_amx_scratch *s);
+ * 1: the tile configuration loaded) or dot products (0) on the same
+ * packed layouts; the choice is the thread's, like the tile state itself.
+ * mha_bf16_end releases it.  (aarch64 has only the dot products.) */
+void mha_bf16_begin(int tiles);
+void mha_bf16_end(void);
+void mha_bf16_flash_rows(const mha_bf16_block *w, mha_bf16_scratch *s);
 
-/* The B operands' layout (amx.c): the K x N matrix whose (k, n) element
+/* The B operands' layout: the K x N matrix whose (k, n) element
  * is src[k sk + n sn] as B tiles, tile (kt, nt) at dst + (kt * nnt + nt)
  * * 256 words, nnt = 2 ceil(N / 32); zeros past K and N. */
-void mha_amx_pack_b(const uint16_t *src, int64_t sk, int64_t sn, int64_t K,
+void mha_bf16_pack_b(const uint16_t *src, int64_t sk, int64_t sn, int64_t K,
                     int64_t N, uint32_t *dst);
 /* Its rows of tiles kt0 .. kt1 - 1 only (k = 32 kt0 .. 32 kt1 - 1), so
  * that threads can pack row ranges of one matrix side by side. */
-void mha_amx_pack_b_rows(const uint16_t *src, int64_t sk, int64_t sn,
+void mha_bf16_pack_b_rows(const uint16_t *src, int64_t sk, int64_t sn,
                          int64_t K, int64_t N, int64_t kt0, int64_t kt1,
                          uint32_t *dst);
 /* The largest finite |x| of rows x n bf16 (rows ld apart), as bf16 bits
  * (Inf and NaN skipped, as mha_max_abs_finite does for floats). */
-uint16_t mha_amx_max_abs(const uint16_t *x, int64_t ld, int64_t rows,
+uint16_t mha_bf16_max_abs(const uint16_t *x, int64_t ld, int64_t rows,
                          int64_t n);
-static inline int64_t mha_amx_b_words(int64_t K, int64_t N)
+static inline int64_t mha_bf16_b_words(int64_t K, int64_t N)
 {
     return (K + 31) / 32 * ((N + 31) / 32) * 512;
 }
@@ -395,65 +404,65 @@ static inline int64_t mha_amx_b_words(int64_t K, int64_t N)
  * (kt, nt) at b + (kt bstride + nt) 256; N and K multiples of 32.  The
  * one tile GEMM of every product above, for the bf16 linear layer
  * (module/linear.c). */
-void mha_amx_gemm32(float *C, int ldc, int N, const uint16_t *A, int lda,
+void mha_bf16_gemm32(float *C, int ldc, int N, const uint16_t *A, int lda,
                     int K, const uint32_t *b, int64_t bstride, int acc,
                     int two);
 
-/* ---- the bf16 linear layer's pieces (amx_linear.c) ----------------------
+/* ---- the bf16 linear layer's pieces (amx_linear.c, neon_bf16.c) ---------
  * W (n_out x n_in float32, row-major, PyTorch's [out, in]) rounded to
  * bf16 and packed as the B operand of y = x W^T (K = n_in, N = n_out,
- * the layout of mha_amx_pack_b, mha_amx_b_words(n_in, n_out) words):
+ * the layout of mha_bf16_pack_b, mha_bf16_b_words(n_in, n_out) words):
  * its 16-column tiles nt0 .. nt1 - 1 of every row of tiles, so that
  * threads can pack column ranges of one W side by side.  Returns the
  * largest |w| it read (parameters are finite): the range check of the
  * rounding, in the same pass. */
-float mha_amx_pack_wt(const float *w, int64_t n_in, int64_t n_out,
+float mha_bf16_pack_wt(const float *w, int64_t n_in, int64_t n_out,
                       int64_t nt0, int64_t nt1, uint32_t *dst);
 /* W itself (not transposed) rounded and packed as the B operand of the
- * input gradient dx = dy W (K = n_out, N = n_in, mha_amx_b_words(n_out,
+ * input gradient dx = dy W (K = n_out, N = n_in, mha_bf16_b_words(n_out,
  * n_in) words): its 16-column tiles nt0 .. nt1 - 1 (columns of W). */
-void mha_amx_pack_w(const float *w, int64_t n_in, int64_t n_out,
+void mha_bf16_pack_w(const float *w, int64_t n_in, int64_t n_out,
                     int64_t nt0, int64_t nt1, uint32_t *dst);
 /* dst (round32(N) rows, ldd apart) = the K x N bf16 matrix src (rows ld
  * apart) transposed, its columns k of the 32-row blocks kt0 .. kt1 - 1:
  * dst[n][k] = src[k][n], zeros for k >= K and n >= N.  The A operand
  * dy^T of the weight gradient dW = dy^T x. */
-void mha_amx_transpose(const uint16_t *src, int64_t ld, int64_t K,
+void mha_bf16_transpose(const uint16_t *src, int64_t ld, int64_t K,
                        int64_t N, int64_t kt0, int64_t kt1, uint16_t *dst,
                        int64_t ldd);
 /* y (rows x cols bf16, rows ldy apart) = C (rows ldc apart) + bias (cols
  * floats, or NULL), rounded to nearest even. */
-void mha_amx_round_rows(const float *C, int ldc, int rows, int cols,
+void mha_bf16_round_rows(const float *C, int ldc, int rows, int cols,
                         const float *bias, uint16_t *y, int64_t ldy);
 
 /* One query head as the key blocks of sweep 1 read it: Q^T and dO^T
  * (K = d_h, N = Lq) and Q and dO (K = Lq, N = d_h) packed, and per query
  * (padded with zeros to a multiple of 64): lim, the keys it sees, from 0;
  * lse log2 e; D = sum_d dO O. */
-typedef struct mha_amx_bwd_head {
+typedef struct mha_bf16_bwd_head {
     const uint32_t *qt, *dot, *qn, *don;
     int64_t qt_stride, dot_stride, qn_stride, don_stride;   /* nnt */
     const int32_t *lim;
     const float *lse2, *D;
     int64_t Lq;
-} mha_amx_bwd_head;
+} mha_bf16_bwd_head;
 
 /* Sweep 1: keys j0 .. j0 + mr - 1 (mr <= 32) of one K/V head, against
  * the `heads` query heads that read it; dK and dV written as bf16. */
-typedef struct mha_amx_bwd_kv {
+typedef struct mha_bf16_bwd_kv {
     const uint16_t *k, *v;      /* row r at k + r ldk (v + r ldv)          */
     int64_t ldk, ldv, j0;
     int mr, dh, heads;
-    const mha_amx_bwd_head *head;
+    const mha_bf16_bwd_head *head;
     float scale;
     uint16_t *dk, *dv;
     int64_t ldk_out, ldv_out;
-} mha_amx_bwd_kv;
+} mha_bf16_bwd_kv;
 
 /* Sweep 2: query rows of one head (mr <= 32) against its K/V head: K^T
  * and V^T (K = d_h, N = Lk) and K (K = Lk, N = d_h) packed; per row lim,
  * lse log2 e and D; dQ written as bf16. */
-typedef struct mha_amx_bwd_q {
+typedef struct mha_bf16_bwd_q {
     const uint16_t *q, *dout;
     int64_t ldq, ldo;
     int mr, dh;
@@ -464,19 +473,19 @@ typedef struct mha_amx_bwd_q {
     float scale;
     uint16_t *dq;
     int64_t ldq_out;
-} mha_amx_bwd_q;
+} mha_bf16_bwd_q;
 
-typedef struct mha_amx_bwd_scratch {
+typedef struct mha_bf16_bwd_scratch {
     float *S, *dP;              /* 32 x 64 each                            */
     float *acc;                 /* 64 x dh: dK then dV, or dQ              */
     uint16_t *P, *dS;           /* 32 x 64 bf16 each                       */
     uint16_t *x, *y;            /* 32 x dh bf16 each: staged rows          */
-} mha_amx_bwd_scratch;
-static inline int64_t mha_amx_bwd_scratch_floats(int dh)
+} mha_bf16_bwd_scratch;
+static inline int64_t mha_bf16_bwd_scratch_floats(int dh)
 {
     return 2 * 32 * 64 + 64 * (int64_t)dh + 32 * 64 + 32 * (int64_t)dh;
 }
-void mha_amx_backward_kv(const mha_amx_bwd_kv *w, mha_amx_bwd_scratch *s);
-void mha_amx_backward_q(const mha_amx_bwd_q *w, mha_amx_bwd_scratch *s);
+void mha_bf16_backward_kv(const mha_bf16_bwd_kv *w, mha_bf16_bwd_scratch *s);
+void mha_bf16_backward_q(const mha_bf16_bwd_q *w, mha_bf16_bwd_scratch *s);
 
 #endif /* MHA_KERNELS_H */

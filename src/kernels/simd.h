@@ -47,7 +47,12 @@ enum { VL = 16, VREGS = 32 };
 #define vf_fma _mm512_fmadd_ps            /* a b + c */
 #define vf_fnma _mm512_fnmadd_ps          /* c - a b */
 #define vf_fma_where(m, a, b, c) _mm512_mask3_fmadd_ps(a, b, c, m)
+#define vf_fms _mm512_fmsub_ps            /* a b - c */
 #define vf_max_ign _mm512_max_ps          /* x NaN: m (vmaxps: the 2nd)   */
+#define vf_min_ign _mm512_min_ps
+#define vf_max_nan(lo, x) _mm512_max_ps(lo, x)   /* x NaN: x          */
+#define vf_round_even(x)                                                    \
+    _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define vf_clamp(x, lo, hi) _mm512_max_ps(lo, _mm512_min_ps(hi, x))
 #define vf_abs _mm512_abs_ps
 #define vf_cmp_lt(a, b) _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ)
@@ -62,6 +67,8 @@ enum { VL = 16, VREGS = 32 };
 #define vi_add _mm512_add_epi32
 #define vi_sub _mm512_sub_epi32
 #define vi_max _mm512_max_epi32
+#define vi_load(p) _mm512_loadu_si512(p)
+#define vi_cmp_gt _mm512_cmpgt_epi32_mask
 #define vi_sll(v, n) _mm512_slli_epi32(v, n)
 #define vi_sra(v, n) _mm512_srai_epi32(v, n)
 #define vf_or_sign(t, x)                                                    \
@@ -106,6 +113,7 @@ MK_INLINE float vf_hsum(vf v)   /* lanes i + 8 onto i, then 4, 2, 1 */
     return _mm512_cvtss_f32(v);
 }
 #define vf_hmax _mm512_reduce_max_ps
+#define vf_hmin _mm512_reduce_min_ps
 /* Lane r = vf_hsum(x[r]) for the VL rows at once, the same additions in
  * the same order (a + b = b + a exactly): each level halves the lanes of
  * every row, as vf_hsum does, while packing two rows' halves into one
@@ -198,7 +206,12 @@ enum { VL = 8, VREGS = 16 };
 #define vf_fma _mm256_fmadd_ps
 #define vf_fnma _mm256_fnmadd_ps
 #define vf_fma_where(m, a, b, c) _mm256_blendv_ps(c, _mm256_fmadd_ps(a, b, c), m)
+#define vf_fms _mm256_fmsub_ps
 #define vf_max_ign _mm256_max_ps
+#define vf_min_ign _mm256_min_ps
+#define vf_max_nan(lo, x) _mm256_max_ps(lo, x)
+#define vf_round_even(x)                                                    \
+    _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define vf_clamp(x, lo, hi) _mm256_max_ps(lo, _mm256_min_ps(hi, x))
 #define vf_abs(x) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)
 #define vf_cmp_lt(a, b) _mm256_cmp_ps(a, b, _CMP_LT_OQ)
@@ -213,6 +226,8 @@ enum { VL = 8, VREGS = 16 };
 #define vi_add _mm256_add_epi32
 #define vi_sub _mm256_sub_epi32
 #define vi_max _mm256_max_epi32
+#define vi_load(p) _mm256_loadu_si256((const __m256i *)(p))
+#define vi_cmp_gt(a, b) _mm256_castsi256_ps(_mm256_cmpgt_epi32(a, b))
 #define vi_sll(v, n) _mm256_slli_epi32(v, n)
 #define vi_sra(v, n) _mm256_srai_epi32(v, n)
 #define vf_or_sign(t, x)                                                    \
@@ -243,6 +258,14 @@ MK_INLINE float vf_hmax(vf v)   /* (no NaN lanes: the callers' max) */
                           _mm256_extractf128_ps(v, 1));
     a = _mm_max_ps(a, _mm_movehl_ps(a, a));
     a = _mm_max_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+MK_INLINE float vf_hmin(vf v)   /* (no NaN lanes) */
+{
+    __m128 a = _mm_min_ps(_mm256_castps256_ps128(v),
+                          _mm256_extractf128_ps(v, 1));
+    a = _mm_min_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_min_ss(a, _mm_movehdup_ps(a));
     return _mm_cvtss_f32(a);
 }
 /* Lane r = vf_hsum(x[r]) for the VL rows at once, the same additions in
@@ -332,7 +355,11 @@ MK_INLINE vf vf_keep_t(vf v, int n)
 #define vf_fma(a, b, c) vfmaq_f32(c, a, b)
 #define vf_fnma(a, b, c) vfmsq_f32(c, a, b)
 #define vf_fma_where(m, a, b, c) vbslq_f32(m, vfmaq_f32(c, a, b), c)
+#define vf_fms(a, b, c) vfmaq_f32(vnegq_f32(c), a, b)
 #define vf_max_ign vmaxnmq_f32           /* FMAXNM: the number, not NaN   */
+#define vf_min_ign vminnmq_f32
+#define vf_max_nan vmaxq_f32             /* FMAX: NaN if either is        */
+#define vf_round_even vrndnq_f32
 #define vf_clamp(x, lo, hi) vmaxq_f32(lo, vminq_f32(hi, x))   /* NaN stays */
 #define vf_abs vabsq_f32
 #define vf_cmp_lt vcltq_f32
@@ -347,6 +374,8 @@ MK_INLINE vf vf_keep_t(vf v, int n)
 #define vi_add vaddq_s32
 #define vi_sub vsubq_s32
 #define vi_max vmaxq_s32
+#define vi_load vld1q_s32
+#define vi_cmp_gt vcgtq_s32
 #define vi_sll(v, n) vshlq_n_s32(v, n)
 #define vi_sra(v, n) vshrq_n_s32(v, n)
 #define vf_or_sign(t, x)                                                    \
@@ -374,6 +403,7 @@ MK_INLINE float vf_hsum(vf v)   /* lanes i + 2 onto i, then 1 */
     return vget_lane_f32(a, 0) + vget_lane_f32(a, 1);
 }
 #define vf_hmax vmaxvq_f32
+#define vf_hmin vminvq_f32
 MK_INLINE vf vf_hsum_rows(const vf x[VL])   /* lane r: vf_hsum(x[r]) */
 {
     const float32x4_t r = {vf_hsum(x[0]), vf_hsum(x[1]), vf_hsum(x[2]),

@@ -301,9 +301,9 @@ static int thread_num(void)
  * (AMX tiles or AVX512-BF16: mha_bf16_tier). */
 static void kernels_begin(int kernel)
 {
-#if defined(__x86_64__)
+#if MHA_BF16_KERNELS
     if (kernel)
-        mha_amx_begin(mha_bf16_tier() == MHA_BF16_AMX);
+        mha_bf16_begin(mha_bf16_tier() == MHA_BF16_AMX);
 #else
     (void)kernel;
 #endif
@@ -311,9 +311,9 @@ static void kernels_begin(int kernel)
 
 static void kernels_end(int kernel)
 {
-#if defined(__x86_64__)
+#if MHA_BF16_KERNELS
     if (kernel)
-        mha_amx_end();
+        mha_bf16_end();
 #else
     (void)kernel;
 #endif
@@ -321,7 +321,7 @@ static void kernels_end(int kernel)
 
 int64_t mha_linear16_weight_floats(int kernel, int64_t n_out, int64_t n_in)
 {
-    return kernel ? mha_amx_b_words(n_in, n_out) : n_out * n_in;
+    return kernel ? mha_bf16_b_words(n_in, n_out) : n_out * n_in;
 }
 
 int64_t mha_linear16_scratch_floats(int kernel, int64_t n_in)
@@ -339,13 +339,13 @@ float mha_linear16_prepare(const float *w, int64_t n_out, int64_t n_in,
                            OMP_ONLY int threads)
 {
     float top = 0.0f;   /* the largest |w| (w is finite) */
-#if defined(__x86_64__)
+#if MHA_BF16_KERNELS
     if (kernel) {   /* pairs of 16-column tiles, one item each */
         const int64_t pairs = (n_out + 31) / 32;
 #pragma omp parallel for num_threads(team(threads, pairs)) \
     schedule(static) reduction(max : top)
         for (int64_t t = 0; t < pairs; t++) {
-            const float x = mha_amx_pack_wt(w, n_in, n_out, 2 * t, 2 * t + 2,
+            const float x = mha_bf16_pack_wt(w, n_in, n_out, 2 * t, 2 * t + 2,
                                             (uint32_t *)dst);
             top = x > top ? x : top;
         }
@@ -366,7 +366,7 @@ float mha_linear16_prepare(const float *w, int64_t n_out, int64_t n_in,
 float mha_linear16_prepare_all(const mha_lin16_weight *w, int n, int kernel,
                                int bf, OMP_ONLY int threads)
 {
-#if defined(__x86_64__)
+#if MHA_BF16_KERNELS
     if (kernel) {   /* every weight's pairs of 16-column tiles, one team */
         int64_t first[9] = {0};
         for (int i = 0; i < n && i < 8; i++)
@@ -381,7 +381,7 @@ float mha_linear16_prepare_all(const mha_lin16_weight *w, int n, int kernel,
                 i++;
             const int64_t p = t - first[i];
             const float x =
-                mha_amx_pack_wt(w[i].w, w[i].n_in, w[i].n_out, 2 * p,
+                mha_bf16_pack_wt(w[i].w, w[i].n_in, w[i].n_out, 2 * p,
                                 2 * p + 2, (uint32_t *)w[i].dst);
             top = x > top ? x : top;
         }
@@ -401,12 +401,12 @@ void mha_linear16_prepare_t(const float *w, int64_t n_out, int64_t n_in,
                             int kernel, int bf, float *dst,
                             OMP_ONLY int threads)
 {
-#if defined(__x86_64__)
+#if MHA_BF16_KERNELS
     if (kernel) {   /* W's columns in pairs of 16-column tiles */
         const int64_t pairs = (n_in + 31) / 32;
 #pragma omp parallel for num_threads(team(threads, pairs)) schedule(static)
         for (int64_t t = 0; t < pairs; t++)
-            mha_amx_pack_w(w, n_in, n_out, 2 * t, 2 * t + 2,
+            mha_bf16_pack_w(w, n_in, n_out, 2 * t, 2 * t + 2,
                            (uint32_t *)dst);
         return;
     }
@@ -432,7 +432,7 @@ static void block16(const mha_lin16_part *p, int bf, int kernel,
 {
     const int64_t n_in = p->n_in, ldx = p->ldx;
     const uint16_t *xb = p->x + r0 * ldx;
-#if defined(__x86_64__)
+#if MHA_BF16_KERNELS
     if (kernel) {
         const int64_t k32 = round32(n_in);
         const uint16_t *a = xb;
@@ -448,7 +448,7 @@ static void block16(const mha_lin16_part *p, int bf, int kernel,
             lda = k32;
         }
         const int64_t nnt = (n_out + 31) / 32 * 2;
-        mha_amx_gemm32(C, LIN16_COLS, (int)round32(n), a, (int)lda, (int)k32,
+        mha_bf16_gemm32(C, LIN16_COLS, (int)round32(n), a, (int)lda, (int)k32,
                        (const uint32_t *)p->wt + c0 / 16 * 256, nnt, acc,
                        r > 16);
         return;
@@ -505,9 +505,9 @@ int64_t mha_linear16_sum(const mha_lin16_part *parts, int nparts,
                         xs);
             const float *bias = b ? b + c0 : NULL;
             uint16_t *yb = y + r0 * ldy + c0;
-#if defined(__x86_64__)
+#if MHA_BF16_KERNELS
             if (kernel) {
-                mha_amx_round_rows(C, LIN16_COLS, r, n, bias, yb, ldy);
+                mha_bf16_round_rows(C, LIN16_COLS, r, n, bias, yb, ldy);
                 continue;
             }
 #endif
@@ -530,7 +530,7 @@ int64_t mha_linear16_sum(const mha_lin16_part *parts, int nparts,
  * dW (n_out x n_in, float32) sums over every row of dy and x, in one
  * fixed order per element:
  *
- *   kernel tiers: dy^T staged as bf16 rows (mha_amx_transpose, the A
+ *   kernel tiers: dy^T staged as bf16 rows (mha_bf16_transpose, the A
  *     operand) and x packed as the B operand (K = the rows); each block
  *     of 32 rows x LIN16_COLS columns of dW is one tile GEMM over the
  *     rows in chunks of GRAD16_K (C carried from chunk to chunk).
@@ -550,7 +550,7 @@ int64_t mha_linear16_grad_floats(int kernel, int64_t rows, int64_t n_out,
     threads = team(threads, INT64_MAX);   /* the most a team can hold */
     if (kernel)   /* dy^T, x packed, each thread's C */
         return (round32(n_out) * round32(rows) / 2 + 15) / 16 * 16 +
-               mha_amx_b_words(rows, n_in) +
+               mha_bf16_b_words(rows, n_in) +
                (int64_t)threads * LIN16_ROWS * LIN16_COLS;
     return (int64_t)threads * 3 * GRAD_TILE * GRAD_TILE;
 }
@@ -594,11 +594,11 @@ void mha_linear16_grad_params(const uint16_t *dy, int64_t rows,
     uint16_t *dyt = (uint16_t *)scratch;
     uint32_t *xp = (uint32_t *)scratch +
                    (round32(n_out) * rows32 / 2 + 15) / 16 * 16;
-    float *per = kernel ? (float *)(xp + mha_amx_b_words(rows, n_in))
+    float *per = kernel ? (float *)(xp + mha_bf16_b_words(rows, n_in))
                         : scratch;
     const int64_t per_thread =
         kernel ? LIN16_ROWS * LIN16_COLS : 3 * GRAD_TILE * GRAD_TILE;
-#if defined(__x86_64__)
+#if MHA_BF16_KERNELS
     if (kernel) {   /* the operands, by chunks of 256 rows */
         const int64_t nkt = rows32 / 32, step = 8;
         const int64_t chunks = nblocks(nkt, step);
@@ -606,9 +606,9 @@ void mha_linear16_grad_params(const uint16_t *dy, int64_t rows,
     schedule(dynamic, 1)
         for (int64_t t = 0; t < chunks; t++) {
             const int64_t kt1 = (t + 1) * step < nkt ? (t + 1) * step : nkt;
-            mha_amx_transpose(dy, lddy, rows, n_out, t * step, kt1, dyt,
+            mha_bf16_transpose(dy, lddy, rows, n_out, t * step, kt1, dyt,
                               rows32);
-            mha_amx_pack_b_rows(x, ldx, 1, rows, n_in, t * step, kt1, xp);
+            mha_bf16_pack_b_rows(x, ldx, 1, rows, n_in, t * step, kt1, xp);
         }
     }
 #endif
@@ -631,13 +631,13 @@ void mha_linear16_grad_params(const uint16_t *dy, int64_t rows,
             const int64_t o0 = it % ob * (kernel ? LIN16_ROWS : GRAD_TILE);
             const int64_t c0 = it / ob * (kernel ? LIN16_COLS : GRAD_TILE);
             float *d = dw + o0 * n_in + c0;
-#if defined(__x86_64__)
+#if MHA_BF16_KERNELS
             if (kernel) {
                 const int m = min_int(LIN16_ROWS, n_out - o0);
                 const int n = min_int(LIN16_COLS, n_in - c0);
                 const int64_t nnt = (n_in + 31) / 32 * 2;
                 for (int64_t k0 = 0; k0 < rows32; k0 += GRAD16_K)
-                    mha_amx_gemm32(
+                    mha_bf16_gemm32(
                         C, LIN16_COLS, (int)round32(n), dyt + o0 * rows32 + k0,
                         (int)rows32, min_int(GRAD16_K, rows32 - k0),
                         xp + (k0 / 32 * nnt + c0 / 16) * 256, nnt, k0 > 0,
