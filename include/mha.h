@@ -464,8 +464,8 @@ static inline mha_status mha_attention(const mha_attention_args *args)
 {
     return mha_attention_sized(args, sizeof *args);
 }
-/* The kernels of bf16 attention: "amx", "avx512bf16" or "float32"; NULL
- * for a bad MHA_BF16
+/* The kernels of bf16 attention: "amx", "avx512bf16" (x86), "bfdot"
+ * (aarch64) or "float32"; NULL for a bad MHA_BF16
  * (docs/semantics.md#bf16-and-f16-attention-on-16-bit-data). */
 MHA_API const char *mha_bf16_kernel(void);
 

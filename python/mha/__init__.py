@@ -1197,8 +1197,9 @@ def attention_backward(grad_out: npt.ArrayLike, q: npt.ArrayLike,
 
 def bf16_kernel() -> str:
     """Which kernels bf16 attention runs on (mha_bf16_kernel): 'amx' (AMX
-    tiles), 'avx512bf16' (AVX512-BF16 dot products) or 'float32' (bf16 and
-    f16 inputs widened in C); MHA_BF16 in the environment caps it."""
+    tiles), 'avx512bf16' (AVX512-BF16 dot products), 'bfdot' (aarch64's
+    BFDOT) or 'float32' (bf16 and f16 inputs widened in C); MHA_BF16 in the
+    environment caps it."""
     return _core.bf16_kernel()
 
 

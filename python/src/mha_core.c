@@ -2302,7 +2302,7 @@ static PyMethodDef core_methods[] = {
     {"attention_half", (PyCFunction)(void (*)(void))attention_half,
      METH_FASTCALL, "mha_attention on bf16 / f16 q, k, v (heads first)"},
     {"bf16_kernel", bf16_kernel, METH_NOARGS,
-     "mha_bf16_kernel(): 'amx', 'avx512bf16' or 'float32'"},
+     "mha_bf16_kernel(): 'amx', 'avx512bf16', 'bfdot' or 'float32'"},
     {"alibi_slopes", alibi_slopes, METH_VARARGS, "alibi_slopes(H, out)"},
     {"rope_apply", rope_apply, METH_VARARGS, "mha_rope_apply"},
     {"dropout_keep", dropout_keep, METH_VARARGS, "mha_dropout_keep"},

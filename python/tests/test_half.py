@@ -126,4 +126,4 @@ def test_sdpa_half_gradients_within_3x_torch(dtype, shape):
 
 
 def test_bf16_kernel_named():
-    assert mha.bf16_kernel() in ("amx", "avx512bf16", "float32")
+    assert mha.bf16_kernel() in ("amx", "avx512bf16", "bfdot", "float32")

@@ -275,7 +275,7 @@ static inline const float *mha_head_mask_in_use(const float *head_mask,
 mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a);
 
 /* Whether the 16-bit linear layer runs on the bf16 kernels (1: bf16
- * data where mha_bf16_kernel() is "amx" or "avx512bf16") or widened (0);
+ * data where mha_bf16_kernel() is not "float32") or widened (0);
  * an error for a bad MHA_BF16. */
 mha_status mha_linear16_kernel(mha_dtype dtype, int *kernel);
 
