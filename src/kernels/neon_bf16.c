@@ -81,21 +81,24 @@ static uint32_t pair(float lo, float hi)
     return mha_bf16_from_float(lo) | (uint32_t)mha_bf16_from_float(hi) << 16;
 }
 
-float mha_bf16_pack_wt(const float *w, int64_t n_in, int64_t n_out,
-                       int64_t nt0, int64_t nt1, uint32_t *dst)
+/* The K x N matrix whose (k, n) element is w[k sk + n sn], rounded to
+ * bf16, as the packed layout's 16-column tiles nt0 .. nt1 - 1 of every
+ * row of tiles; the largest |w| it read. */
+static float pack_floats(const float *w, int64_t sk, int64_t sn, int64_t K,
+                         int64_t N, int64_t nt0, int64_t nt1, uint32_t *dst)
 {
     float top = 0.0f;
-    const int64_t nkt = (n_in + 31) / 32, nnt = (n_out + 31) / 32 * 2;
+    const int64_t nkt = (K + 31) / 32, nnt = (N + 31) / 32 * 2;
     for (int64_t nt = nt0; nt < nt1; nt++)
         for (int64_t kt = 0; kt < nkt; kt++) {
             uint32_t *t = dst + (kt * nnt + nt) * 256;
             for (int r = 0; r < 16; r++)
                 for (int c = 0; c < 16; c++) {
                     const int64_t n = 16 * nt + c, k0 = 32 * kt + 2 * r;
-                    const float lo = n < n_out && k0 < n_in
-                                         ? w[n * n_in + k0] : 0.0f;
-                    const float hi = n < n_out && k0 + 1 < n_in
-                                         ? w[n * n_in + k0 + 1] : 0.0f;
+                    const float lo = n < N && k0 < K ? w[k0 * sk + n * sn]
+                                                     : 0.0f;
+                    const float hi = n < N && k0 + 1 < K
+                                         ? w[(k0 + 1) * sk + n * sn] : 0.0f;
                     top = fabsf(lo) > top ? fabsf(lo) : top;
                     top = fabsf(hi) > top ? fabsf(hi) : top;
                     t[16 * r + c] = pair(lo, hi);
@@ -104,23 +107,16 @@ float mha_bf16_pack_wt(const float *w, int64_t n_in, int64_t n_out,
     return top;
 }
 
+float mha_bf16_pack_wt(const float *w, int64_t n_in, int64_t n_out,
+                       int64_t nt0, int64_t nt1, uint32_t *dst)
+{
+    return pack_floats(w, 1, n_in, n_in, n_out, nt0, nt1, dst);   /* W^T */
+}
+
 void mha_bf16_pack_w(const float *w, int64_t n_in, int64_t n_out,
                      int64_t nt0, int64_t nt1, uint32_t *dst)
 {
-    const int64_t nkt = (n_out + 31) / 32, nnt = (n_in + 31) / 32 * 2;
-    for (int64_t nt = nt0; nt < nt1; nt++)
-        for (int64_t kt = 0; kt < nkt; kt++) {
-            uint32_t *t = dst + (kt * nnt + nt) * 256;
-            for (int r = 0; r < 16; r++)
-                for (int c = 0; c < 16; c++) {
-                    const int64_t n = 16 * nt + c, k0 = 32 * kt + 2 * r;
-                    const float lo = n < n_in && k0 < n_out
-                                         ? w[k0 * n_in + n] : 0.0f;
-                    const float hi = n < n_in && k0 + 1 < n_out
-                                         ? w[(k0 + 1) * n_in + n] : 0.0f;
-                    t[16 * r + c] = pair(lo, hi);
-                }
-        }
+    (void)pack_floats(w, n_in, 1, n_out, n_in, nt0, nt1, dst);   /* W */
 }
 
 void mha_bf16_transpose(const uint16_t *src, int64_t ld, int64_t K,
