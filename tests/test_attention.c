@@ -599,6 +599,54 @@ static void test_padding_as_bounds(void **state)
     }
 }
 
+/* A decoding step's tile read in place learns whether its values are
+ * finite from o after the fast pv (flash_forward.c).  A live key whose
+ * weight exp underflows to 0 and whose value is +Inf must still reach
+ * the row (the least subnormal weight times Inf), as in a call that
+ * packs its tiles with their flags: the same bits, out[0] = +Inf, the
+ * rest finite; a masked +Inf value beside it reaches nothing. */
+static void test_in_place_underflow(void **state)
+{
+    (void)state;
+    enum { DH = 8, LK = 100 };
+    float q[2 * DH] = {0}, k[LK * DH], v[LK * DH], o1[DH], o2[2 * DH];
+    tu_fill(v, LK * DH, 301, -1, 1);
+    for (int j = 0; j < LK; j++) {
+        for (int d = 0; d < DH; d++)
+            k[j * DH + d] = d == 0 ? 1.0f : 0.0f;
+        if (j == 37) {   /* score -100 against the others' 100 */
+            k[j * DH] = -1.0f;
+            v[j * DH] = INFINITY;
+        }
+    }
+    v[80 * DH + 3] = INFINITY;   /* key 80: masked below */
+    uint8_t keep[LK];
+    for (int j = 0; j < LK; j++)
+        keep[j] = j != 80 && j != 90;   /* two holes: a mask, not bounds */
+    q[0] = q[DH] = 100.0f;
+    for (int threads = 1; threads <= 2; threads++) {
+        mha_attention_args a =
+            heads_args(1, 1, 1, DH, 1, LK, q, k, v, MHA_CAUSAL_NONE, threads);
+        a.scale = 1.0f;
+        a.key_padding_mask = (mha_mask){MHA_MASK_ALLOW, keep, 2, {1, LK}};
+        a.out = o1;
+        if (mha_attention(&a) != MHA_OK)
+            fail_msg("decode call: %s", mha_last_error());
+        a.q_len = 2;   /* two rows: packed, with the tiles' flags */
+        a.out = o2;
+        if (mha_attention(&a) != MHA_OK)
+            fail_msg("two rows: %s", mha_last_error());
+        if (!(isinf(o1[0]) && o1[0] > 0))
+            fail_msg("threads %d: out[0] = %g, not +Inf", threads, o1[0]);
+        for (int d = 1; d < DH; d++)
+            if (!isfinite(o1[d]))
+                fail_msg("threads %d: out[%d] = %g", threads, d, o1[d]);
+        if (memcmp(o1, o2 + DH, sizeof o1))
+            fail_msg("threads %d: the decode row differs from the packed "
+                     "call's", threads);
+    }
+}
+
 /* A decoding step (one query row per K/V head) reads K and V where they
  * lie instead of packing them (MHA_IN_PLACE_ROWS): its rows are the bits
  * of the same rows inside a longer call, which packs (output, lse,
@@ -731,6 +779,7 @@ int main(void)
         cmocka_unit_test(test_key_mask_as_attn_mask),
         cmocka_unit_test(test_padding_as_bounds),
         cmocka_unit_test(test_in_place_decode),
+        cmocka_unit_test(test_in_place_underflow),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

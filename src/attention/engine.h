@@ -246,6 +246,8 @@ typedef struct mha_tile_src {
                                ldk and ldv floats apart                 */
     mha_kv_dtype dtype;
     int finite;             /* every value finite: the fast pv is exact */
+    int unscanned;          /* read in place, its values not scanned yet:
+                               finite says nothing (flash_forward.c)    */
     int rows;               /* read in place (mha_attn.in_place)        */
     int ldk, ldv;
     const void *next_kt,    /* a cache's next tile (paged: wherever it */

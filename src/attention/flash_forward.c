@@ -46,12 +46,41 @@ static void latent_q(const mha_attn *a, int mr, flash_scratch *f)
                        MHA_BR, NULL, 0);
 }
 
+/* o += p v, each panel over the keys it sees (the others' weights are 0:
+ * the same sums). */
+static void tile_pv(const mha_attn *a, const mha_tile_src *src, int mr,
+                    const int *cols, flash_scratch *f)
+{
+    const int dv = (int)mha_dv(a);
+    for (int r0 = 0, n, p = 0; r0 < mr; r0 += n, p++) {
+        n = mha_panel_rows(mr, r0);
+        if (cols[p] > 0)
+            mha_tile_pv(a, src, n, cols[p], f->s + r0 * MHA_BC, MHA_BC,
+                        f->o + r0 * dv, dv);
+    }
+}
+
+/* An underflowed live weight becomes the least subnormal float, which
+ * adds nothing visible to a finite value's share but reads the value:
+ * NaN or Inf there reaches the row, as in the reference tier (float64
+ * weight ~1e-40) and in exact arithmetic.  Not in l: the sum stays the
+ * one softmax_rows formed. */
+static void keep_underflowed(float *sr, const unsigned char *live, int nc)
+{
+    for (int c = 0; c < nc; c++)
+        if (live[c] && sr[c] == 0.0f)
+            sr[c] = FLT_TRUE_MIN;
+}
+
+/* The o of a tile read in place kept for a second pv (below): floats. */
+enum { O_KEPT = 1024 };
+
 /* One key tile against the block's rows: the online-softmax update. */
 static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
 {
     flash_scratch *f = ctx;
     const mha_microkernels *uk = a->uk;
-    const mha_tile_src src = mha_tile_source(a, t, f->kvt);
+    mha_tile_src src = mha_tile_source(a, t, f->kvt);
     const int dh = (int)a->dh, dv = (int)mha_dv(a), mr = t->mr, nc = t->nc;
     /* The scores, panel by panel: on a diagonal tile each panel over the
      * keys it sees (past its last live one: -inf without a product), on
@@ -76,11 +105,24 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
                 f->s[r * MHA_BC + c] = -INFINITY;
     }
     mha_score_tile(a, t, f->s, NULL, 0);
+    /* A tile read in place comes with no flag (tiles.c).  Where its rows
+     * see every key of it and no dropout zeroes a weight, the fast pv runs
+     * first and o says whether a value was NaN or Inf: each value read is
+     * multiplied by a weight >= 0 into o, so one such value makes o NaN or
+     * Inf (0 Inf is NaN), and o finite means the fast pv was exact.  Else
+     * the values are scanned now, as a stored tile's flag is read. */
+    int later = src.unscanned && !a->dropout && mr * dv <= O_KEPT;
+    for (int r0 = 0, n, p = 0; r0 < mr; r0 += n, p++) {
+        n = mha_panel_rows(mr, r0);
+        later &= cols[p] == nc;
+    }
+    if (src.unscanned && !later)
+        (void)uk->amax((const float *)src.v, nc, dv, src.ldv, &src.finite);
     /* Where the value tile holds NaN or Inf (pv_exact below: a zero
      * weight reads no value), the live keys are remembered, so that a
      * weight that exp underflows to 0 is told from a masked one. */
     unsigned char live[MHA_BR * MHA_BC];
-    if (!src.finite)
+    if (!src.finite || later)
         for (int r = 0; r < mr; r++)
             for (int c = 0; c < nc; c++)   /* NaN: live */
                 live[r * MHA_BC + c] = f->s[r * MHA_BC + c] != -INFINITY;
@@ -100,15 +142,8 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
             memset(sr, 0, (size_t)nc * sizeof *sr);
             continue;
         }
-        /* An underflowed live weight becomes the least subnormal float,
-         * which adds nothing visible to a finite value's share but reads
-         * the value: NaN or Inf there reaches the row, as in the
-         * reference tier (float64 weight ~1e-40) and in exact arithmetic.
-         * Not in l: the sum stays the one softmax_rows formed. */
         if (!src.finite)
-            for (int c = 0; c < nc; c++)
-                if (live[r * MHA_BC + c] && sr[c] == 0.0f)
-                    sr[c] = FLT_TRUE_MIN;
+            keep_underflowed(sr, live + r * MHA_BC, nc);
         if (alpha[r] != 1.0f)
             uk->scale(f->o + r * dv, f->o + r * dv, dv, alpha[r]);
         if (a->dropout)
@@ -117,14 +152,27 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
                                       a->drop_row0 + t->i0 + r, t->j0 + c))
                     sr[c] = 0.0f;
     }
-    /* o += p v, each panel over the keys it sees (the others' weights
-     * are 0: the same sums). */
-    for (int r0 = 0, n, p = 0; r0 < mr; r0 += n, p++) {
-        n = mha_panel_rows(mr, r0);
-        if (cols[p] > 0)
-            mha_tile_pv(a, &src, n, cols[p], f->s + r0 * MHA_BC, MHA_BC,
-                        f->o + r0 * dv, dv);
-    }
+    float kept[O_KEPT];
+    if (later)
+        memcpy(kept, f->o, (size_t)(mr * dv) * sizeof *kept);
+    tile_pv(a, &src, mr, cols, f);
+    if (!later)
+        return;
+    int o_finite = 1, v_finite = 1;
+    (void)uk->amax(f->o, mr, dv, dv, &o_finite);
+    if (o_finite)
+        return;
+    (void)uk->amax((const float *)src.v, nc, dv, src.ldv, &v_finite);
+    if (v_finite)
+        return;   /* (NaN from q or k: the fast pv was the exact one) */
+    /* a NaN or Inf value: o as it was, and the tile's pv as a flagged
+     * tile's (the weights as the row loop above would have left them) */
+    memcpy(f->o, kept, (size_t)(mr * dv) * sizeof *kept);
+    src.finite = 0;
+    for (int r = 0; r < mr; r++)
+        if (alpha[r] != -1.0f)
+            keep_underflowed(f->s + r * MHA_BC, live + r * MHA_BC, nc);
+    tile_pv(a, &src, mr, cols, f);
 }
 
 /*

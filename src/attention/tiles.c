@@ -211,12 +211,13 @@ mha_tile_src mha_tile_source(const mha_attn *a, const mha_tile *t,
         src.ldv = (int)a->ldv;
         src.rows = 1;
         src.dtype = MHA_KV_F32;
-        /* The values' flag, scanned here rather than in a pass of its
-         * own: the tile's rows, met by this one query row, then come to
-         * pv from the cache (a decoding step read each value twice from
-         * memory, docs/BENCHMARKS.md). */
-        (void)a->uk->amax((const float *)src.v, t->nc, mha_dv(a), a->ldv,
-                          &src.finite);
+        /* No flag: the output pass learns the values' finiteness where
+         * it needs it, mostly from o after the fast pv (flash_forward.c),
+         * so a decoding step reads each value once, not twice (it was
+         * scanned here, then read again by pv: docs/BENCHMARKS.md); the
+         * weights' pass reads no value. */
+        src.unscanned = 1;
+        src.finite = 1;   /* (the fast pv, unless a scan says otherwise) */
         return src;
     }
     if (a->kv && !t->extra && a->kv->latent) {
