@@ -102,7 +102,7 @@ void mha_pack_forward_tile(const mha_attn *a, int64_t item)
     float *kt = mha_packed_a(&p, b, g, t), *v = mha_packed_b(&p, b, g, t);
     int finite = 1;
     if (a->in_place && t != p.tiles - 1)
-        return;   /* read in place: mha_tile_source scans it when used */
+        return;   /* read in place (mha_tile_source), never packed */
     if (a->x16 != MHA_KV_F32 && t != p.tiles - 1) {
         /* 16-bit keys and values widened as they are packed (exact: the
          * tiles a float copy of them would give), the values' flag from
