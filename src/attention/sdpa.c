@@ -662,15 +662,7 @@ const char *mha_bf16_kernel(void)
                       getenv("MHA_BF16"));
         return NULL;
     }
-    /* (MHA_ISA forcing a narrower tier widens bf16 too) */
-#if defined(__aarch64__)
-    return isa == MHA_ISA_NEON && tier == MHA_BF16_DOT ? "bfdot" : "float32";
-#else
-    return isa != MHA_ISA_AVX512   ? "float32"
-         : tier == MHA_BF16_AMX    ? "amx"
-         : tier == MHA_BF16_DOT    ? "avx512bf16"
-                                   : "float32";
-#endif
+    return mha_bf16_tier_name(tier, isa);
 }
 
 /* Which bf16 kernel takes call a (shape s): MHA_BF16_AMX or _DOT for

@@ -107,9 +107,11 @@ static int bf16_dot_usable(void)
     return (getauxval(AT_HWCAP2) >> 14 & 1) != 0;
 }
 #define BF16_DOT_NAME "bfdot"
+#define BF16_ISA MHA_ISA_NEON
 #else
 static int bf16_dot_usable(void) { return bf16_dp_usable(); }
 #define BF16_DOT_NAME "avx512bf16"
+#define BF16_ISA MHA_ISA_AVX512
 #endif
 
 /* The best the CPU has, at most the one MHA_BF16 names (the dot-product
@@ -134,6 +136,14 @@ static int bf16_choose(void)
     if (cap >= MHA_BF16_DOT && bf16_dot_usable())
         return MHA_BF16_DOT;
     return MHA_BF16_FLOAT32;
+}
+
+const char *mha_bf16_tier_name(int tier, mha_isa isa)
+{
+    return isa != BF16_ISA            ? "float32"
+         : tier == MHA_BF16_AMX       ? "amx"
+         : tier == MHA_BF16_DOT       ? BF16_DOT_NAME
+                                      : "float32";
 }
 
 int mha_bf16_tier(void)

@@ -336,6 +336,11 @@ int mha_next_prefetch(void);
 #endif
 enum { MHA_BF16_FLOAT32 = 0, MHA_BF16_DOT = 1, MHA_BF16_AMX = 2 };
 int mha_bf16_tier(void);
+/* The name of the kernels tier (>= 0) runs on when isa is the float
+ * tier chosen: "amx", "avx512bf16" (x86), "bfdot" (aarch64), or
+ * "float32" -- also where isa is narrower than the bf16 kernels need
+ * (MHA_ISA forcing avx2 or scalar widens bf16 too). */
+const char *mha_bf16_tier_name(int tier, mha_isa isa);
 
 /* One block of up to 32 query rows of one (b, h), its K/V head packed by
  * mha_bf16_pack_b (K^T: K = d_h, N = Lk; V: K = Lk, N = d_h; keys rounded
