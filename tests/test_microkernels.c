@@ -1321,6 +1321,49 @@ static void test_dot_nonzero(void **state)
     assert_true(isnan(k->dot_nonzero(p, d, 9)));
 }
 
+/* probs: the bits of exp_sum, scale and dot_nonzero called in turn (each
+ * tested against float64 above), with and without d; the special scores
+ * (-inf: a masked key, p = 0, whose d may be NaN or Inf; NaN; below the
+ * flush; 0) among them; nothing written past n. */
+static void test_probs(void **state)
+{
+    const mha_microkernels *k = *state;
+    static const int ns[] = {0, 1, 3, 7, 8, 9, 15, 16, 17, 31, 63, 64, 65,
+                             100};
+    static const float special[] = {-INFINITY, NAN, -90.0f, -87.4f, 0.0f,
+                                    -86.0f};
+    rng_seed(53);
+    for (int t = 0; t < COUNT(ns); t++)
+        for (int with_d = 0; with_d < 2; with_d++) {
+            const int n = ns[t];
+            float *x = out_buf((size_t)n), *want = in_buf((size_t)n);
+            float *d = in_buf((size_t)n);
+            fill(x, (size_t)n, -20.0f, 0.0f);
+            fill(d, (size_t)n, -3.0f, 3.0f);
+            for (int i = 0; i < n; i++)
+                if (i % 5 == 2) {
+                    x[i] = special[(i / 5) % COUNT(special)];
+                    if (x[i] == -INFINITY)
+                        d[i] = i % 2 ? NAN : INFINITY;
+                }
+            memcpy(want, x, (size_t)n * sizeof *x);
+            const float m = -0.75f, a = 0.3f;
+            k->exp_sum(want, n, m);
+            k->scale(want, want, n, a);
+            const double dwant = with_d ? k->dot_nonzero(want, d, n) : 0.0;
+            const double got = k->probs(x, n, m, a, with_d ? d : NULL);
+            if (!same_bits(x, want, (size_t)n))
+                fail_msg("%s probs, n=%d: not exp_sum then scale", k->name, n);
+            if (memcmp(&got, &dwant, sizeof got) != 0)
+                fail_msg("%s probs, n=%d, d %s: %.17g, dot_nonzero %.17g",
+                         k->name, n, with_d ? "given" : "NULL", got, dwant);
+            check_guard(x, (size_t)n);
+            free(x);
+            free(want);
+            free(d);
+        }
+}
+
 /* dscore: p * (d - delta), each operation rounded, +0 where p is zero
  * (whatever d holds): the same bits as the C expression, in place too,
  * nothing written past n. */
@@ -1483,6 +1526,7 @@ static void test_names(void **state)
     cmocka_unit_test_prestate(test_max, (void *)&table),                     \
     cmocka_unit_test_prestate(test_softmax_rows, (void *)&table),            \
     cmocka_unit_test_prestate(test_dot_nonzero, (void *)&table),             \
+    cmocka_unit_test_prestate(test_probs, (void *)&table),                   \
     cmocka_unit_test_prestate(test_dscore, (void *)&table),                  \
     cmocka_unit_test_prestate(test_bench, (void *)&table)
 

@@ -205,13 +205,12 @@ static void probs_tile(const mha_attn *a, const mha_tile *t, void *ctx)
             memset(pr, 0, (size_t)nc * sizeof *pr);
             continue;
         }
-        uk->exp_sum(pr, nc, st[0]);
-        uk->scale(pr, pr, nc, st[1]);
         const float *dr = dpc + r * MHA_BC;
-        if (!a->dropout) {
-            w->delta[r] += uk->dot_nonzero(pr, dr, nc);
+        if (!a->dropout) {   /* P and its share of delta in one pass */
+            w->delta[r] += uk->probs(pr, nc, st[0], st[1], dr);
             continue;
         }
+        (void)uk->probs(pr, nc, st[0], st[1], NULL);
         double sum = 0.0;
         for (int c = 0; c < nc; c++)
             if (pr[c] != 0.0f &&

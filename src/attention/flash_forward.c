@@ -27,31 +27,55 @@
 /* A latent cache's scores (MLA's absorbed decoding: 576-wide keys, each
  * met by every stacked head) as keys x q^T, the tile's rows the products'
  * A, whose elements are read once each, so the keys need no transposed
- * copy; then the w x mr result transposed into s.  Each score is the same
- * chain of FMAs over d as in q k^T (a product's operands commute
- * exactly): the same bits as a cache holding the keys apart. */
+ * copy; then the w x mr result transposed into s.  The 576 elements are
+ * walked in slabs of LATENT_SLAB, every key against every head through
+ * one slab (q^T's slab, 16 KiB, in L1) before the next, the sums carried
+ * in st (pv's o += a b from st = 0): where each block of keys walked all
+ * of q^T (147 KiB, from L2) the products ran at about half the FMA peak.
+ * Each score is the same chain of FMAs over d as in q k^T, stored and
+ * reloaded exactly (a product's operands commute exactly): the same bits
+ * as a cache holding the keys apart. */
+enum { LATENT_SLAB = 64 };
+
 static void latent_scores(const mha_attn *a, const mha_tile_src *src, int mr,
                           int w, flash_scratch *f)
 {
-    a->uk->qk(w, mr, (int)a->dh, (const float *)src->kt, f->qt, MHA_BR,
-              f->st, MHA_BR);
+    const int dh = (int)a->dh;
+    const float *k = src->kt;
+    for (int r = 0; r < w; r++)
+        memset(f->st + r * MHA_BR, 0, (size_t)mr * sizeof *f->st);
+    for (int d0 = 0; d0 < dh; d0 += LATENT_SLAB)
+        a->uk->pv(w, dh - d0 < LATENT_SLAB ? dh - d0 : LATENT_SLAB, mr,
+                  k + d0, dh, f->qt + (size_t)d0 * mr, f->st, MHA_BR);
     a->uk->widen_t(MHA_KV_F32, f->st, MHA_BR, w, mr, f->s, MHA_BC, NULL, 0);
 }
 
-/* A block's q rows transposed into f->qt, for latent_scores. */
+/* A block's q rows transposed into f->qt ([dh][mr]), for latent_scores. */
 static void latent_q(const mha_attn *a, int mr, flash_scratch *f)
 {
     if (a->kv && a->kv->latent)
-        a->uk->widen_t(MHA_KV_F32, f->qs, a->dh, mr, (int)a->dh, f->qt,
-                       MHA_BR, NULL, 0);
+        a->uk->widen_t(MHA_KV_F32, f->qs, a->dh, mr, (int)a->dh, f->qt, mr,
+                       NULL, 0);
 }
 
 /* o += p v, each panel over the keys it sees (the others' weights are 0:
- * the same sums). */
+ * the same sums); where every panel sees every key, one call for all the
+ * rows, so that a wide value tile (MLA's 512 columns) passes through L1
+ * once for the block, not once a panel (an element's chain is the same
+ * whatever the rows beside it: the same bits). */
 static void tile_pv(const mha_attn *a, const mha_tile_src *src, int mr,
-                    const int *cols, flash_scratch *f)
+                    int nc, const int *cols, flash_scratch *f)
 {
     const int dv = (int)mha_dv(a);
+    int whole = 1;
+    for (int r0 = 0, n, p = 0; r0 < mr; r0 += n, p++) {
+        n = mha_panel_rows(mr, r0);
+        whole &= cols[p] == nc;
+    }
+    if (whole) {
+        mha_tile_pv(a, src, mr, nc, f->s, MHA_BC, f->o, dv);
+        return;
+    }
     for (int r0 = 0, n, p = 0; r0 < mr; r0 += n, p++) {
         n = mha_panel_rows(mr, r0);
         if (cols[p] > 0)
@@ -155,7 +179,7 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
     float kept[O_KEPT];
     if (later)
         memcpy(kept, f->o, (size_t)(mr * dv) * sizeof *kept);
-    tile_pv(a, &src, mr, cols, f);
+    tile_pv(a, &src, mr, nc, cols, f);
     if (!later)
         return;
     int o_finite = 1, v_finite = 1;
@@ -172,7 +196,7 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
     for (int r = 0; r < mr; r++)
         if (alpha[r] != -1.0f)
             keep_underflowed(f->s + r * MHA_BC, live + r * MHA_BC, nc);
-    tile_pv(a, &src, mr, cols, f);
+    tile_pv(a, &src, mr, nc, cols, f);
 }
 
 /*

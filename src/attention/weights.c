@@ -33,10 +33,7 @@ static void weights_tile(const mha_attn *a, const mha_tile *t, void *ctx)
             for (int c = 0; c < nc; c++)
                 sr[c] = sr[c] == -INFINITY ? 0.0f : NAN;
         } else {
-            uk->exp_sum(sr, nc, st[0]);
-            const float inv_l = st[1] * keep;
-            for (int c = 0; c < nc; c++)
-                sr[c] *= inv_l;
+            (void)uk->probs(sr, nc, st[0], st[1] * keep, NULL);
         }
         float *w = a->weights == MHA_WEIGHTS_PER_HEAD
                        ? a->w + ((b * a->H + h) * a->Lq + i) * a->Lt + j0

@@ -74,6 +74,12 @@ typedef struct mha_microkernels {
      * m is finite.  The accuracy of the tier's exp is in docs/KERNELS.md. */
     float (*exp_sum)(float *x, int n, float m);
 
+    /* Probabilities from a row's stats: x[c] = exp(x[c] - m) * a for
+     * c < n, the bits of exp_sum then scale; with d not NULL returns
+     * dot_nonzero(x, d, n) of the new x (its bits), else 0.  One pass
+     * where the backward's P and its share of delta took three. */
+    double (*probs)(float *x, int n, float m, float a, const float *d);
+
     /* dst[c] = src[c] * a for c < n (dst may be src). */
     void (*scale)(float *dst, const float *src, int n, float a);
 

@@ -150,6 +150,14 @@ static double dot_nonzero_scalar(const float *p, const float *d, int n)
     return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
+/* The three calls it stands for, in turn: their bits by construction. */
+static double probs_scalar(float *x, int n, float m, float a, const float *d)
+{
+    exp_sum_scalar(x, n, m);
+    scale_scalar(x, x, n, a);
+    return d ? dot_nonzero_scalar(x, d, n) : 0.0;
+}
+
 static void dscore_scalar(const float *p, const float *d, float delta,
                           float *ds, int n)
 {
@@ -275,6 +283,6 @@ static void widen_t_scalar(mha_kv_dtype dtype, const void *x, int64_t ldx,
 const mha_microkernels mha_microkernels_scalar = {
     "scalar",           qk_scalar,      pv_scalar,    pv_exact_scalar,
     pv_add_scalar,      pv_add_exact_scalar, pvt_scalar, pvt_exact_scalar,
-    exp_sum_scalar,     scale_scalar,   copy_finite_scalar, max_scalar, softmax_rows_scalar,     softcap_scalar,
+    exp_sum_scalar,     probs_scalar,   scale_scalar,   copy_finite_scalar, max_scalar, softmax_rows_scalar,     softcap_scalar,
     qk_kv_scalar,       pv_kv_scalar,   dot_nonzero_scalar, dscore_scalar,
     qk_rows_scalar,     pv_rows_scalar, widen_t_scalar, mha_amax_portable};

@@ -1073,16 +1073,19 @@ static void softmax_rows_k(int mr, int nc, float *s, int lds, float *m,
  * there: 24 x 24 bits), summed in two vectors; their lanes added by
  * halving, then the tail in order.  A lane whose p is zero adds p * 0
  * (its d zeroed first), never p * d. */
-static double dot_nonzero_k(const float *p, const float *d, int n)
+/* dot_nonzero's two steps: each whole vector's products, exact in
+ * float64, into two lane-wise sums (a vector of p's low and high halves);
+ * then the sums' fold and the tail's terms in order. */
+MK_INLINE void dot_step(vf p, vf d, vd *s0, vd *s1)
 {
-    vd s0 = vd_zero(), s1 = vd_zero();
-    int c = 0;
-    for (; c + VL <= n; c += VL) {
-        const vf pv = vf_load(p + c);
-        const vf dv = vf_select(vf_cmp_nz(pv), vf_load(d + c), vf_zero());
-        s0 = vd_add(s0, vd_mul(vd_lo(pv), vd_lo(dv)));
-        s1 = vd_add(s1, vd_mul(vd_hi(pv), vd_hi(dv)));
-    }
+    const vf dv = vf_select(vf_cmp_nz(p), d, vf_zero());
+    *s0 = vd_add(*s0, vd_mul(vd_lo(p), vd_lo(dv)));
+    *s1 = vd_add(*s1, vd_mul(vd_hi(p), vd_hi(dv)));
+}
+
+MK_INLINE double dot_fold(vd s0, vd s1, const float *p, const float *d,
+                          int c, int n)
+{
     double l[VL / 2];
     vd_store(l, vd_add(s0, s1));
     for (int w = VL / 4; w >= 1; w /= 2)
@@ -1093,6 +1096,42 @@ static double dot_nonzero_k(const float *p, const float *d, int n)
         if (p[c] != 0.0f)
             s += (double)p[c] * d[c];
     return s;
+}
+
+static double dot_nonzero_k(const float *p, const float *d, int n)
+{
+    vd s0 = vd_zero(), s1 = vd_zero();
+    int c = 0;
+    for (; c + VL <= n; c += VL)
+        dot_step(vf_load(p + c), vf_load(d + c), &s0, &s1);
+    return dot_fold(s0, s1, p, d, c, n);
+}
+
+/* exp_sum's exponentials (no sum), each times a as scale multiplies it,
+ * and dot_nonzero's steps on them while they are in registers. */
+MK_INLINE double probs_as(const int dot, float *x, int n, float m, float a,
+                          const float *d)
+{
+    const vf mv = vf_set1(m), av = vf_set1(a);
+    vd s0 = vd_zero(), s1 = vd_zero();
+    int c = 0;
+    for (; c + VL <= n; c += VL) {
+        const vf p = vf_mul(vexp(vf_sub(vf_load(x + c), mv)), av);
+        vf_store(x + c, p);
+        if (dot)
+            dot_step(p, vf_load(d + c), &s0, &s1);
+    }
+    if (c < n) {   /* the tail's lanes only */
+        const vtail t = vt_make(n - c);
+        vf_store_t(x + c, vf_mul(vexp(vf_sub(vf_load_t(x + c, t), mv)), av),
+                   t);
+    }
+    return dot ? dot_fold(s0, s1, x, d, c, n) : 0.0;
+}
+
+static double probs_k(float *x, int n, float m, float a, const float *d)
+{
+    return d ? probs_as(1, x, n, m, a, d) : probs_as(0, x, n, m, a, NULL);
 }
 
 static void dscore_k(const float *p, const float *d, float delta, float *ds,
@@ -1112,7 +1151,7 @@ static void dscore_k(const float *p, const float *d, float delta, float *ds,
 const mha_microkernels TIER_TABLE = {
     TIER_NAME,   qk_k,      pv_k,       pv_exact_k,    pv_add_k,
     pv_add_exact_k,         pvt_k,      pvt_exact_k,   exp_sum_k,
-    scale_k,     copy_finite_k,         max_k,         softmax_rows_k,
+    probs_k,     scale_k,     copy_finite_k,         max_k,         softmax_rows_k,
     softcap_k,
     qk_kv_k,     pv_kv_k,   dot_nonzero_k,             dscore_k,
     qk_rows_k,   pv_rows_k, widen_t_k,     amax_k};
