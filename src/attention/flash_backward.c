@@ -47,7 +47,7 @@
  * attention's backward").  The height depends on the shape
  * alone, so the results stay bitwise the same for every thread count.
  */
-enum { BRB = 2 * MHA_BR, TALL_FROM_LK = 4096 };
+enum { BRB = 2 * MHA_BR, TALL_FROM_LK = 4096, PVT_ROWS = MHA_BR };
 
 static int block_rows(const mha_attn *a)
 {
@@ -297,19 +297,27 @@ static void grads_tile(const mha_attn *a, const mha_tile *t, void *ctx)
      * panel's first key (the sums start from 0 and the rows before add
      * only zeros: the same bits), dq panel by panel of rows, over the
      * keys the panel sees.  Any other tile: one call each. */
+    /* dv and dk are summed over at most PVT_ROWS rows a call (rows
+     * q0 .. q0 + PVT_ROWS - 1 of the block, fixed whatever the tile):
+     * 128 rows of dO or q (32 KiB, rows 256 bytes apart) filled the L1
+     * sets they map to, and every other line there evicted one. */
     const int diag = t->how == MHA_TILE_BY_INDEX;
     for (int c0 = 0, n; c0 < nc; c0 += n) {
         n = diag ? mha_panel_rows(nc, c0) : nc;
-        const int r0 = mha_tile_first_row(a, t, c0);
-        if (r0 >= mr)
-            continue;
-        (w->dout_finite ? uk->pvt : uk->pvt_exact)(
-            mr - r0, n, dv, pt + r0 * MHA_BC + c0, MHA_BC, w->dout + r0 * dv,
-            dv_dst + c0 * lddv, (int)lddv);
-        /* dk += dS^T (scale q): qs already holds the scaled rows. */
-        (w->q_finite ? uk->pvt : uk->pvt_exact)(
-            mr - r0, n, dh, w->dp + r0 * MHA_BC + c0, MHA_BC, w->qs + r0 * dh,
-            dk_dst + c0 * lddk, (int)lddk);
+        const int first = mha_tile_first_row(a, t, c0);
+        for (int q0 = 0; q0 < mr; q0 += PVT_ROWS) {
+            const int r0 = first > q0 ? first : q0,
+                      r1 = q0 + PVT_ROWS < mr ? q0 + PVT_ROWS : mr;
+            if (r0 >= r1)
+                continue;
+            (w->dout_finite ? uk->pvt : uk->pvt_exact)(
+                r1 - r0, n, dv, pt + r0 * MHA_BC + c0, MHA_BC,
+                w->dout + r0 * dv, dv_dst + c0 * lddv, (int)lddv);
+            /* dk += dS^T (scale q): qs already holds the scaled rows. */
+            (w->q_finite ? uk->pvt : uk->pvt_exact)(
+                r1 - r0, n, dh, w->dp + r0 * MHA_BC + c0, MHA_BC,
+                w->qs + r0 * dh, dk_dst + c0 * lddk, (int)lddk);
+        }
     }
     /* dq (unscaled: the block's dq is scaled once at the end) += dS k. */
     for (int r0 = 0, n; r0 < mr; r0 += n) {
