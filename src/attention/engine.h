@@ -412,7 +412,7 @@ typedef struct flash_scratch {
     /* A cache's runs only (the layout of a cache's run has room for
      * them: mha_attn_layout_forward with prepacked): */
     float *kvt;   /* [BC][dh]  a latent cache's tile widened to f32 rows */
-    float *qt;    /* [dh][BR]  qs transposed (a latent cache's scores)  */
+    float *qt;    /* [dh][mr]  qs transposed (a latent cache's scores)  */
     float *st;    /* [BC][BR]  those scores, transposed                 */
 } flash_scratch;
 int64_t mha_flash_scratch_floats(int64_t dh);

@@ -296,11 +296,11 @@ static void grads_tile(const mha_attn *a, const mha_tile *t, void *ctx)
      * dk panel by panel of keys, each from the first row that sees the
      * panel's first key (the sums start from 0 and the rows before add
      * only zeros: the same bits), dq panel by panel of rows, over the
-     * keys the panel sees.  Any other tile: one call each. */
-    /* dv and dk are summed over at most PVT_ROWS rows a call (rows
-     * q0 .. q0 + PVT_ROWS - 1 of the block, fixed whatever the tile):
-     * 128 rows of dO or q (32 KiB, rows 256 bytes apart) filled the L1
-     * sets they map to, and every other line there evicted one. */
+     * keys the panel sees.  Any other tile: one call each.  dv and dk
+     * are summed over at most PVT_ROWS rows a call (rows q0 .. q0 +
+     * PVT_ROWS - 1 of the block, fixed whatever the tile): 128 rows of
+     * dO or q (32 KiB, rows 256 bytes apart) filled the L1 sets they map
+     * to, and the rows of P read beside them evicted them. */
     const int diag = t->how == MHA_TILE_BY_INDEX;
     for (int c0 = 0, n; c0 < nc; c0 += n) {
         n = diag ? mha_panel_rows(nc, c0) : nc;

@@ -1069,13 +1069,10 @@ static void softmax_rows_k(int mr, int nc, float *s, int lds, float *m,
     }
 }
 
-/* VL products at a time, converted to float64 half by half (each exact
- * there: 24 x 24 bits), summed in two vectors; their lanes added by
- * halving, then the tail in order.  A lane whose p is zero adds p * 0
- * (its d zeroed first), never p * d. */
-/* dot_nonzero's two steps: each whole vector's products, exact in
- * float64, into two lane-wise sums (a vector of p's low and high halves);
- * then the sums' fold and the tail's terms in order. */
+/* dot_nonzero: VL products at a time, converted to float64 half by half
+ * (each exact there: 24 x 24 bits), summed in two vectors (dot_step);
+ * their lanes added by halving, then the tail in order (dot_fold).  A
+ * lane whose p is zero adds p * 0 (its d zeroed first), never p * d. */
 MK_INLINE void dot_step(vf p, vf d, vd *s0, vd *s1)
 {
     const vf dv = vf_select(vf_cmp_nz(p), d, vf_zero());
