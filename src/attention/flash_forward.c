@@ -28,24 +28,25 @@
  * met by every stacked head) as keys x q^T, the tile's rows the products'
  * A, whose elements are read once each, so the keys need no transposed
  * copy; then the w x mr result transposed into s.  The 576 elements are
- * walked in slabs of LATENT_SLAB, every key against every head through
- * one slab (q^T's slab, 16 KiB, in L1) before the next, the sums carried
- * in st (pv's o += a b from st = 0): where each block of keys walked all
- * of q^T (147 KiB, from L2) the products ran at about half the FMA peak.
- * Each score is the same chain of FMAs over d as in q k^T, stored and
- * reloaded exactly (a product's operands commute exactly): the same bits
- * as a cache holding the keys apart. */
-enum { LATENT_SLAB = 64 };
-
+ * walked in slabs of the tier's latent_slab, every key against every head
+ * through one slab (q^T's slab of 64, 16 KiB, in L1) before the next, the
+ * sums carried in st (pv's o += a b from st = 0): on the AVX2 tier, where
+ * each block of keys walked all of q^T (147 KiB, from L2), the products
+ * ran at about half the FMA peak; the AVX-512 tier takes all 576 at once
+ * (faster there: docs/BENCHMARKS.md).  Each score is the same chain of
+ * FMAs over d as in q k^T, stored and reloaded exactly (a product's
+ * operands commute exactly): the same bits as a cache holding the keys
+ * apart, whatever the slab. */
 static void latent_scores(const mha_attn *a, const mha_tile_src *src, int mr,
                           int w, flash_scratch *f)
 {
     const int dh = (int)a->dh;
+    const int slab = a->uk->latent_slab > 0 ? a->uk->latent_slab : dh;
     const float *k = src->kt;
     for (int r = 0; r < w; r++)
         memset(f->st + r * MHA_BR, 0, (size_t)mr * sizeof *f->st);
-    for (int d0 = 0; d0 < dh; d0 += LATENT_SLAB)
-        a->uk->pv(w, dh - d0 < LATENT_SLAB ? dh - d0 : LATENT_SLAB, mr,
+    for (int d0 = 0; d0 < dh; d0 += slab)
+        a->uk->pv(w, dh - d0 < slab ? dh - d0 : slab, mr,
                   k + d0, dh, f->qt + (size_t)d0 * mr, f->st, MHA_BR);
     a->uk->widen_t(MHA_KV_F32, f->st, MHA_BR, w, mr, f->s, MHA_BC, NULL, 0);
 }

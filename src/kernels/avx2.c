@@ -10,7 +10,8 @@
  * four independent chains keep the FMA units busy where 16-wide blocks of
  * one row would wait on their latency).  A lone panel walks K in slabs.
  * The K loop unrolled by 4 (at d_h 64 a block's 64 trips ended in a
- * mispredicted exit: 2-4% of the forward, docs/BENCHMARKS.md).
+ * mispredicted exit: 2-4% of the forward, docs/BENCHMARKS.md).  MLA's
+ * scores over the 576 in slabs of 64 (q^T's slab in L1: 1.11x on Zen 3).
  */
 #define MHA_SIMD_AVX2
 #define TIER_NAME "avx2"
@@ -22,5 +23,6 @@
 #define TIER_WM 2
 #define TIER_WIDE_EXACT 0
 #define TIER_SLABS 1
+#define TIER_LATENT_SLAB 64
 #define TIER_KUNROLL 4
 #include "simd_tier.h"

@@ -10,7 +10,9 @@
  * test lives in a mask register); one or two rows take 8 vectors.  A lone
  * panel whose columns span several blocks walks K in slabs, as on AVX2,
  * and four rows against a 128-wide value tile go as two pairs
- * (simd_tier.h's panel and gemm; docs/KERNELS.md).
+ * (simd_tier.h's panel and gemm; docs/KERNELS.md).  MLA's scores over
+ * all 576 in one call (slabs of 64 cost Zen 4 1.07-1.10x, where the
+ * AVX2 tier on the same CPU gained 1.10x from them).
  */
 #define MHA_SIMD_AVX512
 #define TIER_NAME "avx512"
@@ -22,4 +24,5 @@
 #define TIER_WM 4
 #define TIER_WIDE_EXACT 1
 #define TIER_SLABS 1
+#define TIER_LATENT_SLAB 0
 #include "simd_tier.h"

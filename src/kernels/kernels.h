@@ -163,6 +163,11 @@ typedef struct mha_microkernels {
      * is finite (a value tile read in place: pv or pv_exact). */
     float (*amax)(const float *x, int64_t rows, int64_t cols, int64_t ld,
                   int *finite);
+
+    /* A parameter, not a kernel: the elements of a latent cache's 576
+     * that MLA's scores take in one pv call (flash_forward.c's slabs;
+     * 0: all of them).  Any value gives the same bits. */
+    int latent_slab;
 } mha_microkernels;
 
 /*

@@ -19,4 +19,5 @@
 #define TIER_WM 4
 #define TIER_WIDE_EXACT 1
 #define TIER_SLABS 1
+#define TIER_LATENT_SLAB 64
 #include "simd_tier.h"

@@ -12,6 +12,8 @@
  *   TIER_WM           vectors of columns of every other block
  *   TIER_WIDE_EXACT   whether the _exact forms take the wide blocks too
  *   TIER_SLABS        whether a lone panel walks K in slabs (below)
+ *   TIER_LATENT_SLAB  the table's latent_slab (kernels.h): MLA's scores
+ *                     over this many of the 576 a pv call, 0 all at once
  *
  * Determinism: every output element of a product is one chain of fused
  * multiply-adds in ascending order of the reduction index, whatever block
@@ -1151,4 +1153,5 @@ const mha_microkernels TIER_TABLE = {
     probs_k,     scale_k,     copy_finite_k,         max_k,         softmax_rows_k,
     softcap_k,
     qk_kv_k,     pv_kv_k,   dot_nonzero_k,             dscore_k,
-    qk_rows_k,   pv_rows_k, widen_t_k,     amax_k};
+    qk_rows_k,   pv_rows_k, widen_t_k,     amax_k,
+    TIER_LATENT_SLAB};
