@@ -971,6 +971,16 @@ static double max_diff(const float *x, const float *y, int64_t n)
     return d;
 }
 
+/* The first row of the slice of n rows after the one at i0: one-row
+ * slices at every fifth row and the last (each a forward of its own:
+ * every row took minutes under valgrind); wider slices cover every row. */
+static int64_t next_slice(int64_t i0, int64_t n, int64_t Lq)
+{
+    if (n > 1 || i0 == Lq - 1)
+        return i0 + n;
+    return i0 + 5 < Lq ? i0 + 5 : Lq - 1;
+}
+
 static void slices_match(const mha_module *m, mha_forward_args whole,
                          const char *what, int64_t E, int64_t H, int64_t Lt)
 {
@@ -991,12 +1001,7 @@ static void slices_match(const mha_module *m, mha_forward_args whole,
         float *so = malloc((size_t)(n * E) * 4);
         float *sw = malloc((size_t)(H * n * Lt) * 4);
         double d_out = 0.0, d_w = 0.0;
-        /* Slices of one row at every fifth row and the last (each a
-         * forward of its own: every row took minutes under valgrind);
-         * the wider slices cover every row. */
-        for (int64_t i0 = 0; i0 < Lq;
-             i0 = n > 1 || i0 == Lq - 1 ? i0 + n
-                  : i0 + 5 < Lq ? i0 + 5 : Lq - 1) {
+        for (int64_t i0 = 0; i0 < Lq; i0 = next_slice(i0, n, Lq)) {
             const int64_t nq = Lq - i0 < n ? Lq - i0 : n;
             mha_forward_args a = whole;
             a.query = whole.query + i0 * E;

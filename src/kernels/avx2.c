@@ -11,7 +11,7 @@
  * one row would wait on their latency).  A lone panel walks K in slabs.
  * The K loop unrolled by 4 (at d_h 64 a block's 64 trips ended in a
  * mispredicted exit: 2-4% of the forward, docs/BENCHMARKS.md).  MLA's
- * scores over the 576 in slabs of 64 (q^T's slab in L1: 1.11x on Zen 3).
+ * scores over the 576 in slabs of 64, q^T's slab kept in L1.
  */
 #define MHA_SIMD_AVX2
 #define TIER_NAME "avx2"

@@ -11,8 +11,7 @@
  * panel whose columns span several blocks walks K in slabs, as on AVX2,
  * and four rows against a 128-wide value tile go as two pairs
  * (simd_tier.h's panel and gemm; docs/KERNELS.md).  MLA's scores over
- * all 576 in one call (slabs of 64 cost Zen 4 1.07-1.10x, where the
- * AVX2 tier on the same CPU gained 1.10x from them).
+ * all 576 in one call (faster here than slabs: docs/BENCHMARKS.md).
  */
 #define MHA_SIMD_AVX512
 #define TIER_NAME "avx512"

@@ -286,4 +286,4 @@ const mha_microkernels mha_microkernels_scalar = {
     exp_sum_scalar,     probs_scalar,   scale_scalar,   copy_finite_scalar, max_scalar, softmax_rows_scalar,     softcap_scalar,
     qk_kv_scalar,       pv_kv_scalar,   dot_nonzero_scalar, dscore_scalar,
     qk_rows_scalar,     pv_rows_scalar, widen_t_scalar, mha_amax_portable,
-    64};
+    64 /* latent_slab */};
