@@ -20,9 +20,11 @@ threads=${THREADS:-2}
 cases=(
   "f16|--kv-seq 32768 --kv-heads 32 --kv-dtype f16 --repeat 10"
   "f32|--kv-seq 32768 --kv-heads 32 --kv-dtype f32 --repeat 10"
+  "bf16|--kv-seq 32768 --kv-heads 32 --kv-dtype bf16 --repeat 10"
   "q8|--kv-seq 32768 --kv-heads 32 --kv-dtype q8 --repeat 10"
   "gqa f16|--kv-seq 32768 --kv-heads 8 --kv-dtype f16 --repeat 30"
   "gqa f32|--kv-seq 32768 --kv-heads 8 --kv-dtype f32 --repeat 30"
+  "gqa bf16|--kv-seq 32768 --kv-heads 8 --kv-dtype bf16 --repeat 30"
   "gqa q8|--kv-seq 32768 --kv-heads 8 --kv-dtype q8 --repeat 30"
   "Lk 4096 f16|--kv-seq 4096 --kv-heads 32 --kv-dtype f16 --repeat 50"
   "ragged f16|--kv-seq 4096 --kv-heads 32 --kv-dtype f16 --batch 8 --ragged --repeat 10"

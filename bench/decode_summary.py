@@ -2,8 +2,11 @@
 """Summarises bench/decode.sh's JSON lines (stdin or a file).
 
 For each case and binary: the median over rounds of the step's median
-time and its range, and the median (range) of read %, the cache bytes read
-per second against the read bandwidth that the same run measured.  With
+time and its range, the median (range) of read %, the cache bytes read
+per second against the read bandwidth that the same run measured, and of
+paired roofline %, the share of the roofline that the run's paired steps
+reached, each against the read passes just around it (`mha bench
+--help`): on a machine whose bandwidth drifts, the figure to judge by.  With
 several binaries, the median (range) over rounds of the first binary's
 time over each other's, case by case in the same round (> 1: the other is
 faster).  For the cases of BOUND=1, cached elements (K and V, each K/V
@@ -32,15 +35,17 @@ for r in rows:
     by[(r["case"], r["mha"])][r["round"]] = r["r"]
 
 ratio = len(bins) > 1
-print("| case | mha | ms | read % |" +
+print("| case | mha | ms | read % | paired roofline % |" +
       (" %s's time / this one's |" % bins[0] if ratio else ""))
-print("|---|---|---|---|" + ("---|" if ratio else ""))
+print("|---|---|---|---|---|" + ("---|" if ratio else ""))
 for c in cases:
     for b in bins:
         runs = by[(c, b)]
-        line = "| %s | %s | %s | %s |" % (
+        line = "| %s | %s | %s | %s | %s |" % (
             c, b, med_range([x["median_ms"] for x in runs.values()], "%.2f"),
-            med_range([x["read_percent"] for x in runs.values()], "%.0f"))
+            med_range([x["read_percent"] for x in runs.values()], "%.0f"),
+            med_range([x["paired_roofline_percent"] for x in runs.values()],
+                      "%.0f"))
         if ratio:
             first = by[(c, bins[0])]
             rel = [first[k]["median_ms"] / x["median_ms"]

@@ -1060,12 +1060,14 @@ expect 1 "option --json takes no value" -- "$mha" bench "${tiny[@]}" --json=1
 
 # --decode: one decoding step on a cache of Lk tokens.  kv_bytes is
 # kv_keys*H_kv*d_h*2*4, kv_keys = B*Lk; kv_gbps, read_percent and
-# weight_bytes follow from the other fields (weight_bytes: every parameter
+# weight_bytes follow from the other fields, the paired steps' roofline
+# share lies within its range (weight_bytes: every parameter
 # of the E=32, H=4, H_kv=2 module, 4*(32*32 + 2*16*32 + 64 + 32*32 + 32)).
-# Each run takes warm-up + repeat = 4 steps on a cache of room Lk + Lq: a
-# step that left its tokens in the cache would overflow it at the second.
+# Each run takes warm-up + 2 x repeat = 7 steps (the paired ones too) on a
+# cache of room Lk + Lq: a step that left its tokens in the cache would
+# overflow it at the second.
 dec=(--decode --kv-seq 100 --embed-dim 32 --heads 4 --kv-heads 2 --repeat 3 --warmup 1)
-jdec_any="j['decode'] is True and j['kv_dtype'] == 'f32' and j['tier'] in ('avx512', 'avx2', 'scalar', 'ref') and j['median_ms'] > 0 and 0 < j['min_ms'] <= j['median_ms'] and j['repeat'] == 3 and j['warmup'] == 1 and abs(j['kv_gbps'] - j['kv_bytes'] / (j['median_ms'] * 1e-3) * 1e-9) <= 1e-4 * j['kv_gbps'] and j['read_gbps'] > 0 and j['read_bytes'] >= 2**30 and abs(j['read_percent'] - 100 * j['kv_gbps'] / j['read_gbps']) <= 1e-4 * j['read_percent'] and j['kv_bytes'] == j['kv_keys'] * 2 * 8 * 2 * 4 and abs(j['memory_ms'] - (j['kv_bytes'] + j['weight_bytes']) / (j['read_gbps'] * 1e9) * 1e3) <= 1e-4 * j['memory_ms']"
+jdec_any="j['decode'] is True and j['kv_dtype'] == 'f32' and j['tier'] in ('avx512', 'avx2', 'scalar', 'ref') and j['median_ms'] > 0 and 0 < j['min_ms'] <= j['median_ms'] and j['repeat'] == 3 and j['warmup'] == 1 and abs(j['kv_gbps'] - j['kv_bytes'] / (j['median_ms'] * 1e-3) * 1e-9) <= 1e-4 * j['kv_gbps'] and j['read_gbps'] > 0 and j['read_bytes'] >= 2**30 and abs(j['read_percent'] - 100 * j['kv_gbps'] / j['read_gbps']) <= 1e-4 * j['read_percent'] and j['kv_bytes'] == j['kv_keys'] * 2 * 8 * 2 * 4 and abs(j['memory_ms'] - (j['kv_bytes'] + j['weight_bytes']) / (j['read_gbps'] * 1e9) * 1e3) <= 1e-4 * j['memory_ms'] and j['paired_median_ms'] > 0 and j['paired_read_gbps'] > 0 and j['paired_read_percent'] > 0 and 0 < j['paired_roofline_lo'] <= j['paired_roofline_percent'] <= j['paired_roofline_hi']"
 jdec="$jdec_any and j['attention_only'] is False and j['weight_bytes'] == 4 * 3168"
 jdec_attn="$jdec_any and j['attention_only'] is True and j['weight_bytes'] == 0"
 jcheck "bench --decode --json" "$jdec and j['ragged'] is False and (j['batch'], j['seq'], j['kv_seq'], j['embed_dim'], j['heads'], j['kv_heads'], j['head_dim']) == (1, 1, 100, 32, 4, 2, 8) and j['kv_keys'] == 100 and j['kv_bytes'] == 1 * 100 * 2 * 8 * 2 * 4 and j['threads'] == 1 == j['blas_threads']" \
@@ -1073,6 +1075,7 @@ jcheck "bench --decode --json" "$jdec and j['ragged'] is False and (j['batch'], 
 jcheck "bench --decode --batch 3 --seq 2 --json" "$jdec and (j['batch'], j['seq'], j['kv_seq']) == (3, 2, 100) and j['kv_keys'] == 300 and j['kv_bytes'] == 3 * 100 * 2 * 8 * 2 * 4 and j['threads'] == 2 == j['blas_threads']" \
   -- "$mha" bench "${dec[@]}" --batch 3 --seq 2 --threads 2 --json
 expect 0 "^  memory  [0-9.]+ GB/s streaming read \([0-9]+ MiB, 1 thread, best of 5\): the step reaches [0-9.]+%$" -- "$mha" bench "${dec[@]}" --threads 1
+expect 0 "^          [0-9.]+ GB/s: read [0-9.]+%, roofline [0-9.]+% \([0-9.]+-[0-9.]+\)$" -- "$mha" bench "${dec[@]}" --threads 1
 # --attention-only: mha_attention on the cache, no module, no weights read.
 jcheck "bench --decode --attention-only --json" "$jdec_attn and j['ragged'] is False and (j['batch'], j['seq'], j['kv_seq'], j['kv_heads'], j['head_dim']) == (2, 1, 100, 2, 8) and j['kv_keys'] == 200 and j['kv_bytes'] == 2 * 100 * 2 * 8 * 2 * 4" \
   -- "$mha" bench "${dec[@]}" --batch 2 --attention-only --threads 1 --json

@@ -97,56 +97,79 @@ static float sum_block(const float *x, int64_t n)
 }
 
 /*
- * Streaming-read GB/s (1e9 bytes) of `threads` threads summing a buffer
- * of max(1 GiB, 4x the last-level cache), each thread its own contiguous
+ * The streaming-read probe: `threads` threads summing a buffer of
+ * max(1 GiB, 4x the last-level cache), each thread its own contiguous
  * share (OpenMP static schedule, first touched by the same threads; huge
- * pages asked for, as for a KV cache): the best of READ_PASSES passes.
- * *bytes receives the buffer's size; 0 is returned if it cannot be
- * allocated.
+ * pages asked for, as for a KV cache).  Kept open through the run: its
+ * best of READ_PASSES passes is read_gbps, and the paired passes (below)
+ * read a prefix of it between the timed steps.
  */
-static double read_gbps(int threads, int64_t *bytes)
+typedef struct read_probe {
+    float *x;
+    int64_t blocks;   /* of READ_BLOCK floats            */
+    int64_t bytes;    /* blocks * READ_BLOCK * 4         */
+    double total;     /* every pass's sum, checked at the close */
+    double expected;  /* what those sums must add up to  */
+} read_probe;
+
+/* 0, or -1 when the buffer cannot be allocated (p->bytes says its size). */
+static int probe_open(read_probe *p, int threads)
 {
     int64_t want = (int64_t)1 << 30;
     const int64_t llc = cache_bytes(3);
     want = 4 * llc > want ? 4 * llc : want;
-    const int64_t blocks = want / (READ_BLOCK * (int64_t)sizeof(float));
-    *bytes = blocks * READ_BLOCK * (int64_t)sizeof(float);
-    float *x = malloc((size_t)*bytes);
-    if (!x)
-        return 0.0;
+    p->blocks = want / (READ_BLOCK * (int64_t)sizeof(float));
+    p->bytes = p->blocks * READ_BLOCK * (int64_t)sizeof(float);
+    p->total = p->expected = 0.0;
+    p->x = malloc((size_t)p->bytes);
+    if (!p->x)
+        return -1;
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
     /* Huge pages where the kernel allows them, as libmha asks for its KV
      * caches: the bandwidth of the best streaming read, not of 4 KiB
      * pages' TLB misses.  (Only the 2 MiB-aligned interior.) */
     {
         const uintptr_t huge = (uintptr_t)2 << 20;
-        const uintptr_t lo = ((uintptr_t)x + huge - 1) & ~(huge - 1);
-        const uintptr_t hi = ((uintptr_t)x + (uintptr_t)*bytes) & ~(huge - 1);
+        const uintptr_t lo = ((uintptr_t)p->x + huge - 1) & ~(huge - 1);
+        const uintptr_t hi = ((uintptr_t)p->x + (uintptr_t)p->bytes) &
+                             ~(huge - 1);
         if (hi > lo)
             (void)madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
     }
 #endif
+    float *x = p->x;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++)
+    for (int64_t b = 0; b < p->blocks; b++)
         for (int64_t i = 0; i < READ_BLOCK; i++)
             x[b * READ_BLOCK + i] = (float)(i & 7);
-    double best = 0.0, total = 0.0;
-    for (int pass = 0; pass < READ_PASSES; pass++) {
-        const double t0 = bench_now_s();
+    return 0;
+}
+
+/* GB/s (1e9 bytes) of one pass over the first `blocks` blocks. */
+static double probe_pass(read_probe *p, int threads, int64_t blocks)
+{
+    const float *x = p->x;
+    double total = 0.0;
+    const double t0 = bench_now_s();
 #pragma omp parallel for num_threads(threads) schedule(static) \
     reduction(+ : total)
-        for (int64_t b = 0; b < blocks; b++)
-            total += sum_block(x + b * READ_BLOCK, READ_BLOCK);
-        const double t = bench_now_s() - t0;
-        if (t > 0 && (double)*bytes / t > best)
-            best = (double)*bytes / t;
-    }
-    free(x);
+    for (int64_t b = 0; b < blocks; b++)
+        total += sum_block(x + b * READ_BLOCK, READ_BLOCK);
+    const double t = bench_now_s() - t0;
+    p->total += total;
     /* Each block holds READ_BLOCK / 8 runs of 0..7, summing to 28 each,
-     * exactly in float: a check that every pass read everything. */
-    if (total != (double)(READ_BLOCK / 8 * 28) * (double)blocks * READ_PASSES)
-        return 0.0;
-    return best * 1e-9;
+     * exactly in float: the close checks that every pass read everything. */
+    p->expected += (double)(READ_BLOCK / 8 * 28) * (double)blocks;
+    return t > 0 ? (double)blocks * READ_BLOCK * sizeof(float) / t * 1e-9
+                 : 0.0;
+}
+
+/* 0 if every pass read what it should have; frees the buffer. */
+static int probe_close(read_probe *p)
+{
+    free(p->x);
+    p->x = NULL;
+    return p->total == p->expected ? 0 : -1;
 }
 
 /* ---- the arithmetic probe ------------------------------------------------
@@ -462,6 +485,10 @@ typedef struct decode_state {
                                     (B, Lq, H_kv d_h), then values
                                     (B, Lq, H_kv d_v; none if latent)     */
     double *ms;                  /* (repeat) timings                      */
+    double *pair_ms;             /* (repeat) the paired steps' timings    */
+    double *pass_gbps;           /* (repeat + 1) the passes around them   */
+    double *pair_gbps, *pair_read, *pair_roof;   /* (repeat) each step's
+                                    faster pass, read and roofline share  */
     mha_decode_args a;
     mha_attention_decode_args aa;
 } decode_state;
@@ -487,6 +514,11 @@ typedef struct decode_result {
     const char *fma_kind;
     double fma_gflops, fma_ms;
     double elem_ms;    /* the element probe's time; arith_ms the larger */
+    /* the paired steps (time_steps): medians over them of the faster
+     * pass around each, of each step's read share and roofline share;
+     * the last's range */
+    double paired_read_gbps, paired_read_percent, paired_roofline_percent;
+    double paired_roofline_lo, paired_roofline_hi, paired_median_ms;
 } decode_result;
 
 static int parse_decode(const tool_opt *o, int n, decode_bench *d)
@@ -707,9 +739,16 @@ static int setup(decode_bench *d, decode_state *s)
     s->q = malloc((size_t)nq * sizeof *s->q);
     s->out = malloc((size_t)nout * sizeof *s->out);
     s->ms = malloc((size_t)d->repeat * sizeof *s->ms);
+    s->pair_ms = malloc((size_t)d->repeat * sizeof *s->pair_ms);
+    s->pass_gbps = malloc((size_t)(d->repeat + 1) * sizeof *s->pass_gbps);
+    s->pair_gbps = malloc((size_t)d->repeat * sizeof *s->pair_gbps);
+    s->pair_read = malloc((size_t)d->repeat * sizeof *s->pair_read);
+    s->pair_roof = malloc((size_t)d->repeat * sizeof *s->pair_roof);
     s->kv_new = d->attn_only ? malloc((size_t)nkv * sizeof *s->kv_new)
                              : NULL;
-    if (!s->q || !s->out || !s->ms || (d->attn_only && !s->kv_new))
+    if (!s->q || !s->out || !s->ms || !s->pair_ms || !s->pass_gbps ||
+        !s->pair_gbps || !s->pair_read || !s->pair_roof ||
+        (d->attn_only && !s->kv_new))
         return tool_fail("bench", "out of memory for the inputs and outputs");
     uint64_t state = 1;
     bench_fill_random(s->q, nq, &state);
@@ -745,6 +784,11 @@ static void free_state(decode_state *s)
     mha_attention_plan_free(s->aplan);
     mha_plan_free(s->plan);
     free(s->ms);
+    free(s->pair_ms);
+    free(s->pass_gbps);
+    free(s->pair_gbps);
+    free(s->pair_read);
+    free(s->pair_roof);
     free(s->kv_new);
     free(s->out);
     free(s->q);
@@ -768,13 +812,42 @@ static mha_status append_new_tokens(const decode_bench *d, decode_state *s)
     return st;
 }
 
-/* W + R steps; only the step's call is timed.  Before it (attention only)
- * the new tokens are appended, after it every sequence is truncated back
- * to the keys it held, so that each step finds the same cache. */
-static int time_steps(const decode_bench *d, decode_state *s)
+/* One step as the bench times it: only the step's call.  Before it
+ * (attention only) the new tokens are appended, after it every sequence
+ * is truncated back to the keys it held, so that each step finds the same
+ * cache.  With a shared prefix the step is one ragged call (no plan takes
+ * q_start), each sequence's Lq rows in turn: `ragged`, set up by the
+ * caller. */
+static int one_step(const decode_bench *d, decode_state *s,
+                    const mha_attention_decode_args *ragged, double *ms)
 {
-    /* a shared prefix: one ragged call (no plan takes q_start), each
-     * sequence's Lq rows in turn */
+    mha_status st = d->attn_only ? append_new_tokens(d, s) : MHA_OK;
+    const double t0 = bench_now_s();
+    if (st == MHA_OK)
+        st = d->shared ? mha_attention_decode(ragged)
+             : d->attn_only ? mha_attention_plan_decode(s->aplan, &s->aa)
+                            : mha_plan_decode(s->plan, &s->a);
+    const double t1 = bench_now_s();
+    for (int64_t b = 0; st == MHA_OK && b < d->B; b++)
+        st = mha_kv_cache_truncate(s->kv, b, d->len[b]);
+    if (st != MHA_OK)
+        return tool_fail("bench", "%s", mha_last_error());
+    *ms = (t1 - t0) * 1e3;
+    return 0;
+}
+
+/* W + R steps back to back (s->ms: the R timed), then the paired steps:
+ * R more, each between two passes of the read probe over as many bytes
+ * as the step reads (at least 4x the L3, at most the whole
+ * buffer), so that each step's share of the bandwidth is taken against
+ * what the machine read just before and just after it (s->pair_ms,
+ * and R + 1 s->pass_gbps).  On a shared machine whose bandwidth drifts
+ * by 2x within minutes, one probe at the start judges nothing; the paired
+ * shares do.  The passes also leave the step's cache out of the L3, as a
+ * large cache is. */
+static int time_steps(const decode_bench *d, decode_state *s, read_probe *p,
+                      double step_bytes)
+{
     int64_t *q_start = d->shared ? malloc((size_t)(d->B + 1) * 8) : NULL;
     if (d->shared && !q_start)
         return tool_fail("bench", "out of memory for q_start");
@@ -784,28 +857,45 @@ static int time_steps(const decode_bench *d, decode_state *s)
     ragged.q_len = 0;
     ragged.q_start = q_start;
     ragged.share_prefix = 1;
-    for (int64_t r = 0; r < d->warmup + d->repeat; r++) {
-        mha_status st = d->attn_only ? append_new_tokens(d, s) : MHA_OK;
-        const double t0 = bench_now_s();
-        if (st == MHA_OK)
-            st = d->shared ? mha_attention_decode(&ragged)
-                 : d->attn_only ? mha_attention_plan_decode(s->aplan, &s->aa)
-                                : mha_plan_decode(s->plan, &s->a);
-        const double t1 = bench_now_s();
-        for (int64_t b = 0; st == MHA_OK && b < d->B; b++)
-            st = mha_kv_cache_truncate(s->kv, b, d->len[b]);
-        if (st != MHA_OK) {
-            free(q_start);
-            return tool_fail("bench", "%s", mha_last_error());
-        }
+    int rc = 0;
+    for (int64_t r = 0; !rc && r < d->warmup + d->repeat; r++) {
+        double ms = 0.0;
+        rc = one_step(d, s, &ragged, &ms);
         if (r >= d->warmup)
-            s->ms[r - d->warmup] = (t1 - t0) * 1e3;
+            s->ms[r - d->warmup] = ms;
+    }
+    const int64_t llc_blocks =
+        4 * cache_bytes(3) / (READ_BLOCK * (int64_t)sizeof(float));
+    int64_t blocks = (int64_t)(step_bytes / (READ_BLOCK * sizeof(float)));
+    blocks = blocks < llc_blocks ? llc_blocks : blocks;
+    blocks = blocks < 1 ? 1 : blocks > p->blocks ? p->blocks : blocks;
+    for (int64_t r = 0; !rc && r <= d->repeat; r++) {
+        s->pass_gbps[r] = probe_pass(p, (int)d->threads, blocks);
+        if (r < d->repeat)
+            rc = one_step(d, s, &ragged, &s->pair_ms[r]);
     }
     free(q_start);
+    if (rc)
+        return rc;
     double sum = 0.0;
     for (int64_t i = 0; i < d->B * d->Lq * d->H * d->dv; i++)
         sum += s->out[i];
     return isfinite(sum) ? 0 : tool_fail("bench", "the output is not finite");
+}
+
+/* The bytes a step reads (before it runs: the paired passes read as
+ * many).  The cached keys and values, each K/V head once (the query
+ * heads of a group share its reads; the step's own Lq tokens are not
+ * counted), and the module's parameters, which its projections read once
+ * per step. */
+static void count_bytes(const decode_bench *d, const decode_state *s,
+                        decode_result *res)
+{
+    res->kv_bytes = (double)d->kv_keys * (double)d->Hkv *
+                    (kv_row_bytes(d->dtype, d->dh) +
+                     (d->latent ? 0.0 : kv_row_bytes(d->dtype, d->dv)));
+    res->weight_bytes = s->m ? (double)mha_param_numel(s->m) * sizeof(float)
+                             : 0.0;
 }
 
 static void summarise(const decode_bench *d, decode_state *s,
@@ -813,12 +903,6 @@ static void summarise(const decode_bench *d, decode_state *s,
 {
     res->median_ms = bench_median(s->ms, d->repeat);
     res->min_ms = s->ms[0];
-    /* The cached keys and values a step reads, each K/V head once (the
-     * query heads of a group share its reads); the step's own Lq tokens
-     * are not counted. */
-    res->kv_bytes = (double)d->kv_keys * (double)d->Hkv *
-                    (kv_row_bytes(d->dtype, d->dh) +
-                     (d->latent ? 0.0 : kv_row_bytes(d->dtype, d->dv)));
     res->kv_gbps = res->kv_bytes / (res->median_ms * 1e-3) * 1e-9;
     res->read_percent = 100.0 * res->kv_gbps / res->read_gbps;
     /* K and V: all_keys * Hkv * d_h elements each (a shared prefix read
@@ -826,12 +910,8 @@ static void summarise(const decode_bench *d, decode_state *s,
      * once and multiplied into each of the group's stacked rows */
     const double elems = (double)d->all_keys * (double)d->Hkv *
                          (double)(d->dh + (d->latent ? 0 : d->dv));
-    /* The module's projections read every parameter once per step: its
-     * memory time counts them beside the cache. */
-    res->weight_bytes = s->m ? (double)mha_param_numel(s->m) * sizeof(float)
-                             : 0.0;
-    res->memory_ms = (res->kv_bytes + res->weight_bytes) /
-                     (res->read_gbps * 1e9) * 1e3;
+    const double bytes = res->kv_bytes + res->weight_bytes;
+    res->memory_ms = bytes / (res->read_gbps * 1e9) * 1e3;
     res->arith_ms = res->elem_ms = elems / (res->arith_gelems * 1e9) * 1e3;
     const double flops = 2.0 * (double)d->all_keys * (double)d->H *
                          (double)d->Lq * (double)(d->dh + d->dv);
@@ -841,6 +921,25 @@ static void summarise(const decode_bench *d, decode_state *s,
     res->roofline_ms = res->memory_ms > res->arith_ms ? res->memory_ms
                                                       : res->arith_ms;
     res->roofline_percent = 100.0 * res->roofline_ms / res->median_ms;
+    /* Each paired step against the faster of the passes around it (the
+     * stricter of the two): its read share and its roofline share, with
+     * the arithmetic ceiling as above; the medians and the roofline
+     * shares' range. */
+    const double *pass = s->pass_gbps;
+    for (int64_t r = 0; r < d->repeat; r++) {
+        const double g = pass[r] > pass[r + 1] ? pass[r] : pass[r + 1],
+                     ms = s->pair_ms[r], mem = bytes / (g * 1e9) * 1e3;
+        s->pair_gbps[r] = g;
+        s->pair_read[r] = 100.0 * res->kv_bytes / (ms * 1e-3) * 1e-9 / g;
+        s->pair_roof[r] = 100.0 * (mem > res->arith_ms ? mem : res->arith_ms)
+                          / ms;
+    }
+    res->paired_read_gbps = bench_median(s->pair_gbps, d->repeat);
+    res->paired_read_percent = bench_median(s->pair_read, d->repeat);
+    res->paired_roofline_percent = bench_median(s->pair_roof, d->repeat);
+    res->paired_roofline_lo = s->pair_roof[0];   /* (sorted by the median) */
+    res->paired_roofline_hi = s->pair_roof[d->repeat - 1];
+    res->paired_median_ms = bench_median(s->pair_ms, d->repeat);
 }
 
 static const char *json_bool(int x)
@@ -871,6 +970,10 @@ static void print_json(const decode_bench *d, const decode_result *r)
            "\"page_size\": %lld, \"shared_prefix\": %lld, "
            "\"cache_bytes\": %lld, "
            "\"token_bytes\": %lld, "
+           "\"paired_median_ms\": %.6g, \"paired_read_gbps\": %.6g, "
+           "\"paired_read_percent\": %.6g, "
+           "\"paired_roofline_percent\": %.6g, "
+           "\"paired_roofline_lo\": %.6g, \"paired_roofline_hi\": %.6g, "
            "\"library\": \"%s\"}\n",
            json_bool(d->attn_only), json_bool(d->ragged), (long long)d->B,
            (long long)d->Lq, (long long)d->Lk, (long long)d->kv_keys,
@@ -887,7 +990,9 @@ static void print_json(const decode_bench *d, const decode_result *r)
            r->elem_ms, r->fma_ms, (long long)d->page,
            (long long)d->shared,
            (long long)r->usage.bytes, (long long)r->usage.token_bytes,
-           mha_version_string());
+           r->paired_median_ms, r->paired_read_gbps, r->paired_read_percent,
+           r->paired_roofline_percent, r->paired_roofline_lo,
+           r->paired_roofline_hi, mha_version_string());
 }
 
 static void print_text(const decode_bench *d, const decode_result *r)
@@ -963,6 +1068,13 @@ static void print_text(const decode_bench *d, const decode_result *r)
     printf("  roofline max(memory %.3f ms, arithmetic %.3f ms) = %.3f ms: "
            "the step reaches %.1f%%\n", r->memory_ms, r->arith_ms,
            r->roofline_ms, r->roofline_percent);
+    printf("  paired  %lld more steps, each between two read passes of its "
+           "bytes (at least\n          4x the L3): median %.4f ms, the faster "
+           "pass around each\n          "
+           "%.2f GB/s: read %.1f%%, roofline %.1f%% (%.1f-%.1f)\n",
+           (long long)d->repeat, r->paired_median_ms, r->paired_read_gbps,
+           r->paired_read_percent, r->paired_roofline_percent,
+           r->paired_roofline_lo, r->paired_roofline_hi);
 }
 
 int bench_decode(int argc, char **argv, const tool_opt *o, int n)
@@ -982,13 +1094,15 @@ int bench_decode(int argc, char **argv, const tool_opt *o, int n)
         fprintf(stderr, "mha bench: warning: this mha was built without "
                 "optimisation; the read probe and the timings mean little\n");
 #endif
-    if (!rc) {
-        res.read_gbps = read_gbps((int)d.threads, &res.read_bytes);
-        if (!(res.read_gbps > 0.0))
-            rc = tool_fail("bench", "the read-bandwidth probe failed (out of "
-                           "memory for %lld MiB?)",
-                           (long long)(res.read_bytes >> 20));
+    read_probe probe = {0};
+    if (!rc && probe_open(&probe, (int)d.threads))
+        rc = tool_fail("bench", "out of memory for the read probe's %lld MiB",
+                       (long long)(probe.bytes >> 20));
+    for (int pass = 0; !rc && pass < READ_PASSES; pass++) {
+        const double g = probe_pass(&probe, (int)d.threads, probe.blocks);
+        res.read_gbps = g > res.read_gbps ? g : res.read_gbps;
     }
+    res.read_bytes = probe.bytes;
     if (!rc) {
         /* the group's stacked rows per converted element: (H / Hkv) Lq,
          * as a power of two up to 8 (the probe's loops) */
@@ -1003,8 +1117,15 @@ int bench_decode(int argc, char **argv, const tool_opt *o, int n)
         if (!rc && !(res.fma_gflops > 0.0))
             rc = tool_fail("bench", "the FMA probe failed");
     }
-    if (!rc)
-        rc = time_steps(&d, &s);
+    if (!rc) {
+        count_bytes(&d, &s, &res);
+        rc = time_steps(&d, &s, &probe, res.kv_bytes + res.weight_bytes);
+    }
+    if (probe_close(&probe) && !rc)
+        rc = tool_fail("bench", "the read probe's sums are wrong: a pass "
+                       "did not read its whole buffer");
+    if (!rc && !(res.read_gbps > 0.0))
+        rc = tool_fail("bench", "the read probe timed no pass");
     if (!rc) {
         summarise(&d, &s, &res);
         if (d.json)
