@@ -1065,16 +1065,23 @@ expect 1 "option --json takes no value" -- "$mha" bench "${tiny[@]}" --json=1
 # of the E=32, H=4, H_kv=2 module, 4*(32*32 + 2*16*32 + 64 + 32*32 + 32)).
 # Each run takes warm-up + 2 x repeat = 7 steps (the paired ones too) on a
 # cache of room Lk + Lq: a step that left its tokens in the cache would
-# overflow it at the second.
-dec=(--decode --kv-seq 100 --embed-dim 32 --heads 4 --kv-heads 2 --repeat 3 --warmup 1)
-jdec_any="j['decode'] is True and j['kv_dtype'] == 'f32' and j['tier'] in ('avx512', 'avx2', 'scalar', 'ref') and j['median_ms'] > 0 and 0 < j['min_ms'] <= j['median_ms'] and j['repeat'] == 3 and j['warmup'] == 1 and abs(j['kv_gbps'] - j['kv_bytes'] / (j['median_ms'] * 1e-3) * 1e-9) <= 1e-4 * j['kv_gbps'] and j['read_gbps'] > 0 and j['read_bytes'] >= 2**30 and abs(j['read_percent'] - 100 * j['kv_gbps'] / j['read_gbps']) <= 1e-4 * j['read_percent'] and j['kv_bytes'] == j['kv_keys'] * 2 * 8 * 2 * 4 and abs(j['memory_ms'] - (j['kv_bytes'] + j['weight_bytes']) / (j['read_gbps'] * 1e9) * 1e3) <= 1e-4 * j['memory_ms'] and j['paired_median_ms'] > 0 and j['paired_read_gbps'] > 0 and j['paired_read_percent'] > 0 and 0 < j['paired_roofline_lo'] <= j['paired_roofline_percent'] <= j['paired_roofline_hi']"
+# overflow it at the second.  --read-mib 64: a read probe of 64 MiB, not
+# the default max(1 GiB, 4x L3), which one run below checks (a GiB's
+# first touch and five passes cost ~5 s a run under ASan).
+dec=(--decode --kv-seq 100 --embed-dim 32 --heads 4 --kv-heads 2 --repeat 3 --warmup 1 --read-mib 64)
+jdec_any="j['decode'] is True and j['kv_dtype'] == 'f32' and j['tier'] in ('avx512', 'avx2', 'scalar', 'ref') and j['median_ms'] > 0 and 0 < j['min_ms'] <= j['median_ms'] and j['repeat'] == 3 and j['warmup'] == 1 and abs(j['kv_gbps'] - j['kv_bytes'] / (j['median_ms'] * 1e-3) * 1e-9) <= 1e-4 * j['kv_gbps'] and j['read_gbps'] > 0 and j['read_bytes'] == 64 << 20 and abs(j['read_percent'] - 100 * j['kv_gbps'] / j['read_gbps']) <= 1e-4 * j['read_percent'] and j['kv_bytes'] == j['kv_keys'] * 2 * 8 * 2 * 4 and abs(j['memory_ms'] - (j['kv_bytes'] + j['weight_bytes']) / (j['read_gbps'] * 1e9) * 1e3) <= 1e-4 * j['memory_ms'] and j['paired_median_ms'] > 0 and j['paired_read_gbps'] > 0 and j['paired_read_percent'] > 0 and 0 < j['paired_roofline_lo'] <= j['paired_roofline_percent'] <= j['paired_roofline_hi']"
 jdec="$jdec_any and j['attention_only'] is False and j['weight_bytes'] == 4 * 3168"
 jdec_attn="$jdec_any and j['attention_only'] is True and j['weight_bytes'] == 0"
 jcheck "bench --decode --json" "$jdec and j['ragged'] is False and (j['batch'], j['seq'], j['kv_seq'], j['embed_dim'], j['heads'], j['kv_heads'], j['head_dim']) == (1, 1, 100, 32, 4, 2, 8) and j['kv_keys'] == 100 and j['kv_bytes'] == 1 * 100 * 2 * 8 * 2 * 4 and j['threads'] == 1 == j['blas_threads']" \
   -- "$mha" bench "${dec[@]}" --threads 1 --json
 jcheck "bench --decode --batch 3 --seq 2 --json" "$jdec and (j['batch'], j['seq'], j['kv_seq']) == (3, 2, 100) and j['kv_keys'] == 300 and j['kv_bytes'] == 3 * 100 * 2 * 8 * 2 * 4 and j['threads'] == 2 == j['blas_threads']" \
   -- "$mha" bench "${dec[@]}" --batch 3 --seq 2 --threads 2 --json
-expect 0 "^  memory  [0-9.]+ GB/s streaming read \([0-9]+ MiB, 1 thread, best of 5\): the step reaches [0-9.]+%$" -- "$mha" bench "${dec[@]}" --threads 1
+expect 0 "^  memory  [0-9.]+ GB/s streaming read \(64 MiB, 1 thread, best of 5\): the step reaches [0-9.]+%$" -- "$mha" bench "${dec[@]}" --threads 1
+# Without --read-mib the probe reads at least a GiB (and 4x the L3).
+jcheck "bench --decode: the read probe's default buffer" "j['read_gbps'] > 0 and j['read_bytes'] >= 2**30 and j['paired_read_gbps'] > 0" \
+  -- "$mha" bench "${dec[@]:0:13}" --threads 1 --json
+expect 1 "^mha bench: --read-mib must be an integer in \[1, 1048576\]" -- "$mha" bench "${dec[@]:0:13}" --read-mib 0
+expect 1 "^mha bench: --read-mib needs --decode$" -- "$mha" bench "${tiny[@]}" --read-mib 64
 expect 0 "^          [0-9.]+ GB/s: read [0-9.]+%, roofline [0-9.]+% \([0-9.]+-[0-9.]+\)$" -- "$mha" bench "${dec[@]}" --threads 1
 # --attention-only: mha_attention on the cache, no module, no weights read.
 jcheck "bench --decode --attention-only --json" "$jdec_attn and j['ragged'] is False and (j['batch'], j['seq'], j['kv_seq'], j['kv_heads'], j['head_dim']) == (2, 1, 100, 2, 8) and j['kv_keys'] == 200 and j['kv_bytes'] == 2 * 100 * 2 * 8 * 2 * 4" \
@@ -1117,13 +1124,13 @@ expect 1 "^mha bench: --page-size needs --paged$" -- "$mha" bench "${dec[@]}" --
 # keys x 4 rows x (24 + 16)) at the FMA probe's rate.
 jvw="j['decode'] is True and j['attention_only'] is True and (j['heads'], j['kv_heads'], j['head_dim'], j['v_head_dim']) == (4, 1, 24, 16) and j['median_ms'] > 0 and j['fma_gflops'] > 0 and abs(j['fma_ms'] - 2 * 100 * 4 * 40 / (j['fma_gflops'] * 1e9) * 1e3) <= 1e-4 * j['fma_ms'] and j['arith_ms'] == max(j['elem_ms'], j['fma_ms'])"
 jcheck "bench --decode --v-head-dim" "$jvw and j['kv_latent'] is False and j['kv_bytes'] == 100 * (24 + 16) * 4" \
-  -- "$mha" bench --decode --attention-only --kv-seq 100 --embed-dim 96 --heads 4 --kv-heads 1 --v-head-dim 16 --repeat 3 --warmup 1 --threads 1 --json
+  -- "$mha" bench --decode --attention-only --kv-seq 100 --embed-dim 96 --heads 4 --kv-heads 1 --v-head-dim 16 --repeat 3 --warmup 1 --read-mib 64 --threads 1 --json
 jcheck "bench --decode --kv-latent" "$jvw and j['kv_latent'] is True and j['kv_dtype'] == 'f16' and j['kv_bytes'] == 100 * 24 * 2" \
-  -- "$mha" bench --decode --attention-only --kv-seq 100 --embed-dim 96 --heads 4 --kv-heads 1 --v-head-dim 16 --kv-latent --kv-dtype f16 --repeat 3 --warmup 1 --threads 2 --json
+  -- "$mha" bench --decode --attention-only --kv-seq 100 --embed-dim 96 --heads 4 --kv-heads 1 --v-head-dim 16 --kv-latent --kv-dtype f16 --repeat 3 --warmup 1 --read-mib 64 --threads 2 --json
 # in pages of 64: two pages of 64 keys of 24 f16 held for the 100 tokens
 jcheck "bench --decode --kv-latent --paged" "$jvw and j['kv_latent'] is True and j['page_size'] == 64 and j['token_bytes'] == 100 * 24 * 2 and j['cache_bytes'] == 2 * 64 * 24 * 2" \
-  -- "$mha" bench --decode --attention-only --kv-seq 100 --embed-dim 96 --heads 4 --kv-heads 1 --v-head-dim 16 --kv-latent --kv-dtype f16 --paged --repeat 3 --warmup 1 --threads 2 --json
-expect 0 "^  fma     [0-9.]+ GFLOP/s \(.* multiply-add probe, 1 thread\): the step's multiply-adds$" -- "$mha" bench --decode --attention-only --kv-seq 100 --embed-dim 96 --heads 4 --kv-heads 1 --v-head-dim 16 --kv-latent --repeat 1 --threads 1
+  -- "$mha" bench --decode --attention-only --kv-seq 100 --embed-dim 96 --heads 4 --kv-heads 1 --v-head-dim 16 --kv-latent --kv-dtype f16 --paged --repeat 3 --warmup 1 --read-mib 64 --threads 2 --json
+expect 0 "^  fma     [0-9.]+ GFLOP/s \(.* multiply-add probe, 1 thread\): the step's multiply-adds$" -- "$mha" bench --decode --attention-only --kv-seq 100 --embed-dim 96 --heads 4 --kv-heads 1 --v-head-dim 16 --kv-latent --repeat 1 --threads 1 --read-mib 64
 expect 1 "^mha bench: --v-head-dim needs --attention-only" -- "$mha" bench "${dec[@]}" --v-head-dim 4
 expect 1 "^mha bench: --kv-latent needs --attention-only" -- "$mha" bench "${dec[@]}" --kv-latent
 expect 1 "^mha bench: --kv-latent needs --decode$" -- "$mha" bench "${tiny[@]}" --kv-latent
@@ -1132,9 +1139,9 @@ expect 1 "^mha bench: --kv-latent with --kv-dtype q4: unsupported: a latent cach
 # q8 and q4 latent caches: 24 code bytes (q4: 12) and one block's scale
 # (4 bytes) a token
 jcheck "bench --decode --kv-latent --kv-dtype q8" "$jvw and j['kv_latent'] is True and j['kv_dtype'] == 'q8' and j['kv_bytes'] == 100 * (24 + 4)" \
-  -- "$mha" bench --decode --attention-only --kv-seq 100 --embed-dim 96 --heads 4 --kv-heads 1 --v-head-dim 16 --kv-latent --kv-dtype q8 --repeat 3 --warmup 1 --threads 2 --json
+  -- "$mha" bench --decode --attention-only --kv-seq 100 --embed-dim 96 --heads 4 --kv-heads 1 --v-head-dim 16 --kv-latent --kv-dtype q8 --repeat 3 --warmup 1 --read-mib 64 --threads 2 --json
 jcheck "bench --decode --kv-latent --kv-dtype q4" "$jvw and j['kv_latent'] is True and j['kv_dtype'] == 'q4' and j['kv_bytes'] == 100 * (12 + 4)" \
-  -- "$mha" bench --decode --attention-only --kv-seq 100 --embed-dim 96 --heads 4 --kv-heads 1 --v-head-dim 16 --kv-latent --kv-dtype q4 --repeat 3 --warmup 1 --threads 2 --json
+  -- "$mha" bench --decode --attention-only --kv-seq 100 --embed-dim 96 --heads 4 --kv-heads 1 --v-head-dim 16 --kv-latent --kv-dtype q4 --repeat 3 --warmup 1 --read-mib 64 --threads 2 --json
 expect 1 "^mha bench: --shared-prefix needs --paged and --attention-only$" -- "$mha" bench "${dec[@]}" --paged --shared-prefix 10
 expect 1 "^mha bench: --shared-prefix 101 is longer than sequence 0's 100 keys$" -- "$mha" bench "${dec[@]}" --attention-only --paged --shared-prefix 101
 expect 1 "^mha bench: KV cache: invalid argument: cache page_size 100: expected 0" -- "$mha" bench "${dec[@]}" --paged --page-size 100

@@ -98,9 +98,9 @@ static float sum_block(const float *x, int64_t n)
 
 /*
  * The streaming-read probe: `threads` threads summing a buffer of
- * max(1 GiB, 4x the last-level cache), each thread its own contiguous
- * share (OpenMP static schedule, first touched by the same threads; huge
- * pages asked for, as for a KV cache).  Kept open through the run: its
+ * max(1 GiB, 4x the last-level cache), or --read-mib's size, each thread
+ * its own contiguous share (OpenMP static schedule, first touched by the
+ * same threads; huge pages asked for, as for a KV cache).  Kept open through the run: its
  * best of READ_PASSES passes is read_gbps, and the paired passes (below)
  * read a prefix of it between the timed steps.
  */
@@ -112,12 +112,14 @@ typedef struct read_probe {
     double expected;  /* what those sums must add up to  */
 } read_probe;
 
-/* 0, or -1 when the buffer cannot be allocated (p->bytes says its size). */
-static int probe_open(read_probe *p, int threads)
+/* A buffer of `mib` MiB, or of the default size when `mib` is 0: 0, or
+ * -1 when it cannot be allocated (p->bytes says its size). */
+static int probe_open(read_probe *p, int threads, int64_t mib)
 {
     int64_t want = (int64_t)1 << 30;
     const int64_t llc = cache_bytes(3);
     want = 4 * llc > want ? 4 * llc : want;
+    want = mib ? mib << 20 : want;
     p->blocks = want / (READ_BLOCK * (int64_t)sizeof(float));
     p->bytes = p->blocks * READ_BLOCK * (int64_t)sizeof(float);
     p->total = p->expected = 0.0;
@@ -468,6 +470,7 @@ typedef struct decode_bench {
     int64_t shared;    /* --shared-prefix N: every sequence's first N
                           tokens sequence 0's, forked (pages shared), the
                           step one ragged call with share_prefix      */
+    int64_t read_mib;  /* --read-mib: the read probe's buffer; 0 default */
     int64_t *len;      /* (B): the keys each sequence holds before a step */
     int64_t kv_keys;   /* their sum: the cached keys one step reads      */
     int64_t all_keys;  /* the keys the step multiplies: kv_keys, and a
@@ -557,7 +560,10 @@ static int parse_decode(const tool_opt *o, int n, decode_bench *d)
          tool_int("bench", "warmup", OPT("warmup"), 0, 1000000, &d->warmup)) ||
         (OPT("page-size") &&
          tool_int("bench", "page-size", OPT("page-size"), 1, INT32_MAX,
-                  &d->page)))
+                  &d->page)) ||
+        (OPT("read-mib") &&
+         tool_int("bench", "read-mib", OPT("read-mib"), 1, 1 << 20,
+                  &d->read_mib)))
         return 1;
     d->rotate = OPT("kv-rotate") != NULL;
     d->latent = OPT("kv-latent") != NULL;
@@ -1095,7 +1101,7 @@ int bench_decode(int argc, char **argv, const tool_opt *o, int n)
                 "optimisation; the read probe and the timings mean little\n");
 #endif
     read_probe probe = {0};
-    if (!rc && probe_open(&probe, (int)d.threads))
+    if (!rc && probe_open(&probe, (int)d.threads, d.read_mib))
         rc = tool_fail("bench", "out of memory for the read probe's %lld MiB",
                        (long long)(probe.bytes >> 20));
     for (int pass = 0; !rc && pass < READ_PASSES; pass++) {

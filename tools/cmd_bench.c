@@ -31,7 +31,8 @@ static const char BENCH_HELP[] =
     "                 [--v-head-dim Dv [--kv-latent]]\n"
     "                 [--batch B] [--seq L] [--ragged] [--attention-only]\n"
     "                 [--paged [--page-size P] [--shared-prefix N]]\n"
-    "                 [--threads T] [--repeat R] [--warmup W] [--json]\n"
+    "                 [--threads T] [--repeat R] [--warmup W] [--read-mib M]\n"
+    "                 [--json]\n"
     "\n"
     "Times the forward pass of a module with Xavier-initialised weights\n"
     "(seed 1) on random inputs in [-1, 1): the plan is made once\n"
@@ -131,7 +132,7 @@ static const char BENCH_HELP[] =
     "                        with q_start and share_prefix: the prefix read\n"
     "                        once); kv_keys counts its whole pages once\n"
     "  --attention-only      time the attention of the step alone,\n"
-    "                        mha_attention_plan_run with args.cache on random\n"
+    "                        mha_attention_plan_decode on the cache, random\n"
     "                        q (B, Lq, H*d_h) already projected: no module,\n"
     "                        no projections (weight_bytes 0).  As a caller\n"
     "                        decoding on heads does, each step's Lq new\n"
@@ -148,7 +149,9 @@ static const char BENCH_HELP[] =
     "counted), kv_gbps = kv_bytes / the median time, and read_percent,\n"
     "that as a share of read_gbps, the machine's streaming-read bandwidth\n"
     "measured in the same run (T threads summing a buffer of max(1 GiB,\n"
-    "4x the L3), best of 5).  Its arithmetic ceiling: arith_gelems, the\n"
+    "4x the L3), best of 5; --read-mib M: a buffer of M MiB, quicker, but\n"
+    "one under 4x the L3 reads partly from the cache and its GB/s are not\n"
+    "the memory's; JSON: read_bytes).  Its arithmetic ceiling: arith_gelems, the\n"
     "cached elements per second (1e9) that the same threads convert from\n"
     "the cache's type and multiply-add into the (H/Hkv)*Lq stacked rows\n"
     "(as a power of two up to 8), on 8-16 KiB in L1 with the kernel\n"
@@ -242,7 +245,7 @@ int cmd_bench(int argc, char **argv)
                     {"paged", 0, 0}, {"page-size", 1, 0},
                     {"shared-prefix", 1, 0}, {"kv-rotate", 0, 0},
                     {"v-head-dim", 1, 0}, {"kv-latent", 0, 0},
-                    MOD_OPTS, MOD_WINDOW_OPT};
+                    {"read-mib", 1, 0}, MOD_OPTS, MOD_WINDOW_OPT};
     int status;
     if (tool_options("bench", argc, argv, o, NOPTS(o), BENCH_HELP, &status))
         return status;
@@ -261,7 +264,8 @@ int cmd_bench(int argc, char **argv)
     static const char *const decode_only[] = {"kv-heads", "kv-dtype",
                                               "ragged", "paged", "page-size",
                                               "shared-prefix", "kv-rotate",
-                                              "v-head-dim", "kv-latent"};
+                                              "v-head-dim", "kv-latent",
+                                              "read-mib"};
     for (int k = 0; k < NOPTS(decode_only); k++)
         if (OPT(decode_only[k]))
             return tool_fail("bench", "--%s needs --decode", decode_only[k]);

@@ -1712,9 +1712,9 @@ static mha_status attention_decode(const mha_attention_args *a)
 }
 
 static mha_status heads_first_inputs(mha_attention_args *a,
-                                     const strided4 x[4], int nx,
+                                     const strided4 *x, int nx,
                                      const float **grad_out,
-                                     float *scratch[4])
+                                     float **scratch)
 {
     const float *p[4];
     for (int i = 0; i < nx; i++) {
@@ -2005,15 +2005,15 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
     if (st != MHA_OK)
         return raise_status(st);
     if (made) {
-        kept_plan *k = malloc(sizeof *k);
-        PyObject *cap = k ? PyCapsule_New(k, "mha.attention_plan",
-                                          kept_plan_free) : NULL;
+        kept_plan *kept = malloc(sizeof *kept);
+        PyObject *cap = kept ? PyCapsule_New(kept, "mha.attention_plan",
+                                             kept_plan_free) : NULL;
         if (!cap) {
-            free(k);
+            free(kept);
             mha_attention_plan_free(made);
-            return k ? NULL : PyErr_NoMemory();
+            return kept ? NULL : PyErr_NoMemory();
         }
-        *k = (kept_plan){made, 0};
+        *kept = (kept_plan){made, 0};
         return cap;
     }
     if (kp_ && !backward) {
