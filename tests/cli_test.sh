@@ -1069,7 +1069,7 @@ expect 1 "option --json takes no value" -- "$mha" bench "${tiny[@]}" --json=1
 # the default max(1 GiB, 4x L3), which one run below checks (a GiB's
 # first touch and five passes cost ~5 s a run under ASan).
 dec=(--decode --kv-seq 100 --embed-dim 32 --heads 4 --kv-heads 2 --repeat 3 --warmup 1 --read-mib 64)
-jdec_any="j['decode'] is True and j['kv_dtype'] == 'f32' and j['tier'] in ('avx512', 'avx2', 'scalar', 'ref') and j['median_ms'] > 0 and 0 < j['min_ms'] <= j['median_ms'] and j['repeat'] == 3 and j['warmup'] == 1 and abs(j['kv_gbps'] - j['kv_bytes'] / (j['median_ms'] * 1e-3) * 1e-9) <= 1e-4 * j['kv_gbps'] and j['read_gbps'] > 0 and j['read_bytes'] == 64 << 20 and abs(j['read_percent'] - 100 * j['kv_gbps'] / j['read_gbps']) <= 1e-4 * j['read_percent'] and j['kv_bytes'] == j['kv_keys'] * 2 * 8 * 2 * 4 and abs(j['memory_ms'] - (j['kv_bytes'] + j['weight_bytes']) / (j['read_gbps'] * 1e9) * 1e3) <= 1e-4 * j['memory_ms'] and j['paired_median_ms'] > 0 and j['paired_read_gbps'] > 0 and j['paired_read_percent'] > 0 and 0 < j['paired_roofline_lo'] <= j['paired_roofline_percent'] <= j['paired_roofline_hi']"
+jdec_any="j['decode'] is True and j['kv_dtype'] == 'f32' and j['tier'] in ('avx512', 'avx2', 'scalar', 'ref') and j['median_ms'] > 0 and 0 < j['min_ms'] <= j['median_ms'] and j['repeat'] == 3 and j['warmup'] == 1 and abs(j['kv_gbps'] - j['kv_bytes'] / (j['median_ms'] * 1e-3) * 1e-9) <= 1e-4 * j['kv_gbps'] and j['read_gbps'] > 0 and j['read_bytes'] == 64 << 20 and abs(j['read_percent'] - 100 * j['kv_gbps'] / j['read_gbps']) <= 1e-4 * j['read_percent'] and j['kv_bytes'] == j['kv_keys'] * 2 * 8 * 2 * 4 and abs(j['memory_ms'] - (j['kv_bytes'] + j['weight_bytes']) / (j['read_gbps'] * 1e9) * 1e3) <= 1e-4 * j['memory_ms'] and j['paired_median_ms'] > 0 and j['paired_read_gbps'] > 0 and j['paired_read_percent'] > 0 and 0 < j['paired_roofline_lo'] <= j['paired_roofline_percent'] <= j['paired_roofline_hi'] and 0 < j['paired_pass_bytes'] <= j['read_bytes'] and j['paired_pass_bytes'] % 65536 == 0"
 jdec="$jdec_any and j['attention_only'] is False and j['weight_bytes'] == 4 * 3168"
 jdec_attn="$jdec_any and j['attention_only'] is True and j['weight_bytes'] == 0"
 jcheck "bench --decode --json" "$jdec and j['ragged'] is False and (j['batch'], j['seq'], j['kv_seq'], j['embed_dim'], j['heads'], j['kv_heads'], j['head_dim']) == (1, 1, 100, 32, 4, 2, 8) and j['kv_keys'] == 100 and j['kv_bytes'] == 1 * 100 * 2 * 8 * 2 * 4 and j['threads'] == 1 == j['blas_threads']" \
@@ -1082,7 +1082,9 @@ jcheck "bench --decode: the read probe's default buffer" "j['read_gbps'] > 0 and
   -- "$mha" bench "${dec[@]:0:13}" --threads 1 --json
 expect 1 "^mha bench: --read-mib must be an integer in \[1, 1048576\]" -- "$mha" bench "${dec[@]:0:13}" --read-mib 0
 expect 1 "^mha bench: --read-mib needs --decode$" -- "$mha" bench "${tiny[@]}" --read-mib 64
-expect 0 "^          [0-9.]+ GB/s: read [0-9.]+%, roofline [0-9.]+% \([0-9.]+-[0-9.]+\)$" -- "$mha" bench "${dec[@]}" --threads 1
+expect 1 "^mha bench: --read-mib 1048576 is more than half this machine's [0-9]+ MiB of memory$" -- "$mha" bench "${dec[@]:0:13}" --read-mib 1048576
+expect 0 "^          pass around each [0-9.]+ GB/s: read [0-9.]+%, roofline [0-9.]+% \([0-9.]+-[0-9.]+\)$" -- "$mha" bench "${dec[@]}" --threads 1
+expect 0 "^  paired  3 more steps, each between two read passes of [0-9.]+ MiB \(its bytes, at$" -- "$mha" bench "${dec[@]}" --threads 1
 # --attention-only: mha_attention on the cache, no module, no weights read.
 jcheck "bench --decode --attention-only --json" "$jdec_attn and j['ragged'] is False and (j['batch'], j['seq'], j['kv_seq'], j['kv_heads'], j['head_dim']) == (2, 1, 100, 2, 8) and j['kv_keys'] == 200 and j['kv_bytes'] == 2 * 100 * 2 * 8 * 2 * 4" \
   -- "$mha" bench "${dec[@]}" --batch 2 --attention-only --threads 1 --json

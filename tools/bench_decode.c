@@ -27,6 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* ---- the read-bandwidth probe ------------------------------------------- */
 
@@ -490,6 +491,7 @@ typedef struct decode_state {
     double *ms;                  /* (repeat) timings                      */
     double *pair_ms;             /* (repeat) the paired steps' timings    */
     double *pass_gbps;           /* (repeat + 1) the passes around them   */
+    int64_t pass_bytes;          /* the bytes each of those passes reads  */
     double *pair_gbps, *pair_read, *pair_roof;   /* (repeat) each step's
                                     faster pass, read and roofline share  */
     mha_decode_args a;
@@ -522,6 +524,7 @@ typedef struct decode_result {
      * the last's range */
     double paired_read_gbps, paired_read_percent, paired_roofline_percent;
     double paired_roofline_lo, paired_roofline_hi, paired_median_ms;
+    int64_t paired_pass_bytes;
 } decode_result;
 
 static int parse_decode(const tool_opt *o, int n, decode_bench *d)
@@ -565,6 +568,15 @@ static int parse_decode(const tool_opt *o, int n, decode_bench *d)
          tool_int("bench", "read-mib", OPT("read-mib"), 1, 1 << 20,
                   &d->read_mib)))
         return 1;
+    /* a buffer that the machine cannot hold beside the cache would be
+     * first touched into swap or the OOM killer, not refused by malloc */
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    if (d->read_mib && pages > 0 && page > 0 &&
+        (double)d->read_mib * 1048576.0 > 0.5 * (double)pages * (double)page)
+        return tool_fail("bench", "--read-mib %lld is more than half this "
+                         "machine's %.0f MiB of memory",
+                         (long long)d->read_mib,
+                         (double)pages * (double)page / 1048576.0);
     d->rotate = OPT("kv-rotate") != NULL;
     d->latent = OPT("kv-latent") != NULL;
     if (OPT("v-head-dim") &&
@@ -875,6 +887,7 @@ static int time_steps(const decode_bench *d, decode_state *s, read_probe *p,
     int64_t blocks = (int64_t)(step_bytes / (READ_BLOCK * sizeof(float)));
     blocks = blocks < llc_blocks ? llc_blocks : blocks;
     blocks = blocks < 1 ? 1 : blocks > p->blocks ? p->blocks : blocks;
+    s->pass_bytes = blocks * READ_BLOCK * (int64_t)sizeof(float);
     for (int64_t r = 0; !rc && r <= d->repeat; r++) {
         s->pass_gbps[r] = probe_pass(p, (int)d->threads, blocks);
         if (r < d->repeat)
@@ -946,6 +959,7 @@ static void summarise(const decode_bench *d, decode_state *s,
     res->paired_roofline_lo = s->pair_roof[0];   /* (sorted by the median) */
     res->paired_roofline_hi = s->pair_roof[d->repeat - 1];
     res->paired_median_ms = bench_median(s->pair_ms, d->repeat);
+    res->paired_pass_bytes = s->pass_bytes;
 }
 
 static const char *json_bool(int x)
@@ -980,6 +994,7 @@ static void print_json(const decode_bench *d, const decode_result *r)
            "\"paired_read_percent\": %.6g, "
            "\"paired_roofline_percent\": %.6g, "
            "\"paired_roofline_lo\": %.6g, \"paired_roofline_hi\": %.6g, "
+           "\"paired_pass_bytes\": %lld, "
            "\"library\": \"%s\"}\n",
            json_bool(d->attn_only), json_bool(d->ragged), (long long)d->B,
            (long long)d->Lq, (long long)d->Lk, (long long)d->kv_keys,
@@ -998,7 +1013,8 @@ static void print_json(const decode_bench *d, const decode_result *r)
            (long long)r->usage.bytes, (long long)r->usage.token_bytes,
            r->paired_median_ms, r->paired_read_gbps, r->paired_read_percent,
            r->paired_roofline_percent, r->paired_roofline_lo,
-           r->paired_roofline_hi, mha_version_string());
+           r->paired_roofline_hi, (long long)r->paired_pass_bytes,
+           mha_version_string());
 }
 
 static void print_text(const decode_bench *d, const decode_result *r)
@@ -1074,11 +1090,12 @@ static void print_text(const decode_bench *d, const decode_result *r)
     printf("  roofline max(memory %.3f ms, arithmetic %.3f ms) = %.3f ms: "
            "the step reaches %.1f%%\n", r->memory_ms, r->arith_ms,
            r->roofline_ms, r->roofline_percent);
-    printf("  paired  %lld more steps, each between two read passes of its "
-           "bytes (at least\n          4x the L3): median %.4f ms, the faster "
-           "pass around each\n          "
-           "%.2f GB/s: read %.1f%%, roofline %.1f%% (%.1f-%.1f)\n",
-           (long long)d->repeat, r->paired_median_ms, r->paired_read_gbps,
+    printf("  paired  %lld more steps, each between two read passes of %.1f "
+           "MiB (its bytes, at\n          least 4x the L3, at most the "
+           "probe's): median %.4f ms, the faster\n          pass around "
+           "each %.2f GB/s: read %.1f%%, roofline %.1f%% (%.1f-%.1f)\n",
+           (long long)d->repeat, (double)r->paired_pass_bytes / 1048576.0,
+           r->paired_median_ms, r->paired_read_gbps,
            r->paired_read_percent, r->paired_roofline_percent,
            r->paired_roofline_lo, r->paired_roofline_hi);
 }
