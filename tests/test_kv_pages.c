@@ -12,6 +12,7 @@
  *     the entries naming it, the free stack the pages no one holds, no
  *     page past a sequence's length), the usage against the lengths, and
  *     a refused append must change nothing;
+ *   - placement: sequences growing in turn get their pages side by side;
  *   - a decoding step against float64 attention over the values read back;
  *   - the module's forward with a paged cache;
  *   - memory: ragged sequences take their tokens' bytes, not capacity's;
@@ -205,6 +206,77 @@ static void test_programs(void **state)
         program(dts[d], 16, 30, 300 + (uint64_t)d, 1500);
         program(dts[d], 32, 15, 400 + (uint64_t)d, 1500);
     }
+}
+
+/* Where pages go: sequences that grow a page at a time in turn (as a
+ * server interleaves them) each get their pages side by side: a run of
+ * their own from its first page, each page the one after the last
+ * (kv_pages.c); a run given back is whole again and taken first.  In a
+ * pool of just the pages they fill, whole runs run out and pages come
+ * from anywhere free, until the pool is full.  The tables stay
+ * consistent throughout; placement changes no bits (test_programs: any
+ * page gives a contiguous cache's). */
+static void placement(int64_t page)
+{
+    const int64_t run = page < MHA_PAGE_RUN ? MHA_PAGE_RUN / page : 1;
+    const int64_t per = CAP / page;   /* pages a sequence fills below */
+    static float k[256 * EKV], v[256 * EKV];
+    tu_fill(k, page * EKV, 5, -1, 1);
+    tu_fill(v, page * EKV, 6, -1, 1);
+    for (int tight = 0; tight < 2; tight++) {
+        /* room for every sequence in runs of its own, or just the pages */
+        const int64_t runs_each = (per + run - 1) / run;
+        const int64_t pool = tight ? B * per : B * runs_each * run;
+        mha_kv_cache *kv = make(MHA_KV_F16, page, pool);
+        int64_t loose = 0;   /* pages taken with no whole run left */
+        for (int64_t i = 0; i < per; i++)
+            for (int64_t b = 0; b < B; b++) {
+                loose += kv->n_whole == 0;
+                assert_int_equal(mha_kv_cache_append(kv, b, k, v, page),
+                                 MHA_OK);
+                assert_true(mha_kv_pages_consistent(kv));
+            }
+        assert_int_equal(kv->n_free, pool - B * per);
+        if (tight) {   /* full: one more token refused, nothing moved */
+            assert_true(run == 1 || loose > 0);
+            assert_int_equal(kv->n_whole, 0);
+            assert_int_equal(mha_kv_cache_append(kv, 0, k, v, 1),
+                             MHA_ERR_OUT_OF_MEMORY);
+            assert_int_equal(mha_kv_cache_length(kv, 0), per * page);
+            assert_true(mha_kv_pages_consistent(kv));
+            mha_kv_cache_free(kv);
+            continue;
+        }
+        for (int64_t b = 0; b < B; b++) {
+            const int32_t *t = kv->table + b * kv->table_len;
+            for (int64_t i = 0; i < per; i++)   /* a run's first page, */
+                assert_int_equal(t[i], i % run ? t[i - 1] + 1   /* next */
+                                               : t[i] / run * run);
+        }
+        /* sequence 1 leaves: its runs whole again, one of them taken by
+         * the next to start */
+        int32_t held1[CAP];
+        memcpy(held1, kv->table + kv->table_len, (size_t)per * sizeof *held1);
+        assert_int_equal(mha_kv_cache_reset(kv, 1), MHA_OK);
+        assert_int_equal(kv->n_whole, runs_each);
+        assert_int_equal(mha_kv_cache_append(kv, 1, k, v, 1), MHA_OK);
+        const int32_t again = kv->table[kv->table_len];
+        int among = 0;
+        for (int64_t i = 0; i < per; i++)
+            among |= held1[i] / run == again / run;
+        assert_true(among && again % run == 0);
+        assert_true(mha_kv_pages_consistent(kv));
+        mha_kv_cache_free(kv);
+    }
+}
+
+static void test_placement(void **state)
+{
+    (void)state;
+    placement(16);   /* runs of 16 pages */
+    placement(32);   /* of 8 */
+    placement(64);   /* of 4 */
+    placement(256);  /* of 1: each page its own run */
 }
 
 /* float64 attention of one query head h (its DH elements at qr) over
@@ -840,6 +912,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_programs),
+        cmocka_unit_test(test_placement),
         cmocka_unit_test(test_step_vs_float64),
         cmocka_unit_test(test_module_forward),
         cmocka_unit_test(test_memory_ragged),

@@ -203,19 +203,16 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
         data += (4096 - (uintptr_t)block % 4096) % 4096;
     float *finite = calloc((size_t)tiles_all, sizeof *finite);
     int32_t *table = P ? malloc((size_t)table_all * sizeof *table) : NULL;
-    int32_t *refs = P ? calloc((size_t)pages, sizeof *refs) : NULL;
-    int32_t *free_pages = P ? malloc((size_t)pages * sizeof *free_pages)
-                            : NULL;
-    if (!c || !len || !start || !block || !finite ||
-        (P && (!table || !refs || !free_pages))) {
+    if (c)
+        c->page = P;   /* (the pool's runs: mha_kv_pages_init) */
+    if (!c || !len || !start || !block || !finite || (P && !table) ||
+        (P && mha_kv_pages_init(c, pages) != MHA_OK)) {
         free(c);
         free(len);
         free(start);
         free(block);
         free(finite);
         free(table);
-        free(refs);
-        free(free_pages);
         return mha_set_error(MHA_ERR_OUT_OF_MEMORY,
                              "cannot allocate a %s cache of %lld bytes",
                              dtype_name(cfg->dtype), (long long)bytes);
@@ -224,17 +221,10 @@ static mha_status mha_kv_cache_create_impl(const mha_kv_cache_config *cfg,
         finite[t] = 1.0f;
     for (int64_t i = 0; i < table_all; i++)
         table[i] = (int32_t)pages;   /* the null page */
-    for (int64_t i = 0; i < pages * (P != 0); i++)
-        free_pages[i] = (int32_t)(pages - 1 - i);   /* page 0 on top */
-    c->page = P;
     c->tpp = P / tw;
     c->tw = tw;
-    c->pages = P ? pages : 0;
     c->table_len = table_len;
     c->table = table;
-    c->refs = refs;
-    c->free_pages = free_pages;
-    c->n_free = c->pages;
     advise_huge_pages(data, bytes);
     c->B = cfg->batch;
     c->Hkv = cfg->num_kv_heads;
@@ -275,8 +265,7 @@ void mha_kv_cache_free(mha_kv_cache *c)
     free(c->block);   /* the one allocation of both planes */
     free(c->finite);
     free(c->table);
-    free(c->refs);
-    free(c->free_pages);
+    free(c->refs);   /* (the pool's one allocation: kv_pages.c) */
     free(c);
 }
 

@@ -65,9 +65,18 @@ struct mha_kv_cache {
     int64_t pages;          /* the pool's pages (the null page not counted) */
     int64_t table_len;      /* pages per sequence: ceil(capacity / page)  */
     int32_t *table;         /* [B][table_len] page ids                    */
-    int32_t *refs;          /* [pages] the table entries holding each page */
+    int32_t *refs;          /* [pages] the table entries holding each page
+                               (the pool's one allocation: kv_pages.c) */
     int32_t *free_pages;    /* [pages] a stack of the free ones ...       */
     int64_t n_free;         /* ... n_free deep                            */
+    int32_t *free_at;       /* [pages] a free page's place in it; -1: held */
+    int64_t run;            /* pages per run: the pool's pages in aligned
+                               runs of MHA_PAGE_RUN positions, so that a
+                               sequence's pages can lie side by side   */
+    int32_t *run_free;      /* [runs] free pages in each run            */
+    int32_t *whole;         /* [runs] a stack of the wholly free runs ... */
+    int64_t n_whole;        /* ... n_whole deep                           */
+    int32_t *whole_at;      /* [runs] a wholly free run's place; -1: not  */
     int64_t view_shift;     /* a view's (mha_kv_cache_view): its queries
                                sit this many positions past its end; 0.
                                A cascade's shared prefix sets q_len, so

@@ -17,7 +17,13 @@
  *                              taken in order streams as a contiguous
  *                              cache does)
  *
- * so memory follows the tokens held, not the capacity.  A fork gives a
+ * so memory follows the tokens held, not the capacity.  Where the pool
+ * allows, a sequence's next page is the one after its last (the pool's
+ * pages lie in aligned runs of MHA_PAGE_RUN positions; a sequence's first
+ * page, or one whose neighbour is taken, starts a wholly free run, else
+ * any free page): pages side by side are one stream of memory for the
+ * kernels, where pages scattered one by one cost a memory latency each
+ * (pages of 16: 4 KiB of a head; docs/BENCHMARKS.md).  A fork gives a
  * second sequence the first one's pages by reference (refs counts the
  * table entries naming a page); whichever sequence then writes into a
  * shared page first gets its own copy of it (copy on write), and a page
@@ -71,11 +77,80 @@ static int32_t *entry(const mha_kv_cache *c, int64_t b, int64_t i)
     return c->table + b * c->table_len + i;
 }
 
-/* A page off the free stack, held once: a copy of page `from`, or (from
- * < 0) zeroed. */
-static int32_t take(mha_kv_cache *c, int32_t from)
+/* Run r's pages: `run`, or fewer for the pool's last. */
+static int64_t run_pages(const mha_kv_cache *c, int64_t r)
 {
-    const int32_t pg = c->free_pages[--c->n_free];
+    const int64_t rest = c->pages - r * c->run;
+    return rest < c->run ? rest : c->run;
+}
+
+/* Removes entry `at` of a stack of n whose places are kept in where[]:
+ * its top moves into the gap. */
+static void unstack(int32_t *stack, int64_t *n, int32_t *where, int64_t at)
+{
+    const int32_t top = stack[--*n];
+    stack[at] = top;
+    where[top] = (int32_t)at;
+}
+
+mha_status mha_kv_pages_init(mha_kv_cache *c, int64_t pages)
+{
+    c->run = c->page < MHA_PAGE_RUN ? MHA_PAGE_RUN / c->page : 1;
+    const int64_t runs = pages / c->run + (pages % c->run != 0);
+    /* refs, the free stack, its places; per run its free count, the
+     * stack of whole ones, their places (pages < 2^31) */
+    int32_t *pool = malloc((size_t)(3 * pages + 3 * runs) * sizeof *pool);
+    if (!pool)
+        return mha_set_error(MHA_ERR_OUT_OF_MEMORY,
+                             "cannot allocate a paged cache's pool of %lld "
+                             "pages", (long long)pages);
+    c->pages = pages;
+    c->refs = pool;
+    c->free_pages = pool + pages;
+    c->free_at = pool + 2 * pages;
+    c->run_free = pool + 3 * pages;
+    c->whole = c->run_free + runs;
+    c->whole_at = c->whole + runs;
+    for (int64_t i = 0; i < pages; i++) {   /* page 0 on top */
+        c->refs[i] = 0;
+        c->free_pages[i] = (int32_t)(pages - 1 - i);
+        c->free_at[pages - 1 - i] = (int32_t)i;
+    }
+    for (int64_t r = 0; r < runs; r++) {    /* run 0 on top */
+        c->run_free[r] = (int32_t)run_pages(c, r);
+        c->whole[r] = (int32_t)(runs - 1 - r);
+        c->whole_at[runs - 1 - r] = (int32_t)r;
+    }
+    c->n_free = pages;
+    c->n_whole = runs;
+    return MHA_OK;
+}
+
+/* Where entry i of sequence s goes: after its entry i - 1's page if that
+ * one is free, else at the start of a wholly free run, else any free
+ * page (the stack's top). */
+static int32_t place(const mha_kv_cache *c, int64_t s, int64_t i)
+{
+    const int32_t prev = i > 0 ? *entry(c, s, i - 1) : (int32_t)c->pages;
+    if (prev + 1 < c->pages && c->refs[prev + 1] == 0)
+        return prev + 1;
+    if (c->n_whole)
+        return (int32_t)(c->whole[c->n_whole - 1] * c->run);
+    return c->free_pages[c->n_free - 1];
+}
+
+/* A free page for entry i of sequence s, held once: a copy of page
+ * `from`, or (from < 0) zeroed. */
+static int32_t take(mha_kv_cache *c, int64_t s, int64_t i, int32_t from)
+{
+    const int32_t pg = place(c, s, i);
+    const int64_t r = pg / c->run;
+    unstack(c->free_pages, &c->n_free, c->free_at, c->free_at[pg]);
+    c->free_at[pg] = -1;
+    if (c->run_free[r]-- == run_pages(c, r)) {   /* no longer whole */
+        unstack(c->whole, &c->n_whole, c->whole_at, c->whole_at[r]);
+        c->whole_at[r] = -1;
+    }
     fill_page(c, pg, from);
     c->refs[pg] = 1;
     return pg;
@@ -84,8 +159,15 @@ static int32_t take(mha_kv_cache *c, int32_t from)
 /* One table entry fewer names page pg: back to the pool at none. */
 static void drop(mha_kv_cache *c, int32_t pg)
 {
-    if (--c->refs[pg] == 0)
-        c->free_pages[c->n_free++] = pg;
+    if (--c->refs[pg] != 0)
+        return;
+    const int64_t r = pg / c->run;
+    c->free_at[pg] = (int32_t)c->n_free;
+    c->free_pages[c->n_free++] = pg;
+    if (++c->run_free[r] == run_pages(c, r)) {
+        c->whole_at[r] = (int32_t)c->n_whole;
+        c->whole[c->n_whole++] = (int32_t)r;
+    }
 }
 
 /* The table entry of position p: its page, or with a window the page of
@@ -200,11 +282,11 @@ mha_status mha_kv_pages_reserve(mha_kv_cache *c, int64_t b, int64_t n)
         FOR_PAGES(c, s, n, i, {
             int32_t *e = entry(c, s, i);
             if (*e == c->pages) {
-                *e = take(c, -1);
+                *e = take(c, s, i, -1);
             } else if (c->refs[*e] > 1) {   /* shared: a copy of its own */
                 /* (the other holder's flags come too: finite over its
                  * columns, ours among them, or 0: only the slow path) */
-                const int32_t pg = take(c, *e);
+                const int32_t pg = take(c, s, i, *e);
                 drop(c, *e);
                 *e = pg;
             }
@@ -251,10 +333,28 @@ int mha_kv_pages_consistent(const mha_kv_cache *c)
     ok = ok && c->n_free == c->pages - in_use;
     for (int64_t f = 0; ok && f < c->n_free; f++) {   /* each free once */
         const int32_t pg = c->free_pages[f];
-        ok = pg >= 0 && pg < c->pages && c->refs[pg] == 0 && named[pg] == 0;
+        ok = pg >= 0 && pg < c->pages && c->refs[pg] == 0 &&
+             named[pg] == 0 && c->free_at[pg] == f;
         if (ok)
             named[pg] = -1;
     }
+    for (int64_t pg = 0; ok && pg < c->pages; pg++)   /* held: no place */
+        ok = c->refs[pg] > 0 ? c->free_at[pg] == -1 : named[pg] == -1;
+    /* every run's free count, and the whole ones stacked, once each */
+    const int64_t runs = c->pages / c->run + (c->pages % c->run != 0);
+    int64_t n_whole = 0;
+    for (int64_t r = 0; ok && r < runs; r++) {
+        int64_t n = 0;
+        for (int64_t pg = r * c->run; pg < r * c->run + run_pages(c, r); pg++)
+            n += c->refs[pg] == 0;
+        const int whole = n == run_pages(c, r);
+        const int32_t at = c->whole_at[r];
+        ok = c->run_free[r] == n &&
+             (whole ? at >= 0 && at < c->n_whole && c->whole[at] == r
+                    : at == -1);
+        n_whole += whole;
+    }
+    ok = ok && n_whole == c->n_whole;
     free(named);
     return ok;
 }
