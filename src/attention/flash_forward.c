@@ -65,7 +65,8 @@ static void latent_q(const mha_attn *a, int mr, flash_scratch *f)
  * once for the block, not once a panel (an element's chain is the same
  * whatever the rows beside it: the same bits). */
 static void tile_pv(const mha_attn *a, const mha_tile_src *src, int mr,
-                    int nc, const int *cols, flash_scratch *f)
+                    int nc, const int *cols, const float *s,
+                    flash_scratch *f)
 {
     const int dv = (int)mha_dv(a);
     int whole = 1;
@@ -74,13 +75,13 @@ static void tile_pv(const mha_attn *a, const mha_tile_src *src, int mr,
         whole &= cols[p] == nc;
     }
     if (whole) {
-        mha_tile_pv(a, src, mr, nc, f->s, MHA_BC, f->o, dv);
+        mha_tile_pv(a, src, mr, nc, s, MHA_BC, f->o, dv);
         return;
     }
     for (int r0 = 0, n, p = 0; r0 < mr; r0 += n, p++) {
         n = mha_panel_rows(mr, r0);
         if (cols[p] > 0)
-            mha_tile_pv(a, src, n, cols[p], f->s + r0 * MHA_BC, MHA_BC,
+            mha_tile_pv(a, src, n, cols[p], s + r0 * MHA_BC, MHA_BC,
                         f->o + r0 * dv, dv);
     }
 }
@@ -100,36 +101,54 @@ static void keep_underflowed(float *sr, const unsigned char *live, int nc)
 /* The o of a tile read in place kept for a second pv (below): floats. */
 enum { O_KEPT = 1024 };
 
-/* One key tile against the block's rows: the online-softmax update. */
-static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
+/* The keys each panel of a tile's rows sees: on a diagonal tile each
+ * panel's up to its last live one, on any other all nc (the same blocks
+ * the kernel would take).  Returns the widest. */
+static int panel_cols(const mha_attn *a, const mha_tile *t, int *cols)
 {
-    flash_scratch *f = ctx;
-    const mha_microkernels *uk = a->uk;
-    mha_tile_src src = mha_tile_source(a, t, f->kvt);
-    const int dh = (int)a->dh, dv = (int)mha_dv(a), mr = t->mr, nc = t->nc;
-    /* The scores, panel by panel: on a diagonal tile each panel over the
-     * keys it sees (past its last live one: -inf without a product), on
-     * any other over all nc (the same blocks the kernel would take). */
-    int cols[MHA_BR / MHA_PANEL + 1], wmax = 0;
-    for (int r0 = 0, n, p = 0; r0 < mr; r0 += n, p++) {
-        n = mha_panel_rows(mr, r0);
+    int wmax = 0;
+    for (int r0 = 0, n, p = 0; r0 < t->mr; r0 += n, p++) {
+        n = mha_panel_rows(t->mr, r0);
         cols[p] = mha_tile_panel_cols(a, t, r0, n);
         wmax = cols[p] > wmax ? cols[p] : wmax;
     }
+    return wmax;
+}
+
+/* A key tile's scores against the block's rows into s ([mr][MHA_BC]):
+ * panel by panel, -inf past a panel's keys without a product; then the
+ * modifiers. */
+static void tile_scores(const mha_attn *a, const mha_tile *t,
+                        const mha_tile_src *src, flash_scratch *f, float *s)
+{
+    const int dh = (int)a->dh, mr = t->mr, nc = t->nc;
+    int cols[MHA_BR / MHA_PANEL + 1];
+    const int wmax = panel_cols(a, t, cols);
     const int latent = a->kv && a->kv->latent && !t->extra;
     if (latent && wmax > 0)   /* every panel at once, over the widest */
-        latent_scores(a, &src, mr, wmax, f);
+        latent_scores(a, src, mr, wmax, f);   /* (into f->s: slot 0) */
     for (int r0 = 0, n, p = 0; r0 < mr; r0 += n, p++) {
         n = mha_panel_rows(mr, r0);
         const int w = cols[p];
         if (w > 0 && !latent)
-            mha_tile_qk(a, &src, n, w, f->qs + r0 * dh, f->s + r0 * MHA_BC,
+            mha_tile_qk(a, src, n, w, f->qs + r0 * dh, s + r0 * MHA_BC,
                         MHA_BC);
         for (int r = r0; r < r0 + n; r++)
             for (int c = w; c < nc; c++)
-                f->s[r * MHA_BC + c] = -INFINITY;
+                s[r * MHA_BC + c] = -INFINITY;
     }
-    mha_score_tile(a, t, f->s, NULL, 0);
+    mha_score_tile(a, t, s, NULL, 0);
+}
+
+/* The online-softmax update of the block's rows by a tile whose scores
+ * are in s: m, l, the weights, and o += p v. */
+static void tile_values(const mha_attn *a, const mha_tile *t,
+                        mha_tile_src src, flash_scratch *f, float *s)
+{
+    const mha_microkernels *uk = a->uk;
+    const int dv = (int)mha_dv(a), mr = t->mr, nc = t->nc;
+    int cols[MHA_BR / MHA_PANEL + 1];
+    (void)panel_cols(a, t, cols);
     /* A tile read in place comes with no flag (tiles.c).  Where its rows
      * see every key of it and no dropout zeroes a weight, the fast pv runs
      * first and o says whether a value was NaN or Inf: each value read is
@@ -150,14 +169,14 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
     if (!src.finite || later)
         for (int r = 0; r < mr; r++)
             for (int c = 0; c < nc; c++)   /* NaN: live */
-                live[r * MHA_BC + c] = f->s[r * MHA_BC + c] != -INFINITY;
+                live[r * MHA_BC + c] = s[r * MHA_BC + c] != -INFINITY;
     /* m, l and the weights p = exp(s - m) of every row that has a live
      * score; alpha = exp(m_old - m_new), exactly 1 when the max held
      * (most tiles of a long row), -1 for a row with nothing live yet. */
     float alpha[MHA_BR];
-    uk->softmax_rows(mr, nc, f->s, MHA_BC, f->m, f->l, alpha);
+    uk->softmax_rows(mr, nc, s, MHA_BC, f->m, f->l, alpha);
     for (int r = 0; r < mr; r++) {
-        float *sr = f->s + r * MHA_BC;
+        float *sr = s + r * MHA_BC;
         if (alpha[r] == -1.0f) {          /* nothing live in this row yet */
             /* ... unless its scores are NaN (a NaN or Inf in the query or
              * in an attended key): NaN from here on, never "no key". */
@@ -180,7 +199,7 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
     float kept[O_KEPT];
     if (later)
         memcpy(kept, f->o, (size_t)(mr * dv) * sizeof *kept);
-    tile_pv(a, &src, mr, nc, cols, f);
+    tile_pv(a, &src, mr, nc, cols, s, f);
     if (!later)
         return;
     int o_finite = 1, v_finite = 1;
@@ -196,8 +215,84 @@ static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
     src.finite = 0;
     for (int r = 0; r < mr; r++)
         if (alpha[r] != -1.0f)
-            keep_underflowed(f->s + r * MHA_BC, live + r * MHA_BC, nc);
-    tile_pv(a, &src, mr, nc, cols, f);
+            keep_underflowed(s + r * MHA_BC, live + r * MHA_BC, nc);
+    tile_pv(a, &src, mr, nc, cols, s, f);
+}
+
+
+/* One key tile against the block's rows. */
+static void output_tile(const mha_attn *a, const mha_tile *t, void *ctx)
+{
+    flash_scratch *f = ctx;
+    const mha_tile_src src = mha_tile_source(a, t, f->kvt);
+    tile_scores(a, t, &src, f, f->s);
+    tile_values(a, t, src, f, f->s);
+}
+
+/*
+ * Decoding on a cache, a lone query row reads each key and value tile
+ * once: read one after the other, memory sees 16 KiB of keys, 16 KiB of
+ * values, and again, two streams taking turns, which one core reads
+ * slower than longer runs of either (docs/BENCHMARKS.md).  So the scores
+ * of AHEAD tiles (a decoding chunk's) are formed first, each in its own
+ * row of f->s, then their values read in turn: the same products and
+ * updates in the same order, the same bits.  Only for lone rows of
+ * 16-bit tiles (1.1-1.3x on Zen 4): blocks of several rows (GQA) already
+ * ask for the next tile's rows as they read, and q8/q4 tiles for their
+ * codes, which the reordering only moves; f32 tiles (32 KiB) gained
+ * nothing sure (0.85-1.1x in noisy rounds).  A tile that
+ * needs its own buffers at once (an explicit mask's bias, the extra
+ * keys) first finishes those queued.
+ */
+enum { AHEAD = 8 };
+typedef struct {
+    flash_scratch *f;
+    int n;               /* tiles queued: their scores in slots 0 .. n-1 */
+    mha_tile t[AHEAD];
+} ahead_queue;
+
+static float *slot(const ahead_queue *q, int i, int mr)
+{
+    return q->f->s + (int64_t)i * mr * MHA_BC;
+}
+
+static void finish_queued(const mha_attn *a, ahead_queue *q)
+{
+    for (int i = 0; i < q->n; i++)
+        tile_values(a, &q->t[i], mha_tile_source(a, &q->t[i], q->f->kvt),
+                    q->f, slot(q, i, q->t[i].mr));
+    q->n = 0;
+}
+
+static void queue_tile(const mha_attn *a, const mha_tile *t, void *ctx)
+{
+    ahead_queue *q = ctx;
+    if (t->extra || t->how == MHA_TILE_EXPLICIT) {
+        finish_queued(a, q);
+        output_tile(a, t, q->f);
+        return;
+    }
+    const mha_tile_src src = mha_tile_source(a, t, q->f->kvt);
+    tile_scores(a, t, &src, q->f, slot(q, q->n, t->mr));
+    q->t[q->n++] = *t;
+    if (q->n == AHEAD)
+        finish_queued(a, q);
+}
+
+/* The walk's callback and its context: tiles queued for a cache's lone
+ * row, else each at once. */
+static mha_tile_fn tile_fn(const mha_attn *a, int mr, flash_scratch *f,
+                           ahead_queue *q, void **ctx)
+{
+    q->f = f;
+    q->n = 0;
+    if (mr == 1 && a->kv && !a->kv->latent && !a->dropout &&
+        (a->kv->dtype == MHA_KV_F16 || a->kv->dtype == MHA_KV_BF16)) {
+        *ctx = q;
+        return queue_tile;
+    }
+    *ctx = f;
+    return output_tile;
 }
 
 /*
@@ -225,8 +320,12 @@ void mha_flash_rows(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
     mha_load_q(a, b, h, i0, mr, f->qs);
     latent_q(a, mr, f);
     start_rows(a, h, 0, mr, with_extra, f);
-    mha_for_each_tile(a, b, h, i0, mr, k0, k1, with_extra, f->bias,
-                      output_tile, f);
+    ahead_queue q;
+    void *ctx;
+    const mha_tile_fn fn = tile_fn(a, mr, f, &q, &ctx);
+    mha_for_each_tile(a, b, h, i0, mr, k0, k1, with_extra, f->bias, fn,
+                      ctx);
+    finish_queued(a, &q);
 }
 
 void mha_flash_rows_stacked(const mha_attn *a, int64_t b, int64_t h0,
@@ -239,8 +338,12 @@ void mha_flash_rows_stacked(const mha_attn *a, int64_t b, int64_t h0,
                    f->qs + (int64_t)hh * stack * a->dh);
     latent_q(a, mr, f);
     start_rows(a, h0, stack, mr, with_extra, f);
+    ahead_queue q;
+    void *ctx;
+    const mha_tile_fn fn = tile_fn(a, mr, f, &q, &ctx);
     mha_for_each_tile_stacked(a, b, h0, nh, 0, stack, k0, k1, with_extra,
-                              output_tile, f);
+                              fn, ctx);
+    finish_queued(a, &q);
 }
 
 void mha_flash_finish(const mha_attn *a, int64_t b, int64_t h, int64_t i0,
