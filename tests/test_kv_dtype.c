@@ -360,6 +360,8 @@ typedef struct problem {
     int64_t len[2];
     float *k[2], *v[2];   /* each sequence's keys (len, Hkv * DH) */
     float *q;             /* (B, LQ, H * DH) */
+    int64_t lq;           /* query rows a sequence: LQ, or fewer (the
+                             first rows of q, as (B, lq, H * DH))     */
 } problem;
 
 static void problem_init(problem *p, int64_t Hkv, int64_t len0, int64_t len1,
@@ -376,6 +378,7 @@ static void problem_init(problem *p, int64_t Hkv, int64_t len0, int64_t len1,
         tu_fill(p->k[b], n, seed + 10 * (uint64_t)b, -kv_scale, kv_scale);
         tu_fill(p->v[b], n, seed + 10 * (uint64_t)b + 1, -kv_scale, kv_scale);
     }
+    p->lq = LQ;
     p->q = malloc((size_t)(2 * LQ * H * DH) * 4);
     tu_fill(p->q, 2 * LQ * H * DH, seed + 5, -1, 1);
 }
@@ -411,7 +414,7 @@ static void attend(const problem *p, mha_kv_cache *kv, int threads,
     a.num_heads = H;
     a.num_kv_heads = p->Hkv;
     a.head_dim = DH;
-    a.q_len = LQ;
+    a.q_len = p->lq;
     a.q = p->q;
     a.cache = kv;
     a.out = out;
@@ -421,15 +424,15 @@ static void attend(const problem *p, mha_kv_cache *kv, int threads,
 }
 
 /* The float64 attention of row i of head h of sequence b on keys k, v
- * (the last LQ keys are the new tokens': causal bottom-right), and the
+ * (the last lq keys are the new tokens': causal bottom-right), and the
  * same in float32 loops, the measure of plain single precision. */
 static void attend_ref(const problem *p, const float *k, const float *v,
                        int64_t b, int64_t h, int64_t i, double *o64,
                        float *o32)
 {
-    const int64_t n = p->len[b] - LQ + i + 1, g = h / (H / p->Hkv);
+    const int64_t n = p->len[b] - p->lq + i + 1, g = h / (H / p->Hkv);
     const int64_t ld = p->Hkv * DH;
-    const float *q = p->q + (b * LQ + i) * H * DH + h * DH;
+    const float *q = p->q + (b * p->lq + i) * H * DH + h * DH;
     const double scale = 1.0 / sqrt((double)DH);
     double *s = malloc((size_t)n * sizeof *s), mx = -INFINITY, sum = 0;
     float *s32 = malloc((size_t)n * sizeof *s32), mx32 = -INFINITY,
@@ -466,7 +469,7 @@ static void attend_ref(const problem *p, const float *k, const float *v,
 
 static void check_dtype(const problem *p, mha_kv_dtype dtype)
 {
-    const int64_t nout = p->B * LQ * H * DH;
+    const int64_t nout = p->B * p->lq * H * DH;
     float *rk[2], *rv[2];
     mha_kv_cache *kv = cache_of(p, dtype, p->k, p->v);
     for (int64_t b = 0; b < p->B; b++) {
@@ -487,16 +490,17 @@ static void check_dtype(const problem *p, mha_kv_dtype dtype)
         memset(got, 0xff, (size_t)nout * 4);
         attend(p, kv, threads[t], got, lse_got);
         assert_memory_equal(got, want, (size_t)nout * 4);
-        assert_memory_equal(lse_got, lse_want, sizeof lse_got);
+        assert_memory_equal(lse_got, lse_want,
+                            (size_t)(p->B * H * p->lq) * sizeof *lse_got);
     }
     /* Against float64 on the stored values. */
     double o64[DH], naive = 0, err = 0, amax = 0;
     float o32[DH];
     for (int64_t b = 0; b < p->B; b++)
         for (int64_t h = 0; h < H; h++)
-            for (int64_t i = 0; i < LQ; i++) {
+            for (int64_t i = 0; i < p->lq; i++) {
                 attend_ref(p, rk[b], rv[b], b, h, i, o64, o32);
-                const float *row = got + (b * LQ + i) * H * DH + h * DH;
+                const float *row = got + (b * p->lq + i) * H * DH + h * DH;
                 for (int64_t d = 0; d < DH; d++) {
                     err = fmax(err, fabs(row[d] - o64[d]));
                     naive = fmax(naive, fabs(o32[d] - o64[d]));
@@ -515,19 +519,24 @@ static void check_dtype(const problem *p, mha_kv_dtype dtype)
 }
 
 /* Short and split (>= 1024 keys: the decoding split, and with H_kv < H
- * the group's heads stacked), grouped-query and multi-query. */
+ * the group's heads stacked), grouped-query and multi-query; LQ rows and
+ * one (a lone row of a 16-bit cache takes its keys a chunk ahead of its
+ * values: flash_forward.c's queue, here against the f32 cache's tiles
+ * taken in turn, bit for bit). */
 static void test_attention_bitwise(void **state)
 {
     (void)state;
-    const int64_t shapes[][3] = {{4, 70, 5}, {2, 1300, 200}, {1, 1100, 1030}};
+    const int64_t shapes[][3] = {{4, 70, 5}, {2, 1300, 200}, {1, 1100, 1030},
+                                 {4, 1300, 600}};
     const mha_kv_dtype dtypes[] = {MHA_KV_F32, MHA_KV_F16, MHA_KV_BF16,
                                    MHA_KV_Q8, MHA_KV_Q4};
-    for (size_t s = 0; s < 3; s++) {
+    for (size_t s = 0; s < 4; s++) {
         problem p;
         problem_init(&p, shapes[s][0], shapes[s][1], shapes[s][2],
                      100 + 17 * s, 2.0f);
-        for (size_t d = 0; d < 5; d++)
-            check_dtype(&p, dtypes[d]);
+        for (p.lq = LQ; p.lq >= 1; p.lq -= LQ - 1)
+            for (size_t d = 0; d < 5; d++)
+                check_dtype(&p, dtypes[d]);
         problem_free(&p);
     }
 }
