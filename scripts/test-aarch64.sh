@@ -41,6 +41,7 @@ tier_tests+='test_attention|test_kv_cache_window|test_rope|test_backward|'
 tier_tests+='test_heads|test_attention_backward|test_attention_part|'
 tier_tests+='test_alloc|test_kv_cache|test_kv_cache_compose|test_kv_dtype|'
 tier_tests+='test_modifiers|test_red_team|test_value_width|test_microkernels|'
+tier_tests+='test_kv_pages|test_decode_api|'
 tier_tests+='fuzz_replay_tiers'
 subset="^((${tier_tests})_neon|"
 subset+='test_module|test_module16_(widened|bfdot)|test_half_(bfdot|widened|bad_env)|test_npy|test_safetensors|test_microkernels|'

@@ -152,13 +152,13 @@ CC=clang cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug \
   >/dev/null
 cmake --build build-tsan -j"$jobs" >/dev/null
 # (Not the forced-GEMM-backend runs: the same threads as their plain
-# tests; nor the KV cache tests on the reference tier, whose float64 row
-# loop takes minutes under TSan and shares its threading with the
-# attention tests' ref entries, which run.)
+# tests; nor the KV cache tests, contiguous and paged, on the reference
+# tier, whose float64 row loop takes minutes under TSan and shares its
+# threading with the attention tests' ref entries, which run.)
 TSAN_OPTIONS=ignore_noninstrumented_modules=1:halt_on_error=1 OMP_NUM_THREADS=4 \
   ctest --test-dir build-tsan -j"$jobs" --output-on-failure \
   -R "^test_(threads|thread_knobs|forward|edge|backward|attention_backward|kv_cache|kv_pages|half|module16|value_width)" \
-  -E "_gemm_|^test_kv_cache.*_ref$"
+  -E "_gemm_|^test_kv_(cache|pages).*_ref$"
 
 stage "clang -Werror build (library, libmha_mpi, tools, tests, examples)"
 # The project's warnings (-Wall -Wextra -Wshadow -Wstrict-prototypes -Wvla)

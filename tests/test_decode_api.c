@@ -8,7 +8,7 @@
  * mha_attention with .cache set; and what the mode cannot read is not in
  * its struct, what it needs is refused when missing; and the module's
  * and the heads' decoding, one request to the engine, refuse the same
- * misuse in the same words.
+ * misuse in the same words.  Run once per kernel tier (MHA_ISA) by CTest.
  */
 #include <stdarg.h>
 #include <stddef.h>
@@ -310,7 +310,10 @@ static void test_one_validator(void **state)
 
 int main(void)
 {
+    if (tu_tier_unavailable())
+        return TU_SKIP;
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(tu_test_tier),
         cmocka_unit_test(test_module_decode),
         cmocka_unit_test(test_attention_decode),
         cmocka_unit_test(test_one_validator),

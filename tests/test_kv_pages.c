@@ -17,6 +17,8 @@
  *   - the module's forward with a paged cache;
  *   - memory: ragged sequences take their tokens' bytes, not capacity's;
  *   - misuse: every bad configuration or call refused by name.
+ * Run once per kernel tier (MHA_ISA) by CTest: each tier's decoding
+ * kernels read a tile from one page or from two or four (pages of 32, 16).
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -910,7 +912,10 @@ static void test_misuse(void **state)
 
 int main(void)
 {
+    if (tu_tier_unavailable())
+        return TU_SKIP;
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(tu_test_tier),
         cmocka_unit_test(test_programs),
         cmocka_unit_test(test_placement),
         cmocka_unit_test(test_step_vs_float64),
