@@ -17,9 +17,13 @@ The NumPy level follows the C API (include/mha.h) closely:
 
 Arrays.  Inputs must be float32 (masks: bool; lengths and positions:
 int64); any other dtype raises TypeError rather than being converted
-silently.  C-contiguous arrays are read in place, never copied; a
-non-contiguous array is copied once (numpy.ascontiguousarray).  Outputs
-are new float32 arrays.  Unbatched inputs (L, E) are batch 1 and give
+silently; the one exception is 16-bit data: float16 (or ml_dtypes'
+bfloat16) inputs, all of one dtype, run libmha's 16-bit attention or
+module (``attention`` and its backward, ``Module.forward`` and its
+backward), results in that dtype.  C-contiguous arrays are read in
+place, never copied; a non-contiguous array is copied once
+(numpy.ascontiguousarray).  Outputs are new float32 arrays (16-bit
+ones for 16-bit inputs).  Unbatched inputs (L, E) are batch 1 and give
 unbatched outputs.  Empty problems are taken as torch takes them: batch 0
 or a query of 0 rows gives empty outputs (and zero gradients for the
 rest), a key of 0 rows leaves every query row with no key.

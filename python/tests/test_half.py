@@ -98,10 +98,11 @@ def test_sdpa_half_float32_fallbacks():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES[:4])
-def test_sdpa_half_gradients_within_3x_torch(dtype, shape):
-    """libmha's 16-bit backward: every gradient within 3x torch's own
-    error in that dtype (DESIGN.md's bound for gradients), against
-    float64 on the rounded inputs."""
+def test_sdpa_half_gradients_within_2x_torch(dtype, shape):
+    """libmha's 16-bit backward: every gradient within 2x torch's own
+    error in that dtype (the half-precision issue's bound, tighter than
+    the contract's 3x for gradients; measured at most 1.40x, on AMX and on
+    AVX512-BF16 alike), against float64 on the rounded inputs."""
     B, H, Hkv, Lq, Lk, d, causal = shape
     q, k, v = _inputs(B, H, Hkv, Lq, Lk, d, dtype, 21)
     gqa = Hkv != H
@@ -122,7 +123,7 @@ def test_sdpa_half_gradients_within_3x_torch(dtype, shape):
         err = (grads["mha"][i].double() - ref).abs().max().item()
         terr = (grads["torch"][i].double() - ref).abs().max().item()
         assert terr > 0
-        assert err <= 3 * terr, (name, err, terr, mha.bf16_kernel())
+        assert err <= 2 * terr, (name, err, terr, mha.bf16_kernel())
 
 
 def test_bf16_kernel_named():
