@@ -70,9 +70,9 @@ def test_sdpa_half_layouts_and_checks():
             MF.scaled_dot_product_attention(q, k[:, :1], v[:, :1])
 
 
-def test_sdpa_half_float32_fallbacks():
-    """A mask: computed in float32, returned in bf16; with a gradient too
-    (the float32 backward then), the gradients reach bf16 leaves."""
+def test_sdpa_half_with_a_mask():
+    """A mask: computed in float32 (widened per tile), returned in bf16;
+    with a gradient too, the gradients reach bf16 leaves."""
     q, k, v = _inputs(1, 2, 2, 16, 16, 32, torch.bfloat16, 5)
     mask = torch.rand(16, 16, generator=torch.Generator().manual_seed(1)) > 0.3
     mask[:, 0] = True
@@ -94,6 +94,78 @@ def test_sdpa_half_float32_fallbacks():
     # the float32 gradient rounded to bf16 once
     assert ((qg.grad.double() - q64.grad).abs() <=
             2.0 ** -8 * q64.grad.abs() + 1e-5).all()
+
+
+# Options of the full call, beside GQA (H 4, H_kv 2), Lq 24 < Lk 40
+# (bottom-right alignment), d_h 32, a head of values 48 wide in one.
+_MASK = torch.rand(2, 1, 24, 40, generator=torch.Generator().manual_seed(7))
+OPTIONS = {
+    "bool mask": dict(attn_mask=_MASK > 0.3),
+    "float mask": dict(attn_mask=(_MASK - 0.5) * 4),
+    "causal + softcap, values 48 wide": dict(is_causal=True, softcap=3.0,
+                                             dv=48),
+    "key_lengths + window": dict(key_lengths=torch.tensor([40, 17]),
+                                 window=(9, 0)),
+    "key_mask + chunk": dict(key_mask=_MASK[:, 0, 0] > 0.2,
+                             attention_chunk=16),
+    "alibi + softcap": dict(alibi=True, softcap=5.0),
+    "rope": dict(rope="neox"),
+    "sinks": dict(sinks=torch.linspace(-1, 1, 4)),
+    "dropout": dict(dropout_p=0.25),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_sdpa_half_options_in_16_bits(dtype, name, monkeypatch):
+    """Masks, dropout and modifiers on bf16 / f16 tensors run libmha's
+    16-bit call (q, k and v passed as their 16-bit bits, never widened to
+    float tensors): the output the float32 call's on the widened inputs,
+    rounded once (the engine widens per tile: the same bits), and the
+    gradients the float32 backward's rounded once; a call to be
+    differentiated with sinks or dropout (the 16-bit backward takes
+    neither) goes through float32 copies instead, by name."""
+    opts = dict(OPTIONS[name])
+    dv = opts.pop("dv", 32)
+    g = torch.Generator().manual_seed(3)
+    q = (torch.rand(2, 4, 24, 32, generator=g) * 4 - 2).to(dtype)
+    k = (torch.rand(2, 2, 40, 32, generator=g) * 4 - 2).to(dtype)
+    v = (torch.rand(2, 2, 40, dv, generator=g) * 6 - 3).to(dtype)
+    dtypes = []
+    real = MF._core.attention
+
+    def spy(**kw):   # the dtype of every libmha call
+        dtypes.append(kw.get("dtype", 0))
+        return real(**kw)
+    monkeypatch.setattr(MF._core, "attention", spy)
+
+    def run(q, k, v):
+        torch.manual_seed(11)   # (dropout's seed: torch's generator)
+        return MF.scaled_dot_product_attention(q, k, v, enable_gqa=True,
+                                               **opts)
+    with torch.no_grad():
+        got = run(q, k, v)
+        assert dtypes == [{torch.bfloat16: 3, torch.float16: 2}[dtype]]
+        want = run(q.float(), k.float(), v.float())
+    assert got.dtype == dtype and got.shape == (2, 4, 24, dv)
+    assert torch.equal(got, want.to(dtype))
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    dtypes.clear()
+    out = run(*leaves)
+    go = (torch.rand(out.shape, generator=g) - 0.5).to(dtype)
+    out.backward(go)
+    if "sinks" in opts or "dropout_p" in opts:
+        assert type(out.grad_fn).__name__ == "ToCopyBackward0"
+        assert dtypes == [0, 0]   # the float32 forward and backward
+        assert all(t.grad.dtype == dtype for t in leaves)
+        return
+    assert dtypes == [dtypes[0]] * 2 and dtypes[0] in (2, 3)
+    wide = [t.float().requires_grad_() for t in (q, k, v)]
+    run(*wide).backward(go.float())
+    for a, b in zip(leaves, wide):
+        assert a.grad.dtype == dtype
+        assert torch.equal(a.grad, b.grad.to(dtype)), name
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -3,11 +3,13 @@ libmha (mha_attention forward, mha_attention_backward for autograd).
 
 Where it differs from torch:
   - float32, bfloat16 and float16 CPU tensors (anything else: TypeError /
-    ValueError).  bf16 / f16 q, k, v with no mask, dropout or modifier run
-    libmha's 16-bit attention and its backward (AMX tiles for bf16 where
-    the CPU has them, docs/semantics.md "bf16 and f16"); any other bf16 /
-    f16 call computes in float32 and casts the result back (autograd
-    flows through the casts);
+    ValueError).  bf16 / f16 q, k, v run libmha's 16-bit attention and
+    its backward, masks and modifiers included (AMX tiles for bf16 where
+    the CPU has them, else the float32 engine widening each tile,
+    docs/semantics.md "bf16 and f16"), the output and gradients in that
+    dtype; only a call to be differentiated with sinks or dropout, which
+    the 16-bit backward does not take, computes on float32 copies and
+    casts the result back (autograd flows through the casts);
   - a query row with no key left to attend to gives zeros, not NaN, and
     zero gradients;
   - dropout comes from libmha's counter-based hash keyed by a seed drawn
@@ -34,20 +36,22 @@ import mha as _mha
 from mha import _core
 
 
-def _check_tensor(t, name):
-    """A float32 CPU tensor, or a TypeError / ValueError naming `name`."""
+def _check_tensor(t, name, dtype=torch.float32):
+    """A CPU tensor of dtype (float32 unless said), or a TypeError /
+    ValueError naming `name`."""
     if not isinstance(t, torch.Tensor):
         raise TypeError("%s must be a torch.Tensor, not %s"
                         % (name, type(t).__name__))
     if t.device.type != "cpu":
         raise ValueError("%s is on %s: mha runs on the CPU only"
                          % (name, t.device))
-    if t.dtype != torch.float32:
-        raise TypeError("%s must be float32, got %s" % (name, t.dtype))
+    if t.dtype != dtype:
+        raise TypeError("%s must be %s, got %s"
+                        % (name, str(dtype).replace("torch.", ""), t.dtype))
 
 
-def _check(t, name, ndim=(3, 4)):
-    _check_tensor(t, name)
+def _check(t, name, ndim=(3, 4), dtype=torch.float32):
+    _check_tensor(t, name, dtype)
     if t.dim() not in ndim:
         raise ValueError("%s must have %s dimensions, got shape %s"
                          % (name, " or ".join(map(str, ndim)),
@@ -184,8 +188,11 @@ def _bits(t):
 def _sdpa_half(query, key, value, attn_mask, dropout_p, causal, scale,
                enable_gqa, extra):
     """scaled_dot_product_attention on bf16 / f16 tensors: libmha's
-    16-bit attention for the plain and causal inference call, float32
-    otherwise (the result cast back to the inputs' dtype)."""
+    16-bit attention, its own short call for the plain and causal call,
+    the full one (masks, dropout, modifiers; read and written in 16 bits,
+    widened per tile) otherwise; float32 copies only for a call to be
+    differentiated with sinks or dropout (the 16-bit backward takes
+    neither), the result cast back."""
     dt = query.dtype
     for t, name in ((key, "key"), (value, "value")):
         if not isinstance(t, _T):
@@ -197,9 +204,13 @@ def _sdpa_half(query, key, value, attn_mask, dropout_p, causal, scale,
     grad = torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad)
     if attn_mask is not None or dropout_p or extra:
-        out = _sdpa(query.float(), key.float(), value.float(), attn_mask,
-                    dropout_p, causal, scale, enable_gqa, **extra)
-        return out.to(dt)
+        if grad and (extra.get("sinks") is not None or dropout_p):
+            # (the 16-bit backward takes neither sinks nor dropout)
+            out = _sdpa(query.float(), key.float(), value.float(), attn_mask,
+                        dropout_p, causal, scale, enable_gqa, **extra)
+            return out.to(dt)
+        return _sdpa(query, key, value, attn_mask, dropout_p, causal, scale,
+                     enable_gqa, half=_HALF[dt], **extra)
     for t, name in ((query, "query"), (key, "key"), (value, "value")):
         if t.device.type != "cpu":
             raise ValueError("%s is on %s: mha runs on the CPU only"
@@ -396,6 +407,62 @@ class _SDPA(torch.autograd.Function):
                 None, None)
 
 
+def _half_full(q, k, v, sinks, kw, rows, grad_out=None):
+    """libmha's 16-bit attention with every option on (B, H, L, d) bf16 /
+    f16 tensors: contiguous ones read and written where they lie (heads
+    first; others copied in their own dtype), or, with rows (RoPE, which
+    libmha applies in its rows layout), copied to (B, L, H, d) and the
+    results transposed views of that layout.  The output, or with
+    grad_out the backward (mha_attention_backward16): (dq, dk, dv)."""
+    def lay(t):   # the layout libmha reads, as a contiguous tensor
+        t = t.detach()
+        return t.transpose(1, 2).contiguous() if rows else t.contiguous()
+
+    def new(like, d):   # an output shaped like (B, H, L, .) `like`, width d
+        b, h, n = like.shape[:3]
+        if not rows:
+            t = torch.empty((b, h, n, d), dtype=like.dtype)
+            return t, t
+        t = torch.empty((b, n, h, d), dtype=like.dtype)
+        return t, t.transpose(1, 2)
+
+    hf = 0 if rows else 2
+    sa = None if sinks is None else _np(sinks)
+    qa, ka, va = lay(q), lay(k), lay(v)
+    if grad_out is None:
+        out, res = new(q, v.shape[3])
+        _core.attention(q=_bits(qa), k=_bits(ka), v=_bits(va),
+                        out=_bits(out), sinks=sa, heads_first=hf, **kw)
+        return res
+    (gq, tq), (gk, tk), (gv, tv) = (new(t, t.shape[3]) for t in (q, k, v))
+    _core.attention(q=_bits(qa), k=_bits(ka), v=_bits(va), out=None,
+                    sinks=sa, grad_out=_bits(lay(grad_out)), grad_q=_bits(gq),
+                    grad_k=_bits(gk), grad_v=_bits(gv), heads_first=hf, **kw)
+    return tq, tk, tv
+
+
+class _SDPAHalfFull(torch.autograd.Function):
+    """bf16 / f16 attention with masks, dropout or modifiers, and its
+    16-bit backward (the same arguments, dropout's seed among them: the
+    same mask), gradients in the inputs' dtype; sinks, if any, constant."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, kw, rows):
+        ctx.kw, ctx.rows = kw, rows
+        ctx.save_for_backward(q, k, v, sinks)
+        return _half_full(q, k, v, sinks, kw, rows)
+
+    @staticmethod
+    @_first_order
+    def backward(ctx, grad_out):
+        q, k, v, sinks = ctx.saved_tensors
+        if grad_out is None:
+            return None, None, None, None, None, None
+        gq, gk, gv = _half_full(q, k, v, sinks, ctx.kw, ctx.rows,
+                                grad_out.to(q.dtype))
+        return gq, gk, gv, None, None, None
+
+
 class _Empty(torch.autograd.Function):
     """The result of an empty problem (B, Lq or Lk zero): zeros of the
     output's shape, as torch gives (with no key a row's context is zero,
@@ -539,12 +606,14 @@ def scaled_dot_product_attention(
 def _sdpa(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa,
           key_lengths=None, key_mask=None, window=None, alibi=False,
           softcap=None, sinks=None, rope=None, q_positions=None,
-          k_positions=None, attention_chunk=None):
-    """The float32 call, every option: checks, then libmha's forward (an
-    autograd node when something requires grad)."""
-    _check(query, "query")
-    _check(key, "key")
-    _check(value, "value")
+          k_positions=None, attention_chunk=None, half=0):
+    """The full call, every option: checks, then libmha's forward (an
+    autograd node when something requires grad).  half: mha_dtype's
+    value for bf16 / f16 q, k and v (0: float32)."""
+    dt = query.dtype if half else torch.float32
+    _check(query, "query", dtype=dt)
+    _check(key, "key", dtype=dt)
+    _check(value, "value", dtype=dt)
     if not (query.dim() == key.dim() == value.dim()):
         raise ValueError("query, key and value must have the same number of "
                          "dimensions, got %d, %d, %d"
@@ -604,7 +673,16 @@ def _sdpa(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa,
                                         attention_chunk),
               q_positions=_mha._int64(q_positions, "q_positions"),
               k_positions=_mha._int64(k_positions, "k_positions"))
-    if torch.is_grad_enabled() and (
+    if half:
+        kw["dtype"] = half
+        if torch.is_grad_enabled() and (
+                query.requires_grad or key.requires_grad or
+                value.requires_grad):
+            out = _SDPAHalfFull.apply(query, key, value, sinks, kw,
+                                      rope is not None)
+        else:
+            out = _half_full(query, key, value, sinks, kw, rope is not None)
+    elif torch.is_grad_enabled() and (
             query.requires_grad or key.requires_grad or value.requires_grad
             or (sinks is not None and sinks.requires_grad)):
         # (RoPE rotates copies in the rows layout: no heads-first there)
