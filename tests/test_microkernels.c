@@ -1086,6 +1086,69 @@ static void test_widen_t(void **state)
             }
 }
 
+/* narrow: floats (times a multiplier or not) rounded into bf16 and f16,
+ * the bits of half.h's conversions (which test_kv_dtype holds to
+ * independent roundings) for every element: ties both ways, f16's
+ * largest finite value and the first that rounds to Inf, its subnormals
+ * and the halfway points below them, float subnormals, +-0, +-Inf, quiet
+ * and signalling NaN with payloads, and random values of every
+ * magnitude; at lengths through each vector tail; nothing written past
+ * n. */
+static void test_narrow(void **state)
+{
+    const mha_microkernels *k = *state;
+    static const uint32_t special[] = {
+        0x00000000u, 0x80000000u, 0x3f800000u, 0xbf800000u,
+        0x3f801000u, 0x3f803000u, 0x3f800001u, 0x3f808000u, /* ties */
+        0x3f818000u, 0x3f817fffu, 0x477fe000u, 0x477fefffu, /* 65504 .. */
+        0x477ff000u, 0xc77ff000u, 0x7f7fffffu, 0xff7fffffu, /* -> Inf */
+        0x33800000u, 0x33000000u, 0x33000001u, 0x33c00000u, /* 2^-24 .. */
+        0x38800000u, 0x387fc000u, 0x387fe000u, 0x387ff000u, /* 2^-14 .. */
+        0x00000001u, 0x807fffffu, 0x00400000u,              /* subnormal */
+        0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc12345u, /* Inf, NaN */
+        0x7f800001u, 0x7fa5a5a5u, 0xff80e001u, 0x7fffffffu};
+    static const int ns[] = {1, 3, 4, 7, 8, 15, 16, 17, 33, 64, 100};
+    static const float mults[] = {0.125f, 3.7f};
+    enum { N = 100 };
+    float x[N];
+    rng_seed(53);
+    for (int round = 0; round < 40; round++) {
+        for (int i = 0; i < N; i++) {
+            const int s = i + round * 7;
+            if (round % 2 == 0 && s % 3 == 0) {
+                const uint32_t b = special[s / 3 % COUNT(special)];
+                memcpy(&x[i], &b, sizeof b);
+            } else {   /* magnitudes 2^-30 .. 2^20, either sign */
+                x[i] = ldexpf(rng_f(1.0f, 2.0f), (int)(rng_u32() % 51) - 30);
+                x[i] = rng_u32() % 2 ? -x[i] : x[i];
+            }
+        }
+        for (int bf = 0; bf < 2; bf++)
+            for (int m = -1; m < COUNT(mults); m++)
+                for (int j = 0; j < COUNT(ns); j++) {
+                    const int n = ns[j];
+                    const float *mult = m < 0 ? NULL : &mults[m];
+                    uint16_t y[N + 8];
+                    for (int i = 0; i < N + 8; i++)
+                        y[i] = 0xA5A5u;
+                    k->narrow(bf, x, n, mult, y);
+                    for (int i = 0; i < n; i++) {
+                        const float v = mult ? x[i] * *mult : x[i];
+                        const uint16_t want = bf ? mha_bf16_from_float(v)
+                                                 : mha_f16_from_float(v);
+                        if (y[i] != want)
+                            fail_msg("%s, n %d, x[%d] = %a (times %a): 0x%04x, "
+                                     "half.h 0x%04x", bf ? "bf16" : "f16",
+                                     n, i, (double)x[i],
+                                     mult ? (double)*mult : 1.0,
+                                     (unsigned)y[i], (unsigned)want);
+                    }
+                    for (int i = n; i < N + 8; i++)
+                        assert_int_equal(y[i], 0xA5A5u);
+                }
+    }
+}
+
 /* widen_t's rows of a q8 or q4 tile (kt NULL; a latent cache's tile):
  * each code times its block's scale, the bits of mha_v_load, for widths
  * below, at and past the vector tails; nothing written past dv. */
@@ -1521,6 +1584,7 @@ static void test_names(void **state)
     cmocka_unit_test_prestate(test_copy_finite, (void *)&table),             \
     cmocka_unit_test_prestate(test_amax, (void *)&table),                    \
     cmocka_unit_test_prestate(test_widen_t, (void *)&table),                 \
+    cmocka_unit_test_prestate(test_narrow, (void *)&table),                  \
     cmocka_unit_test_prestate(test_widen_rows_quantised, (void *)&table),    \
     cmocka_unit_test_prestate(test_qk_rows_is_qk, (void *)&table),           \
     cmocka_unit_test_prestate(test_max, (void *)&table),                     \

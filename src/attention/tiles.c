@@ -52,20 +52,10 @@ flash_scratch mha_flash_scratch_at(float *base, int64_t dh)
 void mha_store_row16(const mha_attn *a, uint16_t *dst, const float *src,
                      int64_t n, const float *mult)
 {
-    enum { PIECE = 256 };
-    float row[PIECE];
-    const int bf = a->x16 == MHA_KV_BF16;
-    for (int64_t d0 = 0; d0 < n; d0 += PIECE) {
-        const int w = (int)(n - d0 < PIECE ? n - d0 : PIECE);
-        const float *x = src + d0;
-        if (mult) {
-            a->uk->scale(row, x, w, *mult);
-            x = row;
-        }
-        for (int d = 0; d < w; d++)
-            dst[d0 + d] = bf ? mha_bf16_from_float(x[d])
-                             : mha_f16_from_float(x[d]);
-    }
+    enum { PIECE = 1 << 20 };   /* (the kernel counts in int) */
+    for (int64_t d0 = 0; d0 < n; d0 += PIECE)
+        a->uk->narrow(a->x16 == MHA_KV_BF16, src + d0,
+                      (int)(n - d0 < PIECE ? n - d0 : PIECE), mult, dst + d0);
 }
 
 void mha_load_q(const mha_attn *a, int64_t b, int64_t h, int64_t i0, int mr,

@@ -164,6 +164,14 @@ typedef struct mha_microkernels {
     float (*amax)(const float *x, int64_t rows, int64_t cols, int64_t ld,
                   int *finite);
 
+    /* A 16-bit call's results as they are stored (tiles.c,
+     * mha_store_row16): y[i] = x[i] (times *mult where mult is not NULL,
+     * the product rounded as scale's) rounded to nearest even into bf16
+     * (bf) or f16, half.h's bits (NaN quiet, overflow to Inf, f16's
+     * subnormals). */
+    void (*narrow)(int bf, const float *x, int n, const float *mult,
+                   uint16_t *y);
+
     /* A parameter, not a kernel: the elements of a latent cache's 576
      * that MLA's scores take in one pv call (flash_forward.c's slabs;
      * 0: all of them).  Any value gives the same bits. */

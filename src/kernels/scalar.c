@@ -280,10 +280,19 @@ static void widen_t_scalar(mha_kv_dtype dtype, const void *x, int64_t ldx,
         }
 }
 
+static void narrow_scalar(int bf, const float *x, int n, const float *mult,
+                          uint16_t *y)
+{
+    for (int i = 0; i < n; i++) {
+        const float v = mult ? x[i] * *mult : x[i];
+        y[i] = bf ? mha_bf16_from_float(v) : mha_f16_from_float(v);
+    }
+}
+
 const mha_microkernels mha_microkernels_scalar = {
     "scalar",           qk_scalar,      pv_scalar,    pv_exact_scalar,
     pv_add_scalar,      pv_add_exact_scalar, pvt_scalar, pvt_exact_scalar,
     exp_sum_scalar,     probs_scalar,   scale_scalar,   copy_finite_scalar, max_scalar, softmax_rows_scalar,     softcap_scalar,
     qk_kv_scalar,       pv_kv_scalar,   dot_nonzero_scalar, dscore_scalar,
     qk_rows_scalar,     pv_rows_scalar, widen_t_scalar, mha_amax_portable,
-    64 /* latent_slab */};
+    narrow_scalar,      64 /* latent_slab */};

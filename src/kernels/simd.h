@@ -77,6 +77,11 @@ enum { VL = 16, VREGS = 32 };
         _mm512_and_si512(_mm512_castps_si512(x),                            \
                          _mm512_set1_epi32((int)0x80000000u))))
 #define vf_load_f16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+/* VL floats to f16 at p, to nearest even whatever MXCSR says */
+#define vf_store_f16(p, v)                                                  \
+    _mm256_storeu_si256((__m256i *)(p),                                     \
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT |      \
+                                               _MM_FROUND_NO_EXC))
 #define vf_load_bf16(p)                                                     \
     _mm512_castsi512_ps(_mm512_slli_epi32(                                  \
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
@@ -233,6 +238,10 @@ enum { VL = 8, VREGS = 16 };
 #define vf_or_sign(t, x)                                                    \
     _mm256_or_ps(t, _mm256_and_ps(_mm256_set1_ps(-0.0f), x))
 #define vf_load_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define vf_store_f16(p, v)                                                  \
+    _mm_storeu_si128((__m128i *)(p),                                        \
+                     _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT |         \
+                                            _MM_FROUND_NO_EXC))
 #define vf_load_bf16(p)                                                     \
     _mm256_castsi256_ps(_mm256_slli_epi32(                                  \
         _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
@@ -383,6 +392,8 @@ MK_INLINE vf vf_keep_t(vf v, int n)
         vreinterpretq_u32_f32(t),                                           \
         vandq_u32(vreinterpretq_u32_f32(x), vdupq_n_u32(0x80000000u))))
 #define vf_load_f16(p) vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)))
+/* (to nearest even: FPCR's default rounding, which Linux leaves) */
+#define vf_store_f16(p, v) vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(v)))
 #define vf_load_bf16(p) vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16))
 MK_INLINE vi vi_load_i8(const int8_t *p)   /* exactly 4 bytes read */
 {

@@ -1147,6 +1147,33 @@ static void dscore_k(const float *p, const float *d, float delta, float *ds,
         ds[c] = p[c] == 0.0f ? 0.0f : p[c] * (d[c] - delta);
 }
 
+/* kernels.h.  f16 by the ISA's conversion, VL at a time (F16C's
+ * vcvtps2ph, NEON's fcvtn: ties to even, NaN quieted with its payload's
+ * top bits, as half.h's), then the tail in plain C; bf16 in plain C,
+ * whose branch-free loop the compiler vectorises. */
+static void narrow_k(int bf, const float *x, int n, const float *mult,
+                     uint16_t *y)
+{
+    const float m = mult ? *mult : 1.0f;
+    int i = 0;
+    if (bf) {
+        if (mult)
+            for (; i < n; i++)
+                y[i] = mha_bf16_from_float(x[i] * m);
+        else
+            for (; i < n; i++)
+                y[i] = mha_bf16_from_float(x[i]);
+        return;
+    }
+    const vf mv = vf_set1(m);
+    for (; i + VL <= n; i += VL) {
+        const vf v = vf_load(x + i);
+        vf_store_f16(y + i, mult ? vf_mul(v, mv) : v);
+    }
+    for (; i < n; i++)
+        y[i] = mha_f16_from_float(mult ? x[i] * m : x[i]);
+}
+
 const mha_microkernels TIER_TABLE = {
     TIER_NAME,   qk_k,      pv_k,       pv_exact_k,    pv_add_k,
     pv_add_exact_k,         pvt_k,      pvt_exact_k,   exp_sum_k,
@@ -1154,4 +1181,4 @@ const mha_microkernels TIER_TABLE = {
     softcap_k,
     qk_kv_k,     pv_kv_k,   dot_nonzero_k,             dscore_k,
     qk_rows_k,   pv_rows_k, widen_t_k,     amax_k,
-    TIER_LATENT_SLAB};
+    narrow_k,    TIER_LATENT_SLAB};

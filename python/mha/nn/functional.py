@@ -3,13 +3,15 @@ libmha (mha_attention forward, mha_attention_backward for autograd).
 
 Where it differs from torch:
   - float32, bfloat16 and float16 CPU tensors (anything else: TypeError /
-    ValueError).  bf16 / f16 q, k, v run libmha's 16-bit attention and
-    its backward, masks and modifiers included (AMX tiles for bf16 where
-    the CPU has them, else the float32 engine widening each tile,
-    docs/semantics.md "bf16 and f16"), the output and gradients in that
-    dtype; only a call to be differentiated with sinks or dropout, which
-    the 16-bit backward does not take, computes on float32 copies and
-    casts the result back (autograd flows through the casts);
+    ValueError).  bf16 / f16 q, k, v run libmha's 16-bit attention, masks
+    and modifiers included (AMX tiles for bf16 where the CPU has them,
+    else the float32 engine widening each tile, docs/semantics.md "bf16
+    and f16"), the output in that dtype; with autograd, the plain and
+    causal call runs libmha's 16-bit backward, and a call with masks,
+    dropout or modifiers computes on float32 copies (a float32 plan
+    reused by the backward: faster than the 16-bit backward, which
+    computes the forward again) and casts the result back, autograd
+    flowing through the casts;
   - a query row with no key left to attend to gives zeros, not NaN, and
     zero gradients;
   - dropout comes from libmha's counter-based hash keyed by a seed drawn
@@ -190,9 +192,12 @@ def _sdpa_half(query, key, value, attn_mask, dropout_p, causal, scale,
     """scaled_dot_product_attention on bf16 / f16 tensors: libmha's
     16-bit attention, its own short call for the plain and causal call,
     the full one (masks, dropout, modifiers; read and written in 16 bits,
-    widened per tile) otherwise; float32 copies only for a call to be
-    differentiated with sinks or dropout (the 16-bit backward takes
-    neither), the result cast back."""
+    widened per tile) otherwise; a call with those to be differentiated
+    computes on float32 copies, the result cast back: the float32 plan
+    keeps its forward's packed K / V and row statistics for the backward,
+    which a 16-bit backward (no plans) would compute again (1.2-1.4x
+    slower, docs/BENCHMARKS.md), and the 16-bit backward takes neither
+    sinks nor dropout."""
     dt = query.dtype
     for t, name in ((key, "key"), (value, "value")):
         if not isinstance(t, _T):
@@ -204,8 +209,7 @@ def _sdpa_half(query, key, value, attn_mask, dropout_p, causal, scale,
     grad = torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad)
     if attn_mask is not None or dropout_p or extra:
-        if grad and (extra.get("sinks") is not None or dropout_p):
-            # (the 16-bit backward takes neither sinks nor dropout)
+        if grad:
             out = _sdpa(query.float(), key.float(), value.float(), attn_mask,
                         dropout_p, causal, scale, enable_gqa, **extra)
             return out.to(dt)
@@ -407,60 +411,23 @@ class _SDPA(torch.autograd.Function):
                 None, None)
 
 
-def _half_full(q, k, v, sinks, kw, rows, grad_out=None):
+def _half_full(q, k, v, sinks, kw, rows):
     """libmha's 16-bit attention with every option on (B, H, L, d) bf16 /
-    f16 tensors: contiguous ones read and written where they lie (heads
-    first; others copied in their own dtype), or, with rows (RoPE, which
-    libmha applies in its rows layout), copied to (B, L, H, d) and the
-    results transposed views of that layout.  The output, or with
-    grad_out the backward (mha_attention_backward16): (dq, dk, dv)."""
+    f16 tensors, the output in their dtype: contiguous ones read and
+    written where they lie (heads first; others copied in their own
+    dtype), or, with rows (RoPE, which libmha applies in its rows
+    layout), copied to (B, L, H, d) and the output a transposed view of
+    that layout."""
     def lay(t):   # the layout libmha reads, as a contiguous tensor
-        t = t.detach()
         return t.transpose(1, 2).contiguous() if rows else t.contiguous()
 
-    def new(like, d):   # an output shaped like (B, H, L, .) `like`, width d
-        b, h, n = like.shape[:3]
-        if not rows:
-            t = torch.empty((b, h, n, d), dtype=like.dtype)
-            return t, t
-        t = torch.empty((b, n, h, d), dtype=like.dtype)
-        return t, t.transpose(1, 2)
-
-    hf = 0 if rows else 2
-    sa = None if sinks is None else _np(sinks)
-    qa, ka, va = lay(q), lay(k), lay(v)
-    if grad_out is None:
-        out, res = new(q, v.shape[3])
-        _core.attention(q=_bits(qa), k=_bits(ka), v=_bits(va),
-                        out=_bits(out), sinks=sa, heads_first=hf, **kw)
-        return res
-    (gq, tq), (gk, tk), (gv, tv) = (new(t, t.shape[3]) for t in (q, k, v))
-    _core.attention(q=_bits(qa), k=_bits(ka), v=_bits(va), out=None,
-                    sinks=sa, grad_out=_bits(lay(grad_out)), grad_q=_bits(gq),
-                    grad_k=_bits(gk), grad_v=_bits(gv), heads_first=hf, **kw)
-    return tq, tk, tv
-
-
-class _SDPAHalfFull(torch.autograd.Function):
-    """bf16 / f16 attention with masks, dropout or modifiers, and its
-    16-bit backward (the same arguments, dropout's seed among them: the
-    same mask), gradients in the inputs' dtype; sinks, if any, constant."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, kw, rows):
-        ctx.kw, ctx.rows = kw, rows
-        ctx.save_for_backward(q, k, v, sinks)
-        return _half_full(q, k, v, sinks, kw, rows)
-
-    @staticmethod
-    @_first_order
-    def backward(ctx, grad_out):
-        q, k, v, sinks = ctx.saved_tensors
-        if grad_out is None:
-            return None, None, None, None, None, None
-        gq, gk, gv = _half_full(q, k, v, sinks, ctx.kw, ctx.rows,
-                                grad_out.to(q.dtype))
-        return gq, gk, gv, None, None, None
+    b, h, n, dv = q.shape[:3] + (v.shape[3],)
+    out = torch.empty((b, n, h, dv) if rows else (b, h, n, dv),
+                      dtype=q.dtype)
+    _core.attention(q=_bits(lay(q)), k=_bits(lay(k)), v=_bits(lay(v)),
+                    out=_bits(out), sinks=None if sinks is None else _np(sinks),
+                    heads_first=0 if rows else 2, **kw)
+    return out.transpose(1, 2) if rows else out
 
 
 class _Empty(torch.autograd.Function):
@@ -673,15 +640,9 @@ def _sdpa(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa,
                                         attention_chunk),
               q_positions=_mha._int64(q_positions, "q_positions"),
               k_positions=_mha._int64(k_positions, "k_positions"))
-    if half:
+    if half:   # (nothing to differentiate: _sdpa_half)
         kw["dtype"] = half
-        if torch.is_grad_enabled() and (
-                query.requires_grad or key.requires_grad or
-                value.requires_grad):
-            out = _SDPAHalfFull.apply(query, key, value, sinks, kw,
-                                      rope is not None)
-        else:
-            out = _half_full(query, key, value, sinks, kw, rope is not None)
+        out = _half_full(query, key, value, sinks, kw, rope is not None)
     elif torch.is_grad_enabled() and (
             query.requires_grad or key.requires_grad or value.requires_grad
             or (sinks is not None and sinks.requires_grad)):
