@@ -301,12 +301,15 @@ def test_short_way_is_the_full_way():
             assert torch.equal(got[2], alone[0].transpose(0, 1))
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt_oss", "llama4"])
 def test_training_gradients(name):
     """A training step's loss and every parameter's gradient, libmha's
     backward against eager's (float64 reference, float32 bound), on a
     right-padded batch (padding as key_lengths; with left padding eager's
-    float64 run has rows of no key, NaN in its float32 softmax)."""
+    float64 run has rows of no key, NaN in its float32 softmax): Llama 4's
+    chunked layer among them (attention_chunk's backward; DeepSeek-V3's
+    step is test_deepseek_v3_mla's)."""
+    make = _llama4 if name == "llama4" else lambda: _model(name)
     ids, _ = _batch()
     am = torch.ones_like(ids)
     am[0, 10:] = 0
@@ -314,7 +317,7 @@ def test_training_gradients(name):
     grads = {}
     for impl, dt in (("eager", torch.float64), ("eager", torch.float32),
                      ("mha", torch.float32)):
-        m = _model(name).to(dt).train()
+        m = make().to(dt).train()
         m.set_attn_implementation(impl)
         loss = m(ids, attention_mask=am, labels=labels).loss
         loss.backward()
