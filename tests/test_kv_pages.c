@@ -584,8 +584,9 @@ static void test_ragged_step(void **state)
  * lse must still be bitwise those of a cache holding it alone, on 1, 2
  * and 3 threads, in f16 and q8, paged and contiguous, with RoPE,
  * softcap, ALiBi, the window modifier and sinks (each of which reads the
- * sequence's own length), pages of 64 and of 16 (a kernel's tile then 4
- * pages), bf16 queries too, and where a run breaks:
+ * sequence's own length), chunks of 256 on the paged caches (acting:
+ * the rows differ without them), pages of 64 and of 16 (a kernel's tile
+ * then 4 pages), bf16 queries too, and where a run breaks:
  * 1,023 then 1,024 keys (whole, then split), a sequence with no new
  * token, another count. */
 enum { RB = 13, RCAP = 1700 };
@@ -634,11 +635,20 @@ static void test_ragged_runs(void **state)
         d.mods.window_right = 0;
         d.mods.rope.style = MHA_ROPE_NEOX;
         d.sinks = sinks, d.q_positions = qpos;
+        d.attention_chunk = cfg >= 2 ? 256 : 0;
         for (int threads = 1; threads <= 3; threads++) {
             d.num_threads = threads;
             memset(o1, 0, sizeof o1);
             assert_int_equal(mha_attention_decode(&d), MHA_OK);
             assert_each_alone(&d, fresh, alone, o3, l3);
+        }
+        if (d.attention_chunk) {   /* the chunks act on the long rows */
+            static float o_all[32 * E];
+            mha_attention_decode_args u = d;
+            u.attention_chunk = 0, u.out = o_all, u.lse = NULL;
+            assert_int_equal(mha_attention_decode(&u), MHA_OK);
+            assert_memory_not_equal(o1 + q_start[5] * E, o_all + q_start[5] * E,
+                                    E * sizeof(float));
         }
         /* bf16 queries: each sequence's rows those of its own bf16 call */
         static uint16_t q16[32 * E], h1[32 * E], h3[8 * E];
@@ -772,11 +782,12 @@ static void test_window_pages(void **state)
  * against float64 softmax over the keys each sequence holds, within the
  * bound of test_step_vs_float64 (the merge of two parts adds a few
  * roundings of each row); the same bits on 1, 2 and 3 threads; refused
- * with ALiBi. */
-static void shared_prefix(int64_t page)
+ * with ALiBi, the window, sinks or chunks; in f32 and f16 pages. */
+static void shared_prefix(int64_t page, mha_kv_dtype dt)
 {
     enum { NB = 5, P = 300 };
     mha_kv_cache_config cc = {0};
+    cc.dtype = dt;
     /* (a capacity of 5 pages: the last sequence's own part ends in its
      * table's last page, where a read of the next page's entry would run
      * past the table: ASan's to see) */
@@ -833,13 +844,28 @@ static void shared_prefix(int64_t page)
             }
         }
     }
-    print_message("shared prefix (cascade), pages of %lld, vs float64: "
-                  "worst error %.3g, lse %.3g\n", (long long)page, worst,
-                  worst_lse);
+    print_message("shared prefix (cascade), %s pages of %lld, vs float64: "
+                  "worst error %.3g, lse %.3g\n", dt ? "f16" : "f32",
+                  (long long)page, worst, worst_lse);
     assert_true(worst < 3 * 600 * 2 * 0x1p-24);
     assert_true(worst_lse < 1e-5);   /* |lse| < 20: float32's ulp ~2e-6 */
+    /* what the stacked shared part cannot say, refused by name with out
+     * untouched: ALiBi, the window, sinks and chunks (each a function of
+     * a query's position or its own softmax) */
+    memcpy(o2, o1, sizeof o2);
+    d.out = o2;
     d.mods.alibi = 1;
     assert_fails(mha_attention_decode(&d), MHA_ERR_UNSUPPORTED, "ALiBi");
+    d.mods.alibi = 0, d.mods.window = 1, d.mods.window_left = 8;
+    assert_fails(mha_attention_decode(&d), MHA_ERR_UNSUPPORTED, "the window");
+    d.mods.window = 0, d.mods.window_left = 0;
+    static const float sinks[H] = {0.5f, -1, 0, 2};
+    d.sinks = sinks;
+    assert_fails(mha_attention_decode(&d), MHA_ERR_UNSUPPORTED, "sinks");
+    d.sinks = NULL, d.attention_chunk = 64;
+    assert_fails(mha_attention_decode(&d), MHA_ERR_UNSUPPORTED,
+                 "attention_chunk");
+    assert_memory_equal(o1, o2, sizeof o2);
     mha_kv_cache_free(kv);
 }
 
@@ -848,8 +874,10 @@ static void shared_prefix(int64_t page)
 static void test_shared_prefix(void **state)
 {
     (void)state;
-    shared_prefix(64);
-    shared_prefix(16);
+    shared_prefix(64, MHA_KV_F32);
+    shared_prefix(16, MHA_KV_F32);
+    shared_prefix(64, MHA_KV_F16);   /* (the values read back: the bound's) */
+    shared_prefix(16, MHA_KV_F16);
 }
 
 static void test_misuse(void **state)
