@@ -5,7 +5,8 @@
  * against a model kept here of what each sequence must hold.
  *
  * The first bytes choose the cache (batch 1..3, H_kv 1..2, d_h 1..40 --
- * q8's blocks of 32 split in two past 32 --, capacity 1..12, dtype f32,
+ * q8's blocks of 32 split in two past 32 --, capacity 1..40 (pages of 16
+ * fill, so that forks share whole pages), dtype f32,
  * f16, bf16, q8 or q4 (d_h made even), rotated or not (d_h made even),
  * a window 0 or 1..capacity, or no window and pages of
  * 64 or 16 in a pool of 1..batch tiles' worth); each next byte pair is an
@@ -34,7 +35,12 @@
  *   - a decoding step on an ordinary cache gives, for each sequence, the
  *     bits of mha_attention on the keys read back (causal bottom-right;
  *     within 1e-4 of them on a rotated cache, which turns q and out),
- *     and a finite output from finite data on a window cache.
+ *     and a finite output from finite data on a window cache;
+ *   - so does a ragged step (mha_attention_decode with q_start: 0, 1 or
+ *     2 new queries a sequence, as many as it holds at most), and with
+ *     share_prefix (a paged cache's forks read their shared pages once,
+ *     a merge of two parts: not those bits, which the replay of the
+ *     seeded mutants shows) within 1e-5 of them.
  *
  * Built two ways, as the other targets (fuzz/CMakeLists.txt); CTest's
  * fuzz_replay_cache replays fuzz/corpus/cache.
@@ -52,7 +58,7 @@
 static const char *fuzz_who(void) { return "fuzz_cache"; }
 #include "fuzz_common.h"
 
-enum { BMAX = 3, CAPMAX = 12, ROWMAX = 2 * 41, OPS = 64 };
+enum { BMAX = 3, CAPMAX = 40, ROWMAX = 2 * 41, OPS = 64 };
 
 /* Uniform in [-2, 2): finite in every dtype. */
 static float rng_value(void)
@@ -121,6 +127,44 @@ static void check_lengths(mha_kv_cache *kv, const setup *s, const model *m)
               (long long)mha_kv_cache_length(kv, q), (long long)m->len[q]);
 }
 
+/* The step's rows of sequence b (lq of them, ending at its last key)
+ * against mha_attention on the keys read back: the same bits, or within
+ * tol (a rotated cache; a cascade's merge). */
+static void check_rows(mha_kv_cache *kv, const setup *s, const model *m,
+                       int64_t b, int64_t lq, const float *q,
+                       const float *out, float tol)
+{
+    const int64_t hkv = s->c.num_kv_heads, dh = s->c.head_dim, H = 2 * hkv;
+    const int64_t L = m->len[b];
+    float k[CAPMAX * ROWMAX], v[CAPMAX * ROWMAX], o[3 * 2 * ROWMAX];
+    CHECK(mha_kv_cache_read(kv, b, 0, L, k, v) == MHA_OK, "read: %s",
+          mha_last_error());
+    mha_attention_args e;
+    memset(&e, 0, sizeof e);
+    e.batch = 1;
+    e.num_heads = H;
+    e.num_kv_heads = hkv;
+    e.head_dim = dh;
+    e.q_len = lq;
+    e.kv_len = L;
+    e.q = q;
+    e.k = k;
+    e.v = v;
+    e.causal = MHA_CAUSAL_BOTTOM_RIGHT;
+    e.out = o;
+    CHECK(mha_attention(&e) == MHA_OK, "attention: %s", mha_last_error());
+    if (tol == 0.0f) {
+        CHECK(!memcmp(o, out, (size_t)(lq * H * dh) * sizeof *o),
+              "sequence %lld: its step differs from attention on its keys",
+              (long long)b);
+        return;
+    }
+    for (int64_t t = 0; t < lq * H * dh; t++)
+        CHECK(fabsf(o[t] - out[t]) <= tol,
+              "sequence %lld: its step differs from attention on its keys "
+              "by %g", (long long)b, (double)fabsf(o[t] - out[t]));
+}
+
 /* A decoding step of lq queries per sequence on heads (H = 2 H_kv). */
 static void decode(mha_kv_cache *kv, const setup *s, model *m, int lq)
 {
@@ -147,44 +191,56 @@ static void decode(mha_kv_cache *kv, const setup *s, model *m, int lq)
         CHECK(isfinite(out[t]), "a non-finite output from finite data");
     if (s->c.window)
         return;
-    /* Ordinary cache: each sequence the bits of attention on its keys. */
+    /* Ordinary cache: each sequence the bits of attention on its keys
+     * (a rotated cache, which turns q and out and reads its keys back
+     * turned: float rounding of values below 2 in magnitude, d_h <= 41
+     * terms, never more than 1e-4) */
+    for (int64_t b = 0; b < s->c.batch; b++)
+        if (m->len[b] >= lq)   /* (else its first queries see nothing) */
+            check_rows(kv, s, m, b, lq, q + b * lq * H * dh,
+                       out + b * lq * H * dh, s->c.rotate ? 1e-4f : 0.0f);
+}
+
+/* A ragged step: sequence b's n[b] new queries (0 .. 2, at most its
+ * length) packed back to back (q_start), share_prefix or not. */
+static void ragged(mha_kv_cache *kv, const setup *s, model *m, int share)
+{
+    const int64_t hkv = s->c.num_kv_heads, dh = s->c.head_dim, H = 2 * hkv;
+    int64_t q_start[BMAX + 1] = {0};
     for (int64_t b = 0; b < s->c.batch; b++) {
-        const int64_t L = m->len[b];
-        if (L < lq)
-            continue;   /* (its first queries see nothing: both zero) */
-        float k[CAPMAX * ROWMAX], v[CAPMAX * ROWMAX];
-        float o[3 * 2 * ROWMAX];
-        CHECK(mha_kv_cache_read(kv, b, 0, L, k, v) == MHA_OK, "read: %s",
-              mha_last_error());
-        mha_attention_args e;
-        memset(&e, 0, sizeof e);
-        e.batch = 1;
-        e.num_heads = H;
-        e.num_kv_heads = hkv;
-        e.head_dim = dh;
-        e.q_len = lq;
-        e.kv_len = L;
-        e.q = q + b * lq * H * dh;
-        e.k = k;
-        e.v = v;
-        e.causal = MHA_CAUSAL_BOTTOM_RIGHT;
-        e.out = o;
-        CHECK(mha_attention(&e) == MHA_OK, "attention: %s", mha_last_error());
-        if (s->c.rotate) {
-            /* turned twice (q and out) and the keys read back turned:
-             * float rounding of values below 2 in magnitude, d_h <= 41
-             * terms, never more than 1e-4 */
-            for (int64_t t = 0; t < lq * H * dh; t++)
-                CHECK(fabsf(o[t] - out[b * lq * H * dh + t]) <= 1e-4f,
-                      "sequence %lld: rotated decoding differs from "
-                      "attention on its keys by %g", (long long)b,
-                      (double)fabsf(o[t] - out[b * lq * H * dh + t]));
-            continue;
-        }
-        CHECK(!memcmp(o, out + b * lq * H * dh,
-                      (size_t)(lq * H * dh) * sizeof *o),
-              "sequence %lld: decoding differs from attention on its keys",
-              (long long)b);
+        int64_t n = (int64_t)(rng_unit() * 3.0);
+        n = n > m->len[b] ? m->len[b] : n;
+        q_start[b + 1] = q_start[b] + n;
+    }
+    const int64_t T = q_start[s->c.batch];
+    float q[BMAX * 2 * 2 * ROWMAX], out[BMAX * 2 * 2 * ROWMAX];
+    for (int64_t t = 0; t < T * H * dh; t++)
+        q[t] = rng_value();
+    mha_attention_decode_args d;
+    memset(&d, 0, sizeof d);
+    d.batch = s->c.batch;
+    d.num_heads = H;
+    d.head_dim = dh;
+    d.q = q;
+    d.out = out;
+    d.cache = kv;
+    d.q_start = q_start;
+    d.share_prefix = share;
+    const mha_status st = mha_attention_decode(&d);
+    if (st != MHA_OK) {
+        CHECK(*mha_last_error(), "a ragged step refused with no message");
+        return;
+    }
+    for (int64_t t = 0; t < T * H * dh; t++)
+        CHECK(isfinite(out[t]), "a non-finite output from finite data");
+    if (s->c.window)
+        return;
+    for (int64_t b = 0; b < s->c.batch; b++) {
+        const int64_t n = q_start[b + 1] - q_start[b];
+        if (n)
+            check_rows(kv, s, m, b, n, q + q_start[b] * H * dh,
+                       out + q_start[b] * H * dh,
+                       s->c.rotate ? 1e-4f : share ? 1e-5f : 0.0f);
     }
 }
 
@@ -297,8 +353,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             if (q < 0)
                 continue;
             check_read(kv, &s, &m, q, m.lo[q], m.len[q] - m.lo[q]);
-        } else if (op == 5) {     /* a decoding step */
-            decode(kv, &s, &m, 1 + arg % 3);
+        } else if (op == 5) {     /* a decoding step, or a ragged one */
+            if ((arg & 0xC0) == 0xC0)   /* (a quarter of them) */
+                ragged(kv, &s, &m, arg >> 5 & 1);
+            else
+                decode(kv, &s, &m, 1 + arg % 3);
         } else {                  /* fork q into another sequence */
             const int64_t to = q < 0 ? 0 : (q + 1 + arg / 17) % s.c.batch;
             const mha_status st = mha_kv_cache_fork(kv, q, to);
