@@ -165,6 +165,21 @@ static void check_rows(mha_kv_cache *kv, const setup *s, const model *m,
               "by %g", (long long)b, (double)fabsf(o[t] - out[t]));
 }
 
+/* After a step's call (status st, n outputs): a refusal carries a
+ * message; else the outputs are finite (from finite data), and its rows
+ * are to be compared (1) unless the cache is a window's ring. */
+static int stepped(mha_status st, const float *out, int64_t n,
+                   const setup *s)
+{
+    if (st != MHA_OK) {
+        CHECK(*mha_last_error(), "a decoding step refused with no message");
+        return 0;
+    }
+    for (int64_t t = 0; t < n; t++)
+        CHECK(isfinite(out[t]), "a non-finite output from finite data");
+    return !s->c.window;
+}
+
 /* A decoding step of lq queries per sequence on heads (H = 2 H_kv). */
 static void decode(mha_kv_cache *kv, const setup *s, model *m, int lq)
 {
@@ -182,14 +197,7 @@ static void decode(mha_kv_cache *kv, const setup *s, model *m, int lq)
     a.q = q;
     a.out = out;
     a.cache = kv;
-    const mha_status st = mha_attention(&a);
-    if (st != MHA_OK) {
-        CHECK(*mha_last_error(), "decoding refused with no message");
-        return;
-    }
-    for (int64_t t = 0; t < s->c.batch * lq * H * dh; t++)
-        CHECK(isfinite(out[t]), "a non-finite output from finite data");
-    if (s->c.window)
+    if (!stepped(mha_attention(&a), out, s->c.batch * lq * H * dh, s))
         return;
     /* Ordinary cache: each sequence the bits of attention on its keys
      * (a rotated cache, which turns q and out and reads its keys back
@@ -226,14 +234,7 @@ static void ragged(mha_kv_cache *kv, const setup *s, model *m, int share)
     d.cache = kv;
     d.q_start = q_start;
     d.share_prefix = share;
-    const mha_status st = mha_attention_decode(&d);
-    if (st != MHA_OK) {
-        CHECK(*mha_last_error(), "a ragged step refused with no message");
-        return;
-    }
-    for (int64_t t = 0; t < T * H * dh; t++)
-        CHECK(isfinite(out[t]), "a non-finite output from finite data");
-    if (s->c.window)
+    if (!stepped(mha_attention_decode(&d), out, T * H * dh, s))
         return;
     for (int64_t b = 0; b < s->c.batch; b++) {
         const int64_t n = q_start[b + 1] - q_start[b];
