@@ -522,6 +522,7 @@ typedef struct mha_attention_grads16 {
     const uint16_t *grad_out;   /* like out                               */
     uint16_t *grad_q;           /* like q                                 */
     uint16_t *grad_k, *grad_v;  /* like k and v, summed over each group   */
+    float *grad_sinks;          /* (H) or NULL: dL/d sinks, float32       */
 } mha_attention_grads16;
 MHA_API mha_status mha_attention_backward16_sized(
     const mha_attention_args *args, size_t args_size,
@@ -531,6 +532,20 @@ static inline mha_status mha_attention_backward16(
 {
     return mha_attention_backward16_sized(args, sizeof *args, grads,
                                           sizeof *grads);
+}
+
+/* The backward of a 16-bit plan's last run (a plan made with dtype BF16
+ * or F16 runs with mha_attention_plan_run; its forward is kept, not
+ * computed again) (docs/semantics.md#bf16-and-f16-attention-on-16-bit-data). */
+MHA_API mha_status mha_attention_plan_backward16_sized(
+    mha_attention_plan *plan, const mha_attention_args *args, size_t args_size,
+    const mha_attention_grads16 *grads, size_t grads_size);
+static inline mha_status mha_attention_plan_backward16(
+    mha_attention_plan *plan, const mha_attention_args *args,
+    const mha_attention_grads16 *grads)
+{
+    return mha_attention_plan_backward16_sized(plan, args, sizeof *args,
+                                               grads, sizeof *grads);
 }
 
 /* The backward of one part of a split-key problem, given the lse and out

@@ -282,6 +282,30 @@ static void run_backward(const hcase *c, uint64_t seed)
         assert_memory_equal(g[0][0], gg[0], nq * 2);
         assert_memory_equal(g[0][1], gg[1], nk * 2);
         assert_memory_equal(g[0][2], gg[2], nk * 2);
+        /* a plan: its run the call's bits, its backward (on the forward
+         * it kept) the same gradients; each twice */
+        uint16_t *po = malloc(nq * 2);
+        float *pl = malloc(c->B * c->H * c->Lq * sizeof *pl);
+        mha_attention_args pa = a;
+        pa.out16 = po, pa.lse = pl, pa.num_threads = 3;
+        mha_attention_plan *plan = NULL;
+        assert_int_equal(mha_attention_plan_create(&pa, &plan), MHA_OK);
+        for (int r = 0; r < 2; r++) {
+            memset(po, 0xFF, nq * 2);
+            for (int i = 0; i < 3; i++)
+                memset(gg[i], 0xFF, (i ? nk : nq) * 2);
+            if (mha_attention_plan_run(plan, &pa) != MHA_OK)
+                fail_msg("16-bit plan: %s", mha_last_error());
+            assert_memory_equal(po, o, nq * 2);
+            assert_memory_equal(pl, lse, c->B * c->H * c->Lq * sizeof *pl);
+            if (mha_attention_plan_backward16(plan, &pa, &gr) != MHA_OK)
+                fail_msg("16-bit plan's backward: %s", mha_last_error());
+            assert_memory_equal(g[0][0], gg[0], nq * 2);
+            assert_memory_equal(g[0][1], gg[1], nk * 2);
+            assert_memory_equal(g[0][2], gg[2], nk * 2);
+        }
+        mha_attention_plan_free(plan);
+        free(po), free(pl);
         free(o), free(lse), free(gg[0]), free(gg[1]), free(gg[2]);
     }
 
@@ -575,13 +599,8 @@ static void test_misuse(void **state)
     a.q = qf, a.k = qf, a.v = qf, a.out = of;
     assert_int_equal(mha_attention(&a), MHA_ERR_INVALID_ARGUMENT);
     assert_non_null(strstr(mha_last_error(), "q16"));
-    /* a plan or a backward in bf16: refused by name */
     a.dtype = MHA_DTYPE_BF16;
     a.q = a.k = a.v = NULL, a.out = NULL;
-    mha_attention_plan *p = NULL;
-    assert_int_equal(mha_attention_plan_create(&a, &p), MHA_ERR_INVALID_ARGUMENT);
-    assert_null(p);
-    assert_non_null(strstr(mha_last_error(), "float32"));
     /* the backwards: each refuses the other's dtype, NULLs, overlaps */
     uint16_t go[64], gq[64], gk[64], gv[64];
     memset(go, 0, sizeof go);
@@ -603,6 +622,81 @@ static void test_misuse(void **state)
     g16.grad_q = gq;
     assert_int_equal(mha_attention_backward16(NULL, &g16), MHA_ERR_NULL_POINTER);
     assert_int_equal(mha_attention_backward16(&a, NULL), MHA_ERR_NULL_POINTER);
+    float gs[1];
+    g16.grad_sinks = gs;   /* without sinks */
+    assert_int_equal(mha_attention_backward16(&a, &g16),
+                     MHA_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(mha_last_error(), "grad_sinks"));
+    g16.grad_sinks = NULL;
+
+    /* 16-bit plans: each backward before a run, on changed data or
+     * arguments, of the other dtype, refused by name */
+    mha_attention_plan *p = NULL;
+    assert_int_equal(mha_attention_plan_create(&a, &p), MHA_OK);
+    assert_int_equal(mha_attention_plan_backward16(p, &a, &g16),
+                     MHA_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(mha_last_error(), "no run to differentiate"));
+    assert_int_equal(mha_attention_plan_run(p, &a), MHA_OK);
+    assert_int_equal(mha_attention_plan_backward16(p, &a, &g16), MHA_OK);
+    assert_int_equal(mha_attention_plan_backward(p, &a, &g32),
+                     MHA_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(mha_last_error(), "mha_attention_plan_backward16"));
+    q[3] ^= 0x40;   /* the data changed since the run */
+    assert_int_equal(mha_attention_plan_backward16(p, &a, &g16),
+                     MHA_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(mha_last_error(), "changed since"));
+    q[3] ^= 0x40;
+    o[0] ^= 0x40;   /* (out16: the bf16 kernels' backward reads it) */
+    if (kernel_run) {
+        assert_int_equal(mha_attention_plan_backward16(p, &a, &g16),
+                         MHA_ERR_INVALID_ARGUMENT);
+        assert_non_null(strstr(mha_last_error(), "out16"));
+    } else {   /* the float32 route reads its own statistics */
+        assert_int_equal(mha_attention_plan_backward16(p, &a, &g16), MHA_OK);
+    }
+    o[0] ^= 0x40;
+    mha_attention_args b = a;
+    b.causal = MHA_CAUSAL_TOP_LEFT;
+    assert_int_equal(mha_attention_plan_backward16(p, &b, &g16),
+                     MHA_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(mha_last_error(), "differ"));
+    b = a, b.layout = MHA_LAYOUT_HEADS_FIRST;
+    assert_int_equal(mha_attention_plan_backward16(p, &b, &g16),
+                     MHA_ERR_INVALID_ARGUMENT);
+    b = a, b.dtype = MHA_DTYPE_F16;
+    assert_int_equal(mha_attention_plan_run(p, &b), MHA_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(mha_last_error(), "made for dtype MHA_DTYPE_BF16"));
+    assert_int_equal(mha_attention_plan_backward16(p, &a, &g16),
+                     MHA_ERR_INVALID_ARGUMENT);   /* a failed run: nothing */
+    b = a, b.q_len = 1;
+    assert_int_equal(mha_attention_plan_run(p, &b), MHA_ERR_SHAPE);
+    b = a, b.q = qf;
+    assert_int_equal(mha_attention_plan_run(p, &b), MHA_ERR_INVALID_ARGUMENT);
+    b = a, b.out16 = q;
+    assert_int_equal(mha_attention_plan_run(p, &b), MHA_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(mha_last_error(), "overlaps"));
+    assert_int_equal(mha_attention_plan_backward16(NULL, &a, &g16),
+                     MHA_ERR_NULL_POINTER);
+    assert_int_equal(mha_attention_plan_backward16(p, &a, NULL),
+                     MHA_ERR_NULL_POINTER);
+    mha_attention_plan_free(p);
+    /* a float32 plan: no 16-bit run or backward */
+    b = a, b.dtype = MHA_DTYPE_F32, b.q16 = b.k16 = b.v16 = NULL;
+    b.out16 = NULL;
+    assert_int_equal(mha_attention_plan_create(&b, &p), MHA_OK);
+    assert_int_equal(mha_attention_plan_run(p, &a), MHA_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(mha_last_error(), "made for dtype MHA_DTYPE_F32"));
+    assert_int_equal(mha_attention_plan_backward16(p, &a, &g16),
+                     MHA_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(mha_last_error(), "mha_attention_plan_backward"));
+    mha_attention_plan_free(p);
+    /* a bad dtype in a plan's shape */
+    b = a, b.dtype = (mha_dtype)9;
+    p = NULL;
+    assert_int_equal(mha_attention_plan_create(&b, &p),
+                     MHA_ERR_INVALID_ARGUMENT);
+    assert_null(p);
+    assert_non_null(strstr(mha_last_error(), "dtype"));
     /* key_lengths outside [0, Lk] */
     const int64_t kl[1] = {3};
     a.key_lengths = kl;
@@ -722,11 +816,13 @@ static void widened_case(const wcase *c, mha_dtype dt, uint64_t seed)
         if (nw)
             assert_memory_equal(wg, wf, nw * 4);
     }
-    /* the backward (which takes no sinks or dropout): the float32
-     * backward's gradients on the same numbers, each rounded */
-    if (!c->sinks && !c->dropout) {
+    /* the backward: the float32 backward's gradients on the same
+     * numbers, each rounded (dL/d sinks: float32, the same bits); by the
+     * call, which computes the forward again, and by a plan, on the
+     * forward it kept */
+    {
         uint16_t *go = malloc(no * 2), *g16[3];
-        float *gof = malloc(no * 4), *gf[3];
+        float *gof = malloc(no * 4), *gf[3], gsf[16], gs16[16];
         const int64_t n[3] = {nq, nk, nv};
         tu_fill(gof, no, seed + 4, -1.0f, 1.0f);
         for (int64_t x = 0; x < no; x++)
@@ -737,23 +833,44 @@ static void widened_case(const wcase *c, mha_dtype dt, uint64_t seed)
         }
         mha_attention_args fb = f;
         fb.need_weights = MHA_WEIGHTS_NONE, fb.attn_weights = NULL;
-        const mha_attention_grads fg = {gof, gf[0], gf[1], gf[2], NULL};
+        const mha_attention_grads fg = {gof, gf[0], gf[1], gf[2],
+                                        c->sinks ? gsf : NULL};
         if (mha_attention_backward(&fb, &fg) != MHA_OK)
             fail_msg("float32 backward: %s", mha_last_error());
-        for (int t = 0; t < 2; t++) {
+        for (int t = 0; t < 4; t++) {   /* call, call, plan, plan again */
             mha_attention_args h = a;
             h.dtype = dt, h.need_weights = MHA_WEIGHTS_NONE;
-            h.q16 = q, h.k16 = k, h.v16 = v, h.num_threads = threads[t];
-            const mha_attention_grads16 g = {go, g16[0], g16[1], g16[2]};
-            if (mha_attention_backward16(&h, &g) != MHA_OK)
-                fail_msg("16-bit backward: %s", mha_last_error());
+            h.q16 = q, h.k16 = k, h.v16 = v, h.num_threads = threads[t % 2];
+            const mha_attention_grads16 g = {go, g16[0], g16[1], g16[2],
+                                             c->sinks ? gs16 : NULL};
+            for (int i = 0; i < 3; i++)
+                memset(g16[i], 0xFF, n[i] * 2);
+            memset(gs16, 0xFF, sizeof gs16);
+            mha_attention_plan *plan = NULL;
+            if (t >= 2) {
+                h.out16 = got, h.lse = lg;
+                if (mha_attention_plan_create(&h, &plan) != MHA_OK ||
+                    mha_attention_plan_run(plan, &h) != MHA_OK ||
+                    (t == 3 && mha_attention_plan_run(plan, &h) != MHA_OK))
+                    fail_msg("16-bit plan: %s", mha_last_error());
+                assert_memory_equal(got, want, no * 2);
+                assert_memory_equal(lg, lf, nl * 4);
+            }
+            if ((plan ? mha_attention_plan_backward16(plan, &h, &g)
+                      : mha_attention_backward16(&h, &g)) != MHA_OK)
+                fail_msg("16-bit backward (%s): %s", plan ? "plan" : "call",
+                         mha_last_error());
+            mha_attention_plan_free(plan);
             for (int i = 0; i < 3; i++)
                 for (int64_t x = 0; x < n[i]; x++)
                     if (g16[i][x] != to16(dt, gf[i][x]))
-                        fail_msg("gradient %d element %lld: %04x, the float32 "
-                                 "backward's %g rounds to %04x", i,
-                                 (long long)x, g16[i][x], (double)gf[i][x],
+                        fail_msg("gradient %d element %lld (%s): %04x, the "
+                                 "float32 backward's %g rounds to %04x", i,
+                                 (long long)x, t >= 2 ? "plan" : "call",
+                                 g16[i][x], (double)gf[i][x],
                                  to16(dt, gf[i][x]));
+            if (c->sinks)
+                assert_memory_equal(gs16, gsf, c->H * sizeof *gsf);
         }
         for (int i = 0; i < 3; i++)
             free(g16[i]), free(gf[i]);

@@ -546,7 +546,8 @@ static void test_attention_bitwise(void **state)
  * queries widened and the context rounded, so the output is bitwise the
  * float32 decode on the widened queries, rounded to nearest even (that
  * decode is held to float64 above), and the lse is its lse; on 1 and 2
- * threads.  Then the misuse of the 16-bit fields. */
+ * threads; a decode plan (mha_attention_plan_create_decode) of the same
+ * bits, run twice.  Then the misuse of the 16-bit fields and plans. */
 static void test_half_queries(void **state)
 {
     (void)state;
@@ -577,22 +578,34 @@ static void test_half_queries(void **state)
                 a.q_len = LQ, a.cache = kv, a.lse = lse_got;
                 a.num_threads = threads;
                 a.dtype = qt[t], a.q16 = q16, a.out16 = o16;
-                memset(o16, 0xff, (size_t)nq * 2);
-                if (mha_attention_decode(&a) != MHA_OK)
-                    fail_msg("%s queries, cache dtype %d: %s",
-                             bf ? "bf16" : "f16", (int)dtypes[d],
-                             mha_last_error());
-                for (int64_t i = 0; i < nq; i++) {
-                    const uint16_t r = bf ? mha_bf16_from_float(want[i])
-                                          : mha_f16_from_float(want[i]);
-                    if (o16[i] != r)
-                        fail_msg("%s queries, cache dtype %d, %d threads: "
-                                 "out16[%lld] = 0x%04x, the rounded float32 "
-                                 "decode 0x%04x", bf ? "bf16" : "f16",
-                                 (int)dtypes[d], threads, (long long)i,
-                                 o16[i], r);
+                /* the call, then a decode plan (twice: a plan's second
+                 * run too) */
+                mha_attention_plan *plan = NULL;
+                for (int run = 0; run < 3; run++) {
+                    memset(o16, 0xff, (size_t)nq * 2);
+                    memset(lse_got, 0xff, sizeof lse_got);
+                    if (run == 1 &&
+                        mha_attention_plan_create_decode(&a, &plan) != MHA_OK)
+                        fail_msg("16-bit decode plan: %s", mha_last_error());
+                    if ((run ? mha_attention_plan_decode(plan, &a)
+                             : mha_attention_decode(&a)) != MHA_OK)
+                        fail_msg("%s queries, cache dtype %d, run %d: %s",
+                                 bf ? "bf16" : "f16", (int)dtypes[d], run,
+                                 mha_last_error());
+                    for (int64_t i = 0; i < nq; i++) {
+                        const uint16_t r = bf ? mha_bf16_from_float(want[i])
+                                              : mha_f16_from_float(want[i]);
+                        if (o16[i] != r)
+                            fail_msg("%s queries, cache dtype %d, %d "
+                                     "threads, run %d: out16[%lld] = "
+                                     "0x%04x, the rounded float32 decode "
+                                     "0x%04x", bf ? "bf16" : "f16",
+                                     (int)dtypes[d], threads, run,
+                                     (long long)i, o16[i], r);
+                    }
+                    assert_memory_equal(lse_got, lse_want, sizeof lse_got);
                 }
-                assert_memory_equal(lse_got, lse_want, sizeof lse_got);
+                mha_attention_plan_free(plan);
             }
             mha_kv_cache_free(kv);
         }
@@ -620,10 +633,31 @@ static void test_half_queries(void **state)
     b = a, b.dtype = MHA_DTYPE_F32;   /* 16-bit fields on a float32 call */
     b.q = qf, b.out = want;
     assert_fails(mha_attention_decode(&b), MHA_ERR_INVALID_ARGUMENT, "q16");
+    /* a plan runs its own dtype only, and refuses what the call does */
     mha_attention_plan *plan = NULL;
-    assert_fails(mha_attention_plan_create_decode(&a, &plan),
-                 MHA_ERR_INVALID_ARGUMENT, "float32");
-    assert_null(plan);
+    assert_int_equal(mha_attention_plan_create_decode(&a, &plan), MHA_OK);
+    b = a, b.dtype = MHA_DTYPE_F16;
+    assert_fails(mha_attention_plan_decode(plan, &b), MHA_ERR_INVALID_ARGUMENT,
+                 "made for dtype MHA_DTYPE_BF16");
+    b = a, b.dtype = MHA_DTYPE_F32, b.q16 = NULL, b.out16 = NULL;
+    b.q = qf, b.out = want;
+    assert_fails(mha_attention_plan_decode(plan, &b), MHA_ERR_INVALID_ARGUMENT,
+                 "made for dtype MHA_DTYPE_BF16");
+    b = a, b.out16 = q16 + 1;
+    assert_fails(mha_attention_plan_decode(plan, &b), MHA_ERR_INVALID_ARGUMENT,
+                 "overlaps");
+    b = a, b.q = qf;
+    assert_fails(mha_attention_plan_decode(plan, &b), MHA_ERR_INVALID_ARGUMENT,
+                 "q must be NULL");
+    b = a, b.q_len = 1;
+    assert_fails(mha_attention_plan_decode(plan, &b), MHA_ERR_SHAPE,
+                 "do not match the plan");
+    mha_attention_plan_free(plan);
+    plan = NULL;
+    b = a, b.out16 = NULL;   /* a shape needs no data */
+    b.q16 = NULL;
+    assert_int_equal(mha_attention_plan_create_decode(&b, &plan), MHA_OK);
+    mha_attention_plan_free(plan);
     mha_kv_cache_free(kv);
     free(q16), free(o16), free(qf), free(want);
     problem_free(&p);

@@ -974,7 +974,7 @@ static void test_half_widths(void **state)
     assert_int_equal(mha_attention_backward(&a, &fg), MHA_OK);
     for (int i = 0; i < 8; i++)
         gq[NQ + i] = gk[NK + i] = gv[NV + i] = 0xABCD;
-    const mha_attention_grads16 g = {go16, gq, gk, gv};
+    const mha_attention_grads16 g = {go16, gq, gk, gv, NULL};
     h.out16 = NULL;   /* (the forward's out and lse not given: recomputed) */
     assert_int_equal(mha_attention_backward16(&h, &g), MHA_OK);
     expect_rounded(gq, fq, NQ, "16-bit backward, grad_q");

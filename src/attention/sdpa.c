@@ -27,6 +27,10 @@ typedef struct sdpa_shape {
     int64_t n_o, n_v;              /* floats of out, v */
 } sdpa_shape;
 
+/* How a 16-bit plan's run goes ("16-bit plans" below); its backward
+ * takes the same route. */
+typedef enum run_route { RUN_TILES, RUN_WIDE, RUN_BF16 } run_route;
+
 struct mha_attention_plan {
     sdpa_shape shape;
     int64_t cache_capacity;   /* > 0: a plan for decoding on a cache */
@@ -43,6 +47,15 @@ struct mha_attention_plan {
     uint64_t saved_print;
     int one_shot;         /* made by mha_attention for one run, which no
                              backward can follow: no fingerprint taken   */
+    /* A 16-bit plan (dtype BF16 or F16; "16-bit plans" below) */
+    mha_dtype dtype;      /* the data's type: F32, or BF16 / F16          */
+    run_route route;      /* the last 16-bit run's                        */
+    int amx;              /* RUN_BF16 on AMX tiles (else AVX512-BF16 /
+                             BFDOT dot products)                         */
+    float *lse16;         /* BF16: (B, H, Lq) the bf16 kernels' row lse   */
+    float *wide;          /* RUN_WIDE: q, k, v, out widened               */
+    float *wide_g;        /* its backward's dL/d out, dq, dk, dv (first
+                             backward)                                   */
 };
 
 static float resolved_scale(const mha_attention_args *a, int64_t dh)
@@ -95,10 +108,10 @@ static mha_status check_shape(const mha_attention_args *a, sdpa_shape *s)
 {
     if (a->dtype != MHA_DTYPE_F32)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "dtype %d: plans, the backward, caches and "
-                             "parts take float32 (MHA_DTYPE_F32) only; "
-                             "bf16 and f16 go through mha_attention",
-                             (int)a->dtype);
+                             "dtype %d: a part's backward and the float32 "
+                             "calls take MHA_DTYPE_F32 only; bf16 and f16 "
+                             "go through mha_attention, its plans and "
+                             "mha_attention_backward16", (int)a->dtype);
     if (a->q16 || a->k16 || a->v16 || a->out16)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "%s is set but dtype is MHA_DTYPE_F32: give "
@@ -235,14 +248,21 @@ static mha_status check_disjoint(const span *out, int n_out, const span *in,
     return MHA_OK;
 }
 
-static uint64_t fingerprint(const mha_attention_args *a, const sdpa_shape *s)
+/* The fingerprint of a call's inputs (the data in its dtype: 16-bit
+ * arrays as their bytes); with_out: out16 too, which the bf16 kernels'
+ * backward reads. */
+static uint64_t fingerprint(const mha_attention_args *a, const sdpa_shape *s,
+                            int with_out)
 {
-    const size_t f = sizeof(float), i8 = sizeof(int64_t);
+    const int h = a->dtype != MHA_DTYPE_F32;
+    const size_t f = sizeof(float), e = h ? sizeof(uint16_t) : f,
+                 i8 = sizeof(int64_t);
     const int rope = a->mods.rope.style != MHA_ROPE_NONE;
     const mha_print_buf bufs[] = {
-        {a->q, (size_t)s->n_q * f},
-        {a->k, (size_t)s->n_kv * f},
-        {a->v, (size_t)s->n_v * f},
+        {h ? (const void *)a->q16 : (const void *)a->q, (size_t)s->n_q * e},
+        {h ? (const void *)a->k16 : (const void *)a->k, (size_t)s->n_kv * e},
+        {h ? (const void *)a->v16 : (const void *)a->v, (size_t)s->n_v * e},
+        {with_out ? a->out16 : NULL, (size_t)s->n_o * e},
         {a->sinks, (size_t)s->H * f},
         {a->mods.alibi ? a->mods.alibi_slopes : NULL, (size_t)s->H * f},
         {rope ? a->q_positions : NULL, (size_t)(s->B * s->Lq) * i8},
@@ -252,6 +272,9 @@ static uint64_t fingerprint(const mha_attention_args *a, const sdpa_shape *s)
                                   a->key_lengths, s->B);
 }
 
+static mha_status plan_create16(const mha_attention_args *a,
+                                mha_attention_plan **out);
+
 static mha_status mha_attention_plan_create_impl(const mha_attention_args *a,
                                                  mha_attention_plan **out)
 {
@@ -260,6 +283,12 @@ static mha_status mha_attention_plan_create_impl(const mha_attention_args *a,
     *out = NULL;
     if (!a)
         return mha_set_error(MHA_ERR_NULL_POINTER, "attention args are NULL");
+    if (a->dtype == MHA_DTYPE_BF16 || a->dtype == MHA_DTYPE_F16)
+        return plan_create16(a, out);
+    if (a->dtype != MHA_DTYPE_F32)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "dtype must be MHA_DTYPE_F32 (0), _F16 (2) or "
+                             "_BF16 (3), got %d", (int)a->dtype);
     sdpa_shape s;
     MHA_CHECK(check_shape(a, &s));
     mha_engine eng;
@@ -312,6 +341,9 @@ void mha_attention_plan_free(mha_attention_plan *p)
     free(p->slopes);
     free(p->dsinks);
     free(p->rot);
+    free(p->lse16);
+    free(p->wide);
+    free(p->wide_g);
     free(p);
 }
 
@@ -397,6 +429,27 @@ static void write_lse(const float *stats, int64_t rows, float *lse)
     }
 }
 
+/* Do the run's shapes s fit the plan's ps? */
+static mha_status plan_fits(const sdpa_shape *ps, const sdpa_shape *s)
+{
+    if (s->B != ps->B || s->H != ps->H || s->Hkv != ps->Hkv ||
+        s->dh != ps->dh || s->dv != ps->dv || s->Lq != ps->Lq ||
+        s->Lk != ps->Lk)
+        return mha_set_error(MHA_ERR_SHAPE,
+                             "arguments (B=%lld, H=%lld, H_kv=%lld, d_h=%lld, "
+                             "d_v=%lld, Lq=%lld, Lk=%lld) do not match the "
+                             "plan (B=%lld, H=%lld, H_kv=%lld, d_h=%lld, "
+                             "d_v=%lld, Lq=%lld, Lk=%lld)",
+                             (long long)s->B, (long long)s->H,
+                             (long long)s->Hkv, (long long)s->dh,
+                             (long long)s->dv, (long long)s->Lq,
+                             (long long)s->Lk, (long long)ps->B,
+                             (long long)ps->H, (long long)ps->Hkv,
+                             (long long)ps->dh, (long long)ps->dv,
+                             (long long)ps->Lq, (long long)ps->Lk);
+    return MHA_OK;
+}
+
 /* The plan's run; pack_only: K and V packed (and RoPE applied, the
  * arguments kept) for a backward, no output (mha_attention_backward_part). */
 /* x16 (MHA_KV_F32 but from attention_widened): q, k, v and out of `a`
@@ -421,20 +474,7 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
         MHA_CHECK(mha_kv_cache_check_plan(a->cache, p->cache_capacity));
         s.Lk = ps->Lk;   /* a smaller cache fits the plan's layout */
     }
-    if (s.B != ps->B || s.H != ps->H || s.Hkv != ps->Hkv || s.dh != ps->dh ||
-        s.dv != ps->dv || s.Lq != ps->Lq || s.Lk != ps->Lk)
-        return mha_set_error(MHA_ERR_SHAPE,
-                             "arguments (B=%lld, H=%lld, H_kv=%lld, d_h=%lld, "
-                             "d_v=%lld, Lq=%lld, Lk=%lld) do not match the "
-                             "plan (B=%lld, H=%lld, H_kv=%lld, d_h=%lld, "
-                             "d_v=%lld, Lq=%lld, Lk=%lld)",
-                             (long long)s.B, (long long)s.H, (long long)s.Hkv,
-                             (long long)s.dh, (long long)s.dv,
-                             (long long)s.Lq, (long long)s.Lk,
-                             (long long)ps->B, (long long)ps->H,
-                             (long long)ps->Hkv, (long long)ps->dh,
-                             (long long)ps->dv, (long long)ps->Lq,
-                             (long long)ps->Lk);
+    MHA_CHECK(plan_fits(ps, &s));
     if (!a->q || (!a->cache && (!a->k || !a->v)) || !a->out)
         return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
                              !a->q ? "q" : !a->cache && !a->k ? "k"
@@ -454,7 +494,10 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
         MHA_CHECK(check_disjoint(outs, 3, ins, a->cache ? 1 : 3));
     MHA_CHECK(rope_check(p, a, &s));
     MHA_CHECK(mha_attn_request_prepare(&r, p->eng.uk, p->eng.threads));
-    const uint64_t print = p->one_shot || a->cache ? 0 : fingerprint(a, &s);
+    const uint64_t print =
+        p->one_shot || a->cache || p->dtype != MHA_DTYPE_F32
+            ? 0   /* (a 16-bit plan prints the 16-bit data: plan_run16) */
+            : fingerprint(a, &s, 0);
     mha_attn at = mha_attn_request_problem(&r, &mask, p->ws, &p->lay);
     at.pack_only = pack_only;
     if (a->mods.rope.style != MHA_ROPE_NONE)
@@ -471,10 +514,39 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
     return MHA_OK;
 }
 
+static mha_status plan_run16(mha_attention_plan *p,
+                             const mha_attention_args *a);
+
+/* A plan runs calls of the dtype it was made for. */
+static mha_status same_dtype(const mha_attention_plan *p,
+                             const mha_attention_args *a)
+{
+    static const char *const name[] = {"F32", "?", "F16", "BF16"};
+    if (a->dtype != p->dtype)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "this plan was made for dtype MHA_DTYPE_%s; "
+                             "the call has dtype %s%d (make a plan for it)",
+                             name[p->dtype],
+                             a->dtype == MHA_DTYPE_F32   ? "MHA_DTYPE_F32 = "
+                             : a->dtype == MHA_DTYPE_F16 ? "MHA_DTYPE_F16 = "
+                             : a->dtype == MHA_DTYPE_BF16
+                                 ? "MHA_DTYPE_BF16 = "
+                                 : "",
+                             (int)a->dtype);
+    return MHA_OK;
+}
+
 static mha_status mha_attention_plan_run_impl(mha_attention_plan *p,
                                               const mha_attention_args *a)
 {
-    return plan_run(p, a, 0, MHA_KV_F32);
+    if (!p)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "plan is NULL");
+    if (!a)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "attention args are NULL");
+    p->has_saved = 0;
+    MHA_CHECK(same_dtype(p, a));
+    return p->dtype == MHA_DTYPE_F32 ? plan_run(p, a, 0, MHA_KV_F32)
+                                     : plan_run16(p, a);
 }
 
 mha_status mha_attention_plan_run_sized(mha_attention_plan *plan,
@@ -491,10 +563,10 @@ static int same_mask(const mha_mask *x, const mha_mask *y)
            (x->kind == MHA_MASK_NONE || x->data == y->data);
 }
 
-/* Is `a` the run whose stats and packed K/V the plan holds?  (x16: a
- * 16-bit backward's own plan, run just before: no fingerprint.) */
+/* Is `a` the run whose stats and packed K/V the plan holds (its data,
+ * in the plan's dtype, fingerprinted unless the plan is a one-shot's)? */
 static mha_status check_saved(const mha_attention_plan *p,
-                              const mha_attention_args *a, mha_kv_dtype x16)
+                              const mha_attention_args *a)
 {
     if (!p->has_saved)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
@@ -502,7 +574,8 @@ static mha_status check_saved(const mha_attention_plan *p,
                              "mha_attention_plan_run on this plan first (a "
                              "failed run leaves nothing either)");
     const mha_attention_args *s = &p->saved;
-    if (a->q != s->q || a->k != s->k || a->v != s->v ||
+    if (a->q != s->q || a->k != s->k || a->v != s->v || a->q16 != s->q16 ||
+        a->k16 != s->k16 || a->v16 != s->v16 || a->layout != s->layout ||
         !same_mask(&a->attn_mask, &s->attn_mask) ||
         !same_mask(&a->key_padding_mask, &s->key_padding_mask) ||
         a->key_lengths != s->key_lengths || a->causal != s->causal ||
@@ -518,16 +591,35 @@ static mha_status check_saved(const mha_attention_plan *p,
           a->k_positions != s->k_positions)))
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "the arguments differ from those of the plan's "
-                             "last run (q, k, v, masks, key_lengths, causal, "
-                             "q_offset, scale, dropout, training, "
-                             "dropout_seed, sinks, the modifiers and RoPE's "
-                             "positions must be the same)");
-    if (x16 == MHA_KV_F32 && fingerprint(a, &p->shape) != p->saved_print)
+                             "last run (q, k, v, the layout, masks, "
+                             "key_lengths, causal, q_offset, scale, dropout, "
+                             "training, dropout_seed, sinks, the modifiers "
+                             "and RoPE's positions must be the same)");
+    /* (the bf16 kernels' backward reads the run's out16 again) */
+    const int with_out = p->dtype != MHA_DTYPE_F32 && p->route == RUN_BF16;
+    if (with_out && a->out16 != s->out16)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "the contents of q, k, v, the masks or "
-                             "key_lengths changed since the plan's last run: "
-                             "run it again on the new data before its "
-                             "backward");
+                             "out16 differs from the plan's last run's: the "
+                             "backward of the bf16 kernels reads the "
+                             "output the run wrote");
+    if (!p->one_shot &&
+        fingerprint(a, &p->shape, with_out) != p->saved_print)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "the contents of %s, the masks or key_lengths "
+                             "changed since the plan's last run: run it "
+                             "again on the new data before its backward",
+                             with_out ? "q16, k16, v16, out16" : "q, k, v");
+    return MHA_OK;
+}
+
+/* The four gradient arrays every backward takes. */
+static mha_status grads_present(const void *grad_out, const void *grad_q,
+                                const void *grad_k, const void *grad_v)
+{
+    if (!grad_out || !grad_q || !grad_k || !grad_v)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
+                             !grad_out ? "grad_out" : !grad_q ? "grad_q"
+                             : !grad_k ? "grad_k" : "grad_v");
     return MHA_OK;
 }
 
@@ -559,13 +651,7 @@ static mha_status plan_backward(mha_attention_plan *p,
         return mha_set_error(MHA_ERR_NULL_POINTER, "attention args are NULL");
     if (!g)
         return mha_set_error(MHA_ERR_NULL_POINTER, "gradient args are NULL");
-    if (!g->grad_out || !g->grad_q || !g->grad_k || !g->grad_v)
-        return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
-                             !g->grad_out ? "grad_out"
-                             : !g->grad_q ? "grad_q"
-                             : !g->grad_k ? "grad_k" : "grad_v");
-    MHA_CHECK(no_cache_backward(a));
-    MHA_CHECK(check_saved(p, a, x16));
+    MHA_CHECK(grads_present(g->grad_out, g->grad_q, g->grad_k, g->grad_v));
     if (g->grad_sinks && !a->sinks)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
                              "grad_sinks is set but the arguments have no "
@@ -632,6 +718,20 @@ static mha_status mha_attention_plan_backward_impl(
     mha_attention_plan *p, const mha_attention_args *a,
     const mha_attention_grads *g)
 {
+    if (!p)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "plan is NULL");
+    if (!a)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "attention args are NULL");
+    if (!g)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "gradient args are NULL");
+    if (p->dtype != MHA_DTYPE_F32)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "this plan is a 16-bit one: its backward is "
+                             "mha_attention_plan_backward16");
+    MHA_CHECK(same_dtype(p, a));
+    MHA_CHECK(grads_present(g->grad_out, g->grad_q, g->grad_k, g->grad_v));
+    MHA_CHECK(no_cache_backward(a));
+    MHA_CHECK(check_saved(p, a));
     return plan_backward(p, a, g, NULL, NULL, MHA_KV_F32);
 }
 
@@ -783,75 +883,9 @@ static void narrow_t(const float *x, int64_t n, int bf, uint16_t *y,
     convert16(y, (float *)x, n, bf, 0, threads);      /* (x only read) */
 }
 
-static void widen(const uint16_t *x, int64_t n, int bf, float *y)
-{
-    widen_t(x, n, bf, y, 1);
-}
-
-static void narrow(const float *x, int64_t n, int bf, uint16_t *y)
-{
-    narrow_t(x, n, bf, y, 1);
-}
-
-/* The threads of a call's conversions: its num_threads, resolved. */
-static int convert_threads(int num_threads)
-{
-    mha_engine eng;
-    return mha_engine_init(&eng, num_threads) == MHA_OK ? eng.threads : 1;
-}
-
-/* x (B, heads, L, dh) in `layout` <-> float rows (B, L, heads dh): the
- * widened backward's copies (the float32 backward takes rows), row by row
- * on `threads` threads.  (A thread team per row, as widen() would start,
- * made the bf16 backward 3x slower than the float32 one on 2 threads:
- * docs/BENCHMARKS.md.) */
-static void rows16(uint16_t *x, mha_layout layout, int64_t B, int64_t heads,
-                   int64_t L, int64_t dh, int bf, float *y, int to_float,
-                   int threads)
-{
-    const int64_t n = B * heads * L;
-    (void)threads;   /* (a build without OpenMP ignores the pragma) */
-#pragma omp parallel for num_threads(threads) schedule(static) \
-    if (n * dh >= 2 * CONVERT_BLOCK)
-    for (int64_t t = 0; t < n; t++) {
-        const int64_t b = t / (heads * L), h = t / L % heads, i = t % L;
-        const int64_t at = layout == MHA_LAYOUT_HEADS_FIRST
-                               ? ((b * heads + h) * L + i) * dh
-                               : (b * L + i) * heads * dh + h * dh;
-        row16(x + at, y + (b * L + i) * heads * dh + h * dh, dh, bf,
-              to_float);
-    }
-}
-
-static void widen_rows(const uint16_t *x, mha_layout layout, int64_t B,
-                       int64_t heads, int64_t L, int64_t dh, int bf,
-                       float *y, int threads)
-{
-    rows16((uint16_t *)x, layout, B, heads, L, dh, bf, y, 1, threads);
-}
-
-static void narrow_rows(const float *y, mha_layout layout, int64_t B,
-                        int64_t heads, int64_t L, int64_t dh, int bf,
-                        uint16_t *x, int threads)
-{
-    rows16(x, layout, B, heads, L, dh, bf, (float *)y, 0, threads);
-}
-
-/* Whether a 16-bit call runs on the float32 engine widened per tile
- * (*yes), or on widened copies: the flash tiers without RoPE, which
- * rotates float copies of q and k. */
-static mha_status per_tile(const mha_attention_args *a, int *yes)
-{
-    mha_engine eng;
-    MHA_CHECK(mha_engine_init(&eng, a->num_threads));
-    *yes = eng.isa != MHA_ISA_REF && a->mods.rope.style == MHA_ROPE_NONE;
-    return MHA_OK;
-}
-
 /* The float32 arguments of 16-bit call `a` for the engine widening per
- * tile: q, k, v and out (out16, a scratch array for the backward) its
- * 16-bit arrays, cast, never read as float; returns their type
- * (mha_attn.x16). */
+ * tile: q, k, v and out (out16) its 16-bit arrays, cast, never read as
+ * float; returns their type (mha_attn.x16). */
 static mha_kv_dtype cast_args(const mha_attention_args *a, uint16_t *out16,
                               mha_attention_args *f)
 {
@@ -866,143 +900,128 @@ static mha_kv_dtype cast_args(const mha_attention_args *a, uint16_t *out16,
     return a->dtype == MHA_DTYPE_BF16 ? MHA_KV_BF16 : MHA_KV_F16;
 }
 
-/* The float32 backward widened per tile: a plan's forward (its row
- * statistics and K, V packed, which the backward reads; its output, which
- * it does not, in a scratch array) and its backward, both on the 16-bit
- * arrays where they lie (mha_attn.x16), each gradient rounded as it is
- * stored: the bits of the copies below. */
-static mha_status backward_per_tile(const mha_attention_args *a,
-                                    const mha_attention_grads16 *g,
-                                    const sdpa_shape *s)
+/* The checks of a 16-bit run: half_shape's, then out16, the weights'
+ * buffer and the overlaps (16-bit arrays as spans of floats: overlaps()
+ * counts floats). */
+static mha_status half_run_checks(const mha_attention_args *a, sdpa_shape *s)
 {
-    uint16_t *out = malloc((size_t)s->n_o * sizeof *out);
-    if (!out)
-        return mha_set_error(MHA_ERR_OUT_OF_MEMORY,
-                             "cannot allocate the forward's output");
-    mha_attention_args f;
-    const mha_kv_dtype x16 = cast_args(a, out, &f);
-    f.lse = NULL;
-    f.need_weights = MHA_WEIGHTS_NONE;
-    f.attn_weights = NULL;
-    const mha_attention_grads fg = {
-        .grad_out = (const float *)(const void *)g->grad_out,
-        .grad_q = (float *)(void *)g->grad_q,
-        .grad_k = (float *)(void *)g->grad_k,
-        .grad_v = (float *)(void *)g->grad_v};
-    mha_attention_plan *p;
-    mha_status st = mha_attention_plan_create(&f, &p);
-    if (st == MHA_OK) {
-        p->one_shot = 1;
-        st = plan_run(p, &f, 0, x16);
-        if (st == MHA_OK)
-            st = plan_backward(p, &f, &fg, NULL, NULL, x16);
+    MHA_CHECK(half_shape(a, s));
+    if (!a->out16)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "out16 is NULL");
+    if (a->need_weights != MHA_WEIGHTS_NONE && !a->attn_weights)
+        return mha_set_error(MHA_ERR_NULL_POINTER,
+                             "need_weights is set but attn_weights is NULL");
+    const float *w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights
+                                                         : NULL;
+    const span outs[3] = {{"out16", a->out16, (s->n_o + 1) / 2},
+                          {"attn_weights", w, s->n_w},
+                          {"lse", a->lse, s->B * s->H * s->Lq}};
+    const span ins[3] = {{"q16", a->q16, (s->n_q + 1) / 2},
+                         {"k16", a->k16, (s->n_kv + 1) / 2},
+                         {"v16", a->v16, (s->n_v + 1) / 2}};
+    return check_disjoint(outs, 3, ins, 3);
+}
+
+/* ---- 16-bit plans -------------------------------------------------------
+ * A plan made with dtype BF16 or F16 runs calls of that dtype (and
+ * mha_attention's 16-bit calls are one-shot plans), each on one of three
+ * routes, chosen by the call's options; a run's backward takes its run's:
+ *   RUN_BF16   bf16 on the CPU's bf16 kernels (bf16_takes): the plan
+ *              keeps the rows' lse, the backward reads out16 again
+ *   RUN_TILES  the float32 engine on the 16-bit arrays where they lie,
+ *              each element widened where the float path loads or packs
+ *              it, each result rounded (to nearest even) where it is
+ *              stored (mha_attn.x16): RUN_WIDE's bits without its copies
+ *              (their 4-byte arrays cost a fifth of a B 8 L 512 call)
+ *   RUN_WIDE   RoPE (which rotates float copies of q and k) or the ref
+ *              tier: q, k, v widened into the plan's float copies, the
+ *              float32 plan on them, out and the gradients narrowed
+ * Either float32 route keeps K, V packed and the row statistics, so a
+ * backward never computes the forward again. */
+static mha_status plan_create16(const mha_attention_args *a,
+                                mha_attention_plan **out)
+{
+    if (a->q || a->k || a->v || a->out)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "dtype %s takes its data in q16, k16, v16 and "
+                             "out16; %s must be NULL",
+                             a->dtype == MHA_DTYPE_BF16 ? "BF16" : "F16",
+                             a->q ? "q" : a->k ? "k" : a->v ? "v" : "out");
+    mha_attention_args f = *a;
+    f.dtype = MHA_DTYPE_F32;
+    f.q16 = f.k16 = f.v16 = NULL;
+    f.out16 = NULL;
+    MHA_CHECK(mha_attention_plan_create_impl(&f, out));
+    mha_attention_plan *p = *out;
+    const sdpa_shape *s = &p->shape;
+    p->dtype = a->dtype;
+    int ok = 1;
+    if (a->dtype == MHA_DTYPE_BF16)
+        ok = (p->lse16 = mha_alloc_floats(s->B * s->H * s->Lq,
+                                          "the bf16 kernels' lse")) != NULL;
+    if (ok && a->cache)   /* decoding: the queries and out widened */
+        ok = (p->wide = mha_alloc_floats(s->n_q + s->n_o,
+                                         "widened queries and out")) != NULL;
+    else if (ok && (p->rot || p->eng.isa == MHA_ISA_REF))
+        ok = (p->wide = mha_alloc_floats(s->n_q + s->n_kv + s->n_v + s->n_o,
+                                         "widened q, k, v and out")) != NULL;
+    if (!ok) {
         mha_attention_plan_free(p);
-    }
-    free(out);
-    return st;
-}
-
-/* The float32 backward for 16-bit data: per tile (above) where it can;
- * else on widened copies, the gradients narrowed. */
-static mha_status backward_widened(const mha_attention_args *a,
-                                   const mha_attention_grads16 *g,
-                                   const sdpa_shape *s)
-{
-    int tiles;
-    MHA_CHECK(per_tile(a, &tiles));
-    if (tiles)
-        return backward_per_tile(a, g, s);
-    const int bf = a->dtype == MHA_DTYPE_BF16;
-    /* (values, the output and their gradients d_v wide: n_v, n_o) */
-    float *buf = mha_alloc_floats(2 * s->n_q + 2 * s->n_o + 2 * s->n_kv +
-                                      2 * s->n_v,
-                                  "widened q, k, v and gradients");
-    if (!buf)
+        *out = NULL;
         return MHA_ERR_OUT_OF_MEMORY;
-    float *q = buf, *go = q + s->n_q, *gq = go + s->n_o, *k = gq + s->n_q;
-    float *v = k + s->n_kv, *gk = v + s->n_v, *gv = gk + s->n_kv;
-    const mha_layout lay = a->layout;
-    const int nt = convert_threads(a->num_threads);
-    widen_rows(a->q16, lay, s->B, s->H, s->Lq, s->dh, bf, q, nt);
-    widen_rows(g->grad_out, lay, s->B, s->H, s->Lq, s->dv, bf, go, nt);
-    widen_rows(a->k16, lay, s->B, s->Hkv, s->Lk, s->dh, bf, k, nt);
-    widen_rows(a->v16, lay, s->B, s->Hkv, s->Lk, s->dv, bf, v, nt);
-    mha_attention_args f = *a;
-    f.dtype = MHA_DTYPE_F32;
-    f.q16 = f.k16 = f.v16 = NULL;
-    f.out16 = NULL;
-    f.layout = MHA_LAYOUT_ROWS;
-    f.q = q, f.k = k, f.v = v;
-    mha_attention_grads fg = {.grad_out = go, .grad_q = gq, .grad_k = gk,
-                              .grad_v = gv};
-    const mha_status st = mha_attention_backward(&f, &fg);
-    if (st == MHA_OK) {
-        narrow_rows(gq, lay, s->B, s->H, s->Lq, s->dh, bf, g->grad_q, nt);
-        narrow_rows(gk, lay, s->B, s->Hkv, s->Lk, s->dh, bf, g->grad_k, nt);
-        narrow_rows(gv, lay, s->B, s->Hkv, s->Lk, s->dv, bf, g->grad_v, nt);
     }
-    free(buf);
-    return st;
+    return MHA_OK;
 }
 
-/* The float32 path for 16-bit data, widened per tile: the float32
- * engine reading q, k and v where they lie, each element widened where
- * the float path loads or packs it, out rounded (to nearest even) where
- * the float path writes it: the bits of the copies below, without them
- * (their 4-byte arrays cost a fifth of a B 8 L 512 call:
- * docs/BENCHMARKS.md).  The flash tiers, without RoPE (which rotates
- * float copies of q and k). */
-static mha_status attention_per_tile(const mha_attention_args *a)
+/* The route of run `a` (shapes s) on 16-bit plan p; *amx: RUN_BF16 on
+ * AMX tiles. */
+static mha_status route_of(const mha_attention_plan *p,
+                           const mha_attention_args *a, const sdpa_shape *s,
+                           run_route *route, int *amx)
 {
-    mha_attention_args f;
-    const mha_kv_dtype x16 = cast_args(a, a->out16, &f);
-    mha_attention_plan *p;
-    MHA_CHECK(mha_attention_plan_create(&f, &p));
-    p->one_shot = 1;
-    const mha_status st = plan_run(p, &f, 0, x16);
-    mha_attention_plan_free(p);
-    return st;
+    const int tier = bf16_takes(a, s);
+    if (tier < 0)
+        return MHA_ERR_INVALID_ARGUMENT;   /* (the message is set) */
+    *amx = tier == MHA_BF16_AMX;
+    /* (the bf16 kernels count rows in 32 bits) */
+    *route = tier != MHA_BF16_FLOAT32 && s->Lq <= INT32_MAX - 64 &&
+                     s->Lk <= INT32_MAX - 64
+                 ? RUN_BF16
+             : p->wide ? RUN_WIDE
+                       : RUN_TILES;
+    return MHA_OK;
 }
 
-/* The float32 path for 16-bit data: per tile (above) where it can; else
- * q, k, v widened into float copies, the float32 attention, out narrowed
- * (round to nearest even). */
-static mha_status attention_widened(const mha_attention_args *a,
-                                    const sdpa_shape *s)
+/* RUN_WIDE: *f, the float32 arguments of `a` on the plan's copies
+ * (widen: q, k and v widened into them first; out is the copy the run
+ * writes and narrows). */
+static void wide_args(mha_attention_plan *p, const mha_attention_args *a,
+                      int widen, mha_attention_args *f)
 {
-    int tiles;
-    MHA_CHECK(per_tile(a, &tiles));
-    if (tiles)
-        return attention_per_tile(a);
-    const int bf = a->dtype == MHA_DTYPE_BF16;
-    float *buf = mha_alloc_floats(s->n_q + s->n_o + s->n_kv + s->n_v,
-                                  "widened q, k, v and out");
-    if (!buf)
-        return MHA_ERR_OUT_OF_MEMORY;
-    float *q = buf, *o = q + s->n_q, *k = o + s->n_o, *v = k + s->n_kv;
-    const int nt = convert_threads(a->num_threads);
-    widen_t(a->q16, s->n_q, bf, q, nt);
-    widen_t(a->k16, s->n_kv, bf, k, nt);
-    widen_t(a->v16, s->n_v, bf, v, nt);
-    mha_attention_args f = *a;
-    f.dtype = MHA_DTYPE_F32;
-    f.q16 = f.k16 = f.v16 = NULL;
-    f.out16 = NULL;
-    f.q = q, f.k = k, f.v = v, f.out = o;
-    const mha_status st = mha_attention(&f);
-    if (st == MHA_OK)
-        narrow_t(o, s->n_o, bf, a->out16, nt);
-    free(buf);
-    return st;
+    const sdpa_shape *s = &p->shape;
+    float *q = p->wide, *k = q + s->n_q, *v = k + s->n_kv, *o = v + s->n_v;
+    if (widen) {
+        const int bf = a->dtype == MHA_DTYPE_BF16, nt = p->eng.threads;
+        widen_t(a->q16, s->n_q, bf, q, nt);
+        widen_t(a->k16, s->n_kv, bf, k, nt);
+        widen_t(a->v16, s->n_v, bf, v, nt);
+    }
+    *f = *a;
+    f->dtype = MHA_DTYPE_F32;
+    f->q16 = f->k16 = f->v16 = NULL;
+    f->out16 = NULL;
+    f->q = q, f->k = k, f->v = v, f->out = o;
 }
 
 /*
- * 16-bit queries against a KV cache (decoding): the cache's keys and
- * values are read where they are, in its storage type, by the float32
- * decode kernels; the queries (B x q_len rows, a step's new tokens) are
- * widened into a float copy and the context rounded into out16.
+ * 16-bit queries against a KV cache (decoding; a 16-bit plan made with a
+ * cache): the cache's keys and values are read where they are, in its
+ * storage type, by the float32 decode kernels; the queries (B x q_len
+ * rows, a step's new tokens) are widened into the plan's float copy and
+ * the context rounded into out16 (which may be q16 itself).
  */
-static mha_status decode_half(const mha_attention_args *a)
+static mha_status decode_run16(mha_attention_plan *p,
+                               const mha_attention_args *a)
 {
     if (a->q || a->k || a->v || a->out || a->k16 || a->v16)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
@@ -1014,154 +1033,236 @@ static mha_status decode_half(const mha_attention_args *a)
     if (!a->q16 || !a->out16)
         return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
                              !a->q16 ? "q16" : "out16");
-    int64_t n = 0;
-    if (a->batch < 1 || a->q_len < 1 || a->num_heads < 1 ||
-        a->head_dim < 1 || !mha_mul_ok(a->batch, a->q_len, &n) ||
-        !mha_mul_ok(n, a->num_heads, &n) || !mha_mul_ok(n, a->head_dim, &n) ||
-        n > ((int64_t)1 << 40))
-        return mha_set_error(MHA_ERR_SHAPE,
-                             "batch %lld, q_len %lld, num_heads %lld and "
-                             "head_dim %lld must be >= 1 and their product "
-                             "at most 2^40", (long long)a->batch,
-                             (long long)a->q_len, (long long)a->num_heads,
-                             (long long)a->head_dim);
-    /* the output's rows are the cache's values' width (d_v) */
-    int64_t n_o = 0;
-    if (!mha_mul_ok(n / a->head_dim, a->cache->dv, &n_o) ||
-        n_o > ((int64_t)1 << 40))
-        return mha_set_error(MHA_ERR_SHAPE,
-                             "batch %lld x q_len %lld x num_heads %lld "
-                             "outputs of the cache's d_v %lld are over 2^40",
-                             (long long)a->batch, (long long)a->q_len,
-                             (long long)a->num_heads,
-                             (long long)a->cache->dv);
-    if ((const void *)a->out16 < (const void *)(a->q16 + n) &&
-        (const void *)a->q16 < (const void *)(a->out16 + n_o) &&
-        a->out16 != a->q16)
-        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "out16 overlaps q16 without being it");
-    const int bf = a->dtype == MHA_DTYPE_BF16;
-    float *buf = mha_alloc_floats(n + n_o, "widened queries and context");
-    if (!buf)
-        return MHA_ERR_OUT_OF_MEMORY;
-    widen(a->q16, n, bf, buf);
     mha_attention_args f = *a;
     f.dtype = MHA_DTYPE_F32;
     f.q16 = NULL;
     f.out16 = NULL;
-    f.q = buf, f.out = buf + n;
-    const mha_status st = mha_attention(&f);
-    if (st == MHA_OK)
-        narrow(buf + n, n_o, bf, a->out16);
-    free(buf);
+    sdpa_shape s;
+    MHA_CHECK(check_shape(&f, &s));
+    s.Lk = p->shape.Lk;   /* (plan_run: a smaller cache fits the plan) */
+    MHA_CHECK(plan_fits(&p->shape, &s));
+    if ((const void *)a->out16 < (const void *)(a->q16 + s.n_q) &&
+        (const void *)a->q16 < (const void *)(a->out16 + s.n_o) &&
+        a->out16 != a->q16)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "out16 overlaps q16 without being it");
+    const int bf = a->dtype == MHA_DTYPE_BF16, nt = p->eng.threads;
+    f.q = p->wide;
+    f.out = p->wide + s.n_q;
+    widen_t(a->q16, s.n_q, bf, p->wide, nt);
+    MHA_CHECK(plan_run(p, &f, 0, MHA_KV_F32));
+    narrow_t(f.out, s.n_o, bf, a->out16, nt);
+    return MHA_OK;
+}
+
+static mha_status plan_run16(mha_attention_plan *p,
+                             const mha_attention_args *a)
+{
+    if (p->cache_capacity)
+        return decode_run16(p, a);
+    sdpa_shape s;
+    MHA_CHECK(half_run_checks(a, &s));
+    MHA_CHECK(plan_fits(&p->shape, &s));
+    run_route route;
+    int amx;
+    MHA_CHECK(route_of(p, a, &s, &route, &amx));
+    mha_attention_args f;
+    mha_status st;
+    if (route == RUN_BF16) {
+        /* (mha_attn_bf16 refuses scores that could overflow float32, as
+         * plan_run does, before it writes anything) */
+        mha_half_problem hp = half_problem(a, &s);
+        hp.tiles = amx;
+        hp.lse = p->lse16;
+        st = mha_attn_bf16(&p->eng, &hp);
+        if (st == MHA_OK && a->lse)
+            memcpy(a->lse, p->lse16,
+                   (size_t)(s.B * s.H * s.Lq) * sizeof *a->lse);
+    } else if (route == RUN_TILES) {
+        const mha_kv_dtype x16 = cast_args(a, a->out16, &f);
+        st = plan_run(p, &f, 0, x16);
+    } else {
+        wide_args(p, a, 1, &f);
+        st = plan_run(p, &f, 0, MHA_KV_F32);
+        if (st == MHA_OK)
+            narrow_t(f.out, s.n_o, a->dtype == MHA_DTYPE_BF16, a->out16,
+                     p->eng.threads);
+    }
+    p->has_saved = 0;
+    if (st != MHA_OK)
+        return st;
+    p->saved = *a;
+    p->route = route;
+    p->amx = amx;
+    p->saved_print = p->one_shot ? 0 : fingerprint(a, &s, route == RUN_BF16);
+    p->has_saved = 1;
+    return MHA_OK;
+}
+
+/* The backward of a 16-bit plan's last run, on its route (checked by
+ * the caller: the same arguments, the gradients given). */
+static mha_status plan_backward16(mha_attention_plan *p,
+                                  const mha_attention_args *a,
+                                  const mha_attention_grads16 *g)
+{
+    const sdpa_shape *s = &p->shape;
+    if (g->grad_sinks && !a->sinks)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "grad_sinks is set but the arguments have no "
+                             "sinks");
+    const int bf = a->dtype == MHA_DTYPE_BF16;
+    const span outs[4] = {{"grad_q", g->grad_q, (s->n_q + 1) / 2},
+                          {"grad_k", g->grad_k, (s->n_kv + 1) / 2},
+                          {"grad_v", g->grad_v, (s->n_v + 1) / 2},
+                          {"grad_sinks", g->grad_sinks, s->H}};
+    const span ins[5] = {
+        {"q16", a->q16, (s->n_q + 1) / 2},
+        {"k16", a->k16, (s->n_kv + 1) / 2},
+        {"v16", a->v16, (s->n_v + 1) / 2},
+        {"grad_out", g->grad_out, (s->n_o + 1) / 2},
+        {"out16", p->route == RUN_BF16 ? a->out16 : NULL, (s->n_o + 1) / 2}};
+    MHA_CHECK(check_disjoint(outs, 4, ins, 5));
+    if (p->route == RUN_BF16) {
+        mha_half_problem hp = half_problem(a, s);
+        hp.tiles = p->amx;
+        hp.lse = p->lse16;
+        hp.dout = g->grad_out;
+        hp.dq = g->grad_q;
+        hp.dk = g->grad_k;
+        hp.dv = g->grad_v;
+        return mha_attn_bf16_backward(&p->eng, &hp);
+    }
+    mha_attention_args f;
+    if (p->route == RUN_TILES) {
+        const mha_kv_dtype x16 = cast_args(a, a->out16, &f);
+        const mha_attention_grads fg = {
+            .grad_out = (const float *)(const void *)g->grad_out,
+            .grad_q = (float *)(void *)g->grad_q,
+            .grad_k = (float *)(void *)g->grad_k,
+            .grad_v = (float *)(void *)g->grad_v,
+            .grad_sinks = g->grad_sinks};
+        return plan_backward(p, &f, &fg, NULL, NULL, x16);
+    }
+    if (!p->wide_g) {
+        p->wide_g = mha_alloc_floats(s->n_o + s->n_q + s->n_kv + s->n_v,
+                                     "widened dL/d out and gradients");
+        if (!p->wide_g)
+            return MHA_ERR_OUT_OF_MEMORY;
+    }
+    float *go = p->wide_g, *gq = go + s->n_o, *gk = gq + s->n_q,
+          *gv = gk + s->n_kv;
+    const int nt = p->eng.threads;
+    widen_t(g->grad_out, s->n_o, bf, go, nt);
+    wide_args(p, a, 0, &f);
+    const mha_attention_grads fg = {.grad_out = go, .grad_q = gq,
+                                    .grad_k = gk, .grad_v = gv,
+                                    .grad_sinks = g->grad_sinks};
+    MHA_CHECK(plan_backward(p, &f, &fg, NULL, NULL, MHA_KV_F32));
+    narrow_t(gq, s->n_q, bf, g->grad_q, nt);
+    narrow_t(gk, s->n_kv, bf, g->grad_k, nt);
+    narrow_t(gv, s->n_v, bf, g->grad_v, nt);
+    return MHA_OK;
+}
+
+static mha_status mha_attention_plan_backward16_impl(
+    mha_attention_plan *p, const mha_attention_args *a,
+    const mha_attention_grads16 *g)
+{
+    if (!p)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "plan is NULL");
+    if (!a)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "attention args are NULL");
+    if (!g)
+        return mha_set_error(MHA_ERR_NULL_POINTER, "gradient args are NULL");
+    if (p->dtype == MHA_DTYPE_F32)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "this plan is a float32 one: its backward is "
+                             "mha_attention_plan_backward");
+    MHA_CHECK(same_dtype(p, a));
+    MHA_CHECK(grads_present(g->grad_out, g->grad_q, g->grad_k, g->grad_v));
+    MHA_CHECK(no_cache_backward(a));
+    MHA_CHECK(check_saved(p, a));
+    return plan_backward16(p, a, g);
+}
+
+mha_status mha_attention_plan_backward16_sized(
+    mha_attention_plan *plan, const mha_attention_args *args,
+    size_t args_size, const mha_attention_grads16 *grads, size_t grads_size)
+{
+    MHA_STRUCT_IN(mha_attention_args, args);
+    MHA_STRUCT_IN(mha_attention_grads16, grads);
+    return mha_attention_plan_backward16_impl(plan, args ? &args_ : NULL,
+                                              grads ? &grads_ : NULL);
+}
+
+/* mha_attention on 16-bit data: a one-shot plan. */
+static mha_status attention_half(const mha_attention_args *a)
+{
+    mha_attention_plan *p;
+    MHA_CHECK(mha_attention_plan_create_impl(a, &p));
+    p->one_shot = 1;
+    const mha_status st = plan_run16(p, a);
+    mha_attention_plan_free(p);
     return st;
 }
 
-static mha_status attention_half(const mha_attention_args *a)
-{
-    if ((a->dtype == MHA_DTYPE_BF16 || a->dtype == MHA_DTYPE_F16) && a->cache)
-        return decode_half(a);
-    sdpa_shape s;
-    MHA_CHECK(half_shape(a, &s));
-    if (!a->out16)
-        return mha_set_error(MHA_ERR_NULL_POINTER, "out16 is NULL");
-    if (a->need_weights != MHA_WEIGHTS_NONE && !a->attn_weights)
-        return mha_set_error(MHA_ERR_NULL_POINTER,
-                             "need_weights is set but attn_weights is NULL");
-    /* 16-bit arrays as spans of floats (overlaps() counts floats) */
-    const float *w = a->need_weights != MHA_WEIGHTS_NONE ? a->attn_weights
-                                                         : NULL;
-    const span outs[3] = {{"out16", a->out16, (s.n_o + 1) / 2},
-                          {"attn_weights", w, s.n_w},
-                          {"lse", a->lse, s.B * s.H * s.Lq}};
-    const span ins[3] = {{"q16", a->q16, (s.n_q + 1) / 2},
-                         {"k16", a->k16, (s.n_kv + 1) / 2},
-                         {"v16", a->v16, (s.n_v + 1) / 2}};
-    MHA_CHECK(check_disjoint(outs, 3, ins, 3));
-    const int tier = bf16_takes(a, &s);
-    if (tier < 0)
-        return MHA_ERR_INVALID_ARGUMENT;   /* (the message is set) */
-    if (tier == MHA_BF16_FLOAT32)
-        return attention_widened(a, &s);   /* (it checks the score range) */
-    /* (mha_attn_bf16 refuses scores that could overflow float32, as
-     * plan_run does, before it writes anything) */
-    mha_engine eng;
-    MHA_CHECK(mha_engine_init(&eng, a->num_threads));
-    mha_half_problem p = half_problem(a, &s);
-    p.tiles = tier == MHA_BF16_AMX;
-    return mha_attn_bf16(&eng, &p);
-}
-
-/* The backward on 16-bit data: AMX (the forward again for out and lse,
- * then the two sweeps), or float32 copies through the float32 backward. */
+/* The backward on 16-bit data: a one-shot plan's run (the forward again,
+ * its out in a scratch array) and backward; on the bf16 kernels with
+ * args.out16 and args.lse given (the forward's), those instead.  (The
+ * float32 routes always compute the forward again, so that their bits do
+ * not depend on what is given.) */
 static mha_status attention_half_backward(const mha_attention_args *a,
                                           const mha_attention_grads16 *g)
 {
-    if (!g->grad_out || !g->grad_q || !g->grad_k || !g->grad_v)
-        return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
-                             !g->grad_out ? "grad_out" : !g->grad_q ? "grad_q"
-                             : !g->grad_k ? "grad_k" : "grad_v");
-    if (a->sinks || (a->training && a->dropout > 0.0f))
-        return mha_set_error(MHA_ERR_UNSUPPORTED,
-                             "the 16-bit backward takes no %s: give the "
-                             "data as float32 (mha_attention_backward)",
-                             a->sinks ? "sinks" : "dropout");
-    if (a->cache)
-        return no_cache_backward(a);
+    MHA_CHECK(grads_present(g->grad_out, g->grad_q, g->grad_k, g->grad_v));
+    MHA_CHECK(no_cache_backward(a));
     mha_attention_args f = *a;
     f.need_weights = MHA_WEIGHTS_NONE;
     f.attn_weights = NULL;
     f.lse = NULL;
     sdpa_shape s;
     MHA_CHECK(half_shape(&f, &s));
-    /* (values of another width than the keys: d_v != d_h takes the
-     * widened path, bf16_takes) */
-    const span outs[3] = {{"grad_q", g->grad_q, (s.n_q + 1) / 2},
-                          {"grad_k", g->grad_k, (s.n_kv + 1) / 2},
-                          {"grad_v", g->grad_v, (s.n_v + 1) / 2}};
     const int given = a->out16 && a->lse;   /* the forward's, to reuse */
+    const span outs[4] = {{"grad_q", g->grad_q, (s.n_q + 1) / 2},
+                          {"grad_k", g->grad_k, (s.n_kv + 1) / 2},
+                          {"grad_v", g->grad_v, (s.n_v + 1) / 2},
+                          {"grad_sinks", g->grad_sinks, s.H}};
     const span ins[6] = {{"q16", a->q16, (s.n_q + 1) / 2},
                          {"k16", a->k16, (s.n_kv + 1) / 2},
                          {"v16", a->v16, (s.n_v + 1) / 2},
                          {"grad_out", g->grad_out, (s.n_o + 1) / 2},
                          {"out16", given ? a->out16 : NULL, (s.n_o + 1) / 2},
                          {"lse", given ? a->lse : NULL, s.B * s.H * s.Lq}};
-    MHA_CHECK(check_disjoint(outs, 3, ins, 6));
-    const int tier = bf16_takes(a, &s);
-    if (tier < 0)
-        return MHA_ERR_INVALID_ARGUMENT;   /* (the message is set) */
-    if (tier == MHA_BF16_FLOAT32 || s.Lq > INT32_MAX - 64 ||
-        s.Lk > INT32_MAX - 64)
-        return backward_widened(a, g, &s);
-    /* the forward's out and row statistics: given (both), or computed */
-    uint16_t *out = given ? a->out16 : malloc((size_t)s.n_q * 2);
-    float *lse = given ? a->lse
-                       : mha_alloc_floats(s.B * s.H * s.Lq, "the forward's lse");
-    mha_status st = out && lse ? MHA_OK : MHA_ERR_OUT_OF_MEMORY;
-    if (st == MHA_OK && !given) {
+    MHA_CHECK(check_disjoint(outs, 4, ins, 6));
+    mha_attention_plan *p;
+    MHA_CHECK(mha_attention_plan_create_impl(&f, &p));
+    p->one_shot = 1;
+    run_route route;
+    int amx;
+    mha_status st = route_of(p, &f, &s, &route, &amx);
+    uint16_t *out = NULL;
+    if (st == MHA_OK && route == RUN_BF16 && given) {
+        mha_half_problem hp = half_problem(a, &s);
+        hp.tiles = amx;
+        hp.lse = a->lse;
+        hp.dout = g->grad_out;
+        hp.dq = g->grad_q;
+        hp.dk = g->grad_k;
+        hp.dv = g->grad_v;
+        st = mha_attn_bf16_backward(&p->eng, &hp);
+    } else if (st == MHA_OK) {
+        out = malloc((size_t)s.n_o * sizeof *out);
+        st = out ? MHA_OK
+                 : mha_set_error(MHA_ERR_OUT_OF_MEMORY,
+                                 "cannot allocate the forward's output");
         f.out16 = out;
-        f.lse = lse;
-        st = attention_half(&f);
+        if (st == MHA_OK)
+            st = plan_run16(p, &f);
+        if (st == MHA_OK)
+            st = plan_backward16(p, &f, g);
     }
-    if (st == MHA_OK) {
-        mha_engine eng;
-        st = mha_engine_init(&eng, a->num_threads);
-        if (st == MHA_OK) {
-            mha_half_problem p = half_problem(a, &s);
-            p.tiles = tier == MHA_BF16_AMX;
-            p.out = out;
-            p.lse = lse;
-            p.dout = g->grad_out;
-            p.dq = g->grad_q;
-            p.dk = g->grad_k;
-            p.dv = g->grad_v;
-            st = mha_attn_bf16_backward(&eng, &p);
-        }
-    }
-    if (!given) {
-        free(out);
-        free(lse);
-    }
+    free(out);
+    mha_attention_plan_free(p);
     return st;
 }
 
