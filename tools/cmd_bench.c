@@ -54,8 +54,8 @@ static const char BENCH_HELP[] =
     "                        packed by tile, per-thread tiles)\n"
     "  --dtype f32|bf16|f16  with --attention-only: q, k, v and out (and\n"
     "                        with --backward dL/d out and the gradients:\n"
-    "                        mha_attention then mha_attention_backward16,\n"
-    "                        which reuses the forward's out and lse) in that\n"
+    "                        a 16-bit plan's run and its backward16, on the\n"
+    "                        forward it kept) in that\n"
     "                        type (rounded once, untimed); without it the\n"
     "                        module's forward on 16-bit query, key and out\n"
     "                        (with --backward mha_plan_backward too: 16-bit\n"
@@ -444,16 +444,12 @@ int cmd_bench(int argc, char **argv)
         sink_logits[h] = 0.5f;
     aa.sinks = sink_logits;
     /* 16-bit copies of q, k, v, rounded once before the timing (and for
-     * --backward dL/d out, the gradients and the forward's lse) */
+     * --backward dL/d out and the gradients) */
     uint16_t *h16 = NULL;
-    float *lse16 = NULL;
     mha_attention_grads16 g16 = {0};
     if (dtype != MHA_DTYPE_F32) {
         h16 = malloc((2 * nq + 2 * nkv + (backward ? 2 * nq + 2 * nkv : 0)) *
                      sizeof *h16);
-        lse16 = malloc((size_t)(B * H * Lq) * sizeof *lse16);
-        if (!lse16)
-            rc = tool_fail("bench", "cannot allocate the row statistics");
         if (!h16)
             rc = tool_fail("bench", "cannot allocate the 16-bit inputs");
         for (size_t i = 0; h16 && i < nq + 2 * nkv; i++) {
@@ -484,7 +480,6 @@ int cmd_bench(int argc, char **argv)
             g16 = (mha_attention_grads16){.grad_out = gb, .grad_q = gb + nq,
                                           .grad_k = gb + 2 * nq,
                                           .grad_v = gb + 2 * nq + nkv};
-            aa.lse = lse16;   /* the forward's, which the backward reuses */
             memset(g + nq, 0, (ng - nq) * sizeof *g);   /* (unused here) */
             if (!attn_only)   /* the module's: 16-bit data, float32 params */
                 b = (mha_backward_args){
@@ -506,7 +501,7 @@ int cmd_bench(int argc, char **argv)
     mha_attention_plan *aplan = NULL;
     if (!rc && !attn_only && mha_plan_create(m, &a, &plan) != MHA_OK)
         rc = tool_fail("bench", "%s", mha_last_error());
-    if (!rc && attn_only && backward && dtype == MHA_DTYPE_F32 &&
+    if (!rc && attn_only && backward &&
         mha_attention_plan_create(&aa, &aplan) != MHA_OK)
         rc = tool_fail("bench", "%s", mha_last_error());
 
@@ -525,9 +520,9 @@ int cmd_bench(int argc, char **argv)
                                     : mha_plan_forward(plan, &a);
         const double tf = bench_now_s();
         if (st == MHA_OK && backward)
-            st = aplan       ? mha_attention_plan_backward(aplan, &aa, &ag)
-                 : h16 && attn_only ? mha_attention_backward16(&aa, &g16)
-                             : mha_plan_backward(plan, &a, &b);
+            st = aplan && h16 ? mha_attention_plan_backward16(aplan, &aa, &g16)
+                 : aplan      ? mha_attention_plan_backward(aplan, &aa, &ag)
+                              : mha_plan_backward(plan, &a, &b);
         const double t1 = bench_now_s();
         if (st != MHA_OK)
             rc = tool_fail("bench", "%s", mha_last_error());
@@ -613,10 +608,9 @@ int cmd_bench(int argc, char **argv)
                    threads == 1 ? "" : "s",
                    threads_default ? " (default: the online CPUs)" : "");
             if (attn_only && backward)
-                printf(h16 ? "  timed   mha_attention + "
-                             "mha_attention_backward16 on projected %s q, "
-                             "k, v (attention only; the backward reuses "
-                             "the forward's out and lse)\n"
+                printf(h16 ? "  timed   mha_attention_plan_run + "
+                             "mha_attention_plan_backward16 on projected "
+                             "%s q, k, v (attention only, planned once)\n"
                            : "  timed   mha_attention_plan_run + "
                              "mha_attention_plan_backward on projected%s "
                              "q, k, v (attention only, planned once)\n",
@@ -673,7 +667,6 @@ int cmd_bench(int argc, char **argv)
     free(q);
     free(sink_logits);
     free(h16);
-    free(lse16);
     mha_free(m);
     tool_mods_free(&mods);
     return rc;

@@ -1168,7 +1168,7 @@ def attention_backward(grad_out: npt.ArrayLike, q: npt.ArrayLike,
     """The gradients of ``sum(attention(...) * grad_out)`` with respect to
     q, k and v (mha_attention_backward), the same arguments as attention.
     Returns (grad_q, grad_k, grad_v), and grad_sinks (H) last when sinks
-    are given.  16-bit data gives 16-bit gradients (no sinks)."""
+    are given.  16-bit data gives 16-bit gradients (grad_sinks float32)."""
     a, unbatched, dt = _attention_args(
         q, k, v, num_heads, num_kv_heads, scale, attn_mask,
         key_padding_mask, key_lengths, causal, None, dropout, training,

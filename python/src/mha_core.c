@@ -1129,20 +1129,17 @@ static PyObject *module_forward_fast(ModuleObject *self,
  * attention_half(q, k, v, out, dtype, causal, scale, threads): mha_attention
  * on 16-bit elements (dtype 2: f16, 3: bf16, mha_dtype's values), q (B,
  * H, Lq, d_h), k (B, H_kv, Lk, d_h), v (B, H_kv, Lk, d_v), out (B, H,
- * Lq, d_v), all C-contiguous
- * arrays of 2-byte items (the bits), read and written in place.  With
- * four more, (..., grad_out, grad_q, grad_k, grad_v), its backward
- * (mha_attention_backward16): out is then not written (None).
+ * Lq, d_v), all C-contiguous arrays of 2-byte items (the bits), read and
+ * written in place: the drop-in's short inference call (a call to be
+ * differentiated goes through attention() on a 16-bit plan).
  */
 static PyObject *attention_half(PyObject *self, PyObject *const *args,
                                 Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 8 && nargs != 12)
+    if (nargs != 8)
         return PyErr_Format(PyExc_TypeError, "attention_half takes 8 "
-                            "arguments (12 for the backward), got %zd",
-                            nargs);
-    const int backward = nargs == 12;
+                            "arguments, got %zd", nargs);
     const long dtype = PyLong_AsLong(args[4]);
     const long causal = PyLong_AsLong(args[5]);
     const long threads = PyLong_AsLong(args[7]);
@@ -1175,21 +1172,11 @@ static PyObject *attention_half(PyObject *self, PyObject *const *args,
     a.head_dim = vq->shape[3];
     a.num_kv_heads = vk->shape[1];
     a.kv_len = vk->shape[2];
-    /* values of another head width: out and grad_out (B, H, Lq, d_v) */
+    /* values of another head width: out (B, H, Lq, d_v) */
     const int64_t dv = vv->shape[3];
     a.v_head_dim = dv == a.head_dim ? 0 : dv;
     const int64_t n_o = (int64_t)(vq->len / 2) / a.head_dim * dv;
-    if (get_buf(&b, args[3], "out", T_U16, 1, n_o, !backward, &pout, NULL))
-        goto fail;
-    void *pgo = NULL, *pgq = NULL, *pgk = NULL, *pgv = NULL;
-    if (backward &&
-        (get_buf(&b, args[8], "grad_out", T_U16, 0, n_o, 1, &pgo, NULL) ||
-         get_buf(&b, args[9], "grad_q", T_U16, 1, (int64_t)(vq->len / 2), 1,
-                 &pgq, NULL) ||
-         get_buf(&b, args[10], "grad_k", T_U16, 1, (int64_t)(vk->len / 2), 1,
-                 &pgk, NULL) ||
-         get_buf(&b, args[11], "grad_v", T_U16, 1, (int64_t)(vv->len / 2), 1,
-                 &pgv, NULL)))
+    if (get_buf(&b, args[3], "out", T_U16, 1, n_o, 1, &pout, NULL))
         goto fail;
     a.dtype = (mha_dtype)dtype;
     a.q16 = pq;
@@ -1203,11 +1190,9 @@ static PyObject *attention_half(PyObject *self, PyObject *const *args,
         a.scale = (float)scale;
         a.given |= MHA_GIVEN_SCALE;
     }
-    const mha_attention_grads16 g = {.grad_out = pgo, .grad_q = pgq,
-                                     .grad_k = pgk, .grad_v = pgv};
     mha_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = backward ? mha_attention_backward16(&a, &g) : mha_attention(&a);
+    st = mha_attention(&a);
     Py_END_ALLOW_THREADS
     bufs_release(&b);
     if (st != MHA_OK)
@@ -1787,13 +1772,13 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
         return NULL;
     /* dtype BF16 / F16: q, k, v, out (and grad_out, grad_q, grad_k,
      * grad_v) hold 16-bit elements, in the rows layout or contiguous
-     * heads first, without a plan (the library refuses what else a
-     * 16-bit call does not take) */
+     * heads first (the library refuses what else a 16-bit call does not
+     * take); a plan is then a 16-bit plan */
     const int td = dtype == MHA_DTYPE_F32 ? T_F32 : T_U16;
-    if (dtype != MHA_DTYPE_F32 && (heads_first == 1 || plan != Py_None))
+    if (dtype != MHA_DTYPE_F32 && heads_first == 1)
         return PyErr_Format(PyExc_ValueError,
-                            "16-bit data: no strided heads-first views and "
-                            "no plans (give contiguous arrays, no plan)");
+                            "16-bit data: no strided heads-first views "
+                            "(give contiguous arrays)");
     if (heads_first && cache != Py_None)
         return PyErr_Format(PyExc_ValueError,
                             "heads_first: not with a KV cache");
@@ -1936,13 +1921,8 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
         g.grad_v = pgv;
         g.grad_sinks = pgs;
         g16 = (mha_attention_grads16){.grad_out = pgo, .grad_q = pgq,
-                                      .grad_k = pgk, .grad_v = pgv};
-        if (dtype != MHA_DTYPE_F32 && pgs) {
-            bufs_release(&b);
-            return raise_status(mha_error_set(
-                MHA_ERR_UNSUPPORTED, "the 16-bit backward takes no sinks: "
-                                     "give the data as float32"));
-        }
+                                      .grad_k = pgk, .grad_v = pgv,
+                                      .grad_sinks = pgs};
         a.need_weights = MHA_WEIGHTS_NONE;
         a.attn_weights = NULL;
         a.lse = NULL;
@@ -1977,9 +1957,11 @@ static PyObject *attention(PyObject *self, PyObject *args, PyObject *kw)
     if (st == MHA_OK && co && !backward)
         st = attention_decode(&a);
     else if (st == MHA_OK && plan != Py_None && backward)
-        st = kp_ ? mha_attention_plan_backward(kp_->plan, &a, &g)
-                 : mha_error_set(MHA_ERR_INVALID_ARGUMENT, "a backward "
-                                 "takes the plan its forward returned");
+        st = !kp_ ? mha_error_set(MHA_ERR_INVALID_ARGUMENT, "a backward "
+                                  "takes the plan its forward returned")
+           : dtype != MHA_DTYPE_F32
+               ? mha_attention_plan_backward16(kp_->plan, &a, &g16)
+               : mha_attention_plan_backward(kp_->plan, &a, &g);
     else if (st == MHA_OK && plan != Py_None)
         st = kp_ ? mha_attention_plan_run(kp_->plan, &a)
                  : mha_attention_plan_create(&a, &made);

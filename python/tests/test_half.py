@@ -122,9 +122,10 @@ def test_sdpa_half_options_in_16_bits(dtype, name, monkeypatch):
     16-bit call (q, k and v passed as their 16-bit bits, never widened to
     float tensors): the output the float32 call's on the widened inputs,
     rounded once (the engine widens per tile: the same bits).  A call to
-    be differentiated goes through float32 copies (its plan kept for the
-    backward), by name: the output and the gradients the float32 call's
-    rounded once."""
+    be differentiated runs on a 16-bit plan, whose backward reuses the
+    forward it kept: two 16-bit calls, never a float32 one, the output
+    and the gradients (sinks' too, float32) the float32 call's rounded
+    once."""
     opts = dict(OPTIONS[name])
     dv = opts.pop("dv", 32)
     g = torch.Generator().manual_seed(3)
@@ -151,18 +152,28 @@ def test_sdpa_half_options_in_16_bits(dtype, name, monkeypatch):
     assert torch.equal(got, want.to(dtype))
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    sinks = opts.get("sinks")
+    if sinks is not None:
+        opts["sinks"] = sinks.clone().requires_grad_()
     dtypes.clear()
     out = run(*leaves)
     go = (torch.rand(out.shape, generator=g) - 0.5).to(dtype)
     out.backward(go)
-    assert type(out.grad_fn).__name__ == "ToCopyBackward0"
-    assert dtypes == [0, 0]   # the float32 forward and backward
+    assert type(out.grad_fn).__name__ == "_SDPABackward"
+    half = {torch.bfloat16: 3, torch.float16: 2}[dtype]
+    assert dtypes == [half, half]   # the 16-bit plan's run and backward
     assert torch.equal(out, got)
+    got_sinks = None if sinks is None else opts["sinks"].grad
+    if sinks is not None:
+        opts["sinks"] = sinks.clone().requires_grad_()
     wide = [t.float().requires_grad_() for t in (q, k, v)]
     run(*wide).backward(go.float())
     for a, b in zip(leaves, wide):
         assert a.grad.dtype == dtype
         assert torch.equal(a.grad, b.grad.to(dtype)), name
+    if sinks is not None:
+        assert got_sinks.dtype == torch.float32
+        assert torch.equal(got_sinks, opts["sinks"].grad)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -115,9 +115,24 @@ def test_mixed_dtypes_refused():
     b = q.astype(ml_dtypes.bfloat16)
     with pytest.raises(TypeError, match="bfloat16"):
         mha.attention(b, q, q, num_heads=2)
-    with pytest.raises(mha.MhaError, match="sinks"):
-        mha.attention_backward(q, q, q, q, num_heads=2,
-                               sinks=np.zeros(2, np.float32))
+
+
+@pytest.mark.parametrize("dt,tdt", DTYPES)
+def test_backward_half_with_sinks_and_dropout(dt, tdt):
+    """The 16-bit backward with sinks and dropout: each gradient the
+    float32 backward's on the widened data, rounded once, and the sinks'
+    gradient (float32) the float32 one, bit for bit."""
+    r = np.random.default_rng(4)
+    q, k, v, go = (r.uniform(-2, 2, (2, 12, 64)).astype(dt) for _ in range(4))
+    kw = dict(num_heads=2, sinks=np.array([0.5, -1.0], np.float32),
+              dropout=0.2, training=True, dropout_seed=7, causal="top_left")
+    got = mha.attention_backward(q, k, v, go, **kw)
+    want = mha.attention_backward(*(x.astype(np.float32)
+                                    for x in (q, k, v, go)), **kw)
+    for g, w in zip(got[:3], want[:3]):
+        assert g.dtype == dt
+        assert np.array_equal(g.view(np.uint16), w.astype(dt).view(np.uint16))
+    assert got[3].dtype == np.float32 and np.array_equal(got[3], want[3])
 
 
 @pytest.mark.parametrize("dt,tdt", DTYPES)

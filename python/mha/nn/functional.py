@@ -147,9 +147,14 @@ def _empty(B, H, L, d):
     return a, torch.from_numpy(a).transpose(1, 2)
 
 
-def _empty_as(shape, heads_first):
+def _empty_as(shape, heads_first, dtype=None):
     """A (B, H, L, d) output as (array, tensor): with heads_first both
-    contiguous (B, H, L, d), else libmha's rows layout and its view."""
+    contiguous (B, H, L, d), else libmha's rows layout and its view.
+    dtype: torch.bfloat16 / float16, the array then the tensor's bits."""
+    if dtype is not None:
+        b, h, n, d = shape
+        t = torch.empty(shape if heads_first else (b, n, h, d), dtype=dtype)
+        return _bits(t), t if heads_first else t.transpose(1, 2)
     if heads_first:
         a = np.empty(shape, np.float32)
         return a, torch.from_numpy(a)
@@ -192,12 +197,8 @@ def _sdpa_half(query, key, value, attn_mask, dropout_p, causal, scale,
     """scaled_dot_product_attention on bf16 / f16 tensors: libmha's
     16-bit attention, its own short call for the plain and causal call,
     the full one (masks, dropout, modifiers; read and written in 16 bits,
-    widened per tile) otherwise; a call with those to be differentiated
-    computes on float32 copies, the result cast back: the float32 plan
-    keeps its forward's packed K / V and row statistics for the backward,
-    which a 16-bit backward (no plans) would compute again (1.2-1.4x
-    slower, docs/BENCHMARKS.md), and the 16-bit backward takes neither
-    sinks nor dropout."""
+    widened per tile) otherwise, and for any call to be differentiated
+    (on a 16-bit plan, whose backward reuses the forward it kept)."""
     dt = query.dtype
     for t, name in ((key, "key"), (value, "value")):
         if not isinstance(t, _T):
@@ -207,12 +208,9 @@ def _sdpa_half(query, key, value, attn_mask, dropout_p, causal, scale,
             raise TypeError("query is %s but %s is %s: give all three the "
                             "same dtype" % (dt, name, t.dtype))
     grad = torch.is_grad_enabled() and (
-        query.requires_grad or key.requires_grad or value.requires_grad)
-    if attn_mask is not None or dropout_p or extra:
-        if grad:
-            out = _sdpa(query.float(), key.float(), value.float(), attn_mask,
-                        dropout_p, causal, scale, enable_gqa, **extra)
-            return out.to(dt)
+        query.requires_grad or key.requires_grad or value.requires_grad or
+        getattr(extra.get("sinks"), "requires_grad", False))
+    if attn_mask is not None or dropout_p or extra or grad:
         return _sdpa(query, key, value, attn_mask, dropout_p, causal, scale,
                      enable_gqa, half=_HALF[dt], **extra)
     for t, name in ((query, "query"), (key, "key"), (value, "value")):
@@ -241,8 +239,6 @@ def _sdpa_half(query, key, value, attn_mask, dropout_p, causal, scale,
     kw = (_HALF[dt], causal, None if scale is None else float(scale), 0)
     if 0 in q.shape or 0 in k.shape:
         out = _Empty.apply((B, H, Lq, v.shape[3]), q, k, v)
-    elif grad:
-        out = _SDPAHalf.apply(q, k, v, kw)
     else:
         out = _half_forward(q, k, v, kw)
     return out[0] if unbatched else out
@@ -253,30 +249,6 @@ def _half_forward(q, k, v, kw):
     _core.attention_half(_bits(q.contiguous()), _bits(k.contiguous()),
                          _bits(v.contiguous()), _bits(out), *kw)
     return out
-
-
-class _SDPAHalf(torch.autograd.Function):
-    """bf16 / f16 attention with libmha's 16-bit backward
-    (mha_attention_backward16), gradients in the inputs' dtype."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, kw):
-        ctx.kw = kw
-        ctx.save_for_backward(q, k, v)
-        return _half_forward(q, k, v, kw)
-
-    @staticmethod
-    @_first_order
-    def backward(ctx, grad_out):
-        q, k, v = ctx.saved_tensors
-        gq = torch.empty(q.shape, dtype=q.dtype)
-        gk = torch.empty(k.shape, dtype=k.dtype)
-        gv = torch.empty(v.shape, dtype=v.dtype)
-        go = grad_out.to(q.dtype).contiguous()
-        _core.attention_half(_bits(q.contiguous()), _bits(k.contiguous()),
-                             _bits(v.contiguous()), None, *ctx.kw,
-                             _bits(go), _bits(gq), _bits(gk), _bits(gv))
-        return gq, gk, gv, None
 
 
 def _view(t):
@@ -335,12 +307,14 @@ def _sdpa_plain(q, k, v, causal, scale, gqa, rows_out=False,
     return out if rows_out else out.transpose(1, 2)
 
 
-def _rows(t):
+def _rows(t, half=False):
     """A (B, H, L, d) tensor in libmha's rows layout, (B, L, H, d)
     C-contiguous, as a NumPy array: a view when it is a transposed view of
-    such a tensor (how models make q, k and v), torch's copy otherwise."""
+    such a tensor (how models make q, k and v), torch's copy otherwise
+    (half: in its own 16-bit dtype, the array its bits)."""
     r = t.detach().transpose(1, 2)
-    return (r if r.is_contiguous() else r.contiguous()).numpy()
+    r = r if r.is_contiguous() else r.contiguous()
+    return _bits(r) if half else r.numpy()
 
 
 # Idle attention plans by shape (B, H, H_kv, Lq, Lk, d_h, threads): a
@@ -362,10 +336,14 @@ def _give_back(key, plan):
 
 
 class _SDPA(torch.autograd.Function):
+    """libmha's attention on a plan whose backward differentiates the run
+    it kept: float32, or bf16 / f16 data (kw["dtype"]) on a 16-bit plan,
+    the gradients in the data's dtype (sinks' float32)."""
+
     @staticmethod
     def forward(ctx, q, k, v, sinks, kw, in_place):
         ctx.kw = kw
-        ctx.save_for_backward(q, k, v, sinks)
+        ctx.dt = q.dtype if kw.get("dtype") else None
         # Contiguous (B, H, L, d) tensors, torch's own, are read and written
         # where they are (libmha's heads-first layout, the gradients too;
         # not with RoPE);
@@ -375,38 +353,53 @@ class _SDPA(torch.autograd.Function):
         # checks them): they are kept here.
         ctx.hf = 2 if (in_place and q.is_contiguous() and
                        k.is_contiguous() and v.is_contiguous()) else 0
-        arr = (lambda t: t.detach().numpy()) if ctx.hf else _rows
+        half = ctx.dt is not None
+        if ctx.hf:
+            arr = (lambda t: _bits(t.detach())) if half else \
+                (lambda t: t.detach().numpy())
+        else:
+            arr = (lambda t: _rows(t, half))
         ctx.arrays = (arr(q), arr(k), arr(v),
                       None if sinks is None else _np(sinks))
         ctx.key = (tuple(q.shape) + tuple(k.shape[1:3]) +
-                   (v.shape[3], kw["num_threads"], ctx.hf))
-        out, res = _empty_as(tuple(q.shape[:3]) + (v.shape[3],), ctx.hf)
+                   (v.shape[3], kw["num_threads"], ctx.hf, ctx.dt))
+        out, res = _empty_as(tuple(q.shape[:3]) + (v.shape[3],), ctx.hf,
+                             ctx.dt)
         qa, ka, va, sa = ctx.arrays
         ctx.plan = _core.attention(q=qa, k=ka, v=va, out=out, sinks=sa,
                                    plan=_plan_of(ctx.key),
                                    heads_first=ctx.hf, **kw)
+        # (a 16-bit plan on the bf16 kernels reads its output again, as
+        # torch's flash backward does: saved, so that torch refuses a
+        # backward after the output was changed in place)
+        ctx.out = out if half else None
+        ctx.save_for_backward(q, k, v, sinks, res if half else None)
         return res
 
     @staticmethod
     @_first_order
     def backward(ctx, grad_out):
-        q, k, v, sinks = ctx.saved_tensors   # (torch's in-place checks)
+        q, k, v, sinks, _ = ctx.saved_tensors   # (torch's in-place checks)
         if grad_out is None:
             return None, None, None, None, None, None
-        hf = ctx.hf
-        gq, tq = _empty_as(q.shape, hf)
-        gk, tk = _empty_as(k.shape, hf)
-        gv, tv = _empty_as(v.shape, hf)
+        hf, dt = ctx.hf, ctx.dt
+        gq, tq = _empty_as(q.shape, hf, dt)
+        gk, tk = _empty_as(k.shape, hf, dt)
+        gv, tv = _empty_as(v.shape, hf, dt)
         gs = (np.empty(sinks.shape, np.float32) if sinks is not None
               else None)
-        go = grad_out.to(torch.float32)
+        go = grad_out.to(dt or torch.float32)
+        if hf:
+            go = go.contiguous()
+            go = _bits(go) if dt else go.numpy()
+        else:
+            go = _rows(go, dt is not None)
         qa, ka, va, sa = ctx.arrays
-        _core.attention(q=qa, k=ka, v=va, out=None, sinks=sa,
-                        grad_out=go.contiguous().numpy() if hf else _rows(go),
+        _core.attention(q=qa, k=ka, v=va, out=ctx.out, sinks=sa, grad_out=go,
                         grad_q=gq, grad_k=gk, grad_v=gv, grad_sinks=gs,
                         plan=ctx.plan, heads_first=hf, **ctx.kw)
         _give_back(ctx.key, ctx.plan)
-        ctx.plan = ctx.arrays = None
+        ctx.plan = ctx.arrays = ctx.out = None
         return (tq, tk, tv, None if gs is None else torch.from_numpy(gs),
                 None, None)
 
@@ -640,14 +633,15 @@ def _sdpa(query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa,
                                         attention_chunk),
               q_positions=_mha._int64(q_positions, "q_positions"),
               k_positions=_mha._int64(k_positions, "k_positions"))
-    if half:   # (nothing to differentiate: _sdpa_half)
+    if half:
         kw["dtype"] = half
-        out = _half_full(query, key, value, sinks, kw, rope is not None)
-    elif torch.is_grad_enabled() and (
+    if torch.is_grad_enabled() and (
             query.requires_grad or key.requires_grad or value.requires_grad
             or (sinks is not None and sinks.requires_grad)):
         # (RoPE rotates copies in the rows layout: no heads-first there)
         out = _SDPA.apply(query, key, value, sinks, kw, rope is None)
+    elif half:
+        out = _half_full(query, key, value, sinks, kw, rope is not None)
     else:
         # nothing to differentiate: no autograd node, the same call
         out = _sdpa_forward(query, key, value, sinks, kw, rope is None)
