@@ -4,8 +4,9 @@
  * PyTorch's autograd of a module moved to bfloat16 rounds them):
  *
  *   dctx16 = dout16 W_o                     dW_o = dout^T ctx16, db_o
- *   dq16, dk16, dv16: the attention's backward (mha_attention_backward16,
- *            from the forward's ctx16 and lse, kept in the plan)
+ *   dq16, dk16, dv16: the attention's backward (its 16-bit plan's,
+ *            mha_attention_plan_backward16, on the forward it kept;
+ *            dL/d sinks float32)
  *   dx_q16 = dq16 W_q                       dW_q = dq^T x_q16,   db_q
  *   (k, v likewise; a tensor that served as several inputs receives
  *   dq W_q + dk W_k + dv W_v, summed in float32 and rounded once)
@@ -35,10 +36,6 @@ mha_status mha_backward16(mha_plan *plan, const mha_forward_args *a,
     const mha_module *m = plan->m;
     const mha_config *c = &m->cfg;
     const fwd_shape *s = &plan->shape;
-    if (m->sinks)
-        return mha_set_error(MHA_ERR_UNSUPPORTED,
-                             "a 16-bit backward has no gradient of the "
-                             "sinks yet: train the module in float32");
     const int bf = a->dtype == MHA_DTYPE_BF16;
     int kernel;
     MHA_CHECK(mha_linear16_kernel(a->dtype, &kernel));
@@ -76,8 +73,9 @@ mha_status mha_backward16(mha_plan *plan, const mha_forward_args *a,
         n_grad = max64(n_grad, mha_linear16_grad_floats(kernel, rows_k, Dvkv, vd, nt));
         n_grad = up16(n_grad);
     }
+    const int64_t n_s = up16(s->H);   /* dL/d sinks */
     const int64_t total = nw[0] + nw[1] + nw[2] + nw[3] + n_c + n_q + n_k +
-                          n_v + n_lin + n_grad;
+                          n_v + n_lin + n_grad + n_s;
     MHA_CHECK(mha_plan_buffer(&plan->bws16, &plan->n_bws16, total,
                               "the 16-bit backward's workspace"));
     float *wo = plan->bws16, *wq = wo + nw[0], *wk = wq + nw[1],
@@ -87,7 +85,7 @@ mha_status mha_backward16(mha_plan *plan, const mha_forward_args *a,
     uint16_t *dk = (uint16_t *)(wv + nw[3] + n_c + n_q);
     uint16_t *dv = (uint16_t *)(wv + nw[3] + n_c + n_q + n_k);
     float *lin = wv + nw[3] + n_c + n_q + n_k + n_v;
-    float *gs = lin + n_lin;
+    float *gs = lin + n_lin, *dsinks = gs + n_grad;
     const float beta = g->accumulate ? 1.0f : 0.0f;
 
     /* The output projection. */
@@ -100,13 +98,21 @@ mha_status mha_backward16(mha_plan *plan, const mha_forward_args *a,
                                  grad_at(m, gp, m->w_o),
                                  grad_at(m, gp, m->b_o), gs, nt);
 
-    /* The attention, from the forward's output and row statistics. */
+    /* The attention, on what its plan kept of the forward (packed K/V and
+     * row statistics, or the bf16 kernels' output and lse). */
     mha_attention_args at = mha_attention16_args(plan, a);
     at.q16 = plan->q16, at.k16 = plan->k16, at.v16 = plan->v16;
     at.out16 = plan->ctx16, at.lse = plan->lse16;
+    float *ds = gp && m->sinks ? dsinks : NULL;
     const mha_attention_grads16 ag = {.grad_out = dctx, .grad_q = dq,
-                                      .grad_k = dk, .grad_v = dv};
-    MHA_CHECK(mha_attention_backward16(&at, &ag));
+                                      .grad_k = dk, .grad_v = dv,
+                                      .grad_sinks = ds};
+    MHA_CHECK(mha_attention_plan_backward16(plan->att16, &at, &ag));
+    if (ds) {   /* (float32, as the module's parameters) */
+        float *dst = grad_at(m, gp, m->sinks);
+        for (int64_t h = 0; h < s->H; h++)
+            dst[h] = g->accumulate ? dst[h] + ds[h] : ds[h];
+    }
 
     /* The input projections' parameters. */
     if (gp) {

@@ -296,6 +296,7 @@ void mha_plan_free(mha_plan *p)
     free(p->ws);
     free(p->ws16);
     free(p->bws16);
+    mha_attention_plan_free(p->att16);
     free(p->bws);
     free(p);
 }

@@ -103,6 +103,7 @@ mha_attention_args mha_attention16_args(const mha_plan *plan,
     memset(&at.mods.rope, 0, sizeof at.mods.rope);   /* (refused) */
     at.mods.alibi_slopes = c->mods.alibi ? m->slopes : NULL;
     at.attention_chunk = c->attention_chunk;
+    at.sinks = m->sinks;
     return at;
 }
 
@@ -203,9 +204,10 @@ mha_status mha_forward16(mha_plan *plan, const mha_forward_args *a)
                                  bf ? "bf16" : "f16");
 
     mha_attention_args at = mha_attention16_args(plan, a);
-    at.sinks = m->sinks;
     at.q16 = q16, at.k16 = k16, at.v16 = v16, at.out16 = ctx16, at.lse = lse;
-    MHA_CHECK(mha_attention(&at));
+    if (!plan->att16)
+        MHA_CHECK(mha_attention_plan_create(&at, &plan->att16));
+    MHA_CHECK(mha_attention_plan_run(plan->att16, &at));
     /* Taken before out16 (which may alias the query) is written. */
     const uint64_t print = mha_fwd_fingerprint(m, s, a);
     /* (an output past the range is +-inf, as PyTorch's f16 module gives) */

@@ -247,6 +247,9 @@ struct mha_plan {
     float *lse16;
     float *bws16;
     int64_t n_bws16;
+    mha_attention_plan *att16;   /* the 16-bit attention's own plan (first
+                                    16-bit forward): its backward reuses
+                                    the forward it kept */
 
     /* The backward's own workspace, allocated by its first call. */
     float *bws;
