@@ -245,28 +245,6 @@ mha_status mha_mask_plan_of(mha_mask_plan *p, const mha_attn_request *r)
                          "included)", why, (long long)r->Lk);
 }
 
-/* Folds one mask value into the running bias of a column. */
-static float apply(mha_mask_kind kind, const void *data, int64_t k, float acc)
-{
-    switch (kind) {
-    case MHA_MASK_ALLOW:
-        return ((const uint8_t *)data)[k] ? acc : -INFINITY;
-    case MHA_MASK_BLOCK:
-        return ((const uint8_t *)data)[k] ? -INFINITY : acc;
-    case MHA_MASK_ADDITIVE: {
-        const float x = ((const float *)data)[k];
-        if (acc == -INFINITY || x == -INFINITY)
-            return -INFINITY;
-        /* Two large finite values saturate instead of summing to +-inf:
-         * only an explicit -inf excludes a key. */
-        const float v = acc + x;
-        return v > FLT_MAX ? FLT_MAX : v < -FLT_MAX ? -FLT_MAX : v;
-    }
-    default:
-        return acc;
-    }
-}
-
 int64_t mha_mask_last(const mha_mask_plan *p, int64_t b, int64_t i)
 {
     const int64_t Lk = p->kv_len;
@@ -339,6 +317,30 @@ static int64_t window_cols(const mha_mask_plan *p, int64_t b, int64_t i,
     return live;
 }
 
+/* Folds one mask's values into the running biases of n columns: a
+ * boolean one excludes keys; an additive one adds (two large finite
+ * values saturate instead of summing to +-inf: only an explicit -inf
+ * excludes a key).  A loop per kind, without a branch per element, so
+ * that each vectorises (a switch per element cost ~4 ns a score, four
+ * times a dense-mask forward's arithmetic: docs/BENCHMARKS.md). */
+static void apply_cols(mha_mask_kind kind, const void *data, int64_t k,
+                       int64_t n, float *row)
+{
+    if (kind == MHA_MASK_ALLOW || kind == MHA_MASK_BLOCK) {
+        const uint8_t *m = (const uint8_t *)data + k;
+        const uint8_t keep = kind == MHA_MASK_ALLOW;
+        for (int64_t c = 0; c < n; c++)
+            row[c] = (m[c] != 0) == keep ? row[c] : -INFINITY;
+    } else if (kind == MHA_MASK_ADDITIVE) {
+        const float *x = (const float *)data + k;
+        for (int64_t c = 0; c < n; c++) {
+            const float v = row[c] + x[c];
+            const float s = v > FLT_MAX ? FLT_MAX : v < -FLT_MAX ? -FLT_MAX : v;
+            row[c] = row[c] == -INFINITY || x[c] == -INFINITY ? -INFINITY : s;
+        }
+    }
+}
+
 int64_t mha_mask_cols(const mha_mask_plan *p, int64_t b, int64_t h, int64_t i,
                       int64_t j0, int64_t n, float *row)
 {
@@ -347,20 +349,15 @@ int64_t mha_mask_cols(const mha_mask_plan *p, int64_t b, int64_t h, int64_t i,
     const int64_t Lk = p->kv_len;
     const int64_t last = mha_mask_last(p, b, i);
     const int64_t first = mha_mask_first(p, b, i);
-    const int64_t attn_off = b * p->attn_stride_b + h * p->attn_stride_h +
-                             i * Lk;
-    const int64_t pad_off = b * p->pad_stride_b;
+    for (int64_t c = 0; c < n; c++)
+        row[c] = j0 + c <= last && j0 + c >= first ? 0.0f : -INFINITY;
+    apply_cols(p->pad.kind, p->pad.data, b * p->pad_stride_b + j0, n, row);
+    apply_cols(p->attn.kind, p->attn.data,
+               b * p->attn_stride_b + h * p->attn_stride_h + i * Lk + j0, n,
+               row);
     int64_t live = 0;
-    for (int64_t c = 0; c < n; c++) {
-        const int64_t j = j0 + c;
-        float v = j <= last && j >= first ? 0.0f : -INFINITY;
-        if (p->pad.kind != MHA_MASK_NONE)
-            v = apply(p->pad.kind, p->pad.data, pad_off + j, v);
-        if (p->attn.kind != MHA_MASK_NONE)
-            v = apply(p->attn.kind, p->attn.data, attn_off + j, v);
-        row[c] = v;
-        live += v != -INFINITY;
-    }
+    for (int64_t c = 0; c < n; c++)
+        live += row[c] != -INFINITY;
     return live;
 }
 
@@ -369,7 +366,7 @@ int64_t mha_mask_key_cols(const mha_mask_plan *p, int64_t b, int64_t j0,
 {
     const int64_t off = b * p->pad_stride_b + j0;
     int64_t live = 0;
-    /* apply()'s cases for an accumulator of 0, one loop per kind (an
+    /* apply_cols()'s cases for biases of 0, one loop per kind (an
      * additive value is finite or -inf, checked by plan_pad: 0 + x = x) */
     if (p->pad.kind == MHA_MASK_ADDITIVE) {
         const float *x = (const float *)p->pad.data + off;

@@ -354,15 +354,14 @@ int mha_tile_first_row(const mha_attn *a, const mha_tile *t, int c)
     return r;
 }
 
-/* s + bias, where bias -inf excludes and finite sums saturate. */
+/* s + bias, where bias -inf excludes, a score that is not finite stays
+ * and finite sums saturate: selects, no branch (the loop vectorises). */
 static inline float masked(float s, float bias)
 {
-    if (bias == -INFINITY)
-        return -INFINITY;
-    if (!isfinite(s))
-        return s;
     const float x = s + bias;
-    return x < -FLT_MAX ? -FLT_MAX : x > FLT_MAX ? FLT_MAX : x;
+    const float sum = x < -FLT_MAX ? -FLT_MAX : x > FLT_MAX ? FLT_MAX : x;
+    const float kept = fabsf(s) <= FLT_MAX ? sum : s;   /* (NaN: s) */
+    return bias == -INFINITY ? -INFINITY : kept;
 }
 
 /* A window tile: each key whose position (from its slot) is outside the
