@@ -714,9 +714,11 @@ static mha_status plan_backward(mha_attention_plan *p,
     return MHA_OK;
 }
 
-static mha_status mha_attention_plan_backward_impl(
-    mha_attention_plan *p, const mha_attention_args *a,
-    const mha_attention_grads *g)
+/* The checks a plan's backward makes first: its arguments, the plan's
+ * kind (is16: the 16-bit backward's) and the run's dtype. */
+static mha_status backward_start(const mha_attention_plan *p,
+                                 const mha_attention_args *a, const void *g,
+                                 int is16)
 {
     if (!p)
         return mha_set_error(MHA_ERR_NULL_POINTER, "plan is NULL");
@@ -724,11 +726,21 @@ static mha_status mha_attention_plan_backward_impl(
         return mha_set_error(MHA_ERR_NULL_POINTER, "attention args are NULL");
     if (!g)
         return mha_set_error(MHA_ERR_NULL_POINTER, "gradient args are NULL");
-    if (p->dtype != MHA_DTYPE_F32)
+    if ((p->dtype != MHA_DTYPE_F32) != is16)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "this plan is a 16-bit one: its backward is "
-                             "mha_attention_plan_backward16");
-    MHA_CHECK(same_dtype(p, a));
+                             is16 ? "this plan is a float32 one: its "
+                                    "backward is mha_attention_plan_backward"
+                                  : "this plan is a 16-bit one: its "
+                                    "backward is "
+                                    "mha_attention_plan_backward16");
+    return same_dtype(p, a);
+}
+
+static mha_status mha_attention_plan_backward_impl(
+    mha_attention_plan *p, const mha_attention_args *a,
+    const mha_attention_grads *g)
+{
+    MHA_CHECK(backward_start(p, a, g, 0));
     MHA_CHECK(grads_present(g->grad_out, g->grad_q, g->grad_k, g->grad_v));
     MHA_CHECK(no_cache_backward(a));
     MHA_CHECK(check_saved(p, a));
@@ -1168,17 +1180,7 @@ static mha_status mha_attention_plan_backward16_impl(
     mha_attention_plan *p, const mha_attention_args *a,
     const mha_attention_grads16 *g)
 {
-    if (!p)
-        return mha_set_error(MHA_ERR_NULL_POINTER, "plan is NULL");
-    if (!a)
-        return mha_set_error(MHA_ERR_NULL_POINTER, "attention args are NULL");
-    if (!g)
-        return mha_set_error(MHA_ERR_NULL_POINTER, "gradient args are NULL");
-    if (p->dtype == MHA_DTYPE_F32)
-        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "this plan is a float32 one: its backward is "
-                             "mha_attention_plan_backward");
-    MHA_CHECK(same_dtype(p, a));
+    MHA_CHECK(backward_start(p, a, g, 1));
     MHA_CHECK(grads_present(g->grad_out, g->grad_q, g->grad_k, g->grad_v));
     MHA_CHECK(no_cache_backward(a));
     MHA_CHECK(check_saved(p, a));
