@@ -8,8 +8,9 @@
  * q8's blocks of 32 split in two past 32 --, capacity 1..40 (pages of 16
  * fill, so that forks share whole pages), dtype f32,
  * f16, bf16, q8 or q4 (d_h made even), rotated or not (d_h made even),
- * a window 0 or 1..capacity, or no window and pages of
- * 64 or 16 in a pool of 1..batch tiles' worth); each next byte pair is an
+ * a window 0 or 1..capacity, pages of 64 or 16 in a pool of 1..batch
+ * tiles' worth, or a window on pages of 16 -- capacity 16 or 32, whole
+ * pages); each next byte pair is an
  * operation and its argument.  Values come from a generator seeded by the
  * input's hash.  Contract checks (trap if broken):
  *   - a call either succeeds or fails with a message; a refused call
@@ -31,7 +32,11 @@
  *     read after each append);
  *   - a window cache refuses reads of positions its ring no longer holds
  *     (the model follows the oldest one: appends move it, a truncation
- *     keeps it, a reset or a truncation to 0 clears it);
+ *     keeps it, a reset or a truncation to 0 clears it); a paged one
+ *     holds at most that (it gives back the pages that fell out of the
+ *     window): a read or a rollback the ring would refuse it refuses, one
+ *     the ring would take it may refuse too (with a message, nothing
+ *     changed), and what it reads is what was stored, as above;
  *   - a decoding step on an ordinary cache gives, for each sequence, the
  *     bits of mha_attention on the keys read back (causal bottom-right;
  *     within 1e-4 of them on a rotated cache, which turns q and out),
@@ -78,6 +83,7 @@ typedef struct model {
 typedef struct setup {
     mha_kv_cache_config c;
     int64_t row;
+    int paged_window;   /* a window on pages: holds at most the ring's */
 } setup;
 
 /* Slot of position p: p itself, or p % capacity in a ring. */
@@ -96,7 +102,7 @@ static void check_read(mha_kv_cache *kv, const setup *s, model *m, int64_t q,
     /* (no tokens: anywhere up to the length, ring or not) */
     const int held = p0 >= 0 && n >= 0 && p0 + n <= m->len[q] &&
                      (n == 0 || p0 >= m->lo[q]);
-    CHECK((st == MHA_OK) == held,
+    CHECK((st == MHA_OK) == held || (held && s->paged_window),
           "read of %lld at %lld from a length %lld: %s", (long long)n,
           (long long)p0, (long long)m->len[q],
           st == MHA_OK ? "accepted" : mha_last_error());
@@ -266,6 +272,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         s.c.page_size = data[5] & 4 ? 16 : 64;   /* tile is 4 of them), */
         s.c.num_pages =   /* a pool of 1 .. B tiles' worth of pages */
             1 + (data[5] >> 4) % (s.c.batch * (64 / s.c.page_size));
+    } else if (s.c.window && data[5] & 64) {   /* a window on pages of */
+        s.c.page_size = 16;                    /* 16: the ring whole pages */
+        s.c.capacity = s.c.capacity > 16 ? 32 : 16;
+        s.c.window = 1 + (data[5] / 3) % s.c.capacity;
+        s.c.num_pages =   /* a pool of 1 .. every ring's pages */
+            1 + (data[5] >> 4 & 3) % (s.c.batch * (s.c.capacity / 16));
+        s.paged_window = 1;
     }
     s.row = s.c.num_kv_heads * s.c.head_dim;
     mha_kv_cache *kv = NULL;
@@ -326,7 +339,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             /* (to 0 keeps no token: nothing to attend to, always kept) */
             const int ok = to <= m.len[q] &&
                            (to == 0 || need >= m.lo[q]);
-            CHECK((st == MHA_OK) == ok, "truncate of %lld from %lld to "
+            CHECK((st == MHA_OK) == ok ||
+                      (ok && s.paged_window && *mha_last_error()),
+                  "truncate of %lld from %lld to "
                   "%lld: %s", (long long)q, (long long)m.len[q],
                   (long long)to, st == MHA_OK ? "accepted" : mha_last_error());
             if (st == MHA_OK) {
