@@ -1111,6 +1111,23 @@ static mha_status plan_run16(mha_attention_plan *p,
     return MHA_OK;
 }
 
+/* The bf16 kernels' backward of call a (shapes s; amx: on AMX tiles)
+ * from its forward's out16 and lse. */
+static mha_status bf16_backward(const mha_engine *e,
+                                const mha_attention_args *a,
+                                const sdpa_shape *s, int amx, float *lse,
+                                const mha_attention_grads16 *g)
+{
+    mha_half_problem hp = half_problem(a, s);
+    hp.tiles = amx;
+    hp.lse = lse;
+    hp.dout = g->grad_out;
+    hp.dq = g->grad_q;
+    hp.dk = g->grad_k;
+    hp.dv = g->grad_v;
+    return mha_attn_bf16_backward(e, &hp);
+}
+
 /* The backward of a 16-bit plan's last run, on its route (checked by
  * the caller: the same arguments, the gradients given). */
 static mha_status plan_backward16(mha_attention_plan *p,
@@ -1134,16 +1151,8 @@ static mha_status plan_backward16(mha_attention_plan *p,
         {"grad_out", g->grad_out, (s->n_o + 1) / 2},
         {"out16", p->route == RUN_BF16 ? a->out16 : NULL, (s->n_o + 1) / 2}};
     MHA_CHECK(check_disjoint(outs, 4, ins, 5));
-    if (p->route == RUN_BF16) {
-        mha_half_problem hp = half_problem(a, s);
-        hp.tiles = p->amx;
-        hp.lse = p->lse16;
-        hp.dout = g->grad_out;
-        hp.dq = g->grad_q;
-        hp.dk = g->grad_k;
-        hp.dv = g->grad_v;
-        return mha_attn_bf16_backward(&p->eng, &hp);
-    }
+    if (p->route == RUN_BF16)
+        return bf16_backward(&p->eng, a, s, p->amx, p->lse16, g);
     mha_attention_args f;
     if (p->route == RUN_TILES) {
         const mha_kv_dtype x16 = cast_args(a, a->out16, &f);
@@ -1244,14 +1253,7 @@ static mha_status attention_half_backward(const mha_attention_args *a,
     mha_status st = route_of(p, &f, &s, &route, &amx);
     uint16_t *out = NULL;
     if (st == MHA_OK && route == RUN_BF16 && given) {
-        mha_half_problem hp = half_problem(a, &s);
-        hp.tiles = amx;
-        hp.lse = a->lse;
-        hp.dout = g->grad_out;
-        hp.dq = g->grad_q;
-        hp.dk = g->grad_k;
-        hp.dv = g->grad_v;
-        st = mha_attn_bf16_backward(&p->eng, &hp);
+        st = bf16_backward(&p->eng, a, &s, amx, a->lse, g);
     } else if (st == MHA_OK) {
         out = malloc((size_t)s.n_o * sizeof *out);
         st = out ? MHA_OK
