@@ -6,12 +6,9 @@ Where it differs from torch:
     ValueError).  bf16 / f16 q, k, v run libmha's 16-bit attention, masks
     and modifiers included (AMX tiles for bf16 where the CPU has them,
     else the float32 engine widening each tile, docs/semantics.md "bf16
-    and f16"), the output in that dtype; with autograd, the plain and
-    causal call runs libmha's 16-bit backward, and a call with masks,
-    dropout or modifiers computes on float32 copies (a float32 plan
-    reused by the backward: faster than the 16-bit backward, which
-    computes the forward again) and casts the result back, autograd
-    flowing through the casts;
+    and f16"), the output in that dtype; with autograd, on a 16-bit plan
+    whose backward reuses the forward it kept (the gradients in that
+    dtype, the sinks' float32);
   - a query row with no key left to attend to gives zeros, not NaN, and
     zero gradients;
   - dropout comes from libmha's counter-based hash keyed by a seed drawn
