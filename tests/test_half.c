@@ -622,11 +622,17 @@ static void test_misuse(void **state)
     g16.grad_q = gq;
     assert_int_equal(mha_attention_backward16(NULL, &g16), MHA_ERR_NULL_POINTER);
     assert_int_equal(mha_attention_backward16(&a, NULL), MHA_ERR_NULL_POINTER);
-    float gs[1];
+    float gs[1], fwd_lse[2];
     g16.grad_sinks = gs;   /* without sinks */
     assert_int_equal(mha_attention_backward16(&a, &g16),
                      MHA_ERR_INVALID_ARGUMENT);
     assert_non_null(strstr(mha_last_error(), "grad_sinks"));
+    a.lse = fwd_lse;   /* the forward's out16 and lse given: the same */
+    assert_int_equal(mha_attention(&a), MHA_OK);
+    assert_int_equal(mha_attention_backward16(&a, &g16),
+                     MHA_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(mha_last_error(), "grad_sinks"));
+    a.lse = NULL;
     g16.grad_sinks = NULL;
 
     /* 16-bit plans: each backward before a run, on changed data or

@@ -649,6 +649,13 @@ static void test_half_queries(void **state)
     b = a, b.q = qf;
     assert_fails(mha_attention_plan_decode(plan, &b), MHA_ERR_INVALID_ARGUMENT,
                  "q must be NULL");
+    mha_attention_args without = {0};   /* a decode plan takes a cache */
+    without.batch = a.batch, without.num_heads = a.num_heads;
+    without.head_dim = a.head_dim, without.q_len = a.q_len;
+    without.dtype = a.dtype, without.q16 = q16, without.k16 = q16;
+    without.v16 = q16, without.out16 = o16;
+    assert_fails(mha_attention_plan_run(plan, &without),
+                 MHA_ERR_INVALID_ARGUMENT, "made for a KV cache");
     b = a, b.q_len = 1;
     assert_fails(mha_attention_plan_decode(plan, &b), MHA_ERR_SHAPE,
                  "do not match the plan");

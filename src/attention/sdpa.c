@@ -517,22 +517,24 @@ static mha_status plan_run(mha_attention_plan *p, const mha_attention_args *a,
 static mha_status plan_run16(mha_attention_plan *p,
                              const mha_attention_args *a);
 
+static const char *dtype_name(mha_dtype d)
+{
+    return d == MHA_DTYPE_F32    ? "MHA_DTYPE_F32"
+         : d == MHA_DTYPE_F16    ? "MHA_DTYPE_F16"
+         : d == MHA_DTYPE_BF16   ? "MHA_DTYPE_BF16"
+                                 : "not an attention dtype";
+}
+
 /* A plan runs calls of the dtype it was made for. */
 static mha_status same_dtype(const mha_attention_plan *p,
                              const mha_attention_args *a)
 {
-    static const char *const name[] = {"F32", "?", "F16", "BF16"};
     if (a->dtype != p->dtype)
         return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "this plan was made for dtype MHA_DTYPE_%s; "
-                             "the call has dtype %s%d (make a plan for it)",
-                             name[p->dtype],
-                             a->dtype == MHA_DTYPE_F32   ? "MHA_DTYPE_F32 = "
-                             : a->dtype == MHA_DTYPE_F16 ? "MHA_DTYPE_F16 = "
-                             : a->dtype == MHA_DTYPE_BF16
-                                 ? "MHA_DTYPE_BF16 = "
-                                 : "",
-                             (int)a->dtype);
+                             "this plan was made for dtype %s; the call has "
+                             "dtype %d (%s): make a plan for it",
+                             dtype_name(p->dtype), (int)a->dtype,
+                             dtype_name(a->dtype));
     return MHA_OK;
 }
 
@@ -612,14 +614,21 @@ static mha_status check_saved(const mha_attention_plan *p,
     return MHA_OK;
 }
 
-/* The four gradient arrays every backward takes. */
-static mha_status grads_present(const void *grad_out, const void *grad_q,
-                                const void *grad_k, const void *grad_v)
+/* The gradient arrays a backward of `a` takes: the four, and dL/d sinks
+ * only where `a` has sinks. */
+static mha_status grads_check(const mha_attention_args *a,
+                              const void *grad_out, const void *grad_q,
+                              const void *grad_k, const void *grad_v,
+                              const float *grad_sinks)
 {
     if (!grad_out || !grad_q || !grad_k || !grad_v)
         return mha_set_error(MHA_ERR_NULL_POINTER, "%s is NULL",
                              !grad_out ? "grad_out" : !grad_q ? "grad_q"
                              : !grad_k ? "grad_k" : "grad_v");
+    if (grad_sinks && !a->sinks)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "grad_sinks is set but the arguments have no "
+                             "sinks");
     return MHA_OK;
 }
 
@@ -651,11 +660,8 @@ static mha_status plan_backward(mha_attention_plan *p,
         return mha_set_error(MHA_ERR_NULL_POINTER, "attention args are NULL");
     if (!g)
         return mha_set_error(MHA_ERR_NULL_POINTER, "gradient args are NULL");
-    MHA_CHECK(grads_present(g->grad_out, g->grad_q, g->grad_k, g->grad_v));
-    if (g->grad_sinks && !a->sinks)
-        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "grad_sinks is set but the arguments have no "
-                             "sinks");
+    MHA_CHECK(grads_check(a, g->grad_out, g->grad_q, g->grad_k, g->grad_v,
+                          g->grad_sinks));
     const sdpa_shape *s = &p->shape;
     const span outs[3] = {{"grad_q", g->grad_q, s->n_q},
                           {"grad_k", g->grad_k, s->n_kv},
@@ -741,7 +747,8 @@ static mha_status mha_attention_plan_backward_impl(
     const mha_attention_grads *g)
 {
     MHA_CHECK(backward_start(p, a, g, 0));
-    MHA_CHECK(grads_present(g->grad_out, g->grad_q, g->grad_k, g->grad_v));
+    MHA_CHECK(grads_check(a, g->grad_out, g->grad_q, g->grad_k, g->grad_v,
+                          g->grad_sinks));
     MHA_CHECK(no_cache_backward(a));
     MHA_CHECK(check_saved(p, a));
     return plan_backward(p, a, g, NULL, NULL, MHA_KV_F32);
@@ -968,7 +975,7 @@ static mha_status plan_create16(const mha_attention_args *a,
     const sdpa_shape *s = &p->shape;
     p->dtype = a->dtype;
     int ok = 1;
-    if (a->dtype == MHA_DTYPE_BF16)
+    if (a->dtype == MHA_DTYPE_BF16 && !a->cache)   /* (decoding: float32) */
         ok = (p->lse16 = mha_alloc_floats(s->B * s->H * s->Lq,
                                           "the bf16 kernels' lse")) != NULL;
     if (ok && a->cache)   /* decoding: the queries and out widened */
@@ -1070,6 +1077,10 @@ static mha_status decode_run16(mha_attention_plan *p,
 static mha_status plan_run16(mha_attention_plan *p,
                              const mha_attention_args *a)
 {
+    if (!a->cache != !p->cache_capacity)
+        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
+                             "this plan was made %s a KV cache",
+                             p->cache_capacity ? "for" : "without");
     if (p->cache_capacity)
         return decode_run16(p, a);
     sdpa_shape s;
@@ -1135,10 +1146,6 @@ static mha_status plan_backward16(mha_attention_plan *p,
                                   const mha_attention_grads16 *g)
 {
     const sdpa_shape *s = &p->shape;
-    if (g->grad_sinks && !a->sinks)
-        return mha_set_error(MHA_ERR_INVALID_ARGUMENT,
-                             "grad_sinks is set but the arguments have no "
-                             "sinks");
     const int bf = a->dtype == MHA_DTYPE_BF16;
     const span outs[4] = {{"grad_q", g->grad_q, (s->n_q + 1) / 2},
                           {"grad_k", g->grad_k, (s->n_kv + 1) / 2},
@@ -1190,7 +1197,8 @@ static mha_status mha_attention_plan_backward16_impl(
     const mha_attention_grads16 *g)
 {
     MHA_CHECK(backward_start(p, a, g, 1));
-    MHA_CHECK(grads_present(g->grad_out, g->grad_q, g->grad_k, g->grad_v));
+    MHA_CHECK(grads_check(a, g->grad_out, g->grad_q, g->grad_k, g->grad_v,
+                          g->grad_sinks));
     MHA_CHECK(no_cache_backward(a));
     MHA_CHECK(check_saved(p, a));
     return plan_backward16(p, a, g);
@@ -1225,7 +1233,8 @@ static mha_status attention_half(const mha_attention_args *a)
 static mha_status attention_half_backward(const mha_attention_args *a,
                                           const mha_attention_grads16 *g)
 {
-    MHA_CHECK(grads_present(g->grad_out, g->grad_q, g->grad_k, g->grad_v));
+    MHA_CHECK(grads_check(a, g->grad_out, g->grad_q, g->grad_k, g->grad_v,
+                          g->grad_sinks));
     MHA_CHECK(no_cache_backward(a));
     mha_attention_args f = *a;
     f.need_weights = MHA_WEIGHTS_NONE;
